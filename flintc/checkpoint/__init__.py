@@ -1,0 +1,1 @@
+"""Checkpoints: tokenizer, random and dummy weights, BF16 safetensors, NVFP4 GGUF, loader."""

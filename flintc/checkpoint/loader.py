@@ -1,0 +1,176 @@
+"""One entry point for every checkpoint kind: :func:`load_checkpoint`.
+
+A checkpoint is a BF16 Hugging Face folder (`config.json` + safetensors, see
+:mod:`flintc.checkpoint.safetensors_io`), an NVFP4 `.gguf` file whose config and
+tokenizer live in a BF16-style folder (`hf_config_path`, by default the file's own
+folder; see :mod:`flintc.checkpoint.gguf_io`), or `load_format="dummy"`: random
+weights made on the device from a config alone (:mod:`flintc.checkpoint.dummy`).
+All of them give the canonical weight dict of
+:func:`flintc.model.weights.weight_specs`. Each format module is imported only when
+it is used, so that a dummy load needs neither `gguf` nor `safetensors`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flintc.config import FlintConfig
+from flintc.errors import CheckpointError
+from flintc.model.weights import WeightDict
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """Weights and what came with them.
+
+    Attributes:
+        config: the model shape (from config.json or given).
+        weights: canonical name -> tensor or NVFP4Tensor.
+        fmt: "bf16" or "nvfp4" (how the `linear` weights are held).
+        source: the file or folder read, or "dummy:<fmt>".
+        tokenizer_dir: the folder holding tokenizer.json, None when there is none.
+    """
+
+    config: FlintConfig
+    weights: WeightDict
+    fmt: str
+    source: str
+    tokenizer_dir: Path | None
+
+
+def load_checkpoint(
+    path: str | os.PathLike | None,
+    hf_config_path: str | os.PathLike | None = None,
+    device: torch.device | str = "cpu",
+    load_format: str = "auto",
+    config: FlintConfig | None = None,
+    fmt: str = "bf16",
+    progress: bool = True,
+) -> LoadedCheckpoint:
+    """Load the checkpoint at `path` onto `device`.
+
+    Args:
+        path: a BF16 folder (with config.json) or a `.gguf` file; for
+            `load_format="dummy"` any folder or config.json giving the config, or
+            None when `config` or `hf_config_path` is given.
+        hf_config_path: folder (or config.json) with the config and tokenizer of a
+            GGUF file; default the GGUF file's folder. For folders it overrides the
+            folder's own config.json.
+        load_format: "auto" (by what `path` is), "safetensors", "gguf" or "dummy".
+        config: use this config instead of reading one.
+        fmt: for dummy weights only: "bf16" or "nvfp4".
+
+    Raises:
+        CheckpointError: `path` does not exist, is neither kind of checkpoint, has no
+            config, or its weights are bad (see the format modules).
+        ConfigError: config.json fails validation.
+        ValueError: unknown `load_format`.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, found {load_format!r}")
+    path = Path(path) if path is not None else None
+    hf_dir = _config_dir(Path(hf_config_path)) if hf_config_path is not None else None
+    if load_format == "dummy":
+        return _load_dummy(path, hf_dir, hf_config_path, device, config, fmt)
+    if path is None:
+        raise CheckpointError("no checkpoint path given (only load_format='dummy' needs none)")
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    kind = load_format if load_format != "auto" else _detect(path)
+    if kind == "gguf":
+        gguf_path = path if path.is_file() else _single_gguf(path)
+        return _load_gguf(gguf_path, hf_dir or gguf_path.parent, hf_config_path, device, config,
+                          progress)
+    from flintc.checkpoint.safetensors_io import load_bf16
+
+    config = config or _read_config(hf_config_path or path, path)
+    weights = load_bf16(path, config, device, progress)
+    tok = _tokenizer_dir(path, hf_dir)
+    return LoadedCheckpoint(config, weights, "bf16", str(path), tok)
+
+
+def _detect(path: Path) -> str:
+    """The format of `path`: "safetensors" or "gguf"."""
+    from flintc.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE
+
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF" or path.suffix == ".gguf":
+                return "gguf"
+        raise CheckpointError(
+            f"{path}: neither a BF16 checkpoint folder nor a GGUF file "
+            "(pass the folder holding config.json and the safetensors files)"
+        )
+    if (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file():
+        return "safetensors"
+    if len(list(path.glob("*.gguf"))) == 1:
+        return "gguf"
+    raise CheckpointError(
+        f"{path}: neither a BF16 checkpoint folder (no {SINGLE_FILE} or {INDEX_FILE}) "
+        "nor a GGUF file"
+    )
+
+
+def _single_gguf(folder: Path) -> Path:
+    found = sorted(folder.glob("*.gguf"))
+    if len(found) != 1:
+        raise CheckpointError(f"{folder}: expected one .gguf file, found {len(found)}")
+    return found[0]
+
+
+def _load_gguf(path, config_dir, hf_config_path, device, config, progress) -> LoadedCheckpoint:
+    from flintc.checkpoint.gguf_io import load_gguf
+
+    if config is None:
+        hint = " (a GGUF file takes its config from the BF16 folder: pass hf_config_path)"
+        config = _read_config(hf_config_path or config_dir, path, hint)
+    weights = load_gguf(path, config, device, progress)
+    return LoadedCheckpoint(config, weights, "nvfp4", str(path), _tokenizer_dir(config_dir, None))
+
+
+def _load_dummy(path, hf_dir, hf_config_path, device, config, fmt) -> LoadedCheckpoint:
+    from flintc.checkpoint.dummy import dummy_weights
+
+    if config is None:
+        where = hf_config_path or path
+        if where is None:
+            raise CheckpointError("load_format='dummy' needs a config, a path or hf_config_path")
+        config = _read_config(where, Path(where))
+    folder = hf_dir or (_config_dir(path) if path is not None and path.exists() else None)
+    weights = dummy_weights(config, fmt, device)
+    tok = _tokenizer_dir(folder, None) if folder is not None else None
+    return LoadedCheckpoint(config, weights, fmt, f"dummy:{fmt}", tok)
+
+
+def _config_dir(path: Path) -> Path:
+    """The folder of a config path (the path itself when it is a folder)."""
+    return path if path.is_dir() else path.parent
+
+
+def _read_config(where: str | os.PathLike, checkpoint: Path, hint: str = "") -> FlintConfig:
+    """The config from `where`: a folder holding config.json, a .json file, or any
+    other file (a weights file) with config.json beside it."""
+    where = Path(where)
+    if where.is_dir():
+        config_file = where / "config.json"
+    elif where.suffix == ".json":
+        config_file = where
+    else:
+        config_file = where.parent / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{checkpoint}: no config found (looked for {config_file}){hint}")
+    return FlintConfig.from_file(config_file)
+
+
+def _tokenizer_dir(first: Path, second: Path | None) -> Path | None:
+    for folder in (first, second):
+        if folder is not None and (folder / TOKENIZER_FILE).is_file():
+            return folder
+    return None

@@ -1,0 +1,32 @@
+"""`flintc make-checkpoint`: write a random Flint checkpoint (BF16 folder or NVFP4 GGUF)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "make-checkpoint",
+        help="write a random checkpoint (config.json, tokenizer, weights)",
+        description="Write a Flint checkpoint with random weights: a BF16 Hugging Face folder, or "
+        "an NVFP4 GGUF file (DIR/model-nvfp4.gguf) with config.json and the tokenizer beside it. "
+        "--config full writes config.json and the tokenizer only.",
+    )
+    p.add_argument("--config", default="tiny", help="preset (tiny, full) or a config.json path")
+    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16")
+    p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-bytes", type=int, default=None,
+                   help="BF16 only: split into model-0000N-of-0000M.safetensors shards")
+    p.set_defaults(func=run_make_checkpoint)
+
+
+def run_make_checkpoint(args: argparse.Namespace) -> int:
+    from flintc.checkpoint.writer import make_checkpoint
+    from flintc.config import FlintConfig
+
+    config = FlintConfig.preset(args.config) if args.config in ("tiny", "full") else FlintConfig.from_file(args.config)
+    path = make_checkpoint(config, args.fmt, args.out, seed=args.seed, max_shard_bytes=args.max_shard_bytes)
+    print(path)
+    return 0

@@ -1,0 +1,209 @@
+"""Numerical equivalence of two graphs of the same step (before and after a pass).
+
+`compare_graphs` runs both graphs on the same inputs (fresh copies of the KV
+cache each) and compares every output: the logits and each KV-cache input the
+graph writes. For every output it records the largest absolute difference, the
+largest difference relative to the reference's largest magnitude (`max_rel`),
+the share of elements that differ at all, and bit-exactness; for MoE layers it
+compares the selected experts token by token (FLINT_SPEC section 3). When the
+graphs disagree beyond the expectation, it re-runs both, recording every node,
+and names the first node of the new graph that differs from its namesake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.fx import GraphModule, Interpreter
+
+from flintc.graph.spec import _mutated_args
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a pass promises about its output against its input graph.
+
+    kind: "bit-exact", or "tolerance": |new - old| <= atol + rtol * |old| on every
+    token whose expert selection agrees in every MoE layer, with at most
+    `max_flip_share` of (layer, token) selections differing. `why` justifies a
+    tolerance (which reduction order or math function changed).
+    """
+
+    kind: str = "bit-exact"
+    atol: float = 0.0
+    rtol: float = 0.0
+    max_flip_share: float = 0.0
+    why: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "bit-exact":
+            return "bit-exact"
+        return f"atol={self.atol:g}, rtol={self.rtol:g}, expert flips <= {self.max_flip_share:.0%}"
+
+
+BIT_EXACT = Expectation()
+
+
+@dataclass
+class TensorDiff:
+    name: str
+    max_abs: float
+    max_rel: float
+    share_differing: float
+    bit_exact: bool
+    within: bool = True
+
+
+@dataclass
+class CheckResult:
+    """The outcome of one equivalence check (one row of the per-pass table)."""
+
+    expected: str
+    passed: bool
+    max_abs: float
+    max_rel: float
+    share_differing: float
+    bit_exact: bool
+    experts_agree: float | None = None
+    outputs: list[TensorDiff] = field(default_factory=list)
+    first_differing_node: str | None = None
+    message: str = ""
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["outputs"] = [asdict(o) for o in self.outputs]
+        return d
+
+
+class _Recorder(Interpreter):
+    """Runs a graph, keeping each recorded node's value (a clone, since the KV cache
+    is written in place later)."""
+
+    def __init__(self, gm: GraphModule, record_all: bool):
+        super().__init__(gm)
+        self.record_all = record_all
+        self.values: dict[str, torch.Tensor] = {}
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        keep = self.record_all or n.meta.get("flintc_role") == "moe_selected"
+        if keep and isinstance(out, torch.Tensor) and not _mutated_args(n) and n.op == "call_function":
+            self.values[n.name] = out.detach().clone()
+        return out
+
+
+def run_graph(gm: GraphModule, weights, inputs, record_all: bool = False):
+    """Run `gm` on weights + (input_ids, positions, slots, kv). The KV cache is cloned
+    first. Returns (logits, kv after, recorded node values)."""
+    ids, positions, slots, kv = inputs
+    kv = [t.clone() for t in kv]
+    rec = _Recorder(gm, record_all)
+    logits = rec.run(*weights, ids, positions, slots, *kv)
+    return logits, kv, rec.values
+
+
+def _diff(name: str, new: torch.Tensor, old: torch.Tensor, exp: Expectation, rows=None) -> TensorDiff:
+    a, b = new.double(), old.double()
+    d = (a - b).abs()
+    finite = torch.isfinite(a) == torch.isfinite(b)
+    bit_exact = bool(torch.equal(new, old))
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    max_abs = float(d.max()) if d.numel() else 0.0
+    if not bool(finite.all()):
+        max_abs = float("inf")
+    within = bit_exact
+    if exp.kind == "tolerance":
+        ok = (d <= exp.atol + exp.rtol * b.abs()) & finite
+        if rows is not None:  # judge only rows whose expert selection agreed
+            ok = ok | ~rows.view(*rows.shape, *([1] * (ok.dim() - rows.dim())))
+        within = bool(ok.all())
+    return TensorDiff(name, max_abs, max_abs / scale if scale else max_abs,
+                      float((new != old).double().mean()) if new.numel() else 0.0, bit_exact, within)
+
+
+def _selection_agreement(new_vals, old_vals):
+    """(share of (layer, token) selections that agree, token rows [N] with no flip in
+    any layer, or None when the graphs have no tagged selection)."""
+    names = sorted(set(new_vals) & set(old_vals))
+    if not names:
+        return None, None
+    agree_all, agree_rows = [], None
+    for name in names:
+        a, b = new_vals[name].sort(-1).values, old_vals[name].sort(-1).values  # [N, K]
+        same = (a == b).all(-1)  # [N]
+        agree_all.append(same)
+        agree_rows = same if agree_rows is None else agree_rows & same
+    return float(torch.cat(agree_all).double().mean()), agree_rows
+
+
+def compare_graphs(new: GraphModule, old: GraphModule, weights, inputs, exp: Expectation,
+                   cache_names: list[str], old_run=None) -> CheckResult:
+    """Compare `new` against `old` on the same inputs under expectation `exp`.
+
+    Args:
+        weights, inputs: as for `run_graph`.
+        cache_names: the KV-cache placeholder names, in input order.
+        old_run: a cached `run_graph(old, ...)` result, to skip re-running `old`.
+    """
+    old_logits, old_kv, old_vals = old_run or run_graph(old, weights, inputs)
+    new_logits, new_kv, new_vals = run_graph(new, weights, inputs)
+    experts_agree, rows = _selection_agreement(_selections(new, new_vals), _selections(old, old_vals))
+    B, T = inputs[0].shape
+    token_rows = rows.view(B, T) if rows is not None else None
+    diffs = [_diff("logits", new_logits, old_logits, exp, token_rows)]
+    seq_rows = token_rows.all(-1) if token_rows is not None else None  # [B]
+    for name, a, b in zip(cache_names, new_kv, old_kv):
+        if seq_rows is not None and exp.kind == "tolerance":
+            slots = inputs[2]
+            keep = torch.ones(a.shape[0], dtype=torch.bool, device=a.device)
+            keep[slots] = seq_rows
+            diffs.append(_diff(name, a, b, exp, keep))
+        else:
+            diffs.append(_diff(name, a, b, exp))
+    flips_ok = experts_agree is None or (1 - experts_agree) <= exp.max_flip_share + 1e-12
+    passed = all(d.within for d in diffs) and flips_ok
+    worst = max(diffs, key=lambda d: d.max_rel)
+    res = CheckResult(
+        expected=exp.describe(), passed=passed, max_abs=max(d.max_abs for d in diffs),
+        max_rel=max(d.max_rel for d in diffs),
+        share_differing=max(d.share_differing for d in diffs),
+        bit_exact=all(d.bit_exact for d in diffs), experts_agree=experts_agree, outputs=diffs)
+    if not passed:
+        bad = next((d for d in diffs if not d.within), worst)
+        res.first_differing_node = first_differing_node(new, old, weights, inputs, exp)
+        why = f"output {bad.name} differs (max abs {bad.max_abs:.3g}, share {bad.share_differing:.2%})"
+        if not flips_ok:
+            why = f"expert selection agrees on only {experts_agree:.1%} of (layer, token) pairs; " + why
+        res.message = why
+    return res
+
+
+def _selections(gm: GraphModule, values: dict) -> dict:
+    """Selected-expert values keyed by layer, so renamed nodes still pair up."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.meta.get("flintc_role") == "moe_selected" and n.name in values:
+            out[f"layer{n.meta.get('flintc_layer')}"] = values[n.name]
+    return out
+
+
+def first_differing_node(new: GraphModule, old: GraphModule, weights, inputs, exp: Expectation):
+    """The first node of `new` (graph order) whose value differs from the same-named
+    node of `old` beyond `exp`; None if every shared node agrees."""
+    _, _, new_vals = run_graph(new, weights, inputs, record_all=True)
+    _, _, old_vals = run_graph(old, weights, inputs, record_all=True)
+    for node in new.graph.nodes:
+        a, b = new_vals.get(node.name), old_vals.get(node.name)
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            continue
+        if exp.kind == "bit-exact":
+            if not torch.equal(a, b):
+                return node.name
+        elif a.is_floating_point():
+            ad, bd = a.double(), b.double()
+            if not bool(((ad - bd).abs() <= exp.atol + exp.rtol * bd.abs()).all()):
+                return node.name
+        elif not torch.equal(a, b):
+            return node.name
+    return None

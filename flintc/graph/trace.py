@@ -1,0 +1,275 @@
+"""Capture: the reference model's decode or prefill step as a torch.fx graph.
+
+`capture(model, step, batch, tokens, cache_len)` traces `FlintModel.forward` with
+`make_fx` in fake-tensor mode, so every node carries `meta["val"]` (a FakeTensor:
+shape, dtype, device) and no real data is touched; a model built on `meta` weights
+(`dummy_weights(config, device="meta")`) captures the full 40B config without
+memory. The graph is aten-level and unfused: RMSNorm, RoPE, routing, each expert
+matmul and attention appear as their primitive ops.
+
+Graph inputs, in order (placeholder names in brackets):
+  1. every weight buffer of the model [`w_<name>`], NVFP4 weights as three
+     placeholders (`..._codes`, `..._scales`, `..._global_scale`), then the RoPE
+     tables [`rope_cos`, `rope_sin`];
+  2. `input_ids` int64 [B, T], `positions` int64 [B, T], `slots` int64 [B];
+  3. the KV cache [`k_cache_<i>`, `v_cache_<i>` per layer], written in place by
+     `aten.index_put_` nodes (the graph's only side effects).
+The output is the logits, fp32 [B, T, V].
+
+After tracing, every node gets `meta["flintc_layer"]`: the decoder layer whose
+forward produced it (recorded with module hooks during tracing), -1 for the
+embedding, L for the final norm and LM head, None for per-step values shared by
+all layers (masks, RoPE rows); nodes of a layer's attention or MLP/MoE block get
+`meta["flintc_block"]` ("attn", "mlp", "moe"); and the routing's selected-experts
+node gets `meta["flintc_role"] = "moe_selected"`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from flintc.config import FlintConfig
+from flintc.model.reference import FlintModel
+
+STEPS = ("decode", "prefill")
+ACTIVATION_INPUTS = ("input_ids", "positions", "slots")
+
+
+@dataclass
+class CapturedGraph:
+    """A traced step and how to call it.
+
+    Attributes:
+        gm: the GraphModule; call as `gm(*weights, input_ids, positions, slots, *kv)`.
+        step: "decode" (T = 1) or "prefill".
+        config: the model config it was traced for.
+        batch, tokens, cache_len: B, T and the full-attention cache length S_max.
+        buffer_names: the model buffer behind each weight placeholder, in order.
+    """
+
+    gm: GraphModule
+    step: str
+    config: FlintConfig
+    batch: int
+    tokens: int
+    cache_len: int
+    buffer_names: list[str] = field(default_factory=list)
+
+    @property
+    def num_weight_inputs(self) -> int:
+        return len(self.buffer_names)
+
+    def weight_args(self, model: FlintModel) -> list[torch.Tensor]:
+        """The weight placeholders' values, taken from `model`'s buffers."""
+        buffers = dict(model.named_buffers())
+        return [buffers[name] for name in self.buffer_names]
+
+    def example_inputs(self, model: FlintModel, seed: int = 0, device=None):
+        """Random (input_ids, positions, slots, kv_cache) of this graph's shapes.
+
+        Decode positions are drawn per sequence so sliding windows have wrapped;
+        prefill starts at position 0. The KV cache is filled with random values
+        (as if earlier steps had written it), in the model's activation dtype.
+        """
+        c, B, T = self.config, self.batch, self.tokens
+        device = device or model.rope_cos.device
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, c.vocab_size, (B, T), generator=g)
+        if self.step == "decode":
+            start = torch.randint(0, self.cache_len - T + 1, (B, 1), generator=g)
+        else:
+            start = torch.zeros(B, 1, dtype=torch.long)
+        positions = start + torch.arange(T)[None]  # [B, T]
+        slots = torch.randperm(B, generator=g)
+        kv = [torch.randn(t.shape, generator=g).to(t.dtype) for t in model.new_kv_cache(B, self.cache_len, "cpu")]
+        move = lambda t: t.to(device)  # noqa: E731
+        return move(ids), move(positions), move(slots), [move(t) for t in kv]
+
+
+def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int | None = None,
+            cache_len: int = 64) -> CapturedGraph:
+    """Trace one step of `model` into an aten-level FX graph (see the module doc).
+
+    Args:
+        model: a FlintModel (real, or on meta weights for counting only).
+        step: "decode" (tokens must be 1 or None) or "prefill".
+        batch: B, sequences per step (decode: 1..8 in flintc's buckets).
+        tokens: T, new tokens per sequence (prefill chunk length; default 16).
+        cache_len: S_max, the full-attention layers' cache length.
+
+    Raises:
+        ValueError: unknown step, or a decode step with tokens != 1.
+    """
+    if step not in STEPS:
+        raise ValueError(f"unknown step {step!r}; expected one of {STEPS}")
+    T = 1 if step == "decode" else (tokens or 16)
+    if step == "decode" and tokens not in (None, 1):
+        raise ValueError("a decode step has exactly one new token per sequence")
+    names = [n for n, _ in model.named_buffers()]
+    buffers = [b for _, b in model.named_buffers()]
+    n = len(names)
+
+    def step_fn(*flat):
+        params = dict(zip(names, flat[:n]))
+        ids, positions, slots = flat[n:n + 3]
+        kv = list(flat[n + 3:])
+        return torch.func.functional_call(model, params, (ids, positions, slots, kv))
+
+    device = model.rope_cos.device
+    ids = torch.zeros(batch, T, dtype=torch.long, device=device)
+    positions = torch.zeros(batch, T, dtype=torch.long, device=device)
+    slots = torch.arange(batch, device=device)
+    kv = model.new_kv_cache(batch, cache_len, device)
+    with _ModuleSpans(model) as spans:
+        gm = make_fx(step_fn, tracing_mode="fake", record_stack_traces=True)(
+            *buffers, ids, positions, slots, *kv)
+    captured = CapturedGraph(gm, step, model.config, batch, T, cache_len, names)
+    _name_placeholders(gm, model, names)
+    spans.tag(gm, model.config)
+    tag_moe_selection(gm)
+    return captured
+
+
+class _ModuleSpans:
+    """Records which traced nodes each decoder layer (and its attention / MLP block)
+    produced, with forward hooks that note the tracer's last node before and after
+    each call; `tag` then writes `meta["flintc_layer"]` and `meta["flintc_block"]`.
+    The reference model itself is not changed."""
+
+    def __init__(self, model: FlintModel):
+        self.model = model
+        self.spans: list[tuple[str, object, str | None, str | None]] = []  # (key, value, after, last)
+        self.handles = []
+
+    def __enter__(self):
+        for i, layer in enumerate(self.model.layers):
+            self._watch(layer, "flintc_layer", i)
+            self._watch(layer.self_attn, "flintc_block", "attn")
+            self._watch(layer.mlp, "flintc_block", "moe" if layer.is_moe else "mlp")
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+    @staticmethod
+    def _last_node_name() -> str | None:
+        from torch.fx.experimental.proxy_tensor import get_innermost_proxy_mode
+
+        mode = get_innermost_proxy_mode()
+        if mode is None:
+            return None
+        last = mode.tracer.graph._root.prev  # the graph's nodes form a ring around _root
+        return last.name if last is not mode.tracer.graph._root else None
+
+    def _watch(self, module, key, value):
+        record = {}
+
+        def pre(mod, args):
+            record["after"] = self._last_node_name()
+
+        def post(mod, args, out):
+            self.spans.append((key, value, record.get("after"), self._last_node_name()))
+
+        self.handles.append(module.register_forward_pre_hook(pre))
+        self.handles.append(module.register_forward_hook(post))
+
+    def tag(self, gm: GraphModule, config: FlintConfig) -> None:
+        """Tag nodes inside recorded spans; placeholders by name (weights, caches);
+        nodes after the last layer (final norm, LM head) get layer L, nodes before the
+        first (embedding, masks) get -1 when they read the embedding, else None."""
+        order = {n.name: k for k, n in enumerate(gm.graph.nodes)}
+        nodes = list(gm.graph.nodes)
+        for n in nodes:
+            n.meta.setdefault("flintc_layer", None)
+        for key, value, after, last in self.spans:
+            start = order[after] + 1 if after is not None else 0
+            stop = order[last] + 1 if last is not None else 0
+            for n in nodes[start:stop]:
+                if n.op == "call_function":
+                    n.meta[key] = value
+        first_layer = min((order[a] for k, _, a, _ in self.spans if k == "flintc_layer" and a), default=0)
+        last_layer = max((order[b] for k, _, _, b in self.spans if k == "flintc_layer" and b), default=0)
+        for k, n in enumerate(nodes):
+            if n.op == "placeholder":
+                n.meta["flintc_layer"] = _placeholder_layer(n.name, config)
+            elif n.op == "call_function" and k > last_layer:
+                n.meta["flintc_layer"] = config.num_hidden_layers
+            elif n.op == "call_function" and k <= first_layer and _reads(n, "w_embed_tokens"):
+                n.meta["flintc_layer"] = -1
+
+
+def placeholder_name(buffer_name: str, holders: dict[str, str]) -> str:
+    """`w_<canonical weight name>` (dots to underscores, `model.`/`.weight` dropped)
+    for a weight buffer, with `_codes` / `_scales` / `_global_scale` for NVFP4 parts."""
+    if buffer_name in ("rope_cos", "rope_sin"):
+        return buffer_name
+    holder, _, part = buffer_name.rpartition(".")
+    canonical = holders[holder]
+    short = re.sub(r"^model\.", "", canonical)
+    short = re.sub(r"\.weight$", "", short).replace(".", "_")
+    return f"w_{short}" if part == "weight" else f"w_{short}_{part}"
+
+
+def _name_placeholders(gm: GraphModule, model: FlintModel, names: list[str]) -> None:
+    from flintc.model.reference import WeightHolder
+
+    holders = {n: m.name for n, m in model.named_modules() if isinstance(m, WeightHolder)}
+    wanted = [placeholder_name(b, holders) for b in names] + list(ACTIVATION_INPUTS)
+    for i in range(model.config.num_hidden_layers):
+        wanted += [f"k_cache_{i}", f"v_cache_{i}"]
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    assert len(placeholders) == len(wanted), (len(placeholders), len(wanted))
+    for node, name in zip(placeholders, wanted):
+        node._rename(name)
+        node.target = name
+    gm.recompile()
+
+
+_LAYER_RE = re.compile(r"^(?:w_layers_|[kv]_cache_)(\d+)")
+
+
+def _placeholder_layer(name: str, config: FlintConfig) -> int | None:
+    """A weight's or cache's layer from its placeholder name; -1 embedding, L head."""
+    m = _LAYER_RE.match(name)
+    if m:
+        return int(m.group(1))
+    if name.startswith("w_embed"):
+        return -1
+    if name in ("w_norm", "w_lm_head"):
+        return config.num_hidden_layers
+    return None
+
+
+def _reads(node, placeholder_name: str) -> bool:
+    """Whether `node` reads the placeholder, directly or through its inputs."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n.name == placeholder_name:
+            return True
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return False
+
+
+def tag_moe_selection(gm: GraphModule) -> None:
+    """Tag the selected-experts node of each MoE layer: the top-k slice of the
+    stable sort's indices (`flintc.model.ops.route_topk`)."""
+    import operator
+
+    for node in gm.graph.nodes:
+        if node.target is not torch.ops.aten.sort.stable:
+            continue
+        for user in node.users:
+            if user.target is operator.getitem and user.args[1] == 1:
+                for sl in user.users:
+                    if sl.target is torch.ops.aten.slice.Tensor:
+                        sl.meta["flintc_role"] = "moe_selected"

@@ -1,0 +1,1 @@
+"""The reference Flint model (plain PyTorch) and the canonical weight table."""

@@ -1,0 +1,1 @@
+"""Graph passes: one pass per file, one class per pass; `manager.py` orders them."""

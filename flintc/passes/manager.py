@@ -1,0 +1,182 @@
+"""The pass manager: runs an ordered list of passes and checks every one.
+
+The order is the explicit list the caller gives (see `flintc.passes.pipeline` for
+flintc's default decode and prefill pipelines); any pass can be switched off by
+name. After every pass the manager:
+
+1. checks the graph's legality for the pass's stage (`flintc.graph.spec`);
+2. runs the pass's own `verify`;
+3. when a numeric checker is given, runs the graphs from before and after the pass
+   on the same random inputs and compares the logits and every KV cache
+   (`flintc.graph.compare`) against the pass's declared expectation;
+4. counts kernels per forward, per layer and per layer kind
+   (`flintc.graph.accounting`);
+5. dumps the graph when a dump directory is set (`flintc.graph.dump`).
+
+A pass that misses its expectation stops the pipeline with :class:`PassCheckError`
+naming the pass, the output and the first differing node. The manager knows
+nothing about a pass beyond constructing it with a `PassContext`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flintc.errors import FlintcError
+from flintc.graph.accounting import KernelCount, count_kernels
+from flintc.graph.compare import BIT_EXACT, CheckResult, compare_graphs, run_graph
+from flintc.graph.match import clone_graph_module
+from flintc.graph.spec import check_graph
+from flintc.graph.trace import CapturedGraph
+from flintc.passes.base import GraphPass, PassContext, PassResult
+
+
+class PassCheckError(FlintcError):
+    """A pass missed its declared numerical expectation."""
+
+    def __init__(self, message: str, report: "PipelineReport"):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class StageReport:
+    """One row of the per-pass table: the graph after `name` (index 0: captured)."""
+
+    index: int
+    name: str
+    stage: str
+    nodes: int
+    kernels: KernelCount
+    check: CheckResult | None = None
+    result: PassResult | None = None
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        check = self.check.as_dict() if self.check else None
+        return {
+            "index": self.index, "name": self.name, "stage": self.stage, "nodes": self.nodes,
+            "kernels_per_forward": self.kernels.per_forward,
+            "kernels_per_layer": dict(self.kernels.per_kind),
+            "kernels": self.kernels.as_dict(),
+            "matches": self.result.matches if self.result else None,
+            "notes": self.result.notes if self.result else [],
+            "check": check, "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class PipelineReport:
+    step: str
+    batch: int
+    tokens: int
+    stages: list[StageReport] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(s.check is None or s.check.passed for s in self.stages)
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "batch": self.batch, "tokens": self.tokens,
+                "passed": self.passed, "skipped": self.skipped,
+                "stages": [s.as_dict() for s in self.stages]}
+
+
+class NumericChecker:
+    """Real weights and one set of random inputs for checking a captured graph.
+
+    model: a FlintModel with real weights, the one `graph` was captured from (or one
+    of the same config and format). Inputs are drawn once per checker (`seed`).
+    """
+
+    def __init__(self, model, graph: CapturedGraph, seed: int = 0):
+        self.weights = graph.weight_args(model)
+        self.inputs = graph.example_inputs(model, seed=seed)
+        self.cache_names = [f"{kv}_cache_{i}" for i in range(graph.config.num_hidden_layers) for kv in "kv"]
+        self._last = None  # (graph, run) of the previous stage, to run each graph once
+
+    def check(self, new, old, expectation) -> CheckResult:
+        old_run = self._last[1] if self._last is not None and self._last[0] is old else None
+        old_run = old_run or run_graph(old, self.weights, self.inputs)
+        result = compare_graphs(new, old, self.weights, self.inputs, expectation, self.cache_names, old_run)
+        return result
+
+
+class PassManager:
+    """Runs `passes` in order on a captured graph (see the module doc).
+
+    Args:
+        passes: pass classes, in order.
+        ctx: the PassContext each pass is constructed with.
+        disabled: names of passes to skip.
+        checker: a NumericChecker, or None to skip the numeric checks.
+        dump_dir: write each stage's dumps here (None: no dumps).
+    """
+
+    def __init__(self, passes: list[type[GraphPass]], ctx: PassContext, disabled=(), checker=None,
+                 dump_dir: str | Path | None = None):
+        unknown = set(disabled) - {p.name for p in passes}
+        if unknown:
+            raise FlintcError(f"unknown pass name(s) to disable: {sorted(unknown)}; "
+                              f"passes are {[p.name for p in passes]}")
+        self.passes = [p for p in passes if p.name not in set(disabled) and ctx.step in p.steps]
+        self.skipped = [p.name for p in passes if p not in self.passes]
+        self.ctx, self.checker = ctx, checker
+        self.dump_dir = Path(dump_dir) if dump_dir else None
+
+    def run(self, graph: CapturedGraph) -> PipelineReport:
+        """Run every pass on `graph.gm` (rewritten in place). Returns the report.
+
+        Raises:
+            GraphLegalityError / PassVerifyError: a pass left an illegal graph.
+            PassCheckError: a pass missed its numerical expectation.
+        """
+        gm, cfg = graph.gm, graph.config
+        report = PipelineReport(graph.step, graph.batch, graph.tokens, skipped=list(self.skipped))
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        check_graph(gm, "captured", placeholders, where="after capture")
+        base_check = None
+        if self.checker is not None:
+            base_check = self.checker.check(gm, gm, BIT_EXACT)  # the capture against itself: runs it once
+        report.stages.append(StageReport(0, "captured", "captured", _num_nodes(gm), count_kernels(gm, cfg), base_check))
+        self._dump(gm, report)
+        for i, pass_cls in enumerate(self.passes, start=1):
+            before = clone_graph_module(gm) if self.checker is not None else None
+            t0 = time.perf_counter()
+            p = pass_cls(self.ctx)
+            n_before = _num_nodes(gm)
+            result = p.run(gm) or PassResult()
+            gm.recompile()
+            result.nodes_before, result.nodes_after = n_before, _num_nodes(gm)
+            where = f"after pass '{p.name}'"
+            check_graph(gm, p.stage, placeholders, where=where)
+            p.verify(gm)
+            check = None
+            if self.checker is not None:
+                self.checker._last = (before, self.checker._last[1]) if self.checker._last else None
+                check = self.checker.check(gm, before, p.expectation)
+            stage = StageReport(i, p.name, p.stage, _num_nodes(gm), count_kernels(gm, cfg), check, result,
+                                time.perf_counter() - t0)
+            report.stages.append(stage)
+            self._dump(gm, report)
+            if check is not None and not check.passed:
+                raise PassCheckError(
+                    f"pass '{p.name}' missed its expectation ({check.expected}): {check.message}; "
+                    f"first differing node: {check.first_differing_node or 'none found'}", report)
+        return report
+
+    def _dump(self, gm, report: PipelineReport) -> None:
+        if self.dump_dir is None:
+            return
+        from flintc.graph.dump import dump_stage
+
+        dump_stage(gm, report, self.ctx, self.dump_dir)
+
+
+def _num_nodes(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")

@@ -1,0 +1,1 @@
+"""Weight formats: the NVFP4 codec (ggml super-blocks <-> the packed layout kernels read)."""

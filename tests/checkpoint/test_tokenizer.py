@@ -1,0 +1,295 @@
+"""Tests for flintc.checkpoint.tokenizer: vocabulary layout, round trips, determinism,
+the GLM-style chat template, streaming detokenization and loader errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models
+
+from flintc.checkpoint.tokenizer import (
+    MIN_VOCAB_SIZE,
+    SPECIAL_TOKENS,
+    FlintTokenizer,
+    build_tokenizer,
+    chat_template_source,
+    load_tokenizer,
+    write_tokenizer,
+)
+from flintc.errors import CheckpointError, InputError
+
+TINY_VOCAB = 512
+FULL_VOCAB = 151552
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    write_tokenizer(out, TINY_VOCAB, model_max_length=4096)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_dir):
+    return FlintTokenizer.from_dir(tiny_dir)
+
+
+# --- vocabulary -----------------------------------------------------------------------------
+
+
+def test_tiny_vocab_is_exact_with_specials_after_merges():
+    t = build_tokenizer(TINY_VOCAB)
+    assert t.get_vocab_size(with_added_tokens=True) == TINY_VOCAB
+    num_model = TINY_VOCAB - len(SPECIAL_TOKENS)
+    assert t.get_vocab_size(with_added_tokens=False) == num_model  # 256 bytes + 243 merges
+    for i, content in enumerate(SPECIAL_TOKENS):
+        assert t.token_to_id(content) == num_model + i
+    assert not any(tok.startswith("<|reserved_") for tok in t.get_vocab())
+
+
+@pytest.mark.slow
+def test_full_vocab_is_exact_and_padded_with_reserved_tokens():
+    t = build_tokenizer(FULL_VOCAB)
+    assert t.get_vocab_size(with_added_tokens=True) == FULL_VOCAB
+    added = t.get_added_tokens_decoder()
+    assert added[FULL_VOCAB - 1].content.startswith("<|reserved_")
+    assert all(token.special for token in added.values())
+    assert [added[t.token_to_id(s)].content for s in SPECIAL_TOKENS] == list(SPECIAL_TOKENS)
+
+
+def test_smallest_vocab_has_no_merges():
+    t = build_tokenizer(MIN_VOCAB_SIZE)
+    assert t.get_vocab_size(with_added_tokens=False) == 256
+    assert t.get_vocab_size(with_added_tokens=True) == MIN_VOCAB_SIZE
+
+
+@pytest.mark.parametrize("bad", [0, 268, -1, 512.0, True])
+def test_too_small_or_non_int_vocab_raises(bad):
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_tokenizer(bad)
+
+
+def test_build_is_deterministic_in_process_and_across_hash_seeds():
+    first = build_tokenizer(TINY_VOCAB).to_str()
+    assert build_tokenizer(TINY_VOCAB).to_str() == first
+    code = ("import sys; from flintc.checkpoint.tokenizer import build_tokenizer; "
+            f"sys.stdout.write(build_tokenizer({TINY_VOCAB}).to_str())")
+    env = {**os.environ, "PYTHONHASHSEED": "12345",
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
+                           env=env, encoding="utf-8")
+    assert child.stdout == first
+
+
+def test_write_tokenizer_files_and_config(tiny_dir):
+    assert sorted(p.name for p in tiny_dir.iterdir()) == ["tokenizer.json",
+                                                          "tokenizer_config.json"]
+    config = json.loads((tiny_dir / "tokenizer_config.json").read_text("utf-8"))
+    assert config["eos_token"] == "<|endoftext|>"
+    assert config["pad_token"] == "<|endoftext|>"
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["model_max_length"] == 4096
+    assert config["chat_template"] == chat_template_source()
+    decoder = config["added_tokens_decoder"]
+    assert [decoder[k]["content"] for k in sorted(decoder, key=int)] == list(SPECIAL_TOKENS)
+    assert all(v["special"] and not v["normalized"] for v in decoder.values())
+
+
+# --- encode / decode ------------------------------------------------------------------------
+
+
+def test_special_tokens_are_single_ids_and_round_trip(tok):
+    assert tok.vocab_size == TINY_VOCAB
+    assert list(tok.special_token_ids) == list(SPECIAL_TOKENS)
+    assert tok.eos_token_id == tok.special_token_ids["<|endoftext|>"]
+    for content, token_id in tok.special_token_ids.items():
+        assert tok.encode(content) == [token_id]
+        assert tok.decode([token_id]) == content
+        assert tok.decode([token_id], skip_special_tokens=True) == ""
+    ids = tok.encode("<|user|>\nhi<|assistant|>\n")
+    assert ids[0] == tok.special_token_ids["<|user|>"]
+    assert tok.decode(ids, skip_special_tokens=True) == "\nhi\n"
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(max_size=80))
+def test_encode_decode_round_trips_unicode(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_out_of_range_id_raises(tok):
+    with pytest.raises(InputError, match="512"):
+        tok.decode([TINY_VOCAB])
+    with pytest.raises(InputError):
+        tok.detokenizer().push(-1)
+
+
+# --- streaming ------------------------------------------------------------------------------
+
+
+def test_stream_holds_back_split_multibyte_characters(tok):
+    text = "naïve 東京 😀 🚀 straße → ½"
+    ids = tok.encode(text)
+    assert any(b >= 0x80 and len(tok.token_bytes(i)) == 1
+               for i in ids for b in tok.token_bytes(i))  # some character spans tokens
+    pieces = list(tok.decode_stream(ids))
+    assert "".join(pieces) == text == tok.decode(ids)
+    assert "" in pieces and not any("\ufffd" in p for p in pieces)
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(ids=st.lists(st.integers(0, TINY_VOCAB - 1), max_size=40), skip=st.booleans())
+def test_stream_equals_full_decode_for_any_ids(tok, ids, skip):
+    """Arbitrary ids include invalid UTF-8 and special tokens: the replacement characters and
+    skipping must match the Rust decoder's exactly."""
+    pieces = list(tok.decode_stream(ids, skip_special_tokens=skip))
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_flush_replaces_dangling_partial_character_and_resets(tok):
+    ids = tok.encode("😀")
+    detok = tok.detokenizer()
+    assert [detok.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.flush() == "\ufffd" == tok.decode(ids[:-1])
+    assert detok.push(tok.encode("a")[0]) == "a"
+
+
+# --- chat template --------------------------------------------------------------------------
+
+
+def test_template_renders_system_user_assistant(tok):
+    msgs = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!", "reasoning_content": "greet"},
+            {"role": "user", "content": "Bye"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == (
+        "<|system|>\nBe brief.<|user|>\nHi<|assistant|>\n<think></think>Hello!<|user|>\nBye")
+
+
+def test_template_keeps_reasoning_after_last_user_and_splits_think_tags(tok):
+    msgs = [{"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "<think>hmm</think>A"}]
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == (
+        "<|user|>\nQ<|assistant|>\n<think>hmm</think>A")
+
+
+def test_template_generation_prompt_and_thinking_switch(tok):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Q"}]}]
+    assert tok.apply_chat_template(msgs) == "<|user|>\nQ<|assistant|>\n"
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<|user|>\nQ"
+    assert tok.apply_chat_template(msgs, enable_thinking=False) == (
+        "<|user|>\nQ<|assistant|>\n<think></think>")
+
+
+def test_template_renders_tool_calls_and_grouped_tool_results(tok):
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {
+                    "name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}},
+                {"name": "lookup", "arguments": {"q": {"a": [1, "é"]}}}]},
+            {"role": "tool", "content": '{"temp": 3}'},
+            {"role": "tool", "content": "ok"}]
+    assert tok.apply_chat_template(msgs) == (
+        "<|user|>\nWeather?<|assistant|>\n<think></think>"
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Zürich</arg_value>"
+        "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"
+        '<tool_call>lookup<arg_key>q</arg_key><arg_value>{"a": [1, "é"]}</arg_value>'
+        "</tool_call>"
+        '<|observation|>\n<tool_response>{"temp": 3}</tool_response>'
+        "\n<tool_response>ok</tool_response><|assistant|>\n")
+
+
+def test_template_renders_tools_block_one_json_per_line(tok):
+    other = {"name": "now", "description": "Time <UTC>", "parameters": {}}
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                   tools=[WEATHER_TOOL, other])
+    head, rest = text.split("<tools>\n", 1)
+    assert head.startswith("<|system|>\n# Tools\n\n")
+    block, tail = rest.split("\n</tools>\n\n", 1)
+    assert [json.loads(line) for line in block.split("\n")] == [WEATHER_TOOL, other]
+    assert "Time <UTC>" in block  # transformers' tojson: no HTML escaping
+    assert "<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key>" in tail
+    assert tail.endswith("</tool_call><|user|>\nHi<|assistant|>\n")
+
+
+def test_template_rejects_string_arguments_and_unknown_roles(tok):
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    with pytest.raises(jinja2.TemplateError, match="mapping"):
+        tok.apply_chat_template([call])
+    with pytest.raises(jinja2.TemplateError, match="narrator"):
+        tok.apply_chat_template([{"role": "narrator", "content": "x"}])
+
+
+def test_tokenized_template_uses_single_special_ids(tok):
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
+    assert ids[0] == tok.special_token_ids["<|user|>"]
+    assert ids[-2:] == [tok.special_token_ids["<|assistant|>"], tok.encode("\n")[0]]
+
+
+def test_matches_transformers_rendering_when_installed(tiny_dir, tok):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(tiny_dir))
+    msgs = [{"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+            {"role": "tool", "content": "cold"}]
+    assert hf.apply_chat_template(msgs, tools=[WEATHER_TOOL], tokenize=False,
+                                  add_generation_prompt=True) == \
+        tok.apply_chat_template(msgs, tools=[WEATHER_TOOL])
+
+
+# --- loading errors -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_missing_file_raises_naming_it(tiny_dir, tmp_path, name):
+    for f in tiny_dir.iterdir():
+        if f.name != name:
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointError, match=name):
+        FlintTokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_unreadable_file_raises_naming_it(tiny_dir, tmp_path, name):
+    for f in tiny_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / name).write_text('{"truncated": ', encoding="utf-8")
+    with pytest.raises(CheckpointError, match=name):
+        load_tokenizer(tmp_path)
+
+
+def test_non_byte_level_tokenizer_is_rejected(tiny_dir, tmp_path):
+    (tmp_path / "tokenizer_config.json").write_bytes(
+        (tiny_dir / "tokenizer_config.json").read_bytes())
+    Tokenizer(models.WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(CheckpointError, match="ByteLevel"):
+        FlintTokenizer.from_dir(tmp_path)
+
+
+def test_load_tokenizer_accepts_folder_or_file_and_rejects_none(tiny_dir, tmp_path):
+    assert load_tokenizer(tiny_dir).vocab_size == TINY_VOCAB
+    assert load_tokenizer(tiny_dir / "tokenizer.json").vocab_size == TINY_VOCAB
+    with pytest.raises(CheckpointError):
+        load_tokenizer(None)
+    with pytest.raises(CheckpointError, match="nowhere"):
+        load_tokenizer(tmp_path / "nowhere")

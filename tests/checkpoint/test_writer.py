@@ -1,0 +1,132 @@
+"""make_checkpoint + load_checkpoint end to end, random_weights, and atomic writing."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import flintc.checkpoint.init as init
+from flintc.checkpoint.init import random_weights
+from flintc.checkpoint.loader import load_checkpoint
+from flintc.checkpoint.writer import make_checkpoint
+from flintc.config import FlintConfig
+from flintc.errors import CheckpointError
+from flintc.model.weights import check_weights, weight_specs
+from flintc.quant.nvfp4 import NVFP4Tensor
+
+TINY = FlintConfig.preset("tiny")
+
+
+def has_tokenizer_module() -> bool:
+    try:
+        import flintc.checkpoint.tokenizer  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
+
+
+def test_random_weights_are_deterministic_and_follow_the_rules():
+    a, b = random_weights(TINY, seed=4), random_weights(TINY, seed=4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["lm_head.weight"], random_weights(TINY, seed=5)["lm_head.weight"])
+    check_weights(TINY, a)
+    for spec in weight_specs(TINY):
+        w = a[spec.name]
+        assert w.dtype == (torch.float32 if spec.kind == "fp32" else torch.bfloat16)
+        if "norm" in spec.name:
+            assert torch.equal(w, w.bfloat16().float())  # bf16-exact
+    assert abs(a["model.embed_tokens.weight"].float().std().item() - 1) < 0.05
+    q = a["model.layers.0.self_attn.o_proj.weight"].float()
+    assert abs(q.std().item() * math.sqrt(TINY.q_size) - 1) < 0.05
+    bias = a["model.layers.2.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().max() < 0.3
+
+
+@pytest.mark.parametrize("shard", [None, 100_000])
+def test_bf16_checkpoint_loads_back_exactly(tmp_path, shard):
+    out = tmp_path / "ckpt"
+    path = make_checkpoint("tiny", "bf16", out, seed=3, max_shard_bytes=shard)
+    assert path == out
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.config == TINY and ckpt.fmt == "bf16" and ckpt.source == str(out)
+    want = random_weights(TINY, seed=3)
+    assert ckpt.weights.keys() == want.keys()
+    assert all(torch.equal(ckpt.weights[k], want[k]) for k in want)
+    if has_tokenizer_module():
+        assert ckpt.tokenizer_dir == out and (out / "tokenizer.json").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name != "ckpt"]  # no temp folder left
+
+
+def test_nvfp4_checkpoint(tmp_path):
+    out = tmp_path / "nv"
+    path = make_checkpoint(TINY, "nvfp4", out, seed=1)
+    assert path == out / "model-nvfp4.gguf" and (out / "config.json").is_file()
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.fmt == "nvfp4" and ckpt.config == TINY
+    check_weights(TINY, ckpt.weights)
+    assert isinstance(ckpt.weights["model.layers.2.mlp.experts.up_proj.weight"], NVFP4Tensor)
+    if has_tokenizer_module():
+        assert ckpt.tokenizer_dir == out
+    # the folder works too, and a config from elsewhere
+    assert load_checkpoint(out, progress=False).fmt == "nvfp4"
+    moved = tmp_path / "elsewhere.gguf"
+    path.rename(moved)
+    with pytest.raises(CheckpointError, match="hf_config_path"):
+        load_checkpoint(moved, progress=False)
+    assert load_checkpoint(moved, hf_config_path=out, progress=False).config == TINY
+
+
+def test_full_config_writes_config_and_tokenizer_only(tmp_path, caplog):
+    out = tmp_path / "full"
+    with caplog.at_level(logging.WARNING, logger="flintc.checkpoint.writer"):
+        path = make_checkpoint("full", "nvfp4", out)
+    assert path == out
+    assert "config.json and the tokenizer only" in caplog.text
+    assert not list(out.glob("*.gguf")) and not list(out.glob("*.safetensors"))
+    ckpt = load_checkpoint(out, load_format="dummy", device="meta", fmt="nvfp4", progress=False)
+    assert ckpt.config == FlintConfig.preset("full")
+    check_weights(ckpt.config, ckpt.weights)
+
+
+def test_refuses_a_non_empty_folder(tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not empty"):
+        make_checkpoint("tiny", "bf16", out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
+
+
+def test_an_empty_folder_is_fine(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert make_checkpoint("tiny", "bf16", out) == out
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_failure_leaves_nothing_half_written(tmp_path, monkeypatch):
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(init, "random_weights", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        make_checkpoint("tiny", "bf16", tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_loader_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        load_checkpoint(tmp_path / "absent")
+    junk = tmp_path / "weights.bin"
+    junk.write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="neither"):
+        load_checkpoint(junk)
+    with pytest.raises(CheckpointError, match="neither"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(CheckpointError, match="no config found"):
+        load_checkpoint(tmp_path)

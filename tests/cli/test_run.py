@@ -1,0 +1,134 @@
+"""`flintc run` and `flintc make-checkpoint` on tiny checkpoints, including bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from flintc.checkpoint.loader import load_checkpoint
+from flintc.cli import main
+from flintc.model.generate import generate
+from flintc.model.reference import FlintModel
+from flintc.sampling import SamplingParams
+
+
+def run_cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("which", ["bf16", "nvfp4"])
+def test_run_json_greedy_matches_python_api(capsys, which, tiny_bf16_dir, tiny_nvfp4_gguf):
+    path = tiny_bf16_dir if which == "bf16" else tiny_nvfp4_gguf
+    code, out, err = run_cli(capsys, "run", path, "--prompt-ids", "1,2,3", "--max-tokens", 8,
+                             "--temperature", 0, "--output", "json", "--ignore-eos")
+    assert code == 0, err
+    obj = json.loads(out)
+    assert obj["prompt_ids"] == [1, 2, 3] and len(obj["output_ids"]) == 8
+    ckpt = load_checkpoint(path, progress=False)
+    ref = generate(FlintModel(ckpt.config, ckpt.weights), [[1, 2, 3]],
+                   SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert obj["output_ids"] == ref.output_ids[0]
+
+
+def test_logits_out(capsys, tmp_path, tiny_bf16_dir):
+    target = tmp_path / "logits.npy"
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "5,6,7,8", "--max-tokens", 1,
+                           "--output", "json", "--logits-out", target)
+    assert code == 0, err
+    logits = np.load(target)
+    assert logits.shape == (4, 512) and logits.dtype == np.float32
+    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
+    model = FlintModel(ckpt.config, ckpt.weights)
+    kv = model.new_kv_cache(1, 8)
+    ref = model(torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None], torch.tensor([0]), kv)[0]
+    np.testing.assert_array_equal(logits, ref.numpy())
+    assert [p.name for p in tmp_path.iterdir()] == ["logits.npy"]  # no temp file left
+
+
+def test_seeded_sampling_is_reproducible(capsys, tiny_nvfp4_gguf):
+    runs = [run_cli(capsys, "run", tiny_nvfp4_gguf, "--prompt", "hello", "--max-tokens", 6,
+                    "--seed", 11, "--output", "json", "--ignore-eos")[1] for _ in range(2)]
+    assert runs[0] == runs[1] and len(json.loads(runs[0])["output_ids"]) == 6
+
+
+def test_default_model_is_generated_once(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLINTC_CACHE_DIR", str(tmp_path))
+    code, out, err = run_cli(capsys, "run", "--prompt", "hi", "--max-tokens", 4, "--temperature", 0)
+    assert code == 0, err
+    assert "generated tokens: " in err
+    made = sorted(p.name for p in tmp_path.iterdir())
+    assert made == ["default-tiny-nvfp4-s0"]
+    stamp = os.path.getmtime(tmp_path / made[0] / "model-nvfp4.gguf")
+    assert run_cli(capsys, "run", "--prompt-ids", "1", "--max-tokens", 2)[0] == 0
+    assert os.path.getmtime(tmp_path / made[0] / "model-nvfp4.gguf") == stamp
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--top-p", "2"], "top_p"),
+    (["--top-k", "-5"], "top_k"),
+    (["--temperature", "-1"], "temperature"),
+    (["--max-tokens", "-3"], "max_tokens"),
+    (["--prompt-ids", "1,x"], "'x'"),
+    (["--prompt-ids", "1,600"], "token id 600"),
+    (["--prompt-ids", ",".join(["1"] * 4097)], "4097 tokens"),
+])
+def test_bad_run_arguments(capsys, tiny_bf16_dir, args, needle):
+    base = ["run", tiny_bf16_dir, "--max-tokens", 2]
+    if "--prompt-ids" not in args:
+        base += ["--prompt-ids", "1,2"]
+    code, out, err = run_cli(capsys, *base, *args)
+    assert code == 2
+    assert err.startswith("flintc: error: ") and needle in err and err.count("\n") == 1
+    assert "Traceback" not in err
+
+
+def test_bad_config_names_file_and_field(capsys, tmp_path, tiny_bf16_dir):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_bf16_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["layer_types"] = cfg["layer_types"][:3]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(capsys, "run", bad, "--prompt-ids", "1")
+    assert code == 2 and "config.json" in err and "layer_types" in err
+
+
+def test_truncated_gguf(capsys, tmp_path, tiny_nvfp4_gguf):
+    folder = tmp_path / "trunc"
+    shutil.copytree(tiny_nvfp4_gguf.parent, folder)
+    f = folder / tiny_nvfp4_gguf.name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code, _, err = run_cli(capsys, "run", f, "--prompt-ids", "1")
+    assert code == 2 and f.name in err
+
+
+def test_missing_model_and_unwritable_output(capsys, tmp_path, tiny_bf16_dir):
+    code, _, err = run_cli(capsys, "run", tmp_path / "nope", "--prompt-ids", "1")
+    assert code == 2 and "nope" in err
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1", "--max-tokens", 1,
+                           "--logits-out", tmp_path / "missing-dir" / "x.npy")
+    assert code == 2 and "missing-dir" in err
+    assert not (tmp_path / "missing-dir").exists()
+
+
+def test_make_checkpoint_refuses_non_empty_dir(capsys, tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    code, _, err = run_cli(capsys, "make-checkpoint", "--config", "tiny", "--out", tmp_path)
+    assert code == 2 and str(tmp_path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def test_console_script_prints_no_traceback(tmp_path):
+    """The installed entry point (python -m flintc): one line, exit 2, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "flintc", "run", str(tmp_path / "absent"),
+                           "--prompt-ids", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("flintc: error:") and "Traceback" not in proc.stderr
