@@ -128,15 +128,21 @@ def route_topk(
     the lower expert index (a stable descending sort). The bias selects, never weights.
     """
     logits = x.to(cdt) @ router.to(cdt).T  # [N, E]
+    return select_topk(logits, bias, top_k, scaling)
+
+
+def select_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """Steps 2-4 of the MoE router from fp32 logits [N, E]: sigmoid scores, top-k of
+    `scores + bias` (ties to the lower index), weights `scores / sum * scaling`."""
     scores = torch.sigmoid(logits)  # [N, E]
-    order = torch.sort(scores + bias.to(cdt), dim=-1, descending=True, stable=True).indices
+    order = torch.sort(scores + bias.to(logits.dtype), dim=-1, descending=True, stable=True).indices
     selected = order[:, :top_k]  # [N, K]
     w = scores.gather(1, selected)  # [N, K]
     w = w / w.sum(dim=-1, keepdim=True) * scaling
     return w, selected
 
 
-def _expert_matmul(x: torch.Tensor, weight: Weight, selected: torch.Tensor, cdt: torch.dtype):
+def expert_matmul(x: torch.Tensor, weight: Weight, selected: torch.Tensor, cdt: torch.dtype):
     """Per-token matmul with each token's selected experts only.
 
     x: [N, K, In] (or [N, In], broadcast over K); weight: stacked [E, Out, In];
@@ -170,10 +176,10 @@ def routed_experts(
     x: [N, H]; gate, up: [E, F, H]; down: [E, H, F]; selected: [N, K].
     Returns y [N, K, H] in x's dtype (each expert's output rounded once).
     """
-    g = _expert_matmul(x, gate, selected, cdt).to(x.dtype)  # [N, K, F]
-    u = _expert_matmul(x, up, selected, cdt).to(x.dtype)  # [N, K, F]
+    g = expert_matmul(x, gate, selected, cdt).to(x.dtype)  # [N, K, F]
+    u = expert_matmul(x, up, selected, cdt).to(x.dtype)  # [N, K, F]
     h = silu_mul(g, u, cdt)  # [N, K, F]
-    return _expert_matmul(h, down, selected, cdt).to(x.dtype)  # [N, K, H]
+    return expert_matmul(h, down, selected, cdt).to(x.dtype)  # [N, K, H]
 
 
 def expert_combine(

@@ -30,7 +30,8 @@ class PassContext:
     """What a pass may know about the graph it rewrites.
 
     config: the model config; step: "decode" or "prefill"; batch, tokens: B and T;
-    cache_len: S_max of the full-attention caches; weight_format: "bf16" or "nvfp4".
+    cache_len: S_max of the full-attention caches; weight_format: "bf16" or "nvfp4";
+    options: per-pass knobs by name (e.g. `attention_splits`), from the caller's config.
     """
 
     config: FlintConfig
@@ -39,6 +40,7 @@ class PassContext:
     tokens: int
     cache_len: int
     weight_format: str = "bf16"
+    options: dict = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass

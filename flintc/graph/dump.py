@@ -1,0 +1,189 @@
+"""Debug dumps of a pass pipeline: every stage's graph as code, pictures and ONNX.
+
+`dump_stage(gm, report, ctx, out_dir)` is what `PassManager` calls after the
+capture and after every pass. For the stage just appended to `report.stages` it
+writes files named `{index:02d}-{name}` so they sort in pipeline order:
+
+* `NN-name.py`: the graph as readable code, one line per node with its dtype and
+  shape, grouped under the source line and layer that produced it;
+* `NN-name.summary.{dot,svg}`: one box per layer with its kernel count;
+* `NN-name.layerI-dense.{dot,svg}`, `NN-name.layerJ-moe.{dot,svg}`: the first
+  dense and the first MoE layer of the graph, node by node (`flintc.graph.dump_dot`;
+  the SVG is drawn without Graphviz);
+* `NN-name.onnx`: the whole graph for Netron, weights as inputs, not embedded
+  (`flintc.graph.dump_onnx`);
+
+then rewrites `index.md` (a table of all stages so far, linking their files) and
+`report.json` (the config, the step and every stage's `StageReport.as_dict()`
+plus its `files`). Every file is written atomically (a temporary name, then a
+rename), so a reader never sees half a file. Stage 0 starts a new pipeline: it
+removes the previous run's stage files (`NN-*.py|onnx|dot|svg`) from `out_dir`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+from torch.fx import GraphModule
+
+from flintc.graph.dump_dot import layer_graph, layer_views, summary_graph, to_dot, to_svg
+from flintc.graph.dump_onnx import graph_to_onnx
+
+DUMP_SUFFIXES = (".py", ".onnx", ".dot", ".svg")
+_STAGE_FILE_RE = re.compile(r"^\d{2,}-.+\.(py|onnx|dot|svg)$")
+
+
+def stage_prefix(stage) -> str:
+    """`03-fuse_router_topk`: the stage's index, zero-padded, and its name made safe
+    for a file name."""
+    return f"{stage.index:02d}-{re.sub(r'[^A-Za-z0-9_-]+', '_', stage.name)}"
+
+
+def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
+    """Write the dumps of `report.stages[-1]` (the graph `gm`) and refresh the index.
+
+    Args:
+        report: the PipelineReport so far; its last stage is the one `gm` is in.
+        ctx: the PassContext (config, step and shapes).
+        out_dir: the dump folder, created if missing.
+
+    Returns:
+        The paths written for this stage, index.md and report.json last.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stage = report.stages[-1]
+    if stage.index == 0:
+        _clear_stage_files(out)
+    prefix = stage_prefix(stage)
+    title = (f"{prefix} ({stage.stage}): {ctx.step} B={ctx.batch} T={ctx.tokens}, "
+             f"{stage.kernels.per_forward} kernels per forward")
+    written = [_write(out / f"{prefix}.py", readable_code(gm, stage, ctx))]
+    views = [("summary", summary_graph(ctx.config, stage.kernels, title))]
+    for view, layer in layer_views(gm, ctx.config):
+        views.append((view, layer_graph(gm, layer, f"{prefix}: {view}")))
+    for view, g in views:
+        written.append(_write(out / f"{prefix}.{view}.dot", to_dot(g)))
+        written.append(_write(out / f"{prefix}.{view}.svg", to_svg(g)))
+    model = graph_to_onnx(gm, name=prefix, doc=title)
+    written.append(_write(out / f"{prefix}.onnx", model.SerializeToString()))
+    written.append(_write(out / "index.md", index_markdown(report, ctx, out)))
+    written.append(_write(out / "report.json", json.dumps(report_dict(report, ctx, out), indent=2) + "\n"))
+    return written
+
+
+def readable_code(gm: GraphModule, stage, ctx) -> str:
+    """`gm` as Python (FX's `print_readable`, dtype and shape on every line, each group
+    of lines under its source line and layer), after a header naming the stage."""
+    k = stage.kernels
+    header = [
+        f"# flintc stage {stage.index} '{stage.name}' ({stage.stage}): {ctx.step} step, "
+        f"B={ctx.batch} T={ctx.tokens} cache_len={ctx.cache_len} weights={ctx.weight_format}",
+        f"# {stage.nodes} op nodes; {k.per_forward} kernels per forward; per layer kind: "
+        + (", ".join(f"{kind} {n}" for kind, n in k.per_kind.items()) or "none"),
+        f"# check: {_check_line(stage.check)}",
+        "",
+    ]
+    code = gm.print_readable(print_output=False, additional_meta=["flintc_layer", "flintc_block"])
+    return "\n".join(header) + code.rstrip() + "\n"
+
+
+def _check_line(check) -> str:
+    if check is None:
+        return "none ran"
+    verdict = "passed" if check.passed else f"FAILED ({check.message})"
+    return (f"{check.expected}, {verdict}, max_abs {check.max_abs:.3g}, max_rel {check.max_rel:.3g}, "
+            f"share differing {check.share_differing:.3g}")
+
+
+def stage_files(out: Path, stage) -> list[str]:
+    """The dump files of `stage` in `out`, in a fixed order: .py, views, .onnx."""
+    prefix = stage_prefix(stage)
+    names = [p.name for p in out.glob(f"{prefix}.*") if p.suffix in DUMP_SUFFIXES]
+    order = {".py": 0, ".svg": 1, ".dot": 2, ".onnx": 3}
+    return sorted(names, key=lambda n: (n.endswith(".onnx"), Path(n).stem, order[Path(n).suffix]))
+
+
+def report_dict(report, ctx, out: Path) -> dict:
+    """report.json's content: the config, the step, and one dict per stage
+    (`StageReport.as_dict()` plus `files`); infinities and NaNs as strings."""
+    stages = [{**s.as_dict(), "files": stage_files(out, s)} for s in report.stages]
+    data = {"config": ctx.config.to_dict(), "step": report.step, "batch": report.batch,
+            "tokens": report.tokens, "cache_len": ctx.cache_len, "weight_format": ctx.weight_format,
+            "passed": report.passed, "skipped": list(report.skipped), "stages": stages}
+    return _json_safe(data)
+
+
+def _json_safe(x):
+    """Strict JSON has no inf or NaN: write them as "inf", "-inf", "nan"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+_COLUMNS = ("#", "pass", "stage", "nodes", "kernels/forward", "dense layer", "moe layer",
+            "expected", "passed", "max_abs", "max_rel", "share differing", "experts agree", "files")
+
+
+def index_markdown(report, ctx, out: Path) -> str:
+    """index.md: one table row per stage so far, with links to its files."""
+    c = ctx.config
+    lines = [
+        f"# flintc pipeline: {report.step} step",
+        "",
+        f"B={report.batch}, T={report.tokens}, cache_len={ctx.cache_len}, weights={ctx.weight_format}; "
+        f"{c.num_hidden_layers} layers ({c.first_k_dense_replace} dense), "
+        f"{c.n_routed_experts} experts top-{c.num_experts_per_tok}, hidden {c.hidden_size}. "
+        f"Kernel columns: launches of one forward, and of the most expensive layer of each kind.",
+        "",
+        "| " + " | ".join(_COLUMNS) + " |",
+        "|" + "|".join("---" for _ in _COLUMNS) + "|",
+    ]
+    for s in report.stages:
+        ch = s.check
+        check_cells = ["-"] * 6 if ch is None else [
+            ch.expected, "yes" if ch.passed else "**NO**", f"{ch.max_abs:.3g}", f"{ch.max_rel:.3g}",
+            f"{ch.share_differing:.3g}", "-" if ch.experts_agree is None else f"{ch.experts_agree:.1%}"]
+        links = " ".join(f"[{_link_label(s, f)}]({f})" for f in stage_files(out, s))
+        kinds = [str(s.kernels.per_kind.get(kind, "-")) for kind in ("dense", "moe")]
+        row = [str(s.index), s.name, s.stage, str(s.nodes), str(s.kernels.per_forward), *kinds,
+               *check_cells, links]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    lines.append("")
+    lines.append(f"Overall: {'passed' if report.passed else '**FAILED**'}.")
+    if report.skipped:
+        lines.append(f"Skipped passes: {', '.join(report.skipped)}.")
+    return "\n".join(lines) + "\n"
+
+
+def _link_label(stage, file_name: str) -> str:
+    return file_name[len(stage_prefix(stage)) + 1:]
+
+
+def _write(path: Path, content: str | bytes) -> Path:
+    """Write `content` to `path` atomically: a temporary file beside it, then a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = content.encode() if isinstance(content, str) else content
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _clear_stage_files(out: Path) -> None:
+    """Remove a previous pipeline's stage files, so index.md links only this run's."""
+    for p in out.iterdir():
+        if p.is_file() and _STAGE_FILE_RE.match(p.name):
+            p.unlink()

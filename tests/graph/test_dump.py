@@ -1,0 +1,170 @@
+"""Pipeline dumps (`flintc.graph.dump`): files per stage, index.md, report.json, ONNX.
+
+Runs `PassManager` on tiny decode and prefill captures with an empty pass list,
+and once with a hand-made pass that swaps two aten ops for custom ops in a
+`flintc_test` namespace (one of them with two outputs), to see op domains and
+`getitem` outputs handled before the real `flintc` ops exist.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from xml.dom import minidom
+
+import onnx
+import pydot
+import pytest
+import torch
+
+import flintc.passes.manager as manager_module
+from flintc.checkpoint.init import random_weights
+from flintc.config import FlintConfig
+from flintc.graph.dump_dot import CUSTOM
+from flintc.graph.trace import capture
+from flintc.model.reference import FlintModel
+from flintc.passes.base import GraphPass, PassContext, PassResult
+from flintc.passes.manager import NumericChecker, PassManager
+
+aten = torch.ops.aten
+STAGE_KEYS = ("name", "nodes", "kernels_per_forward", "kernels_per_layer", "check")
+CHECK_KEYS = ("expected", "passed", "max_abs", "max_rel", "share_differing")
+
+
+@torch.library.custom_op("flintc_test::rsqrt", mutates_args=())
+def _test_rsqrt(x: torch.Tensor) -> torch.Tensor:
+    return torch.rsqrt(x)
+
+
+@_test_rsqrt.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("flintc_test::sort_stable", mutates_args=())
+def _test_sort(x: torch.Tensor, dim: int, descending: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    values, indices = torch.sort(x, dim=dim, descending=descending, stable=True)
+    return values, indices
+
+
+@_test_sort.register_fake
+def _(x, dim, descending):
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.long)
+
+
+class SwapToTestOpsPass(GraphPass):
+    """Retargets `aten.rsqrt` and `aten.sort.stable` to the `flintc_test` ops above
+    (bit-exact: they call the same torch functions)."""
+
+    name = "swap_test_ops"
+    stage = "fused"
+
+    def run(self, gm):
+        matches = 0
+        for node in gm.graph.nodes:
+            if node.target is aten.rsqrt.default:
+                node.target = torch.ops.flintc_test.rsqrt.default
+            elif node.target is aten.sort.stable:
+                dim, descending = node.kwargs.get("dim", -1), node.kwargs.get("descending", False)
+                node.target = torch.ops.flintc_test.sort_stable.default
+                node.args, node.kwargs = (node.args[0], dim, descending), {}
+            else:
+                continue
+            matches += 1
+        return PassResult(matches=matches)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    cfg = FlintConfig.preset("tiny")
+    return FlintModel(cfg, random_weights(cfg, seed=0))
+
+
+def run_pipeline(model, step, out_dir, passes=()):
+    g = capture(model, step, batch=2, cache_len=64)
+    ctx = PassContext(model.config, step, g.batch, g.tokens, g.cache_len)
+    report = PassManager(list(passes), ctx, checker=NumericChecker(model, g), dump_dir=out_dir).run(g)
+    return g, report
+
+
+def fx_op_count(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+
+
+def check_stage_files(out, prefix, gm):
+    """Every dump of one stage exists and parses; returns the ONNX model."""
+    views = ["summary", "layer0-dense", "layer2-moe"]  # tiny: layers 0-1 dense, 2-3 MoE
+    expected = [f"{prefix}.py", f"{prefix}.onnx"]
+    expected += [f"{prefix}.{v}.{ext}" for v in views for ext in ("dot", "svg")]
+    for name in expected:
+        assert (out / name).is_file(), f"missing {name}"
+    for v in views:
+        minidom.parse(str(out / f"{prefix}.{v}.svg"))  # valid XML
+        assert pydot.graph_from_dot_file(str(out / f"{prefix}.{v}.dot")), v
+    code = (out / f"{prefix}.py").read_text()
+    assert "def forward" in code and 'bf16[2, ' in code  # dtype and shape per line
+    model = onnx.load(str(out / f"{prefix}.onnx"))
+    onnx.checker.check_model(model, full_check=False)
+    assert len(model.graph.node) == fx_op_count(gm)
+    assert not model.graph.initializer  # weights are inputs, not embedded
+    return model
+
+
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_dump_of_capture(tiny_model, tmp_path, step):
+    g, report = run_pipeline(tiny_model, step, tmp_path)
+    model = check_stage_files(tmp_path, "00-captured", g.gm)
+
+    placeholders = [n for n in g.gm.graph.nodes if n.op == "placeholder"]
+    assert [i.name for i in model.graph.input] == [n.name for n in placeholders]
+    ids = next(i for i in model.graph.input if i.name == "input_ids")
+    assert ids.type.tensor_type.elem_type == onnx.TensorProto.INT64
+    assert [d.dim_value for d in ids.type.tensor_type.shape.dim] == [2, g.tokens]
+    assert model.graph.output[0].name == g.gm.graph.output_node().args[0][0].name  # logits first
+    domains = {o.domain: o.version for o in model.opset_import}
+    assert domains["aten"] == 1 and domains["flintc"] == 1 and domains[""] >= 1
+    assert {n.domain for n in model.graph.node} == {"aten"}
+    typed = {v.name for v in model.graph.value_info}
+    assert all(out in typed for n in model.graph.node for out in n.output)
+
+    index = (tmp_path / "index.md").read_text()
+    assert "| 0 | captured | captured |" in index and "(00-captured.onnx)" in index
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert {"config", "step", "batch", "stages"} <= set(data)
+    assert data["step"] == step and data["batch"] == 2
+    (stage,) = data["stages"]
+    assert all(k in stage for k in STAGE_KEYS)
+    assert set(stage["kernels_per_layer"]) == {"dense", "moe"}
+    assert all(k in stage["check"] for k in CHECK_KEYS) and stage["check"]["passed"]
+    assert stage["kernels_per_forward"] == report.stages[0].kernels.per_forward
+    assert not list(tmp_path.glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_dump_of_custom_ops(tiny_model, tmp_path, monkeypatch):
+    # flintc_test ops are legal at no stage; this test is about the dumps, so skip legality.
+    monkeypatch.setattr(manager_module, "check_graph", lambda *args, **kwargs: None)
+    g, report = run_pipeline(tiny_model, "decode", tmp_path, [SwapToTestOpsPass])
+    assert report.stages[1].result.matches > 0 and report.stages[1].check.passed
+    model = check_stage_files(tmp_path, "01-swap_test_ops", g.gm)
+
+    assert {o.domain for o in model.opset_import} >= {"", "aten", "flintc", "flintc_test"}
+    custom = [n for n in model.graph.node if n.domain == "flintc_test"]
+    assert {n.op_type for n in custom} == {"rsqrt", "sort_stable"}
+    sort = next(n for n in custom if n.op_type == "sort_stable")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in sort.attribute}
+    assert attrs["dim"] == -1 and attrs["descending"] == 1
+    fx_sort = next(n for n in g.gm.graph.nodes if n.name == sort.name)
+    readers = sorted((u.args[1], u.name) for u in fx_sort.users)
+    assert list(sort.output) == [name for _, name in readers]  # getitem -> node outputs
+    assert CUSTOM in (tmp_path / "01-swap_test_ops.layer2-moe.svg").read_text()  # highlighted
+
+    index = (tmp_path / "index.md").read_text()
+    assert "| 1 | swap_test_ops | fused |" in index and "| 0 | captured |" in index
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [s["name"] for s in data["stages"]] == ["captured", "swap_test_ops"]
+    assert data["stages"][1]["check"]["expected"] == "bit-exact"
+
+    # A new pipeline into the same folder starts over: the old stage 1 is gone.
+    run_pipeline(tiny_model, "decode", tmp_path)
+    assert not list(tmp_path.glob("01-*"))
+    assert "swap_test_ops" not in (tmp_path / "index.md").read_text()
