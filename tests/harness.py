@@ -26,3 +26,33 @@ def fresh_graph(step: str = "decode", batch: int = 2, tokens: int | None = None,
 
 def context(g, fmt: str = "bf16") -> PassContext:
     return PassContext(g.config, g.step, g.batch, g.tokens, g.cache_len, fmt)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_nvfp4_model(seed: int = 0) -> FlintModel:
+    from flintc.quant.nvfp4 import quantize
+
+    w = random_weights(TINY, seed)
+    w = {k: quantize(v) if v.dim() >= 2 and "proj" in k else v for k, v in w.items()}
+    return FlintModel(TINY, w)
+
+
+def run_passes(passes, step: str = "decode", batch: int = 2, tokens: int | None = None,
+               fmt: str = "bf16", options=None):
+    """Capture tiny `step`, run `passes` through the manager with numeric checks against
+    each graph before. Returns (graph, report)."""
+    from flintc.passes.manager import NumericChecker, PassManager
+
+    model = tiny_model() if fmt == "bf16" else tiny_nvfp4_model()
+    g = fresh_graph(step, batch, tokens, model=model)
+    ctx = PassContext(g.config, g.step, g.batch, g.tokens, g.cache_len, fmt, dict(options or {}))
+    report = PassManager(passes, ctx, checker=NumericChecker(model, g)).run(g)
+    return g, report
+
+
+def count_ops(gm, *names: str) -> dict:
+    """Occurrences of ops by short name, e.g. count_ops(gm, "flintc.gemv", "aten.mm")."""
+    from flintc.graph.match import op_name
+
+    found = [op_name(n) for n in gm.graph.nodes if n.op == "call_function"]
+    return {name: found.count(name) for name in names}

@@ -15,14 +15,14 @@ from flintc.errors import EXIT_USER_ERROR, FlintcError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flintc.cli import make_checkpoint, run
+    from flintc.cli import dump, make_checkpoint, run, verify
 
     parser = argparse.ArgumentParser(
         prog="flintc",
         description="Compiler and runtime for the Flint MoE language model.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (run, make_checkpoint):
+    for module in (run, make_checkpoint, verify, dump):
         module.add_parser(sub)
     return parser
 

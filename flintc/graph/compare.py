@@ -138,16 +138,16 @@ def _selection_agreement(new_vals, old_vals):
 
 
 def compare_graphs(new: GraphModule, old: GraphModule, weights, inputs, exp: Expectation,
-                   cache_names: list[str], old_run=None) -> CheckResult:
+                   cache_names: list[str], old_run=None, new_run=None) -> CheckResult:
     """Compare `new` against `old` on the same inputs under expectation `exp`.
 
     Args:
         weights, inputs: as for `run_graph`.
         cache_names: the KV-cache placeholder names, in input order.
-        old_run: a cached `run_graph(old, ...)` result, to skip re-running `old`.
+        old_run, new_run: cached `run_graph` results, to skip re-running a graph.
     """
     old_logits, old_kv, old_vals = old_run or run_graph(old, weights, inputs)
-    new_logits, new_kv, new_vals = run_graph(new, weights, inputs)
+    new_logits, new_kv, new_vals = new_run or run_graph(new, weights, inputs)
     experts_agree, rows = _selection_agreement(_selections(new, new_vals), _selections(old, old_vals))
     B, T = inputs[0].shape
     token_rows = rows.view(B, T) if rows is not None else None

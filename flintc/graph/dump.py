@@ -72,7 +72,8 @@ def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
     model = graph_to_onnx(gm, name=prefix, doc=title)
     written.append(_write(out / f"{prefix}.onnx", model.SerializeToString()))
     written.append(_write(out / "index.md", index_markdown(report, ctx, out)))
-    written.append(_write(out / "report.json", json.dumps(report_dict(report, ctx, out), indent=2) + "\n"))
+    report_json = json.dumps(report_dict(report, ctx, out), indent=2) + "\n"
+    written.append(_write(out / "report.json", report_json))
     return written
 
 
@@ -89,6 +90,7 @@ def readable_code(gm: GraphModule, stage, ctx) -> str:
         "",
     ]
     code = gm.print_readable(print_output=False, additional_meta=["flintc_layer", "flintc_block"])
+    code = re.sub(r"^class <lambda>\(", "class FlintcGraph(", code)  # make_fx names it <lambda>
     return "\n".join(header) + code.rstrip() + "\n"
 
 
@@ -96,7 +98,8 @@ def _check_line(check) -> str:
     if check is None:
         return "none ran"
     verdict = "passed" if check.passed else f"FAILED ({check.message})"
-    return (f"{check.expected}, {verdict}, max_abs {check.max_abs:.3g}, max_rel {check.max_rel:.3g}, "
+    return (f"{check.expected}, {verdict}, max_abs {check.max_abs:.3g}, "
+            f"max_rel {check.max_rel:.3g}, "
             f"share differing {check.share_differing:.3g}")
 
 
@@ -139,7 +142,8 @@ def index_markdown(report, ctx, out: Path) -> str:
     lines = [
         f"# flintc pipeline: {report.step} step",
         "",
-        f"B={report.batch}, T={report.tokens}, cache_len={ctx.cache_len}, weights={ctx.weight_format}; "
+        f"B={report.batch}, T={report.tokens}, cache_len={ctx.cache_len}, "
+        f"weights={ctx.weight_format}; "
         f"{c.num_hidden_layers} layers ({c.first_k_dense_replace} dense), "
         f"{c.n_routed_experts} experts top-{c.num_experts_per_tok}, hidden {c.hidden_size}. "
         f"Kernel columns: launches of one forward, and of the most expensive layer of each kind.",
@@ -151,7 +155,8 @@ def index_markdown(report, ctx, out: Path) -> str:
         ch = s.check
         check_cells = ["-"] * 6 if ch is None else [
             ch.expected, "yes" if ch.passed else "**NO**", f"{ch.max_abs:.3g}", f"{ch.max_rel:.3g}",
-            f"{ch.share_differing:.3g}", "-" if ch.experts_agree is None else f"{ch.experts_agree:.1%}"]
+            f"{ch.share_differing:.3g}",
+            "-" if ch.experts_agree is None else f"{ch.experts_agree:.1%}"]
         links = " ".join(f"[{_link_label(s, f)}]({f})" for f in stage_files(out, s))
         kinds = [str(s.kernels.per_kind.get(kind, "-")) for kind in ("dense", "moe")]
         row = [str(s.index), s.name, s.stage, str(s.nodes), str(s.kernels.per_forward), *kinds,

@@ -54,7 +54,8 @@ def layer_views(gm: GraphModule, config: FlintConfig) -> list[tuple[str, int]]:
 def describe_value(val) -> str:
     """`bf16[2, 1, 128]` for a tensor; several joined by ", " for a tuple."""
     if isinstance(val, torch.Tensor):
-        return f"{dtype_abbrs.get(val.dtype, str(val.dtype))}[{', '.join(str(d) for d in val.shape)}]"
+        dims = ", ".join(str(d) for d in val.shape)
+        return f"{dtype_abbrs.get(val.dtype, str(val.dtype))}[{dims}]"
     if isinstance(val, (tuple, list)):
         return ", ".join(describe_value(v) for v in val)
     return "" if val is None else type(val).__name__
@@ -135,7 +136,8 @@ def summary_graph(config: FlintConfig, kernels: KernelCount, title: str = "") ->
         else:
             moe = config.is_moe_layer(i)
             attn = "sliding" if config.is_sliding_layer(i) else "full"
-            label, fill = f"layer {i} {'moe' if moe else 'dense'} {attn}", MOE_LAYER if moe else DENSE_LAYER
+            label = f"layer {i} {'moe' if moe else 'dense'} {attn}"
+            fill = MOE_LAYER if moe else DENSE_LAYER
         name = f"layer{i}" if 0 <= i < L else ("embedding" if i < 0 else "head")
         g.add_node(name, label=f"{label}\n{_kernels(count)}", style="filled", fillcolor=fill)
         if prev is not None:
@@ -174,19 +176,22 @@ def to_svg(g: nx.DiGraph) -> str:
     for v in x:
         x[v] += MARGIN - left
     width = max([x[v] + size[v][0] / 2 for v in g] + [len(_title(g)) * 8.0]) + MARGIN
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{top + MARGIN:.0f}" '
-             f'font-family="monospace" font-size="11">',
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" '
+             f'height="{top + MARGIN:.0f}" font-family="monospace" font-size="11">',
              '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" '
-             'markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#555555"/></marker></defs>',
+             'markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#555555"/>'
+             '</marker></defs>',
              f'<rect width="100%" height="100%" fill="#ffffff"/>']
     if _title(g):
-        parts.append(f'<text x="{MARGIN}" y="{MARGIN + LINE_H}" font-size="13">{escape(_title(g))}</text>')
+        parts.append(f'<text x="{MARGIN}" y="{MARGIN + LINE_H}" font-size="13">'
+                     f'{escape(_title(g))}</text>')
     for u, v, attrs in g.edges(data=True):
         x0, y0, x1, y1 = x[u], y[u] + size[u][1] / 2, x[v], y[v] - size[v][1] / 2
         mid = (y0 + y1) / 2
         dash = ' stroke-dasharray="4,3"' if "dashed" in attrs.get("style", "") else ""
-        parts.append(f'<path d="M{x0:.1f},{y0:.1f} C{x0:.1f},{mid:.1f} {x1:.1f},{mid:.1f} {x1:.1f},{y1:.1f}" '
-                     f'fill="none" stroke="{attrs.get("color", EDGE)}"{dash} marker-end="url(#arrow)"/>')
+        curve = f"M{x0:.1f},{y0:.1f} C{x0:.1f},{mid:.1f} {x1:.1f},{mid:.1f} {x1:.1f},{y1:.1f}"
+        parts.append(f'<path d="{curve}" fill="none" stroke="{attrs.get("color", EDGE)}"{dash} '
+                     'marker-end="url(#arrow)"/>')
     for v in g:
         parts.append(_svg_node(v, g.nodes[v], x[v], y[v], size[v]))
     parts.append("</svg>")
@@ -264,10 +269,12 @@ def _svg_node(name: str, attrs: dict, cx: float, cy: float, size: tuple[float, f
         shape = f'<ellipse cx="{cx:.1f}" cy="{cy:.1f}" rx="{w / 2 + 4:.1f}" ry="{h / 2 + 2:.1f}"'
     else:
         rx = 6 if "rounded" in style else 0
-        shape = f'<rect x="{cx - w / 2:.1f}" y="{cy - h / 2:.1f}" width="{w:.1f}" height="{h:.1f}" rx="{rx}"'
+        shape = (f'<rect x="{cx - w / 2:.1f}" y="{cy - h / 2:.1f}" width="{w:.1f}" '
+                 f'height="{h:.1f}" rx="{rx}"')
     lines = attrs.get("label", name).split("\n")
     y0 = cy - h / 2 + PAD + LINE_H * 0.8
     spans = "".join(f'<tspan x="{cx:.1f}" y="{y0 + k * LINE_H:.1f}">{escape(s)}</tspan>'
                     for k, s in enumerate(lines))
     return (f'<g><title>{escape(name)}</title>{shape} fill="{fill}" stroke="{stroke}"{extra}/>'
-            f'<text text-anchor="middle" fill="{attrs.get("fontcolor", "#000000")}">{spans}</text></g>')
+            f'<text text-anchor="middle" fill="{attrs.get("fontcolor", "#000000")}">{spans}'
+            '</text></g>')

@@ -77,8 +77,9 @@ def graph_to_onnx(gm: GraphModule, name: str = "flintc", doc: str = "") -> onnx.
     graph = helper.make_graph(nodes, name, inputs, outputs, value_info=infos)
     opsets = [helper.make_opsetid("", ONNX_OPSET)]
     opsets += [helper.make_opsetid(d, 1) for d in sorted(domains)]
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="flintc", doc_string=doc)
-    return model
+    # IR version 10 (onnx 1.16): new enough for the float8 types, old enough for any Netron.
+    return helper.make_model(graph, opset_imports=opsets, producer_name="flintc", doc_string=doc,
+                             ir_version=10)
 
 
 def _flatten(x):
@@ -133,8 +134,8 @@ def _node_proto(node: Node, values: dict[Node, str]):
     proto = helper.make_node(op_type, ins, [o for o, _ in outs], name=node.name, domain=domain,
                              doc_string=_doc(node))
     for key, value in attrs.items():  # not make_node(**attrs): `overload` is a NodeProto field
-        empty = isinstance(value, list) and not value
-        proto.attribute.append(helper.make_attribute(key, value, attr_type=AttributeProto.INTS if empty else None))
+        kind = AttributeProto.INTS if value == [] else None  # an empty list has no type
+        proto.attribute.append(helper.make_attribute(key, value, attr_type=kind))
     return proto, outs
 
 

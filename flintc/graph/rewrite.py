@@ -24,7 +24,10 @@ TAGS = ("flintc_layer", "flintc_block")
 
 def trace_pattern(fn: Callable, example_inputs: Sequence) -> GraphModule:
     """An aten-level graph of `fn` (a search pattern or a replacement), traced on
-    fake tensors shaped like `example_inputs`."""
+    fake tensors shaped like `example_inputs`. Pass distinct tensor objects: make_fx
+    maps one object passed twice to one placeholder."""
+    if len({id(t) for t in example_inputs}) != len(example_inputs):
+        raise ValueError("trace_pattern needs distinct example tensors (one object per input)")
     return make_fx(fn, tracing_mode="fake")(*example_inputs)
 
 

@@ -92,19 +92,22 @@ class NumericChecker:
 
     model: a FlintModel with real weights, the one `graph` was captured from (or one
     of the same config and format). Inputs are drawn once per checker (`seed`).
+    The manager checks passes in sequence, so the run of the graph after one pass
+    is the run of the graph before the next: it is kept and each graph runs once.
     """
 
     def __init__(self, model, graph: CapturedGraph, seed: int = 0):
         self.weights = graph.weight_args(model)
         self.inputs = graph.example_inputs(model, seed=seed)
         self.cache_names = [f"{kv}_cache_{i}" for i in range(graph.config.num_hidden_layers) for kv in "kv"]
-        self._last = None  # (graph, run) of the previous stage, to run each graph once
+        self._prev_run = None  # run_graph() of the graph as it was before the pass now checked
 
     def check(self, new, old, expectation) -> CheckResult:
-        old_run = self._last[1] if self._last is not None and self._last[0] is old else None
-        old_run = old_run or run_graph(old, self.weights, self.inputs)
-        result = compare_graphs(new, old, self.weights, self.inputs, expectation, self.cache_names, old_run)
-        return result
+        old_run = self._prev_run or run_graph(old, self.weights, self.inputs)
+        new_run = run_graph(new, self.weights, self.inputs)
+        self._prev_run = new_run
+        return compare_graphs(new, old, self.weights, self.inputs, expectation, self.cache_names,
+                              old_run, new_run)
 
 
 class PassManager:
@@ -158,7 +161,6 @@ class PassManager:
             p.verify(gm)
             check = None
             if self.checker is not None:
-                self.checker._last = (before, self.checker._last[1]) if self.checker._last else None
                 check = self.checker.check(gm, before, p.expectation)
             stage = StageReport(i, p.name, p.stage, _num_nodes(gm), count_kernels(gm, cfg), check, result,
                                 time.perf_counter() - t0)

@@ -1,0 +1,101 @@
+"""Shared by `flintc verify` and `flintc dump`: build the model to compile, and
+print the per-pass table."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from flintc.config import FlintConfig
+from flintc.errors import InputError
+
+# Full-width config with few layers, for numeric checks of `--config full` on a CPU:
+# layers 0-1 dense, 2 sliding MoE, 3 full-attention MoE (the full model's first four).
+FULL_NUMERIC_LAYERS = 4
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="BF16 checkpoint folder or NVFP4 .gguf (default: random weights of --config)")
+    p.add_argument("--config", default="tiny", help="preset when no MODEL is given: tiny or full")
+    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16",
+                   help="weight format of the random weights when no MODEL is given")
+    p.add_argument("--hf-config-path", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=2, help="decode batch B (1..8)")
+    p.add_argument("--tokens", type=int, default=16, help="prefill tokens per sequence")
+    p.add_argument("--cache-len", type=int, default=64, help="full-attention cache length S_max")
+    p.add_argument("--disable", action="append", default=[], metavar="PASS",
+                   help="skip a pass by name (repeatable)")
+    p.add_argument("--attention-splits", type=int, default=None,
+                   help="split-KV chunks for decode attention (default: from the cache length)")
+
+
+@dataclass
+class Target:
+    """What to compile: `model` (may hold meta weights), `check_model` (real weights or
+    None), and a note printed with the table."""
+
+    model: object
+    check_model: object
+    note: str = ""
+
+
+def build_targets(args: argparse.Namespace) -> list[Target]:
+    """One target normally; for `--config full` without MODEL two: all 49 layers on meta
+    weights (kernel counts only) and a 4-layer full-width model with real weights."""
+    from flintc.checkpoint.dummy import dummy_weights
+    from flintc.checkpoint.init import random_weights
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.model.reference import FlintModel
+    from flintc.quant.nvfp4 import quantize
+
+    if not 1 <= args.batch <= 8:
+        raise InputError(f"--batch must be in 1..8 (decode buckets), got {args.batch}")
+    device = torch.device(args.device)
+    max_pos = max(args.cache_len, args.tokens) + 1
+    if args.model is not None:
+        ckpt = load_checkpoint(args.model, hf_config_path=args.hf_config_path, device=device, progress=False)
+        model = FlintModel(ckpt.config, ckpt.weights, max_positions=max_pos)
+        return [Target(model, model, f"weights: {ckpt.source} ({ckpt.fmt})")]
+    config = FlintConfig.preset(args.config) if args.config in ("tiny", "full") else FlintConfig.from_file(args.config)
+
+    def real(cfg):
+        w = random_weights(cfg, seed=args.seed, device=device)
+        if args.fmt == "nvfp4":
+            w = {k: quantize(v).to(device) if "proj" in k and v.dim() >= 2 else v for k, v in w.items()}
+        return FlintModel(cfg, w, max_positions=max_pos)
+
+    if config.num_parameters()["total"] < 2e9:
+        model = real(config)
+        return [Target(model, model, f"random weights ({args.fmt}, seed {args.seed})")]
+    meta = FlintModel(config, dummy_weights(config, args.fmt, "meta"), max_positions=max_pos)
+    small = config.replace(num_hidden_layers=FULL_NUMERIC_LAYERS)
+    model = real(small)
+    return [Target(meta, None, f"all {config.num_hidden_layers} layers on meta weights: kernel counts only"),
+            Target(model, model, f"full widths, first {FULL_NUMERIC_LAYERS} layers, random {args.fmt} "
+                   "weights: numeric checks")]
+
+
+def format_table(report) -> str:
+    """The per-pass table: one row per stage."""
+    head = ("#", "pass", "stage", "nodes", "kernels/fwd", "dense", "moe", "expected", "ok",
+            "max_abs", "max_rel", "differing", "experts")
+    rows = [head]
+    for s in report.stages:
+        c = s.check
+        rows.append((
+            str(s.index), s.name, s.stage, str(s.nodes), str(s.kernels.per_forward),
+            str(s.kernels.per_kind.get("dense", "-")), str(s.kernels.per_kind.get("moe", "-")),
+            c.expected if c else "-", ("yes" if c.passed else "NO") if c else "-",
+            f"{c.max_abs:.3g}" if c else "-", f"{c.max_rel:.3g}" if c else "-",
+            f"{c.share_differing:.2%}" if c else "-",
+            f"{c.experts_agree:.1%}" if c and c.experts_agree is not None else "-",
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

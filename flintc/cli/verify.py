@@ -1,0 +1,55 @@
+"""`flintc verify`: run the decode and prefill pipelines with every check on and print
+the per-pass table; exit 0 only if every pass met its declared expectation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from flintc.cli.graphs import add_model_args, build_targets, format_table
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("verify", help="check every pass numerically and print the per-pass table",
+                       description=__doc__)
+    add_model_args(p)
+    p.add_argument("--step", choices=("decode", "prefill", "both"), default="both")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the reports as JSON")
+    p.set_defaults(func=run_verify)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from flintc.passes.manager import PassCheckError
+    from flintc.passes.pipeline import compile_step
+
+    steps = ("decode", "prefill") if args.step == "both" else (args.step,)
+    ok, reports = True, []
+    for target in build_targets(args):
+        for step in steps:
+            batch, tokens = (args.batch, None) if step == "decode" else (1, args.tokens)
+            print(f"\n== {step} (B={batch}{'' if tokens is None else f', T={tokens}'}) -- {target.note}")
+            try:
+                _, report = compile_step(target.model, step, batch=batch, tokens=tokens,
+                                         cache_len=args.cache_len, disabled=args.disable,
+                                         check_model=target.check_model, seed=args.seed,
+                                         options=_options(args))
+            except PassCheckError as exc:
+                report = exc.report
+                print(format_table(report))
+                print(f"FAILED: {exc}")
+                ok = False
+                reports.append(report.as_dict())
+                continue
+            print(format_table(report))
+            reports.append(report.as_dict())
+            ok &= report.passed
+    if args.json_out:
+        from flintc.graph.io import write_json_atomic
+
+        write_json_atomic(args.json_out, {"passed": ok, "reports": reports})
+    print("\nall passes met their expectations" if ok else "\nsome pass missed its expectation")
+    return 0 if ok else 1
+
+
+def _options(args) -> dict:
+    return {"attention_splits": args.attention_splits} if args.attention_splits else {}

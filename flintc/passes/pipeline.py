@@ -1,0 +1,85 @@
+"""flintc's pass pipelines, and `compile_step`, which captures a step and runs one.
+
+Decode (batch <= 8, one new token per sequence), in order:
+
+ 1. canonicalize           remove no-op aliases, collapse view chains
+ 2. fuse_rms_norm          every RMSNorm -> flintc.rms_norm
+ 3. fuse_silu_mul          every SwiGLU activation -> flintc.silu_mul
+ 4. fuse_qk_norm_rope_kv   per-head Q/K norm + RoPE + KV-cache write -> one op
+ 5. fuse_moe               router, top-k, selected + shared experts, combine -> 3 ops
+ 6. fuse_decode_attention  split-KV attention with sinks + combine (tolerance)
+ 7. lower_gemv             remaining linears -> GEMV over packed weights; LM head; embedding
+ 8. group_low_latency      fold norms, residual adds and top-k into the GEMVs: 7 / 6 kernels
+ 9. mark_pdl               PDL marks for every kernel, checked
+
+Prefill (T tokens per sequence) shares 1-5, then:
+
+ 6. fuse_prefill_attention attention with sinks and window over [ring, new] / the cache
+ 7. lower_gemm             linears -> large-batch GEMM; LM head; embedding
+
+Grouping and PDL apply to decode only: prefill kernels are long, launch gaps do not
+matter, and its attention must read the old ring before the write.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flintc.graph.trace import CapturedGraph, capture
+from flintc.passes.base import GraphPass, PassContext
+from flintc.passes.canonicalize import CanonicalizationPass
+from flintc.passes.fuse_decode_attention import DecodeAttentionFusionPass
+from flintc.passes.fuse_moe import MoEFusionPass
+from flintc.passes.fuse_prefill_attention import PrefillAttentionFusionPass
+from flintc.passes.fuse_qk_norm_rope_kv import QKNormRopeKVWriteFusionPass
+from flintc.passes.fuse_rms_norm import RMSNormFusionPass
+from flintc.passes.fuse_silu_mul import SiLUMulFusionPass
+from flintc.passes.group_low_latency import LowLatencyGroupingPass
+from flintc.passes.lower_gemm import GEMMLoweringPass
+from flintc.passes.lower_gemv import SmallBatchGEMVLoweringPass
+from flintc.passes.manager import NumericChecker, PassManager, PipelineReport
+from flintc.passes.mark_pdl import PDLChainingPass
+
+COMMON = [CanonicalizationPass, RMSNormFusionPass, SiLUMulFusionPass, QKNormRopeKVWriteFusionPass,
+          MoEFusionPass]
+DECODE_PIPELINE: list[type[GraphPass]] = COMMON + [
+    DecodeAttentionFusionPass, SmallBatchGEMVLoweringPass, LowLatencyGroupingPass, PDLChainingPass]
+PREFILL_PIPELINE: list[type[GraphPass]] = COMMON + [PrefillAttentionFusionPass, GEMMLoweringPass]
+
+
+def pipeline_for(step: str) -> list[type[GraphPass]]:
+    """The ordered pass classes of `step` ("decode" or "prefill")."""
+    if step == "decode":
+        return list(DECODE_PIPELINE)
+    if step == "prefill":
+        return list(PREFILL_PIPELINE)
+    raise ValueError(f"unknown step {step!r}; expected 'decode' or 'prefill'")
+
+
+def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None = None,
+                 cache_len: int = 64, weight_format: str | None = None, disabled=(),
+                 check_model=None, seed: int = 0, dump_dir=None, options: dict | None = None,
+                 ) -> tuple[CapturedGraph, PipelineReport]:
+    """Capture one step of `model` and run its pipeline.
+
+    Args:
+        model: the FlintModel to capture (real weights, or meta weights for counting).
+        check_model: a FlintModel with real weights of the same config and format to
+            check every pass numerically on (often `model` itself); None: no numeric checks.
+        dump_dir: write pass-by-pass dumps here; defaults to `$FLINTC_DUMP_DIR` if set.
+        options: per-pass knobs (e.g. {"attention_splits": 4}).
+
+    Returns (graph, report): `graph.gm` is the final graph.
+
+    Raises:
+        GraphLegalityError, PassVerifyError, PassCheckError: a pass broke the graph
+        or missed its expectation (the message names the pass).
+    """
+    graph = capture(model, step, batch=batch, tokens=tokens, cache_len=cache_len)
+    fmt = weight_format or ("nvfp4" if any(n.endswith(".codes") for n, _ in model.named_buffers()) else "bf16")
+    ctx = PassContext(model.config, step, batch, graph.tokens, cache_len, fmt, dict(options or {}))
+    checker = NumericChecker(check_model, graph, seed=seed) if check_model is not None else None
+    dump_dir = dump_dir or os.environ.get("FLINTC_DUMP_DIR") or None
+    manager = PassManager(pipeline_for(step), ctx, disabled=disabled, checker=checker, dump_dir=dump_dir)
+    report = manager.run(graph)
+    return graph, report
