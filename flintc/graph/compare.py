@@ -95,12 +95,36 @@ class _Recorder(Interpreter):
 
 def run_graph(gm: GraphModule, weights, inputs, record_all: bool = False):
     """Run `gm` on weights + (input_ids, positions, slots, kv). The KV cache is cloned
-    first. Returns (logits, kv after, recorded node values)."""
+    first. Returns (logits, kv after, recorded node values): the selected-experts
+    nodes always, every node with `record_all` (slow: an fx Interpreter)."""
     ids, positions, slots, kv = inputs
     kv = [t.clone() for t in kv]
-    rec = _Recorder(gm, record_all)
-    logits = rec.run(*weights, ids, positions, slots, *kv)
-    return logits, kv, rec.values
+    if record_all:
+        rec = _Recorder(gm, True)
+        logits = rec.run(*weights, ids, positions, slots, *kv)
+        return logits, kv, rec.values
+    probe, names = _probe(gm)
+    out = probe(*weights, ids, positions, slots, *kv)
+    return out[0], kv, dict(zip(names, out[1:]))
+
+
+def _probe(gm: GraphModule):
+    """A copy of `gm` that also returns its selected-experts nodes (compiled Python,
+    much faster than an Interpreter); cached on `gm` while its nodes are unchanged."""
+    key = tuple(n.name for n in gm.graph.nodes)
+    cached = getattr(gm, "_flintc_probe", None)
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    from flintc.graph.match import clone_graph_module
+
+    probe = clone_graph_module(gm)
+    out = next(n for n in probe.graph.nodes if n.op == "output")
+    tagged = [n for n in probe.graph.nodes if n.meta.get("flintc_role") == "moe_selected"]
+    out.args = ((out.args[0], *tagged),)
+    probe.recompile()
+    names = [n.name for n in tagged]
+    gm._flintc_probe = (key, probe, names)
+    return probe, names
 
 
 def _diff(name: str, new: torch.Tensor, old: torch.Tensor, exp: Expectation, rows=None) -> TensorDiff:

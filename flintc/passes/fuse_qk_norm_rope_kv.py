@@ -59,6 +59,7 @@ The module also holds the matching glue the attention passes share
 from __future__ import annotations
 
 import importlib
+import math
 import operator
 from dataclasses import dataclass
 
@@ -81,12 +82,19 @@ fused = torch.ops.flintc
 @dataclass
 class LayerMatch:
     """One match of a pattern in the graph: `inputs` bound to the pattern's
-    placeholders and `outputs` to its returned values (both in pattern order), and
-    `nodes`, the matched op nodes that a rewrite replaces."""
+    placeholders and `outputs` to its returned values (both in pattern order),
+    `nodes`, the matched op nodes that a rewrite replaces, and `shapes`, the shape
+    each input has in the pattern (None for a non-tensor)."""
 
     inputs: list
     outputs: list[Node]
     nodes: set[Node]
+    shapes: list
+
+
+def _shape(node) -> tuple | None:
+    v = node.meta.get("val") if isinstance(node, Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
 
 def match_in_layer(gm: GraphModule, pattern: GraphModule, layer: int) -> list[LayerMatch]:
@@ -108,11 +116,41 @@ def match_in_layer(gm: GraphModule, pattern: GraphModule, layer: int) -> list[La
     sub.output(tuple(env[n] for n in members if any(u not in inside for u in n.users)))
     back = {copy: n for n, copy in env.items()}
     found = []
+    ins = [p for p in pattern.graph.nodes if p.op == "placeholder"]
+    shapes = [_shape(p) for p in ins]
     for m in SubgraphMatcher(pattern.graph).match(sub):
         nodes = {back[gn] for pn, gn in m.nodes_map.items() if pn.op not in ("placeholder", "output")}
         inputs = [back.get(v, v) if isinstance(v, Node) else v for v in m.placeholder_nodes]
-        found.append(LayerMatch(inputs, [back[v] for v in m.returning_nodes], nodes))
+        if all(_fits(v, p) for v, p in zip(inputs, ins)):
+            found.append(LayerMatch(inputs, [back[v] for v in m.returning_nodes], nodes, shapes))
     return found
+
+
+def _fits(value, pattern_input: Node) -> bool:
+    """Whether a bound input can stand for a pattern input: same shape, or (when the
+    pattern only views that input) as many elements: a view chain that `canonicalize`
+    folded into the pattern's first view (see `bind_inputs`)."""
+    shape = _shape(pattern_input)
+    if shape is None:
+        return True
+    have = _shape(value)
+    views_only = all(u.target is aten.view.default for u in pattern_input.users)
+    return have == shape or (views_only and have is not None and math.prod(have) == math.prod(shape))
+
+
+def bind_inputs(gm: GraphModule, m: LayerMatch, before: Node, layer: int) -> list:
+    """The match's inputs, each with the pattern's shape. `canonicalize` folds
+    `view(view(x, s1), s2)` into `view(x, s2)`, so a pattern input `v` [B, T, Hkv, D]
+    that the pattern views as s2 can bind to x [N, Hkv*D]; such an input gets its
+    view to the pattern's shape back, inserted before `before`."""
+    out = []
+    for value, shape in zip(m.inputs, m.shapes):
+        if shape is not None and _shape(value) != shape:
+            with gm.graph.inserting_before(before):
+                value = gm.graph.call_function(aten.view.default, (value, list(shape)))
+            value.meta.update(flintc_layer=layer, flintc_block="attn")
+        out.append(value)
+    return out
 
 
 def pattern_forms(pattern: GraphModule, ctx: PassContext) -> list[GraphModule]:
@@ -212,9 +250,7 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
 
     def _fuse(self, gm: GraphModule, m: LayerMatch, layer: int, sliding: bool) -> None:
         c = self.ctx.config
-        q, k, v, q_norm, k_norm = m.inputs[:5]
         k_cache, v_cache, slots, positions = m.inputs[-4:]
-        cos, sin = m.inputs[5:7] if sliding else _rope_rows(gm, positions)
         q_out, k_out, k_put, v_put = m.outputs
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         puts = (k_put, v_put)
@@ -226,11 +262,14 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
         for r in sorted(readers, key=order.__getitem__):  # reads of the old cache go first
             if order[anchor] < order[r] < first_put:
                 move_before(r, anchor, order)
-        args = (q, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, positions)
-        late = [a for a in args if order[a] >= order[anchor]]
+        late = [a for a in m.inputs if isinstance(a, Node) and order[a] >= order[anchor]]
         if late:
             raise PassVerifyError(f"{self.name}: layer {layer}: input {late[0].name} is defined after "
                                   f"{anchor.name}, the first reader of the fused op's results")
+        inputs = bind_inputs(gm, m, anchor, layer)
+        q, k, v, q_norm, k_norm = inputs[:5]
+        cos, sin = inputs[5:7] if sliding else _rope_rows(gm, positions)
+        args = (q, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache, slots, positions)
         window = c.sliding_window if sliding else 0
         with gm.graph.inserting_before(anchor):
             node = gm.graph.create_node("call_function", fused.qk_norm_rope_kv_write.default,

@@ -113,9 +113,10 @@ class LowLatencyGroupingPass(GraphPass):
         y = torch.empty(2, 8, dtype=torch.bfloat16)
         pattern = trace_pattern(lambda x, y: ops.residual_add(x, y, torch.float32), (x, y))
         matches = SubgraphMatcher(pattern.graph, ignore_literals=False).match(gm.graph)
-        done = 0
+        done, replaced = 0, {}
         for m in matches:
             residual, branch = m.placeholder_nodes
+            residual = replaced.get(residual, residual)  # an earlier match's output, now folded
             out = m.returning_nodes[0]
             src = _through_views(branch)
             if is_op(src, F.gemv) and len(src.users) == 1:
@@ -125,6 +126,7 @@ class LowLatencyGroupingPass(GraphPass):
             else:
                 continue
             out.replace_all_uses_with(new)
+            replaced[out] = new
             done += 1
         gm.graph.eliminate_dead_code()
         return done
@@ -149,6 +151,10 @@ class LowLatencyGroupingPass(GraphPass):
             if 1 in outs and outs[1].users:
                 continue  # prefill-style graphs that still read k: not a decode schedule
             outs[0].replace_all_uses_with(new)
+            # The old op writes the cache, so dead-code elimination keeps it: erase it.
+            for item in outs.values():
+                gm.graph.erase_node(item)
+            gm.graph.erase_node(node)
             done += 1
         gm.graph.eliminate_dead_code()
         return done
