@@ -13,9 +13,8 @@ import torch
 from torch.fx import GraphModule
 
 import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
-from flintc.graph.match import find_nodes
-from flintc.passes.base import GraphPass, PassResult, PassVerifyError
-from flintc.passes.lower_gemv import lower_linears
+from flintc.passes.base import GraphPass, PassResult
+from flintc.passes.lower_gemv import check_no_linear_left, lower_linears
 
 
 class GEMMLoweringPass(GraphPass):
@@ -27,6 +26,4 @@ class GEMMLoweringPass(GraphPass):
         return PassResult(matches=n)
 
     def verify(self, gm: GraphModule) -> None:
-        left = find_nodes(gm, torch.ops.aten.mm)
-        if left:
-            raise PassVerifyError(f"{self.name}: a matmul was not lowered: {left[0].name}")
+        check_no_linear_left(gm, self.name)

@@ -104,6 +104,19 @@ def _lower_head_and_embedding(gm: GraphModule, num_rows: int) -> int:
     return count
 
 
+def check_no_linear_left(gm: GraphModule, pass_name: str) -> None:
+    """Raise PassVerifyError if an `ops.linear` (an fp32 `mm` rounded to bf16) or the LM
+    head is still an aten matmul. (An unfused router matmul feeds a sigmoid, not a
+    cast: it belongs to fuse_moe, which may be switched off.)"""
+    for mm in find_nodes(gm, aten.mm):
+        weight = mm.args[1]
+        while weight.op == "call_function":  # permute(_to_copy(placeholder))
+            weight = weight.args[0]
+        rounded = [u for u in mm.users if u.target is aten._to_copy.default]
+        if rounded or weight.name == "w_lm_head":
+            raise PassVerifyError(f"{pass_name}: a linear was not lowered: {mm.name} (weight {weight.name})")
+
+
 class SmallBatchGEMVLoweringPass(GraphPass):
     name = "lower_gemv"
     steps = ("decode",)
@@ -113,6 +126,4 @@ class SmallBatchGEMVLoweringPass(GraphPass):
         return PassResult(matches=n)
 
     def verify(self, gm: GraphModule) -> None:
-        left = find_nodes(gm, aten.mm)
-        if left:
-            raise PassVerifyError(f"{self.name}: a matmul was not lowered: {left[0].name}")
+        check_no_linear_left(gm, self.name)

@@ -94,7 +94,7 @@ def test_decode_is_fused_within_tolerance():
 def test_empty_splits_and_a_sequence_at_position_zero():
     """4 splits: the 9-row ring pads to 12 rows, so its last split is empty; sequence 0
     is at position 0, so splits 1-3 of its 48-row full cache are entirely masked."""
-    g = graph(8)
+    g = graph(4)
     stage = run(g, splits=4, at_zero=True)
     assert_fused(g, 4)
     assert stage.check.passed, stage.check.message

@@ -1,0 +1,111 @@
+"""The decode and prefill pipelines end to end on tiny, pass by pass through the
+manager (structure of the lowering passes, numerics, kernel counts); and the kernel
+count of a full-width config on meta weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flintc.checkpoint.dummy import dummy_weights
+from flintc.config import FlintConfig
+from flintc.graph.accounting import kernels_of
+from flintc.graph.match import op_name
+from flintc.model.reference import FlintModel
+from flintc.passes.pipeline import compile_step, pipeline_for
+from harness import TINY, tiny_model, tiny_nvfp4_model
+
+MOE_SCHEDULE = ["flintc.norm_qkv_rope_kv", "flintc.decode_attention", "flintc.attention_combine",
+                "flintc.gemv_residual", "flintc.norm_router", "flintc.moe_topk_gate_up",
+                "flintc.moe_down_combine_residual"]
+DENSE_SCHEDULE = ["flintc.norm_qkv_rope_kv", "flintc.decode_attention", "flintc.attention_combine",
+                  "flintc.gemv_residual", "flintc.norm_gate_up_silu", "flintc.gemv_residual"]
+
+
+def kernels_by_layer(gm):
+    out = {}
+    for n in gm.graph.nodes:
+        if kernels_of(n):
+            out.setdefault(n.meta["flintc_layer"], []).append(op_name(n))
+    return out
+
+
+@pytest.fixture(scope="module", params=["bf16", "nvfp4"])
+def decode(request):
+    model = tiny_model() if request.param == "bf16" else tiny_nvfp4_model()
+    return compile_step(model, "decode", batch=2, cache_len=48, check_model=model,
+                        options={"attention_splits": 3})
+
+
+def test_decode_schedule_is_seven_and_six_kernels(decode):
+    g, report = decode
+    assert [s.name for s in report.stages[1:]] == [p.name for p in pipeline_for("decode")]
+    assert all(s.check.passed for s in report.stages)
+    layers = kernels_by_layer(g.gm)
+    for i in range(TINY.num_hidden_layers):
+        assert layers[i] == (MOE_SCHEDULE if TINY.is_moe_layer(i) else DENSE_SCHEDULE)
+    assert layers[-1] == ["flintc.embedding"] and layers[TINY.num_hidden_layers] == ["flintc.norm_lm_head"]
+    final = report.stages[-1].kernels
+    assert final.per_kind == {"dense": 6, "moe": 7} and final.shared == 0
+    assert final.per_forward == 2 * 6 + 2 * 7 + 2
+    assert report.stages[0].kernels.per_forward > 10 * final.per_forward
+
+
+def test_lowering_passes_are_bit_exact(decode):
+    _, report = decode
+    for s in report.stages:
+        if s.name != "fuse_decode_attention":
+            assert s.check.bit_exact, s.name
+        assert s.check.experts_agree == 1.0
+
+
+def test_lower_gemv_leaves_no_matmul(decode):
+    _, report = decode
+    idx = [s.name for s in report.stages].index("lower_gemv")
+    assert report.stages[idx].result.matches >= 4 * TINY.num_hidden_layers  # q, k, v, o per layer
+    assert report.stages[idx].kernels.per_forward < report.stages[idx - 1].kernels.per_forward
+
+
+def test_every_kernel_has_a_pdl_mark(decode):
+    g, _ = decode
+    for n in g.gm.graph.nodes:
+        if kernels_of(n):
+            mark = n.meta["pdl"]
+            if op_name(n) != "flintc.embedding":  # the first kernel reads only step inputs
+                assert mark["after_wait"], n.name
+            assert mark["writes_after_wait"]
+            assert all(a.startswith(("w_", "rope_", "input_ids", "positions", "slots"))
+                       for a in mark["before_wait"])
+
+
+def test_prefill_pipeline():
+    model = tiny_model()
+    g, report = compile_step(model, "prefill", batch=1, tokens=20, cache_len=48, check_model=model)
+    assert [s.name for s in report.stages[1:]] == [p.name for p in pipeline_for("prefill")]
+    assert all(s.check.passed and s.check.bit_exact for s in report.stages)
+    names = {op_name(n) for n in g.gm.graph.nodes if n.op == "call_function"}
+    assert {"flintc.gemm", "flintc.prefill_attention", "flintc.moe_route", "flintc.lm_head"} <= names
+    assert "aten.mm" not in names and "aten._softmax" not in names
+
+
+def test_disabling_a_pass_keeps_the_rest_checked():
+    model = tiny_model()
+    _, report = compile_step(model, "decode", batch=1, cache_len=32, check_model=model,
+                             disabled=["group_low_latency", "mark_pdl"])
+    assert report.skipped == ["group_low_latency", "mark_pdl"]
+    assert report.stages[-1].name == "lower_gemv" and report.stages[-1].check.passed
+
+
+def test_full_width_kernel_counts_on_meta_weights():
+    """Full widths (H 2048, 256 experts, V 151552), the first 7 layers (dense, sliding and
+    full MoE), meta weights: 6 / 7 kernels per layer; 49 layers give 2 + 2*6 + 47*7 = 343."""
+    full = FlintConfig.preset("full")
+    cfg = full.replace(num_hidden_layers=7)
+    model = FlintModel(cfg, dummy_weights(cfg, "nvfp4", "meta"), max_positions=1025)
+    _, report = compile_step(model, "decode", batch=8, cache_len=1024)
+    final = report.stages[-1].kernels
+    assert final.per_kind == {"dense": 6, "moe": 7}
+    assert final.per_forward == 2 + 2 * 6 + 5 * 7
+    per_forward_49 = 2 + 2 * final.per_kind["dense"] + 47 * final.per_kind["moe"]
+    assert per_forward_49 == 343 <= 346
+    assert report.stages[0].kernels.per_forward > 1000 * 7 / 49
