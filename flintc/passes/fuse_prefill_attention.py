@@ -30,7 +30,7 @@ Before / after (sliding layer 0, prefill B=2, T=12, tiny: W=9, S=21):
     bmm_1 = aten.bmm(view_6, _unsafe_view_3)                           [16, 12, 32] p @ v
     _to_copy_22 = aten._to_copy(_unsafe_view_5, dtype=bf16)            [2, 12, 256] bf16
   ->
-    prefill_attention = flintc.prefill_attention(getitem, cat_3, cat_4, bitwise_and_1,
+    prefill_attention = flintc.prefill_attention(getitem_4, cat_3, cat_4, bitwise_and_1,
                                                  w_layers_0_self_attn_sinks)  [2, 12, 256] bf16
 """
 

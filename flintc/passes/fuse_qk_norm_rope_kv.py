@@ -104,7 +104,8 @@ def match_in_layer(gm: GraphModule, pattern: GraphModule, layer: int) -> list[La
     The layer's nodes are copied into a small graph whose placeholders stand for
     values from outside the layer and whose output takes every value leaving it, so
     the matcher's containment rule still sees users outside the layer."""
-    members = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("flintc_layer") == layer]
+    members = [n for n in gm.graph.nodes
+               if n.op == "call_function" and n.meta.get("flintc_layer") == layer]
     inside = set(members)
     sub, env = Graph(), {}
     for n in members:
@@ -119,7 +120,8 @@ def match_in_layer(gm: GraphModule, pattern: GraphModule, layer: int) -> list[La
     ins = [p for p in pattern.graph.nodes if p.op == "placeholder"]
     shapes = [_shape(p) for p in ins]
     for m in SubgraphMatcher(pattern.graph).match(sub):
-        nodes = {back[gn] for pn, gn in m.nodes_map.items() if pn.op not in ("placeholder", "output")}
+        nodes = {back[gn] for pn, gn in m.nodes_map.items()
+                 if pn.op not in ("placeholder", "output")}
         inputs = [back.get(v, v) if isinstance(v, Node) else v for v in m.placeholder_nodes]
         if all(_fits(v, p) for v, p in zip(inputs, ins)):
             found.append(LayerMatch(inputs, [back[v] for v in m.returning_nodes], nodes, shapes))
@@ -135,7 +137,9 @@ def _fits(value, pattern_input: Node) -> bool:
         return True
     have = _shape(value)
     views_only = all(u.target is aten.view.default for u in pattern_input.users)
-    return have == shape or (views_only and have is not None and math.prod(have) == math.prod(shape))
+    if have == shape:
+        return True
+    return views_only and have is not None and math.prod(have) == math.prod(shape)
 
 
 def bind_inputs(gm: GraphModule, m: LayerMatch, before: Node, layer: int) -> list:
@@ -184,7 +188,8 @@ def move_before(node: Node, anchor: Node, order: dict[Node, int]) -> None:
     """Move `node` (which must need only values defined before `anchor`) right before it."""
     late = [a for a in node.all_input_nodes if order[a] >= order[anchor]]
     if late:
-        raise PassVerifyError(f"cannot move {node.name} before {anchor.name}: it needs {late[0].name}")
+        raise PassVerifyError(f"cannot move {node.name} before {anchor.name}: "
+                              f"it needs {late[0].name}")
     anchor.prepend(node)
 
 
@@ -201,7 +206,7 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
             if sliding not in forms:
                 forms[sliding] = pattern_forms(self._pattern(gm, layer, sliding), self.ctx)
             match = next((m for form in forms[sliding] for m in match_in_layer(gm, form, layer)
-                          if self._check(m, layer, sliding)), None)
+                          if self._check(m, layer)), None)
             if match is None:
                 result.notes.append(f"layer {layer}: no Q/K norm + KV write matched")
                 continue
@@ -240,7 +245,7 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
         return trace_pattern(search, (*act, *norms, *tables, *rest))
 
     @staticmethod
-    def _check(m: LayerMatch, layer: int, sliding: bool) -> bool:
+    def _check(m: LayerMatch, layer: int) -> bool:
         """The match reads this layer's norm weights and writes this layer's caches."""
         names = [getattr(n, "name", None) for n in m.inputs]
         kc, vc = names[-4:-2]
@@ -258,14 +263,17 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
         readers = [u for cache in (k_cache, v_cache) for u in cache.users if u not in m.nodes]
         consumers = [u for r in m.outputs for u in r.users if u not in m.nodes]
         consumers += [r for r in readers if order[r] > last_put]  # reads of the new cache
-        anchor = min(consumers, key=order.__getitem__) if consumers else max(puts, key=order.__getitem__).next
+        if consumers:
+            anchor = min(consumers, key=order.__getitem__)
+        else:
+            anchor = max(puts, key=order.__getitem__).next
         for r in sorted(readers, key=order.__getitem__):  # reads of the old cache go first
             if order[anchor] < order[r] < first_put:
                 move_before(r, anchor, order)
         late = [a for a in m.inputs if isinstance(a, Node) and order[a] >= order[anchor]]
         if late:
-            raise PassVerifyError(f"{self.name}: layer {layer}: input {late[0].name} is defined after "
-                                  f"{anchor.name}, the first reader of the fused op's results")
+            raise PassVerifyError(f"{self.name}: layer {layer}: input {late[0].name} is defined "
+                                  f"after {anchor.name}, the first reader of the op's results")
         inputs = bind_inputs(gm, m, anchor, layer)
         q, k, v, q_norm, k_norm = inputs[:5]
         cos, sin = inputs[5:7] if sliding else _rope_rows(gm, positions)
@@ -273,7 +281,8 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
         window = c.sliding_window if sliding else 0
         with gm.graph.inserting_before(anchor):
             node = gm.graph.create_node("call_function", fused.qk_norm_rope_kv_write.default,
-                                        (*args, c.rms_norm_eps, sliding, window), name="qk_norm_rope_kv_write")
+                                        (*args, c.rms_norm_eps, sliding, window),
+                                        name="qk_norm_rope_kv_write")
             outs = [gm.graph.call_function(operator.getitem, (node, i)) for i in range(2)]
         for new in (node, *outs):
             new.meta.update(flintc_layer=layer, flintc_block="attn")
@@ -293,7 +302,8 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
         if left:
             raise PassVerifyError(f"{self.name}: unfused KV-cache write left at {left[0].name} "
                                   f"(layer {left[0].meta.get('flintc_layer')})")
-        found = sorted(n.meta.get("flintc_layer") for n in find_nodes(gm, fused.qk_norm_rope_kv_write))
+        ops = find_nodes(gm, fused.qk_norm_rope_kv_write)
+        found = sorted(n.meta.get("flintc_layer") for n in ops)
         if found != list(range(c.num_hidden_layers)):
             raise PassVerifyError(f"{self.name}: expected one qk_norm_rope_kv_write per layer, "
                                   f"found one in layers {found}")
@@ -309,7 +319,8 @@ def _rope_rows(gm: GraphModule, positions: Node) -> tuple[Node, Node]:
     rows = []
     for table in ("rope_cos", "rope_sin"):
         ph = placeholder(gm, table)
-        row = next((u for u in ph.users if u.target is aten.index.Tensor and u.args[1] == [positions]), None)
+        found = [u for u in ph.users if u.target is aten.index.Tensor and u.args[1] == [positions]]
+        row = found[0] if found else None
         if row is None:
             first_op = next(n for n in gm.graph.nodes if n.op != "placeholder")
             with gm.graph.inserting_before(first_op):

@@ -4,9 +4,8 @@
 Numerics against the graph before the pass within the pass's declared tolerance
 (max_abs and share_differing are printed, see `-s`), and deliberately wrong variants
 that must fail that same tolerance; the two ops against
-`flintc.model.ops.attention_with_sink` on float64 inputs. NVFP4 weights change only
-the linears, which these passes leave alone: they are covered at full width on meta
-weights (structure); the numeric sweep behind the tolerance covered both formats."""
+`flintc.model.ops.attention_with_sink` on float64 inputs. NVFP4 weights (they change
+only the linears) are checked on tiny and, for structure, at full width."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ from flintc.passes.fuse_decode_attention import DecodeAttentionFusionPass, num_s
 from flintc.passes.fuse_qk_norm_rope_kv import QKNormRopeKVWriteFusionPass
 from flintc.passes.fuse_rms_norm import RMSNormFusionPass
 from flintc.passes.manager import NumericChecker, PassManager
-from harness import tiny_model
+from harness import TINY, tiny_model
 
 aten, fused = torch.ops.aten, torch.ops.flintc
 PASSES = [RMSNormFusionPass, QKNormRopeKVWriteFusionPass, DecodeAttentionFusionPass]
@@ -100,6 +99,19 @@ def test_empty_splits_and_a_sequence_at_position_zero():
     assert stage.check.passed, stage.check.message
 
 
+def test_nvfp4_weights():
+    """NVFP4 weights change only the linears; the Q/K fusion and this pass are checked
+    on them too (the manager checks every pass it runs)."""
+    weights = dummy_weights(TINY, "nvfp4", seed=1)
+    nvfp4 = FlintModel(TINY, weights)
+    g = capture(nvfp4, "decode", batch=2, cache_len=48)
+    ctx = PassContext(TINY, "decode", 2, 1, 48, "nvfp4", {"attention_splits": 2})
+    report = PassManager(PASSES, ctx, checker=NumericChecker(nvfp4, g, seed=1)).run(g)
+    assert_fused(g, 2)
+    qk, attn = report.stages[-2:]
+    assert qk.check.bit_exact and attn.check.passed, attn.check.message
+
+
 class SinkTwicePass(DecodeAttentionFusionPass):
     """Deliberately wrong: the combine counts the sink twice (sink + ln 2)."""
 
@@ -147,11 +159,12 @@ def test_wrong_variants_fail_the_same_tolerance():
     for variant in (DecodeAttentionFusionPass, SinkTwicePass, PositionOffByOnePass):
         gm = clone_graph_module(g.gm)
         variant(ctx).run(gm)
-        checks[variant.name] = compare_graphs(gm, g.gm, checker.weights, checker.inputs,
-                                              DecodeAttentionFusionPass.expectation, checker.cache_names,
-                                              old_run)
+        checks[variant.name] = compare_graphs(
+            gm, g.gm, checker.weights, checker.inputs, DecodeAttentionFusionPass.expectation,
+            checker.cache_names, old_run)
     for name, c in checks.items():
-        print(f"\n{name}: passed={c.passed} max_abs={c.max_abs:.4g} share_differing={c.share_differing:.4g}")
+        print(f"\n{name}: passed={c.passed} max_abs={c.max_abs:.4g} "
+              f"share_differing={c.share_differing:.4g}")
     right = checks.pop("fuse_decode_attention")
     assert right.passed and not right.bit_exact
     assert not any(c.passed for c in checks.values())
@@ -223,7 +236,7 @@ def test_empty_split_adds_nothing_and_the_sink_counts_once():
     the real split alone: no NaN, and the sink's mass is not repeated per split."""
     B, Hq, Hkv, D = 2, 4, 2, 8
     q, kc, vc, slots, sinks = _inputs(B, 12, Hq, Hkv, D, seed=3)
-    positions = torch.tensor([[2], [3]])  # keys 0..3 only: with 3 splits of 4 rows, splits 1, 2 are empty
+    positions = torch.tensor([[2], [3]])  # keys 0..3: of 3 splits of 4 rows, 1 and 2 are empty
     o_part, lse = decode_attention(q, kc, vc, slots, positions, 0, 3)
     assert torch.isinf(lse[..., 1:]).all() and (o_part[..., 1:, :] == 0).all()
     whole = attention_combine(o_part, lse, sinks)
@@ -232,7 +245,8 @@ def test_empty_split_adds_nothing_and_the_sink_counts_once():
     ref = _reference(q, kc, vc, slots, positions, 0, sinks)
     torch.testing.assert_close(whole.double(), ref, atol=1e-2, rtol=1e-2)
     # nothing visible at all: all mass on the sink, o = 0
-    none_visible = attention_combine(torch.zeros_like(o_part), torch.full_like(lse, -math.inf), sinks)
+    empty = torch.full_like(lse, -math.inf)
+    none_visible = attention_combine(torch.zeros_like(o_part), empty, sinks)
     assert torch.equal(none_visible, torch.zeros_like(none_visible))
 
 

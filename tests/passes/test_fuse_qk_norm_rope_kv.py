@@ -61,7 +61,8 @@ def assert_fused(g):
         sliding = c.is_sliding_layer(i)
         assert n.args[7].name == f"k_cache_{i}" and n.args[8].name == f"v_cache_{i}"
         assert n.args[-2:] == (sliding, c.sliding_window if sliding else 0)
-    per_head = [n for n in find_nodes(gm, fused.rms_norm) if n.args[1].name.endswith(("q_norm", "k_norm"))]
+    per_head = [n for n in find_nodes(gm, fused.rms_norm)
+                if n.args[1].name.endswith(("q_norm", "k_norm"))]
     assert not per_head
     assert not find_nodes(gm, aten.remainder) or all(n.meta["flintc_layer"] is None
                                                       for n in find_nodes(gm, aten.remainder))
