@@ -4,7 +4,6 @@ the per-pass table; exit 0 only if every pass met its declared expectation."""
 from __future__ import annotations
 
 import argparse
-import json
 
 from flintc.cli.graphs import add_model_args, build_targets, format_table
 

@@ -181,7 +181,7 @@ def to_svg(g: nx.DiGraph) -> str:
              '<defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="6" '
              'markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#555555"/>'
              '</marker></defs>',
-             f'<rect width="100%" height="100%" fill="#ffffff"/>']
+             '<rect width="100%" height="100%" fill="#ffffff"/>']
     if _title(g):
         parts.append(f'<text x="{MARGIN}" y="{MARGIN + LINE_H}" font-size="13">'
                      f'{escape(_title(g))}</text>')

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import torch
 from torch.fx import GraphModule, Node
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp

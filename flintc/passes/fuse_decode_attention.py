@@ -68,7 +68,7 @@ from flintc.graph.spec import _mutated_args
 from flintc.model import ops
 from flintc.ops.common import CDT
 from flintc.passes.base import GraphPass, PassResult, PassVerifyError
-from flintc.passes.fuse_qk_norm_rope_kv import (LayerMatch, bind_inputs, like, match_in_layer,
+from flintc.passes.patterns import (LayerMatch, bind_inputs, like, match_in_layer,
                                                 pattern_forms)
 
 aten = torch.ops.aten

@@ -48,7 +48,6 @@ Before / after (decode, B=2, tiny: H=128, E=16, K=6, F=64; bf16 weights):
 
 from __future__ import annotations
 
-import importlib
 import operator
 from dataclasses import dataclass
 
@@ -63,6 +62,7 @@ from flintc.graph.rewrite import refresh_meta, replace_pattern, trace_pattern
 from flintc.model import ops
 from flintc.ops.common import CDT, as_weight
 from flintc.passes.base import GraphPass, PassContext, PassResult, PassVerifyError
+from flintc.passes.patterns import pattern_forms
 
 aten = torch.ops.aten
 fused = torch.ops.flintc
@@ -189,10 +189,10 @@ class MoEFusionPass(GraphPass):
         traced = trace_pattern(pattern.search, pattern.example_inputs)
         traced.graph.eliminate_dead_code()  # unused sort values; the matcher refuses dead code
         traced.recompile()
-        yield from with_silu_forms("traced", traced)
-        canonical = _canonicalized(traced, self.ctx)
-        if canonical is not None:
-            yield from with_silu_forms("canonical", canonical)
+        forms = pattern_forms(traced, self.ctx)
+        yield from with_silu_forms("traced", forms[0])
+        if len(forms) > 1:
+            yield from with_silu_forms("canonical", forms[1])
 
     def verify(self, gm: GraphModule) -> None:
         layers = _moe_layers(self.ctx.config)
@@ -257,25 +257,6 @@ def _drop_unused_sort_values(gm: GraphModule) -> None:
         for user in list(sort.users):
             if user.target is operator.getitem and not user.users:
                 gm.graph.erase_node(user)
-
-
-def _canonicalized(pattern: GraphModule, ctx: PassContext) -> GraphModule | None:
-    """The pattern after the `canonicalize` pass, when that pass exists and changes it.
-
-    HACK: `canonicalize` is optional in the pipeline; once it always runs first, put
-    every pattern through it unconditionally and drop this lookup."""
-    try:
-        module = importlib.import_module("flintc.passes.canonicalize")
-    except ImportError:
-        return None
-    passes = [c for c in vars(module).values()
-              if isinstance(c, type) and issubclass(c, GraphPass) and c.name == "canonicalize"]
-    if not passes:
-        return None
-    canonical = clone_graph_module(pattern)
-    passes[0](ctx).run(canonical)
-    canonical.recompile()
-    return canonical if str(canonical.graph) != str(pattern.graph) else None
 
 
 def _silu_form(gm: GraphModule, layer: int) -> tuple[bool, bool]:

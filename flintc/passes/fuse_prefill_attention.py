@@ -45,7 +45,7 @@ from flintc.graph.rewrite import refresh_meta, replace_pattern, trace_pattern
 from flintc.model import ops
 from flintc.ops.common import CDT
 from flintc.passes.base import GraphPass, PassResult, PassVerifyError
-from flintc.passes.fuse_qk_norm_rope_kv import pattern_forms
+from flintc.passes.patterns import pattern_forms
 
 aten = torch.ops.aten
 fused = torch.ops.flintc

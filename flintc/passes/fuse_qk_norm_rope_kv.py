@@ -28,7 +28,8 @@ Cases: decode and prefill (T > W keeps the last W tokens), any batch, sliding an
 full layers, bf16 or NVFP4 weights (only the linears differ), with or without
 `canonicalize`.
 
-Before / after (sliding layer 0, decode B=2, tiny; full layers lack the RoPE):
+Before / after (sliding layer 0, decode B=2, tiny, after `canonicalize`; full layers
+have no RoPE and read the cache after the write):
 
     rms_norm_1 = flintc.rms_norm(view_1, w_layers_0_self_attn_q_norm, 1e-05)  [2, 1, 8, 32] bf16
     _to_copy_15 = aten._to_copy(rms_norm_1, dtype=f32)
@@ -52,145 +53,28 @@ Before / after (sliding layer 0, decode B=2, tiny; full layers lack the RoPE):
     getitem_1 = qk_norm_rope_kv_write[1]                                      [2, 1, 2, 32] bf16
     cat_3 = aten.cat([index_3, getitem_1], 1)
 
-The module also holds the matching glue the attention passes share
-(`match_in_layer`, `pattern_forms`).
+The matching glue it shares with the attention passes is in `flintc.passes.patterns`.
 """
 
 from __future__ import annotations
 
-import importlib
-import math
 import operator
-from dataclasses import dataclass
 
 import torch
-from torch.fx import Graph, GraphModule, Node
-from torch.fx.passes.utils.matcher_utils import SubgraphMatcher
+from torch.fx import GraphModule, Node
 
 import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
-from flintc.graph.match import clone_graph_module, find_nodes, placeholder
+from flintc.graph.match import find_nodes, placeholder
 from flintc.graph.rewrite import refresh_meta, trace_pattern
 from flintc.model import ops
 from flintc.ops.attention import write_kv
 from flintc.ops.common import CDT
-from flintc.passes.base import GraphPass, PassContext, PassResult, PassVerifyError
+from flintc.passes.base import GraphPass, PassResult, PassVerifyError
+from flintc.passes.patterns import (LayerMatch, bind_inputs, like, match_in_layer, move_before,
+                                    pattern_forms)
 
 aten = torch.ops.aten
 fused = torch.ops.flintc
-
-
-@dataclass
-class LayerMatch:
-    """One match of a pattern in the graph: `inputs` bound to the pattern's
-    placeholders and `outputs` to its returned values (both in pattern order),
-    `nodes`, the matched op nodes that a rewrite replaces, and `shapes`, the shape
-    each input has in the pattern (None for a non-tensor)."""
-
-    inputs: list
-    outputs: list[Node]
-    nodes: set[Node]
-    shapes: list
-
-
-def _shape(node) -> tuple | None:
-    v = node.meta.get("val") if isinstance(node, Node) else None
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def match_in_layer(gm: GraphModule, pattern: GraphModule, layer: int) -> list[LayerMatch]:
-    """Matches of `pattern` (torch.fx `SubgraphMatcher`) among the nodes of one decoder
-    layer (`meta["flintc_layer"] == layer`).
-
-    The layer's nodes are copied into a small graph whose placeholders stand for
-    values from outside the layer and whose output takes every value leaving it, so
-    the matcher's containment rule still sees users outside the layer."""
-    members = [n for n in gm.graph.nodes
-               if n.op == "call_function" and n.meta.get("flintc_layer") == layer]
-    inside = set(members)
-    sub, env = Graph(), {}
-    for n in members:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in env:
-                env[a] = sub.placeholder(a.name)
-    for n in members:
-        env[n] = sub.node_copy(n, lambda a: env[a])
-    sub.output(tuple(env[n] for n in members if any(u not in inside for u in n.users)))
-    back = {copy: n for n, copy in env.items()}
-    found = []
-    ins = [p for p in pattern.graph.nodes if p.op == "placeholder"]
-    shapes = [_shape(p) for p in ins]
-    for m in SubgraphMatcher(pattern.graph).match(sub):
-        nodes = {back[gn] for pn, gn in m.nodes_map.items()
-                 if pn.op not in ("placeholder", "output")}
-        inputs = [back.get(v, v) if isinstance(v, Node) else v for v in m.placeholder_nodes]
-        if all(_fits(v, p) for v, p in zip(inputs, ins)):
-            found.append(LayerMatch(inputs, [back[v] for v in m.returning_nodes], nodes, shapes))
-    return found
-
-
-def _fits(value, pattern_input: Node) -> bool:
-    """Whether a bound input can stand for a pattern input: same shape, or (when the
-    pattern only views that input) as many elements: a view chain that `canonicalize`
-    folded into the pattern's first view (see `bind_inputs`)."""
-    shape = _shape(pattern_input)
-    if shape is None:
-        return True
-    have = _shape(value)
-    views_only = all(u.target is aten.view.default for u in pattern_input.users)
-    if have == shape:
-        return True
-    return views_only and have is not None and math.prod(have) == math.prod(shape)
-
-
-def bind_inputs(gm: GraphModule, m: LayerMatch, before: Node, layer: int) -> list:
-    """The match's inputs, each with the pattern's shape. `canonicalize` folds
-    `view(view(x, s1), s2)` into `view(x, s2)`, so a pattern input `v` [B, T, Hkv, D]
-    that the pattern views as s2 can bind to x [N, Hkv*D]; such an input gets its
-    view to the pattern's shape back, inserted before `before`."""
-    out = []
-    for value, shape in zip(m.inputs, m.shapes):
-        if shape is not None and _shape(value) != shape:
-            with gm.graph.inserting_before(before):
-                value = gm.graph.call_function(aten.view.default, (value, list(shape)))
-            value.meta.update(flintc_layer=layer, flintc_block="attn")
-        out.append(value)
-    return out
-
-
-def pattern_forms(pattern: GraphModule, ctx: PassContext) -> list[GraphModule]:
-    """`pattern` as traced and, when the `canonicalize` pass exists and changes it, as
-    that pass leaves it (no `aten.alias`, collapsed view chains), so a search pattern
-    matches a graph with or without `canonicalize` applied.
-
-    HACK: `canonicalize` is optional and may not exist yet; look it up by name until
-    it is always in the pipeline, then canonicalize every pattern unconditionally."""
-    try:
-        module = importlib.import_module("flintc.passes.canonicalize")
-    except ImportError:
-        return [pattern]
-    passes = [c for c in vars(module).values()
-              if isinstance(c, type) and issubclass(c, GraphPass) and c.name == "canonicalize"]
-    if not passes:
-        return [pattern]
-    canonical = clone_graph_module(pattern)
-    passes[0](ctx).run(canonical)
-    canonical.recompile()
-    return [pattern] if str(canonical.graph) == str(pattern.graph) else [pattern, canonical]
-
-
-def like(node: Node) -> torch.Tensor:
-    """An empty tensor with `node`'s shape, dtype and device (to trace patterns with)."""
-    v = node.meta["val"]
-    return torch.empty(v.shape, dtype=v.dtype, device=v.device)
-
-
-def move_before(node: Node, anchor: Node, order: dict[Node, int]) -> None:
-    """Move `node` (which must need only values defined before `anchor`) right before it."""
-    late = [a for a in node.all_input_nodes if order[a] >= order[anchor]]
-    if late:
-        raise PassVerifyError(f"cannot move {node.name} before {anchor.name}: "
-                              f"it needs {late[0].name}")
-    anchor.prepend(node)
 
 
 class QKNormRopeKVWriteFusionPass(GraphPass):

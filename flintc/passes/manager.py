@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from flintc.errors import FlintcError
 from flintc.graph.accounting import KernelCount, count_kernels

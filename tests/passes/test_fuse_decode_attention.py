@@ -4,8 +4,10 @@
 Numerics against the graph before the pass within the pass's declared tolerance
 (max_abs and share_differing are printed, see `-s`), and deliberately wrong variants
 that must fail that same tolerance; the two ops against
-`flintc.model.ops.attention_with_sink` on float64 inputs. NVFP4 weights (they change
-only the linears) are checked on tiny and, for structure, at full width."""
+`flintc.model.ops.attention_with_sink` on float64 inputs. NVFP4 weights change only
+the linears, which these passes leave alone: here they are covered for structure at
+full width (tiny NVFP4 graphs run slowly; tests/passes/test_pipeline.py checks every
+pass numerically on them, and the sweep behind the tolerance covered both formats)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from flintc.passes.fuse_decode_attention import DecodeAttentionFusionPass, num_s
 from flintc.passes.fuse_qk_norm_rope_kv import QKNormRopeKVWriteFusionPass
 from flintc.passes.fuse_rms_norm import RMSNormFusionPass
 from flintc.passes.manager import NumericChecker, PassManager
-from harness import TINY, tiny_model
+from harness import tiny_model
 
 aten, fused = torch.ops.aten, torch.ops.flintc
 PASSES = [RMSNormFusionPass, QKNormRopeKVWriteFusionPass, DecodeAttentionFusionPass]
@@ -97,19 +99,6 @@ def test_empty_splits_and_a_sequence_at_position_zero():
     stage = run(g, splits=4, at_zero=True)
     assert_fused(g, 4)
     assert stage.check.passed, stage.check.message
-
-
-def test_nvfp4_weights():
-    """NVFP4 weights change only the linears; the Q/K fusion and this pass are checked
-    on them too (the manager checks every pass it runs)."""
-    weights = dummy_weights(TINY, "nvfp4", seed=1)
-    nvfp4 = FlintModel(TINY, weights)
-    g = capture(nvfp4, "decode", batch=2, cache_len=48)
-    ctx = PassContext(TINY, "decode", 2, 1, 48, "nvfp4", {"attention_splits": 2})
-    report = PassManager(PASSES, ctx, checker=NumericChecker(nvfp4, g, seed=1)).run(g)
-    assert_fused(g, 2)
-    qk, attn = report.stages[-2:]
-    assert qk.check.bit_exact and attn.check.passed, attn.check.message
 
 
 class SinkTwicePass(DecodeAttentionFusionPass):

@@ -5,7 +5,6 @@ count of a full-width config on meta weights."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flintc.checkpoint.dummy import dummy_weights
 from flintc.config import FlintConfig
