@@ -56,3 +56,18 @@ def count_ops(gm, *names: str) -> dict:
 
     found = [op_name(n) for n in gm.graph.nodes if n.op == "call_function"]
     return {name: found.count(name) for name in names}
+
+
+@functools.lru_cache(maxsize=None)
+def compiled(step: str, fmt: str = "bf16", batch: int = 2, tokens: int | None = None,
+             disabled: tuple = (), splits: int = 3):
+    """compile_step on tiny with every check on, cached: (graph, report). Treat as read-only."""
+    from flintc.passes.pipeline import compile_step
+
+    model = tiny_model() if fmt == "bf16" else tiny_nvfp4_model()
+    return compile_step(model, step, batch=batch, tokens=tokens, cache_len=48, check_model=model,
+                        disabled=disabled, options={"attention_splits": splits})
+
+
+def stage(report, name: str):
+    return next(s for s in report.stages if s.name == name)

@@ -1,0 +1,43 @@
+"""LowLatencyGroupingPass: 7 kernels per MoE layer, 6 per dense layer, bit-exact, and
+only flintc ops left (stage `lowered`)."""
+
+import pytest
+
+from flintc.graph.accounting import kernels_of
+from flintc.graph.match import op_name
+from harness import TINY, compiled, count_ops, stage
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_group_low_latency(fmt):
+    g, report = compiled("decode", fmt)
+    s = stage(report, "group_low_latency")
+    assert s.check.bit_exact and s.stage == "lowered"
+    assert s.kernels.per_kind == {"dense": 6, "moe": 7}
+    n_moe = TINY.num_hidden_layers - TINY.first_k_dense_replace
+    counts = count_ops(g.gm, "flintc.norm_qkv_rope_kv", "flintc.norm_router", "flintc.moe_topk_gate_up",
+                       "flintc.moe_down_combine_residual", "flintc.norm_gate_up_silu", "flintc.norm_lm_head")
+    assert counts == {"flintc.norm_qkv_rope_kv": TINY.num_hidden_layers, "flintc.norm_router": n_moe,
+                      "flintc.moe_topk_gate_up": n_moe, "flintc.moe_down_combine_residual": n_moe,
+                      "flintc.norm_gate_up_silu": TINY.first_k_dense_replace, "flintc.norm_lm_head": 1}
+    for n in g.gm.graph.nodes:
+        if kernels_of(n):
+            assert op_name(n).startswith("flintc."), n.name
+
+
+def test_old_cache_writers_are_erased():
+    """Regression: the replaced qk_norm_rope_kv_write ops write the cache, so dead-code
+    elimination kept them (and the RoPE row gathers feeding them) after grouping."""
+    g, _ = compiled("decode", "bf16")
+    assert count_ops(g.gm, "flintc.qk_norm_rope_kv_write", "aten.index") == {
+        "flintc.qk_norm_rope_kv_write": 0, "aten.index": 0}
+
+
+def test_chained_residual_adds_fold():
+    """Regression: the residual adds were matched all at once; a later add's residual
+    input was an earlier add's output, which had been replaced, so the stale node kept
+    aten casts alive in the lowered graph. Each layer's two adds now fold in order."""
+    g, _ = compiled("decode", "bf16", batch=1)
+    assert count_ops(g.gm, "aten.add", "aten._to_copy") == {"aten.add": 0, "aten._to_copy": 0}
+    assert count_ops(g.gm, "flintc.gemv_residual")["flintc.gemv_residual"] == \
+        TINY.num_hidden_layers + TINY.first_k_dense_replace
