@@ -152,7 +152,8 @@ class FlintConfig:
             if getattr(self, name) % 64:
                 fail(name, f"must be a multiple of 64 (the NVFP4 super-block), found {getattr(self, name)}")
         if (self.num_attention_heads * self.head_dim) % 64:
-            fail("head_dim", "num_attention_heads * head_dim must be a multiple of 64")
+            fail("num_attention_heads", f"({self.num_attention_heads}) times head_dim ({self.head_dim}) = "
+                 f"{self.num_attention_heads * self.head_dim} must be a multiple of 64 (the NVFP4 super-block)")
         if self.num_attention_heads % self.num_key_value_heads:
             fail(
                 "num_attention_heads",

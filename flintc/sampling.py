@@ -50,8 +50,9 @@ class SamplingParams:
             raise InputError(f"sampling field 'top_k' must be an integer >= 1, or 0 / -1 for all, got {k!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
             raise InputError(f"sampling field 'max_tokens' must be an integer >= 0, got {self.max_tokens!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise InputError(f"sampling field 'seed' must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise InputError(f"sampling field 'seed' must be an integer in [0, 2**63), got {self.seed!r}")
         return self
 
     @property

@@ -129,7 +129,7 @@ def _load_gguf(path, config_dir, hf_config_path, device, config, progress) -> Lo
     from flintc.checkpoint.gguf_io import load_gguf
 
     if config is None:
-        hint = " (a GGUF file takes its config from the BF16 folder: pass hf_config_path)"
+        hint = " (a GGUF file takes its config from the BF16 folder: pass --hf-config-path, hf_config_path= in Python)"
         config = _read_config(hf_config_path or config_dir, path, hint)
     weights = load_gguf(path, config, device, progress)
     return LoadedCheckpoint(config, weights, "nvfp4", str(path), _tokenizer_dir(config_dir, None))

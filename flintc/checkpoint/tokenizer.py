@@ -19,7 +19,6 @@ from __future__ import annotations
 import codecs
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from datetime import datetime
 from importlib import resources
@@ -28,10 +27,19 @@ from pathlib import Path
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from tokenizers import processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 from flintc.errors import CheckpointError, InputError
+from flintc.fileio import write_text_atomic
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
@@ -199,18 +207,6 @@ def _tokenizer_config(tok: Tokenizer, model_max_length: int) -> dict:
     }
 
 
-def _write_text_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary file next to ``path``, then rename it over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int, *,
                     model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> None:
     """Build the tokenizer and write ``tokenizer.json`` and ``tokenizer_config.json``.
@@ -225,8 +221,8 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int, *,
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(vocab_size)
     config = _tokenizer_config(tok, model_max_length)
-    _write_text_atomically(out / "tokenizer.json", tok.to_str())
-    _write_text_atomically(out / "tokenizer_config.json",
+    write_text_atomic(out / "tokenizer.json", tok.to_str())
+    write_text_atomic(out / "tokenizer_config.json",
                            json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 

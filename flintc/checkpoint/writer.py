@@ -21,6 +21,7 @@ from pathlib import Path
 
 from flintc.config import FlintConfig
 from flintc.errors import CheckpointError
+from flintc.fileio import set_public_mode
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def make_checkpoint(
     try:
         wrote_weights = _write_contents(config, fmt, tmp, seed, max_shard_bytes, out_dir)
         try:
+            set_public_mode(tmp)  # mkdir'd files may be owner-only
             os.replace(tmp, out_dir)  # replaces an empty folder on POSIX
         except OSError as exc:
             raise CheckpointError(f"{out_dir}: cannot move the new checkpoint into place "

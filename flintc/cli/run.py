@@ -20,7 +20,8 @@ from flintc.errors import InputError
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="generate text or token ids from a prompt",
-                       description=__doc__.split("\n\n")[1] if __doc__ else None)
+                       description=__doc__.split("\n\n")[1] if __doc__ else None,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -29,8 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=20)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=20, help="0 or -1 keeps every token")
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
     p.add_argument("--hf-config-path", default=None,
                    help="folder with config.json (and tokenizer) for a .gguf MODEL")
@@ -70,6 +71,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
     prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    if args.logits_out is not None:
+        _check_output_path(args.logits_out, "--logits-out")
     device = _device(args.device)
     model_path = args.model
     if model_path is None and args.load_format != "dummy":
@@ -97,7 +100,7 @@ def run_generate(args: argparse.Namespace) -> int:
         _save_npy_atomic(args.logits_out, result.prompt_logits[0].numpy())
     out_ids = result.output_ids[0]
     if args.output == "json":
-        obj = {"prompt_ids": prompt_ids, "output_ids": out_ids}
+        obj = {"prompt_ids": prompt_ids, "output_ids": out_ids, "finish_reason": result.finish_reasons[0]}
         if tokenizer is not None:
             obj["text"] = tokenizer.decode(out_ids)
         print(json.dumps(obj))
@@ -128,6 +131,16 @@ class _TextStream:
         sys.stdout.flush()
 
 
+def _check_output_path(path: str, flag: str) -> None:
+    """Fail before any work if `path` cannot be written: its folder must exist and it
+    must not be a folder itself."""
+    target = Path(path)
+    if target.is_dir():
+        raise InputError(f"{flag} {path}: is a directory, expected a file name")
+    if not target.parent.is_dir():
+        raise InputError(f"{flag} {path}: folder {target.parent} does not exist")
+
+
 def _device(name: str):
     import torch
 
@@ -144,11 +157,14 @@ def _device(name: str):
 def _save_npy_atomic(path: str, array) -> None:
     import numpy as np
 
+    from flintc.fileio import set_public_mode
+
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
     try:
         with os.fdopen(fd, "wb") as f:
             np.save(f, array)
+        set_public_mode(tmp)
         os.replace(tmp, target)
     except BaseException:
         os.unlink(tmp)

@@ -43,7 +43,7 @@ def run_verify(args: argparse.Namespace) -> int:
             reports.append(report.as_dict())
             ok &= report.passed
     if args.json_out:
-        from flintc.graph.io import write_json_atomic
+        from flintc.fileio import write_json_atomic
 
         write_json_atomic(args.json_out, {"passed": ok, "reports": reports})
     print("\nall passes met their expectations" if ok else "\nsome pass missed its expectation")

@@ -32,6 +32,9 @@ class GenerationResult:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     step_logits: list[torch.Tensor] = field(default_factory=list)
+    # Per prompt: "stop" (end-of-text token), "length" (max_tokens), or
+    # "max_model_len" (the sequence reached the positions available).
+    finish_reasons: list[str] = field(default_factory=list)
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_len: int, name: str = "prompt") -> None:
@@ -88,6 +91,7 @@ def generate(
     gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
     result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])
     result.prompt_logits = [] if return_prompt_logits else None
+    result.finish_reasons = ["length"] * B
 
     t0 = time.perf_counter()
     last_logits = []
@@ -114,8 +118,13 @@ def generate(
             result.output_ids[b].append(t)
             if on_token is not None:
                 on_token(b, t)
-            done = (t == eos_token_id and not plist[b].ignore_eos) or pos[b] >= cache_len
-            if not done and len(result.output_ids[b]) < plist[b].max_tokens:
+            if t == eos_token_id and not plist[b].ignore_eos:
+                result.finish_reasons[b] = "stop"
+            elif len(result.output_ids[b]) >= plist[b].max_tokens:
+                result.finish_reasons[b] = "length"
+            elif pos[b] >= cache_len:
+                result.finish_reasons[b] = "max_model_len"
+            else:
                 still.append(b)
         live = still
         if not live:

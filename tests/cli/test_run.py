@@ -132,3 +132,35 @@ def test_console_script_prints_no_traceback(tmp_path):
                            "--prompt-ids", "1"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.startswith("flintc: error:") and "Traceback" not in proc.stderr
+
+
+def test_huge_seed_is_a_clean_error(capsys, tiny_bf16_dir):
+    """Regression: a seed past 2**63 crashed in torch.Generator.manual_seed with a traceback."""
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1", "--seed", str(10**21))
+    assert code == 2 and "seed" in err and "Traceback" not in err
+
+
+def test_logits_out_is_checked_before_generating(capsys, tmp_path, tiny_bf16_dir):
+    """Regression: a bad --logits-out failed only after generating, naming the temp file."""
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1", "--logits-out", tmp_path)
+    assert code == 2 and "is a directory" in err and str(tmp_path) in err and out == ""
+
+
+def test_outputs_are_readable_by_others(capsys, tmp_path, tiny_bf16_dir):
+    """Regression: atomic writes through mkstemp left outputs owner-only (0600)."""
+    import stat
+
+    target = tmp_path / "l.npy"
+    assert run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1", "--max-tokens", 1,
+                   "--logits-out", target)[0] == 0
+    assert stat.S_IMODE(target.stat().st_mode) & 0o044
+    for f in tiny_bf16_dir.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) & 0o044, f
+
+
+def test_finish_reason_reports_the_context_limit(capsys, tiny_bf16_dir):
+    ids = ",".join(["1"] * 4094)
+    code, out, _ = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", ids, "--max-tokens", 10,
+                           "--ignore-eos", "--output", "json", "--temperature", "0")
+    obj = json.loads(out)
+    assert code == 0 and obj["finish_reason"] == "max_model_len" and len(obj["output_ids"]) < 10

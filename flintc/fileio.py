@@ -1,0 +1,45 @@
+"""Atomic file writes: write to a temporary name in the same folder, then rename, so a
+crash never leaves a half-written file. `tempfile.mkstemp` / `mkdtemp` create
+owner-only files (0600 / 0700); a finished output gets the permissions an ordinary
+`open(path, "w")` would give (0666 / 0777 less the umask) before the rename."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def set_public_mode(path: str | os.PathLike) -> None:
+    """chmod `path` to 0666 & ~umask (files) or 0777 & ~umask (folders, recursively)."""
+    path, mask = Path(path), _umask()
+    if path.is_dir():
+        for sub in [path, *path.rglob("*")]:
+            os.chmod(sub, (0o777 if sub.is_dir() else 0o666) & ~mask)
+    else:
+        os.chmod(path, 0o666 & ~mask)
+
+
+def write_text_atomic(path, text: str) -> None:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        set_public_mode(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json_atomic(path, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
