@@ -68,8 +68,7 @@ from flintc.graph.spec import _mutated_args
 from flintc.model import ops
 from flintc.ops.common import CDT
 from flintc.passes.base import GraphPass, PassResult, PassVerifyError
-from flintc.passes.patterns import (LayerMatch, bind_inputs, like, match_in_layer,
-                                                pattern_forms)
+from flintc.passes.patterns import LayerMatch, bind_inputs, first_match_per_layer, like
 
 aten = torch.ops.aten
 fused = torch.ops.flintc
@@ -99,15 +98,8 @@ class DecodeAttentionFusionPass(GraphPass):
             "(worst measured on tiny: 0.031 beyond rtol; see the module doc)")
 
     def run(self, gm: GraphModule) -> PassResult:
-        c = self.ctx.config
         result = PassResult()
-        forms = {}
-        for layer in range(c.num_hidden_layers):
-            sliding = c.is_sliding_layer(layer)
-            if sliding not in forms:
-                forms[sliding] = pattern_forms(self._pattern(gm, layer, sliding), self.ctx)
-            match = next((m for form in forms[sliding] for m in match_in_layer(gm, form, layer)
-                          if _reads_layer(m, layer)), None)
+        for layer, sliding, match in first_match_per_layer(gm, self.ctx, self._pattern, _reads_layer):
             if match is None:
                 result.notes.append(f"layer {layer}: no decode attention core matched")
                 continue

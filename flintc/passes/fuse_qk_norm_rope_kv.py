@@ -70,8 +70,7 @@ from flintc.model import ops
 from flintc.ops.attention import write_kv
 from flintc.ops.common import CDT
 from flintc.passes.base import GraphPass, PassResult, PassVerifyError
-from flintc.passes.patterns import (LayerMatch, bind_inputs, like, match_in_layer, move_before,
-                                    pattern_forms)
+from flintc.passes.patterns import LayerMatch, bind_inputs, first_match_per_layer, like, move_before
 
 aten = torch.ops.aten
 fused = torch.ops.flintc
@@ -82,15 +81,8 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
     stage = "fused"
 
     def run(self, gm: GraphModule) -> PassResult:
-        c = self.ctx.config
         result = PassResult()
-        forms = {}
-        for layer in range(c.num_hidden_layers):
-            sliding = c.is_sliding_layer(layer)
-            if sliding not in forms:
-                forms[sliding] = pattern_forms(self._pattern(gm, layer, sliding), self.ctx)
-            match = next((m for form in forms[sliding] for m in match_in_layer(gm, form, layer)
-                          if self._check(m, layer)), None)
+        for layer, sliding, match in first_match_per_layer(gm, self.ctx, self._pattern, self._check):
             if match is None:
                 result.notes.append(f"layer {layer}: no Q/K norm + KV write matched")
                 continue

@@ -119,3 +119,19 @@ def move_before(node: Node, anchor: Node, order: dict[Node, int]) -> None:
         raise PassVerifyError(f"cannot move {node.name} before {anchor.name}: "
                               f"it needs {late[0].name}")
     anchor.prepend(node)
+
+
+def first_match_per_layer(gm: GraphModule, ctx: PassContext, build_pattern, accept):
+    """For each decoder layer in order, yield (layer, sliding, match): the first match of
+    its layer kind's pattern, in either spelling (`pattern_forms`), that
+    `accept(match, layer)` takes, or None. `build_pattern(gm, layer, sliding)` runs
+    once per layer kind. Lazy: a caller that rewrites layer i before asking for layer
+    i + 1 is matched against the rewritten graph."""
+    forms: dict[bool, list[GraphModule]] = {}
+    for layer in range(ctx.config.num_hidden_layers):
+        sliding = ctx.config.is_sliding_layer(layer)
+        if sliding not in forms:
+            forms[sliding] = pattern_forms(build_pattern(gm, layer, sliding), ctx)
+        match = next((m for form in forms[sliding] for m in match_in_layer(gm, form, layer)
+                      if accept(m, layer)), None)
+        yield layer, sliding, match
