@@ -1,9 +1,12 @@
-"""`flintc run`: generate from a prompt on the reference backend.
+"""`flintc run`: generate from one or more prompts.
 
 MODEL is a BF16 checkpoint folder or an NVFP4 `.gguf` file; with none, the
 embedded default (the tiny NVFP4 checkpoint, see `flintc.checkpoint.default`).
-Text output streams the generated text, then one summary line on stderr;
-`--output json` prints one JSON object.
+Backends: `reference` (the eager reference model, the default), or a compiled
+runtime: `--build BUILD` (written by `flintc compile`), or `--backend triton|torch`
+to compile MODEL on the fly into a temporary BUILD. Text output streams the
+generated text of a single prompt, then one summary line on stderr; `--output json`
+prints one JSON object per prompt.
 """
 
 from __future__ import annotations
@@ -19,34 +22,36 @@ from flintc.errors import InputError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="generate text or token ids from a prompt",
+    from flintc.cli.compile_build import add_build_args, add_model_source_args
+
+    p = sub.add_parser("run", help="generate text or token ids from prompts",
                        description=__doc__.split("\n\n")[1] if __doc__ else None,
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
-    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated, e.g. 1,2,3")
+                   help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model, "
+                        "or the checkpoint a --build was compiled from)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text (needs a tokenizer); repeat for a batch")
+    p.add_argument("--prompt-ids", action="append", default=None,
+                   help="prompt token ids, comma-separated, e.g. 1,2,3; repeat for a batch")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-k", type=int, default=20, help="0 or -1 keeps every token")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
-    p.add_argument("--hf-config-path", default=None,
-                   help="folder with config.json (and tokenizer) for a .gguf MODEL")
-    p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json")
-    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
-    p.add_argument("--config", default=None,
-                   help="with --load-format dummy and no MODEL: preset tiny or full")
-    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16",
-                   help="weight format for --load-format dummy")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    add_model_source_args(p)
+    p.add_argument("--build", default=None, help="run this BUILD (from flintc compile)")
+    p.add_argument("--backend", choices=("reference", "triton", "torch"), default=None,
+                   help="reference: the eager model; triton/torch: compile MODEL first "
+                        "(default: reference, or the build's own with --build)")
+    add_build_args(p, backend=False)
     p.add_argument("--mode", choices=("bf16", "float64"), default="bf16",
                    help="reference numerics: bf16 (FLINT_SPEC rounding points) or float64 oracle")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--logits-out", default=None,
-                   help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy")
+                   help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy "
+                        "(one prompt only)")
     p.set_defaults(func=run_generate)
 
 
@@ -61,54 +66,98 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def _runner_and_tokenizer(args):
+    """(runner or FlintModel, tokenizer dir, config) for the chosen backend."""
+    from flintc.cli.compile_build import build_options, load_model_checkpoint, prepare_device
+
+    backend = args.backend or ("build" if args.build else "reference")
+    if args.build and backend not in ("build", "reference") and args.backend is not None:
+        raise InputError("--build runs the build's own backend; drop --backend")
+    if args.build:
+        from flintc.runtime.compiled import load_build, read_manifest
+
+        manifest = read_manifest(args.build)
+        device = args.device or manifest.get("device", "cpu")
+        prepare_device(device)
+        runner = load_build(args.build, model=args.model, device=device,
+                            load_format=args.load_format if args.load_format == "dummy" else None,
+                            hf_config_path=args.hf_config_path, progress=sys.stderr.isatty())
+        return runner, runner.tokenizer_dir, runner.config
+    args.device = args.device or "cpu"
+    prepare_device(args.device)
+    ckpt = load_model_checkpoint(args, args.device)
+    if backend == "reference":
+        from flintc.model.reference import FlintModel
+
+        return FlintModel(ckpt.config, ckpt.weights, mode=args.mode), ckpt.tokenizer_dir, ckpt.config
+    from flintc.runtime.build import compile_model
+    from flintc.runtime.compiled import load_build
+
+    args.backend = backend
+    out = Path(tempfile.mkdtemp(prefix="flintc-build-")) / "build"
+    opts = build_options(args)
+    compile_model(ckpt, out, opts, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))
+    runner = load_build(out, ckpt=ckpt, device=args.device)
+    return runner, ckpt.tokenizer_dir, ckpt.config
+
+
 def run_generate(args: argparse.Namespace) -> int:
-    from flintc.checkpoint.loader import load_checkpoint
     from flintc.checkpoint.tokenizer import load_tokenizer
-    from flintc.model.generate import generate
-    from flintc.model.reference import FlintModel
     from flintc.sampling import SamplingParams
 
+    if not args.prompt and not args.prompt_ids:
+        raise InputError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeat either for a batch)")
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
-    prompt_ids = parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+    params.validate()
+    id_prompts = [parse_prompt_ids(t) for t in args.prompt_ids or []]
+    n_prompts = len(id_prompts) + len(args.prompt or [])
     if args.logits_out is not None:
+        if n_prompts != 1:
+            raise InputError("--logits-out takes one prompt")
         _check_output_path(args.logits_out, "--logits-out")
-    device = _device(args.device)
-    model_path = args.model
-    if model_path is None and args.load_format != "dummy":
-        from flintc.checkpoint.default import default_checkpoint
-
-        model_path = default_checkpoint()
-    ckpt = load_checkpoint(model_path, hf_config_path=args.hf_config_path, device=device,
-                           load_format=args.load_format, config=args.config, fmt=args.fmt,
-                           progress=sys.stderr.isatty())
-    tok_dir = args.tokenizer or ckpt.tokenizer_dir
-    tokenizer = load_tokenizer(tok_dir) if (tok_dir or args.prompt is not None) else None
-    if prompt_ids is None:
-        prompt_ids = tokenizer.encode(args.prompt)
-    if tokenizer is not None and tokenizer.vocab_size != ckpt.config.vocab_size:
+    engine, tok_dir, config = _runner_and_tokenizer(args)
+    tok_dir = args.tokenizer or tok_dir
+    tokenizer = load_tokenizer(tok_dir) if (tok_dir or args.prompt) else None
+    prompts = [tokenizer.encode(t) for t in args.prompt or []] + id_prompts
+    if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
         raise InputError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} tokens, the model "
-                         f"{ckpt.config.vocab_size}")
-    model = FlintModel(ckpt.config, ckpt.weights, mode=args.mode)
+                         f"{config.vocab_size}")
 
-    stream = _TextStream(tokenizer) if args.output == "text" else None
-    result = generate(model, [prompt_ids], params,
-                      eos_token_id=tokenizer.eos_token_id if tokenizer else None,
-                      return_prompt_logits=args.logits_out is not None,
-                      on_token=(lambda b, t: stream.push(t)) if stream else None)
+    single = len(prompts) == 1
+    stream = _TextStream(tokenizer) if args.output == "text" and single else None
+    kwargs = dict(eos_token_id=tokenizer.eos_token_id if tokenizer else None,
+                  return_prompt_logits=args.logits_out is not None,
+                  on_token=(lambda b, t: stream.push(t)) if stream else None)
+    from flintc.model.reference import FlintModel
+
+    if isinstance(engine, FlintModel):
+        from flintc.model.generate import generate
+
+        result = generate(engine, prompts, params, **kwargs)
+    else:
+        from flintc.runtime.generate import generate_with_runner
+
+        result = generate_with_runner(engine, prompts, params, **kwargs)
     if args.logits_out is not None:
         _save_npy_atomic(args.logits_out, result.prompt_logits[0].numpy())
-    out_ids = result.output_ids[0]
-    if args.output == "json":
-        obj = {"prompt_ids": prompt_ids, "output_ids": out_ids, "finish_reason": result.finish_reasons[0]}
-        if tokenizer is not None:
-            obj["text"] = tokenizer.decode(out_ids)
-        print(json.dumps(obj))
-    else:
-        stream.close()
-        ms = 1000 * result.decode_seconds / max(result.decode_steps, 1)
-        print(f"prompt tokens: {len(prompt_ids)}, generated tokens: {len(out_ids)}, "
-              f"prefill: {result.prefill_seconds:.3f} s, decode: {ms:.2f} ms/token", file=sys.stderr)
+    for i, (ids, out_ids) in enumerate(zip(prompts, result.output_ids)):
+        if args.output == "json":
+            obj = {"prompt_ids": ids, "output_ids": out_ids, "finish_reason": result.finish_reasons[i]}
+            if not single:
+                obj = {"index": i, **obj}
+            if tokenizer is not None:
+                obj["text"] = tokenizer.decode(out_ids)
+            print(json.dumps(obj))
+        elif stream is not None:
+            stream.close()
+        else:
+            text = tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
+            print(f"[{i}] {text}")
+    ms = 1000 * result.decode_seconds / max(result.decode_steps, 1)
+    print(f"prompt tokens: {sum(map(len, prompts))}, generated tokens: "
+          f"{sum(map(len, result.output_ids))}, prefill: {result.prefill_seconds:.3f} s, "
+          f"decode: {ms:.2f} ms/token", file=sys.stderr)
     return 0
 
 
@@ -139,19 +188,6 @@ def _check_output_path(path: str, flag: str) -> None:
         raise InputError(f"{flag} {path}: is a directory, expected a file name")
     if not target.parent.is_dir():
         raise InputError(f"{flag} {path}: folder {target.parent} does not exist")
-
-
-def _device(name: str):
-    import torch
-
-    from flintc.errors import FlintcError
-
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise FlintcError(f"--device {name}: no CUDA GPU is available")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise InputError(f"--device: unknown device {name!r} (expected cpu or cuda)") from None
 
 
 def _save_npy_atomic(path: str, array) -> None:

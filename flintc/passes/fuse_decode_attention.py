@@ -17,7 +17,9 @@ token is in the cache, and in a ring the slot it overwrote held position p - W,
 outside the window anyway. The ops compute visibility from `positions` (causal;
 ring slots by position, in the window), so the shared mask nodes die and are
 removed. `num_splits`: `ctx.options["attention_splits"]` if given, else
-ceil(S / 256) clamped to [1, 32] for a cache of S rows (S = W in sliding layers).
+ceil(S / 256) clamped to [1, 32] for a cache of S rows (S = W in sliding layers;
+for full layers `ctx.options["full_attention_rows"]` when given, since the runtime's
+caches are longer than the ones traced for checking).
 
 Expectation, a tolerance: the op sums keys in its own order (one einsum per chunk
 instead of one bmm) and merges chunks through their log-sum-exp, so scores, the
@@ -149,6 +151,9 @@ class DecodeAttentionFusionPass(GraphPass):
             raise PassVerifyError(f"{self.name}: layer {layer}: cache write {late[0].name} comes "
                                   f"after the attention that must read it ({anchor.name})")
         rows = k_cache.meta["val"].shape[1]
+        if not sliding and self.ctx.options.get("full_attention_rows"):
+            # The runtime's caches may be longer than the ones traced for checking.
+            rows = int(self.ctx.options["full_attention_rows"])
         splits = num_splits_for(rows, self.ctx.options.get("attention_splits"))
         window = c.sliding_window if sliding else 0
         positions = placeholder(gm, "positions")

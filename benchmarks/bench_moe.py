@@ -1,0 +1,282 @@
+"""MoE decode kernels (flintc.kernels.moe) at the model's shapes against torch eager (GPU only).
+
+For BF16 and NVFP4 weights and N in {1, 2, 4, 8} decode tokens, times each kernel
+(`norm_router`, `moe_topk_gate_up`, `moe_down_combine_residual`) and the three chained as
+one MoE layer, from a CUDA graph of CALLS back-to-back calls (median of REPS replays,
+divided by CALLS), and prints a Markdown table: bytes that must be read, achieved GB/s,
+share of the device-to-device copy bandwidth measured in the same run, and the reference
+op (`torch.ops.flintc.<op>`, eager, CUDA events, median) for comparison.
+
+Keeping the weights out of L2 (60 MB): the CALLS calls of a graph cycle through ROT = 16
+input sets, each with its own random router logits (so each call selects fresh random
+experts out of 256; the routed tensors are 1.6 GB bf16 / 0.4 GB NVFP4) and its own copy
+of the per-layer weights that every call would otherwise re-read (router, shared expert:
+16 copies = 16 / 96 MB bf16), as consecutive layers do in a real forward.
+
+Bytes counted per call: the distinct selected experts' weights (averaged over the input
+sets; tokens that share an expert read it once, as the kernels do), the shared expert's,
+the router's, and every activation read or written. NVFP4 bytes include block scales.
+
+    python benchmarks/bench_moe.py [--out moe.md] [--pdl] [--check]
+
+`--check` compares every kernel against the reference at the full shapes (ids exactly,
+the rest by share of differing elements and largest difference) instead of timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+H, F, E, TOP_K, SCALING, EPS = 2048, 512, 256, 6, 2.5, 1e-5
+BATCHES = [1, 2, 4, 8]
+ROT = 16  # input sets / weight copies cycled through in a graph
+CALLS = 64  # calls per graph
+
+
+def nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def make_weight(shape, fmt: str, gen: torch.Generator) -> list[torch.Tensor]:
+    """Random weights on the GPU: bf16, or NVFP4 (random codes, E4M3 block scales from
+    2^-9 to 2, a non-unit global scale per expert / matrix)."""
+    if fmt == "bf16":
+        return [(torch.randn(shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)]
+    *lead, R, C = shape
+    codes = torch.randint(0, 256, (*lead, R, C // 2), device="cuda", generator=gen,
+                          dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(1, 0x40, (*lead, R, C // 16), device="cuda", generator=gen,
+                           dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    gs = (0.5 + torch.rand(tuple(lead), device="cuda", generator=gen)) * 0.02
+    return [codes, scales, gs.float()]
+
+
+def graph_us(fn, reps: int) -> float:
+    """Median over `reps` replays of a CUDA graph holding CALLS calls `fn(i)`, per call, us."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(3):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(CALLS):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+    del g
+    return statistics.median(times)
+
+
+def eager_us(fn, reps: int) -> float:
+    """Median of `reps` CUDA-event timings of single eager calls `fn(i)`, us."""
+    for i in range(2):
+        fn(i)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(r)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of a 2 GiB tensor (read + write), median of 20."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    us = eager_us(lambda i: dst.copy_(src), 20)
+    return 2 * 2**31 / us / 1e3
+
+
+class Setup:
+    """One format's weights and ROT input sets for batch N."""
+
+    def __init__(self, fmt: str, N: int, gen: torch.Generator):
+        self.fmt, self.N = fmt, N
+        self.gate = make_weight((E, F, H), fmt, gen)
+        self.up = make_weight((E, F, H), fmt, gen)
+        self.down = make_weight((E, H, F), fmt, gen)
+        self.sg = [make_weight((F, H), fmt, gen) for _ in range(ROT)]
+        self.su = [make_weight((F, H), fmt, gen) for _ in range(ROT)]
+        self.sd = [make_weight((H, F), fmt, gen) for _ in range(ROT)]
+        self.router = [(torch.randn(E, H, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+                       for _ in range(ROT)]
+        self.norm = [1 + 0.1 * torch.randn(H, device="cuda", generator=gen) for _ in range(ROT)]
+        self.bias = [torch.randn(E, device="cuda", generator=gen) * 0.05 for _ in range(ROT)]
+        self.x = [torch.randn(N, 1, H, device="cuda", generator=gen).to(torch.bfloat16)
+                  for _ in range(ROT)]
+        self.xn = [torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+                   for _ in range(ROT)]
+        self.logits = [torch.randn(N, E, device="cuda", generator=gen) for _ in range(ROT)]
+        ref = torch.ops.flintc.moe_topk_gate_up
+        outs = [ref(self.xn[i], self.logits[i], self.bias[i], self.gate, self.up, self.sg[i],
+                    self.su[i], TOP_K, SCALING) for i in range(ROT)]
+        self.h = [o[0] for o in outs]
+        self.w = [o[1] for o in outs]
+        self.ids = [o[2] for o in outs]
+        self.distinct = statistics.mean(len(set(i.flatten().tolist())) for i in self.ids)
+
+    def per_expert(self, w) -> float:
+        return nbytes(w) / E  # bytes of one expert in a stacked [E, ...] weight
+
+    def bytes_norm_router(self) -> int:
+        N = self.N
+        return nbytes([self.router[0], self.norm[0]]) + 2 * N * H * 2 + 4 * N * E
+
+    def bytes_gate_up(self) -> float:
+        N = self.N
+        act = 2 * N * H + 4 * N * E + 4 * E + 2 * N * (TOP_K + 1) * F + 12 * N * TOP_K
+        return (self.distinct * (self.per_expert(self.gate) + self.per_expert(self.up))
+                + nbytes(self.sg[0] + self.su[0]) + act)
+
+    def bytes_down(self) -> float:
+        N = self.N
+        act = 2 * N * (TOP_K + 1) * F + 12 * N * TOP_K + 2 * N * H * 2
+        return self.distinct * self.per_expert(self.down) + nbytes(self.sd[0]) + act
+
+
+def run_bench(args) -> list[str]:
+    copy_bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    title = (f"Device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s; "
+             f"PDL {'on' if args.pdl else 'off'}; {CALLS} calls per CUDA graph cycling through "
+             f"{ROT} input sets / weight copies, median of {args.reps} replays; torch = the "
+             f"reference op, eager")
+    header = ("| op | fmt | N | distinct experts | MB read | flintc us | GB/s | % copy | "
+              "torch us | speed-up |")
+    lines = [title, "", header, "|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines[2:]), flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for fmt in ("bf16", "nvfp4"):
+        for N in BATCHES:
+            for row in bench_one(Setup(fmt, N, gen), args.pdl, args.reps, copy_bw):
+                lines.append(row)
+                print(row, flush=True)
+            torch.cuda.empty_cache()
+    return lines
+
+
+def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float) -> list[str]:
+    """Rows of the table for one format and batch."""
+    from flintc.kernels import moe as K
+
+    ref = torch.ops.flintc
+
+    def r(i):
+        return i % ROT
+
+    def kw(impl):
+        return {"use_pdl": pdl} if impl is K else {}
+
+    def norm_router(i, impl=K):
+        return impl.norm_router(s.x[r(i)], s.norm[r(i)], s.router[r(i)], EPS, **kw(impl))
+
+    def gate_up(i, impl=K):
+        j = r(i)
+        return impl.moe_topk_gate_up(s.xn[j], s.logits[j], s.bias[j], s.gate, s.up, s.sg[j],
+                                     s.su[j], TOP_K, SCALING, **kw(impl))
+
+    def down(i, impl=K):
+        j = r(i)
+        return impl.moe_down_combine_residual(s.h[j], s.ids[j], s.w[j], s.down, s.sd[j], s.x[j],
+                                              **kw(impl))
+
+    def layer(i, impl=K):
+        j = r(i)
+        xn, logits = impl.norm_router(s.x[j], s.norm[j], s.router[j], EPS, **kw(impl))
+        h, w, ids = impl.moe_topk_gate_up(xn, logits, s.bias[j], s.gate, s.up, s.sg[j], s.su[j],
+                                          TOP_K, SCALING, **kw(impl))
+        return impl.moe_down_combine_residual(h, ids, w, s.down, s.sd[j], s.x[j], **kw(impl))
+
+    cases = [("norm_router", s.bytes_norm_router(), norm_router),
+             ("moe_topk_gate_up", s.bytes_gate_up(), gate_up),
+             ("moe_down_combine_residual", s.bytes_down(), down),
+             ("MoE layer (3 kernels)",
+              s.bytes_norm_router() + s.bytes_gate_up() + s.bytes_down(), layer)]
+    rows = []
+    for name, nb, fn in cases:
+        us = graph_us(fn, reps)
+        us_t = eager_us(lambda i, fn=fn: fn(i, ref), 10)
+        gbs = nb / us / 1e3
+        rows.append(f"| {name} | {s.fmt} | {s.N} | {s.distinct:.1f} | {nb / 1e6:.2f} | {us:.1f} | "
+                    f"{gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {us_t:.0f} | {us_t / us:.0f}x |")
+    return rows
+
+
+def _cmp(name: str, out: torch.Tensor, ref: torch.Tensor) -> str:
+    o, r = out.float(), ref.float()
+    share = (out != ref).float().mean().item()
+    diff = (o - r).abs().max().item()
+    finite = bool(torch.isfinite(o).all())
+    return f"{name}: {share:.3%} differ, max diff {diff:.3g}, finite {finite}"
+
+
+def run_check(args) -> list[str]:
+    """Full-shape comparison against the reference ops (same inputs for both)."""
+    from flintc.kernels import moe as K
+
+    lines = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for fmt in ("bf16", "nvfp4"):
+        for N in BATCHES:
+            s = Setup(fmt, N, gen)
+            ok = True
+            for i in range(4):
+                xn, lg = K.norm_router(s.x[i], s.norm[i], s.router[i], EPS, use_pdl=args.pdl)
+                rxn, rlg = torch.ops.flintc.norm_router(s.x[i], s.norm[i], s.router[i], EPS)
+                h, w, ids = K.moe_topk_gate_up(s.xn[i], s.logits[i], s.bias[i], s.gate, s.up,
+                                               s.sg[i], s.su[i], TOP_K, SCALING, use_pdl=args.pdl)
+                out = K.moe_down_combine_residual(s.h[i], s.ids[i], s.w[i], s.down, s.sd[i],
+                                                  s.x[i], use_pdl=args.pdl)
+                rout = torch.ops.flintc.moe_down_combine_residual(s.h[i], s.ids[i], s.w[i],
+                                                                  s.down, s.sd[i], s.x[i])
+                ids_ok = torch.equal(ids, s.ids[i])
+                ok &= ids_ok
+                wrel = ((w - s.w[i]).abs() / s.w[i].abs()).max().item()
+                ldiff = (lg - rlg).abs().max().item() / rlg.abs().max().item()
+                line = (f"{fmt} N={N} set {i}: ids equal {ids_ok}; weights max rel diff {wrel:.3g}; "
+                        f"logits max diff / max |logit| {ldiff:.3g}; "
+                        + "; ".join([_cmp("normed x", xn, rxn), _cmp("h", h, s.h[i]),
+                                     _cmp("down+combine+residual", out, rout)]))
+                lines.append(line)
+                print(line, flush=True)
+            torch.cuda.empty_cache()
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the table (or check report) to this file")
+    parser.add_argument("--pdl", action="store_true", help="launch the kernels with PDL")
+    parser.add_argument("--check", action="store_true", help="compare against the reference "
+                        "at full shapes instead of timing")
+    parser.add_argument("--reps", type=int, default=10, help="graph replays per timing")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_moe needs a CUDA GPU")
+    import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
+
+    lines = run_check(args) if args.check else run_bench(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

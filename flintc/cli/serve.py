@@ -1,0 +1,79 @@
+"""`flintc serve`: an OpenAI-compatible HTTP server (like `vllm serve`).
+
+MODEL is a BF16 checkpoint folder or an NVFP4 `.gguf` file (default: the embedded
+tiny model), run on the reference backend; `--build BUILD` serves a compiled build
+instead. Answers /v1/models, /v1/completions, /v1/chat/completions (streaming
+or not) and /health. See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from flintc.errors import InputError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None,
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model", nargs="?", default=None,
+                   help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model)")
+    p.add_argument("--build", default=None, help="a compiled build folder (compiled runtime) instead of MODEL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--hf-config-path", default=None,
+                   help="folder with config.json (and tokenizer) for a .gguf MODEL")
+    p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json and tokenizer_config.json")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients must name (default: MODEL as given)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="positions per sequence, prompt + output (default: the model's maximum)")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (KV-cache slots)")
+    p.add_argument("--device", default="cpu", help="reference backend device: cpu or cuda")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls from replies when tool_choice is \"auto\"")
+    p.add_argument("--tool-call-parser", choices=("glm47",), default=None)
+    p.add_argument("--reasoning-parser", choices=("glm47",), default=None,
+                   help="put <think>...</think> text into reasoning_content")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="leave tool definitions out of the prompt when tool_choice is \"none\"")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from flintc.checkpoint.tokenizer import load_tokenizer
+    from flintc.serve.app import ServeOptions, create_app
+    from flintc.serve.engine import Engine
+    from flintc.serve.server import bind, make_runner, serve, served_model_name, tokenizer_dir
+
+    if args.max_batch < 1:
+        raise InputError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InputError("--enable-auto-tool-choice needs --tool-call-parser glm47")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {args.device}: no CUDA GPU is available")
+    options = ServeOptions(model_name=served_model_name(args), api_key=args.api_key,
+                           enable_auto_tool_choice=args.enable_auto_tool_choice,
+                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+    tokenizer = load_tokenizer(tokenizer_dir(args))
+    sock = bind(args.host, args.port)  # fail fast on a busy port, before loading weights
+    runner = make_runner(args)
+    if tokenizer.vocab_size != runner.config.vocab_size:
+        raise InputError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
+                         f"{runner.config.vocab_size}")
+    engine = Engine(runner, tokenizer)
+    app = create_app(engine, tokenizer, options)
+    host, port = sock.getsockname()[:2]
+    print(f"flintc serve: '{options.model_name}' on http://{host}:{port}/v1 "
+          f"(max batch {runner.max_batch}, max model len {runner.max_model_len})", file=sys.stderr, flush=True)
+    serve(app, sock, log_level=args.log_level)
+    return 0

@@ -1,0 +1,517 @@
+"""Prefill MoE: routing and the routed experts as grouped GEMMs over tokens sorted by
+expert; launchers for `flintc::moe_route`, `flintc::moe_gate_up` and
+`flintc::moe_down_combine` (references: the op bodies in `flintc/ops/moe.py`, built
+from `flintc.model.ops.route_topk` / `expert_matmul` / `silu_mul` / `expert_combine`).
+
+The reference gathers a full expert matrix per (token, k) (~19 GB for 1024 tokens of the
+full model). Here the N*K (token, k) slots are sorted by expert (a stable argsort of the
+flattened ids), so each expert's weights are read once per tile of its tokens:
+
+* `moe_route`: router GEMM with fp32 accumulation (cuBLAS bf16 GEMM with fp32 output on
+  CUDA; the reference expression on CPU), then the reference's own selection code
+  (`select_topk`: sigmoid, stable descending sort of `scores + bias` so ties go to the
+  lower index, normalised weights times the scaling). On CPU ids and weights are
+  bit-identical; on CUDA the logits differ from the reference's fp32 GEMM only by fp32
+  reordering, so ids are equal except where two of `scores + bias` are within a few fp32
+  ulps of the k-th place (a near-tie), and weights are then within a few fp32 ulps.
+* `moe_gate_up` / `moe_down_combine`, three implementations (`impl=`):
+  - `"triton"`: one Triton grouped GEMM kernel (below). Rows are gathered through index
+    arrays (no sorted copy of x), weights are bf16 or NVFP4 decoded in-kernel (W4A16:
+    only the experts some token selected are ever read), fp32 accumulation, the
+    per-expert global scale on the fp32 accumulator, one rounding. gate/up run in one
+    kernel with two accumulators and SiLU-and-mul in the epilogue; down writes each
+    expert's bf16 output to its (token, k) slot.
+  - `"grouped_mm"` (bf16 weights only): `torch._grouped_mm` (CUTLASS on sm_90, fp32
+    accumulation, bf16 output: one rounding) on the sorted rows; torch's silu_mul.
+    NVFP4 cannot use it: grouped_mm only returns bf16 for bf16 inputs (torch <= 2.13), so
+    the global scale would meet an already-rounded value (a second rounding).
+  - `"loop"`: a Python loop over the experts that have tokens, each a plain fp32 matmul
+    (host sync for the counts). The torch fallback for CPUs without grouped_mm / Triton.
+  `"auto"` picks triton on CUDA for NVFP4, grouped_mm (else triton) on CUDA for bf16, and
+  on CPU grouped_mm for bf16 if torch has it, else loop.
+  The shared expert is two / one plain GEMMs (`flintc.kernels.gemm.gemm`). The weighted
+  combine is the reference's expression (`expert_combine`) on the [N, K, H] expert outputs,
+  so it is bit-identical given identical expert outputs.
+
+Rounding points kept (FLINT_SPEC 3): g and u rounded to bf16 before SiLU-and-mul, h
+rounded once; each expert's down output rounded to bf16 before the fp32 weighted combine;
+the combine rounded once. Differences from the reference come only from the GEMMs'
+fp32 summation order (<= 1 bf16 ulp + K * 2^-24 * sum |x_k w_k| per rounded value,
+most elements bit-identical) and, in the Triton epilogue, from Triton's sigmoid against
+torch's (an fp32 ulp, so h can land one bf16 ulp away at a rounding boundary).
+
+CUDA graphs: no host syncs and no data-dependent allocation in `triton` and `grouped_mm`
+(the tile table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles
+return after reading two integers). `grouped_mm`'s own CUDA path is sync-free on sm_90;
+`loop` syncs. Prefill need not be captured, so data-dependent sizes would be allowed;
+none are used except in `loop`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from flintc.kernels.gemm import (
+    _dot_acc,
+    _e2m1_to_fp32,
+    _load_weight_tile,
+    _round_to_bf16,
+)
+from flintc.kernels.gemm import gemm as dense_gemm
+from flintc.model import ops
+from flintc.ops.common import CDT
+
+NVFP4_BLOCK = 16
+IMPLS = ("auto", "triton", "grouped_mm", "loop")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Output allocation (torch.empty); a seam for tests, which poison it with NaN."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def _grouped_mm_fn():
+    """torch's grouped GEMM (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`), or None."""
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+# ---------------------------------------------------------------------------- Triton kernel
+@triton.jit
+def moe_grouped_gemm_kernel(
+    a_ptr,  # bf16 activations; row r starts at element a_off[r], K contiguous
+    a_off_ptr,  # int64 [M]: element offset of the activation row of sorted slot m
+    out_ptr,  # bf16 output; row of sorted slot m starts at element out_off[m], F contiguous
+    out_off_ptr,  # int64 [M]
+    w_ptr,  # [E, F, K] bf16, or NVFP4 codes uint8 [E, F, K/2] (gate for GATE_UP)
+    w2_ptr,  # up weights, same layout (GATE_UP only)
+    s_ptr, s2_ptr,  # NVFP4 block scales float8_e4m3fn [E, F, K/16] (unused for bf16)
+    g_ptr, g2_ptr,  # NVFP4 global scales fp32 [E] (unused for bf16)
+    tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # int32 [NUM_TILES]
+    F, K,
+    BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    IS_NVFP4: tl.constexpr, GATE_UP: tl.constexpr, DOT_BF16: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # Program (tile, pid_f): sorted slots [start, end) (all of one expert e, at most
+    # BLOCK_M) times output columns [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F) of expert e.
+    # Tiles past the last used one have start == end: they return at once.
+    tile = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the tile table and activations come from earlier kernels
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    if start >= end:
+        return  # an unused entry of the static-size tile table
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end  # rows of the tile past the expert's last slot are padding
+    a_off = tl.load(a_off_ptr + offs_m, mask=mask_m, other=0)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask_f = offs_f < F  # the last F block may stick out past F
+
+    if IS_NVFP4:
+        w_base = w_ptr + e * F * (K // 2)
+        w2_base = w2_ptr + e * F * (K // 2)
+        s_base = s_ptr + e * F * (K // 16)
+        s2_base = s2_ptr + e * F * (K // 16)
+    else:
+        w_base = w_ptr + e * F * K
+        w2_base = w2_ptr + e * F * K
+        s_base = s_ptr
+        s2_base = s2_ptr
+    acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        wt, st = _load_weight_tile(w_base, s_base, offs_f, mask_f, k0, K, BLOCK_K, IS_NVFP4)
+        if GATE_UP:
+            wt2, st2 = _load_weight_tile(w2_base, s2_base, offs_f, mask_f, k0, K, BLOCK_K,
+                                         IS_NVFP4)
+        if IS_NVFP4:
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            # mask: real slot row, and the byte's even column 2b inside K.
+            mask_a = mask_m[:, None] & (2 * offs_b < K)[None, :]
+            a_row = a_ptr + a_off[:, None] + 2 * offs_b[None, :]
+            # Even columns meet the low nibbles, odd columns the high ones (no interleave).
+            a_even = tl.load(a_row, mask=mask_a, other=0.0)
+            a_odd = tl.load(a_row + 1, mask=mask_a, other=0.0)
+            c = wt.to(tl.int32)
+            s = st.to(tl.float32)  # e4m3 -> fp32 is exact
+            acc = _dot_acc(acc, a_even, _e2m1_to_fp32(c & 15) * s, DOT_BF16)  # e2m1*scale: exact
+            acc = _dot_acc(acc, a_odd, _e2m1_to_fp32(c >> 4) * s, DOT_BF16)
+            if GATE_UP:
+                c2 = wt2.to(tl.int32)
+                s2 = st2.to(tl.float32)
+                acc2 = _dot_acc(acc2, a_even, _e2m1_to_fp32(c2 & 15) * s2, DOT_BF16)
+                acc2 = _dot_acc(acc2, a_odd, _e2m1_to_fp32(c2 >> 4) * s2, DOT_BF16)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_a = mask_m[:, None] & (offs_k < K)[None, :]
+            a = tl.load(a_ptr + a_off[:, None] + offs_k[None, :], mask=mask_a, other=0.0)
+            acc = _dot_acc(acc, a, wt, DOT_BF16)
+            if GATE_UP:
+                acc2 = _dot_acc(acc2, a, wt2, DOT_BF16)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # a scheduling hint: no memory ordering
+
+    if IS_NVFP4:
+        acc = acc * tl.load(g_ptr + e)  # global scale on the fp32 accumulator
+        if GATE_UP:
+            acc2 = acc2 * tl.load(g2_ptr + e)
+    if GATE_UP:
+        # g and u are rounded to bf16 (their rounding point), then fp32 silu(g) * u, as
+        # `ops.silu_mul`: g * sigmoid(g) * u, rounded once at the store.
+        g = _round_to_bf16(acc).to(tl.float32)
+        u = _round_to_bf16(acc2).to(tl.float32)
+        res = g * tl.sigmoid(g) * u
+    else:
+        res = acc
+    out_off = tl.load(out_off_ptr + offs_m, mask=mask_m, other=0)
+    # mask: real slot rows and real output columns.
+    tl.store(out_ptr + out_off[:, None] + offs_f[None, :], _round_to_bf16(res),
+             mask=mask_m[:, None] & mask_f[None, :])
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _choose_blocks(M: int, E: int, F: int, gate_up: bool, is_nvfp4: bool, device):
+    """(BLOCK_M, BLOCK_F, BLOCK_K, num_warps) from shapes only (no autotuning at call time).
+    BLOCK_M follows the average tokens per expert (M / E), at least 16 (tl.dot's minimum)."""
+    avg = max(1, M // max(E, 1))
+    block_m = min(64, max(16, triton.next_power_of_2(avg)))
+    if device.type != "cuda":  # interpreter: few, large programs (each costs ~ms in numpy)
+        return block_m, min(128, max(16, triton.next_power_of_2(F))), 128, 4
+    block_k = 128 if is_nvfp4 else 64
+    block_f = 64 if gate_up else 128
+    num_warps = 8 if (block_m * block_f * (2 if gate_up else 1)) >= 8192 else 4
+    return block_m, block_f, block_k, num_warps
+
+
+# ---------------------------------------------------------------------------- sorting
+def sort_by_expert(ids: torch.Tensor, num_experts: int):
+    """Group the N*K (token, k) slots by expert, sync-free.
+
+    Args:
+        ids: int64 [N, K] expert ids in [0, E) (not range-checked: that needs a sync).
+        num_experts: E.
+
+    Returns:
+        (order int64 [N*K]: slot (= token * K + k) of each sorted position, stable within
+        an expert; counts int64 [E]; ends int64 [E]: cumulative counts, expert e's slots
+        are sorted positions [ends[e] - counts[e], ends[e])).
+    """
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts, torch.cumsum(counts, 0)
+
+
+def tile_table(counts: torch.Tensor, ends: torch.Tensor, M: int, block_m: int):
+    """Per-tile (expert, start, end) over the sorted slots: each expert's slots cut into
+    tiles of at most `block_m`. The table has the static size min(cdiv(M, block_m) + E, M)
+    (an upper bound on sum_e cdiv(counts[e], block_m)); unused tiles get start == end == 0.
+    M = sum(counts) >= 1.
+    Returns three int32 [num_tiles] tensors."""
+    E = counts.numel()
+    num_tiles = min(triton.cdiv(M, block_m) + E, M)  # every used tile holds >= 1 slot
+    per = (counts + block_m - 1) // block_m  # tiles of each expert
+    tile_cum = torch.cumsum(per, 0)
+    t = torch.arange(num_tiles, device=counts.device)
+    expert = torch.searchsorted(tile_cum, t, right=True)  # E for unused tiles
+    used = expert < E
+    ec = expert.clamp(max=E - 1)
+    start = ends[ec] - counts[ec] + (t - (tile_cum[ec] - per[ec])) * block_m
+    end = torch.minimum(start + block_m, ends[ec])
+    start = torch.where(used, start, torch.zeros_like(start))
+    end = torch.where(used, end, torch.zeros_like(end))
+    return ec.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
+
+
+# ---------------------------------------------------------------------------- checks
+def _fail(op: str, name: str, what: str, t) -> None:
+    if isinstance(t, torch.Tensor):
+        got = f"dtype {t.dtype}, shape {tuple(t.shape)}, strides {tuple(t.stride())}, device {t.device}"
+    else:
+        got = type(t).__name__
+    raise ValueError(f"{op}: {name} must be {what}; got {got}")
+
+
+def _check_stacked(op: str, name: str, w, E: int | None, K: int, device):
+    """A stacked expert weight [E, F, K] (bf16) or [codes, scales, global_scale [E]].
+    Returns (is_nvfp4, E, F)."""
+    if not isinstance(w, (list, tuple)) or len(w) not in (1, 3):
+        raise ValueError(f"{op}: {name} must be a list [weight] (bf16) or [codes, scales, "
+                         f"global_scale] (NVFP4)")
+    t0 = w[0]
+    if not isinstance(t0, torch.Tensor) or t0.dim() != 3 or (E is not None and t0.shape[0] != E) \
+            or t0.device != device or not t0.is_contiguous():
+        _fail(op, f"{name}[0]", f"a contiguous [E{'' if E is None else '=' + str(E)}, F, "
+              f"{K if len(w) == 1 else K // 2}] tensor on {device}", t0)
+    E, F = t0.shape[0], t0.shape[1]
+    if len(w) == 1:
+        if t0.dtype != torch.bfloat16 or t0.shape[2] != K:
+            _fail(op, f"{name}[0]", f"a bf16 tensor [E, F, {K}]", t0)
+        return False, E, F
+    codes, scales, gs = w
+    if codes.dtype != torch.uint8 or codes.shape[2] * 2 != K:
+        _fail(op, f"{name}[0] (NVFP4 codes)", f"a uint8 tensor [E, F, {K // 2}]", codes)
+    if K % NVFP4_BLOCK:
+        raise ValueError(f"{op}: NVFP4 {name} needs the reduction dim {K} to be a multiple of 16")
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float8_e4m3fn \
+            or tuple(scales.shape) != (E, F, K // NVFP4_BLOCK) or not scales.is_contiguous() \
+            or scales.device != device:
+        _fail(op, f"{name}[1] (NVFP4 block scales)",
+              f"a contiguous float8_e4m3fn tensor [{E}, {F}, {K // NVFP4_BLOCK}] on {device}", scales)
+    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != (E,) \
+            or gs.device != device:
+        _fail(op, f"{name}[2] (NVFP4 global scales)", f"an fp32 tensor [{E}] on {device}", gs)
+    return True, E, F
+
+
+def _check_ids(op: str, ids, N: int, device):
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 2 \
+            or ids.shape[0] != N or ids.device != device:
+        _fail(op, "ids", f"an int64 tensor [{N}, K] on {device}", ids)
+
+
+def _pick_impl(op: str, impl: str, is_nvfp4: bool, device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        if device.type == "cuda":
+            return "triton" if is_nvfp4 or _grouped_mm_fn() is None else "grouped_mm"
+        return "grouped_mm" if not is_nvfp4 and _grouped_mm_fn() is not None else "loop"
+    if impl == "grouped_mm" and (is_nvfp4 or _grouped_mm_fn() is None):
+        raise ValueError(f"{op}: impl='grouped_mm' needs bf16 weights and a torch with grouped_mm")
+    if impl == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{op}: impl='triton' on CPU tensors needs TRITON_INTERPRET=1")
+    return impl
+
+
+# ---------------------------------------------------------------------------- grouped GEMM
+def _launch_triton(a, a_off, out, out_off, w, w2, counts, ends, M, K, gate_up, use_pdl):
+    """Run `moe_grouped_gemm_kernel` over sorted slots (row offsets given per slot)."""
+    is_nvfp4 = len(w) == 3
+    E, F = w[0].shape[0], w[0].shape[1]
+    dev = a.device
+    block_m, block_f, block_k, num_warps = _choose_blocks(M, E, F, gate_up, is_nvfp4, dev)
+    t_e, t_s, t_end = tile_table(counts, ends, M, block_m)
+    w2 = w2 if w2 is not None else w
+    if is_nvfp4:
+        args = (w[0], w2[0], w[1], w2[1], w[2], w2[2])
+    else:
+        args = (w[0], w2[0], w[0], w2[0], w[0], w2[0])  # scale pointers unused for bf16
+    pdl = bool(use_pdl) and dev.type == "cuda"
+    grid = (t_e.numel(), triton.cdiv(F, block_f))
+    moe_grouped_gemm_kernel[grid](
+        a, a_off, out, out_off, *args, t_e, t_s, t_end, F, K,
+        BLOCK_M=block_m, BLOCK_F=block_f, BLOCK_K=block_k, IS_NVFP4=is_nvfp4,
+        GATE_UP=gate_up, DOT_BF16=dev.type == "cuda", USE_PDL=pdl, num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+
+
+def _expert_weight_fp32(w, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Expert e's matrix in fp32 without the global scale, and that scale (NVFP4) or None."""
+    if len(w) == 1:
+        return w[0][e].to(torch.float32), None
+    from flintc.quant.nvfp4 import dequantize_packed
+
+    return dequantize_packed(w[0][e], w[1][e], None, torch.float32), w[2][e]
+
+
+def _loop_expert_mm(rows: torch.Tensor, w, counts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, F] = per-expert `rows[slice_e] @ W_e^T` (times the global scale), looping
+    over the experts that have rows (host sync); unrounded."""
+    M = rows.shape[0]
+    F = w[0].shape[1]
+    y = torch.empty(M, F, dtype=torch.float32, device=rows.device)
+    for e, (c, stop) in enumerate(zip(counts.tolist(), ends.tolist())):
+        if c == 0:
+            continue
+        we, g = _expert_weight_fp32(w, e)
+        ye = rows[stop - c:stop].to(torch.float32) @ we.T
+        y[stop - c:stop] = ye * g if g is not None else ye
+    return y
+
+
+def _routed_gemm_bf16(rows, w, counts, ends, impl) -> torch.Tensor:
+    """bf16 [M, F]: each sorted row times its expert's W^T, fp32 accumulation, one rounding."""
+    if impl == "grouped_mm":
+        return _grouped_mm_fn()(rows, w[0].transpose(1, 2), offs=ends.to(torch.int32))
+    return _loop_expert_mm(rows, w, counts, ends).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------- launchers
+def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int,
+              scaling: float, *, use_pdl: bool = False):
+    """Router GEMM, sigmoid, bias-corrected top-k and weights, as `flintc::moe_route`
+    (reference: `flintc.model.ops.route_topk`).
+
+    Args:
+        x: bf16 [N, H], last dim contiguous.
+        router: bf16 [E, H]; bias: fp32 [E] (selects, never weights). Same device as x.
+        top_k: K, 1 <= K <= E. scaling: routed_scaling_factor.
+        use_pdl: accepted for the kernel contract; ignored (cuBLAS + torch ops).
+
+    Returns:
+        (weights fp32 [N, K], ids int64 [N, K]) in the reference's order (descending
+        `scores + bias`, ties to the lower index). Numerics: module docstring.
+
+    Raises:
+        ValueError: a dtype, shape or device does not match.
+    """
+    del use_pdl
+    op = "moe_route"
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+            or x.stride(-1) != 1:
+        _fail(op, "x", "a bf16 tensor [N, H] with a contiguous last dim", x)
+    H = x.shape[1]
+    if not isinstance(router, torch.Tensor) or router.dtype != torch.bfloat16 or router.dim() != 2 \
+            or router.shape[1] != H or router.device != x.device:
+        _fail(op, "router", f"a bf16 tensor [E, {H}] on {x.device}", router)
+    E = router.shape[0]
+    if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32 or tuple(bias.shape) != (E,) \
+            or bias.device != x.device:
+        _fail(op, "bias", f"an fp32 tensor [{E}] on {x.device}", bias)
+    if not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise ValueError(f"{op}: top_k must be an int in [1, {E}], got {top_k!r}")
+    if x.device.type == "cuda" and hasattr(torch.ops.aten.mm, "dtype"):
+        logits = torch.ops.aten.mm.dtype(x, router.T, torch.float32)
+    else:
+        logits = x.to(CDT) @ router.to(CDT).T  # the reference's expression
+    return ops.select_topk(logits, bias, top_k, scaling)
+
+
+def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: list[torch.Tensor], up: list[torch.Tensor],
+                shared_gate: list[torch.Tensor], shared_up: list[torch.Tensor], *,
+                use_pdl: bool = False, impl: str = "auto") -> torch.Tensor:
+    """Routed experts' gate/up grouped GEMMs + the shared expert's, then SiLU-and-mul, as
+    `flintc::moe_gate_up`.
+
+    Args:
+        x: bf16 [N, H], last dim contiguous.
+        ids: int64 [N, K] selected experts, each in [0, E) (not checked: needs a sync).
+        gate, up: stacked [E, F, H]: `[w]` bf16, or NVFP4 `[codes [E, F, H/2], scales
+            [E, F, H/16], global_scale fp32 [E]]`; contiguous; same format for both.
+        shared_gate, shared_up: [F, H] in either format (see `flintc.kernels.gemm.gemm`),
+            or both empty lists (no shared expert).
+        use_pdl: PDL launch of the Triton kernel (CUDA only).
+        impl: "auto" | "triton" | "grouped_mm" | "loop" (module docstring).
+
+    Returns:
+        h bf16 [N, K(+1), F], the shared expert last. Numerics: module docstring.
+
+    Raises:
+        ValueError: a dtype, shape, device or layout does not match, or `impl` cannot run.
+    """
+    op = "moe_gate_up"
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+            or x.stride(-1) != 1:
+        _fail(op, "x", "a bf16 tensor [N, H] with a contiguous last dim", x)
+    N, H = x.shape
+    dev = x.device
+    _check_ids(op, ids, N, dev)
+    K = ids.shape[1]
+    is_nvfp4, E, F = _check_stacked(op, "gate", gate, None, H, dev)
+    is_nvfp4_u, _, F_u = _check_stacked(op, "up", up, E, H, dev)
+    if is_nvfp4_u != is_nvfp4 or F_u != F:
+        raise ValueError(f"{op}: up must have gate's format and shape [E={E}, F={F}, H={H}]")
+    if bool(shared_gate) != bool(shared_up):
+        raise ValueError(f"{op}: shared_gate and shared_up must both be given or both be empty")
+    impl = _pick_impl(op, impl, is_nvfp4, dev)
+    S = K + (1 if shared_gate else 0)
+    out = _alloc(N, S, F, dtype=torch.bfloat16, device=dev)
+    M = N * K
+    if M:
+        order, counts, ends = sort_by_expert(ids, E)
+        tok = order // K
+        kk = order - tok * K
+        if impl == "triton":
+            a_off = tok * x.stride(0)
+            out_off = (tok * S + kk) * F
+            _launch_triton(x, a_off, out, out_off, gate, up, counts, ends, M, H, True, use_pdl)
+        else:
+            xs = x[tok]  # [M, H] sorted rows
+            g = _routed_gemm_bf16(xs, gate, counts, ends, impl)
+            u = _routed_gemm_bf16(xs, up, counts, ends, impl)
+            out[tok, kk] = ops.silu_mul(g, u, CDT)
+    if shared_gate:
+        gs = dense_gemm(x, shared_gate)
+        us = dense_gemm(x, shared_up)
+        out[:, K] = ops.silu_mul(gs, us, CDT)
+    return out
+
+
+def moe_down_combine(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     down: list[torch.Tensor], shared_down: list[torch.Tensor], *,
+                     use_pdl: bool = False, impl: str = "auto") -> torch.Tensor:
+    """Routed experts' down grouped GEMM, the shared expert's down GEMM and the fp32
+    weighted combine `bf16(sum_k w_k * y_k + y_shared)`, as `flintc::moe_down_combine`.
+
+    Args:
+        h: bf16 [N, K(+1), F] from `moe_gate_up` (last dim contiguous).
+        ids: int64 [N, K] (as for `moe_gate_up`); weights: fp32 [N, K].
+        down: stacked [E, H, F], bf16 `[w]` or NVFP4 `[codes, scales, global_scale [E]]`.
+        shared_down: [H, F] in either format, or [] (then h has K slots).
+        use_pdl: PDL launch of the Triton kernel (CUDA only).
+        impl: "auto" | "triton" | "grouped_mm" | "loop" (module docstring).
+
+    Returns:
+        bf16 [N, H]. Numerics: module docstring (combine bit-identical to the reference's
+        expression given the same expert outputs).
+
+    Raises:
+        ValueError: a dtype, shape, device or layout does not match, or `impl` cannot run.
+    """
+    op = "moe_down_combine"
+    if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16 or h.dim() != 3 \
+            or h.stride(-1) != 1:
+        _fail(op, "h", "a bf16 tensor [N, K(+1), F] with a contiguous last dim", h)
+    N, S, F = h.shape
+    dev = h.device
+    _check_ids(op, ids, N, dev)
+    K = ids.shape[1]
+    if S != K + (1 if shared_down else 0):
+        raise ValueError(f"{op}: h has {S} slots per token; expected K={K}"
+                         f"{' + 1 (shared expert)' if shared_down else ''}")
+    if not isinstance(weights, torch.Tensor) or weights.dtype != torch.float32 \
+            or tuple(weights.shape) != (N, K) or weights.device != dev:
+        _fail(op, "weights", f"an fp32 tensor [{N}, {K}] on {dev}", weights)
+    is_nvfp4, E, H = _check_stacked(op, "down", down, None, F, dev)
+    impl = _pick_impl(op, impl, is_nvfp4, dev)
+    y = _alloc(N, K, H, dtype=torch.bfloat16, device=dev)
+    M = N * K
+    if M:
+        order, counts, ends = sort_by_expert(ids, E)
+        tok = order // K
+        kk = order - tok * K
+        if impl == "triton":
+            a_off = tok * h.stride(0) + kk * h.stride(1)
+            _launch_triton(h, a_off, y, order * H, down, None, counts, ends, M, F, False, use_pdl)
+        else:
+            y[tok, kk] = _routed_gemm_bf16(h[tok, kk], down, counts, ends, impl)
+    shared = dense_gemm(h[:, K], shared_down) if shared_down else None
+    return ops.expert_combine(y, weights, shared, CDT)
+
+
+KERNELS: dict[str, Callable] = {
+    "moe_route": moe_route,
+    "moe_gate_up": moe_gate_up,
+    "moe_down_combine": moe_down_combine,
+}

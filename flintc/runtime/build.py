@@ -1,0 +1,313 @@
+"""`flintc compile`: run the pass pipelines and write a BUILD folder.
+
+BUILD holds (weights are never copied; `build.json` records where they come from):
+
+    build.json        manifest: flintc version, config, weight format and source, weight
+                      fingerprint, max batch, max model length, prefill chunk, backend,
+                      device, the steps and their kernel implementations
+    runtime.py        the generated runtime: one function per step and batch bucket
+                      (decode_b1, decode_b2, decode_b4, decode_b8, prefill_t<C>), one line
+                      per kernel launch commented with its source graph node
+    plan.json         schedule and buffer plan: per step the launches in order (op, node,
+                      layer, PDL), static inputs, KV-cache layout, intermediates and bytes
+    report.json       the per-pass reports (numeric checks, kernel counts) of every step
+    report.md         the same as tables
+    dumps/<step>/     pass-by-pass graph dumps (`flintc dump` format), unless disabled
+
+The folder is written under a temporary name beside BUILD and renamed at the end, so
+an interrupted compile leaves no half-written BUILD.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flintc.config import FlintConfig
+from flintc.errors import InputError
+from flintc.runtime.codegen import generate_step, module_source
+
+BUILD_VERSION = 1
+DECODE_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclass
+class BuildOptions:
+    """What to compile for.
+
+    max_batch: the largest decode batch (buckets 1, 2, 4, 8 up to it, plus max_batch).
+    max_model_len: positions per sequence (full-attention cache rows).
+    prefill_chunk: tokens per prefill call; at most the sliding window W (a padded
+        last chunk must not push live tokens out of the ring). None: the largest power
+        of two <= min(W, 512).
+    backend: "triton" (Triton kernels where they exist, reference ops elsewhere) or
+        "torch" (reference ops only).
+    device: where the runtime runs ("cpu" or "cuda").
+    check: run every pass's numeric check (on a short cache) while compiling.
+    dump: write pass-by-pass dumps into BUILD/dumps.
+    attention_splits: split-KV chunks of decode attention (None: from the cache length).
+    """
+
+    max_batch: int = 8
+    max_model_len: int | None = None
+    prefill_chunk: int | None = None
+    backend: str = "triton"
+    device: str = "cpu"
+    check: bool = True
+    dump: bool = True
+    attention_splits: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def resolve(self, config: FlintConfig) -> "BuildOptions":
+        """Fill the defaults from `config` and validate. Raises InputError."""
+        o = BuildOptions(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        if not 1 <= int(o.max_batch) <= 8:
+            raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {o.max_batch}")
+        limit = config.max_position_embeddings
+        o.max_model_len = int(o.max_model_len or limit)
+        if not 1 <= o.max_model_len <= limit:
+            raise InputError(f"--max-model-len must be in 1..{limit} (max_position_embeddings), "
+                             f"got {o.max_model_len}")
+        W = config.sliding_window if "sliding_attention" in config.layer_types else None
+        if o.prefill_chunk is None:
+            cap = min(W, 512) if W else 512
+            o.prefill_chunk = 1 << (cap.bit_length() - 1)
+        o.prefill_chunk = int(o.prefill_chunk)
+        if o.prefill_chunk < 1 or (W and o.prefill_chunk > W):
+            raise InputError(f"--prefill-chunk must be in 1..{W} (the sliding window), got {o.prefill_chunk}")
+        if o.backend not in ("torch", "triton"):
+            raise InputError(f"--backend must be torch or triton, got {o.backend!r}")
+        return o
+
+    @property
+    def buckets(self) -> list[int]:
+        b = [n for n in DECODE_BUCKETS if n <= self.max_batch]
+        return b if self.max_batch in b else b + [self.max_batch]
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows of a full-attention cache: max_model_len plus one prefill chunk (a padded
+        last chunk writes a few rows past the prompt; decode overwrites them)."""
+        return self.max_model_len + self.prefill_chunk
+
+
+def weight_fingerprint(weights: dict, fmt: str) -> str:
+    """sha256 over each weight's name, dtype, shape and the bytes of its first and last
+    4096 elements: cheap (no full pass over 80 GB), and it tells two checkpoints apart."""
+    from flintc.quant.nvfp4 import NVFP4Tensor
+
+    h = hashlib.sha256(fmt.encode())
+    for name in sorted(weights):
+        w = weights[name]
+        parts = [w.codes, w.scales, w.global_scale] if isinstance(w, NVFP4Tensor) else [w]
+        for t in parts:
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+            if t.device.type == "meta":
+                continue
+            flat = t.reshape(-1)
+            sample = torch.cat([flat[:4096], flat[-4096:]]) if flat.numel() > 8192 else flat
+            h.update(sample.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def config_fingerprint(config: FlintConfig) -> str:
+    return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _check_len(opts: BuildOptions, config: FlintConfig) -> int:
+    """Cache rows of the graphs traced for checking: long enough to wrap the ring and
+    hold a prefill chunk, and an odd number no model dimension equals, so a graph whose
+    tensors depend on the cache length can be recognised (`_depends_on_rows`)."""
+    n = config.sliding_window + 2 * opts.prefill_chunk + 3
+    n = n if n % 2 else n + 1
+    return min(n, opts.cache_rows)
+
+
+def _depends_on_rows(gm, rows: int) -> bool:
+    """True when a non-cache tensor of the graph has a dimension of `rows` (a mask or a
+    gathered copy of the full cache): then the graph is only valid for that length."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        vals = node.meta.get("val")
+        for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+            if isinstance(v, torch.Tensor) and rows in tuple(v.shape):
+                return True
+    return False
+
+
+def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress: bool = True,
+                  log=print) -> dict:
+    """Compile the decode buckets and the prefill step of `ckpt` into the BUILD folder `out`.
+
+    Args:
+        ckpt: a LoadedCheckpoint (`flintc.checkpoint.loader.load_checkpoint`), its
+            weights on the device the runtime will use.
+        out: the BUILD folder; replaced if it holds an earlier build, refused if it
+            exists and holds anything else.
+        options: BuildOptions (resolved here against the checkpoint's config).
+        progress: show a progress bar over the steps.
+
+    Returns the manifest (build.json's content).
+
+    Raises:
+        InputError: bad options, or `out` exists and is not a flintc build.
+        PassCheckError: a pass missed its numeric expectation (nothing is written).
+    """
+    from flintc.model.reference import FlintModel
+    from flintc.passes.pipeline import compile_step
+    from flintc.runtime.kernels import KernelTable
+
+    config = ckpt.config
+    opts = options.resolve(config)
+    out = Path(out)
+    if out.exists() and not (out / "build.json").is_file():
+        raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
+    t_start = time.perf_counter()
+    model = FlintModel(config, ckpt.weights, max_positions=opts.cache_rows)
+    check_len = _check_len(opts, config)
+    steps = [("decode", b, 1) for b in opts.buckets] + [("prefill", 1, opts.prefill_chunk)]
+    sources, reports, plan_steps = [], [], {}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
+    try:
+        bar = _progress(steps, progress)
+        for step, batch, tokens in bar:
+            name = f"decode_b{batch}" if step == "decode" else f"prefill_t{tokens}"
+            if hasattr(bar, "set_description"):
+                bar.set_description(f"compile {name}")
+            opts_step = {"full_attention_rows": opts.cache_rows}
+            if opts.attention_splits:
+                opts_step["attention_splits"] = opts.attention_splits
+            dump_dir = tmp / "dumps" / name if opts.dump else None
+            rows = check_len
+            graph, report = compile_step(model, step, batch=batch, tokens=tokens, cache_len=rows,
+                                         check_model=model if opts.check else None,
+                                         dump_dir=dump_dir, options=opts_step)
+            if rows != opts.cache_rows and _depends_on_rows(graph.gm, rows):
+                # This step's final graph is specialised to its cache length: recapture at
+                # the runtime's length (checks already ran on the short one).
+                log(f"{name}: the graph depends on the cache length; recompiling for "
+                    f"{opts.cache_rows} rows without checks (checked above at {rows})")
+                graph, _ = compile_step(model, step, batch=batch, tokens=tokens,
+                                        cache_len=opts.cache_rows, options=opts_step)
+                rows = opts.cache_rows
+            table = KernelTable(opts.backend, step)
+            doc = (f"{step}, batch {batch}, {tokens} token(s) per sequence: input_ids, positions int64 "
+                   f"[{batch}, {tokens}]; slots int64 [{batch}]. Returns fp32 logits [{batch}, {tokens}, "
+                   f"{config.vocab_size}]. Cache rows traced: {rows}.")
+            src = generate_step(graph.gm, name, graph.buffer_names, doc, pdl=(step == "decode"))
+            sources.append(src)
+            reports.append({"function": name, **report.as_dict()})
+            plan_steps[name] = {
+                "step": step, "batch": batch, "tokens": tokens, "traced_cache_rows": rows,
+                "kernels": src.kernels, "launches": src.launches,
+                "implementations": table.implementations(
+                    [l["op"] for l in src.launches if not l["op"].startswith("aten.")]),
+                "weights": src.weights,
+                "intermediates": src.intermediates,
+                "intermediate_bytes": sum(i["bytes"] for i in src.intermediates),
+                "report_passed": report.passed,
+            }
+        manifest = _manifest(ckpt, opts, plan_steps, time.perf_counter() - t_start)
+        plan = {"steps": plan_steps, "kv_cache": _kv_layout(config, opts)}
+        header = (f"# Generated by flintc compile on {time.strftime('%Y-%m-%d %H:%M:%S')} -- do not edit.\n"
+                  f"# Model: {ckpt.source} ({ckpt.fmt}), config sha256 {manifest['config_sha256'][:16]}.\n"
+                  f"# Backend {opts.backend}, device {opts.device}; kernel implementations in plan.json.\n"
+                  "# One function per step and batch bucket; one line per kernel launch.\n")
+        (tmp / "runtime.py").write_text(module_source(sources, header))
+        (tmp / "plan.json").write_text(json.dumps(plan, indent=1))
+        (tmp / "report.json").write_text(json.dumps(reports, indent=1))
+        (tmp / "report.md").write_text(_report_md(reports, plan_steps))
+        (tmp / "build.json").write_text(json.dumps(manifest, indent=1))
+        from flintc.fileio import set_public_mode
+
+        set_public_mode(tmp)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _progress(steps, enabled: bool):
+    if not enabled:
+        return steps
+    from tqdm import tqdm
+
+    return tqdm(steps, unit="step", leave=False)
+
+
+def _kv_layout(config: FlintConfig, opts: BuildOptions) -> dict:
+    slots = opts.max_batch + 1
+    per_layer = []
+    total = 0
+    for i in range(config.num_hidden_layers):
+        sliding = config.is_sliding_layer(i)
+        rows = config.sliding_window if sliding else opts.cache_rows
+        shape = [slots, rows, config.num_key_value_heads, config.head_dim]
+        nbytes = 2 * slots * rows * config.num_key_value_heads * config.head_dim * 2
+        total += nbytes
+        per_layer.append({"layer": i, "kind": "sliding ring" if sliding else "full", "shape_k": shape,
+                          "shape_v": shape, "dtype": "torch.bfloat16", "bytes": nbytes})
+    return {"slots": slots, "scratch_slot": opts.max_batch, "layers": per_layer, "bytes": total,
+            "note": "slot max_batch is scratch: padding rows of a decode bucket read and write it only"}
+
+
+def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("flintc")
+    except PackageNotFoundError:
+        ver = "unknown"
+    source = ckpt.source
+    if not source.startswith("dummy:"):
+        source = str(Path(source).resolve())
+    return {
+        "build_version": BUILD_VERSION, "flintc_version": ver, "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "compile_seconds": round(seconds, 2),
+        "config": ckpt.config.to_dict(), "config_sha256": config_fingerprint(ckpt.config),
+        "weight_format": ckpt.fmt, "weight_source": source,
+        "tokenizer_dir": str(Path(ckpt.tokenizer_dir).resolve()) if ckpt.tokenizer_dir else None,
+        "weight_sha256": weight_fingerprint(ckpt.weights, ckpt.fmt),
+        "max_batch": opts.max_batch, "max_model_len": opts.max_model_len,
+        "prefill_chunk": opts.prefill_chunk, "cache_rows": opts.cache_rows,
+        "backend": opts.backend, "device": opts.device, "checked": opts.check,
+        "buckets": opts.buckets,
+        "functions": {name: {"step": s["step"], "batch": s["batch"], "tokens": s["tokens"],
+                             "kernels": s["kernels"]} for name, s in plan_steps.items()},
+    }
+
+
+def _report_md(reports: list[dict], plan_steps: dict) -> str:
+    lines = ["# Compile report", ""]
+    lines += ["| function | kernels per call | passes checked | all passed |", "|---|---|---|---|"]
+    for r in reports:
+        checked = sum(1 for s in r["stages"] if s.get("check"))
+        lines.append(f"| {r['function']} | {plan_steps[r['function']]['kernels']} | {checked} | "
+                     f"{'yes' if r['passed'] else 'NO'} |")
+    for r in reports:
+        lines += ["", f"## {r['function']}", "",
+                  "| # | pass | kernels/fwd | expected | ok | max_abs | differing |", "|---|---|---|---|---|---|---|"]
+        for s in r["stages"]:
+            c = s.get("check") or {}
+            lines.append(f"| {s['index']} | {s['name']} | {s['kernels_per_forward']} | {c.get('expected', '-')} | "
+                         f"{('yes' if c.get('passed') else 'NO') if c else '-'} | "
+                         f"{c.get('max_abs', '-') if c else '-'} | {c.get('share_differing', '-') if c else '-'} |")
+        impl = plan_steps[r["function"]]["implementations"]
+        lines += ["", "Kernel implementations: " + ", ".join(f"`{k}`: {v}" for k, v in impl.items())]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,294 @@
+"""The generated runtime: load a BUILD folder and run it (`CompiledRunner`).
+
+The runner owns the weights (a `FlintModel` used only as the container of the
+weights and the RoPE tables), static KV caches for `max_batch` sequence slots plus
+one scratch slot, and the generated step functions of `BUILD/runtime.py`.
+
+- Decode: a batch of n <= max_batch sequences runs in the smallest bucket >= n;
+  the padding rows use the scratch slot (position 0, token 0), so they never read or
+  write a live sequence's cache. On CUDA each bucket is captured once into a CUDA
+  graph (its kernels launched with PDL where the backend's kernels support it) and
+  replayed with the inputs copied into static buffers.
+- Prefill: one sequence, `prefill_chunk` tokens per call of the prefill function, so
+  the workspace is bounded whatever the prompt length. The last chunk is padded with
+  token 0 at the positions that follow; those padding tokens write ring rows of the
+  sliding layers that hold live positions, so the runner saves those rows before the
+  chunk and puts them back after it (padding in full layers writes rows past the
+  prompt, which decode overwrites before reading; the caches have one chunk of spare
+  rows for it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Sequence
+
+import torch
+
+from flintc.errors import InputError
+from flintc.runtime.runner import check_request
+
+
+def _load_module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def read_manifest(build: str | Path) -> dict:
+    """BUILD/build.json. Raises InputError when BUILD is not a flintc build."""
+    build = Path(build)
+    path = build / "build.json"
+    if not path.is_file():
+        raise InputError(f"{build} is not a flintc build: {path} does not exist (run flintc compile)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path} is not valid JSON: {e}") from None
+    for key in ("build_version", "config", "weight_sha256", "functions", "max_batch"):
+        if key not in manifest:
+            raise InputError(f"{path} has no field {key!r}; rebuild with flintc compile")
+    return manifest
+
+
+def load_build(build: str | Path, model: str | Path | None = None, device: str | None = None,
+               load_format: str | None = None, hf_config_path=None, progress: bool = True,
+               use_cuda_graphs: bool = True, ckpt=None) -> "CompiledRunner":
+    """Load BUILD and its weights.
+
+    Args:
+        build: the BUILD folder written by `flintc compile`.
+        model: the checkpoint to take the weights from (default: the one recorded in
+            build.json). Its config and weight fingerprint must match the build's.
+        device: override the device recorded in the build ("cpu" or "cuda").
+        ckpt: an already loaded checkpoint (skips loading; still checked).
+
+    Raises:
+        InputError: BUILD is not a build; the weights or config differ from the ones it
+            was compiled for; the device is CUDA and there is no GPU.
+        CheckpointError: the weights cannot be loaded.
+    """
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.config import FlintConfig
+    from flintc.runtime.build import config_fingerprint, weight_fingerprint
+
+    build = Path(build)
+    manifest = read_manifest(build)
+    device = device or manifest.get("device", "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"{build} was compiled for {device} but no CUDA GPU is available "
+                         "(pass --device cpu to run it on the CPU)")
+    config = FlintConfig.from_dict(manifest["config"], source=str(build / "build.json"))
+    if ckpt is None:
+        source = model or manifest["weight_source"]
+        if str(source).startswith("dummy:"):
+            raise InputError(f"{build} was compiled with dummy weights; pass --load-format dummy "
+                             "(and the same --format) to run it")
+        if load_format == "dummy":
+            ckpt = load_checkpoint(None, device=device, load_format="dummy", config=config,
+                                   fmt=manifest["weight_format"], progress=progress)
+        else:
+            ckpt = load_checkpoint(source, hf_config_path=hf_config_path, device=device,
+                                   progress=progress)
+    if config_fingerprint(ckpt.config) != manifest["config_sha256"]:
+        raise InputError(f"the weights' config ({ckpt.source}) differs from the one {build} was "
+                         "compiled for; recompile with flintc compile")
+    if ckpt.fmt != manifest["weight_format"]:
+        raise InputError(f"{build} was compiled for {manifest['weight_format']} weights, "
+                         f"{ckpt.source} holds {ckpt.fmt}")
+    if weight_fingerprint(ckpt.weights, ckpt.fmt) != manifest["weight_sha256"]:
+        raise InputError(f"the weights in {ckpt.source} are not the ones {build} was compiled "
+                         "with (fingerprint differs); recompile, or pass the original checkpoint")
+    return CompiledRunner(build, manifest, ckpt, torch.device(device), use_cuda_graphs=use_cuda_graphs)
+
+
+class CompiledRunner:
+    """A `ModelRunner` over a BUILD's generated functions.
+
+    Attributes: config, device, max_batch, max_model_len (see `ModelRunner`),
+    manifest (build.json), prefill_chunk, tokenizer_dir, kernels_per_forward
+    (per function, from the plan).
+    """
+
+    def __init__(self, build: Path, manifest: dict, ckpt, device: torch.device,
+                 use_cuda_graphs: bool = True):
+        from flintc.model.reference import FlintModel
+        from flintc.runtime.kernels import KernelTable
+
+        self.build, self.manifest = Path(build), manifest
+        self.config = ckpt.config
+        self.device = device
+        self.fmt = ckpt.fmt
+        self.tokenizer_dir = ckpt.tokenizer_dir or manifest.get("tokenizer_dir")
+        self.max_batch = int(manifest["max_batch"])
+        self.max_model_len = int(manifest["max_model_len"])
+        self.prefill_chunk = int(manifest["prefill_chunk"])
+        self.cache_rows = int(manifest["cache_rows"])
+        self.backend = manifest["backend"]
+        self.model = FlintModel(self.config, ckpt.weights, max_positions=self.cache_rows)
+        self.kv = self.model.new_kv_cache(self.max_batch + 1, self.cache_rows, device)
+        self.scratch = self.max_batch
+        self._module = _load_module(self.build / "runtime.py", f"flintc_build_{abs(hash(str(build)))}")
+        plan = json.loads((self.build / "plan.json").read_text())
+        self.plan = plan["steps"]
+        buffers = dict(self.model.named_buffers())
+        self._weights: dict[str, SimpleNamespace] = {}
+        for name, step in self.plan.items():
+            missing = [b for b in step["weights"].values() if b not in buffers]
+            if missing:
+                raise InputError(f"{self.build}/plan.json names weight {missing[0]!r}, which the "
+                                 "model does not have; recompile")
+            self._weights[name] = SimpleNamespace(**{a: buffers[b] for a, b in step["weights"].items()})
+        self._tables = {step: KernelTable(self.backend, step) for step in ("decode", "prefill")}
+        self.buckets = sorted(s["batch"] for s in self.plan.values() if s["step"] == "decode")
+        self.kernels_per_forward = {name: s["kernels"] for name, s in self.plan.items()}
+        self.sliding_caches = [t for i in range(self.config.num_hidden_layers)
+                               if self.config.is_sliding_layer(i) for t in self.kv[2 * i:2 * i + 2]]
+        self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
+        self._graphs: dict[int, tuple] = {}
+
+    # -- the generated functions -------------------------------------------------------
+    def _call(self, name: str, ids, positions, slots):
+        step = self.plan[name]["step"]
+        fn = self._module.STEPS[name]
+        return fn(self._tables[step], self._weights[name], ids, positions, slots, self.kv, self.device)
+
+    def forward(self, name: str, input_ids: torch.Tensor, positions: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+        """Run one generated function directly (no padding, no CUDA graph): input_ids,
+        positions int64 [B, T] and slots int64 [B] of the function's shapes. -> fp32
+        logits [B, T, V]. Raises InputError for shapes the function was not built for."""
+        if name not in self.plan:
+            raise InputError(f"no function {name!r} in {self.build}; it has {sorted(self.plan)}")
+        B, T = self.plan[name]["batch"], self.plan[name]["tokens"]
+        if tuple(input_ids.shape) != (B, T) or tuple(positions.shape) != (B, T) or tuple(slots.shape) != (B,):
+            raise InputError(f"{name} takes input_ids and positions [{B}, {T}] and slots [{B}]")
+        with torch.inference_mode():
+            return self._call(name, input_ids, positions, slots)
+
+    # -- ModelRunner -----------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0,
+                all_logits: bool = False) -> torch.Tensor:
+        ids = [int(t) for t in token_ids]
+        check_request(self, slot, start, len(ids))
+        C = self.prefill_chunk
+        name = f"prefill_t{C}"
+        W = self.config.sliding_window
+        slots = torch.tensor([slot], device=self.device)
+        out = []
+        for s in range(0, len(ids), C):
+            piece = ids[s:s + C]
+            n = len(piece)
+            p0 = start + s
+            pad = C - n
+            tok = torch.tensor([piece + [0] * pad], device=self.device)
+            pos = torch.arange(p0, p0 + C, device=self.device)[None]
+            saved = None
+            if pad and self.sliding_caches:
+                rows = torch.arange(p0 + n, p0 + C, device=self.device) % W
+                saved = [(t, rows, t[slot, rows].clone()) for t in self.sliding_caches]
+            logits = self._call(name, tok, pos, slots)[0, :n]  # [n, V]
+            if saved:
+                for t, rows, keep in saved:
+                    t[slot, rows] = keep
+            out.append(logits if all_logits else logits[-1:])
+        logits = torch.cat(out).float()
+        return logits if all_logits else logits[-1]
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], token_ids: Sequence[int],
+               positions: Sequence[int]) -> torch.Tensor:
+        n = len(slots)
+        if not 1 <= n <= self.max_batch or len(set(int(s) for s in slots)) != n:
+            raise InputError(f"decode needs 1..{self.max_batch} distinct slots (--max-batch), got {list(slots)}")
+        if len(token_ids) != n or len(positions) != n:
+            raise InputError("decode needs one token id and one position per slot")
+        for s, p in zip(slots, positions):
+            check_request(self, int(s), int(p), 1)
+        B = next(b for b in self.buckets if b >= n)
+        pad = B - n
+        ids = torch.tensor([[int(t)] for t in token_ids] + [[0]] * pad, device=self.device)
+        pos = torch.tensor([[int(p)] for p in positions] + [[0]] * pad, device=self.device)
+        sl = torch.tensor([int(s) for s in slots] + [self.scratch] * pad, device=self.device)
+        if self.use_cuda_graphs:
+            logits = self._replay(B, ids, pos, sl)
+        else:
+            logits = self._call(f"decode_b{B}", ids, pos, sl)
+        return logits[:n, 0].float()
+
+    # -- CUDA graphs -----------------------------------------------------------------
+    def _replay(self, B: int, ids, pos, sl):
+        entry = self._graphs.get(B)
+        if entry is None:
+            entry = self._capture(B)
+        graph, s_ids, s_pos, s_sl, out = entry
+        s_ids.copy_(ids)
+        s_pos.copy_(pos)
+        s_sl.copy_(sl)
+        graph.replay()
+        return out
+
+    def _capture(self, B: int):
+        """Capture decode_b{B} into a CUDA graph. The static inputs point at the scratch
+        slot while warming up and capturing, so no live cache is touched."""
+        name = f"decode_b{B}"
+        s_ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        s_pos = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        s_sl = torch.full((B,), self.scratch, dtype=torch.long, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the Triton kernels, settle the allocator
+                self._call(name, s_ids, s_pos, s_sl)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self._call(name, s_ids, s_pos, s_sl)
+        entry = (graph, s_ids, s_pos, s_sl, out)
+        self._graphs[B] = entry
+        return entry
+
+    def capture_all(self) -> None:
+        """Capture every decode bucket now (otherwise each is captured on first use)."""
+        if self.use_cuda_graphs:
+            for B in self.buckets:
+                if B not in self._graphs:
+                    self._capture(B)
+
+    def graph_kernel_count(self, B: int) -> int | None:
+        """Kernel nodes in bucket B's captured CUDA graph (None without CUDA graphs or
+        when torch cannot say)."""
+        if not self.use_cuda_graphs:
+            return None
+        graph = self._capture(B)[0] if B not in self._graphs else self._graphs[B][0]
+        return _count_graph_kernels(graph)
+
+    def release(self, slot: int) -> None:
+        """Nothing to free: a slot's cache rows are overwritten by its next sequence."""
+
+
+def _count_graph_kernels(graph) -> int | None:
+    """Kernel nodes of a torch.cuda.CUDAGraph, through cuda-python when installed."""
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python 12.x / 13.x
+    except ImportError:
+        return None
+    raw = graph.raw_cuda_graph() if hasattr(graph, "raw_cuda_graph") else None
+    if raw is None:
+        return None
+    err, _, num = cudart.cudaGraphGetNodes(raw, 0)
+    err, nodes, num = cudart.cudaGraphGetNodes(raw, num)
+    count = 0
+    for node in nodes[:num]:
+        err, kind = cudart.cudaGraphNodeGetType(node)
+        if kind == cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel:
+            count += 1
+    return count
+
+
+__all__ = ["CompiledRunner", "load_build", "read_manifest"]

@@ -1,0 +1,111 @@
+"""Generation over any `ModelRunner`: prefill each prompt into its own slot, then
+decode the live sequences together, one token per sequence per step, sampling on
+the runner's device (FLINT_SPEC section 6: temperature, top-k then top-p, greedy at
+temperature 0, per-request seeds).
+
+Same result type and stopping rules as the reference loop (`flintc.model.generate`):
+a sequence stops at its end-of-text token (unless ignore_eos), at max_tokens, or when
+it reaches the runner's max_model_len.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from flintc.errors import InputError
+from flintc.model.generate import GenerationResult, check_prompt
+from flintc.sampling import SamplingParams, sample
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def generate_with_runner(
+    runner,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    eos_token_id: int | None = None,
+    return_prompt_logits: bool = False,
+    keep_step_logits: bool = False,
+    on_token: Callable[[int, int], None] | None = None,
+) -> GenerationResult:
+    """Generate after each prompt with `runner` (a ModelRunner).
+
+    Args:
+        prompts: token ids per prompt; at most `runner.max_batch` prompts.
+        params: one SamplingParams for all, or one per prompt.
+        on_token: called as on_token(prompt_index, token_id) as tokens appear.
+
+    Raises:
+        InputError: more prompts than runner.max_batch, an empty prompt, an id outside
+            the vocabulary, or a prompt of max_model_len tokens or more.
+    """
+    cfg = runner.config
+    B = len(prompts)
+    if not 1 <= B <= runner.max_batch:
+        raise InputError(f"{B} prompts, but the runtime takes at most {runner.max_batch} at once "
+                         "(--max-batch)")
+    plist = params if isinstance(params, list) else [params] * B
+    if len(plist) != B:
+        raise ValueError("need one SamplingParams per prompt")
+    for i, ids in enumerate(prompts):
+        check_prompt(ids, cfg.vocab_size, runner.max_model_len,
+                     name=f"prompt {i}" if B > 1 else "prompt")
+    device = runner.device
+    gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
+    result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])
+    result.prompt_logits = [] if return_prompt_logits else None
+    result.finish_reasons = ["length"] * B
+
+    _sync(device)
+    t0 = time.perf_counter()
+    last = []
+    for b, ids in enumerate(prompts):
+        logits = runner.prefill(b, ids, 0, all_logits=return_prompt_logits)
+        if return_prompt_logits:
+            result.prompt_logits.append(logits.float().cpu())
+            logits = logits[-1]
+        last.append(logits)
+    _sync(device)
+    result.prefill_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    logits = torch.stack(last)  # [B, V]
+    live = list(range(B))
+    pos = [len(p) for p in prompts]
+    while True:
+        live = [b for b in live if len(result.output_ids[b]) < plist[b].max_tokens]
+        if not live:
+            break
+        toks = sample(logits.float(), [plist[b] for b in live], [gens[b] for b in live]).tolist()
+        if keep_step_logits:
+            result.step_logits.append(logits.float().cpu())
+        still = []
+        for b, t in zip(live, toks):
+            result.output_ids[b].append(t)
+            if on_token is not None:
+                on_token(b, t)
+            if t == eos_token_id and not plist[b].ignore_eos:
+                result.finish_reasons[b] = "stop"
+            elif len(result.output_ids[b]) >= plist[b].max_tokens:
+                result.finish_reasons[b] = "length"
+            elif pos[b] >= runner.max_model_len:
+                result.finish_reasons[b] = "max_model_len"
+            else:
+                still.append(b)
+        live = still
+        if not live:
+            break
+        logits = runner.decode(live, [result.output_ids[b][-1] for b in live], [pos[b] for b in live])
+        for b in live:
+            pos[b] += 1
+        result.decode_steps += 1
+    _sync(device)
+    result.decode_seconds = time.perf_counter() - t1
+    return result

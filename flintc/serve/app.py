@@ -1,0 +1,645 @@
+"""The OpenAI-compatible HTTP front end of `flintc serve` (FastAPI on uvicorn).
+
+Routes: ``GET /health`` (no API key needed), ``GET /v1/models``,
+``POST /v1/completions``, ``POST /v1/chat/completions``; the last two stream
+server-sent events (``data: {json}`` lines, ending with ``data: [DONE]``) when
+``stream`` is true. Every error is answered in the OpenAI format
+(``{"error": {"message", "type", "param", "code"}}``) with a 4xx/5xx status, and the
+server keeps serving.
+
+Each request is tokenized here (chat: the tokenizer folder's Jinja chat template,
+rendered as Hugging Face does, tools included), checked against
+``--max-model-len``, and handed to the :class:`~flintc.serve.engine.Engine` as one
+:class:`~flintc.serve.engine.GenRequest` per choice (``n``). Engine outputs come back
+through an asyncio queue; for chat they go through the reasoning parser
+(:mod:`flintc.serve.reasoning`) and, when tools are in play, the tool-call parser
+(:mod:`flintc.serve.tool_calls`). A client that disconnects (streaming or not)
+has its requests aborted, which frees their engine slots.
+
+Sampling defaults are FLINT_SPEC section 6 (temperature 1.0, top-p 0.95, top-k
+20). ``n`` > 1 with a ``seed`` gives choice i the seed ``seed + i`` (otherwise
+every choice would be the same). ``max_tokens`` (or ``max_completion_tokens``)
+counts every generated token, reasoning included; by default chat may use the
+rest of the context and completions 16 tokens (the OpenAI default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flintc.errors import InputError
+from flintc.sampling import SamplingParams
+from flintc.serve.engine import Engine, GenRequest, Output, TokenLogprob
+from flintc.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    unsupported,
+)
+from flintc.serve.reasoning import ReasoningParser, initial_state_for_prompt
+from flintc.serve.tool_calls import ToolCallParser
+
+TOOL_CALL_PARSERS = ("glm47",)
+REASONING_PARSERS = ("glm47",)
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 5  # completions (OpenAI's limit)
+MAX_STOP = 4
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+# Chat turns end at any of these (GLM's generation_config lists the same three).
+CHAT_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+_TEMPLATE_RESERVED = {"messages", "tools", "documents", "add_generation_prompt", "tokenize"}
+
+
+@dataclass
+class ServeOptions:
+    """Server settings (the `flintc serve` flags).
+
+    model_name: the id served by /v1/models; requests naming another model get 404.
+    api_key: when set, /v1/* need ``Authorization: Bearer <api_key>`` (401 otherwise).
+    enable_auto_tool_choice / tool_call_parser: parse tool calls for tool_choice "auto".
+    reasoning_parser: split ``<think>`` text into reasoning_content.
+    exclude_tools_when_tool_choice_none: leave tool definitions out of the prompt when
+        tool_choice is "none".
+    """
+
+    model_name: str
+    api_key: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+
+
+# --------------------------------------------------------------------------------------
+# The bridge from the engine thread to one HTTP request
+
+
+class _Generation:
+    """The engine requests of one HTTP request (one per choice) and the asyncio queue
+    their Outputs arrive on."""
+
+    def __init__(self, engine: Engine, reqs: list[dict]):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        emit = lambda out: loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        self.engine = engine
+        self.reqs = [GenRequest(emit=emit, index=i, **kw) for i, kw in enumerate(reqs)]
+        self.open = set(range(len(self.reqs)))
+
+    def start(self) -> None:
+        for r in self.reqs:
+            self.engine.submit(r)
+
+    def abort(self) -> None:
+        for i in self.open:
+            self.engine.abort(self.reqs[i])
+
+    async def outputs(self):
+        """Yield Outputs until every choice has finished."""
+        while self.open:
+            out = await self.queue.get()
+            if out.finished:
+                self.open.discard(out.index)
+            yield out
+
+
+async def _abort_on_disconnect(request: Request, gen: _Generation) -> None:
+    """For non-streamed requests: wait for the client to go away, then abort."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gen.abort()
+            return
+
+
+# --------------------------------------------------------------------------------------
+# Per-choice chat state: parsers and accumulated results
+
+
+class _ChatChoice:
+    def __init__(self, tokenizer, reasoning_initial: str | None, tools: list[dict] | None):
+        self.tokenizer = tokenizer
+        self.reasoning = ReasoningParser(reasoning_initial) if reasoning_initial else None
+        self.tools = ToolCallParser(tools) if tools is not None else None
+        self.reasoning_text: list[str] = []
+        self.content_text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+
+    def feed(self, out: Output) -> dict:
+        """Process one Output. -> the OpenAI delta it makes (may be empty)."""
+        r, c = self.reasoning.feed(out.text) if self.reasoning else ("", out.text)
+        if out.finished and self.reasoning:
+            r2, c2 = self.reasoning.finish()
+            r, c = r + r2, c + c2
+        calls = []
+        if self.tools is not None:
+            c, calls = self.tools.feed(c)
+            if out.finished:
+                c2, _ = self.tools.finish()
+                c += c2
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        self.reasoning_text.append(r)
+        self.content_text.append(c)
+        if out.finished:
+            reason = out.finish_reason
+            if reason == "stop" and self.tools is not None and self.tools.calls:
+                reason = "tool_calls"
+            self.finish_reason = reason
+        delta = {}
+        if r:
+            delta["reasoning_content"] = r
+        if c:
+            delta["content"] = c
+        if calls:
+            first = len(self.tools.calls) - len(calls)
+            delta["tool_calls"] = [tc.to_openai(first + k) for k, tc in enumerate(calls)]
+        return delta
+
+    def message(self) -> dict:
+        content = "".join(self.content_text)
+        calls = self.tools.calls if self.tools is not None else []
+        saw_reasoning = self.reasoning is not None and self.reasoning.saw_reasoning
+        msg = {"role": "assistant",
+               "content": content if content or not (calls or saw_reasoning) else None,
+               "reasoning_content": "".join(self.reasoning_text) if saw_reasoning else None}
+        msg["tool_calls"] = [tc.to_openai() for tc in calls] or None
+        return msg
+
+
+def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
+
+
+def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
+    def entry(tid, lp):
+        text, raw = _token_str(tokenizer, tid)
+        return {"token": text, "logprob": lp, "bytes": raw}
+
+    return {"content": [{**entry(t.token_id, t.logprob),
+                         "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps]}
+
+
+def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for t in lps:
+        text, _ = _token_str(tokenizer, t.token_id)
+        tokens.append(text)
+        token_lps.append(t.logprob)
+        top = {}
+        for i, v in t.top:
+            top.setdefault(_token_str(tokenizer, i)[0], v)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# --------------------------------------------------------------------------------------
+# The app
+
+
+def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
+    """Build the FastAPI app over a (started or not) engine. The app's lifespan starts
+    the engine and shuts it down when the server stops."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="flintc serve", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.options = options
+    max_model_len = engine.max_model_len
+    chat_stops = frozenset(tokenizer.special_token_ids[t] for t in CHAT_STOP_TOKENS
+                           if t in tokenizer.special_token_ids) | {tokenizer.eos_token_id}
+
+    # ---- errors ----------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        return JSONResponse(error_body(f"invalid request: {exc.errors()}"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request, exc):
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+                            status_code=500)
+
+    def check_auth(request: Request) -> None:
+        if options.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), options.api_key.encode()):
+            raise APIError(401, "invalid API key: pass it as 'Authorization: Bearer <key>'",
+                           "authentication_error", code="invalid_api_key")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != options.model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                           f"'{options.model_name}'", "not_found_error", "model", "model_not_found")
+
+    async def parse(request: Request, cls):
+        body = await request.body()
+        try:
+            json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from None
+        try:
+            return cls.model_validate_json(body)
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            where = ".".join(str(p) for p in e["loc"]) or "body"
+            msg = ("Unrecognized request argument supplied: " + where if e["type"] == "extra_forbidden"
+                   else f"invalid value for '{where}': {e['msg']}")
+            raise APIError(400, msg, param=where) from None
+
+    def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
+        out = []
+        for j in range(n):
+            # choice j > 0 gets seed + j (wrapping within [0, 2**63)); seed itself is validated
+            seed = req.seed if (req.seed is None or j == 0) else (req.seed + j) % 2**63
+            try:
+                out.append(SamplingParams(
+                    temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=0.95 if req.top_p is None else req.top_p,
+                    top_k=20 if req.top_k is None else req.top_k,
+                    max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos))
+            except InputError as exc:
+                param = str(exc).split("'")[1] if "'" in str(exc) else None
+                raise APIError(400, str(exc), param=param) from None
+        return out
+
+    def common_checks(req) -> tuple[int, tuple[str, ...]]:
+        check_model(req.model)
+        unsupported(req)
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= MAX_N:
+            raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n")
+        stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
+        if len(stop) > MAX_STOP or any(not s for s in stop):
+            raise APIError(400, f"'stop' takes at most {MAX_STOP} non-empty strings", param="stop")
+        return n, tuple(stop)
+
+    def check_length(n_prompt: int, max_tokens: int | None, param: str) -> int:
+        if n_prompt > max_model_len:
+            raise APIError(400, f"the prompt has {n_prompt} tokens, more than the maximum context "
+                           f"length of {max_model_len} tokens (--max-model-len)",
+                           param="messages" if param != "prompt" else "prompt",
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = max_model_len - n_prompt
+            if max_tokens < 1:
+                raise APIError(400, f"the prompt has {n_prompt} tokens, which leaves no room to "
+                               f"generate within the maximum context length of {max_model_len} tokens",
+                               param=param, code="context_length_exceeded")
+        if max_tokens < 1:
+            raise APIError(400, f"'{param}' must be at least 1, got {max_tokens}", param=param)
+        if n_prompt + max_tokens > max_model_len:
+            raise APIError(400, f"the maximum context length is {max_model_len} tokens; the request "
+                           f"asks for {n_prompt + max_tokens} ({n_prompt} in the prompt, "
+                           f"{max_tokens} to generate)", param=param, code="context_length_exceeded")
+        return max_tokens
+
+    async def run(request: Request, gen: _Generation, on_output, stream_body):
+        """Start ``gen``; stream (``stream_body`` is an async generator factory) or
+        collect all outputs with ``on_output``, aborting if the client goes away."""
+        gen.start()
+        if stream_body is not None:
+            async def body():
+                try:
+                    async for chunk in stream_body():
+                        yield chunk
+                finally:
+                    gen.abort()  # no-op for finished choices; frees the slot on disconnect
+            return StreamingResponse(body(), media_type="text/event-stream")
+        watcher = asyncio.create_task(_abort_on_disconnect(request, gen))
+        try:
+            async for out in gen.outputs():
+                if out.error is not None:
+                    raise APIError(500, f"generation failed: {out.error}", "server_error")
+                on_output(out)
+        finally:
+            watcher.cancel()
+            gen.abort()
+        return None
+
+    # ---- routes ----------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if engine.fatal_error is not None:
+            return JSONResponse(error_body(engine.fatal_error, "server_error"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{
+            "id": options.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "flintc", "max_model_len": max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        check_auth(request)
+        req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        n, stop = common_checks(req)
+        tools = _check_tools(req.tools)
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        if isinstance(choice, dict) or choice == "required":
+            raise APIError(400, f"tool_choice {choice!r} is not supported (it needs constrained "
+                           f"decoding); use \"auto\" or \"none\"", param="tool_choice")
+        if choice not in ("auto", "none"):
+            raise APIError(400, f"tool_choice must be \"auto\" or \"none\", got {choice!r}", param="tool_choice")
+        if choice == "auto" and tools and not options.enable_auto_tool_choice:
+            raise APIError(400, "tool_choice \"auto\" needs the server started with "
+                           "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
+        parse_tools = tools if (tools and choice == "auto") else None
+        prompt_tools = None if (choice == "none" and options.exclude_tools_when_tool_choice_none) else tools
+        kwargs = dict(req.chat_template_kwargs or {})
+        if _TEMPLATE_RESERVED & kwargs.keys():
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(_TEMPLATE_RESERVED & kwargs.keys())}",
+                           param="chat_template_kwargs")
+        messages = _template_messages(req.messages)
+        try:
+            prompt_text = tokenizer.apply_chat_template(messages, tools=prompt_tools or None,
+                                                        add_generation_prompt=True, **kwargs)
+        except jinja2.TemplateError as exc:
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        prompt_ids = tokenizer.encode(prompt_text)
+        if req.max_tokens is not None and req.max_completion_tokens is not None \
+                and req.max_tokens != req.max_completion_tokens:
+            raise APIError(400, "'max_tokens' and 'max_completion_tokens' disagree", param="max_tokens")
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = check_length(len(prompt_ids), asked, "max_tokens")
+        params = sampling(req, max_tokens, n)
+        top = None
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        if req.logprobs:
+            top = req.top_logprobs or 0
+            if not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                               param="top_logprobs")
+        reasoning_initial = initial_state_for_prompt(prompt_text) if options.reasoning_parser else None
+        gen = _Generation(engine, [dict(prompt_ids=prompt_ids, params=p, stop_token_ids=chat_stops,
+                                        stop=stop, logprobs=top) for p in params])
+        choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools) for _ in range(n)]
+        rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def usage():
+            done = sum(len(c.token_ids) for c in choices)
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": done,
+                    "total_tokens": len(prompt_ids) + done}
+
+        def chunk(choice_list, **extra):
+            return {"id": rid, "object": "chat.completion.chunk", "created": created,
+                    "model": options.model_name, "choices": choice_list, **extra}
+
+        async def stream_body():
+            first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+            yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None} for i in range(n)], **first))
+            async for out in gen.outputs():
+                if out.error is not None:
+                    yield _sse(error_body(f"generation failed: {out.error}", "server_error"))
+                    break
+                if out.finish_reason == "abort":
+                    continue
+                c = choices[out.index]
+                delta = c.feed(out)
+                if not delta and not out.finished and not out.logprobs:
+                    continue
+                entry = {"index": out.index, "delta": delta,
+                         "logprobs": _chat_logprobs(tokenizer, out.logprobs) if out.logprobs else None,
+                         "finish_reason": c.finish_reason}
+                if req.return_token_ids:
+                    entry["token_ids"] = out.token_ids
+                yield _sse(chunk([entry]))
+            else:
+                if include_usage:
+                    yield _sse(chunk([], usage=usage()))
+            yield "data: [DONE]\n\n"
+
+        if req.stream:
+            return await run(request, gen, None, stream_body)
+        await run(request, gen, lambda out: choices[out.index].feed(out), None)
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": options.model_name,
+                "choices": [], "usage": usage()}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        for i, c in enumerate(choices):
+            entry = {"index": i, "message": c.message(),
+                     "logprobs": _chat_logprobs(tokenizer, c.logprobs) if top is not None else None,
+                     "finish_reason": c.finish_reason}
+            if req.return_token_ids:
+                entry["token_ids"] = c.token_ids
+            body["choices"].append(entry)
+        return body
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        check_auth(request)
+        req: CompletionRequest = await parse(request, CompletionRequest)
+        n, stop = common_checks(req)
+        prompts = _completion_prompts(req.prompt, tokenizer)
+        asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        for ids in prompts:
+            check_length(len(ids), asked, "max_tokens")
+        params = sampling(req, asked, n)
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
+                           param="logprobs")
+        stops = frozenset({tokenizer.eos_token_id})
+        specs = [dict(prompt_ids=ids, params=p, stop_token_ids=stops, stop=stop, logprobs=req.logprobs)
+                 for ids in prompts for p in params]
+        gen = _Generation(engine, specs)
+        total = len(specs)
+        texts = [[] for _ in range(total)]
+        lps: list[list[TokenLogprob]] = [[] for _ in range(total)]
+        ids_out = [[] for _ in range(total)]
+        reasons = [None] * total
+        offsets = [0] * total
+        rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def take(out: Output):
+            texts[out.index].append(out.text)
+            ids_out[out.index] += out.token_ids
+            lps[out.index] += out.logprobs or []
+            if out.finished:
+                reasons[out.index] = out.finish_reason
+
+        def usage():
+            p = sum(len(ids) for ids in prompts)
+            c = sum(len(x) for x in ids_out)
+            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+        def wrap(choice_list, **extra):
+            return {"id": rid, "object": "text_completion", "created": created,
+                    "model": options.model_name, "choices": choice_list, **extra}
+
+        async def stream_body():
+            async for out in gen.outputs():
+                if out.error is not None:
+                    yield _sse(error_body(f"generation failed: {out.error}", "server_error"))
+                    break
+                if out.finish_reason == "abort":
+                    continue
+                take(out)
+                if not (out.text or out.finished or out.logprobs):
+                    continue
+                i = out.index
+                entry = {"index": i, "text": out.text, "finish_reason": out.finish_reason,
+                         "logprobs": (_completion_logprobs(tokenizer, out.logprobs, offsets[i])
+                                      if req.logprobs is not None else None)}
+                if req.return_token_ids:
+                    entry["token_ids"] = out.token_ids
+                offsets[i] += len(out.text)
+                yield _sse(wrap([entry]))
+            else:
+                if include_usage:
+                    yield _sse(wrap([], usage=usage()))
+            yield "data: [DONE]\n\n"
+
+        if req.stream:
+            return await run(request, gen, None, stream_body)
+        await run(request, gen, take, None)
+        choices = []
+        for i in range(total):
+            entry = {"index": i, "text": "".join(texts[i]), "finish_reason": reasons[i],
+                     "logprobs": (_completion_logprobs(tokenizer, lps[i], 0)
+                                  if req.logprobs is not None else None)}
+            if req.return_token_ids:
+                entry["prompt_token_ids"] = prompts[i // n]
+                entry["token_ids"] = ids_out[i]
+            choices.append(entry)
+        return wrap(choices, usage=usage())
+
+    return app
+
+
+# --------------------------------------------------------------------------------------
+# Request helpers
+
+
+def _check_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Validate OpenAI tool definitions. Raises APIError(400) naming the bad entry."""
+    if not tools:
+        return None
+    for i, t in enumerate(tools):
+        fn = t.get("function")
+        if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                or not fn["name"]:
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"parameters\": ...}}}}", param=f"tools[{i}]")
+    return tools
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages -> what the chat template takes: ``developer`` becomes
+    ``system``, assistant tool-call arguments (JSON strings in OpenAI's format) become
+    mappings. Raises APIError(400) for an unknown role, a non-text content part, or
+    arguments that are not a JSON object."""
+    if not messages:
+        raise APIError(400, "'messages' must hold at least one message", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise APIError(400, f"messages[{i}].role must be system, developer, user, assistant or "
+                           f"tool, got {role!r}", param=f"messages[{i}].role")
+        m = dict(m, role="system" if role == "developer" else role)
+        content = m.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                                   param=f"messages[{i}].content")
+        elif content is not None and not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string, a list of text parts, or null",
+                           param=f"messages[{i}].content")
+        if m.get("tool_calls"):
+            calls = []
+            for j, tc in enumerate(m["tool_calls"]):
+                fn = tc.get("function", tc) if isinstance(tc, dict) else None
+                args = fn.get("arguments") if isinstance(fn, dict) else None
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        args = None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, dict):
+                    raise APIError(400, f"messages[{i}].tool_calls[{j}]: needs function.name and "
+                                   f"function.arguments as a JSON object", param=f"messages[{i}].tool_calls")
+                calls.append({"type": "function", "id": tc.get("id"),
+                              "function": {"name": fn["name"], "arguments": args}})
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
+    """The four OpenAI prompt forms -> token id lists. Raises APIError(400) for an
+    empty prompt or a token id outside the vocabulary."""
+    if isinstance(prompt, str):
+        prompts = [tokenizer.encode(prompt)]
+    elif prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [tokenizer.encode(p) for p in prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = [list(p) for p in prompt]
+    if not prompts:
+        raise APIError(400, "'prompt' is empty", param="prompt")
+    for k, ids in enumerate(prompts):
+        if not ids:
+            raise APIError(400, "'prompt' is empty" + (f" (prompt {k})" if len(prompts) > 1 else ""),
+                           param="prompt")
+        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"'prompt': token id {bad[0]} is outside the vocabulary "
+                           f"[0, {tokenizer.vocab_size})", param="prompt")
+    return prompts

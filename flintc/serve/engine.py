@@ -1,0 +1,358 @@
+"""The serving engine: a continuous-batching scheduler over a `ModelRunner`, on its
+own thread.
+
+The asyncio server hands :class:`GenRequest` objects to :meth:`Engine.submit` and
+receives :class:`Output` events through each request's ``emit`` callback (called
+from the engine thread; the server wraps ``loop.call_soon_threadsafe``). The engine
+thread loops over *steps*:
+
+1. take new requests and cancellations from its inbox;
+2. drop cancelled requests, freeing their slots (the runner keeps a slot's KV cache
+   until the slot is reused, so a freed slot's cache is simply overwritten by the
+   next prefill into it);
+3. admit waiting requests (FIFO) into free slots: one ``runner.prefill`` each, then
+   sample the first token from its logits;
+4. one ``runner.decode`` over every running sequence that still needs a token (up
+   to ``runner.max_batch`` of them: the decode batch), sample one token each.
+
+A request beyond the free slots waits in the queue. Sampling follows
+:mod:`flintc.sampling` (FLINT_SPEC section 6); each request has its own
+``torch.Generator`` so its tokens do not depend on its batch neighbours.
+
+Text is made here too, so that a stop string can end a sequence at once: each
+sequence has an :class:`~flintc.checkpoint.tokenizer.IncrementalDetokenizer`
+(special tokens kept, so ``<think>`` and ``<tool_call>`` reach the parsers), and
+text that might be the start of a stop string is held back until it is not.
+Stop tokens (end-of-text, and in chat also ``<|user|>`` / ``<|observation|>``) end
+a sequence with finish reason ``"stop"`` and add no text; they count as completion
+tokens (as in vLLM).
+
+Test hook: ``Engine(..., forced_tokens=f)``: for a request whose
+``GenRequest.forced`` is None, ``f(prompt_ids)`` may return a token list that
+*replaces sampling*: step k emits ``list[k]`` (the model still runs prefill and
+decode on those tokens and logprobs come from its real logits), then a stop
+token. It exists only as a Python argument, never reachable over HTTP.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from flintc.sampling import SamplingParams, sample
+
+_WAKE = object()
+_STOP = object()
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token: its id, text, log-probability under the model's raw
+    distribution (log_softmax of the fp32 logits, before temperature/top-k/top-p,
+    as vLLM reports), and the ``top`` most likely alternatives as (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Output:
+    """An event for one request (choice ``index``): new ``text`` (may be empty),
+    the ``token_ids`` produced since the last event, their logprobs when asked for,
+    and, on the last event, ``finish_reason`` ("stop", "length", "abort") or
+    ``error`` (a message; the request failed)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class GenRequest:
+    """One sequence to generate.
+
+    Args:
+        prompt_ids: prompt token ids (checked by the caller: non-empty, in
+            vocabulary, and len + max_tokens <= runner.max_model_len).
+        params: sampling settings (``max_tokens`` counts every generated token,
+            reasoning included).
+        emit: called from the engine thread with each :class:`Output`.
+        index: the choice index reported back in each Output.
+        stop_token_ids: ids that end the sequence (unless ``params.ignore_eos``).
+        stop: stop strings; the text ends before the first match (not included).
+        logprobs: None for no logprobs, else how many top alternatives (0..20).
+        forced: tokens that replace sampling (test hook, see module docstring).
+    """
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[Output], None]
+    index: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    forced: list[int] | None = None
+    cancelled: bool = False
+    id: int = field(default_factory=itertools.count().__next__)
+
+
+class _Seq:
+    """Engine-side state of a running request."""
+
+    def __init__(self, req: GenRequest, slot: int, detok, device):
+        self.req = req
+        self.slot = slot
+        self.detok = detok
+        self.generator = None if req.params.is_greedy else req.params.make_generator(device)
+        self.out_ids: list[int] = []
+        self.pos = len(req.prompt_ids)  # position of the next token fed to the model
+        self.text = ""  # text so far (stop strings removed)
+        self.sent = 0  # characters of text already emitted
+        self.pending_ids: list[int] = []
+        self.pending_lp: list[TokenLogprob] = []
+
+
+class Engine:
+    """Continuous-batching generation over ``runner`` on a dedicated thread.
+
+    Args:
+        runner: a :class:`~flintc.runtime.runner.ModelRunner`.
+        tokenizer: a FlintTokenizer (vocab_size must match the runner's config).
+        forced_tokens: test hook, see the module docstring.
+
+    Raises:
+        ValueError: tokenizer and model vocabularies differ.
+    """
+
+    def __init__(self, runner, tokenizer, forced_tokens: Callable[[list[int]], list[int] | None] | None = None):
+        if tokenizer.vocab_size != runner.config.vocab_size:
+            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the model "
+                             f"{runner.config.vocab_size}")
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.forced_tokens = forced_tokens
+        self.max_batch = int(runner.max_batch)
+        self.max_model_len = int(runner.max_model_len)
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: collections.deque[GenRequest] = collections.deque()
+        self._running: dict[int, _Seq] = {}  # slot -> sequence
+        self._thread: threading.Thread | None = None
+        self.stats = collections.Counter()  # steps, prefills, decode_tokens, finished, aborted, max_decode_batch
+        self.fatal_error: str | None = None
+
+    # ---- called from any thread -------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="flintc-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue ``req``; its Outputs arrive through ``req.emit``."""
+        if self.fatal_error is not None:
+            req.emit(Output(req.index, error=f"engine stopped: {self.fatal_error}"))
+            return
+        self._inbox.put(req)
+
+    def abort(self, req: GenRequest) -> None:
+        """Cancel ``req`` (a client went away): its slot is freed at the next step and
+        it gets one last Output with finish_reason "abort"."""
+        req.cancelled = True
+        self._inbox.put(_WAKE)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting) + self._inbox.qsize()
+
+    # ---- the engine thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            block = not self._running and not self._waiting
+            try:
+                item = self._inbox.get(block=block, timeout=None)
+            except queue.Empty:
+                item = None
+            stop = False
+            while item is not None:
+                if item is _STOP:
+                    stop = True
+                elif isinstance(item, GenRequest):
+                    self._waiting.append(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            if stop:
+                self._fail_all("server shutting down", "abort")
+                return
+            try:
+                with torch.inference_mode():
+                    self._step()
+            except Exception as exc:  # a runner failure: fail what is running, keep serving
+                msg = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+                for seq in list(self._running.values()):
+                    self._finish(seq, None, error=msg)
+
+    def _fail_all(self, msg: str, reason: str | None) -> None:
+        for seq in list(self._running.values()):
+            self._finish(seq, reason, error=None if reason else msg)
+        while self._waiting:
+            req = self._waiting.popleft()
+            req.emit(Output(req.index, finish_reason=reason, error=None if reason else msg))
+
+    def _step(self) -> None:
+        self.stats["steps"] += 1
+        for seq in [s for s in self._running.values() if s.req.cancelled]:
+            self._finish(seq, "abort")
+        self._waiting = collections.deque(r for r in self._waiting if not self._drop_cancelled(r))
+        # admit: one prefill per free slot
+        free = [s for s in range(self.max_batch) if s not in self._running]
+        while free and self._waiting:
+            req = self._waiting.popleft()
+            slot = free.pop(0)
+            seq = _Seq(req, slot, self.tokenizer.detokenizer(), self.runner.device)
+            self._running[slot] = seq
+            if req.params.max_tokens < 1:
+                self._finish(seq, "length")
+                free.insert(0, slot)
+                continue
+            if req.forced is None and self.forced_tokens is not None:
+                req.forced = self.forced_tokens(list(req.prompt_ids))
+            self.stats["prefills"] += 1
+            logits = self.runner.prefill(slot, req.prompt_ids)  # [V]
+            self._sample_and_push([seq], logits[None])
+        # decode: one token for every running sequence
+        live = list(self._running.values())
+        if not live:
+            return
+        self.stats["max_decode_batch"] = max(self.stats["max_decode_batch"], len(live))
+        self.stats["decode_tokens"] += len(live)
+        logits = self.runner.decode([s.slot for s in live], [s.out_ids[-1] for s in live],
+                                    [s.pos for s in live])  # [B, V]
+        for s in live:
+            s.pos += 1
+        self._sample_and_push(live, logits)
+
+    def _drop_cancelled(self, req: GenRequest) -> bool:
+        if req.cancelled:
+            self.stats["aborted"] += 1
+            req.emit(Output(req.index, finish_reason="abort"))
+        return req.cancelled
+
+    def _sample_and_push(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Pick one token per sequence from fp32 logits [B, V] and process it."""
+        logits = logits.float()
+        toks = sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs]).tolist()
+        for b, (seq, tok) in enumerate(zip(seqs, toks)):
+            forced = seq.req.forced
+            if forced is not None:
+                n = len(seq.out_ids)
+                tok = forced[n] if n < len(forced) else self._forced_end(seq)
+            lp = None
+            if seq.req.logprobs is not None:
+                lp = self._logprob(logits[b], tok, seq.req.logprobs)
+            self._push(seq, int(tok), lp)
+
+    def _forced_end(self, seq: _Seq) -> int:
+        stops = sorted(seq.req.stop_token_ids)
+        return stops[0] if stops else self.tokenizer.eos_token_id
+
+    @staticmethod
+    def _logprob(row: torch.Tensor, tok: int, k: int) -> TokenLogprob:
+        lsm = torch.log_softmax(row.float(), dim=-1)  # [V]
+        top = []
+        if k > 0:
+            vals, ids = torch.topk(lsm, k)
+            top = [(int(i), float(v)) for i, v in zip(ids.tolist(), vals.tolist())]
+        return TokenLogprob(tok, float(lsm[tok]), top)
+
+    def _push(self, seq: _Seq, tok: int, lp: TokenLogprob | None) -> None:
+        req, params = seq.req, seq.req.params
+        seq.out_ids.append(tok)
+        seq.pending_ids.append(tok)
+        if lp is not None:
+            seq.pending_lp.append(lp)
+        if tok in req.stop_token_ids and not params.ignore_eos:
+            self._finish(seq, "stop")
+            return
+        seq.text += seq.detok.push(tok)
+        if req.stop and self._cut_stop(seq):
+            self._finish(seq, "stop")
+            return
+        if len(seq.out_ids) >= params.max_tokens or seq.pos >= self.max_model_len:
+            self._finish(seq, "length")
+            return
+        hold = max((_prefix_overlap(seq.text, s) for s in req.stop), default=0)
+        self._emit(seq, len(seq.text) - hold)
+
+    def _cut_stop(self, seq: _Seq) -> bool:
+        """Truncate seq.text at the first stop string found in text not yet emitted."""
+        longest = max(len(s) for s in seq.req.stop)
+        begin = max(0, seq.sent - longest + 1)
+        hits = [i for i in (seq.text.find(s, begin) for s in seq.req.stop) if i >= 0]
+        if not hits:
+            return False
+        seq.text = seq.text[:min(hits)]
+        seq.detok.flush()
+        return True
+
+    def _emit(self, seq: _Seq, upto: int, finish: str | None = None, error: str | None = None) -> None:
+        text = seq.text[seq.sent:upto]
+        if not (text or seq.pending_ids or finish or error):
+            return
+        seq.sent = max(seq.sent, upto)
+        out = Output(seq.req.index, text, seq.pending_ids,
+                     seq.pending_lp if seq.req.logprobs is not None else None, finish, error)
+        seq.pending_ids, seq.pending_lp = [], []
+        seq.req.emit(out)
+
+    def _finish(self, seq: _Seq, reason: str | None, error: str | None = None) -> None:
+        seq.text += seq.detok.flush()  # a dangling partial character becomes U+FFFD
+        self._running.pop(seq.slot, None)
+        self.stats["aborted" if reason == "abort" else "finished"] += 1
+        self._emit(seq, len(seq.text), reason, error)
+
+
+def _prefix_overlap(text: str, stop: str) -> int:
+    """Longest suffix of text that is a proper prefix of stop (held back when streaming)."""
+    for k in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def wait_idle(engine: Engine, timeout: float = 10.0) -> bool:
+    """Poll until nothing runs or waits (for tests and shutdown). -> True if idle."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if engine.num_running == 0 and engine.num_waiting == 0:
+            return True
+        time.sleep(0.01)
+    return False

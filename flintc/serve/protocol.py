@@ -1,0 +1,134 @@
+"""Request models (pydantic) of the OpenAI API subset `flintc serve` answers, and the
+OpenAI error body.
+
+Requests are validated strictly from JSON (``model_validate_json``): a wrong type is
+a 400, and so is an unknown field (as the OpenAI API does: "Unrecognized request
+argument"). Fields that OpenAI defines but Flint cannot honour are accepted only
+at their neutral value (e.g. ``presence_penalty: 0``); any other value is a 400
+naming the field (:func:`unsupported`). Purely informational fields (``user``,
+``metadata``, ``store``, ...) are accepted and ignored.
+
+Extensions, as vLLM names them: ``top_k`` (FLINT_SPEC section 6: 20 by default;
+0 or -1 keeps all), ``ignore_eos``, ``return_token_ids`` (adds
+``prompt_token_ids`` to the response and ``token_ids`` to each choice), and for
+chat ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's option; nothing to obfuscate here
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM-style extensions
+    top_k: int | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # informational: accepted, ignored
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # defined by OpenAI, not supported: must be absent or null
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error"]
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI format with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, type: ErrorType = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API answers."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def unsupported(req: BaseModel) -> None:
+    """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
+    support (penalties, logit_bias, functions, audio, non-text modalities or response
+    formats, echo, best_of > 1, suffix)."""
+    checks = [
+        ("frequency_penalty", lambda v: v not in (None, 0)),
+        ("presence_penalty", lambda v: v not in (None, 0)),
+        ("logit_bias", lambda v: bool(v)),
+        ("functions", lambda v: v is not None),
+        ("function_call", lambda v: v is not None),
+        ("audio", lambda v: v is not None),
+        ("modalities", lambda v: v not in (None, ["text"])),
+        ("prediction", lambda v: v is not None),
+        ("web_search_options", lambda v: v is not None),
+        ("response_format", lambda v: v is not None and v.get("type") != "text"),
+        ("echo", lambda v: bool(v)),
+        ("best_of", lambda v: v not in (None, 1)),
+        ("suffix", lambda v: v is not None),
+    ]
+    for name, bad in checks:
+        if name in type(req).model_fields and bad(getattr(req, name)):
+            raise APIError(400, f"'{name}' = {getattr(req, name)!r} is not supported by flintc serve",
+                           param=name, code="unsupported_parameter")

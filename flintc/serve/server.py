@@ -1,0 +1,117 @@
+"""Loading a model for `flintc serve` and running the HTTP server.
+
+:func:`make_runner` picks the backend: the compiled runtime for ``--build BUILD``
+(:mod:`flintc.runtime.compiled`, when it exists), else the eager reference model
+(:class:`~flintc.runtime.runner.ReferenceRunner`) over MODEL, or over the embedded
+tiny default when MODEL is omitted. :func:`serve` binds the socket first (so a
+busy port is a one-line error, not a uvicorn exit), then runs uvicorn on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from flintc.errors import FlintcError, InputError
+
+
+def make_runner(args: argparse.Namespace):
+    """-> a ModelRunner for the parsed `flintc serve` arguments (``model``, ``build``,
+    ``hf_config_path``, ``max_batch``, ``max_model_len``, ``device``).
+
+    Raises:
+        FlintcError: ``--build`` given but the compiled runtime is not available.
+        CheckpointError / ConfigError: the checkpoint cannot be loaded.
+    """
+    import torch
+
+    device = torch.device(getattr(args, "device", "cpu") or "cpu")
+    if args.build is not None:
+        try:
+            from flintc.runtime import compiled
+        except ImportError as exc:
+            raise FlintcError(f"--build {args.build}: the compiled runtime is not available yet "
+                              f"(cannot import flintc.runtime.compiled: {exc}); serve a checkpoint "
+                              f"(MODEL) on the reference backend instead") from None
+        return compiled.load_build(args.build, hf_config_path=args.hf_config_path,
+                                   max_batch=args.max_batch, max_model_len=args.max_model_len,
+                                   device=device)
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.model.reference import FlintModel
+    from flintc.runtime.runner import ReferenceRunner
+
+    ckpt = load_checkpoint(model_path(args), hf_config_path=args.hf_config_path, device=device,
+                           progress=sys.stderr.isatty())
+    model = FlintModel(ckpt.config, ckpt.weights)
+    return ReferenceRunner(model, max_batch=args.max_batch, max_model_len=args.max_model_len)
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    """MODEL, or the embedded default checkpoint (made on first use)."""
+    if args.model is not None:
+        return Path(args.model)
+    from flintc.checkpoint.default import default_checkpoint
+
+    return default_checkpoint()
+
+
+def tokenizer_dir(args: argparse.Namespace) -> Path:
+    """Where the tokenizer is: --tokenizer, else --hf-config-path, else the build
+    folder, else MODEL's folder (MODEL itself when it is a folder).
+
+    Raises:
+        InputError: none of them holds tokenizer.json.
+    """
+    candidates = [args.tokenizer, args.hf_config_path]
+    if args.build is not None:
+        candidates.append(args.build)
+    else:
+        m = model_path(args)
+        candidates.append(m if m.is_dir() else m.parent)
+    for c in candidates:
+        if c is None:
+            continue
+        p = Path(c)
+        p = p.parent if p.is_file() else p
+        if (p / "tokenizer.json").is_file():
+            return p
+        if c in (args.tokenizer,):
+            raise InputError(f"--tokenizer {c}: no tokenizer.json there")
+    raise InputError("no tokenizer found beside the model: pass --tokenizer DIR (a folder with "
+                     "tokenizer.json and tokenizer_config.json)")
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.build is not None:
+        return str(args.build)
+    return str(args.model) if args.model is not None else "flint-tiny-default"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free port).
+
+    Raises:
+        OSError: the address is taken or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(128)
+    return sock
+
+
+def serve(app, sock: socket.socket, log_level: str = "info") -> None:
+    """Run uvicorn with ``app`` on the bound ``sock`` until interrupted."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])

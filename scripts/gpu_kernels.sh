@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# One call on a bare GPU machine (torch + triton preinstalled): install what is missing
+# from carried wheels (.whl/*.whl, exactly as scripts/gpu_run.sh does), run every GPU
+# kernel test at full shapes (`pytest -m gpu tests/kernels`) and every
+# benchmarks/bench_*.py (each with --out $OUT/<name>.md), and write $OUT/kernels.md:
+# the pytest summary and all benchmark tables, one section per step.
+#
+# Each step runs under `timeout`; the timeouts share a budget so that the whole call
+# ends within KERNELS_BUDGET_S seconds (default 530, under 9 minutes). A failing or
+# timed-out step is recorded in kernels.md and the script goes on. Logs: $OUT/*.log.
+# Exit status: 0 when every step passed, 1 otherwise (kernels.md is written either way).
+#
+#   OUT=/some/dir bash scripts/gpu_kernels.sh        # from the repository root
+set -uo pipefail
+
+START=$(date +%s)
+BUDGET=${KERNELS_BUDGET_S:-530}
+PYTEST_CAP=${KERNELS_PYTEST_S:-240}
+BENCH_CAP=${KERNELS_BENCH_S:-200}
+MIN_BENCH_S=${KERNELS_MIN_BENCH_S:-45}
+RESERVE=10  # seconds kept for writing the report
+OUT=${OUT:-$PWD/kernels_out}
+mkdir -p "$OUT" || exit 1
+OUT=$(cd "$OUT" && pwd)  # absolute: the steps run from the repository root
+REPORT="$OUT/kernels.md"
+PY=${PYTHON:-python3}
+FAILED=0
+
+cd "$(dirname "$0")/.." || exit 1
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1; then
+    echo "installed carried wheels into /tmp/site"
+  else
+    echo "pip install of .whl/*.whl failed (see pip.log); going on"; FAILED=1
+  fi
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # the GPU tests need the real compiler
+
+left() {  # seconds left for steps
+  echo $(( BUDGET - RESERVE - ($(date +%s) - START) ))
+}
+
+run_step() {  # run_step NAME TIMEOUT_S CMD...: log to $OUT/NAME.log; sets STATUS
+  local name=$1 limit=$2; shift 2
+  if (( limit < 5 )); then
+    STATUS="skipped: no time left in the ${BUDGET} s budget"; FAILED=1
+    echo "$STATUS" >"$OUT/$name.log"
+    echo "== $name: $STATUS"; return
+  fi
+  echo "== $name (timeout ${limit} s): $*"
+  local t0=$(date +%s)
+  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  local dt=$(( $(date +%s) - t0 ))
+  if (( rc == 0 )); then
+    STATUS="ok (${dt} s)"
+  elif (( rc == 124 || rc == 137 )); then
+    STATUS="TIMED OUT after ${limit} s"; FAILED=1
+  else
+    STATUS="FAILED, exit status $rc (${dt} s)"; FAILED=1
+  fi
+  echo "   $STATUS"
+  tail -n 5 "$OUT/$name.log" | sed 's/^/   | /'
+}
+
+{
+  echo "# GPU kernel tests and benchmarks"
+  echo
+  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+  echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo 'none found (nvidia-smi failed)')"
+  echo "- software: $($PY -c 'import torch, triton; print("torch", torch.__version__, "(CUDA", str(torch.version.cuda) + ")", "triton", triton.__version__, "cuda available:", torch.cuda.is_available())' 2>&1 | tail -n 1)"
+  echo "- budget: ${BUDGET} s; pytest cap ${PYTEST_CAP} s, benchmark cap ${BENCH_CAP} s each"
+} >"$REPORT.head"
+if ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "- WARNING: no CUDA GPU visible to torch: the GPU tests skip and the benchmarks fail" \
+    >>"$REPORT.head"
+  FAILED=1
+fi
+cat "$REPORT.head"
+
+# 1. GPU kernel tests at full shapes.
+T=$(left); (( T > PYTEST_CAP )) && T=$PYTEST_CAP
+run_step pytest_gpu "$T" $PY -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kernels
+{
+  echo
+  echo "## pytest -m gpu tests/kernels: $STATUS"
+  echo
+  echo '```'
+  # The short summary (failures, errors) and the final count line.
+  sed -n '/short test summary info/,$p' "$OUT/pytest_gpu.log" | tail -n 60
+  grep -qs 'short test summary info' "$OUT/pytest_gpu.log" || tail -n 15 "$OUT/pytest_gpu.log"
+  echo '```'
+} >"$REPORT.pytest"
+
+# 2. Every benchmark, sharing what is left of the budget.
+BENCHES=(benchmarks/bench_*.py)
+: >"$REPORT.bench"
+N=${#BENCHES[@]}
+for i in "${!BENCHES[@]}"; do
+  b=${BENCHES[$i]}
+  [[ -f $b ]] || continue
+  name=$(basename "$b" .py)
+  rm -f "$OUT/$name.md"
+  # What is left, less MIN_BENCH_S for each benchmark after this one, at most BENCH_CAP.
+  T=$(( $(left) - MIN_BENCH_S * (N - i - 1) )); (( T > BENCH_CAP )) && T=$BENCH_CAP
+  run_step "$name" "$T" $PY "$b" --out "$OUT/$name.md"
+  {
+    echo
+    echo "## $name: $STATUS"
+    echo
+    if [[ -s $OUT/$name.md ]]; then
+      cat "$OUT/$name.md"
+    else
+      echo "No table written. Last lines of $name.log:"
+      echo
+      echo '```'
+      tail -n 25 "$OUT/$name.log"
+      echo '```'
+    fi
+  } >>"$REPORT.bench"
+done
+
+cat "$REPORT.head" "$REPORT.pytest" "$REPORT.bench" >"$REPORT"
+rm -f "$REPORT.head" "$REPORT.pytest" "$REPORT.bench"
+echo
+echo "== wrote $REPORT ($(( $(date +%s) - START )) s in all; failures: $FAILED)"
+tail -c 6000 "$REPORT"
+exit $FAILED

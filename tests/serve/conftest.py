@@ -1,0 +1,100 @@
+"""Fixtures for the server tests: the tiny BF16 checkpoint's reference model, served by
+real uvicorn servers on loopback ports (started once per test module, in threads of
+the test process so tests can look at the engine's counters).
+
+Tool calls and reasoning are driven by the engine's `forced_tokens` test hook (a
+Python-only argument of `flintc.serve.engine.Engine`, not reachable over HTTP):
+when the rendered prompt contains a marker ``#script:NAME``, the engine emits the
+tokens of ``SCRIPTS[NAME]`` instead of sampling (the model still runs prefill and
+decode on them), then the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+SCRIPTS = {
+    "think": "<think>The user wants a number.</think>The answer is 4.",
+    "think_long": "<think>This is a long line of thought that will be cut off</think>done",
+    "tool": ("Let me check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+             "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+             "<tool_call>get_time<arg_key>tz</arg_key><arg_value>UTC</arg_value></tool_call>"),
+    "think_tool": ("<think>Weather needs a tool.</think><tool_call>get_weather<arg_key>city</arg_key>"
+                   "<arg_value>Oslo</arg_value></tool_call>"),
+    "bad_tool": "Trying.<tool_call>get_weather<arg_key>city</arg_key></tool_call>",
+    "stop": "Hello world. Goodbye world.",
+}
+
+
+@dataclass
+class Running:
+    base_url: str
+    port: int
+    engine: object
+    server: object
+    thread: threading.Thread
+
+
+@pytest.fixture(scope="session")
+def tiny_serving(tiny_bf16_dir):
+    """(FlintModel, FlintTokenizer) of the tiny BF16 checkpoint, loaded once."""
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.checkpoint.tokenizer import load_tokenizer
+    from flintc.model.reference import FlintModel
+
+    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
+    return FlintModel(ckpt.config, ckpt.weights), load_tokenizer(ckpt.tokenizer_dir)
+
+
+def scripted(tokenizer):
+    """The forced_tokens hook: SCRIPTS[NAME] for a prompt holding '#script:NAME'."""
+
+    def hook(prompt_ids):
+        m = re.search(r"#script:(\w+)", tokenizer.decode(prompt_ids))
+        return tokenizer.encode(SCRIPTS[m.group(1)]) if m else None
+
+    return hook
+
+
+def start_server(model, tokenizer, options, max_batch=4, max_model_len=256) -> Running:
+    """A uvicorn server for create_app(...) on 127.0.0.1 (a free port), in a thread."""
+    import uvicorn
+
+    from flintc.runtime.runner import ReferenceRunner
+    from flintc.serve.app import create_app
+    from flintc.serve.engine import Engine
+    from flintc.serve.server import bind
+
+    runner = ReferenceRunner(model, max_batch=max_batch, max_model_len=max_model_len)
+    engine = Engine(runner, tokenizer, forced_tokens=scripted(tokenizer))
+    app = create_app(engine, tokenizer, options)
+    sock = bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    end = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > end or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return Running(f"http://127.0.0.1:{port}/v1", port, engine, server, thread)
+
+
+def stop_server(running: Running) -> None:
+    running.server.should_exit = True
+    running.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def serve_kit():
+    """The helpers above, for test modules (a conftest cannot be imported by name here:
+    tests/conftest.py owns that name)."""
+    import types
+
+    return types.SimpleNamespace(SCRIPTS=SCRIPTS, start_server=start_server, stop_server=stop_server)

@@ -1,0 +1,81 @@
+"""`flintc serve` as a command: a real subprocess on a free loopback port, and its
+one-line errors (exit code 2)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from flintc.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_subprocess(tiny_nvfp4_gguf):
+    cmd = [sys.executable, "-m", "flintc", "serve", str(tiny_nvfp4_gguf), "--port", "0", "--api-key", "k1",
+           "--max-model-len", "64", "--max-batch", "2", "--served-model-name", "tiny", "--reasoning-parser",
+           "glm47", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        port, lines = None, []
+        end = time.monotonic() + 90
+        while port is None and time.monotonic() < end:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1 \(max batch 2, max model len 64\)", line)
+            port = int(m.group(1)) if m else None
+        assert port is not None, "".join(lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=3)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0).models.list()
+        with pytest.raises(openai.BadRequestError, match="maximum context length of 64"):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * 80}],
+                                           max_tokens=3)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        rest = proc.stderr.read()
+        proc.stderr.close()
+    # uvicorn re-raises SIGINT after its graceful shutdown: flintc's usual 130, no traceback
+    assert rc == 130 and "Traceback" not in rest, rest
+
+
+def test_build_without_compiled_runtime(tiny_bf16_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flintc.runtime.compiled", None)  # import fails
+    rc = main(["serve", "--build", str(tmp_path), "--tokenizer", str(tiny_bf16_dir), "--port", "0"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "compiled runtime is not available yet" in err and err.count("\n") == 1
+
+
+def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        rc = main(["serve", str(tiny_bf16_dir), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot listen on 127.0.0.1:{port}" in err
+    assert main(["serve", str(tiny_bf16_dir), "--enable-auto-tool-choice"]) == 2
+    assert "--tool-call-parser" in capsys.readouterr().err
+    assert main(["serve", str(tiny_bf16_dir), "--max-batch", "0"]) == 2
+    assert main(["serve", str(tiny_bf16_dir), "--tokenizer", str(tiny_bf16_dir / "nope")]) == 2

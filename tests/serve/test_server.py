@@ -1,0 +1,400 @@
+"""`flintc serve` end to end: real uvicorn servers on loopback ports, talked to with the
+official `openai` client (and raw HTTP where the client hides the wire: SSE framing,
+malformed JSON, disconnects). Generated tokens are checked against the reference
+`generate()` run on each prompt alone; tool calls and reasoning use the engine's
+`forced_tokens` test hook (see conftest.py)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+from flintc.model.generate import generate
+from flintc.sampling import SamplingParams
+from flintc.serve.app import ServeOptions
+from flintc.serve.reasoning import split_reasoning
+
+SCRIPTS: dict = {}  # filled from conftest.SCRIPTS by the server fixture
+
+MODEL = "flint-tiny"
+KEY = "sk-test-key"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string"}}}}},
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_serving, serve_kit):
+    model, tok = tiny_serving
+    SCRIPTS.update(serve_kit.SCRIPTS)
+    run = serve_kit.start_server(model, tok, ServeOptions(MODEL, api_key=KEY, enable_auto_tool_choice=True,
+                                                tool_call_parser="glm47", reasoning_parser="glm47"),
+                                 max_model_len=1024)
+    yield run
+    serve_kit.stop_server(run)
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_serving, serve_kit):
+    """No tool parser or reasoning parser, --exclude-tools-when-tool-choice-none, no key."""
+    model, tok = tiny_serving
+    run = serve_kit.start_server(model, tok, ServeOptions(MODEL, exclude_tools_when_tool_choice_none=True),
+                       max_batch=2, max_model_len=1024)
+    yield run
+    serve_kit.stop_server(run)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def reference(model, prompt_ids, **kw):
+    """Tokens (and per-step logits) of the reference generate() on this prompt alone."""
+    res = generate(model, [prompt_ids], SamplingParams(**kw), keep_step_logits=True)
+    return res.output_ids[0], res.step_logits
+
+
+def raw(server, method, path, body=None, headers=None):
+    """One HTTP request without the openai client. -> (status, parsed JSON or text)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                    "Authorization": f"Bearer {KEY}", **(headers or {})})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    try:
+        return resp.status, json.loads(text)
+    except ValueError:
+        return resp.status, text
+
+
+def chat(messages_text, **kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": messages_text}], **kw}
+
+
+def stream_chat(client, **kw):
+    """Stream a chat completion. -> (reasoning, content, tool calls by index, chunks)."""
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    reasoning, content, calls = [], [], {}
+    for ch in chunks:
+        for c in ch.choices:
+            d = c.delta
+            reasoning.append(getattr(d, "reasoning_content", None) or "")
+            content.append(d.content or "")
+            for tc in d.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+    return "".join(reasoning), "".join(content), calls, chunks
+
+
+# ---- basics ----------------------------------------------------------------------------
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, body = raw(server, "GET", "/health", headers={"Authorization": ""})
+    assert (status, body) == (200, {"status": "ok"})
+
+
+def test_plain_chat_matches_reference(server, client, tiny_serving):
+    model, tok = tiny_serving
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a city."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, seed=7,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    prompt_ids = tok.apply_chat_template(messages, tokenize=True)
+    want, _ = reference(model, prompt_ids, max_tokens=6, seed=7, ignore_eos=True)
+    assert r.prompt_token_ids == prompt_ids
+    assert r.choices[0].token_ids == want
+    reasoning, content = split_reasoning(tok.decode(want))
+    assert r.choices[0].message.content == content
+    assert getattr(r.choices[0].message, "reasoning_content", None) == reasoning
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt_ids), 6)
+    assert r.object == "chat.completion" and r.model == MODEL
+
+
+def test_streaming_chat_equals_non_streaming(server, client):
+    kw = chat("Tell me a story.", model=MODEL, max_tokens=8, seed=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    reasoning, content, _, chunks = stream_chat(client, stream_options={"include_usage": True}, **kw)
+    m = whole.choices[0].message
+    assert (getattr(m, "reasoning_content", None) or "", m.content or "") == (reasoning, content)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    # SSE framing on the wire: data lines, ending with [DONE]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    wire = {k: v for k, v in kw.items() if k != "extra_body"}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({**wire, "ignore_eos": True, "stream": True}),
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/event-stream")
+    events = [e for e in resp.read().decode().split("\n\n") if e]
+    conn.close()
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+    assert text == content
+
+
+# ---- reasoning and tools (scripted model output) ------------------------------------------
+
+
+def test_reasoning_split(client, tiny_serving):
+    _, tok = tiny_serving
+    r = client.chat.completions.create(**chat("#script:think", model=MODEL, max_tokens=40))
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content, r.choices[0].finish_reason) == (
+        "The user wants a number.", "The answer is 4.", "stop")
+    reasoning, content, _, _ = stream_chat(client, **chat("#script:think", model=MODEL, max_tokens=40))
+    assert (reasoning, content) == ("The user wants a number.", "The answer is 4.")
+    # cut off inside the thinking block: every generated token's text is kept as reasoning
+    ids = tok.encode(SCRIPTS["think_long"])
+    r = client.chat.completions.create(**chat("#script:think_long", model=MODEL, max_tokens=5))
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+    assert r.choices[0].message.reasoning_content == tok.decode(ids[1:5])
+    assert r.choices[0].message.content is None
+    reasoning, content, _, _ = stream_chat(client, **chat("#script:think_long", model=MODEL, max_tokens=5))
+    assert (reasoning, content) == (tok.decode(ids[1:5]), "")
+    # thinking disabled by the template: the reply is all content, tags included
+    r = client.chat.completions.create(**chat("#script:think", model=MODEL, max_tokens=40,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert r.choices[0].message.content == SCRIPTS["think"]
+
+
+def test_tool_calls(client):
+    r = client.chat.completions.create(**chat("#script:tool", model=MODEL, max_tokens=80, tools=TOOLS))
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
+    got = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+    assert got == [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"tz": "UTC"})]
+    assert len({t.id for t in c.message.tool_calls}) == 2
+    _, content, calls, chunks = stream_chat(client, **chat("#script:tool", model=MODEL, max_tokens=80, tools=TOOLS))
+    assert content == "Let me check."
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == got
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    # reasoning before a call
+    r = client.chat.completions.create(**chat("#script:think_tool", model=MODEL, max_tokens=80, tools=TOOLS))
+    m = r.choices[0].message
+    assert m.reasoning_content == "Weather needs a tool." and m.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [
+        ("get_weather", {"city": "Oslo"})]
+    # a malformed call is plain content, not a failure
+    r = client.chat.completions.create(**chat("#script:bad_tool", model=MODEL, max_tokens=80, tools=TOOLS))
+    assert r.choices[0].message.content == SCRIPTS["bad_tool"] and r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_tool_history_rendered(client, tiny_serving):
+    """An assistant turn with OpenAI tool_calls (arguments as a JSON string) and a tool result."""
+    _, tok = tiny_serving
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\", \"days\": 2}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=1,
+                                       extra_body={"return_token_ids": True})
+    text = tok.decode(r.prompt_token_ids)
+    assert ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value>"
+            "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>") in text
+    assert "<|observation|>\n<tool_response>sunny</tool_response><|assistant|>\n" in text
+
+
+def test_tool_choice_none_with_and_without_exclude(server, plain_server, client, tiny_serving):
+    _, tok = tiny_serving
+    kw = chat("#script:tool", model=MODEL, max_tokens=80, tools=TOOLS, tool_choice="none",
+              extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(**kw)
+    prompt = tok.decode(r.prompt_token_ids)
+    assert "# Tools" in prompt and '"name": "get_weather"' in prompt
+    assert r.choices[0].message.tool_calls is None  # not parsed with tool_choice none
+    assert r.choices[0].message.content == SCRIPTS["tool"]
+    plain = openai.OpenAI(base_url=plain_server.base_url, api_key="unused", max_retries=0, timeout=120)
+    r = plain.chat.completions.create(**kw)
+    prompt = tok.decode(r.prompt_token_ids)
+    assert "# Tools" not in prompt and "get_weather" not in prompt
+    assert prompt == tok.apply_chat_template([{"role": "user", "content": "#script:tool"}])
+    with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
+        plain.chat.completions.create(**{**kw, "tool_choice": "auto"})
+
+
+# ---- sampling options ------------------------------------------------------------------
+
+
+def test_stop_strings(client):
+    r = client.chat.completions.create(**chat("#script:stop", model=MODEL, max_tokens=40, stop=["Goodbye"]))
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("Hello world. ", "stop")
+    _, content, _, _ = stream_chat(client, **chat("#script:stop", model=MODEL, max_tokens=40, stop="d. G"))
+    assert content == "Hello worl"
+
+
+def test_logprobs_match_reference(client, tiny_serving):
+    model, tok = tiny_serving
+    messages = [{"role": "user", "content": "Count."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    want, step_logits = reference(model, tok.apply_chat_template(messages, tokenize=True),
+                                  max_tokens=4, temperature=0, ignore_eos=True)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == 4
+    for k, (e, tid) in enumerate(zip(entries, want)):
+        lsm = torch.log_softmax(step_logits[k][0], -1)
+        assert e.token == tok.token_bytes(tid).decode("utf-8", "replace")
+        assert abs(e.logprob - float(lsm[tid])) < 1e-5
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert len(e.top_logprobs) == 3 and abs(e.top_logprobs[0].logprob - float(lsm.max())) < 1e-5
+        assert e.top_logprobs[0].token == e.token  # greedy picks the top token
+
+
+def test_completions_n_seed_logprobs(client, tiny_serving):
+    model, tok = tiny_serving
+    prompt = [5, 77, 300, 12]
+    r = client.completions.create(model=MODEL, prompt=prompt, n=2, seed=11, max_tokens=5, logprobs=2,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert len(r.choices) == 2 and r.usage.completion_tokens == 10
+    for j, c in enumerate(r.choices):
+        want, _ = reference(model, prompt, max_tokens=5, seed=11 + j, ignore_eos=True)
+        assert c.token_ids == want and c.text == tok.decode(want)
+        assert len(c.logprobs.tokens) == 5 and all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+    # streaming completions with a text prompt
+    parts = list(client.completions.create(model=MODEL, prompt="The model", max_tokens=4, seed=1, stream=True,
+                                           extra_body={"ignore_eos": True}))
+    whole = client.completions.create(model=MODEL, prompt="The model", max_tokens=4, seed=1,
+                                      extra_body={"ignore_eos": True})
+    assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+# ---- batching, queueing, disconnects -----------------------------------------------------
+
+
+def test_concurrent_requests_batched_and_not_mixed(server, client, tiny_serving):
+    model, _ = tiny_serving
+    g = torch.Generator().manual_seed(1234)
+    jobs = []
+    for i in range(10):  # 10 requests, 4 slots: some wait in the queue
+        prompt = torch.randint(0, 499, (3 + 2 * i,), generator=g).tolist()
+        kw = {"temperature": 0} if i % 2 else {"seed": 100 + i}
+        jobs.append((prompt, kw))
+    server.engine.stats.clear()
+
+    def one(job):
+        prompt, kw = job
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(one, jobs))
+    for (prompt, kw), r in zip(jobs, results):
+        want, _ = reference(model, prompt, max_tokens=6, ignore_eos=True, **kw)
+        assert r.choices[0].prompt_token_ids == prompt
+        assert r.choices[0].token_ids == want
+    stats = server.engine.stats
+    assert 2 <= stats["max_decode_batch"] <= 4, dict(stats)
+    assert stats["finished"] == 10 and stats["prefills"] == 10
+
+
+def _wait(cond, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_disconnect_frees_slot(server, client):
+    engine = server.engine
+    engine.stats.clear()
+    body = json.dumps(chat("Go on.", model=MODEL, max_tokens=200, stream=True, ignore_eos=True))
+    # streamed: read a few events, then hang up
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    for _ in range(4):
+        assert resp.readline().startswith(b"data: ")
+        assert resp.readline() == b"\n"
+    assert engine.num_running == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert _wait(lambda: engine.num_running == 0), "the slot was not freed"
+    assert engine.stats["aborted"] == 1 and engine.stats["decode_tokens"] < 150
+    # not streamed: hang up while it generates
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    data = body.replace('"stream": true', '"stream": false').encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    assert _wait(lambda: engine.num_running == 1)
+    sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+    assert _wait(lambda: engine.num_running == 0), "the slot was not freed"
+    assert engine.stats["aborted"] == 2
+    # and the server keeps serving
+    r = client.chat.completions.create(**chat("Hi", model=MODEL, max_tokens=2))
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"n": 0}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"unknown_field": 1}, "unknown_field"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+])
+def test_bad_request_values(server, patch, param):
+    status, body = raw(server, "POST", "/v1/chat/completions", {**chat("hi", model=MODEL, max_tokens=2), **patch})
+    assert status == 400, body
+    assert body["error"]["param"] == param and body["error"]["message"]
+
+
+def test_error_cases(server, client):
+    status, body = raw(server, "POST", "/v1/chat/completions", b'{"model": "flint-tiny", "messages": [')
+    assert status == 400 and "malformed JSON" in body["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="does not exist") as e:
+        client.chat.completions.create(**chat("hi", model="gpt-9", max_tokens=2))
+    assert e.value.status_code == 404
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
+        client.chat.completions.create(**chat("word " * 1100, model=MODEL, max_tokens=2))
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
+        client.completions.create(model=MODEL, prompt=[1] * 1000, max_tokens=100)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=[1, 100000], max_tokens=1)
+    bad = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(**chat("hi", model=MODEL, max_tokens=2))
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    status, body = raw(server, "GET", "/v1/nothing")
+    assert status == 404 and body["error"]["message"]
+    # still serving
+    r = client.chat.completions.create(**chat("Hi", model=MODEL, max_tokens=2))
+    assert r.usage.completion_tokens >= 1
