@@ -1,28 +1,34 @@
 """Benchmark of `flintc.kernels.decode_attention` + `attention_combine` at the full
 model's shapes (Hq=32, Hkv=4, D=128). Needs a CUDA GPU.
 
-Timing: CUDA-graph replays with device events (`common.time_graph`, median), so no
-Python launch overhead counts, as in the decode runtime. Bytes: the K and V rows that
-are visible and so must be read (rows 0..p of a full cache, the written rows of a
-ring), 2 * 2 * B * Hkv * D * rows; GB/s = 10^9 bytes/s; "% copy" is against the
-measured device-to-device copy bandwidth (`common.copy_bandwidth_gbs`).
+Timing: CUDA-graph replays with device events (`common.time_graph`, median; 10 calls
+per replay, so a call's time includes the gap between dependent launches, with PDL on
+unless said otherwise), so no Python launch overhead counts, as in the decode runtime.
+Bytes: the K and V rows that are visible and so must be read (rows 0..p of a full
+cache, the written rows of a ring), 2 * 2 * B * Hkv * D * rows; GB/s = 10^9 bytes/s;
+"% copy" is against the measured device-to-device copy bandwidth
+(`common.copy_bandwidth_gbs`). "programs" = the busy programs per (sequence, KV head)
+of the stream-K plan (`decode_attention.plan`), "shared" = the splits merged in-kernel.
 
-Sections:
-1. Full layer: a cache of 262,144 rows per sequence (the model's longest context)
-   holding `context` tokens, B = 1, 2, 4, 8, N = `choose_num_splits` (the compiler's
-   default, 32). Issue 5 target: >= 75% of copy at 100K for B = 1..8. A reference line:
-   torch SDPA (no sink, enable_gqa) on [B, Hkv, context, D] copies of the visible rows.
-2. Sliding layer: a ring of W = 513 rows, wrapped, N = 3.
-3. Sweep at 100K (B = 1 and 8): launch configurations (BLOCK_S, warps, stages),
-   programs per SM and the smallest piece, to re-tune the module constants.
+Sections, the rows that matter first:
+1. Key rows (issue 5 targets): B = 1 and 8 at 1K, 8K and 100K tokens in a 262,144-row
+   full cache (N = 32 splits, the compiler's default) and the 513-row ring (N = 3).
+   Targets: attn+combine <= ~6 us at 1K and for the ring; >= 75% of copy at 100K.
+   Reference: torch SDPA (no sink, enable_gqa) on [B, Hkv, context, D] copies.
+2. Fixed costs at B = 1: one visible row, the combine alone, one program per split
+   (no in-kernel merge), PDL off.
+3. Full table: B = 1, 2, 4, 8 x 1K .. 262K tokens, and the ring for B = 1..8.
+4. Sweep (time budget `--sweep-s`, default 50 s): launch configurations (BLOCK_S,
+   warps, stages, programs per SM) at 100K for B = 1 and 8, and the smallest run
+   (min_rows) and sharers per split (max_pieces) at 1K / 8K / ring. The winner goes
+   into the module constants GPU_*.
 
-    python benchmarks/bench_decode_attention.py [--out results.md] [--sweep-s 60]
+    python benchmarks/bench_decode_attention.py [--out results.md] [--sweep-s 50]
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -36,33 +42,40 @@ from flintc.kernels import decode_attention as da
 
 HQ, HKV, D = 32, 4, 128
 FULL_ROWS = 262144
+W = 513
 CONTEXTS = [1024, 8192, 32768, 100_000, 262144]
 BATCHES = [1, 2, 4, 8]
 
 
 def make_case(B: int, S: int, context: int, window: int = 0):
-    """Random q, caches [B, S, Hkv, D], positions so that `context` rows are visible."""
+    """Random q, caches [B, S, Hkv, D], positions so that `context` rows are visible
+    (a ring: wrapped, all rows visible)."""
     q = torch.randn(B, 1, HQ, D, device="cuda").to(torch.bfloat16)
     k_cache = torch.randn(B, S, HKV, D, device="cuda").to(torch.bfloat16)
     v_cache = torch.randn(B, S, HKV, D, device="cuda").to(torch.bfloat16)
     slots = torch.arange(B, device="cuda", dtype=torch.int32)
-    p = context - 1 if window == 0 else 10 * window + 7  # a ring: wrapped, all rows visible
+    p = context - 1 if window == 0 else 10 * window + 7
     positions = torch.full((B, 1), p, dtype=torch.int64, device="cuda")
     sinks = torch.randn(HQ, device="cuda")
     return q, k_cache, v_cache, slots, positions, sinks
 
 
-def time_pair(case, window, n, **knobs):
-    """(seconds for attention + combine, seconds for attention alone)."""
+def time_calls(case, window, n, pdl=True, **knobs):
+    """(seconds for attention + combine, attention alone, combine alone)."""
     q, kc, vc, slots, pos, sinks = case
 
     def attn():
-        return da.launch_decode_attention(q, kc, vc, slots, pos, window, n, use_pdl=True, **knobs)
+        return da.launch_decode_attention(q, kc, vc, slots, pos, window, n, use_pdl=pdl, **knobs)
+
+    o, lse = attn()
 
     def pair():
-        return da.attention_combine(*attn(), sinks, use_pdl=True)
+        return da.attention_combine(*attn(), sinks, use_pdl=pdl)
 
-    return time_graph(pair, 3, 30), time_graph(attn, 3, 30)
+    def combine():
+        return da.attention_combine(o, lse, sinks, use_pdl=pdl)
+
+    return time_graph(pair, 3, 30), time_graph(attn, 3, 30), time_graph(combine, 3, 30)
 
 
 def time_sdpa(B: int, context: int) -> float:
@@ -81,99 +94,184 @@ def kv_bytes(B: int, rows: int) -> int:
     return 2 * 2 * B * HKV * D * rows
 
 
-def full_layer(copy: float, num_sms: int) -> str:
+def plan_info(B: int, rows: int, S: int, n: int, num_sms: int, window: int = 0, **knobs):
+    """(busy programs per head, splits merged in-kernel) of the default launch."""
+    T = knobs.get("programs_per_head") or da.default_programs_per_head(B, HKV, num_sms)
+    min_rows = knobs.get("min_rows") or (da.GPU_MIN_ROWS_RING if window else da.GPU_MIN_ROWS)
+    plan = da.plan(rows, S, n, T, min_rows, knobs.get("block_s") or da.GPU_BLOCK_S,
+                   knobs.get("max_pieces") or da.MAX_PIECES_PER_SPLIT)
+    shared = {seg[0] for segs in plan["segments"] for seg in segs if seg[3] != seg[4]}
+    return plan["t_eff"], len(shared)
+
+
+def us(t: float) -> str:
+    return f"{t * 1e6:.1f}"
+
+
+def key_rows(copy: float, num_sms: int) -> str:
+    rows = []
+    for B in (1, 8):
+        n = da.choose_num_splits(FULL_ROWS, B, num_sms)
+        case = make_case(B, FULL_ROWS, 100_000)
+        for ctx in (1024, 8192, 100_000):
+            case[4].fill_(ctx - 1)
+            t_pair, t_attn, t_comb = time_calls(case, 0, n)
+            t_sdpa = time_sdpa(B, ctx)
+            share = kv_bytes(B, ctx) / t_pair / 1e9 / copy
+            target = (f"<= 6 us: {'yes' if t_pair <= 6e-6 else 'NO'}" if ctx == 1024 else
+                      f">= 75%: {'yes' if share >= 0.75 else 'NO'}" if ctx == 100_000 else "-")
+            busy, shared = plan_info(B, ctx, FULL_ROWS, n, num_sms)
+            rows.append([B, f"full {ctx}", n, busy, shared, us(t_pair), us(t_attn), us(t_comb),
+                         f"{share:.0%}", us(t_sdpa), target])
+            print(rows[-1], flush=True)
+        del case
+        torch.cuda.empty_cache()
+    for B in (1, 8):
+        n = da.choose_num_splits(W, B, window=W)
+        t_pair, t_attn, t_comb = time_calls(make_case(B, W, W, window=W), W, n)
+        busy, shared = plan_info(B, W, W, n, num_sms, window=W)
+        rows.append([B, f"ring {W}", n, busy, shared, us(t_pair), us(t_attn), us(t_comb),
+                     f"{kv_bytes(B, W) / t_pair / 1e9 / copy:.0%}", "-",
+                     f"<= 6 us: {'yes' if t_pair <= 6e-6 else 'NO'}"])
+        print(rows[-1], flush=True)
+    return markdown_table(["B", "layer, tokens", "splits", "programs/head", "shared splits",
+                           "attn+combine us", "attn us", "combine us", "% copy", "SDPA us",
+                           "target"], rows)
+
+
+def fixed_costs(num_sms: int) -> str:
+    rows = []
+    n = da.choose_num_splits(FULL_ROWS, 1, num_sms)
+    case = make_case(1, FULL_ROWS, 1024)
+    variants = [
+        ("full, 1 visible row", 1, {}, True),
+        ("full 1K, default", 1024, {}, True),
+        ("full 1K, PDL off", 1024, {}, False),
+        ("full 1K, 1 program per split (no merge)", 1024, {"programs_per_head": 1}, True),
+        ("full 1K, min_rows 64", 1024, {"min_rows": 64}, True),
+    ]
+    for name, ctx, knobs, pdl in variants:
+        case[4].fill_(ctx - 1)
+        t_pair, t_attn, t_comb = time_calls(case, 0, n, pdl=pdl, **knobs)
+        busy, shared = plan_info(1, ctx, FULL_ROWS, n, num_sms, **knobs)
+        rows.append([name, n, busy, shared, us(t_pair), us(t_attn), us(t_comb)])
+        print(rows[-1], flush=True)
+    del case
+    torch.cuda.empty_cache()
+    ring = make_case(1, W, W, window=W)
+    for name, knobs in (("ring, default", {}), ("ring, 1 program per split", {"min_rows": 192})):
+        t_pair, t_attn, t_comb = time_calls(ring, W, 3, **knobs)
+        busy, shared = plan_info(1, W, W, 3, num_sms, window=W, **knobs)
+        rows.append([name, 3, busy, shared, us(t_pair), us(t_attn), us(t_comb)])
+        print(rows[-1], flush=True)
+    return markdown_table(["B=1 case", "splits", "programs/head", "shared splits",
+                           "attn+combine us", "attn us", "combine us"], rows)
+
+
+def full_table(copy: float, num_sms: int) -> str:
     rows = []
     for B in BATCHES:
         n = da.choose_num_splits(FULL_ROWS, B, num_sms)
         case = make_case(B, FULL_ROWS, CONTEXTS[-1])
         for ctx in CONTEXTS:
             case[4].fill_(ctx - 1)
-            t_pair, t_attn = time_pair(case, 0, n)
+            t_pair, t_attn, _ = time_calls(case, 0, n)
             t_sdpa = time_sdpa(B, ctx)
+            busy, _ = plan_info(B, ctx, FULL_ROWS, n, num_sms)
             gbs = kv_bytes(B, ctx) / t_pair / 1e9
-            rows.append([B, ctx, n, f"{t_pair * 1e6:.1f}", f"{t_attn * 1e6:.1f}", f"{gbs:.0f}",
-                         f"{gbs / copy:.0%}", f"{kv_bytes(B, ctx) / t_attn / 1e9 / copy:.0%}",
-                         f"{t_sdpa * 1e6:.1f}", f"{kv_bytes(B, ctx) / t_sdpa / 1e9 / copy:.0%}"])
+            rows.append([B, ctx, n, busy, us(t_pair), us(t_attn), f"{gbs:.0f}", f"{gbs / copy:.0%}",
+                         f"{kv_bytes(B, ctx) / t_attn / 1e9 / copy:.0%}", us(t_sdpa),
+                         f"{kv_bytes(B, ctx) / t_sdpa / 1e9 / copy:.0%}"])
             print(rows[-1], flush=True)
         del case
         torch.cuda.empty_cache()
-    return markdown_table(["B", "context", "splits", "attn+combine us", "attn us", "GB/s",
-                           "% copy", "attn % copy", "SDPA us", "SDPA % copy"], rows)
-
-
-def sliding_layer(copy: float) -> str:
-    rows = []
-    W = 513
     for B in BATCHES:
         n = da.choose_num_splits(W, B, window=W)
-        t_pair, t_attn = time_pair(make_case(B, W, W, window=W), W, n)
-        rows.append([B, W, n, f"{t_pair * 1e6:.2f}", f"{t_attn * 1e6:.2f}",
-                     f"{kv_bytes(B, W) / t_pair / 1e9 / copy:.0%}"])
+        t_pair, t_attn, _ = time_calls(make_case(B, W, W, window=W), W, n)
+        busy, _ = plan_info(B, W, W, n, num_sms, window=W)
+        rows.append([B, f"ring {W}", n, busy, us(t_pair), us(t_attn), "-",
+                     f"{kv_bytes(B, W) / t_pair / 1e9 / copy:.0%}", "-", "-", "-"])
         print(rows[-1], flush=True)
-    return markdown_table(["B", "ring rows", "splits", "attn+combine us", "attn us", "% copy"],
-                          rows)
+    return markdown_table(["B", "context", "splits", "programs/head", "attn+combine us", "attn us",
+                           "GB/s", "% copy", "attn % copy", "SDPA us", "SDPA % copy"], rows)
 
 
 def sweep(copy: float, num_sms: int, budget_s: float) -> str:
-    """Trials at 100K context until `budget_s` seconds have passed (the rest is listed
-    as not run)."""
+    """Trials until `budget_s` seconds have passed (the rest is listed as not run)."""
     t_end = time.monotonic() + budget_s
-    saved = (da.GPU_BLOCK_S, da.GPU_NUM_WARPS, da.GPU_NUM_STAGES)
     rows = []
-    ctx = 100_000
-    configs = [(64, 8, 3), (64, 8, 4), (64, 4, 3), (32, 4, 4), (32, 8, 4), (128, 8, 2)]
-    try:
-        for B in (1, 8):
-            case = make_case(B, FULL_ROWS, ctx)
-            n = da.choose_num_splits(FULL_ROWS, B, num_sms)
-            trials = [(cfg, 2, da.GPU_MIN_ROWS) for cfg in configs]
-            trials += [(saved, per_sm, min_rows) for per_sm in (1, 2, 4)
-                       for min_rows in (128, 256, 512)
-                       if (per_sm, min_rows) != (2, da.GPU_MIN_ROWS)]
-            for (block_s, warps, stages), per_sm, min_rows in trials:
-                da.GPU_BLOCK_S, da.GPU_NUM_WARPS, da.GPU_NUM_STAGES = block_s, warps, stages
-                pph = math.ceil(per_sm * num_sms / (B * HKV))
-                if time.monotonic() > t_end:
-                    rows.append([B, block_s, warps, stages, per_sm, pph, min_rows,
-                                 "not run (time budget)", "-"])
-                    continue
-                try:
-                    t, _ = time_pair(case, 0, n, programs_per_head=pph, min_rows=min_rows)
-                    share = f"{kv_bytes(B, ctx) / t / 1e9 / copy:.0%}"
-                    us = f"{t * 1e6:.1f}"
-                except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
-                    us, share = f"{type(e).__name__}", "-"
-                rows.append([B, block_s, warps, stages, per_sm, pph, min_rows, us, share])
-                print(rows[-1], flush=True)
-            del case
+    # (BLOCK_S, warps, stages, programs per SM) at 100K.
+    configs = [(64, 4, 3, 2), (64, 4, 4, 2), (64, 4, 2, 2), (128, 4, 2, 2), (32, 4, 4, 2),
+               (64, 4, 3, 3), (64, 8, 3, 1), (64, 8, 3, 2)]
+    trials = []
+    for B in (1, 8):
+        for bs, warps, stages, per_sm in configs:
+            knobs = {"block_s": bs, "num_warps": warps, "num_stages": stages,
+                     "programs_per_head": max(1, per_sm * num_sms // (B * HKV))}
+            label = f"BLOCK_S={bs} warps={warps} stages={stages} programs/SM={per_sm}"
+            trials.append((B, 0, 100_000, label, knobs))
+    for min_rows in (64, 128, 256):
+        trials.append((1, 0, 1024, f"min_rows={min_rows}", {"min_rows": min_rows}))
+    for max_pieces in (8, 16, 32, 64):
+        trials.append((1, 0, 8192, f"max_pieces={max_pieces}", {"max_pieces": max_pieces}))
+    for min_rows in (64, 128, 192):
+        trials.append((1, W, W, f"min_rows={min_rows}", {"min_rows": min_rows}))
+    cases = {}
+    for B, window, ctx, label, knobs in trials:
+        S = W if window else FULL_ROWS
+        what = f"ring {W}" if window else f"full {ctx}"
+        if time.monotonic() > t_end:
+            rows.append([B, what, label, "-", "not run (time budget)", "-"])
+            continue
+        key = (B, window)
+        if key not in cases:
+            cases.clear()
             torch.cuda.empty_cache()
-    finally:
-        da.GPU_BLOCK_S, da.GPU_NUM_WARPS, da.GPU_NUM_STAGES = saved
-    return markdown_table(["B", "BLOCK_S", "warps", "stages", "programs/SM", "programs/head",
-                           "min rows", "attn+combine us", "% copy"], rows)
+            cases[key] = make_case(B, S, ctx, window=window)
+        case = cases[key]
+        if not window:
+            case[4].fill_(ctx - 1)
+        n = da.choose_num_splits(W, B, window=W) if window else da.choose_num_splits(S, B, num_sms)
+        try:
+            t_pair, _, _ = time_calls(case, window, n, **knobs)
+            busy, _ = plan_info(B, ctx, S, n, num_sms, window=window, **knobs)
+            rows.append([B, what, label, busy, us(t_pair),
+                         f"{kv_bytes(B, ctx) / t_pair / 1e9 / copy:.0%}"])
+        except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
+            rows.append([B, what, label, "-", f"{type(e).__name__}: {str(e)[:60]}", "-"])
+        print(rows[-1], flush=True)
+    cases.clear()
+    torch.cuda.empty_cache()
+    return markdown_table(["B", "layer, tokens", "configuration", "programs/head",
+                           "attn+combine us", "% copy"], rows)
 
 
 def main(argv=None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the Markdown tables to this file")
-    parser.add_argument("--sweep-s", type=float, default=60.0,
+    parser.add_argument("--sweep-s", type=float, default=50.0,
                         help="time budget of the configuration sweep in seconds (0: skip it)")
+    parser.add_argument("--no-full-table", action="store_true",
+                        help="skip section 3 (the full B x context table)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_attention: needs a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
     copy = copy_bandwidth_gbs("cuda")
-    head = (f"Device: {props.name}, {props.multi_processor_count} SMs; copy bandwidth "
-            f"{copy:.0f} GB/s; torch {torch.__version__}; CUDA-graph replay, median; "
-            f"config BLOCK_S={da.GPU_BLOCK_S} warps={da.GPU_NUM_WARPS} "
-            f"stages={da.GPU_NUM_STAGES} programs/SM={da.GPU_CTAS_PER_SM} "
-            f"min rows={da.GPU_MIN_ROWS}")
-    parts = [head, "", "### Full layer (cache of 262,144 rows, PDL on)", "",
-             full_layer(copy, props.multi_processor_count), "",
-             "### Sliding layer (ring of 513 rows, wrapped, PDL on)", "", sliding_layer(copy)]
+    head = (f"Device: {props.name}, {sms} SMs; copy bandwidth {copy:.0f} GB/s; torch "
+            f"{torch.__version__}; CUDA-graph replay, median, PDL on; config "
+            f"BLOCK_S={da.GPU_BLOCK_S} warps={da.GPU_NUM_WARPS} stages={da.GPU_NUM_STAGES} "
+            f"programs/SM={da.GPU_CTAS_PER_SM} min rows={da.GPU_MIN_ROWS} "
+            f"(ring {da.GPU_MIN_ROWS_RING}) max pieces={da.MAX_PIECES_PER_SPLIT}")
+    print(head, flush=True)
+    parts = [head, "", "### Key rows (262,144-row full cache, N=32; ring of 513 rows, N=3)", "",
+             key_rows(copy, sms), "", "### Fixed costs (B=1)", "", fixed_costs(sms)]
+    if not args.no_full_table:
+        parts += ["", "### Full table (262,144-row cache; ring of 513 rows, wrapped)", "",
+                  full_table(copy, sms)]
     if args.sweep_s > 0:
-        parts += ["", "### Sweep at 100K context (262,144-row cache, PDL on)", "",
-                  sweep(copy, props.multi_processor_count, args.sweep_s)]
+        parts += ["", "### Sweep", "", sweep(copy, sms, args.sweep_s)]
     text = "\n".join(parts)
     print(text)
     write_out(args.out, text)

@@ -1,102 +1,256 @@
-"""GEMV bandwidth on the model's shapes: flintc's Triton kernel against torch (GPU only).
+"""GEMV bandwidth of the decode schedule's kernels on the model's shapes (GPU only).
 
-Measures device-to-device copy bandwidth first (the practical ceiling), then for each
-weight shape, batch N in {1, 2, 4, 8} and bf16 / NVFP4 weights the median kernel time,
-the achieved GB/s counting weight bytes + x + y, and its share of the copy bandwidth.
-torch's line is `x @ w.T` for bf16 and dequantize-then-matmul (`gemv_reference`) for
-NVFP4. Prints a Markdown table; `--out FILE` also writes it there.
+Measures the device-to-device copy bandwidth first (the practical ceiling, same run), then
+for each case (a plain GEMV or one of the fused ops of `flintc.kernels.fused_gemv`),
+weight format (bf16 / NVFP4) and batch N in {1, 2, 4, 8}:
+- flintc: the Triton launcher with its default configuration (`choose_config` /
+  `qkv_config`), timed by CUDA-graph replay (`triton.testing.do_bench_cudagraph`, median);
+- eager: the reference op `torch.ops.flintc.<op>` (plain torch: fp32 upcast / dequantize,
+  not a fast path, a sanity line);
+- compile: `torch.compile` of the op's plain torch expression (bf16 matmul for bf16
+  weights; dequantize + matmul for NVFP4), also graph-replayed;
+and prints the achieved GB/s (bytes = weights + activations in and out + cache rows) and
+its share of the copy bandwidth.
 
-    python benchmarks/bench_gemv.py [--out gemv.md] [--pdl]
+With `--sweep` each flintc case also times every candidate of `sweep_configs` and reports
+the best; at the end it prints `TUNED` entries to paste into `flintc/kernels/gemv.py`
+(keys as documented at `TUNED`).
+
+    python benchmarks/bench_gemv.py [--sweep] [--pdl] [--out gemv.md] [--cases q_proj,qkv]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
-# [F, K] weights: q_proj, o_proj, expert gate/up, expert down, lm_head-sized (bf16 only).
-SHAPES = [(4096, 2048, "q_proj"), (2048, 4096, "o_proj"), (512, 2048, "expert_gate_up"),
-          (2048, 512, "expert_down"), (151552, 2048, "lm_head")]
+H, HQ, HKV, D, FFN, VOCAB, WINDOW = 2048, 32, 4, 128, 10240, 151552, 513
 BATCHES = [1, 2, 4, 8]
 
 
-def time_ms(fn, reps: int) -> float:
-    """Median of `reps` CUDA-event timings of `fn` (after warm-up), in ms. Includes any CPU
-    launch overhead that the GPU has to wait for (used for the copy only)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def kernel_ms(fn, reps: int) -> float:
-    """Median device time of `fn` in ms, replayed from a CUDA graph so that Python launch
-    overhead does not count (decode runs these kernels from graphs too)."""
+    """Median device time of `fn` in ms from CUDA-graph replays (decode runs from graphs)."""
     import triton.testing
 
     return triton.testing.do_bench_cudagraph(fn, rep=reps, return_mode="median")
 
 
 def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy of a 2 GiB tensor (read + write), median of 20."""
-    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    ms = time_ms(lambda: src.clone(), 20)
-    del src
-    return 2 * 2**31 / ms / 1e6
+    """Device-to-device copy of a 1 GiB bf16 tensor (read + write), graph-replayed."""
+    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = kernel_ms(lambda: dst.copy_(src), 100)
+    return 2 * 2**30 / ms / 1e6
+
+
+def make_weight(F: int, K: int, fmt: str) -> list[torch.Tensor]:
+    from flintc.quant.nvfp4 import quantize
+
+    w = (torch.randn(F, K, device="cuda") * 0.05).to(torch.bfloat16)
+    if fmt == "bf16":
+        return [w]
+    q = quantize(w.cpu())
+    return [q.codes.cuda(), q.scales.cuda(), q.global_scale.cuda()]
+
+
+def nbytes(*ts) -> int:
+    total = 0
+    for t in ts:
+        if isinstance(t, (list, tuple)):
+            total += nbytes(*t)
+        elif isinstance(t, torch.Tensor):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def plain_linear(x, w):
+    """The op's plain torch expression (fp32 accumulation, one rounding)."""
+    if len(w) == 1:
+        return (x.float() @ w[0].float().T).to(torch.bfloat16)
+    from flintc.quant.nvfp4 import dequantize_packed
+
+    return ((x.float() @ dequantize_packed(w[0], w[1], None).T) * w[2]).to(torch.bfloat16)
+
+
+class Case:
+    """One benchmark row family: builds inputs for (fmt, N) and returns the callables."""
+
+    def __init__(self, name, F, K, fmts, kind):
+        self.name, self.F, self.K, self.fmts, self.kind = name, F, K, fmts, kind
+
+    def build(self, fmt: str, N: int):
+        from flintc.kernels import fused_gemv as fg
+        from flintc.model import ops
+        import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
+
+        F, K = self.F, self.K
+        x = torch.randn(N, K, device="cuda").to(torch.bfloat16)
+        if self.kind == "gemv":
+            w = make_weight(F, K, fmt)
+            ours = lambda cfg=None: fg.gemv(x, w, use_pdl=PDL, config=cfg)  # noqa: E731
+            eager = lambda: torch.ops.flintc.gemv(x, w)  # noqa: E731
+            plain = lambda x, w: plain_linear(x, w)  # noqa: E731
+            return ours, eager, plain, (x, w), nbytes(w, x) + 2 * N * F, (fmt, F, K, N), None
+        if self.kind == "gemv_residual":
+            w = make_weight(F, K, fmt)
+            res = torch.randn(N, F, device="cuda").to(torch.bfloat16)
+            ours = lambda cfg=None: fg.gemv_residual(x, w, res, use_pdl=PDL, config=cfg)  # noqa: E731
+            eager = lambda: torch.ops.flintc.gemv_residual(x, w, res)  # noqa: E731
+            plain = lambda x, w, r: (r.float() + plain_linear(x, w).float()).to(torch.bfloat16)  # noqa: E731
+            return (ours, eager, plain, (x, w, res), nbytes(w, x, res) + 2 * N * F,
+                    (fmt, F, K, N), None)
+        norm = torch.rand(K, device="cuda") + 0.5
+        if self.kind == "gate_up":
+            g, u = make_weight(F, K, fmt), make_weight(F, K, fmt)
+            ours = lambda cfg=None: fg.norm_gate_up_silu(x, norm, g, u, 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
+            eager = lambda: torch.ops.flintc.norm_gate_up_silu(x, norm, g, u, 1e-5)  # noqa: E731
+
+            def plain(x, norm, g, u):
+                h = ops.rms_norm(x, norm, 1e-5, torch.float32)
+                return ops.silu_mul(plain_linear(h, g), plain_linear(h, u), torch.float32)
+            return (ours, eager, plain, (x, norm, g, u), nbytes(g, u, x, norm) + 2 * N * F,
+                    ("gate_up:" + fmt, F, K, N), None)
+        if self.kind == "lm_head":
+            w = make_weight(F, K, "bf16")[0]
+            x3 = x.view(N, 1, K)
+            ours = lambda cfg=None: fg.norm_lm_head(x3, norm, w, 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
+            eager = lambda: torch.ops.flintc.norm_lm_head(x3, norm, w, 1e-5)  # noqa: E731
+
+            def plain(x, norm, w):
+                h = ops.rms_norm(x, norm, 1e-5, torch.float32)
+                return h.float() @ w.float().T
+            return (ours, eager, plain, (x3, norm, w), nbytes(w, x, norm) + 4 * N * F,
+                    (fmt, F, K, N), None)
+        assert self.kind == "qkv"
+        wq, wk, wv = make_weight(HQ * D, K, fmt), make_weight(HKV * D, K, fmt), make_weight(HKV * D, K, fmt)
+        qn, kn = torch.rand(D, device="cuda") + 0.5, torch.rand(D, device="cuda") + 0.5
+        cos, sin = ops.rope_tables(10000.0, D, 4096, torch.float32)
+        cos, sin = cos.cuda(), sin.cuda()
+        kc = torch.zeros(N, WINDOW, HKV, D, dtype=torch.bfloat16, device="cuda")
+        vc = torch.zeros_like(kc)
+        slots = torch.arange(N, device="cuda")
+        pos = torch.randint(0, 4096, (N, 1), device="cuda")
+        x3 = x.view(N, 1, K)
+        args = (x3, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos, 1e-5, HQ, HKV, True, WINDOW)
+        ours = lambda cfg=None: fg.norm_qkv_rope_kv(*args, use_pdl=PDL, config=cfg)  # noqa: E731
+        eager = lambda: torch.ops.flintc.norm_qkv_rope_kv(*args)  # noqa: E731
+
+        def plain(x3, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos):
+            B = x3.shape[0]
+            h = ops.rms_norm(x3, norm, 1e-5, torch.float32).view(B, -1)
+            q = ops.rms_norm(plain_linear(h, wq).view(B, 1, HQ, D), qn, 1e-5, torch.float32)
+            k = ops.rms_norm(plain_linear(h, wk).view(B, 1, HKV, D), kn, 1e-5, torch.float32)
+            v = plain_linear(h, wv).view(B, 1, HKV, D)
+            c, s = cos[pos], sin[pos]
+            q, k = ops.apply_rope(q, c, s, torch.float32), ops.apply_rope(k, c, s, torch.float32)
+            ring = pos % WINDOW
+            kc[slots[:, None], ring] = k
+            vc[slots[:, None], ring] = v
+            return q
+        moved = nbytes(wq, wk, wv, x, norm) + 2 * N * HQ * D + 2 * 2 * N * HKV * D + 2 * 4 * N * D
+        return ours, eager, plain, args[:13], moved, ("qkv:" + fmt, HQ * D, K, N), D
+
+
+CASES = [
+    Case("q_proj", HQ * D, H, ("bf16", "nvfp4"), "gemv"),
+    Case("qkv", (HQ + 2 * HKV) * D, H, ("bf16", "nvfp4"), "qkv"),
+    Case("o_proj+res", H, HQ * D, ("bf16", "nvfp4"), "gemv_residual"),
+    Case("gate_up", FFN, H, ("bf16", "nvfp4"), "gate_up"),
+    Case("down+res", H, FFN, ("bf16", "nvfp4"), "gemv_residual"),
+    Case("expert_gate", 512, H, ("bf16", "nvfp4"), "gemv"),
+    Case("expert_down", H, 512, ("bf16", "nvfp4"), "gemv"),
+    Case("lm_head", VOCAB, H, ("bf16",), "lm_head"),
+]
+PDL = False
 
 
 def main() -> None:
+    global PDL
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="also write the Markdown table to this file")
-    parser.add_argument("--pdl", action="store_true", help="launch the kernel with PDL")
-    parser.add_argument("--reps", type=int, default=100, help="ms of graph replays")
+    parser.add_argument("--out", help="also write the Markdown tables to this file")
+    parser.add_argument("--pdl", action="store_true", help="launch flintc's kernels with PDL")
+    parser.add_argument("--sweep", action="store_true", help="time every sweep_configs candidate")
+    parser.add_argument("--reps", type=int, default=50, help="ms of graph replays per timing")
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA GPU")
+    PDL = args.pdl
 
-    from flintc.kernels.gemv import gemv, gemv_reference
-    from flintc.quant.nvfp4 import quantize
+    from flintc.kernels.gemv import choose_config, sweep_configs
+    from flintc.kernels.fused_gemv import qkv_config
 
     copy_bw = copy_bandwidth_gbs()
-    lines = [f"Device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s; "
-             f"PDL {'on' if args.pdl else 'off'}; CUDA-graph replay, median", "",
-             "| weight | F x K | fmt | N | flintc us | flintc GB/s | % copy | torch us "
-             "| torch GB/s | % copy |", "|---|---|---|---|---|---|---|---|---|---|"]
+    head = [f"Device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s "
+            f"(graph-replayed 1 GiB copy, same run); PDL {'on' if PDL else 'off'}; "
+            "CUDA-graph replay, median; bytes = weights + activations + outputs (+ cache rows)", "",
+            "| case | F x K | fmt | N | flintc us | GB/s | % copy | config | eager us | compile us "
+            "| compile % copy |" + (" best us | best % copy | best config |" if args.sweep else ""),
+            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.sweep else "")]
+    lines = list(head)
     print("\n".join(lines), flush=True)
-    for F, K, name in SHAPES:
-        w_bf16 = (torch.randn(F, K, device="cuda") * 0.05).to(torch.bfloat16)
-        fmts = [("bf16", [w_bf16])]
-        if name != "lm_head":
-            q = quantize(w_bf16.cpu())
-            fmts.append(("nvfp4", [q.codes.cuda(), q.scales.cuda(), q.global_scale.cuda()]))
-        for fmt, w in fmts:
-            w_bytes = sum(t.numel() * t.element_size() for t in w)
+    tuned = []
+    wanted = {c for c in args.cases.split(",") if c}
+    for case in CASES:
+        if wanted and case.name not in wanted:
+            continue
+        for fmt in case.fmts:
             for N in BATCHES:
-                x = torch.randn(N, K, device="cuda").to(torch.bfloat16)
-                out = torch.empty(N, F, dtype=torch.bfloat16, device="cuda")
-                nbytes = w_bytes + x.numel() * 2 + out.numel() * 2
-                ms = kernel_ms(lambda: gemv(x, w, out=out, use_pdl=args.pdl), args.reps)
-                if fmt == "bf16":
-                    ms_t = kernel_ms(lambda: x @ w[0].T, args.reps)
+                ours, eager, plain, plain_args, moved, key, rows_fixed = case.build(fmt, N)
+                if case.kind == "qkv":
+                    cfg0 = qkv_config(N, case.K, D, HQ, fmt, torch.device("cuda"))
+                elif case.kind == "gate_up":
+                    cfg0 = None
                 else:
-                    ms_t = kernel_ms(lambda: gemv_reference(x, w), args.reps)
-                gbs, gbs_t = nbytes / ms / 1e6, nbytes / ms_t / 1e6
-                row = (f"| {name} | {F}x{K} | {fmt} | {N} | {ms * 1e3:.1f} | {gbs:.0f} | "
-                       f"{100 * gbs / copy_bw:.0f}% | {ms_t * 1e3:.1f} | {gbs_t:.0f} | "
-                       f"{100 * gbs_t / copy_bw:.0f}% |")
+                    cfg0 = choose_config(N, case.F, case.K, fmt, torch.device("cuda"))
+                ours()  # compile + allocate split-K counters before graph capture
+                ms = kernel_ms(lambda: ours(), args.reps)
+                ms_e = kernel_ms(eager, args.reps)
+                ms_c = math.nan
+                if not args.no_compile:
+                    try:
+                        comp = torch.compile(plain, dynamic=False)
+                        comp(*plain_args)
+                        ms_c = kernel_ms(lambda: comp(*plain_args), args.reps)
+                    except Exception as e:  # noqa: BLE001  (a comparison column only)
+                        print(f"  torch.compile failed for {case.name}: {type(e).__name__}: {e}")
+                gbs = moved / ms / 1e6
+                row = (f"| {case.name} | {case.F}x{case.K} | {fmt} | {N} | {ms * 1e3:.1f} | {gbs:.0f} | "
+                       f"{100 * gbs / copy_bw:.0f}% | {cfg0.short() if cfg0 else 'default'} | "
+                       f"{ms_e * 1e3:.1f} | {ms_c * 1e3:.1f} | {100 * moved / ms_c / 1e6 / copy_bw:.0f}% |")
+                if args.sweep:
+                    F_rows = 2 * case.F if case.kind == "gate_up" else key[1]
+                    cands = sweep_configs(fmt, N, F_rows, case.K, torch.device("cuda"), rows_fixed)
+                    best = (ms, cfg0)
+                    for cfg in cands:
+                        if case.kind == "gate_up":
+                            cfg = type(cfg)(**{**cfg.__dict__, "block_f": max(16, cfg.block_f // 2)})
+                        try:
+                            ours(cfg)
+                            t = kernel_ms(lambda: ours(cfg), args.reps)
+                        except Exception as e:  # noqa: BLE001  (e.g. out of shared memory)
+                            print(f"  {cfg.short()}: failed ({type(e).__name__}: {str(e)[:80]})")
+                            continue
+                        print(f"  {case.name} {fmt} N={N} {cfg.short()}: {t * 1e3:.1f} us", flush=True)
+                        if t < best[0]:
+                            best = (t, cfg)
+                    bt, bc = best
+                    row += (f" {bt * 1e3:.1f} | {100 * moved / bt / 1e6 / copy_bw:.0f}% | "
+                            f"{bc.short() if bc else 'default'} |")
+                    if bc is not None:
+                        tuned.append(f"    {key!r}: GemvConfig(use_dot={bc.use_dot}, block_f={bc.block_f}, "
+                                     f"block_k={bc.block_k}, split_k={bc.split_k}, num_warps={bc.num_warps}, "
+                                     f"num_stages={bc.num_stages}, scale_after={bc.scale_after}, "
+                                     f"prefetch={bc.prefetch}),  # {case.name} {100 * moved / bt / 1e6 / copy_bw:.0f}%")
                 lines.append(row)
                 print(row, flush=True)
-        del w_bf16, fmts
-        torch.cuda.empty_cache()
+                torch.cuda.empty_cache()
+    if tuned:
+        lines += ["", "TUNED entries (paste into flintc/kernels/gemv.py):", "", "```python"] + tuned + ["```"]
+        print("\n".join(lines[-len(tuned) - 2:]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -17,7 +17,13 @@ Bytes counted per call: the distinct selected experts' weights (averaged over th
 sets; tokens that share an expert read it once, as the kernels do), the shared expert's,
 the router's, and every activation read or written. NVFP4 bytes include block scales.
 
-    python benchmarks/bench_moe.py [--out moe.md] [--pdl] [--check]
+    python benchmarks/bench_moe.py [--out moe.md] [--pdl] [--check] [--no-sweep]
+
+After the table, a sweep (at most `--sweep-seconds`, default 60, compile time included)
+times the candidates of `flintc.kernels.moe.sweep_configs` for `moe_topk_gate_up` and
+`moe_down_combine_residual`, both formats, N in {1, 8} (then 2, 4 while time is left),
+prints a table with the winner of each (kernel, fmt, N) marked, and ends with the
+`TUNED[...] = MoeConfig(...)` lines to paste into `flintc/kernels/moe.py`.
 
 `--check` compares every kernel against the reference at the full shapes (ids exactly,
 the rest by share of differing elements and largest difference) instead of timing.
@@ -219,6 +225,73 @@ def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float) -> list[str]:
     return rows
 
 
+def run_sweep(args, copy_bw: float) -> list[str]:
+    """Time every `sweep_configs` candidate per (kernel, fmt, N) within the time budget."""
+    import time
+
+    from flintc.kernels import moe as K
+
+    t0 = time.time()
+    lines = ["", (f"## Config sweep (PDL {'on' if args.pdl else 'off'}, budget "
+                  f"{args.sweep_seconds:.0f} s, compile included)"), "",
+             "| kernel | fmt | N | config | us | GB/s | % copy | best |",
+             "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    tuned = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    out_of_time = False
+    for N in (1, 8, 2, 4):
+        for fmt in ("bf16", "nvfp4"):
+            if out_of_time:
+                break
+            s = Setup(fmt, N, gen)
+            dev = torch.device("cuda")
+            for kernel in ("gate_up", "down"):
+                rows, red = (F, H) if kernel == "gate_up" else (H, F)
+                nb = s.bytes_gate_up() if kernel == "gate_up" else s.bytes_down()
+                results = []
+                for cfg in K.sweep_configs(kernel, fmt, N, rows, red, N * TOP_K + 1, dev):
+                    if time.time() - t0 > args.sweep_seconds:
+                        out_of_time = True
+                        break
+
+                    def fn(i, cfg=cfg, kernel=kernel, s=s):
+                        j = i % ROT
+                        if kernel == "gate_up":
+                            return K.moe_topk_gate_up(s.xn[j], s.logits[j], s.bias[j], s.gate,
+                                                      s.up, s.sg[j], s.su[j], TOP_K, SCALING,
+                                                      use_pdl=args.pdl, config=cfg)
+                        return K.moe_down_combine_residual(s.h[j], s.ids[j], s.w[j], s.down,
+                                                           s.sd[j], s.x[j], use_pdl=args.pdl,
+                                                           config=cfg)
+
+                    try:
+                        us = graph_us(fn, 5)
+                    except Exception as e:  # noqa: BLE001 (a config that fails to compile)
+                        print(f"{kernel} {fmt} N={N} {cfg.short()}: failed: "
+                              f"{type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    results.append((us, cfg))
+                if not results:
+                    continue
+                best = min(results, key=lambda r: r[0])
+                for us, cfg in results:
+                    gbs = nb / us / 1e3
+                    row = (f"| {kernel} | {fmt} | {N} | {cfg.short()} | {us:.1f} | {gbs:.0f} | "
+                           f"{100 * gbs / copy_bw:.0f}% | {'**best**' if cfg is best[1] else ''} |")
+                    lines.append(row)
+                    print(row, flush=True)
+                tuned.append(f"TUNED[({kernel!r}, {fmt!r}, {N})] = {best[1]!r}")
+            del s
+            torch.cuda.empty_cache()
+    if out_of_time:
+        lines.append(f"(sweep stopped at the {args.sweep_seconds:.0f} s budget)")
+    lines += ["", "Paste into flintc/kernels/moe.py (after `TUNED = {}`):", "", "```python"]
+    lines += tuned + ["```"]
+    print("\n".join(lines[-len(tuned) - 5:]), flush=True)
+    return lines
+
+
 def _cmp(name: str, out: torch.Tensor, ref: torch.Tensor) -> str:
     o, r = out.float(), ref.float()
     share = (out != ref).float().mean().item()
@@ -267,12 +340,20 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compare against the reference "
                         "at full shapes instead of timing")
     parser.add_argument("--reps", type=int, default=10, help="graph replays per timing")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
+    parser.add_argument("--sweep-seconds", type=float, default=60.0,
+                        help="time budget of the config sweep (compile included)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU")
     import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
 
-    lines = run_check(args) if args.check else run_bench(args)
+    if args.check:
+        lines = run_check(args)
+    else:
+        lines = run_bench(args)
+        if not args.no_sweep:
+            lines += run_sweep(args, copy_bandwidth_gbs())
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

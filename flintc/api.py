@@ -93,7 +93,7 @@ class CompiledModel:
 def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_format: str = "auto",
             config: str | None = None, fmt: str = "bf16", max_batch: int = 8,
             max_model_len: int | None = None, prefill_chunk: int | None = None,
-            backend: str = "triton", device: str = "cpu", check: bool = True, dump: bool = True,
+            backend: str = "auto", device: str = "cpu", check: bool = True, dump: bool = True,
             progress: bool = False) -> CompiledModel:
     """Compile `model` (a BF16 folder or NVFP4 .gguf; None: the embedded default tiny
     model) into BUILD `out` (None: a new temporary folder) and load it.
@@ -105,8 +105,9 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     from flintc.runtime.build import BuildOptions, compile_model
     from flintc.runtime.compiled import load_build
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"device {device}: no CUDA GPU is available")
+    from flintc.cli.compile_build import prepare_device
+
+    prepare_device(device)  # a CPU run uses Triton's interpreter: set before triton loads
     if model is None and load_format != "dummy":
         from flintc.checkpoint.default import default_checkpoint
 
@@ -124,8 +125,10 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
 def load(build, model=None, *, device: str | None = None, load_format: str | None = None,
          hf_config_path=None, tokenizer=None, progress: bool = False) -> CompiledModel:
     """Load BUILD and the weights it was compiled for (see `load_build`)."""
-    from flintc.runtime.compiled import load_build
+    from flintc.cli.compile_build import prepare_device
+    from flintc.runtime.compiled import load_build, read_manifest
 
+    prepare_device(device or read_manifest(build).get("device", "cpu"))
     runner = load_build(build, model=model, device=device, load_format=load_format,
                         hf_config_path=hf_config_path, progress=progress)
     return CompiledModel(runner, _tokenizer(tokenizer or runner.tokenizer_dir))

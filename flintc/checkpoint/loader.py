@@ -64,7 +64,8 @@ def load_checkpoint(
             GGUF file; default the GGUF file's folder. For folders it overrides the
             folder's own config.json.
         load_format: "auto" (by what `path` is), "safetensors", "gguf" or "dummy".
-        config: use this config instead of reading one.
+        config: use this config (a FlintConfig, or a preset name: "tiny", "full")
+            instead of reading one.
         fmt: for dummy weights only: "bf16" or "nvfp4".
 
     Raises:
@@ -75,6 +76,8 @@ def load_checkpoint(
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, found {load_format!r}")
+    if isinstance(config, str):  # a preset name ("tiny", "full"), as --config gives it
+        config = FlintConfig.preset(config)
     path = Path(path) if path is not None else None
     hf_dir = _config_dir(Path(hf_config_path)) if hf_config_path is not None else None
     if load_format == "dummy":

@@ -15,14 +15,14 @@ from flintc.errors import EXIT_USER_ERROR, FlintcError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flintc.cli import compile_build, dump, make_checkpoint, run, serve, verify
+    from flintc.cli import bench, compile_build, dump, make_checkpoint, run, serve, verify
 
     parser = argparse.ArgumentParser(
         prog="flintc",
         description="Compiler and runtime for the Flint MoE language model.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module in (run, compile_build, make_checkpoint, verify, dump, serve):
+    for module in (run, compile_build, make_checkpoint, verify, dump, serve, bench):
         module.add_parser(sub)
     return parser
 

@@ -25,13 +25,16 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
 
 def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="largest decode batch (1..8)")
+    p.add_argument("--buckets", default=None,
+                   help="decode batch sizes to compile, e.g. 1,8 (default: 1,2,4,8 up to --max-batch)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions per sequence (default: max_position_embeddings)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per prefill call, at most the sliding window (default: 2^k <= min(W, 512))")
     if backend:
-        p.add_argument("--backend", choices=("triton", "torch"), default="triton",
-                       help="triton: Triton kernels where they exist; torch: the reference ops")
+        p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
+                       help="triton: Triton kernels where they exist (the interpreter on a CPU); "
+                            "torch: the reference ops; auto: triton if installed")
     p.add_argument("--device", default=None,
                    help="cpu or cuda (default: cpu; for --build, the device it was compiled for)")
     p.add_argument("--no-check", action="store_true",
@@ -52,7 +55,8 @@ def add_parser(sub) -> None:
 
 def prepare_device(name: str) -> None:
     """Select Triton's interpreter for a CPU run before anything imports triton, and
-    fail early for a missing GPU."""
+    fail early for a missing GPU (`flintc compile --load-format dummy --no-check` for
+    cuda without a GPU cross-compiles instead: weights on the meta device)."""
     import os
 
     from flintc.errors import InputError
@@ -84,17 +88,33 @@ def load_model_checkpoint(args, device: str):
 def build_options(args):
     from flintc.runtime.build import BuildOptions
 
-    return BuildOptions(max_batch=args.max_batch, max_model_len=args.max_model_len,
+    buckets = None
+    if getattr(args, "buckets", None):
+        try:
+            buckets = tuple(int(b) for b in args.buckets.split(","))
+        except ValueError:
+            from flintc.errors import InputError
+
+            raise InputError(f"--buckets {args.buckets!r}: expected comma-separated integers, e.g. 1,8") from None
+    return BuildOptions(max_batch=args.max_batch, max_model_len=args.max_model_len, decode_buckets=buckets,
                         prefill_chunk=args.prefill_chunk, backend=args.backend, device=args.device,
                         check=not args.no_check, dump=not args.no_dump)
 
 
 def run_compile(args: argparse.Namespace) -> int:
+    import torch
+
     args.device = args.device or "cpu"
-    prepare_device(args.device)
+    weights_on = args.device
+    if args.device.startswith("cuda") and not torch.cuda.is_available() and args.load_format == "dummy" \
+            and args.no_check:
+        # Cross-compile: dummy weights on the meta device; the runtime makes them on the GPU.
+        weights_on = "meta"
+    else:
+        prepare_device(args.device)
     from flintc.runtime.build import compile_model
 
-    ckpt = load_model_checkpoint(args, args.device)
+    ckpt = load_model_checkpoint(args, weights_on)
     manifest = compile_model(ckpt, args.out, build_options(args), progress=sys.stderr.isatty(),
                              log=lambda msg: print(msg, file=sys.stderr))
     fns = ", ".join(f"{n} ({f['kernels']} kernels)" for n, f in manifest["functions"].items())

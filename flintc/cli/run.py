@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
     add_model_source_args(p)
     p.add_argument("--build", default=None, help="run this BUILD (from flintc compile)")
-    p.add_argument("--backend", choices=("reference", "triton", "torch"), default=None,
+    p.add_argument("--backend", choices=("reference", "auto", "triton", "torch"), default=None,
                    help="reference: the eager model; triton/torch: compile MODEL first "
                         "(default: reference, or the build's own with --build)")
     add_build_args(p, backend=False)

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions per sequence, prompt + output (default: the model's maximum)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (KV-cache slots)")
-    p.add_argument("--device", default="cpu", help="reference backend device: cpu or cuda")
+    p.add_argument("--device", default=None,
+                   help="cpu or cuda (default: cpu; with --build, the device it was compiled for)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse tool calls from replies when tool_choice is \"auto\"")
     p.add_argument("--tool-call-parser", choices=("glm47",), default=None)
@@ -58,7 +59,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise InputError("--enable-auto-tool-choice needs --tool-call-parser glm47")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {args.device}: no CUDA GPU is available")
     options = ServeOptions(model_name=served_model_name(args), api_key=args.api_key,
                            enable_auto_tool_choice=args.enable_auto_tool_choice,

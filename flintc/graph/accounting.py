@@ -36,7 +36,11 @@ FREE_OPS = {
 }
 
 # flintc ops that launch more than one kernel (name without namespace -> launches).
-FLINTC_OP_KERNELS: dict[str, int] = {}
+FLINTC_OP_KERNELS: dict[str, int] = {
+    # flash-attention prefill, then the KV-cache write (flintc/kernels/prefill_attention.py):
+    # the write must wait for every read of the old ring, so it is a second launch.
+    "prefill_attention_kv": 2,
+}
 
 
 def kernels_of(node: Node) -> int:

@@ -175,6 +175,10 @@ def compare_graphs(new: GraphModule, old: GraphModule, weights, inputs, exp: Exp
     experts_agree, rows = _selection_agreement(_selections(new, new_vals), _selections(old, old_vals))
     B, T = inputs[0].shape
     token_rows = rows.view(B, T) if rows is not None else None
+    if token_rows is not None and T > 1:
+        # Once a token's selection flips, its K/V differ and every later token of the same
+        # sequence attends to them: judge those with the flipped token, not as agreeing.
+        token_rows = token_rows.int().cumprod(-1).bool()
     diffs = [_diff("logits", new_logits, old_logits, exp, token_rows)]
     seq_rows = token_rows.all(-1) if token_rows is not None else None  # [B]
     for name, a, b in zip(cache_names, new_kv, old_kv):

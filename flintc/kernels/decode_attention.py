@@ -7,40 +7,57 @@ rows into `num_splits` (N) equal chunks of C = ceil(S / N) rows and returns one 
 partial per chunk, normalised within the chunk, with its log-sum-exp (o = 0 and
 lse = -inf for a chunk without a visible key); the combine merges them with the sink.
 
-Work decomposition (`decode_attention_kernel`). N is a graph constant chosen by the
-compiler for the longest context, but the visible rows R (full cache: rows 0..p; ring:
-the written rows) change every step. So the grid does not map one program to one chunk:
-per (sequence, KV head) it has T = TARGET + N programs, and each derives its work from
-p at run time. The R visible rows are cut into about TARGET - nchunks pieces of at
-least MIN_ROWS rows, balanced within each chunk (a chunk gets pf pieces, at most
-BLOCK_P); pieces never straddle a chunk boundary. A chunk covered by one piece is
-written directly; otherwise each piece writes an fp32 partial (o, lse) to a workspace
-and bumps the chunk's arrival counter (atomic, acq_rel), and the last piece to arrive
-merges the partials of its chunk by log-sum-exp into o_part and resets the counter to
-0. Rows past R are never read, so a 262,144-row cache holding 100K tokens costs 100K
-rows of reads whatever N is, and the number of busy programs (~TARGET per head, chosen
-by the launcher to fill the GPU: `GPU_CTAS_PER_SM` x SMs / (B x Hkv)) does not depend
-on the context length or on N. Programs whose chunk index is in [nchunks, N) also
-write that empty chunk (o = 0, lse = -inf). One program handles the G = Hq / Hkv query
-heads of one KV head, so K and V are read once per group (GQA).
+Work decomposition (`decode_attention_kernel`): stream-K over the visible rows. N is a
+graph constant chosen by the compiler for the longest context, but the visible rows R
+(full cache: rows 0..p; ring: the written rows) change every step and live on the
+device, so the launcher sizes the grid from the GPU alone: T programs per (sequence,
+KV head), T = GPU_CTAS_PER_SM x SMs / (B x Hkv) (one wave, all resident at once), and
+each program derives its work from p at run time:
+- The R rows are cut into blocks of BLOCK_S rows aligned to chunk starts (a chunk's
+  last block may be short; no block straddles two chunks): nblk blocks in all.
+- T_eff = min(T, ceil(nblk / MIN_BLOCKS), nchunks x MAX_PIECES) programs take
+  contiguous, balanced runs of blocks (program t: blocks [t nblk / T_eff,
+  (t+1) nblk / T_eff)); the others only zero-fill. A run may cross chunk boundaries: it
+  is then one segment per chunk it touches, each with its own online softmax.
+- A segment that covers its whole chunk stores (o, lse) directly. Otherwise the chunk
+  has several contributors (consecutive programs, at most MAX_PIECES + 2; the merger
+  derives them from the block ranges): each writes an fp32 partial to a
+  workspace slot, bumps the chunk's arrival counter (atomic, acq_rel), and the last to
+  arrive merges the partials by log-sum-exp (MERGE_P of them per load) into o_part and
+  resets the counter to 0.
+- Empty chunks [nchunks, N) get o = 0, lse = -inf from the highest-numbered programs
+  (the idle ones when the context is short).
+Rows past R are never read, so a 262,144-row cache holding 1K tokens costs 1K rows
+of reads, about MIN_ROWS rows per busy program, and one merge: short contexts are
+cheap whatever N is. (The previous version, measured in docs/gpu-runs.md 2026-11-30
+session 3, launched T + N programs per head with pieces confined to chunks, zero-fill
+programs for the empty chunks, and a merge that read the partials one query head at a
+time: ~20 us of fixed cost per call. Here the grid is one wave, runs are balanced
+across chunk boundaries, and the merge reads MERGE_P partials of all G heads at once.)
+One program handles the G = Hq / Hkv query heads of one KV head, so K and V are read
+once per group (GQA).
 
 Numerics: scores, online softmax and p.v in fp32. On the GPU q.k is a bf16 x bf16
 tensor-core product (exact products, fp32 accumulation) and p.v splits fp32 p into
 three bf16 parts (exact), so both equal the fp32 sums of the reference up to summation
 order; in the interpreter everything is upcast to fp32 right after the load (bf16
 arithmetic is wrong there, ../shared/NOTES.md). Differences from the reference are
-fp32 reordering (online softmax, piece merges) and exp/log ulps: o_part and lse agree
-to ~1e-6 relative (measured in the interpreter: max |diff| 3.6e-7 on o, 4.8e-7 on lse;
-tests allow 1e-5, 2e-5 on the GPU), the combined bf16 output to one bf16 ulp where an
-fp32 value sits on a rounding boundary. `attention_combine` rounds to bf16 once, to
-nearest even (FLINT_SPEC 3); in the interpreter, whose fp32 -> bf16 cast truncates,
-the rounding is done in integer arithmetic.
+fp32 reordering (online softmax, merges of segments) and exp/log ulps: o_part and lse
+agree to ~1e-6 relative (measured in the interpreter over the test module's CPU cases:
+max |diff| 4.8e-7 on o and on lse; tests allow 1e-5, 2e-5 on the GPU), the combined
+bf16 output to one bf16 ulp where an fp32 value sits on a rounding boundary.
+`attention_combine` rounds to bf16 once, to nearest even (FLINT_SPEC 3); in the
+interpreter, whose fp32 -> bf16 cast truncates, the rounding is done in integer
+arithmetic.
 
 Scratch state: the arrival counters are a persistent int32 buffer per (device, size),
 allocated zeroed on first use and left zeroed by every launch. Two decode_attention
 launches of the same B x Hkv x N must therefore not run concurrently on different
 streams (in one stream, and with PDL, they are ordered: every kernel calls gdc_wait
 before touching them). Nothing runs at import.
+
+Compile check without a GPU: `python scripts/triton_aot_probe.py
+flintc.kernels.decode_attention` compiles `aot_probe_specs()` for sm_90.
 """
 
 from __future__ import annotations
@@ -54,24 +71,92 @@ import triton.language as tl
 
 
 @triton.jit
+def _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
+                       HKV: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
+                       CLAMP_TO_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_S: tl.constexpr, BF16_DOT: tl.constexpr):
+    # Online softmax of the G queries in q [BLOCK_G, BLOCK_D] (bf16 when BF16_DOT, else
+    # fp32) over cache rows [lo, hi)
+    # of one (slot, KV head): returns (o normalised, lse), o = 0 and lse = -inf when no
+    # row is visible.
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s0 in range(lo, hi, BLOCK_S):
+        rows = s0 + offs_s
+        in_seg = rows < hi
+        if CLAMP_TO_P:
+            visible = in_seg  # every row below R is visible (see the caller)
+        else:
+            # Ring of S > WINDOW rows: row r holds p - ((p - r) mod W); negative = never
+            # written. The mod is taken non-negative (Triton's % truncates like C).
+            r = (p - rows) % WINDOW
+            r = tl.where(r < 0, r + WINDOW, r)
+            kpos = p - r
+            visible = in_seg & (kpos >= 0) & (kpos <= p) & (p - kpos < WINDOW)
+        kv_off = kv_base + rows.to(tl.int64)[:, None] * (HKV * D) + offs_d[None, :]
+        kv_mask = visible[:, None] & mask_d[None, :]  # invisible rows are not read
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if BF16_DOT:
+            # GPU: a bf16 x bf16 product is exact in fp32 and the MMA accumulates in fp32,
+            # so this is the fp32 q.k of the reference up to summation order.
+            s = tl.dot(q, tl.trans(k))
+        else:
+            # Interpreter: bf16 arithmetic is wrong there; upcast right after the load.
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        s = s * scale
+        s = tl.where(visible[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_S]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # No visible key so far: m_new is -inf; subtract 0 so exp(-inf) = 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        pr = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        if BF16_DOT:
+            # pr is full fp32: split it into three bf16 parts (8 + 8 + 8 mantissa bits,
+            # exact for fp32) so the tensor-core p.v is the fp32 one up to order.
+            p1 = pr.to(tl.bfloat16)
+            r1 = pr - p1.to(tl.float32)
+            p2 = r1.to(tl.bfloat16)
+            p3 = (r1 - p2.to(tl.float32)).to(tl.bfloat16)
+            pv = tl.dot(p1, v)
+            pv = tl.dot(p2, v, pv)
+            pv = tl.dot(p3, v, pv)
+        else:
+            pv = tl.dot(pr, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(has_keys, m_i + tl.log(l_safe), float("-inf"))
+    return o, lse
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr, o_part_ptr, lse_ptr,
     ws_o_ptr, ws_lse_ptr, counter_ptr,
-    S, CHUNK, N, T, TARGET, MIN_ROWS, scale,
+    S, CHUNK, N, T, MIN_BLOCKS, MAX_PIECES, scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
-    CLAMP_TO_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BF16_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    CLAMP_TO_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_P: tl.constexpr,
+    BF16_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # Program (bh = b * HKV + kv head, t): piece j of chunk n of sequence b (see the
-    # module docstring), and the empty chunk t when t is in [nchunks, N).
+    # Program (bh = b * HKV + kv head, t): a balanced run of blocks of the visible rows
+    # (see the module docstring), and some empty chunks.
     bh = tl.program_id(0)
     t = tl.program_id(1)
     b = bh // HKV
     hk = bh % HKV
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_s = tl.arange(0, BLOCK_S)
     mask_g = offs_g < G  # BLOCK_G >= 16 for tl.dot: rows past G are padding
     mask_d = offs_d < D
     out_mask = mask_g[:, None] & mask_d[None, :]
@@ -82,141 +167,143 @@ def decode_attention_kernel(
         tl.extra.cuda.gdc_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     p = tl.load(positions_ptr + b).to(tl.int32)  # positions [B, 1]
+    # q [B, 1, HKV * G, D]: heads hk * G .. hk * G + G - 1 (loaded with p: one round trip).
+    q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=out_mask, other=0.0)
+    if not BF16_DOT:
+        q = q.to(tl.float32)  # interpreter: no bf16 arithmetic (the GPU keeps bf16 q)
 
     # Visible rows are all in [0, R): full cache rows 0..p; a ring of S <= W rows holds
     # rows 0..p until it wraps, then all of them. (A ring longer than W: all S rows,
-    # masked row by row below as in the reference.)
+    # masked row by row as in the reference.)
     if CLAMP_TO_P:
         R = tl.maximum(tl.minimum(p + 1, S), 0)
     else:
         R = S + 0 * p
     nchunks = (R + CHUNK - 1) // CHUNK
 
-    if (t >= nchunks) & (t < N):
-        # Chunk t has no visible row: o = 0, lse = -inf (the op's convention).
-        zero_ptrs = o_part_ptr + (heads[:, None] * N + t) * D + offs_d[None, :]
+    # Empty chunks nchunks.. N-1: o = 0, lse = -inf (the op's convention), written by
+    # programs T-1, T-2, ... (idle unless the context is long).
+    for z in range(nchunks + T - 1 - t, N, T):
+        zero_ptrs = o_part_ptr + (heads[:, None] * N + z) * D + offs_d[None, :]
         tl.store(zero_ptrs, tl.zeros([BLOCK_G, BLOCK_D], tl.float32), mask=out_mask)
-        tl.store(lse_ptr + heads * N + t, tl.full([BLOCK_G], float("-inf"), tl.float32),
+        tl.store(lse_ptr + heads * N + z, tl.full([BLOCK_G], float("-inf"), tl.float32),
                  mask=mask_g)
 
-    # Piece size: about TARGET - nchunks pieces over R rows (the pieces of a partly
-    # filled last chunk add at most nchunks more), at least MIN_ROWS rows, and at most
-    # BLOCK_P pieces per chunk; pieces balanced within a chunk.
-    avail = tl.maximum(TARGET - nchunks, 1)
-    sub = tl.maximum((R + avail - 1) // avail, MIN_ROWS)
-    sub = tl.maximum(sub, (CHUNK + BLOCK_P - 1) // BLOCK_P)
-    pf = (CHUNK + sub - 1) // sub  # pieces of a full chunk, 1..BLOCK_P
-    piece = (CHUNK + pf - 1) // pf
-    n = t // pf
-    j = t % pf
-    c_lo = n * CHUNK
-    c_hi = tl.minimum(c_lo + CHUNK, R)
-    pn = (c_hi - c_lo + piece - 1) // piece  # pieces of chunk n (<= 0 past the last)
-
-    if (n < nchunks) & (j < pn):
-        # q [B, 1, HKV * G, D]: heads hk * G .. hk * G + G - 1.
-        q_ptrs = q_ptr + heads[:, None] * D + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-        lo = c_lo + j * piece
-        hi = tl.minimum(lo + piece, c_hi)
+    # Blocks of BLOCK_S rows aligned to chunk starts: bpc per full chunk, the last chunk's
+    # rows rounded up. Program t takes blocks [u0, u1) of nblk; block u is owned by
+    # program ceil((u + 1) T_eff / nblk) - 1.
+    bpc = (CHUNK + BLOCK_S - 1) // BLOCK_S
+    last_rows = R - (nchunks - 1) * CHUNK
+    nblk = tl.where(nchunks > 0, (nchunks - 1) * bpc + (last_rows + BLOCK_S - 1) // BLOCK_S, 0)
+    t_eff = tl.minimum(tl.minimum((nblk + MIN_BLOCKS - 1) // MIN_BLOCKS, T), nchunks * MAX_PIECES)
+    t_eff = tl.maximum(t_eff, 1)
+    if (t < t_eff) & (nblk > 0):
+        u0 = ((t.to(tl.int64) * nblk) // t_eff).to(tl.int32)
+        u1 = (((t + 1).to(tl.int64) * nblk) // t_eff).to(tl.int32)
         kv_base = slot * S * HKV * D + hk * D  # row r of this head: kv_base + r * HKV * D
-
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        for s0 in range(lo, hi, BLOCK_S):
-            rows = s0 + offs_s
-            in_piece = rows < hi
-            if WINDOW == 0:
-                visible = in_piece  # hi <= p + 1 already: key position = row <= p
+        n0 = u0 // bpc
+        # Chunks whose merge falls to this program (the last contributor to arrive): at
+        # most its first and its last chunk (a middle chunk is covered whole). Merged
+        # after the loop, so the merge's registers do not add to the main loop's.
+        merge_first = -1
+        merge_last = -1
+        for n in range(n0, (u1 - 1) // bpc + 1):
+            # Segment of chunk n: its blocks [ub_lo, ub_hi) within [u0, u1).
+            c_lo = n * CHUNK
+            c_hi = tl.minimum(c_lo + CHUNK, R)
+            first = n * bpc
+            nb = (c_hi - c_lo + BLOCK_S - 1) // BLOCK_S
+            lo = c_lo + (tl.maximum(u0, first) - first) * BLOCK_S
+            hi = tl.minimum(c_lo + (tl.minimum(u1, first + nb) - first) * BLOCK_S, c_hi)
+            o, lse = _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
+                                        HKV, D, WINDOW, CLAMP_TO_P, BLOCK_G, BLOCK_D, BLOCK_S,
+                                        BF16_DOT)
+            ta, tb = _contributors(n, CHUNK, R, bpc, nblk, t_eff, BLOCK_S)
+            if ta == tb:
+                o_ptrs = o_part_ptr + (heads[:, None] * N + n) * D + offs_d[None, :]
+                tl.store(o_ptrs, o, mask=out_mask)
+                tl.store(lse_ptr + heads * N + n, lse, mask=mask_g)
             else:
-                # Ring of WINDOW rows: row r holds p - ((p - r) mod W); negative = never
-                # written. The mod is taken non-negative (Triton's % truncates like C).
-                r = (p - rows) % WINDOW
-                r = tl.where(r < 0, r + WINDOW, r)
-                kpos = p - r
-                visible = in_piece & (kpos >= 0) & (kpos <= p) & (p - kpos < WINDOW)
-            kv_off = kv_base + rows.to(tl.int64)[:, None] * (HKV * D) + offs_d[None, :]
-            kv_mask = visible[:, None] & mask_d[None, :]  # invisible rows are not read
-            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-            if BF16_DOT:
-                # GPU: a bf16 x bf16 product is exact in fp32 and the MMA accumulates in
-                # fp32, so this is the fp32 q.k of the reference up to summation order.
-                s = tl.dot(q.to(tl.bfloat16), tl.trans(k))
-            else:
-                # Interpreter: bf16 arithmetic is wrong there; upcast right after the load.
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            s = s * scale
-            s = tl.where(visible[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_S]
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # No visible key so far: m_new is -inf; subtract 0 so exp(-inf) = 0, not NaN.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            pr = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            if BF16_DOT:
-                # pr is full fp32: split it into three bf16 parts (8 + 8 + 8 mantissa
-                # bits, exact for fp32) so the tensor-core p.v is the fp32 one up to order.
-                p1 = pr.to(tl.bfloat16)
-                r1 = pr - p1.to(tl.float32)
-                p2 = r1.to(tl.bfloat16)
-                p3 = (r1 - p2.to(tl.float32)).to(tl.bfloat16)
-                pv = tl.dot(p1, v)
-                pv = tl.dot(p2, v, pv)
-                pv = tl.dot(p3, v, pv)
-            else:
-                pv = tl.dot(pr, v, input_precision="ieee")
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-
-        has_keys = l_i > 0.0  # no visible key (a ring longer than W): o = 0, lse = -inf
-        l_safe = tl.where(has_keys, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        lse = tl.where(has_keys, m_i + tl.log(l_safe), float("-inf"))
-        if pn == 1:
-            o_ptrs = o_part_ptr + (heads[:, None] * N + n) * D + offs_d[None, :]
-            tl.store(o_ptrs, o, mask=out_mask)
-            tl.store(lse_ptr + heads * N + n, lse, mask=mask_g)
-        else:
-            # Workspace ws_o [B * HKV, T, G, D], ws_lse [B * HKV, T, G]: slot t.
-            ws_rows = ((bh * T + t) * G + offs_g).to(tl.int64)
-            tl.store(ws_o_ptr + ws_rows[:, None] * D + offs_d[None, :], o, mask=out_mask)
-            tl.store(ws_lse_ptr + ws_rows, lse, mask=mask_g)
-            # All threads' stores before the release of the arrival count.
-            tl.debug_barrier()
-            cnt = counter_ptr + bh * N + n
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == pn - 1:
-                # Last piece of chunk n: merge its pn partials (slots n * pf + 0..pn-1)
-                # by log-sum-exp, as `attention_combine` does without a sink.
+                # Workspace ws_o [B * HKV, T, 2, G, D], ws_lse [B * HKV, T, 2, G]: slot
+                # (t, 0) for the program's first chunk, (t, 1) for its last.
+                e = (n != n0).to(tl.int32)
+                ws_rows = (((bh * T + t) * 2 + e) * G + offs_g).to(tl.int64)
+                tl.store(ws_o_ptr + ws_rows[:, None] * D + offs_d[None, :], o, mask=out_mask)
+                tl.store(ws_lse_ptr + ws_rows, lse, mask=mask_g)
+                # All threads' stores before the release of the arrival count.
                 tl.debug_barrier()
-                offs_p = tl.arange(0, BLOCK_P)
-                mask_p = offs_p < pn
-                slot_p = bh * T + n * pf + offs_p  # [BLOCK_P]
-                for g in range(G):
-                    part_rows = (slot_p * G + g).to(tl.int64)
-                    # .cg: read at L2, where the other programs' stores are.
-                    lse_p = tl.load(ws_lse_ptr + part_rows, mask=mask_p, other=float("-inf"),
-                                    cache_modifier=".cg")
-                    o_p = tl.load(ws_o_ptr + part_rows[:, None] * D + offs_d[None, :],
-                                  mask=mask_p[:, None] & mask_d[None, :], other=0.0,
-                                  cache_modifier=".cg")
-                    m = tl.max(lse_p, axis=0)
-                    m_s = tl.where(m == float("-inf"), 0.0, m)
-                    w = tl.exp(lse_p - m_s)  # empty pieces: exp(-inf) = 0
-                    den = tl.sum(w, axis=0)
-                    den_s = tl.where(den > 0.0, den, 1.0)
-                    o_g = tl.sum(w[:, None] * o_p, axis=0) / den_s
-                    lse_g = tl.where(den > 0.0, m_s + tl.log(den_s), float("-inf"))
-                    head = bh.to(tl.int64) * G + g
-                    tl.store(o_part_ptr + (head * N + n) * D + offs_d, o_g, mask=mask_d)
-                    tl.store(lse_ptr + head * N + n, lse_g)
-                tl.atomic_xchg(cnt, 0)  # ready for the next launch
+                arrived = tl.atomic_add(counter_ptr + bh * N + n, 1, sem="acq_rel", scope="gpu")
+                if arrived == tb - ta:
+                    if n == n0:
+                        merge_first = n
+                    else:
+                        merge_last = n
+        for i in range(2):
+            n = tl.where(i == 0, merge_first, merge_last)
+            if n >= 0:
+                # Last contributor of chunk n: merge its partials by log-sum-exp, MERGE_P at
+                # a time, as `attention_combine` does without a sink.
+                tl.debug_barrier()
+                ta, tb = _contributors(n, CHUNK, R, bpc, nblk, t_eff, BLOCK_S)
+                _merge_chunk(ws_o_ptr, ws_lse_ptr, o_part_ptr, lse_ptr, bh, n, ta, tb, T, N,
+                             nblk, t_eff, bpc, G, D, BLOCK_GM, BLOCK_D, MERGE_P)
+                tl.atomic_xchg(counter_ptr + bh * N + n, 0)  # ready for the next launch
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _contributors(n, CHUNK, R, bpc, nblk, t_eff, BLOCK_S: tl.constexpr):
+    # Programs ta..tb whose runs touch chunk n: the owners of its first and last blocks
+    # (block u belongs to program ceil((u + 1) t_eff / nblk) - 1).
+    c_lo = n * CHUNK
+    nb = (tl.minimum(c_lo + CHUNK, R) - c_lo + BLOCK_S - 1) // BLOCK_S
+    first = n * bpc
+    ta = ((first + 1).to(tl.int64) * t_eff + nblk - 1) // nblk - 1
+    tb = ((first + nb).to(tl.int64) * t_eff + nblk - 1) // nblk - 1
+    return ta, tb
+
+
+@triton.jit
+def _merge_chunk(ws_o_ptr, ws_lse_ptr, o_part_ptr, lse_ptr, bh, n, ta, tb, T, N, nblk, t_eff,
+                 bpc, G: tl.constexpr, D: tl.constexpr, BLOCK_GM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, MERGE_P: tl.constexpr):
+    # Merge the partials of chunk n written by programs ta..tb into o_part / lse.
+    offs_c = tl.arange(0, MERGE_P)
+    offs_g = tl.arange(0, BLOCK_GM)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    m = tl.full([BLOCK_GM], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_GM], tl.float32)
+    acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
+    for c0 in range(ta, tb + 1, MERGE_P):
+        c = c0 + offs_c  # contributor programs [MERGE_P]
+        mask_c = c <= tb
+        # Slot 0 if chunk n is program c's first chunk, else 1 (its last).
+        e = ((c.to(tl.int64) * nblk // t_eff) // bpc != n).to(tl.int64)
+        rows = ((bh * T + c).to(tl.int64) * 2 + e)[:, None] * G + offs_g[None, :]  # [P, GM]
+        mask = mask_c[:, None] & mask_g[None, :]
+        # .cg: read at L2, where the other programs' stores are.
+        lse_c = tl.load(ws_lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        o_c = tl.load(ws_o_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                      mask=mask[:, :, None] & mask_d[None, None, :], other=0.0,
+                      cache_modifier=".cg")  # [P, GM, D]
+        m_new = tl.maximum(m, tl.max(lse_c, axis=0))
+        m_s = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_s)
+        w = tl.exp(lse_c - m_s[None, :])  # empty partials and padding: exp(-inf) = 0
+        den = den * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_c, axis=0)
+        m = m_new
+    den_s = tl.where(den > 0.0, den, 1.0)
+    m_s = tl.where(m == float("-inf"), 0.0, m)
+    o = acc / den_s[:, None]
+    lse = tl.where(den > 0.0, m_s + tl.log(den_s), float("-inf"))
+    heads = bh.to(tl.int64) * G + offs_g
+    tl.store(o_part_ptr + (heads[:, None] * N + n) * D + offs_d[None, :], o,
+             mask=mask_g[:, None] & mask_d[None, :])
+    tl.store(lse_ptr + heads * N + n, lse, mask=mask_g)
 
 
 @triton.jit
@@ -246,16 +333,17 @@ def attention_combine_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     row = pid.to(tl.int64)
-    # Padding splits read as lse = -inf, o = 0: they add nothing, like empty chunks.
+    # lse and o in one round trip (o of every split, not only the live ones: one
+    # dependent load less; empty splits hold o = 0 by contract, and their weight is
+    # forced to 0 below, so nothing of theirs reaches the output).
     lse = tl.load(lse_ptr + row * N + offs_n, mask=mask_n, other=float("-inf"))
-    # Empty splits (lse = -inf, o = 0 by contract) are not read: weight 0 either way.
-    live = mask_n & (lse > float("-inf"))
     o_ptrs = o_part_ptr + (row * N + offs_n[:, None]) * D + offs_d[None, :]
-    o = tl.load(o_ptrs, mask=live[:, None] & mask_d[None, :], other=0.0)
+    o = tl.load(o_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    live = lse > float("-inf")  # padding splits read as -inf too
     m = tl.maximum(tl.max(lse, axis=0), sink)  # finite because the sink is
-    w = tl.exp(lse - m)  # empty splits: exp(-inf) = 0; the sink is counted once, below
+    w = tl.where(live, tl.exp(lse - m), 0.0)  # the sink is counted once, below
     denom = tl.exp(sink - m) + tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / denom
+    out = tl.sum(tl.where(live[:, None], w[:, None] * o, 0.0), axis=0) / denom
     if SOFT_RNE:
         out_bf16 = _to_bf16_rne(out)  # interpreter: round like torch, not truncate
     else:
@@ -267,18 +355,23 @@ def attention_combine_kernel(
 
 
 # Launch configuration on the GPU (no autotuning: it synchronizes, which breaks CUDA-graph
-# capture). BLOCK_S / warps / stages were measured on an H200 with the one-program-per-chunk
-# kernel (benchmarks/bench_decode_attention.py); 3 stages of 64 K and V rows (96 KiB of
-# shared memory) let two programs share an SM. The benchmark's sweep section re-measures.
+# capture). Measured on an H200 with the previous version (docs/gpu-runs.md, 2026-11-30
+# session 3): at 100K context 4 warps x 3 stages of 64 K and V rows beat 8 warps (69% vs
+# 58% of copy at B=1, 103% vs 91% at B=8). This version at 4 warps: 235 registers, 74 KiB
+# of shared memory, no spills (scripts/triton_aot_probe.py, triton 3.9), so two programs
+# per SM. benchmarks/bench_decode_attention.py's sweep re-measures all of these.
 GPU_BLOCK_S = 64
-GPU_NUM_WARPS = 8
+GPU_NUM_WARPS = 4
 GPU_NUM_STAGES = 3
-GPU_CTAS_PER_SM = 2  # busy programs per SM the decomposition aims for (one wave)
-GPU_MIN_ROWS = 256  # smallest piece of a split: below it, fixed costs dominate
-MAX_PIECES_PER_SPLIT = 32  # BLOCK_P cap: the merge reads [BLOCK_P, D] tiles
-# Interpreter (CPU) configuration: tiny blocks so that tests exercise many pieces.
+GPU_CTAS_PER_SM = 2  # programs per SM the grid is sized for (one wave, all resident)
+GPU_MIN_ROWS = 128  # smallest run of rows per program in a full cache (short contexts)
+GPU_MIN_ROWS_RING = 64  # the same for a ring (513 rows: 9 programs of one block)
+GPU_MERGE_P = 8  # partials per load of the in-kernel merge ([8, G, D] fp32 tiles)
+MAX_PIECES_PER_SPLIT = 32  # at most ~this many programs share one split (merge length)
+# Interpreter (CPU) configuration: tiny blocks so that tests exercise many programs.
 CPU_BLOCK_S = 16
 CPU_MIN_ROWS = 16
+CPU_MERGE_P = 4
 CPU_NUM_SMS = 4
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -311,28 +404,88 @@ def _counters(device: torch.device, numel: int) -> torch.Tensor:
     return buf
 
 
+def default_programs_per_head(batch: int, num_kv_heads: int, num_sms: int,
+                      ctas_per_sm: int = GPU_CTAS_PER_SM) -> int:
+    """T, the programs per (sequence, KV head): floor(ctas_per_sm x num_sms / (batch x
+    num_kv_heads)), at least 1, so that the whole grid is resident in one wave (66 for
+    B = 1, Hkv = 4 on 132 SMs; 8 for B = 8). Raises ValueError for inputs < 1."""
+    for name, v in (("batch", batch), ("num_kv_heads", num_kv_heads), ("num_sms", num_sms),
+                    ("ctas_per_sm", ctas_per_sm)):
+        if int(v) < 1:
+            raise ValueError(f"{name}: expected >= 1, got {v}")
+    return max(1, (ctas_per_sm * num_sms) // (batch * num_kv_heads))
+
+
 def choose_num_splits(max_context: int, batch: int, num_sms: int = 132, num_kv_heads: int = 4,
                       window: int = 0) -> int:
     """The `attention_splits` value for a cache of `max_context` rows (W for a ring of
     window W), batch `batch`, on a GPU of `num_sms` SMs with `num_kv_heads` KV heads.
 
     This kernel picks its own parallelism from the visible rows at run time, so N only
-    has to (a) allow enough pieces: at most `MAX_PIECES_PER_SPLIT` pieces per split, so
-    N >= ceil(target programs per head / 32), and (b) keep o_part (4*B*Hq*N*(D+1) bytes,
-    written here and read by the combine) small. Returns ceil(rows / 256) clamped to
-    [that lower bound, 32] for full caches (32 for 262,144 rows, the compiler's current
-    default), and ceil(W / 256) for rings (3 for W = 513; a ring's 513 rows are read by
-    a few programs per head without merges). Raises ValueError for non-positive inputs.
+    has to (a) let enough programs share the rows: at most about `MAX_PIECES_PER_SPLIT`
+    programs per split, so N >= ceil(T / 32) with T = `default_programs_per_head`, and (b) keep
+    o_part (4*B*Hq*N*(D+1) bytes, written here and read by the combine) small. Returns
+    ceil(rows / 256) clamped to [that lower bound, 32] for full caches (32 for 262,144
+    rows, the compiler's current default), and ceil(W / 256) for rings (3 for W = 513).
+    Raises ValueError for non-positive inputs.
     """
     for name, v in (("max_context", max_context), ("batch", batch), ("num_sms", num_sms),
                     ("num_kv_heads", num_kv_heads)):
         if int(v) < 1:
             raise ValueError(f"{name}: expected >= 1, got {v}")
     if window:
-        return max(1, math.ceil(min(max_context, window) / GPU_MIN_ROWS))
-    target = math.ceil(GPU_CTAS_PER_SM * num_sms / (batch * num_kv_heads))
-    lower = math.ceil(target / MAX_PIECES_PER_SPLIT)
-    return max(lower, min(32, math.ceil(max_context / GPU_MIN_ROWS)))
+        return max(1, math.ceil(min(max_context, window) / 256))
+    programs = default_programs_per_head(batch, num_kv_heads, num_sms)
+    lower = math.ceil(programs / MAX_PIECES_PER_SPLIT)
+    return max(lower, min(32, math.ceil(max_context / 256)))
+
+
+def plan(rows: int, num_rows: int, num_splits: int, programs: int, min_rows: int,
+         block_s: int, max_pieces: int = MAX_PIECES_PER_SPLIT) -> dict:
+    """The kernel's stream-K decomposition, computed in Python with the same integer
+    arithmetic (for tests, and for the benchmark to report what a launch does).
+
+    rows: R, the visible rows (rows 0..R-1; full cache min(p + 1, S)); num_rows: S;
+    num_splits: N; programs: T per (sequence, KV head); min_rows, block_s, max_pieces:
+    as `launch_decode_attention`. Returns {"t_eff": busy programs, "nblk": blocks,
+    "segments": per program t < T a list of (chunk, lo, hi, ta, tb) row ranges [lo, hi)
+    (ta..tb: the programs sharing that chunk; ta == tb: stored directly),
+    "zero_fill": per program the empty chunks it writes}. Raises ValueError for
+    rows > num_rows or a parameter < 1.
+    """
+    for name, v in (("num_rows", num_rows), ("num_splits", num_splits), ("programs", programs),
+                    ("min_rows", min_rows), ("block_s", block_s), ("max_pieces", max_pieces)):
+        if int(v) < 1:
+            raise ValueError(f"{name}: expected >= 1, got {v}")
+    if not 0 <= rows <= num_rows:
+        raise ValueError(f"rows: expected 0..{num_rows}, got {rows}")
+    chunk = math.ceil(num_rows / num_splits)
+    nchunks = (rows + chunk - 1) // chunk
+    bpc = (chunk + block_s - 1) // block_s
+    nblk = (nchunks - 1) * bpc + (rows - (nchunks - 1) * chunk + block_s - 1) // block_s \
+        if nchunks else 0
+    min_blocks = math.ceil(min_rows / block_s)
+    t_eff = max(1, min((nblk + min_blocks - 1) // min_blocks, programs, nchunks * max_pieces))
+
+    def contributors(n):
+        c_lo = n * chunk
+        nb = (min(c_lo + chunk, rows) - c_lo + block_s - 1) // block_s
+        first = n * bpc
+        return (((first + 1) * t_eff + nblk - 1) // nblk - 1,
+                ((first + nb) * t_eff + nblk - 1) // nblk - 1)
+
+    segments = [[] for _ in range(programs)]
+    zero_fill = [list(range(nchunks + programs - 1 - t, num_splits, programs))
+                 for t in range(programs)]
+    for t in range(min(t_eff, programs) if nblk else 0):
+        u0, u1 = t * nblk // t_eff, (t + 1) * nblk // t_eff
+        for n in range(u0 // bpc, (u1 - 1) // bpc + 1):
+            c_lo, c_hi, first = n * chunk, min(n * chunk + chunk, rows), n * bpc
+            nb = (c_hi - c_lo + block_s - 1) // block_s
+            lo = c_lo + (max(u0, first) - first) * block_s
+            hi = min(c_lo + (min(u1, first + nb) - first) * block_s, c_hi)
+            segments[t].append((n, lo, hi, *contributors(n)))
+    return {"t_eff": t_eff, "nblk": nblk, "segments": segments, "zero_fill": zero_fill}
 
 
 def _check(cond: bool, name: str, what: str) -> None:
@@ -347,16 +500,28 @@ def _check_tensor(t, name: str, dtype, ndim: int) -> None:
     _check(t.is_contiguous(), name, "expected a contiguous tensor")
 
 
+def _positive_int(v, name: str) -> None:
+    _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name,
+           f"expected an int >= 1, got {v!r}")
+
+
 def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, num_splits: int,
                             *, use_pdl: bool = False, programs_per_head: int | None = None,
-                            min_rows: int | None = None):
-    """`decode_attention` with the decomposition knobs exposed (tests and benchmarks).
+                            min_rows: int | None = None, max_pieces: int | None = None,
+                            block_s: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None):
+    """`decode_attention` with the decomposition and launch knobs exposed (tests and
+    benchmarks); None takes the module's default.
 
-    programs_per_head: TARGET, the busy programs per (sequence, KV head) to aim for;
-    default ceil(GPU_CTAS_PER_SM x SMs / (B x Hkv)) (interpreter: 4 "SMs").
-    min_rows: the smallest piece in rows; default GPU_MIN_ROWS (interpreter:
-    CPU_MIN_ROWS). Other arguments, results and errors as `decode_attention`; also
-    raises ValueError for programs_per_head or min_rows < 1.
+    programs_per_head: T, the grid's programs per (sequence, KV head); default
+    `default_programs_per_head(B, Hkv, SMs)` (interpreter: 4 "SMs", 1 per SM).
+    min_rows: the smallest run of rows a program takes (rounded up to whole blocks);
+    default GPU_MIN_ROWS, GPU_MIN_ROWS_RING for a ring (interpreter: CPU_MIN_ROWS).
+    max_pieces: at most max_pieces x nchunks busy programs (default MAX_PIECES_PER_SPLIT).
+    block_s, num_warps, num_stages: the GPU launch configuration (BLOCK_S a power of two
+    >= 16; defaults GPU_*; in the interpreter BLOCK_S defaults to CPU_BLOCK_S and the
+    others are ignored). Other arguments, results and errors as `decode_attention`; also
+    raises ValueError for a knob that is not an int >= 1 (block_s: a power of two >= 16).
     """
     _check_tensor(q, "q", torch.bfloat16, 4)
     _check_tensor(k_cache, "k_cache", torch.bfloat16, 4)
@@ -378,45 +543,52 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     _check(tuple(positions.shape) == (B, 1), "positions",
            f"expected [{B}, 1], got {tuple(positions.shape)}")
     _check(isinstance(window, int) and window >= 0, "window", f"expected an int >= 0, got {window}")
-    _check(isinstance(num_splits, int) and num_splits >= 1, "num_splits",
-           f"expected an int >= 1, got {num_splits}")
+    _positive_int(num_splits, "num_splits")
     _check(num_slots * S * Hkv * D < 2**62, "k_cache", "too large for int64 offsets")
+    _check(S < 2**30, "k_cache", f"expected fewer than 2**30 rows, got {S}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("slots", slots),
                     ("positions", positions)):
         _check(t.device == q.device, name, f"on {t.device}, q on {q.device}")
+    on_gpu = q.is_cuda and not _interpreting()
+    if programs_per_head is None and B > 0:
+        programs_per_head = default_programs_per_head(B, Hkv, _num_sms(q.device),
+                                                      GPU_CTAS_PER_SM if on_gpu else 1)
+    if min_rows is None:
+        min_rows = (GPU_MIN_ROWS_RING if window else GPU_MIN_ROWS) if on_gpu else CPU_MIN_ROWS
+    max_pieces = MAX_PIECES_PER_SPLIT if max_pieces is None else max_pieces
+    block_s = (GPU_BLOCK_S if on_gpu else CPU_BLOCK_S) if block_s is None else block_s
+    num_warps = GPU_NUM_WARPS if num_warps is None else num_warps
+    num_stages = GPU_NUM_STAGES if num_stages is None else num_stages
+    for name, v in (("programs_per_head", programs_per_head), ("min_rows", min_rows),
+                    ("max_pieces", max_pieces), ("num_warps", num_warps),
+                    ("num_stages", num_stages)):
+        if v is not None:
+            _positive_int(v, name)
+    _check(isinstance(block_s, int) and block_s >= 16 and block_s & (block_s - 1) == 0,
+           "block_s", f"expected a power of two >= 16, got {block_s!r}")
     G = Hq // Hkv
     o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
     if B == 0:
         return o_part, lse
-    on_gpu = q.is_cuda and not _interpreting()
-    if programs_per_head is None:
-        programs_per_head = math.ceil((GPU_CTAS_PER_SM if on_gpu else 1) * _num_sms(q.device)
-                                      / (B * Hkv))
-    if min_rows is None:
-        min_rows = GPU_MIN_ROWS if on_gpu else CPU_MIN_ROWS
-    _check(isinstance(programs_per_head, int) and programs_per_head >= 1, "programs_per_head",
-           f"expected an int >= 1, got {programs_per_head}")
-    _check(isinstance(min_rows, int) and min_rows >= 1, "min_rows",
-           f"expected an int >= 1, got {min_rows}")
+    T = programs_per_head
     chunk = math.ceil(S / num_splits)
-    grid_t = programs_per_head + num_splits  # busy pieces <= TARGET + nchunks <= this
-    block_p = min(MAX_PIECES_PER_SPLIT, triton.next_power_of_2(grid_t))
-    # Scratch: per-program partials (written only where a split has several pieces).
-    ws_o = torch.empty(B * Hkv * grid_t * G * D, dtype=torch.float32, device=q.device)
-    ws_lse = torch.empty(B * Hkv * grid_t * G, dtype=torch.float32, device=q.device)
+    # Scratch: two partial slots per program (its first and last split).
+    ws_o = torch.empty(B * Hkv * T * 2 * G * D, dtype=torch.float32, device=q.device)
+    ws_lse = torch.empty(B * Hkv * T * 2 * G, dtype=torch.float32, device=q.device)
     counters = _counters(q.device, B * Hkv * num_splits)
     pdl = bool(use_pdl) and on_gpu
     extra = {"launch_pdl": True} if pdl else {}
-    stages = {"num_stages": GPU_NUM_STAGES} if on_gpu else {}
-    decode_attention_kernel[(B * Hkv, grid_t)](
+    if on_gpu:
+        extra.update(num_warps=num_warps, num_stages=num_stages)
+    decode_attention_kernel[(B * Hkv, T)](
         q, k_cache, v_cache, slots, positions, o_part, lse, ws_o, ws_lse, counters,
-        S, chunk, num_splits, grid_t, programs_per_head, min_rows, D ** -0.5,
+        S, chunk, num_splits, T, math.ceil(min_rows / block_s), max_pieces, D ** -0.5,
         HKV=Hkv, G=G, D=D, WINDOW=window, CLAMP_TO_P=(window == 0 or S <= window),
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_S=GPU_BLOCK_S if on_gpu else CPU_BLOCK_S, BLOCK_P=max(2, block_p),
-        BF16_DOT=on_gpu, USE_PDL=pdl,
-        num_warps=GPU_NUM_WARPS if on_gpu else 4, **stages, **extra,
+        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_GM=triton.next_power_of_2(G),
+        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
+        MERGE_P=GPU_MERGE_P if on_gpu else CPU_MERGE_P, BF16_DOT=on_gpu, USE_PDL=pdl,
+        **extra,
     )
     return o_part, lse
 
@@ -433,13 +605,13 @@ def decode_attention(q, k_cache, v_cache, slots, positions, window: int, num_spl
     chunks of ceil(S / N) rows. Returns (o_part fp32 [B, Hq, N, D], lse fp32 [B, Hq, N]),
     o = 0 and lse = -inf for chunks without a visible key. All tensors contiguous, on
     one device. Raises ValueError naming the argument on a wrong dtype, shape, layout
-    or device.
+    or device (and for S >= 2**30 rows).
 
     Bytes read: q 2*B*Hq*D, K and V 2 * 2*B*Hkv*D*R where R is the number of visible
     rows per sequence (full cache: p + 1, not S; ring: the written rows, up to W);
-    written: 4*B*Hq*N*(D + 1), plus 4*G*(D + 1) per piece of a split that has several
-    (read back once by the merge). `use_pdl` launches with programmatic dependent
-    launch (CUDA only; ignored in the interpreter).
+    written: 4*B*Hq*N*(D + 1), plus 4*G*(D + 1) per partial of a split shared by several
+    programs (read back once by the merge). `use_pdl` launches with programmatic
+    dependent launch (CUDA only; ignored in the interpreter).
     """
     return launch_decode_attention(q, k_cache, v_cache, slots, positions, window, num_splits,
                                    use_pdl=use_pdl)
@@ -450,13 +622,13 @@ def attention_combine(o_part, lse, sinks, *, use_pdl: bool = False):
     `flintc.ops.attention.attention_combine`, i.e. `torch.ops.flintc.attention_combine`):
     `o = sum_n exp(lse_n - m) o_n / (exp(sink - m) + sum_n exp(lse_n - m))`,
     m = max(sink, max_n lse_n) (FLINT_SPEC 2, step 6). An empty split (lse = -inf) adds
-    nothing and its o is not read; the sink is counted once; no NaN when every split is
-    empty (the output is then 0).
+    nothing (its o, 0 by contract, is read but weighted by an exact 0); the sink is
+    counted once; no NaN when every split is empty (the output is then 0).
 
     o_part: fp32 [B, Hq, N, D]; lse: fp32 [B, Hq, N]; sinks: fp32 [Hq]; contiguous, one
     device. Returns bf16 [B, 1, Hq*D], rounded once; fp32 inside, equal to the
     reference up to summation order and exp ulps (one bf16 ulp at most).
-    Bytes read: 4*B*Hq*(N + D*live splits) + 4*Hq; written: 2*B*Hq*D.
+    Bytes read: 4*B*Hq*N*(D + 1) + 4*Hq; written: 2*B*Hq*D.
     Raises ValueError naming the argument on a wrong dtype, shape, layout or device.
     """
     _check_tensor(o_part, "o_part", torch.float32, 4)
@@ -492,6 +664,48 @@ def attention_combine_reference(o_part, lse, sinks):
     from flintc.ops import attention
 
     return attention.attention_combine(o_part, lse, sinks)
+
+
+def aot_probe_specs(configs=None):
+    """Compile specs for `scripts/triton_aot_probe.py` (sm_90 without a GPU): the full
+    model's shapes (Hq=32, Hkv=4, D=128); the attention kernel for a full cache (the
+    same code as a ring of S <= W rows) with each launch configuration of `configs`
+    ((BLOCK_S, warps, stages) tuples, the first one also for a ring longer than W;
+    default: the GPU_* constants and the benchmark sweep's others), and the combine."""
+    configs = configs or [(GPU_BLOCK_S, GPU_NUM_WARPS, GPU_NUM_STAGES), (64, 8, 3), (128, 4, 2),
+                          (32, 4, 4)]
+    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+             "slots_ptr": "*i64", "positions_ptr": "*i64", "o_part_ptr": "*fp32",
+             "lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32",
+             "counter_ptr": "*i32", "S": "i32", "CHUNK": "i32", "N": "i32", "T": "i32",
+             "MIN_BLOCKS": "i32", "MAX_PIECES": "i32", "scale": "fp32"}
+    names = decode_attention_kernel.arg_names
+    specs = []
+    variants = [(0, True, cfg) for cfg in configs]  # full cache, or a ring of S <= W rows
+    variants.append((513, False, configs[0]))  # a ring longer than W: the row-by-row mask
+    for window, clamp, (block_s, warps, stages) in variants:
+        consts = {"HKV": 4, "G": 8, "D": 128, "WINDOW": window, "CLAMP_TO_P": clamp,
+                  "BLOCK_G": 16, "BLOCK_GM": 8, "BLOCK_D": 128, "BLOCK_S": block_s,
+                  "MERGE_P": GPU_MERGE_P, "BF16_DOT": True, "USE_PDL": True}
+        specs.append({
+            "name": f"decode_attention {'ring > W' if not clamp else 'full'} BLOCK_S={block_s} "
+                    f"warps={warps} stages={stages}",
+            "fn": decode_attention_kernel,
+            "signature": {n: types.get(n, "constexpr") for n in names},
+            "constexprs": consts, "num_warps": warps, "num_stages": stages,
+            "divisible": ("S", "CHUNK"),
+        })
+    combine_names = attention_combine_kernel.arg_names
+    ctypes = {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*bf16"}
+    for n in (3, 32):
+        specs.append({
+            "name": f"attention_combine N={n}", "fn": attention_combine_kernel,
+            "signature": {a: ctypes.get(a, "constexpr") for a in combine_names},
+            "constexprs": {"HQ": 32, "N": n, "D": 128, "BLOCK_N": triton.next_power_of_2(n),
+                           "BLOCK_D": 128, "SOFT_RNE": False, "USE_PDL": True},
+            "num_warps": 4, "num_stages": 1,
+        })
+    return specs
 
 
 KERNELS = {

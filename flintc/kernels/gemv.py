@@ -1,18 +1,50 @@
 """Small-batch GEMV (decode, N <= 8 rows of activations) over bf16 or NVFP4 weights.
 
-`y[N, F] = x[N, K] @ W[F, K]^T` with the numerics of `flintc::gemv` (FLINT_SPEC
-section 3): products and accumulation in fp32, NVFP4 weights decoded in fp32 as
-`e2m1 * block_scale` with the global scale multiplied on the fp32 accumulator, and
-one rounding to bf16 at the store. Assumes contiguous row-major tensors, NVFP4 in
-the packed layout of `flintc.quant.nvfp4` (byte j of a row holds weight 2j in its
-low nibble and 2j + 1 in its high nibble; one float8_e4m3fn scale per 16 weights)
-and a scalar global scale. The reduction order differs from torch's matmul, so
-results agree with `gemv_reference` to within one bf16 ulp, not bit for bit.
+`y[N, F] = x[N, K] @ W[F, K]^T` with the numerics of `flintc::gemv` (reference:
+`flintc.ops.linear.gemv`, i.e. `torch.ops.flintc.gemv`; FLINT_SPEC section 3): products
+and accumulation in fp32, NVFP4 weights decoded as `e2m1 * block_scale` with the global
+scale multiplied on the fp32 accumulator, one rounding to bf16 at the store. The same
+kernel, with other epilogues, serves `flintc::lm_head` (fp32 logits, never rounded),
+`flintc::gemv_residual` (`bf16(residual + bf16(y))`) and, with an RMSNorm prologue,
+`flintc::norm_lm_head` (see `flintc.kernels.fused_gemv`).
+
+Layout: contiguous row-major tensors; NVFP4 in the packed layout of `flintc.quant.nvfp4`
+(byte j of a row holds weight 2j in its low nibble and 2j + 1 in its high nibble; one
+float8_e4m3fn scale per 16 weights) and a scalar fp32 global scale.
+
+Numerics: every product `x * w` (bf16 x bf16, or bf16 x (e2m1 * e4m3)) is exact in fp32,
+so only the summation order differs from torch's matmul: outputs agree with
+`gemv_reference` within one bf16 ulp plus the fp32 reordering bound
+`K * 2^-24 * sum_k |x_k w_k|`, not bit for bit. With `scale_after` (FMA path, NVFP4) each
+16-weight block is summed unscaled and multiplied by its block scale once, which adds one
+rounding of at most 2^-24 relative per block: inside the same bound. Split-K partial sums
+are combined in a fixed order (split 0, 1, ...), so results are deterministic.
+
+Kernel design (issue 5 speed work):
+- E2M1 is decoded with integer ops only (bit patterns of fp32 or bf16 built from the
+  nibble, no int->float conversion, no lookup), since conversions run at 1/8 of the
+  FMA rate on sm_90 and were the NVFP4 bottleneck of the first version.
+- Weight tiles are loaded as [BLOCK_F, BLOCK_K/16 (NVFP4) or /8 (bf16), 8]: 8 bytes of
+  codes (16 weights, one block scale) or 8 bf16 per thread-vector, so the block scales
+  load as [BLOCK_F, BLOCK_K/16] and broadcast over the last axis with no reshape.
+- Two reductions: `use_dot` (tensor cores, x padded to 16 rows) or an FMA reduction
+  that keeps an fp32 accumulator [BLOCK_N, BLOCK_F, BLOCK_K/8 or /16] and sums its last
+  axis once after the K loop (no cross-lane reduction inside the loop).
+- Split-K is one launch: each split writes its fp32 partial tile to a workspace, bumps
+  a per-F-block counter (acq_rel atomic), and the last-arriving split sums the partials
+  in split order, runs the epilogue and resets the counter to zero. The counters live
+  in one zeroed int32 buffer per device that every launch leaves zeroed again.
+- The first weight tile is loaded before `gdc_wait` (PDL), so the weight stream starts
+  while the previous kernel still runs.
+- Configurations come from `TUNED` (filled from `benchmarks/bench_gemv.py --sweep`) or
+  the rule in `choose_config`; never autotuned at call time (CUDA-graph capture).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -23,177 +55,372 @@ from flintc.ops.common import CDT, as_weight
 
 MAX_N = 8  # decode batch limit of the op contract
 NVFP4_BLOCK = 16  # weights per E4M3 block scale
+COUNTER_SLOTS = 1 << 16  # split-K counters per device (one per F block of a launch)
+
+EPI_BF16 = 0  # y = bf16(acc * gscale)
+EPI_FP32 = 1  # y = acc (logits, never rounded; bf16 weights only)
+EPI_RESIDUAL = 2  # y = bf16(residual + bf16(acc * gscale))
 
 
+# ----------------------------------------------------------------------------- jit helpers
 @triton.jit
-def _e2m1_to_fp32(v):
-    """E2M1 codes (int32, 0..15) to fp32 from the bits: sign bit 3, exponent bits 2-1,
-    mantissa bit 0; exponent 0 is subnormal (0 or 0.5). Code 8 (-0) gives -0.0, which
-    adds like +0.0 into the accumulator."""
-    m = (v & 1).to(tl.float32)
-    e = (v >> 1) & 3
-    # 2^(e-1) for e >= 1 as an integer shift: no transcendental, exact on every backend.
-    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
-    return tl.where((v & 8) != 0, -mag, mag)
+def _bf16_grid(v):
+    """fp32 -> the nearest bf16 value (round to nearest even), kept in fp32, from the bits.
+
+    HACK: the Triton interpreter converts fp32 -> bf16 by truncation, so `.to(tl.bfloat16)`
+    differs from torch there; rounding on the bits first makes every later cast exact.
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
 
 
 @triton.jit
 def _round_to_bf16(v):
-    """fp32 -> bf16, round to nearest even, done on the bits.
-
-    HACK: the Triton interpreter (3.9, and 3.6) converts fp32 -> bf16 by truncation, so a
-    plain `.to(tl.bfloat16)` differs from torch in half the elements there. Rounding the
-    fp32 value onto the bf16 grid first makes the final cast exact on every backend.
-    Remove when the interpreter's cast rounds to nearest even (then this is a no-op cost
-    of a few integer ops per output element on the GPU).
-    """
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    rounded = bits.to(tl.float32, bitcast=True)
-    return tl.where(v != v, v, rounded).to(tl.bfloat16)  # NaN stays NaN
+    """fp32 -> bf16, round to nearest even on every backend (see `_bf16_grid`)."""
+    return _bf16_grid(v).to(tl.bfloat16)
 
 
 @triton.jit
-def _dot_acc(acc, x, w, DOT_BF16: tl.constexpr):
-    """acc[BLOCK_N, BLOCK_F] += x[BLOCK_N, k] @ w[BLOCK_F, k]^T with exact products and
-    fp32 accumulation. Every operand value is exact in bf16 (bf16 activations and
-    weights; e2m1 * e4m3 needs at most 6 significant bits), so on the GPU the tensor
-    cores take bf16 with fp32 accumulation. The interpreter mishandles bf16 math
-    (NOTES), so there both sides are upcast and the fp32 dot runs in IEEE precision."""
-    if DOT_BF16:
-        return tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
-    else:
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
-                      input_precision="ieee")
+def _e2m1_fp32(c):
+    """E2M1 codes (int32, 0..15; sign bit 3, exponent bits 2-1, mantissa bit 0) to fp32,
+    by building the fp32 bit pattern with integer ops (no conversion instruction).
+
+    Magnitude index m = c & 7: m >= 2 is normal, exponent e = m >> 1 with bias 1, so the
+    fp32 pattern is (m << 22) + (126 << 23); m == 1 is 0.5 (0x3F000000); m == 0 is zero.
+    Code 8 (-0) gives -0.0, which adds like +0.0.
+    """
+    m = c & 7
+    bits = tl.where(m >= 2, (m << 22) + (126 << 23), m * 0x3F000000)
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _load_weight_tile(w_ptr, scales_ptr, offs_f, mask_f, k0, k_end, K,
-                      BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr):
-    """Raw (undecoded) weight tile for columns [k0, k0 + BLOCK_K) of rows `offs_f`.
+def _e2m1_bf16(c):
+    """E2M1 codes (int32, 0..15) to bf16, by building the bf16 bit pattern with integer
+    ops, as triton_kernels' fp4 upcast does: (m << 6) + (126 << 7) for m >= 2, 0x3F00
+    (0.5) for m == 1, 0 for m == 0, sign in bit 15."""
+    m = c & 7
+    bits = tl.where(m >= 2, (m << 6) + (126 << 7), m * 0x3F00)
+    bits = bits | ((c & 8) << 12)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
-    bf16: returns (w [BLOCK_F, BLOCK_K] bf16, w again as a placeholder).
-    NVFP4: returns (codes [BLOCK_F, BLOCK_K/2] uint8, scales [BLOCK_F, BLOCK_K/2] fp8), the
-    scale repeated for each of the 8 bytes it covers.
+
+@triton.jit
+def _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr):
+    """Raw weight tile for columns [k0, k0 + BLOCK_K) of the rows that `w_rows` (pointer
+    [BLOCK_F] to each row's first element / code byte) and `s_rows` (pointer [BLOCK_F] to
+    each row's first block scale) point at. Columns at or past `k_end` are masked (no
+    memory traffic), so a prefetch past the end of a split is free.
+
+    bf16: (w [BLOCK_F, BLOCK_K/8, 8] bf16, the same again as a placeholder).
+    NVFP4: (codes [BLOCK_F, BLOCK_K/16, 8] uint8, scales [BLOCK_F, BLOCK_K/16] fp8).
     """
+    kb = tl.arange(0, BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8)
+    j = tl.arange(0, 8)
     if IS_NVFP4:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte column of the packed row
-        # mask: row exists, and the byte's two weights lie inside this split and inside K
-        # (K is even, so 2 * byte < k_end implies 2 * byte + 1 < k_end).
-        mask = mask_f[:, None] & (2 * offs_b < k_end)[None, :]
-        codes = tl.load(w_ptr + offs_f[:, None] * (K // 2) + offs_b[None, :], mask=mask, other=0)
-        # One scale per 16 weights = 8 bytes: load [BLOCK_F, BLOCK_K/16] contiguous scales,
-        # then repeat each 8 times along the row in registers.
-        offs_s = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        mask_s = mask_f[:, None] & (16 * offs_s < k_end)[None, :]
-        scales = tl.load(scales_ptr + offs_f[:, None] * (K // 16) + offs_s[None, :],
-                         mask=mask_s, other=0.0)
-        scales = tl.broadcast_to(scales[:, :, None], (scales.shape[0], BLOCK_K // 16, 8))
-        scales = tl.reshape(scales, (scales.shape[0], BLOCK_K // 2))
+        col = k0 // 2 + kb[:, None] * 8 + j[None, :]  # byte column [KB, 8]
+        # mask: row exists, and the byte's 16-weight block starts before k_end (K and the
+        # split bounds are multiples of 16, so blocks are all in or all out). A mask that
+        # is constant over each 8-byte vector keeps the loads vectorized.
+        mask = mask_f[:, None, None] & (k0 + 16 * kb < k_end)[None, :, None]
+        codes = tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0)
+        scol = k0 // 16 + kb
+        mask_s = mask_f[:, None] & (k0 + 16 * kb < k_end)[None, :]
+        scales = tl.load(s_rows[:, None] + scol[None, :], mask=mask_s, other=0.0)
         return codes, scales
     else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        # mask: row exists and column lies inside this split and inside K.
-        mask = mask_f[:, None] & (offs_k < k_end)[None, :]
-        w = tl.load(w_ptr + offs_f[:, None] * K + offs_k[None, :], mask=mask, other=0.0)
+        col = k0 + kb[:, None] * 8 + j[None, :]  # [KB, 8]
+        mask = mask_f[:, None, None] & (col < k_end)[None, :, :]
+        w = tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0.0)
         return w, w
 
 
 @triton.jit
+def _load_x(x_ptr, stride_xn, nw_ptr, rstd, offs_n, mask_n, k0, k_end,
+            BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, HAS_NORM: tl.constexpr):
+    """Activation tiles matching `_load_w`'s columns, fp32. bf16: (x [BLOCK_N, KB, 8] at
+    columns k0 + 8 kb + j, the same again). NVFP4: (x_even, x_odd), each [BLOCK_N, KB, 8]
+    at columns k0 + 16 kb + 2 j (+ 1): even columns meet the low nibbles, odd ones the
+    high nibbles; loaded as one contiguous [BLOCK_N, KB, 8, 2] tile and split in
+    registers. With HAS_NORM the RMSNorm prologue is applied here: `bf16(x * rstd *
+    w_norm)`, the reference's evaluation order and rounding."""
+    kb = tl.arange(0, BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8)
+    j = tl.arange(0, 8)
+    if IS_NVFP4:
+        p = tl.arange(0, 2)
+        col = k0 + kb[:, None, None] * 16 + 2 * j[None, :, None] + p[None, None, :]
+        mask_k = col < k_end
+        mask = mask_n[:, None, None, None] & mask_k[None, :, :, :]
+        x = tl.load(x_ptr + offs_n[:, None, None, None] * stride_xn + col[None, :, :, :],
+                    mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + col, mask=mask_k, other=0.0).to(tl.float32)
+            x = _bf16_grid(x * rstd[:, None, None, None] * nw[None, :, :, :])
+        x_e, x_o = tl.split(x)
+        return x_e, x_o
+    else:
+        col = k0 + kb[:, None] * 8 + j[None, :]
+        mask_k = col < k_end
+        mask = mask_n[:, None, None] & mask_k[None, :, :]
+        x = tl.load(x_ptr + offs_n[:, None, None] * stride_xn + col[None, :, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + col, mask=mask_k, other=0.0).to(tl.float32)
+            x = _bf16_grid(x * rstd[:, None, None] * nw[None, :, :])
+        return x, x
+
+
+@triton.jit
+def _rms_rstd(x_ptr, stride_xn, offs_n, mask_n, H, eps,
+              BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) per row, fp32 [BLOCK_N] (rows past N give 1/sqrt(eps)).
+    IEEE sqrt and division, as torch's CPU rsqrt; the sum's order differs from torch."""
+    ss = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        m = mask_n[:, None] & (offs_h < H)[None, :]
+        x = tl.load(x_ptr + offs_n[:, None] * stride_xn + offs_h[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, H * 1.0) + eps))
+
+
+@triton.jit
+def _dot_tile(acc, x3, w3, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+              KW: tl.constexpr, GPU: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_F] += x3 [BLOCK_N, KB, 8] . w3 [BLOCK_F, KB, 8] over (KB, 8)
+    on the tensor cores. Every operand is exact in bf16 (bf16 activations; bf16 weights
+    or e2m1 * e4m3, at most 6 significant bits), so on the GPU the dot takes bf16 with
+    fp32 accumulation; the interpreter mishandles bf16 math (NOTES), so there both sides
+    stay fp32 and the dot runs in IEEE precision."""
+    x2 = tl.reshape(x3, (BLOCK_N, KW))
+    w2 = tl.reshape(w3, (BLOCK_F, KW))
+    if GPU:
+        return tl.dot(x2.to(tl.bfloat16), tl.trans(w2.to(tl.bfloat16)), acc)
+    else:
+        return tl.dot(x2.to(tl.float32), tl.trans(w2.to(tl.float32)), acc,
+                      input_precision="ieee")
+
+
+@triton.jit
+def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd,
+               offs_n, mask_n, k_start, k_end, n_iters,
+               BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+               IS_NVFP4: tl.constexpr, HAS_NORM: tl.constexpr, USE_DOT: tl.constexpr,
+               SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, PREFETCH: tl.constexpr):
+    """fp32 acc [BLOCK_N, BLOCK_F] = x[:, k_start:k_end] @ W[rows, k_start:k_end]^T
+    (without the NVFP4 global scale). With PREFETCH, `w_cur, s_cur` is the first tile
+    (loaded by the caller, possibly before `gdc_wait`) and each step loads the next tile
+    into registers before using the current one (software pipeline of depth one);
+    without it each step loads its own tile and Triton's pipeliner (num_stages) may
+    stage the loads through shared memory instead."""
+    KB: tl.constexpr = BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_N, BLOCK_F, KB), dtype=tl.float32)
+    for it in range(n_iters):
+        k0 = k_start + it * BLOCK_K
+        if PREFETCH:
+            w_nxt, s_nxt = _load_w(w_rows, s_rows, mask_f, k0 + BLOCK_K, k_end, BLOCK_K,
+                                   IS_NVFP4)
+        else:
+            w_cur, s_cur = _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K, IS_NVFP4)
+        if IS_NVFP4:
+            x_e, x_o = _load_x(x_ptr, stride_xn, nw_ptr, rstd, offs_n, mask_n, k0, k_end,
+                               BLOCK_K, True, HAS_NORM)
+            c = w_cur.to(tl.int32)
+            if USE_DOT:
+                if GPU:
+                    # bf16 decode; e2m1 * e4m3 is exact in bf16, so the bf16 multiply is too
+                    s = s_cur.to(tl.bfloat16)[:, :, None]
+                    w_lo = _e2m1_bf16(c & 15) * s
+                    w_hi = _e2m1_bf16(c >> 4) * s
+                else:
+                    s = s_cur.to(tl.float32)[:, :, None]  # e4m3 -> fp32 is exact
+                    w_lo = _e2m1_fp32(c & 15) * s
+                    w_hi = _e2m1_fp32(c >> 4) * s
+                acc = _dot_tile(acc, x_e, w_lo, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
+                acc = _dot_tile(acc, x_o, w_hi, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
+            else:
+                s = s_cur.to(tl.float32)  # [BLOCK_F, KB]
+                if SCALE_AFTER:
+                    part = tl.sum(x_e[:, None, :, :] * _e2m1_fp32(c & 15)[None, :, :, :], axis=3)
+                    part += tl.sum(x_o[:, None, :, :] * _e2m1_fp32(c >> 4)[None, :, :, :], axis=3)
+                    acc3 += part * s[None, :, :]
+                else:
+                    w_lo = _e2m1_fp32(c & 15) * s[:, :, None]
+                    w_hi = _e2m1_fp32(c >> 4) * s[:, :, None]
+                    acc3 += tl.sum(x_e[:, None, :, :] * w_lo[None, :, :, :], axis=3)
+                    acc3 += tl.sum(x_o[:, None, :, :] * w_hi[None, :, :, :], axis=3)
+        else:
+            x3, _ = _load_x(x_ptr, stride_xn, nw_ptr, rstd, offs_n, mask_n, k0, k_end,
+                            BLOCK_K, False, HAS_NORM)
+            if USE_DOT:
+                acc = _dot_tile(acc, x3, w_cur, BLOCK_N, BLOCK_F, BLOCK_K, GPU)
+            else:
+                w3 = w_cur.to(tl.float32)
+                acc3 += tl.sum(x3[:, None, :, :] * w3[None, :, :, :], axis=3)
+        if PREFETCH:
+            w_cur = w_nxt
+            s_cur = s_nxt
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+    return acc
+
+
+@triton.jit
+def _splitk_combine(acc, ws_ptr, cnt_ptr, counter, pid_k, offs_n, offs_f, mask_n, mask_f,
+                    N, F, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_F: tl.constexpr):
+    """One-launch split-K: store this split's partial [BLOCK_N, BLOCK_F] into the fp32
+    workspace [SPLIT_K, N, F], count arrivals on `cnt_ptr[counter]`, and return
+    (total, arrived): the split that sees arrived == SPLIT_K - 1 arrived last and gets
+    the sum of all partials in split order (deterministic); the others get zeros and
+    must mask their epilogue stores with `_is_last(arrived, SPLIT_K, shape)`. The last
+    split resets the counter to zero for the next launch."""
+    offs = offs_n[:, None] * F + offs_f[None, :]
+    mask = mask_n[:, None] & mask_f[None, :]
+    tl.store(ws_ptr + pid_k * N * F + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is written before the release below
+    arrived = tl.atomic_add(cnt_ptr + counter, 1, sem="acq_rel", scope="gpu")
+    last = (tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.int32) + arrived) == SPLIT_K - 1
+    total = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    for s in range(SPLIT_K):
+        # .cg: read through L2 (L1 is not coherent with the other SMs' stores)
+        total += tl.load(ws_ptr + s * N * F + offs, mask=mask & last, other=0.0,
+                         cache_modifier=".cg")
+    first = tl.arange(0, 2) == 0
+    reset = first & ((tl.zeros((2,), dtype=tl.int32) + arrived) == SPLIT_K - 1)
+    tl.atomic_xchg(cnt_ptr + counter + tl.arange(0, 2) * 0, tl.zeros((2,), dtype=tl.int32),
+                   mask=reset)
+    return total, arrived
+
+
+@triton.jit
+def _is_last(arrived, SPLIT_K: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+    """[A, B] bool: this program is the last-arriving split (tensor-shaped, since the
+    interpreter rejects scalar store masks)."""
+    return (tl.zeros((A, B), dtype=tl.int32) + arrived) == SPLIT_K - 1
+
+
+@triton.jit
 def gemv_kernel(
-    x_ptr,  # bf16 [N, K], contiguous
+    x_ptr,  # bf16 [N, K], rows `stride_xn` apart, columns contiguous
+    nw_ptr,  # RMSNorm weight fp32/bf16 [K] (HAS_NORM only)
     w_ptr,  # bf16 [F, K], or NVFP4 codes uint8 [F, K/2]; contiguous
     scales_ptr,  # NVFP4 block scales float8_e4m3fn [F, K/16] (unused for bf16)
     gscale_ptr,  # NVFP4 global scale fp32 [] (unused for bf16)
-    out_ptr,  # bf16 [N, F] when SPLIT_K == 1, else fp32 workspace [N, F] (zeroed)
-    N, F, K,
+    res_ptr,  # residual bf16 [N, F] (EPI_RESIDUAL only)
+    out_ptr,  # bf16 [N, F] (EPI_BF16, EPI_RESIDUAL) or fp32 [N, F] (EPI_FP32)
+    ws_ptr,  # fp32 workspace [SPLIT_K, N, F] (SPLIT_K > 1 only)
+    cnt_ptr,  # int32 counters, zero on entry and on exit (SPLIT_K > 1 only)
+    N, F, K, stride_xn, eps,
     K_PER_SPLIT,  # columns per split-K program; a multiple of BLOCK_K
-    BLOCK_N: tl.constexpr,  # N padded to 16, the smallest tl.dot M
+    BLOCK_N: tl.constexpr,  # rows of x held: 16 for tl.dot, else next_pow2(N)
     BLOCK_F: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     IS_NVFP4: tl.constexpr,
+    HAS_NORM: tl.constexpr,  # RMSNorm prologue over x (K == H)
+    EPILOGUE: tl.constexpr,  # EPI_BF16 / EPI_FP32 / EPI_RESIDUAL
+    USE_DOT: tl.constexpr,  # tensor-core reduction; False: FMA reduction
+    SCALE_AFTER: tl.constexpr,  # FMA + NVFP4: multiply block scales on 16-wide partial sums
     USE_PDL: tl.constexpr,  # must be False under TRITON_INTERPRET (gdc_* raise there)
-    DOT_BF16: tl.constexpr,  # bf16 tensor-core dot (GPU); False: fp32 IEEE dot (interpreter)
+    GPU: tl.constexpr,  # compiled for a GPU (bf16 math allowed); False in the interpreter
+    PREFETCH: tl.constexpr,  # manual register prefetch (else leave it to num_stages)
 ):
-    # Tile-to-program mapping: program (pid_f, pid_k) computes the partial dot products of
-    # all N activation rows with weight rows [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F) over
-    # columns [pid_k * K_PER_SPLIT, (pid_k + 1) * K_PER_SPLIT) of K, BLOCK_K at a time.
+    # Tile-to-program mapping: program (pid_f, pid_k) computes the dot products of all N
+    # activation rows with weight rows [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F) over
+    # columns [pid_k * K_PER_SPLIT, (pid_k + 1) * K_PER_SPLIT), BLOCK_K at a time.
     pid_f = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask_f = offs_f < F  # the last F block may stick out past F (F need not divide)
+    mask_f = offs_f < F  # the last F block may stick out past F
     offs_n = tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N  # rows of x past N are zero padding up to BLOCK_N
+    mask_n = offs_n < N  # rows past N are padding
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(K, k_start + K_PER_SPLIT)
-
-    acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
-    # Software pipeline: the weight tile of the next step is loaded before the current
-    # one is used. The first weight tile goes out before gdc_wait, so under PDL the
-    # weight stream starts while the previous kernel (which writes x) still runs.
-    w_cur, s_cur = _load_weight_tile(w_ptr, scales_ptr, offs_f, mask_f, k_start, k_end, K,
-                                     BLOCK_K, IS_NVFP4)
+    n_iters = tl.cdiv(k_end - k_start, BLOCK_K)
+    if IS_NVFP4:
+        w_rows = w_ptr + offs_f.to(tl.int64) * (K // 2)
+        s_rows = scales_ptr + offs_f.to(tl.int64) * (K // 16)
+    else:
+        w_rows = w_ptr + offs_f.to(tl.int64) * K
+        s_rows = w_rows
+    # The first weight tile goes out before gdc_wait: under PDL the weight stream starts
+    # while the previous kernel (which writes x / residual) still runs.
+    if PREFETCH:
+        w0, s0 = _load_w(w_rows, s_rows, mask_f, k_start, k_end, BLOCK_K, IS_NVFP4)
+    else:
+        w0, s0 = _load_w(w_rows, s_rows, mask_f, k_start, k_start, BLOCK_K, IS_NVFP4)  # no-op
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # x is written by the previous kernel: wait before reading it
-    for k in range(0, K_PER_SPLIT, BLOCK_K):
-        k0 = k_start + k
-        # Prefetch the next tile; fully masked (no memory traffic) past this split's end.
-        w_next, s_next = _load_weight_tile(w_ptr, scales_ptr, offs_f, mask_f, k0 + BLOCK_K,
-                                           k_end, K, BLOCK_K, IS_NVFP4)
-        if IS_NVFP4:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            # mask: real x row, and the even column 2b inside this split and inside K.
-            mask_x = mask_n[:, None] & (2 * offs_b < k_end)[None, :]
-            x_row = x_ptr + offs_n[:, None] * K + 2 * offs_b[None, :]
-            # Even columns meet the low nibbles, odd columns the high nibbles: no interleave.
-            x_even = tl.load(x_row, mask=mask_x, other=0.0)
-            x_odd = tl.load(x_row + 1, mask=mask_x, other=0.0)
-            c = w_cur.to(tl.int32)
-            s = s_cur.to(tl.float32)  # e4m3 -> fp32 is exact
-            w_lo = _e2m1_to_fp32(c & 15) * s  # e2m1 * scale: exact in fp32 and in bf16
-            w_hi = _e2m1_to_fp32(c >> 4) * s
-            acc = _dot_acc(acc, x_even, w_lo, DOT_BF16)
-            acc = _dot_acc(acc, x_odd, w_hi, DOT_BF16)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            # mask: real x row, and the column inside this split and inside K.
-            mask_x = mask_n[:, None] & (offs_k < k_end)[None, :]
-            x = tl.load(x_ptr + offs_n[:, None] * K + offs_k[None, :], mask=mask_x, other=0.0)
-            acc = _dot_acc(acc, x, w_cur, DOT_BF16)
-        w_cur = w_next
-        s_cur = s_next
+        tl.extra.cuda.gdc_wait()
+    if HAS_NORM:
+        rstd = _rms_rstd(x_ptr, stride_xn, offs_n, mask_n, K, eps, BLOCK_N, 256)
+    else:
+        rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n,
+                     mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
+                     HAS_NORM, USE_DOT, SCALE_AFTER, GPU, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()  # a scheduling hint: no memory ordering
 
-    # mask: real x rows and real weight rows; out is [N, F] row-major.
+    mask = mask_n[:, None] & mask_f[None, :]
+    if SPLIT_K > 1:
+        acc, arrived = _splitk_combine(acc, ws_ptr, cnt_ptr, pid_f, pid_k, offs_n, offs_f,
+                                       mask_n, mask_f, N, F, SPLIT_K, BLOCK_N, BLOCK_F)
+        mask = mask & _is_last(arrived, SPLIT_K, BLOCK_N, BLOCK_F)
     out_offs = offs_n[:, None] * F + offs_f[None, :]
-    mask_out = mask_n[:, None] & mask_f[None, :]
-    if SPLIT_K == 1:
-        if IS_NVFP4:
-            acc = acc * tl.load(gscale_ptr)  # global scale on the fp32 accumulator
-        tl.store(out_ptr + out_offs, _round_to_bf16(acc), mask=mask_out)  # the one rounding
+    if IS_NVFP4:
+        acc = acc * tl.load(gscale_ptr)  # global scale on the fp32 accumulator
+    if EPILOGUE == 1:  # EPI_FP32
+        tl.store(out_ptr + out_offs, acc, mask=mask)
+    elif EPILOGUE == 2:  # EPI_RESIDUAL
+        res = tl.load(res_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + out_offs, _round_to_bf16(res + _bf16_grid(acc)), mask=mask)
     else:
-        # Partial sums meet in the fp32 workspace; the launcher scales and rounds once.
-        tl.atomic_add(out_ptr + out_offs, acc, mask=mask_out)
+        tl.store(out_ptr + out_offs, _round_to_bf16(acc), mask=mask)  # the one rounding
 
 
-def _fail(name: str, what: str, t: torch.Tensor) -> None:
-    raise ValueError(
-        f"gemv: {name} must be {what}; got dtype {t.dtype}, shape {tuple(t.shape)}, "
-        f"strides {tuple(t.stride())}"
-    )
+# ----------------------------------------------------------------------------- configs
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration. `block_f` rows per program (the fused QKV kernel ignores
+    it: one head per program), `block_k` columns per step (multiple of 32, or of 16 for
+    bf16 with use_dot=False), `split_k` programs along K (capped so none is empty),
+    `use_dot` tensor cores vs FMA reduction, `scale_after` (FMA + NVFP4 only),
+    `num_warps`, `num_stages` (Triton's pipeliner), `prefetch` (manual register
+    prefetch of the next weight tile, whose first tile is issued before the PDL wait)."""
+
+    use_dot: bool = True
+    block_f: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+    scale_after: bool = False
+    prefetch: bool = True
+
+    def short(self) -> str:
+        kind = "dot" if self.use_dot else ("fma-sa" if self.scale_after else "fma")
+        return (f"{kind} f{self.block_f} k{self.block_k} s{self.split_k} "
+                f"w{self.num_warps} st{self.num_stages}{'' if self.prefetch else ' nopf'}")
 
 
-def _check(name: str, t, dtype: torch.dtype, shape: tuple[int, ...], device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"gemv: {name} must be a torch.Tensor, got {type(t).__name__}")
-    what = f"a contiguous {dtype} tensor of shape {list(shape)} on {device}"
-    if t.dtype != dtype or tuple(t.shape) != tuple(shape) or t.device != device:
-        _fail(name, what, t)
-    if not t.is_contiguous():
-        _fail(name, what + " (it is not contiguous)", t)
+# Measured winners -> GemvConfig. Keys: (fmt, F, K, N) for the plain GEMV kernel (gemv,
+# gemv_residual, lm_head, norm_lm_head); ("qkv:" + fmt, Hq * D, H, N) for the fused QKV
+# kernel; ("gate_up:" + fmt, F, H, N) for norm_gate_up_silu (block_f = output columns).
+# Paste the lines that `python benchmarks/bench_gemv.py --sweep` prints at the end here;
+# shapes not listed use the rules in `choose_config` / `qkv_config`. Empty until the
+# sweep has run on the H200.
+TUNED: dict[tuple[str, int, int, int], GemvConfig] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -201,118 +428,272 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _choose_blocks(N: int, F: int, K: int, is_nvfp4: bool, device: torch.device):
-    """Block sizes and split-K for one launch. x is padded to 16 rows (tl.dot's minimum).
-    A weight tile is BLOCK_F x BLOCK_K; a large BLOCK_F keeps the re-reads of x (one per
-    F block) small next to the weights on big matrices. Split-K is used when the F
-    blocks alone would not fill the GPU."""
-    # Measured on an H200 (N=1, CUDA graphs): bf16 best at 64 x 128 tiles, NVFP4 at
-    # 16 x 128 (its decode, not memory, limits it), split-K best near 2 programs per SM
-    # and at most 8 splits.
-    block_n = 16
-    block_k = 128
-    block_f = 16 if is_nvfp4 else 64
-    if not is_nvfp4 and device.type == "cuda" and triton.cdiv(F, 128) >= 2 * _num_sms(
-            device.index or 0):
-        block_f = 128
-    num_f_blocks = triton.cdiv(F, block_f)
+def num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device; 1 on the CPU (the interpreter runs programs in turn)."""
+    if device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def auto_split_k(num_f_blocks: int, K: int, block_k: int, device: torch.device,
+                 programs_per_sm: int = 2, max_split: int = 16) -> int:
+    """Split-K count so that about `programs_per_sm` programs per SM are in flight, at
+    most `max_split`, and each split has at least one BLOCK_K step."""
+    target = programs_per_sm * num_sms(device)
+    return max(1, min(target // max(num_f_blocks, 1), triton.cdiv(K, block_k), max_split))
+
+
+def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> GemvConfig:
+    """The launch configuration for a [N, K] x [F, K]^T GEMV: `TUNED[(fmt, F, K, N)]` if
+    the sweep measured this shape, else the rule below. fmt is "bf16" or "nvfp4".
+
+    Rule (until the sweep fills TUNED; register counts from compiling for sm_90 with the
+    triton wheel's ptxas, see the report in docs): tensor-core dot; bf16 64 x 128 tiles
+    (128 rows when F alone gives >= 2 programs per SM) without the register prefetch,
+    so Triton's pipeliner stages them through shared memory (cp.async, 4 stages, ~72
+    registers); NVFP4 64 x 128 tiles with the register prefetch (~170 registers, Triton
+    does not pipeline the code loads); split-K up to ~2 programs per SM."""
+    hit = TUNED.get((fmt, F, K, N))
+    if hit is not None:
+        return hit
+    if device.type != "cuda":  # interpreter: small tiles keep the CPU time down
+        return GemvConfig(use_dot=True, block_f=16, block_k=64, split_k=1)
+    if fmt == "nvfp4":
+        block_f, block_k, prefetch, stages = 64, 128, True, 1
+    else:
+        block_f, block_k, prefetch, stages = 64, 128, False, 4
+        if triton.cdiv(F, 128) >= 2 * num_sms(device):
+            block_f, stages = 128, 3
+    split = auto_split_k(triton.cdiv(F, block_f), K, block_k, device)
+    return GemvConfig(use_dot=True, block_f=block_f, block_k=block_k, split_k=split,
+                      num_warps=4, num_stages=stages, prefetch=prefetch)
+
+
+def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
+                  rows_fixed: int | None = None) -> list[GemvConfig]:
+    """Candidate configurations that `benchmarks/bench_gemv.py --sweep` times for one
+    shape (the `gpu` tests check every one of them for correctness). `rows_fixed`: the
+    kernel fixes its rows per program (the fused QKV kernel: one head), so block_f is
+    set to it and only the other fields vary."""
+    if fmt == "nvfp4":
+        shapes = [(True, 64, 128, 4, 1, True), (True, 64, 128, 4, 3, False),
+                  (True, 32, 256, 4, 1, True), (True, 64, 256, 8, 1, True),
+                  (True, 128, 128, 8, 1, True), (False, 32, 128, 4, 1, True),
+                  (False, 64 if N <= 2 else 32, 128, 4, 1, True)]
+    else:
+        shapes = [(True, 64, 128, 4, 4, False), (True, 128, 128, 4, 3, False),
+                  (True, 64, 256, 4, 3, False), (True, 32, 128, 4, 4, False),
+                  (True, 64, 128, 4, 1, True), (False, 64 if N <= 2 else 32, 128, 4, 1, True),
+                  (False, 16, 128, 4, 3, False)]
+    out: list[GemvConfig] = []
+    for i, (use_dot, bf, bk, nw, st, pf) in enumerate(shapes):
+        if rows_fixed is not None:
+            bf = rows_fixed
+            nw = max(nw, 8) if use_dot else nw
+        num_f = triton.cdiv(F, bf)
+        splits = sorted({auto_split_k(num_f, K, bk, device, 2), auto_split_k(num_f, K, bk, device, 4)})
+        for sk in splits:
+            cfg = GemvConfig(use_dot=use_dot, block_f=bf, block_k=bk, split_k=sk, num_warps=nw,
+                             num_stages=st, prefetch=pf,
+                             scale_after=(fmt == "nvfp4" and not use_dot and i % 2 == 1))
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def _effective_split(K: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(split_k, k_per_split) with no empty split; k_per_split a multiple of block_k."""
     num_k_tiles = triton.cdiv(K, block_k)
-    target = 2 * _num_sms(device.index or 0) if device.type == "cuda" else 1
-    split_k = max(1, min(target // num_f_blocks, num_k_tiles, 8))
-    return block_n, block_f, block_k, split_k
+    split_k = max(1, min(split_k, num_k_tiles))
+    k_per_split = triton.cdiv(num_k_tiles, split_k) * block_k
+    return triton.cdiv(K, k_per_split), k_per_split
 
 
-def gemv(x: torch.Tensor, w: list[torch.Tensor], out: torch.Tensor | None = None,
-         use_pdl: bool = False, split_k: int | None = None) -> torch.Tensor:
-    """`x @ W^T` for decode batches, as `flintc::gemv`.
+_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def split_k_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The per-device int32 arrival counters of one-launch split-K, zero between launches
+    (each launch's last split resets its counters). Allocated once per device with
+    torch.zeros (so call a split-K launcher once before CUDA-graph capture, or let the
+    capture record the one-time memset, which is harmless: the counters are zero then)."""
+    if needed > COUNTER_SLOTS:
+        raise ValueError(f"split-K needs {needed} counters, more than {COUNTER_SLOTS}")
+    key = (device.type, device.index)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+# ----------------------------------------------------------------------------- checks
+def fail(op: str, name: str, what: str, t=None) -> None:
+    """Raise the launchers' ValueError: `op: name must be what; got ...`."""
+    got = ""
+    if isinstance(t, torch.Tensor):
+        got = (f"; got dtype {t.dtype}, shape {tuple(t.shape)}, strides {tuple(t.stride())}, "
+               f"device {t.device}")
+    elif t is not None:
+        got = f"; got {type(t).__name__}"
+    raise ValueError(f"{op}: {name} must be {what}{got}")
+
+
+def check_tensor(op: str, name: str, t, dtypes, shape, device) -> None:
+    """t is a contiguous tensor of one of `dtypes`, of `shape` (None = any), on device."""
+    dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    what = (f"a contiguous {'/'.join(str(d) for d in dtypes)} tensor"
+            + (f" of shape {list(shape)}" if shape is not None else "") + f" on {device}")
+    if not isinstance(t, torch.Tensor):
+        fail(op, name, what, t)
+    if t.dtype not in dtypes or (shape is not None and tuple(t.shape) != tuple(shape)) \
+            or t.device != device:
+        fail(op, name, what, t)
+    if not t.is_contiguous():
+        fail(op, name, what + " (it is not contiguous)", t)
+
+
+def check_weight(op: str, name: str, w, K: int, device, F: int | None = None):
+    """Check a weight list `[w]` bf16 [F, K] or NVFP4 `[codes uint8 [F, K/2], scales
+    float8_e4m3fn [F, K/16], global_scale fp32 []]`. Returns (fmt, F, (w, scales,
+    gscale) kernel arguments; bf16 passes the weight for the unused pointers)."""
+    if not isinstance(w, (list, tuple)) or len(w) not in (1, 3):
+        fail(op, name, "a list [weight] (bf16) or [codes, scales, global_scale] (NVFP4)", w)
+    if len(w) == 3:
+        codes, scales, gscale = w
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+            fail(op, f"{name}[0] (NVFP4 codes)", f"a uint8 tensor [F, {K // 2}]", codes)
+        if K % NVFP4_BLOCK:
+            fail(op, name, f"NVFP4 with K % {NVFP4_BLOCK} == 0 (K = {K})")
+        F = codes.shape[0] if F is None else F
+        check_tensor(op, f"{name}[0] (NVFP4 codes)", codes, torch.uint8, (F, K // 2), device)
+        check_tensor(op, f"{name}[1] (NVFP4 block scales)", scales, torch.float8_e4m3fn,
+                     (F, K // NVFP4_BLOCK), device)
+        check_tensor(op, f"{name}[2] (NVFP4 global scale)", gscale, torch.float32, (), device)
+        return "nvfp4", F, (codes, scales, gscale)
+    (weight,) = w
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        fail(op, f"{name}[0] (weight)", f"a bf16 tensor [F, {K}]", weight)
+    F = weight.shape[0] if F is None else F
+    check_tensor(op, f"{name}[0] (weight)", weight, torch.bfloat16, (F, K), device)
+    return "bf16", F, (weight, weight, weight)
+
+
+def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.Tensor,
+                epilogue: int, residual: torch.Tensor | None = None,
+                norm: torch.Tensor | None = None, eps: float = 0.0,
+                config: GemvConfig | None = None, use_pdl: bool = False) -> torch.Tensor:
+    """Launch `gemv_kernel` on checked arguments: x2 bf16 [N, K] (row stride x2.stride(0),
+    unit column stride), weights `wargs` from `check_weight`, out [N, F] contiguous."""
+    N, K = x2.shape
+    dev = x2.device
+    cfg = config or choose_config(N, F, K, fmt, dev)
+    gpu = dev.type == "cuda" and not _interpreting()
+    if cfg.block_k % (32 if fmt == "nvfp4" or cfg.use_dot else 8) or cfg.block_f < 16 \
+            and cfg.use_dot:
+        raise ValueError(f"{op}: config {cfg} has block_k/block_f too small for this path")
+    split, k_per_split = _effective_split(K, cfg.block_k, cfg.split_k)
+    num_f = triton.cdiv(F, cfg.block_f)
+    block_n = 16 if cfg.use_dot else triton.next_power_of_2(N)
+    if split > 1:
+        ws = torch.empty((split, N, F), dtype=torch.float32, device=dev)
+        cnt = split_k_counters(dev, num_f)
+    else:
+        ws = cnt = out  # unused
+    pdl = bool(use_pdl) and gpu
+    extra = {"launch_pdl": True} if pdl else {}
+    if gpu:
+        extra["num_stages"] = cfg.num_stages
+    w_arg, s_arg, g_arg = wargs
+    gemv_kernel[(num_f, split)](
+        x2, norm if norm is not None else x2, w_arg, s_arg, g_arg,
+        residual if residual is not None else out, out, ws, cnt,
+        N, F, K, x2.stride(0), float(eps), k_per_split,
+        BLOCK_N=block_n, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k, SPLIT_K=split,
+        IS_NVFP4=fmt == "nvfp4", HAS_NORM=norm is not None, EPILOGUE=epilogue,
+        USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and fmt == "nvfp4",
+        USE_PDL=pdl, GPU=gpu, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **extra,
+    )
+    return out
+
+
+def check_x2d(op: str, x, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+            or not 1 <= x.shape[0] <= MAX_N:
+        fail(op, name, f"a bf16 tensor [N, K] with 1 <= N <= {MAX_N}", x)
+    if not x.is_contiguous():
+        fail(op, name, "contiguous", x)
+
+
+# ----------------------------------------------------------------------------- launchers
+def gemv(x: torch.Tensor, w: list[torch.Tensor], *, use_pdl: bool = False,
+         out: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """`x @ W^T` for decode batches, as `flintc::gemv` (reference: `gemv_reference`).
 
     Args:
         x: bf16 [N, K], 1 <= N <= 8, contiguous.
         w: `[weight]` bf16 [F, K], or NVFP4 `[codes, scales, global_scale]` with codes
             uint8 [F, K/2], scales float8_e4m3fn [F, K/16], global_scale fp32 [];
             K % 16 == 0 for NVFP4. All contiguous, on x's device.
+        use_pdl: launch with programmatic dependent launch (CUDA, sm_90+ only).
         out: optional bf16 [N, F] contiguous output; allocated when None.
-        use_pdl: launch with programmatic dependent launch (CUDA, sm_90+ only): the kernel
-            starts streaming weights before the previous kernel finishes and waits for
-            it only before reading x.
-        split_k: number of programs splitting K (fp32 atomics into a workspace, then one
-            scale-and-round); None picks one from the shape and the SM count.
+        config: a `GemvConfig`; None picks one with `choose_config`.
 
     Returns:
-        bf16 [N, F].
+        bf16 [N, F]. Numerics: see the module docstring (within one bf16 ulp + the fp32
+        reordering bound of the reference).
 
-    Bytes read: weights (bf16: 2*F*K; NVFP4: F*K/2 codes + F*K/16 scales + 4) plus
-    x (2*N*K). Bytes written: 2*N*F (with split-K > 1 also 4*N*F of fp32 workspace,
-    written, atomically accumulated, and read back).
+    Bytes read: weights (bf16: 2*F*K; NVFP4: F*K/2 codes + F*K/16 scales + 4) plus x
+    (2*N*K, re-read per F block from L2). Written: 2*N*F, plus with split-K 4*N*F*S of
+    fp32 partials (written and read back once, L2-resident).
 
     Raises:
         ValueError: a dtype, shape, device or contiguity does not match the above; the
             message names the argument.
     """
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"gemv: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or not (1 <= x.shape[0] <= MAX_N):
-        _fail("x", f"a bf16 tensor [N, K] with 1 <= N <= {MAX_N}", x)
-    if not x.is_contiguous():
-        _fail("x", "contiguous", x)
-    N, K = x.shape
-    dev = x.device
-    if not isinstance(w, (list, tuple)) or len(w) not in (1, 3):
-        raise ValueError("gemv: w must be a list [weight] (bf16) or [codes, scales, "
-                         "global_scale] (NVFP4)")
-    is_nvfp4 = len(w) == 3
-    if is_nvfp4:
-        codes, scales, gscale = w
-        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-            raise ValueError("gemv: w[0] (NVFP4 codes) must be a uint8 tensor [F, K/2]")
-        if K % NVFP4_BLOCK:
-            raise ValueError(f"gemv: x has K={K}, NVFP4 weights need K % {NVFP4_BLOCK} == 0")
-        F = codes.shape[0]
-        _check("w[0] (NVFP4 codes)", codes, torch.uint8, (F, K // 2), dev)
-        _check("w[1] (NVFP4 block scales)", scales, torch.float8_e4m3fn,
-               (F, K // NVFP4_BLOCK), dev)
-        _check("w[2] (NVFP4 global scale)", gscale, torch.float32, (), dev)
-        w_arg, s_arg, g_arg = codes, scales, gscale
-    else:
-        (weight,) = w
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError("gemv: w[0] (weight) must be a bf16 tensor [F, K]")
-        F = weight.shape[0]
-        _check("w[0] (weight)", weight, torch.bfloat16, (F, K), dev)
-        w_arg = s_arg = g_arg = weight  # scale pointers unused for bf16
+    check_x2d("gemv", x)
+    fmt, F, wargs = check_weight("gemv", "w", w, x.shape[1], x.device)
     if out is None:
-        out = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
+        out = torch.empty((x.shape[0], F), dtype=torch.bfloat16, device=x.device)
     else:
-        _check("out", out, torch.bfloat16, (N, F), dev)
+        check_tensor("gemv", "out", out, torch.bfloat16, (x.shape[0], F), x.device)
+    return launch_gemv("gemv", x, wargs, fmt, F, out, EPI_BF16, config=config, use_pdl=use_pdl)
 
-    block_n, block_f, block_k, auto_split = _choose_blocks(N, F, K, is_nvfp4, dev)
-    num_k_tiles = triton.cdiv(K, block_k)
-    if split_k is None:
-        split_k = auto_split
-    if not (1 <= split_k):
-        raise ValueError(f"gemv: split_k must be >= 1, got {split_k}")
-    split_k = min(split_k, num_k_tiles)
-    k_per_split = triton.cdiv(num_k_tiles, split_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)  # no empty splits
-    grid = (triton.cdiv(F, block_f), split_k)
-    target = out if split_k == 1 else torch.zeros((N, F), dtype=torch.float32, device=dev)
-    use_pdl = bool(use_pdl) and dev.type == "cuda"
-    launch_opts = {"launch_pdl": True} if use_pdl else {}
-    gemv_kernel[grid](
-        x, w_arg, s_arg, g_arg, target, N, F, K, k_per_split,
-        BLOCK_N=block_n, BLOCK_F=block_f, BLOCK_K=block_k, SPLIT_K=split_k,
-        IS_NVFP4=is_nvfp4, USE_PDL=use_pdl, DOT_BF16=dev.type == "cuda", num_warps=4,
-        **launch_opts,
-    )
-    if split_k > 1:
-        # TODO(perf): fold this scale-and-round into the kernel (last-arriving program per
-        # F block, via a counter) so split-K stays one launch.
-        if is_nvfp4:
-            target = target * g_arg
-        out.copy_(target)
-    return out
+
+def lm_head(x: torch.Tensor, w: torch.Tensor, *, use_pdl: bool = False,
+            config: GemvConfig | None = None) -> torch.Tensor:
+    """Logits `x @ W^T` with fp32 accumulation, never rounded, as `flintc::lm_head`
+    (reference: `flintc.ops.linear.lm_head`). x: bf16 [N, H] (N <= 8; larger N falls back
+    to the reference op); w: bf16 [V, H] contiguous. -> fp32 [N, V]. Within the fp32
+    reordering bound of the reference (no bf16 rounding anywhere).
+
+    Raises:
+        ValueError: bad dtype / shape / device / contiguity, naming the argument.
+    """
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] > MAX_N:
+        from flintc.ops import linear  # the reference op (fallback for big batches)
+        return linear.lm_head(x, w)
+    check_x2d("lm_head", x)
+    if not isinstance(w, torch.Tensor):
+        fail("lm_head", "w", "a bf16 tensor [V, H]", w)
+    fmt, F, wargs = check_weight("lm_head", "w", [w], x.shape[1], x.device)
+    out = torch.empty((x.shape[0], F), dtype=torch.float32, device=x.device)
+    return launch_gemv("lm_head", x, wargs, fmt, F, out, EPI_FP32, config=config,
+                       use_pdl=use_pdl)
 
 
 def gemv_reference(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
     """The op's reference (`flintc.model.ops.linear`): plain torch, fp32, one rounding."""
     return ops.linear(x, as_weight(w), CDT)
+
+
+def _gemv_entry(x, w, *, use_pdl: bool = False):
+    """`flintc::gemv` launcher (contract signature); falls back to the reference op
+    `flintc.ops.linear.gemv` for N > 8 rows."""
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] > MAX_N:
+        from flintc.ops import linear
+        return linear.gemv(x, w)
+    return gemv(x, w, use_pdl=use_pdl)
+
+
+KERNELS = {"gemv": _gemv_entry, "lm_head": lm_head}

@@ -12,45 +12,59 @@ Kernels (one launch each unless stated) and the ops they implement (references i
   launches: the top-k needs all E logits of a token, which one GEMV program never has).
 * `gate_up_kernel`: `flintc::moe_topk_gate_up` (ROUTE=True: sigmoid, bias-corrected top-k
   and routing weights in the prologue) and `flintc::moe_gate_up` (ROUTE=False: ids read
-  from memory). Grid: (slot, F block), slot = one (token, k) pair, plus one for the shared
-  expert. **Expert dedupe**: every program computes the selections of all N tokens (N*E
-  logits, a few KiB), and the program of slot (t, k) owns expert e = ids[t, k] only if no
-  earlier slot selected e; the owner runs e's gate/up GEMV for *all* tokens that selected e
-  (tokens are the N columns of one tensor-core tile), so each distinct expert's weights
-  are streamed from HBM exactly once per call; non-owners exit after writing their id and
-  weight. SiLU-and-mul in the epilogue, g and u each rounded to bf16 first (the reference's
-  rounding points).
+  from memory). Grid: (F block, slot, split of H); slot = one (token, k) pair, plus one
+  for the shared expert. **Expert dedupe**: every program computes the selections of all
+  N tokens (N*E logits, a few KiB), and slot (t, k) owns expert e = ids[t, k] only if no
+  earlier slot selected e; the owner runs e's gate and up GEMVs (one loop, both matrices'
+  tiles in flight, each x tile used twice) for *all* tokens that selected e, so each
+  distinct expert's weights are streamed from HBM once per call; non-owners exit. With
+  split > 1 each split stores fp32 partials [2, N, K+1, F] to a workspace and bumps a
+  per-(slot, F block) counter; the last-arriving split sums the partials in split order
+  (deterministic) and runs the epilogue: g and u each rounded to bf16 (the reference's
+  rounding points), SiLU-and-mul in fp32, one rounding.
 * `down_kernel`: `flintc::moe_down_combine_residual` (HAS_RESIDUAL=True) and
-  `flintc::moe_down_combine`. Grid: blocks of BLOCK_H output rows; each program walks the
-  shared expert and then the slots, skipping duplicate experts the same way (each distinct
-  expert's [BLOCK_H, F] tile is read once, for all its tokens), with a software pipeline
-  (the next distinct expert's tile is loaded before the current one is used; the shared
-  expert's tile before `gdc_wait`). Each expert output is rounded to bf16, weighted in
-  fp32, summed in k order, plus the shared expert, rounded once; then the residual add
-  (fp32 sum of two bf16, rounded once).
+  `flintc::moe_down_combine`. Grid: (H block, slot, split of F): every distinct expert
+  (same dedupe) and the shared expert run in parallel, each owner writing its fp32
+  partial y[n, k, h-block] for its tokens into a workspace [split, N, K+1, H]. Every
+  program, owner or not, then counts itself on the H block's counter; the last of the
+  (N*K+1) * split arrivals does the combine in the reference's order: per (n, k) the
+  splits summed in split order, times the global scale, rounded to bf16; `w_k * y_k`
+  (a separate fp32 multiply, never an FMA) summed over k = 0..K-1 in order, plus the
+  shared expert's bf16 output, rounded once; then the residual add (fp32 sum of two
+  bf16, rounded once). No float atomics: the result does not depend on arrival order.
 
-PDL: each kernel loads what does not depend on the previous kernel (router / shared-expert
-weight tiles) before `gdc_wait`; routed-expert tiles can only be addressed after the ids
-are known. `use_pdl=True` launches with `launch_pdl=True` (CUDA only).
+Counters: the int32 arrival counters are `flintc.kernels.gemv.split_k_counters` (one zeroed
+buffer per device; the last arrival resets its counter, so every launch leaves them zero).
+They are touched only after `gdc_wait`, so a PDL-overlapped neighbour never sees them
+mid-use. Workspaces are `torch.empty` of shapes fixed by (N, K, F, H, split): nothing
+depends on data values and there are no host syncs (CUDA-graph safe).
 
-NVFP4 decode. Instead of `flintc.kernels.gemv._e2m1_to_fp32` (about 12 integer/float ops
-per weight; gemv.py's NVFP4 path measured decode-bound at 2-6% of copy bandwidth), a code
-is turned into an fp16 *bit pattern* in 5 integer ops: sign bit 3 -> bit 15, magnitude
-bits 2..0 -> bits 11..9. That fp16 number is exactly `e2m1 * 2^-14` (exponent 0 is the fp16
-subnormal range, matching E2M1's subnormal). Multiplying by the E4M3 block scale in fp16 is
-exact (both factors have <= 4 significant bits, the product lies in [2^-24, 0.17], all
-multiples of 2^-24 that fp16 holds), and so is the conversion to bf16 for the tensor-core
-dot. The 2^14 and the global scale are applied to the fp32 accumulator:
-`acc * 2^14 * global_scale`; the first multiply is exact, so this is the reference's
-`(x @ (e2m1 * scale)^T) * global_scale` up to the summation order.
+Expert GEMV (issue 5 round 2; ideas from `flintc.kernels.gemv`): weight tiles load as
+[rows, BLOCK_K/8, 8] bf16 or [rows, BLOCK_K/16, 8] code bytes (one 16-weight block and its
+scale per 8-byte vector); E2M1 is decoded with integer ops only (`_e2m1_bf16` /
+`_e2m1_fp32`, no int->float conversion); the reduction is either the tensor cores (tokens
+padded to 16) or an FMA reduction that keeps one fp32 partial per 8/16 columns and sums
+once after the K loop, NVFP4 optionally scaling each 16-weight partial once
+(`scale_after`). Memory in flight comes from Triton's pipeliner (num_stages) or a
+register prefetch of the next tile. Configurations come from `TUNED` (measured by
+`benchmarks/bench_moe.py`, which sweeps `sweep_configs`) or the rule in `choose_config`;
+never autotuned at call time.
+
+PDL: each kernel loads what does not depend on the previous kernel (router rows; the
+shared expert's first tiles in `prefetch` configs) before `gdc_wait`; routed-expert tiles
+can only be addressed once the ids are known. `use_pdl=True` launches with
+`launch_pdl=True` (CUDA only).
 
 Numerics against the reference (FLINT_SPEC section 3 rounding points, all kept):
 * logits: fp32 dot products in a different order than torch's matmul: a few fp32 ulps.
 * normed x, g, u, h, expert outputs, combine, residual: one bf16 rounding each, at the
-  reference's points; GEMV sums in a different order and Triton's exp/rsqrt/sigmoid can
-  differ from torch's by an ulp, so a value on a rounding boundary can move one bf16 ulp
-  (a small share of elements; tests report it). The combine sums the K weighted expert
-  outputs in k order, then adds the shared expert, as the reference does.
+  reference's points. Every product x * w is exact in fp32 (bf16 x bf16, or bf16 x
+  e2m1 * e4m3); only the fp32 summation order differs from torch (tensor-core order,
+  split-K, and with `scale_after` one extra rounding of at most 2^-24 relative per
+  16-weight block), and Triton's exp/rsqrt/sigmoid can differ from torch's by an ulp, so a
+  value on a bf16 rounding boundary can move one bf16 ulp (a small share of elements;
+  tests report it). The combine sums the K weighted expert outputs in k order, then adds
+  the shared expert, as the reference does.
 * top-k ids: exact (ties in `sigmoid(logit) + bias` go to the lower expert index), except
   where two keys are within an ulp of each other and the sigmoids differ by an ulp.
 * routing weights: `s_k / sum(s) * scaling` with a tree-ordered sum and a correctly
@@ -58,22 +72,23 @@ Numerics against the reference (FLINT_SPEC section 3 rounding points, all kept):
   (measured: a sequential 6-term sum differs from torch's CPU sum in 39% of rows), so the
   weights agree to a few fp32 ulps, not bit for bit.
 
-All launchers fall back to the reference op (`torch.ops.flintc.*`) for N > 8 or F > 1024,
-which a decode step at batch <= 8 never sees.
+All launchers fall back to the reference op (`torch.ops.flintc.*`) for N > 8, which a
+decode step at batch <= 8 never sees.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from flintc.kernels.gemv import _round_to_bf16
+from flintc.kernels.gemv import _round_to_bf16, split_k_counters
 
 MAX_N = 8  # decode batch limit of the kernels (the launchers fall back above it)
-MAX_F = 1024  # expert width held as one tile by the down kernel
 NVFP4_BLOCK = 16
 
 
@@ -109,18 +124,6 @@ def _rsqrt(v, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _mma(acc, w, x, DOT_BF16: tl.constexpr):
-    """acc[R, BLOCK_N] += w[R, k] @ x[BLOCK_N, k]^T, exact products, fp32 accumulation.
-    Weights are the M side of the tensor-core tile (R >= 16 rows), the <= 8 tokens padded
-    to 16 the N side. Every operand is exact in bf16; the interpreter gets an fp32 IEEE dot
-    (bf16 math is broken there, NOTES)."""
-    if DOT_BF16:
-        return tl.dot(w.to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)), acc)
-    else:
-        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-
-
-@triton.jit
 def _load_tile(w_ptr, s_ptr, offs_r, mask_r, k0, K, BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr):
     """Raw weight tile of rows `offs_r`, columns [k0, k0 + BLOCK_K) of a row-major [R, K]
     matrix (w_ptr already at the matrix). bf16: (w [R, BLOCK_K], w). NVFP4: (codes uint8
@@ -140,48 +143,6 @@ def _load_tile(w_ptr, s_ptr, offs_r, mask_r, k0, K, BLOCK_K: tl.constexpr, IS_NV
         return w, w
 
 
-@triton.jit
-def _nvfp4_decode(codes, scales, BLOCK_K: tl.constexpr):
-    """(codes uint8 [R, BLOCK_K/2], scales fp8 [R, BLOCK_K/16]) -> (w_even, w_odd) fp16
-    [R, BLOCK_K/2] holding `e2m1 * scale * 2^-14` exactly (see the module doc). w_even is
-    weight 2j (low nibble of byte j), w_odd weight 2j + 1."""
-    R: tl.constexpr = codes.shape[0]
-    s = scales.to(tl.float32).to(tl.float16)  # e4m3 -> fp16 is exact
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (R, BLOCK_K // 16, 8)), (R, BLOCK_K // 2))
-    c = codes.to(tl.uint16)
-    lo = ((c & 0x8) << 12) | ((c & 0x7) << 9)
-    hi = ((c & 0x80) << 8) | ((c & 0x70) << 5)
-    return lo.to(tl.float16, bitcast=True) * s, hi.to(tl.float16, bitcast=True) * s
-
-
-@triton.jit
-def _gemv_step(acc, w_raw, s_raw, x_rows, mask_x, k0, K, BLOCK_K: tl.constexpr,
-               IS_NVFP4: tl.constexpr, DOT_BF16: tl.constexpr):
-    """One BLOCK_K step of acc[R, BLOCK_N] += W[:, k0:k0+BLOCK_K] @ x[:, k0:k0+BLOCK_K]^T.
-    `x_rows` are the row pointers [BLOCK_N, 1] of the activations, `mask_x` [BLOCK_N, 1]."""
-    if IS_NVFP4:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        m = mask_x & (2 * offs_b < K)[None, :]
-        x_even = tl.load(x_rows + 2 * offs_b[None, :], mask=m, other=0.0)
-        x_odd = tl.load(x_rows + 2 * offs_b[None, :] + 1, mask=m, other=0.0)
-        w_even, w_odd = _nvfp4_decode(w_raw, s_raw, BLOCK_K)
-        acc = _mma(acc, w_even, x_even, DOT_BF16)
-        acc = _mma(acc, w_odd, x_odd, DOT_BF16)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_x & (offs_k < K)[None, :], other=0.0)
-        acc = _mma(acc, w_raw, x, DOT_BF16)
-    return acc
-
-
-@triton.jit
-def _finish(acc, gscale, IS_NVFP4: tl.constexpr):
-    """Accumulator -> fp32 GEMV result before rounding: NVFP4 undoes the 2^-14 of the fp16
-    decode (exact) and applies the global scale on the fp32 accumulator."""
-    if IS_NVFP4:
-        return acc * 16384.0 * gscale
-    else:
-        return acc
 
 
 @triton.jit
@@ -305,44 +266,297 @@ def topk_kernel(
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
 
 
+# ----------------------------------------------------------------------------- expert GEMV
+# E2M1 decoders and the weight-tile loader are copied from `flintc.kernels.gemv`
+# (`_e2m1_fp32`, `_e2m1_bf16`, `_load_w`; private there), so that moe.py does not depend
+# on another module's private helpers.
+@triton.jit
+def _e2m1_fp32(c):
+    """E2M1 codes (int32, 0..15; sign bit 3) to fp32 by building the fp32 bit pattern with
+    integer ops (no int->float conversion). m = c & 7: m >= 2 is normal, pattern
+    (m << 22) + (126 << 23); m == 1 is 0.5 (0x3F000000); m == 0 is zero. From gemv.py."""
+    m = c & 7
+    bits = tl.where(m >= 2, (m << 22) + (126 << 23), m * 0x3F000000)
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_bf16(c):
+    """E2M1 codes (int32, 0..15) to bf16 from the bit pattern (integer ops only): (m << 6)
+    + (126 << 7) for m >= 2, 0x3F00 (0.5) for m == 1, 0 for m == 0, sign in bit 15.
+    From gemv.py."""
+    m = c & 7
+    bits = tl.where(m >= 2, (m << 6) + (126 << 7), m * 0x3F00)
+    bits = bits | ((c & 8) << 12)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr):
+    """Raw weight tile, columns [k0, k0 + BLOCK_K) of the rows that `w_rows` (pointer
+    [BLOCK_F] to each row's first element / code byte) and `s_rows` (pointer [BLOCK_F] to
+    each row's first block scale) point at; columns at or past `k_end` are masked (no
+    traffic). bf16: (w [BLOCK_F, BLOCK_K/8, 8], w again). NVFP4: (codes uint8 [BLOCK_F,
+    BLOCK_K/16, 8] (8 bytes = one 16-weight block per vector), scales fp8 [BLOCK_F,
+    BLOCK_K/16]). From gemv.py."""
+    kb = tl.arange(0, BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8)
+    j = tl.arange(0, 8)
+    if IS_NVFP4:
+        col = k0 // 2 + kb[:, None] * 8 + j[None, :]
+        mask = mask_f[:, None, None] & (k0 + 16 * kb < k_end)[None, :, None]
+        codes = tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0)
+        scol = k0 // 16 + kb
+        mask_s = mask_f[:, None] & (k0 + 16 * kb < k_end)[None, :]
+        scales = tl.load(s_rows[:, None] + scol[None, :], mask=mask_s, other=0.0)
+        return codes, scales
+    else:
+        col = k0 + kb[:, None] * 8 + j[None, :]
+        mask = mask_f[:, None, None] & (col < k_end)[None, :, :]
+        w = tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0.0)
+        return w, w
+
+
+@triton.jit
+def _load_x(x_rows, mask_x, k0, k_end, BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr):
+    """Activation tiles matching `_load_w`'s columns, fp32, for the tokens whose row
+    starts `x_rows` (pointer [BLOCK_N]) point at (rows not in `mask_x` read as 0; the
+    rows need not be evenly spaced: the down GEMV reads h[n, kpos[n], :]).
+    bf16: (x [BLOCK_N, KB, 8] at columns k0 + 8 kb + j, the same again); NVFP4: (x_even,
+    x_odd) [BLOCK_N, KB, 8] at columns k0 + 16 kb + 2 j (+ 1), loaded as one contiguous
+    [BLOCK_N, KB, 8, 2] tile and split in registers (gemv.py's `_load_x`)."""
+    kb = tl.arange(0, BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8)
+    j = tl.arange(0, 8)
+    if IS_NVFP4:
+        p = tl.arange(0, 2)
+        col = k0 + kb[:, None, None] * 16 + 2 * j[None, :, None] + p[None, None, :]
+        mask = mask_x[:, None, None, None] & (col < k_end)[None, :, :, :]
+        x = tl.load(x_rows[:, None, None, None] + col[None, :, :, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        x_e, x_o = tl.split(x)
+        return x_e, x_o
+    else:
+        col = k0 + kb[:, None] * 8 + j[None, :]
+        mask = mask_x[:, None, None] & (col < k_end)[None, :, :]
+        x = tl.load(x_rows[:, None, None] + col[None, :, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        return x, x
+
+
+@triton.jit
+def _dot_tile(acc, x3, w3, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, KW: tl.constexpr,
+              GPU: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_F] += x3 [BLOCK_N, KB, 8] . w3 [BLOCK_F, KB, 8] on the tensor
+    cores. Every operand is exact in bf16 (bf16 activations; bf16 weights or e2m1 * e4m3),
+    so the GPU dot takes bf16 with fp32 accumulation; the interpreter mishandles bf16
+    math (NOTES), so there the dot runs on fp32 in IEEE precision."""
+    x2 = tl.reshape(x3, (BLOCK_N, KW))
+    w2 = tl.reshape(w3, (BLOCK_F, KW))
+    if GPU:
+        return tl.dot(x2.to(tl.bfloat16), tl.trans(w2.to(tl.bfloat16)), acc)
+    else:
+        return tl.dot(x2.to(tl.float32), tl.trans(w2.to(tl.float32)), acc,
+                      input_precision="ieee")
+
+
+@triton.jit
+def _mac(acc, w, s, x_a, x_b, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+         BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, USE_DOT: tl.constexpr,
+         SCALE_AFTER: tl.constexpr, GPU: tl.constexpr):
+    """One BLOCK_K step: acc += x . w for one weight tile (from `_load_w`) and the x tiles
+    (from `_load_x`). USE_DOT: acc [BLOCK_N, BLOCK_F] on the tensor cores. Else the FMA
+    reduction: acc [BLOCK_N, BLOCK_F, KB] keeps one fp32 partial per 8 (bf16) or 16
+    (NVFP4) columns, summed once after the K loop; with SCALE_AFTER (NVFP4) each
+    16-weight block is summed unscaled and multiplied by its block scale once."""
+    if IS_NVFP4:
+        c = w.to(tl.int32)
+        if USE_DOT:
+            if GPU:  # e2m1 * e4m3 is exact in bf16, so the bf16 multiply is too
+                sb = s.to(tl.bfloat16)[:, :, None]
+                w_lo = _e2m1_bf16(c & 15) * sb
+                w_hi = _e2m1_bf16(c >> 4) * sb
+            else:
+                sf = s.to(tl.float32)[:, :, None]  # e4m3 -> fp32 is exact
+                w_lo = _e2m1_fp32(c & 15) * sf
+                w_hi = _e2m1_fp32(c >> 4) * sf
+            acc = _dot_tile(acc, x_a, w_lo, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
+            acc = _dot_tile(acc, x_b, w_hi, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
+        else:
+            sf = s.to(tl.float32)  # [BLOCK_F, KB]
+            if SCALE_AFTER:
+                part = tl.sum(x_a[:, None, :, :] * _e2m1_fp32(c & 15)[None, :, :, :], axis=3)
+                part += tl.sum(x_b[:, None, :, :] * _e2m1_fp32(c >> 4)[None, :, :, :], axis=3)
+                acc += part * sf[None, :, :]
+            else:
+                w_lo = _e2m1_fp32(c & 15) * sf[:, :, None]
+                w_hi = _e2m1_fp32(c >> 4) * sf[:, :, None]
+                acc += tl.sum(x_a[:, None, :, :] * w_lo[None, :, :, :], axis=3)
+                acc += tl.sum(x_b[:, None, :, :] * w_hi[None, :, :, :], axis=3)
+    else:
+        if USE_DOT:
+            acc = _dot_tile(acc, x_a, w, BLOCK_N, BLOCK_F, BLOCK_K, GPU)
+        else:
+            acc += tl.sum(x_a[:, None, :, :] * w.to(tl.float32)[None, :, :, :], axis=3)
+    return acc
+
+
+@triton.jit
+def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows, mask_x,
+                 k_start, k_end, n_iters,
+                 BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IS_NVFP4: tl.constexpr, TWO: tl.constexpr, USE_DOT: tl.constexpr,
+                 SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, PREFETCH: tl.constexpr):
+    """(acc, acc2) fp32 [BLOCK_N, BLOCK_F]: x[:, k_start:k_end] @ W[rows, k_start:k_end]^T
+    for W = the matrix at (w_rows, s_rows) and, with TWO, also for V at (v_rows, t_rows)
+    (gate and up share each x tile; twice the loads in flight per step). NVFP4 results
+    lack the global scale. PREFETCH: (w0, s0) / (v0, t0) are the first tiles (loaded by
+    the caller, the shared expert's before `gdc_wait`) and each step loads the next tiles
+    into registers before using the current ones; without it each step loads its own
+    tiles and Triton's pipeliner (num_stages) stages them through shared memory."""
+    KB: tl.constexpr = BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_F, KB), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_F, KB), dtype=tl.float32)
+    for it in range(n_iters):
+        k0 = k_start + it * BLOCK_K
+        if PREFETCH:
+            w_nxt, s_nxt = _load_w(w_rows, s_rows, mask_f, k0 + BLOCK_K, k_end, BLOCK_K,
+                                   IS_NVFP4)
+            if TWO:
+                v_nxt, t_nxt = _load_w(v_rows, t_rows, mask_f, k0 + BLOCK_K, k_end, BLOCK_K,
+                                       IS_NVFP4)
+        else:
+            w0, s0 = _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K, IS_NVFP4)
+            if TWO:
+                v0, t0 = _load_w(v_rows, t_rows, mask_f, k0, k_end, BLOCK_K, IS_NVFP4)
+        x_a, x_b = _load_x(x_rows, mask_x, k0, k_end, BLOCK_K, IS_NVFP4)
+        acc = _mac(acc, w0, s0, x_a, x_b, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, USE_DOT,
+                   SCALE_AFTER, GPU)
+        if TWO:
+            acc2 = _mac(acc2, v0, t0, x_a, x_b, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, USE_DOT,
+                        SCALE_AFTER, GPU)
+        if PREFETCH:
+            w0 = w_nxt
+            s0 = s_nxt
+            if TWO:
+                v0 = v_nxt
+                t0 = t_nxt
+    if USE_DOT:
+        return acc, acc2
+    else:
+        return tl.sum(acc, axis=2), tl.sum(acc2, axis=2)
+
+
+@triton.jit
+def _mul_rn(a, b, GPU: tl.constexpr):
+    """a * b rounded on its own (never contracted into an FMA with a following add), as
+    torch's separate multiply: `__fmul_rn` on the GPU; numpy never contracts."""
+    if GPU:
+        return tl.extra.cuda.libdevice.mul_rn(a, b)
+    else:
+        return a * b
+
+
+@triton.jit
+def _arrive(cnt_ptr, idx):
+    """Count this program's arrival on counter `idx` (acq_rel, GPU scope) after a barrier
+    that orders every thread's workspace stores before it. Returns the count before."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr + idx, 1, sem="acq_rel", scope="gpu")
+
+
+@triton.jit
+def _slot_expert(logits_ptr, bias_ptr, ids_in_ptr, wts_ptr, ids_ptr, slot, write, N, E,
+                 IDS_STRIDE, scaling, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
+                 ROUTE: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Expert dedupe of routed slot `slot` = (token slot // K, choice slot % K).
+
+    Reads (ROUTE: computes, `_route`) the ids of all N tokens on a [BLOCK_T >= N, K] tile;
+    the slot owns its expert e iff no earlier slot chose e, and the owner computes e for
+    every token that chose it. With ROUTE and `write`, stores the slot's routing weight
+    and id. Returns (e int32, skip (not the owner), tok [BLOCK_N] (tokens that chose e),
+    kpos [BLOCK_N] (their choice index)); BLOCK_N (the GEMV's token tile, 16 for the
+    tensor cores) may exceed BLOCK_T, which keeps the routing tile (and its registers)
+    at the real batch."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, TOPK_PAD)
+    valid = (offs_t < N)[:, None] & (offs_k < TOP_K)[None, :]
+    if ROUTE:
+        sel, wts = _route(logits_ptr, bias_ptr, N, E, scaling, offs_t, offs_k, BLOCK_E,
+                          TOP_K, LIBDEVICE)
+    else:
+        sel = tl.load(ids_in_ptr + offs_t[:, None] * IDS_STRIDE + offs_k[None, :], mask=valid,
+                      other=0).to(tl.int32)
+    flat = offs_t[:, None] * TOP_K + offs_k[None, :]
+    me = (flat == slot) & valid
+    e = tl.sum(tl.where(me, sel, 0))
+    if ROUTE:  # noqa: SIM102 (ROUTE is a constexpr, `write` a runtime value)
+        if write:
+            tl.store(wts_ptr + slot, tl.sum(tl.where(me, wts, 0.0)))
+            tl.store(ids_ptr + slot, e.to(tl.int64))
+    same = (sel == e) & valid
+    skip = tl.sum(tl.where(same & (flat < slot), 1, 0)) > 0
+    kpos1 = tl.sum(tl.where(same, offs_k[None, :] + 1, 0), axis=1)  # choice + 1, or 0 [BLOCK_T]
+    offs_n = tl.arange(0, BLOCK_N)  # widen [BLOCK_T] -> [BLOCK_N] (rows past BLOCK_T: 0)
+    kpos1 = tl.sum(tl.where(offs_n[:, None] == offs_t[None, :], kpos1[None, :], 0), axis=1)
+    return e, skip, kpos1 > 0, kpos1 - 1
+
+
 # ----------------------------------------------------------------------------- kernel 6
 @triton.jit
 def gate_up_kernel(
     x_ptr,  # bf16 [N, H]
     logits_ptr, bias_ptr,  # ROUTE: fp32 [N, E], fp32 [E]
-    ids_in_ptr,  # not ROUTE: int64 [N, K]
+    ids_in_ptr,  # not ROUTE: int64 [N, K] (rows IDS_STRIDE apart)
     g_ptr, g_s_ptr, g_gs_ptr,  # gate: bf16 [E, F, H] | NVFP4 codes [E, F, H/2], scales, gscale
     u_ptr, u_s_ptr, u_gs_ptr,  # up: same
     sg_ptr, sg_s_ptr, sg_gs_ptr,  # shared gate: [F, H] | NVFP4, gscale []
     su_ptr, su_s_ptr, su_gs_ptr,  # shared up
     h_ptr,  # out: bf16 [N, K + HAS_SHARED, F]
     wts_ptr, ids_ptr,  # out (ROUTE): fp32 [N, K], int64 [N, K]
+    ws_ptr,  # SPLIT > 1: fp32 workspace [SPLIT, 2, N, K + HAS_SHARED, F]
+    cnt_ptr,  # SPLIT > 1: int32 counters, zero on entry and on exit
     N, E, F, H,
     GS_STRIDE,  # 1: routed global scales [E]; 0: one scalar
-    IDS_STRIDE,  # row stride of ids_in (the reference's ids are a slice of a sort)
-    scaling,
-    BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, ROUTE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    IS_NVFP4: tl.constexpr, USE_PDL: tl.constexpr, DOT_BF16: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    IDS_STRIDE, scaling, K_PER_SPLIT,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, SPLIT: tl.constexpr,
+    ROUTE: tl.constexpr,
+    HAS_SHARED: tl.constexpr, IS_NVFP4: tl.constexpr, USE_DOT: tl.constexpr,
+    SCALE_AFTER: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    GPU: tl.constexpr,
 ):
-    # Program (slot, f block): slot < N*K is (token t, choice k); slot N*K the shared expert.
-    slot = tl.program_id(0)
-    pid_f = tl.program_id(1)
+    # Program (f block, slot, split): slot < N*K is (token, choice), slot N*K the shared
+    # expert; columns [pid_k * K_PER_SPLIT, ...) of H. Non-owner slots exit after writing
+    # their routing outputs; with SPLIT > 1 the last-arriving split of a (slot, f block)
+    # sums the fp32 partials in split order and runs the epilogue.
+    pid_f = tl.program_id(0)
+    slot = tl.program_id(1)
+    pid_k = tl.program_id(2)
     NK = N * TOP_K
-    SLOTS: tl.constexpr = TOP_K + HAS_SHARED  # h rows per token
+    SLOTS: tl.constexpr = TOP_K + HAS_SHARED
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     mask_f = offs_f < F
     offs_n = tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, TOPK_PAD)
-    KW = H // 2 if IS_NVFP4 else H  # row length of the stored weight
-    if slot == NK:  # the shared expert: its weights are known before the previous kernel ends
-        gw = sg_ptr
-        gs = sg_s_ptr
-        uw = su_ptr
-        us = su_s_ptr
-        g_cur, gs_cur = _load_tile(gw, gs, offs_f, mask_f, 0, H, BLOCK_K, IS_NVFP4)
-        u_cur, us_cur = _load_tile(uw, us, offs_f, mask_f, 0, H, BLOCK_K, IS_NVFP4)
+    KW = H // 2 if IS_NVFP4 else H  # stored row length
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(H, k_start + K_PER_SPLIT)
+    n_iters = tl.cdiv(k_end - k_start, BLOCK_K)
+    if slot == NK:  # the shared expert: known before the previous kernel ends
+        gw = sg_ptr + offs_f.to(tl.int64) * KW
+        gs = sg_s_ptr + offs_f.to(tl.int64) * (H // 16)
+        uw = su_ptr + offs_f.to(tl.int64) * KW
+        us = su_s_ptr + offs_f.to(tl.int64) * (H // 16)
+        if PREFETCH:
+            g0, gs0 = _load_w(gw, gs, mask_f, k_start, k_end, BLOCK_K, IS_NVFP4)
+            u0, us0 = _load_w(uw, us, mask_f, k_start, k_end, BLOCK_K, IS_NVFP4)
+        else:
+            g0, gs0 = _load_w(gw, gs, mask_f, k_start, k_start, BLOCK_K, IS_NVFP4)  # no-op
+            u0, us0 = g0, gs0
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         tok = offs_n < N
@@ -356,181 +570,175 @@ def gate_up_kernel(
     else:
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # logits / ids come from the previous kernel
-        valid = (offs_n < N)[:, None] & (offs_k < TOP_K)[None, :]
-        if ROUTE:
-            sel, wts = _route(logits_ptr, bias_ptr, N, E, scaling, offs_n, offs_k, BLOCK_E,
-                              TOP_K, LIBDEVICE)
-        else:
-            sel = tl.load(ids_in_ptr + offs_n[:, None] * IDS_STRIDE + offs_k[None, :], mask=valid,
-                          other=0).to(tl.int32)
-            wts = tl.zeros((BLOCK_N, TOPK_PAD), dtype=tl.float32)
-        flat = offs_n[:, None] * TOP_K + offs_k[None, :]  # slot index of each (token, k)
-        me = flat == slot
-        e = tl.sum(tl.where(me & valid, sel, 0))
-        if ROUTE:
-            # Each (token, k) output is written once, by its slot's first F block.
-            if pid_f == 0:
-                tl.store(wts_ptr + slot, tl.sum(tl.where(me & valid, wts, 0.0)))
-                tl.store(ids_ptr + slot, e.to(tl.int64))
-        same = (sel == e) & valid
-        # Owner of e: no earlier slot chose it. A non-owner loads nothing (masked loads)
-        # and returns below; the owner computes e for every token that chose it.
-        skip = tl.sum(tl.where(same & (flat < slot), 1, 0)) > 0
-        mask_f = offs_f < tl.where(skip, 0, F)  # (a scalar & tensor mask trips the interpreter)
-        kpos1 = tl.sum(tl.where(same, offs_k[None, :] + 1, 0), axis=1)  # choice + 1, or 0
-        tok = kpos1 > 0  # tokens that selected e
-        kpos = kpos1 - 1  # ... at this choice
+        e, skip, tok, kpos = _slot_expert(logits_ptr, bias_ptr, ids_in_ptr, wts_ptr, ids_ptr,
+                                          slot, (pid_f == 0) & (pid_k == 0), N, E, IDS_STRIDE,
+                                          scaling, BLOCK_N, BLOCK_T, BLOCK_E, TOP_K, TOPK_PAD,
+                                          ROUTE, GPU)
         e64 = e.to(tl.int64)
-        gw = g_ptr + e64 * F * KW
-        uw = u_ptr + e64 * F * KW
-        gs = g_s_ptr + e64 * F * (H // 16)
-        us = u_s_ptr + e64 * F * (H // 16)
-        g_cur, gs_cur = _load_tile(gw, gs, offs_f, mask_f, 0, H, BLOCK_K, IS_NVFP4)
-        u_cur, us_cur = _load_tile(uw, us, offs_f, mask_f, 0, H, BLOCK_K, IS_NVFP4)
+        rows = e64 * F + offs_f.to(tl.int64)
+        gw = g_ptr + rows * KW
+        uw = u_ptr + rows * KW
+        gs = g_s_ptr + rows * (H // 16)
+        us = u_s_ptr + rows * (H // 16)
+        mask_f = offs_f < tl.where(skip, 0, F)  # non-owners load nothing
+        if PREFETCH:
+            g0, gs0 = _load_w(gw, gs, mask_f, k_start, k_end, BLOCK_K, IS_NVFP4)
+            u0, us0 = _load_w(uw, us, mask_f, k_start, k_end, BLOCK_K, IS_NVFP4)
+        else:
+            g0, gs0 = _load_w(gw, gs, mask_f, k_start, k_start, BLOCK_K, IS_NVFP4)  # no-op
+            u0, us0 = g0, gs0
         g_gscale = 1.0
         u_gscale = 1.0
         if IS_NVFP4:
             g_gscale = tl.load(g_gs_ptr + e64 * GS_STRIDE)
             u_gscale = tl.load(u_gs_ptr + e64 * GS_STRIDE)
     if skip:
-        return  # top level: an earlier slot computes this expert for every token
+        return  # an earlier slot computes this expert for every token that chose it
 
-    x_rows = x_ptr + offs_n[:, None] * H
-    mask_x = tok[:, None]
-    acc_g = tl.zeros((BLOCK_F, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_F, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        # Software pipeline: next tiles first (fully masked past H: no traffic).
-        g_nxt, gs_nxt = _load_tile(gw, gs, offs_f, mask_f, k0 + BLOCK_K, H, BLOCK_K, IS_NVFP4)
-        u_nxt, us_nxt = _load_tile(uw, us, offs_f, mask_f, k0 + BLOCK_K, H, BLOCK_K, IS_NVFP4)
-        acc_g = _gemv_step(acc_g, g_cur, gs_cur, x_rows, mask_x, k0, H, BLOCK_K, IS_NVFP4,
-                           DOT_BF16)
-        acc_u = _gemv_step(acc_u, u_cur, us_cur, x_rows, mask_x, k0, H, BLOCK_K, IS_NVFP4,
-                           DOT_BF16)
-        g_cur, gs_cur, u_cur, us_cur = g_nxt, gs_nxt, u_nxt, us_nxt
+    x_rows = x_ptr + offs_n.to(tl.int64) * H
+    acc_g, acc_u = _expert_gemv(gw, gs, uw, us, g0, gs0, u0, us0, mask_f, x_rows, tok,
+                                k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
+                                True, USE_DOT, SCALE_AFTER, GPU, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    g = _bf16_value(_finish(acc_g, g_gscale, IS_NVFP4))  # g rounded to bf16 (reference)
-    u = _bf16_value(_finish(acc_u, u_gscale, IS_NVFP4))  # u rounded to bf16
-    hv = g * _sigmoid(g, LIBDEVICE) * u  # silu_mul in fp32: (g * sigmoid(g)) * u
-    # h[n, kpos[n], f], h is [N, SLOTS, F]; acc is [BLOCK_F, BLOCK_N].
-    out = (offs_n[None, :] * SLOTS + kpos[None, :]) * F + offs_f[:, None]
-    tl.store(h_ptr + out, _round_to_bf16(hv), mask=mask_f[:, None] & tok[None, :])
+    row = offs_n[:, None] * SLOTS + kpos[:, None]  # h[n, kpos[n], :], [BLOCK_N, 1]
+    mask = tok[:, None] & mask_f[None, :]
+    if SPLIT > 1:
+        part = (row * F + offs_f[None, :]).to(tl.int64)
+        plane = N * SLOTS * F  # one [N, SLOTS, F] plane of the workspace
+        tl.store(ws_ptr + (pid_k * 2) * plane + part, acc_g, mask=mask)
+        tl.store(ws_ptr + (pid_k * 2 + 1) * plane + part, acc_u, mask=mask)
+        counter = slot * tl.num_programs(0) + pid_f
+        arrived = _arrive(cnt_ptr, counter)
+        if arrived == SPLIT - 1:  # the last split: sum all partials in split order
+            acc_g = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                # .cg: through L2 (L1 is not coherent with the other SMs' stores)
+                acc_g += tl.load(ws_ptr + (2 * s) * plane + part, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+                acc_u += tl.load(ws_ptr + (2 * s + 1) * plane + part, mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + counter, 0)  # zero again for the next launch
+            g = _bf16_value(acc_g * g_gscale)  # g rounded to bf16 (reference)
+            u = _bf16_value(acc_u * u_gscale)  # u rounded to bf16
+            hv = g * _sigmoid(g, GPU) * u  # silu_mul in fp32: (g * sigmoid(g)) * u
+            tl.store(h_ptr + row * F + offs_f[None, :], _round_to_bf16(hv), mask=mask)
+    else:
+        g = _bf16_value(acc_g * g_gscale)
+        u = _bf16_value(acc_u * u_gscale)
+        hv = g * _sigmoid(g, GPU) * u
+        tl.store(h_ptr + row * F + offs_f[None, :], _round_to_bf16(hv), mask=mask)
 
 
 # ----------------------------------------------------------------------------- kernel 7
 @triton.jit
-def _down_tile(d_ptr, d_s_ptr, e64, F, H, offs_h, ok, BLOCK_F: tl.constexpr,
-               IS_NVFP4: tl.constexpr):
-    """The [BLOCK_H, F] tile of expert e64's down matrix [H, F]; nothing read unless `ok`."""
-    KW = F // 2 if IS_NVFP4 else F
-    rows = offs_h < tl.where(ok, H, 0)  # offs_h < H, or nothing when not `ok`
-    return _load_tile(d_ptr + e64 * H * KW, d_s_ptr + e64 * H * (F // 16), offs_h, rows,
-                      0, F, BLOCK_F, IS_NVFP4)
-
-
-@triton.jit
 def down_kernel(
     h_ptr,  # bf16 [N, K + HAS_SHARED, F]
-    ids_ptr,  # int64 [N, K]
-    wts_ptr,  # fp32 [N, K]
+    ids_ptr,  # int64 [N, K] (rows IDS_STRIDE apart)
+    wts_ptr,  # fp32 [N, K] (rows WTS_STRIDE apart)
     d_ptr, d_s_ptr, d_gs_ptr,  # down: bf16 [E, H, F] | NVFP4 codes [E, H, F/2], scales, gscale
     sd_ptr, sd_s_ptr, sd_gs_ptr,  # shared down: [H, F] | NVFP4
     res_ptr,  # bf16 [N, H] (HAS_RESIDUAL)
     out_ptr,  # out: bf16 [N, H]
+    ws_ptr,  # fp32 workspace [SPLIT, N, K + HAS_SHARED, H]
+    cnt_ptr,  # int32 counters (one per H block), zero on entry and on exit
     N, F, H,
-    GS_STRIDE,
-    IDS_STRIDE, WTS_STRIDE,  # row strides of ids / weights [N, K] (unit column stride)
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
-    BLOCK_NK: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
+    GS_STRIDE, IDS_STRIDE, WTS_STRIDE, K_PER_SPLIT,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, SPLIT: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IS_NVFP4: tl.constexpr,
-    USE_PDL: tl.constexpr, DOT_BF16: tl.constexpr,
+    USE_DOT: tl.constexpr, SCALE_AFTER: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr, GPU: tl.constexpr,
 ):
-    # Program p: output rows [p*BLOCK_H, (p+1)*BLOCK_H) of all N tokens; walks the shared
-    # expert, then every distinct selected expert once (in slot order).
-    pid = tl.program_id(0)
+    # Program (h block, slot, split): the owner of a distinct expert (or the shared
+    # expert) computes its down GEMV for rows [pid_h * BLOCK_H, ...) over columns
+    # [pid_k * K_PER_SPLIT, ...) of F, for all its tokens, and writes the fp32 partial to
+    # the workspace; every program (owner or not) then counts itself on the h block's
+    # counter, and the last of the (slots x SPLIT) arrivals runs the combine in the
+    # reference's order and the residual add.
+    pid_h = tl.program_id(0)
+    slot = tl.program_id(1)
+    pid_k = tl.program_id(2)
     NK = N * TOP_K
     SLOTS: tl.constexpr = TOP_K + HAS_SHARED
-    offs_h = pid * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_k = tl.arange(0, TOPK_PAD)
-    if HAS_SHARED:  # weights do not depend on the previous kernel: load before the wait
-        sd_cur, sds_cur = _load_tile(sd_ptr, sd_s_ptr, offs_h, mask_h, 0, F, BLOCK_F, IS_NVFP4)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # h, ids, weights come from the previous kernel
-    valid = mask_n[:, None] & (offs_k < TOP_K)[None, :]
-    sel = tl.load(ids_ptr + offs_n[:, None] * IDS_STRIDE + offs_k[None, :], mask=valid, other=-1)
-    wts = tl.load(wts_ptr + offs_n[:, None] * WTS_STRIDE + offs_k[None, :], mask=valid, other=0.0)
-    offs_s = tl.arange(0, BLOCK_NK)  # flat slots t * K + k
-    sel_flat = tl.load(ids_ptr + (offs_s // TOP_K) * IDS_STRIDE + offs_s % TOP_K,
-                       mask=offs_s < NK, other=-1)
-    # first[s]: no earlier slot chose the same expert. own[s]: the expert if slot s owns
-    # it, else -1 (one reduction per slot in the loop gives both).
-    earlier = (offs_s[None, :] < offs_s[:, None]) & (sel_flat[None, :] == sel_flat[:, None])
-    first = tl.sum(tl.where(earlier, 1, 0), axis=1) == 0
-    own = tl.where(first & (offs_s < NK), sel_flat, -1)
-    # First routed tile in flight while the shared expert is computed (slot 0 always owns).
-    e_cur = tl.sum(tl.where(offs_s == 0, sel_flat, 0))
-    w_cur, s_cur = _down_tile(d_ptr, d_s_ptr, e_cur, F, H, offs_h, NK > 0, BLOCK_F, IS_NVFP4)
+    KW = F // 2 if IS_NVFP4 else F
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(F, k_start + K_PER_SPLIT)
+    n_iters = tl.cdiv(k_end - k_start, BLOCK_K)
+    if slot == NK:  # the shared expert (HAS_SHARED only): weights before the wait
+        ww = sd_ptr + offs_h.to(tl.int64) * KW
+        ws_rows = sd_s_ptr + offs_h.to(tl.int64) * (F // 16)
+        if PREFETCH:
+            w0, s0 = _load_w(ww, ws_rows, mask_h, k_start, k_end, BLOCK_K, IS_NVFP4)
+        else:
+            w0, s0 = _load_w(ww, ws_rows, mask_h, k_start, k_start, BLOCK_K, IS_NVFP4)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # h comes from the previous kernel
+        tok = mask_n
+        kpos = tl.full((BLOCK_N,), TOP_K, tl.int32)
+        mask_w = mask_h
+    else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # h, ids, weights come from the previous kernel
+        e, skip, tok, kpos = _slot_expert(ids_ptr, ids_ptr, ids_ptr, wts_ptr, ids_ptr, slot,
+                                          False, N, 1, IDS_STRIDE, 0.0, BLOCK_N, BLOCK_T, 2,
+                                          TOP_K, TOPK_PAD, False, GPU)
+        rows = e.to(tl.int64) * H + offs_h.to(tl.int64)
+        ww = d_ptr + rows * KW
+        ws_rows = d_s_ptr + rows * (F // 16)
+        mask_w = offs_h < tl.where(skip, 0, H)  # non-owners load nothing ...
+        n_iters = tl.where(skip, 0, n_iters)  # ... and run no K step
+        tok = tok & (kpos >= tl.where(skip, TOP_K, 0))  # ... and store nothing
+        if PREFETCH:
+            w0, s0 = _load_w(ww, ws_rows, mask_w, k_start, k_end, BLOCK_K, IS_NVFP4)
+        else:
+            w0, s0 = _load_w(ww, ws_rows, mask_w, k_start, k_start, BLOCK_K, IS_NVFP4)
 
-    y_shared = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)
-    if HAS_SHARED:
-        x_rows = h_ptr + (offs_n[:, None] * SLOTS + TOP_K) * F
-        acc = _gemv_step(tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32), sd_cur, sds_cur,
-                         x_rows, mask_n[:, None], 0, F, BLOCK_F, IS_NVFP4, DOT_BF16)
-        sgs = 1.0
-        if IS_NVFP4:
-            sgs = tl.load(sd_gs_ptr)
-        y_shared = _bf16_value(_finish(acc, sgs, IS_NVFP4))  # shared output rounded to bf16
-
-    # contrib[h, n, k] = w[n, k] * y_{ids[n, k]}[n, h], filled as each expert is computed.
-    contrib = tl.zeros((BLOCK_H, BLOCK_N, TOPK_PAD), dtype=tl.float32)
-    owner_cur = NK > 0
-    for j in range(NK):
-        # Prefetch the tile of the next slot if that slot owns a new expert.
-        e_nxt = tl.max(tl.where(offs_s == j + 1, own, -1))
-        owner_nxt = e_nxt >= 0
-        w_nxt, s_nxt = _down_tile(d_ptr, d_s_ptr, e_nxt.to(tl.int64), F, H, offs_h, owner_nxt,
-                                  BLOCK_F, IS_NVFP4)
-        if owner_cur:
-            same = (sel == e_cur) & valid
-            kpos1 = tl.sum(tl.where(same, offs_k[None, :] + 1, 0), axis=1)
-            tok = kpos1 > 0  # tokens that chose e_cur ...
-            kpos = kpos1 - 1  # ... as their choice kpos
-            w_tok = tl.sum(tl.where(same, wts, 0.0), axis=1)  # w[n, kpos[n]]
-            x_rows = h_ptr + (offs_n[:, None] * SLOTS + kpos[:, None]) * F
-            acc = _gemv_step(tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32), w_cur, s_cur,
-                             x_rows, tok[:, None], 0, F, BLOCK_F, IS_NVFP4, DOT_BF16)
-            egs = 1.0
-            if IS_NVFP4:
-                egs = tl.load(d_gs_ptr + e_cur.to(tl.int64) * GS_STRIDE)
-            y = _bf16_value(_finish(acc, egs, IS_NVFP4))  # each expert output rounded to bf16
-            p = w_tok[None, :] * y  # fp32 weight * y, as the reference
-            put = (offs_k[None, None, :] == kpos[None, :, None]) & tok[None, :, None]
-            contrib = tl.where(put, p[:, :, None], contrib)
-        e_cur = e_nxt
-        owner_cur = owner_nxt
-        w_cur = w_nxt
-        s_cur = s_nxt
+    x_rows = h_ptr + (offs_n.to(tl.int64) * SLOTS + kpos) * F  # h[n, kpos[n], :]
+    acc, _ = _expert_gemv(ww, ws_rows, ww, ws_rows, w0, s0, w0, s0, mask_w, x_rows, tok,
+                          k_start, k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False,
+                          USE_DOT, SCALE_AFTER, GPU, PREFETCH)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    # sum_k in k order (torch's sum over dim 1 of [N, K, H] accumulates k sequentially),
-    # then + shared, one rounding.
-    m = tl.zeros((BLOCK_H, BLOCK_N), dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        m = m + tl.sum(tl.where(offs_k[None, None, :] == k, contrib, 0.0), axis=2)
-    if HAS_SHARED:
-        m = m + y_shared
-    out_offs = offs_n[None, :] * H + offs_h[:, None]
-    mask_out = mask_h[:, None] & mask_n[None, :]
-    if HAS_RESIDUAL:
-        mb = _bf16_value(m)  # the combine's rounding
-        r = tl.load(res_ptr + out_offs, mask=mask_out, other=0.0).to(tl.float32)
-        tl.store(out_ptr + out_offs, _round_to_bf16(r + mb), mask=mask_out)
-    else:
-        tl.store(out_ptr + out_offs, _round_to_bf16(m), mask=mask_out)
+    plane = N * SLOTS * H  # one [N, SLOTS, H] plane of the workspace
+    row = offs_n[:, None] * SLOTS + kpos[:, None]
+    tl.store(ws_ptr + pid_k * plane + (row * H + offs_h[None, :]).to(tl.int64), acc,
+             mask=tok[:, None] & mask_h[None, :])
+    arrived = _arrive(cnt_ptr, pid_h)
+    if arrived == tl.num_programs(1) * SPLIT - 1:
+        # The last arrival: y_k = bf16(sum over splits * global scale) for each (n, k),
+        # m = sum_k w_k * y_k in k order (0 + p_0 is exact, as torch's sum), + y_shared,
+        # one rounding; then the residual add.
+        tl.atomic_xchg(cnt_ptr + pid_h, 0)  # zero again for the next launch
+        mask = mask_n[:, None] & mask_h[None, :]
+        m = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+        for k in tl.static_range(SLOTS):
+            y = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+            off = ((offs_n[:, None] * SLOTS + k) * H + offs_h[None, :]).to(tl.int64)
+            for s in tl.static_range(SPLIT):
+                y += tl.load(ws_ptr + s * plane + off, mask=mask, other=0.0,
+                             cache_modifier=".cg")
+            if k < TOP_K:
+                if IS_NVFP4:
+                    e_k = tl.load(ids_ptr + offs_n * IDS_STRIDE + k, mask=mask_n, other=0)
+                    y = y * tl.load(d_gs_ptr + e_k * GS_STRIDE, mask=mask_n, other=0.0)[:, None]
+                w_k = tl.load(wts_ptr + offs_n * WTS_STRIDE + k, mask=mask_n, other=0.0)
+                m = m + _mul_rn(w_k[:, None], _bf16_value(y), GPU)  # fp32 w * bf16(y)
+            else:  # the shared expert, added after the routed sum
+                if IS_NVFP4:
+                    y = y * tl.load(sd_gs_ptr)
+                m = m + _bf16_value(y)
+        out_offs = offs_n[:, None] * H + offs_h[None, :]
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + out_offs, _round_to_bf16(r + _bf16_value(m)), mask=mask)
+        else:
+            tl.store(out_ptr + out_offs, _round_to_bf16(m), mask=mask)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -626,10 +834,10 @@ def _reference(name: str):
     return getattr(torch.ops.flintc, name)
 
 
-def _block_n(N: int) -> int:
-    """Token tile of the tensor-core GEMVs: 16, tl.dot's smallest size (<= 8 tokens padded;
-    the padding costs tensor-core cycles only, no memory traffic)."""
-    return 16
+def _block_n(N: int, cfg: MoeConfig) -> int:
+    """Token tile: 16 (tl.dot's smallest size; <= 8 tokens padded, which costs tensor-core
+    cycles only) for the tensor-core reduction, else the next power of two >= N."""
+    return 16 if cfg.use_dot else triton.next_power_of_2(N)
 
 
 def _route_consts(E: int, top_k: int) -> dict:
@@ -730,8 +938,141 @@ def _topk(op, logits, bias, top_k, scaling, use_pdl):
     return wts, ids
 
 
+# ----------------------------------------------------------------------------- configs
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Launch configuration of `gate_up_kernel` / `down_kernel`.
+
+    `block_rows`: weight rows per program (BLOCK_F of gate/up, BLOCK_H of down; >= 16 with
+    `use_dot`); `block_k`: reduction columns per step (multiple of 32); `split`: programs
+    along the reduction (H for gate/up, F for down), capped so none is empty; `use_dot`:
+    tensor-core reduction (tokens padded to 16) vs the FMA reduction; `scale_after`
+    (NVFP4 + FMA): block scale applied once per 16-weight block; `prefetch`: register
+    prefetch of the next tile (the shared expert's first tile goes out before the PDL
+    wait) instead of Triton's pipeliner (`num_stages`)."""
+
+    block_rows: int = 32
+    block_k: int = 128
+    split: int = 1
+    use_dot: bool = True
+    scale_after: bool = False
+    num_warps: int = 4
+    num_stages: int = 3
+    prefetch: bool = False
+
+    def short(self) -> str:
+        kind = "dot" if self.use_dot else ("fma-sa" if self.scale_after else "fma")
+        return (f"{kind} r{self.block_rows} k{self.block_k} s{self.split} w{self.num_warps} "
+                f"st{self.num_stages}{' pf' if self.prefetch else ''}")
+
+
+# Measured winners. Keys: (kernel, fmt, N) with kernel "gate_up" or "down", fmt "bf16" or
+# "nvfp4", N the decode batch. Paste the `TUNED[...] = MoeConfig(...)` lines that
+# `python benchmarks/bench_moe.py` prints after its sweep here; shapes not listed use
+# the rule in `choose_config`. Empty until the sweep has run on the H200.
+TUNED: dict[tuple[str, str, int], MoeConfig] = {}
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def auto_split(programs: int, red: int, block_k: int, device: torch.device,
+               per_sm: int = 4, max_split: int = 8) -> int:
+    """Split of the reduction (length `red`) so that `programs` (programs per split) x
+    split reaches about `per_sm` programs per SM, each split keeping >= 2 BLOCK_K steps
+    where the length allows."""
+    target = per_sm * _sms(device)
+    steps = max(1, triton.cdiv(red, block_k) // 2)
+    return max(1, min(target // max(programs, 1), steps, max_split))
+
+
+def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
+                  device: torch.device) -> MoeConfig:
+    """`TUNED[(kernel, fmt, N)]` if the sweep measured it, else a rule.
+
+    Rule (until the sweep fills TUNED; compiled for sm_90 with the triton wheel's ptxas,
+    no spills, cp.async loads): tensor-core reduction, 32 weight rows per program,
+    128-column steps staged by Triton's pipeliner (3 stages; bf16 gate+up: 3 x 16 KiB in
+    flight per program; the NVFP4 register-prefetch variants with 32+ rows and 256
+    columns spill at 255 registers, so they are sweep candidates only); split of the reduction
+    up to ~4 programs per SM counting one program per (slot, row block) (slots = N*K + 1
+    is an upper bound on the distinct experts). The interpreter gets small tiles."""
+    hit = TUNED.get((kernel, fmt, N))
+    if hit is not None:
+        return hit
+    if device.type != "cuda" or _interpreting():  # interpreter: fewest programs and steps
+        return MoeConfig(block_rows=min(128, max(16, triton.next_power_of_2(rows))),
+                         block_k=min(128, max(32, triton.next_power_of_2(red))), split=1,
+                         num_stages=1)
+    block_k, prefetch, stages = 128, False, 3
+    split = auto_split(slots * triton.cdiv(rows, 32), red, block_k, device)
+    return MoeConfig(block_rows=32, block_k=block_k, split=split, use_dot=True,
+                     num_warps=4, num_stages=stages, prefetch=prefetch)
+
+
+def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
+                  device: torch.device) -> list[MoeConfig]:
+    """Candidates that `benchmarks/bench_moe.py` times (the `gpu` test checks each one
+    for correctness): the rule's choice first, then other tile shapes, pipelining modes,
+    the FMA reduction (NVFP4: with the per-block scale) and other splits."""
+    base = choose_config(kernel, fmt, N, rows, red, slots, device)
+    if fmt == "nvfp4":
+        shapes = [(True, 64, 128, 8, 3, False, False), (True, 16, 128, 4, 4, False, False),
+                  (True, 16, 256, 4, 1, True, False), (False, 16, 128, 4, 1, True, True),
+                  (False, 16, 128, 4, 3, False, True)]
+    else:
+        shapes = [(True, 64, 128, 4, 3, False, False), (True, 32, 256, 4, 2, False, False),
+                  (True, 16, 128, 4, 4, False, False), (True, 32, 128, 4, 1, True, False),
+                  (False, 16, 128, 4, 3, False, False)]
+    out = [base]
+    for use_dot, br, bk, nw, st, pf, sa in shapes:
+        split = auto_split(slots * triton.cdiv(rows, br), red, bk, device)
+        cfg = MoeConfig(block_rows=br, block_k=bk, split=split, use_dot=use_dot,
+                        scale_after=sa, num_warps=nw, num_stages=st, prefetch=pf)
+        if cfg not in out:
+            out.append(cfg)
+    alt = dataclasses.replace(base, split=max(1, base.split // 2) if base.split > 1 else 2)
+    if alt not in out:
+        out.append(alt)
+    return out
+
+
+def _effective_split(red: int, block_k: int, split: int) -> tuple[int, int]:
+    """(split, columns per split) with no empty split; columns a multiple of block_k.
+    (gemv.py's `_effective_split`.)"""
+    tiles = triton.cdiv(red, block_k)
+    split = max(1, min(split, tiles))
+    per = triton.cdiv(tiles, split) * block_k
+    return triton.cdiv(red, per), per
+
+
+def _check_config(op: str, cfg: MoeConfig) -> None:
+    if not isinstance(cfg, MoeConfig):
+        raise _err(op, "config", "a MoeConfig or None", cfg)
+    if cfg.block_k % 32 or cfg.block_k < 32 or cfg.block_rows < (16 if cfg.use_dot else 1) \
+            or cfg.block_rows & (cfg.block_rows - 1) or cfg.block_k & (cfg.block_k - 1) \
+            or cfg.split < 1:
+        raise _err(op, "config", "block_k a power of two >= 32, block_rows a power of two "
+                   f"(>= 16 with use_dot), split >= 1 (got {cfg})")
+
+
+def _kernel_opts(cfg: MoeConfig, gpu: bool) -> dict:
+    opts = {"num_warps": cfg.num_warps}
+    if gpu:
+        opts["num_stages"] = cfg.num_stages
+    return opts
+
+
 def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, top_k, scaling,
-                    use_pdl):
+                    use_pdl, config):
     N, H = x.shape
     dev = x.device
     nv, (g0, g1, g2), F, gs_stride = _stacked(op, "gate", gate, H, dev)
@@ -764,21 +1105,29 @@ def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, 
         wts = ids_out = None
         ids_in = ids
     slots = top_k + int(has_shared)
+    fmt = "nvfp4" if nv else "bf16"
+    cfg = config or choose_config("gate_up", fmt, N, F, H, N * top_k + int(has_shared), dev)
+    _check_config(op, cfg)
+    split, per_split = _effective_split(H, cfg.block_k, cfg.split)
+    num_f = triton.cdiv(F, cfg.block_rows)
+    grid = (num_f, N * top_k + int(has_shared), split)
     h = torch.empty((N, slots, F), dtype=torch.bfloat16, device=dev)
-    native = _native(dev)
-    block_f = 16 if native else min(64, max(16, triton.next_power_of_2(F)))
-    block_k = (512 if nv else 256) if native else 64
-    block_k = min(block_k, max(64, triton.next_power_of_2(H)))
-    grid = (N * top_k + int(has_shared), triton.cdiv(F, block_f))
+    if split > 1:
+        ws = torch.empty((split, 2, N, slots, F), dtype=torch.float32, device=dev)
+        cnt = split_k_counters(dev, grid[0] * grid[1])
+    else:
+        ws = cnt = h  # unused
+    gpu = _native(dev)
     pdl, opts = _launch_opts(use_pdl, dev)
     gate_up_kernel[grid](
         x, logits if route else x, bias if route else x, ids_in,
         g0, g1, g2, u0, u1, u2, *sg, *su, h,
-        wts if route else h, ids_out if route else h,
-        N, E, F, H, gs_stride, ids_in.stride(0), float(scaling),
-        BLOCK_N=_block_n(N), BLOCK_F=block_f, BLOCK_K=block_k, ROUTE=route,
-        HAS_SHARED=has_shared, IS_NVFP4=nv, USE_PDL=pdl, DOT_BF16=native, LIBDEVICE=native,
-        num_warps=4, **_route_consts(E, top_k), **opts)
+        wts if route else h, ids_out if route else h, ws, cnt,
+        N, E, F, H, gs_stride, ids_in.stride(0), float(scaling), per_split,
+        BLOCK_N=_block_n(N, cfg), BLOCK_T=triton.next_power_of_2(N), BLOCK_F=cfg.block_rows, BLOCK_K=cfg.block_k,
+        SPLIT=split, ROUTE=route, HAS_SHARED=has_shared, IS_NVFP4=nv, USE_DOT=cfg.use_dot,
+        SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch, USE_PDL=pdl, GPU=gpu,
+        **_route_consts(E, top_k), **_kernel_opts(cfg, gpu), **opts)
     return h, wts, ids_out
 
 
@@ -793,10 +1142,10 @@ def _stacked(op, name, w, cols, dev, F=None, E=None):
 
 
 def moe_topk_gate_up(x, logits, bias, gate, up, shared_gate, shared_up, top_k: int, scaling: float,
-                     *, use_pdl: bool = False):
+                     *, use_pdl: bool = False, config: MoeConfig | None = None):
     """`flintc::moe_topk_gate_up` (kernel 6): top-k routing, the selected and shared experts'
-    gate/up GEMVs and SiLU-and-mul, one launch (grid: (N*K + 1 slots, F blocks); each
-    distinct expert streamed once for all tokens that chose it).
+    gate/up GEMVs and SiLU-and-mul, one launch (grid: (F blocks, N*K + 1 slots, split of
+    H); each distinct expert streamed once for all tokens that chose it).
 
     Args:
         x: bf16 [N, H] (the normed x of `norm_router`), contiguous.
@@ -805,8 +1154,9 @@ def moe_topk_gate_up(x, logits, bias, gate, up, shared_gate, shared_up, top_k: i
             scales float8_e4m3fn [E, F, H/16], global_scale fp32 [E] or []]`.
         shared_gate, shared_up: [F, H] in the same format (global scale []), or both [].
         top_k, scaling: K and routed_scaling_factor.
-        use_pdl: programmatic dependent launch (CUDA only); the shared expert's first tiles
-            load before `gdc_wait`.
+        use_pdl: programmatic dependent launch (CUDA only); with `prefetch` configs the
+            shared expert's first tiles load before `gdc_wait`.
+        config: a `MoeConfig` (None: `choose_config`).
 
     Returns:
         (h bf16 [N, K(+1), F] = bf16(silu(bf16(g)) * bf16(u)), shared expert last;
@@ -825,14 +1175,15 @@ def moe_topk_gate_up(x, logits, bias, gate, up, shared_gate, shared_up, top_k: i
     if not (1 <= x.shape[0] <= MAX_N):
         return _reference(op)(x, logits, bias, gate, up, shared_gate, shared_up, top_k, scaling)
     return _gate_up_launch(op, x, logits, bias, None, gate, up, shared_gate, shared_up, top_k,
-                           scaling, use_pdl)
+                           scaling, use_pdl, config)
 
 
-def moe_gate_up(x, ids, gate, up, shared_gate, shared_up, *, use_pdl: bool = False):
+def moe_gate_up(x, ids, gate, up, shared_gate, shared_up, *, use_pdl: bool = False,
+                config: MoeConfig | None = None):
     """`flintc::moe_gate_up`: `gate_up_kernel` with the ids read from memory (no routing).
-    x: bf16 [N, H]; ids: int64 [N, K]; weights as `moe_topk_gate_up`. -> h bf16
-    [N, K(+1), F]. Numerics: module doc. N > 8 runs the reference op. Raises ValueError on
-    a bad argument (named)."""
+    x: bf16 [N, H]; ids: int64 [N, K] (distinct ids per token, as top-k gives); weights
+    as `moe_topk_gate_up`. -> h bf16 [N, K(+1), F]. Numerics: module doc. N > 8 runs the
+    reference op. Raises ValueError on a bad argument (named)."""
     op = "moe_gate_up"
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
         raise _err(op, "x", "a bf16 tensor [N, H]", x)
@@ -841,10 +1192,10 @@ def moe_gate_up(x, ids, gate, up, shared_gate, shared_up, *, use_pdl: bool = Fal
     if not (1 <= x.shape[0] <= MAX_N):
         return _reference(op)(x, ids, gate, up, shared_gate, shared_up)
     return _gate_up_launch(op, x, None, None, ids, gate, up, shared_gate, shared_up, 0, 0.0,
-                           use_pdl)[0]
+                           use_pdl, config)[0]
 
 
-def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl):
+def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, config):
     if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16 or h.dim() != 3:
         raise _err(op, "h", "a bf16 tensor [N, K(+1), F]", h)
     if not h.is_contiguous():
@@ -869,40 +1220,49 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl):
             raise _err(op, "shared_down", "in the same format as down")
     else:
         sd = d
+    fmt = "nvfp4" if nv else "bf16"
+    cfg = config or choose_config("down", fmt, N, H, F, N * K + int(has_shared), dev)
+    _check_config(op, cfg)
+    split, per_split = _effective_split(F, cfg.block_k, cfg.split)
+    grid = (triton.cdiv(H, cfg.block_rows), N * K + int(has_shared), split)
     out = torch.empty((N, H), dtype=torch.bfloat16, device=dev)
-    native = _native(dev)
-    block_h = 16 if native else min(128, max(16, triton.next_power_of_2(H)))
+    ws = torch.empty((split, N, slots, H), dtype=torch.float32, device=dev)
+    cnt = split_k_counters(dev, grid[0])
+    gpu = _native(dev)
     pdl, opts = _launch_opts(use_pdl, dev)
-    down_kernel[(triton.cdiv(H, block_h),)](
-        h, ids, weights, *d, *sd, residual if residual is not None else out, out, N, F, H,
-        gs_stride, ids.stride(0), weights.stride(0), BLOCK_N=_block_n(N), BLOCK_H=block_h,
-        BLOCK_F=max(64, triton.next_power_of_2(F)),
-        BLOCK_NK=triton.next_power_of_2(max(N * K, 2)), TOP_K=K,
-        TOPK_PAD=triton.next_power_of_2(max(K, 2)), HAS_SHARED=has_shared,
-        HAS_RESIDUAL=residual is not None, IS_NVFP4=nv, USE_PDL=pdl, DOT_BF16=native,
-        num_warps=4, **opts)
+    down_kernel[grid](
+        h, ids, weights, *d, *sd, residual if residual is not None else out, out, ws, cnt,
+        N, F, H, gs_stride, ids.stride(0), weights.stride(0), per_split,
+        BLOCK_N=_block_n(N, cfg), BLOCK_T=triton.next_power_of_2(N), BLOCK_H=cfg.block_rows, BLOCK_K=cfg.block_k,
+        TOP_K=K, TOPK_PAD=triton.next_power_of_2(max(K, 2)), SPLIT=split,
+        HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, IS_NVFP4=nv,
+        USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch,
+        USE_PDL=pdl, GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
     return out
 
 
 def moe_down_combine_residual(h, ids, weights, down, shared_down, residual, *,
-                              use_pdl: bool = False) -> torch.Tensor:
+                              use_pdl: bool = False, config: MoeConfig | None = None
+                              ) -> torch.Tensor:
     """`flintc::moe_down_combine_residual` (kernel 7): down GEMVs of the selected and shared
-    experts, fp32 weighted combine, residual add; one launch (grid: H / BLOCK_H programs,
-    each reading every distinct expert's rows once).
+    experts, fp32 weighted combine, residual add; one launch (grid: (H blocks, N*K + 1
+    slots, split of F); each distinct expert's rows read once; the last program to arrive
+    at an H block combines the experts' fp32 partials from a workspace).
 
     Args:
-        h: bf16 [N, K(+1), F] from kernel 6; ids: int64 [N, K]; weights: fp32 [N, K].
+        h: bf16 [N, K(+1), F] from kernel 6; ids: int64 [N, K] (distinct per token);
+            weights: fp32 [N, K].
         down: stacked [E, H, F]: `[w]` bf16 or NVFP4 `[codes [E, H, F/2], scales
             [E, H, F/16], global_scale [E] or []]`; shared_down: [H, F] or [].
         residual: bf16 [..., H] with N rows, contiguous.
-        use_pdl: programmatic dependent launch (CUDA only); the shared expert's tile loads
-            before `gdc_wait`.
+        use_pdl: programmatic dependent launch (CUDA only); with `prefetch` configs the
+            shared expert's first tile loads before `gdc_wait`.
+        config: a `MoeConfig` (None: `choose_config`).
 
     Returns:
         bf16 residual.shape: `bf16(residual + bf16(sum_k w_k * bf16(y_k) + bf16(y_shared)))`.
 
-    Numerics: module doc (combine in the reference's order). N > 8 or F > 1024 runs the
-    reference op.
+    Numerics: module doc (combine in the reference's order). N > 8 runs the reference op.
 
     Raises:
         ValueError: a dtype, shape, device or contiguity mismatch (names the argument).
@@ -911,32 +1271,32 @@ def moe_down_combine_residual(h, ids, weights, down, shared_down, residual, *,
     if not isinstance(residual, torch.Tensor) or residual.dtype != torch.bfloat16 \
             or residual.dim() < 1 or not residual.is_contiguous():
         raise _err(op, "residual", "a contiguous bf16 tensor [..., H]", residual)
-    if not isinstance(h, torch.Tensor) or h.dim() != 3 or not (1 <= h.shape[0] <= MAX_N) \
-            or h.shape[2] > MAX_F:
-        if isinstance(h, torch.Tensor) and h.dim() == 3:
-            return _reference(op)(h, ids, weights, down, shared_down, residual)
+    if not isinstance(h, torch.Tensor) or h.dim() != 3:
         raise _err(op, "h", "a bf16 tensor [N, K(+1), F]", h)
+    if not (1 <= h.shape[0] <= MAX_N):
+        return _reference(op)(h, ids, weights, down, shared_down, residual)
     N = h.shape[0]
     if residual.numel() != N * residual.shape[-1] or residual.device != h.device:
         raise _err(op, "residual", f"a bf16 tensor [..., H] with {N} rows on {h.device}",
                    residual)
+    if isinstance(down, (list, tuple)) and down and isinstance(down[0], torch.Tensor) \
+            and down[0].dim() == 3 and down[0].shape[1] != residual.shape[-1]:
+        raise _err(op, "residual", f"[..., {down[0].shape[1]}] (H of down)", residual)
     out = _down_launch(op, h, ids, weights, down, shared_down,
-                       residual.view(N, residual.shape[-1]), use_pdl)
-    if out.shape[1] != residual.shape[-1]:
-        raise _err(op, "residual", f"[..., {out.shape[1]}] (H of down)", residual)
+                       residual.view(N, residual.shape[-1]), use_pdl, config)
     return out.view(residual.shape)
 
 
-def moe_down_combine(h, ids, weights, down, shared_down, *, use_pdl: bool = False):
+def moe_down_combine(h, ids, weights, down, shared_down, *, use_pdl: bool = False,
+                     config: MoeConfig | None = None):
     """`flintc::moe_down_combine`: `down_kernel` without the residual add.
     Shapes as `moe_down_combine_residual`; -> bf16 [N, H] = `bf16(sum_k w_k * bf16(y_k) +
-    bf16(y_shared))`. N > 8 or F > 1024 runs the reference op. Raises ValueError on a bad
-    argument (named)."""
+    bf16(y_shared))`. N > 8 runs the reference op. Raises ValueError on a bad argument
+    (named)."""
     op = "moe_down_combine"
-    if isinstance(h, torch.Tensor) and h.dim() == 3 and not (
-            1 <= h.shape[0] <= MAX_N and h.shape[2] <= MAX_F):
+    if isinstance(h, torch.Tensor) and h.dim() == 3 and not 1 <= h.shape[0] <= MAX_N:
         return _reference(op)(h, ids, weights, down, shared_down)
-    return _down_launch(op, h, ids, weights, down, shared_down, None, use_pdl)
+    return _down_launch(op, h, ids, weights, down, shared_down, None, use_pdl, config)
 
 
 KERNELS: dict[str, Callable] = {

@@ -1,5 +1,6 @@
-"""Attention-side fused ops: Q/K norm + RoPE + KV-cache write, split-KV decode
-attention with its combine, and prefill attention with sinks."""
+"""Attention-side fused ops: Q/K norm + RoPE (+ KV-cache write at decode), split-KV
+decode attention with its combine, and prefill attention with sinks that reads and
+writes the KV cache itself (`prefill_attention_kv`, bounded memory at any context)."""
 
 from __future__ import annotations
 
@@ -134,11 +135,41 @@ def _(o_part, lse, sinks):
     return o_part.new_empty(B, 1, Hq * D, dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("flintc::qk_norm_rope", mutates_args=())
+def qk_norm_rope(
+    q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, eps: float, rope: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k and RoPE (when `rope`): `qk_norm_rope_kv_write`
+    without the cache write, for prefill, where `prefill_attention_kv` writes the
+    cache after reading the old ring.
+
+    q: bf16 [B, T, Hq, D]; k: bf16 [B, T, Hkv, D]; q_norm, k_norm: fp32 [D]; cos, sin:
+    fp32 [B, T, D/2] (ignored when not `rope`). Returns the normed (and rotated) q and
+    k, bf16, rounded once per operation as in the reference (FLINT_SPEC 2, steps 2-3).
+    """
+    q = ops.rms_norm(q, q_norm, eps, CDT)
+    k = ops.rms_norm(k, k_norm, eps, CDT)
+    if rope:
+        q = ops.apply_rope(q, cos, sin, CDT)
+        k = ops.apply_rope(k, cos, sin, CDT)
+    return q, k
+
+
+@qk_norm_rope.register_fake
+def _(q, k, q_norm, k_norm, cos, sin, eps, rope):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
 @torch.library.custom_op("flintc::prefill_attention", mutates_args=())
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                       sinks: torch.Tensor) -> torch.Tensor:
     """Attention with sinks for T new tokens per sequence over given keys (causal and
-    window mask in `visible`). Shapes as `flintc.model.ops.attention_with_sink`."""
+    window mask in `visible`). Shapes as `flintc.model.ops.attention_with_sink`.
+
+    Superseded in the prefill pipeline by `prefill_attention_kv` (this one needs the
+    gathered keys and a materialised [B, T, S] mask); kept as a plain wrapper of the
+    reference function."""
     return ops.attention_with_sink(q, keys, values, visible, sinks, CDT)
 
 
@@ -146,3 +177,94 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def _(q, keys, values, visible, sinks):
     B, T, Hq, D = q.shape
     return q.new_empty(B, T, Hq * D)
+
+
+PREFILL_KEY_BLOCK = 256  # keys per step of `prefill_attention_kv`'s online softmax
+
+
+def prefill_key_range(p0: int, T: int, window: int) -> tuple[int, int]:
+    """Positions [lo, p0) of the cached keys that some query of a chunk at positions
+    p0..p0+T-1 may see: all of 0..p0-1 in a full layer (window 0); in a sliding layer
+    the last W-1 before p0 (the first query, p0, sees back to p0-W+1)."""
+    lo = 0 if window == 0 else max(0, p0 - window + 1)
+    return lo, p0
+
+
+@torch.library.custom_op("flintc::prefill_attention_kv", mutates_args=("k_cache", "v_cache"))
+def prefill_attention_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slots: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, window: int,
+) -> torch.Tensor:
+    """Prefill attention of T new tokens per sequence over the cached keys and the new
+    ones, with the sliding window and the learned sink; then the KV-cache write.
+
+    q: bf16 [B, T, Hq, D] (normed, rotated); k, v: bf16 [B, T, Hkv, D] (k normed and
+    rotated), the chunk's new keys and values; k_cache, v_cache: bf16 [slots, S, Hkv, D]
+    holding positions < p0 of each sequence, where p0 = positions[b, 0]: a full layer
+    (window 0) keeps position j in row j; a sliding layer keeps a ring of S = W rows,
+    row j holding position p0-1-((p0-1-j) mod W) when that is >= 0 (FlintModel's ring).
+    slots: int [B]; positions: int64 [B, T], p0, p0+1, ..., p0+T-1 per row (a prefill
+    chunk; not checked); sinks: fp32 [Hq]; window: W (sliding layer) or 0 (full).
+
+    Query i (position p_i) sees key position j when j <= p_i and, if W > 0,
+    p_i - j < W (FLINT_SPEC 2, step 5); scores (q . k) * D**-0.5, softmax with the
+    sink (step 6), o = sum p v (step 7), all in fp32, rounded to bf16 once.
+    Returns o bf16 [B, T, Hq*D]. Afterwards k, v are in the cache (`write_kv`:
+    rows p0..p0+T-1, or the ring slots p % W of the last min(T, W) tokens).
+
+    Memory: bounded independently of S. Key blocks of `PREFILL_KEY_BLOCK` positions
+    are read one at a time, only the ones some query can see (`prefill_key_range`,
+    then the new keys), with an online (flash-attention) softmax that starts from
+    the sink (m = sink, l = 1); the largest temporary is fp32 [Hq, T, block].
+    Takes p0 to the host (`.tolist()`): a reference, not for CUDA-graph capture.
+    The reduction order differs from `attention_with_sink`, so results agree with it
+    to fp32 rounding (one bf16 ulp at the output where a value sits on a boundary).
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    scale = D ** -0.5
+    out = torch.empty(B, T, Hq * D, dtype=torch.bfloat16, device=q.device)
+    sink = sinks.to(CDT).view(Hkv, G, 1)  # [Hkv, G, 1]
+    starts = positions[:, 0].tolist()
+    rows = slots.tolist()
+    for b in range(B):
+        p0, slot = int(starts[b]), int(rows[b])
+        qpos = positions[b].to(torch.int64)  # [T]
+        qh = q[b].to(CDT).permute(1, 0, 2).reshape(Hkv, G * T, D)  # [Hkv, G*T, D], row g*T + t
+        m = sink.expand(Hkv, G, T).reshape(Hkv, G * T).clone()  # running max, from the sink
+        l = torch.ones_like(m)  # running sum: exp(sink - m) with m = sink
+        acc = torch.zeros(Hkv, G * T, D, dtype=CDT, device=q.device)
+
+        def step(kb, vb, kpos):  # kb, vb: bf16 [n, Hkv, D]; kpos: int64 [n]
+            nonlocal m, l, acc
+            s = torch.einsum("hrd,nhd->hrn", qh, kb.to(CDT)) * scale  # [Hkv, G*T, n]
+            vis = kpos[None, :] <= qpos[:, None]  # [T, n]
+            if window:
+                vis &= (qpos[:, None] - kpos[None, :]) < window
+            s = s.masked_fill(~vis.repeat(G, 1)[None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1))  # finite: m starts at the sink
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new[..., None])  # [Hkv, G*T, n]
+            l = l * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.einsum("hrn,nhd->hrd", p, vb.to(CDT))
+            m = m_new
+
+        lo, hi = prefill_key_range(p0, T, window)
+        for j0 in range(lo, hi, PREFILL_KEY_BLOCK):  # cached keys, positions < p0
+            kpos = torch.arange(j0, min(j0 + PREFILL_KEY_BLOCK, hi), device=q.device)
+            r = kpos % window if window else kpos
+            step(k_cache[slot, r], v_cache[slot, r], kpos)
+        for t0 in range(0, T, PREFILL_KEY_BLOCK):  # the new keys, causal
+            t1 = min(t0 + PREFILL_KEY_BLOCK, T)
+            step(k[b, t0:t1], v[b, t0:t1], qpos[t0:t1])
+        o = acc / l[..., None]  # [Hkv, G*T, D]
+        out[b] = o.view(Hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, Hq * D).to(torch.bfloat16)
+    write_kv(k_cache, v_cache, k, v, slots, positions, window)
+    return out
+
+
+@prefill_attention_kv.register_fake
+def _(q, k, v, k_cache, v_cache, slots, positions, sinks, window):
+    B, T, Hq, D = q.shape
+    return q.new_empty(B, T, Hq * D, dtype=torch.bfloat16)

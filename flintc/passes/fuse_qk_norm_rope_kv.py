@@ -1,5 +1,7 @@
 """QKNormRopeKVWriteFusionPass: per layer, the per-head Q/K RMSNorms, RoPE (sliding
-layers) and the two KV-cache writes become one `flintc.qk_norm_rope_kv_write`.
+layers) and the two KV-cache writes become one `flintc.qk_norm_rope_kv_write` at
+decode; at prefill the norms and RoPE become one `flintc.qk_norm_rope` and the writes
+are left to `fuse_prefill_attention` (its op reads the old ring, then writes).
 
 Why: FLINT_SPEC section 5 puts the per-head norms, RoPE and the cache write in the
 epilogue of the QKV GEMV (kernel 1). After `fuse_rms_norm` a sliding layer still
@@ -23,6 +25,14 @@ of the old ring that sat between that point and the original writes move up in
 front of it (they read only the cache and `slots`); readers of `index_put_`'s
 result read the cache placeholder itself, after the fused op. Bit-exact: the op
 runs the same reference functions.
+
+Prefill: a chunk's attention must read the old ring before the chunk's own keys
+overwrite it, and the prefill attention op (`flintc.prefill_attention_kv`) reads the
+cache rows itself, so it also does the write; this pass then fuses only the q / k
+path (search pattern: the two norms and the RoPEs, no write), replaced at the first
+consumer of q or k by `qk_norm_rope(q, k, q_norm, k_norm, cos, sin, eps, rope)`. The
+`index_put_` writes and their ring index stay as captured for the attention pass.
+Bit-exact (same reference functions).
 
 Cases: decode and prefill (T > W keeps the last W tokens), any batch, sliding and
 full layers, bf16 or NVFP4 weights (only the linears differ), with or without
@@ -83,6 +93,8 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
     def run(self, gm: GraphModule) -> PassResult:
         result = PassResult()
         for layer, sliding, match in first_match_per_layer(gm, self.ctx, self._pattern, self._check):
+            if match is None and self.ctx.step == "prefill" and not sliding:
+                match = self._norm_pair(gm, layer)
             if match is None:
                 result.notes.append(f"layer {layer}: no Q/K norm + KV write matched")
                 continue
@@ -93,9 +105,12 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
         return result
 
     def _pattern(self, gm: GraphModule, layer: int, sliding: bool) -> GraphModule:
-        """The search pattern of one layer kind at this graph's shapes. Inputs: q, k, v,
-        q_norm, k_norm, [cos, sin,] k_cache, v_cache, slots, positions; returns q, k and
-        the two written caches (the `index_put_` results)."""
+        """The search pattern of one layer kind at this graph's shapes. Decode: inputs
+        q, k, v, q_norm, k_norm, [cos, sin,] k_cache, v_cache, slots, positions; returns
+        q, k and the two written caches (the `index_put_` results). Prefill: inputs q,
+        k, q_norm, k_norm, [cos, sin]; returns q, k (no write)."""
+        if self.ctx.step == "prefill":
+            return self._prefill_pattern(gm, sliding)
         c, B, T = self.ctx.config, self.ctx.batch, self.ctx.tokens
         Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps, W = c.rms_norm_eps, c.sliding_window if sliding else 0
@@ -120,16 +135,62 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
 
         return trace_pattern(search, (*act, *norms, *tables, *rest))
 
-    @staticmethod
-    def _check(m: LayerMatch, layer: int) -> bool:
-        """The match reads this layer's norm weights and writes this layer's caches."""
+    def _prefill_pattern(self, gm: GraphModule, sliding: bool) -> GraphModule:
+        c, B, T = self.ctx.config, self.ctx.batch, self.ctx.tokens
+        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        eps = c.rms_norm_eps
+        dev, bf16 = placeholder(gm, "k_cache_0").meta["val"].device, torch.bfloat16
+        act = [torch.empty(B, T, h, D, dtype=bf16, device=dev) for h in (Hq, Hkv)]
+        norms = [torch.empty(D, device=dev) for _ in range(2)]
+        tables = [torch.empty(B, T, D // 2, device=dev) for _ in range(2)] if sliding else []
+
+        def search(q, k, q_norm, k_norm, *tables):
+            q = fused.rms_norm(q, q_norm, eps)  # [B, T, Hq, D]
+            k = fused.rms_norm(k, k_norm, eps)  # [B, T, Hkv, D]
+            if sliding:
+                q, k = ops.apply_rope(q, *tables, CDT), ops.apply_rope(k, *tables, CDT)
+            return q, k
+
+        return trace_pattern(search, (*act, *norms, *tables))
+
+    def _norm_pair(self, gm: GraphModule, layer: int) -> LayerMatch | None:
+        """Prefill, full layer: the pattern is two unconnected `rms_norm`s, which torch.fx's
+        matcher pairs with the layer's other norms first and then drops as overlapping;
+        so they are found by their weights, `w_layers_<i>_self_attn_{q,k}_norm`."""
+        found = {}
+        for n in find_nodes(gm, fused.rms_norm):
+            w = n.args[1]
+            for key in ("q", "k"):
+                if n.meta.get("flintc_layer") == layer and getattr(w, "name", None) == \
+                        f"w_layers_{layer}_self_attn_{key}_norm":
+                    found.setdefault(key, []).append(n)
+        if [len(found.get(key, ())) for key in "qk"] != [1, 1]:
+            return None
+        nq, nk = found["q"][0], found["k"][0]
+        if nq.args[2] != self.ctx.config.rms_norm_eps or nk.args[2] != self.ctx.config.rms_norm_eps:
+            return None
+        c, B, T = self.ctx.config, self.ctx.batch, self.ctx.tokens
+        shapes = [(B, T, c.num_attention_heads, c.head_dim), (B, T, c.num_key_value_heads, c.head_dim),
+                  (c.head_dim,), (c.head_dim,)]
+        have = [tuple(n.meta["val"].shape) for n in (nq, nk)]
+        if have != shapes[:2]:
+            return None
+        return LayerMatch([nq.args[0], nk.args[0], nq.args[1], nk.args[1]], [nq, nk], {nq, nk}, shapes)
+
+    def _check(self, m: LayerMatch, layer: int) -> bool:
+        """The match reads this layer's norm weights and (decode) writes this layer's caches."""
         names = [getattr(n, "name", None) for n in m.inputs]
+        if self.ctx.step == "prefill":
+            return names[2:4] == [f"w_layers_{layer}_self_attn_q_norm",
+                                  f"w_layers_{layer}_self_attn_k_norm"]
         kc, vc = names[-4:-2]
         return (names[3] == f"w_layers_{layer}_self_attn_q_norm"
                 and names[4] == f"w_layers_{layer}_self_attn_k_norm"
                 and kc == f"k_cache_{layer}" and vc == f"v_cache_{layer}")
 
     def _fuse(self, gm: GraphModule, m: LayerMatch, layer: int, sliding: bool) -> None:
+        if self.ctx.step == "prefill":
+            return self._fuse_prefill(gm, m, layer, sliding)
         c = self.ctx.config
         k_cache, v_cache, slots, positions = m.inputs[-4:]
         q_out, k_out, k_put, v_put = m.outputs
@@ -172,16 +233,43 @@ class QKNormRopeKVWriteFusionPass(GraphPass):
             if not out.users:
                 gm.graph.erase_node(out)
 
+    def _fuse_prefill(self, gm: GraphModule, m: LayerMatch, layer: int, sliding: bool) -> None:
+        """q, k -> `qk_norm_rope` at the first consumer of either; no cache involved."""
+        c = self.ctx.config
+        q_out, k_out = m.outputs
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        consumers = [u for r in m.outputs for u in r.users if u not in m.nodes]
+        anchor = min(consumers, key=order.__getitem__)
+        late = [a for a in m.inputs if isinstance(a, Node) and order[a] >= order[anchor]]
+        if late:
+            raise PassVerifyError(f"{self.name}: layer {layer}: input {late[0].name} is defined "
+                                  f"after {anchor.name}, the first reader of the op's results")
+        inputs = bind_inputs(gm, m, anchor, layer)
+        q, k, q_norm, k_norm = inputs[:4]
+        cos, sin = inputs[4:6] if sliding else _rope_rows(gm, placeholder(gm, "positions"))
+        with gm.graph.inserting_before(anchor):
+            node = gm.graph.create_node("call_function", fused.qk_norm_rope.default,
+                                        (q, k, q_norm, k_norm, cos, sin, c.rms_norm_eps, sliding),
+                                        name="qk_norm_rope")
+            outs = [gm.graph.call_function(operator.getitem, (node, i)) for i in range(2)]
+        for new in (node, *outs):
+            new.meta.update(flintc_layer=layer, flintc_block="attn")
+        for old, new in ((q_out, outs[0]), (k_out, outs[1])):
+            old.replace_all_uses_with(new, delete_user_cb=lambda u: u not in m.nodes)
+        for n in sorted(m.nodes, key=order.__getitem__, reverse=True):
+            gm.graph.erase_node(n)
+
     def verify(self, gm: GraphModule) -> None:
         c = self.ctx.config
+        prefill = self.ctx.step == "prefill"
         left = find_nodes(gm, aten.index_put_)
-        if left:
+        if left and not prefill:  # prefill: fuse_prefill_attention takes the writes
             raise PassVerifyError(f"{self.name}: unfused KV-cache write left at {left[0].name} "
                                   f"(layer {left[0].meta.get('flintc_layer')})")
-        ops = find_nodes(gm, fused.qk_norm_rope_kv_write)
-        found = sorted(n.meta.get("flintc_layer") for n in ops)
+        op = fused.qk_norm_rope if prefill else fused.qk_norm_rope_kv_write
+        found = sorted(n.meta.get("flintc_layer") for n in find_nodes(gm, op))
         if found != list(range(c.num_hidden_layers)):
-            raise PassVerifyError(f"{self.name}: expected one qk_norm_rope_kv_write per layer, "
+            raise PassVerifyError(f"{self.name}: expected one {op._qualified_op_name} per layer, "
                                   f"found one in layers {found}")
         for n in find_nodes(gm, fused.rms_norm):
             w = n.args[1]

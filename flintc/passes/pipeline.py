@@ -14,7 +14,8 @@ Decode (batch <= 8, one new token per sequence), in order:
 
 Prefill (T tokens per sequence) shares 1-5, then:
 
- 6. fuse_prefill_attention attention with sinks and window over [ring, new] / the cache
+ 6. fuse_prefill_attention flash attention with sinks and window reading the cache, plus
+                           the KV write -> prefill_attention_kv (tolerance)
  7. lower_gemm             linears -> large-batch GEMM; LM head; embedding
 
 Grouping and PDL apply to decode only: prefill kernels are long, launch gaps do not

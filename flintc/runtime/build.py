@@ -44,12 +44,15 @@ class BuildOptions:
     """What to compile for.
 
     max_batch: the largest decode batch (buckets 1, 2, 4, 8 up to it, plus max_batch).
+    decode_buckets: the decode batch sizes to compile instead (the largest must be
+        max_batch); a batch runs in the smallest bucket that holds it.
     max_model_len: positions per sequence (full-attention cache rows).
     prefill_chunk: tokens per prefill call; at most the sliding window W (a padded
         last chunk must not push live tokens out of the ring). None: the largest power
         of two <= min(W, 512).
-    backend: "triton" (Triton kernels where they exist, reference ops elsewhere) or
-        "torch" (reference ops only).
+    backend: "triton" (Triton kernels where they exist, reference ops elsewhere; on the
+        CPU through Triton's interpreter), "torch" (reference ops only), or "auto"
+        (triton when it is installed, else torch).
     device: where the runtime runs ("cpu" or "cuda").
     check: run every pass's numeric check (on a short cache) while compiling.
     dump: write pass-by-pass dumps into BUILD/dumps.
@@ -59,11 +62,12 @@ class BuildOptions:
     max_batch: int = 8
     max_model_len: int | None = None
     prefill_chunk: int | None = None
-    backend: str = "triton"
+    backend: str = "auto"
     device: str = "cpu"
     check: bool = True
     dump: bool = True
     attention_splits: int | None = None
+    decode_buckets: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict)
 
     def resolve(self, config: FlintConfig) -> "BuildOptions":
@@ -83,12 +87,25 @@ class BuildOptions:
         o.prefill_chunk = int(o.prefill_chunk)
         if o.prefill_chunk < 1 or (W and o.prefill_chunk > W):
             raise InputError(f"--prefill-chunk must be in 1..{W} (the sliding window), got {o.prefill_chunk}")
+        if o.decode_buckets:
+            b = sorted(set(int(n) for n in o.decode_buckets))
+            if b[0] < 1 or b[-1] != o.max_batch:
+                raise InputError(f"--buckets {','.join(map(str, b))}: each must be >= 1 and the largest "
+                                 f"must equal --max-batch ({o.max_batch})")
+        if o.backend == "auto":
+            try:
+                import triton  # noqa: F401
+                o.backend = "triton"
+            except ImportError:
+                o.backend = "torch"
         if o.backend not in ("torch", "triton"):
-            raise InputError(f"--backend must be torch or triton, got {o.backend!r}")
+            raise InputError(f"--backend must be auto, torch or triton, got {o.backend!r}")
         return o
 
     @property
     def buckets(self) -> list[int]:
+        if self.decode_buckets:
+            return sorted(set(int(n) for n in self.decode_buckets))
         b = [n for n in DECODE_BUCKETS if n <= self.max_batch]
         return b if self.max_batch in b else b + [self.max_batch]
 
@@ -99,11 +116,17 @@ class BuildOptions:
         return self.max_model_len + self.prefill_chunk
 
 
-def weight_fingerprint(weights: dict, fmt: str) -> str:
+def weight_fingerprint(weights: dict, fmt: str, source: str = "") -> str:
     """sha256 over each weight's name, dtype, shape and the bytes of its first and last
-    4096 elements: cheap (no full pass over 80 GB), and it tells two checkpoints apart."""
+    4096 elements: cheap (no full pass over 80 GB), and it tells two checkpoints apart.
+
+    Dummy weights (`source` "dummy:<fmt>") are identified by their recipe instead: seed 0
+    on whatever device the runtime uses, so a build compiled against dummy weights on the
+    meta device (a cross-compile, no GPU needed) loads against dummy weights on the GPU."""
     from flintc.quant.nvfp4 import NVFP4Tensor
 
+    if source.startswith("dummy:"):
+        return hashlib.sha256(f"{source}|seed=0|{fmt}".encode()).hexdigest()
     h = hashlib.sha256(fmt.encode())
     for name in sorted(weights):
         w = weights[name]
@@ -168,6 +191,10 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
 
     config = ckpt.config
     opts = options.resolve(config)
+    on_meta = ckpt.weights["model.embed_tokens.weight"].device.type == "meta"
+    if on_meta and opts.check:
+        raise InputError("weights on the meta device (a cross-compile) cannot be checked numerically; "
+                         "pass --no-check")
     out = Path(out)
     if out.exists() and not (out / "build.json").is_file():
         raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
@@ -283,7 +310,7 @@ def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dic
         "config": ckpt.config.to_dict(), "config_sha256": config_fingerprint(ckpt.config),
         "weight_format": ckpt.fmt, "weight_source": source,
         "tokenizer_dir": str(Path(ckpt.tokenizer_dir).resolve()) if ckpt.tokenizer_dir else None,
-        "weight_sha256": weight_fingerprint(ckpt.weights, ckpt.fmt),
+        "weight_sha256": weight_fingerprint(ckpt.weights, ckpt.fmt, ckpt.source),
         "max_batch": opts.max_batch, "max_model_len": opts.max_model_len,
         "prefill_chunk": opts.prefill_chunk, "cache_rows": opts.cache_rows,
         "backend": opts.backend, "device": opts.device, "checked": opts.check,

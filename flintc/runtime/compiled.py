@@ -85,7 +85,7 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     config = FlintConfig.from_dict(manifest["config"], source=str(build / "build.json"))
     if ckpt is None:
         source = model or manifest["weight_source"]
-        if str(source).startswith("dummy:"):
+        if str(source).startswith("dummy:") and load_format != "dummy":
             raise InputError(f"{build} was compiled with dummy weights; pass --load-format dummy "
                              "(and the same --format) to run it")
         if load_format == "dummy":
@@ -100,7 +100,7 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     if ckpt.fmt != manifest["weight_format"]:
         raise InputError(f"{build} was compiled for {manifest['weight_format']} weights, "
                          f"{ckpt.source} holds {ckpt.fmt}")
-    if weight_fingerprint(ckpt.weights, ckpt.fmt) != manifest["weight_sha256"]:
+    if weight_fingerprint(ckpt.weights, ckpt.fmt, ckpt.source) != manifest["weight_sha256"]:
         raise InputError(f"the weights in {ckpt.source} are not the ones {build} was compiled "
                          "with (fingerprint differs); recompile, or pass the original checkpoint")
     return CompiledRunner(build, manifest, ckpt, torch.device(device), use_cuda_graphs=use_cuda_graphs)
@@ -196,7 +196,7 @@ class CompiledRunner:
             if saved:
                 for t, rows, keep in saved:
                     t[slot, rows] = keep
-            out.append(logits if all_logits else logits[-1:])
+            out.append(logits if all_logits else logits[-1:].clone())  # not a view: frees [C, V]
         logits = torch.cat(out).float()
         return logits if all_logits else logits[-1]
 
@@ -253,6 +253,17 @@ class CompiledRunner:
         self._graphs[B] = entry
         return entry
 
+    def decode_graph(self, B: int):
+        """The CUDA graph of bucket B (captured on first use) and its static buffers:
+        (graph, input_ids [B, 1], positions [B, 1], slots [B], logits [B, 1, V]). Fill
+        the inputs, `graph.replay()`, read the logits. Raises InputError without CUDA
+        graphs or for a bucket the build does not have."""
+        if not self.use_cuda_graphs:
+            raise InputError("decode graphs need a CUDA device (and use_cuda_graphs=True)")
+        if B not in self.buckets:
+            raise InputError(f"no decode bucket {B} in {self.build}; it has {self.buckets}")
+        return self._graphs.get(B) or self._capture(B)
+
     def capture_all(self) -> None:
         """Capture every decode bucket now (otherwise each is captured on first use)."""
         if self.use_cuda_graphs:
@@ -261,34 +272,25 @@ class CompiledRunner:
                     self._capture(B)
 
     def graph_kernel_count(self, B: int) -> int | None:
-        """Kernel nodes in bucket B's captured CUDA graph (None without CUDA graphs or
-        when torch cannot say)."""
+        """Kernels launched by one replay of bucket B's CUDA graph, counted from a
+        torch.profiler (CUPTI) trace of one replay; memcpy/memset nodes are not kernels.
+        None without CUDA graphs."""
         if not self.use_cuda_graphs:
             return None
-        graph = self._capture(B)[0] if B not in self._graphs else self._graphs[B][0]
-        return _count_graph_kernels(graph)
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        graph = self.decode_graph(B)[0]
+        graph.replay()
+        torch.cuda.synchronize(self.device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize(self.device)
+        names = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return sum(1 for n in names if not n.lower().startswith(("memcpy", "memset")))
 
     def release(self, slot: int) -> None:
         """Nothing to free: a slot's cache rows are overwritten by its next sequence."""
-
-
-def _count_graph_kernels(graph) -> int | None:
-    """Kernel nodes of a torch.cuda.CUDAGraph, through cuda-python when installed."""
-    try:
-        from cuda.bindings import runtime as cudart  # cuda-python 12.x / 13.x
-    except ImportError:
-        return None
-    raw = graph.raw_cuda_graph() if hasattr(graph, "raw_cuda_graph") else None
-    if raw is None:
-        return None
-    err, _, num = cudart.cudaGraphGetNodes(raw, 0)
-    err, nodes, num = cudart.cudaGraphGetNodes(raw, num)
-    count = 0
-    for node in nodes[:num]:
-        err, kind = cudart.cudaGraphNodeGetType(node)
-        if kind == cudart.cudaGraphNodeType.cudaGraphNodeTypeKernel:
-            count += 1
-    return count
 
 
 __all__ = ["CompiledRunner", "load_build", "read_manifest"]

@@ -86,7 +86,7 @@ class ReferenceRunner:
             piece = torch.tensor([ids[s:s + self.prefill_chunk]], device=self.device)  # [1, t]
             pos = torch.arange(start + s, start + s + piece.shape[1], device=self.device)[None]
             logits = self.model(piece, pos, slots, self.kv)[0]  # [t, V]
-            out.append(logits if all_logits else logits[-1:])
+            out.append(logits if all_logits else logits[-1:].clone())  # not a view: frees [t, V]
         logits = torch.cat(out).float()
         return logits if all_logits else logits[-1]
 

@@ -35,9 +35,18 @@ def make_runner(args: argparse.Namespace):
             raise FlintcError(f"--build {args.build}: the compiled runtime is not available yet "
                               f"(cannot import flintc.runtime.compiled: {exc}); serve a checkpoint "
                               f"(MODEL) on the reference backend instead") from None
-        return compiled.load_build(args.build, hf_config_path=args.hf_config_path,
-                                   max_batch=args.max_batch, max_model_len=args.max_model_len,
-                                   device=device)
+        runner = compiled.load_build(args.build, model=args.model, hf_config_path=args.hf_config_path,
+                                     device=getattr(args, "device", None), progress=sys.stderr.isatty())
+        # The build fixes the decode buckets and the cache length; a smaller request limits
+        # the scheduler, a larger one cannot be met.
+        if args.max_model_len and args.max_model_len > runner.max_model_len:
+            raise InputError(f"--max-model-len {args.max_model_len}: {args.build} was compiled for "
+                             f"{runner.max_model_len} positions; recompile with a larger --max-model-len")
+        if args.max_model_len:
+            runner.max_model_len = int(args.max_model_len)
+        if args.max_batch and args.max_batch < runner.max_batch:
+            runner.max_batch = int(args.max_batch)
+        return runner
     from flintc.checkpoint.loader import load_checkpoint
     from flintc.model.reference import FlintModel
     from flintc.runtime.runner import ReferenceRunner
@@ -67,6 +76,9 @@ def tokenizer_dir(args: argparse.Namespace) -> Path:
     candidates = [args.tokenizer, args.hf_config_path]
     if args.build is not None:
         candidates.append(args.build)
+        from flintc.runtime.compiled import read_manifest
+
+        candidates.append(read_manifest(args.build).get("tokenizer_dir"))
     else:
         m = model_path(args)
         candidates.append(m if m.is_dir() else m.parent)

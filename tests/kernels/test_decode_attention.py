@@ -2,12 +2,19 @@
 `flintc.ops.attention` (`torch.ops.flintc.decode_attention` / `attention_combine`).
 
 CPU: Triton-interpreter twins at tiny shapes (Hq=8, Hkv=2, D=32): full caches with
-empty splits, position 0, B up to 8, a cache far longer than the context, splits cut
-into several pieces that the kernel merges in-kernel (arrival counters), and a ring of
-W=9 rows before and after it wraps. The same tests run on the GPU when there is one.
-GPU (`-m gpu`): full shapes (Hq=32, Hkv=4, D=128), caches up to 262,144 rows (100K
-tokens in a 262,144-row cache), rings of W=513, with and without PDL, and replays of a
-CUDA graph with changing positions.
+empty splits, position 0, B up to 8, a cache far longer than the context, splits shared
+by several programs that the kernel merges in-kernel (arrival counters; more sharers
+than one merge load takes), programs whose runs cross split boundaries (workspace slots
+0 and 1), more splits than programs (middle splits stored directly, several empty splits
+zero-filled per program), a ring of W=9 rows before and after it wraps, and a ring
+longer than its window (row-by-row mask). The stream-K plan (`kernels.plan`) is checked
+on its own over many shapes: every visible row in exactly one segment, no segment
+across a split, sharers as the kernel computes them, balanced runs. The same kernel
+tests run on the GPU when there is one.
+GPU (`-m gpu`): full shapes (Hq=32, Hkv=4, D=128), caches up to 262,144 rows (1K, 8K
+and 100K tokens in a 262,144-row cache), rings of W=513, with and without PDL, the
+benchmark sweep's other launch configurations, and replays of a CUDA graph with
+changing positions.
 
 Every check poisons: the launchers' outputs and scratch are NaN-filled before the
 kernel runs, and the kernel sees a copy of the caches in which every row it must not
@@ -20,6 +27,7 @@ output is within one bf16 ulp.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 # The interpreter must be chosen before triton is imported (no GPU here).
@@ -143,6 +151,20 @@ CPU_CASES = [
     pytest.param(9, 9, 3, [0, 4, 8], {}, id="ring-not-wrapped"),
     pytest.param(9, 9, 2, [31, 100, 9], {"programs_per_head": 4, "min_rows": 2},
                  id="ring-wrapped-pieces"),
+    # Splits of 3 blocks (16, 16, 8 rows), runs of 2-3 blocks: program 1 ends split 0
+    # (its slot 0) and starts split 1 (its slot 1).
+    pytest.param(0, 120, 3, [112], {"programs_per_head": 4, "min_rows": 16},
+                 id="full-runs-cross-splits"),
+    # One split shared by 10 programs: three merge loads of CPU_MERGE_P = 4.
+    pytest.param(0, 160, 1, [150], {"programs_per_head": 12, "min_rows": 16},
+                 id="full-one-split-ten-sharers"),
+    # 16 splits of 4 rows, 2 programs: runs of 6-7 whole splits (stored directly, no
+    # merge) and 3 empty splits, zero-filled by both programs.
+    pytest.param(0, 64, 16, [50, 3], {"programs_per_head": 2}, id="full-more-splits-than-programs"),
+    # A ring of 40 rows for a window of 9 (rows masked one by one as the reference
+    # does), one split shared by 3 programs.
+    pytest.param(9, 40, 1, [20, 50], {"programs_per_head": 3, "min_rows": 4},
+                 id="ring-longer-than-window"),
 ]
 
 
@@ -162,17 +184,64 @@ def test_decode_attention_matches_reference(window, S, num_splits, positions, kn
 
 
 def test_pieces_are_merged_and_repeatable():
-    """One split of 48 rows in pieces of 4: every piece merges through the workspace;
-    a second launch (counters reused) gives bit-identical results."""
-    q, kc, vc, slots, pos = make_inputs(1, 8, 2, 32, 48, [45])
-    first = kernels.launch_decode_attention(q, kc, vc, slots, pos, 0, 1,
-                                            programs_per_head=12, min_rows=4)
-    second = kernels.launch_decode_attention(q, kc, vc, slots, pos, 0, 1,
-                                             programs_per_head=12, min_rows=4)
+    """One split of 64 rows shared by 4 programs of one block: every partial merges
+    through the workspace; a second launch (counters reused) gives bit-identical
+    results."""
+    q, kc, vc, slots, pos = make_inputs(1, 8, 2, 32, 64, [61])
+    knobs = {"programs_per_head": 12, "min_rows": 4}
+    assert kernels.plan(62, 64, 1, 12, 4, kernels.CPU_BLOCK_S)["t_eff"] == 4
+    first = kernels.launch_decode_attention(q, kc, vc, slots, pos, 0, 1, **knobs)
+    second = kernels.launch_decode_attention(q, kc, vc, slots, pos, 0, 1, **knobs)
     ref = torch.ops.flintc.decode_attention(q, kc, vc, slots, pos, 0, 1)
     assert_partials_close(*first, *ref)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     assert counters_are_zero()
+
+
+PLAN_SHAPES = [
+    # (rows R, cache rows S, splits N, programs T, min_rows, block_s)
+    (1024, 262144, 32, 66, 128, 64), (100_000, 262144, 32, 66, 128, 64),
+    (100_000, 262144, 32, 8, 128, 64), (262144, 262144, 32, 16, 128, 64),
+    (8192, 262144, 32, 66, 128, 64), (513, 513, 3, 66, 64, 64), (513, 513, 3, 66, 192, 64),
+    (1, 262144, 32, 66, 128, 64), (0, 48, 5, 4, 16, 16), (300, 1000, 7, 5, 16, 16),
+    (999, 1000, 7, 50, 16, 16), (57, 100, 100, 3, 16, 16), (1000, 1000, 1, 9, 32, 16),
+]
+
+
+@pytest.mark.parametrize("R,S,N,T,min_rows,block_s", PLAN_SHAPES)
+def test_plan_covers_each_visible_row_once(R, S, N, T, min_rows, block_s):
+    """The stream-K plan: segments partition rows 0..R-1, none crosses a split, runs
+    are contiguous and balanced to one block (+ a split's short last block), the
+    sharers (ta..tb) of a split are exactly the programs with a segment in it, only a
+    run's first and last segments can be shared, empty splits are zero-filled once."""
+    plan = kernels.plan(R, S, N, T, min_rows, block_s)
+    chunk = -(-S // N)
+    covered = []
+    runs = []
+    sharers = {}
+    for t, segs in enumerate(plan["segments"]):
+        assert (t < plan["t_eff"]) or not segs, f"program {t} busy past t_eff"
+        for i, (n, lo, hi, ta, tb) in enumerate(segs):
+            assert n * chunk <= lo < hi <= min((n + 1) * chunk, R), (t, n, lo, hi)
+            if 0 < i < len(segs) - 1:
+                assert ta == tb == t, "a middle segment must cover its split alone"
+            sharers.setdefault(n, set()).add(t)
+            sharers[n] |= {("range", ta, tb)}
+            covered.extend(range(lo, hi))
+        if segs:
+            assert all(a[2] == b[1] for a, b in itertools.pairwise(segs)), "run not contiguous"
+            runs.append(sum(-(-(hi - lo) // block_s) for _, lo, hi, _, _ in segs))
+    assert sorted(covered) == list(range(R)), "rows missing or read twice"
+    for n, who in sharers.items():
+        progs = {w for w in who if isinstance(w, int)}
+        (_, ta, tb), = {w for w in who if isinstance(w, tuple)}
+        assert progs == set(range(ta, tb + 1)), f"split {n}: sharers {progs} vs {ta}..{tb}"
+        assert tb - ta + 1 <= kernels.MAX_PIECES_PER_SPLIT + 2
+    assert not runs or max(runs) - min(runs) <= 2, f"unbalanced runs (blocks): {runs}"
+    assert len(runs) <= T
+    nchunks = -(-R // chunk)
+    zero = sorted(z for zs in plan["zero_fill"] for z in zs)
+    assert zero == list(range(nchunks, N)), "empty splits not zero-filled exactly once"
 
 
 def test_kernels_table_and_defaults():
@@ -229,6 +298,8 @@ def test_combine_only_sink_mass():
 
 
 def test_choose_num_splits():
+    assert kernels.default_programs_per_head(1, 4, 132) == 66
+    assert kernels.default_programs_per_head(8, 4, 132) == 8
     assert kernels.choose_num_splits(262144, 1) == 32
     assert kernels.choose_num_splits(513, 1, window=513) == 3
     assert kernels.choose_num_splits(1024, 1, num_sms=132) == 4  # 66 programs / 32 pieces
@@ -265,7 +336,9 @@ def test_decode_attention_rejects_bad_input(name, bad):
         kernels.decode_attention(**args)
 
 
-@pytest.mark.parametrize("name,value", [("programs_per_head", 0), ("min_rows", 0)])
+@pytest.mark.parametrize("name,value", [("programs_per_head", 0), ("min_rows", 0),
+                                        ("max_pieces", 0), ("block_s", 24), ("block_s", 8),
+                                        ("num_warps", 0), ("num_stages", 1.5)])
 def test_launcher_knobs_rejected(name, value):
     with pytest.raises(ValueError, match=name):
         kernels.launch_decode_attention(**_good_args(), **{name: value})
@@ -302,6 +375,22 @@ GPU_CASES = [
     pytest.param(513, 513, 3, [2000], {}, id="ring-B1"),
     pytest.param(513, 513, 2, [600, 100], {"programs_per_head": 16, "min_rows": 16},
                  id="ring-pieces"),
+    # The benchmark's short contexts: one split of 8192 rows shared by 8 (1K) and 32
+    # (8K: four merge loads) programs.
+    pytest.param(0, 262144, 32, [1023], {}, id="262K-cache-1K-context"),
+    pytest.param(0, 131072, 16, [8191, 1000], {}, id="8K-context-in-8192-row-splits-B2"),
+    # Runs across split boundaries at B=8 (8 programs per head for 13 splits).
+    pytest.param(0, 32768, 32, [32767, 30000, 20000, 12345, 4096, 1000, 77, 32700], {},
+                 id="B8-runs-cross-splits"),
+    # The sweep's other launch configurations.
+    pytest.param(0, 131072, 32, [100000], {"block_s": 128, "num_warps": 4, "num_stages": 2},
+                 id="BLOCK_S-128"),
+    pytest.param(0, 131072, 32, [100000], {"block_s": 32, "num_warps": 4, "num_stages": 4},
+                 id="BLOCK_S-32"),
+    pytest.param(0, 131072, 32, [100000], {"num_warps": 8, "num_stages": 3,
+                                           "programs_per_head": 33},
+                 id="8-warps"),
+    pytest.param(513, 513, 3, [5000], {"min_rows": 192}, id="ring-one-program-per-split"),
 ]
 
 

@@ -193,38 +193,79 @@ def test_norm_router(N, poison):
     assert_fp32_close("logits", logits, rl, rel=H * 2.0**-24)
 
 
-@pytest.mark.parametrize("fmt,N", [("bf16", 1), ("bf16", 3), ("bf16", 8), ("nvfp4_gs", 1),
-                                   ("nvfp4_gs", 3), ("nvfp4_gs", 8), ("nvfp4", 3)])
+# Configurations beyond the interpreter's default (one program per expert and row block,
+# one K step): several K steps, split-K with the last-arriving combine, the register
+# prefetch, the FMA reduction with and without the per-block scale.
+CPU_CONFIGS = [
+    K.MoeConfig(block_rows=128, block_k=32, split=2, use_dot=True, prefetch=True),
+    K.MoeConfig(block_rows=128, block_k=32, split=2, use_dot=False, scale_after=True),
+    K.MoeConfig(block_rows=64, block_k=64, split=1, use_dot=False, prefetch=True),
+]
+
+
+@pytest.mark.parametrize("fmt,N", [("bf16", 1), ("bf16", 8), ("nvfp4_gs", 3), ("nvfp4_gs", 8),
+                                   ("nvfp4", 1)])
 def test_moe_topk_gate_up_and_down(fmt, N, poison):
     """Kernels 6 and 7 on the same random layer; kernel 7 is fed the reference's h / ids /
     weights so that each kernel is judged on its own."""
-    gen = torch.Generator().manual_seed(1000 * N + FMTS.index(fmt))
+    _check_gate_up_and_down(fmt, N, None, poison, seed=1000 * N + FMTS.index(fmt))
+
+
+@pytest.mark.parametrize("cfg", range(len(CPU_CONFIGS)))
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
+def test_moe_configs(fmt, cfg, poison):
+    """The same checks under other launch configurations (N = 2)."""
+    _check_gate_up_and_down(fmt, 2, CPU_CONFIGS[cfg], poison, seed=300 + 10 * cfg + FMTS.index(fmt))
+
+
+def test_counters_left_zero():
+    """Split-K / combine counters are zero after the launches (the next launch relies on
+    it), and a repeated call gives the same bits (deterministic combine order)."""
+    from flintc.kernels.gemv import split_k_counters
+
+    gen = torch.Generator().manual_seed(9)
+    w = make_moe(TINY, "bf16", gen)
+    N, F = 1, TINY["F"]
+    cfg = CPU_CONFIGS[0]
+    h = torch.randn(N, TOP_K + 1, F, generator=gen).to(torch.bfloat16).to(DEV)
+    ids = torch.stack([torch.randperm(TINY["E"], generator=gen)[:TOP_K] for _ in range(N)]).to(DEV)
+    wts = torch.rand(N, TOP_K, generator=gen).to(DEV)
+    a = K.moe_down_combine(h, ids, wts, w["down"], w["sd"], config=cfg)
+    b = K.moe_down_combine(h, ids, wts, w["down"], w["sd"], config=cfg)
+    assert torch.equal(a, b)
+    assert_bf16_close("moe_down_combine (random ids)", a,
+                      ref("moe_down_combine")(h, ids, wts, w["down"], w["sd"]))
+    assert int(split_k_counters(torch.device(DEV), 1).abs().sum()) == 0
+
+
+def _check_gate_up_and_down(fmt, N, cfg, poison, seed):
+    gen = torch.Generator().manual_seed(seed)
     H, F, E = TINY["H"], TINY["F"], TINY["E"]
     w = make_moe(TINY, fmt, gen)
     x = torch.randn(N, H, generator=gen).to(torch.bfloat16).to(DEV)
     logits, bias, pairs = tied_logits(N, E, gen)
     with poison:
         h, wts, ids = K.moe_topk_gate_up(x, logits, bias, w["gate"], w["up"], w["sg"], w["su"],
-                                         TOP_K, SCALING)
+                                         TOP_K, SCALING, config=cfg)
     rh, rw, rids = ref("moe_topk_gate_up")(x, logits, bias, w["gate"], w["up"], w["sg"], w["su"],
                                            TOP_K, SCALING)
     check_routing(ids, wts, rids, rw, pairs)
     assert h.shape == (N, TOP_K + 1, F)
-    assert_bf16_close(f"h ({fmt}, N={N})", h, rh)
+    assert_bf16_close(f"h ({fmt}, N={N}, {cfg and cfg.short()})", h, rh)
     if fmt == "nvfp4":
         # A scalar [] global scale for stacked experts (allowed by NVFP4Tensor; the reference's
         # expert gather cannot index it) must give the same bits as ones [E].
         one = torch.tensor(1.0, device=DEV)
         h1, _, _ = K.moe_topk_gate_up(x, logits, bias, w["gate"][:2] + [one], w["up"][:2] + [one],
-                                      w["sg"], w["su"], TOP_K, SCALING)
+                                      w["sg"], w["su"], TOP_K, SCALING, config=cfg)
         assert torch.equal(h1, h), "scalar and per-expert unit global scales disagree"
 
     residual = torch.randn(N, 1, H, generator=gen).to(torch.bfloat16).to(DEV)
     with poison:
-        out = K.moe_down_combine_residual(rh, rids, rw, w["down"], w["sd"], residual)
+        out = K.moe_down_combine_residual(rh, rids, rw, w["down"], w["sd"], residual, config=cfg)
     expect = ref("moe_down_combine_residual")(rh, rids, rw, w["down"], w["sd"], residual)
     assert out.shape == residual.shape
-    assert_bf16_close(f"down+combine+residual ({fmt}, N={N})", out, expect)
+    assert_bf16_close(f"down+combine+residual ({fmt}, N={N}, {cfg and cfg.short()})", out, expect)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
@@ -290,6 +331,9 @@ def _bad_calls():
         (r"down\[0\]", lambda: K.moe_down_combine_residual(h, ids, wts, [d[0][..., :32]], sd, res)),
         ("residual", lambda: K.moe_down_combine_residual(h, ids, wts, d, sd, res.float())),
         ("residual", lambda: K.moe_down_combine_residual(h, ids, wts, d, sd, res[:, :64].contiguous())),
+        ("config", lambda: gu(x, lg, b, g, g, s, s, TOP_K, SCALING,
+                              config=K.MoeConfig(block_rows=8, use_dot=True))),
+        ("config", lambda: K.moe_down_combine(h, ids, wts, d, sd, config=K.MoeConfig(block_k=48))),
     ]
 
 
@@ -339,3 +383,35 @@ def test_moe_kernels_full_shapes_gpu(N, fmt, use_pdl, poison):
     expect = ref("moe_down_combine_residual")(rh, rids, rw, w["down"], w["sd"], x)
     torch.cuda.synchronize()
     assert_bf16_close(f"down+combine+residual ({fmt}, N={N})", out, expect)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
+@pytest.mark.parametrize("N", [1, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_sweep_configs_full_shapes_gpu(N, fmt):
+    """Every configuration `benchmarks/bench_moe.py` may pick (`K.sweep_configs`) gives the
+    reference's results at the model's shapes, with PDL (CPU twin: test_moe_configs)."""
+    gen = torch.Generator().manual_seed(7000 + 10 * N + FMTS.index(fmt))
+    H, F, E = FULL["H"], FULL["F"], FULL["E"]
+    w = make_moe(FULL, fmt, gen)
+    x = torch.randn(N, H, generator=gen).to(torch.bfloat16).to(DEV)
+    logits, bias, pairs = tied_logits(N, E, gen)
+    rh, rw, rids = ref("moe_topk_gate_up")(x, logits, bias, w["gate"], w["up"], w["sg"], w["su"],
+                                           TOP_K, SCALING)
+    residual = torch.randn(N, H, generator=gen).to(torch.bfloat16).to(DEV)
+    expect = ref("moe_down_combine_residual")(rh, rids, rw, w["down"], w["sd"], residual)
+    kind = "nvfp4" if fmt.startswith("nvfp4") else "bf16"
+    dev = torch.device(DEV)
+    for cfg in K.sweep_configs("gate_up", kind, N, F, H, N * TOP_K + 1, dev):
+        h, wts, ids = K.moe_topk_gate_up(x, logits, bias, w["gate"], w["up"], w["sg"], w["su"],
+                                         TOP_K, SCALING, use_pdl=True, config=cfg)
+        torch.cuda.synchronize()
+        check_routing(ids, wts, rids, rw, pairs)
+        assert_bf16_close(f"h ({fmt}, N={N}, {cfg.short()})", h, rh)
+    for cfg in K.sweep_configs("down", kind, N, H, F, N * TOP_K + 1, dev):
+        for _ in range(2):  # the second call checks that the counters were left at zero
+            out = K.moe_down_combine_residual(rh, rids, rw, w["down"], w["sd"], residual,
+                                              use_pdl=True, config=cfg)
+            torch.cuda.synchronize()
+            assert_bf16_close(f"down ({fmt}, N={N}, {cfg.short()})", out, expect)

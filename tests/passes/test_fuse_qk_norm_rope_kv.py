@@ -1,10 +1,12 @@
-"""fuse_qk_norm_rope_kv: per layer, the Q/K norms, RoPE and both KV-cache writes become
-one `flintc.qk_norm_rope_kv_write`, placed between the reads of the old ring and the
-reads of the new cache; bit-exact against the graph before it (logits and caches).
+"""fuse_qk_norm_rope_kv: per layer, at decode the Q/K norms, RoPE and both KV-cache
+writes become one `flintc.qk_norm_rope_kv_write`, placed between the reads of the old
+ring and the reads of the new cache; at prefill the norms and RoPE become one
+`flintc.qk_norm_rope` and the writes stay for fuse_prefill_attention (whose op reads
+the old ring, then writes). Bit-exact against the graph before it (logits and caches).
 
 The manager checks every pass it runs, so this pass is also checked (bit-exact) on
-the prefill chunk shorter than the window in test_fuse_prefill_attention.py and
-at the batch sizes of test_fuse_decode_attention.py."""
+the prefill chunks of test_fuse_prefill_attention.py (at position 0 and at offsets)
+and at the batch sizes of test_fuse_decode_attention.py."""
 
 from __future__ import annotations
 
@@ -82,22 +84,6 @@ def test_decode_is_fused_and_bit_exact():
     assert stage.result.matches == 4
     assert_fused(g)
     assert_bit_exact(stage)
-
-
-def test_long_prefill_with_canonicalize():
-    """A chunk longer than the window (T=32 > W=9: only its last 9 tokens stay in the
-    ring), with `canonicalize` first.
-
-    Regression: at B=1 the full layers' write views v [1, T, 2, 32] as [T, 2, 32], and
-    `canonicalize` folds that view chain into the linear's [T, 64] output, so the
-    pattern's v bound a tensor of another shape and the op failed at run time. The
-    pass now views such an input back to the pattern's shape."""
-    from flintc.passes.canonicalize import CanonicalizationPass
-
-    g = graph("prefill", 1, 32)
-    stage = run(g, [CanonicalizationPass, *PASSES])
-    assert_fused(g)
-    assert_bit_exact(stage)
     assert_old_ring_read_first(g)
 
 
@@ -113,6 +99,53 @@ def assert_old_ring_read_first(g):
         reads = [u for cache in op.args[7:9] for u in cache.users if u is not op]
         assert len(reads) == 2
         assert all((order[r] < order[op]) == sliding for r in reads), op.name
+
+
+def assert_prefill_fused(g):
+    """One `qk_norm_rope` per layer reading that layer's norm weights (and the RoPE rows
+    in every layer, as the decode op); no per-head norm left; the two cache writes per
+    layer left as captured, for fuse_prefill_attention."""
+    c, gm = g.config, g.gm
+    ops = find_nodes(gm, fused.qk_norm_rope)
+    assert sorted(n.meta["flintc_layer"] for n in ops) == list(range(c.num_hidden_layers))
+    assert not find_nodes(gm, fused.qk_norm_rope_kv_write)
+    for n in ops:
+        i = n.meta["flintc_layer"]
+        assert [a.name for a in n.args[2:4]] == [f"w_layers_{i}_self_attn_q_norm",
+                                                  f"w_layers_{i}_self_attn_k_norm"]
+        assert n.args[-1] == c.is_sliding_layer(i)
+    per_head = [n for n in find_nodes(gm, fused.rms_norm)
+                if n.args[1].name.endswith(("q_norm", "k_norm"))]
+    assert not per_head
+    writes = sorted(n.args[0].name for n in find_nodes(gm, aten.index_put_))
+    assert writes == sorted(f"{kv}_cache_{i}" for i in range(c.num_hidden_layers) for kv in "kv")
+
+
+def test_long_prefill_with_canonicalize():
+    """A chunk longer than the window (T=32 > W=9), with `canonicalize` first.
+
+    Regression: at B=1 the full layers' write views v [1, T, 2, 32] as [T, 2, 32], and
+    `canonicalize` folds that view chain into the linear's [T, 64] output, so a pattern's
+    input can bind a tensor of another shape; `bind_inputs` views it back."""
+    from flintc.passes.canonicalize import CanonicalizationPass
+
+    g = graph("prefill", 1, 32)
+    stage = run(g, [CanonicalizationPass, *PASSES])
+    assert stage.result.matches == 4
+    assert_prefill_fused(g)
+    assert_bit_exact(stage)
+
+
+def test_prefill_at_an_offset():
+    """B=2, a 5-token chunk at p0 = 20 (wrapped rings; full layers' rows 20..24):
+    bit-exact, the writes untouched."""
+    g = graph("prefill", 2, 5)
+    ctx = PassContext(g.config, g.step, g.batch, g.tokens, g.cache_len)
+    checker = NumericChecker(tiny_model(), g)
+    checker.inputs = (checker.inputs[0], checker.inputs[1] + 20, *checker.inputs[2:])
+    stage = PassManager(PASSES, ctx, checker=checker).run(g).stages[-1]
+    assert_prefill_fused(g)
+    assert_bit_exact(stage)
 
 
 def test_full_width_config_on_meta_weights():

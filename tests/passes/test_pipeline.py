@@ -60,9 +60,11 @@ def test_prefill_pipeline():
     model = tiny_model()
     g, report = compile_step(model, "prefill", batch=1, tokens=20, cache_len=48, check_model=model)
     assert [s.name for s in report.stages[1:]] == [p.name for p in pipeline_for("prefill")]
-    assert all(s.check.passed and s.check.bit_exact for s in report.stages)
+    assert all(s.check.passed for s in report.stages)
+    # bit-exact everywhere except the flash-attention prefill, which states a tolerance
+    assert all(s.check.bit_exact for s in report.stages if s.name != "fuse_prefill_attention")
     names = {op_name(n) for n in g.gm.graph.nodes if n.op == "call_function"}
-    assert {"flintc.gemm", "flintc.prefill_attention", "flintc.moe_route", "flintc.lm_head"} <= names
+    assert {"flintc.gemm", "flintc.prefill_attention_kv", "flintc.moe_route", "flintc.lm_head"} <= names
     assert "aten.mm" not in names and "aten._softmax" not in names
 
 

@@ -1,0 +1,782 @@
+"""`flintc bench`: measure flintc and its baselines side by side in one run.
+
+`run_bench(options)` does, in this order, writing `bench.json` after each format so a
+run cut short by a time limit still leaves its numbers:
+
+1. the ceilings: copy bandwidth and bf16 matmul rate (`flintc.bench.timing`);
+2. per weight format: the weights (dummy weights are made on the device, once per
+   format, and shared by every build and baseline), the builds that cover the asked
+   points (`--builds`; a missing one is compiled, with a warning about time), then per
+   build: its KV caches filled with random bf16 up to the largest context it serves,
+   and for each (batch, context) point the decode step timed forward only (CUDA-graph
+   replays, device events) and end to end (`runner.decode` + sampling + the token read
+   on the host), the distinct experts the step selected (`record_step`), the roofline,
+   the kernel count and peak memory; prefill at each length; the per-kernel breakdown;
+   the eager baseline on views of the same caches;
+3. the compile baseline (and the eager one when flintc is not run), on caches of its own.
+
+Decode at context C means the step of the token at position C - 1 over a cache holding
+C - 1 earlier tokens (C keys read per full layer): the KV rows hold random values, not
+a prefill's output, which changes no timing (no kernel branches on values) and saves a
+262K-token prefill. Inputs are rotated over `rotations` sets (token ids, and slots over
+the build's sequence slots) so neither L2 nor the expert selection repeats a step.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flintc.errors import InputError
+
+TARGET_COMPILE_POINTS = ((1, 1024), (1, 100000), (8, 1024))
+
+
+@dataclass
+class BenchOptions:
+    """What `flintc bench` measures (see `flintc bench --help` for each field)."""
+
+    out: Path
+    model: str | None = None
+    load_format: str = "dummy"
+    config: str | None = "full"
+    hf_config_path: str | None = None
+    formats: list[str] = field(default_factory=lambda: ["bf16", "nvfp4"])
+    contexts: list[int] = field(default_factory=lambda: [1024, 8192, 32768, 100000, 262144])
+    batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    prefill: list[int] = field(default_factory=lambda: [1024, 8192])
+    baselines: list[str] = field(default_factory=lambda: ["eager", "compile"])
+    baseline_points: list[tuple[int, int]] | None = None
+    builds: Path | None = None
+    backend: str | None = None
+    device: str = "cuda"
+    warmup: int | None = None
+    iters: int | None = None
+    e2e_iters: int | None = None
+    prefill_iters: int | None = None
+    rotations: int | None = None
+    breakdown: list[tuple[int, int]] | None = None
+    time_budget: float | None = None
+    step_timeout: float | None = None
+    run_flintc: bool = True
+    compile_missing: bool = True
+    max_model_len: int | None = None
+    sampling: str = "default"
+    plots: bool = True
+    command: str = ""
+
+    def resolved(self) -> "BenchOptions":
+        """Defaults that depend on the device; validation. Raises InputError."""
+        o = BenchOptions(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        cuda = o.device.startswith("cuda")
+        o.warmup = 10 if o.warmup is None and cuda else (1 if o.warmup is None else o.warmup)
+        o.iters = 100 if o.iters is None and cuda else (2 if o.iters is None else o.iters)
+        o.e2e_iters = (50 if cuda else 2) if o.e2e_iters is None else o.e2e_iters
+        o.prefill_iters = (5 if cuda else 1) if o.prefill_iters is None else o.prefill_iters
+        o.rotations = (8 if cuda else 2) if o.rotations is None else o.rotations
+        for name in ("iters", "e2e_iters", "prefill_iters", "rotations"):
+            if getattr(o, name) < 1:
+                raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
+        if o.warmup < 0:
+            raise InputError(f"--warmup must be >= 0, got {o.warmup}")
+        for f in o.formats:
+            if f not in ("bf16", "nvfp4"):
+                raise InputError(f"--formats: unknown format {f!r} (expected bf16, nvfp4)")
+        for b in o.baselines:
+            if b not in ("eager", "compile"):
+                raise InputError(f"--baselines: unknown baseline {b!r} (expected eager, compile)")
+        if any(c < 1 for c in o.contexts) or any(b < 1 for b in o.batches) or any(t < 1 for t in o.prefill):
+            raise InputError("--contexts, --batches and --prefill take positive integers")
+        if any(b > 8 for b in o.batches):
+            raise InputError(f"--batches: flintc decodes at most 8 sequences at once, got {max(o.batches)}")
+        if o.sampling not in ("default", "greedy"):
+            raise InputError(f"--sampling must be default or greedy, got {o.sampling!r}")
+        o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
+        if o.builds is None:
+            o.builds = Path(o.out) / "builds"
+        return o
+
+
+class _Clock:
+    """The run's time budget: `left()` seconds before outputs must be written."""
+
+    RESERVE_S = 15.0
+
+    def __init__(self, budget: float | None):
+        self.t0 = time.monotonic()
+        self.budget = budget
+        self.share_until = None
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        if not self.budget:
+            return float("inf")
+        left = self.budget - self.RESERVE_S - self.elapsed()
+        if self.share_until is not None:
+            left = min(left, self.share_until - time.monotonic())
+        return left
+
+    def share(self, parts: int) -> None:
+        """From now on, at most 1/parts of what is left (one weight format's share)."""
+        self.share_until = None
+        if self.budget and parts > 0:
+            self.share_until = time.monotonic() + self.left() / parts
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(options: BenchOptions, log=_log) -> dict:
+    """Run the benchmark described by `options` and write its outputs into options.out
+    (bench.json, bench.md, PNG plots). Returns the results dict (see `report`).
+
+    Raises InputError for bad options or a CUDA device without a GPU; failures of a
+    single measurement (a baseline that does not compile, out of memory, a step past
+    its timeout) are recorded in the results and the run goes on."""
+    from flintc.bench import report
+
+    o = options.resolved()
+    device = torch.device(o.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {o.device}: no CUDA GPU is available (use --device cpu)")
+    out = Path(o.out)
+    out.mkdir(parents=True, exist_ok=True)
+    clock = _Clock(o.time_budget)
+    results = _new_results(o, device)
+    bench = _Bench(o, device, clock, results, log)
+
+    def save():
+        (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+
+    try:
+        bench.ceilings()
+        save()
+        for i, fmt in enumerate(o.formats):
+            clock.share(len(o.formats) - i)  # each format gets an equal share of what is left
+            if clock.left() <= 0:
+                bench.note(f"{fmt}: skipped, the time budget ({o.time_budget:g} s) is spent")
+                continue
+            bench.run_format(fmt)
+            save()
+    finally:
+        results["meta"]["wall_s"] = round(clock.elapsed(), 1)
+        save()
+        report.write_outputs(results, out, plots=o.plots, log=log)
+    return results
+
+
+def _new_results(o: BenchOptions, device: torch.device) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(pkg):
+        try:
+            return version(pkg)
+        except PackageNotFoundError:
+            return None
+
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": o.command,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_memory_gib": (round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+                              if device.type == "cuda" else None),
+        "cpu_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": ver("triton"),
+        "flintc": ver("flintc"),
+        "driver": _driver_version() if device.type == "cuda" else None,
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in o.__dict__.items()},
+        "timing": ("CUDA-graph replays timed with device events" if device.type == "cuda"
+                   else "eager calls of the generated functions timed with time.perf_counter (no CUDA graphs)"),
+        "full_model": None,
+    }
+    return {"meta": meta, "ceilings": {}, "loads": [], "builds": [], "decode": [], "prefill": [],
+            "baselines": [], "baseline_failures": [], "breakdown": [], "kernels": [], "notes": []}
+
+
+def _driver_version() -> str | None:
+    try:
+        import subprocess
+
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=10, check=False)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+class _Bench:
+    def __init__(self, o: BenchOptions, device: torch.device, clock: _Clock, results: dict, log):
+        self.o, self.device, self.clock, self.r, self.log = o, device, clock, results, log
+        self.cuda = device.type == "cuda"
+        self.gen = torch.Generator().manual_seed(1234)  # host-side: same inputs on any device
+        self._last_compile_s = None
+        self._kernel_counts: dict[tuple, tuple] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def note(self, msg: str) -> None:
+        self.log(msg)
+        self.r["notes"].append(msg)
+
+    def guarded(self, what: str, fn, need_s: float = 0.0):
+        """Run one measurement: out of time (less than `need_s` seconds left), out of
+        memory, timeout and errors become notes."""
+        from flintc.bench.timing import StepTimeout, step_timeout
+
+        if self.clock.left() <= need_s:
+            self.note(f"{what}: skipped, the time budget is spent"
+                      + (f" (it needs about {need_s:.0f} s)" if need_s else ""))
+            return None
+        t0 = time.monotonic()
+        try:
+            with step_timeout(self.o.step_timeout):
+                res = fn()
+            self.log(f"{what}: done in {time.monotonic() - t0:.1f} s")
+            return res
+        except StepTimeout as e:
+            self.note(f"{what}: {e}")
+        except torch.cuda.OutOfMemoryError as e:
+            self.note(f"{what}: out of device memory ({str(e).splitlines()[0][:200]})")
+        except (RuntimeError, ValueError, InputError) as e:
+            self.note(f"{what}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+            self.log(traceback.format_exc(limit=4))
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return None
+
+    # -- ceilings -------------------------------------------------------------------------
+    def ceilings(self) -> None:
+        from flintc.bench.timing import copy_bandwidth_gbs, matmul_tflops
+
+        c = self.r["ceilings"]
+        c["copy_gbs"] = copy_bandwidth_gbs(self.device)
+        c["matmul_tflops"] = matmul_tflops(self.device)
+        size, n = ("1 GiB", 8192) if self.cuda else ("64 MiB", 256)
+        c["method"] = (f"copy: dst.copy_(src) of {size}, read + written bytes, median of 20; "
+                       f"matmul: bf16 {n}x{n}x{n} torch.matmul, median of 20")
+        self.log(f"ceilings: copy {c['copy_gbs']:.0f} GB/s, bf16 matmul {c['matmul_tflops']:.1f} TFLOP/s")
+
+    # -- one weight format ----------------------------------------------------------------
+    def run_format(self, fmt: str) -> None:
+        ckpt = self.guarded(f"{fmt}: load weights", lambda: self._load(fmt))
+        if ckpt is None:
+            return
+        try:
+            if self.o.run_flintc:
+                self._flintc(fmt, ckpt)
+            standalone = [b for b in self.o.baselines if b == "compile" or not self.o.run_flintc]
+            for name in standalone:
+                self._standalone_baseline(name, fmt, ckpt)
+        finally:
+            del ckpt
+            gc.collect()
+            if self.cuda:
+                torch.cuda.empty_cache()
+
+    def _load(self, fmt: str):
+        from flintc.checkpoint.loader import load_checkpoint
+
+        t0 = time.perf_counter()
+        if self.o.load_format == "dummy":
+            ckpt = load_checkpoint(self.o.model, hf_config_path=self.o.hf_config_path, device=self.device,
+                                   load_format="dummy", config=self.o.config if self.o.model is None else None,
+                                   fmt=fmt, progress=False)
+        else:
+            if self.o.model is None:
+                raise InputError("a MODEL path is needed unless --load-format dummy")
+            ckpt = load_checkpoint(self.o.model, hf_config_path=self.o.hf_config_path, device=self.device,
+                                   progress=False)
+            if ckpt.fmt != fmt:
+                raise InputError(f"{self.o.model} holds {ckpt.fmt} weights; pass --formats {ckpt.fmt}")
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        from flintc.bench.roofline import weight_bytes
+
+        cfg = ckpt.config
+        from flintc.config import FlintConfig
+
+        self.r["meta"]["full_model"] = cfg.to_dict() == FlintConfig.preset("full").to_dict()
+        self.r["meta"]["layers"] = cfg.num_hidden_layers
+        wb = weight_bytes(cfg, fmt, cfg.n_routed_experts, cfg.vocab_size).total
+        self.r["loads"].append({"fmt": fmt, "source": ckpt.source, "seconds": round(seconds, 2),
+                                "weight_bytes": wb})
+        return ckpt
+
+    # -- builds ---------------------------------------------------------------------------
+    def _builds_for(self, fmt: str, ckpt) -> list[dict]:
+        from flintc.runtime.build import config_fingerprint, weight_fingerprint
+        from flintc.runtime.compiled import read_manifest
+
+        root = Path(self.o.builds)
+        cfg_sha = config_fingerprint(ckpt.config)
+        w_sha = weight_fingerprint(ckpt.weights, ckpt.fmt, ckpt.source)
+        found = []
+        if root.is_dir():
+            for path in sorted(root.iterdir()):
+                if not (path / "build.json").is_file():
+                    continue
+                try:
+                    m = read_manifest(path)
+                except InputError:
+                    continue
+                if m.get("weight_format") != fmt or m.get("config_sha256") != cfg_sha:
+                    continue
+                if m.get("weight_sha256") != w_sha:
+                    self.note(f"{path}: compiled for other weights than these {fmt} weights; not used")
+                    continue
+                if self.o.backend and m.get("backend") != self.o.backend:
+                    continue
+                plan = json.loads((path / "plan.json").read_text())
+                found.append({"path": path, "manifest": m, "kv_bytes": int(plan["kv_cache"]["bytes"])})
+        if not found:
+            found = self._compile_missing(fmt, ckpt, root)
+        prefer = "triton" if self.cuda else "torch"
+        found.sort(key=lambda b: (b["manifest"].get("backend") != prefer, b["kv_bytes"]))
+        for b in found:
+            m = b["manifest"]
+            self.r["builds"].append({"fmt": fmt, "path": str(b["path"]), "max_batch": m["max_batch"],
+                                     "max_model_len": m["max_model_len"], "backend": m["backend"],
+                                     "buckets": m.get("buckets"), "kv_cache_bytes": b["kv_bytes"],
+                                     "created": m.get("created"), "functions": m.get("functions")})
+        return found
+
+    def _compile_missing(self, fmt: str, ckpt, root: Path) -> list[dict]:
+        from flintc.runtime.build import BuildOptions, compile_model
+
+        cfg = ckpt.config
+        name = f"{self.o.config or 'model'}-{fmt}"
+        path = root / name
+        if not self.o.compile_missing:
+            self.note(f"{fmt}: no build for these weights in {root} and --no-compile given; flintc not measured")
+            return []
+        max_len = self.o.max_model_len or min(cfg.max_position_embeddings,
+                                              max(self.o.contexts + self.o.prefill))
+        backend = self.o.backend or ("triton" if self.cuda else "torch")
+        opts = BuildOptions(max_batch=max(self.o.batches), max_model_len=max_len, backend=backend,
+                            device=self.o.device, check=False, dump=False)
+        self.note(f"{fmt}: no build in {root}; compiling {path} (max batch {opts.max_batch}, max model len "
+                  f"{max_len}, backend {backend}). This takes minutes: about 2.5 min per function for the full "
+                  f"config; cross-compile builds ahead with `flintc compile` (docs/benchmarks.md)")
+        root.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        m = compile_model(ckpt, path, opts, progress=False, log=self.log)
+        self.note(f"{fmt}: compiled {path} in {time.perf_counter() - t0:.0f} s")
+        plan = json.loads((path / "plan.json").read_text())
+        return [{"path": path, "manifest": m, "kv_bytes": int(plan["kv_cache"]["bytes"])}]
+
+    @staticmethod
+    def _covers(build: dict, batch: int, context: int) -> bool:
+        m = build["manifest"]
+        return m["max_batch"] >= batch and m["max_model_len"] >= context
+
+    def _assign(self, builds, points, what: str):
+        """{build index: [points]}: each point to the covering build with the smallest KV
+        cache (builds are sorted so); points no build covers become notes."""
+        groups: dict[int, list] = {}
+        for p in points:
+            batch, context = p
+            idx = next((i for i, b in enumerate(builds) if self._covers(b, batch, context)), None)
+            if idx is None:
+                have = ", ".join(f"{b['path'].name} (batch <= {b['manifest']['max_batch']}, context <= "
+                                 f"{b['manifest']['max_model_len']})" for b in builds) or "none"
+                self.note(f"{what} batch {batch} context {context}: skipped, no build covers it (builds: {have}); "
+                          f"compile one with --max-batch >= {batch} --max-model-len >= {context}")
+                continue
+            groups.setdefault(idx, []).append(p)
+        return groups
+
+    # -- flintc ---------------------------------------------------------------------------
+    def _flintc(self, fmt: str, ckpt) -> None:
+        builds = self._builds_for(fmt, ckpt)
+        if not builds:
+            return
+        o = self.o
+        decode_points = [(b, c) for b in o.batches for c in o.contexts]
+        prefill_points = [(1, t) for t in o.prefill]
+        eager_points = self._baseline_points("eager") if "eager" in o.baselines else []
+        breakdown = set(self._breakdown_points())
+        g_dec = self._assign(builds, decode_points, f"{fmt} decode")
+        g_pre = self._assign(builds, prefill_points, f"{fmt} prefill")
+        g_eager = self._assign(builds, eager_points, f"{fmt} eager baseline")
+        for idx in sorted(set(g_dec) | set(g_pre) | set(g_eager)):
+            if self.clock.left() <= 0:
+                self.note(f"{fmt}: build {builds[idx]['path'].name} skipped, the time budget is spent")
+                continue
+            runner = self.guarded(f"{fmt}: load build {builds[idx]['path'].name}",
+                                  lambda idx=idx: self._runner(builds[idx], ckpt))
+            if runner is None:
+                continue
+            try:
+                self._with_runner(fmt, runner, builds[idx], g_dec.get(idx, []), g_pre.get(idx, []),
+                                  g_eager.get(idx, []), breakdown)
+            finally:
+                del runner
+                gc.collect()
+                if self.cuda:
+                    torch.cuda.empty_cache()
+
+    def _runner(self, build: dict, ckpt):
+        from flintc.bench.roofline import weight_bytes
+        from flintc.runtime.compiled import load_build
+
+        if self.cuda:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            need = build["kv_bytes"] + (1 << 30)
+            if need > free:
+                cfg = ckpt.config
+                raise InputError(
+                    f"{build['path'].name} needs {need / 2**30:.1f} GiB for its KV caches "
+                    f"({build['manifest']['max_batch'] + 1} slots x {build['manifest']['max_model_len']} "
+                    f"positions) but {free / 2**30:.1f} GiB are free next to the weights "
+                    f"({weight_bytes(cfg, ckpt.fmt, cfg.n_routed_experts, cfg.vocab_size).total / 2**30:.1f} GiB); "
+                    "compile a build with a smaller --max-batch or --max-model-len")
+        return load_build(build["path"], ckpt=ckpt, device=self.o.device, progress=False)
+
+    def _with_runner(self, fmt, runner, build, dec, pre, eager, breakdown) -> None:
+        contexts = [c for _, c in dec + eager]
+        if contexts:
+            self.guarded(f"{fmt}: fill KV caches to {max(contexts)} rows",
+                         lambda: _fill_kv(runner, max(contexts) - 1))
+        for batch, context in dec:
+            rec = self.guarded(f"{fmt} flintc decode batch {batch} context {context}",
+                               lambda b=batch, c=context: self._decode_point(fmt, runner, build, b, c))
+            if rec is not None:
+                self.r["decode"].append(rec)
+            if (batch, context) in breakdown:
+                bd = self.guarded(f"{fmt} kernel breakdown batch {batch} context {context}",
+                                  lambda b=batch, c=context: self._breakdown(fmt, runner, b, c))
+                if bd is not None:
+                    self.r["breakdown"].append(bd)
+        for _, tokens in pre:
+            rec = self.guarded(f"{fmt} flintc prefill {tokens} tokens",
+                               lambda t=tokens: self._prefill_point(fmt, runner, build, t))
+            if rec is not None:
+                self.r["prefill"].append(rec)
+        if eager:
+            from flintc.bench.baselines import EagerStep
+
+            for batch, context in eager:
+                def run(batch=batch, context=context):
+                    from flintc.bench.baselines import kv_view
+
+                    if self.cuda:
+                        torch.cuda.reset_peak_memory_stats(self.device)
+                    step = EagerStep(runner.model, kv_view(runner.kv, runner.config, context))
+                    return self._baseline_point(step, fmt, batch, context, slots=runner.max_batch)
+                rec = self.guarded(f"{fmt} eager baseline batch {batch} context {context}", run)
+                if rec is not None:
+                    self.r["baselines"].append(rec)
+
+    def _inputs(self, cfg, batch: int, bucket: int, context: int, slots: int, scratch: int | None):
+        """`rotations` input sets: ids [bucket, 1], positions [bucket, 1], slots [bucket]
+        (live rows first; padding rows on the scratch slot at position 0, token 0)."""
+        sets = []
+        for r in range(self.o.rotations):
+            ids = torch.randint(0, cfg.vocab_size, (batch,), generator=self.gen).tolist()
+            step = batch if batch < slots else 1  # batch == slots: rotate the permutation
+            sl = [(r * step + j) % slots for j in range(batch)]
+            pad = bucket - batch
+            sets.append({
+                "ids": ids, "slots": sl, "positions": [context - 1] * batch,
+                "t_ids": torch.tensor([[t] for t in ids] + [[0]] * pad, device=self.device),
+                "t_pos": torch.tensor([[context - 1]] * batch + [[0]] * pad, device=self.device),
+                "t_slots": torch.tensor(sl + [scratch] * pad, device=self.device),
+            })
+        return sets
+
+    def _sampler(self, batch: int):
+        from flintc.sampling import SamplingParams
+
+        if self.o.sampling == "greedy":
+            params = [SamplingParams(temperature=0)] * batch
+        else:
+            params = [SamplingParams(seed=1000 + j) for j in range(batch)]
+        gens = [None if p.is_greedy else p.make_generator(self.device) for p in params]
+        return params, gens
+
+    def _decode_point(self, fmt, runner, build, batch: int, context: int) -> dict:
+        from flintc.bench.instrument import record_step
+        from flintc.bench.roofline import decode_roofline
+        from flintc.bench.timing import time_host, time_replays
+        from flintc.sampling import sample
+
+        o, cfg = self.o, runner.config
+        bucket = next(b for b in runner.buckets if b >= batch)
+        name = f"decode_b{bucket}"
+        sets = self._inputs(cfg, batch, bucket, context, runner.max_batch, runner.scratch)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        # the step's own routing, through the recording kernel table (eager, not graphed)
+        n_sets = min(len(sets), 4 if self.cuda else 1)
+        distinct = []
+        for s in sets[:n_sets]:
+            rec = record_step(runner, name, s["t_ids"], s["t_pos"], s["t_slots"])
+            distinct.append(rec["distinct_experts"])
+        moe = sorted({layer for d in distinct for layer in d})
+        per_layer = {layer: sum(d.get(layer, 0) for d in distinct) / len(distinct) for layer in moe}
+        kernels_measured, method = self._kernel_count(runner, bucket, name, rec)
+
+        if self.cuda:
+            graph, s_ids, s_pos, s_sl, _ = runner.decode_graph(bucket)
+
+            def prepare(i):
+                s = sets[i % len(sets)]
+                s_ids.copy_(s["t_ids"])
+                s_pos.copy_(s["t_pos"])
+                s_sl.copy_(s["t_slots"])
+
+            fwd = time_replays(graph.replay, prepare, self.device, o.warmup, o.iters)
+        else:
+            cur = {}
+
+            def prepare(i):
+                cur["s"] = sets[i % len(sets)]
+
+            fwd = time_replays(lambda: runner.forward(name, cur["s"]["t_ids"], cur["s"]["t_pos"],
+                                                      cur["s"]["t_slots"]),
+                               prepare, self.device, o.warmup, o.iters)
+        params, gens = self._sampler(batch)
+
+        def e2e_step(i):
+            s = sets[i % len(sets)]
+            logits = runner.decode(s["slots"], s["ids"], s["positions"])
+            return sample(logits, params, gens).tolist()
+
+        e2e = time_host(e2e_step, self.device, min(o.warmup, 5), o.e2e_iters)
+        ctxs = [context] * batch + [1] * (bucket - batch)
+        roof = decode_roofline(cfg, fmt, ctxs, per_layer, self.r["ceilings"]["copy_gbs"],
+                               self.r["ceilings"]["matmul_tflops"])
+        fwd_ms, e2e_ms = fwd["median_s"] * 1e3, e2e["median_s"] * 1e3
+        m = build["manifest"]
+        return {
+            "engine": "flintc", "fmt": fmt, "batch": batch, "bucket": bucket, "context": context,
+            "fwd_ms": fwd_ms, "fwd_min_ms": fwd["min_s"] * 1e3, "fwd_max_ms": fwd["max_s"] * 1e3,
+            "e2e_ms": e2e_ms, "e2e_min_ms": e2e["min_s"] * 1e3, "iters": fwd["iters"], "e2e_iters": e2e["iters"],
+            "rotations": len(sets), "roofline": roof, "roofline_ms": roof["ms"],
+            "fwd_roofline_share": roof["ms"] / fwd_ms, "e2e_roofline_share": roof["ms"] / e2e_ms,
+            "distinct_experts": {
+                "mean": sum(per_layer.values()) / len(per_layer) if per_layer else 0.0,
+                "min": min((min(d.values()) for d in distinct if d), default=0),
+                "max": max((max(d.values()) for d in distinct if d), default=0),
+                "per_layer": {str(k): v for k, v in per_layer.items()}, "steps": len(distinct),
+                "method": "expert ids returned by the step's own MoE routing kernels, recorded through the "
+                          "kernel table on an eager run of the same generated function and inputs",
+            },
+            "kernels_measured": kernels_measured, "kernel_count_method": method,
+            "kernels_plan": runner.kernels_per_forward.get(name),
+            "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None,
+            "build": build["path"].name, "build_max_batch": m["max_batch"],
+            "build_max_model_len": m["max_model_len"], "kv_cache_bytes_allocated": build["kv_bytes"],
+            "sampling": self.o.sampling,
+        }
+
+    def _kernel_count(self, runner, bucket: int, name: str, rec: dict):
+        key = (str(runner.build), bucket)
+        if key in self._kernel_counts:
+            return self._kernel_counts[key]
+        if self.cuda:
+            n = runner.graph_kernel_count(bucket)
+            method = "kernel nodes of the captured CUDA graph (cuda-python)"
+            if n is None:
+                from flintc.bench.instrument import count_kernels_profiled
+
+                n = count_kernels_profiled(runner.decode_graph(bucket)[0], self.device)
+                method = "kernels per replay of the captured CUDA graph in a torch.profiler trace"
+        else:
+            n = rec["kernel_calls"] + rec["aten_launches"]
+            method = "kernel-table calls of one eager run + the plan's aten launches (no CUDA graph on CPU)"
+        self._kernel_counts[key] = (n, method)
+        self.r["kernels"].append({"fmt": runner.fmt, "function": name, "measured": n, "method": method,
+                                  "plan": runner.kernels_per_forward.get(name),
+                                  "launches_matched_plan": rec["launches_matched"]})
+        return n, method
+
+    def _breakdown(self, fmt, runner, batch: int, context: int) -> dict:
+        from flintc.bench.instrument import (breakdown_from_calls, breakdown_from_kernels, profile_graph,
+                                             record_step, split_replays)
+
+        bucket = next(b for b in runner.buckets if b >= batch)
+        name = f"decode_b{bucket}"
+        s = self._inputs(runner.config, batch, bucket, context, runner.max_batch, runner.scratch)[0]
+        launches = runner.plan[name]["launches"]
+        if self.cuda:
+            graph, s_ids, s_pos, s_sl, _ = runner.decode_graph(bucket)
+            s_ids.copy_(s["t_ids"])
+            s_pos.copy_(s["t_pos"])
+            s_sl.copy_(s["t_slots"])
+            replays = 5
+            kernels = profile_graph(graph, replays, self.device)
+            per = len(kernels) // replays
+            bd = breakdown_from_kernels(split_replays(kernels, per), launches)
+            bd["method"] = ("torch.profiler (CUPTI) over 5 replays of the CUDA graph; each kernel charged its "
+                            "critical-path time (end minus the later of its start and the previous kernel's end)")
+        else:
+            rec = record_step(runner, name, s["t_ids"], s["t_pos"], s["t_slots"], time_ops=True)
+            bd = breakdown_from_calls(rec["calls"])
+            bd["method"] = "host-timed kernel-table calls of one eager run, synchronized around each (CPU)"
+        bd.update({"fmt": fmt, "batch": batch, "context": context, "function": name})
+        return bd
+
+    def _prefill_point(self, fmt, runner, build, tokens: int) -> dict:
+        from flintc.bench.roofline import prefill_roofline
+        from flintc.bench.timing import time_replays
+
+        cfg = runner.config
+        prompts = [torch.randint(0, cfg.vocab_size, (tokens,), generator=self.gen).tolist()
+                   for _ in range(min(self.o.rotations, 3))]
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        cur = {}
+
+        def prepare(i):
+            cur["i"] = i
+
+        def call():
+            i = cur["i"]
+            runner.prefill(i % runner.max_batch, prompts[i % len(prompts)], 0)
+
+        t = time_replays(call, prepare, self.device, 1, self.o.prefill_iters)
+        ms = t["median_s"] * 1e3
+        roof = prefill_roofline(cfg, fmt, tokens, self.r["ceilings"]["copy_gbs"],
+                                self.r["ceilings"]["matmul_tflops"])
+        return {"engine": "flintc", "fmt": fmt, "tokens": tokens, "ms": ms, "min_ms": t["min_s"] * 1e3,
+                "iters": t["iters"], "tokens_per_s": tokens / t["median_s"], "chunk": runner.prefill_chunk,
+                "roofline": roof, "roofline_ms": roof["ms"], "roofline_share": roof["ms"] / ms,
+                "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None,
+                "build": build["path"].name}
+
+    # -- baselines ------------------------------------------------------------------------
+    def _baseline_points(self, name: str) -> list[tuple[int, int]]:
+        o = self.o
+        if o.baseline_points:
+            return list(o.baseline_points)
+        if name == "eager":
+            pts = [(1, c) for c in o.contexts] + [(b, o.contexts[0]) for b in o.batches if b != 1]
+            return pts if 1 in o.batches else [(b, o.contexts[0]) for b in o.batches]
+        pts = [p for p in TARGET_COMPILE_POINTS if p[0] in o.batches and p[1] in o.contexts]
+        return pts or [(o.batches[0], o.contexts[0])]
+
+    def _breakdown_points(self) -> list[tuple[int, int]]:
+        o = self.o
+        if o.breakdown:
+            return list(o.breakdown)
+        want = [(1, 100000), (8, 8192)]
+        pts = [p for p in want if p[0] in o.batches and p[1] in o.contexts]
+        return pts or [(o.batches[0], o.contexts[-1])]
+
+    def _baseline_point(self, step, fmt, batch: int, context: int, slots: int) -> dict:
+        from flintc.bench.timing import time_host, time_replays
+        from flintc.sampling import sample
+
+        cfg = step.model.config
+        sets = self._inputs(cfg, batch, batch, context, slots, None)
+        cur = {}
+
+        def prepare(i):
+            cur["s"] = sets[i % len(sets)]
+
+        def fwd_call():
+            s = cur["s"]
+            step(s["t_ids"], s["t_pos"], s["t_slots"])
+
+        # the eager model takes 0.1-0.4 s per step at full size: fewer runs suffice
+        compiled = step.name == "compile"
+        iters = min(self.o.iters, (20 if compiled else 5) if self.cuda else self.o.iters)
+        fwd = time_replays(fwd_call, prepare, self.device, min(self.o.warmup, 2), iters)
+        params, gens = self._sampler(batch)
+
+        def e2e_step(i):
+            s = sets[i % len(sets)]
+            logits = step(s["t_ids"], s["t_pos"], s["t_slots"]).float()
+            return sample(logits, params, gens).tolist()
+
+        e2e = time_host(e2e_step, self.device, 1,
+                        min(self.o.e2e_iters, (10 if compiled else 3) if self.cuda else self.o.e2e_iters))
+        return {"engine": step.name, "fmt": fmt, "batch": batch, "context": context,
+                "fwd_ms": fwd["median_s"] * 1e3, "e2e_ms": e2e["median_s"] * 1e3, "iters": fwd["iters"],
+                "e2e_iters": e2e["iters"], "compile_s": getattr(step, "compile_s", None),
+                "cudagraphs": getattr(step, "cudagraphs", None), "mode": getattr(step, "mode", None),
+                "cudagraph_notes": getattr(step, "cudagraph_notes", None),
+                "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None}
+
+    def _standalone_baseline(self, name: str, fmt: str, ckpt) -> None:
+        from flintc.bench.baselines import CompiledStep, EagerStep
+        from flintc.model.reference import FlintModel
+
+        points = self._baseline_points(name)
+        cfg = ckpt.config
+        model = FlintModel(cfg, ckpt.weights, max_positions=max(c for _, c in points))
+        for batch, context in points:
+            def run(batch=batch, context=context):
+                if self.cuda:
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                kv = model.new_kv_cache(batch, context, self.device)
+                _fill_kv_tensors(kv, cfg, batch, context - 1)
+                try:
+                    if name == "eager":
+                        step = EagerStep(model, kv)
+                    else:
+                        sets = self._inputs(cfg, batch, batch, context, batch, None)
+                        self.log(f"{fmt} compile baseline batch {batch} context {context}: compiling "
+                                 "(mode max-autotune; minutes at full size)")
+                        step = CompiledStep(model, kv, (sets[0]["t_ids"], sets[0]["t_pos"], sets[0]["t_slots"]))
+                        if step.error is not None:
+                            self.r["baseline_failures"].append({
+                                "engine": "compile", "fmt": fmt, "batch": batch, "context": context,
+                                "error": step.error, "traceback": getattr(step, "traceback", None)})
+                            self.note(f"{fmt} compile baseline batch {batch} context {context}: did not compile: "
+                                      f"{step.error}")
+                            return None
+                    rec = self._baseline_point(step, fmt, batch, context, slots=batch)
+                    if name == "compile":
+                        step.release()
+                    return rec
+                finally:
+                    del kv
+            need = 0.0
+            if name == "compile" and self.cuda:  # a full-size max-autotune compile takes minutes
+                need = self._last_compile_s or (240.0 if cfg.num_hidden_layers > 8 else 0.0)
+            rec = self.guarded(f"{fmt} {name} baseline batch {batch} context {context}", run, need_s=need)
+            if rec is not None:
+                self.r["baselines"].append(rec)
+                if rec.get("compile_s"):
+                    self._last_compile_s = rec["compile_s"]
+
+
+@torch.inference_mode()
+def _fill_kv(runner, rows: int) -> None:
+    """Random bf16 in every live slot's cache rows (full layers: rows [0, rows); sliding
+    rings: all W rows); the scratch slot is left alone."""
+    _fill_kv_tensors(runner.kv, runner.config, runner.max_batch, rows)
+
+
+@torch.inference_mode()
+def _fill_kv_tensors(kv, config, slots: int, rows: int) -> None:
+    g = torch.Generator(device=kv[0].device).manual_seed(7)
+    for i in range(config.num_hidden_layers):
+        for t in kv[2 * i:2 * i + 2]:
+            n = t.shape[1] if config.is_sliding_layer(i) else min(rows, t.shape[1])
+            for s in range(min(slots, t.shape[0])):
+                if n > 0:
+                    t[s, :n].normal_(generator=g)
+
+
+__all__ = ["BenchOptions", "run_bench"]

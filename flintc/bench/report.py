@@ -1,0 +1,388 @@
+"""`flintc bench` outputs: the results dict, the targets of issue 8, Markdown, plots.
+
+Files written into the output folder by `write_outputs`:
+
+- `bench.json`: the results dict (`meta`, `ceilings`, `loads`, `builds`, `decode`,
+  `prefill`, `baselines`, `baseline_failures`, `breakdown`, `kernels`, `notes`) plus
+  `targets` (each target of issue 8 evaluated);
+- `bench.md`: the report (what `docs/benchmarks.md` holds), also printed;
+- `decode_vs_context.png` (ms per decode step against context length, per format, at
+  batch 1: flintc forward and end to end, the roofline, the baselines) and
+  `latency_vs_batch.png` (ms per step against batch size at each context), and
+  `breakdown.png` (time per kernel type), when matplotlib is installed.
+
+`merge_results([a, b, ...])` joins the results of several runs (the flintc run and the
+compile-baseline run happen in separate GPU calls): later records replace earlier ones
+with the same key (engine, format, batch, context / tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Issue 8's targets on the H200: (key, description, kind, fmt, batch, context, field, op, limit, unit)
+TARGETS = [
+    ("nvfp4_fwd_b1_100k", "NVFP4 forward b1/100K", "decode", "nvfp4", 1, 100000, "fwd_ms", "<=", 1.35, "ms"),
+    ("bf16_fwd_b1_100k", "BF16 forward b1/100K", "decode", "bf16", 1, 100000, "fwd_ms", "<=", 2.2, "ms"),
+    ("nvfp4_e2e_b1_100k", "NVFP4 end to end b1/100K", "decode", "nvfp4", 1, 100000, "e2e_ms", "<=", 1.6, "ms"),
+    ("nvfp4_fwd_b1_1k", "NVFP4 forward b1/1K", "decode", "nvfp4", 1, 1024, "fwd_ms", "<=", 0.6, "ms"),
+    ("bf16_e2e_b1_1k", "BF16 end to end b1/1K", "decode", "bf16", 1, 1024, "e2e_ms", "<=", 1.5, "ms"),
+    ("nvfp4_roof_b8_8k", "NVFP4 b8/8K forward, share of its roofline", "decode", "nvfp4", 8, 8192,
+     "fwd_roofline_share", ">=", 0.60, "share"),
+    ("bf16_roof_b8_8k", "BF16 b8/8K forward, share of its roofline", "decode", "bf16", 8, 8192,
+     "fwd_roofline_share", ">=", 0.60, "share"),
+    ("bf16_prefill_8192", "BF16 prefill 8,192 tokens", "prefill", "bf16", 1, 8192, "ms", "<=", 145.0, "ms"),
+    ("nvfp4_peak_b1_262k", "NVFP4 peak device memory b1/262,144", "decode", "nvfp4", 1, 262144, "peak_gib",
+     "<=", 32.0, "GiB"),
+    ("bf16_peak_b1_262k", "BF16 peak device memory b1/262,144", "decode", "bf16", 1, 262144, "peak_gib",
+     "<=", 90.0, "GiB"),
+    ("nvfp4_kernels", "NVFP4 kernels per forward (b1 CUDA graph)", "kernels", "nvfp4", 1, None, "measured",
+     "<=", 346, "kernels"),
+    ("bf16_kernels", "BF16 kernels per forward (b1 CUDA graph)", "kernels", "bf16", 1, None, "measured",
+     "<=", 346, "kernels"),
+    ("bf16_vs_compile_b1_1k", "BF16 end to end vs torch.compile, b1/1K", "speedup", "bf16", 1, 1024, "e2e_ms",
+     ">=", 3.0, "x"),
+    ("bf16_vs_compile_b1_100k", "BF16 end to end vs torch.compile, b1/100K", "speedup", "bf16", 1, 100000,
+     "e2e_ms", ">=", 7.5, "x"),
+    ("bf16_vs_compile_b8_1k", "BF16 end to end vs torch.compile, b8/1K", "speedup", "bf16", 8, 1024, "e2e_ms",
+     ">=", 1.6, "x"),
+]
+
+LIST_KEYS = {"decode": ("engine", "fmt", "batch", "context"), "prefill": ("engine", "fmt", "tokens"),
+             "baselines": ("engine", "fmt", "batch", "context"), "breakdown": ("fmt", "batch", "context"),
+             "kernels": ("fmt", "function"), "baseline_failures": ("engine", "fmt", "batch", "context"),
+             "builds": ("fmt", "path"), "loads": ("fmt",)}
+
+
+def find(records: list[dict], **key) -> dict | None:
+    """The last record whose fields equal `key` (None when there is none)."""
+    hit = None
+    for r in records:
+        if all(r.get(k) == v for k, v in key.items()):
+            hit = r
+    return hit
+
+
+def merge_results(runs: list[dict]) -> dict:
+    """Join several results dicts (module doc). Raises ValueError for an empty list."""
+    if not runs:
+        raise ValueError("runs: expected at least one results dict")
+    merged = {"meta": dict(runs[0]["meta"]), "ceilings": dict(runs[0].get("ceilings") or {}), "notes": []}
+    merged["meta"]["runs"] = [r["meta"] for r in runs]
+    for key, fields in LIST_KEYS.items():
+        seen: dict[tuple, dict] = {}
+        for run in runs:
+            for rec in run.get(key, []):
+                seen[tuple(rec.get(f) for f in fields)] = rec
+        merged[key] = list(seen.values())
+    for run in runs:
+        merged["notes"] += run.get("notes", [])
+        if not merged["ceilings"] and run.get("ceilings"):
+            merged["ceilings"] = dict(run["ceilings"])
+    return merged
+
+
+def _top_ops(results: dict, fmt: str, batch: int | None, context: int | None, n: int = 3) -> str:
+    bds = [b for b in results.get("breakdown", []) if b["fmt"] == fmt]
+    if not bds:
+        return "no breakdown measured"
+    exact = [b for b in bds if b["batch"] == batch and b["context"] == context]
+    bd = (exact or bds)[0]
+    parts = [f"{o['op']} {o['us']:.0f} us ({o['share']:.0%})" for o in bd["ops"][:n]]
+    where = f"b{bd['batch']}/{bd['context']}"
+    return f"{where}: " + ", ".join(parts) + f"; gaps {bd['gap_us']:.0f} us"
+
+
+def evaluate_targets(results: dict) -> list[dict]:
+    """Each target of `TARGETS` against the results: {"key", "target", "limit", "unit",
+    "measured" (None: not measured), "met", "by" (how far from the limit, words),
+    "points_to" (the largest kernel costs, for missed decode targets)}. Empty unless
+    every run measured the full model on a CUDA device (the targets are the H200's)."""
+    out = []
+    runs = results["meta"].get("runs", [results["meta"]])
+    if not all(r.get("full_model") and str(r.get("device", "")).startswith("cuda") for r in runs):
+        return out
+    for key, desc, kind, fmt, batch, context, fld, op, limit, unit in TARGETS:
+        measured, extra = None, ""
+        if kind == "decode":
+            r = find(results.get("decode", []), engine="flintc", fmt=fmt, batch=batch, context=context)
+            measured = r.get(fld) if r else None
+            if r and fld == "peak_gib":
+                extra = (f"weights + KV caches of {r.get('build')} "
+                         f"({r.get('kv_cache_bytes_allocated', 0) / 2**30:.1f} GiB for "
+                         f"{r.get('build_max_batch', 0) + 1} slots x {r.get('build_max_model_len')} rows)")
+        elif kind == "prefill":
+            r = find(results.get("prefill", []), engine="flintc", fmt=fmt, tokens=context)
+            measured = r.get(fld) if r else None
+        elif kind == "kernels":
+            r = find(results.get("kernels", []), fmt=fmt, function=f"decode_b{batch}")
+            measured = r.get(fld) if r else None
+        elif kind == "speedup":
+            ours = find(results.get("decode", []), engine="flintc", fmt=fmt, batch=batch, context=context)
+            base = find(results.get("baselines", []), engine="compile", fmt=fmt, batch=batch, context=context)
+            if ours and base and ours.get(fld) and base.get(fld):
+                measured = base[fld] / ours[fld]
+                extra = f"torch.compile {base[fld]:.2f} ms, flintc {ours[fld]:.3f} ms"
+        met = None
+        by = "not measured"
+        if measured is not None:
+            met = measured <= limit if op == "<=" else measured >= limit
+            if met:
+                by = "met"
+            elif op == "<=":
+                by = f"{measured - limit:.3g} {unit} over ({(measured / limit - 1):.0%})"
+            else:
+                by = f"{limit - measured:.3g} {unit} short ({(1 - measured / limit):.0%})"
+        points_to = ""
+        if met is False and kind in ("decode", "speedup") and fld != "peak_gib":
+            points_to = _top_ops(results, fmt, batch, context)
+        elif met is False:
+            points_to = extra
+        out.append({"key": key, "target": desc, "op": op, "limit": limit, "unit": unit, "measured": measured,
+                    "met": met, "by": by, "points_to": points_to, "detail": extra})
+    return out
+
+
+# -- Markdown ------------------------------------------------------------------------------
+def _fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _table(headers: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(c).replace("|", "\\|") for c in row) + " |")
+    return lines
+
+
+def _ctx(c: int) -> str:
+    return f"{c // 1024}K" if c % 1024 == 0 and c >= 1024 else (f"{c / 1000:g}K" if c >= 1000 else str(c))
+
+
+def render_markdown(results: dict, plots: list[str] | None = None) -> str:
+    """The report (module doc) as Markdown."""
+    m, c = results["meta"], results.get("ceilings", {})
+    L = ["# flintc bench", ""]
+    L.append(f"- Date: {m.get('date')}")
+    mem = f", {m['device_memory_gib']} GiB" if m.get("device_memory_gib") else ""
+    L.append(f"- Device: {m.get('device_name')} ({m.get('device')}{mem}); driver {m.get('driver') or '-'}")
+    L.append(f"- Software: Python {m.get('python')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), "
+             f"triton {m.get('triton')}, flintc {m.get('flintc')}"
+             + ("; Triton interpreter (TRITON_INTERPRET=1)" if m.get("triton_interpret") else ""))
+    for run in m.get("runs", [m]):
+        L.append(f"- Command: `{run.get('command') or '(python API)'}` ({run.get('wall_s', '-')} s)")
+    if c:
+        L.append(f"- Ceilings: copy bandwidth **{_fmt(c['copy_gbs'])} GB/s**, bf16 matmul "
+                 f"**{_fmt(c['matmul_tflops'])} TFLOP/s** ({c.get('method', '')})")
+    for ld in results.get("loads", []):
+        L.append(f"- {ld['fmt']} weights: {ld['source']}, {ld['weight_bytes'] / 1e9:.2f} GB, made/loaded in "
+                 f"{ld['seconds']} s")
+    for b in results.get("builds", []):
+        L.append(f"- Build {Path(b['path']).name} ({b['fmt']}, backend {b['backend']}): batch <= {b['max_batch']}, "
+                 f"context <= {b['max_model_len']}, KV caches {b['kv_cache_bytes'] / 2**30:.1f} GiB")
+    L.append("")
+
+    dec = sorted(results.get("decode", []), key=lambda r: (r["fmt"], r["batch"], r["context"]))
+    base = results.get("baselines", [])
+    if dec:
+        L += ["## Decode step", "",
+              "Forward = one call of the decode function (embedding to fp32 logits): "
+              + (m.get("timing") or "") + "; end to end = `runner.decode` + sampling (" + (dec[0].get("sampling") or "default") +
+              ") + the token read on the host, wall clock. Medians. Roofline = bytes that must be read "
+              "(active weights with the distinct experts the batch selected, plus the KV cache read) / copy "
+              "bandwidth; % = roofline / measured.", ""]
+        rows = []
+        for r in dec:
+            e = find(base, engine="eager", fmt=r["fmt"], batch=r["batch"], context=r["context"])
+            k = find(base, engine="compile", fmt=r["fmt"], batch=r["batch"], context=r["context"])
+            rows.append([r["fmt"], r["batch"], _ctx(r["context"]), r["fwd_ms"], r["e2e_ms"], r["roofline_ms"],
+                         f"{r['fwd_roofline_share']:.0%}", f"{r['e2e_roofline_share']:.0%}",
+                         r["distinct_experts"]["mean"], r["roofline"]["bytes"] / 1e9,
+                         f"{_fmt(r.get('kernels_measured'))}/{_fmt(r.get('kernels_plan'))}", r.get("peak_gib"),
+                         e["e2e_ms"] if e else None, k["e2e_ms"] if k else None,
+                         f"{k['e2e_ms'] / r['e2e_ms']:.2f}x" if k and r["e2e_ms"] else "-"])
+        L += _table(["format", "batch", "context", "fwd ms", "e2e ms", "roofline ms", "fwd % roof", "e2e % roof",
+                     "experts/layer", "GB read", "kernels graph/plan", "peak GiB", "eager e2e ms",
+                     "compile e2e ms", "vs compile"], rows)
+        L.append("")
+    pre = sorted(results.get("prefill", []), key=lambda r: (r["fmt"], r["tokens"]))
+    if pre:
+        L += ["## Prefill", "", "One sequence, `runner.prefill` (chunks of the build's prefill_chunk), "
+              + ("device events" if str(m.get("device", "")).startswith("cuda") else "time.perf_counter")
+              + " around the call. Roofline = max(FLOPs / matmul rate, weight bytes / copy bandwidth).", ""]
+        L += _table(["format", "tokens", "ms", "tokens/s", "roofline ms", "bound", "% roof", "peak GiB"],
+                    [[r["fmt"], r["tokens"], r["ms"], r["tokens_per_s"], r["roofline_ms"], r["roofline"]["bound"],
+                      f"{r['roofline_share']:.0%}", r.get("peak_gib")] for r in pre])
+        L.append("")
+    if base or results.get("baseline_failures"):
+        L += ["## Baselines", "", "Same weights. eager = the reference model (`flintc.model.reference`); compile = "
+              "`torch.compile(mode=\"max-autotune\")` of its decode step with the KV cache as static inputs. "
+              "Their KV caches hold exactly `context` rows.", ""]
+        rows = []
+        for r in sorted(base, key=lambda r: (r["engine"], r["fmt"], r["batch"], r["context"])):
+            ours = find(dec, engine="flintc", fmt=r["fmt"], batch=r["batch"], context=r["context"])
+            rows.append([r["engine"], r["fmt"], r["batch"], _ctx(r["context"]), r["fwd_ms"], r["e2e_ms"],
+                         r.get("compile_s"), r.get("cudagraphs") if r["engine"] == "compile" else "-",
+                         f"{r['e2e_ms'] / ours['e2e_ms']:.2f}x" if ours else "-"])
+        L += _table(["engine", "format", "batch", "context", "fwd ms", "e2e ms", "compile s", "CUDA graphs",
+                     "flintc speedup (e2e)"], rows)
+        for f in results.get("baseline_failures", []):
+            L.append(f"- {f['engine']} {f['fmt']} b{f['batch']}/{_ctx(f['context'])} failed to compile: "
+                     f"`{f['error']}`")
+        notes = {n for r in base for n in (r.get("cudagraph_notes") or [])}
+        for n in sorted(notes):
+            L.append(f"- Inductor: {n}")
+        L.append("")
+    targets = results.get("targets") or evaluate_targets(results)
+    L += ["## Targets (issue 8, H200)", ""]
+    if targets:
+        L += _table(["target", "limit", "measured", "met", "by how much", "the breakdown points to"],
+                    [[t["target"], f"{t['op']} {t['limit']} {t['unit']}", t["measured"], t["met"], t["by"],
+                      t["points_to"] or "-"] for t in targets])
+    else:
+        L.append("Not evaluated: the targets are for the full model on a GPU (this run: "
+                 f"{m.get('layers', '?')} layers on {m.get('device')}).")
+    L.append("")
+    for bd in results.get("breakdown", []):
+        L += [f"## Where the time goes: {bd['fmt']} decode b{bd['batch']}/{_ctx(bd['context'])}", "",
+              f"{bd['method']}. Step span {bd['step_us']:.0f} us = kernels {bd['kernel_us']:.0f} us + idle gaps "
+              f"{bd['gap_us']:.0f} us; {bd['kernels']} kernels"
+              + ("" if bd.get("matched_to_plan") else " (not matched to the plan's launches: grouped by name)")
+              + ".", ""]
+        rows = []
+        for o in bd["ops"]:
+            layers = sorted(((int(k), v) for k, v in o["per_layer"].items()), key=lambda kv: -kv[1])[:3]
+            rows.append([o["op"], o["calls"], o["us"], o["us_per_call"], f"{o['share']:.0%}",
+                         ", ".join(f"L{k}: {v:.1f}" if k >= 0 else f"model: {v:.1f}" for k, v in layers)])
+        L += _table(["kernel (op)", "calls", "us", "us per call", "share", "largest layers (us)"], rows)
+        L.append("")
+    if plots:
+        L += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    if results.get("notes"):
+        L += ["## Notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
+    L += ["Method: decode at context C is the step of the token at position C-1 over C-1 cached tokens whose "
+          "KV rows hold random bf16 (no kernel branches on values; no 262K-token prefill needed). Inputs rotate "
+          "over several token-id/slot sets so neither the L2 cache nor the expert selection repeats. Distinct "
+          "experts per layer: the ids the step's own routing kernels returned on an eager run of the same "
+          "generated function and inputs (all rows of the bucket).", ""]
+    return "\n".join(L)
+
+
+# -- plots ---------------------------------------------------------------------------------
+def write_plots(results: dict, out: Path) -> list[str]:
+    """The PNG plots (module doc); [] when matplotlib is not installed or nothing to plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    dec = [r for r in results.get("decode", []) if r["engine"] == "flintc"]
+    base = results.get("baselines", [])
+    fmts = sorted({r["fmt"] for r in dec} | {r["fmt"] for r in base})
+    if dec or base:
+        fig, axes = plt.subplots(1, max(1, len(fmts)), figsize=(6.5 * max(1, len(fmts)), 4.8), squeeze=False)
+        for ax, fmt in zip(axes[0], fmts):
+            pts = sorted((r for r in dec if r["fmt"] == fmt and r["batch"] == 1), key=lambda r: r["context"])
+            if pts:
+                x = [r["context"] for r in pts]
+                ax.plot(x, [r["fwd_ms"] for r in pts], "o-", label="flintc forward")
+                ax.plot(x, [r["e2e_ms"] for r in pts], "s--", label="flintc end to end")
+                ax.plot(x, [r["roofline_ms"] for r in pts], "k:", label="roofline (bytes / copy BW)")
+            for eng, style in (("eager", "^-"), ("compile", "v-")):
+                bp = sorted((r for r in base if r["fmt"] == fmt and r["engine"] == eng and r["batch"] == 1),
+                            key=lambda r: r["context"])
+                if bp:
+                    ax.plot([r["context"] for r in bp], [r["e2e_ms"] for r in bp], style,
+                            label=f"{eng} end to end" if eng == "eager" else "torch.compile end to end")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("ms per decode step (batch 1)")
+            ax.set_title(f"{fmt}: decode ms/token vs context")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / "decode_vs_context.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    if dec:
+        fig, axes = plt.subplots(1, max(1, len(fmts)), figsize=(6.5 * max(1, len(fmts)), 4.8), squeeze=False)
+        for ax, fmt in zip(axes[0], fmts):
+            for ctx in sorted({r["context"] for r in dec if r["fmt"] == fmt}):
+                pts = sorted((r for r in dec if r["fmt"] == fmt and r["context"] == ctx), key=lambda r: r["batch"])
+                line, = ax.plot([r["batch"] for r in pts], [r["fwd_ms"] for r in pts], "o-",
+                                label=f"flintc fwd, ctx {_ctx(ctx)}")
+                ax.plot([r["batch"] for r in pts], [r["roofline_ms"] for r in pts], ":", color=line.get_color())
+            for eng, style in (("eager", "^--"), ("compile", "v--")):
+                ctx0 = min((r["context"] for r in base if r["fmt"] == fmt and r["engine"] == eng), default=None)
+                bp = sorted((r for r in base if r["fmt"] == fmt and r["engine"] == eng and r["context"] == ctx0),
+                            key=lambda r: r["batch"])
+                if len(bp) > 0:
+                    ax.plot([r["batch"] for r in bp], [r["fwd_ms"] for r in bp], style,
+                            label=f"{eng} fwd, ctx {_ctx(ctx0)}")
+            batches = sorted({r["batch"] for r in dec if r["fmt"] == fmt})
+            if batches:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(batches, [str(b) for b in batches])
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size (sequences)")
+            ax.set_ylabel("ms per decode step")
+            ax.set_title(f"{fmt}: latency vs batch (dotted: roofline)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "latency_vs_batch.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    bds = results.get("breakdown", [])
+    if bds:
+        fig, axes = plt.subplots(1, len(bds), figsize=(6.5 * len(bds), 4.2), squeeze=False)
+        for ax, bd in zip(axes[0], bds):
+            ops = bd["ops"][:10][::-1]
+            ax.barh(["(idle gaps)"] + [o["op"] for o in ops], [bd["gap_us"]] + [o["us"] for o in ops])
+            ax.set_xlabel("us per step (critical path)")
+            ax.set_title(f"{bd['fmt']} b{bd['batch']}/{_ctx(bd['context'])}: {bd['step_us']:.0f} us, "
+                         f"gaps {bd['gap_us']:.0f} us", fontsize=9)
+        fig.tight_layout()
+        path = out / "breakdown.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
+
+
+def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> dict:
+    """Evaluate the targets, write bench.json, the plots and bench.md into `out`, print
+    the Markdown. Returns {"json", "markdown", "plots"} paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results["targets"] = evaluate_targets(results)
+    (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    pngs = write_plots(results, out) if plots else []
+    if plots and not pngs and (results.get("decode") or results.get("baselines")):
+        results["notes"].append("plots not written: matplotlib is not installed (pip install 'flintc[bench]')")
+    md = render_markdown(results, pngs)
+    (out / "bench.md").write_text(md)
+    (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    print(md, flush=True)
+    return {"json": str(out / "bench.json"), "markdown": str(out / "bench.md"), "plots": pngs}
+
+
+__all__ = ["TARGETS", "evaluate_targets", "find", "merge_results", "render_markdown", "write_outputs",
+           "write_plots"]

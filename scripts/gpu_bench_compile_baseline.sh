@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The torch.compile baseline of `flintc bench`, in its own H200 call (at most 9.5 min):
+# the reference model's decode step compiled with torch.compile(mode="max-autotune")
+# (CUDA graphs, KV cache as static inputs) on the same dummy weights as flintc's run,
+# BF16, at the points of issue 8's speed-up targets. Outputs in $OUT/bench-compile.
+#
+# A max-autotune build of the full model took 211 s at batch 1 and 289 s at batch 8,
+# so the three default points rarely fit one call: run it twice and merge,
+#
+#   BASELINE_POINTS=1x1024,1x100000 OUT=... bash scripts/gpu_bench_compile_baseline.sh
+#   BASELINE_POINTS=8x1024          OUT=... bash scripts/gpu_bench_compile_baseline.sh
+#   flintc bench --from-json run1/bench.json --from-json c1/bench.json --from-json c2/bench.json --out merged
+#
+# A point is skipped (with a note) when less time is left than its expected compile
+# time. Inductor's cache lives in TORCHINDUCTOR_CACHE_DIR (default
+# /tmp/flintc-inductor-cache), so a second call on the same warm machine reuses the
+# autotuning results. A compile failure is recorded in bench.json, not fatal.
+set -uo pipefail
+
+START=$(date +%s)
+BUDGET=${BENCH_BUDGET_S:-560}
+POINTS=${BASELINE_POINTS:-1x1024,1x100000,8x1024}
+FORMATS=${BENCH_FORMATS:-bf16}
+OUT=${OUT:-$PWD/bench_out}
+PY=${PYTHON:-python3}
+
+cd "$(dirname "$0")/.." || exit 1
+mkdir -p "$OUT/bench-compile" || exit 1
+OUT=$(cd "$OUT" && pwd)
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl >"$OUT/bench-compile/pip.log" 2>&1 || echo "pip install of .whl/*.whl failed; going on"
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/flintc-inductor-cache}
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+$PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+
+# Contexts and batches only bound the points; --baseline-points picks them.
+CTXS=$(echo "$POINTS" | tr ',' '\n' | cut -dx -f2 | sort -un | paste -sd,)
+BS=$(echo "$POINTS" | tr ',' '\n' | cut -dx -f1 | sort -un | paste -sd,)
+LEFT=$(( BUDGET - ($(date +%s) - START) ))
+echo "compile baseline at $POINTS: time budget ${LEFT} s"
+timeout --signal=INT --kill-after=15 $(( LEFT + 20 )) \
+  $PY -m flintc bench --load-format dummy --config full --formats "$FORMATS" --no-flintc \
+    --baselines compile --baseline-points "$POINTS" --contexts "$CTXS" --batches "$BS" --prefill none \
+    --time-budget "$LEFT" --out "$OUT/bench-compile" 2>&1 | tee "$OUT/bench-compile/bench.log"
+RC=${PIPESTATUS[0]}
+echo "exit status $RC after $(( $(date +%s) - START )) s"
+exit "$RC"

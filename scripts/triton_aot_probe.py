@@ -1,0 +1,146 @@
+"""Ahead-of-time compile probe: compiles Triton kernels for sm_90 (H200) on a machine
+without a GPU and reports what the compiler made of them.
+
+Why: the engineers write kernels on CPU-only machines (the interpreter checks the
+numerics, not the code generation). This compiles the real GPU path with the ptxas
+that ships inside the triton wheel (`triton/backends/nvidia/bin`), so one sees before
+a GPU run whether a kernel lowers at all, how many registers it takes (occupancy),
+whether it spills, how much shared memory its pipelining needs, how wide its global
+loads are and whether they were turned into cp.async / TMA copies.
+
+Usage:
+    python scripts/triton_aot_probe.py MODULE [--only SUBSTR] [--ptx DIR]
+
+MODULE is an importable kernel module (e.g. `flintc.kernels.decode_attention`) that
+defines `aot_probe_specs()`, returning a list of dicts with the keys
+    name: a label; fn: the @triton.jit function; signature: {arg: type} for every
+    argument in order ("*bf16", "*fp32", "*i32", "i32", "fp32", ... and "constexpr");
+    constexprs: {arg: value}; num_warps, num_stages: launch options (optional);
+    divisible: argument names known to be multiples of 16 (pointers always are).
+--only keeps the specs whose name contains SUBSTR; --ptx DIR also writes each
+kernel's .ptx and .ttgir there. From Python: `compile_sm90(...)` and `report(k)`.
+
+Output, one line per spec: REG (registers per thread), STACK (bytes of stack frame:
+spills and local arrays), SHARED (static + dynamic shared memory in bytes, which caps
+the programs per SM at 228 KiB / SHARED), LOCAL, spill stores/loads (STL/LDL in the
+SASS), and counts of global load widths (ld.global.v4.b32 = 16 bytes per thread),
+cp.async copies, TMA copies and MMA instructions (mma.sync / wgmma) in the PTX.
+
+Limits: compiles with the local triton (3.9 here; the GPU machine has 3.6), so the
+code can differ a little from what runs there; no timing: it says nothing about
+latency or bandwidth, only about the code. Raises whatever triton.compile raises
+(e.g. out of shared memory or an unsupported construct), reported per spec.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4,
+                 num_stages: int = 3, divisible=()):
+    """Compile `fn` for sm_90; returns triton's CompiledKernel (asm in k.asm: ttgir,
+    ptx, cubin). `signature` maps every argument, in order, to its type string
+    ("constexpr" for compile-time ones, whose values are in `constexprs`). Pointers
+    and the names in `divisible` are declared 16-divisible, as a launch with aligned
+    tensors and such integers would specialise them."""
+    names = list(signature)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or n in divisible}
+    src = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=SM90,
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _tool(name: str) -> str:
+    path = os.path.join(_BIN, name)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{name} not found in {_BIN}")
+    return path
+
+
+def report(k) -> dict:
+    """Resource usage and instruction mix of a compiled kernel (see the module doc)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+        cubin = f.name
+    try:
+        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", cubin],
+                             capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(cubin)
+    out = {}
+    for key in ("REG", "STACK", "SHARED", "LOCAL"):
+        m = re.search(key + r":(\d+)", res)
+        out[key] = int(m.group(1)) if m else None
+    dyn = getattr(k.metadata, "shared", None)
+    if dyn is not None:
+        out["SHARED"] = max(out["SHARED"] or 0, int(dyn))
+    out["spill_st"] = len(re.findall(r"\bSTL\b", sass))
+    out["spill_ld"] = len(re.findall(r"\bLDL\b", sass))
+    ptx = k.asm.get("ptx", "")
+    loads = collections.Counter(re.findall(r"ld\.global[.\w]*", ptx))
+    out["loads"] = dict(sorted(loads.items()))
+    out["cp.async"] = len(re.findall(r"cp\.async\.c[ag]\.shared", ptx))
+    out["tma"] = len(re.findall(r"cp\.async\.bulk", ptx))
+    out["mma"] = len(re.findall(r"\bmma\.sync", ptx))
+    out["wgmma"] = len(re.findall(r"wgmma\.mma_async", ptx))
+    return out
+
+
+def format_report(name: str, r: dict) -> str:
+    loads = ", ".join(f"{k.replace('ld.global', 'ld')} x{v}" for k, v in r["loads"].items())
+    return (f"{name}: REG {r['REG']} STACK {r['STACK']} SHARED {r['SHARED']} LOCAL {r['LOCAL']}"
+            f" spills st/ld {r['spill_st']}/{r['spill_ld']} | cp.async {r['cp.async']}"
+            f" tma {r['tma']} mma {r['mma']} wgmma {r['wgmma']} | {loads or 'no ld.global'}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("module", help="kernel module defining aot_probe_specs()")
+    parser.add_argument("--only", default="", help="only specs whose name contains this")
+    parser.add_argument("--ptx", default="", help="also write .ptx and .ttgir files here")
+    args = parser.parse_args(argv)
+    mod = importlib.import_module(args.module)
+    if not hasattr(mod, "aot_probe_specs"):
+        raise SystemExit(f"{args.module} defines no aot_probe_specs()")
+    failed = 0
+    for spec in mod.aot_probe_specs():
+        if args.only not in spec["name"]:
+            continue
+        try:
+            k = compile_sm90(spec["fn"], spec["signature"], spec["constexprs"],
+                             spec.get("num_warps", 4), spec.get("num_stages", 3),
+                             spec.get("divisible", ()))
+        except Exception as e:  # noqa: BLE001  (reported per spec)
+            failed += 1
+            print(f"{spec['name']}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        print(format_report(spec["name"], report(k)), flush=True)
+        if args.ptx:
+            os.makedirs(args.ptx, exist_ok=True)
+            stem = os.path.join(args.ptx, re.sub(r"[^\w.-]+", "_", spec["name"]))
+            for ext in ("ptx", "ttgir"):
+                with open(f"{stem}.{ext}", "w", encoding="utf-8") as f:
+                    f.write(k.asm.get(ext, ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

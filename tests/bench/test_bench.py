@@ -1,0 +1,283 @@
+"""`flintc bench` (issue 8): the roofline model against the real weight tensors, the
+timing and breakdown helpers on synthetic inputs, the targets' evaluation, and one
+CPU run of the whole command on the tiny model (CI's twin of the H200 run: same code
+paths except CUDA graphs, the profiler and the compile baseline), checking that its
+files are written and its figures are positive and consistent with the build's plan.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from flintc.bench import instrument, report, roofline, timing
+from flintc.checkpoint.dummy import dummy_weights
+from flintc.cli import main
+from flintc.config import FlintConfig
+from flintc.quant.nvfp4 import NVFP4Tensor
+
+TINY = FlintConfig.preset("tiny")
+FULL = FlintConfig.preset("full")
+
+
+def storage_bytes(w) -> int:
+    if isinstance(w, NVFP4Tensor):
+        return sum(t.numel() * t.element_size() for t in (w.codes, w.scales, w.global_scale))
+    return w.numel() * w.element_size()
+
+
+# -- roofline ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_weight_bytes_equal_the_tensors(fmt):
+    """All experts and every embedding row: the formula must equal the bytes the dummy
+    loader's tensors actually occupy, part by part."""
+    w = dummy_weights(TINY, fmt, "cpu", seed=3)
+    wb = roofline.weight_bytes(TINY, fmt, TINY.n_routed_experts, TINY.vocab_size)
+    actual = sum(storage_bytes(t) for t in w.values())
+    assert wb.total == actual, (wb.as_dict(), actual)
+    experts = sum(storage_bytes(t) for n, t in w.items() if ".mlp.experts." in n)
+    assert wb.routed_experts == experts
+    assert wb.embedding == storage_bytes(w["model.embed_tokens.weight"])
+    assert wb.lm_head == storage_bytes(w["lm_head.weight"]) + storage_bytes(w["model.norm.weight"])
+    moe_layers = len(roofline.moe_layers(TINY))
+    assert wb.per_expert * TINY.n_routed_experts * moe_layers == experts
+
+
+def test_weight_bytes_count_only_selected_experts_and_rows():
+    full = roofline.weight_bytes(TINY, "bf16", TINY.n_routed_experts, TINY.vocab_size)
+    six = roofline.weight_bytes(TINY, "bf16", 6, 1)
+    per_layer = {i: (3 if i == 2 else 6) for i in roofline.moe_layers(TINY)}
+    mixed = roofline.weight_bytes(TINY, "bf16", per_layer, 1)
+    assert six.layers_dense == full.layers_dense and six.lm_head == full.lm_head
+    assert six.routed_experts == 6 * len(roofline.moe_layers(TINY)) * six.per_expert
+    assert mixed.routed_experts == six.routed_experts - 3 * six.per_expert
+    assert six.embedding == full.embedding // TINY.vocab_size
+    with pytest.raises(ValueError, match="experts_read"):
+        roofline.weight_bytes(TINY, "bf16", TINY.n_routed_experts + 1, 1)
+    with pytest.raises(ValueError, match="fmt"):
+        roofline.weight_bytes(TINY, "fp8", 6, 1)
+
+
+def test_full_model_bytes_match_flint_spec():
+    """FLINT_SPEC 1: ~2.11e9 active parameters in the layers + 0.31e9 in the LM head per
+    token; 28 KiB of full-attention KV per token; NOTES: 2.87 GB of KV at 100K."""
+    wb = roofline.weight_bytes(FULL, "bf16", FULL.num_experts_per_tok, 1)
+    params = (wb.total - wb.embedding) / 2  # bf16 linears; norms are fp32 but tiny
+    assert abs(params - (2.11e9 + 0.31e9)) / 2.42e9 < 0.01, params
+    nv = roofline.weight_bytes(FULL, "nvfp4", FULL.num_experts_per_tok, 1)
+    assert 0.25 < nv.total / wb.total < 0.45  # 4.5-bit linears, bf16 LM head
+    kv = roofline.kv_bytes_read(FULL, 100000)
+    assert kv == 14 * 100000 * 2048 + 35 * 513 * 2048  # K and V, 4 heads x 128 x bf16 per row
+    assert abs(14 * 100000 * 2048 - 2.87e9) < 0.01e9
+    r = roofline.decode_roofline(FULL, "bf16", [100000], 6, 4250.0, 790.0)
+    assert r["bound"] == "bytes" and r["ms"] == pytest.approx((wb.total + kv) / 4250e9 * 1e3)
+
+
+def test_prefill_flops_against_a_loop():
+    cfg = TINY
+    T = 23  # > W = 9: the sliding window caps the keys
+    p = cfg.num_parameters()
+    pairs = 0
+    for i in range(cfg.num_hidden_layers):
+        for pos in range(T):
+            keys = min(pos + 1, cfg.sliding_window) if cfg.is_sliding_layer(i) else pos + 1
+            pairs += keys
+    expect = 2 * p["active_layers"] * T + 2 * p["active_lm_head"] + 4 * cfg.num_attention_heads * cfg.head_dim * pairs
+    assert roofline.prefill_flops(cfg, T) == expect
+    r = roofline.prefill_roofline(cfg, "nvfp4", T, 100.0, 1.0)
+    assert r["ms"] == max(r["flops_ms"], r["bytes_ms"]) > 0
+
+
+# -- timing and instrumentation helpers ------------------------------------------------------
+def test_host_timers_measure_the_call():
+    cpu = torch.device("cpu")
+    seen = []
+    r = timing.time_replays(lambda: time.sleep(0.004), seen.append, cpu, warmup=1, iters=3)
+    assert seen == [0, 1, 2, 3], "prepare runs before every call with its index"
+    assert 0.003 < r["median_s"] < 0.2 and r["iters"] == 3
+    h = timing.time_host(lambda i: time.sleep(0.002), cpu, warmup=0, iters=2)
+    assert 0.0015 < h["median_s"] < 0.2
+    with pytest.raises(ValueError, match="iters"):
+        timing.time_host(lambda i: None, cpu, warmup=0, iters=0)
+
+
+def test_step_timeout_interrupts():
+    with pytest.raises(timing.StepTimeout), timing.step_timeout(0.05):
+        time.sleep(2)
+    with timing.step_timeout(None):
+        time.sleep(0.001)
+
+
+def test_ceilings_on_cpu_are_positive():
+    assert timing.copy_bandwidth_gbs(torch.device("cpu"), nbytes=1 << 20, iters=3) > 0
+    assert timing.matmul_tflops(torch.device("cpu"), n=64, iters=3) > 0
+
+
+def test_critical_path_with_overlapping_kernels():
+    # k1 0-10; k2 starts early (PDL) at 5, ends 14; k3 after an idle gap 20-30
+    ks = [{"name": "a", "start_us": 0.0, "end_us": 10.0}, {"name": "b", "start_us": 5.0, "end_us": 14.0},
+          {"name": "c", "start_us": 20.0, "end_us": 30.0}]
+    charges, gaps = instrument.critical_path(ks)
+    assert charges == [10.0, 4.0, 10.0] and gaps == [0.0, 0.0, 6.0]
+    assert sum(charges) + sum(gaps) == ks[-1]["end_us"] - ks[0]["start_us"]
+
+
+def test_breakdown_matches_launches_and_takes_medians():
+    launches = [{"op": "embedding", "layer": -1}, {"op": "gemv", "layer": 0}, {"op": "gemv", "layer": 1}]
+    def replay(t0, d):
+        return [{"name": f"k{i}", "start_us": t0 + sum(d[:i]), "end_us": t0 + sum(d[:i + 1])} for i in range(3)]
+    reps = [replay(0, [1, 2, 3]), replay(100, [1, 4, 5]), replay(200, [1, 2, 7])]
+    bd = instrument.breakdown_from_kernels(reps, launches)
+    assert bd["matched_to_plan"] and bd["kernels"] == 3
+    ops = {o["op"]: o for o in bd["ops"]}
+    assert ops["gemv"]["calls"] == 2 and ops["gemv"]["us"] == pytest.approx(2 + 5)  # medians per kernel
+    assert ops["gemv"]["per_layer"] == {"0": 2.0, "1": 5.0}
+    assert bd["ops"][0]["op"] == "gemv", "largest first"
+    assert sum(o["us"] for o in bd["ops"]) == pytest.approx(bd["kernel_us"])
+    unmatched = instrument.breakdown_from_kernels(reps, launches[:2])
+    assert not unmatched["matched_to_plan"] and {o["op"] for o in unmatched["ops"]} == {"k0", "k1", "k2"}
+    assert instrument.split_replays(reps[0] + reps[1], 3) == reps[:2]
+    with pytest.raises(ValueError):
+        instrument.split_replays(reps[0], 2)
+
+
+# -- targets and merging ---------------------------------------------------------------------
+def _fake_results(device="cuda:0"):
+    meta = {"date": "d", "device": device, "full_model": True, "command": "c"}
+    dec = [{"engine": "flintc", "fmt": "nvfp4", "batch": 1, "context": 100000, "fwd_ms": 1.5, "e2e_ms": 1.7,
+            "peak_gib": 30.0, "fwd_roofline_share": 0.8},
+           {"engine": "flintc", "fmt": "bf16", "batch": 1, "context": 1024, "fwd_ms": 1.2, "e2e_ms": 1.4}]
+    base = [{"engine": "compile", "fmt": "bf16", "batch": 1, "context": 1024, "fwd_ms": 4.5, "e2e_ms": 4.9}]
+    bd = [{"fmt": "nvfp4", "batch": 1, "context": 100000, "gap_us": 12.0, "step_us": 1500.0,
+           "ops": [{"op": "decode_attention", "us": 700.0, "share": 0.5}, {"op": "moe", "us": 500.0, "share": 0.4}]}]
+    return {"meta": meta, "ceilings": {"copy_gbs": 4250.0}, "decode": dec, "baselines": base, "breakdown": bd,
+            "prefill": [], "kernels": [{"fmt": "bf16", "function": "decode_b1", "measured": 343}], "notes": []}
+
+
+def test_targets_are_judged_with_margins():
+    t = {x["key"]: x for x in report.evaluate_targets(_fake_results())}
+    assert t["nvfp4_fwd_b1_100k"]["met"] is False
+    assert t["nvfp4_fwd_b1_100k"]["by"].startswith("0.15 ms over (11%)")
+    assert "decode_attention 700 us" in t["nvfp4_fwd_b1_100k"]["points_to"]
+    assert t["nvfp4_peak_b1_262k"]["measured"] is None and t["nvfp4_peak_b1_262k"]["by"] == "not measured"
+    assert t["bf16_e2e_b1_1k"]["met"] is True
+    assert t["bf16_kernels"]["met"] is True and t["nvfp4_kernels"]["measured"] is None
+    sp = t["bf16_vs_compile_b1_1k"]
+    assert sp["measured"] == pytest.approx(4.9 / 1.4) and sp["met"] is True
+    assert report.evaluate_targets(_fake_results(device="cpu")) == [], "targets are the GPU's"
+
+
+def test_merge_keeps_the_later_record():
+    a, b = _fake_results(), _fake_results()
+    b["decode"] = [dict(a["decode"][0], fwd_ms=1.0)]
+    b["baselines"] = [{"engine": "compile", "fmt": "bf16", "batch": 8, "context": 1024, "e2e_ms": 10.0}]
+    m = report.merge_results([a, b])
+    assert report.find(m["decode"], fmt="nvfp4", batch=1)["fwd_ms"] == 1.0
+    assert len(m["decode"]) == 2 and len(m["baselines"]) == 2 and len(m["meta"]["runs"]) == 2
+
+
+# -- the command on the CPU ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64",
+                 "--batches", "1,2", "--prefill", "16", "--baselines", "eager", "--out", str(out),
+                 "--builds", str(out / "builds")])
+    assert code == 0
+    return out, json.loads((out / "bench.json").read_text())
+
+
+def test_cpu_run_writes_its_files(cpu_run):
+    out, res = cpu_run
+    md = (out / "bench.md").read_text()
+    assert "## Decode step" in md and "| bf16 | 2 | 64 |" in md and "## Prefill" in md
+    assert "## Where the time goes: bf16 decode b1/64" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert any("matplotlib" in n for n in res["notes"])
+    else:
+        for name in ("decode_vs_context.png", "latency_vs_batch.png", "breakdown.png"):
+            data = (out / name).read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000, name
+    assert (out / "builds").is_dir() and any("compiling" in n for n in res["notes"])
+
+
+def test_cpu_run_figures_are_positive_and_consistent(cpu_run):
+    out, res = cpu_run
+    assert res["ceilings"]["copy_gbs"] > 0 and res["ceilings"]["matmul_tflops"] > 0
+    [build] = [b for b in res["builds"] if b["fmt"] == "bf16"]
+    plan = json.loads((out / "builds" / "tiny-bf16" / "plan.json").read_text())["steps"]
+    dec = {(r["batch"], r["context"]): r for r in res["decode"]}
+    assert set(dec) == {(1, 64), (2, 64)}
+    moe = roofline.moe_layers(TINY)
+    for (b, c), r in dec.items():
+        assert r["fwd_ms"] > 0 and r["e2e_ms"] > 0 and r["roofline_ms"] > 0
+        assert r["fwd_roofline_share"] == pytest.approx(r["roofline_ms"] / r["fwd_ms"])
+        assert r["kernels_measured"] == r["kernels_plan"] == plan[f"decode_b{r['bucket']}"]["kernels"]
+        per_layer = {int(k): v for k, v in r["distinct_experts"]["per_layer"].items()}
+        assert sorted(per_layer) == moe
+        k = TINY.num_experts_per_tok
+        assert all(k <= v <= min(b * k, TINY.n_routed_experts) for v in per_layer.values()), per_layer
+        wb = r["roofline"]["weight_bytes"]
+        assert wb["routed_experts"] == round(wb["per_expert"] * sum(per_layer.values()))
+        assert r["roofline"]["kv_bytes"] == b * roofline.kv_bytes_read(TINY, c)
+    assert all(v == TINY.num_experts_per_tok for v in dec[(1, 64)]["distinct_experts"]["per_layer"].values())
+    [pre] = res["prefill"]
+    assert pre["tokens"] == 16 and pre["ms"] > 0 and pre["roofline_ms"] > 0
+    assert {(r["engine"], r["batch"], r["context"]) for r in res["baselines"]} == {("eager", 1, 64), ("eager", 2, 64)}
+    assert all(r["fwd_ms"] > 0 and r["e2e_ms"] > 0 for r in res["baselines"])
+    [bd] = res["breakdown"]
+    assert bd["matched_to_plan"] and bd["kernels"] == plan["decode_b1"]["kernels"]
+    assert sum(o["calls"] for o in bd["ops"]) == bd["kernels"]
+    assert sum(o["us"] for o in bd["ops"]) == pytest.approx(bd["kernel_us"]) and bd["kernel_us"] > 0
+    assert res["targets"] == [] and build["max_batch"] >= 2
+
+
+def test_from_json_rerenders(cpu_run, tmp_path):
+    out, res = cpu_run
+    assert main(["bench", "--from-json", str(out / "bench.json"), "--no-plots", "--out", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "bench.json").read_text())
+    assert again["decode"] == res["decode"]
+    assert (tmp_path / "bench.md").read_text().count("| bf16 |") >= 3
+
+
+def test_bad_arguments_are_user_errors(tmp_path, capsys):
+    assert main(["bench", "--device", "cpu", "--contexts", "1k", "--out", str(tmp_path)]) == 2
+    assert "--contexts" in capsys.readouterr().err
+    assert main(["bench", "--device", "cpu", "--batches", "16", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--device", "cpu", "--baselines", "jit", "--out", str(tmp_path)]) == 2
+    assert main(["bench", "--device", "cpu", "--baseline-points", "1-64", "--out", str(tmp_path)]) == 2
+    if not torch.cuda.is_available():
+        assert main(["bench", "--device", "cuda", "--out", str(tmp_path)]) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run_tiny(tmp_path):
+    """The GPU twin of the CPU run: CUDA graphs, device events, the graph's kernel count,
+    the profiler breakdown and the compile baseline on the tiny model (a few minutes,
+    most of it Triton and Inductor compiling)."""
+    out = tmp_path / "bench"
+    code = main(["bench", "--config", "tiny", "--device", "cuda", "--formats", "nvfp4", "--contexts", "64,200",
+                 "--batches", "1,2", "--prefill", "16", "--baselines", "eager,compile", "--baseline-points",
+                 "1x64", "--iters", "20", "--e2e-iters", "5", "--out", str(out), "--builds", str(tmp_path / "b")])
+    assert code == 0
+    res = json.loads((out / "bench.json").read_text())
+    plan = json.loads((tmp_path / "b" / "tiny-nvfp4" / "plan.json").read_text())["steps"]
+    assert {(r["batch"], r["context"]) for r in res["decode"]} == {(1, 64), (1, 200), (2, 64), (2, 200)}
+    for r in res["decode"]:
+        assert 0 < r["fwd_ms"] < r["e2e_ms"], r
+        assert r["kernels_measured"] == plan[f"decode_b{r['bucket']}"]["kernels"], r["kernel_count_method"]
+        assert r["peak_gib"] > 0
+    [bd] = res["breakdown"]
+    assert bd["matched_to_plan"], bd["kernel_names"]
+    # medians over replays: charges + gaps equal the span per replay, about so across them
+    assert bd["kernel_us"] + bd["gap_us"] == pytest.approx(bd["step_us"], rel=0.15)
+    engines = {(r["engine"], r["batch"], r["context"]) for r in res["baselines"]}
+    failures = res["baseline_failures"]
+    assert ("eager", 1, 64) in engines
+    assert ("compile", 1, 64) in engines or failures, "a compile failure must be recorded"

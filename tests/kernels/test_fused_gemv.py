@@ -1,0 +1,408 @@
+"""`flintc.kernels.fused_gemv` (the decode schedule's GEMV kernels) against the reference ops.
+
+The oracles are the ops' Python bodies (`flintc.ops.grouped`, `flintc.ops.linear`, i.e.
+`torch.ops.flintc.<op>`). On the CPU the kernels run in the Triton interpreter at the
+tiny config (H = 128, 8 / 2 heads of dim 32, window 9, dense F = 256, vocab 512); the
+`gpu` tests run the model's shapes with PDL on and off. Inputs are fresh random values;
+every tensor the launchers allocate is NaN-poisoned (torch.empty is patched), and the
+KV-cache rows about to be written are NaN-poisoned while all other rows must stay
+bit-identical. The kernels sum in another order than torch, so each check allows the
+reordering bound plus bf16 ulps at the rounding points, asserts that most elements are
+bit-identical, and reports the share of differing elements and the largest difference.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: the kernels need it")
+
+import flintc.ops  # noqa: E402,F401  (registers torch.ops.flintc)
+from flintc.kernels import fused_gemv as FG  # noqa: E402
+from flintc.kernels.gemv import GemvConfig, split_k_counters  # noqa: E402
+from flintc.model import ops  # noqa: E402
+from flintc.ops import grouped, linear  # noqa: E402
+from flintc.ops.common import as_weight  # noqa: E402
+from flintc.quant.nvfp4 import NVFP4Tensor, quantize  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEV = "cuda" if ON_GPU else "cpu"
+EPS = 1e-5
+F32 = torch.float32
+
+
+def make_weight(F: int, K: int, fmt: str, device=DEV) -> list[torch.Tensor]:
+    """Fresh random weights [F, K]: bf16, or NVFP4 with (nvfp4_gs) / without a global scale."""
+    w = (torch.randn(F, K) * 0.05).to(torch.bfloat16)
+    if fmt == "bf16":
+        return [w.to(device)]
+    q = quantize(w, use_global_scale=(fmt == "nvfp4_gs"))
+    assert fmt != "nvfp4_gs" or float(q.global_scale) != 1.0
+    return [q.codes.to(device), q.scales.to(device), q.global_scale.to(device)]
+
+
+def dense(w: list[torch.Tensor]) -> torch.Tensor:
+    """The weight as float64 [F, K] (global scale included)."""
+    d = as_weight([t.cpu() for t in w])
+    return d.dequantize(torch.float64) if isinstance(d, NVFP4Tensor) else d.double()
+
+
+def bf16_ulp(v: torch.Tensor) -> torch.Tensor:
+    """Spacing of the bf16 grid at |v|, floored at the smallest normal; float64."""
+    _, e = torch.frexp(v.double().abs().clamp(min=torch.finfo(torch.bfloat16).tiny))
+    return torch.ldexp(torch.ones_like(v, dtype=torch.float64), e - 8)
+
+
+def compare(name: str, out, ref, tol, min_identical: float = 0.9, tight=None,
+            min_tight: float = 0.9) -> None:
+    """All |out - ref| <= tol, all finite, and >= min_identical of the elements identical;
+    with `tight` (for fp32 outputs, where bit-identity is not expected) also >= min_tight
+    of the elements within the tight tolerance."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (name, out.shape, ref.shape)
+    o, r = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(o).all(), f"{name}: {(~torch.isfinite(o)).sum()} non-finite (unwritten?)"
+    diff = (o - r).abs()
+    share = (out.cpu() != ref.cpu()).float().mean().item()
+    msg = (f"{name}: {share:.2%} of {o.numel()} elements differ, max diff "
+           f"{diff.max().item():.3g}, max diff / tolerance {(diff / tol).max().item():.2f}")
+    assert bool((diff <= tol).all()), msg
+    assert 1.0 - share >= min_identical, msg
+    if tight is not None:
+        within = (diff <= tight).double().mean().item()
+        assert within >= min_tight, f"{msg}; only {within:.2%} within the tight tolerance"
+
+
+def reorder_tol(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    """The fp32 reordering bound `K * 2^-24 * sum_k |x_k w_k|` of x [N, K] @ W^T; float64."""
+    return x.shape[1] * 2.0**-24 * (x.cpu().double().abs() @ dense(w).abs().T)
+
+
+def gemv_tol(h: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    """Bound on |kernel - reference| of the fp32 GEMV of a normed input h [N, K] (bf16,
+    reference values): the fp32 reordering bound plus one bf16 ulp of every h_k (the
+    RMSNorm's sum of squares is summed in another order, so a normed value on a rounding
+    boundary may land one ulp away). float64 [N, F]."""
+    return reorder_tol(h, w) + bf16_ulp(h.cpu()) @ dense(w).abs().T
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """Make torch.empty (and empty_like) return NaN-filled floats / -1-filled ints, so an
+    element a kernel fails to write (and any workspace it reads unwritten) shows up."""
+    real_empty, real_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(-1)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_like(*a, **k)))
+
+
+# ----------------------------------------------------------------------------- QKV
+def qkv_inputs(N, H, Hq, Hkv, D, fmt, kind, window, S_full, num_slots=10, P=4096):
+    x = torch.randn(N, 1, H).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(H) + 0.5).to(DEV)
+    wq, wk, wv = make_weight(Hq * D, H, fmt), make_weight(Hkv * D, H, fmt), make_weight(Hkv * D, H, fmt)
+    qn, kn = (torch.rand(D) + 0.5).to(DEV), (torch.rand(D) + 0.5).to(DEV)
+    cos, sin = ops.rope_tables(10000.0, D, P, F32)
+    S = window if kind == "sliding" else S_full
+    k_cache = torch.randn(num_slots, S, Hkv, D).to(torch.bfloat16).to(DEV)
+    v_cache = torch.randn(num_slots, S, Hkv, D).to(torch.bfloat16).to(DEV)
+    slots = torch.randperm(num_slots)[:N].to(DEV)
+    if kind == "sliding":  # positions past the window wrap the ring (one at a multiple of W)
+        pos = torch.randint(window, 6 * window, (N, 1))
+        pos[0, 0] = 3 * window
+    else:
+        pos = torch.randint(0, S_full, (N, 1))
+    return (x, norm, wq, wk, wv, qn, kn, cos.to(DEV), sin.to(DEV), k_cache, v_cache, slots,
+            pos.to(DEV))
+
+
+def check_qkv(args, Hq, Hkv, rope, window, config=None, use_pdl=False):
+    x, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos = args
+    N, D = x.shape[0], qn.shape[0]
+    rows = pos[:, 0] % window if window else pos[:, 0]
+    written = torch.zeros(kc.shape[:2], dtype=torch.bool, device=kc.device)
+    written[slots, rows] = True
+    for c in (kc, vc):  # poison the rows about to be written
+        c[written] = float("nan")
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    before_k, before_v = kc.clone(), vc.clone()
+    q = FG.norm_qkv_rope_kv(x, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos, EPS,
+                            Hq, Hkv, rope, window, use_pdl=use_pdl, config=config)
+    q_ref = grouped.norm_qkv_rope_kv(x, norm, wq, wk, wv, qn, kn, cos, sin, kc_ref, vc_ref,
+                                     slots, pos, EPS, Hq, Hkv, rope, window)
+    assert q.shape == (N, 1, Hq, D) and q.dtype == torch.bfloat16
+
+    def head_tol(ref):  # a few bf16 ulps of each head's largest element
+        return 4 * bf16_ulp(ref.double().abs().amax(dim=-1, keepdim=True)).expand(ref.shape).cpu()
+
+    compare("q", q, q_ref, head_tol(q_ref))
+    for name, c, c_ref, c0 in (("k_cache", kc, kc_ref, before_k), ("v_cache", vc, vc_ref, before_v)):
+        # rows not written: bit-identical (NaN-safe: compare the bits)
+        keep = ~written
+        assert torch.equal(c[keep].view(torch.int16), c0[keep].view(torch.int16)), \
+            f"{name}: rows outside (slot, position) changed"
+        new, new_ref = c[written], c_ref[written]
+        if name == "v_cache":  # v: the GEMV of the normed x, one rounding
+            h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+            order = torch.argsort(slots * 10**6 + rows)  # rows of c[written] are sorted by (slot, row)
+            tol = gemv_tol(h, wv)[order.cpu()].view(new.shape) + bf16_ulp(new_ref).cpu()
+            compare(name, new, new_ref, tol)
+        else:
+            compare(name, new, new_ref, head_tol(new_ref))
+
+
+QKV_CPU_CASES = [
+    ("bf16", 1, "sliding", None),
+    ("bf16", 3, "full", GemvConfig(use_dot=False, block_k=64, split_k=2, prefetch=False)),
+    ("bf16", 8, "sliding", GemvConfig(use_dot=True, block_k=32, split_k=3, prefetch=False)),
+    ("nvfp4_gs", 3, "sliding", GemvConfig(use_dot=True, block_k=64, split_k=2)),
+    ("nvfp4_gs", 8, "full", GemvConfig(use_dot=False, block_k=32, split_k=2, scale_after=True)),
+    ("nvfp4_gs", 1, "full", None),
+    ("nvfp4", 3, "sliding", GemvConfig(use_dot=False, block_k=64, split_k=1)),
+]
+
+
+@pytest.mark.parametrize("fmt,N,kind,cfg", QKV_CPU_CASES,
+                         ids=[f"{c[0]}-N{c[1]}-{c[2]}-{c[3].short().replace(' ', '_') if c[3] else 'default'}"
+                              for c in QKV_CPU_CASES])
+def test_norm_qkv_rope_kv(fmt, N, kind, cfg, poison_empty):
+    """Tiny config: 8 / 2 heads of dim 32, H = 128; sliding layers (RoPE, ring of 9 rows,
+    positions that wrap) and full layers (NoPE, row = position)."""
+    window = 9 if kind == "sliding" else 0
+    args = qkv_inputs(N, 128, 8, 2, 32, fmt, kind, 9, 40)
+    check_qkv(args, 8, 2, kind == "sliding", window, config=cfg)
+    assert int(split_k_counters(args[0].device, 1)[:64].abs().sum()) == 0
+
+
+# ----------------------------------------------------------------------------- gemv_residual
+@pytest.mark.parametrize("fmt,N,cfg", [
+    ("bf16", 3, GemvConfig(use_dot=True, block_f=32, block_k=64, split_k=2, prefetch=False)),
+    ("nvfp4_gs", 8, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=1)),
+    ("nvfp4_gs", 1, None),
+])
+def test_gemv_residual(fmt, N, cfg, poison_empty):
+    """O projection shape of the tiny config: x [N, 1, Hq*D = 256] -> [N, 1, H = 128]."""
+    x = torch.randn(N, 1, 256).to(torch.bfloat16).to(DEV)
+    w = make_weight(128, 256, fmt)
+    res = torch.randn(N, 1, 128).to(torch.bfloat16).to(DEV)
+    out = FG.gemv_residual(x, w, res, config=cfg)
+    ref = grouped.gemv_residual(x, w, res)
+    y = ops.linear(x.view(N, -1), as_weight(w), F32)  # the rounded GEMV of the reference
+    tol = (reorder_tol(x.view(N, -1), w) + bf16_ulp(y).cpu()).view(ref.shape) + bf16_ulp(ref).cpu()
+    compare("gemv_residual", out, ref, tol)
+
+
+# ----------------------------------------------------------------------------- gate/up
+@pytest.mark.parametrize("fmt,N,cfg", [
+    ("bf16", 1, None),
+    ("bf16", 8, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=2)),
+    ("nvfp4_gs", 3, GemvConfig(use_dot=True, block_f=64, block_k=32, split_k=4, prefetch=False)),
+])
+def test_norm_gate_up_silu(fmt, N, cfg, poison_empty):
+    """Dense MLP of the tiny config: H = 128, F = 256."""
+    x = torch.randn(N, 1, 128).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(128) + 0.5).to(DEV)
+    gate, up = make_weight(256, 128, fmt), make_weight(256, 128, fmt)
+    out = FG.norm_gate_up_silu(x, norm, gate, up, EPS, config=cfg)
+    ref = grouped.norm_gate_up_silu(x, norm, gate, up, EPS)
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    g = ops.linear(h, as_weight(gate), F32).cpu().double()
+    u = ops.linear(h, as_weight(up), F32).cpu().double()
+    # g and u may each be one ulp (+ GEMV bound) away; silu' <= 1.1, |silu(g)| <= |g|
+    dg = gemv_tol(h, gate) + bf16_ulp(g)
+    du = gemv_tol(h, up) + bf16_ulp(u)
+    tol = 2 * bf16_ulp(ref).cpu() + 1.1 * dg * u.abs() + du * g.abs()
+    compare("norm_gate_up_silu", out, ref, tol)
+
+
+# ----------------------------------------------------------------------------- LM head
+@pytest.mark.parametrize("N,cfg", [(2, GemvConfig(use_dot=True, block_f=128, block_k=64, split_k=2)),
+                                   (8, GemvConfig(use_dot=False, block_f=128, block_k=128))])
+def test_norm_lm_head(N, cfg, poison_empty):
+    """Final norm + LM head of the tiny config (vocab 512): fp32 logits, never rounded."""
+    x = torch.randn(N, 1, 128).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(128) + 0.5).to(DEV)
+    w = (torch.randn(512, 128) * 0.05).to(torch.bfloat16).to(DEV)
+    out = FG.norm_lm_head(x, norm, w, EPS, config=cfg)
+    ref = grouped.norm_lm_head(x, norm, w, EPS)
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    # loose: a normed value may land one ulp away (and shift its whole row); tight: the
+    # fp32 reordering bound, which nearly every logit must meet
+    compare("norm_lm_head", out, ref, gemv_tol(h, [w]).view(ref.shape), min_identical=0.0,
+            tight=2 * reorder_tol(h, [w]).view(ref.shape))
+
+
+def test_lm_head_and_gemv_entries(poison_empty):
+    x = torch.randn(3, 128).to(torch.bfloat16).to(DEV)
+    w = (torch.randn(512, 128) * 0.05).to(torch.bfloat16).to(DEV)
+    cfg = GemvConfig(use_dot=True, block_f=128, block_k=128)
+    out = FG.lm_head(x, w, config=cfg)
+    compare("lm_head", out, linear.lm_head(x, w), reorder_tol(x, [w]), min_identical=0.0)
+    wg = make_weight(40, 128, "nvfp4_gs")
+    y = FG.gemv(x, wg)
+    compare("gemv", y, linear.gemv(x, wg), reorder_tol(x, wg) + bf16_ulp(y).cpu())
+
+
+# ----------------------------------------------------------------------------- embedding
+def test_embedding_bit_exact(poison_empty):
+    table = torch.randn(512, 128).to(torch.bfloat16).to(DEV)
+    ids = torch.tensor([[0, 511, 7], [300, 7, 1]]).to(DEV)
+    out = FG.embedding(ids, table)
+    assert torch.equal(out, linear.embedding(ids, table))
+
+
+# ----------------------------------------------------------------------------- contract
+def test_kernels_table_matches_the_ops():
+    """KERNELS: every op of this file, launchers with the op's positional parameters plus
+    keyword-only use_pdl."""
+    from flintc.ops import grouped as og, linear as ol
+
+    want = {"norm_qkv_rope_kv": og.norm_qkv_rope_kv, "gemv_residual": og.gemv_residual,
+            "norm_gate_up_silu": og.norm_gate_up_silu, "norm_lm_head": og.norm_lm_head,
+            "embedding": ol.embedding, "gemv": ol.gemv, "lm_head": ol.lm_head}
+    assert set(FG.KERNELS) == set(want)
+    for name, launcher in FG.KERNELS.items():
+        params = inspect.signature(launcher).parameters
+        positional = [p.name for p in params.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        ref_params = list(inspect.signature(want[name]._init_fn if hasattr(want[name], "_init_fn")
+                                            else want[name]).parameters)
+        assert len(positional) == len(ref_params), (name, positional, ref_params)
+        assert params["use_pdl"].kind == inspect.Parameter.KEYWORD_ONLY
+
+
+def test_fallbacks_for_big_batches():
+    """N > 8 (and T > 1 for QKV) go to the reference op, as the docstrings say."""
+    x = torch.randn(9, 1, 128).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(128) + 0.5).to(DEV)
+    w = (torch.randn(512, 128) * 0.05).to(torch.bfloat16).to(DEV)
+    assert torch.equal(FG.norm_lm_head(x, norm, w, EPS), grouped.norm_lm_head(x, norm, w, EPS))
+    args = list(qkv_inputs(2, 128, 8, 2, 32, "bf16", "full", 9, 40))
+    args[0] = torch.randn(2, 2, 128).to(torch.bfloat16).to(DEV)  # T = 2 (prefill)
+    args[12] = torch.tensor([[3, 4], [7, 8]]).to(DEV)
+    ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    q = FG.norm_qkv_rope_kv(*args, EPS, 8, 2, False, 0)
+    q_ref = grouped.norm_qkv_rope_kv(*ref_args, EPS, 8, 2, False, 0)
+    assert torch.equal(q, q_ref) and torch.equal(args[9], ref_args[9])
+
+
+def _bad_calls():
+    args = qkv_inputs(2, 128, 8, 2, 32, "bf16", "sliding", 9, 40)
+    x, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos = args
+
+    def qkv(**over):
+        a = dict(x=x, norm=norm, wq=wq, wk=wk, wv=wv, q_norm=qn, k_norm=kn, cos_table=cos,
+                 sin_table=sin, k_cache=kc, v_cache=vc, slots=slots, positions=pos)
+        a.update(over)
+        return lambda: FG.norm_qkv_rope_kv(*a.values(), EPS, 8, 2, True, 9)
+
+    x2 = torch.randn(2, 256).to(torch.bfloat16).to(DEV)
+    w = make_weight(128, 256, "bf16")
+    res = torch.randn(2, 128).to(torch.bfloat16).to(DEV)
+    return [
+        ("norm_qkv_rope_kv: x", qkv(x=x.float())),
+        ("norm_qkv_rope_kv: norm", qkv(norm=norm[:64].contiguous())),
+        ("norm_qkv_rope_kv: wk", qkv(wk=[wk[0][:32].contiguous()])),
+        ("norm_qkv_rope_kv: k_norm", qkv(k_norm=kn.double())),
+        ("norm_qkv_rope_kv: cos_table", qkv(cos_table=cos[:, :8].contiguous())),
+        ("norm_qkv_rope_kv: k_cache", qkv(k_cache=kc.transpose(0, 1))),
+        ("norm_qkv_rope_kv: v_cache", qkv(v_cache=vc.float())),
+        ("norm_qkv_rope_kv: slots", qkv(slots=slots.float())),
+        ("norm_qkv_rope_kv: positions", qkv(positions=pos.view(-1))),
+        ("norm_qkv_rope_kv: window", lambda: FG.norm_qkv_rope_kv(*args, EPS, 8, 2, True, 10)),
+        ("gemv_residual: residual", lambda: FG.gemv_residual(x2, w, res[:, :64])),
+        ("gemv_residual: w", lambda: FG.gemv_residual(x2, [w[0].float()], res)),
+        ("norm_gate_up_silu: up", lambda: FG.norm_gate_up_silu(
+            x2[:, :128].contiguous(), norm, make_weight(64, 128, "bf16"),
+            make_weight(64, 128, "nvfp4"), EPS)),
+        ("norm_gate_up_silu: norm", lambda: FG.norm_gate_up_silu(
+            x2[:, :128].contiguous(), norm.half(), make_weight(64, 128, "bf16"),
+            make_weight(64, 128, "bf16"), EPS)),
+        ("norm_lm_head: w", lambda: FG.norm_lm_head(x2[:, None, :128].contiguous(), norm,
+                                                    w[0].float(), EPS)),
+        ("embedding: ids", lambda: FG.embedding(slots.float()[None], w[0])),
+        ("embedding: table", lambda: FG.embedding(slots[None], w[0].float())),
+    ]
+
+
+@pytest.mark.parametrize("case", range(17))
+def test_rejects_bad_inputs(case):
+    calls = _bad_calls()
+    assert len(calls) == 17
+    name, call = calls[case]
+    with pytest.raises(ValueError, match=name):
+        call()
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.parametrize("use_pdl", [False, True])
+@pytest.mark.parametrize("kind", ["sliding", "full"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
+@pytest.mark.parametrize("N", [1, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_norm_qkv_rope_kv_gpu(N, fmt, kind, use_pdl):
+    """Full model: H = 2048, 32 / 4 heads of dim 128, window 513, full cache of 2048 rows."""
+    window = 513 if kind == "sliding" else 0
+    args = qkv_inputs(N, 2048, 32, 4, 128, fmt, kind, 513, 2048)
+    check_qkv(args, 32, 4, kind == "sliding", window, use_pdl=use_pdl)
+
+
+@pytest.mark.parametrize("use_pdl", [False, True])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
+@pytest.mark.parametrize("N", [1, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_fused_mlp_and_residual_gpu(N, fmt, use_pdl):
+    """Dense MLP (F = 10240) and the O / down projections with the residual add."""
+    x = torch.randn(N, 1, 2048, device="cuda").to(torch.bfloat16)
+    norm = torch.rand(2048, device="cuda") + 0.5
+    gate, up = make_weight(10240, 2048, fmt), make_weight(10240, 2048, fmt)
+    out = FG.norm_gate_up_silu(x, norm, gate, up, EPS, use_pdl=use_pdl)
+    ref = grouped.norm_gate_up_silu(x, norm, gate, up, EPS)
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    g = ops.linear(h, as_weight(gate), F32).cpu().double()
+    u = ops.linear(h, as_weight(up), F32).cpu().double()
+    tol = (2 * bf16_ulp(ref).cpu() + 1.1 * (gemv_tol(h, gate) + bf16_ulp(g)) * u.abs()
+           + (gemv_tol(h, up) + bf16_ulp(u)) * g.abs())
+    compare("norm_gate_up_silu", out, ref, tol)
+    for K in (4096, 10240):  # o_proj, dense down
+        xo = torch.randn(N, 1, K, device="cuda").to(torch.bfloat16)
+        w = make_weight(2048, K, fmt)
+        res = torch.randn(N, 1, 2048, device="cuda").to(torch.bfloat16)
+        out = FG.gemv_residual(xo, w, res, use_pdl=use_pdl)
+        ref = grouped.gemv_residual(xo, w, res)
+        y = ops.linear(xo.view(N, -1), as_weight(w), F32)
+        tol = ((reorder_tol(xo.view(N, -1), w) + bf16_ulp(y).cpu()).view(ref.shape)
+               + bf16_ulp(ref).cpu())
+        compare(f"gemv_residual K={K}", out, ref, tol)
+
+
+@pytest.mark.parametrize("use_pdl", [False, True])
+@pytest.mark.parametrize("N", [1, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_norm_lm_head_gpu(N, use_pdl):
+    x = torch.randn(N, 1, 2048, device="cuda").to(torch.bfloat16)
+    norm = torch.rand(2048, device="cuda") + 0.5
+    w = (torch.randn(151552, 2048, device="cuda") * 0.05).to(torch.bfloat16)
+    out = FG.norm_lm_head(x, norm, w, EPS, use_pdl=use_pdl)
+    ref = grouped.norm_lm_head(x, norm, w, EPS)
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    compare("norm_lm_head", out, ref, gemv_tol(h, [w]).view(ref.shape), min_identical=0.0,
+            tight=2 * reorder_tol(h, [w]).view(ref.shape), min_tight=0.5)
+    ids = torch.randint(0, 151552, (N, 1), device="cuda")
+    assert torch.equal(FG.embedding(ids, w, use_pdl=use_pdl), linear.embedding(ids, w))
