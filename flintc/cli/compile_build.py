@@ -33,8 +33,8 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                    help="tokens per prefill call, at most the sliding window (default: 2^k <= min(W, 512))")
     if backend:
         p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
-                       help="triton: Triton kernels where they exist (the interpreter on a CPU); "
-                            "torch: the reference ops; auto: triton if installed")
+                       help="triton: Triton kernels where they exist (on a CPU: Triton's slow "
+                            "interpreter); torch: the reference ops; auto: triton on CUDA, else torch")
     p.add_argument("--device", default=None,
                    help="cpu or cuda (default: cpu; for --build, the device it was compiled for)")
     p.add_argument("--no-check", action="store_true",

@@ -51,8 +51,8 @@ class BuildOptions:
         last chunk must not push live tokens out of the ring). None: the largest power
         of two <= min(W, 512).
     backend: "triton" (Triton kernels where they exist, reference ops elsewhere; on the
-        CPU through Triton's interpreter), "torch" (reference ops only), or "auto"
-        (triton when it is installed, else torch).
+        CPU through Triton's interpreter, slow: for testing kernels), "torch" (reference
+        ops only), or "auto" (triton on CUDA when it is installed, else torch).
     device: where the runtime runs ("cpu" or "cuda").
     check: run every pass's numeric check (on a short cache) while compiling.
     dump: write pass-by-pass dumps into BUILD/dumps.
@@ -93,11 +93,15 @@ class BuildOptions:
                 raise InputError(f"--buckets {','.join(map(str, b))}: each must be >= 1 and the largest "
                                  f"must equal --max-batch ({o.max_batch})")
         if o.backend == "auto":
-            try:
-                import triton  # noqa: F401
-                o.backend = "triton"
-            except ImportError:
-                o.backend = "torch"
+            # Triton kernels on a GPU; on a CPU Triton only has its interpreter (seconds per
+            # kernel launch), so the reference ops run instead.
+            o.backend = "torch"
+            if str(o.device).startswith("cuda"):
+                try:
+                    import triton  # noqa: F401
+                    o.backend = "triton"
+                except ImportError:
+                    pass
         if o.backend not in ("torch", "triton"):
             raise InputError(f"--backend must be auto, torch or triton, got {o.backend!r}")
         return o

@@ -60,11 +60,12 @@ def test_serve_subprocess(tiny_nvfp4_gguf):
     assert rc == 130 and "Traceback" not in rest, rest
 
 
-def test_build_without_compiled_runtime(tiny_bf16_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "flintc.runtime.compiled", None)  # import fails
+def test_build_that_is_not_a_build(tiny_bf16_dir, tmp_path, capsys):
+    """`--build` naming a folder without build.json: one line, exit code 2 (serving a real
+    build is tested in tests/runtime/test_compiled.py::test_serve_a_build)."""
     rc = main(["serve", "--build", str(tmp_path), "--tokenizer", str(tiny_bf16_dir), "--port", "0"])
     err = capsys.readouterr().err
-    assert rc == 2 and "compiled runtime is not available yet" in err and err.count("\n") == 1
+    assert rc == 2 and "is not a flintc build" in err and err.count("\n") == 1
 
 
 def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
