@@ -1,10 +1,12 @@
 """Generation on the reference model: prefill each prompt, then decode the batch.
 
 This is flintc's *reference backend*: the numbers every compiled backend is
-checked against. Each prompt is prefilled on its own (in chunks of at most
-`prefill_chunk` tokens, so a long prompt needs bounded workspace) into its own
-KV-cache slot; then all live sequences decode together, one token per step, each
-at its own position.
+checked against. `generate` wraps the model in a `ReferenceRunner` (one KV-cache
+slot per prompt, caches as long as the request can grow) and runs the same loop as
+every backend, `flintc.runtime.generate.generate_with_runner`: each prompt is
+prefilled on its own (in chunks of at most `prefill_chunk` tokens, so a long prompt
+needs bounded workspace), then all live sequences decode together, one token per
+step, each at its own position.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.model.reference import FlintModel
-from flintc.sampling import SamplingParams, sample
+from flintc.sampling import SamplingParams
 
 
 @dataclass
@@ -75,7 +77,8 @@ def generate(
         InputError: a prompt is empty, holds an out-of-range id, or is longer than
             max_model_len.
     """
-    import time
+    from flintc.runtime.generate import generate_with_runner
+    from flintc.runtime.runner import ReferenceRunner
 
     cfg = model.config
     max_len = min(max_model_len or model.max_positions, model.max_positions)
@@ -84,67 +87,9 @@ def generate(
         raise ValueError("need one SamplingParams per prompt")
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, max_len, name=f"prompt {i}" if len(prompts) > 1 else "prompt")
-    device = model.rope_cos.device
-    B = len(prompts)
+    # One slot per prompt; caches only as long as this request can grow.
     cache_len = min(max_len, max(len(p) + q.max_tokens for p, q in zip(prompts, plist)))
-    kv = model.new_kv_cache(B, cache_len)
-    gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
-    result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])
-    result.prompt_logits = [] if return_prompt_logits else None
-    result.finish_reasons = ["length"] * B
-
-    t0 = time.perf_counter()
-    last_logits = []
-    for b, ids in enumerate(prompts):
-        logits = _prefill(model, ids, b, kv, prefill_chunk, device)  # [T, V]
-        if return_prompt_logits:
-            result.prompt_logits.append(logits.float().cpu())
-        last_logits.append(logits[-1])
-    result.prefill_seconds = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    logits = torch.stack(last_logits)  # [B, V]
-    live = list(range(B))
-    pos = [len(p) for p in prompts]
-    while True:
-        live = [b for b in live if len(result.output_ids[b]) < plist[b].max_tokens]
-        if not live:
-            break
-        toks = sample(logits.float(), [plist[b] for b in live], [gens[b] for b in live]).tolist()
-        if keep_step_logits:
-            result.step_logits.append(logits.float().cpu())
-        still = []
-        for b, t in zip(live, toks):
-            result.output_ids[b].append(t)
-            if on_token is not None:
-                on_token(b, t)
-            if t == eos_token_id and not plist[b].ignore_eos:
-                result.finish_reasons[b] = "stop"
-            elif len(result.output_ids[b]) >= plist[b].max_tokens:
-                result.finish_reasons[b] = "length"
-            elif pos[b] >= cache_len:
-                result.finish_reasons[b] = "max_model_len"
-            else:
-                still.append(b)
-        live = still
-        if not live:
-            break
-        ids = torch.tensor([[result.output_ids[b][-1]] for b in live], device=device)  # [B', 1]
-        positions = torch.tensor([[pos[b]] for b in live], device=device)  # [B', 1]
-        logits = model(ids, positions, torch.tensor(live, device=device), kv)[:, 0]  # [B', V]
-        for b in live:
-            pos[b] += 1
-        result.decode_steps += 1
-    result.decode_seconds = time.perf_counter() - t1
-    return result
-
-
-def _prefill(model: FlintModel, ids: list[int], slot: int, kv, chunk: int, device) -> torch.Tensor:
-    """Prefill one prompt into cache row `slot`, `chunk` tokens at a time. -> logits [T, V]."""
-    out = []
-    slots = torch.tensor([slot], device=device)
-    for start in range(0, len(ids), chunk):
-        piece = torch.tensor([ids[start:start + chunk]], device=device)  # [1, t]
-        positions = torch.arange(start, start + piece.shape[1], device=device)[None]  # [1, t]
-        out.append(model(piece, positions, slots, kv)[0])
-    return torch.cat(out)
+    runner = ReferenceRunner(model, max_batch=len(prompts), max_model_len=cache_len, prefill_chunk=prefill_chunk)
+    return generate_with_runner(runner, prompts, plist, eos_token_id=eos_token_id,
+                                return_prompt_logits=return_prompt_logits,
+                                keep_step_logits=keep_step_logits, on_token=on_token)
