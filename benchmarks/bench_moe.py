@@ -343,7 +343,10 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     parser.add_argument("--sweep-seconds", type=float, default=60.0,
                         help="time budget of the config sweep (compile included)")
+    parser.add_argument("--batches", default="1,2,4,8",
+                        help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()
+    BATCHES[:] = [int(b) for b in args.batches.split(",") if b]
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU")
     import flintc.ops  # noqa: F401  (registers torch.ops.flintc)

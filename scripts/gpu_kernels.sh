@@ -10,6 +10,13 @@
 # timed-out step is recorded in kernels.md and the script goes on. Logs: $OUT/*.log.
 # Exit status: 0 when every step passed, 1 otherwise (kernels.md is written either way).
 #
+# Narrower runs: KERNELS_TESTS (pytest arguments, default `tests/kernels`) and
+# KERNELS_BENCHES (`;`-separated benchmark invocations relative to benchmarks/, default
+# every bench_*.py with no options), e.g. a tuning call:
+#   KERNELS_TESTS="tests/kernels/test_tiles.py tests/kernels/test_gemv.py" \
+#   KERNELS_BENCHES="bench_gemv.py --sweep --no-compile --batches 1,8;bench_moe.py --batches 1,8" \
+#   OUT=/some/dir bash scripts/gpu_kernels.sh
+#
 #   OUT=/some/dir bash scripts/gpu_kernels.sh        # from the repository root
 set -uo pipefail
 
@@ -87,10 +94,11 @@ cat "$REPORT.head"
 
 # 1. GPU kernel tests at full shapes.
 T=$(left); (( T > PYTEST_CAP )) && T=$PYTEST_CAP
-run_step pytest_gpu "$T" $PY -m pytest -q -m gpu -rfE -p no:cacheprovider tests/kernels
+# shellcheck disable=SC2086  # KERNELS_TESTS is a list of pytest arguments
+run_step pytest_gpu "$T" $PY -m pytest -q -m gpu -rfE -p no:cacheprovider ${KERNELS_TESTS:-tests/kernels}
 {
   echo
-  echo "## pytest -m gpu tests/kernels: $STATUS"
+  echo "## pytest -m gpu ${KERNELS_TESTS:-tests/kernels}: $STATUS"
   echo
   echo '```'
   # The short summary (failures, errors) and the final count line.
@@ -100,17 +108,23 @@ run_step pytest_gpu "$T" $PY -m pytest -q -m gpu -rfE -p no:cacheprovider tests/
 } >"$REPORT.pytest"
 
 # 2. Every benchmark, sharing what is left of the budget.
-BENCHES=(benchmarks/bench_*.py)
+if [[ -n ${KERNELS_BENCHES:-} ]]; then
+  IFS=';' read -r -a BENCHES <<<"$KERNELS_BENCHES"
+else
+  BENCHES=()
+  for b in benchmarks/bench_*.py; do BENCHES+=("$(basename "$b")"); done
+fi
 : >"$REPORT.bench"
 N=${#BENCHES[@]}
 for i in "${!BENCHES[@]}"; do
-  b=${BENCHES[$i]}
-  [[ -f $b ]] || continue
+  read -r -a words <<<"${BENCHES[$i]}"
+  b=benchmarks/${words[0]}
+  [[ -f $b ]] || { echo "== no such benchmark: $b"; FAILED=1; continue; }
   name=$(basename "$b" .py)
   rm -f "$OUT/$name.md"
   # What is left, less MIN_BENCH_S for each benchmark after this one, at most BENCH_CAP.
   T=$(( $(left) - MIN_BENCH_S * (N - i - 1) )); (( T > BENCH_CAP )) && T=$BENCH_CAP
-  run_step "$name" "$T" $PY "$b" --out "$OUT/$name.md"
+  run_step "$name" "$T" $PY "$b" "${words[@]:1}" --out "$OUT/$name.md"
   {
     echo
     echo "## $name: $STATUS"

@@ -71,6 +71,7 @@ class BenchOptions:
     compile_missing: bool = True
     max_model_len: int | None = None
     sampling: str = "default"
+    size_caches: bool = True
     plots: bool = True
     command: str = ""
 
@@ -158,7 +159,11 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
     bench = _Bench(o, device, clock, results, log)
 
     def save():
-        (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+        tmp = out / "bench.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+        tmp.replace(out / "bench.json")  # never half-written
+
+    bench.save = save
 
     try:
         bench.ceilings()
@@ -170,6 +175,10 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
                 continue
             bench.run_format(fmt)
             save()
+    except KeyboardInterrupt:
+        bench.note(f"interrupted (SIGINT, e.g. the calling script's hard time limit) after "
+                   f"{clock.elapsed():.0f} s: the points after the last one reported were not measured")
+        raise
     finally:
         results["meta"]["wall_s"] = round(clock.elapsed(), 1)
         save()
@@ -234,11 +243,15 @@ class _Bench:
         self.log(msg)
         self.r["notes"].append(msg)
 
+    def save(self) -> None:
+        """Rewrite bench.json with what is measured so far (set by `run_bench`)."""
+
     def guarded(self, what: str, fn, need_s: float = 0.0):
         """Run one measurement: out of time (less than `need_s` seconds left), out of
         memory, timeout and errors become notes."""
         from flintc.bench.timing import StepTimeout, step_timeout
 
+        self.save()  # what is measured so far: a run killed during this step keeps it
         if self.clock.left() <= need_s:
             self.note(f"{what}: skipped, the time budget is spent"
                       + (f" (it needs about {need_s:.0f} s)" if need_s else ""))
@@ -345,7 +358,7 @@ class _Bench:
                 if self.o.backend and m.get("backend") != self.o.backend:
                     continue
                 plan = json.loads((path / "plan.json").read_text())
-                found.append({"path": path, "manifest": m, "kv_bytes": int(plan["kv_cache"]["bytes"])})
+                found.append(_build_record(path, m, plan))
         if not found:
             found = self._compile_missing(fmt, ckpt, root)
         prefer = "triton" if self.cuda else "torch"
@@ -355,6 +368,7 @@ class _Bench:
             self.r["builds"].append({"fmt": fmt, "path": str(b["path"]), "max_batch": m["max_batch"],
                                      "max_model_len": m["max_model_len"], "backend": m["backend"],
                                      "buckets": m.get("buckets"), "kv_cache_bytes": b["kv_bytes"],
+                                     "caches_resizable": b["resizable"],
                                      "created": m.get("created"), "functions": m.get("functions")})
         return found
 
@@ -380,20 +394,31 @@ class _Bench:
         m = compile_model(ckpt, path, opts, progress=False, log=self.log)
         self.note(f"{fmt}: compiled {path} in {time.perf_counter() - t0:.0f} s")
         plan = json.loads((path / "plan.json").read_text())
-        return [{"path": path, "manifest": m, "kv_bytes": int(plan["kv_cache"]["bytes"])}]
+        return [_build_record(path, m, plan)]
 
-    @staticmethod
-    def _covers(build: dict, batch: int, context: int) -> bool:
+    def _resize(self, build: dict) -> bool:
+        """Whether this run sizes the build's KV caches to the points it serves."""
+        return self.o.size_caches and build["resizable"]
+
+    def _covers(self, build: dict, batch: int, context: int, config) -> bool:
         m = build["manifest"]
-        return m["max_batch"] >= batch and m["max_model_len"] >= context
+        if m["max_batch"] < batch:
+            return False
+        return context <= (config.max_position_embeddings if self._resize(build) else m["max_model_len"])
 
-    def _assign(self, builds, points, what: str):
-        """{build index: [points]}: each point to the covering build with the smallest KV
-        cache (builds are sorted so); points no build covers become notes."""
+    def _kv_need(self, build: dict, context: int) -> int:
+        return build["kv_for"](context) if self._resize(build) else build["kv_bytes"]
+
+    def _assign(self, builds, points, what: str, config):
+        """{build index: [points]}: each point to the covering build that needs the least
+        KV-cache memory for it (a build with resizable caches: its slots x the point's
+        context; otherwise the build's caches as compiled); points no build covers become
+        notes."""
         groups: dict[int, list] = {}
         for p in points:
             batch, context = p
-            idx = next((i for i, b in enumerate(builds) if self._covers(b, batch, context)), None)
+            cover = [i for i, b in enumerate(builds) if self._covers(b, batch, context, config)]
+            idx = min(cover, key=lambda i: (self._kv_need(builds[i], context), i)) if cover else None
             if idx is None:
                 have = ", ".join(f"{b['path'].name} (batch <= {b['manifest']['max_batch']}, context <= "
                                  f"{b['manifest']['max_model_len']})" for b in builds) or "none"
@@ -413,42 +438,102 @@ class _Bench:
         prefill_points = [(1, t) for t in o.prefill]
         eager_points = self._baseline_points("eager") if "eager" in o.baselines else []
         breakdown = set(self._breakdown_points())
-        g_dec = self._assign(builds, decode_points, f"{fmt} decode")
-        g_pre = self._assign(builds, prefill_points, f"{fmt} prefill")
-        g_eager = self._assign(builds, eager_points, f"{fmt} eager baseline")
+        cfg = ckpt.config
+        g_dec = self._assign(builds, decode_points, f"{fmt} decode", cfg)
+        g_pre = self._assign(builds, prefill_points, f"{fmt} prefill", cfg)
+        g_eager = self._assign(builds, eager_points, f"{fmt} eager baseline", cfg)
+        # a build's first point compiles the Triton kernels and captures the CUDA graphs
+        need_s = 30.0 if self.cuda and cfg.num_hidden_layers > 8 else 0.0
         for idx in sorted(set(g_dec) | set(g_pre) | set(g_eager)):
-            if self.clock.left() <= 0:
-                self.note(f"{fmt}: build {builds[idx]['path'].name} skipped, the time budget is spent")
+            name = builds[idx]["path"].name
+            if self.clock.left() <= need_s:
+                self.note(f"{fmt}: build {name} skipped, the time budget is spent")
                 continue
-            runner = self.guarded(f"{fmt}: load build {builds[idx]['path'].name}",
-                                  lambda idx=idx: self._runner(builds[idx], ckpt))
+            dec, pre, eager = g_dec.get(idx, []), g_pre.get(idx, []), g_eager.get(idx, [])
+            build = self._fit(fmt, builds[idx], ckpt, dec, pre, eager)
+            if build is None:
+                continue
+            dec, pre, eager = ([p for p in pts if p[1] <= build["manifest"]["max_model_len"]]
+                               for pts in (dec, pre, eager))
+            runner = self.guarded(f"{fmt}: load build {name} (KV caches {build['kv_bytes'] / 2**30:.1f} GiB: "
+                                  f"{build['manifest']['max_batch'] + 1} slots x "
+                                  f"{build['manifest']['max_model_len']} positions)",
+                                  lambda build=build: self._runner(build, ckpt))
             if runner is None:
                 continue
             try:
-                self._with_runner(fmt, runner, builds[idx], g_dec.get(idx, []), g_pre.get(idx, []),
-                                  g_eager.get(idx, []), breakdown)
+                self._with_runner(fmt, runner, build, dec, pre, eager, breakdown)
             finally:
                 del runner
                 gc.collect()
                 if self.cuda:
                     torch.cuda.empty_cache()
 
-    def _runner(self, build: dict, ckpt):
+    def _fit(self, fmt: str, build: dict, ckpt, dec, pre, eager) -> dict | None:
+        """The build as this run loads it: with resizable caches, sized to the longest
+        context of its points that fits in the free device memory next to the weights
+        (points beyond it become notes); otherwise as compiled, when it fits. None (with a
+        note) when nothing fits."""
         from flintc.bench.roofline import weight_bytes
-        from flintc.runtime.compiled import load_build
 
+        cfg = ckpt.config
+        m = build["manifest"]
+        name = build["path"].name
+        contexts = sorted({c for _, c in dec + pre + eager}, reverse=True)
+        # workspace next to the caches: the functions' intermediates, and for the eager
+        # baseline the fp32 copy of the largest weight (the LM head) its linears make
+        buckets = {next((b for b in build["buckets"] if b >= batch), None) for batch, _ in dec + eager}
+        used = [s for s in build["plan_steps"].values()
+                if (s["step"] == "decode" and s["batch"] in buckets) or (s["step"] == "prefill" and pre)]
+        margin = (1 << 30) + max((int(s.get("intermediate_bytes", 0)) for s in used), default=0)
+        if eager:
+            margin += 2 * 4 * cfg.vocab_size * cfg.hidden_size
         if self.cuda:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            need = build["kv_bytes"] + (1 << 30)
-            if need > free:
-                cfg = ckpt.config
-                raise InputError(
-                    f"{build['path'].name} needs {need / 2**30:.1f} GiB for its KV caches "
-                    f"({build['manifest']['max_batch'] + 1} slots x {build['manifest']['max_model_len']} "
-                    f"positions) but {free / 2**30:.1f} GiB are free next to the weights "
-                    f"({weight_bytes(cfg, ckpt.fmt, cfg.n_routed_experts, cfg.vocab_size).total / 2**30:.1f} GiB); "
-                    "compile a build with a smaller --max-batch or --max-model-len")
-        return load_build(build["path"], ckpt=ckpt, device=self.o.device, progress=False)
+            gc.collect()
+            torch.cuda.empty_cache()  # the allocator's cached blocks count as free here
+        free = torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
+        weights_gib = weight_bytes(cfg, ckpt.fmt, cfg.n_routed_experts, cfg.vocab_size).total / 2**30
+        if not self._resize(build):
+            if free is not None and build["kv_bytes"] + margin > free:
+                self.note(f"{fmt}: build {name} skipped: its KV caches ({m['max_batch'] + 1} slots x "
+                          f"{m['max_model_len']} positions, {build['kv_bytes'] / 2**30:.1f} GiB) and "
+                          f"{margin / 2**30:.1f} GiB of workspace do not fit in the {free / 2**30:.1f} GiB free "
+                          f"next to the weights ({weights_gib:.1f} GiB); compile a build with a smaller "
+                          "--max-batch or --max-model-len")
+                return None
+            return build
+        fits = [c for c in contexts if free is None or build["kv_for"](c) + margin <= free]
+        if not fits:
+            self.note(f"{fmt}: build {name} skipped: no point fits in the {free / 2**30:.1f} GiB free next "
+                      f"to the weights ({weights_gib:.1f} GiB)")
+            return None
+        rows = fits[0]
+        dropped = [c for c in contexts if c > rows]
+        if dropped:
+            pts = ", ".join([f"batch {b} context {c}" for b, c in sorted(set(dec + eager)) if c > rows]
+                            + [f"prefill {t}" for _, t in pre if t > rows])
+            self.note(f"{fmt} on build {name}: skipped {pts}: KV caches of {m['max_batch'] + 1} slots x "
+                      f"{max(dropped)} positions ({build['kv_for'](max(dropped)) / 2**30:.1f} GiB) and "
+                      f"{margin / 2**30:.1f} GiB of workspace do not fit in the {free / 2**30:.1f} GiB free next "
+                      f"to the weights ({weights_gib:.1f} GiB)")
+        if rows == m["max_model_len"]:
+            return build
+        chunk = int(m["prefill_chunk"])
+        manifest = dict(m, max_model_len=rows, cache_rows=rows + chunk)
+        for rec in self.r["builds"]:
+            if rec["fmt"] == fmt and rec["path"] == str(build["path"]):
+                rec.update(loaded_max_model_len=rows, loaded_kv_cache_bytes=build["kv_for"](rows))
+        return dict(build, manifest=manifest, kv_bytes=build["kv_for"](rows),
+                    compiled_max_model_len=m["max_model_len"])
+
+    def _runner(self, build: dict, ckpt):
+        from flintc.runtime.compiled import CompiledRunner, load_build
+
+        if build["manifest"] is build["compiled_manifest"]:
+            return load_build(build["path"], ckpt=ckpt, device=self.o.device, progress=False)
+        # the same build with caches of another length: its functions do not depend on the
+        # cache length (build["resizable"]); the config and weights were matched in _builds_for
+        return CompiledRunner(build["path"], build["manifest"], ckpt, torch.device(self.o.device))
 
     def _with_runner(self, fmt, runner, build, dec, pre, eager, breakdown) -> None:
         contexts = [c for _, c in dec + eager]
@@ -480,7 +565,8 @@ class _Bench:
                     if self.cuda:
                         torch.cuda.reset_peak_memory_stats(self.device)
                     step = EagerStep(runner.model, kv_view(runner.kv, runner.config, context))
-                    return self._baseline_point(step, fmt, batch, context, slots=runner.max_batch)
+                    return self._baseline_point(step, runner.config, fmt, batch, context,
+                                                slots=runner.max_batch)
                 rec = self.guarded(f"{fmt} eager baseline batch {batch} context {context}", run)
                 if rec is not None:
                     self.r["baselines"].append(rec)
@@ -585,6 +671,7 @@ class _Bench:
             "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None,
             "build": build["path"].name, "build_max_batch": m["max_batch"],
             "build_max_model_len": m["max_model_len"], "kv_cache_bytes_allocated": build["kv_bytes"],
+            "build_compiled_max_model_len": build.get("compiled_max_model_len", m["max_model_len"]),
             "sampling": self.o.sampling,
         }
 
@@ -682,11 +769,12 @@ class _Bench:
         pts = [p for p in want if p[0] in o.batches and p[1] in o.contexts]
         return pts or [(o.batches[0], o.contexts[-1])]
 
-    def _baseline_point(self, step, fmt, batch: int, context: int, slots: int) -> dict:
+    def _baseline_point(self, step, cfg, fmt, batch: int, context: int, slots: int) -> dict:
+        """Time one baseline step (`EagerStep` or `CompiledStep`, which wraps the model
+        and has no `.model`) for the model config `cfg`."""
         from flintc.bench.timing import time_host, time_replays
         from flintc.sampling import sample
 
-        cfg = step.model.config
         sets = self._inputs(cfg, batch, batch, context, slots, None)
         cur = {}
 
@@ -697,10 +785,12 @@ class _Bench:
             s = cur["s"]
             step(s["t_ids"], s["t_pos"], s["t_slots"])
 
-        # the eager model takes 0.1-0.4 s per step at full size: fewer runs suffice
+        # the eager model takes 0.1-0.4 s per step at full size (more at batch 8, NVFP4
+        # weights dequantized on every call), and runs the same work every step: a few
+        # runs suffice (6 steps in all on CUDA; the e2e steps come warm after the forward ones)
         compiled = step.name == "compile"
-        iters = min(self.o.iters, (20 if compiled else 5) if self.cuda else self.o.iters)
-        fwd = time_replays(fwd_call, prepare, self.device, min(self.o.warmup, 2), iters)
+        iters = min(self.o.iters, (20 if compiled else 3) if self.cuda else self.o.iters)
+        fwd = time_replays(fwd_call, prepare, self.device, min(self.o.warmup, 2 if compiled else 1), iters)
         params, gens = self._sampler(batch)
 
         def e2e_step(i):
@@ -708,8 +798,8 @@ class _Bench:
             logits = step(s["t_ids"], s["t_pos"], s["t_slots"]).float()
             return sample(logits, params, gens).tolist()
 
-        e2e = time_host(e2e_step, self.device, 1,
-                        min(self.o.e2e_iters, (10 if compiled else 3) if self.cuda else self.o.e2e_iters))
+        e2e = time_host(e2e_step, self.device, 1 if compiled or not self.cuda else 0,
+                        min(self.o.e2e_iters, (10 if compiled else 2) if self.cuda else self.o.e2e_iters))
         return {"engine": step.name, "fmt": fmt, "batch": batch, "context": context,
                 "fwd_ms": fwd["median_s"] * 1e3, "e2e_ms": e2e["median_s"] * 1e3, "iters": fwd["iters"],
                 "e2e_iters": e2e["iters"], "compile_s": getattr(step, "compile_s", None),
@@ -745,7 +835,7 @@ class _Bench:
                             self.note(f"{fmt} compile baseline batch {batch} context {context}: did not compile: "
                                       f"{step.error}")
                             return None
-                    rec = self._baseline_point(step, fmt, batch, context, slots=batch)
+                    rec = self._baseline_point(step, cfg, fmt, batch, context, slots=batch)
                     if name == "compile":
                         step.release()
                     return rec
@@ -759,6 +849,26 @@ class _Bench:
                 self.r["baselines"].append(rec)
                 if rec.get("compile_s"):
                     self._last_compile_s = rec["compile_s"]
+
+
+def _build_record(path: Path, manifest: dict, plan: dict) -> dict:
+    """A build as `_Bench` uses it: path, manifest, plan steps, KV bytes as compiled,
+    `kv_for(max_model_len)` (the bytes of its caches at another length: max_batch + 1
+    slots, full layers max_model_len + prefill_chunk rows, sliding rings as they are) and
+    `resizable`: every function was traced at fewer cache rows than the build's, so none
+    depends on the cache length (`flintc compile` retraces a function that does at the
+    build's length) and the caches can be allocated at any length."""
+    kv = plan["kv_cache"]
+    slots, rows = int(kv["slots"]), int(manifest["cache_rows"])
+    full = sum(int(layer["bytes"]) for layer in kv["layers"] if layer["kind"] == "full")
+    sliding = int(kv["bytes"]) - full
+    per_row = full // (slots * rows) if rows else 0
+    chunk = int(manifest["prefill_chunk"])
+    steps = plan["steps"]
+    resizable = bool(steps) and all(int(s.get("traced_cache_rows", rows)) < rows for s in steps.values())
+    return {"path": path, "manifest": manifest, "compiled_manifest": manifest, "kv_bytes": int(kv["bytes"]),
+            "kv_for": lambda n: sliding + slots * per_row * (int(n) + chunk), "resizable": resizable,
+            "plan_steps": steps, "buckets": sorted(s["batch"] for s in steps.values() if s["step"] == "decode")}
 
 
 @torch.inference_mode()

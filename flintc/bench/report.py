@@ -190,7 +190,10 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
                  f"{ld['seconds']} s")
     for b in results.get("builds", []):
         L.append(f"- Build {Path(b['path']).name} ({b['fmt']}, backend {b['backend']}): batch <= {b['max_batch']}, "
-                 f"context <= {b['max_model_len']}, KV caches {b['kv_cache_bytes'] / 2**30:.1f} GiB")
+                 f"context <= {b['max_model_len']}, KV caches {b['kv_cache_bytes'] / 2**30:.1f} GiB"
+                 + (f"; loaded here with caches of {b['loaded_max_model_len']} positions "
+                    f"({b['loaded_kv_cache_bytes'] / 2**30:.1f} GiB; its functions do not depend on the "
+                    "cache length)" if b.get("loaded_max_model_len") not in (None, b["max_model_len"]) else ""))
     L.append("")
 
     dec = sorted(results.get("decode", []), key=lambda r: (r["fmt"], r["batch"], r["context"]))
@@ -280,14 +283,28 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
 
 
 # -- plots ---------------------------------------------------------------------------------
+def _matplotlib_problem() -> str:
+    """Why matplotlib cannot be used: 'is not installed' or the import's error."""
+    try:
+        import matplotlib.pyplot  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name == "matplotlib":
+            return "is not installed"
+        return f"does not import ({type(e).__name__}: {e})"
+    except Exception as e:  # noqa: BLE001 - a broken install (wrong wheel, missing library)
+        return f"does not import ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+    return "is installed"
+
+
 def write_plots(results: dict, out: Path) -> list[str]:
-    """The PNG plots (module doc); [] when matplotlib is not installed or nothing to plot."""
+    """The PNG plots (module doc); [] when matplotlib does not import (not installed, or
+    a broken install) or there is nothing to plot."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
+    except Exception:  # noqa: BLE001 - ImportError, or a broken install's other errors
         return []
     written = []
     dec = [r for r in results.get("decode", []) if r["engine"] == "flintc"]
@@ -301,7 +318,8 @@ def write_plots(results: dict, out: Path) -> list[str]:
                 x = [r["context"] for r in pts]
                 ax.plot(x, [r["fwd_ms"] for r in pts], "o-", label="flintc forward")
                 ax.plot(x, [r["e2e_ms"] for r in pts], "s--", label="flintc end to end")
-                ax.plot(x, [r["roofline_ms"] for r in pts], "k:", label="roofline (bytes / copy BW)")
+                ax.plot(x, [r["roofline_ms"] for r in pts], "k:", marker="_", markersize=12,
+                        label="roofline (bytes / copy BW)")
             for eng, style in (("eager", "^-"), ("compile", "v-")):
                 bp = sorted((r for r in base if r["fmt"] == fmt and r["engine"] == eng and r["batch"] == 1),
                             key=lambda r: r["context"])
@@ -327,7 +345,8 @@ def write_plots(results: dict, out: Path) -> list[str]:
                 pts = sorted((r for r in dec if r["fmt"] == fmt and r["context"] == ctx), key=lambda r: r["batch"])
                 line, = ax.plot([r["batch"] for r in pts], [r["fwd_ms"] for r in pts], "o-",
                                 label=f"flintc fwd, ctx {_ctx(ctx)}")
-                ax.plot([r["batch"] for r in pts], [r["roofline_ms"] for r in pts], ":", color=line.get_color())
+                ax.plot([r["batch"] for r in pts], [r["roofline_ms"] for r in pts], ":", marker="_",
+                        markersize=12, color=line.get_color())
             for eng, style in (("eager", "^--"), ("compile", "v--")):
                 ctx0 = min((r["context"] for r in base if r["fmt"] == fmt and r["engine"] == eng), default=None)
                 bp = sorted((r for r in base if r["fmt"] == fmt and r["engine"] == eng and r["context"] == ctx0),
@@ -374,9 +393,17 @@ def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> di
     out.mkdir(parents=True, exist_ok=True)
     results["targets"] = evaluate_targets(results)
     (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
-    pngs = write_plots(results, out) if plots else []
-    if plots and not pngs and (results.get("decode") or results.get("baselines")):
-        results["notes"].append("plots not written: matplotlib is not installed (pip install 'flintc[bench]')")
+    pngs = []
+    if plots:
+        try:
+            pngs = write_plots(results, out)
+        except Exception as e:  # noqa: BLE001 - a plotting failure must not cost the report
+            results.setdefault("notes", []).append(
+                f"plots not written: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        else:
+            if not pngs and (results.get("decode") or results.get("baselines")):
+                results.setdefault("notes", []).append(
+                    f"plots not written: matplotlib {_matplotlib_problem()} (pip install 'flintc[bench]')")
     md = render_markdown(results, pngs)
     (out / "bench.md").write_text(md)
     (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))

@@ -70,6 +70,11 @@ def add_parser(sub) -> None:
                    help="never compile a missing build (report it instead): compiling the full model takes minutes")
     p.add_argument("--backend", choices=("triton", "torch"), default=None,
                    help="only use (and compile) builds of this backend (default: triton on cuda, torch on cpu)")
+    p.add_argument("--build-caches", action="store_true",
+                   help="allocate each build's KV caches as compiled (max batch + 1 slots x max model len "
+                        "positions); by default a build whose functions do not depend on the cache length gets "
+                        "caches sized to the longest context it serves here (as long as they fit in the free "
+                        "device memory), so it can also serve contexts beyond its max model len")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="max model length of a build compiled here (default: the largest context)")
     p.add_argument("--device", default="cuda", help="cuda or cpu")
@@ -124,7 +129,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         warmup=args.warmup, iters=args.iters, e2e_iters=args.e2e_iters, prefill_iters=args.prefill_iters,
         rotations=args.rotations, time_budget=args.time_budget, step_timeout=args.step_timeout,
         run_flintc=not args.no_flintc, compile_missing=not args.no_compile, max_model_len=args.max_model_len,
-        sampling=args.sampling, plots=not args.no_plots,
+        sampling=args.sampling, plots=not args.no_plots, size_caches=not args.build_caches,
         command="flintc " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"]
         else "flintc bench (python API)",
     )

@@ -58,6 +58,7 @@ def norm_qkv_rope_kv_kernel(
     IS_NVFP4: tl.constexpr, ROPE: tl.constexpr, USE_DOT: tl.constexpr,
     SCALE_AFTER: tl.constexpr, USE_PDL: tl.constexpr, GPU: tl.constexpr,
     PREFETCH: tl.constexpr,
+    NR: tl.constexpr, NORM_H: tl.constexpr,  # next_pow2(N), next_pow2(H): RMSNorm prologue
 ):
     # Tile-to-program mapping: program (head, pid_k) owns one whole head of the
     # concatenated [Q; K; V] rows (D rows: heads 0..HQ-1 are q, then HKV k heads, then
@@ -101,7 +102,7 @@ def norm_qkv_rope_kv_kernel(
                      BLOCK_K, IS_NVFP4)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x is written by the previous kernel
-    rstd = _rms_rstd(x_ptr, H, offs_n, mask_n, H, eps, BLOCK_N, 256)
+    rstd = _rms_rstd(x_ptr, H, offs_n, N, H, eps, NR, NORM_H)
     acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
                      k_start, k_end, n_iters, BLOCK_N, D, BLOCK_K, IS_NVFP4, True, USE_DOT,
                      SCALE_AFTER, GPU, PREFETCH)
@@ -181,6 +182,7 @@ def norm_gate_up_silu_kernel(
     SPLIT_K: tl.constexpr, IS_NVFP4: tl.constexpr, USE_DOT: tl.constexpr,
     SCALE_AFTER: tl.constexpr, USE_PDL: tl.constexpr, GPU: tl.constexpr,
     PREFETCH: tl.constexpr,
+    NR: tl.constexpr, NORM_H: tl.constexpr,  # next_pow2(N), next_pow2(H): RMSNorm prologue
 ):
     # Tile-to-program mapping: program (pid_f, pid_k) owns output columns
     # [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F): 2 * BLOCK_F weight rows, gate and up rows
@@ -211,7 +213,7 @@ def norm_gate_up_silu_kernel(
                      BLOCK_K, IS_NVFP4)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    rstd = _rms_rstd(x_ptr, H, offs_n, mask_n, H, eps, BLOCK_N, 256)
+    rstd = _rms_rstd(x_ptr, H, offs_n, N, H, eps, NR, NORM_H)
     acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
                      k_start, k_end, n_iters, BLOCK_N, 2 * BLOCK_F, BLOCK_K, IS_NVFP4, True,
                      USE_DOT, SCALE_AFTER, GPU, PREFETCH)
@@ -391,7 +393,8 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
         HQ=Hq, HKV=Hkv, D=D, BLOCK_N=16 if cfg.use_dot else triton.next_power_of_2(B),
         BLOCK_K=cfg.block_k, SPLIT_K=split, IS_NVFP4=fmt == "nvfp4", ROPE=bool(rope),
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl,
-        GPU=gpu, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **extra,
+        GPU=gpu, PREFETCH=cfg.prefetch, NR=triton.next_power_of_2(B),
+        NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return q
 
@@ -478,7 +481,8 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
         BLOCK_N=16 if cfg.use_dot else triton.next_power_of_2(N), BLOCK_F=cfg.block_f,
         BLOCK_K=cfg.block_k, SPLIT_K=split, IS_NVFP4=fmt == "nvfp4", USE_DOT=cfg.use_dot,
         SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl, GPU=gpu,
-        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, **extra,
+        PREFETCH=cfg.prefetch, NR=triton.next_power_of_2(N),
+        NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return out
 

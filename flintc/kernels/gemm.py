@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flintc.kernels.tiles import e2m1_fp32
 from flintc.model import ops
 from flintc.ops.common import CDT, as_weight
 
@@ -47,18 +48,9 @@ def _interpreting() -> bool:
 
 
 # ---------------------------------------------------------------------------- Triton helpers
-# Shared with flintc.kernels.grouped_gemm (kept here, not imported from gemv.py, so that the
-# prefill kernels do not depend on another kernel file's private helpers).
-@triton.jit
-def _e2m1_to_fp32(v):
-    """E2M1 codes (int32, 0..15) to fp32 from the bits: sign bit 3, exponent bits 2-1,
-    mantissa bit 0; exponent 0 is subnormal (0 or 0.5). Code 8 (-0) gives -0.0, which
-    adds like +0.0. 2^(e-1) is an integer shift: exact on every backend."""
-    m = (v & 1).to(tl.float32)
-    e = (v >> 1) & 3
-    pow2 = (1 << tl.maximum(e - 1, 0)).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
-    return tl.where((v & 8) != 0, -mag, mag)
+# E2M1 decode: the shared one of the decode kernels (`flintc.kernels.tiles.e2m1_fp32`,
+# integer ops only, exact on every backend); also imported by flintc.kernels.grouped_gemm.
+_e2m1_to_fp32 = e2m1_fp32
 
 
 @triton.jit
@@ -69,7 +61,7 @@ def _round_to_bf16(v):
     bits = v.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     rounded = bits.to(tl.float32, bitcast=True)
-    return tl.where(v != v, v, rounded).to(tl.bfloat16)  # noqa: PLR0124  (NaN test)
+    return tl.where(v != v, v, rounded).to(tl.bfloat16)
 
 
 @triton.jit

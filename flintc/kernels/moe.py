@@ -41,8 +41,9 @@ depends on data values and there are no host syncs (CUDA-graph safe).
 
 Expert GEMV (issue 5 round 2; ideas from `flintc.kernels.gemv`): weight tiles load as
 [rows, BLOCK_K/8, 8] bf16 or [rows, BLOCK_K/16, 8] code bytes (one 16-weight block and its
-scale per 8-byte vector); E2M1 is decoded with integer ops only (`_e2m1_bf16` /
-`_e2m1_fp32`, no int->float conversion); the reduction is either the tensor cores (tokens
+scale per 8-byte vector, `flintc.kernels.tiles.load_weight_tile`); E2M1 is decoded by
+`flintc.kernels.tiles.dequant_tile` (inline-asm bit trick on the GPU, ~2 instructions per
+weight, weights scaled by 2^-8 and the accumulator by 256 after the loop); the reduction is either the tensor cores (tokens
 padded to 16) or an FMA reduction that keeps one fp32 partial per 8/16 columns and sums
 once after the K loop, NVFP4 optionally scaling each 16-weight partial once
 (`scale_after`). Memory in flight comes from Triton's pipeliner (num_stages) or a
@@ -87,6 +88,9 @@ import triton
 import triton.language as tl
 
 from flintc.kernels.gemv import _round_to_bf16, split_k_counters
+from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, e2m1_fp32
+from flintc.kernels.tiles import dot_tile as _dot_tile
+from flintc.kernels.tiles import load_weight_tile as _load_w
 
 MAX_N = 8  # decode batch limit of the kernels (the launchers fall back above it)
 NVFP4_BLOCK = 16
@@ -267,56 +271,6 @@ def topk_kernel(
 
 
 # ----------------------------------------------------------------------------- expert GEMV
-# E2M1 decoders and the weight-tile loader are copied from `flintc.kernels.gemv`
-# (`_e2m1_fp32`, `_e2m1_bf16`, `_load_w`; private there), so that moe.py does not depend
-# on another module's private helpers.
-@triton.jit
-def _e2m1_fp32(c):
-    """E2M1 codes (int32, 0..15; sign bit 3) to fp32 by building the fp32 bit pattern with
-    integer ops (no int->float conversion). m = c & 7: m >= 2 is normal, pattern
-    (m << 22) + (126 << 23); m == 1 is 0.5 (0x3F000000); m == 0 is zero. From gemv.py."""
-    m = c & 7
-    bits = tl.where(m >= 2, (m << 22) + (126 << 23), m * 0x3F000000)
-    bits = bits | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e2m1_bf16(c):
-    """E2M1 codes (int32, 0..15) to bf16 from the bit pattern (integer ops only): (m << 6)
-    + (126 << 7) for m >= 2, 0x3F00 (0.5) for m == 1, 0 for m == 0, sign in bit 15.
-    From gemv.py."""
-    m = c & 7
-    bits = tl.where(m >= 2, (m << 6) + (126 << 7), m * 0x3F00)
-    bits = bits | ((c & 8) << 12)
-    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr):
-    """Raw weight tile, columns [k0, k0 + BLOCK_K) of the rows that `w_rows` (pointer
-    [BLOCK_F] to each row's first element / code byte) and `s_rows` (pointer [BLOCK_F] to
-    each row's first block scale) point at; columns at or past `k_end` are masked (no
-    traffic). bf16: (w [BLOCK_F, BLOCK_K/8, 8], w again). NVFP4: (codes uint8 [BLOCK_F,
-    BLOCK_K/16, 8] (8 bytes = one 16-weight block per vector), scales fp8 [BLOCK_F,
-    BLOCK_K/16]). From gemv.py."""
-    kb = tl.arange(0, BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8)
-    j = tl.arange(0, 8)
-    if IS_NVFP4:
-        col = k0 // 2 + kb[:, None] * 8 + j[None, :]
-        mask = mask_f[:, None, None] & (k0 + 16 * kb < k_end)[None, :, None]
-        codes = tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0)
-        scol = k0 // 16 + kb
-        mask_s = mask_f[:, None] & (k0 + 16 * kb < k_end)[None, :]
-        scales = tl.load(s_rows[:, None] + scol[None, :], mask=mask_s, other=0.0)
-        return codes, scales
-    else:
-        col = k0 + kb[:, None] * 8 + j[None, :]
-        mask = mask_f[:, None, None] & (col < k_end)[None, :, :]
-        w = tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0.0)
-        return w, w
-
-
 @triton.jit
 def _load_x(x_rows, mask_x, k0, k_end, BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr):
     """Activation tiles matching `_load_w`'s columns, fp32, for the tokens whose row
@@ -344,22 +298,6 @@ def _load_x(x_rows, mask_x, k0, k_end, BLOCK_K: tl.constexpr, IS_NVFP4: tl.const
 
 
 @triton.jit
-def _dot_tile(acc, x3, w3, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, KW: tl.constexpr,
-              GPU: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_F] += x3 [BLOCK_N, KB, 8] . w3 [BLOCK_F, KB, 8] on the tensor
-    cores. Every operand is exact in bf16 (bf16 activations; bf16 weights or e2m1 * e4m3),
-    so the GPU dot takes bf16 with fp32 accumulation; the interpreter mishandles bf16
-    math (NOTES), so there the dot runs on fp32 in IEEE precision."""
-    x2 = tl.reshape(x3, (BLOCK_N, KW))
-    w2 = tl.reshape(w3, (BLOCK_F, KW))
-    if GPU:
-        return tl.dot(x2.to(tl.bfloat16), tl.trans(w2.to(tl.bfloat16)), acc)
-    else:
-        return tl.dot(x2.to(tl.float32), tl.trans(w2.to(tl.float32)), acc,
-                      input_precision="ieee")
-
-
-@triton.jit
 def _mac(acc, w, s, x_a, x_b, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
          BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, USE_DOT: tl.constexpr,
          SCALE_AFTER: tl.constexpr, GPU: tl.constexpr):
@@ -369,29 +307,21 @@ def _mac(acc, w, s, x_a, x_b, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
     (NVFP4) columns, summed once after the K loop; with SCALE_AFTER (NVFP4) each
     16-weight block is summed unscaled and multiplied by its block scale once."""
     if IS_NVFP4:
-        c = w.to(tl.int32)
         if USE_DOT:
-            if GPU:  # e2m1 * e4m3 is exact in bf16, so the bf16 multiply is too
-                sb = s.to(tl.bfloat16)[:, :, None]
-                w_lo = _e2m1_bf16(c & 15) * sb
-                w_hi = _e2m1_bf16(c >> 4) * sb
-            else:
-                sf = s.to(tl.float32)[:, :, None]  # e4m3 -> fp32 is exact
-                w_lo = _e2m1_fp32(c & 15) * sf
-                w_hi = _e2m1_fp32(c >> 4) * sf
+            # e2m1 * scale * 2^-8, exact (bf16 on the GPU); `_expert_gemv` undoes the 2^-8
+            w_lo, w_hi = dequant_tile(w, s, GPU)
             acc = _dot_tile(acc, x_a, w_lo, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
             acc = _dot_tile(acc, x_b, w_hi, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
-        else:
+        elif SCALE_AFTER:
+            c = w.to(tl.int32)
             sf = s.to(tl.float32)  # [BLOCK_F, KB]
-            if SCALE_AFTER:
-                part = tl.sum(x_a[:, None, :, :] * _e2m1_fp32(c & 15)[None, :, :, :], axis=3)
-                part += tl.sum(x_b[:, None, :, :] * _e2m1_fp32(c >> 4)[None, :, :, :], axis=3)
-                acc += part * sf[None, :, :]
-            else:
-                w_lo = _e2m1_fp32(c & 15) * sf[:, :, None]
-                w_hi = _e2m1_fp32(c >> 4) * sf[:, :, None]
-                acc += tl.sum(x_a[:, None, :, :] * w_lo[None, :, :, :], axis=3)
-                acc += tl.sum(x_b[:, None, :, :] * w_hi[None, :, :, :], axis=3)
+            part = tl.sum(x_a[:, None, :, :] * e2m1_fp32(c & 15)[None, :, :, :], axis=3)
+            part += tl.sum(x_b[:, None, :, :] * e2m1_fp32(c >> 4)[None, :, :, :], axis=3)
+            acc += part * sf[None, :, :]
+        else:
+            w_lo, w_hi = dequant_tile(w, s, GPU)
+            acc += tl.sum(x_a[:, None, :, :] * w_lo.to(tl.float32)[None, :, :, :], axis=3)
+            acc += tl.sum(x_b[:, None, :, :] * w_hi.to(tl.float32)[None, :, :, :], axis=3)
     else:
         if USE_DOT:
             acc = _dot_tile(acc, x_a, w, BLOCK_N, BLOCK_F, BLOCK_K, GPU)
@@ -420,6 +350,8 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_F, KB), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_F, KB), dtype=tl.float32)
+    # x tiles (L2) always one step ahead: no L2 round trip on the critical path per step
+    xa_cur, xb_cur = _load_x(x_rows, mask_x, k_start, k_end, BLOCK_K, IS_NVFP4)
     for it in range(n_iters):
         k0 = k_start + it * BLOCK_K
         if PREFETCH:
@@ -432,7 +364,9 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
             w0, s0 = _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K, IS_NVFP4)
             if TWO:
                 v0, t0 = _load_w(v_rows, t_rows, mask_f, k0, k_end, BLOCK_K, IS_NVFP4)
-        x_a, x_b = _load_x(x_rows, mask_x, k0, k_end, BLOCK_K, IS_NVFP4)
+        xa_nxt, xb_nxt = _load_x(x_rows, mask_x, k0 + BLOCK_K, k_end, BLOCK_K, IS_NVFP4)
+        x_a = xa_cur
+        x_b = xb_cur
         acc = _mac(acc, w0, s0, x_a, x_b, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, USE_DOT,
                    SCALE_AFTER, GPU)
         if TWO:
@@ -444,10 +378,15 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
             if TWO:
                 v0 = v_nxt
                 t0 = t_nxt
-    if USE_DOT:
-        return acc, acc2
-    else:
-        return tl.sum(acc, axis=2), tl.sum(acc2, axis=2)
+        xa_cur = xa_nxt
+        xb_cur = xb_nxt
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=2)
+        acc2 = tl.sum(acc2, axis=2)
+    if IS_NVFP4 and not (SCALE_AFTER and not USE_DOT):
+        acc = acc * DEQUANT_UNSCALE  # exact: undoes dequant_tile's 2^-8
+        acc2 = acc2 * DEQUANT_UNSCALE
+    return acc, acc2
 
 
 @triton.jit
@@ -494,7 +433,7 @@ def _slot_expert(logits_ptr, bias_ptr, ids_in_ptr, wts_ptr, ids_ptr, slot, write
     flat = offs_t[:, None] * TOP_K + offs_k[None, :]
     me = (flat == slot) & valid
     e = tl.sum(tl.where(me, sel, 0))
-    if ROUTE:  # noqa: SIM102 (ROUTE is a constexpr, `write` a runtime value)
+    if ROUTE:
         if write:
             tl.store(wts_ptr + slot, tl.sum(tl.where(me, wts, 0.0)))
             tl.store(ids_ptr + slot, e.to(tl.int64))
@@ -829,7 +768,7 @@ def _native(device: torch.device) -> bool:
 
 
 def _reference(name: str):
-    import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
+    import flintc.ops
 
     return getattr(torch.ops.flintc, name)
 
@@ -969,8 +908,32 @@ class MoeConfig:
 # Measured winners. Keys: (kernel, fmt, N) with kernel "gate_up" or "down", fmt "bf16" or
 # "nvfp4", N the decode batch. Paste the `TUNED[...] = MoeConfig(...)` lines that
 # `python benchmarks/bench_moe.py` prints after its sweep here; shapes not listed use
-# the rule in `choose_config`. Empty until the sweep has run on the H200.
-TUNED: dict[tuple[str, str, int], MoeConfig] = {}
+# the rule in `choose_config`. Entries: the sweep's winners on an H200, 2026-11-30
+# (session 4, run 1, `bench_moe.py --batches 1,8`, docs/gpu-runs.md); N = 4 and NVFP4
+# N = 2 were not measured and use the rule.
+TUNED: dict[tuple[str, str, int], MoeConfig] = {
+    ("gate_up", "bf16", 1): MoeConfig(block_rows=16, block_k=128, split=2, use_dot=False,
+                                      num_warps=4, num_stages=3),
+    ("down", "bf16", 1): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
+                                   num_stages=1, prefetch=True),
+    ("gate_up", "bf16", 2): MoeConfig(block_rows=32, block_k=128, split=2, num_warps=4,
+                                      num_stages=1, prefetch=True),
+    ("down", "bf16", 2): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
+                                   num_stages=1, prefetch=True),
+    ("gate_up", "bf16", 8): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
+                                      num_stages=1, prefetch=True),
+    ("down", "bf16", 8): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
+                                   num_stages=1, prefetch=True),
+    ("gate_up", "nvfp4", 1): MoeConfig(block_rows=32, block_k=128, split=2, num_warps=4,
+                                       num_stages=3),
+    ("down", "nvfp4", 1): MoeConfig(block_rows=16, block_k=128, split=1, use_dot=False,
+                                    scale_after=True, num_warps=4, num_stages=1,
+                                    prefetch=True),
+    ("gate_up", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=8,
+                                       num_stages=3),
+    ("down", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=8,
+                                    num_stages=3),
+}
 
 
 @functools.cache
@@ -998,21 +961,21 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
                   device: torch.device) -> MoeConfig:
     """`TUNED[(kernel, fmt, N)]` if the sweep measured it, else a rule.
 
-    Rule (until the sweep fills TUNED; compiled for sm_90 with the triton wheel's ptxas,
-    no spills, cp.async loads): tensor-core reduction, 32 weight rows per program,
-    128-column steps staged by Triton's pipeliner (3 stages; bf16 gate+up: 3 x 16 KiB in
-    flight per program; the NVFP4 register-prefetch variants with 32+ rows and 256
-    columns spill at 255 registers, so they are sweep candidates only); split of the reduction
+    Rule (CUDA, pairs the sweep has not measured): tensor-core reduction, 32 weight rows
+    per program, 128-column steps; bf16 with the register prefetch of the next weight and
+    x tiles (the sweep's winner at N = 1, 2, 8), NVFP4 staged by Triton's pipeliner (3
+    stages); split of the reduction
     up to ~4 programs per SM counting one program per (slot, row block) (slots = N*K + 1
     is an upper bound on the distinct experts). The interpreter gets small tiles."""
-    hit = TUNED.get((kernel, fmt, N))
-    if hit is not None:
-        return hit
     if device.type != "cuda" or _interpreting():  # interpreter: fewest programs and steps
         return MoeConfig(block_rows=min(128, max(16, triton.next_power_of_2(rows))),
                          block_k=min(128, max(32, triton.next_power_of_2(red))), split=1,
                          num_stages=1)
-    block_k, prefetch, stages = 128, False, 3
+    hit = TUNED.get((kernel, fmt, N))  # measured at the full model's shapes
+    if hit is not None:
+        return hit
+    # bf16: register prefetch won the sweep at N = 1 (down), 2 and 8; NVFP4: the pipeliner
+    block_k, prefetch, stages = (128, True, 1) if fmt == "bf16" else (128, False, 3)
     split = auto_split(slots * triton.cdiv(rows, 32), red, block_k, device)
     return MoeConfig(block_rows=32, block_k=block_k, split=split, use_dot=True,
                      num_warps=4, num_stages=stages, prefetch=prefetch)

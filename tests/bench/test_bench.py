@@ -245,6 +245,41 @@ def test_from_json_rerenders(cpu_run, tmp_path):
     assert (tmp_path / "bench.md").read_text().count("| bf16 |") >= 3
 
 
+def test_caches_are_sized_to_the_points(cpu_run, tmp_path):
+    """The fixture's build was compiled for contexts <= 64 and its functions do not depend
+    on the cache length: a run at context 100 loads it with caches of 100 positions (by
+    default), or skips the point with a note (--build-caches)."""
+    out, _ = cpu_run
+    builds = out / "builds"
+    common = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "100",
+              "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
+              "--builds", str(builds)]
+    assert main(common + ["--out", str(tmp_path / "sized")]) == 0
+    res = json.loads((tmp_path / "sized" / "bench.json").read_text())
+    [rec] = res["decode"]
+    assert (rec["batch"], rec["context"]) == (1, 100) and rec["fwd_ms"] > 0
+    assert rec["build_max_model_len"] == 100 and rec["build_compiled_max_model_len"] == 64
+    [b] = res["builds"]
+    assert b["caches_resizable"] and b["loaded_max_model_len"] == 100
+    assert b["loaded_kv_cache_bytes"] == rec["kv_cache_bytes_allocated"] > b["kv_cache_bytes"]
+    assert "loaded here with caches of 100 positions" in (tmp_path / "sized" / "bench.md").read_text()
+    assert main(common + ["--build-caches", "--out", str(tmp_path / "fixed")]) == 0
+    res = json.loads((tmp_path / "fixed" / "bench.json").read_text())
+    assert res["decode"] == [] and any("no build covers it" in n for n in res["notes"])
+
+
+def test_a_plotting_failure_keeps_the_report(tmp_path, monkeypatch):
+    def broken(results, out):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr(report, "write_plots", broken)
+    res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}, "decode": [], "prefill": [],
+           "baselines": [], "breakdown": [], "kernels": [], "notes": []}
+    paths = report.write_outputs(res, tmp_path, plots=True, log=lambda *a: None)
+    assert paths["plots"] == [] and (tmp_path / "bench.md").is_file()
+    assert any("plots not written: RuntimeError: no display" in n for n in res["notes"])
+
+
 def test_bad_arguments_are_user_errors(tmp_path, capsys):
     assert main(["bench", "--device", "cpu", "--contexts", "1k", "--out", str(tmp_path)]) == 2
     assert "--contexts" in capsys.readouterr().err
@@ -281,3 +316,21 @@ def test_gpu_run_tiny(tmp_path):
     failures = res["baseline_failures"]
     assert ("eager", 1, 64) in engines
     assert ("compile", 1, 64) in engines or failures, "a compile failure must be recorded"
+
+
+def test_cpu_compile_baseline_tiny(tmp_path):
+    """The torch.compile baseline's own path (`_standalone_baseline` with `CompiledStep`,
+    mode max-autotune) on the tiny model on the CPU, ~40 s: on the H200 (session 4) it
+    compiled the full model and then crashed on `step.model`, which only `EagerStep` has;
+    the GPU twin above allows a recorded compile failure, this one does not."""
+    out = tmp_path / "bench"
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--no-flintc",
+                 "--contexts", "64", "--batches", "1", "--prefill", "none", "--baselines", "compile",
+                 "--baseline-points", "1x64", "--iters", "3", "--e2e-iters", "2", "--no-plots",
+                 "--out", str(out)])
+    assert code == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert res["baseline_failures"] == [], res["baseline_failures"]
+    [rec] = res["baselines"]
+    assert (rec["engine"], rec["batch"], rec["context"], rec["mode"]) == ("compile", 1, 64, "max-autotune")
+    assert 0 < rec["fwd_ms"] and 0 < rec["e2e_ms"] and rec["compile_s"] > 0

@@ -1,0 +1,54 @@
+# Sourced by the GPU scripts (gpu_bench.sh, gpu_bench_compile_baseline.sh) from the
+# repository root, on a bare GPU machine with torch + triton preinstalled and no network:
+#
+#   PY          the Python to use: $PYTHON, else /opt/torch/.venv/bin/python3 when it
+#               exists, else python3;
+#   /tmp/site   the wheels carried in .whl/ (matplotlib and its dependencies, gguf,
+#               pyyaml, pydot, ...), installed with pip --no-index --no-deps, or, when
+#               pip is missing or fails, unpacked with zipfile (a wheel is a zip of the
+#               package folders; enough for imports);
+#   PYTHONPATH  /tmp/site:$PWD (flintc from the working tree, not an installed copy);
+#   MPLCONFIGDIR a writable folder for matplotlib's font cache.
+#
+# Usage: LOG=path/pip.log; . scripts/gpu_env.sh
+if [ -n "${PYTHON:-}" ]; then
+  PY=$PYTHON
+elif [ -x /opt/torch/.venv/bin/python3 ]; then
+  PY=/opt/torch/.venv/bin/python3
+else
+  PY=python3
+fi
+SITE=${GPU_SITE:-/tmp/site}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  if ! $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      .whl/*.whl >"${LOG:-/dev/null}" 2>&1; then
+    echo "pip install of .whl/*.whl failed (see ${LOG:-the log}); unpacking the wheels instead"
+    $PY - "$SITE" .whl/*.whl <<'EOF' || echo "unpacking the wheels failed too; going on without them"
+import sys, zipfile
+from pathlib import Path
+site = Path(sys.argv[1])
+site.mkdir(parents=True, exist_ok=True)
+for whl in sys.argv[2:]:
+    with zipfile.ZipFile(whl) as z:
+        for info in z.infolist():
+            parts = info.filename.split("/")
+            if parts[0].endswith(".data"):  # NAME.data/{purelib,platlib}/... -> site; scripts etc. skipped
+                if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                    continue
+                parts = parts[2:]
+            if info.is_dir() or not parts or not parts[-1]:
+                continue
+            dest = site.joinpath(*parts)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(z.read(info))
+    print("unpacked", Path(whl).name)
+EOF
+  fi
+  export PYTHONPATH=$SITE:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+export MPLCONFIGDIR=${MPLCONFIGDIR:-/tmp/flintc-mplconfig}
+mkdir -p "$MPLCONFIGDIR" 2>/dev/null || true
+unset TRITON_INTERPRET
