@@ -178,6 +178,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50, help="ms of graph replays per timing")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step"),
+                        help="sweep candidates: all, the classic tiles, or the one-step configs "
+                             "(whole weight slice issued before the PDL wait)")
+    parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_GEMV_TUNED file")
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()
@@ -199,6 +203,7 @@ def main() -> None:
     lines = list(head)
     print("\n".join(lines), flush=True)
     tuned = []
+    tuned_json = []
     wanted = {c for c in args.cases.split(",") if c}
     for case in CASES:
         if wanted and case.name not in wanted:
@@ -229,7 +234,8 @@ def main() -> None:
                        f"{ms_e * 1e3:.1f} | {ms_c * 1e3:.1f} | {100 * moved / ms_c / 1e6 / copy_bw:.0f}% |")
                 if args.sweep:
                     F_rows = 2 * case.F if case.kind == "gate_up" else key[1]
-                    cands = sweep_configs(fmt, N, F_rows, case.K, torch.device("cuda"), rows_fixed)
+                    cands = sweep_configs(fmt, N, F_rows, case.K, torch.device("cuda"), rows_fixed,
+                                          family=args.family)
                     best = (ms, cfg0)
                     for cfg in cands:
                         if case.kind == "gate_up":
@@ -247,6 +253,8 @@ def main() -> None:
                     row += (f" {bt * 1e3:.1f} | {100 * moved / bt / 1e6 / copy_bw:.0f}% | "
                             f"{bc.short() if bc else 'default'} |")
                     if bc is not None:
+                        tuned_json.append({"key": list(key), "config": dict(bc.__dict__),
+                                           "us": bt * 1e3, "default_us": ms * 1e3})
                         tuned.append(f"    {key!r}: GemvConfig(use_dot={bc.use_dot}, block_f={bc.block_f}, "
                                      f"block_k={bc.block_k}, split_k={bc.split_k}, num_warps={bc.num_warps}, "
                                      f"num_stages={bc.num_stages}, scale_after={bc.scale_after}, "
@@ -257,6 +265,10 @@ def main() -> None:
     if tuned:
         lines += ["", "TUNED entries (paste into flintc/kernels/gemv.py):", "", "```python"] + tuned + ["```"]
         print("\n".join(lines[-len(tuned) - 2:]), flush=True)
+    if args.tuned_json:
+        import json
+        with open(args.tuned_json, "w") as f:
+            json.dump({"entries": tuned_json}, f, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -69,6 +69,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flintc.kernels.pdl import PDL_EARLY, pdl_mode
+
 
 @triton.jit
 def _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
@@ -161,6 +163,8 @@ def decode_attention_kernel(
     mask_d = offs_d < D
     out_mask = mask_g[:, None] & mask_d[None, :]
     heads = (bh * G + offs_g).to(tl.int64)  # rows of o_part [B * HKV * G, N, D]
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         # q, slots, positions and the cache are written by the previous kernels; the
         # counters by the previous launch of this kernel.
@@ -248,7 +252,7 @@ def decode_attention_kernel(
                 _merge_chunk(ws_o_ptr, ws_lse_ptr, o_part_ptr, lse_ptr, bh, n, ta, tb, T, N,
                              nblk, t_eff, bpc, G, D, BLOCK_GM, BLOCK_D, MERGE_P)
                 tl.atomic_xchg(counter_ptr + bh * N + n, 0)  # ready for the next launch
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -330,6 +334,8 @@ def attention_combine_kernel(
     mask_n = offs_n < N
     mask_d = offs_d < D
     sink = tl.load(sinks_ptr + h).to(tl.float32)  # a weight: safe before gdc_wait
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     row = pid.to(tl.int64)
@@ -350,7 +356,7 @@ def attention_combine_kernel(
         out_bf16 = out.to(tl.bfloat16)
     # out [B, 1, HQ * D]: row b * HQ + h.
     tl.store(out_ptr + row * D + offs_d, out_bf16, mask=mask_d)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -587,7 +593,7 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
         HKV=Hkv, G=G, D=D, WINDOW=window, CLAMP_TO_P=(window == 0 or S <= window),
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_GM=triton.next_power_of_2(G),
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
-        MERGE_P=GPU_MERGE_P if on_gpu else CPU_MERGE_P, BF16_DOT=on_gpu, USE_PDL=pdl,
+        MERGE_P=GPU_MERGE_P if on_gpu else CPU_MERGE_P, BF16_DOT=on_gpu, USE_PDL=pdl_mode(pdl),
         **extra,
     )
     return o_part, lse
@@ -647,7 +653,7 @@ def attention_combine(o_part, lse, sinks, *, use_pdl: bool = False):
     attention_combine_kernel[(B * Hq,)](
         o_part, lse, sinks, out,
         HQ=Hq, N=N, D=D, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=triton.next_power_of_2(D),
-        SOFT_RNE=not (o_part.is_cuda and not _interpreting()), USE_PDL=pdl, num_warps=4, **extra,
+        SOFT_RNE=not (o_part.is_cuda and not _interpreting()), USE_PDL=pdl_mode(pdl), num_warps=4, **extra,
     )
     return out
 
@@ -686,7 +692,7 @@ def aot_probe_specs(configs=None):
     for window, clamp, (block_s, warps, stages) in variants:
         consts = {"HKV": 4, "G": 8, "D": 128, "WINDOW": window, "CLAMP_TO_P": clamp,
                   "BLOCK_G": 16, "BLOCK_GM": 8, "BLOCK_D": 128, "BLOCK_S": block_s,
-                  "MERGE_P": GPU_MERGE_P, "BF16_DOT": True, "USE_PDL": True}
+                  "MERGE_P": GPU_MERGE_P, "BF16_DOT": True, "USE_PDL": PDL_EARLY}
         specs.append({
             "name": f"decode_attention {'ring > W' if not clamp else 'full'} BLOCK_S={block_s} "
                     f"warps={warps} stages={stages}",
@@ -702,7 +708,7 @@ def aot_probe_specs(configs=None):
             "name": f"attention_combine N={n}", "fn": attention_combine_kernel,
             "signature": {a: ctypes.get(a, "constexpr") for a in combine_names},
             "constexprs": {"HQ": 32, "N": n, "D": 128, "BLOCK_N": triton.next_power_of_2(n),
-                           "BLOCK_D": 128, "SOFT_RNE": False, "USE_PDL": True},
+                           "BLOCK_D": 128, "SOFT_RNE": False, "USE_PDL": PDL_EARLY},
             "num_warps": 4, "num_stages": 1,
         })
     return specs

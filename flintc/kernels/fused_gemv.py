@@ -28,14 +28,35 @@ import torch
 import triton
 import triton.language as tl
 
-from flintc.kernels.gemv import (EPI_BF16, EPI_FP32, EPI_RESIDUAL, MAX_N, TUNED, GemvConfig,
-                                 _bf16_grid, _gemv_loop, _interpreting, _is_last, _load_w,
-                                 _rms_rstd, _round_to_bf16, _splitk_combine,
-                                 _effective_split, auto_split_k, check_tensor, check_weight,
-                                 check_x2d, choose_config, fail, launch_gemv,
-                                 split_k_counters)
+from flintc.kernels.gemv import (
+    EPI_BF16,
+    EPI_FP32,
+    EPI_RESIDUAL,
+    MAX_N,
+    TUNED,
+    GemvConfig,
+    _bf16_grid,
+    _effective_split,
+    _gemv_loop,
+    _interpreting,
+    _is_last,
+    _load_w,
+    _rms_rstd,
+    _round_to_bf16,
+    _splitk_combine,
+    auto_split_k,
+    check_tensor,
+    check_weight,
+    check_x2d,
+    choose_config,
+    fail,
+    launch_gemv,
+    split_k_counters,
+    tuned_config,
+)
 from flintc.kernels.gemv import gemv as _gemv
 from flintc.kernels.gemv import lm_head as lm_head
+from flintc.kernels.pdl import pdl_mode
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -100,13 +121,15 @@ def norm_qkv_rope_kv_kernel(
     # the first weight tile goes out before gdc_wait (PDL overlap); a no-op without PREFETCH
     w0, s0 = _load_w(w_rows, s_rows, mask_f, k_start, k_end if PREFETCH else k_start,
                      BLOCK_K, IS_NVFP4)
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x is written by the previous kernel
     rstd = _rms_rstd(x_ptr, H, offs_n, N, H, eps, NR, NORM_H)
     acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
                      k_start, k_end, n_iters, BLOCK_N, D, BLOCK_K, IS_NVFP4, True, USE_DOT,
                      SCALE_AFTER, GPU, PREFETCH)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
     d2 = tl.arange(0, D // 2)
@@ -211,13 +234,15 @@ def norm_gate_up_silu_kernel(
     # the first weight tile goes out before gdc_wait (PDL overlap); a no-op without PREFETCH
     w0, s0 = _load_w(w_rows, s_rows, mask_f, k_start, k_end if PREFETCH else k_start,
                      BLOCK_K, IS_NVFP4)
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     rstd = _rms_rstd(x_ptr, H, offs_n, N, H, eps, NR, NORM_H)
     acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
                      k_start, k_end, n_iters, BLOCK_N, 2 * BLOCK_F, BLOCK_K, IS_NVFP4, True,
                      USE_DOT, SCALE_AFTER, GPU, PREFETCH)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
     offs_o = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
@@ -242,6 +267,8 @@ def embedding_kernel(ids_ptr, table_ptr, out_ptr, V, H, BLOCK_H: tl.constexpr,
                      USE_PDL: tl.constexpr):
     # One program per token: out[t, :] = table[ids[t], :] (ids outside [0, V) give zeros).
     t = tl.program_id(0)
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # ids may be written by the previous kernel (sampling)
     idx = tl.load(ids_ptr + t + tl.zeros((BLOCK_H,), dtype=tl.int32))  # the id, per lane
@@ -251,7 +278,7 @@ def embedding_kernel(ids_ptr, table_ptr, out_ptr, V, H, BLOCK_H: tl.constexpr,
         m = offs < H
         row = tl.load(table_ptr + idx.to(tl.int64) * H + offs, mask=m & ok, other=0.0)
         tl.store(out_ptr + t.to(tl.int64) * H + offs, row, mask=m)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -293,7 +320,7 @@ def qkv_config(N: int, H: int, D: int, num_heads: int, fmt: str,
     ("qkv:" + fmt, Hq * D, H, N) when present, else: dot, block_k 128, 8 warps (128-row tiles
     spill with 4), bf16 staged by Triton's pipeliner (3 stages), NVFP4 with the register
     prefetch; split-K to ~2 programs per SM."""
-    hit = TUNED.get(("qkv:" + fmt, num_heads * D, H, N))
+    hit = tuned_config(("qkv:" + fmt, num_heads * D, H, N))
     if hit is not None:
         return hit
     if device.type != "cuda":
@@ -392,7 +419,7 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
         B, H, S, float(eps), int(window), k_per_split,
         HQ=Hq, HKV=Hkv, D=D, BLOCK_N=16 if cfg.use_dot else triton.next_power_of_2(B),
         BLOCK_K=cfg.block_k, SPLIT_K=split, IS_NVFP4=fmt == "nvfp4", ROPE=bool(rope),
-        USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl,
+        USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl_mode(pdl),
         GPU=gpu, PREFETCH=cfg.prefetch, NR=triton.next_power_of_2(B),
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
@@ -461,7 +488,7 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
     _check_norm(op, "norm", norm, H, dev)
     out = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
     if config is None:
-        config = TUNED.get(("gate_up:" + fmt, F, H, N))
+        config = tuned_config(("gate_up:" + fmt, F, H, N))
     if config is None:
         base = choose_config(N, 2 * F, H, fmt, dev)
         config = GemvConfig(use_dot=base.use_dot, block_f=max(16, base.block_f // 2),
@@ -480,7 +507,7 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
         k_per_split,
         BLOCK_N=16 if cfg.use_dot else triton.next_power_of_2(N), BLOCK_F=cfg.block_f,
         BLOCK_K=cfg.block_k, SPLIT_K=split, IS_NVFP4=fmt == "nvfp4", USE_DOT=cfg.use_dot,
-        SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl, GPU=gpu,
+        SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl_mode(pdl), GPU=gpu,
         PREFETCH=cfg.prefetch, NR=triton.next_power_of_2(N),
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
@@ -537,7 +564,7 @@ def embedding(ids, table, *, use_pdl: bool = False):
     _, pdl, extra = _launch_opts(ids.device, use_pdl, None)
     embedding_kernel[(ids.numel(),)](ids, table, out, V, H,
                                      BLOCK_H=min(1024, triton.next_power_of_2(H)),
-                                     USE_PDL=pdl, num_warps=4, **extra)
+                                     USE_PDL=pdl_mode(pdl), num_warps=4, **extra)
     return out
 
 
@@ -560,5 +587,15 @@ KERNELS = {
     "lm_head": lm_head,
 }
 
-__all__ = ["KERNELS", "EPI_BF16", "norm_qkv_rope_kv", "gemv_residual", "norm_gate_up_silu",
-           "norm_lm_head", "embedding", "gemv", "lm_head", "qkv_config"]
+__all__ = [
+    "EPI_BF16",
+    "KERNELS",
+    "embedding",
+    "gemv",
+    "gemv_residual",
+    "lm_head",
+    "norm_gate_up_silu",
+    "norm_lm_head",
+    "norm_qkv_rope_kv",
+    "qkv_config",
+]

@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flintc.kernels.pdl import pdl_mode
 from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, e2m1_fp32
 from flintc.kernels.tiles import dot_tile as _dot_tile
 from flintc.kernels.tiles import load_weight_tile as _load_w
@@ -302,6 +303,8 @@ def gemv_kernel(
         w0, s0 = _load_w(w_rows, s_rows, mask_f, k_start, k_end, BLOCK_K, IS_NVFP4)
     else:
         w0, s0 = _load_w(w_rows, s_rows, mask_f, k_start, k_start, BLOCK_K, IS_NVFP4)  # no-op
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     if HAS_NORM:
@@ -311,7 +314,7 @@ def gemv_kernel(
     acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n,
                      mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
                      HAS_NORM, USE_DOT, SCALE_AFTER, GPU, PREFETCH)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()  # a scheduling hint: no memory ordering
 
     mask = mask_n[:, None] & mask_f[None, :]
@@ -377,11 +380,59 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
 }
 
 
+_OVERRIDE_CACHE: dict[tuple[str, float], dict] = {}
+
+
+def _tuned_overrides() -> dict:
+    """Entries of the JSON file named by the environment variable FLINTC_GEMV_TUNED
+    (written by `benchmarks/bench_gemv.py --sweep --tuned-json PATH`), which take
+    precedence over `TUNED`: a way to try sweep winners in the whole model without editing
+    this file. Format: `{"entries": [{"key": [kind, F, K, N], "config": {GemvConfig
+    fields}}]}`. Empty when the variable is unset.
+
+    Raises:
+        ValueError: the file is missing, not JSON, or an entry is malformed (names the file
+            and the entry).
+    """
+    path = os.environ.get("FLINTC_GEMV_TUNED", "").strip()
+    if not path:
+        return {}
+    try:
+        mtime = os.path.getmtime(path)
+    except OSError as e:
+        raise ValueError(f"FLINTC_GEMV_TUNED={path}: cannot read the file ({e.strerror})") from None
+    hit = _OVERRIDE_CACHE.get((path, mtime))
+    if hit is not None:
+        return hit
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        table = {}
+        for i, ent in enumerate(data["entries"]):
+            kind, F, K, N = ent["key"]
+            table[(str(kind), int(F), int(K), int(N))] = GemvConfig(**ent["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"FLINTC_GEMV_TUNED={path}: expected {{\"entries\": [{{\"key\": "
+                         f"[kind, F, K, N], \"config\": {{GemvConfig fields}}}}]}}; "
+                         f"{type(e).__name__}: {e}") from None
+    _OVERRIDE_CACHE[(path, mtime)] = table
+    return table
+
+
+def tuned_config(key: tuple[str, int, int, int]) -> GemvConfig | None:
+    """The measured configuration for `key` (see `TUNED`): FLINTC_GEMV_TUNED's file first
+    (`_tuned_overrides`), then `TUNED`; None when neither has it."""
+    hit = _tuned_overrides().get(key)
+    return hit if hit is not None else TUNED.get(key)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -411,7 +462,7 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> Gem
     Triton's 4-stage pipeliner); bf16 matrices with >= 2 programs per SM in F alone (the
     LM head) keep 128-row tiles staged by the pipeliner (3 stages, 96-97% of copy);
     split-K up to ~2 programs per SM."""
-    hit = TUNED.get((fmt, F, K, N))
+    hit = tuned_config((fmt, F, K, N))
     if hit is not None:
         return hit
     if device.type != "cuda":  # interpreter: small tiles keep the CPU time down
@@ -427,12 +478,49 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> Gem
                       num_warps=4, num_stages=stages, prefetch=prefetch)
 
 
+def one_step_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
+                     rows_fixed: int | None = None, max_tile_bytes: int = 16384) -> list[GemvConfig]:
+    """Configurations whose programs make exactly one K step (`block_k == K / split_k`):
+    with the register prefetch the whole per-program weight slice is then issued before
+    `gdc_wait`, so under PDL (early trigger, `flintc.kernels.pdl`) a GEMV's weight stream
+    overlaps the previous kernel and only x, the reduction and the epilogue remain on the
+    critical path. Tiles of 4-16 KB of weights per program (`max_tile_bytes`; twice that
+    when the kernel fixes its rows, as the QKV kernel's 128-row heads), block_k a
+    power of two from 128 to 4096 that divides K, at least half an SM's worth of programs."""
+    wbytes = 0.5 + 1 / 16 if fmt == "nvfp4" else 2.0
+    out: list[GemvConfig] = []
+    rows_opts = [rows_fixed] if rows_fixed is not None else [16, 32, 64]
+    for bk in (4096, 2048, 1024, 512, 256, 128):
+        if K % bk:
+            continue
+        split = K // bk
+        for bf in rows_opts:
+            tile = bf * bk * wbytes
+            if tile > max_tile_bytes * (2 if rows_fixed else 1) or tile < 4096:
+                continue
+            if triton.cdiv(F, bf) * split < num_sms(device) // 2:
+                continue  # fewer programs than half the SMs: not a bandwidth config
+            for use_dot in (True, False):
+                cfg = GemvConfig(use_dot=use_dot, block_f=bf, block_k=bk, split_k=split,
+                                 num_warps=8 if rows_fixed and use_dot else 4, num_stages=1,
+                                 prefetch=True, scale_after=False)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
 def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
-                  rows_fixed: int | None = None) -> list[GemvConfig]:
+                  rows_fixed: int | None = None, family: str = "all") -> list[GemvConfig]:
     """Candidate configurations that `benchmarks/bench_gemv.py --sweep` times for one
     shape (the `gpu` tests check every one of them for correctness). `rows_fixed`: the
     kernel fixes its rows per program (the fused QKV kernel: one head), so block_f is
-    set to it and only the other fields vary."""
+    set to it and only the other fields vary. `family`: "all", "classic" (the tile
+    shapes below) or "one-step" (`one_step_configs`)."""
+    if family not in ("all", "classic", "one-step"):
+        raise ValueError(f"sweep_configs: family must be all, classic or one-step; got {family!r}")
+    one = one_step_configs(fmt, N, F, K, device, rows_fixed) if family != "classic" else []
+    if family == "one-step":
+        return one
     if fmt == "nvfp4":
         shapes = [(True, 64, 128, 4, 1, True), (True, 64, 128, 4, 3, False),
                   (True, 32, 256, 4, 1, True), (True, 64, 256, 8, 1, True),
@@ -456,7 +544,7 @@ def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
                              scale_after=(fmt == "nvfp4" and not use_dot and i % 2 == 1))
             if cfg not in out:
                 out.append(cfg)
-    return out
+    return out + [c for c in one if c not in out]
 
 
 def _effective_split(K: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -570,7 +658,7 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
         BLOCK_N=block_n, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k, SPLIT_K=split,
         IS_NVFP4=fmt == "nvfp4", HAS_NORM=norm is not None, EPILOGUE=epilogue,
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and fmt == "nvfp4",
-        USE_PDL=pdl, GPU=gpu, PREFETCH=cfg.prefetch,
+        USE_PDL=pdl_mode(pdl), GPU=gpu, PREFETCH=cfg.prefetch,
         NR=triton.next_power_of_2(N) if norm is not None else 1,
         NORM_H=triton.next_power_of_2(K) if norm is not None else 1, num_warps=cfg.num_warps, **extra,
     )

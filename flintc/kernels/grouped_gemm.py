@@ -64,6 +64,7 @@ from flintc.kernels.gemm import (
     _round_to_bf16,
 )
 from flintc.kernels.gemm import gemm as dense_gemm
+from flintc.kernels.pdl import pdl_mode
 from flintc.model import ops
 from flintc.ops.common import CDT
 
@@ -108,6 +109,8 @@ def moe_grouped_gemm_kernel(
     # Tiles past the last used one have start == end: they return at once.
     tile = tl.program_id(0)
     pid_f = tl.program_id(1)
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the tile table and activations come from earlier kernels
     start = tl.load(tile_start_ptr + tile)
@@ -162,7 +165,7 @@ def moe_grouped_gemm_kernel(
             acc = _dot_acc(acc, a, wt, DOT_BF16)
             if GATE_UP:
                 acc2 = _dot_acc(acc2, a, wt2, DOT_BF16)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()  # a scheduling hint: no memory ordering
 
     if IS_NVFP4:
@@ -321,7 +324,7 @@ def _launch_triton(a, a_off, out, out_off, w, w2, counts, ends, M, K, gate_up, u
     moe_grouped_gemm_kernel[grid](
         a, a_off, out, out_off, *args, t_e, t_s, t_end, F, K,
         BLOCK_M=block_m, BLOCK_F=block_f, BLOCK_K=block_k, IS_NVFP4=is_nvfp4,
-        GATE_UP=gate_up, DOT_BF16=dev.type == "cuda", USE_PDL=pdl, num_warps=num_warps,
+        GATE_UP=gate_up, DOT_BF16=dev.type == "cuda", USE_PDL=pdl_mode(pdl), num_warps=num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
 

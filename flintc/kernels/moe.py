@@ -88,6 +88,7 @@ import triton
 import triton.language as tl
 
 from flintc.kernels.gemv import _round_to_bf16, split_k_counters
+from flintc.kernels.pdl import pdl_mode
 from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, e2m1_fp32
 from flintc.kernels.tiles import dot_tile as _dot_tile
 from flintc.kernels.tiles import load_weight_tile as _load_w
@@ -214,6 +215,8 @@ def norm_router_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_cur, _ = _load_tile(w_ptr, w_ptr, offs_e, mask_e, 0, H, BLOCK_K, False)  # before the wait
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x is written by the previous kernel
     rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -243,7 +246,7 @@ def norm_router_kernel(
         wf = w_cur.to(tl.float32)
         acc += tl.sum(xv[:, None, :] * wf[None, :, :], axis=2)
         w_cur = w_next
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(logits_ptr + offs_n[:, None] * E + offs_e[None, :], acc,
              mask=mask_n[:, None] & mask_e[None, :])
@@ -260,6 +263,8 @@ def topk_kernel(
     # One program: the top-k of all N tokens (second launch of moe_route).
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, TOPK_PAD)
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     ids, wts = _route(logits_ptr, bias_ptr, N, E, scaling, offs_n, offs_k, BLOCK_E, TOP_K,
@@ -496,6 +501,8 @@ def gate_up_kernel(
         else:
             g0, gs0 = _load_w(gw, gs, mask_f, k_start, k_start, BLOCK_K, IS_NVFP4)  # no-op
             u0, us0 = g0, gs0
+        if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+            tl.extra.cuda.gdc_launch_dependents()
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
         tok = offs_n < N
@@ -507,6 +514,8 @@ def gate_up_kernel(
             g_gscale = tl.load(sg_gs_ptr)
             u_gscale = tl.load(su_gs_ptr)
     else:
+        if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+            tl.extra.cuda.gdc_launch_dependents()
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # logits / ids come from the previous kernel
         e, skip, tok, kpos = _slot_expert(logits_ptr, bias_ptr, ids_in_ptr, wts_ptr, ids_ptr,
@@ -538,7 +547,7 @@ def gate_up_kernel(
     acc_g, acc_u = _expert_gemv(gw, gs, uw, us, g0, gs0, u0, us0, mask_f, x_rows, tok,
                                 k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
                                 True, USE_DOT, SCALE_AFTER, GPU, PREFETCH)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     row = offs_n[:, None] * SLOTS + kpos[:, None]  # h[n, kpos[n], :], [BLOCK_N, 1]
     mask = tok[:, None] & mask_f[None, :]
@@ -616,12 +625,16 @@ def down_kernel(
             w0, s0 = _load_w(ww, ws_rows, mask_h, k_start, k_end, BLOCK_K, IS_NVFP4)
         else:
             w0, s0 = _load_w(ww, ws_rows, mask_h, k_start, k_start, BLOCK_K, IS_NVFP4)
+        if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+            tl.extra.cuda.gdc_launch_dependents()
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # h comes from the previous kernel
         tok = mask_n
         kpos = tl.full((BLOCK_N,), TOP_K, tl.int32)
         mask_w = mask_h
     else:
+        if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+            tl.extra.cuda.gdc_launch_dependents()
         if USE_PDL:
             tl.extra.cuda.gdc_wait()  # h, ids, weights come from the previous kernel
         e, skip, tok, kpos = _slot_expert(ids_ptr, ids_ptr, ids_ptr, wts_ptr, ids_ptr, slot,
@@ -642,7 +655,7 @@ def down_kernel(
     acc, _ = _expert_gemv(ww, ws_rows, ww, ws_rows, w0, s0, w0, s0, mask_w, x_rows, tok,
                           k_start, k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False,
                           USE_DOT, SCALE_AFTER, GPU, PREFETCH)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     plane = N * SLOTS * H  # one [N, SLOTS, H] plane of the workspace
     row = offs_n[:, None] * SLOTS + kpos[:, None]
@@ -768,7 +781,6 @@ def _native(device: torch.device) -> bool:
 
 
 def _reference(name: str):
-    import flintc.ops
 
     return getattr(torch.ops.flintc, name)
 
@@ -801,7 +813,7 @@ def _router(op: str, x2: torch.Tensor, norm, router: torch.Tensor, eps: float, u
     norm_router_kernel[(triton.cdiv(E, block_e),)](
         x2, norm if norm is not None else x2, router, h, logits, N, E, H, float(eps),
         BLOCK_N=triton.next_power_of_2(N), BLOCK_E=block_e, BLOCK_K=block_k,
-        APPLY_NORM=norm is not None, USE_PDL=pdl, LIBDEVICE=native, num_warps=4, **opts)
+        APPLY_NORM=norm is not None, USE_PDL=pdl_mode(pdl), LIBDEVICE=native, num_warps=4, **opts)
     return h, logits
 
 
@@ -873,7 +885,7 @@ def _topk(op, logits, bias, top_k, scaling, use_pdl):
     pdl, opts = _launch_opts(use_pdl, dev)
     topk_kernel[(1,)](logits, bias, wts, ids, N, E, float(scaling),
                       BLOCK_N=triton.next_power_of_2(N), **_route_consts(E, top_k),
-                      USE_PDL=pdl, LIBDEVICE=_native(dev), num_warps=4, **opts)
+                      USE_PDL=pdl_mode(pdl), LIBDEVICE=_native(dev), num_warps=4, **opts)
     return wts, ids
 
 
@@ -1089,7 +1101,7 @@ def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, 
         N, E, F, H, gs_stride, ids_in.stride(0), float(scaling), per_split,
         BLOCK_N=_block_n(N, cfg), BLOCK_T=triton.next_power_of_2(N), BLOCK_F=cfg.block_rows, BLOCK_K=cfg.block_k,
         SPLIT=split, ROUTE=route, HAS_SHARED=has_shared, IS_NVFP4=nv, USE_DOT=cfg.use_dot,
-        SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch, USE_PDL=pdl, GPU=gpu,
+        SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch, USE_PDL=pdl_mode(pdl), GPU=gpu,
         **_route_consts(E, top_k), **_kernel_opts(cfg, gpu), **opts)
     return h, wts, ids_out
 
@@ -1200,7 +1212,7 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
         TOP_K=K, TOPK_PAD=triton.next_power_of_2(max(K, 2)), SPLIT=split,
         HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, IS_NVFP4=nv,
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch,
-        USE_PDL=pdl, GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
+        USE_PDL=pdl_mode(pdl), GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
     return out
 
 

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flintc.kernels.pdl import pdl_mode
+
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k_blk_ptr, v_blk_ptr, kpos, key_ok, qpos, row_ok, offs_d,
@@ -110,6 +112,8 @@ def prefill_attention_kernel(
     mask_d = offs_d < D
     # The sinks are weights: safe to load before gdc_wait. Padding rows get 0 (finite).
     sink = tl.load(sinks_ptr + hk * G + g, mask=g < G, other=0.0).to(tl.float32)
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         # q, k, v and the cache are written by earlier kernels.
         tl.extra.cuda.gdc_wait()
@@ -172,7 +176,7 @@ def prefill_attention_kernel(
     # out [B, T, HQ * D]: the same layout as q.
     tl.store(out_ptr + q_rows[:, None] * D + offs_d[None, :], o.to(tl.bfloat16),
              mask=row_ok[:, None] & mask_d[None, :])
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -187,6 +191,8 @@ def kv_write_kernel(
     i = FIRST + tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < ROW
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         # The attention grid before this one reads the rows written here.
         tl.extra.cuda.gdc_wait()
@@ -200,7 +206,7 @@ def kv_write_kernel(
     dst = (slot * S + row) * ROW + offs
     tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=mask), mask=mask)
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=mask), mask=mask)
-    if USE_PDL:
+    if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -299,7 +305,7 @@ def prefill_attention_kv(q, k, v, k_cache, v_cache, slots, positions, sinks, win
         HKV=Hkv, G=G, G_PAD=G_PAD, D=D, WINDOW=window,
         BLOCK_T=block_t, BLOCK_N=GPU_BLOCK_N if on_gpu else CPU_BLOCK_N,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_M=block_m,
-        PV_SPLITS=GPU_PV_SPLITS, BF16_DOT=on_gpu, USE_PDL=pdl,
+        PV_SPLITS=GPU_PV_SPLITS, BF16_DOT=on_gpu, USE_PDL=pdl_mode(pdl),
         num_warps=GPU_NUM_WARPS if on_gpu else 4, **gpu_opts, **extra,
     )
     n = min(T, window) if window else T  # a ring keeps only the last W tokens
@@ -307,7 +313,7 @@ def prefill_attention_kv(q, k, v, k_cache, v_cache, slots, positions, sinks, win
     i16 = torch.int16
     kv_write_kernel[(B, n)](
         k.view(i16), v.view(i16), k_cache.view(i16), v_cache.view(i16), slots, positions,
-        T, S, T - n, ROW=row, WINDOW=window, BLOCK=triton.next_power_of_2(row), USE_PDL=pdl,
+        T, S, T - n, ROW=row, WINDOW=window, BLOCK=triton.next_power_of_2(row), USE_PDL=pdl_mode(pdl),
         num_warps=4, **extra,
     )
     return out

@@ -10,7 +10,7 @@ its own ordered list of modules; the first module that has an op wins.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 DECODE_MODULES = (
     "flintc.kernels.fused_gemv",
