@@ -32,6 +32,8 @@ the rest by share of differing elements and largest difference) instead of timin
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 
 import torch
@@ -240,8 +242,9 @@ def run_sweep(args, copy_bw: float) -> list[str]:
     tuned = []
     gen = torch.Generator(device="cuda").manual_seed(2)
     out_of_time = False
-    for N in (1, 8, 2, 4):
-        for fmt in ("bf16", "nvfp4"):
+    tuned_json = []
+    for N in BATCHES:
+        for fmt in ("nvfp4", "bf16"):
             if out_of_time:
                 break
             s = Setup(fmt, N, gen)
@@ -250,7 +253,8 @@ def run_sweep(args, copy_bw: float) -> list[str]:
                 rows, red = (F, H) if kernel == "gate_up" else (H, F)
                 nb = s.bytes_gate_up() if kernel == "gate_up" else s.bytes_down()
                 results = []
-                for cfg in K.sweep_configs(kernel, fmt, N, rows, red, N * TOP_K + 1, dev):
+                for cfg in K.sweep_configs(kernel, fmt, N, rows, red, N * TOP_K + 1, dev,
+                                           family=args.family):
                     if time.time() - t0 > args.sweep_seconds:
                         out_of_time = True
                         break
@@ -282,8 +286,13 @@ def run_sweep(args, copy_bw: float) -> list[str]:
                     lines.append(row)
                     print(row, flush=True)
                 tuned.append(f"TUNED[({kernel!r}, {fmt!r}, {N})] = {best[1]!r}")
+                tuned_json.append({"key": [kernel, fmt, N], "config": dataclasses.asdict(best[1]),
+                                   "us": best[0], "first_us": results[0][0]})
             del s
             torch.cuda.empty_cache()
+    if args.tuned_json:
+        with open(args.tuned_json, "w") as f:
+            json.dump({"entries": tuned_json}, f, indent=1)
     if out_of_time:
         lines.append(f"(sweep stopped at the {args.sweep_seconds:.0f} s budget)")
     lines += ["", "Paste into flintc/kernels/moe.py (after `TUNED = {}`):", "", "```python"]
@@ -343,6 +352,9 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     parser.add_argument("--sweep-seconds", type=float, default=60.0,
                         help="time budget of the config sweep (compile included)")
+    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step"),
+                        help="sweep candidates (flintc.kernels.moe.sweep_configs)")
+    parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_MOE_TUNED file")
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()

@@ -56,6 +56,7 @@ from flintc.kernels.pdl import pdl_mode
 from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, e2m1_fp32
 from flintc.kernels.tiles import dot_tile as _dot_tile
 from flintc.kernels.tiles import load_weight_tile as _load_w
+from flintc.kernels.tuning import overrides
 from flintc.model import ops
 from flintc.ops.common import CDT, as_weight
 
@@ -380,51 +381,12 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
 }
 
 
-_OVERRIDE_CACHE: dict[tuple[str, float], dict] = {}
-
-
-def _tuned_overrides() -> dict:
-    """Entries of the JSON file named by the environment variable FLINTC_GEMV_TUNED
-    (written by `benchmarks/bench_gemv.py --sweep --tuned-json PATH`), which take
-    precedence over `TUNED`: a way to try sweep winners in the whole model without editing
-    this file. Format: `{"entries": [{"key": [kind, F, K, N], "config": {GemvConfig
-    fields}}]}`. Empty when the variable is unset.
-
-    Raises:
-        ValueError: the file is missing, not JSON, or an entry is malformed (names the file
-            and the entry).
-    """
-    path = os.environ.get("FLINTC_GEMV_TUNED", "").strip()
-    if not path:
-        return {}
-    try:
-        mtime = os.path.getmtime(path)
-    except OSError as e:
-        raise ValueError(f"FLINTC_GEMV_TUNED={path}: cannot read the file ({e.strerror})") from None
-    hit = _OVERRIDE_CACHE.get((path, mtime))
-    if hit is not None:
-        return hit
-    import json
-
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        table = {}
-        for i, ent in enumerate(data["entries"]):
-            kind, F, K, N = ent["key"]
-            table[(str(kind), int(F), int(K), int(N))] = GemvConfig(**ent["config"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"FLINTC_GEMV_TUNED={path}: expected {{\"entries\": [{{\"key\": "
-                         f"[kind, F, K, N], \"config\": {{GemvConfig fields}}}}]}}; "
-                         f"{type(e).__name__}: {e}") from None
-    _OVERRIDE_CACHE[(path, mtime)] = table
-    return table
-
-
 def tuned_config(key: tuple[str, int, int, int]) -> GemvConfig | None:
-    """The measured configuration for `key` (see `TUNED`): FLINTC_GEMV_TUNED's file first
-    (`_tuned_overrides`), then `TUNED`; None when neither has it."""
-    hit = _tuned_overrides().get(key)
+    """The measured configuration for `key` (see `TUNED`): the file named by the environment
+    variable FLINTC_GEMV_TUNED first (`flintc.kernels.tuning.overrides`; written by
+    `benchmarks/bench_gemv.py --sweep --tuned-json`), then `TUNED`; None when neither has
+    it. Raises ValueError for a malformed override file."""
+    hit = overrides("FLINTC_GEMV_TUNED", GemvConfig, (str, int, int, int)).get(key)
     return hit if hit is not None else TUNED.get(key)
 
 
@@ -479,13 +441,13 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> Gem
 
 
 def one_step_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
-                     rows_fixed: int | None = None, max_tile_bytes: int = 16384) -> list[GemvConfig]:
+                     rows_fixed: int | None = None, max_tile_bytes: int = 36864) -> list[GemvConfig]:
     """Configurations whose programs make exactly one K step (`block_k == K / split_k`):
     with the register prefetch the whole per-program weight slice is then issued before
     `gdc_wait`, so under PDL (early trigger, `flintc.kernels.pdl`) a GEMV's weight stream
     overlaps the previous kernel and only x, the reduction and the epilogue remain on the
-    critical path. Tiles of 4-16 KB of weights per program (`max_tile_bytes`; twice that
-    when the kernel fixes its rows, as the QKV kernel's 128-row heads), block_k a
+    critical path. Tiles of 4-36 KB of weights per program (`max_tile_bytes`; 8 warps above
+    16 KB), block_k a
     power of two from 128 to 4096 that divides K, at least half an SM's worth of programs."""
     wbytes = 0.5 + 1 / 16 if fmt == "nvfp4" else 2.0
     out: list[GemvConfig] = []
@@ -496,13 +458,13 @@ def one_step_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
         split = K // bk
         for bf in rows_opts:
             tile = bf * bk * wbytes
-            if tile > max_tile_bytes * (2 if rows_fixed else 1) or tile < 4096:
+            if tile > max_tile_bytes or tile < 4096:
                 continue
             if triton.cdiv(F, bf) * split < num_sms(device) // 2:
                 continue  # fewer programs than half the SMs: not a bandwidth config
             for use_dot in (True, False):
                 cfg = GemvConfig(use_dot=use_dot, block_f=bf, block_k=bk, split_k=split,
-                                 num_warps=8 if rows_fixed and use_dot else 4, num_stages=1,
+                                 num_warps=8 if tile > 16384 else 4, num_stages=1,
                                  prefetch=True, scale_after=False)
                 if cfg not in out:
                     out.append(cfg)

@@ -92,6 +92,7 @@ from flintc.kernels.pdl import pdl_mode
 from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, e2m1_fp32
 from flintc.kernels.tiles import dot_tile as _dot_tile
 from flintc.kernels.tiles import load_weight_tile as _load_w
+from flintc.kernels.tuning import overrides
 
 MAX_N = 8  # decode batch limit of the kernels (the launchers fall back above it)
 NVFP4_BLOCK = 16
@@ -983,7 +984,11 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
         return MoeConfig(block_rows=min(128, max(16, triton.next_power_of_2(rows))),
                          block_k=min(128, max(32, triton.next_power_of_2(red))), split=1,
                          num_stages=1)
-    hit = TUNED.get((kernel, fmt, N))  # measured at the full model's shapes
+    # measured at the full model's shapes; FLINTC_MOE_TUNED's file (flintc.kernels.tuning,
+    # written by `bench_moe.py --tuned-json`) first
+    hit = overrides("FLINTC_MOE_TUNED", MoeConfig, (str, str, int)).get((kernel, fmt, N))
+    if hit is None:
+        hit = TUNED.get((kernel, fmt, N))
     if hit is not None:
         return hit
     # bf16: register prefetch won the sweep at N = 1 (down), 2 and 8; NVFP4: the pipeliner
@@ -993,12 +998,52 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
                      num_warps=4, num_stages=stages, prefetch=prefetch)
 
 
+def one_step_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
+                     device: torch.device, max_tile_bytes: int = 36864) -> list[MoeConfig]:
+    """Candidates whose programs make one reduction step (`block_k == red / split`), with
+    the register prefetch, so each program issues all its weight loads at once (as
+    `flintc.kernels.gemv.one_step_configs`): 4-36 KB of weights per program (gate and up
+    tiles counted together; 8 warps above 16 KB), at least half an SM's worth of programs
+    counting `slots` experts."""
+    wbytes = 0.5 + 1 / 16 if fmt == "nvfp4" else 2.0
+    mats = 2 if kernel == "gate_up" else 1
+    out: list[MoeConfig] = []
+    for bk in (2048, 1024, 512, 256, 128):
+        if red % bk:
+            continue
+        split = red // bk
+        for br in (16, 32, 64):
+            tile = mats * br * bk * wbytes
+            if tile > max_tile_bytes or tile < 4096 or br > rows:
+                continue
+            if slots * triton.cdiv(rows, br) * split < _sms(device) // 2:
+                continue
+            for use_dot in (True, False):
+                cfg = MoeConfig(block_rows=br, block_k=bk, split=split, use_dot=use_dot,
+                                scale_after=False, num_warps=8 if tile > 16384 else 4,
+                                num_stages=1, prefetch=True)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
 def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
-                  device: torch.device) -> list[MoeConfig]:
+                  device: torch.device, family: str = "all") -> list[MoeConfig]:
     """Candidates that `benchmarks/bench_moe.py` times (the `gpu` test checks each one
     for correctness): the rule's choice first, then other tile shapes, pipelining modes,
-    the FMA reduction (NVFP4: with the per-block scale) and other splits."""
+    the FMA reduction (NVFP4: with the per-block scale) and other splits; `family`
+    "one-step" gives the rule's choice and `one_step_configs` only, "classic" leaves
+    those out, "all" (default) has both.
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    if family not in ("all", "classic", "one-step"):
+        raise ValueError(f"sweep_configs: family must be all, classic or one-step; got {family!r}")
     base = choose_config(kernel, fmt, N, rows, red, slots, device)
+    one = one_step_configs(kernel, fmt, N, rows, red, slots, device) if family != "classic" else []
+    if family == "one-step":
+        return [base] + [c for c in one if c != base]
     if fmt == "nvfp4":
         shapes = [(True, 64, 128, 8, 3, False, False), (True, 16, 128, 4, 4, False, False),
                   (True, 16, 256, 4, 1, True, False), (False, 16, 128, 4, 1, True, True),
@@ -1017,7 +1062,7 @@ def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
     alt = dataclasses.replace(base, split=max(1, base.split // 2) if base.split > 1 else 2)
     if alt not in out:
         out.append(alt)
-    return out
+    return out + [c for c in one if c not in out]
 
 
 def _effective_split(red: int, block_k: int, split: int) -> tuple[int, int]:

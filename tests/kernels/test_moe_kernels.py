@@ -200,6 +200,9 @@ CPU_CONFIGS = [
     K.MoeConfig(block_rows=128, block_k=32, split=2, use_dot=True, prefetch=True),
     K.MoeConfig(block_rows=128, block_k=32, split=2, use_dot=False, scale_after=True),
     K.MoeConfig(block_rows=64, block_k=64, split=1, use_dot=False, prefetch=True),
+    # one-step (`one_step_configs`): gate/up K = 128 in 2 splits of one 64-wide step; down
+    # F = 64 in one step
+    K.MoeConfig(block_rows=16, block_k=64, split=2, use_dot=True, num_stages=1, prefetch=True),
 ]
 
 

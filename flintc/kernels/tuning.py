@@ -1,0 +1,61 @@
+"""Override files for the measured launch-configuration tables (`gemv.TUNED`,
+`moe.TUNED`): a JSON file named by an environment variable whose entries take precedence
+over the table, so sweep winners can be tried in the whole model (a compiled build looks
+its kernels and configurations up at launch) without editing the source.
+
+Format, as `benchmarks/bench_gemv.py --tuned-json` and `benchmarks/bench_moe.py
+--tuned-json` write it::
+
+    {"entries": [{"key": [...], "config": {<dataclass fields>}, ...}, ...]}
+
+Other fields of an entry (the measured microseconds) are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+_CACHE: dict[tuple[str, str, float], dict] = {}
+
+
+def overrides(env_var: str, factory, key_types: tuple) -> dict:
+    """The entries of the file named by `env_var` as {key tuple: factory(**config)}; empty
+    when the variable is unset or blank. Re-read when the file changes.
+
+    Args:
+        env_var: environment variable holding the path (e.g. FLINTC_GEMV_TUNED).
+        factory: the configuration dataclass (GemvConfig, MoeConfig).
+        key_types: converters for the key's fields, e.g. (str, int, int, int).
+
+    Raises:
+        ValueError: the file is unreadable, not JSON, or an entry is malformed; the message
+            names the variable, the file and the expected format.
+    """
+    path = os.environ.get(env_var, "").strip()
+    if not path:
+        return {}
+    try:
+        mtime = os.path.getmtime(path)
+    except OSError as e:
+        raise ValueError(f"{env_var}={path}: cannot read the file ({e.strerror})") from None
+    hit = _CACHE.get((env_var, path, mtime))
+    if hit is not None:
+        return hit
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        table = {}
+        for ent in data["entries"]:
+            key = ent["key"]
+            if len(key) != len(key_types):
+                raise ValueError(f"key {key!r} has {len(key)} fields, expected {len(key_types)}")
+            table[tuple(t(k) for t, k in zip(key_types, key))] = factory(**ent["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{env_var}={path}: expected {{\"entries\": [{{\"key\": [...], \"config\": "
+                         f"{{{factory.__name__} fields}}}}]}}; {type(e).__name__}: {e}") from None
+    _CACHE[(env_var, path, mtime)] = table
+    return table
+
+
+__all__ = ["overrides"]

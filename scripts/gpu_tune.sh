@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One H200 call (< 10 min): optionally the torch.compile baseline point(s) of flintc bench
+# first (TUNE_BASELINE_POINTS, e.g. 8x1024; ~300 s each), then the one-step sweeps of the
+# GEMV and MoE kernels (benchmarks/bench_gemv.py / bench_moe.py --family one-step
+# --tuned-json), then the full-size batch-1 decode step with and without the sweep winners
+# (FLINTC_GEMV_TUNED / FLINTC_MOE_TUNED override files, flintc.kernels.tuning).
+# Outputs in $OUT/tune (and $OUT/bench-compile).
+#
+#   TUNE_BASELINE_POINTS=8x1024 OUT=/some/dir bash scripts/gpu_tune.sh   # from the repo root
+set -uo pipefail
+START=$(date +%s)
+BUDGET=${TUNE_BUDGET_S:-565}
+OUT=${OUT:-$PWD/tune_out}
+mkdir -p "$OUT/tune" || exit 1
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.." || exit 1
+T=$OUT/tune
+LOG=$T/pip.log
+. scripts/gpu_env.sh
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+step() {  # step NAME CAP_S CMD...: run CMD with min(CAP_S, time left) seconds, log to $T/NAME.log
+  local name=$1 cap=$2; shift 2
+  local t; t=$(left); [ "$t" -lt "$cap" ] && cap=$t
+  if [ "$cap" -lt 20 ]; then echo "== $name: skipped (no time left)"; return; fi
+  echo "== $name (cap ${cap} s, $(( $(date +%s) - START )) s in)"
+  timeout --kill-after=10 "$cap" "$@" > "$T/$name.log" 2>&1
+  echo "   exit $? after $(( $(date +%s) - START )) s"; tail -n "${TAIL:-12}" "$T/$name.log"
+}
+if [ -n "${TUNE_BASELINE_POINTS:-}" ]; then
+  echo "== compile baseline $TUNE_BASELINE_POINTS"
+  BENCH_BUDGET_S=${TUNE_BASELINE_S:-340} BASELINE_POINTS=$TUNE_BASELINE_POINTS OUT=$OUT \
+    bash scripts/gpu_bench_compile_baseline.sh > "$T/compile-baseline.log" 2>&1
+  echo "   exit $? after $(( $(date +%s) - START )) s"; grep -E "^\| compile|done in|skipp|rror" "$T/compile-baseline.log" | head
+fi
+step gemv-sweep ${TUNE_GEMV_S:-70} $PY benchmarks/bench_gemv.py --sweep --family one-step --pdl --no-compile \
+  --batches 1 --cases "${TUNE_GEMV_CASES:-qkv,o_proj+res}" --out "$T/gemv.md" --tuned-json "$T/gemv.json"
+step moe-sweep ${TUNE_MOE_S:-110} $PY benchmarks/bench_moe.py --pdl --batches 1 --family one-step \
+  --sweep-seconds ${TUNE_MOE_SWEEP_S:-80} --out "$T/moe.md" --tuned-json "$T/moe.json"
+TAIL=8 step decode-default 60 $PY scripts/gpu_decode_time.py --builds gpu_builds --formats nvfp4,bf16 \
+  --contexts 1024,100000 --out "$T/decode-default.md"
+ENVS=()
+[ -s "$T/gemv.json" ] && ENVS+=("FLINTC_GEMV_TUNED=$T/gemv.json")
+[ -s "$T/moe.json" ] && ENVS+=("FLINTC_MOE_TUNED=$T/moe.json")
+TAIL=8 step decode-tuned 60 env "${ENVS[@]}" $PY scripts/gpu_decode_time.py --builds gpu_builds \
+  --formats nvfp4,bf16 --contexts 1024,100000 --out "$T/decode-tuned.md"
+echo "done after $(( $(date +%s) - START )) s"
