@@ -79,11 +79,14 @@ def load_checkpoint(
     if isinstance(config, str):  # a preset name ("tiny", "full"), as --config gives it
         config = FlintConfig.preset(config)
     path = Path(path) if path is not None else None
+    if hf_config_path is not None and not Path(hf_config_path).exists():
+        raise CheckpointError(f"--hf-config-path (hf_config_path=) {hf_config_path}: no such file or folder")
     hf_dir = _config_dir(Path(hf_config_path)) if hf_config_path is not None else None
     if load_format == "dummy":
         return _load_dummy(path, hf_dir, hf_config_path, device, config, fmt)
     if path is None:
-        raise CheckpointError("no checkpoint path given (only load_format='dummy' needs none)")
+        raise CheckpointError("no checkpoint path given (only --load-format dummy, load_format='dummy' in "
+                              "Python, needs none)")
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint file or folder")
     kind = load_format if load_format != "auto" else _detect(path)
@@ -144,7 +147,9 @@ def _load_dummy(path, hf_dir, hf_config_path, device, config, fmt) -> LoadedChec
     if config is None:
         where = hf_config_path or path
         if where is None:
-            raise CheckpointError("load_format='dummy' needs a config, a path or hf_config_path")
+            raise CheckpointError("--load-format dummy (load_format='dummy') needs a config: --config tiny|full, "
+                              "a MODEL folder or config.json, or --hf-config-path (config=, path, "
+                              "hf_config_path= in Python)")
         config = _read_config(where, Path(where))
     folder = hf_dir or (_config_dir(path) if path is not None and path.exists() else None)
     weights = dummy_weights(config, fmt, device)

@@ -60,6 +60,8 @@ def make_checkpoint(
     config = _resolve_config(config)
     if fmt not in FORMATS:
         raise ValueError(f"checkpoint format must be one of {FORMATS}, found {fmt!r}")
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive, found {max_shard_bytes}")
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"{out_dir}: already exists and is not empty; refusing to write")

@@ -19,16 +19,76 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights made on the device (no files)")
     p.add_argument("--config", default=None,
                    help="with --load-format dummy and no MODEL: preset tiny or full")
-    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16",
-                   help="weight format for --load-format dummy")
+    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default=None,
+                   help="weight format for --load-format dummy (default: bf16)")
+
+
+def check_model_source_args(args, build_manifest: dict | None = None) -> None:
+    """Refuse model-source flags that would have no effect, and check the paths given.
+
+    --config and --format only shape dummy weights: with a real MODEL its config.json
+    and its files decide both. With a BUILD (`build_manifest`), the build fixes the
+    config and the format. Sets args.fmt to its default (bf16) when it is unset.
+    Raises InputError naming the flag."""
+    from pathlib import Path
+
+    from flintc.errors import InputError
+
+    for flag, value in (("--hf-config-path", args.hf_config_path), ("--tokenizer", args.tokenizer)):
+        if value is not None and not Path(value).exists():
+            raise InputError(f"{flag} {value}: no such file or folder")
+    if getattr(args, "model", None) is not None and not Path(args.model).exists():
+        raise InputError(f"MODEL {args.model}: no such checkpoint file or folder")
+    if build_manifest is not None:
+        if args.config is not None:
+            raise InputError(f"--config {args.config}: a build fixes its config at compile time; drop "
+                             "--config (or recompile with it)")
+        if args.fmt is not None and args.fmt != build_manifest.get("weight_format"):
+            raise InputError(f"--format {args.fmt}: the build was compiled for "
+                             f"{build_manifest.get('weight_format')} weights; drop --format")
+        return
+    if args.load_format != "dummy":
+        for flag, value in (("--config", args.config), ("--format", args.fmt)):
+            if value is not None:
+                raise InputError(f"{flag} {value} applies only with --load-format dummy (random weights); "
+                                 "a checkpoint's own config.json and files give its config and format")
+    if args.fmt is None:
+        args.fmt = "bf16"
+
+
+def check_output_folder(path, flag: str = "--out") -> None:
+    """Fail before any work when the folder `path` cannot be created: its parent must
+    exist, be a folder and be writable. Raises InputError naming the flag and path."""
+    import os
+    from pathlib import Path
+
+    from flintc.errors import InputError
+
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.exists():
+        raise InputError(f"{flag} {path}: the parent folder {parent} does not exist")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"{flag} {path}: the parent folder {parent} is not writable")
 
 
 def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
-    p.add_argument("--max-batch", type=int, default=8, help="largest decode batch (1..8)")
+    # `flintc run` leaves --max-batch unset (None) so that it can tell a flag the user
+    # gave from the default: a build fixes its max batch, the reference backend takes
+    # as many prompts as it is given.
+    p.add_argument("--max-batch", type=int, default=8 if backend else None,
+                   help="largest decode batch (1..8)" if backend else
+                   "largest decode batch (1..8); with --build at most the build's, with the "
+                   "reference backend the most prompts allowed (default: 8 when compiling, "
+                   "the build's with --build, any number on the reference backend)")
     p.add_argument("--buckets", default=None,
                    help="decode batch sizes to compile, e.g. 1,8 (default: 1,2,4,8 up to --max-batch)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="positions per sequence (default: max_position_embeddings)")
+                   help="positions per sequence (default: max_position_embeddings)" if backend else
+                   "positions per sequence, prompt + output (default: max_position_embeddings, or "
+                   "the build's with --build; at most the build's)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per prefill call, at most the sliding window (default: 2^k <= min(W, 512))")
     if backend:
@@ -65,7 +125,7 @@ def prepare_device(name: str) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise InputError(f"--device {name}: no CUDA GPU is available")
+            raise InputError(f"--device {name}: no CUDA GPU is available (--device cpu runs on the CPU)")
     elif name == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     else:
@@ -104,6 +164,21 @@ def build_options(args):
 def run_compile(args: argparse.Namespace) -> int:
     import torch
 
+    from flintc.errors import InputError
+
+    check_model_source_args(args)
+    check_output_folder(args.out, "--out")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise InputError(f"--max-model-len must be at least 1, got {args.max_model_len}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise InputError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    if not 1 <= args.max_batch <= 8:
+        raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {args.max_batch}")
+    from pathlib import Path
+
+    out = Path(args.out)
+    if out.exists() and not (out / "build.json").is_file():
+        raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
     args.device = args.device or "cpu"
     weights_on = args.device
     if args.device.startswith("cuda") and not torch.cuda.is_available() and args.load_format == "dummy" \

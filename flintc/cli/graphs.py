@@ -55,6 +55,15 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
 
     if not 1 <= args.batch <= 8:
         raise InputError(f"--batch must be in 1..8 (decode buckets), got {args.batch}")
+    if args.tokens < 1:
+        raise InputError(f"--tokens must be at least 1 (prefill tokens per sequence), got {args.tokens}")
+    if args.cache_len < 1:
+        raise InputError(f"--cache-len must be at least 1 (full-attention cache rows), got {args.cache_len}")
+    if getattr(args, "step", "both") != "decode" and args.tokens > args.cache_len:
+        raise InputError(f"--tokens {args.tokens} is more than --cache-len {args.cache_len}: a prefill writes "
+                         "every token into the full-attention cache; raise --cache-len or lower --tokens")
+    if args.attention_splits is not None and args.attention_splits < 1:
+        raise InputError(f"--attention-splits must be at least 1, got {args.attention_splits}")
     device = torch.device(args.device)
     max_pos = max(args.cache_len, args.tokens) + 1
     if args.model is not None:

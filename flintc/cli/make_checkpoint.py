@@ -25,7 +25,14 @@ def add_parser(sub) -> None:
 def run_make_checkpoint(args: argparse.Namespace) -> int:
     from flintc.checkpoint.writer import make_checkpoint
     from flintc.config import FlintConfig
+    from flintc.errors import InputError
 
+    if args.max_shard_bytes is not None:
+        if args.max_shard_bytes < 1:
+            raise InputError(f"--max-shard-bytes must be a positive number of bytes, got {args.max_shard_bytes}")
+        if args.fmt != "bf16":
+            raise InputError("--max-shard-bytes applies only to --format bf16 (an NVFP4 checkpoint is one "
+                             ".gguf file)")
     config = FlintConfig.preset(args.config) if args.config in ("tiny", "full") else FlintConfig.from_file(args.config)
     path = make_checkpoint(config, args.fmt, args.out, seed=args.seed, max_shard_bytes=args.max_shard_bytes)
     print(path)

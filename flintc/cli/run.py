@@ -12,6 +12,7 @@ prints one JSON object per prompt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -46,8 +47,9 @@ def add_parser(sub) -> None:
                    help="reference: the eager model; triton/torch: compile MODEL first "
                         "(default: reference, or the build's own with --build)")
     add_build_args(p, backend=False)
-    p.add_argument("--mode", choices=("bf16", "float64"), default="bf16",
-                   help="reference numerics: bf16 (FLINT_SPEC rounding points) or float64 oracle")
+    p.add_argument("--mode", choices=("bf16", "float64"), default=None,
+                   help="reference backend numerics: bf16 (FLINT_SPEC rounding points) or float64 "
+                        "oracle (default: bf16)")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--logits-out", default=None,
                    help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy "
@@ -66,35 +68,107 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def _runner_and_tokenizer(args):
-    """(runner or FlintModel, tokenizer dir, config) for the chosen backend."""
-    from flintc.cli.compile_build import build_options, load_model_checkpoint, prepare_device
+# Flags that only shape a compile: meaningless on the reference backend, and fixed by
+# `flintc compile` for a --build.
+_COMPILE_ONLY = (("--buckets", "buckets"), ("--no-check", "no_check"), ("--no-dump", "no_dump"))
+
+
+def _given(args, dest: str):
+    value = getattr(args, dest, None)
+    return value not in (None, False)
+
+
+def _check_backend_flags(args, backend: str, n_prompts: int) -> None:
+    """Refuse flags the chosen backend would ignore; check the limits given. Raises
+    InputError naming the flag (no flag is ever silently ignored)."""
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise InputError(f"--max-model-len must be at least 1, got {args.max_model_len}")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise InputError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise InputError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
+    if args.max_batch is not None and n_prompts > args.max_batch:
+        raise InputError(f"{n_prompts} prompts, but --max-batch is {args.max_batch}")
+    if backend == "reference":
+        for flag, dest in _COMPILE_ONLY:
+            if _given(args, dest):
+                raise InputError(f"{flag} applies only to a compiled backend (--build, or --backend torch|triton); "
+                                 "the reference backend compiles nothing")
+        return
+    if args.mode is not None and args.mode != "bf16":
+        raise InputError(f"--mode {args.mode} applies only to the reference backend; a compiled runtime "
+                         "follows the bf16 numerics")
+    if backend == "build":
+        for flag, dest in _COMPILE_ONLY + (("--prefill-chunk", "prefill_chunk"),):
+            if _given(args, dest):
+                raise InputError(f"{flag}: a build fixes it at compile time; drop {flag} or recompile "
+                                 "with flintc compile")
+
+
+def _limit_build(runner, args) -> None:
+    """Apply --max-model-len / --max-batch to a loaded build: a smaller value limits the
+    run, a larger one cannot be met (the build's caches and decode buckets are fixed at
+    compile time)."""
+    if args.max_model_len is not None:
+        if args.max_model_len > runner.max_model_len:
+            raise InputError(f"--max-model-len {args.max_model_len}: {args.build} was compiled for "
+                             f"{runner.max_model_len} positions (a build fixes its max model length at "
+                             "compile time); drop the flag, or recompile with a larger --max-model-len")
+        runner.max_model_len = int(args.max_model_len)
+    if args.max_batch is not None:
+        if args.max_batch > runner.max_batch:
+            raise InputError(f"--max-batch {args.max_batch}: {args.build} was compiled for at most "
+                             f"{runner.max_batch} sequences (a build fixes its decode buckets at compile "
+                             "time); drop the flag, or recompile with a larger --max-batch")
+        runner.max_batch = int(args.max_batch)
+
+
+def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
+    """(runner or FlintModel, tokenizer dir, config) for the chosen backend. A temporary
+    BUILD (--backend torch|triton) is removed when `cleanup` closes."""
+    from flintc.cli.compile_build import (build_options, check_model_source_args, load_model_checkpoint,
+                                          prepare_device)
 
     backend = args.backend or ("build" if args.build else "reference")
     if args.build and backend not in ("build", "reference") and args.backend is not None:
         raise InputError("--build runs the build's own backend; drop --backend")
+    if args.build and args.backend == "reference":
+        raise InputError("--build runs the build's own backend; drop --backend reference (or --build)")
+    _check_backend_flags(args, backend, n_prompts)
     if args.build:
         from flintc.runtime.compiled import load_build, read_manifest
 
         manifest = read_manifest(args.build)
+        check_model_source_args(args, build_manifest=manifest)
         device = args.device or manifest.get("device", "cpu")
+        if args.device is None and device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise InputError(f"{args.build} was compiled for {device} but no CUDA GPU is available; "
+                                 "pass --device cpu to run it on the CPU")
         prepare_device(device)
         runner = load_build(args.build, model=args.model, device=device,
                             load_format=args.load_format if args.load_format == "dummy" else None,
                             hf_config_path=args.hf_config_path, progress=sys.stderr.isatty())
+        _limit_build(runner, args)
         return runner, runner.tokenizer_dir, runner.config
+    check_model_source_args(args)
     args.device = args.device or "cpu"
     prepare_device(args.device)
     ckpt = load_model_checkpoint(args, args.device)
     if backend == "reference":
         from flintc.model.reference import FlintModel
 
-        return FlintModel(ckpt.config, ckpt.weights, mode=args.mode), ckpt.tokenizer_dir, ckpt.config
+        return FlintModel(ckpt.config, ckpt.weights, mode=args.mode or "bf16"), ckpt.tokenizer_dir, ckpt.config
     from flintc.runtime.build import compile_model
     from flintc.runtime.compiled import load_build
 
     args.backend = backend
-    out = Path(tempfile.mkdtemp(prefix="flintc-build-")) / "build"
+    if args.max_batch is None:
+        args.max_batch = 8
+    tmp = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="flintc-build-"))
+    out = Path(tmp) / "build"
     opts = build_options(args)
     compile_model(ckpt, out, opts, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))
     runner = load_build(out, ckpt=ckpt, device=args.device)
@@ -102,21 +176,32 @@ def _runner_and_tokenizer(args):
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from flintc.checkpoint.tokenizer import load_tokenizer
     from flintc.sampling import SamplingParams
 
     if not args.prompt and not args.prompt_ids:
         raise InputError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeat either for a batch)")
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
-    params.validate()
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    except InputError as exc:  # name the flag the user typed, not only the field
+        field = str(exc).split("'")[1] if str(exc).count("'") >= 2 else None
+        if field in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+            raise InputError(f"--{field.replace('_', '-')}: {exc}") from None
+        raise
     id_prompts = [parse_prompt_ids(t) for t in args.prompt_ids or []]
     n_prompts = len(id_prompts) + len(args.prompt or [])
     if args.logits_out is not None:
         if n_prompts != 1:
             raise InputError("--logits-out takes one prompt")
         _check_output_path(args.logits_out, "--logits-out")
-    engine, tok_dir, config = _runner_and_tokenizer(args)
+    with contextlib.ExitStack() as cleanup:
+        return _generate(args, params, id_prompts, n_prompts, cleanup)
+
+
+def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    engine, tok_dir, config = _runner_and_tokenizer(args, cleanup, n_prompts)
     tok_dir = args.tokenizer or tok_dir
     tokenizer = load_tokenizer(tok_dir) if (tok_dir or args.prompt) else None
     prompts = [tokenizer.encode(t) for t in args.prompt or []] + id_prompts
@@ -134,7 +219,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if isinstance(engine, FlintModel):
         from flintc.model.generate import generate
 
-        result = generate(engine, prompts, params, **kwargs)
+        if args.prefill_chunk is not None:
+            kwargs["prefill_chunk"] = args.prefill_chunk
+        result = generate(engine, prompts, params, max_model_len=args.max_model_len, **kwargs)
     else:
         from flintc.runtime.generate import generate_with_runner
 

@@ -30,7 +30,9 @@ def add_parser(sub) -> None:
                    help="model id clients must name (default: MODEL as given)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions per sequence, prompt + output (default: the model's maximum)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (KV-cache slots)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="sequences decoded together (KV-cache slots; default: 8, or the build's with --build, "
+                        "at most the build's)")
     p.add_argument("--device", default=None,
                    help="cpu or cuda (default: cpu; with --build, the device it was compiled for)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -53,8 +55,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from flintc.serve.engine import Engine
     from flintc.serve.server import bind, make_runner, serve, served_model_name, tokenizer_dir
 
-    if args.max_batch < 1:
+    from pathlib import Path
+
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in 0..65535 (0 picks a free port), got {args.port}")
+    if args.max_batch is not None and args.max_batch < 1:
         raise InputError(f"--max-batch must be at least 1, got {args.max_batch}")
+    if args.model is not None and not Path(args.model).exists():
+        raise InputError(f"MODEL {args.model}: no such checkpoint file or folder")
+    for flag, value in (("--build", args.build), ("--hf-config-path", args.hf_config_path),
+                        ("--tokenizer", args.tokenizer)):
+        if value is not None and not Path(value).exists():
+            raise InputError(f"{flag} {value}: no such file or folder")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

@@ -107,7 +107,11 @@ def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int
     """
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; expected one of {STEPS}")
-    T = 1 if step == "decode" else (tokens or 16)
+    T = 1 if step == "decode" else (16 if tokens is None else int(tokens))
+    if T < 1:
+        raise ValueError(f"a prefill step needs at least one token per sequence, got tokens={tokens}")
+    if cache_len < 1:
+        raise ValueError(f"cache_len must be at least 1, got {cache_len}")
     if step == "decode" and tokens not in (None, 1):
         raise ValueError("a decode step has exactly one new token per sequence")
     names = [n for n, _ in model.named_buffers()]

@@ -76,7 +76,7 @@ class BuildOptions:
         if not 1 <= int(o.max_batch) <= 8:
             raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {o.max_batch}")
         limit = config.max_position_embeddings
-        o.max_model_len = int(o.max_model_len or limit)
+        o.max_model_len = int(limit if o.max_model_len is None else o.max_model_len)
         if not 1 <= o.max_model_len <= limit:
             raise InputError(f"--max-model-len must be in 1..{limit} (max_position_embeddings), "
                              f"got {o.max_model_len}")
@@ -202,12 +202,13 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     out = Path(out)
     if out.exists() and not (out / "build.json").is_file():
         raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
+    _check_parent(out)
     t_start = time.perf_counter()
     model = FlintModel(config, ckpt.weights, max_positions=opts.cache_rows)
     check_len = _check_len(opts, config)
     steps = [("decode", b, 1) for b in opts.buckets] + [("prefill", 1, opts.prefill_chunk)]
     sources, reports, plan_steps = [], [], {}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if out.parent.exists() else None))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         bar = _progress(steps, progress)
         for step, batch, tokens in bar:
@@ -272,6 +273,17 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _check_parent(out: Path) -> None:
+    """The BUILD folder is written beside `out` and renamed into place: its parent must
+    exist and be a writable folder. Checked before any compile work."""
+    parent = out.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise InputError(f"--out {out}: the parent folder {parent} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InputError(f"--out {out}: the parent folder {parent} is not writable")
 
 
 def _progress(steps, enabled: bool):

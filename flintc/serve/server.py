@@ -41,10 +41,15 @@ def make_runner(args: argparse.Namespace):
         # the scheduler, a larger one cannot be met.
         if args.max_model_len and args.max_model_len > runner.max_model_len:
             raise InputError(f"--max-model-len {args.max_model_len}: {args.build} was compiled for "
-                             f"{runner.max_model_len} positions; recompile with a larger --max-model-len")
+                             f"{runner.max_model_len} positions (a build fixes its max model length at "
+                             "compile time); recompile with a larger --max-model-len")
         if args.max_model_len:
             runner.max_model_len = int(args.max_model_len)
-        if args.max_batch and args.max_batch < runner.max_batch:
+        if args.max_batch and args.max_batch > runner.max_batch:
+            raise InputError(f"--max-batch {args.max_batch}: {args.build} was compiled for at most "
+                             f"{runner.max_batch} sequences (a build fixes its decode buckets at compile "
+                             "time); drop the flag, or recompile with a larger --max-batch")
+        if args.max_batch:
             runner.max_batch = int(args.max_batch)
         return runner
     from flintc.checkpoint.loader import load_checkpoint
@@ -54,7 +59,7 @@ def make_runner(args: argparse.Namespace):
     ckpt = load_checkpoint(model_path(args), hf_config_path=args.hf_config_path, device=device,
                            progress=sys.stderr.isatty())
     model = FlintModel(ckpt.config, ckpt.weights)
-    return ReferenceRunner(model, max_batch=args.max_batch, max_model_len=args.max_model_len)
+    return ReferenceRunner(model, max_batch=args.max_batch or 8, max_model_len=args.max_model_len)
 
 
 def model_path(args: argparse.Namespace) -> Path:
