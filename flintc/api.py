@@ -82,8 +82,18 @@ class CompiledModel:
                 slot: int = 0) -> torch.Tensor:
         """Logits of a token sequence of one sequence slot, through the generated prefill
         (T > 1) or decode (T == 1) function. input_ids: int64 [T] or [1, T]; positions
-        default 0..T-1. Writes the slot's KV cache. -> fp32 [T, V]."""
+        default 0..T-1. Writes the slot's KV cache. -> fp32 [T, V].
+
+        Raises:
+            ValueError: no token ids, or an id outside the vocabulary [0, vocab_size).
+        """
         ids = torch.as_tensor(input_ids).reshape(-1).tolist()
+        vocab = self.runner.config.vocab_size
+        if not ids:
+            raise ValueError("forward needs at least one token id")
+        for t in ids:
+            if not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab}) of {self.build}")
         start = 0 if positions is None else int(torch.as_tensor(positions).reshape(-1)[0])
         if len(ids) == 1:
             return self.runner.decode([slot], ids, [start])

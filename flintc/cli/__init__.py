@@ -3,12 +3,15 @@
 `main()` builds the argparse parser from each sub-command's `add_parser`, runs the
 chosen one, and turns every user-facing error (:class:`~flintc.errors.FlintcError`,
 or an OSError on a file the user named) into one line on stderr and exit code 2,
-without a traceback.
+without a traceback. SIGTERM is turned into :class:`Terminated` (a KeyboardInterrupt),
+so the clean-up that runs on Ctrl-C (temporary BUILD, dump and checkpoint folders)
+runs on `kill` too; the exit code is then 143.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from flintc.errors import EXIT_USER_ERROR, FlintcError
@@ -27,11 +30,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when the process gets SIGTERM (see `main`)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def _install_sigterm_handler():
+    """Make SIGTERM raise Terminated in the main thread; -> the previous handler, or None
+    when no handler could be installed (not the main thread)."""
+    try:
+        return signal.signal(signal.SIGTERM, _raise_terminated)
+    except (ValueError, OSError):  # not the main thread of the main interpreter
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    previous = _install_sigterm_handler()
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
     try:
         return int(args.func(args) or 0)
+    except Terminated:
+        print("flintc: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except FlintcError as exc:
         print(f"flintc: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

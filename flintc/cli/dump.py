@@ -1,34 +1,94 @@
 """`flintc dump`: compile a step and write its pass-by-pass dumps (readable code, DOT /
-SVG per layer, ONNX, index.md, report.json) into --out."""
+SVG per layer, ONNX, index.md, report.json) into --out.
+
+The dumps are written into a temporary folder beside --out and renamed into place at
+the end, so an interrupted dump (Ctrl-C, SIGTERM, an error) leaves nothing behind. An
+existing --out is replaced only when it is empty or a previous dump output."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 from flintc.cli.graphs import add_model_args, build_targets, format_table
+from flintc.errors import InputError
+
+# What makes a folder a checkpoint or a build: never written over by a dump.
+_FOREIGN = ("config.json", "build.json", "tokenizer.json", "*.safetensors", "*.safetensors.index.json",
+            "*.gguf")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("dump", help="write pass-by-pass graph dumps", description=__doc__)
+    p = sub.add_parser("dump", help="write pass-by-pass graph dumps", description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True,
+                   help="output folder (new, empty, or the output of an earlier flintc dump, which is replaced)")
     p.add_argument("--step", choices=("decode", "prefill"), default="decode")
     p.set_defaults(func=run_dump)
 
 
-def run_dump(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _is_dump_output(folder: Path) -> bool:
+    """True for a folder an earlier `flintc dump` wrote: report.json and index.md at its
+    top, or in counts/ and numerics/ (the two targets of `--config full`)."""
+    def one(d: Path) -> bool:
+        return (d / "report.json").is_file() and (d / "index.md").is_file()
 
+    return one(folder) or (one(folder / "counts") and one(folder / "numerics"))
+
+
+def check_dump_out(out: Path) -> None:
+    """Refuse an --out the dump would clobber. Raises InputError naming the path."""
+    from flintc.cli.compile_build import check_output_folder
+
+    check_output_folder(out, "--out")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise InputError(f"--out {out}: exists and is not a folder")
+    foreign = sorted({p.name for pattern in _FOREIGN for p in out.glob(pattern)})
+    if foreign:
+        raise InputError(f"--out {out}: holds {', '.join(foreign[:3])} (a checkpoint or a build); "
+                         "refusing to write dumps into it, choose another --out")
+    if any(out.iterdir()) and not _is_dump_output(out):
+        raise InputError(f"--out {out}: not empty and not the output of an earlier flintc dump "
+                         "(no report.json and index.md); choose another --out")
+
+
+def run_dump(args: argparse.Namespace) -> int:
+    from flintc.fileio import set_public_mode
     from flintc.passes.pipeline import compile_step
 
+    out = Path(args.out)
+    check_dump_out(out)
     targets = build_targets(args)
-    for i, target in enumerate(targets):
-        out = Path(args.out) if len(targets) == 1 else Path(args.out) / ("counts" if i == 0 else "numerics")
-        batch, tokens = (args.batch, None) if args.step == "decode" else (1, args.tokens)
-        _, report = compile_step(target.model, args.step, batch=batch, tokens=tokens, cache_len=args.cache_len,
-                                 disabled=args.disable, check_model=target.check_model, seed=args.seed,
-                                 dump_dir=out, options={"attention_splits": args.attention_splits}
-                                 if args.attention_splits else None)
-        print(f"== {args.step} -- {target.note} -> {out}")
-        print(format_table(report))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if str(out.parent) else "."))
+    try:
+        tables = []
+        for i, target in enumerate(targets):
+            sub = "" if len(targets) == 1 else ("counts" if i == 0 else "numerics")
+            batch, tokens = (args.batch, None) if args.step == "decode" else (1, args.tokens)
+            _, report = compile_step(target.model, args.step, batch=batch, tokens=tokens,
+                                     cache_len=args.cache_len, disabled=args.disable,
+                                     check_model=target.check_model, seed=args.seed,
+                                     dump_dir=tmp / sub if sub else tmp,
+                                     options={"attention_splits": args.attention_splits}
+                                     if args.attention_splits else None)
+            tables.append((target.note, out / sub if sub else out, format_table(report)))
+        set_public_mode(tmp)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for note, where, table in tables:
+        print(f"== {args.step} -- {note} -> {where}")
+        print(table)
     return 0

@@ -33,9 +33,27 @@ from flintc.runtime.runner import check_request
 
 
 def _load_module(path: Path, name: str):
+    """Import the generated runtime. Raises InputError when it is missing or does not
+    import (a corrupt or hand-edited build), naming the file and line."""
+    if not path.is_file():
+        raise InputError(f"{path} does not exist: the build is incomplete; regenerate it with flintc compile")
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        spec.loader.exec_module(mod)
+    except SyntaxError as e:
+        raise InputError(f"{path}, line {e.lineno}: {e.msg}: the build is corrupt; regenerate it with "
+                         "flintc compile") from None
+    except Exception as e:  # noqa: BLE001 - any failure to import generated code means the same
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if Path(f.filename).resolve() == path.resolve()]
+        where = f", line {frames[-1].lineno}" if frames else ""
+        raise InputError(f"{path}{where}: {type(e).__name__}: {e}: the build is corrupt; regenerate it "
+                         "with flintc compile") from None
+    if not isinstance(getattr(mod, "STEPS", None), dict):
+        raise InputError(f"{path} defines no STEPS table: the build is corrupt; regenerate it with flintc compile")
     return mod
 
 
@@ -133,8 +151,12 @@ class CompiledRunner:
         self.kv = self.model.new_kv_cache(self.max_batch + 1, self.cache_rows, device)
         self.scratch = self.max_batch
         self._module = _load_module(self.build / "runtime.py", f"flintc_build_{abs(hash(str(build)))}")
-        plan = json.loads((self.build / "plan.json").read_text())
-        self.plan = plan["steps"]
+        plan_path = self.build / "plan.json"
+        try:
+            self.plan = json.loads(plan_path.read_text())["steps"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise InputError(f"{plan_path} is not a valid plan ({type(e).__name__}: {e}): the build is "
+                             "corrupt; regenerate it with flintc compile") from None
         buffers = dict(self.model.named_buffers())
         self._weights: dict[str, SimpleNamespace] = {}
         for name, step in self.plan.items():

@@ -290,13 +290,18 @@ def test_bad_input_is_one_line(builds, capsys, tmp_path, case, tiny_bf16_dir):
         assert (tmp_path / "x" / "keep.txt").read_text() == "mine"
 
 
-def test_run_compiles_on_the_fly_with_no_model(capsys):
+def test_run_compiles_on_the_fly_with_no_model(capsys, tmp_path, monkeypatch):
     """`flintc run --backend torch` with no MODEL compiles the embedded default into a
-    temporary build and gives the reference backend's tokens."""
+    temporary build, gives the reference backend's tokens, and removes the build."""
+    import tempfile
+
     args = ["--prompt-ids", "5,6,7,8", "--max-tokens", 3, "--temperature", 0, "--ignore-eos", "--output", "json"]
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code, out, err = run_cli(capsys, "run", "--backend", "torch", "--max-batch", 1, "--max-model-len", 64,
                              "--no-check", "--no-dump", *args)
     assert code == 0, err
+    assert list(tmp_path.iterdir()) == []  # the temporary BUILD is gone
+    monkeypatch.undo()
     code, ref, err = run_cli(capsys, "run", *args)
     assert code == 0, err
     assert json.loads(out)["output_ids"] == json.loads(ref)["output_ids"]
@@ -320,6 +325,11 @@ def test_serve_a_build(builds):
     build, source = builds["nvfp4"]
     ns = argparse.Namespace(build=str(build), model=None, hf_config_path=None, tokenizer=None, device=None,
                             max_batch=8, max_model_len=None)
+    from flintc.errors import InputError
+
+    with pytest.raises(InputError, match="--max-batch 8: .* at most 4"):  # never silently clamped
+        make_runner(ns)
+    ns.max_batch = None
     runner = make_runner(ns)
     assert isinstance(runner, CompiledRunner) and runner.max_batch == 4
     tok = load_tokenizer(tokenizer_dir(ns))
@@ -344,3 +354,84 @@ def test_serve_a_build(builds):
         server.should_exit = True
         thread.join(timeout=10)
         engine.shutdown()
+
+
+# ---- flags a build fixes, corrupt builds, bad ids ----------------------------------------
+
+
+def test_run_build_honours_smaller_limits_and_refuses_larger(builds, capsys):
+    build, _ = builds["bf16"]
+    args = ["run", "--build", build, "--prompt-ids", "1,2,3", "--max-tokens", 8, "--temperature", 0,
+            "--ignore-eos", "--output", "json"]
+    code, full, err = run_cli(capsys, *args)
+    assert code == 0, err
+    code, short, err = run_cli(capsys, *args, "--max-model-len", 5)
+    assert code == 0, err
+    full, short = json.loads(full), json.loads(short)
+    assert short["finish_reason"] == "max_model_len" and short["output_ids"] == full["output_ids"][:3]
+    code, out, err = run_cli(capsys, *args, "--max-batch", 1, "--prompt-ids", "4,5")
+    assert code == 2 and "--max-batch is 1" in err
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--max-model-len", str(MAX_LEN + 1)], [f"--max-model-len {MAX_LEN + 1}", f"compiled for {MAX_LEN}",
+                                             "compile time"]),
+    (["--max-batch", "8"], ["--max-batch 8", "at most 4", "compile time"]),
+    (["--prefill-chunk", "4"], ["--prefill-chunk", "compile time"]),
+    (["--buckets", "1"], ["--buckets", "compile time"]),
+    (["--no-check"], ["--no-check", "compile time"]),
+    (["--config", "tiny"], ["--config tiny", "compile time"]),
+    (["--format", "nvfp4"], ["--format nvfp4", "compiled for bf16"]),
+    (["--backend", "reference"], ["--build", "--backend"]),
+    (["--mode", "float64"], ["--mode float64", "reference backend"]),
+])
+def test_run_build_refuses_flags_the_build_fixes(builds, capsys, flags, needles):
+    build, _ = builds["bf16"]
+    code, out, err = run_cli(capsys, "run", "--build", build, "--prompt-ids", "1,2", "--max-tokens", 2, *flags)
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_corrupt_runtime_is_a_clean_error(builds, capsys, tmp_path):
+    import shutil
+
+    import flintc
+    from flintc.errors import InputError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(builds["bf16"][0], bad)
+    lines = (bad / "runtime.py").read_text().splitlines()
+    (bad / "runtime.py").write_text("\n".join(lines + ["def broken(:"]) + "\n")
+    code, _, err = run_cli(capsys, "run", "--build", bad, "--prompt-ids", "1,2")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"runtime.py, line {len(lines) + 1}" in err and "corrupt" in err and "flintc compile" in err
+    with pytest.raises(InputError, match="corrupt"):
+        flintc.load(bad)
+
+
+def test_forward_refuses_ids_outside_the_vocabulary(builds):
+    import flintc
+
+    m = flintc.load(builds["bf16"][0])
+    V = m.runner.config.vocab_size
+    for ids in ([99999], [1, -1], [V]):
+        with pytest.raises(ValueError, match=f"token id {ids[-1]} is outside the vocabulary \\[0, {V}\\)"):
+            m.forward(ids)
+    assert m.forward([V - 1]).shape == (1, V)
+
+
+def test_cuda_build_without_a_gpu_hints_at_device_cpu(builds, capsys, tmp_path):
+    import shutil
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    moved = tmp_path / "cuda-build"
+    shutil.copytree(builds["bf16"][0], moved)
+    manifest = json.loads((moved / "build.json").read_text())
+    (moved / "build.json").write_text(json.dumps({**manifest, "device": "cuda"}))
+    args = ["run", "--build", moved, "--prompt-ids", "1,2", "--max-tokens", 2, "--output", "json"]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and "no CUDA GPU" in err and "--device cpu" in err
+    code, out, err = run_cli(capsys, *args, "--device", "cpu")  # and the hint is true
+    assert code == 0 and len(json.loads(out)["output_ids"]) == 2, err

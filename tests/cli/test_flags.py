@@ -1,0 +1,242 @@
+"""Every flag is honoured or refused with one line naming it (exit 2), never silently
+ignored; bad values are refused before any work; interrupted commands leave nothing
+behind. All on the tiny checkpoints, none compiles a build (see
+tests/runtime/test_compiled.py for the --build cases)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flintc.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_cli(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    assert code == 2, err
+    assert err.startswith("flintc: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert str(n) in err, (n, err)
+
+
+# ---- flintc run: the reference backend -------------------------------------------------
+
+
+def test_reference_backend_honours_max_model_len(capsys, tiny_bf16_dir):
+    args = ["run", tiny_bf16_dir, "--prompt-ids", "1,2,3", "--max-tokens", 8, "--temperature", 0,
+            "--ignore-eos", "--output", "json"]
+    code, full, err = run_cli(capsys, *args)
+    assert code == 0, err
+    code, short, err = run_cli(capsys, *args, "--max-model-len", 5)
+    assert code == 0, err
+    full, short = json.loads(full), json.loads(short)
+    # Positions 0..4: the prompt takes 3, decode writes 2 more; the last token needs no position.
+    assert short["finish_reason"] == "max_model_len"
+    assert short["output_ids"] == full["output_ids"][:3]
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1,2,3,4,5,6", "--max-model-len", 4)
+    assert_one_line_error(code, err, "6 tokens", "maximum of 4")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--max-model-len", "0"], ["--max-model-len", "got 0"]),
+    (["--max-model-len", "-3"], ["--max-model-len", "got -3"]),
+    (["--max-batch", "1", "--prompt-ids", "4,5"], ["2 prompts", "--max-batch is 1"]),
+    (["--max-batch", "0"], ["--max-batch", "got 0"]),
+    (["--prefill-chunk", "0"], ["--prefill-chunk", "got 0"]),
+    (["--config", "tiny"], ["--config tiny", "--load-format dummy"]),
+    (["--format", "nvfp4"], ["--format nvfp4", "--load-format dummy"]),
+    (["--no-check"], ["--no-check", "compiled backend"]),
+    (["--no-dump"], ["--no-dump", "compiled backend"]),
+    (["--buckets", "1"], ["--buckets", "compiled backend"]),
+    (["--backend", "torch", "--mode", "float64"], ["--mode float64", "reference backend"]),
+    (["--hf-config-path", "/nonexistent/cfg"], ["--hf-config-path /nonexistent/cfg", "no such file"]),
+    (["--tokenizer", "/nonexistent/tok"], ["--tokenizer /nonexistent/tok", "no such file"]),
+    (["--top-p", "2"], ["--top-p", "top_p"]),
+])
+def test_run_refuses_flags_it_would_ignore(capsys, tiny_bf16_dir, args, needles):
+    base = ["run", tiny_bf16_dir, "--max-tokens", 2, "--prompt-ids", "1,2"]
+    code, out, err = run_cli(capsys, *base, *args)
+    assert_one_line_error(code, err, *needles)
+    assert out == ""
+
+
+def test_dummy_flags_are_honoured_with_load_format_dummy(capsys):
+    code, out, err = run_cli(capsys, "run", "--load-format", "dummy", "--config", "tiny", "--format", "nvfp4",
+                             "--prompt-ids", "1,2", "--max-tokens", 2, "--output", "json", "--ignore-eos")
+    assert code == 0, err
+    assert len(json.loads(out)["output_ids"]) == 2
+    code, _, err = run_cli(capsys, "run", "--load-format", "dummy", "--prompt-ids", "1")
+    assert_one_line_error(code, err, "--load-format dummy", "--config")
+
+
+# ---- flintc compile: bad values are refused before any work ----------------------------
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--max-model-len", "0"], ["--max-model-len", "got 0"]),
+    (["--max-model-len", "-1"], ["--max-model-len", "got -1"]),
+    (["--prefill-chunk", "0"], ["--prefill-chunk", "got 0"]),
+    (["--max-batch", "9"], ["--max-batch", "got 9"]),
+    (["--format", "nvfp4"], ["--format nvfp4", "--load-format dummy"]),
+])
+def test_compile_refuses_bad_values_at_once(capsys, tmp_path, tiny_bf16_dir, args, needles):
+    t0 = time.perf_counter()
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", tmp_path / "b", *args)
+    assert_one_line_error(code, err, *needles)
+    assert time.perf_counter() - t0 < 5 and list(tmp_path.iterdir()) == []
+
+
+def test_compile_checks_the_output_parent_first(capsys, tmp_path, tiny_bf16_dir):
+    t0 = time.perf_counter()
+    out = tmp_path / "missing" / "parent" / "b"
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out)
+    assert_one_line_error(code, err, f"--out {out}", "does not exist")
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", tmp_path / "file" / "b")
+    assert_one_line_error(code, err, "is not a folder")
+    assert time.perf_counter() - t0 < 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_build_options_zero_is_not_unset():
+    from flintc.config import FlintConfig
+    from flintc.errors import InputError
+    from flintc.runtime.build import BuildOptions
+
+    tiny = FlintConfig.preset("tiny")
+    assert BuildOptions().resolve(tiny).max_model_len == tiny.max_position_embeddings
+    with pytest.raises(InputError, match="got 0"):
+        BuildOptions(max_model_len=0).resolve(tiny)
+
+
+def test_sigterm_during_compile_leaves_no_temporary_folder(tmp_path, tiny_bf16_dir):
+    """SIGTERM runs the same clean-up as Ctrl-C: exit 143, no `.b.xxxx` folder left."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "flintc", "compile", str(tiny_bf16_dir), "--out",
+                             str(tmp_path / "b"), "--no-dump"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".b.") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "flintc: terminated" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- verify / dump / make-checkpoint / serve ----------------------------------------------
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--tokens", "0"], ["--tokens", "got 0"]),
+    (["--tokens", "-3"], ["--tokens", "got -3"]),
+    (["--cache-len", "0"], ["--cache-len", "got 0"]),
+    (["--cache-len", "-5"], ["--cache-len", "got -5"]),
+    (["--tokens", "16", "--cache-len", "4"], ["--tokens 16", "--cache-len 4"]),
+    (["--attention-splits", "0"], ["--attention-splits", "got 0"]),
+])
+def test_verify_refuses_bad_sizes(capsys, args, needles):
+    code, _, err = run_cli(capsys, "verify", *args)
+    assert_one_line_error(code, err, *needles)
+
+
+def test_capture_zero_tokens_is_not_the_default():
+    from harness import tiny_model
+
+    from flintc.graph.trace import capture
+
+    with pytest.raises(ValueError, match="tokens=0"):
+        capture(tiny_model(), "prefill", tokens=0, cache_len=16)
+    with pytest.raises(ValueError, match="cache_len"):
+        capture(tiny_model(), "decode", cache_len=0)
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--max-shard-bytes", "0"], ["--max-shard-bytes", "got 0"]),
+    (["--max-shard-bytes", "-1"], ["--max-shard-bytes", "got -1"]),
+    (["--format", "nvfp4", "--max-shard-bytes", "1000"], ["--max-shard-bytes", "--format bf16"]),
+])
+def test_make_checkpoint_bad_shard_size(capsys, tmp_path, args, needles):
+    code, _, err = run_cli(capsys, "make-checkpoint", "--out", tmp_path / "c", *args)
+    assert_one_line_error(code, err, *needles)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--port", "70000"], ["--port", "70000", "0..65535"]),
+    (["--port", "-1"], ["--port", "-1"]),
+    (["/nonexistent/model"], ["MODEL /nonexistent/model", "no such"]),
+    (["--hf-config-path", "/nonexistent/cfg"], ["--hf-config-path /nonexistent/cfg"]),
+    (["--build", "/nonexistent/build"], ["--build /nonexistent/build"]),
+])
+def test_serve_bad_arguments(capsys, args, needles):
+    code, _, err = run_cli(capsys, "serve", *args)
+    assert_one_line_error(code, err, *needles)
+
+
+def test_load_checkpoint_names_a_missing_hf_config_path(tiny_nvfp4_gguf):
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="--hf-config-path.*/nonexistent/cfg: no such"):
+        load_checkpoint(tiny_nvfp4_gguf, hf_config_path="/nonexistent/cfg", progress=False)
+
+
+def test_dump_refuses_a_checkpoint_folder(capsys, tiny_bf16_dir, tmp_path):
+    before = sorted(p.name for p in tiny_bf16_dir.iterdir())
+    code, _, err = run_cli(capsys, "dump", "--out", tiny_bf16_dir)
+    assert_one_line_error(code, err, f"--out {tiny_bf16_dir}", "config.json")
+    assert sorted(p.name for p in tiny_bf16_dir.iterdir()) == before
+    (tmp_path / "mine.txt").write_text("keep")
+    code, _, err = run_cli(capsys, "dump", "--out", tmp_path)
+    assert_one_line_error(code, err, "not empty")
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"]
+
+
+def test_interrupted_dump_leaves_nothing_and_a_dump_replaces_an_earlier_one(capsys, tmp_path, monkeypatch):
+    """The dump is written beside --out and renamed at the end: an interrupt mid-way
+    leaves no folder, an earlier dump output is replaced whole."""
+    import flintc.passes.pipeline as pipeline
+
+    def interrupted(*a, dump_dir=None, **kw):
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        (Path(dump_dir) / "00-captured.py").write_text("# half")
+        raise KeyboardInterrupt
+
+    def quick(model, step, dump_dir=None, **kw):  # stands in for the pipeline: two dump files
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        (Path(dump_dir) / "index.md").write_text("# dump\n")
+        (Path(dump_dir) / "report.json").write_text(json.dumps({"step": step, "stages": ["captured"]}))
+        return None, SimpleNamespace(stages=[])
+
+    monkeypatch.setattr(pipeline, "compile_step", interrupted)
+    out = tmp_path / "dumps"
+    assert main(["dump", "--out", str(out), "--batch", "1"]) == 130
+    assert list(tmp_path.iterdir()) == []
+
+    out.mkdir()
+    for name in ("index.md", "report.json", "99-stale.py"):
+        (out / name).write_text("{}")
+    monkeypatch.setattr(pipeline, "compile_step", quick)
+    code, stdout, err = run_cli(capsys, "dump", "--out", out, "--batch", "1")
+    assert code == 0, err
+    assert not (out / "99-stale.py").exists() and json.loads((out / "report.json").read_text())["stages"]
+    assert f"-> {out}" in stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dumps"]
