@@ -323,18 +323,19 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             raise APIError(400, f"'stop' takes at most {MAX_STOP} non-empty strings", param="stop")
         return n, tuple(stop)
 
-    def check_length(n_prompt: int, max_tokens: int | None, param: str) -> int:
+    def check_length(n_prompt: int, max_tokens: int | None, param: str, prompt_param: str) -> int:
+        """`param`: the request field that set max_tokens; `prompt_param`: the one holding
+        the prompt ("messages" for chat, "prompt" for completions)."""
         if n_prompt > max_model_len:
             raise APIError(400, f"the prompt has {n_prompt} tokens, more than the maximum context "
                            f"length of {max_model_len} tokens (--max-model-len)",
-                           param="messages" if param != "prompt" else "prompt",
-                           code="context_length_exceeded")
+                           param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = max_model_len - n_prompt
             if max_tokens < 1:
                 raise APIError(400, f"the prompt has {n_prompt} tokens, which leaves no room to "
                                f"generate within the maximum context length of {max_model_len} tokens",
-                               param=param, code="context_length_exceeded")
+                               param=prompt_param, code="context_length_exceeded")
         if max_tokens < 1:
             raise APIError(400, f"'{param}' must be at least 1, got {max_tokens}", param=param)
         if n_prompt + max_tokens > max_model_len:
@@ -412,7 +413,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 and req.max_tokens != req.max_completion_tokens:
             raise APIError(400, "'max_tokens' and 'max_completion_tokens' disagree", param="max_tokens")
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = check_length(len(prompt_ids), asked, "max_tokens")
+        max_tokens = check_length(len(prompt_ids), asked, "max_completion_tokens"
+                                  if req.max_completion_tokens is not None else "max_tokens", "messages")
         params = sampling(req, max_tokens, n)
         top = None
         if req.top_logprobs is not None and not req.logprobs:
@@ -487,7 +489,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         prompts = _completion_prompts(req.prompt, tokenizer)
         asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for ids in prompts:
-            check_length(len(ids), asked, "max_tokens")
+            check_length(len(ids), asked, "max_tokens", "prompt")
         params = sampling(req, asked, n)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",

@@ -398,3 +398,15 @@ def test_error_cases(server, client):
     # still serving
     r = client.chat.completions.create(**chat("Hi", model=MODEL, max_tokens=2))
     assert r.usage.completion_tokens >= 1
+
+
+def test_over_length_error_names_the_prompt_field(server):
+    """The context-length error names the field holding the prompt: "prompt" for
+    /v1/completions, "messages" for /v1/chat/completions."""
+    status, body = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": [1] * 1100, "max_tokens": 2})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+    assert body["error"]["param"] == "prompt"
+    status, body = raw(server, "POST", "/v1/chat/completions", chat("word " * 1100, max_tokens=2))
+    assert status == 400 and body["error"]["param"] == "messages", body
+    status, body = raw(server, "POST", "/v1/chat/completions", chat("hi", max_completion_tokens=5000))
+    assert status == 400 and body["error"]["param"] == "max_completion_tokens", body
