@@ -2,9 +2,11 @@
 prompts greedily with the generated runtime; then check the tokens against the eager
 reference model.
 
-    python examples/compiled_generate.py            # CPU: Triton's interpreter, or the
-                                                    # reference ops without triton
-    python examples/compiled_generate.py --device cuda
+    python examples/compiled_generate.py            # CPU: the reference ops (backend auto
+                                                    # picks torch on a CPU)
+    python examples/compiled_generate.py --backend triton   # CPU: the Triton kernels in
+                                                    # Triton's interpreter (slow)
+    python examples/compiled_generate.py --device cuda      # GPU: the Triton kernels
 """
 
 import argparse
@@ -22,7 +24,8 @@ from flintc.sampling import SamplingParams
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backend", default="auto", help="auto, triton or torch")
+    ap.add_argument("--backend", default="auto",
+                    help="auto (triton on CUDA, torch on a CPU), triton or torch")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint("tiny", "nvfp4", Path(tmp) / "ckpt", seed=0)

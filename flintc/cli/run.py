@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
     add_build_args(p, backend=False)
     p.add_argument("--mode", choices=("bf16", "float64"), default=None,
                    help="reference backend numerics: bf16 (FLINT_SPEC rounding points) or float64 "
-                        "oracle (default: bf16)")
+                        "oracle (default: bf16)%(default).0s")
     p.add_argument("--output", choices=("text", "json"), default="text")
     p.add_argument("--logits-out", default=None,
                    help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy "
