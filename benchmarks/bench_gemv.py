@@ -68,6 +68,35 @@ def nbytes(*ts) -> int:
     return total
 
 
+ROTATE_BYTES = 256 << 20  # weight copies cycled per call: > 5x the H200's 50 MB L2
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    return type(obj)(_clone(o) for o in obj)
+
+
+class Rotation:
+    """Copies of a group of weights, handed out in turn (`next()`), so that consecutive
+    launches in the timed CUDA graph read different memory: `triton.testing.
+    do_bench_cudagraph` does not flush the L2 cache, and every decode weight but the LM
+    head fits in the H200's 50 MB L2, so without rotation the kernels would be timed on
+    L2-resident weights (sessions 1-5 did: their bench_gemv "% copy" of shapes under
+    ~50 MB are L2 figures). `ROTATE_BYTES` of copies at most 64; 1 copy with ROTATE off."""
+
+    def __init__(self, group):
+        self.first = group
+        n = 1 if not ROTATE else max(1, min(64, -(-ROTATE_BYTES // max(nbytes(group), 1))))
+        self.copies = [group] + [_clone(group) for _ in range(n - 1)]
+        self.i = 0
+
+    def next(self):
+        g = self.copies[self.i % len(self.copies)]
+        self.i += 1
+        return g
+
+
 def plain_linear(x, w):
     """The op's plain torch expression (fp32 accumulation, one rounding)."""
     if len(w) == 1:
@@ -92,14 +121,16 @@ class Case:
         x = torch.randn(N, K, device="cuda").to(torch.bfloat16)
         if self.kind == "gemv":
             w = make_weight(F, K, fmt)
-            ours = lambda cfg=None: fg.gemv(x, w, use_pdl=PDL, config=cfg)  # noqa: E731
+            rot = Rotation(w)
+            ours = lambda cfg=None: fg.gemv(x, rot.next(), use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.gemv(x, w)  # noqa: E731
             plain = lambda x, w: plain_linear(x, w)  # noqa: E731
             return ours, eager, plain, (x, w), nbytes(w, x) + 2 * N * F, (fmt, F, K, N), None
         if self.kind == "gemv_residual":
             w = make_weight(F, K, fmt)
             res = torch.randn(N, F, device="cuda").to(torch.bfloat16)
-            ours = lambda cfg=None: fg.gemv_residual(x, w, res, use_pdl=PDL, config=cfg)  # noqa: E731
+            rot = Rotation(w)
+            ours = lambda cfg=None: fg.gemv_residual(x, rot.next(), res, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.gemv_residual(x, w, res)  # noqa: E731
             plain = lambda x, w, r: (r.float() + plain_linear(x, w).float()).to(torch.bfloat16)  # noqa: E731
             return (ours, eager, plain, (x, w, res), nbytes(w, x, res) + 2 * N * F,
@@ -107,7 +138,8 @@ class Case:
         norm = torch.rand(K, device="cuda") + 0.5
         if self.kind == "gate_up":
             g, u = make_weight(F, K, fmt), make_weight(F, K, fmt)
-            ours = lambda cfg=None: fg.norm_gate_up_silu(x, norm, g, u, 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
+            rot = Rotation([g, u])
+            ours = lambda cfg=None: fg.norm_gate_up_silu(x, norm, *rot.next(), 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.norm_gate_up_silu(x, norm, g, u, 1e-5)  # noqa: E731
 
             def plain(x, norm, g, u):
@@ -118,7 +150,8 @@ class Case:
         if self.kind == "lm_head":
             w = make_weight(F, K, "bf16")[0]
             x3 = x.view(N, 1, K)
-            ours = lambda cfg=None: fg.norm_lm_head(x3, norm, w, 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
+            rot = Rotation([w])
+            ours = lambda cfg=None: fg.norm_lm_head(x3, norm, rot.next()[0], 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.norm_lm_head(x3, norm, w, 1e-5)  # noqa: E731
 
             def plain(x, norm, w):
@@ -137,7 +170,11 @@ class Case:
         pos = torch.randint(0, 4096, (N, 1), device="cuda")
         x3 = x.view(N, 1, K)
         args = (x3, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos, 1e-5, HQ, HKV, True, WINDOW)
-        ours = lambda cfg=None: fg.norm_qkv_rope_kv(*args, use_pdl=PDL, config=cfg)  # noqa: E731
+        rot = Rotation([wq, wk, wv])
+
+        def ours(cfg=None):
+            q_, k_, v_ = rot.next()
+            return fg.norm_qkv_rope_kv(x3, norm, q_, k_, v_, *args[5:], use_pdl=PDL, config=cfg)
         eager = lambda: torch.ops.flintc.norm_qkv_rope_kv(*args)  # noqa: E731
 
         def plain(x3, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos):
@@ -167,10 +204,11 @@ CASES = [
     Case("lm_head", VOCAB, H, ("bf16",), "lm_head"),
 ]
 PDL = False
+ROTATE = True
 
 
 def main() -> None:
-    global PDL
+    global PDL, ROTATE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the Markdown tables to this file")
     parser.add_argument("--pdl", action="store_true", help="launch flintc's kernels with PDL")
@@ -181,6 +219,9 @@ def main() -> None:
     parser.add_argument("--family", default="all", choices=("all", "classic", "one-step"),
                         help="sweep candidates: all, the classic tiles, or the one-step configs "
                              "(whole weight slice issued before the PDL wait)")
+    parser.add_argument("--l2-resident", action="store_true",
+                        help="do not rotate weight copies (the kernels then read L2-resident weights; "
+                             "the pre-session-5 behaviour)")
     parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_GEMV_TUNED file")
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
@@ -189,6 +230,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA GPU")
     PDL = args.pdl
+    ROTATE = not args.l2_resident
 
     from flintc.kernels.gemv import choose_config, sweep_configs
     from flintc.kernels.fused_gemv import qkv_config
@@ -196,7 +238,10 @@ def main() -> None:
     copy_bw = copy_bandwidth_gbs()
     head = [f"Device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s "
             f"(graph-replayed 1 GiB copy, same run); PDL {'on' if PDL else 'off'}; "
-            "CUDA-graph replay, median; bytes = weights + activations + outputs (+ cache rows)", "",
+            "CUDA-graph replay, median; bytes = weights + activations + outputs (+ cache rows); "
+            + (f"flintc's weights rotate over copies of >= {ROTATE_BYTES >> 20} MiB (read from DRAM; "
+               "the eager and compile columns read one copy, L2-resident where it fits)" if ROTATE
+               else "weights NOT rotated (--l2-resident): small shapes are timed from L2"), "",
             "| case | F x K | fmt | N | flintc us | GB/s | % copy | config | eager us | compile us "
             "| compile % copy |" + (" best us | best % copy | best config |" if args.sweep else ""),
             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.sweep else "")]
