@@ -72,7 +72,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise InputError("--enable-auto-tool-choice needs --tool-call-parser glm47")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError(f"--device {args.device}: no CUDA GPU is available")
+        raise InputError(f"--device {args.device}: no CUDA GPU is available (--device cpu runs on the CPU)")
     options = ServeOptions(model_name=served_model_name(args), api_key=args.api_key,
                            enable_auto_tool_choice=args.enable_auto_tool_choice,
                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
