@@ -571,9 +571,10 @@ class _Bench:
                 if rec is not None:
                     self.r["baselines"].append(rec)
 
-    def _inputs(self, cfg, batch: int, bucket: int, context: int, slots: int, scratch: int | None):
+    def _inputs(self, cfg, batch: int, bucket: int, context: int, slots: int, runner=None):
         """`rotations` input sets: ids [bucket, 1], positions [bucket, 1], slots [bucket]
-        (live rows first; padding rows on the scratch slot at position 0, token 0)."""
+        (live rows first; padding rows at position 0, token 0, with `runner.pad_slot`'s
+        negative slot: they touch no cache row)."""
         sets = []
         for r in range(self.o.rotations):
             ids = torch.randint(0, cfg.vocab_size, (batch,), generator=self.gen).tolist()
@@ -584,7 +585,8 @@ class _Bench:
                 "ids": ids, "slots": sl, "positions": [context - 1] * batch,
                 "t_ids": torch.tensor([[t] for t in ids] + [[0]] * pad, device=self.device),
                 "t_pos": torch.tensor([[context - 1]] * batch + [[0]] * pad, device=self.device),
-                "t_slots": torch.tensor(sl + [scratch] * pad, device=self.device),
+                "t_slots": torch.tensor(sl + ([runner.pad_slot(sl)] * pad if pad else []),
+                                        device=self.device),
             })
         return sets
 
@@ -607,7 +609,7 @@ class _Bench:
         o, cfg = self.o, runner.config
         bucket = next(b for b in runner.buckets if b >= batch)
         name = f"decode_b{bucket}"
-        sets = self._inputs(cfg, batch, bucket, context, runner.max_batch, runner.scratch)
+        sets = self._inputs(cfg, batch, bucket, context, runner.max_batch, runner)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         # the step's own routing, through the recording kernel table (eager, not graphed)
@@ -702,7 +704,7 @@ class _Bench:
 
         bucket = next(b for b in runner.buckets if b >= batch)
         name = f"decode_b{bucket}"
-        s = self._inputs(runner.config, batch, bucket, context, runner.max_batch, runner.scratch)[0]
+        s = self._inputs(runner.config, batch, bucket, context, runner.max_batch, runner)[0]
         launches = runner.plan[name]["launches"]
         if self.cuda:
             graph, s_ids, s_pos, s_sl, _ = runner.decode_graph(bucket)
@@ -853,8 +855,9 @@ class _Bench:
 
 def _build_record(path: Path, manifest: dict, plan: dict) -> dict:
     """A build as `_Bench` uses it: path, manifest, plan steps, KV bytes as compiled,
-    `kv_for(max_model_len)` (the bytes of its caches at another length: max_batch + 1
-    slots, full layers max_model_len + prefill_chunk rows, sliding rings as they are) and
+    `kv_for(max_model_len)` (the bytes of its caches at another length: max_batch slots
+    as the runner allocates them (builds before session 5 list a scratch slot more in
+    their plan), full layers max_model_len + prefill_chunk rows, sliding rings as they are) and
     `resizable`: every function was traced at fewer cache rows than the build's, so none
     depends on the cache length (`flintc compile` retraces a function that does at the
     build's length) and the caches can be allocated at any length."""
@@ -863,6 +866,8 @@ def _build_record(path: Path, manifest: dict, plan: dict) -> dict:
     full = sum(int(layer["bytes"]) for layer in kv["layers"] if layer["kind"] == "full")
     sliding = int(kv["bytes"]) - full
     per_row = full // (slots * rows) if rows else 0
+    sliding = sliding // slots * int(manifest["max_batch"])
+    slots = int(manifest["max_batch"])  # what CompiledRunner allocates
     chunk = int(manifest["prefill_chunk"])
     steps = plan["steps"]
     resizable = bool(steps) and all(int(s.get("traced_cache_rows", rows)) < rows for s in steps.values())
@@ -874,7 +879,7 @@ def _build_record(path: Path, manifest: dict, plan: dict) -> dict:
 @torch.inference_mode()
 def _fill_kv(runner, rows: int) -> None:
     """Random bf16 in every live slot's cache rows (full layers: rows [0, rows); sliding
-    rings: all W rows); the scratch slot is left alone."""
+    rings: all W rows)."""
     _fill_kv_tensors(runner.kv, runner.config, runner.max_batch, rows)
 
 

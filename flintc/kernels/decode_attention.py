@@ -171,6 +171,10 @@ def decode_attention_kernel(
         tl.extra.cuda.gdc_wait()
     slot = tl.load(slots_ptr + b).to(tl.int64)
     p = tl.load(positions_ptr + b).to(tl.int32)  # positions [B, 1]
+    # A negative slot is a padding row (flintc.ops.attention.pad_slot): it reads no cache
+    # row (R = 0 below), so every chunk is empty (o = 0, lse = -inf).
+    live = slot >= 0
+    slot = tl.maximum(slot, 0)
     # q [B, 1, HKV * G, D]: heads hk * G .. hk * G + G - 1 (loaded with p: one round trip).
     q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=out_mask, other=0.0)
     if not BF16_DOT:
@@ -183,6 +187,7 @@ def decode_attention_kernel(
         R = tl.maximum(tl.minimum(p + 1, S), 0)
     else:
         R = S + 0 * p
+    R = tl.where(live, R, 0)
     nchunks = (R + CHUNK - 1) // CHUNK
 
     # Empty chunks nchunks.. N-1: o = 0, lse = -inf (the op's convention), written by
@@ -606,7 +611,9 @@ def decode_attention(q, k_cache, v_cache, slots, positions, window: int, num_spl
     the op accepts (no fallback).
 
     q: bf16 [B, 1, Hq, D]; k_cache, v_cache: bf16 [slots, S, Hkv, D] already holding
-    the new token; slots: int32/int64 [B]; positions: int64 [B, 1]; window: W for a
+    the new token; slots: int32/int64 [B] (a negative slot is a padding row, which
+    reads no cache row: all its chunks empty; `flintc.ops.attention.pad_slot`);
+    positions: int64 [B, 1]; window: W for a
     ring cache of W rows, 0 for a full cache (rows 0..p visible); num_splits: N equal
     chunks of ceil(S / N) rows. Returns (o_part fp32 [B, Hq, N, D], lse fp32 [B, Hq, N]),
     o = 0 and lse = -inf for chunks without a visible key. All tensors contiguous, on

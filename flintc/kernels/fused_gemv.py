@@ -175,6 +175,8 @@ def norm_qkv_rope_kv_kernel(
         # layers, window 0) or position % window (ring of a sliding layer).
         pos = tl.load(pos_ptr + offs_n, mask=mask_n, other=0)
         slot = tl.load(slots_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+        live = slot >= 0  # a negative slot is a padding row (flintc.ops.attention.pad_slot)
+        slot = tl.maximum(slot, 0)
         if window > 0:
             row = pos % window
         else:
@@ -182,7 +184,8 @@ def norm_qkv_rope_kv_kernel(
         kvh = (head - HQ) % HKV
         c_offs = ((slot * S + row) * HKV + kvh) * D
         c_offs = c_offs[:, None] + d2[None, :]
-        mask_c = mask_h & ((row >= 0) & (row < S))[:, None]  # never write outside the cache
+        # never write outside the cache, nor for padding rows
+        mask_c = mask_h & (live & (row >= 0) & (row < S))[:, None]
         if head < HQ + HKV:
             tl.store(kc_ptr + c_offs, lo.to(tl.bfloat16), mask=mask_c)
             tl.store(kc_ptr + c_offs + D // 2, hi.to(tl.bfloat16), mask=mask_c)
@@ -351,7 +354,9 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
             row positions[b] (window 0) or positions[b] % window (ring); only those
             rows change. positions must be < S for full layers (rows outside [0, S) are
             not written; the reference would raise).
-        slots: int32/int64 [B]; positions: int64 [B, 1] (non-negative, < P).
+        slots: int32/int64 [B]; a negative slot marks a padding row, whose K/V are not
+            written (`flintc.ops.attention.pad_slot`). positions: int64 [B, 1]
+            (non-negative, < P).
         eps: RMSNorm epsilon; num_heads, num_kv_heads: Hq, Hkv; D a power of two.
         use_pdl: programmatic dependent launch (CUDA only).
         config: GemvConfig (block_f is ignored: one head per program).

@@ -12,10 +12,35 @@ from flintc.model import ops
 from flintc.ops.common import CDT
 
 
+def pad_slot(free_slot: int) -> int:
+    """The slot id of a padding row of a decode bucket: `-1 - free_slot`, where
+    `free_slot` is a cache slot that no live row of the same call uses (vLLM's convention
+    of a negative slot for padded tokens, `PAD_SLOT_ID`). Kernels skip the KV-cache write
+    of such a row and read no cache row for it (its attention output is 0); the torch ops
+    here read slot `free_slot` instead and write back what they read, a no-op that keeps
+    them sync-free (CUDA-graph capturable). Padding rows so need no scratch slot (which
+    held a whole sequence of full-attention KV: 7 GiB at 262K tokens).
+
+    Raises:
+        ValueError: free_slot < 0.
+    """
+    if free_slot < 0:
+        raise ValueError(f"pad_slot: free_slot must be a cache slot (>= 0), got {free_slot}")
+    return -1 - int(free_slot)
+
+
+def cache_slots(slots: torch.Tensor) -> torch.Tensor:
+    """The cache slot each row addresses: `slots` itself for live rows, `-1 - s` (the
+    free slot of `pad_slot`) for padding rows. int64 [B] -> int64 [B]."""
+    return torch.where(slots < 0, -1 - slots, slots)
+
+
 def write_kv(k_cache, v_cache, k, v, slots, positions, window: int) -> None:
     """Write k, v [B, T, Hkv, D] for `positions` [B, T] into cache rows `slots` [B]:
     by position (window 0, full layers) or into a ring of `window` slots, position p
-    in slot p % W (only the last min(T, W) tokens survive)."""
+    in slot p % W (only the last min(T, W) tokens survive). Every slot must be a live
+    one (>= 0). This is the reference model's write, the search pattern of
+    `flintc.passes.fuse_qk_norm_rope_kv`; the fused ops write with `write_kv_padded`."""
     if window == 0:
         k_cache[slots[:, None], positions] = k
         v_cache[slots[:, None], positions] = v
@@ -25,6 +50,23 @@ def write_kv(k_cache, v_cache, k, v, slots, positions, window: int) -> None:
     ring = positions[:, T - n:] % window
     k_cache[slots[:, None], ring] = k[:, T - n:]
     v_cache[slots[:, None], ring] = v[:, T - n:]
+
+
+def write_kv_padded(k_cache, v_cache, k, v, slots, positions, window: int) -> None:
+    """`write_kv` where rows with a negative slot (padding, `pad_slot`) write nothing:
+    their free slot's cells are read and written back unchanged (no host sync, no
+    data-dependent shapes, so CUDA graphs can capture it). Same arguments."""
+    live = (slots >= 0).view(-1, 1, 1, 1)
+    s = cache_slots(slots)[:, None]
+    if window == 0:
+        rows = positions
+    else:
+        T = k.shape[1]
+        n = min(T, window)
+        rows = positions[:, T - n:] % window
+        k, v = k[:, T - n:], v[:, T - n:]
+    k_cache[s, rows] = torch.where(live, k, k_cache[s, rows])
+    v_cache[s, rows] = torch.where(live, v, v_cache[s, rows])
 
 
 @torch.library.custom_op("flintc::qk_norm_rope_kv_write", mutates_args=("k_cache", "v_cache"))
@@ -45,7 +87,7 @@ def qk_norm_rope_kv_write(
     if rope:
         q = ops.apply_rope(q, cos, sin, CDT)
         k = ops.apply_rope(k, cos, sin, CDT)
-    write_kv(k_cache, v_cache, k, v, slots, positions, window)
+    write_kv_padded(k_cache, v_cache, k, v, slots, positions, window)
     return q, k
 
 
@@ -76,17 +118,18 @@ def decode_attention(
     holding the new token; positions: int64 [B, 1]; window: W for a ring cache, 0 for
     a full one (keys 0..p). The S rows are cut into `num_splits` equal chunks; each
     gives an fp32 partial output normalised within the chunk and its log-sum-exp
-    (-inf and o = 0 for a chunk with no visible key). Returns (o_part fp32
+    (-inf and o = 0 for a chunk with no visible key). A padding row (negative slot,
+    `pad_slot`) sees no key: all its chunks are empty. Returns (o_part fp32
     [B, Hq, num_splits, D], lse fp32 [B, Hq, num_splits]); `attention_combine` adds
     the sink and merges them.
     """
     B, _, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
-    keys = k_cache[slots].to(CDT)  # [B, S, Hkv, D]
-    values = v_cache[slots].to(CDT)
+    keys = k_cache[cache_slots(slots)].to(CDT)  # [B, S, Hkv, D]
+    values = v_cache[cache_slots(slots)].to(CDT)
     kpos = key_positions(positions, S, window)  # [B, S]
     p = positions[:, -1:]
-    visible = (kpos >= 0) & (kpos <= p)  # [B, S]
+    visible = (kpos >= 0) & (kpos <= p) & (slots >= 0)[:, None]  # [B, S]; padding: none
     if window:
         visible &= (p - kpos) < window
     qh = q[:, 0].to(CDT).view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]

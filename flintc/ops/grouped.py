@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from flintc.model import ops
-from flintc.ops.attention import write_kv
+from flintc.ops.attention import write_kv_padded
 from flintc.ops.common import CDT, as_weight, out_features
 from flintc.ops.moe import moe_down_combine, moe_gate_up
 
@@ -26,7 +26,7 @@ def norm_qkv_rope_kv(
     positions: torch.Tensor, eps: float, num_heads: int, num_kv_heads: int, rope: bool, window: int,
 ) -> torch.Tensor:
     """Kernel 1: input RMSNorm, QKV GEMV, per-head Q/K RMSNorm, RoPE (rows of the
-    cos/sin tables [P, D/2] at `positions`), KV-cache write (see `write_kv`).
+    cos/sin tables [P, D/2] at `positions`), KV-cache write (see `write_kv_padded`: padding rows write nothing).
 
     x: bf16 [B, T, H]; -> q bf16 [B, T, Hq, D]; caches written in place.
     """
@@ -41,7 +41,7 @@ def norm_qkv_rope_kv(
         cos, sin = cos_table[positions], sin_table[positions]  # [B, T, D/2]
         q = ops.apply_rope(q, cos, sin, CDT)
         k = ops.apply_rope(k, cos, sin, CDT)
-    write_kv(k_cache, v_cache, k, v, slots, positions, window)
+    write_kv_padded(k_cache, v_cache, k, v, slots, positions, window)
     return q
 
 

@@ -295,7 +295,7 @@ def _progress(steps, enabled: bool):
 
 
 def _kv_layout(config: FlintConfig, opts: BuildOptions) -> dict:
-    slots = opts.max_batch + 1
+    slots = opts.max_batch
     per_layer = []
     total = 0
     for i in range(config.num_hidden_layers):
@@ -306,8 +306,9 @@ def _kv_layout(config: FlintConfig, opts: BuildOptions) -> dict:
         total += nbytes
         per_layer.append({"layer": i, "kind": "sliding ring" if sliding else "full", "shape_k": shape,
                           "shape_v": shape, "dtype": "torch.bfloat16", "bytes": nbytes})
-    return {"slots": slots, "scratch_slot": opts.max_batch, "layers": per_layer, "bytes": total,
-            "note": "slot max_batch is scratch: padding rows of a decode bucket read and write it only"}
+    return {"slots": slots, "layers": per_layer, "bytes": total,
+            "note": "one slot per sequence; padding rows of a decode bucket carry a negative slot "
+                    "(flintc.ops.attention.pad_slot) and neither read nor write the cache"}
 
 
 def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dict:

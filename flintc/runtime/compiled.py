@@ -1,12 +1,14 @@
 """The generated runtime: load a BUILD folder and run it (`CompiledRunner`).
 
 The runner owns the weights (a `FlintModel` used only as the container of the
-weights and the RoPE tables), static KV caches for `max_batch` sequence slots plus
-one scratch slot, and the generated step functions of `BUILD/runtime.py`.
+weights and the RoPE tables), static KV caches for `max_batch` sequence slots, and
+the generated step functions of `BUILD/runtime.py`.
 
 - Decode: a batch of n <= max_batch sequences runs in the smallest bucket >= n;
-  the padding rows use the scratch slot (position 0, token 0), so they never read or
-  write a live sequence's cache. On CUDA each bucket is captured once into a CUDA
+  the padding rows (position 0, token 0) carry a negative slot (`pad_slot`, vLLM's
+  padded-slot convention), so they neither read nor write any cache row. (Until
+  session 5 they used a scratch slot, a whole extra sequence of KV cache: 7 GiB of
+  full-attention KV at 262K tokens.) On CUDA each bucket is captured once into a CUDA
   graph (its kernels launched with PDL where the backend's kernels support it) and
   replayed with the inputs copied into static buffers.
 - Prefill: one sequence, `prefill_chunk` tokens per call of the prefill function, so
@@ -29,6 +31,7 @@ from typing import Sequence
 import torch
 
 from flintc.errors import InputError
+from flintc.ops.attention import pad_slot
 from flintc.runtime.runner import check_request
 
 
@@ -148,8 +151,7 @@ class CompiledRunner:
         self.cache_rows = int(manifest["cache_rows"])
         self.backend = manifest["backend"]
         self.model = FlintModel(self.config, ckpt.weights, max_positions=self.cache_rows)
-        self.kv = self.model.new_kv_cache(self.max_batch + 1, self.cache_rows, device)
-        self.scratch = self.max_batch
+        self.kv = self.model.new_kv_cache(self.max_batch, self.cache_rows, device)
         self._module = _load_module(self.build / "runtime.py", f"flintc_build_{abs(hash(str(build)))}")
         plan_path = self.build / "plan.json"
         try:
@@ -236,12 +238,25 @@ class CompiledRunner:
         pad = B - n
         ids = torch.tensor([[int(t)] for t in token_ids] + [[0]] * pad, device=self.device)
         pos = torch.tensor([[int(p)] for p in positions] + [[0]] * pad, device=self.device)
-        sl = torch.tensor([int(s) for s in slots] + [self.scratch] * pad, device=self.device)
+        pad_ids = [self.pad_slot(slots)] * pad if pad else []
+        sl = torch.tensor([int(s) for s in slots] + pad_ids, device=self.device)
         if self.use_cuda_graphs:
             logits = self._replay(B, ids, pos, sl)
         else:
             logits = self._call(f"decode_b{B}", ids, pos, sl)
         return logits[:n, 0].float()
+
+    def pad_slot(self, live_slots: Sequence[int]) -> int:
+        """The slot id for the padding rows of a decode call whose live rows use
+        `live_slots`: `flintc.ops.attention.pad_slot(f)` (negative) with f the lowest
+        slot not among them, so the torch ops' no-op write-back of a padding row never
+        meets a live row's write. Raises InputError when every slot is live (then the
+        bucket has no padding)."""
+        used = {int(s) for s in live_slots}
+        free = next((f for f in range(self.max_batch) if f not in used), None)
+        if free is None:
+            raise InputError(f"no free slot for padding rows: all {self.max_batch} slots are live")
+        return pad_slot(free)
 
     # -- CUDA graphs -----------------------------------------------------------------
     def _replay(self, B: int, ids, pos, sl):
@@ -256,12 +271,12 @@ class CompiledRunner:
         return out
 
     def _capture(self, B: int):
-        """Capture decode_b{B} into a CUDA graph. The static inputs point at the scratch
-        slot while warming up and capturing, so no live cache is touched."""
+        """Capture decode_b{B} into a CUDA graph. The static inputs are padding rows
+        (`pad_slot`) while warming up and capturing, so no live cache is changed."""
         name = f"decode_b{B}"
         s_ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
         s_pos = torch.zeros(B, 1, dtype=torch.long, device=self.device)
-        s_sl = torch.full((B,), self.scratch, dtype=torch.long, device=self.device)
+        s_sl = torch.full((B,), self.pad_slot(()), dtype=torch.long, device=self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

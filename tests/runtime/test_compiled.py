@@ -18,6 +18,7 @@ import torch
 from flintc.checkpoint.default import default_checkpoint
 from flintc.checkpoint.loader import load_checkpoint
 from flintc.cli import main
+from flintc.errors import InputError
 from flintc.model.generate import generate
 from flintc.model.reference import FlintModel
 from flintc.runtime.compiled import load_build
@@ -183,7 +184,7 @@ def test_greedy_64_steps_match_reference(builds, fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_batch_of_three_prompts(builds, fmt, monkeypatch):
     """Three prompts of different lengths decoded together in the 4-bucket (one padding
-    row on the scratch slot), teacher forced, 20 steps."""
+    row with a negative slot, `pad_slot`), teacher forced, 20 steps."""
     build, source = builds[fmt]
     runner = load_build(build, progress=False)
     prompts = [list(range(5, 45)), [11, 12, 13, 14, 15, 16, 17], [300, 2, 451, 9, 17, 88, 23, 4, 99, 31, 5, 6, 7]]
@@ -196,12 +197,23 @@ def test_padding_never_touches_live_caches(builds):
     other slot's cache rows as they were."""
     build, _ = builds["bf16"]
     runner = load_build(build, progress=False)
+    # one slot per sequence: no scratch slot (padding rows carry a negative slot)
+    assert all(t.shape[0] == runner.max_batch for t in runner.kv)
+    assert runner.pad_slot([2, 0, 1]) == -4 and runner.pad_slot([]) == -1
+    with pytest.raises(InputError, match="no free slot"):
+        runner.pad_slot(range(runner.max_batch))
     for t in runner.kv:
         t.normal_()
     before = [t.clone() for t in runner.kv]
     runner.decode([2, 0, 1], [5, 6, 7], [30, 31, 32])
     for t, b in zip(runner.kv, before):
         assert torch.equal(t[3], b[3]), "slot 3 (not decoded) changed"
+        rows = {2: 30, 0: 31, 1: 32}
+        for s, p in rows.items():  # each live slot: only its own row
+            r = p % t.shape[1] if t.shape[1] == runner.config.sliding_window else p
+            kept = [i for i in range(t.shape[1]) if i != r]
+            assert torch.equal(t[s, kept], b[s, kept]), f"slot {s}: a row other than {r} changed"
+            assert not torch.equal(t[s, r], b[s, r]), f"slot {s}: row {r} was not written"
     before = [t.clone() for t in runner.kv]
     runner.prefill(1, list(range(1, 12)), start=20)  # 11 tokens: one full chunk of 8, one padded
     for i, (t, b) in enumerate(zip(runner.kv, before)):
