@@ -394,7 +394,8 @@ def test_moe_kernels_full_shapes_gpu(N, fmt, use_pdl, poison):
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_sweep_configs_full_shapes_gpu(N, fmt):
     """Every configuration `benchmarks/bench_moe.py` may pick (`K.sweep_configs`) gives the
-    reference's results at the model's shapes, with PDL (CPU twin: test_moe_configs)."""
+    reference's results at the model's shapes, with PDL (CPU twin: test_moe_configs). The
+    one-step family only at N = 1, where its sweeps ran (it keeps the GPU run short)."""
     gen = torch.Generator().manual_seed(7000 + 10 * N + FMTS.index(fmt))
     H, F, E = FULL["H"], FULL["F"], FULL["E"]
     w = make_moe(FULL, fmt, gen)
@@ -406,13 +407,14 @@ def test_sweep_configs_full_shapes_gpu(N, fmt):
     expect = ref("moe_down_combine_residual")(rh, rids, rw, w["down"], w["sd"], residual)
     kind = "nvfp4" if fmt.startswith("nvfp4") else "bf16"
     dev = torch.device(DEV)
-    for cfg in K.sweep_configs("gate_up", kind, N, F, H, N * TOP_K + 1, dev):
+    family = "all" if N == 1 else "classic"
+    for cfg in K.sweep_configs("gate_up", kind, N, F, H, N * TOP_K + 1, dev, family=family):
         h, wts, ids = K.moe_topk_gate_up(x, logits, bias, w["gate"], w["up"], w["sg"], w["su"],
                                          TOP_K, SCALING, use_pdl=True, config=cfg)
         torch.cuda.synchronize()
         check_routing(ids, wts, rids, rw, pairs)
         assert_bf16_close(f"h ({fmt}, N={N}, {cfg.short()})", h, rh)
-    for cfg in K.sweep_configs("down", kind, N, H, F, N * TOP_K + 1, dev):
+    for cfg in K.sweep_configs("down", kind, N, H, F, N * TOP_K + 1, dev, family=family):
         for _ in range(2):  # the second call checks that the counters were left at zero
             out = K.moe_down_combine_residual(rh, rids, rw, w["down"], w["sd"], residual,
                                               use_pdl=True, config=cfg)
