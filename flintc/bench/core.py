@@ -216,7 +216,8 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
         "full_model": None,
     }
     return {"meta": meta, "ceilings": {}, "loads": [], "builds": [], "decode": [], "prefill": [],
-            "baselines": [], "baseline_failures": [], "breakdown": [], "kernels": [], "notes": []}
+            "baselines": [], "baseline_failures": [], "breakdown": [], "prefill_breakdown": [], "kernels": [],
+            "notes": []}
 
 
 def _driver_version() -> str | None:
@@ -456,7 +457,7 @@ class _Bench:
             dec, pre, eager = ([p for p in pts if p[1] <= build["manifest"]["max_model_len"]]
                                for pts in (dec, pre, eager))
             runner = self.guarded(f"{fmt}: load build {name} (KV caches {build['kv_bytes'] / 2**30:.1f} GiB: "
-                                  f"{build['manifest']['max_batch'] + 1} slots x "
+                                  f"{build['manifest']['max_batch']} slots x "
                                   f"{build['manifest']['max_model_len']} positions)",
                                   lambda build=build: self._runner(build, ckpt))
             if runner is None:
@@ -555,6 +556,12 @@ class _Bench:
                                lambda t=tokens: self._prefill_point(fmt, runner, build, t))
             if rec is not None:
                 self.r["prefill"].append(rec)
+        if pre:
+            tokens = max(t for _, t in pre)
+            bd = self.guarded(f"{fmt} prefill kernel breakdown {tokens} tokens",
+                              lambda: self._prefill_breakdown(fmt, runner, tokens))
+            if bd is not None:
+                self.r.setdefault("prefill_breakdown", []).append(bd)
         if eager:
             from flintc.bench.baselines import EagerStep
 
@@ -673,6 +680,7 @@ class _Bench:
             "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None,
             "build": build["path"].name, "build_max_batch": m["max_batch"],
             "build_max_model_len": m["max_model_len"], "kv_cache_bytes_allocated": build["kv_bytes"],
+            "kv_slots": int(runner.kv[0].shape[0]),
             "build_compiled_max_model_len": build.get("compiled_max_model_len", m["max_model_len"]),
             "sampling": self.o.sampling,
         }
@@ -722,6 +730,38 @@ class _Bench:
             bd = breakdown_from_calls(rec["calls"])
             bd["method"] = "host-timed kernel-table calls of one eager run, synchronized around each (CPU)"
         bd.update({"fmt": fmt, "batch": batch, "context": context, "function": name})
+        return bd
+
+    def _prefill_breakdown(self, fmt, runner, tokens: int) -> dict:
+        """Where a prefill of `tokens` tokens spends its time. CUDA: the kernels of one
+        `runner.prefill` call (after the prefill points warmed it up) from torch.profiler,
+        grouped by kernel name (prefill launches aten ops too, so kernels are not matched
+        to the plan's launches), each charged its critical-path time. CPU: host-timed
+        kernel-table calls of one eager run of one prefill chunk."""
+        from flintc.bench.instrument import (_short_name, breakdown_from_calls, breakdown_from_kernels,
+                                             profile_call, record_step)
+
+        cfg = runner.config
+        if self.cuda:
+            prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=self.gen).tolist()
+            kernels = profile_call(lambda: runner.prefill(0, prompt, 0), self.device,
+                                   what=f"a prefill of {tokens} tokens")
+            bd = breakdown_from_kernels([kernels], [], labels=[(_short_name(k["name"]), None) for k in kernels])
+            bd["method"] = (f"torch.profiler (CUPTI) over one prefill of {tokens} tokens "
+                            f"({-(-tokens // runner.prefill_chunk)} chunks of {runner.prefill_chunk}); kernels "
+                            "grouped by name, each charged its critical-path time")
+            bd["function"] = f"prefill ({tokens} tokens)"
+        else:
+            T = runner.prefill_chunk
+            name = f"prefill_t{T}"
+            ids = torch.randint(0, cfg.vocab_size, (1, T), generator=self.gen).to(self.device)
+            pos = torch.arange(T, device=self.device)[None, :]
+            rec = record_step(runner, name, ids, pos, torch.zeros(1, dtype=torch.long, device=self.device),
+                              time_ops=True)
+            bd = breakdown_from_calls(rec["calls"])
+            bd["method"] = f"host-timed kernel-table calls of one eager run of {name} (one chunk; CPU)"
+            bd["function"] = name
+        bd.update({"fmt": fmt, "tokens": tokens})
         return bd
 
     def _prefill_point(self, fmt, runner, build, tokens: int) -> dict:
@@ -854,7 +894,8 @@ class _Bench:
 
 
 def _build_record(path: Path, manifest: dict, plan: dict) -> dict:
-    """A build as `_Bench` uses it: path, manifest, plan steps, KV bytes as compiled,
+    """A build as `_Bench` uses it: path, manifest, plan steps, KV bytes as the runner
+    allocates them at the compiled length,
     `kv_for(max_model_len)` (the bytes of its caches at another length: max_batch slots
     as the runner allocates them (builds before session 5 list a scratch slot more in
     their plan), full layers max_model_len + prefill_chunk rows, sliding rings as they are) and
@@ -871,7 +912,8 @@ def _build_record(path: Path, manifest: dict, plan: dict) -> dict:
     chunk = int(manifest["prefill_chunk"])
     steps = plan["steps"]
     resizable = bool(steps) and all(int(s.get("traced_cache_rows", rows)) < rows for s in steps.values())
-    return {"path": path, "manifest": manifest, "compiled_manifest": manifest, "kv_bytes": int(kv["bytes"]),
+    return {"path": path, "manifest": manifest, "compiled_manifest": manifest,
+            "kv_bytes": sliding + slots * per_row * rows,
             "kv_for": lambda n: sliding + slots * per_row * (int(n) + chunk), "resizable": resizable,
             "plan_steps": steps, "buckets": sorted(s["batch"] for s in steps.values() if s["step"] == "decode")}
 

@@ -132,13 +132,24 @@ def profile_graph(graph, replays: int, device) -> list[dict]:
     """Kernels of `replays` replays of CUDA graph `graph`, from torch.profiler (CUPTI):
     [{"name", "start_us", "end_us"}] in start order; memcpy/memset are left out.
     Raises RuntimeError when the profiler reports no kernel."""
-    from torch.profiler import ProfilerActivity, profile
-
     graph.replay()
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def replay_all():
         for _ in range(replays):
             graph.replay()
+
+    return profile_call(replay_all, device, what="the graph replays")
+
+
+def profile_call(fn, device, what: str = "the call") -> list[dict]:
+    """Kernels that `fn()` runs on the GPU (eager launches or graph replays), from
+    torch.profiler (CUPTI): [{"name", "start_us", "end_us"}] in start order;
+    memcpy/memset are left out. Raises RuntimeError when the profiler reports no kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
         torch.cuda.synchronize(device)
     kernels = []
     for e in prof.events():
@@ -149,8 +160,7 @@ def profile_graph(graph, replays: int, device) -> list[dict]:
             continue
         kernels.append({"name": name, "start_us": float(e.time_range.start), "end_us": float(e.time_range.end)})
     if not kernels:
-        raise RuntimeError("torch.profiler reported no CUDA kernel for the graph replays "
-                           "(CUPTI unavailable?)")
+        raise RuntimeError(f"torch.profiler reported no CUDA kernel for {what} (CUPTI unavailable?)")
     kernels.sort(key=lambda k: (k["start_us"], k["end_us"]))
     return kernels
 
@@ -257,4 +267,4 @@ def count_kernels_profiled(graph, device, replays: int = 2) -> int:
 
 
 __all__ = ["breakdown_from_calls", "breakdown_from_kernels", "count_kernels_profiled", "critical_path",
-           "profile_graph", "record_step", "split_replays"]
+           "profile_call", "profile_graph", "record_step", "split_replays"]

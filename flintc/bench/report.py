@@ -52,7 +52,7 @@ TARGETS = [
 LIST_KEYS = {"decode": ("engine", "fmt", "batch", "context"), "prefill": ("engine", "fmt", "tokens"),
              "baselines": ("engine", "fmt", "batch", "context"), "breakdown": ("fmt", "batch", "context"),
              "kernels": ("fmt", "function"), "baseline_failures": ("engine", "fmt", "batch", "context"),
-             "builds": ("fmt", "path"), "loads": ("fmt",)}
+             "builds": ("fmt", "path"), "loads": ("fmt",), "prefill_breakdown": ("fmt", "tokens")}
 
 
 def find(records: list[dict], **key) -> dict | None:
@@ -94,6 +94,15 @@ def _top_ops(results: dict, fmt: str, batch: int | None, context: int | None, n:
     return f"{where}: " + ", ".join(parts) + f"; gaps {bd['gap_us']:.0f} us"
 
 
+def _top_prefill_ops(results: dict, fmt: str, n: int = 3) -> str:
+    bds = [b for b in results.get("prefill_breakdown", []) if b["fmt"] == fmt]
+    if not bds:
+        return "no prefill breakdown measured"
+    bd = bds[-1]
+    parts = [f"{o['op']} {o['us'] / 1e3:.1f} ms ({o['share']:.0%})" for o in bd["ops"][:n]]
+    return f"prefill {bd['tokens']} tokens: " + ", ".join(parts) + f"; gaps {bd['gap_us'] / 1e3:.1f} ms"
+
+
 def evaluate_targets(results: dict) -> list[dict]:
     """Each target of `TARGETS` against the results: {"key", "target", "limit", "unit",
     "measured" (None: not measured), "met", "by" (how far from the limit, words),
@@ -111,7 +120,8 @@ def evaluate_targets(results: dict) -> list[dict]:
             if r and fld == "peak_gib":
                 extra = (f"weights + KV caches of {r.get('build')} "
                          f"({r.get('kv_cache_bytes_allocated', 0) / 2**30:.1f} GiB for "
-                         f"{r.get('build_max_batch', 0) + 1} slots x {r.get('build_max_model_len')} rows)")
+                         f"{r.get('kv_slots', r.get('build_max_batch', 0) + 1)} slots x "
+                         f"{r.get('build_max_model_len')} rows)")
         elif kind == "prefill":
             r = find(results.get("prefill", []), engine="flintc", fmt=fmt, tokens=context)
             measured = r.get(fld) if r else None
@@ -137,6 +147,8 @@ def evaluate_targets(results: dict) -> list[dict]:
         points_to = ""
         if met is False and kind in ("decode", "speedup") and fld != "peak_gib":
             points_to = _top_ops(results, fmt, batch, context)
+        elif met is False and kind == "prefill":
+            points_to = _top_prefill_ops(results, fmt)
         elif met is False:
             points_to = extra
         out.append({"key": key, "target": desc, "op": op, "limit": limit, "unit": unit, "measured": measured,
@@ -269,6 +281,15 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
             rows.append([o["op"], o["calls"], o["us"], o["us_per_call"], f"{o['share']:.0%}",
                          ", ".join(f"L{k}: {v:.1f}" if k >= 0 else f"model: {v:.1f}" for k, v in layers)])
         L += _table(["kernel (op)", "calls", "us", "us per call", "share", "largest layers (us)"], rows)
+        L.append("")
+    for bd in results.get("prefill_breakdown", []):
+        L += [f"## Where the time goes: {bd['fmt']} prefill {bd['tokens']} tokens", "",
+              f"{bd['method']}. Span {bd['step_us'] / 1e3:.1f} ms = kernels {bd['kernel_us'] / 1e3:.1f} ms + idle "
+              f"gaps {bd['gap_us'] / 1e3:.1f} ms; {bd['kernels']} kernels.", ""]
+        rows = [[o["op"], o["calls"], o["us"], o["us_per_call"], f"{o['share']:.0%}"] for o in bd["ops"][:25]]
+        L += _table(["kernel", "calls", "us", "us per call", "share"], rows)
+        if len(bd["ops"]) > 25:
+            L.append(f"({len(bd['ops']) - 25} more kernel names, {sum(o['us'] for o in bd['ops'][25:]):.0f} us)")
         L.append("")
     if plots:
         L += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]

@@ -170,6 +170,17 @@ def test_targets_are_judged_with_margins():
     assert report.evaluate_targets(_fake_results(device="cpu")) == [], "targets are the GPU's"
 
 
+def test_prefill_target_points_to_the_prefill_breakdown():
+    """A missed prefill target names the prefill breakdown's largest kernels."""
+    res = {"meta": {"full_model": True, "device": "cuda"},
+           "prefill": [{"engine": "flintc", "fmt": "bf16", "tokens": 8192, "ms": 2400.0}],
+           "prefill_breakdown": [{"fmt": "bf16", "tokens": 8192, "gap_us": 5000.0, "ops": [
+               {"op": "flash_kernel", "us": 1.5e6, "share": 0.6}, {"op": "moe", "us": 5e5, "share": 0.2}]}]}
+    [t] = [t for t in report.evaluate_targets(res) if t["key"] == "bf16_prefill_8192"]
+    assert t["met"] is False
+    assert t["points_to"] == "prefill 8192 tokens: flash_kernel 1500.0 ms (60%), moe 500.0 ms (20%); gaps 5.0 ms"
+
+
 def test_merge_keeps_the_later_record():
     a, b = _fake_results(), _fake_results()
     b["decode"] = [dict(a["decode"][0], fwd_ms=1.0)]
@@ -195,6 +206,7 @@ def test_cpu_run_writes_its_files(cpu_run):
     md = (out / "bench.md").read_text()
     assert "## Decode step" in md and "| bf16 | 2 | 64 |" in md and "## Prefill" in md
     assert "## Where the time goes: bf16 decode b1/64" in md
+    assert "## Where the time goes: bf16 prefill 16 tokens" in md
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -234,6 +246,12 @@ def test_cpu_run_figures_are_positive_and_consistent(cpu_run):
     assert bd["matched_to_plan"] and bd["kernels"] == plan["decode_b1"]["kernels"]
     assert sum(o["calls"] for o in bd["ops"]) == bd["kernels"]
     assert sum(o["us"] for o in bd["ops"]) == pytest.approx(bd["kernel_us"]) and bd["kernel_us"] > 0
+    [pbd] = res["prefill_breakdown"]  # one prefill chunk through the recording kernel table
+    chunk = plan_chunk = int(json.loads((out / "builds" / "tiny-bf16" / "build.json").read_text())["prefill_chunk"])
+    assert pbd["tokens"] == 16 and pbd["function"] == f"prefill_t{plan_chunk}" and chunk > 0
+    kernel_calls = sum(1 for launch in plan[f"prefill_t{chunk}"]["launches"] if not launch["op"].startswith("aten."))
+    assert sum(o["calls"] for o in pbd["ops"]) == pbd["kernels"] == kernel_calls
+    assert pbd["kernel_us"] > 0 and {o["op"] for o in pbd["ops"]} >= {"gemm", "prefill_attention_kv"}
     assert res["targets"] == [] and build["max_batch"] >= 2
 
 
