@@ -253,9 +253,10 @@ class CompiledRunner:
         meets a live row's write. Raises InputError when every slot is live (then the
         bucket has no padding)."""
         used = {int(s) for s in live_slots}
-        free = next((f for f in range(self.max_batch) if f not in used), None)
+        slots = int(self.kv[0].shape[0])  # the caches' slots (max_batch may be lowered after loading)
+        free = next((f for f in range(slots) if f not in used), None)
         if free is None:
-            raise InputError(f"no free slot for padding rows: all {self.max_batch} slots are live")
+            raise InputError(f"no free slot for padding rows: all {slots} slots are live")
         return pad_slot(free)
 
     # -- CUDA graphs -----------------------------------------------------------------

@@ -202,6 +202,10 @@ def test_padding_never_touches_live_caches(builds):
     assert runner.pad_slot([2, 0, 1]) == -4 and runner.pad_slot([]) == -1
     with pytest.raises(InputError, match="no free slot"):
         runner.pad_slot(range(runner.max_batch))
+    runner.max_batch = 3  # as `flintc run --build --max-batch 3` lowers it: the caches keep 4 slots
+    assert runner.pad_slot([0, 1, 2]) == -4
+    assert runner.decode([0, 1, 2], [5, 6, 7], [3, 4, 5]).shape == (3, runner.config.vocab_size)
+    runner.max_batch = 4
     for t in runner.kv:
         t.normal_()
     before = [t.clone() for t in runner.kv]
