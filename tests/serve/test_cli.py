@@ -25,7 +25,11 @@ def test_serve_subprocess(tiny_nvfp4_gguf):
            "--max-model-len", "64", "--max-batch", "2", "--served-model-name", "tiny", "--reasoning-parser",
            "glm47", "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    # SIGINT back to its default in the child: a shell's background job (`cmd &` without job
+    # control) inherits SIGINT ignored, and then uvicorn's re-raise after its graceful
+    # shutdown would be ignored too (exit 0 instead of Ctrl-C's 130)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         port, lines = None, []
         end = time.monotonic() + 90
