@@ -7,6 +7,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 aten = torch.ops.aten
 
@@ -84,8 +85,9 @@ def topo_filter(graph: Graph, pred: Callable[[Node], bool]) -> Iterable[Node]:
 
 def clone_graph_module(gm: GraphModule) -> GraphModule:
     """A structural copy of `gm` (new Graph and Nodes, shared attributes and meta
-    values), cheap enough to keep the graph from before a pass."""
+    values), cheap enough to keep the graph from before a pass. Its Python code is
+    generated when it is first called (a lazy GraphModule): most copies are never run."""
     new_graph = Graph()
     env: dict[Node, Node] = {}
     new_graph.output(new_graph.graph_copy(gm.graph, env))
-    return GraphModule(gm, new_graph)
+    return _LazyGraphModule(gm, new_graph)

@@ -31,9 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import GraphModule
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from flintc.config import FlintConfig
+from flintc.graph.layer_replay import replay, replay_plan
+from flintc.graph.rewrite import mark_meta_current
 from flintc.model.reference import FlintModel
 
 STEPS = ("decode", "prefill")
@@ -92,7 +95,7 @@ class CapturedGraph:
 
 
 def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int | None = None,
-            cache_len: int = 64) -> CapturedGraph:
+            cache_len: int = 64, stack_traces: bool = True, replay_layers: bool = True) -> CapturedGraph:
     """Trace one step of `model` into an aten-level FX graph (see the module doc).
 
     Args:
@@ -101,6 +104,15 @@ def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int
         batch: B, sequences per step (decode: 1..8 in flintc's buckets).
         tokens: T, new tokens per sequence (prefill chunk length; default 16).
         cache_len: S_max, the full-attention layers' cache length.
+        stack_traces: record each node's source lines (`meta["stack_trace"]`, which
+            only the dumps read); off, tracing is faster.
+        replay_layers: trace one layer of each kind and copy it for the layers of
+            that kind (`flintc.graph.layer_replay`: the same graph, made some ten
+            times faster for the full model); False: trace every layer.
+
+    The GraphModule is torch.fx's lazy kind (`_LazyGraphModule`): passes edit the
+    graph and call `recompile()` often, and its Python code is only generated when it
+    is first called or its `code` read, not after every edit.
 
     Raises:
         ValueError: unknown step, or a decode step with tokens != 1.
@@ -116,27 +128,48 @@ def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int
         raise ValueError("a decode step has exactly one new token per sequence")
     names = [n for n, _ in model.named_buffers()]
     buffers = [b for _, b in model.named_buffers()]
-    n = len(names)
-
-    def step_fn(*flat):
-        params = dict(zip(names, flat[:n]))
-        ids, positions, slots = flat[n:n + 3]
-        kv = list(flat[n + 3:])
-        return torch.func.functional_call(model, params, (ids, positions, slots, kv))
-
     device = model.rope_cos.device
     ids = torch.zeros(batch, T, dtype=torch.long, device=device)
     positions = torch.zeros(batch, T, dtype=torch.long, device=device)
     slots = torch.arange(batch, device=device)
     kv = model.new_kv_cache(batch, cache_len, device)
-    with _ModuleSpans(model) as spans:
-        gm = make_fx(step_fn, tracing_mode="fake", record_stack_traces=True)(
-            *buffers, ids, positions, slots, *kv)
+    flat = (*buffers, ids, positions, slots, *kv)
+    built = None
+    if replay_layers:
+        plan = replay_plan(model, names)
+        if plan is not None:
+            traced, spans = _trace(plan.model, plan.params, plan.kv_index, flat, len(names), stack_traces)
+            built = replay(traced, spans.spans, plan, names, model.config.num_hidden_layers)
+    if built is None:
+        gm, spans = _trace(model, list(zip(names, range(len(names)))), range(len(kv)), flat, len(names),
+                           stack_traces)
+    else:
+        gm, spans = built[0], _ModuleSpans(model)
+        spans.spans = built[1]
     captured = CapturedGraph(gm, step, model.config, batch, T, cache_len, names)
     _name_placeholders(gm, model, names)
     spans.tag(gm, model.config)
     tag_moe_selection(gm)
+    mark_meta_current(gm)  # make_fx's values are current: refresh_meta need not redo them
     return captured
+
+
+def _trace(model, params: list[tuple[str, int]], kv_index, flat: tuple, n: int, stack_traces: bool):
+    """make_fx of one step of `model` over the inputs `flat` (weights, input_ids,
+    positions, slots, KV cache); `model`'s buffer `name` is `flat[k]` for each (name, k)
+    in `params`, and its KV cache `flat[n + 3 + k]` for k in `kv_index`. Returns the
+    GraphModule (lazy, see `capture`) and the `_ModuleSpans` of its layers."""
+    kv_index = list(kv_index)
+
+    def step_fn(*flat):
+        weights = {name: flat[k] for name, k in params}
+        ids, positions, slots = flat[n:n + 3]
+        kv = [flat[n + 3 + k] for k in kv_index]
+        return torch.func.functional_call(model, weights, (ids, positions, slots, kv))
+
+    with _ModuleSpans(model) as spans, _use_lazy_graph_module(True):
+        gm = make_fx(step_fn, tracing_mode="fake", record_stack_traces=stack_traces)(*flat)
+    return gm, spans
 
 
 class _ModuleSpans:

@@ -177,7 +177,7 @@ class MoEFusionPass(GraphPass):
         """(label, search graph) to try in turn, made lazily: the traced pattern, then
         the pattern after `canonicalize` if that pass changes it; each with SiLU-and-mul
         fused at the sites where the graph has it fused."""
-        silu_forms = sorted({_silu_form(gm, i) for i in layers}, reverse=True)
+        silu_forms = sorted(_silu_forms(gm, layers), reverse=True)
 
         def with_silu_forms(label: str, form: GraphModule):
             for routed, shared in silu_forms:
@@ -259,12 +259,14 @@ def _drop_unused_sort_values(gm: GraphModule) -> None:
                 gm.graph.erase_node(user)
 
 
-def _silu_form(gm: GraphModule, layer: int) -> tuple[bool, bool]:
-    """(routed, shared): whether `layer`'s routed-expert ([N, K, F]) and shared-expert
-    ([N, F]) SiLU-and-mul are already `flintc.silu_mul`."""
-    ranks = {n.meta["val"].dim() for n in find_nodes(gm, fused.silu_mul)
-             if n.meta.get("flintc_layer") == layer}
-    return 3 in ranks, 2 in ranks
+def _silu_forms(gm: GraphModule, layers: list[int]) -> set[tuple[bool, bool]]:
+    """The (routed, shared) pairs of `layers`: whether a layer's routed-expert
+    ([N, K, F]) and shared-expert ([N, F]) SiLU-and-mul are already `flintc.silu_mul`
+    (one walk over the graph for all layers)."""
+    ranks: dict[int, set[int]] = {}
+    for n in find_nodes(gm, fused.silu_mul):
+        ranks.setdefault(n.meta.get("flintc_layer"), set()).add(n.meta["val"].dim())
+    return {(3 in ranks.get(i, ()), 2 in ranks.get(i, ())) for i in layers}
 
 
 def _fuse_silu_mul(pattern: GraphModule, routed: bool, shared: bool) -> GraphModule:

@@ -43,6 +43,12 @@ def match_in_layer(gm: GraphModule, pattern: GraphModule, layer: int) -> list[La
     The layer's nodes are copied into a small graph whose placeholders stand for
     values from outside the layer and whose output takes every value leaving it, so
     the matcher's containment rule still sees users outside the layer."""
+    return _match_layer_graph(_layer_graph(gm, layer), pattern)
+
+
+def _layer_graph(gm: GraphModule, layer: int) -> tuple[Graph, dict[Node, Node]]:
+    """The small graph `match_in_layer` searches for `layer`, and its node -> the
+    graph's node."""
     members = [n for n in gm.graph.nodes
                if n.op == "call_function" and n.meta.get("flintc_layer") == layer]
     inside = set(members)
@@ -54,7 +60,11 @@ def match_in_layer(gm: GraphModule, pattern: GraphModule, layer: int) -> list[La
     for n in members:
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(tuple(env[n] for n in members if any(u not in inside for u in n.users)))
-    back = {copy: n for n, copy in env.items()}
+    return sub, {copy: n for n, copy in env.items()}
+
+
+def _match_layer_graph(layer_graph: tuple[Graph, dict[Node, Node]], pattern: GraphModule) -> list[LayerMatch]:
+    sub, back = layer_graph
     found = []
     ins = [p for p in pattern.graph.nodes if p.op == "placeholder"]
     shapes = [_shape(p) for p in ins]
@@ -132,6 +142,16 @@ def first_match_per_layer(gm: GraphModule, ctx: PassContext, build_pattern, acce
         sliding = ctx.config.is_sliding_layer(layer)
         if sliding not in forms:
             forms[sliding] = pattern_forms(build_pattern(gm, layer, sliding), ctx)
-        match = next((m for form in forms[sliding] for m in match_in_layer(gm, form, layer)
-                      if accept(m, layer)), None)
-        yield layer, sliding, match
+        yield layer, sliding, _first_match(gm, layer, forms[sliding], accept)
+
+
+def _first_match(gm: GraphModule, layer: int, forms: list[GraphModule], accept) -> LayerMatch | None:
+    """The first match of `forms`, in order, in `layer` that `accept` takes: what
+    `match_in_layer` finds, with the layer's graph made once for all forms."""
+    layer_graph = None
+    for form in forms:
+        layer_graph = layer_graph or _layer_graph(gm, layer)
+        for m in _match_layer_graph(layer_graph, form):
+            if accept(m, layer):
+                return m
+    return None

@@ -76,11 +76,13 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
         GraphLegalityError, PassVerifyError, PassCheckError: a pass broke the graph
         or missed its expectation (the message names the pass).
     """
-    graph = capture(model, step, batch=batch, tokens=tokens, cache_len=cache_len)
+    dump_dir = dump_dir or os.environ.get("FLINTC_DUMP_DIR") or None
+    # Source lines on the nodes are for the dumps only; recording them slows tracing.
+    graph = capture(model, step, batch=batch, tokens=tokens, cache_len=cache_len,
+                    stack_traces=dump_dir is not None)
     fmt = weight_format or ("nvfp4" if any(n.endswith(".codes") for n, _ in model.named_buffers()) else "bf16")
     ctx = PassContext(model.config, step, batch, graph.tokens, cache_len, fmt, dict(options or {}))
     checker = NumericChecker(check_model, graph, seed=seed) if check_model is not None else None
-    dump_dir = dump_dir or os.environ.get("FLINTC_DUMP_DIR") or None
     manager = PassManager(pipeline_for(step), ctx, disabled=disabled, checker=checker, dump_dir=dump_dir)
     report = manager.run(graph)
     return graph, report
