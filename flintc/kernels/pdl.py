@@ -45,13 +45,16 @@ def pdl_mode(use_pdl: bool) -> int:
     named by FLINTC_PDL_TRIGGER (default late).
 
     Raises:
-        ValueError: FLINTC_PDL_TRIGGER is set to something other than early / late.
+        TuningEnvError (a ValueError): FLINTC_PDL_TRIGGER is set to something other than
+            early / late (checked also when use_pdl is false).
     """
+    name = os.environ.get("FLINTC_PDL_TRIGGER", "late").strip().lower() or "late"
+    if name not in _MODES:  # checked even without PDL, so a typo never goes unnoticed
+        from flintc.kernels.tuning import TuningEnvError
+
+        raise TuningEnvError(f"FLINTC_PDL_TRIGGER must be 'early' or 'late'; got {name!r}")
     if not use_pdl:
         return PDL_OFF
-    name = os.environ.get("FLINTC_PDL_TRIGGER", "late").strip().lower() or "late"
-    if name not in _MODES:
-        raise ValueError(f"FLINTC_PDL_TRIGGER must be 'early' or 'late'; got {name!r}")
     return _MODES[name]
 
 

@@ -16,6 +16,14 @@ from __future__ import annotations
 import json
 import os
 
+from flintc.errors import InputError
+
+
+class TuningEnvError(InputError, ValueError):
+    """A FLINTC_* tuning environment variable is malformed: a user error (the CLI prints
+    one line), and a ValueError for Python callers."""
+
+
 _CACHE: dict[tuple[str, str, float], dict] = {}
 
 
@@ -38,7 +46,7 @@ def overrides(env_var: str, factory, key_types: tuple) -> dict:
     try:
         mtime = os.path.getmtime(path)
     except OSError as e:
-        raise ValueError(f"{env_var}={path}: cannot read the file ({e.strerror})") from None
+        raise TuningEnvError(f"{env_var}={path}: cannot read the file ({e.strerror})") from None
     hit = _CACHE.get((env_var, path, mtime))
     if hit is not None:
         return hit
@@ -52,10 +60,27 @@ def overrides(env_var: str, factory, key_types: tuple) -> dict:
                 raise ValueError(f"key {key!r} has {len(key)} fields, expected {len(key_types)}")
             table[tuple(t(k) for t, k in zip(key_types, key))] = factory(**ent["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{env_var}={path}: expected {{\"entries\": [{{\"key\": [...], \"config\": "
+        raise TuningEnvError(f"{env_var}={path}: expected {{\"entries\": [{{\"key\": [...], \"config\": "
                          f"{{{factory.__name__} fields}}}}]}}; {type(e).__name__}: {e}") from None
     _CACHE[(env_var, path, mtime)] = table
     return table
 
 
-__all__ = ["overrides"]
+def check_environment() -> None:
+    """Validate every kernel-tuning environment variable at once (FLINTC_PDL_TRIGGER,
+    FLINTC_GEMV_TUNED, FLINTC_MOE_TUNED), so a bad value is reported when a runtime
+    loads, not at the first launch that reads it (or never, on paths that do not).
+
+    Raises:
+        TuningEnvError: the first malformed variable, named with its value.
+    """
+    from flintc.kernels.gemv import GemvConfig
+    from flintc.kernels.moe import MoeConfig
+    from flintc.kernels.pdl import pdl_mode
+
+    pdl_mode(True)
+    overrides("FLINTC_GEMV_TUNED", GemvConfig, (str, int, int, int))
+    overrides("FLINTC_MOE_TUNED", MoeConfig, (str, str, int))
+
+
+__all__ = ["TuningEnvError", "check_environment", "overrides"]

@@ -167,6 +167,10 @@ class CompiledRunner:
                 raise InputError(f"{self.build}/plan.json names weight {missing[0]!r}, which the "
                                  "model does not have; recompile")
             self._weights[name] = SimpleNamespace(**{a: buffers[b] for a, b in step["weights"].items()})
+        if self.backend == "triton":  # a bad FLINTC_* tuning variable: one error now, not mid-run
+            from flintc.kernels.tuning import check_environment
+
+            check_environment()
         self._tables = {step: KernelTable(self.backend, step) for step in ("decode", "prefill")}
         self.buckets = sorted(s["batch"] for s in self.plan.values() if s["step"] == "decode")
         self.kernels_per_forward = {name: s["kernels"] for name, s in self.plan.items()}

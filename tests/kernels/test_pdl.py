@@ -29,10 +29,23 @@ def test_pdl_mode_default_and_env(monkeypatch):
     assert pdl_mode(True) == PDL_EARLY
 
 
-def test_pdl_mode_rejects_unknown(monkeypatch):
+def test_pdl_mode_rejects_unknown(monkeypatch, tmp_path):
+    """A bad FLINTC_PDL_TRIGGER / FLINTC_*_TUNED is a user error (FlintcError, and a
+    ValueError), also without PDL, and check_environment reports it up front."""
+    from flintc.errors import FlintcError
+    from flintc.kernels.tuning import check_environment
+
     monkeypatch.setenv("FLINTC_PDL_TRIGGER", "sometimes")
-    with pytest.raises(ValueError, match="FLINTC_PDL_TRIGGER"):
-        pdl_mode(True)
+    for use_pdl in (True, False):
+        with pytest.raises(ValueError, match="FLINTC_PDL_TRIGGER"):
+            pdl_mode(use_pdl)
+    with pytest.raises(FlintcError, match="FLINTC_PDL_TRIGGER"):
+        check_environment()
+    monkeypatch.setenv("FLINTC_PDL_TRIGGER", "late")
+    check_environment()
+    monkeypatch.setenv("FLINTC_MOE_TUNED", str(tmp_path / "missing.json"))
+    with pytest.raises(FlintcError, match="FLINTC_MOE_TUNED=.*cannot read"):
+        check_environment()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
