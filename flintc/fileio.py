@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -43,3 +44,18 @@ def write_text_atomic(path, text: str) -> None:
 
 def write_json_atomic(path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Publish the finished folder `tmp` as `out` (same parent): set its public mode, then
+    rename it over `out`, replacing an earlier `out` whole (the old one is renamed aside
+    first and removed after), so readers never see a half-written folder."""
+    tmp, out = Path(tmp), Path(out)
+    set_public_mode(tmp)
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)

@@ -8,7 +8,6 @@ existing --out is replaced only when it is empty or a previous dump output."""
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -58,7 +57,7 @@ def check_dump_out(out: Path) -> None:
 
 
 def run_dump(args: argparse.Namespace) -> int:
-    from flintc.fileio import set_public_mode
+    from flintc.fileio import move_into_place
     from flintc.passes.pipeline import compile_step
 
     out = Path(args.out)
@@ -77,14 +76,7 @@ def run_dump(args: argparse.Namespace) -> int:
                                      options={"attention_splits": args.attention_splits}
                                      if args.attention_splits else None)
             tables.append((target.note, out / sub if sub else out, format_table(report)))
-        set_public_mode(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -259,16 +259,9 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
         (tmp / "report.json").write_text(json.dumps(reports, indent=1))
         (tmp / "report.md").write_text(_report_md(reports, plan_steps))
         (tmp / "build.json").write_text(json.dumps(manifest, indent=1))
-        from flintc.fileio import set_public_mode
+        from flintc.fileio import move_into_place
 
-        set_public_mode(tmp)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
