@@ -52,3 +52,19 @@ export PYTHONUNBUFFERED=1
 export MPLCONFIGDIR=${MPLCONFIGDIR:-/tmp/flintc-mplconfig}
 mkdir -p "$MPLCONFIGDIR" 2>/dev/null || true
 unset TRITON_INTERPRET
+
+# Time-capped steps for the scripts that run several measurements in one call. They read
+# START (the script's start, `date +%s`), BUDGET (seconds for the whole script) and T (the
+# folder for the logs) from the caller:
+#   step NAME CAP_S CMD...  runs CMD with min(CAP_S, seconds left) seconds, its output in
+#                           $T/NAME.log, then prints the exit status and the log's last
+#                           ${TAIL:-12} lines; skipped when fewer than 20 s are left.
+left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+step() {
+  local name=$1 cap=$2; shift 2
+  local t; t=$(left); [ "$t" -lt "$cap" ] && cap=$t
+  if [ "$cap" -lt 20 ]; then echo "== $name: skipped (no time left)"; return; fi
+  echo "== $name (cap ${cap} s, $(( $(date +%s) - START )) s in)"
+  timeout --kill-after=10 "$cap" "$@" > "$T/$name.log" 2>&1
+  echo "   exit $? after $(( $(date +%s) - START )) s"; tail -n "${TAIL:-12}" "$T/$name.log"
+}

@@ -13,16 +13,10 @@ mkdir -p "$OUT/pdl-ab" || exit 1
 OUT=$(cd "$OUT/pdl-ab" && pwd)
 cd "$(dirname "$0")/.." || exit 1
 LOG=$OUT/pip.log
+BUDGET=${PDL_AB_BUDGET_S:-560}
+T=$OUT
+TAIL=${TAIL:-25}
 . scripts/gpu_env.sh
-left() { echo $(( ${PDL_AB_BUDGET_S:-560} - ($(date +%s) - START) )); }
-step() {  # step NAME CAP_S CMD...: run CMD with min(CAP_S, time left) seconds, log to $OUT/NAME.log
-  local name=$1 cap=$2; shift 2
-  local t; t=$(left); [ "$t" -lt "$cap" ] && cap=$t
-  if [ "$cap" -lt 20 ]; then echo "== $name: skipped (no time left)"; return; fi
-  echo "== $name (cap ${cap} s, $(( $(date +%s) - START )) s in)"
-  timeout --kill-after=10 "$cap" "$@" > "$OUT/$name.log" 2>&1
-  echo "   exit $? after $(( $(date +%s) - START )) s"; tail -n 25 "$OUT/$name.log"
-}
 step decode-late 170 env FLINTC_PDL_TRIGGER=late $PY scripts/gpu_decode_time.py --builds gpu_builds \
   --formats nvfp4,bf16 --contexts 1024,100000 --out "$OUT/decode-late.md"
 step decode-early 170 env FLINTC_PDL_TRIGGER=early $PY scripts/gpu_decode_time.py --builds gpu_builds \

@@ -17,15 +17,6 @@ cd "$(dirname "$0")/.." || exit 1
 T=$OUT/tune
 LOG=$T/pip.log
 . scripts/gpu_env.sh
-left() { echo $(( BUDGET - ($(date +%s) - START) )); }
-step() {  # step NAME CAP_S CMD...: run CMD with min(CAP_S, time left) seconds, log to $T/NAME.log
-  local name=$1 cap=$2; shift 2
-  local t; t=$(left); [ "$t" -lt "$cap" ] && cap=$t
-  if [ "$cap" -lt 20 ]; then echo "== $name: skipped (no time left)"; return; fi
-  echo "== $name (cap ${cap} s, $(( $(date +%s) - START )) s in)"
-  timeout --kill-after=10 "$cap" "$@" > "$T/$name.log" 2>&1
-  echo "   exit $? after $(( $(date +%s) - START )) s"; tail -n "${TAIL:-12}" "$T/$name.log"
-}
 if [ -n "${TUNE_BASELINE_POINTS:-}" ]; then
   echo "== compile baseline $TUNE_BASELINE_POINTS"
   BENCH_BUDGET_S=${TUNE_BASELINE_S:-340} BASELINE_POINTS=$TUNE_BASELINE_POINTS OUT=$OUT \
