@@ -4,7 +4,9 @@
 # GEMV and MoE kernels (benchmarks/bench_gemv.py / bench_moe.py --family one-step
 # --tuned-json), then the full-size batch-1 decode step with and without the sweep winners
 # (FLINTC_GEMV_TUNED / FLINTC_MOE_TUNED override files, flintc.kernels.tuning).
-# Outputs in $OUT/tune (and $OUT/bench-compile).
+# Outputs in $OUT/tune.tgz (and $OUT/bench-compile). Knobs: TUNE_FAMILY (all / classic /
+# one-step), TUNE_BATCHES, TUNE_GEMV_CASES, TUNE_GEMV_S / TUNE_MOE_S (caps; 0 skips the
+# MoE sweep), TUNE_BENCH_CASES (bench_gemv without sweep, batches 1 and 8), TUNE_BUDGET_S.
 #
 #   TUNE_BASELINE_POINTS=8x1024 OUT=/some/dir bash scripts/gpu_tune.sh   # from the repo root
 set -uo pipefail
@@ -23,9 +25,14 @@ if [ -n "${TUNE_BASELINE_POINTS:-}" ]; then
     bash scripts/gpu_bench_compile_baseline.sh > "$T/compile-baseline.log" 2>&1
   echo "   exit $? after $(( $(date +%s) - START )) s"; grep -E "^\| compile|done in|skipp|rror" "$T/compile-baseline.log" | head
 fi
-step gemv-sweep ${TUNE_GEMV_S:-70} $PY benchmarks/bench_gemv.py --sweep --family one-step --pdl --no-compile \
-  --batches 1 --cases "${TUNE_GEMV_CASES:-qkv,o_proj+res}" --out "$T/gemv.md" --tuned-json "$T/gemv.json"
-step moe-sweep ${TUNE_MOE_S:-110} $PY benchmarks/bench_moe.py --pdl --batches 1 --family one-step \
+step gemv-sweep ${TUNE_GEMV_S:-70} $PY benchmarks/bench_gemv.py --sweep --family "${TUNE_FAMILY:-one-step}" --pdl \
+  --no-compile --batches "${TUNE_BATCHES:-1}" --cases "${TUNE_GEMV_CASES:-qkv,o_proj+res}" --out "$T/gemv.md" \
+  --tuned-json "$T/gemv.json"
+if [ -n "${TUNE_BENCH_CASES:-}" ]; then
+  TAIL=10 step gemv-bench ${TUNE_BENCH_S:-60} $PY benchmarks/bench_gemv.py --pdl --no-compile --batches 1,8 \
+    --cases "$TUNE_BENCH_CASES" --out "$T/gemv-bench.md"
+fi
+[ "${TUNE_MOE_S:-110}" -gt 0 ] && step moe-sweep ${TUNE_MOE_S:-110} $PY benchmarks/bench_moe.py --pdl --batches 1 --family one-step \
   --sweep-seconds ${TUNE_MOE_SWEEP_S:-80} --out "$T/moe.md" --tuned-json "$T/moe.json"
 TAIL=8 step decode-default 60 $PY scripts/gpu_decode_time.py --builds gpu_builds --formats nvfp4,bf16 \
   --contexts 1024,100000 --out "$T/decode-default.md"
@@ -35,3 +42,5 @@ ENVS=()
 TAIL=8 step decode-tuned 60 env "${ENVS[@]}" $PY scripts/gpu_decode_time.py --builds gpu_builds \
   --formats nvfp4,bf16 --contexts 1024,100000 --out "$T/decode-tuned.md"
 echo "done after $(( $(date +%s) - START )) s"
+# the device tool returns at most 8 files: pack the logs and tables into one archive
+tar czf "$OUT/tune.tgz" -C "$OUT" tune && rm -rf "$T"

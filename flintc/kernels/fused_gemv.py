@@ -79,6 +79,7 @@ def norm_qkv_rope_kv_kernel(
     IS_NVFP4: tl.constexpr, ROPE: tl.constexpr, USE_DOT: tl.constexpr,
     SCALE_AFTER: tl.constexpr, USE_PDL: tl.constexpr, GPU: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ACC_FULL: tl.constexpr,  # FMA path: whole-tile accumulator (see _gemv_loop)
     NR: tl.constexpr, NORM_H: tl.constexpr,  # next_pow2(N), next_pow2(H): RMSNorm prologue
 ):
     # Tile-to-program mapping: program (head, pid_k) owns one whole head of the
@@ -128,7 +129,7 @@ def norm_qkv_rope_kv_kernel(
     rstd = _rms_rstd(x_ptr, H, offs_n, N, H, eps, NR, NORM_H)
     acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
                      k_start, k_end, n_iters, BLOCK_N, D, BLOCK_K, IS_NVFP4, True, USE_DOT,
-                     SCALE_AFTER, GPU, PREFETCH)
+                     SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -208,6 +209,7 @@ def norm_gate_up_silu_kernel(
     SPLIT_K: tl.constexpr, IS_NVFP4: tl.constexpr, USE_DOT: tl.constexpr,
     SCALE_AFTER: tl.constexpr, USE_PDL: tl.constexpr, GPU: tl.constexpr,
     PREFETCH: tl.constexpr,
+    ACC_FULL: tl.constexpr,  # FMA path: whole-tile accumulator (see _gemv_loop)
     NR: tl.constexpr, NORM_H: tl.constexpr,  # next_pow2(N), next_pow2(H): RMSNorm prologue
 ):
     # Tile-to-program mapping: program (pid_f, pid_k) owns output columns
@@ -244,7 +246,7 @@ def norm_gate_up_silu_kernel(
     rstd = _rms_rstd(x_ptr, H, offs_n, N, H, eps, NR, NORM_H)
     acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
                      k_start, k_end, n_iters, BLOCK_N, 2 * BLOCK_F, BLOCK_K, IS_NVFP4, True,
-                     USE_DOT, SCALE_AFTER, GPU, PREFETCH)
+                     USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -425,7 +427,8 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
         HQ=Hq, HKV=Hkv, D=D, BLOCK_N=16 if cfg.use_dot else triton.next_power_of_2(B),
         BLOCK_K=cfg.block_k, SPLIT_K=split, IS_NVFP4=fmt == "nvfp4", ROPE=bool(rope),
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl_mode(pdl),
-        GPU=gpu, PREFETCH=cfg.prefetch, NR=triton.next_power_of_2(B),
+        GPU=gpu, PREFETCH=cfg.prefetch, ACC_FULL=cfg.acc_full and not cfg.use_dot,
+        NR=triton.next_power_of_2(B),
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return q
@@ -513,7 +516,8 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
         BLOCK_N=16 if cfg.use_dot else triton.next_power_of_2(N), BLOCK_F=cfg.block_f,
         BLOCK_K=cfg.block_k, SPLIT_K=split, IS_NVFP4=fmt == "nvfp4", USE_DOT=cfg.use_dot,
         SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl_mode(pdl), GPU=gpu,
-        PREFETCH=cfg.prefetch, NR=triton.next_power_of_2(N),
+        PREFETCH=cfg.prefetch, ACC_FULL=cfg.acc_full and not cfg.use_dot,
+        NR=triton.next_power_of_2(N),
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return out

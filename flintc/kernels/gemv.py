@@ -67,6 +67,9 @@ COUNTER_SLOTS = 1 << 16  # split-K counters per device (one per F block of a lau
 EPI_BF16 = 0  # y = bf16(acc * gscale)
 EPI_FP32 = 1  # y = acc (logits, never rounded; bf16 weights only)
 EPI_RESIDUAL = 2  # y = bf16(residual + bf16(acc * gscale))
+# With an RMSNorm prologue, programs that make at least this many K steps norm x once
+# into a workspace (`GemvConfig.norm_once`): the LM head (16 steps of 128).
+NORM_ONCE_MIN_STEPS = 4
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -124,13 +127,12 @@ def _load_x(x_ptr, stride_xn, nw_ptr, rstd, offs_n, mask_n, k0, k_end,
 
 
 @triton.jit
-def _rms_rstd(x_ptr, stride_xn, offs_n, N, H, eps, NR: tl.constexpr, NORM_H: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of rows [0, N), fp32, widened to `offs_n`'s [BLOCK_N]
-    (rows past N give 0; they are padding). NR = next_pow2(N) rows and NORM_H =
-    next_pow2(H) columns are loaded in unrolled chunks of at most 4096 elements, so every
-    load is issued at once (one L2 round trip on the critical path after `gdc_wait`, where
-    a loop of 256-wide steps took eight). IEEE sqrt and division, as torch's CPU rsqrt;
-    the sum's order differs from torch."""
+def _rms_rstd_rows(x_ptr, stride_xn, N, H, eps, NR: tl.constexpr, NORM_H: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of rows [0, N) as fp32 [NR] (rows past N give 0).
+    NR = next_pow2(N) rows and NORM_H = next_pow2(H) columns are loaded in unrolled chunks
+    of at most 4096 elements, so every load is issued at once (one L2 round trip on the
+    critical path after `gdc_wait`, where a loop of 256-wide steps took eight). IEEE sqrt
+    and division, as torch's CPU rsqrt; the sum's order differs from torch."""
     offs_r = tl.arange(0, NR)
     mask_r = offs_r < N
     CH: tl.constexpr = NORM_H if NORM_H * NR <= 4096 else 4096 // NR
@@ -142,8 +144,38 @@ def _rms_rstd(x_ptr, stride_xn, offs_n, N, H, eps, NR: tl.constexpr, NORM_H: tl.
                     other=0.0).to(tl.float32)
         ss += tl.sum(x * x, axis=1)
     r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, H * 1.0) + eps))
-    r = tl.where(mask_r, r, 0.0)
+    return tl.where(mask_r, r, 0.0)
+
+
+@triton.jit
+def _rms_rstd(x_ptr, stride_xn, offs_n, N, H, eps, NR: tl.constexpr, NORM_H: tl.constexpr):
+    """`_rms_rstd_rows` widened to `offs_n`'s [BLOCK_N] (rows past N give 0; they are
+    padding)."""
+    offs_r = tl.arange(0, NR)
+    r = _rms_rstd_rows(x_ptr, stride_xn, N, H, eps, NR, NORM_H)
     return tl.sum(tl.where(offs_n[:, None] == offs_r[None, :], r[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _norm_rows_to(x_ptr, stride_xn, nw_ptr, xn_ptr, N, H, eps, NR: tl.constexpr,
+                  NORM_H: tl.constexpr):
+    """Write the RMSNorm of rows [0, N) of x, `bf16(x * rstd * w_norm)` (the evaluation
+    order and rounding of `_load_x`'s in-loop prologue, hence bit-identical to it), to
+    xn_ptr bf16 [N, H] (row stride H). Every program of a launch writes the same bytes:
+    a benign race. The caller must `tl.debug_barrier()` before reading xn back."""
+    r = _rms_rstd_rows(x_ptr, stride_xn, N, H, eps, NR, NORM_H)
+    offs_r = tl.arange(0, NR)
+    mask_r = offs_r < N
+    CH: tl.constexpr = NORM_H if NORM_H * NR <= 4096 else 4096 // NR
+    for h0 in tl.static_range(0, NORM_H, CH):
+        offs_h = h0 + tl.arange(0, CH)
+        mask_h = offs_h < H
+        m = mask_r[:, None] & mask_h[None, :]
+        x = tl.load(x_ptr + offs_r[:, None] * stride_xn + offs_h[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        y = _bf16_grid(x * r[:, None] * nw[None, :])
+        tl.store(xn_ptr + offs_r[:, None] * H + offs_h[None, :], y.to(tl.bfloat16), mask=m)
 
 
 @triton.jit
@@ -151,7 +183,8 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
                offs_n, mask_n, k_start, k_end, n_iters,
                BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
                IS_NVFP4: tl.constexpr, HAS_NORM: tl.constexpr, USE_DOT: tl.constexpr,
-               SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, PREFETCH: tl.constexpr):
+               SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, PREFETCH: tl.constexpr,
+               ACC_FULL: tl.constexpr):
     """fp32 acc [BLOCK_N, BLOCK_F] = x[:, k_start:k_end] @ W[rows, k_start:k_end]^T
     (without the NVFP4 global scale). With PREFETCH, `w_cur, s_cur` is the first tile
     (loaded by the caller, possibly before `gdc_wait`) and each step loads the next
@@ -159,10 +192,16 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
     one); without it each step loads its own weight tile and Triton's pipeliner
     (num_stages) may stage the loads through shared memory instead. The x tiles are
     always loaded one step ahead (x comes from L2, but a round trip per step is still
-    latency on the critical path)."""
+    latency on the critical path). With ACC_FULL (FMA path) the accumulator is the whole
+    product tile [BLOCK_N, BLOCK_F, KB, 8], updated by one FMA per weight, and summed over
+    its last two axes once after the loop: no reduction (and no cross-lane shuffle) per
+    K step, at BLOCK_N * BLOCK_F * BLOCK_K / 8 (bf16) or / 16 (NVFP4) fp32 registers per
+    program."""
     KB: tl.constexpr = BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    elif ACC_FULL:
+        acc4 = tl.zeros((BLOCK_N, BLOCK_F, KB, 8), dtype=tl.float32)
     else:
         acc3 = tl.zeros((BLOCK_N, BLOCK_F, KB), dtype=tl.float32)
     # The x tiles (from L2, normed when HAS_NORM) are always loaded one step ahead: a
@@ -188,6 +227,10 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
                 w_lo, w_hi = dequant_tile(w_cur, s_cur, GPU)
                 acc = _dot_tile(acc, x_e, w_lo, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
                 acc = _dot_tile(acc, x_o, w_hi, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
+            elif ACC_FULL:
+                w_lo, w_hi = dequant_tile(w_cur, s_cur, GPU)
+                acc4 += x_e[:, None, :, :] * w_lo.to(tl.float32)[None, :, :, :]
+                acc4 += x_o[:, None, :, :] * w_hi.to(tl.float32)[None, :, :, :]
             elif SCALE_AFTER:
                 c = w_cur.to(tl.int32)
                 s = s_cur.to(tl.float32)  # [BLOCK_F, KB]
@@ -202,6 +245,8 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
             x3 = x_a
             if USE_DOT:
                 acc = _dot_tile(acc, x3, w_cur, BLOCK_N, BLOCK_F, BLOCK_K, GPU)
+            elif ACC_FULL:
+                acc4 += x3[:, None, :, :] * w_cur.to(tl.float32)[None, :, :, :]
             else:
                 w3 = w_cur.to(tl.float32)
                 acc3 += tl.sum(x3[:, None, :, :] * w3[None, :, :, :], axis=3)
@@ -210,9 +255,11 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
             s_cur = s_nxt
         xa_cur = xa_nxt
         xb_cur = xb_nxt
-    if not USE_DOT:
+    if ACC_FULL and not USE_DOT:
+        acc = tl.sum(tl.sum(acc4, axis=3), axis=2)
+    elif not USE_DOT:
         acc = tl.sum(acc3, axis=2)
-    if IS_NVFP4 and not (SCALE_AFTER and not USE_DOT):
+    if IS_NVFP4 and not (SCALE_AFTER and not USE_DOT and not ACC_FULL):
         acc = acc * DEQUANT_UNSCALE  # exact: undoes dequant_tile's 2^-8
     return acc
 
@@ -263,6 +310,7 @@ def gemv_kernel(
     out_ptr,  # bf16 [N, F] (EPI_BF16, EPI_RESIDUAL) or fp32 [N, F] (EPI_FP32)
     ws_ptr,  # fp32 workspace [SPLIT_K, N, F] (SPLIT_K > 1 only)
     cnt_ptr,  # int32 counters, zero on entry and on exit (SPLIT_K > 1 only)
+    xn_ptr,  # bf16 workspace [N, K]: the normed x (NORM_ONCE only)
     N, F, K, stride_xn, eps,
     K_PER_SPLIT,  # columns per split-K program; a multiple of BLOCK_K
     BLOCK_N: tl.constexpr,  # rows of x held: 16 for tl.dot, else next_pow2(N)
@@ -279,6 +327,8 @@ def gemv_kernel(
     PREFETCH: tl.constexpr,  # manual register prefetch (else leave it to num_stages)
     NR: tl.constexpr = 1,  # next_pow2(N): rows of the RMSNorm prologue (HAS_NORM)
     NORM_H: tl.constexpr = 1,  # next_pow2(K): columns of the RMSNorm prologue (HAS_NORM)
+    NORM_ONCE: tl.constexpr = False,  # HAS_NORM: norm x once into xn_ptr, not per tile
+    ACC_FULL: tl.constexpr = False,  # FMA path: accumulate the whole product tile
 ):
     # Tile-to-program mapping: program (pid_f, pid_k) computes the dot products of all N
     # activation rows with weight rows [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F) over
@@ -308,13 +358,25 @@ def gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    if HAS_NORM:
-        rstd = _rms_rstd(x_ptr, stride_xn, offs_n, N, K, eps, NR, NORM_H)
-    else:
+    if NORM_ONCE:
+        # The normed x is computed once per program into a workspace and the loop reads
+        # it as a plain x: the in-loop prologue would redo the norm for every K step of
+        # every program on BLOCK_N (16 with tl.dot) rows (the LM head: 16 steps, 1184
+        # programs; 2x its plain GEMV's time on the H200, session 6).
+        _norm_rows_to(x_ptr, stride_xn, nw_ptr, xn_ptr, N, K, eps, NR, NORM_H)
+        tl.debug_barrier()  # this program's stores are visible to all its threads
         rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n,
-                     mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
-                     HAS_NORM, USE_DOT, SCALE_AFTER, GPU, PREFETCH)
+        acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, xn_ptr, K, nw_ptr, rstd, offs_n,
+                         mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
+                         False, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+    else:
+        if HAS_NORM:
+            rstd = _rms_rstd(x_ptr, stride_xn, offs_n, N, K, eps, NR, NORM_H)
+        else:
+            rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd,
+                         offs_n, mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K,
+                         IS_NVFP4, HAS_NORM, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()  # a scheduling hint: no memory ordering
 
@@ -343,7 +405,11 @@ class GemvConfig:
     bf16 with use_dot=False), `split_k` programs along K (capped so none is empty),
     `use_dot` tensor cores vs FMA reduction, `scale_after` (FMA + NVFP4 only),
     `num_warps`, `num_stages` (Triton's pipeliner), `prefetch` (manual register
-    prefetch of the next weight tile, whose first tile is issued before the PDL wait)."""
+    prefetch of the next weight tile, whose first tile is issued before the PDL wait),
+    `norm_once` (with an RMSNorm prologue: norm x once per program into a bf16 workspace
+    instead of once per K step; None = `NORM_ONCE_MIN_STEPS` decides), `acc_full` (FMA
+    path: accumulate the whole product tile, reduce once after the K loop; `scale_after`
+    is then ignored)."""
 
     use_dot: bool = True
     block_f: int = 64
@@ -353,11 +419,15 @@ class GemvConfig:
     num_stages: int = 1
     scale_after: bool = False
     prefetch: bool = True
+    norm_once: bool | None = None
+    acc_full: bool = False
 
     def short(self) -> str:
-        kind = "dot" if self.use_dot else ("fma-sa" if self.scale_after else "fma")
+        kind = "dot" if self.use_dot else ("fma-acc" if self.acc_full else
+                                           "fma-sa" if self.scale_after else "fma")
+        once = {None: "", True: " norm1", False: " normk"}[self.norm_once]
         return (f"{kind} f{self.block_f} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}{'' if self.prefetch else ' nopf'}")
+                f"w{self.num_warps} st{self.num_stages}{'' if self.prefetch else ' nopf'}{once}")
 
 
 # Measured winners -> GemvConfig. Keys: (fmt, F, K, N) for the plain GEMV kernel (gemv,
@@ -471,6 +541,12 @@ def one_step_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
     return out
 
 
+# FMA + whole-tile accumulator candidates of `sweep_configs` (block_f, block_k, num_warps),
+# kept to ACC_FULL_MAX_ELEMS accumulator elements per 4 warps (64 fp32 registers a thread)
+ACC_FULL_SHAPES = [(64, 128, 4), (32, 256, 4), (32, 128, 2), (16, 256, 2)]
+ACC_FULL_MAX_ELEMS = 8192
+
+
 def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
                   rows_fixed: int | None = None, family: str = "all") -> list[GemvConfig]:
     """Candidate configurations that `benchmarks/bench_gemv.py --sweep` times for one
@@ -494,6 +570,17 @@ def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
                   (True, 64, 128, 4, 1, True), (False, 64 if N <= 2 else 32, 128, 4, 1, True),
                   (False, 16, 128, 4, 3, False)]
     out: list[GemvConfig] = []
+    for bf, bk, nw in ACC_FULL_SHAPES:
+        if rows_fixed is not None:
+            bf, nw = rows_fixed, min(8, max(nw, rows_fixed * bk // 2048))
+        if triton.next_power_of_2(N) * bf * bk > ACC_FULL_MAX_ELEMS * nw // 4:
+            continue  # > 64 fp32 accumulator registers per thread
+        num_f = triton.cdiv(F, bf)
+        for sk in sorted({auto_split_k(num_f, K, bk, device, 2), auto_split_k(num_f, K, bk, device, 4)}):
+            cfg = GemvConfig(use_dot=False, block_f=bf, block_k=bk, split_k=sk, num_warps=nw,
+                             num_stages=1, prefetch=True, acc_full=True)
+            if cfg not in out:
+                out.append(cfg)
     for i, (use_dot, bf, bk, nw, st, pf) in enumerate(shapes):
         if rows_fixed is not None:
             bf = rows_fixed
@@ -612,17 +699,21 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
     extra = {"launch_pdl": True} if pdl else {}
     if gpu:
         extra["num_stages"] = cfg.num_stages
+    norm_once = norm is not None and (cfg.norm_once if cfg.norm_once is not None
+                                      else k_per_split // cfg.block_k >= NORM_ONCE_MIN_STEPS)
+    xn = torch.empty((N, K), dtype=torch.bfloat16, device=dev) if norm_once else x2
     w_arg, s_arg, g_arg = wargs
     gemv_kernel[(num_f, split)](
         x2, norm if norm is not None else x2, w_arg, s_arg, g_arg,
-        residual if residual is not None else out, out, ws, cnt,
+        residual if residual is not None else out, out, ws, cnt, xn,
         N, F, K, x2.stride(0), float(eps), k_per_split,
         BLOCK_N=block_n, BLOCK_F=cfg.block_f, BLOCK_K=cfg.block_k, SPLIT_K=split,
         IS_NVFP4=fmt == "nvfp4", HAS_NORM=norm is not None, EPILOGUE=epilogue,
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and fmt == "nvfp4",
         USE_PDL=pdl_mode(pdl), GPU=gpu, PREFETCH=cfg.prefetch,
         NR=triton.next_power_of_2(N) if norm is not None else 1,
-        NORM_H=triton.next_power_of_2(K) if norm is not None else 1, num_warps=cfg.num_warps, **extra,
+        NORM_H=triton.next_power_of_2(K) if norm is not None else 1, NORM_ONCE=norm_once,
+        ACC_FULL=cfg.acc_full and not cfg.use_dot, num_warps=cfg.num_warps, **extra,
     )
     return out
 

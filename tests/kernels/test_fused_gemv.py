@@ -172,6 +172,8 @@ QKV_CPU_CASES = [
     ("nvfp4_gs", 8, "full", GemvConfig(use_dot=False, block_k=32, split_k=2, scale_after=True)),
     ("nvfp4_gs", 1, "full", None),
     ("nvfp4", 3, "sliding", GemvConfig(use_dot=False, block_k=64, split_k=1)),
+    ("nvfp4_gs", 1, "full", GemvConfig(use_dot=False, block_k=64, split_k=2, acc_full=True)),
+    ("bf16", 2, "sliding", GemvConfig(use_dot=False, block_k=32, split_k=2, acc_full=True)),
 ]
 
 
@@ -192,6 +194,7 @@ def test_norm_qkv_rope_kv(fmt, N, kind, cfg, poison_empty):
     ("bf16", 3, GemvConfig(use_dot=True, block_f=32, block_k=64, split_k=2, prefetch=False)),
     ("nvfp4_gs", 8, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=1)),
     ("nvfp4_gs", 1, None),
+    ("bf16", 1, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=2, acc_full=True)),
 ])
 def test_gemv_residual(fmt, N, cfg, poison_empty):
     """O projection shape of the tiny config: x [N, 1, Hq*D = 256] -> [N, 1, H = 128]."""
@@ -210,6 +213,7 @@ def test_gemv_residual(fmt, N, cfg, poison_empty):
     ("bf16", 1, None),
     ("bf16", 8, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=2)),
     ("nvfp4_gs", 3, GemvConfig(use_dot=True, block_f=64, block_k=32, split_k=4, prefetch=False)),
+    ("nvfp4_gs", 1, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=2, acc_full=True)),
 ])
 def test_norm_gate_up_silu(fmt, N, cfg, poison_empty):
     """Dense MLP of the tiny config: H = 128, F = 256."""
@@ -242,6 +246,27 @@ def test_norm_lm_head(N, cfg, poison_empty):
     # loose: a normed value may land one ulp away (and shift its whole row); tight: the
     # fp32 reordering bound, which nearly every logit must meet
     compare("norm_lm_head", out, ref, gemv_tol(h, [w]).view(ref.shape), min_identical=0.0,
+            tight=2 * reorder_tol(h, [w]).view(ref.shape))
+
+
+@pytest.mark.parametrize("N,use_dot", [(1, True), (3, False), (8, True)])
+def test_norm_lm_head_norm_once(N, use_dot, poison_empty):
+    """The norm-once prologue (x normed once per program into a workspace, the LM head's
+    default on the GPU) gives the same bits as the per-tile prologue, and the reference's
+    values within the GEMV bound; 8 K steps per program, 4 F blocks."""
+    H, V = 256, 256
+    x = torch.randn(N, 1, H).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(H) + 0.5).to(DEV)
+    w = (torch.randn(V, H) * 0.05).to(torch.bfloat16).to(DEV)
+    base = dict(use_dot=use_dot, block_f=64, block_k=32, split_k=1)
+    once = FG.norm_lm_head(x, norm, w, EPS, config=GemvConfig(**base, norm_once=True))
+    per_tile = FG.norm_lm_head(x, norm, w, EPS, config=GemvConfig(**base, norm_once=False))
+    auto = FG.norm_lm_head(x, norm, w, EPS, config=GemvConfig(**base))  # 8 steps >= 4: once
+    assert torch.equal(once, per_tile), (once - per_tile).abs().max()
+    assert torch.equal(once, auto)
+    ref = grouped.norm_lm_head(x, norm, w, EPS)
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    compare("norm_lm_head", once, ref, gemv_tol(h, [w]).view(ref.shape), min_identical=0.0,
             tight=2 * reorder_tol(h, [w]).view(ref.shape))
 
 

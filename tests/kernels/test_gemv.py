@@ -100,6 +100,7 @@ CPU_CONFIGS = [
     # one-step configs (`one_step_configs`): block_k * split_k == K, one K step per program
     GemvConfig(use_dot=True, block_f=16, block_k=64, split_k=3, prefetch=True),
     GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=3, prefetch=True),
+    GemvConfig(use_dot=False, block_f=16, block_k=64, split_k=2, prefetch=True, acc_full=True),
 ]
 
 
