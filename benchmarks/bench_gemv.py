@@ -300,10 +300,7 @@ def main() -> None:
                     if bc is not None:
                         tuned_json.append({"key": list(key), "config": dict(bc.__dict__),
                                            "us": bt * 1e3, "default_us": ms * 1e3})
-                        tuned.append(f"    {key!r}: GemvConfig(use_dot={bc.use_dot}, block_f={bc.block_f}, "
-                                     f"block_k={bc.block_k}, split_k={bc.split_k}, num_warps={bc.num_warps}, "
-                                     f"num_stages={bc.num_stages}, scale_after={bc.scale_after}, "
-                                     f"prefetch={bc.prefetch}),  # {case.name} {100 * moved / bt / 1e6 / copy_bw:.0f}%")
+                        tuned.append(f"    {key!r}: {bc!r},  # {case.name} {100 * moved / bt / 1e6 / copy_bw:.0f}%")
                 lines.append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()

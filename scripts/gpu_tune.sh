@@ -6,7 +6,9 @@
 # (FLINTC_GEMV_TUNED / FLINTC_MOE_TUNED override files, flintc.kernels.tuning).
 # Outputs in $OUT/tune.tgz (and $OUT/bench-compile). Knobs: TUNE_FAMILY (all / classic /
 # one-step), TUNE_BATCHES, TUNE_GEMV_CASES, TUNE_GEMV_S / TUNE_MOE_S (caps; 0 skips the
-# MoE sweep), TUNE_BENCH_CASES (bench_gemv without sweep, batches 1 and 8), TUNE_BUDGET_S.
+# MoE sweep), TUNE_MOE_FAMILY / TUNE_MOE_BATCHES, TUNE_BENCH_CASES (bench_gemv without
+# sweep, batches 1 and 8), TUNE_RUNTIME=1 (scripts/gpu_runtime.py on the full-width 4-layer
+# builds), TUNE_TESTS (pytest -m gpu arguments), TUNE_BUDGET_S.
 #
 #   TUNE_BASELINE_POINTS=8x1024 OUT=/some/dir bash scripts/gpu_tune.sh   # from the repo root
 set -uo pipefail
@@ -32,7 +34,8 @@ if [ -n "${TUNE_BENCH_CASES:-}" ]; then
   TAIL=10 step gemv-bench ${TUNE_BENCH_S:-60} $PY benchmarks/bench_gemv.py --pdl --no-compile --batches 1,8 \
     --cases "$TUNE_BENCH_CASES" --out "$T/gemv-bench.md"
 fi
-[ "${TUNE_MOE_S:-110}" -gt 0 ] && step moe-sweep ${TUNE_MOE_S:-110} $PY benchmarks/bench_moe.py --pdl --batches 1 --family one-step \
+[ "${TUNE_MOE_S:-110}" -gt 0 ] && step moe-sweep ${TUNE_MOE_S:-110} $PY benchmarks/bench_moe.py --pdl \
+  --batches "${TUNE_MOE_BATCHES:-1}" --family "${TUNE_MOE_FAMILY:-one-step}" \
   --sweep-seconds ${TUNE_MOE_SWEEP_S:-80} --out "$T/moe.md" --tuned-json "$T/moe.json"
 TAIL=8 step decode-default 60 $PY scripts/gpu_decode_time.py --builds gpu_builds --formats nvfp4,bf16 \
   --contexts 1024,100000 --out "$T/decode-default.md"
@@ -41,6 +44,13 @@ ENVS=()
 [ -s "$T/moe.json" ] && ENVS+=("FLINTC_MOE_TUNED=$T/moe.json")
 TAIL=8 step decode-tuned 60 env "${ENVS[@]}" $PY scripts/gpu_decode_time.py --builds gpu_builds \
   --formats nvfp4,bf16 --contexts 1024,100000 --out "$T/decode-tuned.md"
+if [ "${TUNE_RUNTIME:-0}" = 1 ]; then  # the default configs in the model against the reference
+  TAIL=16 step runtime ${TUNE_RUNTIME_S:-110} $PY scripts/gpu_runtime.py --builds gpu_builds --build-prefix full4 \
+    --config gpu_builds/full4-config --formats nvfp4,bf16 --steps 24 --out "$T/runtime.md"
+fi
+if [ -n "${TUNE_TESTS:-}" ]; then  # pytest arguments, e.g. "tests/kernels/test_gemv.py -k sweep"
+  TAIL=6 step gpu-tests ${TUNE_TESTS_S:-90} $PY -m pytest -q -m gpu -x -p no:cacheprovider $TUNE_TESTS
+fi
 echo "done after $(( $(date +%s) - START )) s"
 # the device tool returns at most 8 files: pack the logs and tables into one archive
 tar czf "$OUT/tune.tgz" -C "$OUT" tune && rm -rf "$T"

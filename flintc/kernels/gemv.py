@@ -434,20 +434,33 @@ class GemvConfig:
 # gemv_residual, lm_head, norm_lm_head); ("qkv:" + fmt, Hq * D, H, N) for the fused QKV
 # kernel; ("gate_up:" + fmt, F, H, N) for norm_gate_up_silu (block_f = output columns).
 # Paste the lines that `python benchmarks/bench_gemv.py --sweep` prints at the end here;
-# shapes not listed use the rules in `choose_config` / `qkv_config`. Empty until the
-# sweep has run on the H200. Entries measured on an H200 on 2026-11-30 (session 4, run 1,
-# `bench_gemv.py --sweep --batches 1,8`, docs/gpu-runs.md), before the x-tile prefetch.
+# shapes not listed use the rules in `choose_config` / `qkv_config`. Entries: the sweep
+# on an H200, 2026-11-30 session 6 run 2 (`bash scripts/gpu_tune.sh` with
+# TUNE_FAMILY=classic TUNE_BATCHES=1,8, weights rotated so they are read from DRAM,
+# docs/gpu-runs.md); us = that sweep's time against the previous default's.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
-    ("qkv:bf16", 4096, 2048, 1): GemvConfig(use_dot=False, block_f=128, block_k=128, split_k=8,
+    # 21.0 us against 23.7
+    ("qkv:bf16", 4096, 2048, 1): GemvConfig(use_dot=False, block_f=128, block_k=128, split_k=16,
                                            num_warps=4, num_stages=3, prefetch=False),
+    # 31.1 (unchanged)
     ("qkv:bf16", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=8,
                                            num_warps=8, num_stages=1, prefetch=True),
-    ("qkv:nvfp4", 4096, 2048, 1): GemvConfig(use_dot=False, block_f=128, block_k=128,
-                                            split_k=8, num_warps=4, num_stages=1,
-                                            prefetch=True),
-    ("qkv:nvfp4", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128,
-                                            split_k=8, num_warps=8, num_stages=3,
-                                            prefetch=False),
+    # 15.6 against 17.5
+    ("qkv:nvfp4", 4096, 2048, 1): GemvConfig(use_dot=False, block_f=128, block_k=128, split_k=8,
+                                            num_warps=8, num_stages=1, prefetch=True,
+                                            acc_full=True),
+    # 22.3 against 25.7
+    ("qkv:nvfp4", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=8,
+                                            num_warps=8, num_stages=1, prefetch=True),
+    # O projection + residual: 10.2 us against 14.4 (bf16), 7.9 against 12.4 (NVFP4) at N = 1
+    ("bf16", 2048, 4096, 1): GemvConfig(use_dot=False, block_f=16, block_k=256, split_k=4,
+                                       num_warps=2, num_stages=1, prefetch=True, acc_full=True),
+    ("bf16", 2048, 4096, 8): GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=16,
+                                       num_warps=4, num_stages=1, prefetch=True),
+    ("nvfp4", 2048, 4096, 1): GemvConfig(use_dot=False, block_f=32, block_k=256, split_k=8,
+                                        num_warps=4, num_stages=1, prefetch=True, acc_full=True),
+    ("nvfp4", 2048, 4096, 8): GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=16,
+                                        num_warps=4, num_stages=1, prefetch=True),
 }
 
 
@@ -488,26 +501,30 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> Gem
     """The launch configuration for a [N, K] x [F, K]^T GEMV: `TUNED[(fmt, F, K, N)]` if
     the sweep measured this shape, else the rule below. fmt is "bf16" or "nvfp4".
 
-    Rule (shapes the sweep has not measured): tensor-core dot, 64 x 128 tiles with the
-    register prefetch of the next weight and x tiles, both formats (the sweep of
-    2026-11-30 measured the bf16 O projection at 11.8 us with it against 24.2 us with
-    Triton's 4-stage pipeliner); bf16 matrices with >= 2 programs per SM in F alone (the
-    LM head) keep 128-row tiles staged by the pipeliner (3 stages, 96-97% of copy);
-    split-K up to ~2 programs per SM."""
+    Rule (shapes the sweep has not measured), from the DRAM-resident sweep of session 6:
+    bf16 matrices with >= 2 programs per SM in F alone (the LM head) keep 128-row
+    tensor-core tiles staged by the pipeliner (3 stages); otherwise N <= 2 takes the FMA
+    path with the whole-tile accumulator (`acc_full`; 32 x 256 tiles NVFP4, 16 x 256 on 2
+    warps bf16: the O projection's winners, 36% / 29% faster than the tensor-core tiles)
+    and N > 2 tensor-core 64 x 128 tiles with the register prefetch; split-K up to ~4
+    programs per SM (the winners' split)."""
     hit = tuned_config((fmt, F, K, N))
     if hit is not None:
         return hit
     if device.type != "cuda":  # interpreter: small tiles keep the CPU time down
         return GemvConfig(use_dot=True, block_f=16, block_k=64, split_k=1)
-    if fmt == "nvfp4":
-        block_f, block_k, prefetch, stages = 64, 128, True, 1
-    elif triton.cdiv(F, 128) >= 2 * num_sms(device):  # LM head: 96-97% of copy (run 1)
-        block_f, block_k, prefetch, stages = 128, 128, False, 3
-    else:  # register prefetch: 2x faster than 4 pipeliner stages on the O projection
-        block_f, block_k, prefetch, stages = 64, 128, True, 1
-    split = auto_split_k(triton.cdiv(F, block_f), K, block_k, device)
-    return GemvConfig(use_dot=True, block_f=block_f, block_k=block_k, split_k=split,
-                      num_warps=4, num_stages=stages, prefetch=prefetch)
+    if fmt == "bf16" and triton.cdiv(F, 128) >= 2 * num_sms(device):  # LM head
+        split = auto_split_k(triton.cdiv(F, 128), K, 128, device)
+        return GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=split, num_warps=4,
+                          num_stages=3, prefetch=False)
+    if N <= 2 and K % 256 == 0:
+        block_f, warps = (32, 4) if fmt == "nvfp4" else (16, 2)
+        split = auto_split_k(triton.cdiv(F, block_f), K, 256, device, programs_per_sm=4)
+        return GemvConfig(use_dot=False, block_f=block_f, block_k=256, split_k=split,
+                          num_warps=warps, num_stages=1, prefetch=True, acc_full=True)
+    split = auto_split_k(triton.cdiv(F, 64), K, 128, device, programs_per_sm=4)
+    return GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=split, num_warps=4,
+                      num_stages=1, prefetch=True)
 
 
 def one_step_configs(fmt: str, N: int, F: int, K: int, device: torch.device,

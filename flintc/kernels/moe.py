@@ -306,13 +306,22 @@ def _load_x(x_rows, mask_x, k0, k_end, BLOCK_K: tl.constexpr, IS_NVFP4: tl.const
 @triton.jit
 def _mac(acc, w, s, x_a, x_b, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
          BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, USE_DOT: tl.constexpr,
-         SCALE_AFTER: tl.constexpr, GPU: tl.constexpr):
+         SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, ACC_FULL: tl.constexpr):
     """One BLOCK_K step: acc += x . w for one weight tile (from `_load_w`) and the x tiles
     (from `_load_x`). USE_DOT: acc [BLOCK_N, BLOCK_F] on the tensor cores. Else the FMA
     reduction: acc [BLOCK_N, BLOCK_F, KB] keeps one fp32 partial per 8 (bf16) or 16
     (NVFP4) columns, summed once after the K loop; with SCALE_AFTER (NVFP4) each
-    16-weight block is summed unscaled and multiplied by its block scale once."""
-    if IS_NVFP4:
+    16-weight block is summed unscaled and multiplied by its block scale once. ACC_FULL
+    (FMA): acc [BLOCK_N, BLOCK_F, KB, 8] is the whole product tile, one FMA per weight and
+    no per-step reduction (`flintc.kernels.gemv._gemv_loop`)."""
+    if ACC_FULL and not USE_DOT:
+        if IS_NVFP4:
+            w_lo, w_hi = dequant_tile(w, s, GPU)
+            acc += x_a[:, None, :, :] * w_lo.to(tl.float32)[None, :, :, :]
+            acc += x_b[:, None, :, :] * w_hi.to(tl.float32)[None, :, :, :]
+        else:
+            acc += x_a[:, None, :, :] * w.to(tl.float32)[None, :, :, :]
+    elif IS_NVFP4:
         if USE_DOT:
             # e2m1 * scale * 2^-8, exact (bf16 on the GPU); `_expert_gemv` undoes the 2^-8
             w_lo, w_hi = dequant_tile(w, s, GPU)
@@ -341,7 +350,8 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
                  k_start, k_end, n_iters,
                  BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
                  IS_NVFP4: tl.constexpr, TWO: tl.constexpr, USE_DOT: tl.constexpr,
-                 SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, PREFETCH: tl.constexpr):
+                 SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, PREFETCH: tl.constexpr,
+                 ACC_FULL: tl.constexpr):
     """(acc, acc2) fp32 [BLOCK_N, BLOCK_F]: x[:, k_start:k_end] @ W[rows, k_start:k_end]^T
     for W = the matrix at (w_rows, s_rows) and, with TWO, also for V at (v_rows, t_rows)
     (gate and up share each x tile; twice the loads in flight per step). NVFP4 results
@@ -353,6 +363,9 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    elif ACC_FULL:
+        acc = tl.zeros((BLOCK_N, BLOCK_F, KB, 8), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_F, KB, 8), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_F, KB), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_F, KB), dtype=tl.float32)
@@ -374,10 +387,10 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
         x_a = xa_cur
         x_b = xb_cur
         acc = _mac(acc, w0, s0, x_a, x_b, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, USE_DOT,
-                   SCALE_AFTER, GPU)
+                   SCALE_AFTER, GPU, ACC_FULL)
         if TWO:
             acc2 = _mac(acc2, v0, t0, x_a, x_b, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, USE_DOT,
-                        SCALE_AFTER, GPU)
+                        SCALE_AFTER, GPU, ACC_FULL)
         if PREFETCH:
             w0 = w_nxt
             s0 = s_nxt
@@ -386,10 +399,13 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
                 t0 = t_nxt
         xa_cur = xa_nxt
         xb_cur = xb_nxt
-    if not USE_DOT:
+    if ACC_FULL and not USE_DOT:
+        acc = tl.sum(tl.sum(acc, axis=3), axis=2)
+        acc2 = tl.sum(tl.sum(acc2, axis=3), axis=2)
+    elif not USE_DOT:
         acc = tl.sum(acc, axis=2)
         acc2 = tl.sum(acc2, axis=2)
-    if IS_NVFP4 and not (SCALE_AFTER and not USE_DOT):
+    if IS_NVFP4 and not (SCALE_AFTER and not USE_DOT and not ACC_FULL):
         acc = acc * DEQUANT_UNSCALE  # exact: undoes dequant_tile's 2^-8
         acc2 = acc2 * DEQUANT_UNSCALE
     return acc, acc2
@@ -473,6 +489,7 @@ def gate_up_kernel(
     ROUTE: tl.constexpr,
     HAS_SHARED: tl.constexpr, IS_NVFP4: tl.constexpr, USE_DOT: tl.constexpr,
     SCALE_AFTER: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    ACC_FULL: tl.constexpr,
     GPU: tl.constexpr,
 ):
     # Program (f block, slot, split): slot < N*K is (token, choice), slot N*K the shared
@@ -547,7 +564,7 @@ def gate_up_kernel(
     x_rows = x_ptr + offs_n.to(tl.int64) * H
     acc_g, acc_u = _expert_gemv(gw, gs, uw, us, g0, gs0, u0, us0, mask_f, x_rows, tok,
                                 k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
-                                True, USE_DOT, SCALE_AFTER, GPU, PREFETCH)
+                                True, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     row = offs_n[:, None] * SLOTS + kpos[:, None]  # h[n, kpos[n], :], [BLOCK_N, 1]
@@ -598,6 +615,7 @@ def down_kernel(
     TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr, SPLIT: tl.constexpr,
     HAS_SHARED: tl.constexpr, HAS_RESIDUAL: tl.constexpr, IS_NVFP4: tl.constexpr,
     USE_DOT: tl.constexpr, SCALE_AFTER: tl.constexpr, PREFETCH: tl.constexpr,
+    ACC_FULL: tl.constexpr,
     USE_PDL: tl.constexpr, GPU: tl.constexpr,
 ):
     # Program (h block, slot, split): the owner of a distinct expert (or the shared
@@ -655,7 +673,7 @@ def down_kernel(
     x_rows = h_ptr + (offs_n.to(tl.int64) * SLOTS + kpos) * F  # h[n, kpos[n], :]
     acc, _ = _expert_gemv(ww, ws_rows, ww, ws_rows, w0, s0, w0, s0, mask_w, x_rows, tok,
                           k_start, k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False,
-                          USE_DOT, SCALE_AFTER, GPU, PREFETCH)
+                          USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     plane = N * SLOTS * H  # one [N, SLOTS, H] plane of the workspace
@@ -901,7 +919,8 @@ class MoeConfig:
     tensor-core reduction (tokens padded to 16) vs the FMA reduction; `scale_after`
     (NVFP4 + FMA): block scale applied once per 16-weight block; `prefetch`: register
     prefetch of the next tile (the shared expert's first tile goes out before the PDL
-    wait) instead of Triton's pipeliner (`num_stages`)."""
+    wait) instead of Triton's pipeliner (`num_stages`); `acc_full` (FMA): accumulate the
+    whole product tile and reduce once after the loop (`scale_after` then ignored)."""
 
     block_rows: int = 32
     block_k: int = 128
@@ -911,9 +930,11 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 3
     prefetch: bool = False
+    acc_full: bool = False
 
     def short(self) -> str:
-        kind = "dot" if self.use_dot else ("fma-sa" if self.scale_after else "fma")
+        kind = "dot" if self.use_dot else ("fma-acc" if self.acc_full else
+                                           "fma-sa" if self.scale_after else "fma")
         return (f"{kind} r{self.block_rows} k{self.block_k} s{self.split} w{self.num_warps} "
                 f"st{self.num_stages}{' pf' if self.prefetch else ''}")
 
@@ -1027,6 +1048,10 @@ def one_step_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: 
     return out
 
 
+# FMA + whole-tile accumulator candidates of `sweep_configs` (block_rows, block_k, warps)
+ACC_FULL_SHAPES = [(16, 128, 4), (32, 128, 4), (16, 256, 4), (32, 256, 8)]
+
+
 def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
                   device: torch.device, family: str = "all") -> list[MoeConfig]:
     """Candidates that `benchmarks/bench_moe.py` times (the `gpu` test checks each one
@@ -1053,6 +1078,14 @@ def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
                   (True, 16, 128, 4, 4, False, False), (True, 32, 128, 4, 1, True, False),
                   (False, 16, 128, 4, 3, False, False)]
     out = [base]
+    for br, bk, nw in ACC_FULL_SHAPES:  # FMA + whole-tile accumulator, <= 64 registers
+        if triton.next_power_of_2(N) * br * bk * (2 if kernel == "gate_up" else 1) > 8192 * nw // 4:
+            continue
+        split = auto_split(slots * triton.cdiv(rows, br), red, bk, device)
+        cfg = MoeConfig(block_rows=br, block_k=bk, split=split, use_dot=False, num_warps=nw,
+                        num_stages=1, prefetch=True, acc_full=True)
+        if cfg not in out:
+            out.append(cfg)
     for use_dot, br, bk, nw, st, pf, sa in shapes:
         split = auto_split(slots * triton.cdiv(rows, br), red, bk, device)
         cfg = MoeConfig(block_rows=br, block_k=bk, split=split, use_dot=use_dot,
@@ -1147,6 +1180,7 @@ def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, 
         BLOCK_N=_block_n(N, cfg), BLOCK_T=triton.next_power_of_2(N), BLOCK_F=cfg.block_rows, BLOCK_K=cfg.block_k,
         SPLIT=split, ROUTE=route, HAS_SHARED=has_shared, IS_NVFP4=nv, USE_DOT=cfg.use_dot,
         SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch, USE_PDL=pdl_mode(pdl), GPU=gpu,
+        ACC_FULL=cfg.acc_full and not cfg.use_dot,
         **_route_consts(E, top_k), **_kernel_opts(cfg, gpu), **opts)
     return h, wts, ids_out
 
@@ -1257,6 +1291,7 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
         TOP_K=K, TOPK_PAD=triton.next_power_of_2(max(K, 2)), SPLIT=split,
         HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, IS_NVFP4=nv,
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch,
+        ACC_FULL=cfg.acc_full and not cfg.use_dot,
         USE_PDL=pdl_mode(pdl), GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
     return out
 

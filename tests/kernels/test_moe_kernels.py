@@ -203,6 +203,9 @@ CPU_CONFIGS = [
     # one-step (`one_step_configs`): gate/up K = 128 in 2 splits of one 64-wide step; down
     # F = 64 in one step
     K.MoeConfig(block_rows=16, block_k=64, split=2, use_dot=True, num_stages=1, prefetch=True),
+    # FMA with the whole-tile accumulator (acc_full), split-K and several K steps
+    K.MoeConfig(block_rows=32, block_k=32, split=2, use_dot=False, num_stages=1, prefetch=True,
+                acc_full=True),
 ]
 
 
