@@ -943,26 +943,28 @@ class MoeConfig:
 # "nvfp4", N the decode batch. Paste the `TUNED[...] = MoeConfig(...)` lines that
 # `python benchmarks/bench_moe.py` prints after its sweep here; shapes not listed use
 # the rule in `choose_config`. Entries: the sweep's winners on an H200, 2026-11-30
-# (session 4, run 1, `bench_moe.py --batches 1,8`, docs/gpu-runs.md); N = 4 and NVFP4
-# N = 2 were not measured and use the rule.
+# (N = 1 and 8: session 6 run 3, `bash scripts/gpu_tune.sh` with TUNE_MOE_FAMILY=classic
+# TUNE_MOE_BATCHES=1,8; N = 2: session 4 run 1; docs/gpu-runs.md). At N = 1 the FMA path
+# with the whole-tile accumulator won every kernel: NVFP4 gate/up 15.3 us (was 21.9),
+# down 8.6 (12.7); bf16 gate/up 21.3 (28.5), down 11.0 (14.1). N = 4 and NVFP4 N = 2 use
+# the rule.
 TUNED: dict[tuple[str, str, int], MoeConfig] = {
     ("gate_up", "bf16", 1): MoeConfig(block_rows=16, block_k=128, split=2, use_dot=False,
-                                      num_warps=4, num_stages=3),
-    ("down", "bf16", 1): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
-                                   num_stages=1, prefetch=True),
+                                      num_warps=4, num_stages=1, prefetch=True, acc_full=True),
+    ("down", "bf16", 1): MoeConfig(block_rows=32, block_k=128, split=1, use_dot=False,
+                                   num_warps=4, num_stages=1, prefetch=True, acc_full=True),
     ("gate_up", "bf16", 2): MoeConfig(block_rows=32, block_k=128, split=2, num_warps=4,
                                       num_stages=1, prefetch=True),
     ("down", "bf16", 2): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
                                    num_stages=1, prefetch=True),
-    ("gate_up", "bf16", 8): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
-                                      num_stages=1, prefetch=True),
-    ("down", "bf16", 8): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
-                                   num_stages=1, prefetch=True),
-    ("gate_up", "nvfp4", 1): MoeConfig(block_rows=32, block_k=128, split=2, num_warps=4,
-                                       num_stages=3),
-    ("down", "nvfp4", 1): MoeConfig(block_rows=16, block_k=128, split=1, use_dot=False,
-                                    scale_after=True, num_warps=4, num_stages=1,
-                                    prefetch=True),
+    ("gate_up", "bf16", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
+                                      num_stages=3),
+    ("down", "bf16", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
+                                   num_stages=3),
+    ("gate_up", "nvfp4", 1): MoeConfig(block_rows=32, block_k=128, split=4, use_dot=False,
+                                       num_warps=4, num_stages=1, prefetch=True, acc_full=True),
+    ("down", "nvfp4", 1): MoeConfig(block_rows=32, block_k=128, split=1, use_dot=False,
+                                    num_warps=4, num_stages=1, prefetch=True, acc_full=True),
     ("gate_up", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=8,
                                        num_stages=3),
     ("down", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=8,
