@@ -99,7 +99,11 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                    help="cpu or cuda (default: cpu; for --build, the device it was compiled for)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the per-pass numeric checks (faster; the report says so)")
-    p.add_argument("--no-dump", action="store_true", help="do not write the pass-by-pass dumps")
+    p.add_argument("--no-dump", action="store_true",
+                   help="do not write the pass-by-pass dumps (BUILD/dumps/), not even into $FLINTC_DUMP_DIR"
+                   if backend else
+                   "do not write the pass-by-pass dumps, not even into $FLINTC_DUMP_DIR (a temporary BUILD "
+                   "writes them only there, one folder per function, when it is set)")
 
 
 def add_parser(sub) -> None:

@@ -123,6 +123,15 @@ def _limit_build(runner, args) -> None:
         runner.max_batch = int(args.max_batch)
 
 
+def _temporary_build_dumps(opts, no_dump: bool) -> None:
+    """Where a temporary BUILD's pass-by-pass dumps go: the BUILD is removed at exit, so
+    they are written only where they outlive the run, into `$FLINTC_DUMP_DIR/<function>/`
+    when it is set (as for any compile), else nowhere; --no-dump always means none."""
+    dump_dir = os.environ.get("FLINTC_DUMP_DIR") or None
+    opts.dump = dump_dir is not None and not no_dump
+    opts.dump_dir = dump_dir if opts.dump else None
+
+
 def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
     """(runner or FlintModel, tokenizer dir, config) for the chosen backend. A temporary
     BUILD (--backend torch|triton) is removed when `cleanup` closes."""
@@ -170,7 +179,10 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
     tmp = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="flintc-build-"))
     out = Path(tmp) / "build"
     opts = build_options(args)
+    _temporary_build_dumps(opts, args.no_dump)
     compile_model(ckpt, out, opts, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))
+    if opts.dump:
+        print(f"pass-by-pass dumps: {opts.dump_dir}/<function>/", file=sys.stderr)
     runner = load_build(out, ckpt=ckpt, device=args.device)
     return runner, ckpt.tokenizer_dir, ckpt.config
 

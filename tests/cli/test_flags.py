@@ -84,6 +84,63 @@ def test_dummy_flags_are_honoured_with_load_format_dummy(capsys):
     assert_one_line_error(code, err, "--load-format dummy", "--config")
 
 
+# ---- flintc run: where a temporary BUILD's dumps go -------------------------------------
+
+
+def _record_dump_dirs(monkeypatch):
+    """Replace the pass pipeline by a stand-in that records the dump folder it gets and
+    stops the command (no compile). -> the list it appends to."""
+    import flintc.passes.pipeline as pipeline
+    from flintc.errors import InputError
+
+    seen = []
+
+    def recorder(model, step, dump_dir=None, **kw):
+        seen.append(dump_dir)
+        raise InputError("stop after the first compile_step")
+
+    monkeypatch.setattr(pipeline, "compile_step", recorder)
+    return seen
+
+
+@pytest.mark.parametrize("env, flags, dumps", [
+    (True, [], True),              # FLINTC_DUMP_DIR: the dumps outlive the temporary BUILD
+    (True, ["--no-dump"], False),  # --no-dump: none, whatever the environment says
+    (False, [], False),            # no FLINTC_DUMP_DIR: none (they would go with the BUILD)
+])
+def test_run_temporary_build_dumps_follow_flintc_dump_dir(capsys, tmp_path, monkeypatch, tiny_bf16_dir,
+                                                          env, flags, dumps):
+    """`flintc run --backend torch`: the dump folder each function's compile_step gets."""
+    seen = _record_dump_dirs(monkeypatch)
+    if env:
+        monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "dd"))
+    else:
+        monkeypatch.delenv("FLINTC_DUMP_DIR", raising=False)
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--backend", "torch", "--max-batch", 1, "--no-check",
+                           "--prompt-ids", "1,2", "--max-tokens", 1, *flags)
+    assert_one_line_error(code, err, "stop after the first compile_step")
+    assert seen == [tmp_path / "dd" / "decode_b1" if dumps else False]
+
+
+def test_compile_no_dump_ignores_flintc_dump_dir(capsys, tmp_path, monkeypatch, tiny_bf16_dir):
+    seen = _record_dump_dirs(monkeypatch)
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "dd"))
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", tmp_path / "b", "--max-batch", 1,
+                           "--no-check", "--no-dump")
+    assert_one_line_error(code, err, "stop after the first compile_step")
+    assert seen == [False]
+
+
+def test_compile_step_dump_dir_false_ignores_flintc_dump_dir(monkeypatch, tmp_path):
+    from harness import tiny_model
+
+    from flintc.passes.pipeline import compile_step
+
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "dd"))
+    compile_step(tiny_model(), "prefill", batch=1, tokens=8, cache_len=16, disabled=["fuse_moe"], dump_dir=False)
+    assert not (tmp_path / "dd").exists()
+
+
 # ---- flintc compile: bad values are refused before any work ----------------------------
 
 
