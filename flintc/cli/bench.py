@@ -43,8 +43,10 @@ def _points(text: str | None, what: str) -> list[tuple[int, int]] | None:
 
 
 def add_parser(sub) -> None:
+    from flintc.cli import HelpFormatter
+
     p = sub.add_parser("bench", help="benchmark flintc against its roofline and baselines",
-                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf (default: dummy weights of --config)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="dummy",

@@ -23,11 +23,12 @@ from flintc.errors import InputError
 
 
 def add_parser(sub) -> None:
+    from flintc.cli import HelpFormatter
     from flintc.cli.compile_build import add_build_args, add_model_source_args
 
     p = sub.add_parser("run", help="generate text or token ids from prompts",
                        description=__doc__.split("\n\n")[1] if __doc__ else None,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model, "
                         "or the checkpoint a --build was compiled from)")
@@ -35,9 +36,10 @@ def add_parser(sub) -> None:
                    help="prompt text (needs a tokenizer); repeat for a batch")
     p.add_argument("--prompt-ids", action="append", default=None,
                    help="prompt token ids, comma-separated, e.g. 1,2,3; repeat for a batch")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most per prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="keep the most likely tokens up to this probability mass (after top-k)")
     p.add_argument("--top-k", type=int, default=20, help="0 or -1 keeps every token")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
@@ -49,8 +51,10 @@ def add_parser(sub) -> None:
     add_build_args(p, backend=False)
     p.add_argument("--mode", choices=("bf16", "float64"), default=None,
                    help="reference backend numerics: bf16 (FLINT_SPEC rounding points) or float64 "
-                        "oracle (default: bf16)%(default).0s")
-    p.add_argument("--output", choices=("text", "json"), default="text")
+                        "oracle (default: bf16)")
+    p.add_argument("--output", choices=("text", "json"), default="text",
+                   help="text: stream a single prompt's text (else one line per prompt); json: one "
+                        "object per prompt")
     p.add_argument("--logits-out", default=None,
                    help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy "
                         "(one prompt only)")

@@ -5,8 +5,10 @@ tests/runtime/test_compiled.py for the --build cases)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,6 +198,57 @@ def test_sigterm_during_compile_leaves_no_temporary_folder(tmp_path, tiny_bf16_d
     assert proc.returncode == 143, err
     assert "flintc: terminated" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- --help: each default said once -----------------------------------------------------
+
+# A help text that tells an option's default: "(default: X)", "(default 10; cpu 1)",
+# "...; default: 8". Not "default)": the value of a choice named default.
+_TELLS_DEFAULT = re.compile(r"\bdefault\b(?!\))")
+
+
+def _subcommands():
+    from flintc.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def test_help_says_each_default_once():
+    """Every sub-command's --help: an option with a default worth telling names it
+    exactly once (hand-written or appended), one without (None, a flag's False) never
+    gets "(default: None)"."""
+    from flintc.cli import HelpFormatter
+
+    commands = _subcommands()
+    assert {"run", "compile", "serve", "bench", "dump", "verify", "make-checkpoint"} <= set(commands)
+    for name, parser in commands.items():
+        assert parser.formatter_class is HelpFormatter, name
+        for action in parser._actions:
+            if not action.help or argparse.SUPPRESS in (action.help, action.default):
+                continue
+            text = parser._get_formatter()._expand_help(action)
+            where = f"flintc {name} {'/'.join(action.option_strings) or action.dest}: {text!r}"
+            told = len(_TELLS_DEFAULT.findall(text))
+            default = action.default
+            if default is None or isinstance(default, bool) or default == []:
+                assert told <= 1 and "(default: " + str(default) not in text, where
+            else:
+                assert told == 1, where
+
+
+@pytest.mark.parametrize("command", ["run", "compile", "serve", "bench", "dump", "verify", "make-checkpoint"])
+def test_help_output_has_no_doubled_default(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert not re.search(r"\(default[^()]*\)\s*\(default", text), text
+    for noise in ("(default: None)", "(default: False)", "(default: [])"):
+        assert noise not in text
+    if command == "run":
+        assert text.count("(default: random)") == 1 and "(default: 16)" in text
 
 
 # ---- verify / dump / make-checkpoint / serve ----------------------------------------------
