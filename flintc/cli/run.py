@@ -257,11 +257,19 @@ def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
         else:
             text = tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
             print(f"[{i}] {text}")
-    ms = 1000 * result.decode_seconds / max(result.decode_steps, 1)
     print(f"prompt tokens: {sum(map(len, prompts))}, generated tokens: "
           f"{sum(map(len, result.output_ids))}, prefill: {result.prefill_seconds:.3f} s, "
-          f"decode: {ms:.2f} ms/token", file=sys.stderr)
+          f"decode: {_decode_figure(result)}", file=sys.stderr)
     return 0
+
+
+def _decode_figure(result) -> str:
+    """The summary line's decode figure: milliseconds per decode step (one token per
+    sequence), or "0 tokens" when no step ran (--max-tokens 0 or 1, or every sequence
+    stopped at its first token): never a rate over zero tokens."""
+    if result.decode_steps == 0:
+        return "0 tokens"
+    return f"{1000 * result.decode_seconds / result.decode_steps:.2f} ms/token"
 
 
 class _TextStream:
