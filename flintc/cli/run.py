@@ -109,24 +109,6 @@ def _check_backend_flags(args, backend: str, n_prompts: int) -> None:
                                  "with flintc compile")
 
 
-def _limit_build(runner, args) -> None:
-    """Apply --max-model-len / --max-batch to a loaded build: a smaller value limits the
-    run, a larger one cannot be met (the build's caches and decode buckets are fixed at
-    compile time)."""
-    if args.max_model_len is not None:
-        if args.max_model_len > runner.max_model_len:
-            raise InputError(f"--max-model-len {args.max_model_len}: {args.build} was compiled for "
-                             f"{runner.max_model_len} positions (a build fixes its max model length at "
-                             "compile time); drop the flag, or recompile with a larger --max-model-len")
-        runner.max_model_len = int(args.max_model_len)
-    if args.max_batch is not None:
-        if args.max_batch > runner.max_batch:
-            raise InputError(f"--max-batch {args.max_batch}: {args.build} was compiled for at most "
-                             f"{runner.max_batch} sequences (a build fixes its decode buckets at compile "
-                             "time); drop the flag, or recompile with a larger --max-batch")
-        runner.max_batch = int(args.max_batch)
-
-
 def _temporary_build_dumps(opts, no_dump: bool) -> None:
     """Where a temporary BUILD's pass-by-pass dumps go: the BUILD is removed at exit, so
     they are written only where they outlive the run, into `$FLINTC_DUMP_DIR/<function>/`
@@ -149,7 +131,7 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
         raise InputError("--build runs the build's own backend; drop --backend reference (or --build)")
     _check_backend_flags(args, backend, n_prompts)
     if args.build:
-        from flintc.runtime.compiled import load_build, read_manifest
+        from flintc.runtime.compiled import limit_build, load_build, read_manifest
 
         manifest = read_manifest(args.build)
         check_model_source_args(args, build_manifest=manifest)
@@ -164,7 +146,7 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
         runner = load_build(args.build, model=args.model, device=device,
                             load_format=args.load_format if args.load_format == "dummy" else None,
                             hf_config_path=args.hf_config_path, progress=sys.stderr.isatty())
-        _limit_build(runner, args)
+        limit_build(runner, args.build, max_model_len=args.max_model_len, max_batch=args.max_batch)
         return runner, runner.tokenizer_dir, runner.config
     check_model_source_args(args)
     args.device = args.device or "cpu"

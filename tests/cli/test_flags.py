@@ -143,6 +143,52 @@ def test_compile_step_dump_dir_false_ignores_flintc_dump_dir(monkeypatch, tmp_pa
     assert not (tmp_path / "dd").exists()
 
 
+# ---- --build limits: one function for run and serve ------------------------------------
+
+
+def test_limit_build_limits_or_refuses():
+    """flintc.runtime.compiled.limit_build: up to the build's value limits the runner,
+    above it (or below 1) is refused naming the flag, the build and its value."""
+    from flintc.errors import InputError
+    from flintc.runtime.compiled import limit_build
+
+    runner = SimpleNamespace(max_batch=4, max_model_len=64)
+    limit_build(runner, "b")
+    assert (runner.max_batch, runner.max_model_len) == (4, 64)
+    limit_build(runner, "b", max_model_len=32, max_batch=2)
+    assert (runner.max_batch, runner.max_model_len) == (2, 32)
+    runner = SimpleNamespace(max_batch=4, max_model_len=64)
+    for kw, needles in (({"max_model_len": 65}, ["--max-model-len 65: b was compiled for 64 positions",
+                                                 "recompile with a larger --max-model-len"]),
+                        ({"max_batch": 8}, ["--max-batch 8: b was compiled for at most 4 sequences",
+                                            "recompile with a larger --max-batch"]),
+                        ({"max_batch": 0}, ["--max-batch must be at least 1, got 0"])):
+        with pytest.raises(InputError) as exc:
+            limit_build(runner, "b", **kw)
+        assert all(n in str(exc.value) for n in needles), str(exc.value)
+    assert (runner.max_batch, runner.max_model_len) == (4, 64)
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--max-batch", "8"], ["--max-batch 8", "compiled for at most 4 sequences"]),
+    (["--max-model-len", "65"], ["--max-model-len 65", "compiled for 64 positions"]),
+])
+def test_run_build_limits_use_the_shared_function(capsys, monkeypatch, flags, needles):
+    """`flintc run --build` applies its limits with compiled.limit_build (a stand-in
+    build: no compile, no weights)."""
+    from flintc.runtime import compiled
+
+    calls = []
+    real = compiled.limit_build
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(compiled, "read_manifest", lambda build: {"device": "cpu", "weight_format": "bf16"})
+    monkeypatch.setattr(compiled, "load_build", lambda *a, **kw: SimpleNamespace(max_batch=4, max_model_len=64))
+    monkeypatch.setattr(compiled, "limit_build", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    code, out, err = run_cli(capsys, "run", "--build", "fake-build", "--prompt-ids", "1,2", *flags)
+    assert_one_line_error(code, err, *needles, "fake-build")
+    assert out == "" and len(calls) == 1
+
+
 # ---- flintc compile: bad values are refused before any work ----------------------------
 
 
