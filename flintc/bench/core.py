@@ -95,8 +95,10 @@ class BenchOptions:
         for b in o.baselines:
             if b not in ("eager", "compile"):
                 raise InputError(f"--baselines: unknown baseline {b!r} (expected eager, compile)")
-        if any(c < 1 for c in o.contexts) or any(b < 1 for b in o.batches) or any(t < 1 for t in o.prefill):
-            raise InputError("--contexts, --batches and --prefill take positive integers")
+        for flag, values in (("--contexts", o.contexts), ("--batches", o.batches), ("--prefill", o.prefill)):
+            bad = [v for v in values if v < 1]
+            if bad:
+                raise InputError(f"{flag}: each must be a positive integer, got {bad[0]}")
         if any(b > 8 for b in o.batches):
             raise InputError(f"--batches: flintc decodes at most 8 sequences at once, got {max(o.batches)}")
         if o.sampling not in ("default", "greedy"):

@@ -5,16 +5,34 @@ chosen one, and turns every user-facing error (:class:`~flintc.errors.FlintcErro
 or an OSError on a file the user named) into one line on stderr and exit code 2,
 without a traceback. SIGTERM is turned into :class:`Terminated` (a KeyboardInterrupt),
 so the clean-up that runs on Ctrl-C (temporary BUILD, dump and checkpoint folders)
-runs on `kill` too; the exit code is then 143.
+runs on `kill` too; the exit code is then 143. Every sub-command's parser uses
+:class:`HelpFormatter`, so its --help says each default once.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 
 from flintc.errors import EXIT_USER_ERROR, FlintcError
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The `--help` of every sub-command: an option's default is said once. It is
+    appended as "(default: X)" unless the help text already tells it (says "default"),
+    or there is nothing to tell (None, an empty list, a flag's True/False)."""
+
+    _TELLS_DEFAULT = re.compile(r"\bdefault\b")
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is argparse.SUPPRESS or isinstance(default, bool)
+                or default == [] or default == "" or self._TELLS_DEFAULT.search(text)):
+            return text
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -18,13 +19,28 @@ from pathlib import Path
 from flintc.errors import InputError
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        vals = [int(float(x)) if "e" in x.lower() else int(x) for x in text.replace("_", "").split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"{what}: expected comma-separated integers, got {text!r}") from None
-    if not vals:
-        raise InputError(f"{what}: expected at least one value")
+def _ints(text: str, flag: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8] for `flag`; `_` separators and 1e5 are accepted. Raises
+    InputError naming `flag` and the bad item: an empty one (`1,,2`), one that is not a
+    whole number, or one below 1."""
+    if not text.strip():
+        raise InputError(f"{flag}: expected at least one value, e.g. 1,2,4")
+    vals = []
+    for item in text.split(","):
+        x = item.strip().replace("_", "")
+        if not x:
+            raise InputError(f"{flag} {text!r}: empty item; expected comma-separated positive integers, "
+                             "e.g. 1,2,4")
+        try:
+            v = int(x) if "e" not in x.lower() else float(x)
+        except ValueError:
+            v = None
+        if v is None or (isinstance(v, float) and not (math.isfinite(v) and v.is_integer())):
+            raise InputError(f"{flag} {text!r}: {item.strip()!r} is not an integer; expected comma-separated "
+                             "positive integers, e.g. 1,2,4")
+        if v < 1:
+            raise InputError(f"{flag} {text!r}: {item.strip()} is not a positive integer; each must be >= 1")
+        vals.append(int(v))
     return vals
 
 
@@ -43,8 +59,10 @@ def _points(text: str | None, what: str) -> list[tuple[int, int]] | None:
 
 
 def add_parser(sub) -> None:
+    from flintc.cli import HelpFormatter
+
     p = sub.add_parser("bench", help="benchmark flintc against its roofline and baselines",
-                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf (default: dummy weights of --config)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="dummy",

@@ -20,7 +20,7 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None,
                    help="with --load-format dummy and no MODEL: preset tiny or full")
     p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default=None,
-                   help="weight format for --load-format dummy (default: bf16)%(default).0s")
+                   help="weight format for --load-format dummy (default: bf16)")
 
 
 def check_model_source_args(args, build_manifest: dict | None = None) -> None:
@@ -82,13 +82,13 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                    help="largest decode batch (1..8)" if backend else
                    "largest decode batch (1..8); with --build at most the build's, with the "
                    "reference backend the most prompts allowed (default: 8 when compiling, "
-                   "the build's with --build, any number on the reference backend)%(default).0s")
+                   "the build's with --build, any number on the reference backend)")
     p.add_argument("--buckets", default=None,
                    help="decode batch sizes to compile, e.g. 1,8 (default: 1,2,4,8 up to --max-batch)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions per sequence (default: max_position_embeddings)" if backend else
                    "positions per sequence, prompt + output (default: max_position_embeddings, or "
-                   "the build's with --build; at most the build's)%(default).0s")
+                   "the build's with --build; at most the build's)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per prefill call, at most the sliding window (default: 2^k <= min(W, 512))")
     if backend:
@@ -99,12 +99,18 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                    help="cpu or cuda (default: cpu; for --build, the device it was compiled for)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the per-pass numeric checks (faster; the report says so)")
-    p.add_argument("--no-dump", action="store_true", help="do not write the pass-by-pass dumps")
+    p.add_argument("--no-dump", action="store_true",
+                   help="do not write the pass-by-pass dumps (BUILD/dumps/), not even into $FLINTC_DUMP_DIR"
+                   if backend else
+                   "do not write the pass-by-pass dumps, not even into $FLINTC_DUMP_DIR (a temporary BUILD "
+                   "writes them only there, one folder per function, when it is set)")
 
 
 def add_parser(sub) -> None:
+    from flintc.cli import HelpFormatter
+
     p = sub.add_parser("compile", help="compile a checkpoint into a BUILD folder (generated runtime)",
-                       description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model)")
     p.add_argument("--out", required=True, help="the BUILD folder to write")

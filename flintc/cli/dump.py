@@ -21,11 +21,14 @@ _FOREIGN = ("config.json", "build.json", "tokenizer.json", "*.safetensors", "*.s
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("dump", help="write pass-by-pass graph dumps", description=__doc__.split("\n\n")[0])
+    from flintc.cli import HelpFormatter
+
+    p = sub.add_parser("dump", help="write pass-by-pass graph dumps", description=__doc__.split("\n\n")[0],
+                       formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--out", required=True,
                    help="output folder (new, empty, or the output of an earlier flintc dump, which is replaced)")
-    p.add_argument("--step", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--step", choices=("decode", "prefill"), default="decode", help="the pipeline to dump")
     p.set_defaults(func=run_dump)
 
 

@@ -22,9 +22,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="tiny", help="preset when no MODEL is given: tiny or full")
     p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16",
                    help="weight format of the random weights when no MODEL is given")
-    p.add_argument("--hf-config-path", default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-config-path", default=None, help="folder with config.json for a .gguf MODEL")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: where the weights and the checks run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and the check inputs")
     p.add_argument("--batch", type=int, default=2, help="decode batch B (1..8)")
     p.add_argument("--tokens", type=int, default=16, help="prefill tokens per sequence")
     p.add_argument("--cache-len", type=int, default=64, help="full-attention cache length S_max")

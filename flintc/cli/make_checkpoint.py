@@ -6,17 +6,21 @@ import argparse
 
 
 def add_parser(sub) -> None:
+    from flintc.cli import HelpFormatter
+
     p = sub.add_parser(
         "make-checkpoint",
         help="write a random checkpoint (config.json, tokenizer, weights)",
         description="Write a Flint checkpoint with random weights: a BF16 Hugging Face folder, or "
         "an NVFP4 GGUF file (DIR/model-nvfp4.gguf) with config.json and the tokenizer beside it. "
         "--config full writes config.json and the tokenizer only.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--config", default="tiny", help="preset (tiny, full) or a config.json path")
-    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16")
+    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16",
+                   help="BF16 safetensors folder or NVFP4 .gguf file")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="BF16 only: split into model-0000N-of-0000M.safetensors shards")
     p.set_defaults(func=run_make_checkpoint)

@@ -23,11 +23,12 @@ from flintc.errors import InputError
 
 
 def add_parser(sub) -> None:
+    from flintc.cli import HelpFormatter
     from flintc.cli.compile_build import add_build_args, add_model_source_args
 
     p = sub.add_parser("run", help="generate text or token ids from prompts",
                        description=__doc__.split("\n\n")[1] if __doc__ else None,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model, "
                         "or the checkpoint a --build was compiled from)")
@@ -35,9 +36,10 @@ def add_parser(sub) -> None:
                    help="prompt text (needs a tokenizer); repeat for a batch")
     p.add_argument("--prompt-ids", action="append", default=None,
                    help="prompt token ids, comma-separated, e.g. 1,2,3; repeat for a batch")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most per prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="keep the most likely tokens up to this probability mass (after top-k)")
     p.add_argument("--top-k", type=int, default=20, help="0 or -1 keeps every token")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
@@ -49,8 +51,10 @@ def add_parser(sub) -> None:
     add_build_args(p, backend=False)
     p.add_argument("--mode", choices=("bf16", "float64"), default=None,
                    help="reference backend numerics: bf16 (FLINT_SPEC rounding points) or float64 "
-                        "oracle (default: bf16)%(default).0s")
-    p.add_argument("--output", choices=("text", "json"), default="text")
+                        "oracle (default: bf16)")
+    p.add_argument("--output", choices=("text", "json"), default="text",
+                   help="text: stream a single prompt's text (else one line per prompt); json: one "
+                        "object per prompt")
     p.add_argument("--logits-out", default=None,
                    help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy "
                         "(one prompt only)")
@@ -105,22 +109,13 @@ def _check_backend_flags(args, backend: str, n_prompts: int) -> None:
                                  "with flintc compile")
 
 
-def _limit_build(runner, args) -> None:
-    """Apply --max-model-len / --max-batch to a loaded build: a smaller value limits the
-    run, a larger one cannot be met (the build's caches and decode buckets are fixed at
-    compile time)."""
-    if args.max_model_len is not None:
-        if args.max_model_len > runner.max_model_len:
-            raise InputError(f"--max-model-len {args.max_model_len}: {args.build} was compiled for "
-                             f"{runner.max_model_len} positions (a build fixes its max model length at "
-                             "compile time); drop the flag, or recompile with a larger --max-model-len")
-        runner.max_model_len = int(args.max_model_len)
-    if args.max_batch is not None:
-        if args.max_batch > runner.max_batch:
-            raise InputError(f"--max-batch {args.max_batch}: {args.build} was compiled for at most "
-                             f"{runner.max_batch} sequences (a build fixes its decode buckets at compile "
-                             "time); drop the flag, or recompile with a larger --max-batch")
-        runner.max_batch = int(args.max_batch)
+def _temporary_build_dumps(opts, no_dump: bool) -> None:
+    """Where a temporary BUILD's pass-by-pass dumps go: the BUILD is removed at exit, so
+    they are written only where they outlive the run, into `$FLINTC_DUMP_DIR/<function>/`
+    when it is set (as for any compile), else nowhere; --no-dump always means none."""
+    dump_dir = os.environ.get("FLINTC_DUMP_DIR") or None
+    opts.dump = dump_dir is not None and not no_dump
+    opts.dump_dir = dump_dir if opts.dump else None
 
 
 def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
@@ -136,7 +131,7 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
         raise InputError("--build runs the build's own backend; drop --backend reference (or --build)")
     _check_backend_flags(args, backend, n_prompts)
     if args.build:
-        from flintc.runtime.compiled import load_build, read_manifest
+        from flintc.runtime.compiled import limit_build, load_build, read_manifest
 
         manifest = read_manifest(args.build)
         check_model_source_args(args, build_manifest=manifest)
@@ -151,7 +146,7 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
         runner = load_build(args.build, model=args.model, device=device,
                             load_format=args.load_format if args.load_format == "dummy" else None,
                             hf_config_path=args.hf_config_path, progress=sys.stderr.isatty())
-        _limit_build(runner, args)
+        limit_build(runner, args.build, max_model_len=args.max_model_len, max_batch=args.max_batch)
         return runner, runner.tokenizer_dir, runner.config
     check_model_source_args(args)
     args.device = args.device or "cpu"
@@ -170,7 +165,10 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
     tmp = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="flintc-build-"))
     out = Path(tmp) / "build"
     opts = build_options(args)
+    _temporary_build_dumps(opts, args.no_dump)
     compile_model(ckpt, out, opts, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))
+    if opts.dump:
+        print(f"pass-by-pass dumps: {opts.dump_dir}/<function>/", file=sys.stderr)
     runner = load_build(out, ckpt=ckpt, device=args.device)
     return runner, ckpt.tokenizer_dir, ckpt.config
 
@@ -241,11 +239,19 @@ def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
         else:
             text = tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
             print(f"[{i}] {text}")
-    ms = 1000 * result.decode_seconds / max(result.decode_steps, 1)
     print(f"prompt tokens: {sum(map(len, prompts))}, generated tokens: "
           f"{sum(map(len, result.output_ids))}, prefill: {result.prefill_seconds:.3f} s, "
-          f"decode: {ms:.2f} ms/token", file=sys.stderr)
+          f"decode: {_decode_figure(result)}", file=sys.stderr)
     return 0
+
+
+def _decode_figure(result) -> str:
+    """The summary line's decode figure: milliseconds per decode step (one token per
+    sequence), or "0 tokens" when no step ran (--max-tokens 0 or 1, or every sequence
+    stopped at its first token): never a rate over zero tokens."""
+    if result.decode_steps == 0:
+        return "0 tokens"
+    return f"{1000 * result.decode_seconds / result.decode_steps:.2f} ms/token"
 
 
 class _TextStream:

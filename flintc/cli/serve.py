@@ -15,13 +15,15 @@ from flintc.errors import InputError
 
 
 def add_parser(sub) -> None:
+    from flintc.cli import HelpFormatter
+
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API",
                        description=__doc__.split("\n\n")[1] if __doc__ else None,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model)")
     p.add_argument("--build", default=None, help="a compiled build folder (compiled runtime) instead of MODEL")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--hf-config-path", default=None,
                    help="folder with config.json (and tokenizer) for a .gguf MODEL")
@@ -37,13 +39,15 @@ def add_parser(sub) -> None:
                    help="cpu or cuda (default: cpu; with --build, the device it was compiled for)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse tool calls from replies when tool_choice is \"auto\"")
-    p.add_argument("--tool-call-parser", choices=("glm47",), default=None)
+    p.add_argument("--tool-call-parser", choices=("glm47",), default=None,
+                   help="the format of the tool calls in replies")
     p.add_argument("--reasoning-parser", choices=("glm47",), default=None,
                    help="put <think>...</think> text into reasoning_content")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave tool definitions out of the prompt when tool_choice is \"none\"")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
     p.set_defaults(func=run_serve)
 
 

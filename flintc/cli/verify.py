@@ -9,10 +9,13 @@ from flintc.cli.graphs import add_model_args, build_targets, format_table
 
 
 def add_parser(sub) -> None:
+    from flintc.cli import HelpFormatter
+
     p = sub.add_parser("verify", help="check every pass numerically and print the per-pass table",
-                       description=__doc__)
+                       description=__doc__, formatter_class=HelpFormatter)
     add_model_args(p)
-    p.add_argument("--step", choices=("decode", "prefill", "both"), default="both")
+    p.add_argument("--step", choices=("decode", "prefill", "both"), default="both",
+                   help="the pipelines to check")
     p.add_argument("--json", dest="json_out", default=None, help="also write the reports as JSON")
     p.set_defaults(func=run_verify)
 

@@ -67,7 +67,8 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
         model: the FlintModel to capture (real weights, or meta weights for counting).
         check_model: a FlintModel with real weights of the same config and format to
             check every pass numerically on (often `model` itself); None: no numeric checks.
-        dump_dir: write pass-by-pass dumps here; defaults to `$FLINTC_DUMP_DIR` if set.
+        dump_dir: write pass-by-pass dumps here; None: into `$FLINTC_DUMP_DIR` if set;
+            False: no dumps, whatever the environment says.
         options: per-pass knobs (e.g. {"attention_splits": 4}).
 
     Returns (graph, report): `graph.gm` is the final graph.
@@ -76,7 +77,10 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
         GraphLegalityError, PassVerifyError, PassCheckError: a pass broke the graph
         or missed its expectation (the message names the pass).
     """
-    dump_dir = dump_dir or os.environ.get("FLINTC_DUMP_DIR") or None
+    if dump_dir is None:
+        dump_dir = os.environ.get("FLINTC_DUMP_DIR") or None
+    elif not dump_dir:  # False (or ""): no dumps
+        dump_dir = None
     # Source lines on the nodes are for the dumps only; recording them slows tracing.
     graph = capture(model, step, batch=batch, tokens=tokens, cache_len=cache_len,
                     stack_traces=dump_dir is not None)

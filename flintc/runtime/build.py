@@ -12,7 +12,8 @@ BUILD holds (weights are never copied; `build.json` records where they come from
                       layer, PDL), static inputs, KV-cache layout, intermediates and bytes
     report.json       the per-pass reports (numeric checks, kernel counts) of every step
     report.md         the same as tables
-    dumps/<step>/     pass-by-pass graph dumps (`flintc dump` format), unless disabled
+    dumps/<step>/     pass-by-pass graph dumps (`flintc dump` format), unless disabled or
+                      sent elsewhere (BuildOptions.dump_dir)
 
 The folder is written under a temporary name beside BUILD and renamed at the end, so
 an interrupted compile leaves no half-written BUILD.
@@ -55,7 +56,9 @@ class BuildOptions:
         ops only), or "auto" (triton on CUDA when it is installed, else torch).
     device: where the runtime runs ("cpu" or "cuda").
     check: run every pass's numeric check (on a short cache) while compiling.
-    dump: write pass-by-pass dumps into BUILD/dumps.
+    dump: write pass-by-pass dumps (False: none, whatever `$FLINTC_DUMP_DIR` says).
+    dump_dir: where the dumps go, one subfolder per function (None: BUILD/dumps);
+        `flintc run` sends a temporary BUILD's dumps to `$FLINTC_DUMP_DIR` this way.
     attention_splits: split-KV chunks of decode attention (None: from the cache length).
     """
 
@@ -66,6 +69,7 @@ class BuildOptions:
     device: str = "cpu"
     check: bool = True
     dump: bool = True
+    dump_dir: str | Path | None = None
     attention_splits: int | None = None
     decode_buckets: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict)
@@ -218,7 +222,9 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
             opts_step = {"full_attention_rows": opts.cache_rows}
             if opts.attention_splits:
                 opts_step["attention_splits"] = opts.attention_splits
-            dump_dir = tmp / "dumps" / name if opts.dump else None
+            dump_dir = False  # no dumps, not even into $FLINTC_DUMP_DIR
+            if opts.dump:
+                dump_dir = (Path(opts.dump_dir) if opts.dump_dir else tmp / "dumps") / name
             rows = check_len
             graph, report = compile_step(model, step, batch=batch, tokens=tokens, cache_len=rows,
                                          check_model=model if opts.check else None,
@@ -229,7 +235,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
                 log(f"{name}: the graph depends on the cache length; recompiling for "
                     f"{opts.cache_rows} rows without checks (checked above at {rows})")
                 graph, _ = compile_step(model, step, batch=batch, tokens=tokens,
-                                        cache_len=opts.cache_rows, options=opts_step)
+                                        cache_len=opts.cache_rows, dump_dir=False, options=opts_step)
                 rows = opts.cache_rows
             table = KernelTable(opts.backend, step)
             doc = (f"{step}, batch {batch}, {tokens} token(s) per sequence: input_ids, positions int64 "

@@ -23,6 +23,8 @@ def make_runner(args: argparse.Namespace):
 
     Raises:
         FlintcError: ``--build`` given but the compiled runtime is not available.
+        InputError: ``--max-model-len`` / ``--max-batch`` above the build's
+            (:func:`flintc.runtime.compiled.limit_build`).
         CheckpointError / ConfigError: the checkpoint cannot be loaded.
     """
     import torch
@@ -39,18 +41,7 @@ def make_runner(args: argparse.Namespace):
                                      device=getattr(args, "device", None), progress=sys.stderr.isatty())
         # The build fixes the decode buckets and the cache length; a smaller request limits
         # the scheduler, a larger one cannot be met.
-        if args.max_model_len and args.max_model_len > runner.max_model_len:
-            raise InputError(f"--max-model-len {args.max_model_len}: {args.build} was compiled for "
-                             f"{runner.max_model_len} positions (a build fixes its max model length at "
-                             "compile time); recompile with a larger --max-model-len")
-        if args.max_model_len:
-            runner.max_model_len = int(args.max_model_len)
-        if args.max_batch and args.max_batch > runner.max_batch:
-            raise InputError(f"--max-batch {args.max_batch}: {args.build} was compiled for at most "
-                             f"{runner.max_batch} sequences (a build fixes its decode buckets at compile "
-                             "time); drop the flag, or recompile with a larger --max-batch")
-        if args.max_batch:
-            runner.max_batch = int(args.max_batch)
+        compiled.limit_build(runner, args.build, max_model_len=args.max_model_len, max_batch=args.max_batch)
         return runner
     from flintc.checkpoint.loader import load_checkpoint
     from flintc.model.reference import FlintModel

@@ -308,6 +308,54 @@ def test_bad_arguments_are_user_errors(tmp_path, capsys):
         assert main(["bench", "--device", "cuda", "--out", str(tmp_path)]) == 2
 
 
+_SIZE_FLAGS = ("--contexts", "--batches", "--prefill")
+
+
+@pytest.mark.parametrize("flag, value, needles", [
+    ("--batches", "1,,2", ["'1,,2'", "empty item"]),
+    ("--batches", "1,2,", ["'1,2,'", "empty item"]),
+    ("--contexts", "1k", ["'1k' is not an integer"]),
+    ("--contexts", "1.5e3,1.5", ["'1.5' is not an integer"]),
+    ("--prefill", "16,0", ["0 is not a positive integer"]),
+    ("--batches", "-1", ["-1 is not a positive integer"]),
+    ("--contexts", ",", ["empty item"]),
+    ("--batches", " ", ["at least one value"]),
+])
+def test_bad_sizes_name_only_their_flag(tmp_path, capsys, flag, value, needles):
+    """A bad --contexts / --batches / --prefill value: one line naming that flag and the
+    bad value, not the other two; empty, zero and negative items are refused."""
+    # Small, quick settings first (should a bad value pass, no full-size run starts); the
+    # flag under test comes last and wins.
+    quick = ["--config", "tiny", "--formats", "bf16", "--baselines", "none", "--no-flintc", "--no-plots",
+             "--contexts", "64", "--batches", "1", "--prefill", "16"]
+    assert main(["bench", "--device", "cpu", *quick, flag, value, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: {flag}") and err.count("\n") == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    assert not [f for f in _SIZE_FLAGS if f != flag and f in err], err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field, flag", [("contexts", "--contexts"), ("batches", "--batches"),
+                                         ("prefill", "--prefill")])
+def test_bench_options_name_the_field_with_a_non_positive_size(tmp_path, field, flag):
+    from flintc.bench.core import BenchOptions
+    from flintc.errors import InputError
+
+    with pytest.raises(InputError) as exc:
+        BenchOptions(out=tmp_path, device="cpu", **{field: [4, 0]}).resolved()
+    msg = str(exc.value)
+    assert msg.startswith(flag) and "got 0" in msg and not [f for f in _SIZE_FLAGS if f != flag and f in msg]
+
+
+def test_sizes_parse_separators_and_exponents():
+    from flintc.cli.bench import _ints
+
+    assert _ints("1, 2,4", "--batches") == [1, 2, 4]
+    assert _ints("1_024,1e5", "--contexts") == [1024, 100000]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_run_tiny(tmp_path):

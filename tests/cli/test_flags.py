@@ -5,8 +5,10 @@ tests/runtime/test_compiled.py for the --build cases)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +86,109 @@ def test_dummy_flags_are_honoured_with_load_format_dummy(capsys):
     assert_one_line_error(code, err, "--load-format dummy", "--config")
 
 
+# ---- flintc run: where a temporary BUILD's dumps go -------------------------------------
+
+
+def _record_dump_dirs(monkeypatch):
+    """Replace the pass pipeline by a stand-in that records the dump folder it gets and
+    stops the command (no compile). -> the list it appends to."""
+    import flintc.passes.pipeline as pipeline
+    from flintc.errors import InputError
+
+    seen = []
+
+    def recorder(model, step, dump_dir=None, **kw):
+        seen.append(dump_dir)
+        raise InputError("stop after the first compile_step")
+
+    monkeypatch.setattr(pipeline, "compile_step", recorder)
+    return seen
+
+
+@pytest.mark.parametrize("env, flags, dumps", [
+    (True, [], True),              # FLINTC_DUMP_DIR: the dumps outlive the temporary BUILD
+    (True, ["--no-dump"], False),  # --no-dump: none, whatever the environment says
+    (False, [], False),            # no FLINTC_DUMP_DIR: none (they would go with the BUILD)
+])
+def test_run_temporary_build_dumps_follow_flintc_dump_dir(capsys, tmp_path, monkeypatch, tiny_bf16_dir,
+                                                          env, flags, dumps):
+    """`flintc run --backend torch`: the dump folder each function's compile_step gets."""
+    seen = _record_dump_dirs(monkeypatch)
+    if env:
+        monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "dd"))
+    else:
+        monkeypatch.delenv("FLINTC_DUMP_DIR", raising=False)
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--backend", "torch", "--max-batch", 1, "--no-check",
+                           "--prompt-ids", "1,2", "--max-tokens", 1, *flags)
+    assert_one_line_error(code, err, "stop after the first compile_step")
+    assert seen == [tmp_path / "dd" / "decode_b1" if dumps else False]
+
+
+def test_compile_no_dump_ignores_flintc_dump_dir(capsys, tmp_path, monkeypatch, tiny_bf16_dir):
+    seen = _record_dump_dirs(monkeypatch)
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "dd"))
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", tmp_path / "b", "--max-batch", 1,
+                           "--no-check", "--no-dump")
+    assert_one_line_error(code, err, "stop after the first compile_step")
+    assert seen == [False]
+
+
+def test_compile_step_dump_dir_false_ignores_flintc_dump_dir(monkeypatch, tmp_path):
+    from harness import tiny_model
+
+    from flintc.passes.pipeline import compile_step
+
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "dd"))
+    compile_step(tiny_model(), "prefill", batch=1, tokens=8, cache_len=16, disabled=["fuse_moe"], dump_dir=False)
+    assert not (tmp_path / "dd").exists()
+
+
+# ---- --build limits: one function for run and serve ------------------------------------
+
+
+def test_limit_build_limits_or_refuses():
+    """flintc.runtime.compiled.limit_build: up to the build's value limits the runner,
+    above it (or below 1) is refused naming the flag, the build and its value."""
+    from flintc.errors import InputError
+    from flintc.runtime.compiled import limit_build
+
+    runner = SimpleNamespace(max_batch=4, max_model_len=64)
+    limit_build(runner, "b")
+    assert (runner.max_batch, runner.max_model_len) == (4, 64)
+    limit_build(runner, "b", max_model_len=32, max_batch=2)
+    assert (runner.max_batch, runner.max_model_len) == (2, 32)
+    runner = SimpleNamespace(max_batch=4, max_model_len=64)
+    for kw, needles in (({"max_model_len": 65}, ["--max-model-len 65: b was compiled for 64 positions",
+                                                 "recompile with a larger --max-model-len"]),
+                        ({"max_batch": 8}, ["--max-batch 8: b was compiled for at most 4 sequences",
+                                            "recompile with a larger --max-batch"]),
+                        ({"max_batch": 0}, ["--max-batch must be at least 1, got 0"])):
+        with pytest.raises(InputError) as exc:
+            limit_build(runner, "b", **kw)
+        assert all(n in str(exc.value) for n in needles), str(exc.value)
+    assert (runner.max_batch, runner.max_model_len) == (4, 64)
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--max-batch", "8"], ["--max-batch 8", "compiled for at most 4 sequences"]),
+    (["--max-model-len", "65"], ["--max-model-len 65", "compiled for 64 positions"]),
+])
+def test_run_build_limits_use_the_shared_function(capsys, monkeypatch, flags, needles):
+    """`flintc run --build` applies its limits with compiled.limit_build (a stand-in
+    build: no compile, no weights)."""
+    from flintc.runtime import compiled
+
+    calls = []
+    real = compiled.limit_build
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(compiled, "read_manifest", lambda build: {"device": "cpu", "weight_format": "bf16"})
+    monkeypatch.setattr(compiled, "load_build", lambda *a, **kw: SimpleNamespace(max_batch=4, max_model_len=64))
+    monkeypatch.setattr(compiled, "limit_build", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    code, out, err = run_cli(capsys, "run", "--build", "fake-build", "--prompt-ids", "1,2", *flags)
+    assert_one_line_error(code, err, *needles, "fake-build")
+    assert out == "" and len(calls) == 1
+
+
 # ---- flintc compile: bad values are refused before any work ----------------------------
 
 
@@ -139,6 +244,57 @@ def test_sigterm_during_compile_leaves_no_temporary_folder(tmp_path, tiny_bf16_d
     assert proc.returncode == 143, err
     assert "flintc: terminated" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- --help: each default said once -----------------------------------------------------
+
+# A help text that tells an option's default: "(default: X)", "(default 10; cpu 1)",
+# "...; default: 8". Not "default)": the value of a choice named default.
+_TELLS_DEFAULT = re.compile(r"\bdefault\b(?!\))")
+
+
+def _subcommands():
+    from flintc.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def test_help_says_each_default_once():
+    """Every sub-command's --help: an option with a default worth telling names it
+    exactly once (hand-written or appended), one without (None, a flag's False) never
+    gets "(default: None)"."""
+    from flintc.cli import HelpFormatter
+
+    commands = _subcommands()
+    assert {"run", "compile", "serve", "bench", "dump", "verify", "make-checkpoint"} <= set(commands)
+    for name, parser in commands.items():
+        assert parser.formatter_class is HelpFormatter, name
+        for action in parser._actions:
+            if not action.help or argparse.SUPPRESS in (action.help, action.default):
+                continue
+            text = parser._get_formatter()._expand_help(action)
+            where = f"flintc {name} {'/'.join(action.option_strings) or action.dest}: {text!r}"
+            told = len(_TELLS_DEFAULT.findall(text))
+            default = action.default
+            if default is None or isinstance(default, bool) or default == []:
+                assert told <= 1 and "(default: " + str(default) not in text, where
+            else:
+                assert told == 1, where
+
+
+@pytest.mark.parametrize("command", ["run", "compile", "serve", "bench", "dump", "verify", "make-checkpoint"])
+def test_help_output_has_no_doubled_default(capsys, command):
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert not re.search(r"\(default[^()]*\)\s*\(default", text), text
+    for noise in ("(default: None)", "(default: False)", "(default: [])"):
+        assert noise not in text
+    if command == "run":
+        assert text.count("(default: random)") == 1 and "(default: 16)" in text
 
 
 # ---- verify / dump / make-checkpoint / serve ----------------------------------------------

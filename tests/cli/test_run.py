@@ -72,6 +72,22 @@ def test_default_model_is_generated_once(capsys, tmp_path, monkeypatch):
     assert os.path.getmtime(tmp_path / made[0] / "model-nvfp4.gguf") == stamp
 
 
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_summary_has_no_decode_rate_without_a_decode_step(capsys, tiny_bf16_dir, max_tokens):
+    """--max-tokens 0 decodes nothing, 1 takes its token from the prefill: the summary
+    says 0 tokens, not a rate over zero tokens."""
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1,2,3", "--max-tokens", max_tokens,
+                             "--temperature", 0, "--ignore-eos", "--output", "json")
+    assert code == 0, err
+    assert len(json.loads(out)["output_ids"]) == max_tokens
+    summary = err.strip().splitlines()[-1]
+    assert f"generated tokens: {max_tokens}," in summary and summary.endswith("decode: 0 tokens"), summary
+    assert "ms/token" not in err
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1,2,3", "--max-tokens", 3,
+                           "--temperature", 0, "--ignore-eos", "--output", "json")
+    assert code == 0 and err.strip().endswith(" ms/token"), err
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--top-p", "2"], "top_p"),
     (["--top-k", "-5"], "top_k"),

@@ -84,3 +84,33 @@ def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
     assert "--tool-call-parser" in capsys.readouterr().err
     assert main(["serve", str(tiny_bf16_dir), "--max-batch", "0"]) == 2
     assert main(["serve", str(tiny_bf16_dir), "--tokenizer", str(tiny_bf16_dir / "nope")]) == 2
+
+
+def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
+    """`flintc serve --build`: --max-model-len / --max-batch go through
+    compiled.limit_build, as for `flintc run --build` (a stand-in build: no weights)."""
+    import argparse
+    from types import SimpleNamespace
+
+    from flintc.errors import InputError
+    from flintc.runtime import compiled
+    from flintc.serve.server import make_runner
+
+    calls = []
+    real = compiled.limit_build
+    monkeypatch.setattr(compiled, "load_build", lambda *a, **kw: SimpleNamespace(max_batch=4, max_model_len=64))
+    monkeypatch.setattr(compiled, "limit_build", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+
+    def ns(**kw):
+        return argparse.Namespace(**{"build": "b", "model": None, "hf_config_path": None, "device": None,
+                                     "max_batch": None, "max_model_len": None, **kw})
+
+    runner = make_runner(ns())
+    assert (runner.max_batch, runner.max_model_len) == (4, 64)
+    runner = make_runner(ns(max_batch=2, max_model_len=32))
+    assert (runner.max_batch, runner.max_model_len) == (2, 32)
+    with pytest.raises(InputError, match="--max-model-len 65: b was compiled for 64 positions"):
+        make_runner(ns(max_model_len=65))
+    with pytest.raises(InputError, match="--max-batch 8: b was compiled for at most 4 sequences"):
+        make_runner(ns(max_batch=8))
+    assert len(calls) == 4
