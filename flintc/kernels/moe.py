@@ -206,10 +206,14 @@ def norm_router_kernel(
     N, E, H, eps,
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     APPLY_NORM: tl.constexpr, USE_PDL: tl.constexpr, LIBDEVICE: tl.constexpr,
+    NUM_K: tl.constexpr,  # cdiv(H, BLOCK_K)
 ):
     # Program p: logits of all N tokens for router rows [p*BLOCK_E, (p+1)*BLOCK_E); CUDA-core
     # products (the tile is [BLOCK_N, BLOCK_E, BLOCK_K]: few rows per program keep 100+ SMs
-    # busy on a 1 MiB matrix). Program 0 also stores the normed x.
+    # busy on a 1 MiB matrix). Program 0 also stores the normed x. The products accumulate
+    # elementwise into the whole tile and are reduced once after the loop (no cross-lane
+    # reduction per step, as `acc_full` in the GEMV kernels); the sum of squares of the
+    # RMSNorm is unrolled so its x loads are issued together.
     pid = tl.program_id(0)
     offs_e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
@@ -223,14 +227,14 @@ def norm_router_kernel(
     rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if APPLY_NORM:
         ss = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        for kk in tl.static_range(NUM_K):
+            offs_k = kk * BLOCK_K + tl.arange(0, BLOCK_K)
             xv = tl.load(x_ptr + offs_n[:, None] * H + offs_k[None, :],
                          mask=mask_n[:, None] & (offs_k < H)[None, :], other=0.0).to(tl.float32)
             ss += tl.sum(xv * xv, axis=1)
         rstd = _rsqrt(ss / H + eps, LIBDEVICE)
     h_rows = tl.where(pid == 0, N, 0)  # program 0 stores the normed x
-    acc = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_E, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         w_next, _ = _load_tile(w_ptr, w_ptr, offs_e, mask_e, k0 + BLOCK_K, H, BLOCK_K, False)
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -245,8 +249,9 @@ def norm_router_kernel(
                      mask=mask_x & (offs_n < h_rows)[:, None])
             xv = hb.to(tl.float32)
         wf = w_cur.to(tl.float32)
-        acc += tl.sum(xv[:, None, :] * wf[None, :, :], axis=2)
+        acc3 += xv[:, None, :] * wf[None, :, :]
         w_cur = w_next
+    acc = tl.sum(acc3, axis=2)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     tl.store(logits_ptr + offs_n[:, None] * E + offs_e[None, :], acc,
@@ -832,7 +837,8 @@ def _router(op: str, x2: torch.Tensor, norm, router: torch.Tensor, eps: float, u
     norm_router_kernel[(triton.cdiv(E, block_e),)](
         x2, norm if norm is not None else x2, router, h, logits, N, E, H, float(eps),
         BLOCK_N=triton.next_power_of_2(N), BLOCK_E=block_e, BLOCK_K=block_k,
-        APPLY_NORM=norm is not None, USE_PDL=pdl_mode(pdl), LIBDEVICE=native, num_warps=4, **opts)
+        APPLY_NORM=norm is not None, USE_PDL=pdl_mode(pdl), LIBDEVICE=native,
+        NUM_K=triton.cdiv(H, block_k), num_warps=4, **opts)
     return h, logits
 
 
