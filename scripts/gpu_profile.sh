@@ -31,8 +31,7 @@ if has ncu; then
   if [ -z "$NCU" ]; then echo "ncu not found"; else
     TAIL=4 step ncu 200 "$NCU" --clock-control none --profile-from-start off --set full \
       --import-source yes -f -o "$T/decode" $PY scripts/gpu_ncu.py --cases "${PROFILE_NCU_CASES:-}"
-    TAIL=2 step ncu-details 60 "$NCU" --import "$T/decode.ncu-rep" --print-details all \
-      --print-nvtx-rename kernel --nvtx
+    TAIL=2 step ncu-details 60 "$NCU" --import "$T/decode.ncu-rep" --print-details all
     TAIL=2 step ncu-source 60 "$NCU" --import "$T/decode.ncu-rep" --page source --csv --print-source sass
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occupancy|Warp Cycles Per Issued|Block Size|Grid Size|Stall" \
       "$T/ncu-details.log" | head -n 250 > "$T/ncu-summary.txt"
