@@ -41,15 +41,16 @@ MAX_LEN = 48
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """Tiny dummy-weight builds (triton backend, CPU): NVFP4 and BF16, 2 slots, decode
-    bucket 2 only, prefill chunk 8 (W = 9)."""
+    """Tiny dummy-weight builds (triton backend, CPU), one decode bucket each (compile
+    time): NVFP4 with 1 slot, BF16 with 2 (the graph-path test prefills slot 1 while slot 0
+    holds a live sequence); prefill chunk 8 (W = 9)."""
     from flintc.runtime.build import BuildOptions, compile_model
 
     root = tmp_path_factory.mktemp("prefill_graphs")
     out = {}
-    for fmt in ("nvfp4", "bf16"):
+    for fmt, slots in (("nvfp4", 1), ("bf16", 2)):
         ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt=fmt, progress=False)
-        compile_model(ckpt, root / fmt, BuildOptions(max_batch=2, decode_buckets=(2,), max_model_len=MAX_LEN,
+        compile_model(ckpt, root / fmt, BuildOptions(max_batch=slots, decode_buckets=(slots,), max_model_len=MAX_LEN,
                                                      backend="triton", device="cpu", check=False, dump=False),
                       progress=False, log=lambda m: None)
         out[fmt] = (root / fmt, ckpt)
@@ -83,7 +84,7 @@ def test_generated_prefill_has_no_host_sync(builds, fmt, monkeypatch):
     name = f"prefill_t{C}"
     ids = torch.randint(0, runner.config.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(5, 5 + C)[None]
-    slots = torch.tensor([1])
+    slots = torch.tensor([0])
     with forbid_host_sync():
         logits = runner.forward(name, ids, pos, slots)
     assert logits.shape == (1, C, runner.config.vocab_size) and bool(torch.isfinite(logits).all())
@@ -159,3 +160,46 @@ def test_who_gets_prefill_graphs(builds, monkeypatch):
     monkeypatch.setenv("FLINTC_PREFILL_GRAPHS", "yes")
     with pytest.raises(InputError, match="FLINTC_PREFILL_GRAPHS must be 0 or 1; got 'yes'"):
         runner_for(builds, "nvfp4")
+
+
+def test_gpu_prefill_graph_script_logic(builds, monkeypatch, capsys):
+    """scripts/gpu_prefill_graph.py on the CPU: its capture / graph-vs-eager / timing steps
+    with the stand-in graph pass (exit 0), and a replay that is off by a rounding fails
+    (exit 1)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import flintc.runtime.compiled as compiled
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_prefill_graph.py"
+    spec = importlib.util.spec_from_file_location("flintc_gpu_prefill_graph", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path, _ = builds["bf16"]
+
+    def load(graph_of):
+        def fake_load_build(p, **kw):
+            r = runner_for(builds, "bf16", backend="torch")
+            r.use_cuda_graphs = r.prefill_graphs = True
+            r._graph_of = graph_of
+            return r
+        return fake_load_build
+
+    def off_by_a_bit(fn):
+        g, out = stand_in_graph_of(fn)
+        g.replay = lambda: out.copy_(fn() * 1.0001)
+        return g, out
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    argv = ["gpu_prefill_graph.py", "--build", str(path), "--prompt-len", "20", "--continue-len", "5",
+            "--time-len", "0", "--iters", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    for graph_of, code in ((stand_in_graph_of, 0), (off_by_a_bit, 1)):
+        monkeypatch.setattr(compiled, "load_build", load(graph_of))
+        with pytest.raises(SystemExit) as e:
+            mod.main()
+        assert e.value.code == code, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ok (bit-identical)" in out and "FAIL" in out
