@@ -22,8 +22,10 @@ are bit-identical. On CPU the launchers compute the reference expression itself
 `embedding` is a row gather (bit-exact).
 
 Nothing here host-synchronizes or allocates data-dependently; the NVFP4 workspace grows on
-the first call with a larger weight (so the first call must not be inside CUDA-graph
-capture; prefill is not captured).
+the first call with a larger weight, so the first call must not be inside CUDA-graph
+capture: the runtime warms the prefill function up before capturing it, and the graph
+holds a reference to the workspace it was captured with (`CompiledRunner._capture_prefill`),
+so a later growth cannot free memory the graph writes.
 """
 
 from __future__ import annotations

@@ -40,11 +40,14 @@ fp32 summation order (<= 1 bf16 ulp + K * 2^-24 * sum |x_k w_k| per rounded valu
 most elements bit-identical) and, in the Triton epilogue, from Triton's sigmoid against
 torch's (an fp32 ulp, so h can land one bf16 ulp away at a rounding boundary).
 
-CUDA graphs: no host syncs and no data-dependent allocation in `triton` and `grouped_mm`
-(the tile table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles
-return after reading two integers). `grouped_mm`'s own CUDA path is sync-free on sm_90;
-`loop` syncs. Prefill need not be captured, so data-dependent sizes would be allowed;
-none are used except in `loop`.
+CUDA graphs (the runtime captures the prefill function, `CompiledRunner.prefill_graph`):
+no host syncs and no data-dependent allocation in `triton` and `grouped_mm` (the tile
+table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles return after
+reading two integers; the grid is (table size, cdiv(F, BLOCK_F)), from shapes only).
+torch's grouped_mm is sync-free only on its CUTLASS path (bf16, sm_90 / sm_100); other
+GPUs take its fallback, which copies the offsets to the host, so "auto" picks triton
+there. `loop` syncs (`.tolist()` of the counts); it is the CPU fallback, and inside a
+capture `_pick_impl` refuses it with a clear error.
 """
 
 from __future__ import annotations
@@ -292,17 +295,43 @@ def _check_ids(op: str, ids, N: int, device):
         _fail(op, "ids", f"an int64 tensor [{N}, K] on {device}", ids)
 
 
+@functools.cache
+def _capability_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _grouped_mm_sync_free(device) -> bool:
+    """Whether torch's grouped_mm runs on `device` without a host sync: its CUTLASS path
+    (bf16, sm_90 / sm_100, `_grouped_mm_cuda`'s fast path) reads the offsets on the
+    device; on other GPUs it takes `_grouped_mm_fallback`, which copies them to the host
+    (no CUDA-graph capture, a stall per call)."""
+    return device.type == "cuda" and _capability_major(device.index) in (9, 10)
+
+
 def _pick_impl(op: str, impl: str, is_nvfp4: bool, device) -> str:
+    """The implementation `impl` names ("auto": module docstring). On CUDA, "auto" takes
+    grouped_mm only where it is sync-free (`_grouped_mm_sync_free`), else triton.
+
+    Raises:
+        ValueError: unknown impl; grouped_mm for NVFP4 or without torch's grouped_mm;
+            triton on CPU tensors outside the interpreter; inside CUDA-graph capture, an
+            impl that syncs with the host ("loop", grouped_mm off sm_90 / sm_100).
+    """
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         if device.type == "cuda":
-            return "triton" if is_nvfp4 or _grouped_mm_fn() is None else "grouped_mm"
+            use_mm = not is_nvfp4 and _grouped_mm_fn() is not None and _grouped_mm_sync_free(device)
+            return "grouped_mm" if use_mm else "triton"
         return "grouped_mm" if not is_nvfp4 and _grouped_mm_fn() is not None else "loop"
     if impl == "grouped_mm" and (is_nvfp4 or _grouped_mm_fn() is None):
         raise ValueError(f"{op}: impl='grouped_mm' needs bf16 weights and a torch with grouped_mm")
     if impl == "triton" and device.type != "cuda" and not _interpreting():
         raise ValueError(f"{op}: impl='triton' on CPU tensors needs TRITON_INTERPRET=1")
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if impl == "loop" or (impl == "grouped_mm" and not _grouped_mm_sync_free(device)):
+            raise ValueError(f"{op}: impl={impl!r} reads the expert counts on the host here, which "
+                             "CUDA-graph capture forbids; use impl='triton' (or 'auto')")
     return impl
 
 

@@ -246,8 +246,10 @@ def prefill_attention_kv(q, k, v, k_cache, v_cache, slots, positions, sinks, win
 
     q: bf16 [B, T, Hq, D] (normed, rotated); k, v: bf16 [B, T, Hkv, D]; k_cache,
     v_cache: bf16 [num_slots, S, Hkv, D] (S = W for a sliding layer's ring); slots:
-    int32/int64 [B]; positions: int64 [B, T], p0..p0+T-1 per row (not checked: it
-    would need a host sync), with p0 + T <= S in a full layer; sinks: fp32 [Hq];
+    int32/int64 [B], live slots only (>= 0: prefill has no padding rows; a negative
+    slot would be used as an address); positions: int64 [B, T], p0..p0+T-1 per row
+    (slots and positions are not checked: that would need a host sync, and the runtime
+    captures this launch into a CUDA graph), with p0 + T <= S in a full layer; sinks: fp32 [Hq];
     window: W > 0 (sliding layer, S must equal W) or 0 (full layer). All contiguous,
     on one device. Returns o, bf16 [B, T, Hq*D]; writes k, v into the caches in place
     (rows p, or ring slots p % W of the last min(T, W) tokens).

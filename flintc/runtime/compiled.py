@@ -17,13 +17,19 @@ the generated step functions of `BUILD/runtime.py`.
   sliding layers that hold live positions, so the runner saves those rows before the
   chunk and puts them back after it (padding in full layers writes rows past the
   prompt, which decode overwrites before reading; the caches have one chunk of spare
-  rows for it).
+  rows for it). On CUDA with the triton backend the prefill function is captured once
+  into a CUDA graph (`prefill_graph`) and each chunk is a replay with its inputs
+  copied into static buffers: one chunk launches thousands of kernels, and run
+  eagerly it is bound by the host (Python and launch overhead). The save/restore of
+  the sliding rows stays eager around the replay. `FLINTC_PREFILL_GRAPHS=0` (or
+  `load_build(..., prefill_graphs=False)`) runs prefill eagerly, for A/B measurements.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
@@ -60,6 +66,21 @@ def _load_module(path: Path, name: str):
     return mod
 
 
+PREFILL_GRAPHS_ENV = "FLINTC_PREFILL_GRAPHS"
+
+
+def prefill_graphs_from_env() -> bool:
+    """Whether `FLINTC_PREFILL_GRAPHS` allows CUDA graphs for prefill: "1" (the default,
+    also when unset or blank) or "0" (prefill runs the generated function eagerly, e.g.
+    to measure what the graphs save). Raises InputError for any other value."""
+    value = os.environ.get(PREFILL_GRAPHS_ENV, "").strip()
+    if value in ("", "1"):
+        return True
+    if value == "0":
+        return False
+    raise InputError(f"{PREFILL_GRAPHS_ENV} must be 0 or 1; got {value!r}")
+
+
 def read_manifest(build: str | Path) -> dict:
     """BUILD/build.json. Raises InputError when BUILD is not a flintc build."""
     build = Path(build)
@@ -78,7 +99,7 @@ def read_manifest(build: str | Path) -> dict:
 
 def load_build(build: str | Path, model: str | Path | None = None, device: str | None = None,
                load_format: str | None = None, hf_config_path=None, progress: bool = True,
-               use_cuda_graphs: bool = True, ckpt=None) -> "CompiledRunner":
+               use_cuda_graphs: bool = True, ckpt=None, prefill_graphs: bool | None = None) -> "CompiledRunner":
     """Load BUILD and its weights.
 
     Args:
@@ -86,11 +107,16 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
         model: the checkpoint to take the weights from (default: the one recorded in
             build.json). Its config and weight fingerprint must match the build's.
         device: override the device recorded in the build ("cpu" or "cuda").
+        use_cuda_graphs: on CUDA, replay decode (and prefill, see `prefill_graphs`) from
+            CUDA graphs; False runs every step eagerly.
         ckpt: an already loaded checkpoint (skips loading; still checked).
+        prefill_graphs: also run prefill chunks from a CUDA graph (CUDA, use_cuda_graphs,
+            triton backend only). None: as FLINTC_PREFILL_GRAPHS says (default on).
 
     Raises:
         InputError: BUILD is not a build; the weights or config differ from the ones it
-            was compiled for; the device is CUDA and there is no GPU.
+            was compiled for; the device is CUDA and there is no GPU; prefill_graphs=True
+            with the torch backend; FLINTC_PREFILL_GRAPHS is not 0 or 1.
         CheckpointError: the weights cannot be loaded.
     """
     from flintc.checkpoint.loader import load_checkpoint
@@ -124,7 +150,8 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     if weight_fingerprint(ckpt.weights, ckpt.fmt, ckpt.source) != manifest["weight_sha256"]:
         raise InputError(f"the weights in {ckpt.source} are not the ones {build} was compiled "
                          "with (fingerprint differs); recompile, or pass the original checkpoint")
-    return CompiledRunner(build, manifest, ckpt, torch.device(device), use_cuda_graphs=use_cuda_graphs)
+    return CompiledRunner(build, manifest, ckpt, torch.device(device), use_cuda_graphs=use_cuda_graphs,
+                          prefill_graphs=prefill_graphs)
 
 
 def limit_build(runner: "CompiledRunner", build: str | Path, max_model_len: int | None = None,
@@ -160,11 +187,14 @@ class CompiledRunner:
 
     Attributes: config, device, max_batch, max_model_len (see `ModelRunner`),
     manifest (build.json), prefill_chunk, tokenizer_dir, kernels_per_forward
-    (per function, from the plan).
+    (per function, from the plan); use_cuda_graphs (CUDA and not turned off) and
+    prefill_graphs (prefill may use a graph too: the triton backend, not turned off by
+    the argument or FLINTC_PREFILL_GRAPHS); prefill replays a graph when both are true
+    (scripts flip either at run time to compare with eager runs).
     """
 
     def __init__(self, build: Path, manifest: dict, ckpt, device: torch.device,
-                 use_cuda_graphs: bool = True):
+                 use_cuda_graphs: bool = True, prefill_graphs: bool | None = None):
         from flintc.model.reference import FlintModel
         from flintc.runtime.kernels import KernelTable
 
@@ -206,6 +236,16 @@ class CompiledRunner:
                                if self.config.is_sliding_layer(i) for t in self.kv[2 * i:2 * i + 2]]
         self.use_cuda_graphs = use_cuda_graphs and device.type == "cuda"
         self._graphs: dict[int, tuple] = {}
+        # The torch backend's prefill_attention_kv (the reference op) takes each chunk's
+        # first position to the host (.tolist()) and loops over key blocks in Python: it
+        # cannot be captured, so its prefill stays eager.
+        allowed = prefill_graphs_from_env() if prefill_graphs is None else bool(prefill_graphs)
+        if prefill_graphs and self.backend != "triton":
+            raise InputError(f"prefill_graphs=True needs the triton backend; {self.build} uses "
+                             f"{self.backend!r} (its prefill attention reads positions on the host)")
+        self.prefill_graphs = allowed and self.backend == "triton"
+        self._prefill_entry: tuple | None = None
+        self._prefill_workspaces: list[torch.Tensor] = []
 
     # -- the generated functions -------------------------------------------------------
     def _call(self, name: str, ids, positions, slots):
@@ -235,24 +275,42 @@ class CompiledRunner:
         C = self.prefill_chunk
         name = f"prefill_t{C}"
         W = self.config.sliding_window
-        slots = torch.tensor([slot], device=self.device)
+        graphed = self.use_cuda_graphs and self.prefill_graphs
+        if graphed:
+            graph, s_ids, s_pos, s_sl, s_out = self._prefill_entry or self._capture_prefill()
+            chunks = -(-len(ids) // C)
+            # one upload for the whole prompt (a pageable host-to-device copy waits for the
+            # stream: once per prompt, not once per chunk behind the previous replay)
+            all_ids = torch.tensor(ids + [0] * (chunks * C - len(ids)), device=self.device).view(chunks, C)
+            s_sl.fill_(slot)
+        else:
+            slots = torch.tensor([slot], device=self.device)
         out = []
         for s in range(0, len(ids), C):
             piece = ids[s:s + C]
             n = len(piece)
             p0 = start + s
             pad = C - n
-            tok = torch.tensor([piece + [0] * pad], device=self.device)
-            pos = torch.arange(p0, p0 + C, device=self.device)[None]
             saved = None
             if pad and self.sliding_caches:
                 rows = torch.arange(p0 + n, p0 + C, device=self.device) % W
                 saved = [(t, rows, t[slot, rows].clone()) for t in self.sliding_caches]
-            logits = self._call(name, tok, pos, slots)[0, :n]  # [n, V]
+            if graphed:
+                s_ids.copy_(all_ids[s // C:s // C + 1])
+                torch.arange(p0, p0 + C, out=s_pos[0])
+                graph.replay()
+                logits = s_out[0, :n]  # [n, V], a view of the static output: cloned below
+            else:
+                tok = torch.tensor([piece + [0] * pad], device=self.device)
+                pos = torch.arange(p0, p0 + C, device=self.device)[None]
+                logits = self._call(name, tok, pos, slots)[0, :n]  # [n, V]
             if saved:
                 for t, rows, keep in saved:
                     t[slot, rows] = keep
-            out.append(logits if all_logits else logits[-1:].clone())  # not a view: frees [C, V]
+            if all_logits:
+                out.append(logits.clone() if graphed else logits)  # the next replay rewrites s_out
+            else:
+                out.append(logits[-1:].clone())  # not a view: frees [C, V] (eager), survives replays
         logits = torch.cat(out).float()
         return logits if all_logits else logits[-1]
 
@@ -292,6 +350,23 @@ class CompiledRunner:
         return pad_slot(free)
 
     # -- CUDA graphs -----------------------------------------------------------------
+    def _graph_of(self, fn):
+        """Run `fn` (no arguments) twice on a side stream, which compiles its Triton
+        kernels and settles the allocator, then capture one call of it into a CUDA graph
+        with its own memory pool. -> (torch.cuda.CUDAGraph, fn's output in that pool: the
+        static tensors each replay rewrites). Raises what the capture raises (a host sync
+        or another operation CUDA graphs cannot capture)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the Triton kernels, settle the allocator
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        return graph, out
+
     def _replay(self, B: int, ids, pos, sl):
         entry = self._graphs.get(B)
         if entry is None:
@@ -310,18 +385,72 @@ class CompiledRunner:
         s_ids = torch.zeros(B, 1, dtype=torch.long, device=self.device)
         s_pos = torch.zeros(B, 1, dtype=torch.long, device=self.device)
         s_sl = torch.full((B,), self.pad_slot(()), dtype=torch.long, device=self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels, settle the allocator
-                self._call(name, s_ids, s_pos, s_sl)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self._call(name, s_ids, s_pos, s_sl)
+        graph, out = self._graph_of(lambda: self._call(name, s_ids, s_pos, s_sl))
         entry = (graph, s_ids, s_pos, s_sl, out)
         self._graphs[B] = entry
         return entry
+
+    def _capture_prefill(self):
+        """Capture prefill_t{C} (C = prefill_chunk) into a CUDA graph; see `prefill_graph`.
+
+        The prefill kernels have no padding-slot convention (their KV write would take a
+        negative slot as an address), so the warm-up runs, which execute, use slot 0 at
+        positions 0..C-1 with token 0: they read no cache row (nothing precedes position
+        0) and write rows 0..C-1 of slot 0 in every layer (full layers: rows = positions;
+        sliding layers: ring rows p % W, C <= W). Those rows are saved before and written
+        back after, so whatever slot 0 holds (a live sequence, even with max_batch 1) is
+        unchanged. The capture itself executes nothing.
+
+        Raises:
+            RuntimeError: the capture failed (an operation of the prefill path that CUDA
+                graphs cannot capture, e.g. a host sync); the message names
+                FLINTC_PREFILL_GRAPHS=0, which runs prefill eagerly.
+        """
+        C = self.prefill_chunk
+        name = f"prefill_t{C}"
+        dev = self.device
+        with torch.inference_mode(False):  # plain tensors: callers of prefill_graph may fill them anywhere
+            s_ids = torch.zeros(1, C, dtype=torch.long, device=dev)
+            s_pos = torch.arange(C, dtype=torch.long, device=dev)[None].clone()
+            s_sl = torch.zeros(1, dtype=torch.long, device=dev)
+        keep = [t[0, :C].clone() for t in self.kv]  # the rows the warm-up writes
+        try:
+            with torch.inference_mode():
+                graph, out = self._graph_of(lambda: self._call(name, s_ids, s_pos, s_sl))
+        except RuntimeError as e:
+            raise RuntimeError(f"capturing {name} into a CUDA graph failed: {e} (set "
+                               f"{PREFILL_GRAPHS_ENV}=0 to run prefill eagerly)") from e
+        finally:
+            with torch.inference_mode():
+                for t, k in zip(self.kv, keep):
+                    t[0, :C] = k
+        # The NVFP4 GEMM's shared dequantization workspace (flintc.kernels.gemm) is baked
+        # into the graph by address: hold it, so a later eager call that grows (replaces)
+        # it cannot free the memory this graph writes.
+        from flintc.kernels import gemm as gemm_kernels
+
+        self._prefill_workspaces = list(gemm_kernels._WORKSPACE.values())
+        self._prefill_entry = (graph, s_ids, s_pos, s_sl, out)
+        return self._prefill_entry
+
+    def prefill_graph(self):
+        """The CUDA graph of the prefill function (captured on first use) and its static
+        buffers: (graph, input_ids int64 [1, C], positions int64 [1, C], slots int64 [1],
+        logits fp32 [1, C, V]) with C = prefill_chunk. Fill the inputs (positions p0..p0+C-1,
+        a slot in [0, max_batch)), `graph.replay()`, read the logits before the next replay.
+        A replay writes the chunk's K/V rows like the eager function (padding included:
+        `prefill` saves and restores the sliding rows of a padded last chunk). Memory: the
+        graph's private pool holds one chunk's intermediates and the logits.
+
+        Raises:
+            InputError: prefill graphs are off (no CUDA, use_cuda_graphs=False, the torch
+                backend, FLINTC_PREFILL_GRAPHS=0).
+            RuntimeError: the capture failed (see `_capture_prefill`).
+        """
+        if not (self.use_cuda_graphs and self.prefill_graphs):
+            raise InputError("prefill graphs need a CUDA device, use_cuda_graphs=True, the triton backend "
+                             f"and {PREFILL_GRAPHS_ENV} not 0")
+        return self._prefill_entry or self._capture_prefill()
 
     def decode_graph(self, B: int):
         """The CUDA graph of bucket B (captured on first use) and its static buffers:
@@ -335,7 +464,8 @@ class CompiledRunner:
         return self._graphs.get(B) or self._capture(B)
 
     def capture_all(self) -> None:
-        """Capture every decode bucket now (otherwise each is captured on first use)."""
+        """Capture every decode bucket now (otherwise each is captured on first use). The
+        prefill graph is captured at the first prefill (or by `prefill_graph()`)."""
         if self.use_cuda_graphs:
             for B in self.buckets:
                 if B not in self._graphs:

@@ -518,3 +518,40 @@ def test_moe_full_shapes_gpu(N, fmt, impl, poisoned):
         share = (h != h_loop).float().mean().item()
         print(f"vs loop, all {N} rows: {share:.3%} differ, max diff {diff.max().item():.3g}")
         assert share < 0.05
+
+
+# ---------------------------------------------------------------------------- CUDA-graph safety
+def test_auto_impl_is_sync_free_on_cuda(monkeypatch):
+    """On CUDA "auto" takes grouped_mm for BF16 only where torch runs it without a host
+    sync (sm_90 / sm_100), triton otherwise and for NVFP4; inside a CUDA-graph capture the
+    syncing implementations are refused with a clear error."""
+    cuda = torch.device("cuda", 0)
+    for major, bf16 in ((9, "grouped_mm"), (10, "grouped_mm"), (8, "triton"), (12, "triton")):
+        monkeypatch.setattr(GG, "_capability_major", lambda index, m=major: m)
+        assert GG._pick_impl("op", "auto", False, cuda) == bf16
+        assert GG._pick_impl("op", "auto", True, cuda) == "triton"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="impl='loop' reads the expert counts on the host"):
+        GG._pick_impl("moe_gate_up", "loop", False, cuda)
+    with pytest.raises(ValueError, match="impl='grouped_mm' reads the expert counts on the host"):
+        GG._pick_impl("moe_gate_up", "grouped_mm", False, cuda)  # sm_120 (patched above)
+    assert GG._pick_impl("op", "triton", False, cuda) == "triton"
+
+
+@pytest.mark.parametrize("fmt,impl", [("nvfp4", "triton"), ("bf16", "triton"), ("bf16", "grouped_mm")])
+def test_moe_launchers_have_no_host_sync(fmt, impl):
+    """Route, gate/up and down/combine as a GPU prefill runs them, under forbid_host_sync
+    (CUDA-graph capture of the prefill function); the loop fallback is caught."""
+    from flintc.runtime.hostsync import HostSyncError, forbid_host_sync
+
+    if impl == "grouped_mm" and GG._grouped_mm_fn() is None:
+        pytest.skip("this torch has no grouped_mm")
+    c = moe_case(7, fmt, seed=3)
+    with forbid_host_sync():
+        w, ids = GG.moe_route(c["x"], c["router"], c["bias"], TOPK, SCALING)
+        h = GG.moe_gate_up(c["x"], ids, c["gate"], c["up"], c["sg"], c["su"], impl=impl)
+        m = GG.moe_down_combine(h, ids, w, c["down"], c["sd"], impl=impl)
+    assert bool(torch.isfinite(m.float()).all())
+    with pytest.raises(HostSyncError, match="tolist"):
+        with forbid_host_sync():
+            GG.moe_gate_up(c["x"], ids, c["gate"], c["up"], c["sg"], c["su"], impl="loop")

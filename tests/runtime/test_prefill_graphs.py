@@ -1,0 +1,205 @@
+"""Prefill from a CUDA graph (`CompiledRunner.prefill_graph`), checked on the CPU.
+
+A GPU prefill runs the generated `prefill_t{C}` with the triton backend: the Triton
+prefill attention, the MoE route (cuBLAS + torch sort), the grouped expert GEMMs
+(Triton for NVFP4; torch's grouped_mm for BF16 on sm_90) and cuBLAS GEMMs, plus aten
+glue. Here:
+
+* the whole generated function runs with those implementations (Triton's interpreter,
+  the MoE impl CUDA would pick) under `forbid_host_sync()`: no host sync, no copy of
+  host data, no allocation sized by a device value anywhere on the path;
+* the runner's graph path (static input buffers, one replay per chunk, the sliding
+  rows of a padded last chunk saved and restored around the replay, logits cloned out
+  of the static output, the capture's warm-up on slot 0 saved and restored) runs with a
+  stand-in for the CUDA graph that re-runs the function into the static output: its
+  logits and KV caches must equal the eager path's bit for bit, and no other slot
+  may change;
+* FLINTC_PREFILL_GRAPHS and the backend decide whether prefill uses a graph.
+
+What the CPU cannot show (a real capture, cuBLAS / CUTLASS under capture, replay
+timing) is `scripts/gpu_prefill_graph.py`'s job on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton decorates any kernel
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the triton backend needs triton")
+
+from flintc.checkpoint.loader import load_checkpoint
+from flintc.errors import InputError
+from flintc.runtime.compiled import CompiledRunner, load_build
+
+MAX_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Tiny dummy-weight builds (triton backend, CPU), one decode bucket each (compile
+    time): NVFP4 with 1 slot, BF16 with 2 (the graph-path test prefills slot 1 while slot 0
+    holds a live sequence); prefill chunk 8 (W = 9)."""
+    from flintc.runtime.build import BuildOptions, compile_model
+
+    root = tmp_path_factory.mktemp("prefill_graphs")
+    out = {}
+    for fmt, slots in (("nvfp4", 1), ("bf16", 2)):
+        ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt=fmt, progress=False)
+        compile_model(ckpt, root / fmt, BuildOptions(max_batch=slots, decode_buckets=(slots,), max_model_len=MAX_LEN,
+                                                     backend="triton", device="cpu", check=False, dump=False),
+                      progress=False, log=lambda m: None)
+        out[fmt] = (root / fmt, ckpt)
+    return out
+
+
+def runner_for(builds, fmt, backend=None, **kw):
+    path, ckpt = builds[fmt]
+    if backend is None:
+        return load_build(path, ckpt=ckpt, progress=False, **kw)
+    from flintc.runtime.compiled import read_manifest
+
+    # the generated functions do not depend on the backend, only the kernel table does
+    return CompiledRunner(path, dict(read_manifest(path), backend=backend), ckpt, torch.device("cpu"), **kw)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_generated_prefill_has_no_host_sync(builds, fmt, monkeypatch):
+    """The generated prefill function with the kernels a GPU runs, under forbid_host_sync."""
+    from flintc.kernels import grouped_gemm as GG
+    from flintc.runtime.hostsync import forbid_host_sync
+
+    real = GG._pick_impl
+    # what "auto" picks on an sm_90 GPU: triton for NVFP4, grouped_mm for BF16 (on the CPU
+    # "auto" would take the loop fallback for NVFP4, which syncs: that is the CPU path)
+    monkeypatch.setattr(GG, "_pick_impl", lambda op, impl, nvfp4, dev: real(
+        op, "triton" if nvfp4 else "grouped_mm", nvfp4, dev))
+    runner = runner_for(builds, fmt)
+    assert runner.backend == "triton" and runner.prefill_graphs and not runner.use_cuda_graphs
+    C = runner.prefill_chunk
+    name = f"prefill_t{C}"
+    ids = torch.randint(0, runner.config.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(5, 5 + C)[None]
+    slots = torch.tensor([0])
+    with forbid_host_sync():
+        logits = runner.forward(name, ids, pos, slots)
+    assert logits.shape == (1, C, runner.config.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+class StandInGraph:
+    """torch.cuda.CUDAGraph's part the runner uses, on the CPU: `replay()` runs the
+    captured function again and copies its output into the static output tensor."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self):
+        self.out.copy_(self.fn())
+
+
+def stand_in_graph_of(fn):
+    """`CompiledRunner._graph_of` without CUDA: the two warm-ups, then a 'capture' that
+    (unlike a real one) executes, so the runner must also undo what it writes."""
+    fn()
+    fn()
+    out = fn()
+    return StandInGraph(fn, out), out
+
+
+def fill(runner, seed):
+    g = torch.Generator().manual_seed(seed)
+    for t in runner.kv:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def test_graph_path_equals_eager_path(builds, monkeypatch):
+    """Prefill 20 tokens (chunks 8, 8, 4+4 padding) then 5 more at start 20, into slot 1,
+    once through the graph path and once eagerly, from the same cache contents; slot 0
+    (where the capture warms up) holds a live sequence that must not change."""
+    runner = runner_for(builds, "bf16", backend="torch")  # fast reference ops; same function
+    runner.use_cuda_graphs = runner.prefill_graphs = True
+    monkeypatch.setattr(runner, "_graph_of", stand_in_graph_of)
+    prompt = [(7 * i + 3) % runner.config.vocab_size for i in range(25)]
+    assert runner.prefill_chunk == 8 and runner.config.sliding_window == 9
+
+    def run(graphs):
+        fill(runner, 0)
+        runner.prefill_graphs = graphs
+        live = [t[0].clone() for t in runner.kv]
+        a = runner.prefill(1, prompt[:20], all_logits=True)
+        b = runner.prefill(1, prompt[20:], start=20)
+        assert all(torch.equal(t[0], k) for t, k in zip(runner.kv, live)), "slot 0 changed"
+        return a, b, [t[1].clone() for t in runner.kv]
+
+    a_g, b_g, kv_g = run(True)
+    assert runner._prefill_entry is not None
+    a_e, b_e, kv_e = run(False)
+    assert a_g.shape == (20, runner.config.vocab_size) and b_g.shape == (runner.config.vocab_size,)
+    assert torch.equal(a_g, a_e) and torch.equal(b_g, b_e)
+    assert not torch.equal(a_g[0], a_g[8]), "chunks must not alias the static output"
+    for i, (g, e) in enumerate(zip(kv_g, kv_e)):
+        assert torch.equal(g, e), f"KV cache {i} differs between graph and eager prefill"
+
+
+def test_who_gets_prefill_graphs(builds, monkeypatch):
+    on_cpu = runner_for(builds, "nvfp4")
+    assert on_cpu.prefill_graphs and not on_cpu.use_cuda_graphs
+    with pytest.raises(InputError, match="prefill graphs need a CUDA device"):
+        on_cpu.prefill_graph()
+    assert not runner_for(builds, "nvfp4", prefill_graphs=False).prefill_graphs
+    assert not runner_for(builds, "nvfp4", backend="torch").prefill_graphs  # reference attention syncs
+    with pytest.raises(InputError, match="needs the triton backend"):
+        runner_for(builds, "nvfp4", backend="torch", prefill_graphs=True)
+    monkeypatch.setenv("FLINTC_PREFILL_GRAPHS", "0")
+    assert not runner_for(builds, "nvfp4").prefill_graphs
+    assert runner_for(builds, "nvfp4", prefill_graphs=True).prefill_graphs  # the argument wins
+    monkeypatch.setenv("FLINTC_PREFILL_GRAPHS", "yes")
+    with pytest.raises(InputError, match="FLINTC_PREFILL_GRAPHS must be 0 or 1; got 'yes'"):
+        runner_for(builds, "nvfp4")
+
+
+def test_gpu_prefill_graph_script_logic(builds, monkeypatch, capsys):
+    """scripts/gpu_prefill_graph.py on the CPU: its capture / graph-vs-eager / timing steps
+    with the stand-in graph pass (exit 0), and a replay that is off by a rounding fails
+    (exit 1)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import flintc.runtime.compiled as compiled
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_prefill_graph.py"
+    spec = importlib.util.spec_from_file_location("flintc_gpu_prefill_graph", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path, _ = builds["bf16"]
+
+    def load(graph_of):
+        def fake_load_build(p, **kw):
+            r = runner_for(builds, "bf16", backend="torch")
+            r.use_cuda_graphs = r.prefill_graphs = True
+            r._graph_of = graph_of
+            return r
+        return fake_load_build
+
+    def off_by_a_bit(fn):
+        g, out = stand_in_graph_of(fn)
+        g.replay = lambda: out.copy_(fn() * 1.0001)
+        return g, out
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    argv = ["gpu_prefill_graph.py", "--build", str(path), "--prompt-len", "20", "--continue-len", "5",
+            "--time-len", "0", "--iters", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    for graph_of, code in ((stand_in_graph_of, 0), (off_by_a_bit, 1)):
+        monkeypatch.setattr(compiled, "load_build", load(graph_of))
+        with pytest.raises(SystemExit) as e:
+            mod.main()
+        assert e.value.code == code, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ok (bit-identical)" in out and "FAIL" in out
