@@ -179,7 +179,10 @@ def test_decode_attention_matches_reference(window, S, num_splits, positions, kn
     (o, lse, out), (o_ref, lse_ref, out_ref) = run_both(q, kc, vc, slots, pos, window,
                                                         num_splits, sinks, **knobs)
     assert_partials_close(o, lse, o_ref, lse_ref)
-    assert_within_one_bf16_ulp(out, out_ref)
+    # an output near zero (cancellation in the weighted average of V) carries the fp32
+    # reordering error of the values averaged, not of its own size: at most S rows of
+    # |v| <= max|v|, 2^-24 relative each (a 4-ulp miss at |out| ~ 1e-6 was seen)
+    assert_within_one_bf16_ulp(out, out_ref, atol=S * 2.0**-24 * vc.float().abs().max().item())
     assert counters_are_zero(), "arrival counters not reset after the launch"
 
 
@@ -271,7 +274,8 @@ def test_combine_matches_reference_with_empty_splits():
     finally:
         torch.empty = real_empty
     ref = torch.ops.flintc.attention_combine(o, lse, sinks)
-    assert_within_one_bf16_ulp(out, ref)
+    # near-zero outputs carry the fp32 reordering error of the N partials they combine
+    assert_within_one_bf16_ulp(out, ref, atol=N * 2.0**-24 * o.float().abs().max().item())
     assert (out.view(B, Hq, D)[0, 0] == 0).all(), "only the sink: the output must be 0"
 
 
