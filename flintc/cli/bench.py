@@ -89,7 +89,7 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", choices=("triton", "torch"), default=None,
                    help="only use (and compile) builds of this backend (default: triton on cuda, torch on cpu)")
     p.add_argument("--build-caches", action="store_true",
-                   help="allocate each build's KV caches as compiled (max batch + 1 slots x max model len "
+                   help="allocate each build's KV caches as compiled (max batch slots x max model len "
                         "positions); by default a build whose functions do not depend on the cache length gets "
                         "caches sized to the longest context it serves here (as long as they fit in the free "
                         "device memory), so it can also serve contexts beyond its max model len")
