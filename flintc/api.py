@@ -109,15 +109,17 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     model) into BUILD `out` (None: a new temporary folder) and load it.
 
     Other arguments as `flintc compile` (see `flintc.runtime.build.BuildOptions`).
-    Raises InputError / CheckpointError / PassCheckError as `flintc compile`.
+    Raises InputError / CheckpointError / PassCheckError as `flintc compile`; InputError
+    also for a malformed FLINTC_* variable (`flintc.runtime.compiled.check_environment`),
+    before compiling.
     """
     from flintc.checkpoint.loader import load_checkpoint
     from flintc.runtime.build import BuildOptions, compile_model
-    from flintc.runtime.compiled import load_build
-
-    from flintc.cli.compile_build import prepare_device
+    from flintc.runtime.compiled import check_environment, load_build
+    from flintc.runtime.device import prepare_device
 
     prepare_device(device)  # a CPU run uses Triton's interpreter: set before triton loads
+    check_environment("torch" if backend == "auto" and device == "cpu" else backend)  # before the compile
     if model is None and load_format != "dummy":
         from flintc.checkpoint.default import default_checkpoint
 
@@ -135,8 +137,8 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
 def load(build, model=None, *, device: str | None = None, load_format: str | None = None,
          hf_config_path=None, tokenizer=None, progress: bool = False) -> CompiledModel:
     """Load BUILD and the weights it was compiled for (see `load_build`)."""
-    from flintc.cli.compile_build import prepare_device
     from flintc.runtime.compiled import load_build, read_manifest
+    from flintc.runtime.device import prepare_device
 
     prepare_device(device or read_manifest(build).get("device", "cpu"))
     runner = load_build(build, model=model, device=device, load_format=load_format,

@@ -120,22 +120,10 @@ def add_parser(sub) -> None:
 
 
 def prepare_device(name: str) -> None:
-    """Select Triton's interpreter for a CPU run before anything imports triton, and
-    fail early for a missing GPU (`flintc compile --load-format dummy --no-check` for
-    cuda without a GPU cross-compiles instead: weights on the meta device)."""
-    import os
+    """See `flintc.runtime.device.prepare_device` (kept here for the sub-commands)."""
+    from flintc.runtime.device import prepare_device as _prepare
 
-    from flintc.errors import InputError
-
-    if name.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {name}: no CUDA GPU is available (--device cpu runs on the CPU)")
-    elif name == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    else:
-        raise InputError(f"--device: unknown device {name!r} (expected cpu or cuda)")
+    _prepare(name)
 
 
 def load_model_checkpoint(args, device: str):

@@ -151,6 +151,10 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
     check_model_source_args(args)
     args.device = args.device or "cpu"
     prepare_device(args.device)
+    if backend != "reference":  # a bad FLINTC_* variable: before the weights load and the compile
+        from flintc.runtime.compiled import check_environment
+
+        check_environment("torch" if backend == "auto" and args.device == "cpu" else backend)
     ckpt = load_model_checkpoint(args, args.device)
     if backend == "reference":
         from flintc.model.reference import FlintModel

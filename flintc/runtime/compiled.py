@@ -81,6 +81,32 @@ def prefill_graphs_from_env() -> bool:
     raise InputError(f"{PREFILL_GRAPHS_ENV} must be 0 or 1; got {value!r}")
 
 
+def check_environment(backend: str | None = None) -> None:
+    """Validate every FLINTC_* variable a runtime reads when it loads or launches
+    (FLINTC_PREFILL_GRAPHS; for the triton backend also FLINTC_PDL_TRIGGER,
+    FLINTC_GEMV_TUNED and FLINTC_MOE_TUNED, see `flintc.kernels.tuning.check_environment`),
+    so that a bad value is reported before a compile or a weight load, not after.
+
+    Args:
+        backend: "torch", "triton", "auto" (the kernels' variables are checked when
+            triton is installed) or None (same as "auto"). On a CPU call
+            `flintc.runtime.device.prepare_device` first: checking the kernels'
+            variables imports the kernel modules.
+
+    Raises:
+        InputError: the first malformed variable, named with its value and what is
+            expected (TuningEnvError for the kernels' variables).
+    """
+    prefill_graphs_from_env()
+    if backend == "torch":
+        return
+    if backend != "triton" and importlib.util.find_spec("triton") is None:
+        return  # auto without triton: the reference ops, which read no variable
+    from flintc.kernels.tuning import check_environment as check_kernel_environment
+
+    check_kernel_environment()
+
+
 def read_manifest(build: str | Path) -> dict:
     """BUILD/build.json. Raises InputError when BUILD is not a flintc build."""
     build = Path(build)
@@ -116,7 +142,10 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     Raises:
         InputError: BUILD is not a build; the weights or config differ from the ones it
             was compiled for; the device is CUDA and there is no GPU; prefill_graphs=True
-            with the torch backend; FLINTC_PREFILL_GRAPHS is not 0 or 1.
+            with the torch backend; a FLINTC_* variable is malformed (`check_environment`);
+            a triton build on the CPU with TRITON_INTERPRET set to other than 1, or with
+            flintc's kernels imported before it was set (`use_triton_interpreter`; else
+            TRITON_INTERPRET=1 is set here, as the CLI does for --device cpu).
         CheckpointError: the weights cannot be loaded.
     """
     from flintc.checkpoint.loader import load_checkpoint
@@ -129,6 +158,11 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"{build} was compiled for {device} but no CUDA GPU is available "
                          "(pass --device cpu to run it on the CPU)")
+    if manifest.get("backend") == "triton" and torch.device(device).type == "cpu":
+        from flintc.runtime.device import use_triton_interpreter
+
+        use_triton_interpreter(build)  # as `flintc run --device cpu`: before the kernels are imported
+    check_environment(manifest.get("backend"))  # before the weights load
     config = FlintConfig.from_dict(manifest["config"], source=str(build / "build.json"))
     if ckpt is None:
         source = model or manifest["weight_source"]

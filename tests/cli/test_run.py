@@ -180,3 +180,24 @@ def test_finish_reason_reports_the_context_limit(capsys, tiny_bf16_dir):
                            "--ignore-eos", "--output", "json", "--temperature", "0")
     obj = json.loads(out)
     assert code == 0 and obj["finish_reason"] == "max_model_len" and len(obj["output_ids"]) < 10
+
+
+@pytest.mark.parametrize("var, value, backend", [
+    ("FLINTC_PREFILL_GRAPHS", "yes", "torch"), ("FLINTC_GEMV_TUNED", "/no/such/tuned.json", "triton"),
+    ("FLINTC_MOE_TUNED", "/no/such/tuned.json", "triton"),
+])
+def test_bad_environment_fails_before_compiling(capsys, monkeypatch, tiny_bf16_dir, var, value, backend):
+    """`flintc run --backend torch|triton` checks the FLINTC_* variables its runtime reads
+    before loading weights and compiling (a bad value used to cost a whole compile)."""
+    import flintc.checkpoint.loader
+    import flintc.runtime.build
+
+    def never(*a, **k):
+        raise AssertionError("loaded or compiled before the environment was checked")
+
+    monkeypatch.setattr(flintc.checkpoint.loader, "load_checkpoint", never)
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", never)
+    monkeypatch.setenv(var, value)
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--backend", backend, "--device", "cpu",
+                           "--prompt-ids", "1,2", "--max-tokens", 1)
+    assert code == 2 and err.startswith(f"flintc: error: {var}") and err.count("\n") == 1, err

@@ -203,3 +203,34 @@ def test_gpu_prefill_graph_script_logic(builds, monkeypatch, capsys):
         assert e.value.code == code, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "ok (bit-identical)" in out and "FAIL" in out
+
+
+def test_load_build_on_cpu_selects_the_interpreter(builds, monkeypatch):
+    """`load_build` of a triton build on the CPU, in a process that never ran the CLI and
+    has no TRITON_INTERPRET: it selects Triton's interpreter as `flintc run --device cpu`
+    does, so the kernels it loads are interpreted (before: Triton's "0 active drivers" at
+    the first launch). TRITON_INTERPRET=0 is a clear InputError instead."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import flintc
+
+    path, _ = builds["nvfp4"]
+    code = ("import os\n"
+            "from flintc.runtime.compiled import load_build\n"
+            f"r = load_build({str(path)!r}, load_format='dummy', progress=False)\n"
+            "from triton.runtime.interpreter import InterpretedFunction\n"
+            "import flintc.kernels.gemv as gemv\n"
+            "assert r.backend == 'triton' and os.environ['TRITON_INTERPRET'] == '1'\n"
+            "assert any(isinstance(v, InterpretedFunction) for v in vars(gemv).values())\n"
+            "print('interpreted')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(flintc.__file__).resolve().parents[1]),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0 and proc.stdout.strip() == "interpreted", proc.stderr[-2000:]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(InputError, match=r"needs Triton's interpreter, but TRITON_INTERPRET='0' is set"):
+        load_build(path, load_format="dummy", progress=False)
