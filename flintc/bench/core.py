@@ -103,6 +103,22 @@ class BenchOptions:
             raise InputError(f"--batches: flintc decodes at most 8 sequences at once, got {max(o.batches)}")
         if o.sampling not in ("default", "greedy"):
             raise InputError(f"--sampling must be default or greedy, got {o.sampling!r}")
+        if o.load_format not in ("auto", "dummy"):
+            raise InputError(f"--load-format must be auto or dummy, got {o.load_format!r}")
+        if o.model is not None and not Path(o.model).exists():
+            raise InputError(f"MODEL {o.model}: no such checkpoint file or folder")
+        if o.model is None and o.load_format != "dummy":
+            raise InputError("--load-format auto needs a MODEL (a BF16 folder or an NVFP4 .gguf)")
+        if o.hf_config_path is not None and not Path(o.hf_config_path).exists():
+            raise InputError(f"--hf-config-path {o.hf_config_path}: no such file or folder")
+        if o.model is None and o.config is not None:
+            from flintc.config import FlintConfig
+            from flintc.errors import ConfigError
+
+            try:
+                FlintConfig.preset(o.config)
+            except ConfigError as e:
+                raise InputError(f"--config {o.config}: {e}") from None
         o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
         if o.builds is None:
             o.builds = Path(o.out) / "builds"
@@ -145,15 +161,19 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
     """Run the benchmark described by `options` and write its outputs into options.out
     (bench.json, bench.md, PNG plots). Returns the results dict (see `report`).
 
-    Raises InputError for bad options or a CUDA device without a GPU; failures of a
-    single measurement (a baseline that does not compile, out of memory, a step past
-    its timeout) are recorded in the results and the run goes on."""
+    Raises InputError for bad options, a malformed FLINTC_* variable or a CUDA device
+    without a GPU, before anything is written. Failures of a single measurement (an
+    error, out of memory) are recorded in the results (`failures`: one record each,
+    with its traceback; and a note) and the run goes on; a baseline that does not
+    compile (`baseline_failures`) and a step past its timeout are notes."""
     from flintc.bench import report
+    from flintc.runtime.compiled import check_environment
+    from flintc.runtime.device import prepare_device
 
     o = options.resolved()
+    prepare_device(o.device)  # the Triton interpreter for cpu, before the kernels are imported
+    check_environment(o.backend)  # a bad FLINTC_* variable: now, not after a compile
     device = torch.device(o.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {o.device}: no CUDA GPU is available (use --device cpu)")
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     clock = _Clock(o.time_budget)
@@ -219,7 +239,7 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
     }
     return {"meta": meta, "ceilings": {}, "loads": [], "builds": [], "decode": [], "prefill": [],
             "baselines": [], "baseline_failures": [], "breakdown": [], "prefill_breakdown": [], "kernels": [],
-            "notes": []}
+            "failures": [], "notes": []}
 
 
 def _driver_version() -> str | None:
@@ -246,12 +266,19 @@ class _Bench:
         self.log(msg)
         self.r["notes"].append(msg)
 
+    def fail(self, what: str, msg: str) -> None:
+        """A measurement that failed: a one-line note, and a record in `failures` with
+        the traceback of the exception being handled (bench.json only)."""
+        self.note(f"{what}: {msg}")
+        self.r["failures"].append({"what": what, "error": msg, "traceback": traceback.format_exc(limit=8)})
+
     def save(self) -> None:
         """Rewrite bench.json with what is measured so far (set by `run_bench`)."""
 
     def guarded(self, what: str, fn, need_s: float = 0.0):
         """Run one measurement: out of time (less than `need_s` seconds left), out of
-        memory, timeout and errors become notes."""
+        memory, timeout and errors become notes (one line each); out of memory and
+        errors are also recorded as failures, with the traceback (`fail`)."""
         from flintc.bench.timing import StepTimeout, step_timeout
 
         self.save()  # what is measured so far: a run killed during this step keeps it
@@ -268,10 +295,9 @@ class _Bench:
         except StepTimeout as e:
             self.note(f"{what}: {e}")
         except torch.cuda.OutOfMemoryError as e:
-            self.note(f"{what}: out of device memory ({str(e).splitlines()[0][:200]})")
-        except (RuntimeError, ValueError, InputError) as e:
-            self.note(f"{what}: failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-            self.log(traceback.format_exc(limit=4))
+            self.fail(what, f"out of device memory ({str(e).splitlines()[0][:200]})")
+        except Exception as e:  # noqa: BLE001 - one point's failure is recorded, the run goes on
+            self.fail(what, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

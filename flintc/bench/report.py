@@ -3,8 +3,9 @@
 Files written into the output folder by `write_outputs`:
 
 - `bench.json`: the results dict (`meta`, `ceilings`, `loads`, `builds`, `decode`,
-  `prefill`, `baselines`, `baseline_failures`, `breakdown`, `kernels`, `notes`) plus
-  `targets` (each target of issue 8 evaluated);
+  `prefill`, `baselines`, `baseline_failures`, `breakdown`, `kernels`, `failures` (the
+  measurements that failed, with their tracebacks), `notes`) plus `targets` (each
+  target of issue 8 evaluated);
 - `bench.md`: the report (what `docs/benchmarks.md` holds), also printed;
 - `decode_vs_context.png` (ms per decode step against context length, per format, at
   batch 1: flintc forward and end to end, the roofline, the baselines) and
@@ -13,7 +14,8 @@ Files written into the output folder by `write_outputs`:
 
 `merge_results([a, b, ...])` joins the results of several runs (the flintc run and the
 compile-baseline run happen in separate GPU calls): later records replace earlier ones
-with the same key (engine, format, batch, context / tokens).
+with the same key (engine, format, batch, context / tokens); the report's header lists
+each run with its own ceilings.
 """
 
 from __future__ import annotations
@@ -64,12 +66,26 @@ def find(records: list[dict], **key) -> dict | None:
     return hit
 
 
-def merge_results(runs: list[dict]) -> dict:
-    """Join several results dicts (module doc). Raises ValueError for an empty list."""
+def _source_runs(run: dict, source: str | None) -> list[dict]:
+    """The runs one results dict holds, each its meta with its own `ceilings` and
+    `source` (the file it was read from): one, or those of an earlier merge."""
+    if run["meta"].get("runs"):
+        return [dict(r, source=r.get("source") or source) for r in run["meta"]["runs"]]
+    meta = {k: v for k, v in run["meta"].items() if k != "runs"}
+    return [dict(meta, ceilings=dict(run.get("ceilings") or {}), source=source)]
+
+
+def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
+    """Join several results dicts (module doc). The merged meta and ceilings are the
+    first run's; `meta["runs"]` lists every source run's meta with its own `ceilings`
+    and `source` (the file names in `sources`, when given), which the report's header
+    shows one line each. Raises ValueError for an empty list."""
     if not runs:
         raise ValueError("runs: expected at least one results dict")
-    merged = {"meta": dict(runs[0]["meta"]), "ceilings": dict(runs[0].get("ceilings") or {}), "notes": []}
-    merged["meta"]["runs"] = [r["meta"] for r in runs]
+    sources = list(sources) if sources is not None else [None] * len(runs)
+    merged = {"meta": dict(runs[0]["meta"]), "ceilings": dict(runs[0].get("ceilings") or {}), "notes": [],
+              "failures": []}
+    merged["meta"]["runs"] = [r for run, src in zip(runs, sources) for r in _source_runs(run, src)]
     for key, fields in LIST_KEYS.items():
         seen: dict[tuple, dict] = {}
         for run in runs:
@@ -78,6 +94,7 @@ def merge_results(runs: list[dict]) -> dict:
         merged[key] = list(seen.values())
     for run in runs:
         merged["notes"] += run.get("notes", [])
+        merged["failures"] += run.get("failures", [])
         if not merged["ceilings"] and run.get("ceilings"):
             merged["ceilings"] = dict(run["ceilings"])
     return merged
@@ -192,11 +209,24 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
     L.append(f"- Software: Python {m.get('python')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), "
              f"triton {m.get('triton')}, flintc {m.get('flintc')}"
              + ("; Triton interpreter (TRITON_INTERPRET=1)" if m.get("triton_interpret") else ""))
-    for run in m.get("runs", [m]):
-        L.append(f"- Command: `{run.get('command') or '(python API)'}` ({run.get('wall_s', '-')} s)")
-    if c:
-        L.append(f"- Ceilings: copy bandwidth **{_fmt(c['copy_gbs'])} GB/s**, bf16 matmul "
-                 f"**{_fmt(c['matmul_tflops'])} TFLOP/s** ({c.get('method', '')})")
+    runs = m.get("runs") or [m]
+    if len(runs) == 1:
+        L.append(f"- Command: `{runs[0].get('command') or '(python API)'}` ({runs[0].get('wall_s', '-')} s)")
+        if c:
+            L.append(f"- Ceilings: copy bandwidth **{_fmt(c['copy_gbs'])} GB/s**, bf16 matmul "
+                     f"**{_fmt(c['matmul_tflops'])} TFLOP/s** ({c.get('method', '')})")
+    else:  # a merge: date, device and software above are the first run's; each run's own here
+        L.append(f"- Merged from {len(runs)} runs; each row's roofline uses the ceilings of the run that "
+                 "measured it:")
+        for i, run in enumerate(runs, 1):
+            rc = run.get("ceilings") or {}
+            ceil = (f"copy bandwidth **{_fmt(rc['copy_gbs'])} GB/s**, bf16 matmul **{_fmt(rc['matmul_tflops'])} "
+                    f"TFLOP/s**" if "copy_gbs" in rc and "matmul_tflops" in rc else "no ceilings recorded")
+            L.append(f"  - Run {i}" + (f" ({run['source']})" if run.get("source") else "")
+                     + f": {run.get('date', '-')}, {run.get('device_name') or run.get('device') or '-'}; "
+                     f"{ceil}; `{run.get('command') or '(python API)'}` ({run.get('wall_s', '-')} s)")
+        if c.get("method"):
+            L.append(f"- Ceilings measured as: {c['method']}")
     for ld in results.get("loads", []):
         L.append(f"- {ld['fmt']} weights: {ld['source']}, {ld['weight_bytes'] / 1e9:.2f} GB, made/loaded in "
                  f"{ld['seconds']} s")

@@ -19,18 +19,26 @@ from pathlib import Path
 from flintc.errors import InputError
 
 
+def _items(text: str, flag: str, expected: str) -> list[str]:
+    """The stripped items of the comma-separated list `text` given for `flag`, the parser
+    every list option of bench shares. Raises InputError naming `flag`: no item at all,
+    or an empty one (`1,,2`, `1,`, `,`); `expected` says what the items should be, with
+    an example ("comma-separated positive integers, e.g. 1,2,4")."""
+    if not text.strip():
+        raise InputError(f"{flag}: expected at least one value: {expected}")
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise InputError(f"{flag} {text!r}: empty item; expected {expected}")
+    return items
+
+
 def _ints(text: str, flag: str) -> list[int]:
     """'1,2,4,8' -> [1, 2, 4, 8] for `flag`; `_` separators and 1e5 are accepted. Raises
     InputError naming `flag` and the bad item: an empty one (`1,,2`), one that is not a
     whole number, or one below 1."""
-    if not text.strip():
-        raise InputError(f"{flag}: expected at least one value, e.g. 1,2,4")
     vals = []
-    for item in text.split(","):
-        x = item.strip().replace("_", "")
-        if not x:
-            raise InputError(f"{flag} {text!r}: empty item; expected comma-separated positive integers, "
-                             "e.g. 1,2,4")
+    for item in _items(text, flag, "comma-separated positive integers, e.g. 1,2,4"):
+        x = item.replace("_", "")
         try:
             v = int(x) if "e" not in x.lower() else float(x)
         except ValueError:
@@ -45,17 +53,57 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _points(text: str | None, what: str) -> list[tuple[int, int]] | None:
-    """'1x1024,8x8192' -> [(1, 1024), (8, 8192)] (batch x context)."""
+    """'1x1024,8x8192' -> [(1, 1024), (8, 8192)] (batch x context); None (the default
+    points) for None or ''. Raises InputError naming the flag `what`: an empty item, or
+    one that is not two positive integers joined by x."""
     if not text:
         return None
     pts = []
-    for piece in text.split(","):
+    for piece in _items(text, what, "comma-separated BATCHxCONTEXT items, e.g. 1x1024,8x8192"):
         try:
-            b, c = piece.lower().split("x")
-            pts.append((int(b), int(c)))
+            b, c = (int(x) for x in piece.lower().split("x"))
         except ValueError:
-            raise InputError(f"{what}: expected BATCHxCONTEXT items like 1x1024, got {piece!r}") from None
+            b = c = 0
+        if b < 1 or c < 1:
+            raise InputError(f"{what}: expected BATCHxCONTEXT items of positive integers like 1x1024, "
+                             f"got {piece!r}")
+        pts.append((b, c))
     return pts
+
+
+def _names(text: str, flag: str, choices: tuple[str, ...]) -> list[str]:
+    """'bf16,nvfp4' -> ['bf16', 'nvfp4'] for `flag`. Raises InputError naming `flag`: an
+    empty item, or a name not in `choices`."""
+    names = _items(text, flag, f"comma-separated names out of {', '.join(choices)}")
+    for name in names:
+        if name not in choices:
+            raise InputError(f"{flag}: unknown value {name!r} (expected {', '.join(choices)})")
+    return names
+
+
+def _load_report(path: str) -> dict:
+    """A bench.json given to --from-json. Raises InputError naming the file when it is
+    not JSON or not a bench report (an object with a "meta" object, and lists of
+    records where a report has them), e.g. a build.json."""
+    from flintc.bench.report import LIST_KEYS
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise InputError(f"--from-json {path}: not valid JSON: {e}") from None
+    what = "a bench.json written by flintc bench (a JSON object with \"meta\" and \"ceilings\" objects)"
+    if not isinstance(data, dict):
+        raise InputError(f"--from-json {path}: expected {what}; got a JSON {type(data).__name__}")
+    for key in ("meta", "ceilings"):
+        if not isinstance(data.get(key), dict):
+            raise InputError(f"--from-json {path}: expected {what}; it has no {key!r} object"
+                             + (" (it is a build's build.json)" if "build_version" in data else ""))
+    for key in (*LIST_KEYS, "notes", "failures"):
+        value = data.get(key, [])
+        if not isinstance(value, list) or (key != "notes" and not all(isinstance(r, dict) for r in value)):
+            raise InputError(f"--from-json {path}: expected {what}; its {key!r} is not a list of "
+                             f"{'strings' if key == 'notes' else 'records (objects)'}")
+    return data
 
 
 def add_parser(sub) -> None:
@@ -64,9 +112,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmark flintc against its roofline and baselines",
                        description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="BF16 checkpoint folder or NVFP4 .gguf (default: dummy weights of --config)")
+                   help="BF16 checkpoint folder or NVFP4 .gguf. With --load-format dummy (the default) only "
+                        "its config is used and the weights are random (a notice says so); --load-format auto "
+                        "measures its own weights. Default: random weights of --config")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="dummy",
-                   help="dummy: random weights made on the device")
+                   help="dummy: random weights made on the device (timings do not depend on weight values); "
+                        "auto: MODEL's own weights")
     p.add_argument("--config", default="full", help="with dummy weights and no MODEL: preset tiny or full")
     p.add_argument("--hf-config-path", default=None, help="config folder for a .gguf MODEL")
     p.add_argument("--formats", default="bf16,nvfp4", help="weight formats to measure (comma-separated)")
@@ -117,28 +168,24 @@ def add_parser(sub) -> None:
 
 
 def run_bench_cli(args: argparse.Namespace) -> int:
+    """Exit code: 0, or 1 when a measurement failed (one line each on stderr, as they
+    happen; bench.json's `failures` keeps their tracebacks). Bad options raise
+    InputError before anything is written."""
     out = Path(args.out)
     if args.from_json:
         from flintc.bench.report import merge_results, write_outputs
 
-        runs = []
-        for f in args.from_json:
-            try:
-                runs.append(json.loads(Path(f).read_text()))
-            except json.JSONDecodeError as e:
-                raise InputError(f"--from-json {f}: not valid JSON: {e}") from None
-        write_outputs(merge_results(runs), out, plots=not args.no_plots)
+        runs = [_load_report(f) for f in args.from_json]
+        write_outputs(merge_results(runs, sources=args.from_json), out, plots=not args.no_plots)
         return 0
-    from flintc.cli.compile_build import prepare_device
-
-    prepare_device(args.device)  # the Triton interpreter for cpu, before triton is imported
     from flintc.bench.core import BenchOptions, run_bench
 
-    baselines = [] if args.baselines.strip() in ("", "none") else [b.strip() for b in args.baselines.split(",")]
+    baselines = ([] if args.baselines.strip() in ("", "none")
+                 else _names(args.baselines, "--baselines", ("eager", "compile")))
     opts = BenchOptions(
         out=out, model=args.model, load_format=args.load_format,
         config=args.config if args.model is None else None, hf_config_path=args.hf_config_path,
-        formats=[f.strip() for f in args.formats.split(",") if f.strip()],
+        formats=_names(args.formats, "--formats", ("bf16", "nvfp4")),
         contexts=_ints(args.contexts, "--contexts"), batches=_ints(args.batches, "--batches"),
         prefill=[] if args.prefill.strip() in ("", "none") else _ints(args.prefill, "--prefill"),
         baselines=baselines, baseline_points=_points(args.baseline_points, "--baseline-points"),
@@ -151,5 +198,23 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         command="flintc " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"]
         else "flintc bench (python API)",
     )
-    run_bench(opts)
+    from flintc.runtime.compiled import check_environment
+    from flintc.runtime.device import prepare_device
+
+    # every option and FLINTC_* variable checked (InputError) before the notice and any output
+    opts.resolved()
+    prepare_device(args.device)  # the Triton interpreter for cpu, before triton is imported
+    check_environment(args.backend)
+    if args.load_format == "dummy":
+        print("flintc bench: note: " + (
+            f"random (dummy) weights with {args.model}'s config, not its own weights (--load-format dummy, "
+            "the default); pass --load-format auto to measure them" if args.model is not None else
+            f"random (dummy) weights of the {args.config} config (no MODEL given)"), file=sys.stderr)
+    results = run_bench(opts)
+    failures = results.get("failures", [])
+    if failures:
+        print(f"flintc: error: {len(failures)} measurement{'s' if len(failures) > 1 else ''} failed (see "
+              f"the notes above and in {out / 'bench.md'}; their tracebacks are in {out / 'bench.json'})",
+              file=sys.stderr)
+        return 1
     return 0

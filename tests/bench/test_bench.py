@@ -356,6 +356,125 @@ def test_sizes_parse_separators_and_exponents():
     assert _ints("1_024,1e5", "--contexts") == [1024, 100000]
 
 
+# Small settings that measure nothing but the ceilings (and load the weights): the tests
+# below fail or stop before anything else would run.
+_QUICK = ["--device", "cpu", "--config", "tiny", "--formats", "bf16", "--contexts", "64", "--batches", "1",
+          "--prefill", "16", "--baselines", "none", "--no-flintc", "--no-plots"]
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--formats", ","), ("--formats", "nvfp4,,bf16"), ("--formats", "bf16,"), ("--baselines", "eager,"),
+    ("--baselines", ","), ("--baseline-points", "1x64,"), ("--breakdown", ","), ("--prefill", "16,,32"),
+])
+def test_list_options_refuse_empty_items(tmp_path, capsys, flag, value):
+    """Every comma-list option of bench shares one parser: an empty item is one line
+    naming the option, exit 2, nothing written (`--formats ,` used to mean no format)."""
+    assert main(["bench", *_QUICK, flag, value, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: {flag} {value!r}: empty item") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--config", "bogus"], "--config bogus: unknown config preset 'bogus'"),
+    (["--breakdown", "0x64"], "--breakdown: expected BATCHxCONTEXT items of positive integers"),
+    (["--load-format", "auto"], "--load-format auto needs a MODEL"),
+    (["no-such-checkpoint"], "MODEL no-such-checkpoint: no such checkpoint"),
+])
+def test_bad_options_write_nothing(tmp_path, capsys, args, needle):
+    """Options are checked before the first output: `--config bogus` used to write
+    bench.json and bench.md (ceilings measured) before failing."""
+    assert main(["bench", *_QUICK, *args, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("var, value, backend", [
+    ("FLINTC_PREFILL_GRAPHS", "x", "torch"), ("FLINTC_GEMV_TUNED", "/no/such/file.json", "triton"),
+    ("FLINTC_PDL_TRIGGER", "soon", None),
+])
+def test_bad_environment_is_refused_before_any_work(tmp_path, capsys, monkeypatch, var, value, backend):
+    """A malformed FLINTC_* variable used to surface only when a build loaded, after a
+    compile, as a note with a traceback, and bench exited 0: now one line naming the
+    variable, exit 2, before anything is measured or written."""
+    monkeypatch.setenv(var, value)
+    extra = ["--backend", backend] if backend else []
+    assert main(["bench", *_QUICK, *extra, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: {var}") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_measurement_exits_non_zero(tmp_path, capsys, monkeypatch):
+    """A measurement that fails is one line on stderr (no traceback), a record with its
+    traceback in bench.json, and exit code 1 (it used to be a printed traceback and 0)."""
+    from flintc.bench import core
+
+    def broken(self, fmt):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(core._Bench, "_load", broken)
+    assert main(["bench", *_QUICK, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "bf16: load weights: failed: RuntimeError: boom\n" in err and "Traceback" not in err, err
+    assert err.splitlines()[-1].startswith("flintc: error: 1 measurement failed")
+    [fail] = json.loads((tmp_path / "bench.json").read_text())["failures"]
+    assert fail["what"] == "bf16: load weights" and "RuntimeError: boom" in fail["traceback"]
+
+
+def test_dummy_weights_are_announced(tmp_path, capsys, tiny_bf16_dir):
+    """bench's MODEL with the default --load-format dummy measures random weights of its
+    config: a notice says so (and --help), none with --load-format auto."""
+    common = ["bench", "--device", "cpu", "--formats", "bf16", "--baselines", "none", "--no-flintc",
+              "--no-plots"]
+    assert main([*common, str(tiny_bf16_dir), "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert f"random (dummy) weights with {tiny_bf16_dir}'s config" in err and "--load-format auto" in err
+    assert main([*common, str(tiny_bf16_dir), "--load-format", "auto", "--out", str(tmp_path / "b")]) == 0
+    assert "dummy" not in capsys.readouterr().err
+    from flintc.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    assert "the weights are random" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{}", "no 'meta' object"), ("[1, 2]", "got a JSON list"),
+    ('{"build_version": 3, "config": {}}', "(it is a build's build.json)"),
+    ('{"meta": {}, "ceilings": {}, "decode": 5}', "its 'decode' is not a list of records"),
+])
+def test_from_json_refuses_what_is_not_a_bench_report(tmp_path, capsys, content, needle):
+    f = tmp_path / "x.json"
+    f.write_text(content)
+    assert main(["bench", "--from-json", str(f), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: --from-json {f}: expected a bench.json") and needle in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_merged_header_lists_each_runs_ceilings(tmp_path, capsys):
+    """--from-json A --from-json B: the header names each source file with its own
+    ceilings (it used to show only A's, though B's rows use B's), also after a re-merge."""
+    a, b = ({"meta": {"date": "d", "device": "cuda:0", "command": f"flintc bench {n}"}, "ceilings": {
+        "copy_gbs": gbs, "matmul_tflops": tf, "method": "m"}} for n, gbs, tf in (("a", 4162.0, 790.0),
+                                                                              ("b", 4093.0, 760.0)))
+    for name, res in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(res))
+    srcs = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert main(["bench", "--from-json", srcs[0], "--from-json", srcs[1], "--no-plots",
+                 "--out", str(tmp_path / "m")]) == 0
+    md = (tmp_path / "m" / "bench.md").read_text()
+    assert "Merged from 2 runs" in md
+    assert f"Run 1 ({srcs[0]})" in md and "copy bandwidth **4162 GB/s**, bf16 matmul **790 TFLOP/s**" in md
+    assert f"Run 2 ({srcs[1]})" in md and "copy bandwidth **4093 GB/s**, bf16 matmul **760 TFLOP/s**" in md
+    merged = json.loads((tmp_path / "m" / "bench.json").read_text())
+    again = report.render_markdown(report.merge_results([merged, a], sources=["m", "a2"]))
+    assert "Merged from 3 runs" in again and f"({srcs[1]})" in again and "Run 3 (a2)" in again
+    capsys.readouterr()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_run_tiny(tmp_path):
