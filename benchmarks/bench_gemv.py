@@ -147,6 +147,13 @@ class Case:
                 return ops.silu_mul(plain_linear(h, g), plain_linear(h, u), torch.float32)
             return (ours, eager, plain, (x, norm, g, u), nbytes(g, u, x, norm) + 2 * N * F,
                     ("gate_up:" + fmt, F, K, N), None)
+        if self.kind == "lm_head_plain":  # the LM head without the final RMSNorm
+            w = make_weight(F, K, "bf16")[0]
+            rot = Rotation([w])
+            ours = lambda cfg=None: fg.lm_head(x, rot.next()[0], use_pdl=PDL, config=cfg)  # noqa: E731
+            eager = lambda: torch.ops.flintc.lm_head(x, w)  # noqa: E731
+            plain = lambda x, w: x.float() @ w.float().T  # noqa: E731
+            return ours, eager, plain, (x, w), nbytes(w, x) + 4 * N * F, (fmt, F, K, N), None
         if self.kind == "lm_head":
             w = make_weight(F, K, "bf16")[0]
             x3 = x.view(N, 1, K)
@@ -202,6 +209,7 @@ CASES = [
     Case("expert_gate", 512, H, ("bf16", "nvfp4"), "gemv"),
     Case("expert_down", H, 512, ("bf16", "nvfp4"), "gemv"),
     Case("lm_head", VOCAB, H, ("bf16",), "lm_head"),
+    Case("lm_head_plain", VOCAB, H, ("bf16",), "lm_head_plain"),
 ]
 PDL = False
 ROTATE = True
@@ -216,7 +224,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50, help="ms of graph replays per timing")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step"),
+    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat"),
                         help="sweep candidates: all, the classic tiles, or the one-step configs "
                              "(whole weight slice issued before the PDL wait)")
     parser.add_argument("--l2-resident", action="store_true",
@@ -280,7 +288,8 @@ def main() -> None:
                 if args.sweep:
                     F_rows = 2 * case.F if case.kind == "gate_up" else key[1]
                     cands = sweep_configs(fmt, N, F_rows, case.K, torch.device("cuda"), rows_fixed,
-                                          family=args.family)
+                                          family=args.family,
+                                          flat_ok=case.kind not in ("qkv", "gate_up"))
                     best = (ms, cfg0)
                     for cfg in cands:
                         if case.kind == "gate_up":

@@ -173,6 +173,58 @@ def dense_rows(fmt: str, tokens, peak: float) -> list[list]:
     return rows
 
 
+def sweep_rows(fmt: str, tokens, copy_gbs: float) -> list[list]:
+    """Block sweep of the Triton grouped GEMM (`GG.BLOCKS_OVERRIDE`): gate/up and down
+    each timed alone per `GG.GroupedConfig` candidate: BLOCK_M 16 and 32 (32 and 64 above
+    1,024 tokens), BLOCK_F and BLOCK_K 64 / 128, K order, 4 warps (and 8 for bf16 from
+    BLOCK_M 32), 2 stages NVFP4 / 3 bf16; plus SWAP at BLOCK_F == BLOCK_M, the other stage
+    count, and the rule's own pick."""
+    from flintc.kernels import grouped_gemm as GG
+
+    gate, up = random_weight((E, F, H), fmt), random_weight((E, F, H), fmt)
+    down = random_weight((E, H, F), fmt)
+    sg, su, sd = random_weight((F, H), fmt), random_weight((F, H), fmt), random_weight((H, F), fmt)
+    router = (torch.randn(E, H, device="cuda") * 0.02).to(torch.bfloat16)
+    bias = torch.randn(E, device="cuda") * 0.01
+    rows = []
+    for N in tokens:
+        x = torch.randn(N, H, device="cuda").to(torch.bfloat16)
+        weights, ids = GG.moe_route(x, router, bias, TOPK, SCALING)
+        h = GG.moe_gate_up(x, ids, gate, up, sg, su, impl="triton")
+        bms = (16, 32) if N <= 1024 else (32, 64)
+        st = 2 if fmt == "nvfp4" else 3
+        cands = [None] + [GG.GroupedConfig(bm, bf, bk, w, st, True, False) for bm in bms
+                          for bf in (64, 128) for bk in (64, 128)
+                          for w in ((4, 8) if fmt == "bf16" and bm >= 32 else (4,))]
+        cands += [GG.GroupedConfig(64, 64, 64, 4, st, True, True),  # SWAP (F == M compiles)
+                  GG.GroupedConfig(32, 32, 64, 4, st, True, True),
+                  GG.GroupedConfig(32, 128, 64, 4, 5 - st, True, False)]  # the other stages
+        for op, fn in (("gate_up", functools.partial(GG.moe_gate_up, x, ids, gate, up, sg, su,
+                                                     impl="triton")),
+                       ("down_combine", functools.partial(GG.moe_down_combine, h, ids, weights,
+                                                          down, sd, impl="triton"))):
+            best = None
+            for cand in cands:
+                GG.BLOCKS_OVERRIDE = cand
+                try:
+                    s, _ = timed(fn)
+                except Exception as exc:  # noqa: BLE001 - out of shared memory etc.
+                    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+                    why = " / ".join(lines[:1] + lines[-2:])[:400]  # the cause is at the end
+                    print(f"  {op} {cand}: {type(exc).__name__}: {why}", file=sys.stderr)
+                    continue
+                finally:
+                    GG.BLOCKS_OVERRIDE = None
+                label = "rule" if cand is None else "m{} f{} k{} w{} st{}{}{}".format(
+                    *cand[:5], "" if cand.k_order else " even/odd", " swap" if cand.swap else "")
+                if best is None or s < best[0]:
+                    best = (s, label)
+                rows.append([fmt, N, op, label, f"{s * 1e6:.0f}"])
+                print("| " + " | ".join(str(c) for c in rows[-1]) + " |", flush=True)
+            rows.append([fmt, N, op, f"**best: {best[1]}**", f"**{best[0] * 1e6:.0f}**"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the Markdown report to this file")
@@ -181,6 +233,8 @@ def main() -> None:
                         choices=["triton", "grouped_mm", "loop"])
     parser.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
     parser.add_argument("--skip-dense", action="store_true")
+    parser.add_argument("--sweep", action="store_true",
+                        help="only the Triton grouped GEMM's block sweep (BLOCKS_OVERRIDE)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_prefill_moe needs a CUDA GPU")
@@ -192,6 +246,15 @@ def main() -> None:
     head = (f"Device: {torch.cuda.get_device_name()}; torch {torch.__version__}; bf16 peak "
             f"(torch.mm 8192^3, measured) {peak:.0f} TFLOP/s; copy bandwidth {copy_gbs:.0f} GB/s")
     print(head, flush=True)
+    if args.sweep:
+        rows = []
+        for fmt in args.formats:
+            rows += sweep_rows(fmt, args.tokens, copy_gbs)
+        text = "\n".join([head, "", "## Triton grouped GEMM block sweep, us per call", "",
+                          markdown_table(["fmt", "N", "op", "blocks", "us"], rows)])
+        print(text)
+        write_out(args.out, text)
+        return
     moe = []
     for fmt in args.formats:
         moe += moe_rows(fmt, args.tokens, peak, copy_gbs, args.impls)

@@ -265,6 +265,35 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
 
 
 @triton.jit
+def _gemv_loop_flat(w_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n, mask_n, k_start,
+                    k_end, n_iters, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+                    BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr, GPU: tl.constexpr):
+    """`_gemv_loop` for bf16 weights on the tensor cores with 2-D tiles (GemvConfig.flat):
+    w [BLOCK_F, BLOCK_K] and x [BLOCK_N, BLOCK_K] loaded as plain row-major tiles in the
+    loop, so Triton's pipeliner (num_stages) can stage them through shared memory in the
+    layout `tl.dot` reads, with no [F, KB, 8] -> [F, K] reshape in registers (the layout
+    conversions that Nsight Compute found around the 3-D tiles' dot, docs/gpu-runs.md
+    session 6). Same products, fp32 accumulation, and the same RMSNorm prologue
+    expression as `_load_x` (bit-identical normed x)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    for it in range(n_iters):
+        offs_k = k_start + it * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        w = tl.load(w_rows[:, None] + offs_k[None, :], mask=mask_f[:, None] & mask_k[None, :],
+                    other=0.0)
+        x = tl.load(x_ptr + offs_n[:, None] * stride_xn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        if HAS_NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            x = _bf16_grid(x * rstd[:, None] * nw[None, :])
+        if GPU:
+            acc = tl.dot(x.to(tl.bfloat16), tl.trans(w), acc)
+        else:  # the interpreter mishandles bf16 math: exact products in IEEE fp32
+            acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _splitk_combine(acc, ws_ptr, cnt_ptr, counter, pid_k, offs_n, offs_f, mask_n, mask_f,
                     N, F, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_F: tl.constexpr):
@@ -329,6 +358,7 @@ def gemv_kernel(
     NORM_H: tl.constexpr = 1,  # next_pow2(K): columns of the RMSNorm prologue (HAS_NORM)
     NORM_ONCE: tl.constexpr = False,  # HAS_NORM: norm x once into xn_ptr, not per tile
     ACC_FULL: tl.constexpr = False,  # FMA path: accumulate the whole product tile
+    FLAT: tl.constexpr = False,  # bf16 tensor-core path with 2-D tiles (`_gemv_loop_flat`)
 ):
     # Tile-to-program mapping: program (pid_f, pid_k) computes the dot products of all N
     # activation rows with weight rows [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F) over
@@ -350,7 +380,7 @@ def gemv_kernel(
         s_rows = w_rows
     # The first weight tile goes out before gdc_wait: under PDL the weight stream starts
     # while the previous kernel (which writes x / residual) still runs.
-    if PREFETCH:
+    if PREFETCH and not FLAT:
         w0, s0 = _load_w(w_rows, s_rows, mask_f, k_start, k_end, BLOCK_K, IS_NVFP4)
     else:
         w0, s0 = _load_w(w_rows, s_rows, mask_f, k_start, k_start, BLOCK_K, IS_NVFP4)  # no-op
@@ -366,17 +396,27 @@ def gemv_kernel(
         _norm_rows_to(x_ptr, stride_xn, nw_ptr, xn_ptr, N, K, eps, NR, NORM_H)
         tl.debug_barrier()  # this program's stores are visible to all its threads
         rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, xn_ptr, K, nw_ptr, rstd, offs_n,
-                         mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
-                         False, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+        if FLAT:
+            acc = _gemv_loop_flat(w_rows, mask_f, xn_ptr, K, nw_ptr, rstd, offs_n, mask_n,
+                                  k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, False, GPU)
+        else:
+            acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, xn_ptr, K, nw_ptr, rstd, offs_n,
+                             mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K,
+                             IS_NVFP4, False, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
     else:
         if HAS_NORM:
             rstd = _rms_rstd(x_ptr, stride_xn, offs_n, N, K, eps, NR, NORM_H)
         else:
             rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd,
-                         offs_n, mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K,
-                         IS_NVFP4, HAS_NORM, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+        if FLAT:
+            acc = _gemv_loop_flat(w_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n,
+                                  mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K,
+                                  HAS_NORM, GPU)
+        else:
+            acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd,
+                             offs_n, mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F,
+                             BLOCK_K, IS_NVFP4, HAS_NORM, USE_DOT, SCALE_AFTER, GPU, PREFETCH,
+                             ACC_FULL)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()  # a scheduling hint: no memory ordering
 
@@ -405,7 +445,9 @@ class GemvConfig:
     bf16 with use_dot=False), `split_k` programs along K (capped so none is empty),
     `use_dot` tensor cores vs FMA reduction, `scale_after` (FMA + NVFP4 only),
     `num_warps`, `num_stages` (Triton's pipeliner), `prefetch` (manual register
-    prefetch of the next weight tile, whose first tile is issued before the PDL wait),
+    prefetch of the next weight tile, whose first tile is issued before the PDL wait;
+    ignored with `flat`), `flat` (bf16 + use_dot, plain GEMV kernel only: 2-D tiles
+    staged by the pipeliner, `_gemv_loop_flat`; ignored elsewhere),
     `norm_once` (with an RMSNorm prologue: norm x once per program into a bf16 workspace
     instead of once per K step; None = `NORM_ONCE_MIN_STEPS` decides), `acc_full` (FMA
     path: accumulate the whole product tile, reduce once after the K loop; `scale_after`
@@ -421,13 +463,15 @@ class GemvConfig:
     prefetch: bool = True
     norm_once: bool | None = None
     acc_full: bool = False
+    flat: bool = False
 
     def short(self) -> str:
         kind = "dot" if self.use_dot else ("fma-acc" if self.acc_full else
                                            "fma-sa" if self.scale_after else "fma")
         once = {None: "", True: " norm1", False: " normk"}[self.norm_once]
         return (f"{kind} f{self.block_f} k{self.block_k} s{self.split_k} "
-                f"w{self.num_warps} st{self.num_stages}{'' if self.prefetch else ' nopf'}{once}")
+                f"w{self.num_warps} st{self.num_stages}{'' if self.prefetch else ' nopf'}{once}"
+                f"{' flat' if self.flat else ''}")
 
 
 # Measured winners -> GemvConfig. Keys: (fmt, F, K, N) for the plain GEMV kernel (gemv,
@@ -502,8 +546,9 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> Gem
     the sweep measured this shape, else the rule below. fmt is "bf16" or "nvfp4".
 
     Rule (shapes the sweep has not measured), from the DRAM-resident sweep of session 6:
-    bf16 matrices with >= 2 programs per SM in F alone (the LM head) keep 128-row
-    tensor-core tiles staged by the pipeliner (3 stages); otherwise N <= 2 takes the FMA
+    bf16 matrices with >= 2 programs per SM in F alone (the LM head) take 128 x 128
+    tensor-core 2-D tiles staged by the pipeliner (`flat`, 3 stages: 200.6 us against
+    403.5 for the 3-D tiles at N = 8, session 7 run 2); otherwise N <= 2 takes the FMA
     path with the whole-tile accumulator (`acc_full`; 32 x 256 tiles NVFP4, 16 x 256 on 2
     warps bf16: the O projection's winners, 36% / 29% faster than the tensor-core tiles)
     and N > 2 tensor-core 64 x 128 tiles with the register prefetch; split-K up to ~4
@@ -516,7 +561,7 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> Gem
     if fmt == "bf16" and triton.cdiv(F, 128) >= 2 * num_sms(device):  # LM head
         split = auto_split_k(triton.cdiv(F, 128), K, 128, device)
         return GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=split, num_warps=4,
-                          num_stages=3, prefetch=False)
+                          num_stages=3, prefetch=False, flat=True)
     if N <= 2 and K % 256 == 0:
         block_f, warps = (32, 4) if fmt == "nvfp4" else (16, 2)
         split = auto_split_k(triton.cdiv(F, block_f), K, 256, device, programs_per_sm=4)
@@ -565,14 +610,23 @@ ACC_FULL_MAX_ELEMS = 8192
 
 
 def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
-                  rows_fixed: int | None = None, family: str = "all") -> list[GemvConfig]:
+                  rows_fixed: int | None = None, family: str = "all",
+                  flat_ok: bool = False) -> list[GemvConfig]:
     """Candidate configurations that `benchmarks/bench_gemv.py --sweep` times for one
     shape (the `gpu` tests check every one of them for correctness). `rows_fixed`: the
     kernel fixes its rows per program (the fused QKV kernel: one head), so block_f is
     set to it and only the other fields vary. `family`: "all", "classic" (the tile
-    shapes below) or "one-step" (`one_step_configs`)."""
-    if family not in ("all", "classic", "one-step"):
-        raise ValueError(f"sweep_configs: family must be all, classic or one-step; got {family!r}")
+    shapes below), "one-step" (`one_step_configs`) or "flat" (only the `flat` twins below,
+    bf16). `flat_ok` (the plain GEMV kernel, bf16): each classic tensor-core shape also
+    with `flat` 2-D tiles, 3 and 4 stages."""
+    if family not in ("all", "classic", "one-step", "flat"):
+        raise ValueError("sweep_configs: family must be all, classic, one-step or flat; "
+                         f"got {family!r}")
+    if family == "flat":
+        if not flat_ok or fmt != "bf16":
+            return []
+        return [c for c in sweep_configs(fmt, N, F, K, device, rows_fixed, "classic", True)
+                if c.flat]
     one = one_step_configs(fmt, N, F, K, device, rows_fixed) if family != "classic" else []
     if family == "one-step":
         return one
@@ -610,6 +664,12 @@ def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
                              scale_after=(fmt == "nvfp4" and not use_dot and i % 2 == 1))
             if cfg not in out:
                 out.append(cfg)
+            if flat_ok and use_dot and fmt == "bf16":
+                for st_flat in (3, 4):
+                    twin = GemvConfig(use_dot=True, block_f=bf, block_k=bk, split_k=sk,
+                                      num_warps=nw, num_stages=st_flat, prefetch=False, flat=True)
+                    if twin not in out:
+                        out.append(twin)
     return out + [c for c in one if c not in out]
 
 
@@ -730,7 +790,8 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
         USE_PDL=pdl_mode(pdl), GPU=gpu, PREFETCH=cfg.prefetch,
         NR=triton.next_power_of_2(N) if norm is not None else 1,
         NORM_H=triton.next_power_of_2(K) if norm is not None else 1, NORM_ONCE=norm_once,
-        ACC_FULL=cfg.acc_full and not cfg.use_dot, num_warps=cfg.num_warps, **extra,
+        ACC_FULL=cfg.acc_full and not cfg.use_dot,
+        FLAT=cfg.flat and cfg.use_dot and fmt == "bf16", num_warps=cfg.num_warps, **extra,
     )
     return out
 

@@ -55,19 +55,19 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from flintc.kernels.gemm import (
-    _dot_acc,
-    _e2m1_to_fp32,
     _load_weight_tile,
     _round_to_bf16,
 )
 from flintc.kernels.gemm import gemm as dense_gemm
 from flintc.kernels.pdl import pdl_mode
+from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, dot_tile, load_weight_tile
 from flintc.model import ops
 from flintc.ops.common import CDT
 
@@ -92,6 +92,21 @@ def _grouped_mm_fn():
 
 # ---------------------------------------------------------------------------- Triton kernel
 @triton.jit
+def _mma(acc, a, w, SWAP: tl.constexpr, GPU: tl.constexpr):
+    """acc += a [M, K] @ w [F, K]^T (acc [M, F]), or with SWAP acc [F, M] += w @ a^T: the
+    weight tile is then the left operand, which Hopper's wgmma may take from registers
+    (where the NVFP4 decode leaves it) while the small activation tile goes through
+    shared memory. Exact products in bf16 on the GPU; IEEE fp32 in the interpreter."""
+    if GPU:
+        if SWAP:
+            return tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+        return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    if SWAP:
+        return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+
+
+@triton.jit
 def moe_grouped_gemm_kernel(
     a_ptr,  # bf16 activations; row r starts at element a_off[r], K contiguous
     a_off_ptr,  # int64 [M]: element offset of the activation row of sorted slot m
@@ -106,6 +121,8 @@ def moe_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     IS_NVFP4: tl.constexpr, GATE_UP: tl.constexpr, DOT_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
+    K_ORDER: tl.constexpr = True,  # NVFP4: dot in K order (else even / odd halves)
+    SWAP: tl.constexpr = False,  # K order only: accumulate [F, M] = W @ a^T (weights on the left)
 ):
     # Program (tile, pid_f): sorted slots [start, end) (all of one expert e, at most
     # BLOCK_M) times output columns [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F) of expert e.
@@ -128,53 +145,76 @@ def moe_grouped_gemm_kernel(
     mask_f = offs_f < F  # the last F block may stick out past F
 
     if IS_NVFP4:
-        w_base = w_ptr + e * F * (K // 2)
-        w2_base = w2_ptr + e * F * (K // 2)
-        s_base = s_ptr + e * F * (K // 16)
-        s2_base = s2_ptr + e * F * (K // 16)
+        # Row pointers of expert e's [F, K/2] codes and [F, K/16] scales; the tile loader
+        # and the inline-asm decode are the decode GEMVs' (`flintc.kernels.tiles`).
+        w_rows = w_ptr + e * F * (K // 2) + offs_f.to(tl.int64) * (K // 2)
+        w2_rows = w2_ptr + e * F * (K // 2) + offs_f.to(tl.int64) * (K // 2)
+        s_rows = s_ptr + e * F * (K // 16) + offs_f.to(tl.int64) * (K // 16)
+        s2_rows = s2_ptr + e * F * (K // 16) + offs_f.to(tl.int64) * (K // 16)
+        kb = tl.arange(0, BLOCK_K // 16)
+        j = tl.arange(0, 8)
     else:
         w_base = w_ptr + e * F * K
         w2_base = w2_ptr + e * F * K
-        s_base = s_ptr
-        s2_base = s2_ptr
-    acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    if SWAP and not (IS_NVFP4 and not K_ORDER):
+        acc = tl.zeros((BLOCK_F, BLOCK_M), dtype=tl.float32)  # transposed: [F, M]
+        acc2 = tl.zeros((BLOCK_F, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        wt, st = _load_weight_tile(w_base, s_base, offs_f, mask_f, k0, K, BLOCK_K, IS_NVFP4)
-        if GATE_UP:
-            wt2, st2 = _load_weight_tile(w2_base, s2_base, offs_f, mask_f, k0, K, BLOCK_K,
-                                         IS_NVFP4)
-        if IS_NVFP4:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            # mask: real slot row, and the byte's even column 2b inside K.
-            mask_a = mask_m[:, None] & (2 * offs_b < K)[None, :]
-            a_row = a_ptr + a_off[:, None] + 2 * offs_b[None, :]
-            # Even columns meet the low nibbles, odd columns the high ones (no interleave).
+        if IS_NVFP4 and not K_ORDER:
+            # Weights 2j (low nibbles) and 2j + 1 (high nibbles) of each code byte j, as
+            # e2m1 * scale * 2^-8 (exact), [BLOCK_F, BLOCK_K/16, 8] each; the activations
+            # they meet: columns k0 + 16 kb + 2 j (even) and + 1 (odd), [BLOCK_M, KB, 8].
+            ct, st = load_weight_tile(w_rows, s_rows, mask_f, k0, K, BLOCK_K, True)
+            w_lo, w_hi = dequant_tile(ct, st, DOT_BF16)
+            col = k0 + 16 * kb[:, None] + 2 * j[None, :]  # [KB, 8]
+            mask_a = mask_m[:, None, None] & (col < K)[None, :, :]
+            a_row = a_ptr + a_off[:, None, None] + col[None, :, :]
             a_even = tl.load(a_row, mask=mask_a, other=0.0)
             a_odd = tl.load(a_row + 1, mask=mask_a, other=0.0)
-            c = wt.to(tl.int32)
-            s = st.to(tl.float32)  # e4m3 -> fp32 is exact
-            acc = _dot_acc(acc, a_even, _e2m1_to_fp32(c & 15) * s, DOT_BF16)  # e2m1*scale: exact
-            acc = _dot_acc(acc, a_odd, _e2m1_to_fp32(c >> 4) * s, DOT_BF16)
+            acc = dot_tile(acc, a_even, w_lo, BLOCK_M, BLOCK_F, BLOCK_K // 2, DOT_BF16)
+            acc = dot_tile(acc, a_odd, w_hi, BLOCK_M, BLOCK_F, BLOCK_K // 2, DOT_BF16)
             if GATE_UP:
-                c2 = wt2.to(tl.int32)
-                s2 = st2.to(tl.float32)
-                acc2 = _dot_acc(acc2, a_even, _e2m1_to_fp32(c2 & 15) * s2, DOT_BF16)
-                acc2 = _dot_acc(acc2, a_odd, _e2m1_to_fp32(c2 >> 4) * s2, DOT_BF16)
+                ct2, st2 = load_weight_tile(w2_rows, s2_rows, mask_f, k0, K, BLOCK_K, True)
+                u_lo, u_hi = dequant_tile(ct2, st2, DOT_BF16)
+                acc2 = dot_tile(acc2, a_even, u_lo, BLOCK_M, BLOCK_F, BLOCK_K // 2, DOT_BF16)
+                acc2 = dot_tile(acc2, a_odd, u_hi, BLOCK_M, BLOCK_F, BLOCK_K // 2, DOT_BF16)
         else:
+            # One [BLOCK_M, BLOCK_K] activation tile and [BLOCK_F, BLOCK_K] weight tiles in
+            # K order; NVFP4 weights decoded and interleaved back into K order (weight 2j,
+            # then 2j + 1, of each code byte j).
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_a = mask_m[:, None] & (offs_k < K)[None, :]
             a = tl.load(a_ptr + a_off[:, None] + offs_k[None, :], mask=mask_a, other=0.0)
-            acc = _dot_acc(acc, a, wt, DOT_BF16)
+            if IS_NVFP4:
+                ct, st = load_weight_tile(w_rows, s_rows, mask_f, k0, K, BLOCK_K, True)
+                w_lo, w_hi = dequant_tile(ct, st, DOT_BF16)
+                wt = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_F, BLOCK_K))
+            else:
+                wt, _ = _load_weight_tile(w_base, s_ptr, offs_f, mask_f, k0, K, BLOCK_K, False)
+            acc = _mma(acc, a, wt, SWAP, DOT_BF16)
             if GATE_UP:
-                acc2 = _dot_acc(acc2, a, wt2, DOT_BF16)
+                if IS_NVFP4:
+                    ct2, st2 = load_weight_tile(w2_rows, s2_rows, mask_f, k0, K, BLOCK_K, True)
+                    u_lo, u_hi = dequant_tile(ct2, st2, DOT_BF16)
+                    wt2 = tl.reshape(tl.join(u_lo, u_hi), (BLOCK_F, BLOCK_K))
+                else:
+                    wt2, _ = _load_weight_tile(w2_base, s2_ptr, offs_f, mask_f, k0, K, BLOCK_K,
+                                               False)
+                acc2 = _mma(acc2, a, wt2, SWAP, DOT_BF16)
+    if SWAP and not (IS_NVFP4 and not K_ORDER):
+        acc = tl.trans(acc)
+        acc2 = tl.trans(acc2)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()  # a scheduling hint: no memory ordering
 
     if IS_NVFP4:
-        acc = acc * tl.load(g_ptr + e)  # global scale on the fp32 accumulator
+        # Undo the decode's 2^-8 (exact), then the global scale on the fp32 accumulator.
+        acc = acc * DEQUANT_UNSCALE * tl.load(g_ptr + e)
         if GATE_UP:
-            acc2 = acc2 * tl.load(g2_ptr + e)
+            acc2 = acc2 * DEQUANT_UNSCALE * tl.load(g2_ptr + e)
     if GATE_UP:
         # g and u are rounded to bf16 (their rounding point), then fp32 silu(g) * u, as
         # `ops.silu_mul`: g * sigmoid(g) * u, rounded once at the store.
@@ -194,17 +234,52 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+class GroupedConfig(NamedTuple):
+    """Launch configuration of `moe_grouped_gemm_kernel`: tile sizes, warps, pipeliner
+    stages, and for NVFP4 `k_order` (decoded weights interleaved back into K order, one
+    dot per step; else two dots over the even / odd halves) and `swap` (K order only:
+    the weight tile as the dot's left operand, [F, M] accumulator; on triton 3.6 it
+    compiles only with block_f == block_m, see `_choose_blocks`)."""
+
+    block_m: int
+    block_f: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    k_order: bool = True
+    swap: bool = False
+
+
+# A GroupedConfig to use instead of `_choose_blocks`'s rule: set by
+# `benchmarks/bench_prefill_moe.py --sweep` (None: the rule).
+BLOCKS_OVERRIDE: GroupedConfig | None = None
+
+
 def _choose_blocks(M: int, E: int, F: int, gate_up: bool, is_nvfp4: bool, device):
-    """(BLOCK_M, BLOCK_F, BLOCK_K, num_warps) from shapes only (no autotuning at call time).
-    BLOCK_M follows the average tokens per expert (M / E), at least 16 (tl.dot's minimum)."""
+    """The `GroupedConfig` for one launch, from shapes only (no autotuning at call time).
+
+    Rule, from the H200 sweeps of `benchmarks/bench_prefill_moe.py --sweep` at 512 tokens
+    (one prefill chunk) and 2,048 (session 8 runs 1-2, docs/gpu-runs.md). BLOCK_M follows
+    the average slots per expert (M / E), from 16 (tl.dot's minimum) up to
+    - NVFP4: 32, with BLOCK_F 128 (64 for gate/up at BLOCK_M 16), BLOCK_K 64, weights
+      decoded in K order, 4 warps, 2 stages: gate/up 507 us, down 363 at 512 tokens; 994 /
+      886 at 2,048 (the previous rule's BLOCK_M 64 even / odd tiles: 2,827 / 1,694).
+      K order at BLOCK_M 64 does not compile on triton 3.6 ("Illegal shared layout" in
+      TritonGPUOptimizeDotOperands); SWAP there does (gate/up 916 us at 2,048), but only
+      where BLOCK_F == BLOCK_M, so the rule leaves it to the sweep.
+    - bf16: 64, with BLOCK_F 64, BLOCK_K 128, 4 warps, 3 stages: gate/up 419 us, down 338
+      at 512 tokens; 587 / 694 at 2,048 (torch's grouped_mm: 480 / 376 and 647 / 721).
+    """
+    if BLOCKS_OVERRIDE is not None:
+        return BLOCKS_OVERRIDE
     avg = max(1, M // max(E, 1))
-    block_m = min(64, max(16, triton.next_power_of_2(avg)))
+    block_m = max(16, triton.next_power_of_2(avg))
     if device.type != "cuda":  # interpreter: few, large programs (each costs ~ms in numpy)
-        return block_m, min(128, max(16, triton.next_power_of_2(F))), 128, 4
-    block_k = 128 if is_nvfp4 else 64
-    block_f = 64 if gate_up else 128
-    num_warps = 8 if (block_m * block_f * (2 if gate_up else 1)) >= 8192 else 4
-    return block_m, block_f, block_k, num_warps
+        return GroupedConfig(min(64, block_m), min(128, max(16, triton.next_power_of_2(F))), 128, 4, 1)
+    if is_nvfp4:
+        block_m = min(32, block_m)
+        return GroupedConfig(block_m, 64 if (gate_up and block_m < 32) else 128, 64, 4, 2)
+    return GroupedConfig(min(64, block_m), 64, 128, 4, 3)
 
 
 # ---------------------------------------------------------------------------- sorting
@@ -341,7 +416,8 @@ def _launch_triton(a, a_off, out, out_off, w, w2, counts, ends, M, K, gate_up, u
     is_nvfp4 = len(w) == 3
     E, F = w[0].shape[0], w[0].shape[1]
     dev = a.device
-    block_m, block_f, block_k, num_warps = _choose_blocks(M, E, F, gate_up, is_nvfp4, dev)
+    cfg = _choose_blocks(M, E, F, gate_up, is_nvfp4, dev)
+    block_m, block_f = cfg.block_m, cfg.block_f
     t_e, t_s, t_end = tile_table(counts, ends, M, block_m)
     w2 = w2 if w2 is not None else w
     if is_nvfp4:
@@ -352,8 +428,9 @@ def _launch_triton(a, a_off, out, out_off, w, w2, counts, ends, M, K, gate_up, u
     grid = (t_e.numel(), triton.cdiv(F, block_f))
     moe_grouped_gemm_kernel[grid](
         a, a_off, out, out_off, *args, t_e, t_s, t_end, F, K,
-        BLOCK_M=block_m, BLOCK_F=block_f, BLOCK_K=block_k, IS_NVFP4=is_nvfp4,
-        GATE_UP=gate_up, DOT_BF16=dev.type == "cuda", USE_PDL=pdl_mode(pdl), num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_F=block_f, BLOCK_K=cfg.block_k, IS_NVFP4=is_nvfp4,
+        GATE_UP=gate_up, DOT_BF16=dev.type == "cuda", USE_PDL=pdl_mode(pdl), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, K_ORDER=cfg.k_order, SWAP=cfg.swap,
         **({"launch_pdl": True} if pdl else {}),
     )
 

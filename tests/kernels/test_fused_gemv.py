@@ -270,6 +270,28 @@ def test_norm_lm_head_norm_once(N, use_dot, poison_empty):
             tight=2 * reorder_tol(h, [w]).view(ref.shape))
 
 
+@pytest.mark.parametrize("N,norm_once", [(1, True), (5, False)])
+def test_norm_lm_head_flat_tiles(N, norm_once, poison_empty):
+    """`GemvConfig.flat` (2-D weight and x tiles) computes the same normed x and the same
+    products as the 3-D tiles: the logits agree within the fp32 reordering bound (the dot
+    may sum in another order), and nearly all are bit-identical here (exact products);
+    with and without the norm-once prologue, split-K 2 and a short last F block."""
+    H, V = 256, 200
+    x = torch.randn(N, 1, H).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(H) + 0.5).to(DEV)
+    w = (torch.randn(V, H) * 0.05).to(torch.bfloat16).to(DEV)
+    base = dict(use_dot=True, block_f=64, block_k=64, split_k=2, norm_once=norm_once,
+                prefetch=False)
+    flat = FG.norm_lm_head(x, norm, w, EPS, config=GemvConfig(**base, flat=True))
+    tiles3 = FG.norm_lm_head(x, norm, w, EPS, config=GemvConfig(**base))
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    compare("norm_lm_head[flat]", flat, tiles3, 2 * reorder_tol(h, [w]).view(flat.shape),
+            min_identical=0.5)
+    ref = grouped.norm_lm_head(x, norm, w, EPS)
+    compare("norm_lm_head[flat]", flat, ref, gemv_tol(h, [w]).view(ref.shape), min_identical=0.0,
+            tight=2 * reorder_tol(h, [w]).view(ref.shape))
+
+
 def test_lm_head_and_gemv_entries(poison_empty):
     x = torch.randn(3, 128).to(torch.bfloat16).to(DEV)
     w = (torch.randn(512, 128) * 0.05).to(torch.bfloat16).to(DEV)

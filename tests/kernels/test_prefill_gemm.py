@@ -27,7 +27,7 @@ if not __import__("torch").cuda.is_available():
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed: the prefill kernels need it")
+triton = pytest.importorskip("triton", reason="triton is not installed: the prefill kernels need it")
 
 import flintc.ops  # noqa: F401  (registers torch.ops.flintc.*)
 from flintc.config import FlintConfig
@@ -357,6 +357,22 @@ def test_moe_all_tokens_on_one_expert_without_shared(poisoned):
         check_moe(c, moe_impls(fmt))
 
 
+# Each dot arrangement of the Triton grouped GEMM (`GG.GroupedConfig`): NVFP4 weights in K
+# order (default) or as even / odd halves; the weight tile as the dot's left operand
+# (swap); small tiles so several K steps, F blocks and tiles per expert run.
+GROUPED_CONFIGS = [GG.GroupedConfig(16, 16, 64, 4, 1, k_order=ko, swap=sw)
+                   for ko, sw in ((True, False), (True, True), (False, False))]
+
+
+@pytest.mark.parametrize("cfg", GROUPED_CONFIGS, ids=lambda c: f"k_order={c.k_order},swap={c.swap}")
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_moe_grouped_gemm_configs(fmt, cfg, poisoned, monkeypatch):
+    if not ON_GPU and not GG._interpreting():
+        pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setattr(GG, "BLOCKS_OVERRIDE", cfg)
+    check_moe(moe_case(21, fmt, seed=31), ["triton"])
+
+
 def test_tile_table_covers_every_slot_once():
     """Random counts (with empty experts): tiles lie inside one expert, hold <= BLOCK_M
     slots, and cover the M sorted slots exactly once; the table has its static size."""
@@ -499,7 +515,44 @@ def test_moe_full_shapes_gpu(N, fmt, impl, poisoned):
     others); all N rows are compared with the per-expert fp32 `loop` implementation."""
     if impl == "grouped_mm" and fmt != "bf16":
         pytest.skip("grouped_mm has no fp32 output: NVFP4 uses triton")
-    c = moe_case(N, fmt, seed=N, shapes=(FH, FE, FF), device="cuda")
+    check_moe_full_shapes(N, fmt, impl)
+
+
+# The sweep's dot arrangements (`benchmarks/bench_prefill_moe.py --sweep`) at full shapes:
+# the tiles `_choose_blocks` picks, 8 warps, SWAP, and the even / odd NVFP4 loop.
+GPU_GROUPED_CONFIGS = [GG.GroupedConfig(16, 64, 64, 4, 2), GG.GroupedConfig(32, 128, 64, 4, 2),
+                       GG.GroupedConfig(32, 128, 64, 8, 3), GG.GroupedConfig(64, 64, 64, 4, 2, swap=True),
+                       GG.GroupedConfig(16, 128, 128, 4, 2, k_order=False)]
+
+
+@functools.cache
+def full_case(N: int, fmt: str) -> dict:
+    return moe_case(N, fmt, seed=N, shapes=(FH, FE, FF), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("cfg", GPU_GROUPED_CONFIGS, ids=lambda c: "m{} f{} k{} w{} st{}{}{}".format(
+    *c[:5], "" if c.k_order else " even-odd", " swap" if c.swap else ""))
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_moe_grouped_gemm_configs_gpu(fmt, cfg, poisoned, monkeypatch):
+    """GPU twin of `test_moe_grouped_gemm_configs` at 512 tokens. A configuration that
+    triton cannot compile is skipped with the compiler's message, as the sweep skips it
+    (`test_moe_full_shapes_gpu` checks that the rule's own picks compile)."""
+    monkeypatch.setattr(GG, "BLOCKS_OVERRIDE", cfg)
+    c = full_case(512, fmt)
+    try:  # compile both launches first
+        h = GG.moe_gate_up(c["x"][:64], c["ids"][:64], c["gate"], c["up"], c["sg"], c["su"], impl="triton")
+        GG.moe_down_combine(h, c["ids"][:64], c["weights"][:64], c["down"], c["sd"], impl="triton")
+        torch.cuda.synchronize()
+    except (RuntimeError, triton.CompilationError) as exc:  # MLIR pass failures are RuntimeError
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        pytest.skip(f"{cfg} does not compile: {' / '.join(lines[:1] + lines[-2:])[:300]}")
+    check_moe_full_shapes(512, fmt, "triton", c)
+
+
+def check_moe_full_shapes(N: int, fmt: str, impl: str, c: dict | None = None) -> None:
+    c = moe_case(N, fmt, seed=N, shapes=(FH, FE, FF), device="cuda") if c is None else c
     x, ids, w = c["x"], c["ids"], c["weights"]
     h = GG.moe_gate_up(x, ids, c["gate"], c["up"], c["sg"], c["su"], impl=impl)
     m = GG.moe_down_combine(h, ids, w, c["down"], c["sd"], impl=impl)
