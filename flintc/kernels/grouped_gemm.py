@@ -27,8 +27,9 @@ flattened ids), so each expert's weights are read once per tile of its tokens:
     the global scale would meet an already-rounded value (a second rounding).
   - `"loop"`: a Python loop over the experts that have tokens, each a plain fp32 matmul
     (host sync for the counts). The torch fallback for CPUs without grouped_mm / Triton.
-  `"auto"` picks triton on CUDA for NVFP4, grouped_mm (else triton) on CUDA for bf16, and
-  on CPU grouped_mm for bf16 if torch has it, else loop.
+  `"auto"` picks triton on CUDA (for bf16 too: 806 us per MoE layer at 512 tokens against
+  912 for grouped_mm on the H200, docs/gpu-runs.md session 8 run 3), and on CPU
+  grouped_mm for bf16 if torch has it, else loop.
   The shared expert is two / one plain GEMMs (`flintc.kernels.gemm.gemm`). The weighted
   combine is the reference's expression (`expert_combine`) on the [N, K, H] expert outputs,
   so it is bit-identical given identical expert outputs.
@@ -45,8 +46,8 @@ no host syncs and no data-dependent allocation in `triton` and `grouped_mm` (the
 table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles return after
 reading two integers; the grid is (table size, cdiv(F, BLOCK_F)), from shapes only).
 torch's grouped_mm is sync-free only on its CUTLASS path (bf16, sm_90 / sm_100); other
-GPUs take its fallback, which copies the offsets to the host, so "auto" picks triton
-there. `loop` syncs (`.tolist()` of the counts); it is the CPU fallback, and inside a
+GPUs take its fallback, which copies the offsets to the host, so inside a capture it is
+refused there. `loop` syncs (`.tolist()` of the counts); it is the CPU fallback, and inside a
 capture `_pick_impl` refuses it with a clear error.
 """
 
@@ -384,8 +385,7 @@ def _grouped_mm_sync_free(device) -> bool:
 
 
 def _pick_impl(op: str, impl: str, is_nvfp4: bool, device) -> str:
-    """The implementation `impl` names ("auto": module docstring). On CUDA, "auto" takes
-    grouped_mm only where it is sync-free (`_grouped_mm_sync_free`), else triton.
+    """The implementation `impl` names ("auto": module docstring; triton on CUDA).
 
     Raises:
         ValueError: unknown impl; grouped_mm for NVFP4 or without torch's grouped_mm;
@@ -396,8 +396,7 @@ def _pick_impl(op: str, impl: str, is_nvfp4: bool, device) -> str:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         if device.type == "cuda":
-            use_mm = not is_nvfp4 and _grouped_mm_fn() is not None and _grouped_mm_sync_free(device)
-            return "grouped_mm" if use_mm else "triton"
+            return "triton"
         return "grouped_mm" if not is_nvfp4 and _grouped_mm_fn() is not None else "loop"
     if impl == "grouped_mm" and (is_nvfp4 or _grouped_mm_fn() is None):
         raise ValueError(f"{op}: impl='grouped_mm' needs bf16 weights and a torch with grouped_mm")

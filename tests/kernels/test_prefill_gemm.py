@@ -575,15 +575,19 @@ def check_moe_full_shapes(N: int, fmt: str, impl: str, c: dict | None = None) ->
 
 # ---------------------------------------------------------------------------- CUDA-graph safety
 def test_auto_impl_is_sync_free_on_cuda(monkeypatch):
-    """On CUDA "auto" takes grouped_mm for BF16 only where torch runs it without a host
-    sync (sm_90 / sm_100), triton otherwise and for NVFP4; inside a CUDA-graph capture the
-    syncing implementations are refused with a clear error."""
+    """On CUDA "auto" takes triton (sync-free) for both formats; inside a CUDA-graph
+    capture the syncing implementations are refused with a clear error (grouped_mm syncs
+    off sm_90 / sm_100)."""
     cuda = torch.device("cuda", 0)
-    for major, bf16 in ((9, "grouped_mm"), (10, "grouped_mm"), (8, "triton"), (12, "triton")):
+    for major in (8, 9, 10, 12):
         monkeypatch.setattr(GG, "_capability_major", lambda index, m=major: m)
-        assert GG._pick_impl("op", "auto", False, cuda) == bf16
+        assert GG._pick_impl("op", "auto", False, cuda) == "triton"
         assert GG._pick_impl("op", "auto", True, cuda) == "triton"
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    if GG._grouped_mm_fn() is not None:
+        monkeypatch.setattr(GG, "_capability_major", lambda index: 9)
+        assert GG._pick_impl("op", "grouped_mm", False, cuda) == "grouped_mm"  # sync-free here
+        monkeypatch.setattr(GG, "_capability_major", lambda index: 12)
     with pytest.raises(ValueError, match="impl='loop' reads the expert counts on the host"):
         GG._pick_impl("moe_gate_up", "loop", False, cuda)
     with pytest.raises(ValueError, match="impl='grouped_mm' reads the expert counts on the host"):

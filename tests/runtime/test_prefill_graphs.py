@@ -67,17 +67,18 @@ def runner_for(builds, fmt, backend=None, **kw):
     return CompiledRunner(path, dict(read_manifest(path), backend=backend), ckpt, torch.device("cpu"), **kw)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
-def test_generated_prefill_has_no_host_sync(builds, fmt, monkeypatch):
-    """The generated prefill function with the kernels a GPU runs, under forbid_host_sync."""
+@pytest.mark.parametrize("fmt,moe_impl", [("nvfp4", "triton"), ("bf16", "triton"),
+                                           ("bf16", "grouped_mm")])
+def test_generated_prefill_has_no_host_sync(builds, fmt, moe_impl, monkeypatch):
+    """The generated prefill function with the kernels a GPU runs, under forbid_host_sync:
+    the MoE through triton (what "auto" picks on a GPU; on the CPU "auto" would take the
+    loop fallback for NVFP4, which syncs: that is the CPU path) or, for BF16, torch's
+    grouped_mm (sync-free on sm_90 / sm_100)."""
     from flintc.kernels import grouped_gemm as GG
     from flintc.runtime.hostsync import forbid_host_sync
 
     real = GG._pick_impl
-    # what "auto" picks on an sm_90 GPU: triton for NVFP4, grouped_mm for BF16 (on the CPU
-    # "auto" would take the loop fallback for NVFP4, which syncs: that is the CPU path)
-    monkeypatch.setattr(GG, "_pick_impl", lambda op, impl, nvfp4, dev: real(
-        op, "triton" if nvfp4 else "grouped_mm", nvfp4, dev))
+    monkeypatch.setattr(GG, "_pick_impl", lambda op, impl, nvfp4, dev: real(op, moe_impl, nvfp4, dev))
     runner = runner_for(builds, fmt)
     assert runner.backend == "triton" and runner.prefill_graphs and not runner.use_cuda_graphs
     C = runner.prefill_chunk
