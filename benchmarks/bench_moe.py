@@ -352,7 +352,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     parser.add_argument("--sweep-seconds", type=float, default=60.0,
                         help="time budget of the config sweep (compile included)")
-    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step"),
+    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat"),
                         help="sweep candidates (flintc.kernels.moe.sweep_configs)")
     parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_MOE_TUNED file")
     parser.add_argument("--batches", default="1,2,4,8",

@@ -498,7 +498,7 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
     if config is None:
         config = tuned_config(("gate_up:" + fmt, F, H, N))
     if config is None:
-        base = choose_config(N, 2 * F, H, fmt, dev)
+        base = choose_config(N, 2 * F, H, fmt, dev, flat_ok=False)  # no flat loop here
         config = GemvConfig(use_dot=base.use_dot, block_f=max(16, base.block_f // 2),
                             block_k=base.block_k, split_k=base.split_k,
                             num_warps=base.num_warps, num_stages=base.num_stages,

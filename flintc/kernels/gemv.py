@@ -499,8 +499,9 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     # O projection + residual: 10.2 us against 14.4 (bf16), 7.9 against 12.4 (NVFP4) at N = 1
     ("bf16", 2048, 4096, 1): GemvConfig(use_dot=False, block_f=16, block_k=256, split_k=4,
                                        num_warps=2, num_stages=1, prefetch=True, acc_full=True),
-    ("bf16", 2048, 4096, 8): GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=16,
-                                       num_warps=4, num_stages=1, prefetch=True),
+    # N = 8 bf16: flat 2-D tiles, 7.9 us against 14.9 (session 8 run 4, --family flat)
+    ("bf16", 2048, 4096, 8): GemvConfig(use_dot=True, block_f=64, block_k=256, split_k=8,
+                                       num_warps=4, num_stages=3, prefetch=False, flat=True),
     ("nvfp4", 2048, 4096, 1): GemvConfig(use_dot=False, block_f=32, block_k=256, split_k=8,
                                         num_warps=4, num_stages=1, prefetch=True, acc_full=True),
     ("nvfp4", 2048, 4096, 8): GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=16,
@@ -541,9 +542,11 @@ def auto_split_k(num_f_blocks: int, K: int, block_k: int, device: torch.device,
     return max(1, min(target // max(num_f_blocks, 1), triton.cdiv(K, block_k), max_split))
 
 
-def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> GemvConfig:
+def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
+                  flat_ok: bool = True) -> GemvConfig:
     """The launch configuration for a [N, K] x [F, K]^T GEMV: `TUNED[(fmt, F, K, N)]` if
-    the sweep measured this shape, else the rule below. fmt is "bf16" or "nvfp4".
+    the sweep measured this shape, else the rule below. fmt is "bf16" or "nvfp4";
+    `flat_ok=False` (kernels without the flat loop) keeps the rule to 3-D tiles.
 
     Rule (shapes the sweep has not measured), from the DRAM-resident sweep of session 6:
     bf16 matrices with >= 2 programs per SM in F alone (the LM head) take 128 x 128
@@ -552,13 +555,15 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> Gem
     path with the whole-tile accumulator (`acc_full`; 32 x 256 tiles NVFP4, 16 x 256 on 2
     warps bf16: the O projection's winners, 36% / 29% faster than the tensor-core tiles)
     and N > 2 tensor-core 64 x 128 tiles with the register prefetch; split-K up to ~4
-    programs per SM (the winners' split)."""
+    programs per SM (the winners' split); bf16 at N > 2 takes the O projection's N = 8
+    winner, flat 64 x 256 tiles, 3 stages, ~2 programs per SM (7.9 us against 14.9,
+    session 8 run 4)."""
     hit = tuned_config((fmt, F, K, N))
     if hit is not None:
         return hit
     if device.type != "cuda":  # interpreter: small tiles keep the CPU time down
         return GemvConfig(use_dot=True, block_f=16, block_k=64, split_k=1)
-    if fmt == "bf16" and triton.cdiv(F, 128) >= 2 * num_sms(device):  # LM head
+    if flat_ok and fmt == "bf16" and triton.cdiv(F, 128) >= 2 * num_sms(device):  # LM head
         split = auto_split_k(triton.cdiv(F, 128), K, 128, device)
         return GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=split, num_warps=4,
                           num_stages=3, prefetch=False, flat=True)
@@ -567,6 +572,10 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device) -> Gem
         split = auto_split_k(triton.cdiv(F, block_f), K, 256, device, programs_per_sm=4)
         return GemvConfig(use_dot=False, block_f=block_f, block_k=256, split_k=split,
                           num_warps=warps, num_stages=1, prefetch=True, acc_full=True)
+    if flat_ok and fmt == "bf16" and K % 256 == 0:  # the O projection's N = 8 winner (flat)
+        split = auto_split_k(triton.cdiv(F, 64), K, 256, device, programs_per_sm=2)
+        return GemvConfig(use_dot=True, block_f=64, block_k=256, split_k=split, num_warps=4,
+                          num_stages=3, prefetch=False, flat=True)
     split = auto_split_k(triton.cdiv(F, 64), K, 128, device, programs_per_sm=4)
     return GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=split, num_warps=4,
                       num_stages=1, prefetch=True)

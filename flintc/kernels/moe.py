@@ -351,6 +351,65 @@ def _mac(acc, w, s, x_a, x_b, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
 
 
 @triton.jit
+def _flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+               IS_NVFP4: tl.constexpr, GPU: tl.constexpr):
+    """Weight tile [BLOCK_F, BLOCK_K] in K order (columns k0..k0 + BLOCK_K): bf16 as a
+    plain 2-D load; NVFP4 through `_load_w` and the inline-asm decode (values times 2^-8,
+    exact), the low / high nibbles' halves interleaved back into K order (weight 2j, then
+    2j + 1, of each code byte j), as `flintc.kernels.grouped_gemm`'s K_ORDER path."""
+    # one return after a constexpr if / else: Triton compiles the statements after an
+    # early return of a constexpr branch too (the uint8 code pointer loaded as weights)
+    if IS_NVFP4:
+        ct, st = _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K, True)
+        w_lo, w_hi = dequant_tile(ct, st, GPU)
+        w = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_F, BLOCK_K))
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows[:, None] + offs_k[None, :],
+                    mask=mask_f[:, None] & (offs_k < k_end)[None, :], other=0.0)
+    return w
+
+
+@triton.jit
+def _flat_dot(acc, x, w, GPU: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_F] += x [BLOCK_N, BLOCK_K] @ w [BLOCK_F, BLOCK_K]^T: exact
+    products, fp32 accumulation (bf16 tensor cores on the GPU, IEEE fp32 in the
+    interpreter, which mishandles bf16 math)."""
+    if GPU:
+        return tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+
+
+@triton.jit
+def _expert_gemv_flat(w_rows, s_rows, v_rows, t_rows, mask_f, x_rows, mask_x, k_start,
+                      k_end, n_iters, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+                      BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, TWO: tl.constexpr,
+                      GPU: tl.constexpr):
+    """`_expert_gemv` on the tensor cores with 2-D tiles (MoeConfig.flat): x
+    [BLOCK_N, BLOCK_K] and weights [BLOCK_F, BLOCK_K] in K order, loaded in the loop so
+    Triton's pipeliner (num_stages) stages them, one dot per step and matrix, with no
+    [F, KB, 8] -> [F, K] relayout around the dot (what made the LM head's 3-D tiles ~2x
+    slower than 2-D ones, `flintc.kernels.gemv.GemvConfig.flat`). Same products and fp32
+    accumulation as the 3-D tiles; NVFP4 results lack the global scale."""
+    acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    for it in range(n_iters):
+        k0 = k_start + it * BLOCK_K
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows[:, None] + offs_k[None, :],
+                    mask=mask_x[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        w = _flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
+        acc = _flat_dot(acc, x, w, GPU)
+        if TWO:
+            v = _flat_tile(v_rows, t_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
+            acc2 = _flat_dot(acc2, x, v, GPU)
+    if IS_NVFP4:
+        acc = acc * DEQUANT_UNSCALE  # exact: undoes dequant_tile's 2^-8
+        acc2 = acc2 * DEQUANT_UNSCALE
+    return acc, acc2
+
+
+@triton.jit
 def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows, mask_x,
                  k_start, k_end, n_iters,
                  BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -496,6 +555,7 @@ def gate_up_kernel(
     SCALE_AFTER: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
     ACC_FULL: tl.constexpr,
     GPU: tl.constexpr,
+    FLAT: tl.constexpr = False,  # tensor cores with 2-D tiles (`_expert_gemv_flat`)
 ):
     # Program (f block, slot, split): slot < N*K is (token, choice), slot N*K the shared
     # expert; columns [pid_k * K_PER_SPLIT, ...) of H. Non-owner slots exit after writing
@@ -567,9 +627,13 @@ def gate_up_kernel(
         return  # an earlier slot computes this expert for every token that chose it
 
     x_rows = x_ptr + offs_n.to(tl.int64) * H
-    acc_g, acc_u = _expert_gemv(gw, gs, uw, us, g0, gs0, u0, us0, mask_f, x_rows, tok,
-                                k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
-                                True, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+    if FLAT:
+        acc_g, acc_u = _expert_gemv_flat(gw, gs, uw, us, mask_f, x_rows, tok, k_start, k_end,
+                                         n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, True, GPU)
+    else:
+        acc_g, acc_u = _expert_gemv(gw, gs, uw, us, g0, gs0, u0, us0, mask_f, x_rows, tok,
+                                    k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
+                                    True, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     row = offs_n[:, None] * SLOTS + kpos[:, None]  # h[n, kpos[n], :], [BLOCK_N, 1]
@@ -622,6 +686,7 @@ def down_kernel(
     USE_DOT: tl.constexpr, SCALE_AFTER: tl.constexpr, PREFETCH: tl.constexpr,
     ACC_FULL: tl.constexpr,
     USE_PDL: tl.constexpr, GPU: tl.constexpr,
+    FLAT: tl.constexpr = False,  # tensor cores with 2-D tiles (`_expert_gemv_flat`)
 ):
     # Program (h block, slot, split): the owner of a distinct expert (or the shared
     # expert) computes its down GEMV for rows [pid_h * BLOCK_H, ...) over columns
@@ -676,9 +741,13 @@ def down_kernel(
             w0, s0 = _load_w(ww, ws_rows, mask_w, k_start, k_start, BLOCK_K, IS_NVFP4)
 
     x_rows = h_ptr + (offs_n.to(tl.int64) * SLOTS + kpos) * F  # h[n, kpos[n], :]
-    acc, _ = _expert_gemv(ww, ws_rows, ww, ws_rows, w0, s0, w0, s0, mask_w, x_rows, tok,
-                          k_start, k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False,
-                          USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+    if FLAT:
+        acc, _ = _expert_gemv_flat(ww, ws_rows, ww, ws_rows, mask_w, x_rows, tok, k_start,
+                                   k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False, GPU)
+    else:
+        acc, _ = _expert_gemv(ww, ws_rows, ww, ws_rows, w0, s0, w0, s0, mask_w, x_rows, tok,
+                              k_start, k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False,
+                              USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     plane = N * SLOTS * H  # one [N, SLOTS, H] plane of the workspace
@@ -926,7 +995,9 @@ class MoeConfig:
     (NVFP4 + FMA): block scale applied once per 16-weight block; `prefetch`: register
     prefetch of the next tile (the shared expert's first tile goes out before the PDL
     wait) instead of Triton's pipeliner (`num_stages`); `acc_full` (FMA): accumulate the
-    whole product tile and reduce once after the loop (`scale_after` then ignored)."""
+    whole product tile and reduce once after the loop (`scale_after` then ignored);
+    `flat` (use_dot): 2-D weight and activation tiles in K order staged by the pipeliner
+    (`_expert_gemv_flat`; `prefetch` then ignored)."""
 
     block_rows: int = 32
     block_k: int = 128
@@ -937,12 +1008,13 @@ class MoeConfig:
     num_stages: int = 3
     prefetch: bool = False
     acc_full: bool = False
+    flat: bool = False
 
     def short(self) -> str:
         kind = "dot" if self.use_dot else ("fma-acc" if self.acc_full else
                                            "fma-sa" if self.scale_after else "fma")
         return (f"{kind} r{self.block_rows} k{self.block_k} s{self.split} w{self.num_warps} "
-                f"st{self.num_stages}{' pf' if self.prefetch else ''}")
+                f"st{self.num_stages}{' pf' if self.prefetch else ''}{' flat' if self.flat else ''}")
 
 
 # Measured winners. Keys: (kernel, fmt, N) with kernel "gate_up" or "down", fmt "bf16" or
@@ -950,10 +1022,10 @@ class MoeConfig:
 # `python benchmarks/bench_moe.py` prints after its sweep here; shapes not listed use
 # the rule in `choose_config`. Entries: the sweep's winners on an H200, 2026-11-30
 # (N = 1 and 8: session 6 run 3, `bash scripts/gpu_tune.sh` with TUNE_MOE_FAMILY=classic
-# TUNE_MOE_BATCHES=1,8; N = 2: session 4 run 1; docs/gpu-runs.md). At N = 1 the FMA path
-# with the whole-tile accumulator won every kernel: NVFP4 gate/up 15.3 us (was 21.9),
-# down 8.6 (12.7); bf16 gate/up 21.3 (28.5), down 11.0 (14.1). N = 4 and NVFP4 N = 2 use
-# the rule.
+# TUNE_MOE_BATCHES=1,8; N = 2: session 4 run 1; bf16 N = 4 and 8: session 8 run 4,
+# `bench_moe.py --family flat`; docs/gpu-runs.md). At N = 1 the FMA path with the
+# whole-tile accumulator won every kernel: NVFP4 gate/up 15.3 us (was 21.9), down 8.6
+# (12.7); bf16 gate/up 21.3 (28.5), down 11.0 (14.1). NVFP4 N = 2 and 4 use the rule.
 TUNED: dict[tuple[str, str, int], MoeConfig] = {
     ("gate_up", "bf16", 1): MoeConfig(block_rows=16, block_k=128, split=2, use_dot=False,
                                       num_warps=4, num_stages=1, prefetch=True, acc_full=True),
@@ -963,10 +1035,16 @@ TUNED: dict[tuple[str, str, int], MoeConfig] = {
                                       num_stages=1, prefetch=True),
     ("down", "bf16", 2): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
                                    num_stages=1, prefetch=True),
+    # bf16 N = 4 and 8: flat 2-D tiles (session 8 run 4), gate/up 29.1 us (was 65.8) and
+    # 50.5 (124.9), down 20.4 (37.0) and 30.3 (53.9): 59-83% of copy
+    ("gate_up", "bf16", 4): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
+                                      num_stages=3, flat=True),
+    ("down", "bf16", 4): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
+                                   num_stages=4, flat=True),
     ("gate_up", "bf16", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
-                                      num_stages=3),
+                                      num_stages=3, flat=True),
     ("down", "bf16", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
-                                   num_stages=3),
+                                   num_stages=3, flat=True),
     ("gate_up", "nvfp4", 1): MoeConfig(block_rows=32, block_k=128, split=4, use_dot=False,
                                        num_warps=4, num_stages=1, prefetch=True, acc_full=True),
     ("down", "nvfp4", 1): MoeConfig(block_rows=32, block_k=128, split=1, use_dot=False,
@@ -1003,9 +1081,9 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
                   device: torch.device) -> MoeConfig:
     """`TUNED[(kernel, fmt, N)]` if the sweep measured it, else a rule.
 
-    Rule (CUDA, pairs the sweep has not measured): tensor-core reduction, 32 weight rows
-    per program, 128-column steps; bf16 with the register prefetch of the next weight and
-    x tiles (the sweep's winner at N = 1, 2, 8), NVFP4 staged by Triton's pipeliner (3
+    Rule (CUDA, pairs the sweep has not measured): tensor-core reduction, 128-column
+    steps; bf16 over flat 2-D tiles, 64 weight rows per program, 3 stages (the sweep's
+    winners at N = 4 and 8); NVFP4 32 rows, 3-D tiles staged by Triton's pipeliner (3
     stages); split of the reduction
     up to ~4 programs per SM counting one program per (slot, row block) (slots = N*K + 1
     is an upper bound on the distinct experts). The interpreter gets small tiles."""
@@ -1020,11 +1098,14 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
         hit = TUNED.get((kernel, fmt, N))
     if hit is not None:
         return hit
-    # bf16: register prefetch won the sweep at N = 1 (down), 2 and 8; NVFP4: the pipeliner
-    block_k, prefetch, stages = (128, True, 1) if fmt == "bf16" else (128, False, 3)
-    split = auto_split(slots * triton.cdiv(rows, 32), red, block_k, device)
-    return MoeConfig(block_rows=32, block_k=block_k, split=split, use_dot=True,
-                     num_warps=4, num_stages=stages, prefetch=prefetch)
+    if fmt == "bf16":  # flat 2-D tiles won every bf16 sweep at N = 4 and 8 (59-83% of copy)
+        split = auto_split(slots * triton.cdiv(rows, 64), red, 128, device)
+        return MoeConfig(block_rows=64, block_k=128, split=split, use_dot=True, num_warps=4,
+                         num_stages=3, flat=True)
+    # NVFP4: the pipeliner
+    split = auto_split(slots * triton.cdiv(rows, 32), red, 128, device)
+    return MoeConfig(block_rows=32, block_k=128, split=split, use_dot=True,
+                     num_warps=4, num_stages=3, prefetch=False)
 
 
 def one_step_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
@@ -1066,13 +1147,20 @@ def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
     for correctness): the rule's choice first, then other tile shapes, pipelining modes,
     the FMA reduction (NVFP4: with the per-block scale) and other splits; `family`
     "one-step" gives the rule's choice and `one_step_configs` only, "classic" leaves
-    those out, "all" (default) has both.
+    those out, "all" (default) has both; each classic tensor-core shape also comes as a
+    `flat` twin (3 and 4 stages), and "flat" gives the rule's choice and those twins only.
 
     Raises:
         ValueError: an unknown family.
     """
-    if family not in ("all", "classic", "one-step"):
-        raise ValueError(f"sweep_configs: family must be all, classic or one-step; got {family!r}")
+    if family not in ("all", "classic", "one-step", "flat"):
+        raise ValueError("sweep_configs: family must be all, classic, one-step or flat; "
+                         f"got {family!r}")
+    if family == "flat":
+        base = choose_config(kernel, fmt, N, rows, red, slots, device)
+        twins = [c for c in sweep_configs(kernel, fmt, N, rows, red, slots, device, "classic")
+                 if c.flat and c != base]
+        return [base] + twins
     base = choose_config(kernel, fmt, N, rows, red, slots, device)
     one = one_step_configs(kernel, fmt, N, rows, red, slots, device) if family != "classic" else []
     if family == "one-step":
@@ -1100,6 +1188,11 @@ def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
                         scale_after=sa, num_warps=nw, num_stages=st, prefetch=pf)
         if cfg not in out:
             out.append(cfg)
+        for st_flat in ((3, 4) if use_dot else ()):
+            twin = MoeConfig(block_rows=br, block_k=bk, split=split, use_dot=True,
+                             num_warps=nw, num_stages=st_flat, flat=True)
+            if twin not in out:
+                out.append(twin)
     alt = dataclasses.replace(base, split=max(1, base.split // 2) if base.split > 1 else 2)
     if alt not in out:
         out.append(alt)
@@ -1123,6 +1216,11 @@ def _check_config(op: str, cfg: MoeConfig) -> None:
             or cfg.split < 1:
         raise _err(op, "config", "block_k a power of two >= 32, block_rows a power of two "
                    f"(>= 16 with use_dot), split >= 1 (got {cfg})")
+
+
+def _flat(cfg: MoeConfig) -> bool:
+    """`cfg.flat` where it applies: the tensor-core reduction."""
+    return cfg.flat and cfg.use_dot
 
 
 def _kernel_opts(cfg: MoeConfig, gpu: bool) -> dict:
@@ -1187,8 +1285,8 @@ def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, 
         N, E, F, H, gs_stride, ids_in.stride(0), float(scaling), per_split,
         BLOCK_N=_block_n(N, cfg), BLOCK_T=triton.next_power_of_2(N), BLOCK_F=cfg.block_rows, BLOCK_K=cfg.block_k,
         SPLIT=split, ROUTE=route, HAS_SHARED=has_shared, IS_NVFP4=nv, USE_DOT=cfg.use_dot,
-        SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch, USE_PDL=pdl_mode(pdl), GPU=gpu,
-        ACC_FULL=cfg.acc_full and not cfg.use_dot,
+        SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch and not _flat(cfg),
+        USE_PDL=pdl_mode(pdl), GPU=gpu, ACC_FULL=cfg.acc_full and not cfg.use_dot, FLAT=_flat(cfg),
         **_route_consts(E, top_k), **_kernel_opts(cfg, gpu), **opts)
     return h, wts, ids_out
 
@@ -1298,8 +1396,9 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
         BLOCK_N=_block_n(N, cfg), BLOCK_T=triton.next_power_of_2(N), BLOCK_H=cfg.block_rows, BLOCK_K=cfg.block_k,
         TOP_K=K, TOPK_PAD=triton.next_power_of_2(max(K, 2)), SPLIT=split,
         HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, IS_NVFP4=nv,
-        USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch,
-        ACC_FULL=cfg.acc_full and not cfg.use_dot,
+        USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv,
+        PREFETCH=cfg.prefetch and not _flat(cfg), ACC_FULL=cfg.acc_full and not cfg.use_dot,
+        FLAT=_flat(cfg),
         USE_PDL=pdl_mode(pdl), GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
     return out
 

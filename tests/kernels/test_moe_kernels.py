@@ -206,6 +206,10 @@ CPU_CONFIGS = [
     # FMA with the whole-tile accumulator (acc_full), split-K and several K steps
     K.MoeConfig(block_rows=32, block_k=32, split=2, use_dot=False, num_stages=1, prefetch=True,
                 acc_full=True),
+    # tensor cores over 2-D tiles in K order (flat), split-K and several K steps; prefetch
+    # is ignored there
+    K.MoeConfig(block_rows=16, block_k=32, split=2, use_dot=True, num_stages=1, prefetch=True,
+                flat=True),
 ]
 
 
