@@ -41,8 +41,11 @@ most elements bit-identical) and, in the Triton epilogue, from Triton's sigmoid 
 torch's (an fp32 ulp, so h can land one bf16 ulp away at a rounding boundary).
 
 CUDA graphs (the runtime captures the prefill function, `CompiledRunner.prefill_graph`):
-no host syncs and no data-dependent allocation in `triton` and `grouped_mm` (the tile
-table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles return after
+no host syncs and no data-dependent allocation in `triton` and `grouped_mm`. The slots
+are sorted once per MoE layer: `moe_gate_up` makes an `ExpertPlan` (one stable sort; the
+tile table from one `expert_tiles_kernel` launch; the kernel computes each slot's row
+offsets itself) and `moe_down_combine` reuses it when it gets the h and ids of that call
+(the tile table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles return after
 reading two integers; the grid is (table size, cdiv(F, BLOCK_F)), from shapes only).
 torch's grouped_mm is sync-free only on its CUTLASS path (bf16, sm_90 / sm_100); other
 GPUs take its fallback, which copies the offsets to the host, so "auto" picks triton
