@@ -280,9 +280,11 @@ def gemm(x: torch.Tensor, w: list[torch.Tensor], *, use_pdl: bool = False,
     if is_nvfp4:
         codes, scales, gscale = w
         wd = nvfp4_dequantize(codes, scales, out=_workspace(F * K, x.device).view(F, K))
-        y = _mm_fp32(x2, wd.T)
-        y.mul_(gscale)  # global scale on the fp32 accumulator (FLINT_SPEC 3)
-    elif precise or x.device.type != "cuda":
+        # the global scale on the fp32 accumulator (FLINT_SPEC 3), rounded once as the
+        # product is stored (fp32 multiply, then the same RNE as `.to(bfloat16)`)
+        out = torch.empty(x2.shape[0], F, dtype=torch.bfloat16, device=x.device)
+        return torch.mul(_mm_fp32(x2, wd.T), gscale, out=out).view(*x.shape[:-1], F)
+    if precise or x.device.type != "cuda":
         y = _mm_fp32(x2, w[0].T)
     else:
         return (x2 @ w[0].T).view(*x.shape[:-1], F)

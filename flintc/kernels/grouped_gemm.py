@@ -42,8 +42,11 @@ most elements bit-identical) and, in the Triton epilogue, from Triton's sigmoid 
 torch's (an fp32 ulp, so h can land one bf16 ulp away at a rounding boundary).
 
 CUDA graphs (the runtime captures the prefill function, `CompiledRunner.prefill_graph`):
-no host syncs and no data-dependent allocation in `triton` and `grouped_mm` (the tile
-table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles return after
+no host syncs and no data-dependent allocation in `triton` and `grouped_mm`. The slots
+are sorted once per MoE layer: `moe_gate_up` makes an `ExpertPlan` (one stable sort; the
+tile table from one `expert_tiles_kernel` launch; the kernel computes each slot's row
+offsets itself) and `moe_down_combine` reuses it when it gets the h and ids of that call
+(the tile table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles return after
 reading two integers; the grid is (table size, cdiv(F, BLOCK_F)), from shapes only).
 torch's grouped_mm is sync-free only on its CUTLASS path (bf16, sm_90 / sm_100); other
 GPUs take its fallback, which copies the offsets to the host, so inside a capture it is
@@ -66,8 +69,10 @@ from flintc.kernels.gemm import (
     _load_weight_tile,
     _round_to_bf16,
 )
+from flintc.kernels import gemm as _gemm_kernels
 from flintc.kernels.gemm import gemm as dense_gemm
 from flintc.kernels.pdl import pdl_mode
+from flintc.kernels.prefill_ops import expert_combine, silu_mul
 from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, dot_tile, load_weight_tile
 from flintc.model import ops
 from flintc.ops.common import CDT
@@ -109,16 +114,15 @@ def _mma(acc, a, w, SWAP: tl.constexpr, GPU: tl.constexpr):
 
 @triton.jit
 def moe_grouped_gemm_kernel(
-    a_ptr,  # bf16 activations; row r starts at element a_off[r], K contiguous
-    a_off_ptr,  # int64 [M]: element offset of the activation row of sorted slot m
-    out_ptr,  # bf16 output; row of sorted slot m starts at element out_off[m], F contiguous
-    out_off_ptr,  # int64 [M]
+    a_ptr,  # bf16 activations: the row of slot (token t, k) starts at t * a_s0 + k * a_s1, K contiguous
+    order_ptr,  # int64 [M]: the slot (token * TOPK + k) at each sorted position
+    out_ptr,  # bf16 output: the row of slot (t, k) starts at t * o_s0 + k * o_s1, F contiguous
     w_ptr,  # [E, F, K] bf16, or NVFP4 codes uint8 [E, F, K/2] (gate for GATE_UP)
     w2_ptr,  # up weights, same layout (GATE_UP only)
     s_ptr, s2_ptr,  # NVFP4 block scales float8_e4m3fn [E, F, K/16] (unused for bf16)
     g_ptr, g2_ptr,  # NVFP4 global scales fp32 [E] (unused for bf16)
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # int32 [NUM_TILES]
-    F, K,
+    F, K, TOPK, a_s0, a_s1, o_s0, o_s1,
     BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
     IS_NVFP4: tl.constexpr, GATE_UP: tl.constexpr, DOT_BF16: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -141,7 +145,10 @@ def moe_grouped_gemm_kernel(
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end  # rows of the tile past the expert's last slot are padding
-    a_off = tl.load(a_off_ptr + offs_m, mask=mask_m, other=0)
+    slot = tl.load(order_ptr + offs_m, mask=mask_m, other=0)
+    tok = slot // TOPK
+    kk = slot - tok * TOPK
+    a_off = tok * a_s0 + kk * a_s1
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     mask_f = offs_f < F  # the last F block may stick out past F
 
@@ -224,7 +231,7 @@ def moe_grouped_gemm_kernel(
         res = g * tl.sigmoid(g) * u
     else:
         res = acc
-    out_off = tl.load(out_off_ptr + offs_m, mask=mask_m, other=0)
+    out_off = tok * o_s0 + kk * o_s1
     # mask: real slot rows and real output columns.
     tl.store(out_ptr + out_off[:, None] + offs_f[None, :], _round_to_bf16(res),
              mask=mask_m[:, None] & mask_f[None, :])
@@ -324,6 +331,132 @@ def tile_table(counts: torch.Tensor, ends: torch.Tensor, M: int, block_m: int):
     return ec.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
+@triton.jit
+def expert_tiles_kernel(sorted_ptr, t_e_ptr, t_s_ptr, t_end_ptr, M, E, NUM_TILES, block_m, n_iter,
+                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
+    """`tile_table` in one program, from the sorted expert ids (int64 [M], ascending):
+    expert e's slots are sorted positions [starts[e], ends[e]) with ends[e] = #{ids <= e}
+    and starts[e] = #{ids < e}, both by binary search (`n_iter` = M.bit_length() steps);
+    its tiles are table entries [first[e], first[e] + per[e]), per[e] = cdiv(count, block_m).
+    Integer arithmetic only: the table is `tile_table`'s, entry for entry."""
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    lo = tl.zeros([BLOCK_E], dtype=tl.int32)  # upper bound of e
+    hi = lo + M
+    lo2 = lo  # upper bound of e - 1
+    hi2 = hi
+    for _ in range(0, n_iter):
+        act = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(sorted_ptr + mid, mask=act, other=0)
+        right = act & (v <= e)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(act & (v > e), mid, hi)
+        act2 = lo2 < hi2
+        mid2 = (lo2 + hi2) // 2
+        v2 = tl.load(sorted_ptr + mid2, mask=act2, other=0)
+        right2 = act2 & (v2 < e)
+        lo2 = tl.where(right2, mid2 + 1, lo2)
+        hi2 = tl.where(act2 & (v2 >= e), mid2, hi2)
+    ends = tl.where(e_ok, lo, M)
+    starts = tl.where(e_ok, lo2, M)
+    per = (ends - starts + block_m - 1) // block_m  # 0 past E
+    cum = tl.cumsum(per, 0)  # inclusive: expert e's tiles end at cum[e]
+    first = cum - per
+    for t0 in range(0, NUM_TILES, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        # searchsorted(cum, t, right=True): E for the unused tiles past the last expert's
+        expert = tl.sum(((cum[None, :] <= t[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        used = expert < E
+        ec = tl.minimum(expert, E - 1)
+        pick = e[None, :] == ec[:, None]  # [BLOCK_T, BLOCK_E], one expert per tile
+        st = tl.sum(tl.where(pick, starts[None, :], 0), axis=1)
+        fi = tl.sum(tl.where(pick, first[None, :], 0), axis=1)
+        en = tl.sum(tl.where(pick, ends[None, :], 0), axis=1)
+        start = st + (t - fi) * block_m
+        end = tl.minimum(start + block_m, en)
+        ok = t < NUM_TILES
+        tl.store(t_e_ptr + t, ec, mask=ok)
+        tl.store(t_s_ptr + t, tl.where(used, start, 0), mask=ok)
+        tl.store(t_end_ptr + t, tl.where(used, end, 0), mask=ok)
+
+
+class ExpertPlan:
+    """The N*K (token, k) slots of one `ids` [N, K] grouped by expert, computed once per
+    MoE layer and shared by `moe_gate_up` and `moe_down_combine` (`_expert_plan`).
+
+    Attributes: order int64 [M] (slot = token * K + k at each sorted position, stable
+    within an expert), sorted_ids int64 [M] (ascending), E, K; `tiles(block_m)`, the tile
+    table (three int32 [num_tiles], as `tile_table`), and `ends()`, int32 [E] cumulative
+    counts, are computed on first use and kept."""
+
+    def __init__(self, ids: torch.Tensor, num_experts: int):
+        flat = ids.reshape(-1)
+        self.sorted_ids, self.order = torch.sort(flat, stable=True)
+        self.E, self.K, self.M = num_experts, ids.shape[1], flat.numel()
+        self._tiles: dict[int, tuple] = {}
+        self._ends: torch.Tensor | None = None
+
+    def ends(self) -> torch.Tensor:
+        """int32 [E]: expert e's slots are sorted positions [ends[e-1], ends[e])."""
+        if self._ends is None:
+            e = torch.arange(self.E, device=self.order.device)
+            self._ends = torch.searchsorted(self.sorted_ids, e, right=True, out_int32=True)
+        return self._ends
+
+    def tiles(self, block_m: int):
+        """(expert, start, end) int32 [min(cdiv(M, block_m) + E, M)] each: `tile_table`'s
+        table, made by `expert_tiles_kernel` (one launch)."""
+        table = self._tiles.get(block_m)
+        if table is None:
+            n = min(triton.cdiv(self.M, block_m) + self.E, self.M)
+            table = tuple(torch.empty(n, dtype=torch.int32, device=self.order.device) for _ in range(3))
+            expert_tiles_kernel[(1,)](self.sorted_ids, *table, self.M, self.E, n, block_m,
+                                      self.M.bit_length(), BLOCK_E=triton.next_power_of_2(self.E),
+                                      BLOCK_T=32, num_warps=4)
+            self._tiles[block_m] = table
+        return table
+
+
+# The plan of the latest `moe_gate_up` call: (weakref to its ids, weakref to its output h,
+# plan). `moe_down_combine(h, ids, ...)` reuses it when given that very h and ids (the
+# generated runtime's MoE layer); any other call sorts again. Holds no tensor alive but
+# the plan's own.
+_LAST_PLAN: list = [None]
+
+
+def _expert_plan(ids: torch.Tensor, num_experts: int, h: torch.Tensor | None = None) -> ExpertPlan:
+    """The `ExpertPlan` of `ids`: the one `moe_gate_up` made for the same ids tensor if
+    `h` is the tensor that call returned (and, outside inference mode, ids has not been
+    modified in place since), else a new one. No host sync either way."""
+    last = _LAST_PLAN[0]
+    if h is not None and last is not None:
+        ids_ref, h_ref, version, plan = last
+        if ids_ref() is ids and h_ref() is h and plan.E == num_experts and version == _version(ids):
+            return plan
+    return ExpertPlan(ids, num_experts)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """t's in-place version counter, or None for an inference tensor (which has none)."""
+    return None if t.is_inference() else t._version
+
+
+def _token_and_k(plan: ExpertPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, k) int64 [M] of each sorted slot, computed once per plan."""
+    tk = getattr(plan, "_tok_k", None)
+    if tk is None:
+        tk = plan._tok_k = (torch.div(plan.order, plan.K, rounding_mode="floor"),
+                            torch.remainder(plan.order, plan.K))
+    return tk
+
+
+def _remember_plan(ids: torch.Tensor, h: torch.Tensor, plan: ExpertPlan) -> None:
+    import weakref
+
+    _LAST_PLAN[0] = (weakref.ref(ids), weakref.ref(h), _version(ids), plan)
+
+
 # ---------------------------------------------------------------------------- checks
 def _fail(op: str, name: str, what: str, t) -> None:
     if isinstance(t, torch.Tensor):
@@ -410,14 +543,17 @@ def _pick_impl(op: str, impl: str, is_nvfp4: bool, device) -> str:
 
 
 # ---------------------------------------------------------------------------- grouped GEMM
-def _launch_triton(a, a_off, out, out_off, w, w2, counts, ends, M, K, gate_up, use_pdl):
-    """Run `moe_grouped_gemm_kernel` over sorted slots (row offsets given per slot)."""
+def _launch_triton(a, a_strides, out, out_strides, w, w2, plan: ExpertPlan, K, gate_up, use_pdl):
+    """Run `moe_grouped_gemm_kernel` over the plan's sorted slots; the row of slot
+    (token t, k) starts at element t * s0 + k * s1 of `a` / `out` ((s0, s1) = a_strides /
+    out_strides)."""
     is_nvfp4 = len(w) == 3
     E, F = w[0].shape[0], w[0].shape[1]
     dev = a.device
+    M = plan.M
     cfg = _choose_blocks(M, E, F, gate_up, is_nvfp4, dev)
     block_m, block_f = cfg.block_m, cfg.block_f
-    t_e, t_s, t_end = tile_table(counts, ends, M, block_m)
+    t_e, t_s, t_end = plan.tiles(block_m)
     w2 = w2 if w2 is not None else w
     if is_nvfp4:
         args = (w[0], w2[0], w[1], w2[1], w[2], w2[2])
@@ -426,7 +562,7 @@ def _launch_triton(a, a_off, out, out_off, w, w2, counts, ends, M, K, gate_up, u
     pdl = bool(use_pdl) and dev.type == "cuda"
     grid = (t_e.numel(), triton.cdiv(F, block_f))
     moe_grouped_gemm_kernel[grid](
-        a, a_off, out, out_off, *args, t_e, t_s, t_end, F, K,
+        a, plan.order, out, *args, t_e, t_s, t_end, F, K, plan.K, *a_strides, *out_strides,
         BLOCK_M=block_m, BLOCK_F=block_f, BLOCK_K=cfg.block_k, IS_NVFP4=is_nvfp4,
         GATE_UP=gate_up, DOT_BF16=dev.type == "cuda", USE_PDL=pdl_mode(pdl), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, K_ORDER=cfg.k_order, SWAP=cfg.swap,
@@ -458,10 +594,13 @@ def _loop_expert_mm(rows: torch.Tensor, w, counts: torch.Tensor, ends: torch.Ten
     return y
 
 
-def _routed_gemm_bf16(rows, w, counts, ends, impl) -> torch.Tensor:
+def _routed_gemm_bf16(rows, w, plan: ExpertPlan, impl) -> torch.Tensor:
     """bf16 [M, F]: each sorted row times its expert's W^T, fp32 accumulation, one rounding."""
+    ends = plan.ends()
     if impl == "grouped_mm":
-        return _grouped_mm_fn()(rows, w[0].transpose(1, 2), offs=ends.to(torch.int32))
+        return _grouped_mm_fn()(rows, w[0].transpose(1, 2), offs=ends)
+    ends = ends.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
     return _loop_expert_mm(rows, w, counts, ends).to(torch.bfloat16)
 
 
@@ -499,10 +638,9 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: 
         _fail(op, "bias", f"an fp32 tensor [{E}] on {x.device}", bias)
     if not isinstance(top_k, int) or not 1 <= top_k <= E:
         raise ValueError(f"{op}: top_k must be an int in [1, {E}], got {top_k!r}")
-    if x.device.type == "cuda" and hasattr(torch.ops.aten.mm, "dtype"):
-        logits = torch.ops.aten.mm.dtype(x, router.T, torch.float32)
-    else:
-        logits = x.to(CDT) @ router.to(CDT).T  # the reference's expression
+    # cuBLAS with fp32 output on CUDA; on CPU the reference's expression (same operands
+    # and layout as `x.to(CDT) @ router.to(CDT).T`: bit-identical)
+    logits = _gemm_kernels._mm_fp32(x, router.T)
     return ops.select_topk(logits, bias, top_k, scaling)
 
 
@@ -547,22 +685,20 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: list[torch.Tensor], up
     out = _alloc(N, S, F, dtype=torch.bfloat16, device=dev)
     M = N * K
     if M:
-        order, counts, ends = sort_by_expert(ids, E)
-        tok = order // K
-        kk = order - tok * K
+        plan = ExpertPlan(ids, E)
         if impl == "triton":
-            a_off = tok * x.stride(0)
-            out_off = (tok * S + kk) * F
-            _launch_triton(x, a_off, out, out_off, gate, up, counts, ends, M, H, True, use_pdl)
+            _launch_triton(x, (x.stride(0), 0), out, (S * F, F), gate, up, plan, H, True, use_pdl)
         else:
+            tok, kk = _token_and_k(plan)
             xs = x[tok]  # [M, H] sorted rows
-            g = _routed_gemm_bf16(xs, gate, counts, ends, impl)
-            u = _routed_gemm_bf16(xs, up, counts, ends, impl)
-            out[tok, kk] = ops.silu_mul(g, u, CDT)
+            g = _routed_gemm_bf16(xs, gate, plan, impl)
+            u = _routed_gemm_bf16(xs, up, plan, impl)
+            out[tok, kk] = silu_mul(g, u)
+        _remember_plan(ids, out, plan)
     if shared_gate:
         gs = dense_gemm(x, shared_gate)
         us = dense_gemm(x, shared_up)
-        out[:, K] = ops.silu_mul(gs, us, CDT)
+        silu_mul(gs, us, out=out[:, K])
     return out
 
 
@@ -606,16 +742,15 @@ def moe_down_combine(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     y = _alloc(N, K, H, dtype=torch.bfloat16, device=dev)
     M = N * K
     if M:
-        order, counts, ends = sort_by_expert(ids, E)
-        tok = order // K
-        kk = order - tok * K
+        plan = _expert_plan(ids, E, h)
         if impl == "triton":
-            a_off = tok * h.stride(0) + kk * h.stride(1)
-            _launch_triton(h, a_off, y, order * H, down, None, counts, ends, M, F, False, use_pdl)
+            _launch_triton(h, (h.stride(0), h.stride(1)), y, (K * H, H), down, None, plan, F, False,
+                           use_pdl)
         else:
-            y[tok, kk] = _routed_gemm_bf16(h[tok, kk], down, counts, ends, impl)
+            tok, kk = _token_and_k(plan)
+            y[tok, kk] = _routed_gemm_bf16(h[tok, kk], down, plan, impl)
     shared = dense_gemm(h[:, K], shared_down) if shared_down else None
-    return ops.expert_combine(y, weights, shared, CDT)
+    return expert_combine(y, weights, shared)
 
 
 KERNELS: dict[str, Callable] = {

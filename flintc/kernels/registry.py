@@ -22,6 +22,7 @@ PREFILL_MODULES = (
     "flintc.kernels.prefill_attention",
     "flintc.kernels.grouped_gemm",
     "flintc.kernels.gemm",
+    "flintc.kernels.prefill_ops",
 )
 
 
