@@ -12,7 +12,7 @@ the full model (47 MoE layers, 2 dense, plus the model-level ops).
 
 On the CPU, `gpu_like=True` makes the count follow what a GPU runs where the code
 branches on the device: the MoE expert GEMMs take the implementation "auto" picks on an
-sm_90 GPU (triton for NVFP4, grouped_mm for BF16), and `flintc.kernels.gemm._mm_fp32`
+GPU (triton, both formats), and `flintc.kernels.gemm._mm_fp32`
 (cuBLAS `aten::mm.dtype` on CUDA, upcasts + an fp32 matmul on the CPU) is counted as the
 one `mm.dtype` it is on CUDA.
 
@@ -158,9 +158,7 @@ def _patched(mode: _Counter, gpu_like: bool, device: torch.device):
 
         real_pick = GG._pick_impl
         patch(G, "_mm_fp32", mm_fp32)
-        patch(GG, "_pick_impl", lambda op, impl, nvfp4, dev: real_pick(
-            op, "triton" if nvfp4 else ("grouped_mm" if GG._grouped_mm_fn() is not None else "triton"),
-            nvfp4, dev))
+        patch(GG, "_pick_impl", lambda op, impl, nvfp4, dev: real_pick(op, "triton", nvfp4, dev))
     del triton
     try:
         yield
