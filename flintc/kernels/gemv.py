@@ -496,9 +496,10 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
     # 22.3 against 25.7
     ("qkv:nvfp4", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=8,
                                             num_warps=8, num_stages=1, prefetch=True),
-    # O projection + residual: 10.2 us against 14.4 (bf16), 7.9 against 12.4 (NVFP4) at N = 1
-    ("bf16", 2048, 4096, 1): GemvConfig(use_dot=False, block_f=16, block_k=256, split_k=4,
-                                       num_warps=2, num_stages=1, prefetch=True, acc_full=True),
+    # O projection + residual: bf16 flat 2-D tiles 7.8 us against 10.0 for the FMA
+    # whole-tile accumulator (session 8 run 5); NVFP4 7.9 against 12.4 at N = 1 (session 6)
+    ("bf16", 2048, 4096, 1): GemvConfig(use_dot=True, block_f=64, block_k=256, split_k=8,
+                                       num_warps=4, num_stages=3, prefetch=False, flat=True),
     # N = 8 bf16: flat 2-D tiles, 7.9 us against 14.9 (session 8 run 4, --family flat)
     ("bf16", 2048, 4096, 8): GemvConfig(use_dot=True, block_f=64, block_k=256, split_k=8,
                                        num_warps=4, num_stages=3, prefetch=False, flat=True),
@@ -555,9 +556,11 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
     path with the whole-tile accumulator (`acc_full`; 32 x 256 tiles NVFP4, 16 x 256 on 2
     warps bf16: the O projection's winners, 36% / 29% faster than the tensor-core tiles)
     and N > 2 tensor-core 64 x 128 tiles with the register prefetch; split-K up to ~4
-    programs per SM (the winners' split); bf16 at N > 2 takes the O projection's N = 8
-    winner, flat 64 x 256 tiles, 3 stages, ~2 programs per SM (7.9 us against 14.9,
-    session 8 run 4)."""
+    programs per SM (the winners' split). bf16 with K % 256 == 0 (flat_ok) takes flat
+    64 x 256 tiles, 3 stages, ~2 programs per SM at every N: the O projection's and the
+    dense down projection's winner at N = 1, 2 and 8 (O projection 7.6-7.9 us against
+    10.0-14.9; dense down + residual 13.6-14.3 us, 71-75% of copy, against 19.0-22.3;
+    session 8 runs 4-5)."""
     hit = tuned_config((fmt, F, K, N))
     if hit is not None:
         return hit
@@ -567,15 +570,15 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
         split = auto_split_k(triton.cdiv(F, 128), K, 128, device)
         return GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=split, num_warps=4,
                           num_stages=3, prefetch=False, flat=True)
+    if flat_ok and fmt == "bf16" and K % 256 == 0:  # flat 2-D tiles, every N (see above)
+        split = auto_split_k(triton.cdiv(F, 64), K, 256, device, programs_per_sm=2)
+        return GemvConfig(use_dot=True, block_f=64, block_k=256, split_k=split, num_warps=4,
+                          num_stages=3, prefetch=False, flat=True)
     if N <= 2 and K % 256 == 0:
         block_f, warps = (32, 4) if fmt == "nvfp4" else (16, 2)
         split = auto_split_k(triton.cdiv(F, block_f), K, 256, device, programs_per_sm=4)
         return GemvConfig(use_dot=False, block_f=block_f, block_k=256, split_k=split,
                           num_warps=warps, num_stages=1, prefetch=True, acc_full=True)
-    if flat_ok and fmt == "bf16" and K % 256 == 0:  # the O projection's N = 8 winner (flat)
-        split = auto_split_k(triton.cdiv(F, 64), K, 256, device, programs_per_sm=2)
-        return GemvConfig(use_dot=True, block_f=64, block_k=256, split_k=split, num_warps=4,
-                          num_stages=3, prefetch=False, flat=True)
     split = auto_split_k(triton.cdiv(F, 64), K, 128, device, programs_per_sm=4)
     return GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=split, num_warps=4,
                       num_stages=1, prefetch=True)

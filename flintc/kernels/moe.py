@@ -1022,19 +1022,22 @@ class MoeConfig:
 # `python benchmarks/bench_moe.py` prints after its sweep here; shapes not listed use
 # the rule in `choose_config`. Entries: the sweep's winners on an H200, 2026-11-30
 # (N = 1 and 8: session 6 run 3, `bash scripts/gpu_tune.sh` with TUNE_MOE_FAMILY=classic
-# TUNE_MOE_BATCHES=1,8; N = 2: session 4 run 1; bf16 N = 4 and 8: session 8 run 4,
-# `bench_moe.py --family flat`; docs/gpu-runs.md). At N = 1 the FMA path with the
-# whole-tile accumulator won every kernel: NVFP4 gate/up 15.3 us (was 21.9), down 8.6
-# (12.7); bf16 gate/up 21.3 (28.5), down 11.0 (14.1). NVFP4 N = 2 and 4 use the rule.
+# TUNE_MOE_BATCHES=1,8; bf16: session 8 runs 4-5, `bench_moe.py --family flat`;
+# docs/gpu-runs.md). NVFP4 at N = 1: the FMA path with the whole-tile accumulator won
+# (gate/up 15.3 us, was 21.9; down 8.6, was 12.7; the flat twins took 23-39 / 12-17 us).
+# bf16: the flat 2-D tiles won at every N (1, 2, 4, 8). NVFP4 N = 2 and 4 use the rule
+# (flat there: within 2-13% of it, not GPU-tested for correctness yet).
 TUNED: dict[tuple[str, str, int], MoeConfig] = {
-    ("gate_up", "bf16", 1): MoeConfig(block_rows=16, block_k=128, split=2, use_dot=False,
-                                      num_warps=4, num_stages=1, prefetch=True, acc_full=True),
-    ("down", "bf16", 1): MoeConfig(block_rows=32, block_k=128, split=1, use_dot=False,
-                                   num_warps=4, num_stages=1, prefetch=True, acc_full=True),
+    # bf16 N = 1 and 2: flat 2-D tiles (session 8 run 5), gate/up 12.9 us (FMA whole-tile
+    # accumulator: 21.4) and 19.9 (43.5), down 8.5 (11.0) and 12.0 (22.0)
+    ("gate_up", "bf16", 1): MoeConfig(block_rows=32, block_k=128, split=4, num_warps=4,
+                                      num_stages=3, flat=True),
+    ("down", "bf16", 1): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
+                                   num_stages=4, flat=True),
     ("gate_up", "bf16", 2): MoeConfig(block_rows=32, block_k=128, split=2, num_warps=4,
-                                      num_stages=1, prefetch=True),
-    ("down", "bf16", 2): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
-                                   num_stages=1, prefetch=True),
+                                      num_stages=3, flat=True),
+    ("down", "bf16", 2): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
+                                   num_stages=3, flat=True),
     # bf16 N = 4 and 8: flat 2-D tiles (session 8 run 4), gate/up 29.1 us (was 65.8) and
     # 50.5 (124.9), down 20.4 (37.0) and 30.3 (53.9): 59-83% of copy
     ("gate_up", "bf16", 4): MoeConfig(block_rows=32, block_k=128, split=1, num_warps=4,
