@@ -386,7 +386,11 @@ class _Bench:
                     continue
                 if self.o.backend and m.get("backend") != self.o.backend:
                     continue
-                plan = json.loads((path / "plan.json").read_text())
+                try:
+                    plan = read_plan(path)
+                except InputError as e:
+                    self.note(f"{e}; not used")
+                    continue
                 found.append(_build_record(path, m, plan))
         if not found:
             found = self._compile_missing(fmt, ckpt, root)
@@ -422,8 +426,7 @@ class _Bench:
         t0 = time.perf_counter()
         m = compile_model(ckpt, path, opts, progress=False, log=self.log)
         self.note(f"{fmt}: compiled {path} in {time.perf_counter() - t0:.0f} s")
-        plan = json.loads((path / "plan.json").read_text())
-        return [_build_record(path, m, plan)]
+        return [_build_record(path, m, read_plan(path))]
 
     def _resize(self, build: dict) -> bool:
         """Whether this run sizes the build's KV caches to the points it serves."""
@@ -919,6 +922,27 @@ class _Bench:
                 self.r["baselines"].append(rec)
                 if rec.get("compile_s"):
                     self._last_compile_s = rec["compile_s"]
+
+
+def read_plan(build: Path) -> dict:
+    """BUILD/plan.json (the launch plan `flintc compile` writes).
+
+    Raises:
+        InputError: the file is missing, not JSON, or without `steps` / `kv_cache`; the
+            message names it.
+    """
+    f = Path(build) / "plan.json"
+    try:
+        plan = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise InputError(f"{f} does not exist: {build} is an incomplete build (recompile it with "
+                         "flintc compile)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{f} is not valid JSON ({e}); recompile {build} with flintc compile") from None
+    if not isinstance(plan, dict) or not {"steps", "kv_cache"} <= plan.keys():
+        raise InputError(f"{f} is not a launch plan (a JSON object with steps and kv_cache); "
+                         f"recompile {build} with flintc compile")
+    return plan
 
 
 def _build_record(path: Path, manifest: dict, plan: dict) -> dict:

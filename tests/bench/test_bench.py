@@ -286,6 +286,29 @@ def test_caches_are_sized_to_the_points(cpu_run, tmp_path):
     assert res["decode"] == [] and any("no build covers it" in n for n in res["notes"])
 
 
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", "{}", None])
+def test_a_build_with_a_broken_plan_is_skipped_with_a_note(cpu_run, tmp_path, content):
+    """A build in --builds whose plan.json is missing or unreadable is named in a note and
+    not used (no traceback)."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    shutil.copytree(out / "builds" / "tiny-bf16", builds / "tiny-bf16")
+    plan = builds / "tiny-bf16" / "plan.json"
+    if content is None:
+        plan.unlink()
+    else:
+        plan.write_text(content)
+    args = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64",
+            "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
+            "--builds", str(builds), "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    res = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert res["decode"] == []
+    assert any(str(plan) in n and "not used" in n for n in res["notes"]), res["notes"]
+
+
 def test_a_plotting_failure_keeps_the_report(tmp_path, monkeypatch):
     def broken(results, out):
         raise RuntimeError("no display")
