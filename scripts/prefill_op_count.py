@@ -82,7 +82,8 @@ def main() -> None:
     ap.add_argument("--build", default=None, help="a build folder (default: tiny dummy builds)")
     ap.add_argument("--formats", default="nvfp4,bf16", help="tiny builds to make (without --build)")
     ap.add_argument("--no-gpu-like", action="store_true", help="on a CPU, count the CPU's own path")
-    ap.add_argument("--cuda-kernels", action="store_true", help="also list the CUDA kernels (with --build, on a GPU)")
+    ap.add_argument("--cuda-kernels", action="store_true",
+                    help="also list the CUDA kernels (with --build, on a GPU)")
     ap.add_argument("--json", default=None, help="write the counts here")
     args = ap.parse_args()
     formats = check_args(ap, args)

@@ -24,7 +24,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "prefill_op_count.py"
 ])
 def test_bad_arguments_are_one_line(args, expect, tmp_path):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
+                       timeout=120, check=False)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr and expect in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("prefill_op_count.py: error: "), r.stderr
