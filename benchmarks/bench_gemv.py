@@ -225,8 +225,10 @@ def main() -> None:
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat"),
-                        help="sweep candidates: all, the classic tiles, or the one-step configs "
-                             "(whole weight slice issued before the PDL wait)")
+                        help="sweep candidates: all, the classic tiles (with their bf16 flat "
+                             "twins), the one-step configs (whole weight slice issued before the "
+                             "PDL wait), or flat (bf16 2-D tiles only: O projection, dense down, "
+                             "LM head; NVFP4 and the fused kernels have none)")
     parser.add_argument("--l2-resident", action="store_true",
                         help="do not rotate weight copies (the kernels then read L2-resident weights; "
                              "the pre-session-5 behaviour)")

@@ -16,7 +16,10 @@
 #      winners (flintc.kernels.tuning), so its numbers are those of the winners.
 # Logs and tables in $OUT/flat.tgz (bench.json and bench.md of step 5 included). Budget:
 # FLAT_BUDGET_S (default 560 s; session 8 run 5 ran it with 480, and the MoE sweep (130 s
-# then) and the tests (70 s) hit their caps).
+# then) and the tests (70 s) hit their caps). Caps per step (each also capped by what is
+# left of the budget; a step with < 20 s left is skipped): FLAT_MOE_S (200; the sweep's
+# own --sweep-seconds is 20 s less), FLAT_GEMV_S (45), FLAT_TESTS_S (120), FLAT_PREFILL_S
+# (90); step 5 gets the rest less 10 s, and is skipped below 60 s.
 #
 #   OUT=/some/dir bash scripts/gpu_flat_tiles.sh      # from the repository root
 set -uo pipefail

@@ -10,7 +10,9 @@
 #   4. scripts/gpu_prefill_graph.py: prefill in the full model (graph against eager, bit
 #      for bit, and timed at 8,192 tokens; PMOE_PREFILL_FORMATS, default nvfp4;
 #      PMOE_PREFILL_S=0 skips it).
-# Logs and tables in $OUT/prefill_moe.tgz. Budget: PMOE_BUDGET_S (default 330 s).
+# Logs and tables in $OUT/prefill_moe.tgz. Budget: PMOE_BUDGET_S (default 330 s). Caps per
+# step (each also capped by what is left of the budget; a step with < 20 s left is
+# skipped): PMOE_TESTS_S (80), PMOE_BENCH_S (60), PMOE_SWEEP_S (100), PMOE_PREFILL_S (100).
 #
 #   OUT=/some/dir bash scripts/gpu_prefill_moe.sh      # from the repository root
 set -uo pipefail

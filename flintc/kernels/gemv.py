@@ -545,22 +545,27 @@ def auto_split_k(num_f_blocks: int, K: int, block_k: int, device: torch.device,
 
 def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
                   flat_ok: bool = True) -> GemvConfig:
-    """The launch configuration for a [N, K] x [F, K]^T GEMV: `TUNED[(fmt, F, K, N)]` if
-    the sweep measured this shape, else the rule below. fmt is "bf16" or "nvfp4";
-    `flat_ok=False` (kernels without the flat loop) keeps the rule to 3-D tiles.
+    """The launch configuration for a [N, K] x [F, K]^T GEMV: `tuned_config((fmt, F, K, N))`
+    (FLINTC_GEMV_TUNED's file, then `TUNED`) if the sweep measured this shape, on any
+    device; else the rule below. fmt is "bf16" or "nvfp4"; `flat_ok=False` (kernels
+    without the flat loop) keeps the rule to 3-D tiles.
 
-    Rule (shapes the sweep has not measured), from the DRAM-resident sweep of session 6:
-    bf16 matrices with >= 2 programs per SM in F alone (the LM head) take 128 x 128
-    tensor-core 2-D tiles staged by the pipeliner (`flat`, 3 stages: 200.6 us against
-    403.5 for the 3-D tiles at N = 8, session 7 run 2); otherwise N <= 2 takes the FMA
-    path with the whole-tile accumulator (`acc_full`; 32 x 256 tiles NVFP4, 16 x 256 on 2
-    warps bf16: the O projection's winners, 36% / 29% faster than the tensor-core tiles)
-    and N > 2 tensor-core 64 x 128 tiles with the register prefetch; split-K up to ~4
-    programs per SM (the winners' split). bf16 with K % 256 == 0 (flat_ok) takes flat
-    64 x 256 tiles, 3 stages, ~2 programs per SM at every N: the O projection's and the
-    dense down projection's winner at N = 1, 2 and 8 (O projection 7.6-7.9 us against
-    10.0-14.9; dense down + residual 13.6-14.3 us, 71-75% of copy, against 19.0-22.3;
-    session 8 runs 4-5)."""
+    Rule (shapes the sweep has not measured; DRAM-resident sweeps of sessions 6-8), first
+    match wins:
+    - not CUDA (the interpreter): small tensor-core tiles (16 x 64, no split) to keep the
+      CPU time down;
+    - bf16 (flat_ok) with >= 2 programs per SM in F alone (the LM head): 128 x 128
+      tensor-core 2-D tiles staged by the pipeliner (`flat`, 3 stages: 200.6 us against
+      403.5 for the 3-D tiles at N = 8, session 7 run 2);
+    - bf16 (flat_ok) with K % 256 == 0: flat 64 x 256 tiles, 3 stages, ~2 programs per SM,
+      at every N: the O projection's and the dense down projection's winner at N = 1, 2
+      and 8 (O projection 7.6-7.9 us against 10.0-14.9; dense down + residual 13.6-14.3
+      us, 71-75% of copy, against 19.0-22.3; session 8 runs 4-5);
+    - N <= 2 with K % 256 == 0: the FMA path with the whole-tile accumulator (`acc_full`;
+      32 x 256 tiles NVFP4: the O projection's winner, 36% faster than the tensor-core
+      tiles, session 6; bf16 reaches it only with flat_ok=False: 16 x 256 on 2 warps);
+    - else tensor-core 64 x 128 3-D tiles with the register prefetch.
+    The non-flat rules split K up to ~4 programs per SM (the winners' split)."""
     hit = tuned_config((fmt, F, K, N))
     if hit is not None:
         return hit

@@ -1020,9 +1020,9 @@ class MoeConfig:
 # Measured winners. Keys: (kernel, fmt, N) with kernel "gate_up" or "down", fmt "bf16" or
 # "nvfp4", N the decode batch. Paste the `TUNED[...] = MoeConfig(...)` lines that
 # `python benchmarks/bench_moe.py` prints after its sweep here; shapes not listed use
-# the rule in `choose_config`. Entries: the sweep's winners on an H200, 2026-11-30
-# (N = 1 and 8: session 6 run 3, `bash scripts/gpu_tune.sh` with TUNE_MOE_FAMILY=classic
-# TUNE_MOE_BATCHES=1,8; bf16: session 8 runs 4-5, `bench_moe.py --family flat`;
+# the rule in `choose_config`. Entries: the sweep's winners on an H200 (N = 1 and 8:
+# 2026-11-30 session 6 run 3, `bash scripts/gpu_tune.sh` with TUNE_MOE_FAMILY=classic
+# TUNE_MOE_BATCHES=1,8; bf16: 2026-12-01 session 8 runs 4-5, `bench_moe.py --family flat`;
 # docs/gpu-runs.md). NVFP4 at N = 1: the FMA path with the whole-tile accumulator won
 # (gate/up 15.3 us, was 21.9; down 8.6, was 12.7; the flat twins took 23-39 / 12-17 us).
 # bf16: the flat 2-D tiles won at every N (1, 2, 4, 8). NVFP4 N = 2 and 4 use the rule
@@ -1082,14 +1082,16 @@ def auto_split(programs: int, red: int, block_k: int, device: torch.device,
 
 def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
                   device: torch.device) -> MoeConfig:
-    """`TUNED[(kernel, fmt, N)]` if the sweep measured it, else a rule.
+    """On CUDA: FLINTC_MOE_TUNED's file, then `TUNED[(kernel, fmt, N)]`, if the sweep
+    measured it, else a rule. In the interpreter (not CUDA, or TRITON_INTERPRET=1): small
+    tiles, whatever TUNED says (unlike `flintc.kernels.gemv.choose_config`).
 
     Rule (CUDA, pairs the sweep has not measured): tensor-core reduction, 128-column
     steps; bf16 over flat 2-D tiles, 64 weight rows per program, 3 stages (the sweep's
     winners at N = 4 and 8); NVFP4 32 rows, 3-D tiles staged by Triton's pipeliner (3
     stages); split of the reduction
     up to ~4 programs per SM counting one program per (slot, row block) (slots = N*K + 1
-    is an upper bound on the distinct experts). The interpreter gets small tiles."""
+    is an upper bound on the distinct experts)."""
     if device.type != "cuda" or _interpreting():  # interpreter: fewest programs and steps
         return MoeConfig(block_rows=min(128, max(16, triton.next_power_of_2(rows))),
                          block_k=min(128, max(32, triton.next_power_of_2(red))), split=1,
