@@ -6,9 +6,9 @@
 #   2. benchmarks/bench_gemv.py --sweep --family flat: the O projection and the dense
 #      down projection (bf16; NVFP4 has no flat loop) at FLAT_GEMV_BATCHES (1,2,8),
 #      winners to gemv.json;
-#   3. GPU tests: every MoE sweep configuration at N = 8 (flat twins included) and the
-#      bf16 GEMVs that the flat rule serves at full shapes (FLAT_TESTS overrides the
-#      pytest arguments);
+#   3. GPU tests: the bf16 MoE kernels' TUNED configs at N = 1, 2, 8, every MoE sweep
+#      configuration at N = 8 (flat twins included) and the bf16 GEMVs that the flat rule
+#      serves, at full shapes (FLAT_TESTS overrides the pytest arguments);
 #   4. scripts/gpu_prefill_graph.py: prefill from CUDA graphs against eager, bit for bit,
 #      both formats, timed at 8,192 tokens;
 #   5. flintc bench (scripts/gpu_bench.sh) at batches 1 and 8, contexts 1K and 100K, and
@@ -32,14 +32,18 @@ T=$OUT/flat
 cd "$(dirname "$0")/.." || exit 1
 LOG=$T/pip.log
 . scripts/gpu_env.sh
-TAIL=40 step moe-sweep ${FLAT_MOE_S:-200} $PY benchmarks/bench_moe.py --pdl --family flat \
-  --batches "${FLAT_MOE_BATCHES:-1,2,4,8}" --sweep-seconds $(( ${FLAT_MOE_S:-200} - 20 )) \
+MOE_CAP=${FLAT_MOE_S:-200}; [ "$(left)" -lt "$MOE_CAP" ] && MOE_CAP=$(left)  # the step's real cap
+TAIL=40 step moe-sweep "$MOE_CAP" $PY benchmarks/bench_moe.py --pdl --family flat \
+  --batches "${FLAT_MOE_BATCHES:-1,2,4,8}" --sweep-seconds $(( MOE_CAP - 25 )) \
   --out "$T/moe.md" --tuned-json "$T/moe.json"
 TAIL=10 step gemv-sweep ${FLAT_GEMV_S:-45} $PY benchmarks/bench_gemv.py --sweep --family flat --pdl \
   --no-compile --batches "${FLAT_GEMV_BATCHES:-1,2,8}" --cases o_proj+res,down+res \
   --out "$T/gemv.md" --tuned-json "$T/gemv.json"
 # shellcheck disable=SC2086
 TAIL=6 step gpu-tests ${FLAT_TESTS_S:-120} $PY -m pytest -q -m gpu -p no:cacheprovider ${FLAT_TESTS:-\
+"tests/kernels/test_moe_kernels.py::test_moe_kernels_full_shapes_gpu[1-bf16-True]" \
+"tests/kernels/test_moe_kernels.py::test_moe_kernels_full_shapes_gpu[2-bf16-True]" \
+"tests/kernels/test_moe_kernels.py::test_moe_kernels_full_shapes_gpu[8-bf16-True]" \
 "tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[8-bf16]" \
 "tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[8-nvfp4_gs]" \
 "tests/kernels/test_gemv.py::test_gemv_model_shapes_gpu[o_proj-8-bf16-True]" \
