@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from flintc.kernels.pdl import pdl_mode
-from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, e2m1_fp32
+from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, dot_2d, e2m1_fp32
 from flintc.kernels.tiles import dot_tile as _dot_tile
 from flintc.kernels.tiles import load_weight_tile as _load_w
 from flintc.kernels.tuning import overrides
@@ -286,10 +286,7 @@ def _gemv_loop_flat(w_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n, mask
         if HAS_NORM:
             nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             x = _bf16_grid(x * rstd[:, None] * nw[None, :])
-        if GPU:
-            acc = tl.dot(x.to(tl.bfloat16), tl.trans(w), acc)
-        else:  # the interpreter mishandles bf16 math: exact products in IEEE fp32
-            acc = tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        acc = dot_2d(acc, x, w, GPU)
     return acc
 
 

@@ -73,9 +73,15 @@ from flintc.kernels import gemm as _gemm_kernels
 from flintc.kernels.gemm import gemm as dense_gemm
 from flintc.kernels.pdl import pdl_mode
 from flintc.kernels.prefill_ops import expert_combine, silu_mul
-from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, dot_tile, load_weight_tile
+from flintc.kernels.tiles import (
+    DEQUANT_UNSCALE,
+    dequant_tile,
+    dequant_tile_k_order,
+    dot_2d,
+    dot_tile,
+    load_weight_tile,
+)
 from flintc.model import ops
-from flintc.ops.common import CDT
 
 NVFP4_BLOCK = 16
 IMPLS = ("auto", "triton", "grouped_mm", "loop")
@@ -103,13 +109,9 @@ def _mma(acc, a, w, SWAP: tl.constexpr, GPU: tl.constexpr):
     weight tile is then the left operand, which Hopper's wgmma may take from registers
     (where the NVFP4 decode leaves it) while the small activation tile goes through
     shared memory. Exact products in bf16 on the GPU; IEEE fp32 in the interpreter."""
-    if GPU:
-        if SWAP:
-            return tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
-        return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
     if SWAP:
-        return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return dot_2d(acc, w, a, GPU)
+    return dot_2d(acc, a, w, GPU)
 
 
 @triton.jit
@@ -198,16 +200,14 @@ def moe_grouped_gemm_kernel(
             a = tl.load(a_ptr + a_off[:, None] + offs_k[None, :], mask=mask_a, other=0.0)
             if IS_NVFP4:
                 ct, st = load_weight_tile(w_rows, s_rows, mask_f, k0, K, BLOCK_K, True)
-                w_lo, w_hi = dequant_tile(ct, st, DOT_BF16)
-                wt = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_F, BLOCK_K))
+                wt = dequant_tile_k_order(ct, st, BLOCK_F, BLOCK_K, DOT_BF16)
             else:
                 wt, _ = _load_weight_tile(w_base, s_ptr, offs_f, mask_f, k0, K, BLOCK_K, False)
             acc = _mma(acc, a, wt, SWAP, DOT_BF16)
             if GATE_UP:
                 if IS_NVFP4:
                     ct2, st2 = load_weight_tile(w2_rows, s2_rows, mask_f, k0, K, BLOCK_K, True)
-                    u_lo, u_hi = dequant_tile(ct2, st2, DOT_BF16)
-                    wt2 = tl.reshape(tl.join(u_lo, u_hi), (BLOCK_F, BLOCK_K))
+                    wt2 = dequant_tile_k_order(ct2, st2, BLOCK_F, BLOCK_K, DOT_BF16)
                 else:
                     wt2, _ = _load_weight_tile(w2_base, s2_ptr, offs_f, mask_f, k0, K, BLOCK_K,
                                                False)

@@ -89,7 +89,13 @@ import triton.language as tl
 
 from flintc.kernels.gemv import _round_to_bf16, split_k_counters
 from flintc.kernels.pdl import pdl_mode
-from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, e2m1_fp32
+from flintc.kernels.tiles import (
+    DEQUANT_UNSCALE,
+    dequant_tile,
+    dequant_tile_k_order,
+    dot_2d,
+    e2m1_fp32,
+)
 from flintc.kernels.tiles import dot_tile as _dot_tile
 from flintc.kernels.tiles import load_weight_tile as _load_w
 from flintc.kernels.tuning import overrides
@@ -361,23 +367,12 @@ def _flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr, BLOCK_K
     # early return of a constexpr branch too (the uint8 code pointer loaded as weights)
     if IS_NVFP4:
         ct, st = _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K, True)
-        w_lo, w_hi = dequant_tile(ct, st, GPU)
-        w = tl.reshape(tl.join(w_lo, w_hi), (BLOCK_F, BLOCK_K))
+        w = dequant_tile_k_order(ct, st, BLOCK_F, BLOCK_K, GPU)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows[:, None] + offs_k[None, :],
                     mask=mask_f[:, None] & (offs_k < k_end)[None, :], other=0.0)
     return w
-
-
-@triton.jit
-def _flat_dot(acc, x, w, GPU: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_F] += x [BLOCK_N, BLOCK_K] @ w [BLOCK_F, BLOCK_K]^T: exact
-    products, fp32 accumulation (bf16 tensor cores on the GPU, IEEE fp32 in the
-    interpreter, which mishandles bf16 math)."""
-    if GPU:
-        return tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
-    return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -399,10 +394,10 @@ def _expert_gemv_flat(w_rows, s_rows, v_rows, t_rows, mask_f, x_rows, mask_x, k_
         x = tl.load(x_rows[:, None] + offs_k[None, :],
                     mask=mask_x[:, None] & (offs_k < k_end)[None, :], other=0.0)
         w = _flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
-        acc = _flat_dot(acc, x, w, GPU)
+        acc = dot_2d(acc, x, w, GPU)
         if TWO:
             v = _flat_tile(v_rows, t_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
-            acc2 = _flat_dot(acc2, x, v, GPU)
+            acc2 = dot_2d(acc2, x, v, GPU)
     if IS_NVFP4:
         acc = acc * DEQUANT_UNSCALE  # exact: undoes dequant_tile's 2^-8
         acc2 = acc2 * DEQUANT_UNSCALE

@@ -160,6 +160,27 @@ def dequant_tile(codes, scales, GPU: tl.constexpr):
 
 
 @triton.jit
+def dequant_tile_k_order(codes, scales, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GPU: tl.constexpr):
+    """NVFP4 weights [BLOCK_F, BLOCK_K] in K order from `load_weight_tile`'s codes and
+    scales: `dequant_tile`'s halves (e2m1 * scale * 2^-8, exact) interleaved back (weight
+    2j, then 2j + 1, of each code byte j), for a plain 2-D dot (`dot_2d`)."""
+    w_lo, w_hi = dequant_tile(codes, scales, GPU)
+    return tl.reshape(tl.join(w_lo, w_hi), (BLOCK_F, BLOCK_K))
+
+
+@triton.jit
+def dot_2d(acc, x, w, GPU: tl.constexpr):
+    """acc [M, F] += x [M, K] @ w [F, K]^T with exact operands (bf16 activations; bf16 or
+    decoded NVFP4 weights): bf16 tensor cores with fp32 accumulation on the GPU; IEEE fp32
+    in the interpreter, which mishandles bf16 math (../shared/NOTES.md)."""
+    if GPU:
+        return tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    else:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+
+
+@triton.jit
 def dot_tile(acc, x3, w3, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, KW: tl.constexpr,
              GPU: tl.constexpr):
     """acc [BLOCK_N, BLOCK_F] += x3 [BLOCK_N, KB, 8] . w3 [BLOCK_F, KB, 8] over (KB, 8)
@@ -168,10 +189,4 @@ def dot_tile(acc, x3, w3, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, KW: tl.c
     on the GPU the dot takes bf16 with fp32 accumulation; the interpreter mishandles bf16
     math (../shared/NOTES.md), so there both sides stay fp32 and the dot runs in IEEE
     precision."""
-    x2 = tl.reshape(x3, (BLOCK_N, KW))
-    w2 = tl.reshape(w3, (BLOCK_F, KW))
-    if GPU:
-        return tl.dot(x2.to(tl.bfloat16), tl.trans(w2.to(tl.bfloat16)), acc)
-    else:
-        return tl.dot(x2.to(tl.float32), tl.trans(w2.to(tl.float32)), acc,
-                      input_precision="ieee")
+    return dot_2d(acc, tl.reshape(x3, (BLOCK_N, KW)), tl.reshape(w3, (BLOCK_F, KW)), GPU)
