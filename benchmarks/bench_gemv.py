@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import torch
 
 H, HQ, HKV, D, FFN, VOCAB, WINDOW = 2048, 32, 4, 128, 10240, 151552, 513
 BATCHES = [1, 2, 4, 8]
+FORMATS = ["bf16", "nvfp4"]  # --formats
 
 
 def kernel_ms(fn, reps: int) -> float:
@@ -224,19 +226,27 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50, help="ms of graph replays per timing")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat"),
+    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat", "swap"),
                         help="sweep candidates: all, the classic tiles (with their bf16 flat "
                              "twins), the one-step configs (whole weight slice issued before the "
-                             "PDL wait), or flat (bf16 2-D tiles only: O projection, dense down, "
-                             "LM head; NVFP4 and the fused kernels have none)")
+                             "PDL wait), flat (bf16 2-D tiles only), or swap (the weight tile as "
+                             "the dot's left operand, 3-D and 2-D tiles, both formats)")
+    parser.add_argument("--sweep-seconds", type=float, default=0.0,
+                        help="stop trying sweep candidates after this many seconds (compile time "
+                             "included; 0 = no limit); the rows and winners so far are kept")
     parser.add_argument("--l2-resident", action="store_true",
                         help="do not rotate weight copies (the kernels then read L2-resident weights; "
                              "the pre-session-5 behaviour)")
     parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_GEMV_TUNED file")
+    parser.add_argument("--formats", default="bf16,nvfp4",
+                        help="comma-separated weight formats (default bf16,nvfp4)")
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()
     BATCHES[:] = [int(b) for b in args.batches.split(",") if b]
+    FORMATS[:] = [f for f in args.formats.split(",") if f]
+    if not FORMATS or set(FORMATS) - {"bf16", "nvfp4"}:
+        parser.error(f"--formats: a comma-separated subset of bf16,nvfp4; got {args.formats!r}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA GPU")
     PDL = args.pdl
@@ -260,10 +270,12 @@ def main() -> None:
     tuned = []
     tuned_json = []
     wanted = {c for c in args.cases.split(",") if c}
+    deadline = time.monotonic() + args.sweep_seconds if args.sweep_seconds > 0 else math.inf
+    skipped = 0
     for case in CASES:
         if wanted and case.name not in wanted:
             continue
-        for fmt in case.fmts:
+        for fmt in [f for f in case.fmts if f in FORMATS]:
             for N in BATCHES:
                 ours, eager, plain, plain_args, moved, key, rows_fixed = case.build(fmt, N)
                 if case.kind == "qkv":
@@ -291,9 +303,12 @@ def main() -> None:
                     F_rows = 2 * case.F if case.kind == "gate_up" else key[1]
                     cands = sweep_configs(fmt, N, F_rows, case.K, torch.device("cuda"), rows_fixed,
                                           family=args.family,
-                                          flat_ok=case.kind not in ("qkv", "gate_up"))
+                                          flat_ok=True)
                     best = (ms, cfg0)
                     for cfg in cands:
+                        if time.monotonic() > deadline:
+                            skipped += 1
+                            continue
                         if case.kind == "gate_up":
                             cfg = type(cfg)(**{**cfg.__dict__, "block_f": max(16, cfg.block_f // 2)})
                         try:
@@ -315,6 +330,10 @@ def main() -> None:
                 lines.append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()
+    if skipped:
+        note = f"Sweep: {skipped} candidates not tried (--sweep-seconds {args.sweep_seconds:g} spent)."
+        lines += ["", note]
+        print(note, flush=True)
     if tuned:
         lines += ["", "TUNED entries (paste into flintc/kernels/gemv.py):", "", "```python"] + tuned + ["```"]
         print("\n".join(lines[-len(tuned) - 2:]), flush=True)

@@ -40,6 +40,7 @@ import torch
 
 H, F, E, TOP_K, SCALING, EPS = 2048, 512, 256, 6, 2.5, 1e-5
 BATCHES = [1, 2, 4, 8]
+FORMATS = ["bf16", "nvfp4"]  # --formats
 ROT = 16  # input sets / weight copies cycled through in a graph
 CALLS = 64  # calls per graph
 
@@ -171,7 +172,7 @@ def run_bench(args) -> list[str]:
     lines = [title, "", header, "|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines[2:]), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for fmt in ("bf16", "nvfp4"):
+    for fmt in [f for f in ("bf16", "nvfp4") if f in FORMATS]:
         for N in BATCHES:
             for row in bench_one(Setup(fmt, N, gen), args.pdl, args.reps, copy_bw):
                 lines.append(row)
@@ -244,7 +245,7 @@ def run_sweep(args, copy_bw: float) -> list[str]:
     out_of_time = False
     tuned_json = []
     for N in BATCHES:
-        for fmt in ("nvfp4", "bf16"):
+        for fmt in [f for f in ("nvfp4", "bf16") if f in FORMATS]:
             if out_of_time:
                 break
             s = Setup(fmt, N, gen)
@@ -315,7 +316,7 @@ def run_check(args) -> list[str]:
 
     lines = []
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for fmt in ("bf16", "nvfp4"):
+    for fmt in [f for f in ("bf16", "nvfp4") if f in FORMATS]:
         for N in BATCHES:
             s = Setup(fmt, N, gen)
             ok = True
@@ -352,13 +353,18 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     parser.add_argument("--sweep-seconds", type=float, default=60.0,
                         help="time budget of the config sweep (compile included)")
-    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat"),
+    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat", "swap"),
                         help="sweep candidates (flintc.kernels.moe.sweep_configs)")
     parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_MOE_TUNED file")
+    parser.add_argument("--formats", default="bf16,nvfp4",
+                        help="comma-separated weight formats (default bf16,nvfp4)")
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()
     BATCHES[:] = [int(b) for b in args.batches.split(",") if b]
+    FORMATS[:] = [f for f in args.formats.split(",") if f]
+    if not FORMATS or set(FORMATS) - {"bf16", "nvfp4"}:
+        parser.error(f"--formats: a comma-separated subset of bf16,nvfp4; got {args.formats!r}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU")
     import flintc.ops  # noqa: F401  (registers torch.ops.flintc)

@@ -38,6 +38,7 @@ from flintc.kernels.gemv import (
     _bf16_grid,
     _effective_split,
     _gemv_loop,
+    _gemv_loop_flat,
     _interpreting,
     _is_last,
     _load_w,
@@ -81,6 +82,8 @@ def norm_qkv_rope_kv_kernel(
     PREFETCH: tl.constexpr,
     ACC_FULL: tl.constexpr,  # FMA path: whole-tile accumulator (see _gemv_loop)
     NR: tl.constexpr, NORM_H: tl.constexpr,  # next_pow2(N), next_pow2(H): RMSNorm prologue
+    FLAT: tl.constexpr = False,  # tensor cores with 2-D tiles (`_gemv_loop_flat`)
+    SWAP: tl.constexpr = False,  # tensor cores: weight tile as the dot's left operand
 ):
     # Tile-to-program mapping: program (head, pid_k) owns one whole head of the
     # concatenated [Q; K; V] rows (D rows: heads 0..HQ-1 are q, then HKV k heads, then
@@ -127,9 +130,14 @@ def norm_qkv_rope_kv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # x is written by the previous kernel
     rstd = _rms_rstd(x_ptr, H, offs_n, N, H, eps, NR, NORM_H)
-    acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
-                     k_start, k_end, n_iters, BLOCK_N, D, BLOCK_K, IS_NVFP4, True, USE_DOT,
-                     SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+    if FLAT:
+        acc = _gemv_loop_flat(w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
+                              k_start, k_end, n_iters, BLOCK_N, D, BLOCK_K, IS_NVFP4, True, GPU,
+                              SWAP)
+    else:
+        acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n,
+                         mask_n, k_start, k_end, n_iters, BLOCK_N, D, BLOCK_K, IS_NVFP4, True,
+                         USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL, SWAP)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -211,6 +219,8 @@ def norm_gate_up_silu_kernel(
     PREFETCH: tl.constexpr,
     ACC_FULL: tl.constexpr,  # FMA path: whole-tile accumulator (see _gemv_loop)
     NR: tl.constexpr, NORM_H: tl.constexpr,  # next_pow2(N), next_pow2(H): RMSNorm prologue
+    FLAT: tl.constexpr = False,  # tensor cores with 2-D tiles (`_gemv_loop_flat`)
+    SWAP: tl.constexpr = False,  # tensor cores: weight tile as the dot's left operand
 ):
     # Tile-to-program mapping: program (pid_f, pid_k) owns output columns
     # [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F): 2 * BLOCK_F weight rows, gate and up rows
@@ -244,9 +254,14 @@ def norm_gate_up_silu_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     rstd = _rms_rstd(x_ptr, H, offs_n, N, H, eps, NR, NORM_H)
-    acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
-                     k_start, k_end, n_iters, BLOCK_N, 2 * BLOCK_F, BLOCK_K, IS_NVFP4, True,
-                     USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+    if FLAT:
+        acc = _gemv_loop_flat(w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n, mask_n,
+                              k_start, k_end, n_iters, BLOCK_N, 2 * BLOCK_F, BLOCK_K, IS_NVFP4,
+                              True, GPU, SWAP)
+    else:
+        acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, H, nw_ptr, rstd, offs_n,
+                         mask_n, k_start, k_end, n_iters, BLOCK_N, 2 * BLOCK_F, BLOCK_K,
+                         IS_NVFP4, True, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL, SWAP)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -323,8 +338,9 @@ def qkv_config(N: int, H: int, D: int, num_heads: int, fmt: str,
     """Config of the fused QKV kernel: one head (D rows) per program, so only the
     reduction kind, block_k, split-K, warps and stages are free. From `TUNED` under
     ("qkv:" + fmt, Hq * D, H, N) when present, else: dot, block_k 128, 8 warps (128-row tiles
-    spill with 4), bf16 staged by Triton's pipeliner (3 stages), NVFP4 with the register
-    prefetch; split-K to ~2 programs per SM."""
+    spill with 4), bf16 over flat 2-D tiles staged by Triton's pipeliner (3 stages; the
+    session 9 sweep's winner at N = 1 and 8), NVFP4 3-D tiles with the register prefetch;
+    split-K to ~2 programs per SM."""
     hit = tuned_config(("qkv:" + fmt, num_heads * D, H, N))
     if hit is not None:
         return hit
@@ -335,7 +351,7 @@ def qkv_config(N: int, H: int, D: int, num_heads: int, fmt: str,
         return GemvConfig(use_dot=True, block_f=D, block_k=128, split_k=split, num_warps=8,
                           num_stages=1, prefetch=True)
     return GemvConfig(use_dot=True, block_f=D, block_k=128, split_k=split, num_warps=8,
-                      num_stages=3, prefetch=False)
+                      num_stages=3, prefetch=False, flat=True)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -427,8 +443,9 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
         HQ=Hq, HKV=Hkv, D=D, BLOCK_N=16 if cfg.use_dot else triton.next_power_of_2(B),
         BLOCK_K=cfg.block_k, SPLIT_K=split, IS_NVFP4=fmt == "nvfp4", ROPE=bool(rope),
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl_mode(pdl),
-        GPU=gpu, PREFETCH=cfg.prefetch, ACC_FULL=cfg.acc_full and not cfg.use_dot,
-        NR=triton.next_power_of_2(B),
+        GPU=gpu, PREFETCH=cfg.prefetch and not (cfg.flat and cfg.use_dot),
+        ACC_FULL=cfg.acc_full and not cfg.use_dot, FLAT=cfg.flat and cfg.use_dot,
+        SWAP=cfg.swap and cfg.use_dot, NR=triton.next_power_of_2(B),
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return q
@@ -498,7 +515,7 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
     if config is None:
         config = tuned_config(("gate_up:" + fmt, F, H, N))
     if config is None:
-        base = choose_config(N, 2 * F, H, fmt, dev, flat_ok=False)  # no flat loop here
+        base = choose_config(N, 2 * F, H, fmt, dev, flat_ok=False)  # flat: not measured here yet
         config = GemvConfig(use_dot=base.use_dot, block_f=max(16, base.block_f // 2),
                             block_k=base.block_k, split_k=base.split_k,
                             num_warps=base.num_warps, num_stages=base.num_stages,
@@ -516,8 +533,9 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
         BLOCK_N=16 if cfg.use_dot else triton.next_power_of_2(N), BLOCK_F=cfg.block_f,
         BLOCK_K=cfg.block_k, SPLIT_K=split, IS_NVFP4=fmt == "nvfp4", USE_DOT=cfg.use_dot,
         SCALE_AFTER=cfg.scale_after and fmt == "nvfp4", USE_PDL=pdl_mode(pdl), GPU=gpu,
-        PREFETCH=cfg.prefetch, ACC_FULL=cfg.acc_full and not cfg.use_dot,
-        NR=triton.next_power_of_2(N),
+        PREFETCH=cfg.prefetch and not (cfg.flat and cfg.use_dot),
+        ACC_FULL=cfg.acc_full and not cfg.use_dot, FLAT=cfg.flat and cfg.use_dot,
+        SWAP=cfg.swap and cfg.use_dot, NR=triton.next_power_of_2(N),
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return out

@@ -53,7 +53,15 @@ import triton
 import triton.language as tl
 
 from flintc.kernels.pdl import pdl_mode
-from flintc.kernels.tiles import DEQUANT_UNSCALE, dequant_tile, dot_2d, e2m1_fp32
+from flintc.kernels.tiles import (
+    DEQUANT_UNSCALE,
+    acc_final,
+    acc_init,
+    dequant_tile,
+    dot_2d,
+    e2m1_fp32,
+    load_flat_tile,
+)
 from flintc.kernels.tiles import dot_tile as _dot_tile
 from flintc.kernels.tiles import load_weight_tile as _load_w
 from flintc.kernels.tuning import overrides
@@ -184,7 +192,7 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
                BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
                IS_NVFP4: tl.constexpr, HAS_NORM: tl.constexpr, USE_DOT: tl.constexpr,
                SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, PREFETCH: tl.constexpr,
-               ACC_FULL: tl.constexpr):
+               ACC_FULL: tl.constexpr, SWAP: tl.constexpr = False):
     """fp32 acc [BLOCK_N, BLOCK_F] = x[:, k_start:k_end] @ W[rows, k_start:k_end]^T
     (without the NVFP4 global scale). With PREFETCH, `w_cur, s_cur` is the first tile
     (loaded by the caller, possibly before `gdc_wait`) and each step loads the next
@@ -196,10 +204,11 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
     product tile [BLOCK_N, BLOCK_F, KB, 8], updated by one FMA per weight, and summed over
     its last two axes once after the loop: no reduction (and no cross-lane shuffle) per
     K step, at BLOCK_N * BLOCK_F * BLOCK_K / 8 (bf16) or / 16 (NVFP4) fp32 registers per
-    program."""
+    program. SWAP (USE_DOT): the weight tile is the dot's left operand
+    (`flintc.kernels.tiles.dot_2d`), the accumulator transposed back after the loop."""
     KB: tl.constexpr = BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8
     if USE_DOT:
-        acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+        acc = acc_init(BLOCK_N, BLOCK_F, SWAP)
     elif ACC_FULL:
         acc4 = tl.zeros((BLOCK_N, BLOCK_F, KB, 8), dtype=tl.float32)
     else:
@@ -225,8 +234,8 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
             if USE_DOT:
                 # e2m1 * scale * 2^-8, exact (bf16 on the GPU); `* DEQUANT_UNSCALE` below
                 w_lo, w_hi = dequant_tile(w_cur, s_cur, GPU)
-                acc = _dot_tile(acc, x_e, w_lo, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
-                acc = _dot_tile(acc, x_o, w_hi, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
+                acc = _dot_tile(acc, x_e, w_lo, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU, SWAP)
+                acc = _dot_tile(acc, x_o, w_hi, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU, SWAP)
             elif ACC_FULL:
                 w_lo, w_hi = dequant_tile(w_cur, s_cur, GPU)
                 acc4 += x_e[:, None, :, :] * w_lo.to(tl.float32)[None, :, :, :]
@@ -244,7 +253,7 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
         else:
             x3 = x_a
             if USE_DOT:
-                acc = _dot_tile(acc, x3, w_cur, BLOCK_N, BLOCK_F, BLOCK_K, GPU)
+                acc = _dot_tile(acc, x3, w_cur, BLOCK_N, BLOCK_F, BLOCK_K, GPU, SWAP)
             elif ACC_FULL:
                 acc4 += x3[:, None, :, :] * w_cur.to(tl.float32)[None, :, :, :]
             else:
@@ -255,9 +264,11 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
             s_cur = s_nxt
         xa_cur = xa_nxt
         xb_cur = xb_nxt
-    if ACC_FULL and not USE_DOT:
+    if USE_DOT:
+        acc = acc_final(acc, SWAP)
+    elif ACC_FULL:
         acc = tl.sum(tl.sum(acc4, axis=3), axis=2)
-    elif not USE_DOT:
+    else:
         acc = tl.sum(acc3, axis=2)
     if IS_NVFP4 and not (SCALE_AFTER and not USE_DOT and not ACC_FULL):
         acc = acc * DEQUANT_UNSCALE  # exact: undoes dequant_tile's 2^-8
@@ -265,28 +276,34 @@ def _gemv_loop(w_cur, s_cur, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, r
 
 
 @triton.jit
-def _gemv_loop_flat(w_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n, mask_n, k_start,
-                    k_end, n_iters, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
-                    BLOCK_K: tl.constexpr, HAS_NORM: tl.constexpr, GPU: tl.constexpr):
-    """`_gemv_loop` for bf16 weights on the tensor cores with 2-D tiles (GemvConfig.flat):
-    w [BLOCK_F, BLOCK_K] and x [BLOCK_N, BLOCK_K] loaded as plain row-major tiles in the
-    loop, so Triton's pipeliner (num_stages) can stage them through shared memory in the
-    layout `tl.dot` reads, with no [F, KB, 8] -> [F, K] reshape in registers (the layout
+def _gemv_loop_flat(w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n, mask_n,
+                    k_start, k_end, n_iters, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
+                    BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, HAS_NORM: tl.constexpr,
+                    GPU: tl.constexpr, SWAP: tl.constexpr = False):
+    """`_gemv_loop` on the tensor cores with 2-D tiles (GemvConfig.flat): w [BLOCK_F,
+    BLOCK_K] (bf16, or NVFP4 decoded and interleaved back into K order,
+    `flintc.kernels.tiles.load_flat_tile`) and x [BLOCK_N, BLOCK_K] loaded in the loop, so
+    Triton's pipeliner (num_stages) can stage them through shared memory in the layout
+    `tl.dot` reads, with no [F, KB, 8] -> [F, K] reshape in registers (the layout
     conversions that Nsight Compute found around the 3-D tiles' dot, docs/gpu-runs.md
-    session 6). Same products, fp32 accumulation, and the same RMSNorm prologue
-    expression as `_load_x` (bit-identical normed x)."""
-    acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    session 6). Same products, fp32 accumulation (NVFP4: without the global scale), and
+    the same RMSNorm prologue expression as `_load_x` (bit-identical normed x). SWAP: the
+    weight tile is the dot's left operand (`flintc.kernels.tiles.dot_2d`)."""
+    acc = acc_init(BLOCK_N, BLOCK_F, SWAP)
     for it in range(n_iters):
         offs_k = k_start + it * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        w = tl.load(w_rows[:, None] + offs_k[None, :], mask=mask_f[:, None] & mask_k[None, :],
-                    other=0.0)
+        w = load_flat_tile(w_rows, s_rows, mask_f, k_start + it * BLOCK_K, k_end, BLOCK_F,
+                           BLOCK_K, IS_NVFP4, GPU)
         x = tl.load(x_ptr + offs_n[:, None] * stride_xn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         if HAS_NORM:
             nw = tl.load(nw_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             x = _bf16_grid(x * rstd[:, None] * nw[None, :])
-        acc = dot_2d(acc, x, w, GPU)
+        acc = dot_2d(acc, x, w, GPU, SWAP)
+    acc = acc_final(acc, SWAP)
+    if IS_NVFP4:
+        acc = acc * DEQUANT_UNSCALE  # exact: undoes the decode's 2^-8
     return acc
 
 
@@ -355,7 +372,8 @@ def gemv_kernel(
     NORM_H: tl.constexpr = 1,  # next_pow2(K): columns of the RMSNorm prologue (HAS_NORM)
     NORM_ONCE: tl.constexpr = False,  # HAS_NORM: norm x once into xn_ptr, not per tile
     ACC_FULL: tl.constexpr = False,  # FMA path: accumulate the whole product tile
-    FLAT: tl.constexpr = False,  # bf16 tensor-core path with 2-D tiles (`_gemv_loop_flat`)
+    FLAT: tl.constexpr = False,  # tensor-core path with 2-D tiles (`_gemv_loop_flat`)
+    SWAP: tl.constexpr = False,  # tensor cores: weight tile as the dot's left operand
 ):
     # Tile-to-program mapping: program (pid_f, pid_k) computes the dot products of all N
     # activation rows with weight rows [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F) over
@@ -394,26 +412,28 @@ def gemv_kernel(
         tl.debug_barrier()  # this program's stores are visible to all its threads
         rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if FLAT:
-            acc = _gemv_loop_flat(w_rows, mask_f, xn_ptr, K, nw_ptr, rstd, offs_n, mask_n,
-                                  k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, False, GPU)
+            acc = _gemv_loop_flat(w_rows, s_rows, mask_f, xn_ptr, K, nw_ptr, rstd, offs_n,
+                                  mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K,
+                                  IS_NVFP4, False, GPU, SWAP)
         else:
             acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, xn_ptr, K, nw_ptr, rstd, offs_n,
                              mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K,
-                             IS_NVFP4, False, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+                             IS_NVFP4, False, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL,
+                             SWAP)
     else:
         if HAS_NORM:
             rstd = _rms_rstd(x_ptr, stride_xn, offs_n, N, K, eps, NR, NORM_H)
         else:
             rstd = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if FLAT:
-            acc = _gemv_loop_flat(w_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs_n,
-                                  mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K,
-                                  HAS_NORM, GPU)
+            acc = _gemv_loop_flat(w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd,
+                                  offs_n, mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F,
+                                  BLOCK_K, IS_NVFP4, HAS_NORM, GPU, SWAP)
         else:
             acc = _gemv_loop(w0, s0, w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd,
                              offs_n, mask_n, k_start, k_end, n_iters, BLOCK_N, BLOCK_F,
                              BLOCK_K, IS_NVFP4, HAS_NORM, USE_DOT, SCALE_AFTER, GPU, PREFETCH,
-                             ACC_FULL)
+                             ACC_FULL, SWAP)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()  # a scheduling hint: no memory ordering
 
@@ -443,8 +463,10 @@ class GemvConfig:
     `use_dot` tensor cores vs FMA reduction, `scale_after` (FMA + NVFP4 only),
     `num_warps`, `num_stages` (Triton's pipeliner), `prefetch` (manual register
     prefetch of the next weight tile, whose first tile is issued before the PDL wait;
-    ignored with `flat`), `flat` (bf16 + use_dot, plain GEMV kernel only: 2-D tiles
-    staged by the pipeliner, `_gemv_loop_flat`; ignored elsewhere),
+    ignored with `flat`), `flat` (use_dot: 2-D tiles staged by the pipeliner, NVFP4
+    decoded into K order, `_gemv_loop_flat`; the plain and both fused GEMV kernels),
+    `swap` (use_dot: the weight tile as the dot's left operand, `tiles.dot_2d`; Hopper's
+    wgmma may then read a decoded NVFP4 tile from registers, with block_f >= 64),
     `norm_once` (with an RMSNorm prologue: norm x once per program into a bf16 workspace
     instead of once per K step; None = `NORM_ONCE_MIN_STEPS` decides), `acc_full` (FMA
     path: accumulate the whole product tile, reduce once after the K loop; `scale_after`
@@ -461,6 +483,7 @@ class GemvConfig:
     norm_once: bool | None = None
     acc_full: bool = False
     flat: bool = False
+    swap: bool = False
 
     def short(self) -> str:
         kind = "dot" if self.use_dot else ("fma-acc" if self.acc_full else
@@ -468,7 +491,7 @@ class GemvConfig:
         once = {None: "", True: " norm1", False: " normk"}[self.norm_once]
         return (f"{kind} f{self.block_f} k{self.block_k} s{self.split_k} "
                 f"w{self.num_warps} st{self.num_stages}{'' if self.prefetch else ' nopf'}{once}"
-                f"{' flat' if self.flat else ''}")
+                f"{' flat' if self.flat else ''}{' swap' if self.swap else ''}")
 
 
 # Measured winners -> GemvConfig. Keys: (fmt, F, K, N) for the plain GEMV kernel (gemv,
@@ -480,12 +503,14 @@ class GemvConfig:
 # TUNE_FAMILY=classic TUNE_BATCHES=1,8, weights rotated so they are read from DRAM,
 # docs/gpu-runs.md); us = that sweep's time against the previous default's.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
-    # 21.0 us against 23.7
-    ("qkv:bf16", 4096, 2048, 1): GemvConfig(use_dot=False, block_f=128, block_k=128, split_k=16,
-                                           num_warps=4, num_stages=3, prefetch=False),
-    # 31.1 (unchanged)
+    # fused QKV bf16: flat 2-D tiles (session 9 run 1, --family swap), N = 1 with the
+    # swapped dot 14.0 us (flat alone 16.0; session 6's FMA pick 21.3 in the same run), N = 8
+    # 16.7 (31.2)
+    ("qkv:bf16", 4096, 2048, 1): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=8,
+                                           num_warps=8, num_stages=3, prefetch=False, flat=True,
+                                           swap=True),
     ("qkv:bf16", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=8,
-                                           num_warps=8, num_stages=1, prefetch=True),
+                                           num_warps=8, num_stages=3, prefetch=False, flat=True),
     # 15.6 against 17.5
     ("qkv:nvfp4", 4096, 2048, 1): GemvConfig(use_dot=False, block_f=128, block_k=128, split_k=8,
                                             num_warps=8, num_stages=1, prefetch=True,
@@ -630,12 +655,20 @@ def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
     shape (the `gpu` tests check every one of them for correctness). `rows_fixed`: the
     kernel fixes its rows per program (the fused QKV kernel: one head), so block_f is
     set to it and only the other fields vary. `family`: "all", "classic" (the tile
-    shapes below), "one-step" (`one_step_configs`) or "flat" (only the `flat` twins below,
-    bf16). `flat_ok` (the plain GEMV kernel, bf16): each classic tensor-core shape also
-    with `flat` 2-D tiles, 3 and 4 stages."""
-    if family not in ("all", "classic", "one-step", "flat"):
-        raise ValueError("sweep_configs: family must be all, classic, one-step or flat; "
+    shapes below), "one-step" (`one_step_configs`), "flat" (only the `flat` twins below,
+    bf16) or "swap" (`swap_configs`: the weight tile as the dot's left operand, 3-D and
+    flat tiles, with the flat tiles' non-swapped twins). `flat_ok` (the plain GEMV
+    kernel, bf16): each classic tensor-core shape also with `flat` 2-D tiles, 3 and 4
+    stages.
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    if family not in ("all", "classic", "one-step", "flat", "swap"):
+        raise ValueError("sweep_configs: family must be all, classic, one-step, flat or swap; "
                          f"got {family!r}")
+    if family == "swap":
+        return swap_configs(fmt, N, F, K, device, rows_fixed)
     if family == "flat":
         if not flat_ok or fmt != "bf16":
             return []
@@ -685,6 +718,36 @@ def sweep_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
                     if twin not in out:
                         out.append(twin)
     return out + [c for c in one if c not in out]
+
+
+# (block_f, block_k, num_warps, num_stages, flat, prefetch) of the "swap" sweep family:
+# 64-row tiles (one warpgroup's wgmma M) and 128-row ones, 3-D tiles with the register
+# prefetch or the pipeliner, 2-D tiles staged by the pipeliner.
+SWAP_SHAPES = [(64, 128, 4, 1, False, True), (64, 128, 4, 3, False, False),
+               (64, 128, 4, 3, True, False), (64, 256, 4, 3, True, False),
+               (128, 128, 8, 3, True, False), (128, 128, 4, 3, True, False)]
+
+
+def swap_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
+                 rows_fixed: int | None = None) -> list[GemvConfig]:
+    """The "swap" sweep family (`sweep_configs`): `choose_config`'s pick first (the
+    reference point), then every `SWAP_SHAPES` entry with `swap`, each flat one also
+    without it (flat NVFP4 tiles are new to this family), at split-K for ~2 and ~4
+    programs per SM. `rows_fixed` as in `sweep_configs` (block_f fixed, >= 8 warps)."""
+    out = [choose_config(N, F, K, fmt, device, flat_ok=rows_fixed is None)]
+    for bf, bk, nw, st, flat, pf in SWAP_SHAPES:
+        if rows_fixed is not None:
+            bf, nw = rows_fixed, max(nw, 8)
+        num_f = triton.cdiv(F, bf)
+        for sk in sorted({auto_split_k(num_f, K, bk, device, 2),
+                          auto_split_k(num_f, K, bk, device, 4)}):
+            for swap in ((True, False) if flat else (True,)):
+                cfg = GemvConfig(use_dot=True, block_f=bf, block_k=bk, split_k=sk,
+                                 num_warps=nw, num_stages=st, prefetch=pf, flat=flat,
+                                 swap=swap)
+                if cfg not in out:
+                    out.append(cfg)
+    return out
 
 
 def _effective_split(K: int, block_k: int, split_k: int) -> tuple[int, int]:
@@ -805,7 +868,7 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
         NR=triton.next_power_of_2(N) if norm is not None else 1,
         NORM_H=triton.next_power_of_2(K) if norm is not None else 1, NORM_ONCE=norm_once,
         ACC_FULL=cfg.acc_full and not cfg.use_dot,
-        FLAT=cfg.flat and cfg.use_dot and fmt == "bf16", num_warps=cfg.num_warps, **extra,
+        FLAT=cfg.flat and cfg.use_dot, SWAP=cfg.swap and cfg.use_dot, num_warps=cfg.num_warps, **extra,
     )
     return out
 

@@ -91,10 +91,12 @@ from flintc.kernels.gemv import _round_to_bf16, split_k_counters
 from flintc.kernels.pdl import pdl_mode
 from flintc.kernels.tiles import (
     DEQUANT_UNSCALE,
+    acc_final,
+    acc_init,
     dequant_tile,
-    dequant_tile_k_order,
     dot_2d,
     e2m1_fp32,
+    load_flat_tile,
 )
 from flintc.kernels.tiles import dot_tile as _dot_tile
 from flintc.kernels.tiles import load_weight_tile as _load_w
@@ -317,9 +319,11 @@ def _load_x(x_rows, mask_x, k0, k_end, BLOCK_K: tl.constexpr, IS_NVFP4: tl.const
 @triton.jit
 def _mac(acc, w, s, x_a, x_b, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
          BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, USE_DOT: tl.constexpr,
-         SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, ACC_FULL: tl.constexpr):
+         SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, ACC_FULL: tl.constexpr,
+         SWAP: tl.constexpr = False):
     """One BLOCK_K step: acc += x . w for one weight tile (from `_load_w`) and the x tiles
-    (from `_load_x`). USE_DOT: acc [BLOCK_N, BLOCK_F] on the tensor cores. Else the FMA
+    (from `_load_x`). USE_DOT: acc [BLOCK_N, BLOCK_F] on the tensor cores ([BLOCK_F,
+    BLOCK_N] with SWAP: the weight tile as the dot's left operand, `tiles.dot_2d`). Else the FMA
     reduction: acc [BLOCK_N, BLOCK_F, KB] keeps one fp32 partial per 8 (bf16) or 16
     (NVFP4) columns, summed once after the K loop; with SCALE_AFTER (NVFP4) each
     16-weight block is summed unscaled and multiplied by its block scale once. ACC_FULL
@@ -336,8 +340,8 @@ def _mac(acc, w, s, x_a, x_b, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
         if USE_DOT:
             # e2m1 * scale * 2^-8, exact (bf16 on the GPU); `_expert_gemv` undoes the 2^-8
             w_lo, w_hi = dequant_tile(w, s, GPU)
-            acc = _dot_tile(acc, x_a, w_lo, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
-            acc = _dot_tile(acc, x_b, w_hi, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU)
+            acc = _dot_tile(acc, x_a, w_lo, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU, SWAP)
+            acc = _dot_tile(acc, x_b, w_hi, BLOCK_N, BLOCK_F, BLOCK_K // 2, GPU, SWAP)
         elif SCALE_AFTER:
             c = w.to(tl.int32)
             sf = s.to(tl.float32)  # [BLOCK_F, KB]
@@ -350,54 +354,40 @@ def _mac(acc, w, s, x_a, x_b, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
             acc += tl.sum(x_b[:, None, :, :] * w_hi.to(tl.float32)[None, :, :, :], axis=3)
     else:
         if USE_DOT:
-            acc = _dot_tile(acc, x_a, w, BLOCK_N, BLOCK_F, BLOCK_K, GPU)
+            acc = _dot_tile(acc, x_a, w, BLOCK_N, BLOCK_F, BLOCK_K, GPU, SWAP)
         else:
             acc += tl.sum(x_a[:, None, :, :] * w.to(tl.float32)[None, :, :, :], axis=3)
     return acc
 
 
 @triton.jit
-def _flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
-               IS_NVFP4: tl.constexpr, GPU: tl.constexpr):
-    """Weight tile [BLOCK_F, BLOCK_K] in K order (columns k0..k0 + BLOCK_K): bf16 as a
-    plain 2-D load; NVFP4 through `_load_w` and the inline-asm decode (values times 2^-8,
-    exact), the low / high nibbles' halves interleaved back into K order (weight 2j, then
-    2j + 1, of each code byte j), as `flintc.kernels.grouped_gemm`'s K_ORDER path."""
-    # one return after a constexpr if / else: Triton compiles the statements after an
-    # early return of a constexpr branch too (the uint8 code pointer loaded as weights)
-    if IS_NVFP4:
-        ct, st = _load_w(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K, True)
-        w = dequant_tile_k_order(ct, st, BLOCK_F, BLOCK_K, GPU)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows[:, None] + offs_k[None, :],
-                    mask=mask_f[:, None] & (offs_k < k_end)[None, :], other=0.0)
-    return w
-
-
-@triton.jit
 def _expert_gemv_flat(w_rows, s_rows, v_rows, t_rows, mask_f, x_rows, mask_x, k_start,
                       k_end, n_iters, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr,
                       BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, TWO: tl.constexpr,
-                      GPU: tl.constexpr):
+                      GPU: tl.constexpr, SWAP: tl.constexpr = False):
     """`_expert_gemv` on the tensor cores with 2-D tiles (MoeConfig.flat): x
     [BLOCK_N, BLOCK_K] and weights [BLOCK_F, BLOCK_K] in K order, loaded in the loop so
     Triton's pipeliner (num_stages) stages them, one dot per step and matrix, with no
     [F, KB, 8] -> [F, K] relayout around the dot (what made the LM head's 3-D tiles ~2x
     slower than 2-D ones, `flintc.kernels.gemv.GemvConfig.flat`). Same products and fp32
-    accumulation as the 3-D tiles; NVFP4 results lack the global scale."""
-    acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    accumulation as the 3-D tiles; NVFP4 results lack the global scale. SWAP: the weight
+    tile is the dot's left operand (`tiles.dot_2d`), accumulators transposed back after
+    the loop."""
+    acc = acc_init(BLOCK_N, BLOCK_F, SWAP)
+    acc2 = acc_init(BLOCK_N, BLOCK_F, SWAP)
     for it in range(n_iters):
         k0 = k_start + it * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows[:, None] + offs_k[None, :],
                     mask=mask_x[:, None] & (offs_k < k_end)[None, :], other=0.0)
-        w = _flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
-        acc = dot_2d(acc, x, w, GPU)
+        w = load_flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
+        acc = dot_2d(acc, x, w, GPU, SWAP)
         if TWO:
-            v = _flat_tile(v_rows, t_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
-            acc2 = dot_2d(acc2, x, v, GPU)
+            v = load_flat_tile(v_rows, t_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4,
+                               GPU)
+            acc2 = dot_2d(acc2, x, v, GPU, SWAP)
+    acc = acc_final(acc, SWAP)
+    acc2 = acc_final(acc2, SWAP)
     if IS_NVFP4:
         acc = acc * DEQUANT_UNSCALE  # exact: undoes dequant_tile's 2^-8
         acc2 = acc2 * DEQUANT_UNSCALE
@@ -410,18 +400,19 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
                  BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
                  IS_NVFP4: tl.constexpr, TWO: tl.constexpr, USE_DOT: tl.constexpr,
                  SCALE_AFTER: tl.constexpr, GPU: tl.constexpr, PREFETCH: tl.constexpr,
-                 ACC_FULL: tl.constexpr):
+                 ACC_FULL: tl.constexpr, SWAP: tl.constexpr = False):
     """(acc, acc2) fp32 [BLOCK_N, BLOCK_F]: x[:, k_start:k_end] @ W[rows, k_start:k_end]^T
     for W = the matrix at (w_rows, s_rows) and, with TWO, also for V at (v_rows, t_rows)
     (gate and up share each x tile; twice the loads in flight per step). NVFP4 results
     lack the global scale. PREFETCH: (w0, s0) / (v0, t0) are the first tiles (loaded by
     the caller, the shared expert's before `gdc_wait`) and each step loads the next tiles
     into registers before using the current ones; without it each step loads its own
-    tiles and Triton's pipeliner (num_stages) stages them through shared memory."""
+    tiles and Triton's pipeliner (num_stages) stages them through shared memory. SWAP
+    (USE_DOT): the weight tile is the dot's left operand (`tiles.dot_2d`)."""
     KB: tl.constexpr = BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8
     if USE_DOT:
-        acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+        acc = acc_init(BLOCK_N, BLOCK_F, SWAP)
+        acc2 = acc_init(BLOCK_N, BLOCK_F, SWAP)
     elif ACC_FULL:
         acc = tl.zeros((BLOCK_N, BLOCK_F, KB, 8), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_N, BLOCK_F, KB, 8), dtype=tl.float32)
@@ -446,10 +437,10 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
         x_a = xa_cur
         x_b = xb_cur
         acc = _mac(acc, w0, s0, x_a, x_b, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, USE_DOT,
-                   SCALE_AFTER, GPU, ACC_FULL)
+                   SCALE_AFTER, GPU, ACC_FULL, SWAP)
         if TWO:
             acc2 = _mac(acc2, v0, t0, x_a, x_b, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, USE_DOT,
-                        SCALE_AFTER, GPU, ACC_FULL)
+                        SCALE_AFTER, GPU, ACC_FULL, SWAP)
         if PREFETCH:
             w0 = w_nxt
             s0 = s_nxt
@@ -458,10 +449,13 @@ def _expert_gemv(w_rows, s_rows, v_rows, t_rows, w0, s0, v0, t0, mask_f, x_rows,
                 t0 = t_nxt
         xa_cur = xa_nxt
         xb_cur = xb_nxt
-    if ACC_FULL and not USE_DOT:
+    if USE_DOT:
+        acc = acc_final(acc, SWAP)
+        acc2 = acc_final(acc2, SWAP)
+    elif ACC_FULL:
         acc = tl.sum(tl.sum(acc, axis=3), axis=2)
         acc2 = tl.sum(tl.sum(acc2, axis=3), axis=2)
-    elif not USE_DOT:
+    else:
         acc = tl.sum(acc, axis=2)
         acc2 = tl.sum(acc2, axis=2)
     if IS_NVFP4 and not (SCALE_AFTER and not USE_DOT and not ACC_FULL):
@@ -551,6 +545,7 @@ def gate_up_kernel(
     ACC_FULL: tl.constexpr,
     GPU: tl.constexpr,
     FLAT: tl.constexpr = False,  # tensor cores with 2-D tiles (`_expert_gemv_flat`)
+    SWAP: tl.constexpr = False,  # tensor cores: weight tile as the dot's left operand
 ):
     # Program (f block, slot, split): slot < N*K is (token, choice), slot N*K the shared
     # expert; columns [pid_k * K_PER_SPLIT, ...) of H. Non-owner slots exit after writing
@@ -624,11 +619,12 @@ def gate_up_kernel(
     x_rows = x_ptr + offs_n.to(tl.int64) * H
     if FLAT:
         acc_g, acc_u = _expert_gemv_flat(gw, gs, uw, us, mask_f, x_rows, tok, k_start, k_end,
-                                         n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, True, GPU)
+                                         n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4, True, GPU,
+                                         SWAP)
     else:
         acc_g, acc_u = _expert_gemv(gw, gs, uw, us, g0, gs0, u0, us0, mask_f, x_rows, tok,
                                     k_start, k_end, n_iters, BLOCK_N, BLOCK_F, BLOCK_K, IS_NVFP4,
-                                    True, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+                                    True, USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL, SWAP)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     row = offs_n[:, None] * SLOTS + kpos[:, None]  # h[n, kpos[n], :], [BLOCK_N, 1]
@@ -682,6 +678,7 @@ def down_kernel(
     ACC_FULL: tl.constexpr,
     USE_PDL: tl.constexpr, GPU: tl.constexpr,
     FLAT: tl.constexpr = False,  # tensor cores with 2-D tiles (`_expert_gemv_flat`)
+    SWAP: tl.constexpr = False,  # tensor cores: weight tile as the dot's left operand
 ):
     # Program (h block, slot, split): the owner of a distinct expert (or the shared
     # expert) computes its down GEMV for rows [pid_h * BLOCK_H, ...) over columns
@@ -738,11 +735,12 @@ def down_kernel(
     x_rows = h_ptr + (offs_n.to(tl.int64) * SLOTS + kpos) * F  # h[n, kpos[n], :]
     if FLAT:
         acc, _ = _expert_gemv_flat(ww, ws_rows, ww, ws_rows, mask_w, x_rows, tok, k_start,
-                                   k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False, GPU)
+                                   k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False, GPU,
+                                   SWAP)
     else:
         acc, _ = _expert_gemv(ww, ws_rows, ww, ws_rows, w0, s0, w0, s0, mask_w, x_rows, tok,
                               k_start, k_end, n_iters, BLOCK_N, BLOCK_H, BLOCK_K, IS_NVFP4, False,
-                              USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL)
+                              USE_DOT, SCALE_AFTER, GPU, PREFETCH, ACC_FULL, SWAP)
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
     plane = N * SLOTS * H  # one [N, SLOTS, H] plane of the workspace
@@ -992,7 +990,10 @@ class MoeConfig:
     wait) instead of Triton's pipeliner (`num_stages`); `acc_full` (FMA): accumulate the
     whole product tile and reduce once after the loop (`scale_after` then ignored);
     `flat` (use_dot): 2-D weight and activation tiles in K order staged by the pipeliner
-    (`_expert_gemv_flat`; `prefetch` then ignored)."""
+    (`_expert_gemv_flat`; `prefetch` then ignored); `swap` (use_dot): the weight tile is
+    the dot's left operand and the tokens its right one (`flintc.kernels.tiles.dot_2d`),
+    so Hopper's wgmma may read the decoded NVFP4 tile from registers (block_rows >= 64
+    for that; smaller tiles still compile, on mma.sync)."""
 
     block_rows: int = 32
     block_k: int = 128
@@ -1004,12 +1005,14 @@ class MoeConfig:
     prefetch: bool = False
     acc_full: bool = False
     flat: bool = False
+    swap: bool = False
 
     def short(self) -> str:
         kind = "dot" if self.use_dot else ("fma-acc" if self.acc_full else
                                            "fma-sa" if self.scale_after else "fma")
         return (f"{kind} r{self.block_rows} k{self.block_k} s{self.split} w{self.num_warps} "
-                f"st{self.num_stages}{' pf' if self.prefetch else ''}{' flat' if self.flat else ''}")
+                f"st{self.num_stages}{' pf' if self.prefetch else ''}{' flat' if self.flat else ''}"
+                f"{' swap' if self.swap else ''}")
 
 
 # Measured winners. Keys: (kernel, fmt, N) with kernel "gate_up" or "down", fmt "bf16" or
@@ -1019,9 +1022,11 @@ class MoeConfig:
 # 2026-11-30 session 6 run 3, `bash scripts/gpu_tune.sh` with TUNE_MOE_FAMILY=classic
 # TUNE_MOE_BATCHES=1,8; bf16: 2026-12-01 session 8 runs 4-5, `bench_moe.py --family flat`;
 # docs/gpu-runs.md). NVFP4 at N = 1: the FMA path with the whole-tile accumulator won
-# (gate/up 15.3 us, was 21.9; down 8.6, was 12.7; the flat twins took 23-39 / 12-17 us).
-# bf16: the flat 2-D tiles won at every N (1, 2, 4, 8). NVFP4 N = 2 and 4 use the rule
-# (flat there: within 2-13% of it, not GPU-tested for correctness yet).
+# (gate/up 15.3 us, was 21.9; down 8.6, was 12.7; the flat twins took 21-39 / 10-17 us,
+# again in session 9 run 1). bf16: the flat 2-D tiles won at every N (1, 2, 4, 8). NVFP4 at
+# N = 4 and 8: flat 2-D tiles with 64 rows won (session 9 run 1, `bench_moe.py --family
+# swap`, GPU-tested at N = 8); NVFP4 N = 2 and down at N = 4 use the rule (the same
+# tiles). The swapped dot (`MoeConfig.swap`) won nothing beyond noise.
 TUNED: dict[tuple[str, str, int], MoeConfig] = {
     # bf16 N = 1 and 2: flat 2-D tiles (session 8 run 5), gate/up 12.9 us (FMA whole-tile
     # accumulator: 21.4) and 19.9 (43.5), down 8.5 (11.0) and 12.0 (22.0)
@@ -1047,10 +1052,14 @@ TUNED: dict[tuple[str, str, int], MoeConfig] = {
                                        num_warps=4, num_stages=1, prefetch=True, acc_full=True),
     ("down", "nvfp4", 1): MoeConfig(block_rows=32, block_k=128, split=1, use_dot=False,
                                     num_warps=4, num_stages=1, prefetch=True, acc_full=True),
-    ("gate_up", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=8,
-                                       num_stages=3),
-    ("down", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=8,
-                                    num_stages=3),
+    # NVFP4 N = 4 / 8: flat 2-D tiles (session 9 run 1): gate/up 38.7 us (3-D tiles 53.2)
+    # and 63.0 (93.9), down at N = 8 35.2 (49.6)
+    ("gate_up", "nvfp4", 4): MoeConfig(block_rows=64, block_k=128, split=2, num_warps=4,
+                                       num_stages=3, flat=True),
+    ("gate_up", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
+                                       num_stages=3, flat=True),
+    ("down", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
+                                    num_stages=3, flat=True),
 }
 
 
@@ -1081,12 +1090,11 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
     measured it, else a rule. In the interpreter (not CUDA, or TRITON_INTERPRET=1): small
     tiles, whatever TUNED says (unlike `flintc.kernels.gemv.choose_config`).
 
-    Rule (CUDA, pairs the sweep has not measured): tensor-core reduction, 128-column
-    steps; bf16 over flat 2-D tiles, 64 weight rows per program, 3 stages (the sweep's
-    winners at N = 4 and 8); NVFP4 32 rows, 3-D tiles staged by Triton's pipeliner (3
-    stages); split of the reduction
-    up to ~4 programs per SM counting one program per (slot, row block) (slots = N*K + 1
-    is an upper bound on the distinct experts)."""
+    Rule (CUDA, pairs the sweep has not measured): tensor-core reduction over flat 2-D
+    tiles, 64 weight rows per program, 128-column steps, 4 warps, 3 stages, both formats
+    (the sweeps' winners: bf16 at N = 4 and 8, NVFP4 at N = 4 and 8, session 9 run 1); split
+    of the reduction up to ~4 programs per SM counting one program per (slot, row block)
+    (slots = N*K + 1 is an upper bound on the distinct experts)."""
     if device.type != "cuda" or _interpreting():  # interpreter: fewest programs and steps
         return MoeConfig(block_rows=min(128, max(16, triton.next_power_of_2(rows))),
                          block_k=min(128, max(32, triton.next_power_of_2(red))), split=1,
@@ -1098,14 +1106,11 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
         hit = TUNED.get((kernel, fmt, N))
     if hit is not None:
         return hit
-    if fmt == "bf16":  # flat 2-D tiles won every bf16 sweep at N = 4 and 8 (59-83% of copy)
-        split = auto_split(slots * triton.cdiv(rows, 64), red, 128, device)
-        return MoeConfig(block_rows=64, block_k=128, split=split, use_dot=True, num_warps=4,
-                         num_stages=3, flat=True)
-    # NVFP4: the pipeliner
-    split = auto_split(slots * triton.cdiv(rows, 32), red, 128, device)
-    return MoeConfig(block_rows=32, block_k=128, split=split, use_dot=True,
-                     num_warps=4, num_stages=3, prefetch=False)
+    # flat 2-D tiles won every bf16 sweep at N = 4 and 8 (59-83% of copy) and the NVFP4
+    # ones at N = 4 and 8 (gate/up 38.7 / 63.0 us against 53.2 / 93.9 on 3-D tiles)
+    split = auto_split(slots * triton.cdiv(rows, 64), red, 128, device)
+    return MoeConfig(block_rows=64, block_k=128, split=split, use_dot=True, num_warps=4,
+                     num_stages=3, flat=True)
 
 
 def one_step_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
@@ -1141,6 +1146,14 @@ def one_step_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: 
 ACC_FULL_SHAPES = [(16, 128, 4), (32, 128, 4), (16, 256, 4), (32, 256, 8)]
 
 
+# (block_rows, block_k, num_warps, num_stages, flat, prefetch) of the "swap" sweep family:
+# 64-row tiles (one warpgroup's wgmma M) and 128-row ones, 3-D tiles with the pipeliner
+# or the register prefetch, 2-D tiles staged by the pipeliner.
+SWAP_SHAPES = [(64, 128, 4, 3, False, False), (64, 128, 8, 3, False, False),
+               (64, 128, 4, 1, False, True), (64, 128, 4, 3, True, False),
+               (64, 256, 4, 3, True, False), (128, 128, 8, 3, True, False)]
+
+
 def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
                   device: torch.device, family: str = "all") -> list[MoeConfig]:
     """Candidates that `benchmarks/bench_moe.py` times (the `gpu` test checks each one
@@ -1148,14 +1161,26 @@ def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
     the FMA reduction (NVFP4: with the per-block scale) and other splits; `family`
     "one-step" gives the rule's choice and `one_step_configs` only, "classic" leaves
     those out, "all" (default) has both; each classic tensor-core shape also comes as a
-    `flat` twin (3 and 4 stages), and "flat" gives the rule's choice and those twins only.
+    `flat` twin (3 and 4 stages), and "flat" gives the rule's choice and those twins only;
+    "swap" gives the rule's choice and `SWAP_SHAPES` with the weight tile as the dot's
+    left operand (`MoeConfig.swap`), each flat one also without it.
 
     Raises:
         ValueError: an unknown family.
     """
-    if family not in ("all", "classic", "one-step", "flat"):
-        raise ValueError("sweep_configs: family must be all, classic, one-step or flat; "
+    if family not in ("all", "classic", "one-step", "flat", "swap"):
+        raise ValueError("sweep_configs: family must be all, classic, one-step, flat or swap; "
                          f"got {family!r}")
+    if family == "swap":
+        out = [choose_config(kernel, fmt, N, rows, red, slots, device)]
+        for br, bk, nw, st, flat, pf in SWAP_SHAPES:
+            split = auto_split(slots * triton.cdiv(rows, br), red, bk, device)
+            for swap in ((True, False) if flat else (True,)):
+                cfg = MoeConfig(block_rows=br, block_k=bk, split=split, use_dot=True,
+                                num_warps=nw, num_stages=st, prefetch=pf, flat=flat, swap=swap)
+                if cfg not in out:
+                    out.append(cfg)
+        return out
     if family == "flat":
         base = choose_config(kernel, fmt, N, rows, red, slots, device)
         twins = [c for c in sweep_configs(kernel, fmt, N, rows, red, slots, device, "classic")
@@ -1286,7 +1311,7 @@ def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, 
         BLOCK_N=_block_n(N, cfg), BLOCK_T=triton.next_power_of_2(N), BLOCK_F=cfg.block_rows, BLOCK_K=cfg.block_k,
         SPLIT=split, ROUTE=route, HAS_SHARED=has_shared, IS_NVFP4=nv, USE_DOT=cfg.use_dot,
         SCALE_AFTER=cfg.scale_after and nv, PREFETCH=cfg.prefetch and not _flat(cfg),
-        USE_PDL=pdl_mode(pdl), GPU=gpu, ACC_FULL=cfg.acc_full and not cfg.use_dot, FLAT=_flat(cfg),
+        USE_PDL=pdl_mode(pdl), GPU=gpu, ACC_FULL=cfg.acc_full and not cfg.use_dot, FLAT=_flat(cfg), SWAP=cfg.swap and cfg.use_dot,
         **_route_consts(E, top_k), **_kernel_opts(cfg, gpu), **opts)
     return h, wts, ids_out
 
@@ -1398,7 +1423,7 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
         HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, IS_NVFP4=nv,
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv,
         PREFETCH=cfg.prefetch and not _flat(cfg), ACC_FULL=cfg.acc_full and not cfg.use_dot,
-        FLAT=_flat(cfg),
+        FLAT=_flat(cfg), SWAP=cfg.swap and cfg.use_dot,
         USE_PDL=pdl_mode(pdl), GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
     return out
 

@@ -1,7 +1,8 @@
 """Weight tiles of the decode GEMV kernels, the Triton helpers that `flintc.kernels.gemv`,
 `flintc.kernels.fused_gemv` and `flintc.kernels.moe` share: the tile loader
-(`load_weight_tile`), the NVFP4 decode (`dequant_tile`, `e2m1_fp32`) and the
-tensor-core step (`dot_tile`).
+(`load_weight_tile`, `load_flat_tile`), the NVFP4 decode (`dequant_tile`, `e2m1_fp32`)
+and the tensor-core step (`dot_tile`, `dot_2d`; with SWAP the weight tile is the dot's
+left operand, `acc_init` / `acc_final` hold the transposed accumulator).
 
 Format (FLINT_SPEC section 4, packed layout of `flintc.quant.nvfp4`): byte j of a weight
 row holds weight 2j in its low nibble and weight 2j + 1 in its high nibble; a code is
@@ -170,23 +171,81 @@ def dequant_tile_k_order(codes, scales, BLOCK_F: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
-def dot_2d(acc, x, w, GPU: tl.constexpr):
+def dot_2d(acc, x, w, GPU: tl.constexpr, SWAP: tl.constexpr = False):
     """acc [M, F] += x [M, K] @ w [F, K]^T with exact operands (bf16 activations; bf16 or
     decoded NVFP4 weights): bf16 tensor cores with fp32 accumulation on the GPU; IEEE fp32
-    in the interpreter, which mishandles bf16 math (../shared/NOTES.md)."""
-    if GPU:
-        return tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    in the interpreter, which mishandles bf16 math (../shared/NOTES.md).
+
+    SWAP: acc [F, M] += w @ x^T instead (the transposed product, same fp32 sums of the
+    same exact products): the weight tile is the dot's left operand, which Hopper's wgmma
+    can read from registers (where a decoded NVFP4 tile already is) when F >= 64, and the
+    small activation tile is the right operand (M >= 16); the caller transposes the
+    accumulator once after its K loop."""
+    if SWAP:
+        if GPU:
+            out = tl.dot(w.to(tl.bfloat16), tl.trans(x.to(tl.bfloat16)), acc)
+        else:
+            out = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc,
+                         input_precision="ieee")
     else:
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        if GPU:
+            out = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        else:
+            out = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision="ieee")
+    return out
 
 
 @triton.jit
 def dot_tile(acc, x3, w3, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, KW: tl.constexpr,
-             GPU: tl.constexpr):
+             GPU: tl.constexpr, SWAP: tl.constexpr = False):
     """acc [BLOCK_N, BLOCK_F] += x3 [BLOCK_N, KB, 8] . w3 [BLOCK_F, KB, 8] over (KB, 8)
-    (KW = KB * 8) on the tensor cores. Every operand is exact in bf16 (bf16 activations;
-    bf16 weights or `dequant_tile`'s e2m1 * scale * 2^-8, at most 6 significant bits), so
-    on the GPU the dot takes bf16 with fp32 accumulation; the interpreter mishandles bf16
-    math (../shared/NOTES.md), so there both sides stay fp32 and the dot runs in IEEE
-    precision."""
-    return dot_2d(acc, tl.reshape(x3, (BLOCK_N, KW)), tl.reshape(w3, (BLOCK_F, KW)), GPU)
+    (KW = KB * 8) on the tensor cores (with SWAP: acc [BLOCK_F, BLOCK_N], see `dot_2d`).
+    Every operand is exact in bf16 (bf16 activations; bf16 weights or `dequant_tile`'s
+    e2m1 * scale * 2^-8, at most 6 significant bits), so on the GPU the dot takes bf16
+    with fp32 accumulation; the interpreter mishandles bf16 math (../shared/NOTES.md), so
+    there both sides stay fp32 and the dot runs in IEEE precision."""
+    return dot_2d(acc, tl.reshape(x3, (BLOCK_N, KW)), tl.reshape(w3, (BLOCK_F, KW)), GPU, SWAP)
+
+
+@triton.jit
+def acc_init(BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, SWAP: tl.constexpr):
+    """The zero fp32 accumulator of a tensor-core GEMV loop: [BLOCK_N, BLOCK_F], or
+    [BLOCK_F, BLOCK_N] with SWAP (`dot_2d`); `acc_final` brings it back to [N, F]."""
+    if SWAP:
+        acc = tl.zeros((BLOCK_F, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_F), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def acc_final(acc, SWAP: tl.constexpr):
+    """`acc_init`'s accumulator as [BLOCK_N, BLOCK_F] (one transpose after the K loop with
+    SWAP; unchanged otherwise)."""
+    if SWAP:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    return out
+
+
+@triton.jit
+def load_flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr,
+                   BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, GPU: tl.constexpr):
+    """Weight tile [BLOCK_F, BLOCK_K] in K order (columns k0 .. k0 + BLOCK_K, masked at
+    `k_end` and by `mask_f`): bf16 as a plain 2-D load (`w_rows` [BLOCK_F] pointers to each
+    row's first element); NVFP4 through `load_weight_tile` and the inline-asm decode
+    (values times 2^-8, exact; multiply the accumulator by `DEQUANT_UNSCALE`), interleaved
+    back into K order (`dequant_tile_k_order`). For the flat 2-D tensor-core loops of
+    `flintc.kernels.gemv` and `flintc.kernels.moe`."""
+    # one return after a constexpr if / else: Triton compiles the statements after an
+    # early return of a constexpr branch too (the uint8 code pointer loaded as weights)
+    if IS_NVFP4:
+        ct, st = load_weight_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K, True)
+        w = dequant_tile_k_order(ct, st, BLOCK_F, BLOCK_K, GPU)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows[:, None] + offs_k[None, :],
+                    mask=mask_f[:, None] & (offs_k < k_end)[None, :], other=0.0)
+    return w

@@ -174,6 +174,12 @@ QKV_CPU_CASES = [
     ("nvfp4", 3, "sliding", GemvConfig(use_dot=False, block_k=64, split_k=1)),
     ("nvfp4_gs", 1, "full", GemvConfig(use_dot=False, block_k=64, split_k=2, acc_full=True)),
     ("bf16", 2, "sliding", GemvConfig(use_dot=False, block_k=32, split_k=2, acc_full=True)),
+    # 2-D tiles (flat; NVFP4 decoded into K order) and the swapped dot (weights on the left)
+    ("nvfp4_gs", 3, "sliding", GemvConfig(use_dot=True, block_k=32, split_k=2, prefetch=False,
+                                          flat=True)),
+    ("bf16", 8, "full", GemvConfig(use_dot=True, block_k=32, split_k=2, prefetch=False,
+                                   flat=True, swap=True)),
+    ("nvfp4_gs", 2, "sliding", GemvConfig(use_dot=True, block_k=64, split_k=2, swap=True)),
 ]
 
 
@@ -195,6 +201,8 @@ def test_norm_qkv_rope_kv(fmt, N, kind, cfg, poison_empty):
     ("nvfp4_gs", 8, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=1)),
     ("nvfp4_gs", 1, None),
     ("bf16", 1, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=2, acc_full=True)),
+    ("nvfp4_gs", 2, GemvConfig(use_dot=True, block_f=32, block_k=64, split_k=2, prefetch=False,
+                               flat=True, swap=True)),
 ])
 def test_gemv_residual(fmt, N, cfg, poison_empty):
     """O projection shape of the tiny config: x [N, 1, Hq*D = 256] -> [N, 1, H = 128]."""
@@ -214,6 +222,9 @@ def test_gemv_residual(fmt, N, cfg, poison_empty):
     ("bf16", 8, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=2)),
     ("nvfp4_gs", 3, GemvConfig(use_dot=True, block_f=64, block_k=32, split_k=4, prefetch=False)),
     ("nvfp4_gs", 1, GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=2, acc_full=True)),
+    ("nvfp4_gs", 2, GemvConfig(use_dot=True, block_f=32, block_k=32, split_k=2, prefetch=False,
+                               flat=True)),
+    ("bf16", 3, GemvConfig(use_dot=True, block_f=32, block_k=64, split_k=2, swap=True)),
 ])
 def test_norm_gate_up_silu(fmt, N, cfg, poison_empty):
     """Dense MLP of the tiny config: H = 128, F = 256."""
@@ -406,6 +417,27 @@ def test_norm_qkv_rope_kv_gpu(N, fmt, kind, use_pdl):
     window = 513 if kind == "sliding" else 0
     args = qkv_inputs(N, 2048, 32, 4, 128, fmt, kind, 513, 2048)
     check_qkv(args, 32, 4, kind == "sliding", window, use_pdl=use_pdl)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
+@pytest.mark.parametrize("N", [1, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_fused_swap_and_flat_configs_gpu(N, fmt):
+    """Every candidate of the "swap" sweep family (`flintc.kernels.gemv.swap_configs`: the
+    swapped dot, 3-D and flat tiles, flat NVFP4) in the fused QKV kernel (full layer,
+    one head per program) at full shapes, with PDL (CPU twins: QKV_CPU_CASES)."""
+    import triton
+
+    from flintc.kernels.gemv import swap_configs
+
+    args = qkv_inputs(N, 2048, 32, 4, 128, fmt, "full", 513, 2048)
+    key = "nvfp4" if fmt.startswith("nvfp4") else "bf16"
+    for cfg in swap_configs(key, N, 32 * 128, 2048, torch.device("cuda"), rows_fixed=128):
+        try:
+            check_qkv(args, 32, 4, False, 0, config=cfg, use_pdl=True)
+        except triton.runtime.errors.OutOfResources:
+            continue
 
 
 @pytest.mark.parametrize("use_pdl", [False, True])

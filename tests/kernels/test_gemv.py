@@ -101,8 +101,13 @@ CPU_CONFIGS = [
     GemvConfig(use_dot=True, block_f=16, block_k=64, split_k=3, prefetch=True),
     GemvConfig(use_dot=False, block_f=32, block_k=64, split_k=3, prefetch=True),
     GemvConfig(use_dot=False, block_f=16, block_k=64, split_k=2, prefetch=True, acc_full=True),
-    # 2-D tiles for bf16 on the tensor cores (NVFP4 ignores `flat`), split-K
+    # 2-D tiles on the tensor cores (NVFP4 decoded into K order), split-K
     GemvConfig(use_dot=True, block_f=16, block_k=32, split_k=2, prefetch=False, flat=True),
+    # the swapped dot (weight tile on the left, accumulator [F, N]): 3-D tiles with the
+    # register prefetch, and 2-D tiles
+    GemvConfig(use_dot=True, block_f=32, block_k=64, split_k=2, prefetch=True, swap=True),
+    GemvConfig(use_dot=True, block_f=16, block_k=32, split_k=3, prefetch=False, flat=True,
+               swap=True),
 ]
 
 
@@ -218,8 +223,10 @@ def test_every_sweep_config_gpu(F, K, N, fmt):
     w = make_weight(F, K, fmt, "cuda")
     ref = gemv_reference(x, w)
     fmt_key = "nvfp4" if fmt.startswith("nvfp4") else "bf16"
-    for cfg in G.sweep_configs(fmt_key, N, F, K, x.device, family="all" if N == 1 else "classic",
-                               flat_ok=True):
+    cands = G.sweep_configs(fmt_key, N, F, K, x.device, family="all" if N == 1 else "classic",
+                            flat_ok=True)
+    cands += [c for c in G.sweep_configs(fmt_key, N, F, K, x.device, family="swap") if c not in cands]
+    for cfg in cands:
         out = torch.full((N, F), float("nan"), dtype=torch.bfloat16, device="cuda")
         try:
             gemv(x, w, out=out, config=cfg, use_pdl=True)

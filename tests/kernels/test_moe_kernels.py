@@ -210,6 +210,11 @@ CPU_CONFIGS = [
     # is ignored there
     K.MoeConfig(block_rows=16, block_k=32, split=2, use_dot=True, num_stages=1, prefetch=True,
                 flat=True),
+    # the swapped dot (weight tile on the left, accumulator [rows, N]): 3-D tiles with the
+    # register prefetch, and 2-D tiles with split-K
+    K.MoeConfig(block_rows=32, block_k=32, split=1, use_dot=True, prefetch=True, swap=True),
+    K.MoeConfig(block_rows=16, block_k=32, split=2, use_dot=True, num_stages=1, flat=True,
+                swap=True),
 ]
 
 
@@ -415,13 +420,19 @@ def test_sweep_configs_full_shapes_gpu(N, fmt):
     kind = "nvfp4" if fmt.startswith("nvfp4") else "bf16"
     dev = torch.device(DEV)
     family = "all" if N == 1 else "classic"
-    for cfg in K.sweep_configs("gate_up", kind, N, F, H, N * TOP_K + 1, dev, family=family):
+
+    def cands(kernel, rows, red):  # the family above, then the swap family's new configs
+        out = K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family=family)
+        swap = K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family="swap")
+        return out + [c for c in swap if c not in out]
+
+    for cfg in cands("gate_up", F, H):
         h, wts, ids = K.moe_topk_gate_up(x, logits, bias, w["gate"], w["up"], w["sg"], w["su"],
                                          TOP_K, SCALING, use_pdl=True, config=cfg)
         torch.cuda.synchronize()
         check_routing(ids, wts, rids, rw, pairs)
         assert_bf16_close(f"h ({fmt}, N={N}, {cfg.short()})", h, rh)
-    for cfg in K.sweep_configs("down", kind, N, H, F, N * TOP_K + 1, dev, family=family):
+    for cfg in cands("down", H, F):
         for _ in range(2):  # the second call checks that the counters were left at zero
             out = K.moe_down_combine_residual(rh, rids, rw, w["down"], w["sd"], residual,
                                               use_pdl=True, config=cfg)
