@@ -44,10 +44,12 @@ torch's (an fp32 ulp, so h can land one bf16 ulp away at a rounding boundary).
 CUDA graphs (the runtime captures the prefill function, `CompiledRunner.prefill_graph`):
 no host syncs and no data-dependent allocation in `triton` and `grouped_mm`. The slots
 are sorted once per MoE layer: `moe_gate_up` makes an `ExpertPlan` (one stable sort; the
-tile table from one `expert_tiles_kernel` launch; the kernel computes each slot's row
-offsets itself) and `moe_down_combine` reuses it when it gets the h and ids of that call
-(the tile table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K); unused tiles return after
-reading two integers; the grid is (table size, cdiv(F, BLOCK_F)), from shapes only).
+tile table from one `expert_tiles_kernel` launch over cdiv(table size, TILES_BLOCK_T)
+programs, each redoing the per-expert searches and writing its own entries; the kernel
+computes each slot's row offsets itself) and `moe_down_combine` reuses it when it gets the
+h and ids of that call (the tile table has the static size min(cdiv(N*K, BLOCK_M) + E, N*K);
+unused tiles return after reading two integers; the grid is (table size, cdiv(F, BLOCK_F)),
+from shapes only).
 torch's grouped_mm is sync-free only on its CUTLASS path (bf16, sm_90 / sm_100); other
 GPUs take its fallback, which copies the offsets to the host, so inside a capture it is
 refused there. `loop` syncs (`.tolist()` of the counts); it is the CPU fallback, and inside a
@@ -331,14 +333,58 @@ def tile_table(counts: torch.Tensor, ends: torch.Tensor, M: int, block_m: int):
     return ec.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
+# Tile-table entries per `expert_tiles_kernel` program: its [TILES_BLOCK_T, BLOCK_E]
+# expert lookup is 8K elements at E = 256 (64 per thread at 4 warps), no more work than
+# its searches; a 512-token chunk of the full model (M = 3,072, 448 entries at BLOCK_M 16)
+# is 14 programs, one wave.
+TILES_BLOCK_T = 32
+# Probes per search step and expert in `expert_tiles_kernel`: an 8-ary search needs 4
+# dependent load rounds for M = 3,072 where a binary search needs 12, for 8x the loads per
+# round (2 * 8 * 256 = 4K gathers at E = 256, 32 per thread, all from the same 24 KB of
+# sorted ids, so L1 / L2 hits). Chosen by that count, not yet timed on the GPU.
+TILES_FANOUT = 8
+
+
+def _search_steps(M: int, fanout: int) -> int:
+    """Steps of `_upper_bound_step` that narrow any interval of size <= M to size 0."""
+    steps = 0
+    while M > 0:
+        M = triton.cdiv(M, fanout) - 1
+        steps += 1
+    return steps
+
+
+@triton.jit
+def _upper_bound_step(sorted_ptr, lo, hi, target, R: tl.constexpr):
+    """One `R`-ary search step per lane toward the first position p with sorted[p] > target
+    (lo, hi, target: int32 [BLOCK_E]; invariant: sorted[< lo] <= target < sorted[>= hi]).
+    Probes lo + j * w, j < R, w = cdiv(hi - lo, R); c of them are <= target (a prefix), so
+    the answer is lo if c == 0, else in [lo + (c-1) w + 1, min(lo + c w, hi)]: the size
+    n goes to <= cdiv(n, R) - 1. Returns the new (lo, hi)."""
+    w = (hi - lo + R - 1) // R
+    pos = lo[:, None] + tl.arange(0, R)[None, :] * w[:, None]  # [BLOCK_E, R]
+    act = pos < hi[:, None]
+    v = tl.load(sorted_ptr + pos, mask=act, other=0)
+    c = tl.sum((act & (v <= target[:, None])).to(tl.int32), axis=1)
+    new_lo = tl.where(c > 0, lo + (c - 1) * w + 1, lo)
+    new_hi = tl.minimum(lo + c * w, hi)
+    return new_lo, new_hi
+
+
 @triton.jit
 def expert_tiles_kernel(sorted_ptr, t_e_ptr, t_s_ptr, t_end_ptr, M, E, NUM_TILES, block_m, n_iter,
-                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr):
-    """`tile_table` in one program, from the sorted expert ids (int64 [M], ascending):
-    expert e's slots are sorted positions [starts[e], ends[e]) with ends[e] = #{ids <= e}
-    and starts[e] = #{ids < e}, both by binary search (`n_iter` = M.bit_length() steps);
-    its tiles are table entries [first[e], first[e] + per[e]), per[e] = cdiv(count, block_m).
-    Integer arithmetic only: the table is `tile_table`'s, entry for entry."""
+                        BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, R: tl.constexpr):
+    """`tile_table`, entries [pid * BLOCK_T, (pid + 1) * BLOCK_T) of it per program (grid
+    cdiv(NUM_TILES, BLOCK_T), from shapes only), from the sorted expert ids (int64 [M],
+    ascending) into t_e / t_s / t_end (int32 [NUM_TILES]). Every program recomputes the
+    per-expert layout (cheap, E lanes): expert e's slots are sorted positions
+    [starts[e], ends[e]) with ends[e] = #{ids <= e} and starts[e] = #{ids <= e - 1}, both
+    by `R`-ary search (`n_iter` = `_search_steps(M, R)` steps, the two searches' loads
+    independent); its tiles are table entries [first[e], first[e] + per[e]),
+    per[e] = cdiv(count, block_m), first = exclusive cumsum of per. Then each of the
+    program's tiles t finds its expert (the e with first[e] <= t < first[e] + per[e]; E,
+    i.e. unused, past the last) and writes its entry. Integer arithmetic only: the table is
+    `tile_table`'s, entry for entry."""
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     lo = tl.zeros([BLOCK_E], dtype=tl.int32)  # upper bound of e
@@ -346,39 +392,28 @@ def expert_tiles_kernel(sorted_ptr, t_e_ptr, t_s_ptr, t_end_ptr, M, E, NUM_TILES
     lo2 = lo  # upper bound of e - 1
     hi2 = hi
     for _ in range(0, n_iter):
-        act = lo < hi
-        mid = (lo + hi) // 2
-        v = tl.load(sorted_ptr + mid, mask=act, other=0)
-        right = act & (v <= e)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(act & (v > e), mid, hi)
-        act2 = lo2 < hi2
-        mid2 = (lo2 + hi2) // 2
-        v2 = tl.load(sorted_ptr + mid2, mask=act2, other=0)
-        right2 = act2 & (v2 < e)
-        lo2 = tl.where(right2, mid2 + 1, lo2)
-        hi2 = tl.where(act2 & (v2 >= e), mid2, hi2)
+        lo, hi = _upper_bound_step(sorted_ptr, lo, hi, e, R)
+        lo2, hi2 = _upper_bound_step(sorted_ptr, lo2, hi2, e - 1, R)
     ends = tl.where(e_ok, lo, M)
     starts = tl.where(e_ok, lo2, M)
     per = (ends - starts + block_m - 1) // block_m  # 0 past E
     cum = tl.cumsum(per, 0)  # inclusive: expert e's tiles end at cum[e]
     first = cum - per
-    for t0 in range(0, NUM_TILES, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        # searchsorted(cum, t, right=True): E for the unused tiles past the last expert's
-        expert = tl.sum(((cum[None, :] <= t[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
-        used = expert < E
-        ec = tl.minimum(expert, E - 1)
-        pick = e[None, :] == ec[:, None]  # [BLOCK_T, BLOCK_E], one expert per tile
-        st = tl.sum(tl.where(pick, starts[None, :], 0), axis=1)
-        fi = tl.sum(tl.where(pick, first[None, :], 0), axis=1)
-        en = tl.sum(tl.where(pick, ends[None, :], 0), axis=1)
-        start = st + (t - fi) * block_m
-        end = tl.minimum(start + block_m, en)
-        ok = t < NUM_TILES
-        tl.store(t_e_ptr + t, ec, mask=ok)
-        tl.store(t_s_ptr + t, tl.where(used, start, 0), mask=ok)
-        tl.store(t_end_ptr + t, tl.where(used, end, 0), mask=ok)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # searchsorted(cum, t, right=True): E for the unused tiles past the last expert's
+    expert = tl.sum(((cum[None, :] <= t[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+    used = expert < E
+    ec = tl.minimum(expert, E - 1)
+    pick = e[None, :] == ec[:, None]  # [BLOCK_T, BLOCK_E], one expert per tile
+    st = tl.sum(tl.where(pick, starts[None, :], 0), axis=1)
+    fi = tl.sum(tl.where(pick, first[None, :], 0), axis=1)
+    en = tl.sum(tl.where(pick, ends[None, :], 0), axis=1)
+    start = st + (t - fi) * block_m
+    end = tl.minimum(start + block_m, en)
+    ok = t < NUM_TILES
+    tl.store(t_e_ptr + t, ec, mask=ok)
+    tl.store(t_s_ptr + t, tl.where(used, start, 0), mask=ok)
+    tl.store(t_end_ptr + t, tl.where(used, end, 0), mask=ok)
 
 
 class ExpertPlan:
@@ -406,14 +441,16 @@ class ExpertPlan:
 
     def tiles(self, block_m: int):
         """(expert, start, end) int32 [min(cdiv(M, block_m) + E, M)] each: `tile_table`'s
-        table, made by `expert_tiles_kernel` (one launch)."""
+        table, made by one `expert_tiles_kernel` launch of cdiv(size, TILES_BLOCK_T)
+        programs (a grid from shapes only: CUDA-graph safe)."""
         table = self._tiles.get(block_m)
         if table is None:
             n = min(triton.cdiv(self.M, block_m) + self.E, self.M)
             table = tuple(torch.empty(n, dtype=torch.int32, device=self.order.device) for _ in range(3))
-            expert_tiles_kernel[(1,)](self.sorted_ids, *table, self.M, self.E, n, block_m,
-                                      self.M.bit_length(), BLOCK_E=triton.next_power_of_2(self.E),
-                                      BLOCK_T=32, num_warps=4)
+            expert_tiles_kernel[(triton.cdiv(n, TILES_BLOCK_T),)](
+                self.sorted_ids, *table, self.M, self.E, n, block_m, _search_steps(self.M, TILES_FANOUT),
+                BLOCK_E=triton.next_power_of_2(self.E), BLOCK_T=TILES_BLOCK_T, R=TILES_FANOUT,
+                num_warps=4)
             self._tiles[block_m] = table
         return table
 

@@ -95,6 +95,49 @@ def test_expert_plan_matches_sort_and_tile_table(E, N, K, block_m):
     assert plan.tiles(block_m) is got  # computed once
 
 
+
+def skewed_ids(case: str, E: int, N: int, K: int) -> torch.Tensor:
+    """int64 [N, K] expert ids routed unevenly: every slot on expert 0 / the last expert /
+    one middle expert, or most slots on one expert and the rest on a few (others empty)."""
+    g = torch.Generator().manual_seed(N * K + E)
+    if case == "first":
+        return torch.zeros(N, K, dtype=torch.int64)
+    if case == "last":
+        return torch.full((N, K), E - 1, dtype=torch.int64)
+    if case == "middle":
+        return torch.full((N, K), E // 2 + 1, dtype=torch.int64)
+    ids = torch.full((N, K), 3, dtype=torch.int64)  # "heavy": 3 holds ~90%, 7 / E-2 the rest
+    few = torch.tensor([7, E - 2, 0])[torch.randint(0, 3, (N, K), generator=g)]
+    return torch.where(torch.rand(N, K, generator=g) < 0.9, ids, few)
+
+
+@pytest.mark.parametrize("case,E,N,K,block_m", [
+    ("first", 64, 50, 3, 16), ("last", 64, 50, 3, 16), ("middle", 100, 53, 6, 32),
+    ("heavy", 256, 201, 6, 16), ("heavy", 60, 111, 3, 16), ("random", 256, 17, 6, 16),
+])
+def test_expert_tiles_kernel_over_several_programs(case, E, N, K, block_m):
+    """`expert_tiles_kernel` with a table of several programs' worth of tiles (NUM_TILES >
+    TILES_BLOCK_T) under skewed routing (one expert takes every slot, most experts empty,
+    E not a power of two, M not a multiple of block_m, M up to several search steps)
+    equals `tile_table` entry for entry."""
+    ids = (torch.randint(0, E, (N, K), generator=torch.Generator().manual_seed(E)) if case == "random"
+           else skewed_ids(case, E, N, K)).to(DEV)
+    M = N * K
+    assert M % block_m != 0
+    plan = GG.ExpertPlan(ids, E)
+    _, counts, ends = GG.sort_by_expert(ids, E)
+    want = GG.tile_table(counts, ends, M, block_m)
+    assert want[0].numel() > 2 * GG.TILES_BLOCK_T  # at least three programs
+    got = plan.tiles(block_m)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int32 and torch.equal(a, b)
+
+
+def test_search_steps_bound():
+    """`_search_steps` is enough for the R-ary search: sizes M -> cdiv(M, R) - 1 -> ... 0."""
+    assert [GG._search_steps(M, 8) for M in (1, 2, 8, 9, 72, 3072, 3078)] == [1, 1, 1, 2, 2, 4, 4]
+
+
 def moe_case(N: int, seed: int, H: int = 64, E: int = 8, F: int = 32, K: int = 3) -> dict:
     """A small MoE layer with bf16 weights: x, ids, weights, stacked and shared experts."""
     g = torch.Generator().manual_seed(seed)
