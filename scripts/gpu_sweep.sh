@@ -12,7 +12,7 @@
 #   4. scripts/gpu_prefill_graph.py (prefill from CUDA graphs against eager, bit for bit,
 #      both formats; skipped when SWEEP_PREFILL_S is 0, the default);
 #   5. flintc bench (scripts/gpu_bench.sh) at batches 1 and 8, contexts 1K and 100K, and
-#      the 1K / 8K prefills, with FLINTC_MOE_TUNED / FLINTC_GEMV_TUNED set to the sweeps'
+#      the 1K / 8K prefills (formats SWEEP_BENCH_FORMATS, default nvfp4,bf16), with FLINTC_MOE_TUNED / FLINTC_GEMV_TUNED set to the sweeps'
 #      winners (flintc.kernels.tuning), so its numbers are those of the winners.
 # SWEEP_FAMILY: swap (default), flat, classic, one-step or all (see the benchmarks' --family);
 # SWEEP_FORMATS: the sweeps' weight formats (default bf16,nvfp4).
@@ -64,7 +64,7 @@ ENVS=()
 BENCH_S=$(( $(left) - 10 ))
 if [ "$BENCH_S" -ge 60 ]; then
   echo "== flintc bench (${BENCH_S} s, ${ENVS[*]:-no overrides})"
-  env "${ENVS[@]}" OUT="$T" BENCH_BUDGET_S=$BENCH_S BENCH_FORMATS=nvfp4,bf16 \
+  env "${ENVS[@]}" OUT="$T" BENCH_BUDGET_S=$BENCH_S BENCH_FORMATS=${SWEEP_BENCH_FORMATS:-nvfp4,bf16} \
     BENCH_CONTEXTS=1024,100000 BENCH_BATCHES=1,8 BENCH_PREFILL=${SWEEP_BENCH_PREFILL:-1024,8192} \
     BENCH_PREFILL_ITERS=2 BENCH_ARGS="--baselines none" bash scripts/gpu_bench.sh > "$T/bench-run.log" 2>&1
   echo "   exit $?"; grep -E "^\| (nvfp4|bf16) \| [0-9]+ \| " "$T/bench/bench.md" 2>/dev/null | head -20
