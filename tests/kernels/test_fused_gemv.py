@@ -13,6 +13,8 @@ bit-identical, and reports the share of differing elements and the largest diffe
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import os
 
@@ -426,7 +428,8 @@ def test_norm_qkv_rope_kv_gpu(N, fmt, kind, use_pdl):
 def test_fused_swap_and_flat_configs_gpu(N, fmt):
     """Every candidate of the "swap" sweep family (`flintc.kernels.gemv.swap_configs`: the
     swapped dot, 3-D and flat tiles, flat NVFP4) in the fused QKV kernel (full layer,
-    one head per program) at full shapes, with PDL (CPU twins: QKV_CPU_CASES)."""
+    one head per program) and in norm_gate_up_silu (dense MLP) at full shapes, with PDL
+    (CPU twins: QKV_CPU_CASES, test_norm_gate_up_silu)."""
     import triton
 
     from flintc.kernels.gemv import swap_configs
@@ -438,6 +441,23 @@ def test_fused_swap_and_flat_configs_gpu(N, fmt):
             check_qkv(args, 32, 4, False, 0, config=cfg, use_pdl=True)
         except triton.runtime.errors.OutOfResources:
             continue
+    # the dense MLP's norm_gate_up_silu (F = 10240), block_f halved as bench_gemv.py does
+    x = torch.randn(N, 1, 2048, device="cuda").to(torch.bfloat16)
+    norm = torch.rand(2048, device="cuda") + 0.5
+    gate, up = make_weight(10240, 2048, fmt), make_weight(10240, 2048, fmt)
+    ref = grouped.norm_gate_up_silu(x, norm, gate, up, EPS)
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    g = ops.linear(h, as_weight(gate), F32).cpu().double()
+    u = ops.linear(h, as_weight(up), F32).cpu().double()
+    tol = (2 * bf16_ulp(ref).cpu() + 1.1 * (gemv_tol(h, gate) + bf16_ulp(g)) * u.abs()
+           + (gemv_tol(h, up) + bf16_ulp(u)) * g.abs())
+    for cfg in swap_configs(key, N, 2 * 10240, 2048, torch.device("cuda")):
+        cfg = dataclasses.replace(cfg, block_f=max(16, cfg.block_f // 2))
+        try:
+            out = FG.norm_gate_up_silu(x, norm, gate, up, EPS, use_pdl=True, config=cfg)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        compare(f"norm_gate_up_silu[{cfg.short()}]", out, ref, tol)
 
 
 @pytest.mark.parametrize("use_pdl", [False, True])
