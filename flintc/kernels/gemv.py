@@ -529,6 +529,25 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
                                        num_warps=4, num_stages=3, prefetch=False, flat=True),
     ("nvfp4", 2048, 4096, 1): GemvConfig(use_dot=False, block_f=32, block_k=256, split_k=8,
                                         num_warps=4, num_stages=1, prefetch=True, acc_full=True),
+    # dense down + residual, NVFP4 N = 8: flat 2-D tiles, 17.4 us against 22.5 (session 9 run 4)
+    ("nvfp4", 2048, 10240, 8): GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=16,
+                                         num_warps=4, num_stages=3, prefetch=False, flat=True),
+    # norm_gate_up_silu (dense MLP, block_f = output columns; session 9 run 4, --family
+    # swap): bf16 flat 2-D tiles, N = 1 with the swapped dot 23.4 us (87% of copy) against
+    # 82.1 for the rule's 3-D tiles, N = 8 26.0 against 68.7; NVFP4 N = 1 the FMA whole-tile
+    # accumulator 30.6 against 50.2, N = 8 flat 40.9 against 55.3
+    ("gate_up:bf16", 10240, 2048, 1): GemvConfig(use_dot=True, block_f=32, block_k=128,
+                                                split_k=1, num_warps=4, num_stages=3,
+                                                prefetch=False, flat=True, swap=True),
+    ("gate_up:bf16", 10240, 2048, 8): GemvConfig(use_dot=True, block_f=32, block_k=128,
+                                                split_k=1, num_warps=4, num_stages=3,
+                                                prefetch=False, flat=True),
+    ("gate_up:nvfp4", 10240, 2048, 1): GemvConfig(use_dot=False, block_f=16, block_k=256,
+                                                 split_k=1, num_warps=4, num_stages=1,
+                                                 prefetch=True, acc_full=True),
+    ("gate_up:nvfp4", 10240, 2048, 8): GemvConfig(use_dot=True, block_f=32, block_k=128,
+                                                 split_k=1, num_warps=4, num_stages=3,
+                                                 prefetch=False, flat=True),
     # NVFP4 N = 8: flat 2-D tiles, 10.0 us against 10.9 for the 3-D tiles (session 9 run 2)
     ("nvfp4", 2048, 4096, 8): GemvConfig(use_dot=True, block_f=64, block_k=128, split_k=16,
                                         num_warps=4, num_stages=3, prefetch=False, flat=True),
