@@ -96,6 +96,7 @@ from flintc.kernels.tiles import (
     dequant_tile,
     dot_2d,
     e2m1_fp32,
+    first_scales,
     load_flat_tile,
 )
 from flintc.kernels.tiles import dot_tile as _dot_tile
@@ -375,16 +376,19 @@ def _expert_gemv_flat(w_rows, s_rows, v_rows, t_rows, mask_f, x_rows, mask_x, k_
     the loop."""
     acc = acc_init(BLOCK_N, BLOCK_F, SWAP)
     acc2 = acc_init(BLOCK_N, BLOCK_F, SWAP)
+    s_w = first_scales(s_rows, mask_f, k_start, k_end, BLOCK_F, BLOCK_K, IS_NVFP4)
+    s_v = first_scales(t_rows, mask_f, k_start, k_end, BLOCK_F, BLOCK_K, IS_NVFP4 and TWO)
     for it in range(n_iters):
         k0 = k_start + it * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows[:, None] + offs_k[None, :],
                     mask=mask_x[:, None] & (offs_k < k_end)[None, :], other=0.0)
-        w = load_flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
+        w, s_w = load_flat_tile(w_rows, s_rows, s_w, mask_f, k0, k_end, BLOCK_F, BLOCK_K,
+                                IS_NVFP4, GPU)
         acc = dot_2d(acc, x, w, GPU, SWAP)
         if TWO:
-            v = load_flat_tile(v_rows, t_rows, mask_f, k0, k_end, BLOCK_F, BLOCK_K, IS_NVFP4,
-                               GPU)
+            v, s_v = load_flat_tile(v_rows, t_rows, s_v, mask_f, k0, k_end, BLOCK_F, BLOCK_K,
+                                    IS_NVFP4, GPU)
             acc2 = dot_2d(acc2, x, v, GPU, SWAP)
     acc = acc_final(acc, SWAP)
     acc2 = acc_final(acc2, SWAP)

@@ -97,6 +97,29 @@ def e2m1_fp32(c):
 
 
 @triton.jit
+def load_code_tile(w_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr):
+    """NVFP4 codes uint8 [BLOCK_F, BLOCK_K/16, 8] of columns [k0, k0 + BLOCK_K) (see
+    `load_weight_tile`): 8 bytes (one 16-weight block) per thread-vector."""
+    kb = tl.arange(0, BLOCK_K // 16)
+    j = tl.arange(0, 8)
+    col = k0 // 2 + kb[:, None] * 8 + j[None, :]  # byte column [KB, 8]
+    # mask: row exists, and the byte's 16-weight block starts before k_end (K and the
+    # split bounds are multiples of 16, so blocks are all in or all out). A mask that
+    # is constant over each 8-byte vector keeps the loads vectorized.
+    mask = mask_f[:, None, None] & (k0 + 16 * kb < k_end)[None, :, None]
+    return tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0)
+
+
+@triton.jit
+def load_scale_tile(s_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr):
+    """NVFP4 block scales float8_e4m3fn [BLOCK_F, BLOCK_K/16] of columns [k0, k0 + BLOCK_K)
+    (see `load_weight_tile`; blocks at or past `k_end` masked, no memory traffic)."""
+    kb = tl.arange(0, BLOCK_K // 16)
+    mask_s = mask_f[:, None] & (k0 + 16 * kb < k_end)[None, :]
+    return tl.load(s_rows[:, None] + (k0 // 16 + kb)[None, :], mask=mask_s, other=0.0)
+
+
+@triton.jit
 def load_weight_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr,
                      IS_NVFP4: tl.constexpr):
     """Raw weight tile for columns [k0, k0 + BLOCK_K) of the rows that `w_rows` (pointer
@@ -112,15 +135,8 @@ def load_weight_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr,
     kb = tl.arange(0, BLOCK_K // 16 if IS_NVFP4 else BLOCK_K // 8)
     j = tl.arange(0, 8)
     if IS_NVFP4:
-        col = k0 // 2 + kb[:, None] * 8 + j[None, :]  # byte column [KB, 8]
-        # mask: row exists, and the byte's 16-weight block starts before k_end (K and the
-        # split bounds are multiples of 16, so blocks are all in or all out). A mask that
-        # is constant over each 8-byte vector keeps the loads vectorized.
-        mask = mask_f[:, None, None] & (k0 + 16 * kb < k_end)[None, :, None]
-        codes = tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0)
-        scol = k0 // 16 + kb
-        mask_s = mask_f[:, None] & (k0 + 16 * kb < k_end)[None, :]
-        scales = tl.load(s_rows[:, None] + scol[None, :], mask=mask_s, other=0.0)
+        codes = load_code_tile(w_rows, mask_f, k0, k_end, BLOCK_K)
+        scales = load_scale_tile(s_rows, mask_f, k0, k_end, BLOCK_K)
         return codes, scales
     else:
         col = k0 + kb[:, None] * 8 + j[None, :]  # [KB, 8]
@@ -231,21 +247,40 @@ def acc_final(acc, SWAP: tl.constexpr):
 
 
 @triton.jit
-def load_flat_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr,
+def first_scales(s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IS_NVFP4: tl.constexpr):
+    """The scale tile that `load_flat_tile` takes at its first step (`load_scale_tile` at
+    k0) for NVFP4; a placeholder for bf16 (no load)."""
+    if IS_NVFP4:
+        out = load_scale_tile(s_rows, mask_f, k0, k_end, BLOCK_K)
+    else:
+        out = tl.zeros((BLOCK_F, BLOCK_K // 16), dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def load_flat_tile(w_rows, s_rows, s_cur, mask_f, k0, k_end, BLOCK_F: tl.constexpr,
                    BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, GPU: tl.constexpr):
-    """Weight tile [BLOCK_F, BLOCK_K] in K order (columns k0 .. k0 + BLOCK_K, masked at
-    `k_end` and by `mask_f`): bf16 as a plain 2-D load (`w_rows` [BLOCK_F] pointers to each
-    row's first element); NVFP4 through `load_weight_tile` and the inline-asm decode
-    (values times 2^-8, exact; multiply the accumulator by `DEQUANT_UNSCALE`), interleaved
-    back into K order (`dequant_tile_k_order`). For the flat 2-D tensor-core loops of
-    `flintc.kernels.gemv` and `flintc.kernels.moe`."""
+    """(weight tile [BLOCK_F, BLOCK_K] in K order, the next step's scale tile). Columns
+    k0 .. k0 + BLOCK_K, masked at `k_end` and by `mask_f`: bf16 as a plain 2-D load
+    (`w_rows` [BLOCK_F] pointers to each row's first element; the scale tiles are
+    placeholders); NVFP4 codes from `load_code_tile` (staged by Triton's pipeliner) with
+    `s_cur`, this step's scale tile (`first_scales`, then the previous call's second
+    result), decoded by the inline asm (values times 2^-8, exact; multiply the accumulator
+    by `DEQUANT_UNSCALE`) and interleaved back into K order (`dequant_tile_k_order`); the
+    scales of k0 + BLOCK_K are loaded here, one step ahead: 1-byte loads that the
+    pipeliner does not stage, which Nsight Compute found the NVFP4 loop waiting on (31% of
+    stall samples at batch 8, docs/gpu-runs.md session 9). For the flat 2-D tensor-core
+    loops of `flintc.kernels.gemv` and `flintc.kernels.moe`."""
     # one return after a constexpr if / else: Triton compiles the statements after an
     # early return of a constexpr branch too (the uint8 code pointer loaded as weights)
     if IS_NVFP4:
-        ct, st = load_weight_tile(w_rows, s_rows, mask_f, k0, k_end, BLOCK_K, True)
-        w = dequant_tile_k_order(ct, st, BLOCK_F, BLOCK_K, GPU)
+        s_nxt = load_scale_tile(s_rows, mask_f, k0 + BLOCK_K, k_end, BLOCK_K)
+        ct = load_code_tile(w_rows, mask_f, k0, k_end, BLOCK_K)
+        w = dequant_tile_k_order(ct, s_cur, BLOCK_F, BLOCK_K, GPU)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows[:, None] + offs_k[None, :],
                     mask=mask_f[:, None] & (offs_k < k_end)[None, :], other=0.0)
-    return w
+        s_nxt = s_cur
+    return w, s_nxt
