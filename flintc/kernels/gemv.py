@@ -291,12 +291,14 @@ def _gemv_loop_flat(w_rows, s_rows, mask_f, x_ptr, stride_xn, nw_ptr, rstd, offs
     the same RMSNorm prologue expression as `_load_x` (bit-identical normed x). SWAP: the
     weight tile is the dot's left operand (`flintc.kernels.tiles.dot_2d`)."""
     acc = acc_init(BLOCK_N, BLOCK_F, SWAP)
-    s_cur = first_scales(s_rows, mask_f, k_start, k_end, BLOCK_F, BLOCK_K, IS_NVFP4)
+    s_cur = first_scales(s_rows, mask_f, k_start, k_end, BLOCK_F, BLOCK_K, False)  # placeholder
     for it in range(n_iters):
         offs_k = k_start + it * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
+        # scales loaded in the step: 2-5 steps per split-K program, where the one-step
+        # scale prefetch measured slower (tiles.load_flat_tile)
         w, s_cur = load_flat_tile(w_rows, s_rows, s_cur, mask_f, k_start + it * BLOCK_K, k_end,
-                                  BLOCK_F, BLOCK_K, IS_NVFP4, GPU)
+                                  BLOCK_F, BLOCK_K, IS_NVFP4, GPU, False)
         x = tl.load(x_ptr + offs_n[:, None] * stride_xn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         if HAS_NORM:

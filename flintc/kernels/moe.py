@@ -1057,7 +1057,8 @@ TUNED: dict[tuple[str, str, int], MoeConfig] = {
     ("down", "nvfp4", 1): MoeConfig(block_rows=32, block_k=128, split=1, use_dot=False,
                                     num_warps=4, num_stages=1, prefetch=True, acc_full=True),
     # NVFP4 N = 4 / 8: flat 2-D tiles (session 9 run 1): gate/up 38.7 us (3-D tiles 53.2)
-    # and 63.0 (93.9), down at N = 8 35.2 (49.6)
+    # and 63.0 (93.9), down at N = 8 35.2 (49.6); with the scales one step ahead (run 7)
+    # 36.9 / 59.1 and 33.1
     ("gate_up", "nvfp4", 4): MoeConfig(block_rows=64, block_k=128, split=2, num_warps=4,
                                        num_stages=3, flat=True),
     ("gate_up", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,

@@ -260,7 +260,8 @@ def first_scales(s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr, BLOCK_K: tl.c
 
 @triton.jit
 def load_flat_tile(w_rows, s_rows, s_cur, mask_f, k0, k_end, BLOCK_F: tl.constexpr,
-                   BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, GPU: tl.constexpr):
+                   BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, GPU: tl.constexpr,
+                   PREFETCH_SCALES: tl.constexpr = True):
     """(weight tile [BLOCK_F, BLOCK_K] in K order, the next step's scale tile). Columns
     k0 .. k0 + BLOCK_K, masked at `k_end` and by `mask_f`: bf16 as a plain 2-D load
     (`w_rows` [BLOCK_F] pointers to each row's first element; the scale tiles are
@@ -270,14 +271,22 @@ def load_flat_tile(w_rows, s_rows, s_cur, mask_f, k0, k_end, BLOCK_F: tl.constex
     by `DEQUANT_UNSCALE`) and interleaved back into K order (`dequant_tile_k_order`); the
     scales of k0 + BLOCK_K are loaded here, one step ahead: 1-byte loads that the
     pipeliner does not stage, which Nsight Compute found the NVFP4 loop waiting on (31% of
-    stall samples at batch 8, docs/gpu-runs.md session 9). For the flat 2-D tensor-core
-    loops of `flintc.kernels.gemv` and `flintc.kernels.moe`."""
+    stall samples at batch 8, docs/gpu-runs.md session 9). PREFETCH_SCALES=False loads
+    this step's scales here instead (`s_cur` unused and returned as is): the split-K GEMVs
+    run 2-5 steps per program, where the prefetch measured 11-16% slower (session 9 run 7)
+    while the 16-step MoE loops gained 5-6%. For the flat 2-D tensor-core loops of
+    `flintc.kernels.gemv` and `flintc.kernels.moe`."""
     # one return after a constexpr if / else: Triton compiles the statements after an
     # early return of a constexpr branch too (the uint8 code pointer loaded as weights)
     if IS_NVFP4:
-        s_nxt = load_scale_tile(s_rows, mask_f, k0 + BLOCK_K, k_end, BLOCK_K)
         ct = load_code_tile(w_rows, mask_f, k0, k_end, BLOCK_K)
-        w = dequant_tile_k_order(ct, s_cur, BLOCK_F, BLOCK_K, GPU)
+        if PREFETCH_SCALES:
+            s_nxt = load_scale_tile(s_rows, mask_f, k0 + BLOCK_K, k_end, BLOCK_K)
+            w = dequant_tile_k_order(ct, s_cur, BLOCK_F, BLOCK_K, GPU)
+        else:
+            s_nxt = s_cur
+            w = dequant_tile_k_order(ct, load_scale_tile(s_rows, mask_f, k0, k_end, BLOCK_K),
+                                     BLOCK_F, BLOCK_K, GPU)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows[:, None] + offs_k[None, :],
