@@ -233,7 +233,8 @@ def main() -> None:
                              "the dot's left operand, 3-D and 2-D tiles, both formats)")
     parser.add_argument("--sweep-seconds", type=float, default=0.0,
                         help="stop trying sweep candidates after this many seconds (compile time "
-                             "included; 0 = no limit); the rows and winners so far are kept")
+                             "included; >= 0, 0 = no limit, unlike bench_moe.py's); the rows and "
+                             "winners so far are kept")
     parser.add_argument("--l2-resident", action="store_true",
                         help="do not rotate weight copies (the kernels then read L2-resident weights; "
                              "the pre-session-5 behaviour)")
@@ -243,10 +244,17 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()
-    BATCHES[:] = [int(b) for b in args.batches.split(",") if b]
-    FORMATS[:] = [f for f in args.formats.split(",") if f]
-    if not FORMATS or set(FORMATS) - {"bf16", "nvfp4"}:
-        parser.error(f"--formats: a comma-separated subset of bf16,nvfp4; got {args.formats!r}")
+    from common import choice_list, int_list
+
+    # bad arguments are reported (exit 2) before the GPU check
+    BATCHES[:] = int_list(parser, "--batches", args.batches, 1, 8)
+    FORMATS[:] = choice_list(parser, "--formats", args.formats, ("bf16", "nvfp4"))
+    if args.cases:
+        choice_list(parser, "--cases", args.cases, [c.name for c in CASES])
+    if not args.sweep_seconds >= 0:  # NaN too
+        parser.error(f"--sweep-seconds: expected >= 0 (0 = no limit); got {args.sweep_seconds:g}")
+    if args.reps < 1:
+        parser.error(f"--reps: expected >= 1; got {args.reps}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv needs a CUDA GPU")
     PDL = args.pdl

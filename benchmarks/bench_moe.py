@@ -352,7 +352,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10, help="graph replays per timing")
     parser.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     parser.add_argument("--sweep-seconds", type=float, default=60.0,
-                        help="time budget of the config sweep (compile included)")
+                        help="time budget of the config sweep in s (compile included; >= 0, "
+                             "0 stops it at once, unlike bench_gemv.py's 0 = no limit)")
     parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat", "swap"),
                         help="sweep candidates (flintc.kernels.moe.sweep_configs)")
     parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_MOE_TUNED file")
@@ -361,10 +362,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()
-    BATCHES[:] = [int(b) for b in args.batches.split(",") if b]
-    FORMATS[:] = [f for f in args.formats.split(",") if f]
-    if not FORMATS or set(FORMATS) - {"bf16", "nvfp4"}:
-        parser.error(f"--formats: a comma-separated subset of bf16,nvfp4; got {args.formats!r}")
+    from common import choice_list, int_list
+
+    # bad arguments are reported (exit 2) before the GPU check
+    BATCHES[:] = int_list(parser, "--batches", args.batches, 1, 8)
+    FORMATS[:] = choice_list(parser, "--formats", args.formats, ("bf16", "nvfp4"))
+    if not args.sweep_seconds >= 0:  # NaN too
+        parser.error(f"--sweep-seconds: expected >= 0; got {args.sweep_seconds:g}")
+    if args.reps < 1:
+        parser.error(f"--reps: expected >= 1; got {args.reps}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe needs a CUDA GPU")
     import flintc.ops  # noqa: F401  (registers torch.ops.flintc)

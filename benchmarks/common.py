@@ -11,6 +11,10 @@ The API is small and stable; other benchmark scripts depend on it:
 - `markdown_table(headers, rows) -> str`: a GitHub Markdown table.
 - `write_out(path, text)`: the `--out FILE.md` option: write `text` to `path` (no-op
   when `path` is None or empty).
+- `int_list(parser, flag, text, lo, hi)` / `choice_list(parser, flag, text, choices)`:
+  parse a comma-separated option (`--batches 1,8`, `--formats bf16,nvfp4`), or end the
+  script through `parser.error` (one line naming the flag, exit status 2) before any
+  GPU work.
 
 Importing: a script run as `python benchmarks/bench_x.py` has `benchmarks/` on
 `sys.path`, so `from common import time_graph, ...` works; from the repository root
@@ -28,7 +32,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["copy_bandwidth_gbs", "markdown_table", "time_graph", "write_out"]
+__all__ = ["choice_list", "copy_bandwidth_gbs", "int_list", "markdown_table", "time_graph",
+           "write_out"]
 
 
 def _cuda_device(device) -> torch.device:
@@ -174,3 +179,42 @@ def write_out(path, text: str) -> None:
     os.makedirs(parent, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text if text.endswith("\n") else text + "\n")
+
+
+def _items(parser, flag: str, text: str, expected: str) -> list[str]:
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not t for t in items):
+        parser.error(f"{flag}: expected {expected}, with no empty items; got {text!r}")
+    return items
+
+
+def int_list(parser, flag: str, text: str, lo: int, hi: int) -> list[int]:
+    """The comma-separated integers of option `flag` (e.g. `--batches 1,2,8`), each in
+    [lo, hi]. Bad input (empty, an empty item, not an integer, out of range) ends the
+    script through `parser.error(...)`: one line naming `flag` on stderr, exit status 2."""
+    expected = f"comma-separated integers in [{lo}, {hi}]"
+    out = []
+    for t in _items(parser, flag, text, expected):
+        try:
+            v = int(t)
+        except ValueError:
+            parser.error(f"{flag}: {t!r} is not an integer; expected {expected} (got {text!r})")
+        if not lo <= v <= hi:
+            parser.error(f"{flag}: {v} is outside [{lo}, {hi}] (got {text!r})")
+        out.append(v)
+    return out
+
+
+def choice_list(parser, flag: str, text: str, choices: Sequence[str]) -> list[str]:
+    """The comma-separated names of option `flag` (e.g. `--formats bf16,nvfp4`), each one
+    of `choices`, duplicates dropped, in the given order. Bad input (empty, an empty item,
+    an unknown name) ends the script through `parser.error(...)`: one line naming `flag`
+    and the choices, exit status 2."""
+    expected = f"a comma-separated subset of {','.join(choices)}"
+    out: list[str] = []
+    for t in _items(parser, flag, text, expected):
+        if t not in choices:
+            parser.error(f"{flag}: unknown {t!r}; expected {expected} (got {text!r})")
+        if t not in out:
+            out.append(t)
+    return out

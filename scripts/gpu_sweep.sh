@@ -7,20 +7,23 @@
 #   2. benchmarks/bench_gemv.py --sweep --family $SWEEP_FAMILY: SWEEP_GEMV_CASES (default
 #      qkv,o_proj+res) at SWEEP_GEMV_BATCHES (1,8), winners to gemv.json;
 #   3. GPU tests at full shapes: SWEEP_TESTS (pytest arguments; default: the swap family's
-#      correctness tests at N = 8, NVFP4 and bf16, for the MoE, plain GEMV and fused QKV
-#      kernels);
+#      correctness tests: MoE at N = 8 NVFP4 and bf16, plain GEMV (q_proj shape) at N = 8
+#      NVFP4, fused QKV + dense MLP at N = 8 NVFP4 and N = 1 bf16);
 #   4. scripts/gpu_prefill_graph.py (prefill from CUDA graphs against eager, bit for bit,
 #      both formats; skipped when SWEEP_PREFILL_S is 0, the default);
 #   5. flintc bench (scripts/gpu_bench.sh) at batches 1 and 8, contexts 1K and 100K, and
-#      the 1K / 8K prefills (formats SWEEP_BENCH_FORMATS, default nvfp4,bf16), with FLINTC_MOE_TUNED / FLINTC_GEMV_TUNED set to the sweeps'
-#      winners (flintc.kernels.tuning), so its numbers are those of the winners.
+#      the prefills SWEEP_BENCH_PREFILL (default 1024,8192) in the formats
+#      SWEEP_BENCH_FORMATS (default nvfp4,bf16), with FLINTC_MOE_TUNED / FLINTC_GEMV_TUNED
+#      set to the sweeps' winners (flintc.kernels.tuning), so its numbers are those of the
+#      winners.
 # SWEEP_FAMILY: swap (default), flat, classic, one-step or all (see the benchmarks' --family);
 # SWEEP_FORMATS: the sweeps' weight formats (default bf16,nvfp4).
 # Logs and tables in $OUT/sweep.tgz (bench.json and bench.md of step 5 included). Budget:
 # SWEEP_BUDGET_S (default 560 s). Caps per step (each also capped by what is left of the
-# budget; a step with < 20 s left is skipped): SWEEP_MOE_S (200; the sweep's own
-# --sweep-seconds is SWEEP_MOE_MARGIN_S, default 60 s, less), SWEEP_GEMV_S (90; 25 s less), SWEEP_TESTS_S (120),
-# SWEEP_PREFILL_S (0); step 5 gets the rest less 10 s, and is skipped below 60 s.
+# budget): SWEEP_MOE_S (200; the sweep's own --sweep-seconds is SWEEP_MOE_MARGIN_S,
+# default 60 s, less, at least 0), SWEEP_GEMV_S (90; --sweep-seconds 25 s less),
+# SWEEP_TESTS_S (120), SWEEP_PREFILL_S (0). The two sweeps are skipped below 45 s, steps 3
+# and 4 below 20 s; step 5 gets the rest less 10 s, and is skipped below 60 s.
 #
 #   OUT=/some/dir bash scripts/gpu_sweep.sh      # from the repository root
 set -uo pipefail
@@ -37,8 +40,9 @@ LOG=$T/pip.log
 echo "== family $FAMILY, budget $BUDGET s"
 MOE_CAP=${SWEEP_MOE_S:-200}; [ "$(left)" -lt "$MOE_CAP" ] && MOE_CAP=$(left)  # the step's real cap
 if [ "$MOE_CAP" -ge 45 ]; then
+  MOE_SWEEP_S=$(( MOE_CAP - ${SWEEP_MOE_MARGIN_S:-60} )); [ "$MOE_SWEEP_S" -lt 0 ] && MOE_SWEEP_S=0
   TAIL=40 step moe-sweep "$MOE_CAP" $PY benchmarks/bench_moe.py --pdl --family "$FAMILY" \
-    --batches "${SWEEP_MOE_BATCHES:-8,1,4}" --formats "${SWEEP_FORMATS:-bf16,nvfp4}" --sweep-seconds $(( MOE_CAP - ${SWEEP_MOE_MARGIN_S:-60} )) \
+    --batches "${SWEEP_MOE_BATCHES:-8,1,4}" --formats "${SWEEP_FORMATS:-bf16,nvfp4}" --sweep-seconds "$MOE_SWEEP_S" \
     --out "$T/moe.md" --tuned-json "$T/moe.json"
 fi
 GEMV_CAP=${SWEEP_GEMV_S:-90}; [ "$(left)" -lt "$GEMV_CAP" ] && GEMV_CAP=$(left)

@@ -756,10 +756,14 @@ SWAP_SHAPES = [(64, 128, 4, 1, False, True), (64, 128, 4, 3, False, False),
 
 def swap_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
                  rows_fixed: int | None = None) -> list[GemvConfig]:
-    """The "swap" sweep family (`sweep_configs`): `choose_config`'s pick first (the
-    reference point), then every `SWAP_SHAPES` entry with `swap`, each flat one also
-    without it (flat NVFP4 tiles are new to this family), at split-K for ~2 and ~4
-    programs per SM. `rows_fixed` as in `sweep_configs` (block_f fixed, >= 8 warps)."""
+    """The "swap" sweep family (`sweep_configs`) for a [N, K] x [F, K]^T GEMV in `fmt`
+    ("bf16" or "nvfp4"): `choose_config(N, F, K, fmt, device)`'s pick first (the plain
+    GEMV's reference point; for the fused kernels, whose defaults come from `qkv_config` /
+    `norm_gate_up_silu`, just one more candidate), then every `SWAP_SHAPES` entry with
+    `swap`, each flat one also without it (flat NVFP4 tiles are new to this family), at
+    split-K for ~2 and ~4 programs per SM (`auto_split_k`). `rows_fixed` as in
+    `sweep_configs` (block_f fixed to it, >= 8 warps). Returns distinct `GemvConfig`s,
+    all but possibly the first with use_dot; nothing is launched."""
     out = [choose_config(N, F, K, fmt, device, flat_ok=rows_fixed is None)]
     for bf, bk, nw, st, flat, pf in SWAP_SHAPES:
         if rows_fixed is not None:

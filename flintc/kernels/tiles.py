@@ -98,8 +98,12 @@ def e2m1_fp32(c):
 
 @triton.jit
 def load_code_tile(w_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr):
-    """NVFP4 codes uint8 [BLOCK_F, BLOCK_K/16, 8] of columns [k0, k0 + BLOCK_K) (see
-    `load_weight_tile`): 8 bytes (one 16-weight block) per thread-vector."""
+    """NVFP4 codes uint8 [BLOCK_F, BLOCK_K/16, 8] of columns [k0, k0 + BLOCK_K): 8 bytes
+    (one 16-weight block) per thread-vector. `w_rows`: pointers [BLOCK_F] to each row's
+    first code byte (row length K/2 bytes); `mask_f` bool [BLOCK_F]: rows that exist.
+    Blocks starting at or past `k_end` and rows off `mask_f` read 0 (no memory traffic);
+    k0 and k_end must be multiples of 16 (K % 16 == 0, split bounds multiples of
+    BLOCK_K)."""
     kb = tl.arange(0, BLOCK_K // 16)
     j = tl.arange(0, 8)
     col = k0 // 2 + kb[:, None] * 8 + j[None, :]  # byte column [KB, 8]
@@ -113,7 +117,9 @@ def load_code_tile(w_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr):
 @triton.jit
 def load_scale_tile(s_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr):
     """NVFP4 block scales float8_e4m3fn [BLOCK_F, BLOCK_K/16] of columns [k0, k0 + BLOCK_K)
-    (see `load_weight_tile`; blocks at or past `k_end` masked, no memory traffic)."""
+    (one per 16 weights). `s_rows`: pointers [BLOCK_F] to each row's first scale (K/16 per
+    row); blocks at or past `k_end` and rows off `mask_f` read 0 (no memory traffic), so a
+    load one step past the end of a split is free."""
     kb = tl.arange(0, BLOCK_K // 16)
     mask_s = mask_f[:, None] & (k0 + 16 * kb < k_end)[None, :]
     return tl.load(s_rows[:, None] + (k0 // 16 + kb)[None, :], mask=mask_s, other=0.0)
@@ -188,9 +194,11 @@ def dequant_tile_k_order(codes, scales, BLOCK_F: tl.constexpr, BLOCK_K: tl.const
 
 @triton.jit
 def dot_2d(acc, x, w, GPU: tl.constexpr, SWAP: tl.constexpr = False):
-    """acc [M, F] += x [M, K] @ w [F, K]^T with exact operands (bf16 activations; bf16 or
-    decoded NVFP4 weights): bf16 tensor cores with fp32 accumulation on the GPU; IEEE fp32
-    in the interpreter, which mishandles bf16 math (../shared/NOTES.md).
+    """Returns acc + x @ w^T, fp32: acc [M, F] fp32, x [M, K] and w [F, K] with values
+    exact in bf16 (bf16 activations; bf16 or decoded NVFP4 weights, any float dtype):
+    bf16 tensor cores with fp32 accumulation on the GPU; IEEE fp32 in the interpreter,
+    which mishandles bf16 math (../shared/NOTES.md). M, F, K: powers of two, >= 16 on the
+    GPU (`tl.dot`).
 
     SWAP: acc [F, M] += w @ x^T instead (the transposed product, same fp32 sums of the
     same exact products): the weight tile is the dot's left operand, which Hopper's wgmma
@@ -227,7 +235,8 @@ def dot_tile(acc, x3, w3, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, KW: tl.c
 @triton.jit
 def acc_init(BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, SWAP: tl.constexpr):
     """The zero fp32 accumulator of a tensor-core GEMV loop: [BLOCK_N, BLOCK_F], or
-    [BLOCK_F, BLOCK_N] with SWAP (`dot_2d`); `acc_final` brings it back to [N, F]."""
+    [BLOCK_F, BLOCK_N] with SWAP (pass the same SWAP to `dot_2d` / `dot_tile`);
+    `acc_final` brings it back to [BLOCK_N, BLOCK_F]."""
     if SWAP:
         acc = tl.zeros((BLOCK_F, BLOCK_N), dtype=tl.float32)
     else:
@@ -237,8 +246,8 @@ def acc_init(BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr, SWAP: tl.constexpr):
 
 @triton.jit
 def acc_final(acc, SWAP: tl.constexpr):
-    """`acc_init`'s accumulator as [BLOCK_N, BLOCK_F] (one transpose after the K loop with
-    SWAP; unchanged otherwise)."""
+    """`acc_init`'s fp32 accumulator as [BLOCK_N, BLOCK_F]: one transpose after the K loop
+    with SWAP (acc [BLOCK_F, BLOCK_N]); acc itself otherwise."""
     if SWAP:
         out = tl.trans(acc)
     else:
@@ -249,8 +258,15 @@ def acc_final(acc, SWAP: tl.constexpr):
 @triton.jit
 def first_scales(s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr,
                  IS_NVFP4: tl.constexpr):
-    """The scale tile that `load_flat_tile` takes at its first step (`load_scale_tile` at
-    k0) for NVFP4; a placeholder for bf16 (no load)."""
+    """`load_flat_tile`'s `s_cur` for its first step at k0. IS_NVFP4: the block scales of
+    columns [k0, k0 + BLOCK_K), float8_e4m3fn [BLOCK_F, BLOCK_K/16] (`load_scale_tile`;
+    what `load_flat_tile` with PREFETCH_SCALES=True expects). Else a placeholder, fp32
+    zeros [BLOCK_F, BLOCK_K/16], no load: for bf16 weights, for `load_flat_tile` with
+    PREFETCH_SCALES=False (which returns it unchanged), or for a second matrix that the
+    loop does not use. The dtype is part of the K loop's carried state: pass IS_NVFP4 =
+    True exactly when `load_flat_tile` will return loaded scales (NVFP4 with the
+    prefetch), else the GPU compile fails ("Loop-carried variable ... fp32 ... re-assigned
+    to fp8e4nv"; the interpreter does not check). BLOCK_K >= 16."""
     if IS_NVFP4:
         out = load_scale_tile(s_rows, mask_f, k0, k_end, BLOCK_K)
     else:
@@ -262,20 +278,28 @@ def first_scales(s_rows, mask_f, k0, k_end, BLOCK_F: tl.constexpr, BLOCK_K: tl.c
 def load_flat_tile(w_rows, s_rows, s_cur, mask_f, k0, k_end, BLOCK_F: tl.constexpr,
                    BLOCK_K: tl.constexpr, IS_NVFP4: tl.constexpr, GPU: tl.constexpr,
                    PREFETCH_SCALES: tl.constexpr = True):
-    """(weight tile [BLOCK_F, BLOCK_K] in K order, the next step's scale tile). Columns
-    k0 .. k0 + BLOCK_K, masked at `k_end` and by `mask_f`: bf16 as a plain 2-D load
-    (`w_rows` [BLOCK_F] pointers to each row's first element; the scale tiles are
-    placeholders); NVFP4 codes from `load_code_tile` (staged by Triton's pipeliner) with
-    `s_cur`, this step's scale tile (`first_scales`, then the previous call's second
-    result), decoded by the inline asm (values times 2^-8, exact; multiply the accumulator
-    by `DEQUANT_UNSCALE`) and interleaved back into K order (`dequant_tile_k_order`); the
-    scales of k0 + BLOCK_K are loaded here, one step ahead: 1-byte loads that the
-    pipeliner does not stage, which Nsight Compute found the NVFP4 loop waiting on (31% of
-    stall samples at batch 8, docs/gpu-runs.md session 9). PREFETCH_SCALES=False loads
-    this step's scales here instead (`s_cur` unused and returned as is): the split-K GEMVs
-    run 2-5 steps per program, where the prefetch measured 11-16% slower (session 9 run 7)
-    while the 16-step MoE loops gained 5-6%. For the flat 2-D tensor-core loops of
-    `flintc.kernels.gemv` and `flintc.kernels.moe`."""
+    """One step of a flat 2-D tensor-core loop: returns (w, s_nxt).
+
+    w: the weight tile of columns [k0, k0 + BLOCK_K) in K order, [BLOCK_F, BLOCK_K];
+    columns at or past `k_end` and rows off `mask_f` (bool [BLOCK_F]) are 0. bf16 weights:
+    a plain 2-D load (bf16; `w_rows` [BLOCK_F] pointers to each row's first element,
+    `s_rows` unused). NVFP4: codes from `load_code_tile` (`w_rows` to each row's first code
+    byte; staged by Triton's pipeliner) decoded with this step's scales by the inline asm
+    (`dequant_tile_k_order`: bf16 on the GPU, fp32 in the interpreter) as
+    `e2m1 * scale * 2^-8`, exact: multiply the accumulator by `DEQUANT_UNSCALE` after the
+    loop. k0, k_end: multiples of 16 for NVFP4.
+
+    s_cur / s_nxt: the scale tile carried through the loop (start with `first_scales`,
+    then pass the previous call's s_nxt). NVFP4 with PREFETCH_SCALES (default): s_cur
+    holds this step's scales (float8_e4m3fn [BLOCK_F, BLOCK_K/16]) and s_nxt those of
+    k0 + BLOCK_K, loaded here one step ahead (masked at `k_end`, so free past the end):
+    1-byte loads that the pipeliner does not stage, which Nsight Compute found the NVFP4
+    loop waiting on (31% of stall samples at batch 8, docs/gpu-runs.md session 9).
+    Otherwise s_nxt is s_cur unchanged (a placeholder), and PREFETCH_SCALES=False loads
+    this step's scales here instead: in the split-K GEMVs (2-5 steps per program) the
+    prefetch measured 11-16% slower (session 9 run 7) while the MoE loops (4-16 steps)
+    gained 5-6%. For the flat 2-D tensor-core loops of `flintc.kernels.gemv` and
+    `flintc.kernels.moe`."""
     # one return after a constexpr if / else: Triton compiles the statements after an
     # early return of a constexpr branch too (the uint8 code pointer loaded as weights)
     if IS_NVFP4:

@@ -28,7 +28,7 @@ pytest.importorskip("triton", reason="triton is not installed: the kernels need 
 
 import flintc.ops  # noqa: E402,F401  (registers torch.ops.flintc)
 from flintc.kernels import fused_gemv as FG  # noqa: E402
-from flintc.kernels.gemv import GemvConfig, split_k_counters  # noqa: E402
+from flintc.kernels.gemv import GemvConfig, _effective_split, split_k_counters  # noqa: E402
 from flintc.model import ops  # noqa: E402
 from flintc.ops import grouped, linear  # noqa: E402
 from flintc.ops.common import as_weight  # noqa: E402
@@ -195,6 +195,40 @@ def test_norm_qkv_rope_kv(fmt, N, kind, cfg, poison_empty):
     args = qkv_inputs(N, 128, 8, 2, 32, fmt, kind, 9, 40)
     check_qkv(args, 8, 2, kind == "sliding", window, config=cfg)
     assert int(split_k_counters(args[0].device, 1)[:64].abs().sum()) == 0
+
+
+# Ragged split-K in the fused kernels: H = 320 (NVFP4 rows are multiples of 64) in steps
+# of 128 over 2 splits of 256, so split 0 makes 2 steps (flat NVFP4 tiles with several K
+# steps) and split 1 one step with only 64 of its 128 columns inside H.
+TAIL_CONFIGS = [
+    GemvConfig(use_dot=True, block_f=16, block_k=128, split_k=2, prefetch=False, flat=True,
+               swap=True),
+    GemvConfig(use_dot=True, block_f=16, block_k=128, split_k=2, prefetch=False, flat=True),
+]
+
+
+@pytest.mark.parametrize("cfg", TAIL_CONFIGS, ids=lambda c: c.short().replace(" ", "_"))
+def test_fused_flat_nvfp4_ragged_split(cfg, poison_empty):
+    """norm_qkv_rope_kv (sliding layer, N = 3) and norm_gate_up_silu (F = 48, N = 2) with
+    NVFP4 weights (non-unit global scale) at H = 320 on flat tiles, with and without the
+    swapped dot."""
+    H = 320
+    assert _effective_split(H, cfg.block_k, cfg.split_k) == (2, 256)
+    args = qkv_inputs(3, H, 8, 2, 32, "nvfp4_gs", "sliding", 9, 40)
+    check_qkv(args, 8, 2, True, 9, config=cfg)
+    N, F = 2, 48
+    x = torch.randn(N, 1, H).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(H) + 0.5).to(DEV)
+    gate, up = make_weight(F, H, "nvfp4_gs"), make_weight(F, H, "nvfp4_gs")
+    out = FG.norm_gate_up_silu(x, norm, gate, up, EPS, config=cfg)
+    ref = grouped.norm_gate_up_silu(x, norm, gate, up, EPS)
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    g = ops.linear(h, as_weight(gate), F32).cpu().double()
+    u = ops.linear(h, as_weight(up), F32).cpu().double()
+    tol = (2 * bf16_ulp(ref).cpu() + 1.1 * (gemv_tol(h, gate) + bf16_ulp(g)) * u.abs()
+           + (gemv_tol(h, up) + bf16_ulp(u)) * g.abs())
+    compare("norm_gate_up_silu", out, ref, tol)
+    assert int(split_k_counters(x.device, 1)[:64].abs().sum()) == 0
 
 
 # ----------------------------------------------------------------------------- gemv_residual

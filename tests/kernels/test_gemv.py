@@ -124,6 +124,32 @@ def test_gemv_configs(N, fmt, cfg):
     assert_close_bf16(gemv(x, w, out=out, config=cfg), gemv_reference(x, w), x, w)
 
 
+# 2-D tiles and the swapped dot where K is not a multiple of BLOCK_K and the last split
+# is shorter than the others: K = 320 in steps of 128 over 2 splits of 256, so split 0
+# makes 2 steps and split 1 one step with only 64 of its 128 columns inside K (masked
+# codes, scales and x); the NVFP4 block scales past each split's end must stay masked.
+TAIL_CONFIGS = [
+    GemvConfig(use_dot=True, block_f=16, block_k=128, split_k=2, prefetch=False, flat=True,
+               swap=True),
+    GemvConfig(use_dot=True, block_f=16, block_k=128, split_k=2, prefetch=False, flat=True),
+    GemvConfig(use_dot=True, block_f=32, block_k=128, split_k=2, prefetch=True, swap=True),
+]
+
+
+@pytest.mark.parametrize("cfg", TAIL_CONFIGS, ids=lambda c: c.short().replace(" ", "_"))
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
+def test_flat_and_swap_at_k_tails(fmt, cfg):
+    """K = 320 (NVFP4 quantizes rows of multiples of 64), F = 24 (a partial F block), N = 3,
+    2 splits: a full last step in split 0, a half-masked single step in split 1."""
+    N, K, F = 3, 320, 24
+    split, per = G._effective_split(K, cfg.block_k, cfg.split_k)
+    assert (split, per, K % cfg.block_k) == (2, 256, 64)  # the shape this test is about
+    x = torch.randn(N, K).to(torch.bfloat16).to(DEV)
+    w = make_weight(F, K, fmt, DEV)
+    out = poisoned(N, F)
+    assert_close_bf16(gemv(x, w, out=out, config=cfg), gemv_reference(x, w), x, w)
+
+
 def test_split_k_counters_are_left_zero():
     """One-launch split-K leaves its arrival counters at zero, so the next launch (here a
     second one with another shape) starts clean."""

@@ -233,6 +233,29 @@ def test_moe_configs(fmt, cfg, poison):
     _check_gate_up_and_down(fmt, 2, CPU_CONFIGS[cfg], poison, seed=300 + 10 * cfg + FMTS.index(fmt))
 
 
+# Ragged splits (NVFP4 rows are multiples of 64, so steps of 128): H = 320 and F = 192
+# with block_k 128 and 2 splits: gate/up's split 0 makes 2 steps and its split 1 a single
+# half-masked one (64 of 128 columns), down's split 1 likewise; the flat loops' next-step
+# scale loads run past each split's end. The swapped dot on 2-D tiles (with the scale
+# prefetch) and on 3-D tiles with the register prefetch.
+TAIL_SHAPES = {"H": 320, "F": 192, "E": 16}
+TAIL_CONFIGS = [
+    K.MoeConfig(block_rows=64, block_k=128, split=2, use_dot=True, num_stages=1, flat=True,
+                swap=True),
+    K.MoeConfig(block_rows=64, block_k=128, split=2, use_dot=True, prefetch=True, swap=True),
+]
+
+
+@pytest.mark.parametrize("cfg", range(len(TAIL_CONFIGS)))
+def test_swap_nvfp4_split_tails(cfg, poison):
+    """NVFP4 (non-unit global scales) gate/up and down at TAIL_SHAPES, N = 2."""
+    c = TAIL_CONFIGS[cfg]
+    for red in (TAIL_SHAPES["H"], TAIL_SHAPES["F"]):
+        split, per = K._effective_split(red, c.block_k, c.split)
+        assert split == 2 and 0 < red - per < per and red % c.block_k  # a short, ragged last split
+    _check_gate_up_and_down("nvfp4_gs", 2, c, poison, seed=900 + cfg, shapes=TAIL_SHAPES)
+
+
 def test_counters_left_zero():
     """Split-K / combine counters are zero after the launches (the next launch relies on
     it), and a repeated call gives the same bits (deterministic combine order)."""
@@ -253,10 +276,10 @@ def test_counters_left_zero():
     assert int(split_k_counters(torch.device(DEV), 1).abs().sum()) == 0
 
 
-def _check_gate_up_and_down(fmt, N, cfg, poison, seed):
+def _check_gate_up_and_down(fmt, N, cfg, poison, seed, shapes=TINY):
     gen = torch.Generator().manual_seed(seed)
-    H, F, E = TINY["H"], TINY["F"], TINY["E"]
-    w = make_moe(TINY, fmt, gen)
+    H, F, E = shapes["H"], shapes["F"], shapes["E"]
+    w = make_moe(shapes, fmt, gen)
     x = torch.randn(N, H, generator=gen).to(torch.bfloat16).to(DEV)
     logits, bias, pairs = tied_logits(N, E, gen)
     with poison:
