@@ -1,0 +1,226 @@
+"""Compile the decode kernels' GPU code paths for sm_90 (H200) on a machine without a GPU.
+
+Triton's interpreter never runs the `GPU=True` branches (inline-asm NVFP4 decode, bf16
+tensor-core dots, PDL waits), so a typo or an unsupported layout there is first seen on
+the H200, at the cost of device time. This script calls each launcher with CPU tensors,
+captures the kernel call instead of launching it, and compiles the captured signature
+with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` and GPU=True, PDL
+on: Triton's full pipeline down to ptxas, no launch. It checks that the code compiles,
+not what it computes (that is the GPU tests' job).
+
+    python scripts/sm90_compile_check.py            # every case (~2-3 min on 2 cores)
+    python scripts/sm90_compile_check.py --quick    # one case per kernel and format (CI)
+
+Exit status: 0 when every case compiled, 1 when one failed (each failure printed with
+Triton's message), 2 for bad arguments or a Triton without these compiler entry points.
+Must run without TRITON_INTERPRET (the kernels would be interpreter objects); the script
+clears it before importing Triton. Written against triton 3.6-3.9 (`ASTSource` with
+constexprs keyed by argument-index tuples).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:  # pragma: no cover (an old or changed Triton)
+    print(f"sm90_compile_check: this Triton ({triton.__version__}) lacks {e.name}", file=sys.stderr)
+    sys.exit(2)
+
+TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8", torch.int32: "i32",
+         torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.float16: "fp16"}
+
+
+class _Capture:
+    """Stands in for a `@triton.jit` kernel: `kernel[grid](*args, **kw)` records the call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((args, kw))
+
+
+def capture(module, name: str, call):
+    """(args, kwargs) of the first launch of `module.<name>` made by `call()`."""
+    kern = getattr(module, name)
+    cap = _Capture()
+    setattr(module, name, cap)
+    try:
+        call()
+    finally:
+        setattr(module, name, kern)
+    if not cap.calls:
+        raise RuntimeError(f"{name} was not launched (the launcher took another path)")
+    return kern, cap.calls[0]
+
+
+def compile_sm90(kern, args, kw, num_warps: int, num_stages: int):
+    """triton.compile the captured call for sm_90 with GPU=True and PDL on (USE_PDL=1)."""
+    kw = dict(kw)
+    for k in ("num_warps", "num_stages", "launch_pdl"):
+        kw.pop(k, None)
+    kw["GPU"] = True
+    if "USE_PDL" in kw:
+        kw["USE_PDL"] = 1
+    vals = dict(zip(kern.arg_names, args))
+    vals.update(kw)
+    sig, consts = {}, {}
+    for i, (name, p) in enumerate(zip(kern.arg_names, kern.params)):
+        if name not in vals:
+            if p.is_constexpr:
+                sig[name], consts[(i,)] = "constexpr", p.default
+            continue
+        v = vals[name]
+        if p.is_constexpr:
+            sig[name], consts[(i,)] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[name] = "*" + TYPES[v.dtype]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            sig[name] = "i32"
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"argument {name}: {type(v).__name__}")
+    src = ASTSource(fn=kern, signature=sig, constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _weight(F: int, K: int, fmt: str, gen):
+    from flintc.quant.nvfp4 import quantize
+
+    w = (torch.randn(F, K, generator=gen) * 0.05).to(torch.bfloat16)
+    if fmt == "bf16":
+        return [w]
+    q = quantize(w, use_global_scale=True)
+    return [q.codes, q.scales, q.global_scale]
+
+
+def cases(quick: bool):
+    """(label, module, kernel name, launcher call, config) for every case."""
+    from flintc.kernels import fused_gemv as FG
+    from flintc.kernels import gemv as G
+    from flintc.kernels import moe as M
+    from flintc.model.ops import rope_tables
+
+    gen = torch.Generator().manual_seed(0)
+    GC, MC = G.GemvConfig, M.MoeConfig
+    out = []
+    for fmt in ("bf16", "nvfp4"):
+        N, H, D, HQ, HKV = 8, 2048, 128, 32, 4
+        x = torch.randn(N, 4096, generator=gen).to(torch.bfloat16)
+        w = _weight(2048, 4096, fmt, gen)
+        gemv_cfgs = [GC(use_dot=True, block_f=64, block_k=256, split_k=8, num_warps=4,
+                        num_stages=3, prefetch=False, flat=True, swap=True)]
+        if not quick:
+            gemv_cfgs += [GC(use_dot=True, block_f=64, block_k=128, split_k=16, num_warps=4,
+                             num_stages=3, prefetch=False, flat=True),
+                          GC(use_dot=True, block_f=64, block_k=128, split_k=4, num_warps=4,
+                             num_stages=1, prefetch=True, swap=True),
+                          GC(use_dot=False, block_f=32, block_k=256, split_k=8, num_warps=4,
+                             num_stages=1, prefetch=True, acc_full=True)]
+        for cfg in gemv_cfgs:
+            out.append((f"gemv {fmt} {cfg.short()}", G, "gemv_kernel",
+                        lambda x=x, w=w, cfg=cfg: G.gemv(x, w, config=cfg), cfg))
+        xh = torch.randn(N, 1, H, generator=gen).to(torch.bfloat16)
+        norm = torch.rand(H, generator=gen) + 0.5
+        wq, wk, wv = (_weight(HQ * D, H, fmt, gen), _weight(HKV * D, H, fmt, gen),
+                      _weight(HKV * D, H, fmt, gen))
+        qn, kn = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
+        cos, sin = rope_tables(10000.0, D, 4096, torch.float32)
+        kc = torch.zeros(2, 513, HKV, D, dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        slots = torch.zeros(N, dtype=torch.int64)
+        pos = torch.arange(N, dtype=torch.int64).view(N, 1)
+        qkv_cfgs = [GC(use_dot=True, block_f=D, block_k=128, split_k=8, num_warps=8,
+                       num_stages=3, prefetch=False, flat=True, swap=fmt == "nvfp4")]
+        if not quick:
+            qkv_cfgs += [GC(use_dot=True, block_f=D, block_k=128, split_k=8, num_warps=8,
+                            num_stages=1, prefetch=True)]
+        for cfg in qkv_cfgs:
+            out.append((f"norm_qkv_rope_kv {fmt} {cfg.short()}", FG, "norm_qkv_rope_kv_kernel",
+                        lambda cfg=cfg, args=(xh, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc,
+                                              slots, pos):
+                        FG.norm_qkv_rope_kv(*args, 1e-6, HQ, HKV, True, 513, config=cfg), cfg))
+        gate, up = _weight(10240, H, fmt, gen), _weight(10240, H, fmt, gen)
+        mlp_cfgs = [GC(use_dot=True, block_f=32, block_k=128, split_k=1, num_warps=4,
+                       num_stages=3, prefetch=False, flat=True, swap=fmt == "bf16")]
+        if not quick:
+            mlp_cfgs += [GC(use_dot=False, block_f=16, block_k=256, split_k=1, num_warps=4,
+                            num_stages=1, prefetch=True, acc_full=True)]
+        for cfg in mlp_cfgs:
+            out.append((f"norm_gate_up_silu {fmt} {cfg.short()}", FG, "norm_gate_up_silu_kernel",
+                        lambda cfg=cfg, gate=gate, up=up, xh=xh, norm=norm:
+                        FG.norm_gate_up_silu(xh, norm, gate, up, 1e-6, config=cfg), cfg))
+        E, F, K = 16, 512, 6
+        experts = [(_weight(F, H, fmt, gen), _weight(F, H, fmt, gen), _weight(H, F, fmt, gen))
+                   for _ in range(E)]
+
+        def stack(i, experts=experts):
+            parts = [e[i] for e in experts]
+            return [torch.stack([p[j] for p in parts]) for j in range(len(parts[0]))]
+        g_e, u_e, d_e = stack(0), stack(1), stack(2)
+        sg, su, sd = _weight(F, H, fmt, gen), _weight(F, H, fmt, gen), _weight(H, F, fmt, gen)
+        logits = torch.randn(N, E, generator=gen)
+        bias = torch.zeros(E)
+        h = torch.randn(N, K + 1, F, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(N)])
+        wts = torch.rand(N, K, generator=gen)
+        res = torch.randn(N, H, generator=gen).to(torch.bfloat16)
+        xm = torch.randn(N, H, generator=gen).to(torch.bfloat16)
+        moe_cfgs = [MC(block_rows=64, block_k=128, split=2, num_warps=4, num_stages=3, flat=True,
+                       swap=fmt == "nvfp4")]
+        if not quick:
+            moe_cfgs += [MC(block_rows=64, block_k=128, split=1, num_warps=4, num_stages=3,
+                            flat=True),
+                         MC(block_rows=64, block_k=128, split=1, num_warps=8, num_stages=3),
+                         MC(block_rows=32, block_k=128, split=4, use_dot=False, num_warps=4,
+                            num_stages=1, prefetch=True, acc_full=True)]
+        for cfg in moe_cfgs:
+            out.append((f"moe gate_up {fmt} {cfg.short()}", M, "gate_up_kernel",
+                        lambda cfg=cfg, a=(xm, logits, bias, g_e, u_e, sg, su):
+                        M.moe_topk_gate_up(*a, K, 2.5, config=cfg), cfg))
+            out.append((f"moe down {fmt} {cfg.short()}", M, "down_kernel",
+                        lambda cfg=cfg, a=(h, ids, wts, d_e, sd, res):
+                        M.moe_down_combine_residual(*a, config=cfg), cfg))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="one configuration per kernel and format (the CI test)")
+    args = parser.parse_args()
+    import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
+
+    fails = 0
+    for label, module, name, call, cfg in cases(args.quick):
+        t = time.time()
+        try:
+            kern, (a, kw) = capture(module, name, call)
+            compile_sm90(kern, a, kw, cfg.num_warps, cfg.num_stages)
+            print(f"ok    {label} ({time.time() - t:.1f} s)", flush=True)
+        except Exception as e:  # noqa: BLE001  (report every failing case, then exit 1)
+            fails += 1
+            print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+    print(f"{fails} of the cases failed to compile for sm_90" if fails else
+          "every case compiled for sm_90", flush=True)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
