@@ -4,18 +4,21 @@ Triton's interpreter never runs the `GPU=True` branches (inline-asm NVFP4 decode
 tensor-core dots, PDL waits), so a typo or an unsupported layout there is first seen on
 the H200, at the cost of device time. This script calls each launcher with CPU tensors,
 captures the kernel call instead of launching it, and compiles the captured signature
-with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` and GPU=True, PDL
-on: Triton's full pipeline down to ptxas, no launch. It checks that the code compiles,
-not what it computes (that is the GPU tests' job).
+with GPU=True and PDL on through `scripts/triton_aot_probe.py`'s `compile_sm90` (Triton's
+full pipeline down to ptxas, no launch; pointers and 16-divisible integers specialised
+as a launch would), plus the decode attention kernels' own `aot_probe_specs`. Each line
+gives the probe's resource report (registers, spills, shared memory, MMA kinds). It
+checks that the code compiles, not what it computes (that is the GPU tests' job).
 
     python scripts/sm90_compile_check.py            # every case (~2-3 min on 2 cores)
-    python scripts/sm90_compile_check.py --quick    # one case per kernel and format (CI)
+    python scripts/sm90_compile_check.py --quick    # one case per kernel and format, and
+                                                    # decode attention's default (CI)
 
 Exit status: 0 when every case compiled, 1 when one failed (each failure printed with
 Triton's message), 2 for bad arguments or a Triton without these compiler entry points.
 Must run without TRITON_INTERPRET (the kernels would be interpreter objects); the script
-clears it before importing Triton. Written against triton 3.6-3.9 (`ASTSource` with
-constexprs keyed by argument-index tuples).
+clears it before importing Triton. Uses the local Triton (3.9 here; the H200 has 3.6), so
+the code can differ a little from what runs there.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 try:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from triton_aot_probe import compile_sm90 as _probe_compile  # noqa: E402
+    from triton_aot_probe import format_report, report  # noqa: E402
 except ImportError as e:  # pragma: no cover (an old or changed Triton)
     print(f"sm90_compile_check: this Triton ({triton.__version__}) lacks {e.name}", file=sys.stderr)
     sys.exit(2)
@@ -67,7 +71,8 @@ def capture(module, name: str, call):
 
 
 def compile_sm90(kern, args, kw, num_warps: int, num_stages: int):
-    """triton.compile the captured call for sm_90 with GPU=True and PDL on (USE_PDL=1)."""
+    """Compile the captured call for sm_90 with GPU=True and PDL on (USE_PDL=1); returns
+    Triton's CompiledKernel."""
     kw = dict(kw)
     for k in ("num_warps", "num_stages", "launch_pdl"):
         kw.pop(k, None)
@@ -76,28 +81,24 @@ def compile_sm90(kern, args, kw, num_warps: int, num_stages: int):
         kw["USE_PDL"] = 1
     vals = dict(zip(kern.arg_names, args))
     vals.update(kw)
-    sig, consts = {}, {}
-    for i, (name, p) in enumerate(zip(kern.arg_names, kern.params)):
-        if name not in vals:
-            if p.is_constexpr:
-                sig[name], consts[(i,)] = "constexpr", p.default
-            continue
-        v = vals[name]
+    sig, consts, divisible = {}, {}, []
+    for name, p in zip(kern.arg_names, kern.params):
+        v = vals[name] if name in vals else p.default
         if p.is_constexpr:
-            sig[name], consts[(i,)] = "constexpr", v
+            sig[name], consts[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             sig[name] = "*" + TYPES[v.dtype]
         elif isinstance(v, bool):
             sig[name] = "i1"
         elif isinstance(v, int):
             sig[name] = "i32"
+            if v % 16 == 0:  # a launch specialises such integers too
+                divisible.append(name)
         elif isinstance(v, float):
             sig[name] = "fp32"
         else:
             raise TypeError(f"argument {name}: {type(v).__name__}")
-    src = ASTSource(fn=kern, signature=sig, constexprs=consts)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return _probe_compile(kern, sig, consts, num_warps, num_stages, divisible)
 
 
 def _weight(F: int, K: int, fmt: str, gen):
@@ -207,13 +208,25 @@ def main() -> int:
     args = parser.parse_args()
     import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
 
+    from flintc.kernels import decode_attention as DA
+
+    specs = DA.aot_probe_specs()
+    if args.quick:  # the default launch configuration, the ring > W mask, the combine
+        specs = [specs[0], specs[-3], specs[-1]]
     fails = 0
-    for label, module, name, call, cfg in cases(args.quick):
+    for label, module, name, call, cfg in cases(args.quick) + [(s["name"], None, None, s, None)
+                                                             for s in specs]:
         t = time.time()
         try:
-            kern, (a, kw) = capture(module, name, call)
-            compile_sm90(kern, a, kw, cfg.num_warps, cfg.num_stages)
-            print(f"ok    {label} ({time.time() - t:.1f} s)", flush=True)
+            if module is None:  # a decode attention spec
+                k = _probe_compile(call["fn"], call["signature"], call["constexprs"],
+                                   call.get("num_warps", 4), call.get("num_stages", 3),
+                                   call.get("divisible", ()))
+            else:
+                kern, (a, kw) = capture(module, name, call)
+                k = compile_sm90(kern, a, kw, cfg.num_warps, cfg.num_stages)
+            line = format_report(label, report(k))
+            print(f"ok    {line} ({time.time() - t:.1f} s)", flush=True)
         except Exception as e:  # noqa: BLE001  (report every failing case, then exit 1)
             fails += 1
             print(f"FAIL  {label}: {type(e).__name__}: {str(e)[:1500]}", flush=True)

@@ -3,8 +3,9 @@
 The interpreter twins check what the kernels compute but never run their `GPU=True`
 branches (inline-asm NVFP4 decode, bf16 tensor-core dots, the swapped dot, PDL waits).
 `scripts/sm90_compile_check.py --quick` compiles one configuration per kernel and format
-(plain GEMV, fused QKV, dense gate/up, MoE gate/up and down; flat and swapped tiles) with
-Triton's whole pipeline down to ptxas, in a subprocess without TRITON_INTERPRET.
+(plain GEMV, fused QKV, dense gate/up, MoE gate/up and down; flat and swapped tiles) and
+decode attention's default launch, its ring > W variant and the combine, with Triton's
+whole pipeline down to ptxas, in a subprocess without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -30,4 +31,4 @@ def test_decode_kernels_compile_for_sm90():
         pytest.skip(proc.stderr.strip())
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "every case compiled for sm_90" in proc.stdout
-    assert proc.stdout.count("ok    ") == 10, proc.stdout
+    assert proc.stdout.count("ok    ") == 13, proc.stdout
