@@ -83,7 +83,7 @@ def compile_sm90(kern, args, kw, num_warps: int, num_stages: int):
     vals.update(kw)
     sig, consts, divisible = {}, {}, []
     for name, p in zip(kern.arg_names, kern.params):
-        v = vals[name] if name in vals else p.default
+        v = vals.get(name, p.default)
         if p.is_constexpr:
             sig[name], consts[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
@@ -155,8 +155,8 @@ def cases(quick: bool):
         for cfg in qkv_cfgs:
             out.append((f"norm_qkv_rope_kv {fmt} {cfg.short()}", FG, "norm_qkv_rope_kv_kernel",
                         lambda cfg=cfg, args=(xh, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc,
-                                              slots, pos):
-                        FG.norm_qkv_rope_kv(*args, 1e-6, HQ, HKV, True, 513, config=cfg), cfg))
+                                              slots, pos), hq=HQ, hkv=HKV:
+                        FG.norm_qkv_rope_kv(*args, 1e-6, hq, hkv, True, 513, config=cfg), cfg))
         gate, up = _weight(10240, H, fmt, gen), _weight(10240, H, fmt, gen)
         mlp_cfgs = [GC(use_dot=True, block_f=32, block_k=128, split_k=1, num_warps=4,
                        num_stages=3, prefetch=False, flat=True, swap=fmt == "bf16")]
@@ -193,8 +193,8 @@ def cases(quick: bool):
                             num_stages=1, prefetch=True, acc_full=True)]
         for cfg in moe_cfgs:
             out.append((f"moe gate_up {fmt} {cfg.short()}", M, "gate_up_kernel",
-                        lambda cfg=cfg, a=(xm, logits, bias, g_e, u_e, sg, su):
-                        M.moe_topk_gate_up(*a, K, 2.5, config=cfg), cfg))
+                        lambda cfg=cfg, a=(xm, logits, bias, g_e, u_e, sg, su), k=K:
+                        M.moe_topk_gate_up(*a, k, 2.5, config=cfg), cfg))
             out.append((f"moe down {fmt} {cfg.short()}", M, "down_kernel",
                         lambda cfg=cfg, a=(h, ids, wts, d_e, sd, res):
                         M.moe_down_combine_residual(*a, config=cfg), cfg))
