@@ -28,8 +28,8 @@ OUT="$OUT" SWEEP_FAMILY=flat SWEEP_BUDGET_S=${FLAT_BUDGET_S:-560} \
 tests/kernels/test_moe_kernels.py::test_moe_kernels_full_shapes_gpu[1-bf16-True] \
 tests/kernels/test_moe_kernels.py::test_moe_kernels_full_shapes_gpu[2-bf16-True] \
 tests/kernels/test_moe_kernels.py::test_moe_kernels_full_shapes_gpu[8-bf16-True] \
-tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[8-bf16] \
-tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[8-nvfp4_gs] \
+tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[base+swap-8-bf16] \
+tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[base+swap-8-nvfp4_gs] \
 tests/kernels/test_gemv.py::test_gemv_model_shapes_gpu[o_proj-8-bf16-True] \
 tests/kernels/test_gemv.py::test_gemv_model_shapes_gpu[dense_down-8-bf16-True] \
 tests/kernels/test_gemv.py::test_gemv_model_shapes_gpu[q_proj-8-bf16-True] \

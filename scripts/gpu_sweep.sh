@@ -16,7 +16,8 @@
 #      SWEEP_BENCH_FORMATS (default nvfp4,bf16), with FLINTC_MOE_TUNED / FLINTC_GEMV_TUNED
 #      set to the sweeps' winners (flintc.kernels.tuning), so its numbers are those of the
 #      winners.
-# SWEEP_FAMILY: swap (default), flat, classic, one-step or all (see the benchmarks' --family);
+# SWEEP_FAMILY: swap (default), flat, classic, one-step, maxnreg (MoE only: register caps;
+# step 2 is then skipped) or all (see the benchmarks' --family);
 # SWEEP_FORMATS: the sweeps' weight formats (default bf16,nvfp4).
 # Logs and tables in $OUT/sweep.tgz (bench.json and bench.md of step 5 included). Budget:
 # SWEEP_BUDGET_S (default 560 s). Caps per step (each also capped by what is left of the
@@ -46,6 +47,7 @@ if [ "$MOE_CAP" -ge 45 ]; then
     --out "$T/moe.md" --tuned-json "$T/moe.json"
 fi
 GEMV_CAP=${SWEEP_GEMV_S:-90}; [ "$(left)" -lt "$GEMV_CAP" ] && GEMV_CAP=$(left)
+[ "$FAMILY" = maxnreg ] && GEMV_CAP=0  # a MoE-only family
 if [ "$GEMV_CAP" -ge 45 ]; then
   TAIL=14 step gemv-sweep "$GEMV_CAP" $PY benchmarks/bench_gemv.py --sweep --family "$FAMILY" \
     --pdl --no-compile --batches "${SWEEP_GEMV_BATCHES:-1,8}" --formats "${SWEEP_FORMATS:-bf16,nvfp4}" --sweep-seconds $(( GEMV_CAP - 25 )) \
@@ -53,10 +55,10 @@ if [ "$GEMV_CAP" -ge 45 ]; then
 fi
 # shellcheck disable=SC2086
 TAIL=8 step gpu-tests ${SWEEP_TESTS_S:-120} $PY -m pytest -q -m gpu -p no:cacheprovider ${SWEEP_TESTS:-\
-"tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[8-nvfp4_gs]" \
+"tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[base+swap-8-nvfp4_gs]" \
 "tests/kernels/test_fused_gemv.py::test_fused_swap_and_flat_configs_gpu[8-nvfp4_gs]" \
 "tests/kernels/test_gemv.py::test_every_sweep_config_gpu[4096-2048-8-nvfp4_gs]" \
-"tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[8-bf16]" \
+"tests/kernels/test_moe_kernels.py::test_sweep_configs_full_shapes_gpu[base+swap-8-bf16]" \
 "tests/kernels/test_fused_gemv.py::test_fused_swap_and_flat_configs_gpu[1-bf16]"}
 if [ "${SWEEP_PREFILL_S:-0}" -gt 0 ]; then
   TAIL=12 step prefill-graph "$SWEEP_PREFILL_S" $PY scripts/gpu_prefill_graph.py --builds gpu_builds \

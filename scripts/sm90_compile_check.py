@@ -17,8 +17,11 @@ checks that the code compiles, not what it computes (that is the GPU tests' job)
 Exit status: 0 when every case compiled, 1 when one failed (each failure printed with
 Triton's message), 2 for bad arguments or a Triton without these compiler entry points.
 Must run without TRITON_INTERPRET (the kernels would be interpreter objects); the script
-clears it before importing Triton. Uses the local Triton (3.9 here; the H200 has 3.6), so
-the code can differ a little from what runs there.
+clears it before importing Triton. Uses the installed Triton (3.9 here; the H200 has
+3.6), whose code can differ a lot from what runs there: for register counts and loop
+lengths that match the H200, run it with triton 3.6 on the path (`pip install --no-deps
+--target /tmp/tri36 triton==3.6.0`, then `PYTHONPATH=/tmp/tri36 python
+scripts/sm90_compile_check.py`; see `triton_aot_probe.py`).
 """
 
 from __future__ import annotations
@@ -71,9 +74,10 @@ def capture(module, name: str, call):
 
 
 def compile_sm90(kern, args, kw, num_warps: int, num_stages: int):
-    """Compile the captured call for sm_90 with GPU=True and PDL on (USE_PDL=1); returns
-    Triton's CompiledKernel."""
+    """Compile the captured call for sm_90 with GPU=True and PDL on (USE_PDL=1), with the
+    call's `maxnreg` if it has one; returns Triton's CompiledKernel."""
     kw = dict(kw)
+    maxnreg = kw.pop("maxnreg", None)
     for k in ("num_warps", "num_stages", "launch_pdl"):
         kw.pop(k, None)
     kw["GPU"] = True
@@ -98,7 +102,7 @@ def compile_sm90(kern, args, kw, num_warps: int, num_stages: int):
             sig[name] = "fp32"
         else:
             raise TypeError(f"argument {name}: {type(v).__name__}")
-    return _probe_compile(kern, sig, consts, num_warps, num_stages, divisible)
+    return _probe_compile(kern, sig, consts, num_warps, num_stages, divisible, maxnreg=maxnreg)
 
 
 def _weight(F: int, K: int, fmt: str, gen):
@@ -184,7 +188,9 @@ def cases(quick: bool):
         res = torch.randn(N, H, generator=gen).to(torch.bfloat16)
         xm = torch.randn(N, H, generator=gen).to(torch.bfloat16)
         moe_cfgs = [MC(block_rows=64, block_k=128, split=2, num_warps=4, num_stages=3, flat=True,
-                       swap=fmt == "nvfp4")]
+                       swap=fmt == "nvfp4"),
+                    MC(block_rows=64, block_k=128, split=1, num_warps=4, num_stages=3, flat=True,
+                       maxnreg=128)]
         if not quick:
             moe_cfgs += [MC(block_rows=64, block_k=128, split=1, num_warps=4, num_stages=3,
                             flat=True),
@@ -224,7 +230,8 @@ def main() -> int:
                                    call.get("divisible", ()))
             else:
                 kern, (a, kw) = capture(module, name, call)
-                k = compile_sm90(kern, a, kw, cfg.num_warps, cfg.num_stages)
+                k = compile_sm90(kern, a, {**kw, "maxnreg": getattr(cfg, "maxnreg", None)},
+                                 cfg.num_warps, cfg.num_stages)
             line = format_report(label, report(k))
             print(f"ok    {line} ({time.time() - t:.1f} s)", flush=True)
         except Exception as e:  # noqa: BLE001  (report every failing case, then exit 1)

@@ -23,12 +23,18 @@ kernel's .ptx and .ttgir there. From Python: `compile_sm90(...)` and `report(k)`
 Output, one line per spec: REG (registers per thread), STACK (bytes of stack frame:
 spills and local arrays), SHARED (static + dynamic shared memory in bytes, which caps
 the programs per SM at 228 KiB / SHARED), LOCAL, spill stores/loads (STL/LDL in the
-SASS), and counts of global load widths (ld.global.v4.b32 = 16 bytes per thread),
-cp.async copies, TMA copies and MMA instructions (mma.sync / wgmma) in the PTX.
+SASS), the SASS instructions of the longest loop (the K loop: per warp and step; times
+warps x 32 over the weights of a step gives instructions per weight), and counts of
+global load widths (ld.global.v4.b32 = 16 bytes per thread), cp.async copies, TMA
+copies and MMA instructions (mma.sync / wgmma) in the PTX.
 
-Limits: compiles with the local triton (3.9 here; the GPU machine has 3.6), so the
-code can differ a little from what runs there; no timing: it says nothing about
-latency or bandwidth, only about the code. Raises whatever triton.compile raises
+Limits: compiles with the installed triton; the code can differ a lot between
+versions, so compare with the version the GPU runs (3.6 on the H200):
+`pip install --no-deps --target /tmp/tri36 triton==3.6.0` and run with
+`PYTHONPATH=/tmp/tri36` (session 10: the 32-bit word decode took 20% fewer loop
+instructions than the byte decode under triton 3.9 and 22% more under 3.6, which the
+H200 measured 65% slower). No timing: it says nothing about latency or bandwidth, only
+about the code. Raises whatever triton.compile raises
 (e.g. out of shared memory or an unsupported construct), reported per spec.
 """
 
@@ -52,18 +58,21 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4,
-                 num_stages: int = 3, divisible=()):
+                 num_stages: int = 3, divisible=(), maxnreg: int | None = None):
     """Compile `fn` for sm_90; returns triton's CompiledKernel (asm in k.asm: ttgir,
     ptx, cubin). `signature` maps every argument, in order, to its type string
     ("constexpr" for compile-time ones, whose values are in `constexprs`). Pointers
     and the names in `divisible` are declared 16-divisible, as a launch with aligned
-    tensors and such integers would specialise them."""
+    tensors and such integers would specialise them. `maxnreg`: ptxas's register cap per
+    thread (Triton's launch option of that name), None for none."""
     names = list(signature)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if signature[n].startswith("*") or n in divisible}
     src = ASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=SM90,
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=SM90, options=options)
 
 
 def _tool(name: str) -> str:
@@ -92,6 +101,8 @@ def report(k) -> dict:
     dyn = getattr(k.metadata, "shared", None)
     if dyn is not None:
         out["SHARED"] = max(out["SHARED"] or 0, int(dyn))
+    out.update(loop_stats(sass))
+    out["sync_tile_loads"] = sync_tile_loads(k.asm.get("ttgir", ""))
     out["spill_st"] = len(re.findall(r"\bSTL\b", sass))
     out["spill_ld"] = len(re.findall(r"\bLDL\b", sass))
     ptx = k.asm.get("ptx", "")
@@ -104,10 +115,57 @@ def report(k) -> dict:
     return out
 
 
+def loop_stats(sass: str) -> dict:
+    """The longest loop of a kernel's SASS (`cuobjdump -sass`): the instructions from a
+    backward branch's target to the branch (for the decode kernels, the K loop's body,
+    which the pipeliner may unroll), and its 6 most frequent opcodes. Returns
+    {"loop": instruction count (0: no loop), "loop_top": [(opcode, count), ...]}."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best = []
+    for addr, text in ins:
+        m = re.search(r"\bBRA\s+0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            best = body if len(body) > len(best) else best
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t.strip()).split()[0] for t in best)
+    return {"loop": len(best), "loop_top": ops.most_common(6)}
+
+
+def sync_tile_loads(ttgir: str, min_elems: int = 1024) -> list:
+    """Loads of tiles of at least `min_elems` elements left synchronous (`tt.load`, not
+    `ttg.async_copy_global_to_local`) inside the kernel's loops, from the TTGIR: weight or
+    activation tiles that the pipeliner did not stage, so each K step waits for them
+    (session 10: triton 3.6 left the MoE down kernel's weights so). Returns their tile
+    types ("64x8x8xi8", ...), each load once per loop body (the ops after `scf.for` up to
+    its `scf.yield`); block-scale tiles (BLOCK_F x BLOCK_K/16) stay under `min_elems`."""
+    found, depth_indent = [], []
+    for line in ttgir.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if depth_indent and indent <= depth_indent[-1] and "scf.yield" not in line:
+            depth_indent.pop()
+        if " scf.for " in line:
+            depth_indent.append(indent)
+            continue
+        if depth_indent and " tt.load " in line:
+            m = re.search(r"tensor<([0-9x]+)x!tt\.ptr<(\w+)>", line)
+            if m and _prod(int(d) for d in m.group(1).split("x")) >= min_elems:
+                found.append(f"{m.group(1)}x{m.group(2)}")
+    return found
+
+
+def _prod(it) -> int:
+    out = 1
+    for v in it:
+        out *= v
+    return out
+
+
 def format_report(name: str, r: dict) -> str:
     loads = ", ".join(f"{k.replace('ld.global', 'ld')} x{v}" for k, v in r["loads"].items())
     return (f"{name}: REG {r['REG']} STACK {r['STACK']} SHARED {r['SHARED']} LOCAL {r['LOCAL']}"
-            f" spills st/ld {r['spill_st']}/{r['spill_ld']} | cp.async {r['cp.async']}"
+            f" spills st/ld {r['spill_st']}/{r['spill_ld']} | loop {r['loop']} instr,"
+            f" sync tile loads [{', '.join(r['sync_tile_loads'])}]"
+            f" | cp.async {r['cp.async']}"
             f" tma {r['tma']} mma {r['mma']} wgmma {r['wgmma']} | {loads or 'no ld.global'}")
 
 

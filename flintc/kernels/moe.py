@@ -683,6 +683,7 @@ def down_kernel(
     USE_PDL: tl.constexpr, GPU: tl.constexpr,
     FLAT: tl.constexpr = False,  # tensor cores with 2-D tiles (`_expert_gemv_flat`)
     SWAP: tl.constexpr = False,  # tensor cores: weight tile as the dot's left operand
+    STAGE_W: tl.constexpr = True,  # weight row pointers built after the if / else (see there)
 ):
     # Program (h block, slot, split): the owner of a distinct expert (or the shared
     # expert) computes its down GEMV for rows [pid_h * BLOCK_H, ...) over columns
@@ -704,12 +705,12 @@ def down_kernel(
     k_end = tl.minimum(F, k_start + K_PER_SPLIT)
     n_iters = tl.cdiv(k_end - k_start, BLOCK_K)
     if slot == NK:  # the shared expert (HAS_SHARED only): weights before the wait
-        ww = sd_ptr + offs_h.to(tl.int64) * KW
-        ws_rows = sd_s_ptr + offs_h.to(tl.int64) * (F // 16)
+        sw = sd_ptr + offs_h.to(tl.int64) * KW
+        ss = sd_s_ptr + offs_h.to(tl.int64) * (F // 16)
         if PREFETCH:
-            w0, s0 = _load_w(ww, ws_rows, mask_h, k_start, k_end, BLOCK_K, IS_NVFP4)
+            w0, s0 = _load_w(sw, ss, mask_h, k_start, k_end, BLOCK_K, IS_NVFP4)
         else:
-            w0, s0 = _load_w(ww, ws_rows, mask_h, k_start, k_start, BLOCK_K, IS_NVFP4)
+            w0, s0 = _load_w(sw, ss, mask_h, k_start, k_start, BLOCK_K, IS_NVFP4)  # no-op
         if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
             tl.extra.cuda.gdc_launch_dependents()
         if USE_PDL:
@@ -717,6 +718,8 @@ def down_kernel(
         tok = mask_n
         kpos = tl.full((BLOCK_N,), TOP_K, tl.int32)
         mask_w = mask_h
+        row0 = (slot * 0).to(tl.int64)  # first weight row of the expert
+        w_b, s_b = sw, ss
     else:
         if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
             tl.extra.cuda.gdc_launch_dependents()
@@ -725,16 +728,31 @@ def down_kernel(
         e, skip, tok, kpos = _slot_expert(ids_ptr, ids_ptr, ids_ptr, wts_ptr, ids_ptr, slot,
                                           False, N, 1, IDS_STRIDE, 0.0, BLOCK_N, BLOCK_T, 2,
                                           TOP_K, TOPK_PAD, False, GPU)
-        rows = e.to(tl.int64) * H + offs_h.to(tl.int64)
-        ww = d_ptr + rows * KW
-        ws_rows = d_s_ptr + rows * (F // 16)
+        row0 = e.to(tl.int64) * H
         mask_w = offs_h < tl.where(skip, 0, H)  # non-owners load nothing ...
         n_iters = tl.where(skip, 0, n_iters)  # ... and run no K step
         tok = tok & (kpos >= tl.where(skip, TOP_K, 0))  # ... and store nothing
+        rw = d_ptr + (row0 + offs_h.to(tl.int64)) * KW
+        rs = d_s_ptr + (row0 + offs_h.to(tl.int64)) * (F // 16)
         if PREFETCH:
-            w0, s0 = _load_w(ww, ws_rows, mask_w, k_start, k_end, BLOCK_K, IS_NVFP4)
+            w0, s0 = _load_w(rw, rs, mask_w, k_start, k_end, BLOCK_K, IS_NVFP4)
         else:
-            w0, s0 = _load_w(ww, ws_rows, mask_w, k_start, k_start, BLOCK_K, IS_NVFP4)
+            w0, s0 = _load_w(rw, rs, mask_w, k_start, k_start, BLOCK_K, IS_NVFP4)  # no-op
+        w_b, s_b = rw, rs
+    if STAGE_W:
+        # The weight rows' pointers from a scalar row offset and a pointer select here: the
+        # pipeliner then stages the weight tiles through shared memory (cp.async). With
+        # the pointer tensors out of the if / else above (the else case), triton 3.6's
+        # pipeliner leaves them to synchronous loads straight into registers (only x is
+        # staged). Measured on the H200 (session 10, N = 8): bf16 staged 28.3 us against
+        # 30.2; NVFP4 codes unstaged 32.9 us against 38.4 staged (the staged codes add a
+        # shared-memory write and read to the decoded tile's round trip, and the NVFP4
+        # loop is bound by shared memory). Triton 3.9 stages both forms.
+        rows = row0 + offs_h.to(tl.int64)
+        ww = tl.where(slot == NK, sd_ptr, d_ptr) + rows * KW
+        ws_rows = tl.where(slot == NK, sd_s_ptr, d_s_ptr) + rows * (F // 16)
+    else:
+        ww, ws_rows = w_b, s_b
 
     x_rows = h_ptr + (offs_n.to(tl.int64) * SLOTS + kpos) * F  # h[n, kpos[n], :]
     if FLAT:
@@ -997,7 +1015,10 @@ class MoeConfig:
     (`_expert_gemv_flat`; `prefetch` then ignored); `swap` (use_dot): the weight tile is
     the dot's left operand and the tokens its right one (`flintc.kernels.tiles.dot_2d`),
     so Hopper's wgmma may read the decoded NVFP4 tile from registers (block_rows >= 64
-    for that; smaller tiles still compile, on mma.sync)."""
+    for that; smaller tiles still compile, on mma.sync); `maxnreg` (GPU only): ptxas's
+    register cap per thread (Triton's `maxnreg` compile option), e.g. 128 so that four
+    4-warp programs fit on an SM (65,536 registers) where ptxas would take 168 (three);
+    None leaves ptxas free."""
 
     block_rows: int = 32
     block_k: int = 128
@@ -1010,13 +1031,14 @@ class MoeConfig:
     acc_full: bool = False
     flat: bool = False
     swap: bool = False
+    maxnreg: int | None = None
 
     def short(self) -> str:
         kind = "dot" if self.use_dot else ("fma-acc" if self.acc_full else
                                            "fma-sa" if self.scale_after else "fma")
         return (f"{kind} r{self.block_rows} k{self.block_k} s{self.split} w{self.num_warps} "
                 f"st{self.num_stages}{' pf' if self.prefetch else ''}{' flat' if self.flat else ''}"
-                f"{' swap' if self.swap else ''}")
+                f"{' swap' if self.swap else ''}{f' reg{self.maxnreg}' if self.maxnreg else ''}")
 
 
 # Measured winners. Keys: (kernel, fmt, N) with kernel "gate_up" or "down", fmt "bf16" or
@@ -1159,6 +1181,14 @@ SWAP_SHAPES = [(64, 128, 4, 3, False, False), (64, 128, 8, 3, False, False),
                (64, 256, 4, 3, True, False), (128, 128, 8, 3, True, False)]
 
 
+# (block_rows, block_k, num_warps, num_stages) of the "maxnreg" sweep family (flat tiles)
+# and its register caps per thread (None: ptxas's choice; 168 and 128 fit three and four
+# programs of 4 warps on an SM, 65,536 registers; triton 3.6 gives the NVFP4 gate/up
+# kernel 168 registers uncapped)
+MAXNREG_SHAPES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (32, 128, 4, 3)]
+MAXNREG_CAPS = (None, 168, 128)
+
+
 def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
                   device: torch.device, family: str = "all") -> list[MoeConfig]:
     """Candidates that `benchmarks/bench_moe.py` times (the `gpu` test checks each one
@@ -1168,14 +1198,25 @@ def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
     those out, "all" (default) has both; each classic tensor-core shape also comes as a
     `flat` twin (3 and 4 stages), and "flat" gives the rule's choice and those twins only;
     "swap" gives the rule's choice and `SWAP_SHAPES` with the weight tile as the dot's
-    left operand (`MoeConfig.swap`), each flat one also without it.
+    left operand (`MoeConfig.swap`), each flat one also without it; "maxnreg" gives the
+    rule's choice with each register cap of `MAXNREG_CAPS` (`MoeConfig.maxnreg`), then
+    `MAXNREG_SHAPES` as flat tiles with each cap.
 
     Raises:
         ValueError: an unknown family.
     """
-    if family not in ("all", "classic", "one-step", "flat", "swap"):
-        raise ValueError("sweep_configs: family must be all, classic, one-step, flat or swap; "
-                         f"got {family!r}")
+    if family not in ("all", "classic", "one-step", "flat", "swap", "maxnreg"):
+        raise ValueError("sweep_configs: family must be all, classic, one-step, flat, swap or "
+                         f"maxnreg; got {family!r}")
+    if family == "maxnreg":
+        base = choose_config(kernel, fmt, N, rows, red, slots, device)
+        out = [dataclasses.replace(base, maxnreg=r) for r in MAXNREG_CAPS]
+        for br, bk, nw, st in MAXNREG_SHAPES:
+            split = auto_split(slots * triton.cdiv(rows, br), red, bk, device)
+            out += [c for c in (MoeConfig(block_rows=br, block_k=bk, split=split, use_dot=True,
+                                          num_warps=nw, num_stages=st, flat=True, maxnreg=r)
+                                for r in MAXNREG_CAPS) if c not in out]
+        return out
     if family == "swap":
         out = [choose_config(kernel, fmt, N, rows, red, slots, device)]
         for br, bk, nw, st, flat, pf in SWAP_SHAPES:
@@ -1243,9 +1284,9 @@ def _check_config(op: str, cfg: MoeConfig) -> None:
         raise _err(op, "config", "a MoeConfig or None", cfg)
     if cfg.block_k % 32 or cfg.block_k < 32 or cfg.block_rows < (16 if cfg.use_dot else 1) \
             or cfg.block_rows & (cfg.block_rows - 1) or cfg.block_k & (cfg.block_k - 1) \
-            or cfg.split < 1:
+            or cfg.split < 1 or (cfg.maxnreg is not None and not 24 <= cfg.maxnreg <= 255):
         raise _err(op, "config", "block_k a power of two >= 32, block_rows a power of two "
-                   f"(>= 16 with use_dot), split >= 1 (got {cfg})")
+                   f"(>= 16 with use_dot), split >= 1, maxnreg None or 24..255 (got {cfg})")
 
 
 def _flat(cfg: MoeConfig) -> bool:
@@ -1257,6 +1298,8 @@ def _kernel_opts(cfg: MoeConfig, gpu: bool) -> dict:
     opts = {"num_warps": cfg.num_warps}
     if gpu:
         opts["num_stages"] = cfg.num_stages
+        if cfg.maxnreg:
+            opts["maxnreg"] = cfg.maxnreg
     return opts
 
 
@@ -1428,7 +1471,7 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
         HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, IS_NVFP4=nv,
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv,
         PREFETCH=cfg.prefetch and not _flat(cfg), ACC_FULL=cfg.acc_full and not cfg.use_dot,
-        FLAT=_flat(cfg), SWAP=cfg.swap and cfg.use_dot,
+        FLAT=_flat(cfg), SWAP=cfg.swap and cfg.use_dot, STAGE_W=not nv,
         USE_PDL=pdl_mode(pdl), GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
     return out
 

@@ -215,6 +215,10 @@ CPU_CONFIGS = [
     K.MoeConfig(block_rows=32, block_k=32, split=1, use_dot=True, prefetch=True, swap=True),
     K.MoeConfig(block_rows=16, block_k=32, split=2, use_dot=True, num_stages=1, flat=True,
                 swap=True),
+    # a register cap (a GPU compile option; the launcher must accept it and the
+    # interpreter ignore it)
+    K.MoeConfig(block_rows=16, block_k=32, split=2, use_dot=True, num_stages=1, flat=True,
+                maxnreg=128),
 ]
 
 
@@ -425,12 +429,15 @@ def test_moe_kernels_full_shapes_gpu(N, fmt, use_pdl, poison):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
 @pytest.mark.parametrize("N", [1, 8])
+@pytest.mark.parametrize("families", ["base+swap", "maxnreg"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_sweep_configs_full_shapes_gpu(N, fmt):
+def test_sweep_configs_full_shapes_gpu(families, N, fmt):
     """Every configuration `benchmarks/bench_moe.py` may pick (`K.sweep_configs`) gives the
-    reference's results at the model's shapes, with PDL (CPU twin: test_moe_configs). The
-    one-step family only at N = 1, where its sweeps ran (it keeps the GPU run short)."""
+    reference's results at the model's shapes, with PDL (CPU twin: test_moe_configs).
+    `families` "base+swap": the "all" family at N = 1 (the one-step family only there,
+    where its sweeps ran; it keeps the GPU run short) or "classic", then the "swap"
+    family's new candidates; "maxnreg": the "maxnreg" family alone (register caps)."""
     gen = torch.Generator().manual_seed(7000 + 10 * N + FMTS.index(fmt))
     H, F, E = FULL["H"], FULL["F"], FULL["E"]
     w = make_moe(FULL, fmt, gen)
@@ -444,10 +451,12 @@ def test_sweep_configs_full_shapes_gpu(N, fmt):
     dev = torch.device(DEV)
     family = "all" if N == 1 else "classic"
 
-    def cands(kernel, rows, red):  # the family above, then the swap family's new configs
+    def cands(kernel, rows, red):
+        if families == "maxnreg":
+            return K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family="maxnreg")
         out = K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family=family)
-        swap = K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family="swap")
-        return out + [c for c in swap if c not in out]
+        more = K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family="swap")
+        return out + [c for c in more if c not in out]
 
     for cfg in cands("gate_up", F, H):
         h, wts, ids = K.moe_topk_gate_up(x, logits, bias, w["gate"], w["up"], w["sg"], w["su"],
