@@ -1016,9 +1016,9 @@ class MoeConfig:
     the dot's left operand and the tokens its right one (`flintc.kernels.tiles.dot_2d`),
     so Hopper's wgmma may read the decoded NVFP4 tile from registers (block_rows >= 64
     for that; smaller tiles still compile, on mma.sync); `maxnreg` (GPU only): ptxas's
-    register cap per thread (Triton's `maxnreg` compile option), e.g. 128 so that four
-    4-warp programs fit on an SM (65,536 registers) where ptxas would take 168 (three);
-    None leaves ptxas free."""
+    register cap per thread (Triton's `maxnreg` compile option), e.g. 168 so that three
+    4-warp programs fit on an SM (65,536 registers) where ptxas would take 188 (two: the
+    NVFP4 gate/up kernel under triton 3.6, 22% faster capped); None leaves ptxas free."""
 
     block_rows: int = 32
     block_k: int = 128
@@ -1080,11 +1080,14 @@ TUNED: dict[tuple[str, str, int], MoeConfig] = {
                                     num_warps=4, num_stages=1, prefetch=True, acc_full=True),
     # NVFP4 N = 4 / 8: flat 2-D tiles (session 9 run 1): gate/up 38.7 us (3-D tiles 53.2)
     # and 63.0 (93.9), down at N = 8 35.2 (49.6); with the scales one step ahead (run 7)
-    # 36.9 / 59.1 and 33.1
+    # 36.9 / 59.1 and 33.1. Session 10 run 7, with the conflict-free code tiles
+    # (`tiles.load_code_tile`): gate/up capped at 168 registers (three programs per SM;
+    # ptxas takes 188 uncapped, two) 33.6 / 52.2 us (uncapped 43.1 / 67.4); down 30.4 at
+    # N = 8 uncapped (a cap of 168 costs it 16%)
     ("gate_up", "nvfp4", 4): MoeConfig(block_rows=64, block_k=128, split=2, num_warps=4,
-                                       num_stages=3, flat=True),
+                                       num_stages=3, flat=True, maxnreg=168),
     ("gate_up", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
-                                       num_stages=3, flat=True),
+                                       num_stages=3, flat=True, maxnreg=168),
     ("down", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
                                     num_stages=3, flat=True),
 }
@@ -1119,7 +1122,8 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
 
     Rule (CUDA, pairs the sweep has not measured): tensor-core reduction over flat 2-D
     tiles, 64 weight rows per program, 128-column steps, 4 warps, 3 stages, both formats
-    (the sweeps' winners: bf16 at N = 4 and 8, NVFP4 at N = 4 and 8, session 9 run 1); split
+    (the sweeps' winners: bf16 at N = 4 and 8, NVFP4 at N = 4 and 8, session 9 run 1), the
+    NVFP4 gate/up kernel capped at 168 registers (its N = 4 / 8 winners, session 10); split
     of the reduction up to ~4 programs per SM counting one program per (slot, row block)
     (slots = N*K + 1 is an upper bound on the distinct experts)."""
     if device.type != "cuda" or _interpreting():  # interpreter: fewest programs and steps
@@ -1134,10 +1138,12 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
     if hit is not None:
         return hit
     # flat 2-D tiles won every bf16 sweep at N = 4 and 8 (59-83% of copy) and the NVFP4
-    # ones at N = 4 and 8 (gate/up 38.7 / 63.0 us against 53.2 / 93.9 on 3-D tiles)
+    # ones at N = 4 and 8 (gate/up 38.7 / 63.0 us against 53.2 / 93.9 on 3-D tiles); the
+    # NVFP4 gate/up kernel capped at 168 registers as its N = 4 / 8 entries (session 10)
     split = auto_split(slots * triton.cdiv(rows, 64), red, 128, device)
+    cap = 168 if (kernel, fmt) == ("gate_up", "nvfp4") else None
     return MoeConfig(block_rows=64, block_k=128, split=split, use_dot=True, num_warps=4,
-                     num_stages=3, flat=True)
+                     num_stages=3, flat=True, maxnreg=cap)
 
 
 def one_step_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,

@@ -103,15 +103,21 @@ def load_code_tile(w_rows, mask_f, k0, k_end, BLOCK_K: tl.constexpr):
     first code byte (row length K/2 bytes); `mask_f` bool [BLOCK_F]: rows that exist.
     Blocks starting at or past `k_end` and rows off `mask_f` read 0 (no memory traffic);
     k0 and k_end must be multiples of 16 (K % 16 == 0, split bounds multiples of
-    BLOCK_K)."""
-    kb = tl.arange(0, BLOCK_K // 16)
-    j = tl.arange(0, 8)
-    col = k0 // 2 + kb[:, None] * 8 + j[None, :]  # byte column [KB, 8]
-    # mask: row exists, and the byte's 16-weight block starts before k_end (K and the
-    # split bounds are multiples of 16, so blocks are all in or all out). A mask that
-    # is constant over each 8-byte vector keeps the loads vectorized.
-    mask = mask_f[:, None, None] & (k0 + 16 * kb < k_end)[None, :, None]
-    return tl.load(w_rows[:, None, None] + col[None, :, :], mask=mask, other=0)
+    BLOCK_K).
+
+    Loaded as a 2-D [BLOCK_F, BLOCK_K/2] tile and reshaped: Triton then spreads a warp's
+    lanes along each row's contiguous bytes, so the pipeliner's cp.async copies and the
+    reads back fill shared memory without bank conflicts. A 3-D [BLOCK_F, BLOCK_K/16, 8]
+    pointer tile put the 32 lanes on 32 rows, 64 bytes apart in shared memory: 15x the
+    ideal shared-memory wavefronts on those copies, 60% of all of the NVFP4 MoE gate/up
+    kernel's (Nsight Compute, session 10 run 3). The 2-D tile made the NVFP4 GEMVs 15-26%
+    faster (docs/gpu-runs.md, session 10 run 6)."""
+    b = tl.arange(0, BLOCK_K // 2)  # byte column
+    # mask: row exists, and the byte's 16-weight block starts before k_end; (b // 8) keeps
+    # it constant over each 8-byte vector, so the load stays vectorized
+    mask = mask_f[:, None] & (k0 + 16 * (b // 8) < k_end)[None, :]
+    codes = tl.load(w_rows[:, None] + (k0 // 2 + b)[None, :], mask=mask, other=0)
+    return tl.reshape(codes, (codes.shape[0], BLOCK_K // 16, 8))
 
 
 @triton.jit
