@@ -747,7 +747,9 @@ def down_kernel(
         # staged). Measured on the H200 (session 10, N = 8): bf16 staged 28.3 us against
         # 30.2; NVFP4 codes unstaged 32.9 us against 38.4 staged (the staged codes add a
         # shared-memory write and read to the decoded tile's round trip, and the NVFP4
-        # loop is bound by shared memory). Triton 3.9 stages both forms.
+        # loop is bound by shared memory). Triton 3.9 stages both forms. The NVFP4 number
+        # predates the conflict-free code tiles (`tiles.load_code_tile`, session 10 run
+        # 6), which made staged codes cheaper: worth measuring again.
         rows = row0 + offs_h.to(tl.int64)
         ww = tl.where(slot == NK, sd_ptr, d_ptr) + rows * KW
         ws_rows = tl.where(slot == NK, sd_s_ptr, d_s_ptr) + rows * (F // 16)
