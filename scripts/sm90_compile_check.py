@@ -115,8 +115,16 @@ def _weight(F: int, K: int, fmt: str, gen):
     return [q.codes, q.scales, q.global_scale]
 
 
+def n1(cfg) -> int | None:
+    """Rows of the decode batch a case compiles for: 1 for the FMA whole-tile accumulator
+    (`acc_full`, TUNED only at N = 1; at N = 8 its accumulator would not fit in registers
+    and the report would show a stack instead), else all 8 (None: no slicing)."""
+    return 1 if cfg.acc_full and not cfg.use_dot else None
+
+
 def cases(quick: bool):
-    """(label, module, kernel name, launcher call, config) for every case."""
+    """(label, module, kernel name, launcher call, config) for every case: decode batch
+    N = 8, or 1 for the FMA whole-tile accumulator configurations (`n1`)."""
     from flintc.kernels import fused_gemv as FG
     from flintc.kernels import gemv as G
     from flintc.kernels import moe as M
@@ -140,7 +148,7 @@ def cases(quick: bool):
                              num_stages=1, prefetch=True, acc_full=True)]
         for cfg in gemv_cfgs:
             out.append((f"gemv {fmt} {cfg.short()}", G, "gemv_kernel",
-                        lambda x=x, w=w, cfg=cfg: G.gemv(x, w, config=cfg), cfg))
+                        lambda x=x[:n1(cfg)], w=w, cfg=cfg: G.gemv(x, w, config=cfg), cfg))
         xh = torch.randn(N, 1, H, generator=gen).to(torch.bfloat16)
         norm = torch.rand(H, generator=gen) + 0.5
         wq, wk, wv = (_weight(HQ * D, H, fmt, gen), _weight(HKV * D, H, fmt, gen),
@@ -169,7 +177,7 @@ def cases(quick: bool):
                             num_stages=1, prefetch=True, acc_full=True)]
         for cfg in mlp_cfgs:
             out.append((f"norm_gate_up_silu {fmt} {cfg.short()}", FG, "norm_gate_up_silu_kernel",
-                        lambda cfg=cfg, gate=gate, up=up, xh=xh, norm=norm:
+                        lambda cfg=cfg, gate=gate, up=up, xh=xh[:n1(cfg)], norm=norm:
                         FG.norm_gate_up_silu(xh, norm, gate, up, 1e-6, config=cfg), cfg))
         E, F, K = 16, 512, 6
         experts = [(_weight(F, H, fmt, gen), _weight(F, H, fmt, gen), _weight(H, F, fmt, gen))
@@ -199,10 +207,11 @@ def cases(quick: bool):
                             num_stages=1, prefetch=True, acc_full=True)]
         for cfg in moe_cfgs:
             out.append((f"moe gate_up {fmt} {cfg.short()}", M, "gate_up_kernel",
-                        lambda cfg=cfg, a=(xm, logits, bias, g_e, u_e, sg, su), k=K:
+                        lambda cfg=cfg, a=(xm[:n1(cfg)], logits[:n1(cfg)], bias, g_e, u_e, sg, su), k=K:
                         M.moe_topk_gate_up(*a, k, 2.5, config=cfg), cfg))
             out.append((f"moe down {fmt} {cfg.short()}", M, "down_kernel",
-                        lambda cfg=cfg, a=(h, ids, wts, d_e, sd, res):
+                        lambda cfg=cfg, a=(h[:n1(cfg)], ids[:n1(cfg)], wts[:n1(cfg)], d_e, sd,
+                                           res[:n1(cfg)]):
                         M.moe_down_combine_residual(*a, config=cfg), cfg))
     return out
 

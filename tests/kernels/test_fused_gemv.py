@@ -94,6 +94,22 @@ def gemv_tol(h: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
     return reorder_tol(h, w) + bf16_ulp(h.cpu()) @ dense(w).abs().T
 
 
+def gate_up_tol(x, norm, gate, up, ref) -> torch.Tensor:
+    """Bound on |kernel - reference| of `norm_gate_up_silu` (x [N, 1, H] bf16, ref [N, 1, F]
+    the reference's output): g and u (the fp32 GEMVs of the normed x) may each be one bf16
+    ulp plus the GEMV bound (`gemv_tol`) away; silu' <= 1.1 and |silu(g)| <= |g|; plus two
+    ulps of the result. float64, ref's shape (element by element: the copies this
+    replaced added [N, F] terms to [N, 1, F] ones, a [N, N, F] bound that held each row to
+    the smallest bound of all rows)."""
+    N = x.shape[0]
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    g = ops.linear(h, as_weight(gate), F32).cpu().double()
+    u = ops.linear(h, as_weight(up), F32).cpu().double()
+    dg = gemv_tol(h, gate) + bf16_ulp(g)
+    du = gemv_tol(h, up) + bf16_ulp(u)
+    return 2 * bf16_ulp(ref).cpu() + (1.1 * dg * u.abs() + du * g.abs()).view(ref.shape)
+
+
 @pytest.fixture
 def poison_empty(monkeypatch):
     """Make torch.empty (and empty_like) return NaN-filled floats / -1-filled ints, so an
@@ -222,11 +238,7 @@ def test_fused_flat_nvfp4_ragged_split(cfg, poison_empty):
     gate, up = make_weight(F, H, "nvfp4_gs"), make_weight(F, H, "nvfp4_gs")
     out = FG.norm_gate_up_silu(x, norm, gate, up, EPS, config=cfg)
     ref = grouped.norm_gate_up_silu(x, norm, gate, up, EPS)
-    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
-    g = ops.linear(h, as_weight(gate), F32).cpu().double()
-    u = ops.linear(h, as_weight(up), F32).cpu().double()
-    tol = (2 * bf16_ulp(ref).cpu() + 1.1 * (gemv_tol(h, gate) + bf16_ulp(g)) * u.abs()
-           + (gemv_tol(h, up) + bf16_ulp(u)) * g.abs())
+    tol = gate_up_tol(x, norm, gate, up, ref)
     compare("norm_gate_up_silu", out, ref, tol)
     assert int(split_k_counters(x.device, 1)[:64].abs().sum()) == 0
 
@@ -269,13 +281,7 @@ def test_norm_gate_up_silu(fmt, N, cfg, poison_empty):
     gate, up = make_weight(256, 128, fmt), make_weight(256, 128, fmt)
     out = FG.norm_gate_up_silu(x, norm, gate, up, EPS, config=cfg)
     ref = grouped.norm_gate_up_silu(x, norm, gate, up, EPS)
-    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
-    g = ops.linear(h, as_weight(gate), F32).cpu().double()
-    u = ops.linear(h, as_weight(up), F32).cpu().double()
-    # g and u may each be one ulp (+ GEMV bound) away; silu' <= 1.1, |silu(g)| <= |g|
-    dg = gemv_tol(h, gate) + bf16_ulp(g)
-    du = gemv_tol(h, up) + bf16_ulp(u)
-    tol = 2 * bf16_ulp(ref).cpu() + 1.1 * dg * u.abs() + du * g.abs()
+    tol = gate_up_tol(x, norm, gate, up, ref)
     compare("norm_gate_up_silu", out, ref, tol)
 
 
@@ -480,11 +486,7 @@ def test_fused_swap_and_flat_configs_gpu(N, fmt):
     norm = torch.rand(2048, device="cuda") + 0.5
     gate, up = make_weight(10240, 2048, fmt), make_weight(10240, 2048, fmt)
     ref = grouped.norm_gate_up_silu(x, norm, gate, up, EPS)
-    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
-    g = ops.linear(h, as_weight(gate), F32).cpu().double()
-    u = ops.linear(h, as_weight(up), F32).cpu().double()
-    tol = (2 * bf16_ulp(ref).cpu() + 1.1 * (gemv_tol(h, gate) + bf16_ulp(g)) * u.abs()
-           + (gemv_tol(h, up) + bf16_ulp(u)) * g.abs())
+    tol = gate_up_tol(x, norm, gate, up, ref)
     for cfg in swap_configs(key, N, 2 * 10240, 2048, torch.device("cuda")):
         cfg = dataclasses.replace(cfg, block_f=max(16, cfg.block_f // 2))
         try:
@@ -506,11 +508,7 @@ def test_fused_mlp_and_residual_gpu(N, fmt, use_pdl):
     gate, up = make_weight(10240, 2048, fmt), make_weight(10240, 2048, fmt)
     out = FG.norm_gate_up_silu(x, norm, gate, up, EPS, use_pdl=use_pdl)
     ref = grouped.norm_gate_up_silu(x, norm, gate, up, EPS)
-    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
-    g = ops.linear(h, as_weight(gate), F32).cpu().double()
-    u = ops.linear(h, as_weight(up), F32).cpu().double()
-    tol = (2 * bf16_ulp(ref).cpu() + 1.1 * (gemv_tol(h, gate) + bf16_ulp(g)) * u.abs()
-           + (gemv_tol(h, up) + bf16_ulp(u)) * g.abs())
+    tol = gate_up_tol(x, norm, gate, up, ref)
     compare("norm_gate_up_silu", out, ref, tol)
     for K in (4096, 10240):  # o_proj, dense down
         xo = torch.randn(N, 1, K, device="cuda").to(torch.bfloat16)
