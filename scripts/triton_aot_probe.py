@@ -24,7 +24,9 @@ Output, one line per spec: REG (registers per thread), STACK (bytes of stack fra
 spills and local arrays), SHARED (static + dynamic shared memory in bytes, which caps
 the programs per SM at 228 KiB / SHARED), LOCAL, spill stores/loads (STL/LDL in the
 SASS), the SASS instructions of the longest loop (the K loop: per warp and step; times
-warps x 32 over the weights of a step gives instructions per weight), and counts of
+warps x 32 over the weights of a step gives instructions per weight), the tile loads
+left synchronous in the loop (`sync_tile_loads`), the shared-memory wavefronts of each
+cp.async tile copy against the ideal (`copy_conflicts`: bank conflicts), and counts of
 global load widths (ld.global.v4.b32 = 16 bytes per thread), cp.async copies, TMA
 copies and MMA instructions (mma.sync / wgmma) in the PTX.
 
@@ -103,6 +105,7 @@ def report(k) -> dict:
         out["SHARED"] = max(out["SHARED"] or 0, int(dyn))
     out.update(loop_stats(sass))
     out["sync_tile_loads"] = sync_tile_loads(k.asm.get("ttgir", ""))
+    out["copy_conflicts"] = copy_conflicts(k.asm.get("ttgir", ""))
     out["spill_st"] = len(re.findall(r"\bSTL\b", sass))
     out["spill_ld"] = len(re.findall(r"\bLDL\b", sass))
     ptx = k.asm.get("ptx", "")
@@ -153,6 +156,78 @@ def sync_tile_loads(ttgir: str, min_elems: int = 1024) -> list:
     return found
 
 
+_ELEM_BYTES = {"i8": 1, "u8": 1, "f8E4M3FN": 1, "f8E5M2": 1, "bf16": 2, "f16": 2, "i16": 2,
+               "f32": 4, "i32": 4, "i64": 8, "f64": 8}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def copy_conflicts(ttgir: str) -> list[tuple[str, int, int]]:
+    """Shared-memory bank conflicts of the pipeliner's copies into shared memory
+    (`ttg.async_copy_global_to_local`, cp.async), estimated from the layouts in the TTGIR:
+    for warp 0's first copy instruction of each distinct (tile, layout) pair, the
+    shared-memory wavefronts it needs against the ideal (its bytes / 128). Returns
+    [(tile type, wavefronts, ideal), ...]; copies into other shared layouts than
+    `swizzled_shared` (e.g. `nvmma_shared`) are left out.
+
+    Model: a lane's first vector is sizePerThread elements along the blocked layout's
+    fastest dimension (at most 16 bytes); lanes map onto the tile through threadsPerWarp in
+    the layout's order; the shared offset follows the shared order, with the XOR swizzle
+    of the two fastest dimensions when maxPhase > 1; 8- and 16-byte accesses are served
+    16 and 8 lanes at a time; each pass costs as many wavefronts as the most distinct
+    4-byte words that fall on one of the 32 banks. Session 10 found this way (and with
+    Nsight Compute) that a 3-D NVFP4 code tile put a warp's lanes on 32 rows 64 bytes
+    apart: 8x the ideal here, 15x measured (`flintc.kernels.tiles.load_code_tile`)."""
+    blocked, shared, seen, out = {}, {}, set(), []
+    for m in re.finditer(r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\], "
+                         r"threadsPerWarp = \[([\d, ]+)\], warpsPerCTA = \[[\d, ]+\], "
+                         r"order = \[([\d, ]+)\]", ttgir, re.M):
+        blocked[m.group(1)] = (_ints(m.group(2)), _ints(m.group(3)), _ints(m.group(4)))
+    for m in re.finditer(r"^(#shared\d*) = #ttg\.swizzled_shared<\{vec = (\d+), perPhase = "
+                         r"(\d+), maxPhase = (\d+), order = \[([\d, ]+)\]", ttgir, re.M):
+        shared[m.group(1)] = (int(m.group(2)), int(m.group(3)), int(m.group(4)),
+                              _ints(m.group(5)))
+    for m in re.finditer(r"async_copy_global_to_local .*?: tensor<([\dx]+)x!tt\.ptr<(\w+)>, "
+                         r"(#blocked\d*)> -> <[\dx]+x\w+, (#shared\d*),", ttgir):
+        key = m.groups()
+        if key in seen or key[2] not in blocked or key[3] not in shared:
+            continue
+        seen.add(key)
+        shape = _ints(key[0].replace("x", ","))
+        spt, tpw, order = blocked[key[2]]
+        vec, per_phase, max_phase, sorder = shared[key[3]]
+        eb = _ELEM_BYTES.get(key[1], 4)
+        nbytes = min(spt[order[0]] * eb, 16)
+        strides, acc = [0] * len(shape), 1
+        for d in sorder:
+            strides[d], acc = acc, acc * shape[d]
+        offsets = []
+        for lane in range(32):
+            coord, rest = [0] * len(shape), lane
+            for d in order:
+                coord[d] = (rest % tpw[d]) * spt[d] % shape[d]
+                rest //= tpw[d]
+            if max_phase > 1 and len(sorder) >= 2:
+                inner, outer = sorder[0], sorder[1]
+                phase = (coord[outer] // per_phase) % max_phase
+                col = coord[inner]
+                coord[inner] = ((col // vec) ^ phase) * vec + col % vec
+            offsets.append(sum(c * st for c, st in zip(coord, strides)) * eb)
+        per_pass = 32 if nbytes <= 4 else 128 // nbytes
+        waves = 0
+        for start in range(0, 32, per_pass):
+            banks: dict[int, set] = {}
+            for off in offsets[start:start + per_pass]:
+                for word in range(off // 4, (off + max(nbytes, 4) - 1) // 4 + 1):
+                    banks.setdefault(word % 32, set()).add(word)
+            waves += max(len(w) for w in banks.values())
+        ideal = max(1, (32 * nbytes + 127) // 128)
+        out.append((f"{key[0]}x{key[1]}", waves, ideal))
+    return out
+
+
 def _prod(it) -> int:
     out = 1
     for v in it:
@@ -164,7 +239,8 @@ def format_report(name: str, r: dict) -> str:
     loads = ", ".join(f"{k.replace('ld.global', 'ld')} x{v}" for k, v in r["loads"].items())
     return (f"{name}: REG {r['REG']} STACK {r['STACK']} SHARED {r['SHARED']} LOCAL {r['LOCAL']}"
             f" spills st/ld {r['spill_st']}/{r['spill_ld']} | loop {r['loop']} instr,"
-            f" sync tile loads [{', '.join(r['sync_tile_loads'])}]"
+            f" sync tile loads [{', '.join(r['sync_tile_loads'])}],"
+            f" cp.async wavefronts/ideal [{', '.join(f'{t} {w}/{i}' for t, w, i in r['copy_conflicts'])}]"
             f" | cp.async {r['cp.async']}"
             f" tma {r['tma']} mma {r['mma']} wgmma {r['wgmma']} | {loads or 'no ld.global'}")
 
