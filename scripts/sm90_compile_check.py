@@ -73,12 +73,11 @@ def capture(module, name: str, call):
     return kern, cap.calls[0]
 
 
-def compile_sm90(kern, args, kw, num_warps: int, num_stages: int):
-    """Compile the captured call for sm_90 with GPU=True and PDL on (USE_PDL=1), with the
-    call's `maxnreg` if it has one; returns Triton's CompiledKernel."""
+def compile_sm90(kern, args, kw, num_warps: int, num_stages: int, maxnreg: int | None = None):
+    """Compile the captured call for sm_90 with GPU=True and PDL on (USE_PDL=1) and the
+    register cap `maxnreg` (None: none); returns Triton's CompiledKernel."""
     kw = dict(kw)
-    maxnreg = kw.pop("maxnreg", None)
-    for k in ("num_warps", "num_stages", "launch_pdl"):
+    for k in ("num_warps", "num_stages", "launch_pdl", "maxnreg"):
         kw.pop(k, None)
     kw["GPU"] = True
     if "USE_PDL" in kw:
@@ -239,8 +238,8 @@ def main() -> int:
                                    call.get("divisible", ()))
             else:
                 kern, (a, kw) = capture(module, name, call)
-                k = compile_sm90(kern, a, {**kw, "maxnreg": getattr(cfg, "maxnreg", None)},
-                                 cfg.num_warps, cfg.num_stages)
+                k = compile_sm90(kern, a, kw, cfg.num_warps, cfg.num_stages,
+                                 getattr(cfg, "maxnreg", None))
             line = format_report(label, report(k))
             print(f"ok    {line} ({time.time() - t:.1f} s)", flush=True)
         except Exception as e:  # noqa: BLE001  (report every failing case, then exit 1)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import math
 import os
 import re
 import subprocess
@@ -121,8 +122,7 @@ def report(k) -> dict:
 def loop_stats(sass: str) -> dict:
     """The longest loop of a kernel's SASS (`cuobjdump -sass`): the instructions from a
     backward branch's target to the branch (for the decode kernels, the K loop's body,
-    which the pipeliner may unroll), and its 6 most frequent opcodes. Returns
-    {"loop": instruction count (0: no loop), "loop_top": [(opcode, count), ...]}."""
+    which the pipeliner may unroll). Returns {"loop": instruction count (0: no loop)}."""
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     best = []
     for addr, text in ins:
@@ -130,8 +130,7 @@ def loop_stats(sass: str) -> dict:
         if m and int(m.group(1), 16) < addr:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
             best = body if len(body) > len(best) else best
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t.strip()).split()[0] for t in best)
-    return {"loop": len(best), "loop_top": ops.most_common(6)}
+    return {"loop": len(best)}
 
 
 def sync_tile_loads(ttgir: str, min_elems: int = 1024) -> list:
@@ -151,7 +150,7 @@ def sync_tile_loads(ttgir: str, min_elems: int = 1024) -> list:
             continue
         if depth_indent and " tt.load " in line:
             m = re.search(r"tensor<([0-9x]+)x!tt\.ptr<(\w+)>", line)
-            if m and _prod(int(d) for d in m.group(1).split("x")) >= min_elems:
+            if m and math.prod(int(d) for d in m.group(1).split("x")) >= min_elems:
                 found.append(f"{m.group(1)}x{m.group(2)}")
     return found
 
@@ -225,13 +224,6 @@ def copy_conflicts(ttgir: str) -> list[tuple[str, int, int]]:
             waves += max(len(w) for w in banks.values())
         ideal = max(1, (32 * nbytes + 127) // 128)
         out.append((f"{key[0]}x{key[1]}", waves, ideal))
-    return out
-
-
-def _prod(it) -> int:
-    out = 1
-    for v in it:
-        out *= v
     return out
 
 
