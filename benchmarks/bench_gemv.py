@@ -287,7 +287,7 @@ def main() -> None:
             for N in BATCHES:
                 ours, eager, plain, plain_args, moved, key, rows_fixed = case.build(fmt, N)
                 if case.kind == "qkv":
-                    cfg0 = qkv_config(N, case.K, D, HQ, fmt, torch.device("cuda"))
+                    cfg0 = qkv_config(N, case.K, D, HQ, fmt, torch.device("cuda"), kv_heads=HKV)
                 elif case.kind == "gate_up":
                     cfg0 = None
                 else:
@@ -308,7 +308,8 @@ def main() -> None:
                        f"{100 * gbs / copy_bw:.0f}% | {cfg0.short() if cfg0 else 'default'} | "
                        f"{ms_e * 1e3:.1f} | {ms_c * 1e3:.1f} | {100 * moved / ms_c / 1e6 / copy_bw:.0f}% |")
                 if args.sweep:
-                    F_rows = 2 * case.F if case.kind == "gate_up" else key[1]
+                    # the QKV kernel runs one program per q, k and v head: its split-K rule counts all
+                    F_rows = 2 * case.F if case.kind == "gate_up" else case.F if case.kind == "qkv" else key[1]
                     cands = sweep_configs(fmt, N, F_rows, case.K, torch.device("cuda"), rows_fixed,
                                           family=args.family,
                                           flat_ok=True)

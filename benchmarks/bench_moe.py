@@ -354,7 +354,7 @@ def main() -> None:
     parser.add_argument("--sweep-seconds", type=float, default=60.0,
                         help="time budget of the config sweep in s (compile included; >= 0, "
                              "0 stops it at once, unlike bench_gemv.py's 0 = no limit)")
-    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat", "swap", "maxnreg"),
+    parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat", "swap", "maxnreg", "stage"),
                         help="sweep candidates (flintc.kernels.moe.sweep_configs)")
     parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_MOE_TUNED file")
     parser.add_argument("--formats", default="bf16,nvfp4",

@@ -17,7 +17,8 @@
 #      set to the sweeps' winners (flintc.kernels.tuning), so its numbers are those of the
 #      winners.
 # SWEEP_FAMILY: swap (default), flat, classic, one-step, maxnreg (MoE only: register caps;
-# step 2 is then skipped) or all (see the benchmarks' --family);
+# step 2 is then skipped), stage (MoE only: the down kernel's weight tiles staged or not;
+# step 2 skipped) or all (see the benchmarks' --family);
 # SWEEP_FORMATS: the sweeps' weight formats (default bf16,nvfp4).
 # Logs and tables in $OUT/sweep.tgz (bench.json and bench.md of step 5 included). Budget:
 # SWEEP_BUDGET_S (default 560 s). Caps per step (each also capped by what is left of the
@@ -47,7 +48,7 @@ if [ "$MOE_CAP" -ge 45 ]; then
     --out "$T/moe.md" --tuned-json "$T/moe.json"
 fi
 GEMV_CAP=${SWEEP_GEMV_S:-90}; [ "$(left)" -lt "$GEMV_CAP" ] && GEMV_CAP=$(left)
-[ "$FAMILY" = maxnreg ] && GEMV_CAP=0  # a MoE-only family
+case "$FAMILY" in maxnreg|stage) GEMV_CAP=0 ;; esac  # MoE-only families
 if [ "$GEMV_CAP" -ge 45 ]; then
   TAIL=14 step gemv-sweep "$GEMV_CAP" $PY benchmarks/bench_gemv.py --sweep --family "$FAMILY" \
     --pdl --no-compile --batches "${SWEEP_GEMV_BATCHES:-1,8}" --formats "${SWEEP_FORMATS:-bf16,nvfp4}" --sweep-seconds $(( GEMV_CAP - 25 )) \

@@ -336,19 +336,21 @@ def _workspace(split: int, N: int, F: int, num_counters: int, like: torch.Tensor
 
 
 def qkv_config(N: int, H: int, D: int, num_heads: int, fmt: str,
-               device: torch.device) -> GemvConfig:
+               device: torch.device, kv_heads: int = 0) -> GemvConfig:
     """Config of the fused QKV kernel: one head (D rows) per program, so only the
     reduction kind, block_k, split-K, warps and stages are free. From `TUNED` under
-    ("qkv:" + fmt, Hq * D, H, N) when present, else: dot, block_k 128, 8 warps (128-row tiles
-    spill with 4), bf16 over flat 2-D tiles staged by Triton's pipeliner (3 stages; the
-    session 9 sweep's winner at N = 1 and 8), NVFP4 3-D tiles with the register prefetch;
-    split-K to ~2 programs per SM."""
+    ("qkv:" + fmt, Hq * D, H, N) (num_heads = Hq) when present, else: dot, block_k 128, 8
+    warps (128-row tiles spill with 4), bf16 over flat 2-D tiles staged by Triton's
+    pipeliner (3 stages; the session 9 sweep's winner at N = 1 and 8), NVFP4 3-D tiles
+    with the register prefetch; split-K to ~2 programs per SM over all Hq + 2 Hkv head
+    programs (kv_heads = Hkv; counting only the Hq query heads gave the full model 320
+    programs of 8 warps for 264 resident slots, 1.21 waves; Nsight Compute, session 11)."""
     hit = tuned_config(("qkv:" + fmt, num_heads * D, H, N))
     if hit is not None:
         return hit
     if device.type != "cuda":
         return GemvConfig(use_dot=True, block_f=D, block_k=64, split_k=1)
-    split = auto_split_k(num_heads, H, 128, device)
+    split = auto_split_k(num_heads + 2 * kv_heads, H, 128, device)
     if fmt == "nvfp4":
         return GemvConfig(use_dot=True, block_f=D, block_k=128, split_k=split, num_warps=8,
                           num_stages=1, prefetch=True)
@@ -433,7 +435,7 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
     if not isinstance(window, int) or window < 0 or window > S:
         fail(op, "window", f"an int in [0, S = {S}] (0: full layer), got {window!r}")
     q = torch.empty((B, 1, Hq, D), dtype=torch.bfloat16, device=dev)
-    cfg = config or qkv_config(B, H, D, Hq, fmt, dev)
+    cfg = config or qkv_config(B, H, D, Hq, fmt, dev, kv_heads=Hkv)
     gpu, pdl, extra = _launch_opts(dev, use_pdl, cfg)
     split, k_per_split = _effective_split(H, cfg.block_k, cfg.split_k)
     n_heads = Hq + 2 * Hkv

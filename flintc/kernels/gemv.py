@@ -507,21 +507,25 @@ class GemvConfig:
 # TUNE_FAMILY=classic TUNE_BATCHES=1,8, weights rotated so they are read from DRAM,
 # docs/gpu-runs.md); us = that sweep's time against the previous default's.
 TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
-    # fused QKV bf16: flat 2-D tiles (session 9 run 1, --family swap), N = 1 with the
-    # swapped dot 14.0 us (flat alone 16.0; session 6's FMA pick 21.3 in the same run), N = 8
-    # 16.7 (31.2)
-    ("qkv:bf16", 4096, 2048, 1): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=8,
+    # fused QKV: split 6, one wave of 240 programs (the split rule counted the 32 query
+    # heads only; split 8 gave 320 programs of 8 warps for 264 resident: 1.21 waves,
+    # Nsight Compute; session 11 runs 7-8, `bench_gemv.py --sweep --family swap/classic`).
+    # bf16 flat 2-D tiles with the swapped dot, N = 1 11.1 us (split 8: 14.1; session 9:
+    # 14.0 against 16.0 flat alone and 21.3 for session 6's FMA pick), N = 8 13.0 (16.8)
+    ("qkv:bf16", 4096, 2048, 1): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=6,
                                            num_warps=8, num_stages=3, prefetch=False, flat=True,
                                            swap=True),
-    ("qkv:bf16", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=8,
-                                           num_warps=8, num_stages=3, prefetch=False, flat=True),
-    # 15.6 against 17.5
-    ("qkv:nvfp4", 4096, 2048, 1): GemvConfig(use_dot=False, block_f=128, block_k=128, split_k=8,
+    ("qkv:bf16", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=6,
+                                           num_warps=8, num_stages=3, prefetch=False, flat=True,
+                                           swap=True),
+    # NVFP4 N = 1: FMA whole-tile accumulator, 10.4 us (split 8: 13.4; session 6: 15.6
+    # against 17.5 for the 3-D dot)
+    ("qkv:nvfp4", 4096, 2048, 1): GemvConfig(use_dot=False, block_f=128, block_k=128, split_k=6,
                                             num_warps=8, num_stages=1, prefetch=True,
                                             acc_full=True),
-    # N = 8: flat 2-D tiles with the swapped dot, 20.7 us against 22.6 for the 3-D tiles
-    # (session 9 run 2, --family swap; session 6: 22.3 against 25.7)
-    ("qkv:nvfp4", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=8,
+    # N = 8: flat 2-D tiles with the swapped dot, 12.8 us (split 8: 17.4; session 9: 20.7
+    # against 22.6 for the 3-D tiles)
+    ("qkv:nvfp4", 4096, 2048, 8): GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=6,
                                             num_warps=8, num_stages=3, prefetch=False, flat=True,
                                             swap=True),
     # O projection + residual: bf16 flat 2-D tiles 7.8 us against 10.0 for the FMA

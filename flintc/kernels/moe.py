@@ -1020,7 +1020,13 @@ class MoeConfig:
     for that; smaller tiles still compile, on mma.sync); `maxnreg` (GPU only): ptxas's
     register cap per thread (Triton's `maxnreg` compile option), e.g. 168 so that three
     4-warp programs fit on an SM (65,536 registers) where ptxas would take 188 (two: the
-    NVFP4 gate/up kernel under triton 3.6, 22% faster capped); None leaves ptxas free."""
+    NVFP4 gate/up kernel under triton 3.6, 22% faster capped); None leaves ptxas free.
+    `stage_w` (down kernel, flat tiles; gate/up ignores it): build the weight-row pointers
+    after the kernel's shared / routed expert branch, which lets triton 3.6's pipeliner
+    stage the weight tiles through shared memory (`down_kernel`'s STAGE_W); None picks
+    per format: bf16 staged (8-12% faster, docs/gpu-runs.md session 10 run 4), NVFP4 not
+    (staged measured 17% slower there, before the code tiles lost their bank conflicts;
+    the "stage" sweep family measures both)."""
 
     block_rows: int = 32
     block_k: int = 128
@@ -1034,13 +1040,15 @@ class MoeConfig:
     flat: bool = False
     swap: bool = False
     maxnreg: int | None = None
+    stage_w: bool | None = None
 
     def short(self) -> str:
         kind = "dot" if self.use_dot else ("fma-acc" if self.acc_full else
                                            "fma-sa" if self.scale_after else "fma")
         return (f"{kind} r{self.block_rows} k{self.block_k} s{self.split} w{self.num_warps} "
                 f"st{self.num_stages}{' pf' if self.prefetch else ''}{' flat' if self.flat else ''}"
-                f"{' swap' if self.swap else ''}{f' reg{self.maxnreg}' if self.maxnreg else ''}")
+                f"{' swap' if self.swap else ''}{f' reg{self.maxnreg}' if self.maxnreg else ''}"
+                f"{'' if self.stage_w is None else ' stw' if self.stage_w else ' nostw'}")
 
 
 # Measured winners. Keys: (kernel, fmt, N) with kernel "gate_up" or "down", fmt "bf16" or
@@ -1053,8 +1061,8 @@ class MoeConfig:
 # (gate/up 15.3 us, was 21.9; down 8.6, was 12.7; the flat twins took 21-39 / 10-17 us,
 # again in session 9 run 1). bf16: the flat 2-D tiles won at every N (1, 2, 4, 8). NVFP4 at
 # N = 4 and 8: flat 2-D tiles with 64 rows won (session 9 run 1, `bench_moe.py --family
-# swap`, GPU-tested at N = 8); NVFP4 N = 2 and down at N = 4 use the rule (the same
-# tiles). The swapped dot (`MoeConfig.swap`) won nothing beyond noise.
+# swap`, GPU-tested at N = 8); NVFP4 N = 2 uses the rule (the same tiles). The swapped
+# dot (`MoeConfig.swap`) won nothing beyond noise.
 TUNED: dict[tuple[str, str, int], MoeConfig] = {
     # bf16 N = 1 and 2: flat 2-D tiles (session 8 run 5), gate/up 12.9 us (FMA whole-tile
     # accumulator: 21.4) and 19.9 (43.5), down 8.5 (11.0) and 12.0 (22.0)
@@ -1092,6 +1100,11 @@ TUNED: dict[tuple[str, str, int], MoeConfig] = {
                                        num_stages=3, flat=True, maxnreg=168),
     ("down", "nvfp4", 8): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
                                     num_stages=3, flat=True),
+    # NVFP4 down at N = 4 with its weight tiles staged (`stage_w`; session 11 run 3, the
+    # "stage" family): 18.9 us against 20.5 unstaged; at N = 8 unstaged stays ahead (30.2
+    # against 32.4)
+    ("down", "nvfp4", 4): MoeConfig(block_rows=64, block_k=128, split=1, num_warps=4,
+                                    num_stages=3, flat=True, stage_w=True),
 }
 
 
@@ -1197,6 +1210,9 @@ MAXNREG_SHAPES = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 8, 3), (32, 128, 4
 MAXNREG_CAPS = (None, 168, 128)
 
 
+SWEEP_FAMILIES = ("all", "classic", "one-step", "flat", "swap", "maxnreg", "stage")
+
+
 def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int,
                   device: torch.device, family: str = "all") -> list[MoeConfig]:
     """Candidates that `benchmarks/bench_moe.py` times (the `gpu` test checks each one
@@ -1208,14 +1224,25 @@ def sweep_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
     "swap" gives the rule's choice and `SWAP_SHAPES` with the weight tile as the dot's
     left operand (`MoeConfig.swap`), each flat one also without it; "maxnreg" gives the
     rule's choice with each register cap of `MAXNREG_CAPS` (`MoeConfig.maxnreg`), then
-    `MAXNREG_SHAPES` as flat tiles with each cap.
+    `MAXNREG_SHAPES` as flat tiles with each cap; "stage" gives the rule's choice, and for
+    the down kernel its flat twin with the weight tiles staged and unstaged
+    (`MoeConfig.stage_w`).
 
     Raises:
         ValueError: an unknown family.
     """
-    if family not in ("all", "classic", "one-step", "flat", "swap", "maxnreg"):
-        raise ValueError("sweep_configs: family must be all, classic, one-step, flat, swap or "
-                         f"maxnreg; got {family!r}")
+    if family not in SWEEP_FAMILIES:
+        raise ValueError(f"sweep_configs: family must be one of {', '.join(SWEEP_FAMILIES)}; "
+                         f"got {family!r}")
+    if family == "stage":
+        base = choose_config(kernel, fmt, N, rows, red, slots, device)
+        out = [base]
+        if kernel == "down":
+            flat = dataclasses.replace(base, use_dot=True, flat=True, acc_full=False,
+                                       prefetch=False, scale_after=False)
+            out += [c for c in (dataclasses.replace(flat, stage_w=v) for v in (True, False))
+                    if c not in out]
+        return out
     if family == "maxnreg":
         base = choose_config(kernel, fmt, N, rows, red, slots, device)
         out = [dataclasses.replace(base, maxnreg=r) for r in MAXNREG_CAPS]
@@ -1479,7 +1506,7 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
         HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, IS_NVFP4=nv,
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv,
         PREFETCH=cfg.prefetch and not _flat(cfg), ACC_FULL=cfg.acc_full and not cfg.use_dot,
-        FLAT=_flat(cfg), SWAP=cfg.swap and cfg.use_dot, STAGE_W=not nv,
+        FLAT=_flat(cfg), SWAP=cfg.swap and cfg.use_dot, STAGE_W=(not nv) if cfg.stage_w is None else cfg.stage_w,
         USE_PDL=pdl_mode(pdl), GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
     return out
 

@@ -537,3 +537,20 @@ def test_norm_lm_head_gpu(N, use_pdl):
             tight=2 * reorder_tol(h, [w]).view(ref.shape), min_tight=0.5)
     ids = torch.randint(0, 151552, (N, 1), device="cuda")
     assert torch.equal(FG.embedding(ids, w, use_pdl=use_pdl), linear.embedding(ids, w))
+
+
+@pytest.mark.parametrize("hq,hkv", [(32, 4), (16, 8), (8, 1)])
+def test_qkv_split_rule_counts_every_head_program(monkeypatch, hq, hkv):
+    """`qkv_config`'s split-K rule sizes the grid for one wave of ~2 programs per SM over
+    all Hq + 2 Hkv head programs (the kernel's grid is (Hq + 2 Hkv, split)): counting the
+    query heads only gave the full model 320 programs for 264 resident slots, 1.21 waves
+    (Nsight Compute, docs/gpu-runs.md session 11). Shapes outside TUNED, 132 SMs."""
+    from flintc.kernels import gemv as G
+
+    monkeypatch.setattr(G, "num_sms", lambda device: 132)
+    H = 1024  # not a TUNED shape: the rule decides
+    for fmt in ("bf16", "nvfp4"):
+        cfg = FG.qkv_config(1, H, 64, hq, fmt, torch.device("cuda"), kv_heads=hkv)
+        programs = (hq + 2 * hkv) * cfg.split_k
+        assert programs <= 2 * 132, (fmt, cfg.split_k)
+        assert (hq + 2 * hkv) * (cfg.split_k + 1) > 2 * 132 or cfg.split_k == H // 128, cfg

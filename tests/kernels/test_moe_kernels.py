@@ -219,6 +219,12 @@ CPU_CONFIGS = [
     # interpreter ignore it)
     K.MoeConfig(block_rows=16, block_k=32, split=2, use_dot=True, num_stages=1, flat=True,
                 maxnreg=128),
+    # the down kernel's weight tiles with the row pointers built after the shared / routed
+    # branch (STAGE_W) and inside it, whatever the format's default
+    K.MoeConfig(block_rows=16, block_k=32, split=2, use_dot=True, num_stages=1, flat=True,
+                stage_w=True),
+    K.MoeConfig(block_rows=16, block_k=32, split=2, use_dot=True, num_stages=1, flat=True,
+                stage_w=False),
 ]
 
 
@@ -429,7 +435,7 @@ def test_moe_kernels_full_shapes_gpu(N, fmt, use_pdl, poison):
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
 @pytest.mark.parametrize("N", [1, 8])
-@pytest.mark.parametrize("families", ["base+swap", "maxnreg"])
+@pytest.mark.parametrize("families", ["base+swap", "maxnreg", "stage"])
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_sweep_configs_full_shapes_gpu(families, N, fmt):
@@ -437,7 +443,8 @@ def test_sweep_configs_full_shapes_gpu(families, N, fmt):
     reference's results at the model's shapes, with PDL (CPU twin: test_moe_configs).
     `families` "base+swap": the "all" family at N = 1 (the one-step family only there,
     where its sweeps ran; it keeps the GPU run short) or "classic", then the "swap"
-    family's new candidates; "maxnreg": the "maxnreg" family alone (register caps)."""
+    family's new candidates; "maxnreg" / "stage": that family alone (register caps; the
+    down kernel's weight tiles staged or not)."""
     gen = torch.Generator().manual_seed(7000 + 10 * N + FMTS.index(fmt))
     H, F, E = FULL["H"], FULL["F"], FULL["E"]
     w = make_moe(FULL, fmt, gen)
@@ -452,8 +459,8 @@ def test_sweep_configs_full_shapes_gpu(families, N, fmt):
     family = "all" if N == 1 else "classic"
 
     def cands(kernel, rows, red):
-        if families == "maxnreg":
-            return K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family="maxnreg")
+        if families in ("maxnreg", "stage"):
+            return K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family=families)
         out = K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family=family)
         more = K.sweep_configs(kernel, kind, N, rows, red, N * TOP_K + 1, dev, family="swap")
         return out + [c for c in more if c not in out]
@@ -470,3 +477,20 @@ def test_sweep_configs_full_shapes_gpu(families, N, fmt):
                                               use_pdl=True, config=cfg)
             torch.cuda.synchronize()
             assert_bf16_close(f"down ({fmt}, N={N}, {cfg.short()})", out, expect)
+
+
+@pytest.mark.parametrize("fmt,N", [("nvfp4", 8), ("bf16", 1), ("nvfp4", 1)])
+def test_stage_sweep_family(fmt, N):
+    """The "stage" sweep family: the rule's choice, then (down kernel only) its flat twin
+    with the weight tiles staged and unstaged (`MoeConfig.stage_w`), no duplicates; the
+    launcher's STAGE_W follows stage_w, or the format when it is None."""
+    dev = torch.device("cpu")
+    H, F = FULL["H"], FULL["F"]
+    base_d = K.choose_config("down", fmt, N, H, F, N * TOP_K + 1, dev)
+    down = K.sweep_configs("down", fmt, N, H, F, N * TOP_K + 1, dev, family="stage")
+    assert down[0] == base_d and len(down) == len(set(down)) == 3
+    assert {c.stage_w for c in down[1:]} == {True, False}
+    assert all(c.flat and c.use_dot and c.block_rows == base_d.block_rows for c in down[1:])
+    assert K.sweep_configs("gate_up", fmt, N, F, H, N * TOP_K + 1, dev, family="stage") == [
+        K.choose_config("gate_up", fmt, N, F, H, N * TOP_K + 1, dev)]
+    assert "stw" in down[1].short() and "nostw" in down[2].short()
