@@ -308,8 +308,9 @@ def main() -> None:
                        f"{100 * gbs / copy_bw:.0f}% | {cfg0.short() if cfg0 else 'default'} | "
                        f"{ms_e * 1e3:.1f} | {ms_c * 1e3:.1f} | {100 * moved / ms_c / 1e6 / copy_bw:.0f}% |")
                 if args.sweep:
-                    # the QKV kernel runs one program per q, k and v head: its split-K rule counts all
-                    F_rows = 2 * case.F if case.kind == "gate_up" else case.F if case.kind == "qkv" else key[1]
+                    # all rows the kernel's programs cover (for QKV: the q, k and v heads, not
+                    # the q rows of its TUNED key)
+                    F_rows = 2 * case.F if case.kind == "gate_up" else case.F
                     cands = sweep_configs(fmt, N, F_rows, case.K, torch.device("cuda"), rows_fixed,
                                           family=args.family,
                                           flat_ok=True)

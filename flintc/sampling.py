@@ -142,4 +142,4 @@ def sampling_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> d
         probs = sampling_probs(_rows(logits, rows), params[rows[0]])
         for j, b in enumerate(rows):
             out[b] = probs[j]
-    return dict(sorted(out.items()))
+    return out

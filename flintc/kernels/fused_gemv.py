@@ -336,7 +336,7 @@ def _workspace(split: int, N: int, F: int, num_counters: int, like: torch.Tensor
 
 
 def qkv_config(N: int, H: int, D: int, num_heads: int, fmt: str,
-               device: torch.device, kv_heads: int = 0) -> GemvConfig:
+               device: torch.device, *, kv_heads: int) -> GemvConfig:
     """Config of the fused QKV kernel: one head (D rows) per program, so only the
     reduction kind, block_k, split-K, warps and stages are free. From `TUNED` under
     ("qkv:" + fmt, Hq * D, H, N) (num_heads = Hq) when present, else: dot, block_k 128, 8

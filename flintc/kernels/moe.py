@@ -1506,7 +1506,8 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
         HAS_SHARED=has_shared, HAS_RESIDUAL=residual is not None, IS_NVFP4=nv,
         USE_DOT=cfg.use_dot, SCALE_AFTER=cfg.scale_after and nv,
         PREFETCH=cfg.prefetch and not _flat(cfg), ACC_FULL=cfg.acc_full and not cfg.use_dot,
-        FLAT=_flat(cfg), SWAP=cfg.swap and cfg.use_dot, STAGE_W=(not nv) if cfg.stage_w is None else cfg.stage_w,
+        FLAT=_flat(cfg), SWAP=cfg.swap and cfg.use_dot,
+        STAGE_W=(not nv) if cfg.stage_w is None else cfg.stage_w,
         USE_PDL=pdl_mode(pdl), GPU=gpu, **_kernel_opts(cfg, gpu), **opts)
     return out
 
