@@ -40,6 +40,11 @@ Kernel design (issue 5 speed work):
   while the previous kernel still runs.
 - Configurations come from `TUNED` (filled from `benchmarks/bench_gemv.py --sweep`) or
   the rule in `choose_config`; never autotuned at call time (CUDA-graph capture).
+- NVFP4 on a CUDA device of compute capability 9.0+ (`gemv` and `gemv_residual` called
+  without an explicit `config`): the CUDA C++ `mma.sync` kernel of
+  `flintc.kernels.nvfp4_mma` instead (codes repacked once into the mma fragment order;
+  about half the time of the Triton kernel at the model's shapes, docs/gpu-runs.md
+  session 12). FLINTC_NVFP4_MMA=0 keeps them on Triton.
 """
 
 from __future__ import annotations
@@ -870,6 +875,9 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
     unit column stride), weights `wargs` from `check_weight`, out [N, F] contiguous."""
     N, K = x2.shape
     dev = x2.device
+    if (fmt == "nvfp4" and config is None and norm is None and epilogue != EPI_FP32
+            and _mma_gemv(x2, wargs, F, out, residual, use_pdl)):
+        return out
     cfg = config or choose_config(N, F, K, fmt, dev)
     gpu = dev.type == "cuda" and not _interpreting()
     if cfg.block_k % (32 if fmt == "nvfp4" or cfg.use_dot else 8) or cfg.block_f < 16 \
@@ -905,6 +913,31 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
         FLAT=cfg.flat and cfg.use_dot, SWAP=cfg.swap and cfg.use_dot, num_warps=cfg.num_warps, **extra,
     )
     return out
+
+
+def _mma_gemv(x2: torch.Tensor, wargs, F: int, out: torch.Tensor,
+              residual: torch.Tensor | None, use_pdl: bool) -> bool:
+    """The NVFP4 GEMV on the CUDA `mma.sync` kernel (`flintc.kernels.nvfp4_mma`) where it
+    applies: a CUDA sm_90+ device (`nvfp4_mma.available`), F % 16 == 0, K % 64 == 0, x2
+    contiguous, outside the interpreter. Returns False (the caller runs the Triton kernel)
+    otherwise, or when a weight is first seen during CUDA-graph capture (its repack cannot
+    be captured). Same numerics as the Triton kernel: exact products, fp32 sums, one
+    rounding (plus the residual add's)."""
+    from flintc.kernels import nvfp4_mma
+
+    N, K = x2.shape
+    if _interpreting() or F % 16 or K % 64 or not x2.is_contiguous() \
+            or not nvfp4_mma.available(x2.device):
+        return False
+    codes, scales, gscale = wargs
+    try:
+        wq, sq = nvfp4_mma.packed_weight(codes, scales)
+    except RuntimeError:  # first seen while capturing a CUDA graph
+        return False
+    nvfp4_mma.mma_gemv(x2, wq, sq, gscale, out.view(N, F),
+                       residual=residual.view(N, F) if residual is not None else None,
+                       use_pdl=use_pdl)
+    return True
 
 
 def check_x2d(op: str, x, name: str = "x") -> None:

@@ -68,7 +68,7 @@ def overrides(env_var: str, factory, key_types: tuple) -> dict:
 
 def check_environment() -> None:
     """Validate every kernel-tuning environment variable at once (FLINTC_PDL_TRIGGER,
-    FLINTC_GEMV_TUNED, FLINTC_MOE_TUNED), so a bad value is reported when a runtime
+    FLINTC_GEMV_TUNED, FLINTC_MOE_TUNED, FLINTC_NVFP4_MMA), so a bad value is reported when a runtime
     loads, not at the first launch that reads it (or never, on paths that do not).
 
     Raises:
@@ -76,9 +76,11 @@ def check_environment() -> None:
     """
     from flintc.kernels.gemv import GemvConfig
     from flintc.kernels.moe import MoeConfig
+    from flintc.kernels.nvfp4_mma import enabled_from_env
     from flintc.kernels.pdl import pdl_mode
 
     pdl_mode(True)
+    enabled_from_env()
     overrides("FLINTC_GEMV_TUNED", GemvConfig, (str, int, int, int))
     overrides("FLINTC_MOE_TUNED", MoeConfig, (str, str, int))
 

@@ -1,0 +1,1111 @@
+"""NVFP4 W4A16 decode kernels in CUDA C++ with `mma.sync` (the GEMV, the MoE gate/up with
+top-k routing, the MoE down with the combine): the E2M1 codes decoded straight into the
+tensor-core A-operand registers (issue 5's "CUDA C++ where Triton cannot express what
+is needed").
+
+Why CUDA here. The Triton NVFP4 GEMVs (`flintc.kernels.tiles`) decode a code tile into a
+bf16 tile in registers, and Triton then moves that tile through shared memory into the
+layout its `wgmma` operand needs (Nsight Compute: LDSM at 4x the ideal wavefronts, about
+6 SASS instructions per weight in the K loop; docs/gpu-runs.md sessions 9-11). Triton
+has no way to say "this register holds rows g and g + 8 of the A fragment", so the
+round trip stays. Here the loader's codes are permuted once, at load time, into the
+order of the `mma.sync.m16n8k16` A fragment (PTX ISA, "Matrix Fragments for
+mma.m16n8k16 with floating point type"): each lane's 32-bit word holds exactly the 8
+weights it feeds to one mma, so a k16 step is one word, ten LOP3 / shifts, four
+`mul.rn.bf16x2` and one `mma`: about 20 SASS instructions per 8 weights, 2.6 per weight
+in the whole K loop with its loads (cuobjdump of the 16384 x 2048 variant), against
+about 6 in the Triton loop; no shared memory.
+
+Layout (`pack_mma_layout`), for a weight W [F, K] (F a multiple of 16, K of 64). The sum
+over K does not depend on the order of its terms, so the kernel assigns K to the mma's
+k slots in the order that makes each lane's slice of x contiguous: in chunk kc (K 64 kc
+.. 64 kc + 63), lane l = 4 g + t, k16 step s, the mma's k index 2t + 8 half + e (PTX ISA
+fragment layout) is the physical k = 64 kc + 16 t + 4 s + 2 half + e. So a lane reads
+x[n, 64 kc + 16 t .. + 15] (two 16-byte loads per chunk) and all its weights of a chunk
+lie in one 16-weight block per row: one block scale per row per chunk.
+
+* codes: int32 [F/16, K/64, 32, 4]: row tile ft (rows 16 ft .. 16 ft + 15), chunk kc,
+  lane l, step s: the 8 weights of the lane's A fragment (PTX ISA): register r = 2 half
+  + h (rows g + 8 h), low / high half e = 0 / 1, bits at `_CODE_BIT_POS`. A lane loads
+  its four words with one 16-byte load; a warp's 512 bytes are contiguous.
+* scales: uint8 [F/16, K/64, 32, 2]: lane l, byte h: the block scale of row g + 8 h,
+  block 4 kc + t, as a `ue5m3` code (below).
+
+Decode (FLINT_SPEC section 3: `x * (e2m1 * block_scale)` summed in fp32, times the
+global scale once): the three magnitude bits of a code go to bf16 bits 8-6 and its sign
+to bit 15, which is the E2M1 value times 2^-126 for every code (subnormal 0.5 included;
+vLLM's Marlin FP4 dequant, `csrc/quantization/gptq_marlin/dequant.h`); one
+`mul.rn.bf16x2` by `bf16(scale * 2^118)` gives `e2m1 * scale * 2^-8` exactly (at most 6
+significant bits, normal range), and the fp32 result is multiplied by 256 * global scale
+once, at the output: the same fp32 sums of the same exact products as the reference.
+
+Block scales as `ue5m3` codes: the E4M3 scale 2^(e-7) (1 + m/8) (or 2^-6 m/8 when e = 0)
+is re-encoded with a 5-bit exponent E' = unbiased exponent + 9 and a 3-bit mantissa,
+which holds every E4M3 value, subnormals included, as a normal number; then
+`bf16(scale * 2^118)` is `(code << 4) + (236 << 7)` (integer add, per 16-bit half): a
+byte permute, a shift and an add per two scales. A zero scale has no code: it is stored
+as code 0 and its block's code magnitudes are cleared (weights 0 either way).
+
+Kernels (one source, specialised per shape at compile time; `kernel_source`):
+
+* `nvfp4_mma_gemv` (`mma_gemv`): y = x @ W^T for N <= 8; grid F / 16 row tiles, the
+  block's warps split K and add their sums in shared memory in warp order (no split-K
+  workspace, no atomics unless an fp32 split output is asked for); epilogues fp32, bf16,
+  bf16 + residual. The model's `gemv` / `gemv_residual` (O projection, dense down
+  projection) run on it (`flintc.kernels.gemv`).
+* `nvfp4_mma_moe_gate_up` (`moe_topk_gate_up`): kernel 6 of the MoE layer: top-k
+  routing in the prologue, then per (row tile of I, work item: the shared expert for all
+  tokens, or one token's routed expert) the gate and up tiles over the whole H, SiLU-and-
+  mul in the epilogue; writes h, the routing weights and the ids.
+* `nvfp4_mma_moe_down` (`moe_down`): kernel 7: per 16 rows of H, the warps take the work
+  items (shared expert, then each token's routed experts) in turn over the whole expert
+  width, then the block combines its rows in the reference's order and adds the residual.
+
+Unlike `flintc.kernels.moe`'s Triton kernels they do not deduplicate experts shared by
+several tokens at batch > 1 (each (token, expert) item streams its weights; duplicates
+mostly hit the L2).
+
+Compiled at first use by NVRTC through `torch.cuda._compile_kernel` (torch >= 2.8 with
+CUDA; no nvcc, no headers; about a second per variant) and launched with the driver's
+`cuLaunchKernelEx`, with programmatic dependent launch when asked: weights that do not
+depend on the previous kernel load before `griddepcontrol.wait` (in a basic block of its
+own: ptxas hoists a wait above the loads of its block), activations after it with
+coherent `ld.global` (an `ld.global.nc` may be hoisted above the wait).
+
+Weights: `prepack` repacks, at load time (`flintc.checkpoint.loader.load_checkpoint` on
+CUDA), the NVFP4 weights these kernels read (`PREPACK_SUFFIXES`); the Triton kernels and
+the prefill keep reading the packed layout, so those weights take twice their memory (the
+full model: about +20 GiB on the H200, peak 63.7 GiB at 100K against 43.5; the issue-8
+target of <= 32 GiB at batch 1 / 262K holds only with the CUDA path off until the prefill
+reads this layout and the packed copies can go). Without room for the copies (less than
+PREPACK_RESERVE of the device left free) the CUDA path stays off on that device, with a
+warning. FLINTC_NVFP4_MMA=0 turns it off (no repack, every kernel on Triton).
+
+Measured on the H200 (docs/gpu-runs.md session 12): a 16384 x 2048 GEMV at 72-75% of the
+copy bandwidth (the Triton loop: 29%); in the model the O projection 6.95 -> 3.54 us, MoE
+gate/up 13.0 -> 8.5 us (batch 1) and 52 -> 38 us (batch 8), down 7.8 -> 5.6 and 30.5 ->
+12.0 us; the NVFP4 decode step at batch 1 / 1K 2.99 -> 2.56 ms, batch 8 / 1K 6.56 -> 4.52.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+__all__ = ["SCALE_CODE_BIAS", "available", "decode_mma_layout", "e4m3_to_scale_code",
+           "enabled_from_env", "kernel_source", "mma_gemv", "moe_down", "moe_topk_gate_up",
+           "pack_mma_layout", "packed_weight", "prepack", "scale_code_to_bf16_bits",
+           "warps_for"]
+
+SCALE_CODE_BIAS = 9  # ue5m3: E' = unbiased exponent + 9, so 2^-9 (the smallest E4M3) has E' = 0
+_BF16_EXP_OFFSET = 236  # bf16 exponent field = E' + 236 gives scale * 2^118
+DEQUANT_UNSCALE = 256.0  # the fp32 result of `e2m1 * scale * 2^-8` products times this
+EPI_FP32, EPI_BF16, EPI_RESIDUAL = 0, 1, 2  # the kernel's epilogues
+
+
+def e4m3_to_scale_code(scales: torch.Tensor, name: str = "scales") -> torch.Tensor:
+    """float8_e4m3fn block scales -> uint8 `ue5m3` codes (module docstring), same shape.
+
+    Zero scales map to code 0 (the caller clears the codes of their blocks: see
+    `pack_mma_layout`). Raises ValueError, naming `name`, for a dtype other than
+    float8_e4m3fn or a negative or NaN scale (the packed NVFP4 layout has neither:
+    `flintc.quant.nvfp4`).
+    """
+    if scales.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}: expected float8_e4m3fn block scales, got {scales.dtype}")
+    s = scales.to(torch.float32)
+    if bool(torch.isnan(s).any()) or bool((s < 0).any()):
+        raise ValueError(f"{name}: block scales must be finite and >= 0 (unsigned E4M3)")
+    mant, exp = torch.frexp(s)  # s = mant * 2^exp, mant in [0.5, 1)
+    e_unb = exp - 1  # s = (2 mant) * 2^(exp - 1), 2 mant in [1, 2)
+    m3 = torch.round((2 * mant - 1) * 8).to(torch.int32)  # exact: E4M3 has 3 mantissa bits
+    code = ((e_unb + SCALE_CODE_BIAS) << 3) | m3
+    code = torch.where(s == 0, torch.zeros_like(code), code)
+    if bool(((code < 0) | (code > 255)).any()):  # unreachable for E4M3 inputs
+        raise ValueError(f"{name}: a block scale is outside the E4M3 range")
+    return code.to(torch.uint8)
+
+
+def scale_code_to_bf16_bits(code: torch.Tensor) -> torch.Tensor:
+    """uint8 `ue5m3` codes -> int32 bf16 bit patterns of `scale * 2^118` (the kernel's
+    integer formula: `(code << 4) + (236 << 7)`)."""
+    return (code.to(torch.int32) << 4) + (_BF16_EXP_OFFSET << 7)
+
+
+def pack_mma_layout(codes: torch.Tensor, scales: torch.Tensor,
+                    name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """Repack one NVFP4 matrix from the packed layout into the mma-fragment layout.
+
+    Args:
+        codes: uint8 [F, K/2] (byte j: weight 2j low nibble, 2j + 1 high nibble).
+        scales: float8_e4m3fn [F, K/16].
+        name: the tensor's name, for errors.
+
+    Returns:
+        (wq int32 [F/16, K/64, 32, 4], sq uint8 [F/16, K/64, 32, 2]) on codes' device
+        (module docstring). Lossless: `decode_mma_layout` gives back every weight.
+
+    Raises:
+        ValueError: wrong dtypes or shapes, F not a multiple of 16 or K of 64, or a
+            negative / NaN scale.
+    """
+    if codes.dtype != torch.uint8 or codes.dim() != 2:
+        raise ValueError(f"{name}: codes must be uint8 [F, K/2], got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    F, K = codes.shape[0], 2 * codes.shape[1]
+    if F % 16 or K % 64:
+        raise ValueError(f"{name}: the mma layout needs F % 16 == 0 and K % 64 == 0, got "
+                         f"F={F}, K={K}")
+    if tuple(scales.shape) != (F, K // 16):
+        raise ValueError(f"{name}: scales must be [F, K/16] = [{F}, {K // 16}], got "
+                         f"{tuple(scales.shape)}")
+    scode = e4m3_to_scale_code(scales, f"{name}.scales")
+    table = _code_tables(codes.device)  # [4 registers, 16 codes] -> 16-bit patterns
+    zero_block = scales.view(torch.uint8) == 0  # float8_e4m3fn zero (no negative scales)
+    wq = torch.empty((F // 16, K // 64, 32, 4), dtype=torch.int32, device=codes.device)
+    rows = max(16, (1 << 22) // K // 16 * 16)  # row tiles per pass: bounded temporaries
+    for r0 in range(0, F, rows):
+        r1 = min(F, r0 + rows)
+        c = codes[r0:r1].to(torch.int64)
+        nib = torch.stack([c & 15, c >> 4], dim=-1).reshape(r1 - r0, K)
+        # a zero block scale: keep the codes' signs, clear their magnitudes (weights 0)
+        nib = torch.where(zero_block[r0:r1].repeat_interleave(16, dim=1), nib & 8, nib)
+        # rows: [ft, h(2: row g + 8h), g(8)]; K: [kc, t(4), s(4), half(2), e(2)]
+        n = nib.reshape((r1 - r0) // 16, 2, 8, K // 64, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 6, 1, 7)
+        # -> [ft, kc, g, t, s, half, h, e]; register r = 2 * half + h
+        n = n.reshape((r1 - r0) // 16, K // 64, 8, 4, 4, 4, 2)  # [..., s, r, e]
+        word = torch.zeros(n.shape[:-2], dtype=torch.int64, device=codes.device)
+        for r in range(4):
+            word |= table[r][n[..., r, 0]] | (table[r][n[..., r, 1]] << 16)
+        word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+        wq[r0 // 16:r1 // 16] = word.reshape((r1 - r0) // 16, K // 64, 32, 4)
+    # scales [F, K/16] = [ft, h, g, kc, t] -> [ft, kc, g, t, h]
+    sq = scode.reshape(F // 16, 2, 8, K // 64, 4).permute(0, 3, 2, 4, 1)
+    return wq, sq.reshape(F // 16, K // 64, 32, 2).contiguous()
+
+
+def _code_tables(device: torch.device) -> torch.Tensor:
+    """int64 [4, 16]: register r's 16-bit pattern of each 4-bit code (`_CODE_BIT_POS`)."""
+    v = torch.arange(16, dtype=torch.int64)
+    pos = torch.tensor(_CODE_BIT_POS, dtype=torch.int64)  # [r, bit]
+    bits = (v[None, :, None] >> torch.arange(4)[None, None, :]) & 1  # [1, code, bit]
+    return (bits << pos[:, None, :]).sum(-1).to(device)
+
+
+# Register r of a k16 step: bit b of the low element's code (b = 0 mantissa, 1-2 exponent,
+# 3 sign) sits at word bit _CODE_BIT_POS[r][b], the high element's 16 bits above. Registers
+# 0-2 are three disjoint shifted copies of the bf16 target bits {6, 7, 8, 15} (shift 0, 3,
+# 6: one mask, or a shift and a mask); register 3 takes the 4 bits left over.
+_CODE_BIT_POS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
+
+
+def _decode_register(w: torch.Tensor, r: int) -> torch.Tensor:
+    """The kernel's `dec<r>`: int64 words (low 32 bits) -> bf16x2 bit patterns of
+    `e2m1 * 2^-126` for register r (low half: even k)."""
+    m = 0x81C081C0
+    if r < 3:
+        return ((w << (3 * r)) & m) & 0xFFFFFFFF
+    return ((w << 1) & 0x80008000) | ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100)
+
+
+def _bits_to_bf16_value(bits: torch.Tensor) -> torch.Tensor:
+    """int (low 16 bits) -> the fp32 value of that bf16 pattern."""
+    return ((bits & 0xFFFF).to(torch.int32) << 16).view(torch.float32)
+
+
+def decode_mma_layout(wq: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic, in torch: fp32 [F, K] of `e2m1 * scale` for every weight.
+
+    Replays the CUDA decode bit for bit (the per-register shifts and masks, the ue5m3
+    scale formula, the bf16 product, which is exact), then undoes the 2^-8 bias, so the
+    result equals `flintc.quant.nvfp4.dequantize_packed` of the original codes and scales
+    (without the global scale). Runs on any device; the CPU tests use it.
+    """
+    FT, KC = wq.shape[0], wq.shape[1]
+    w = wq.to(torch.int64) & 0xFFFFFFFF  # [ft, kc, lane, s]
+    out = []
+    for r in range(4):
+        bits = _decode_register(w, r)
+        out.append(torch.stack([bits & 0xFFFF, bits >> 16], dim=-1))  # [..., e]
+    bits = torch.stack(out, dim=-2)  # [ft, kc, lane, s, r, e]
+    tiny = _bits_to_bf16_value(bits)  # e2m1 * 2^-126
+    sval = _bits_to_bf16_value(scale_code_to_bf16_bits(sq))  # [ft, kc, lane, h]: x 2^118
+    s_reg = sval[:, :, :, None, [0, 1, 0, 1]]  # [ft, kc, lane, s, r]: row g + 8 (r & 1)
+    prod = (tiny.double() * s_reg[..., None].double()).float()  # exact in fp32 (and bf16)
+    w8 = prod * DEQUANT_UNSCALE  # [ft, kc, g*4+t, s, r, e]
+    # back to [F, K]: r = 2 * half + h, k = 64 kc + 16 t + 4 s + 2 half + e
+    w8 = w8.reshape(FT, KC, 8, 4, 4, 2, 2, 2)  # [ft, kc, g, t, s, half, h, e]
+    w8 = w8.permute(0, 6, 2, 1, 3, 4, 5, 7)  # [ft, h, g, kc, t, s, half, e]
+    return w8.reshape(FT * 16, KC * 64)
+
+
+_COMMON = r"""
+#define RT __RT__        // 16-row tiles per block
+#define KC __KC__        // K / 64: chunks per row
+#define CPW __CPW__      // chunks per warp
+#define PF __PF__        // chunks loaded ahead of the one in the tensor cores
+#define WARPS __WARPS__  // warps per block, each a K / (WARPS * gridDim.y) slice
+#define EPI __EPI__      // 0: fp32 out (atomic add when split); 1: bf16 out; 2: bf16 out + residual
+#define PDL __PDL__      // griddepcontrol.wait before reading x / residual
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ u32 bmul(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ u32 scale2(u32 codes, u32 sel) {  // bf16x2 of scale * 2^118
+  u32 d;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(codes), "r"(sel));
+  return (d >> 4) + 0x76007600u;  // (code << 4) + (236 << 7) in each half
+}
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+  return h;
+}
+__device__ __forceinline__ float from_bf16(u16 h) { return __uint_as_float((u32)h << 16); }
+
+struct Chunk { uint4 w[RT]; u32 s[RT]; uint4 x0, x1; };
+
+// volatile loads for the weights loaded before griddepcontrol.wait (a __ldg may be moved
+// past it: it reads memory that nothing writes)
+__device__ __forceinline__ uint4 ld_v4(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u32 ld_u16(const u16* p) {
+  u16 v;
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// wp, sp, xp: this lane's pointers at chunk 0 of the warp (row tile ft0); every other
+// offset is a compile-time constant, so the loads need no address arithmetic
+__device__ __forceinline__ void load_w(Chunk& ch, const uint4* __restrict__ wp,
+                                       const u16* __restrict__ sp, int c) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    ch.w[r] = __ldg(wp + (r * KC + c) * 32);
+    ch.s[r] = __ldg(sp + (r * KC + c) * 32);
+  }
+}
+__device__ __forceinline__ void load_w_early(Chunk& ch, const uint4* __restrict__ wp,
+                                             const u16* __restrict__ sp, int c) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    ch.w[r] = ld_v4(wp + (r * KC + c) * 32);
+    ch.s[r] = ld_u16(sp + (r * KC + c) * 32);
+  }
+}
+// x and the residual are the previous kernel's outputs: coherent loads (ld.global, never
+// .nc, which ptxas may hoist above griddepcontrol.wait: seen in the SASS)
+__device__ __forceinline__ uint4 ld_act(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u16 ld_act_u16(const u16* p) {
+  u16 v;
+  asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long ld_act_u64(const long long* p) {
+  unsigned long long v;
+  asm volatile("ld.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float ld_act_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void load_x(Chunk& ch, const uint4* xp, int c) {
+  ch.x0 = ld_act(xp + 8 * c);
+  ch.x1 = ld_act(xp + 8 * c + 1);
+}
+
+__device__ __forceinline__ void mma_chunk(const Chunk& ch, float (&acc)[RT][4]) {
+  const u32 xv[8] = {ch.x0.x, ch.x0.y, ch.x0.z, ch.x0.w, ch.x1.x, ch.x1.y, ch.x1.z, ch.x1.w};
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const u32 wv[4] = {ch.w[r].x, ch.w[r].y, ch.w[r].z, ch.w[r].w};
+    const u32 sg = scale2(ch.s[r], 0x0404u);   // row g
+    const u32 sg8 = scale2(ch.s[r], 0x1414u);  // row g + 8
+#pragma unroll
+    for (int st = 0; st < 4; ++st) {
+      const u32 q = wv[st];
+      const u32 m = 0x81C081C0u;
+      const u32 a0 = bmul(q & m, sg);
+      const u32 a1 = bmul((q << 3) & m, sg8);
+      const u32 a2 = bmul((q << 6) & m, sg);
+      const u32 a3 = bmul(((q << 1) & 0x80008000u) | ((q >> 4) & 0x00C000C0u) |
+                          ((q >> 5) & 0x01000100u), sg8);
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+          "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+          : "+f"(acc[r][0]), "+f"(acc[r][1]), "+f"(acc[r][2]), "+f"(acc[r][3])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(xv[2 * st]), "r"(xv[2 * st + 1]));
+    }
+  }
+}
+"""
+
+_GEMV_SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
+               const float* __restrict__ gscale, const u16* x, const u16* residual,
+               void* __restrict__ out, int N, int F) {
+  __shared__ float red[WARPS][RT][4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int ft0 = blockIdx.x * RT;
+  const int c0 = (blockIdx.y * WARPS + warp) * CPW;
+  const uint4* wp = wq + ((size_t)ft0 * KC + c0) * 32 + lane;
+  const u16* sp = sq + ((size_t)ft0 * KC + c0) * 32 + lane;
+  // B fragment column n = g: rows g >= N read row N - 1, their outputs are not stored
+  const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)min(g, N - 1) * (KC * 64)) +
+                    8 * c0 + 2 * t;
+  float out_scale;  // the global scale x 256 (exact: undoes the decode's 2^-8)
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(out_scale) : "l"(gscale) : "memory");
+  out_scale *= 256.0f;
+  float acc[RT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) { acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f; }
+  Chunk buf[PF + 1];
+#pragma unroll
+  for (int c = 0; c < PF && c < CPW; ++c) load_w_early(buf[c], wp, sp, c);  // weights only
+#if PDL
+  // x is the previous kernel's output. The wait sits in its own basic block: ptxas hoists
+  // a griddepcontrol.wait above the weight loads of the same block (seen in the SASS)
+  if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#pragma unroll
+  for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    if (c + PF < CPW) {
+      load_w(buf[(c + PF) % (PF + 1)], wp, sp, c + PF);
+      load_x(buf[(c + PF) % (PF + 1)], xp, c + PF);
+    }
+    mma_chunk(buf[c % (PF + 1)], acc);
+  }
+#if PDL
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) red[warp][r][j][lane] = acc[r][j];
+  __syncthreads();
+  // warp w finishes row tiles r = w, w + WARPS, ...
+  for (int r = warp; r < RT; r += WARPS) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) v += red[w][r][j][lane];  // fixed order
+      v *= out_scale;
+      const int row = (ft0 + r) * 16 + g + (j >> 1) * 8;
+      const int n = 2 * t + (j & 1);
+      if (n < N) {
+        const size_t o = (size_t)n * F + row;
+#if EPI == 0
+        if (gridDim.y == 1) static_cast<float*>(out)[o] = v;
+        else atomicAdd(static_cast<float*>(out) + o, v);
+#elif EPI == 1
+        static_cast<u16*>(out)[o] = to_bf16(v);
+#else
+        static_cast<u16*>(out)[o] = to_bf16(from_bf16(ld_act_u16(residual + o)) +
+                                           from_bf16(to_bf16(v)));
+#endif
+      }
+    }
+  }
+}
+"""
+
+_MOE_GATE_UP_SOURCE = r"""
+// flintc::moe_topk_gate_up for NVFP4: grid (I / 16 row tiles, 1 + N * KTOP items); item 0
+// is the shared expert for all N tokens (an N-column mma), item 1 + n * KTOP + k token
+// n's k-th routed expert (one column). The block's warps split the reduction (H) into
+// CPW-chunk slices, each computing the gate and the up tile (x read once for both); the
+// block adds the warps' sums in warp order. Routing (top-k of sigmoid(logit) + bias, ties
+// to the lower index; weights s / sum(s) * scaling) runs in the prologue of every
+// routed block for its token, and in block (0, 0) for all tokens, which writes ids and
+// weights.
+#define KTOP __KTOP__
+#define NE __NE__  // experts (a multiple of 32, at most 1024)
+
+__device__ __forceinline__ float sigmoid_rn(float v) {  // torch: 1 / (1 + exp(-v))
+  return __fdiv_rn(1.0f, 1.0f + expf(-v));
+}
+__device__ __forceinline__ long long route_key(float key, int e) {
+  int bits = __float_as_int(key + 0.0f);  // -0 -> +0
+  if (bits < 0) bits ^= 0x7FFFFFFF;  // signed-int order == float order
+  return ((long long)bits << 32) | (unsigned)(NE - 1 - e);  // equal keys: lower e wins
+}
+// token n's top-KTOP into ids[KTOP] / w[KTOP] (one warp; every lane gets the results)
+__device__ void route_token(const float* logits, const float* bias, float scaling, int lane,
+                            int* ids, float* w) {
+  long long packed[NE / 32];
+#pragma unroll
+  for (int j = 0; j < NE / 32; ++j) {
+    const int e = lane + 32 * j;
+    packed[j] = route_key(sigmoid_rn(ld_act_f32(logits + e)) + __ldg(bias + e), e);
+  }
+  const long long lowest = (long long)(-9223372036854775807LL - 1);
+  float sel[KTOP];
+#pragma unroll
+  for (int k = 0; k < KTOP; ++k) {
+    long long best = lowest;
+#pragma unroll
+    for (int j = 0; j < NE / 32; ++j) best = max(best, packed[j]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
+    const int e = NE - 1 - (int)(best & 0xFFFFFFFFll);
+#pragma unroll
+    for (int j = 0; j < NE / 32; ++j) if (lane + 32 * j == e) packed[j] = lowest;
+    ids[k] = e;
+    sel[k] = sigmoid_rn(ld_act_f32(logits + e));
+  }
+  float total = 0.f;  // a pairwise tree over 8 slots (the Triton kernel's order for top-6)
+  {
+    float v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = k < KTOP ? sel[k] : 0.f;
+#pragma unroll
+    for (int width = 4; width > 0; width >>= 1)
+#pragma unroll
+      for (int k = 0; k < width; ++k) v[k] = v[k] + v[k + width];
+    total = v[0];
+  }
+  if (!(total > 0.f)) total = 1.f;
+#pragma unroll
+  for (int k = 0; k < KTOP; ++k) w[k] = __fmul_rn(__fdiv_rn(sel[k], total), scaling);
+}
+
+__device__ __forceinline__ void load_w2(Chunk& ch, const uint4* g_wp, const u16* g_sp,
+                                        const uint4* u_wp, const u16* u_sp, int c, bool early) {
+  if (early) {
+    ch.w[0] = ld_v4(g_wp + c * 32); ch.s[0] = ld_u16(g_sp + c * 32);
+    ch.w[1] = ld_v4(u_wp + c * 32); ch.s[1] = ld_u16(u_sp + c * 32);
+  } else {
+    ch.w[0] = __ldg(g_wp + c * 32); ch.s[0] = __ldg(g_sp + c * 32);
+    ch.w[1] = __ldg(u_wp + c * 32); ch.s[1] = __ldg(u_sp + c * 32);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq,
+                      const float* __restrict__ ggs, const uint4* __restrict__ uwq,
+                      const u16* __restrict__ usq, const float* __restrict__ ugs, int gs_stride,
+                      const uint4* __restrict__ sgwq, const u16* __restrict__ sgsq,
+                      const float* __restrict__ sggs, const uint4* __restrict__ suwq,
+                      const u16* __restrict__ susq, const float* __restrict__ sugs,
+                      const u16* x, const float* logits, const float* __restrict__ bias,
+                      double scaling_d, u16* __restrict__ hout, float* __restrict__ wout,
+                      long long* __restrict__ ids_out, int N, int I) {
+  __shared__ float red[WARPS][2][4][32];
+  __shared__ int s_ids[KTOP];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int ft = blockIdx.x, FT = I >> 4;
+  const int item = blockIdx.y;
+  const int c0 = warp * CPW;
+  const float scaling = (float)scaling_d;
+  Chunk buf[PF + 1];
+  const uint4 *g_wp, *u_wp;
+  const u16 *g_sp, *u_sp;
+  float gscale, uscale;
+  if (item == 0) {  // the shared expert: its weights stream before the wait
+    g_wp = sgwq + ((size_t)ft * KC + c0) * 32 + lane;
+    g_sp = sgsq + ((size_t)ft * KC + c0) * 32 + lane;
+    u_wp = suwq + ((size_t)ft * KC + c0) * 32 + lane;
+    u_sp = susq + ((size_t)ft * KC + c0) * 32 + lane;
+#pragma unroll
+    for (int c = 0; c < PF && c < CPW; ++c) load_w2(buf[c], g_wp, g_sp, u_wp, u_sp, c, true);
+  }
+#if PDL
+  if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  int n = 0, k = 0;
+  if (item == 0) {
+    if (ft == 0 && warp < N) {  // the routing outputs, once
+      int ids[KTOP];
+      float w[KTOP];
+      route_token(logits + (size_t)warp * NE, bias, scaling, lane, ids, w);
+      if (lane < KTOP) {
+#pragma unroll
+        for (int j = 0; j < KTOP; ++j)
+          if (j == lane) { ids_out[warp * KTOP + j] = ids[j]; wout[warp * KTOP + j] = w[j]; }
+      }
+    }
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(gscale) : "l"(sggs));
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(uscale) : "l"(sugs));
+  } else {
+    n = (item - 1) / KTOP;
+    k = (item - 1) % KTOP;
+    if (warp == 0) {
+      int ids[KTOP];
+      float w[KTOP];
+      route_token(logits + (size_t)n * NE, bias, scaling, lane, ids, w);
+      if (lane == 0) {
+#pragma unroll
+        for (int j = 0; j < KTOP; ++j) s_ids[j] = ids[j];
+      }
+    }
+    __syncthreads();
+    const long long e = s_ids[k];
+    g_wp = gwq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
+    g_sp = gsq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
+    u_wp = uwq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
+    u_sp = usq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
+#pragma unroll
+    for (int c = 0; c < PF && c < CPW; ++c) load_w2(buf[c], g_wp, g_sp, u_wp, u_sp, c, false);
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(gscale) : "l"(ggs + e * gs_stride));
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(uscale) : "l"(ugs + e * gs_stride));
+  }
+  const int H = KC * 64;
+  const u16* xrow = x + (size_t)(item == 0 ? min(g, N - 1) : n) * H;
+  const uint4* xp = reinterpret_cast<const uint4*>(xrow) + 8 * c0 + 2 * t;
+#pragma unroll
+  for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    if (c + PF < CPW) {
+      load_w2(buf[(c + PF) % (PF + 1)], g_wp, g_sp, u_wp, u_sp, c + PF, false);
+      load_x(buf[(c + PF) % (PF + 1)], xp, c + PF);
+    }
+    mma_chunk(buf[c % (PF + 1)], acc);
+  }
+#if PDL
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) red[warp][r][j][lane] = acc[r][j];
+  __syncthreads();
+  if (warp == 0) {
+    const int slots = KTOP + 1;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int col = 2 * t + (j & 1);
+      if (item == 0 ? col >= N : col != 0) continue;
+      float vg = 0.f, vu = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) { vg += red[w][0][j][lane]; vu += red[w][1][j][lane]; }
+      const float gv = from_bf16(to_bf16(vg * (gscale * 256.0f)));  // g, u rounded to bf16
+      const float uv = from_bf16(to_bf16(vu * (uscale * 256.0f)));
+      const float hv = gv * sigmoid_rn(gv) * uv;  // silu(g) * u in fp32, one rounding
+      const int row = ft * 16 + g + (j >> 1) * 8;
+      const size_t o = item == 0 ? ((size_t)col * slots + KTOP) * I + row
+                                 : ((size_t)n * slots + k) * I + row;
+      hout[o] = to_bf16(hv);
+    }
+  }
+}
+"""
+
+
+_MOE_DOWN_SOURCE = r"""
+// flintc::moe_down_combine_residual for NVFP4: block = 16 rows of H, warps take the work
+// items in turn (item 0: the shared expert for all N tokens, an N-column mma; item
+// 1 + n * KTOP + k: token n's k-th routed expert, one column), each over the whole
+// reduction (KC chunks); then the block combines its 16 rows in the reference's order.
+#define KTOP __KTOP__
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
+                   const float* __restrict__ gs, int gs_stride,
+                   const uint4* __restrict__ swq, const u16* __restrict__ ssq,
+                   const float* __restrict__ sgs, const u16* h, const long long* ids,
+                   const float* wts, const u16* residual, u16* __restrict__ out,
+                   int N, int H) {
+  __shared__ float ys[8][KTOP + 1][16];  // bf16-rounded expert outputs of the 16 rows
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int ft = blockIdx.x, FT = H >> 4;
+  const int items = 1 + N * KTOP;
+  const int I = KC * 64;
+  Chunk buf[PF + 1];
+  bool first = true;
+  for (int item = warp; item < items; item += WARPS) {
+    const uint4* wp;
+    const u16* sp;
+    const u16* xrow;
+    float scale;
+    if (item == 0) {  // the shared expert: column n = token n (rows g >= N repeat N - 1)
+      wp = swq + (size_t)ft * KC * 32 + lane;
+      sp = ssq + (size_t)ft * KC * 32 + lane;
+      if (first) {  // weights only before the wait (PDL)
+#pragma unroll
+        for (int c = 0; c < PF && c < KC; ++c) load_w_early(buf[c], wp, sp, c);
+      }
+      xrow = h + ((size_t)min(g, N - 1) * (KTOP + 1) + KTOP) * I;
+    } else {
+      const int p = item - 1, n = p / KTOP;
+      if (first) {
+#if PDL
+        if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+      }
+      const long long e = (long long)ld_act_u64(ids + p);
+      wp = wq + ((size_t)e * FT + ft) * KC * 32 + lane;
+      sp = sq + ((size_t)e * FT + ft) * KC * 32 + lane;
+      xrow = h + (size_t)(n * (KTOP + 1) + p % KTOP) * I;  // every column: token n
+#pragma unroll
+      for (int c = 0; c < PF && c < KC; ++c) load_w(buf[c], wp, sp, c);
+      scale = 0.f;
+      asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(scale) : "l"(gs + e * gs_stride));
+    }
+    if (item == 0) {
+#if PDL
+      if (first && N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+      asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(scale) : "l"(sgs));
+    }
+    first = false;
+    const uint4* xp = reinterpret_cast<const uint4*>(xrow) + 2 * t;
+#pragma unroll
+    for (int c = 0; c < PF && c < KC; ++c) load_x(buf[c], xp, c);
+    float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      if (c + PF < KC) {
+        load_w(buf[(c + PF) % (PF + 1)], wp, sp, c + PF);
+        load_x(buf[(c + PF) % (PF + 1)], xp, c + PF);
+      }
+      mma_chunk(buf[c % (PF + 1)], acc);
+    }
+    scale *= 256.0f;  // exact: undoes the decode's 2^-8
+    if (item == 0) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n = 2 * t + (j & 1);
+        if (n < N) ys[n][KTOP][g + (j >> 1) * 8] = from_bf16(to_bf16(acc[0][j] * scale));
+      }
+    } else if (t == 0) {  // column 0 (all columns hold the same token)
+      const int p = item - 1;
+      ys[p / KTOP][p % KTOP][g] = from_bf16(to_bf16(acc[0][0] * scale));
+      ys[p / KTOP][p % KTOP][g + 8] = from_bf16(to_bf16(acc[0][2] * scale));
+    }
+  }
+#if PDL
+  if (warp >= items && N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  __syncthreads();
+  // combine, as flintc.model.ops.expert_combine: sum_k (w_k * y_k) in k order (separate
+  // fp32 multiply and add), plus the shared expert, one rounding; then the residual add
+  for (int i = threadIdx.x; i < N * 16; i += WARPS * 32) {
+    const int n = i >> 4, row = i & 15;
+    float m = 0.f;
+#pragma unroll
+    for (int k = 0; k < KTOP; ++k)
+      m = __fadd_rn(m, __fmul_rn(ld_act_f32(wts + n * KTOP + k), ys[n][k][row]));
+    m = __fadd_rn(m, ys[n][KTOP][row]);
+    const size_t o = (size_t)n * H + ft * 16 + row;
+    out[o] = to_bf16(from_bf16(ld_act_u16(residual + o)) + from_bf16(to_bf16(m)));
+  }
+}
+"""
+
+
+_KERNELS: dict[tuple, object] = {}  # compiled variants, by _kernel's arguments
+
+
+def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epilogue: int,
+            pdl: bool, moe_top_k: int = 0, experts: int = 0):
+    """The compiled variant (NVRTC through `torch.cuda._compile_kernel`, about a second
+    the first time; cached for the process)."""
+    key = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
+        if compile_kernel is None:
+            raise RuntimeError("nvfp4_mma needs torch.cuda._compile_kernel (torch >= 2.8 "
+                               f"with CUDA); this torch is {torch.__version__}")
+        name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
+            else "nvfp4_mma_gemv"
+        kernel = _KERNELS[key] = compile_kernel(kernel_source(*key), name)
+    return kernel
+
+
+def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int,
+                  epilogue: int = EPI_FP32, pdl: bool = False, moe_top_k: int = 0,
+                  experts: int = 0) -> str:
+    """The CUDA source of one kernel variant (every argument is compiled in): the GEMV
+    (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
+    row_tiles 1, splits 1, k the expert width), or with experts > 0 too the MoE gate/up
+    kernel (`nvfp4_mma_moe_gate_up`, row_tiles 2: gate and up, k = H)."""
+    chunks = k // 64
+    subs = {"__RT__": row_tiles, "__KC__": chunks, "__CPW__": chunks // (warps * splits),
+            "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
+            "__KTOP__": moe_top_k, "__NE__": experts}
+    body = (_MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) if moe_top_k else _GEMV_SOURCE
+    src = _COMMON + body
+    for key, value in subs.items():
+        src = src.replace(key, str(int(value)))
+    return src
+
+
+# -- launching ------------------------------------------------------------------------
+
+class _LaunchAttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic", ctypes.c_int)]
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute (cuda.h)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _launch(kernel, grid: tuple[int, int], threads: int, args: list, use_pdl: bool) -> None:
+    """cuLaunchKernelEx of an NVRTC kernel on the current stream; with `use_pdl` the launch
+    may overlap the previous kernel (programmatic stream serialization: the kernel's
+    `griddepcontrol.wait` then orders its reads). Tensors pass as pointers, ints as int,
+    floats as double."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    keep, ptrs = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            c = ctypes.c_void_p(a.data_ptr())
+        elif isinstance(a, float):
+            c = ctypes.c_double(a)
+        else:
+            c = ctypes.c_int(a)
+        keep.append(c)
+        ptrs.append(ctypes.cast(ctypes.byref(c), ctypes.c_void_p))
+    params = (ctypes.c_void_p * len(ptrs))(*ptrs)
+    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.programmatic = 1
+    cfg = _LaunchConfig()
+    cfg.grid[:] = (grid[0], grid[1], 1)
+    cfg.block[:] = (threads, 1, 1)
+    cfg.shared_mem = 0
+    cfg.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    cfg.attrs = ctypes.pointer(attr) if use_pdl else None
+    cfg.num_attrs = 1 if use_pdl else 0
+    err = lib.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
+    if err != 0:
+        raise RuntimeError(f"nvfp4_mma: cuLaunchKernelEx failed with CUDA error {err}")
+
+
+def enabled_from_env() -> bool:
+    """FLINTC_NVFP4_MMA: "1" or unset (default) uses the CUDA kernels where they apply,
+    "0" keeps every NVFP4 decode kernel on Triton (and skips the load-time repack).
+
+    Raises:
+        TuningEnvError (a ValueError): any other value.
+    """
+    value = os.environ.get("FLINTC_NVFP4_MMA", "1").strip() or "1"
+    if value not in ("0", "1"):
+        from flintc.kernels.tuning import TuningEnvError
+
+        raise TuningEnvError(f"FLINTC_NVFP4_MMA must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
+def available(device: torch.device) -> bool:
+    """Whether the CUDA path can run on `device`: a CUDA device of compute capability 9.0
+    or newer (`mul.rn.bf16x2`, `griddepcontrol`), torch with `torch.cuda._compile_kernel`,
+    FLINTC_NVFP4_MMA not 0 (`enabled_from_env`, which raises on a bad value), and `prepack`
+    not declined on it for lack of memory."""
+    if not enabled_from_env():
+        return False
+    if device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    if str(device) in _DECLINED or (device.index is None and
+                                    f"cuda:{torch.cuda.current_device()}" in _DECLINED):
+        return False  # prepack found no room for the repacked weights
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def warps_for(k: int) -> int:
+    """Warps per block (each a K slice) for reduction length k: the largest of 16, 14, 8,
+    4, 2, 1 dividing k / 64 (measured best at the model's shapes, docs/gpu-runs.md
+    session 12: K = 4096 and 2048 with 16, 3584 with 14)."""
+    return next(w for w in (16, 14, 8, 4, 2, 1) if (k // 64) % w == 0)
+
+
+def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.Tensor,
+             out: torch.Tensor, *, row_tiles: int = 1, splits: int = 1, prefetch: int = 2,
+             warps: int | None = None, residual: torch.Tensor | None = None,
+             use_pdl: bool = False) -> torch.Tensor:
+    """`x @ W^T * global_scale` for decode batches, W NVFP4 in the mma layout (CUDA only).
+
+    Args:
+        x: bf16 [N, K], contiguous, N in 1..8.
+        wq, sq: `pack_mma_layout` of W [F, K] (K a multiple of 64).
+        gscale: fp32 tensor of one element on x's device: the global scale (read by the
+            kernel, so no host sync).
+        out: contiguous [N, F]: fp32 (the raw product; with splits > 1 it must hold
+            zeros, the split-K blocks add into it atomically) or bf16 (one rounding;
+            splits must be 1).
+        row_tiles: 16-row tiles per block (F / 16 must be a multiple).
+        splits: split-K factor: grid (F / (16 row_tiles), splits).
+        prefetch: chunks (64 K) each warp loads ahead of the one it computes (a hint:
+            ptxas schedules the loads).
+        warps: warps per block, each a K / (warps * splits) slice (a whole number of
+            chunks); the block adds the warps' sums in shared memory in warp order.
+            None: `warps_for(K / splits)`.
+        residual: bf16 [N, F] contiguous, only with a bf16 out:
+            `out = bf16(residual + bf16(x @ W^T * global_scale))`.
+        use_pdl: launch with programmatic dependent launch (the first weights are loaded
+            before the kernel's `griddepcontrol.wait`, x and residual after).
+
+    Returns `out`. Raises ValueError for a shape, dtype or split that does not fit;
+    RuntimeError without CUDA or torch.cuda._compile_kernel, or when the launch fails.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x: expected a bf16 tensor [N, K], got {type(x).__name__}")
+    N, K = x.shape
+    FT, KC = wq.shape[0], wq.shape[1]
+    F = FT * 16
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= N <= 8:
+        raise ValueError(f"x: expected contiguous bf16 [N <= 8, K], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if K != KC * 64 or tuple(wq.shape) != (FT, KC, 32, 4) or wq.dtype != torch.int32:
+        raise ValueError(f"wq: expected int32 [F/16, K/64, 32, 4] with K = {K}, got "
+                         f"{wq.dtype} {tuple(wq.shape)}")
+    if tuple(sq.shape) != (FT, KC, 32, 2) or sq.dtype != torch.uint8:
+        raise ValueError(f"sq: expected uint8 [{FT}, {KC}, 32, 2], got {sq.dtype} "
+                         f"{tuple(sq.shape)}")
+    if not isinstance(gscale, torch.Tensor) or gscale.dtype != torch.float32 \
+            or gscale.numel() != 1 or gscale.device != x.device:
+        raise ValueError(f"gscale: expected an fp32 tensor of one element on {x.device}")
+    if tuple(out.shape) != (N, F) or out.dtype not in (torch.float32, torch.bfloat16) \
+            or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous fp32 or bf16 [{N}, {F}], got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    if out.dtype == torch.bfloat16:
+        if splits != 1:
+            raise ValueError("splits: a bf16 out needs splits == 1")
+        epi = EPI_BF16 if residual is None else EPI_RESIDUAL
+    else:
+        if residual is not None:
+            raise ValueError("residual: needs a bf16 out")
+        epi = EPI_FP32
+    if residual is not None and (residual.dtype != torch.bfloat16 or tuple(residual.shape)
+                                 != (N, F) or not residual.is_contiguous()):
+        raise ValueError(f"residual: expected contiguous bf16 [{N}, {F}], got "
+                         f"{residual.dtype} {tuple(residual.shape)}")
+    warps = warps or warps_for(K // splits)
+    if FT % row_tiles or KC % (warps * splits):
+        raise ValueError(f"row_tiles={row_tiles}, warps={warps}, splits={splits} do not "
+                         f"divide F/16={FT} and K/64={KC}")
+    if x.device.type != "cuda":
+        raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
+    kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl))
+    _launch(kernel, (FT // row_tiles, splits), 32 * warps,
+            [wq, sq, gscale, x, residual if residual is not None else x, out, N, F],
+            bool(use_pdl))
+    return out
+
+
+def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: list,
+             shared_down: list, residual: torch.Tensor, *, warps: int = 32, prefetch: int = 2,
+             use_pdl: bool = False) -> torch.Tensor:
+    """`flintc::moe_down_combine_residual` for NVFP4 experts on the CUDA mma kernel:
+    `bf16(residual + bf16(sum_k w_k * bf16(y_k) + bf16(y_shared)))`, y_k = token n's k-th
+    routed expert's down GEMV, y_shared the shared expert's (reference:
+    `flintc.ops.grouped.moe_down_combine_residual`; the sum over k in k order, each
+    `w_k * y_k` a separate fp32 multiply, as `flintc.kernels.moe`'s Triton kernel).
+
+    Args:
+        h: bf16 [N, K + 1, I] contiguous (the shared expert's input last), N <= 8.
+        ids: int64 [N, K] contiguous (expert indices < E; not checked on the device).
+        weights: fp32 [N, K] contiguous (routing weights).
+        down: NVFP4 `[codes [E, H, I/2], scales [E, H, I/16], global_scale [E] or []]`.
+        shared_down: NVFP4 `[codes [H, I/2], scales [H, I/16], global_scale []]`.
+        residual: bf16 [N, H] contiguous.
+        warps, prefetch: the kernel's warps per block (each takes work items in turn:
+            the shared expert, then one per (token, slot)) and chunks loaded ahead.
+        use_pdl: programmatic dependent launch (the shared expert's first weights load
+            before `griddepcontrol.wait`; routed experts need the ids).
+
+    Returns bf16 [N, H]. The weights are repacked at their first use (`packed_weight`).
+    Raises ValueError for shapes that do not fit (I % 64, H % 16, N > 8, top-k > 16);
+    RuntimeError as `mma_gemv`.
+    """
+    N, slots, I = h.shape
+    K = ids.shape[1]
+    codes, scales, gs = down
+    scodes, sscales, sgs = shared_down
+    H = codes.shape[1]
+    if not 1 <= N <= 8 or slots != K + 1 or I % 64 or H % 16 or not 1 <= K <= 16:
+        raise ValueError(f"moe_down: needs N <= 8, h [N, K + 1, I] with I % 64 == 0, "
+                         f"H % 16 == 0, K <= 16; got h {tuple(h.shape)}, K = {K}, H = {H}")
+    for name, t, dt in (("h", h, torch.bfloat16), ("ids", ids, torch.int64),
+                        ("weights", weights, torch.float32), ("residual", residual,
+                                                               torch.bfloat16)):
+        if t.dtype != dt or not t.is_contiguous() or t.device != h.device:
+            raise ValueError(f"moe_down: {name} must be a contiguous {dt} tensor on {h.device}")
+    if tuple(residual.shape) != (N, H):
+        raise ValueError(f"moe_down: residual must be [{N}, {H}], got {tuple(residual.shape)}")
+    if h.device.type != "cuda":
+        raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {h.device}")
+    wq, sq = packed_weight(codes, scales)
+    swq, ssq = packed_weight(scodes, sscales)
+    out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
+    kernel = _kernel(1, I, 1, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K)
+    _launch(kernel, (H // 16, 1), 32 * warps,
+            [wq, sq, gs, 1 if gs.numel() > 1 else 0, swq, ssq, sgs, h, ids, weights,
+             residual, out, N, H], bool(use_pdl))
+    return out
+
+
+def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, gate: list,
+                     up: list, shared_gate: list, shared_up: list, top_k: int, scaling: float,
+                     *, warps: int | None = None, prefetch: int = 2, use_pdl: bool = False):
+    """`flintc::moe_topk_gate_up` for NVFP4 experts on the CUDA mma kernel (reference:
+    `flintc.ops.grouped.moe_topk_gate_up`): top-k routing (`flintc.model.ops.select_topk`:
+    scores = sigmoid(logits), top-k of scores + bias with ties to the lower index,
+    weights = scores / sum * scaling, the sum a pairwise tree over 8 slots as in
+    `flintc.kernels.moe`), then each selected and the shared expert's gate and up GEMVs,
+    g and u rounded to bf16, `bf16(silu(g) * u)`.
+
+    Args:
+        x: bf16 [N, H] contiguous (the normed activations), N <= 8.
+        logits: fp32 [N, E] contiguous; bias: fp32 [E].
+        gate, up: NVFP4 stacks `[codes [E, I, H/2], scales [E, I, H/16], global_scale [E]
+            or []]` (the same global-scale shape); shared_gate, shared_up: NVFP4 [I, H].
+        top_k: experts per token (<= 8); scaling: the routing weights' factor.
+        warps, prefetch: warps per block (each an H / (64 warps)-chunk slice) and chunks
+            loaded ahead. warps None: 16 for N <= 2, else 8 (measured best at N = 1 and 8,
+            docs/gpu-runs.md session 12).
+        use_pdl: programmatic dependent launch (the shared expert's first weights load
+            before `griddepcontrol.wait`).
+
+    Returns (h bf16 [N, top_k + 1, I] (the shared expert last), weights fp32 [N, top_k],
+    ids int64 [N, top_k]). Raises ValueError for shapes that do not fit (E % 32, E >
+    1024, top_k > 8, H % (64 warps), I % 16, N > 8); RuntimeError as `mma_gemv`.
+    """
+    N, H = x.shape
+    warps = warps or (16 if N <= 2 else 8)
+    E = logits.shape[1] if logits.dim() == 2 else -1
+    codes = gate[0]
+    I = codes.shape[1]
+    if not 1 <= N <= 8 or E % 32 or not 32 <= E <= 1024 or not 1 <= top_k <= 8 \
+            or H % (64 * warps) or I % 16 or codes.shape[0] != E:
+        raise ValueError(f"moe_topk_gate_up: needs N <= 8, E % 32 == 0 and E <= 1024, "
+                         f"top_k <= 8, H % {64 * warps} == 0, I % 16 == 0; got x "
+                         f"{tuple(x.shape)}, logits {tuple(logits.shape)}, gate codes "
+                         f"{tuple(codes.shape)}, top_k {top_k}")
+    for name, t, dt in (("x", x, torch.bfloat16), ("logits", logits, torch.float32),
+                        ("bias", bias, torch.float32)):
+        if t.dtype != dt or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(f"moe_topk_gate_up: {name} must be a contiguous {dt} tensor on "
+                             f"{x.device}")
+    if gate[2].numel() != up[2].numel():
+        raise ValueError("moe_topk_gate_up: gate and up need global scales of one shape")
+    if x.device.type != "cuda":
+        raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
+    gwq, gsq = packed_weight(gate[0], gate[1])
+    uwq, usq = packed_weight(up[0], up[1])
+    sgwq, sgsq = packed_weight(shared_gate[0], shared_gate[1])
+    suwq, susq = packed_weight(shared_up[0], shared_up[1])
+    h = torch.empty((N, top_k + 1, I), dtype=torch.bfloat16, device=x.device)
+    wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
+    kernel = _kernel(2, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E)
+    _launch(kernel, (I // 16, 1 + N * top_k), 32 * warps,
+            [gwq, gsq, gate[2], uwq, usq, up[2], 1 if gate[2].numel() > 1 else 0,
+             sgwq, sgsq, shared_gate[2], suwq, susq, shared_up[2], x, logits, bias,
+             float(scaling), h, wts, ids, N, I], bool(use_pdl))
+    return h, wts, ids
+
+
+_PACKED: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+# The weights the CUDA kernels read in the decode schedule (canonical names,
+# flintc.model.weights): gemv_residual's (O projection, dense down projection),
+# moe_topk_gate_up's and moe_down_combine_residual's (stacked routed and shared experts).
+PREPACK_SUFFIXES = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+                    "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
+                    "mlp.experts.down_proj.weight", "mlp.shared_experts.gate_proj.weight",
+                    "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
+
+
+def _key(codes: torch.Tensor, scales: torch.Tensor) -> tuple:
+    return (codes.data_ptr(), scales.data_ptr(), tuple(codes.shape), str(codes.device))
+
+
+def packed_weight(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mma layout of one NVFP4 weight (codes [F, K/2] or stacked [E, F, K/2], scales
+    to match; a stack packs as its E * F rows, expert e's row tiles at e * F / 16).
+
+    Repacked at load time by `prepack` (which `flintc.checkpoint.loader.load_checkpoint`
+    runs on CUDA devices), otherwise at its first use, and cached for the process (keyed
+    by the tensors' storage; the cache keeps them alive, so no other tensor can take the
+    key). A first use during CUDA-graph capture raises RuntimeError (the callers then run
+    their Triton kernel). Extra device memory: the weight's bytes again."""
+    key = _key(codes, scales)
+    hit = _PACKED.get(key)
+    if hit is None:
+        if codes.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("nvfp4_mma: a weight was first seen during CUDA-graph capture")
+        wq, sq = pack_mma_layout(codes.reshape(-1, codes.shape[-1]),
+                                 scales.reshape(-1, scales.shape[-1]))
+        hit = _PACKED[key] = (wq, sq, codes, scales)
+    return hit[0], hit[1]
+
+
+PREPACK_RESERVE = 0.25  # share of the device's memory that must stay free after prepack
+_DECLINED: set[str] = set()  # devices where prepack declined for lack of memory
+
+
+def prepack(weights: dict) -> int:
+    """Repack, now, the NVFP4 weights of `weights` (canonical name -> weight) that the
+    CUDA decode kernels read (`PREPACK_SUFFIXES`), when `available` on their device: at
+    load time, so the extra memory is taken before the KV caches are sized and no repack
+    runs during the first decode step. -> bytes added (0 when nothing applies).
+
+    The copies cost the weights' bytes again (about 20 GiB for the full model). When they
+    would leave less than PREPACK_RESERVE of the device's memory free, nothing is
+    repacked, a warning says so, and `available` is False on that device from then on
+    (every NVFP4 kernel stays on Triton: same results, slower), so a model that fits
+    without the copies still loads."""
+    from flintc.quant.nvfp4 import NVFP4Tensor
+
+    todo = []
+    for name, w in weights.items():
+        if not (isinstance(w, NVFP4Tensor) and name.endswith(PREPACK_SUFFIXES)):
+            continue
+        if not available(w.codes.device) or w.codes.shape[-1] % 32 or w.codes.shape[-2] % 16:
+            continue
+        if _key(w.codes, w.scales) not in _PACKED:
+            todo.append(w)
+    need = sum(w.codes.numel() + w.scales.numel() for w in todo)
+    if todo and todo[0].codes.is_cuda:
+        dev = todo[0].codes.device
+        free, total = torch.cuda.mem_get_info(dev)
+        if free - need < PREPACK_RESERVE * total:
+            import warnings
+
+            _DECLINED.add(str(dev))
+            warnings.warn(f"flintc: NVFP4 kernels stay on Triton on {dev}: their repacked "
+                          f"weights ({need / 2**30:.1f} GiB) would leave less than "
+                          f"{PREPACK_RESERVE:.0%} of the device's memory free "
+                          f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)",
+                          stacklevel=2)
+            return 0
+    for w in todo:
+        packed_weight(w.codes, w.scales)
+    return need

@@ -1,0 +1,270 @@
+"""The CUDA `mma.sync` NVFP4 GEMV (`flintc.kernels.nvfp4_mma`) against the Triton NVFP4
+kernels, on the GPU: correctness, then time and share of copy bandwidth
+(docs/gpu-runs.md, session 12).
+
+    python scripts/gpu_nvfp4_mma.py      # on a GPU; env CASES, OPS, NS
+
+CASES: "F,K,row_tiles,splits,warps ..." raw kernel variants, fp32 out (warps 0: the
+`warps_for` rule); default: the 16384 x 2048 matrix of the register-decode runs (an
+asymptote), and the model's shapes. Each row: us per call by CUDA-graph replay with the
+weights rotated through copies larger than the L2 (so they come from DRAM), % of the
+copy bandwidth measured in the same run (bytes = codes + scales), the largest
+|difference| to the fp64 reference relative to its largest |value|; with splits > 1 the
+call includes zeroing `out` (the split-K blocks add into it). "triton flat" rows: the
+flat swapped Triton loop of the model's kernels (`scripts/gpu_register_decode.py`, f64
+k256 w4 st3) at 16384 x 2048.
+
+OPS: "F,K ..." shapes for the model's op `gemv_residual` (O projection 2048 x 4096,
+dense down 2048 x 10240) with PDL, once on the CUDA kernel and once with
+FLINTC_NVFP4_MMA=0 (the Triton kernel and TUNED config the model ran before), same
+weights, inputs and timing. NS: batches (default "1,8").
+"""
+
+import ctypes
+import itertools
+import os
+import sys
+
+import torch
+import triton
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(_ROOT, "scripts"))
+from common import copy_bandwidth_gbs, time_graph
+from gpu_register_decode import nvfp4_gemv_kernel
+
+from flintc.kernels import fused_gemv, nvfp4_mma
+from flintc.quant.nvfp4 import dequantize_packed
+
+_DEFAULT_CASES = ("16384,2048,2,1,8 16384,2048,1,1,16 16384,2048,4,1,8 65536,2048,2,1,8 "
+                  "2048,4096,1,1,16 2048,4096,1,2,16 4096,2048,1,1,16 5120,2048,1,1,16 "
+                  "7168,2048,1,1,8 2048,3584,1,1,14 2048,10240,1,1,16")
+_DEFAULT_OPS = "2048,4096 2048,10240"
+
+
+def _func_attr(kernel, attr: int) -> int:
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    value = ctypes.c_int()
+    lib.cuFuncGetAttribute(ctypes.byref(value), attr, kernel.func)
+    return value.value
+
+
+class _Mats:
+    """Copies of one random NVFP4 matrix shape, together larger than the L2."""
+
+    def __init__(self, F: int, K: int, gen: torch.Generator):
+        self.copies = max(2, int(200e6 // (F * K * 0.5625)))
+        raw = torch.randint(0, 127, (F, K // 16), dtype=torch.uint8, device="cuda",
+                            generator=gen)  # every E4M3 value >= 0, subnormals and 0
+        self.codes = [torch.randint(0, 256, (F, K // 2), dtype=torch.uint8, device="cuda",
+                                    generator=gen) for _ in range(self.copies)]
+        self.scales = [raw.roll(i, 0).view(torch.float8_e4m3fn) for i in range(self.copies)]
+        self.gs = torch.tensor(0.0125, device="cuda")
+        self.packed = [nvfp4_mma.pack_mma_layout(c, s) for c, s in zip(self.codes, self.scales)]
+        self.nbytes = F * K // 2 + F * K // 16
+        self.ref_w = dequantize_packed(self.codes[0], self.scales[0], self.gs, torch.float64)
+
+
+def _timed(fn, copies: int) -> float:
+    turn = itertools.count()
+    return 1e6 * time_graph(lambda: fn(next(turn) % copies), calls_per_replay=2 * copies)
+
+
+def _moe_down_rows(batches, gen, row) -> None:
+    """`moe_down_combine_residual` (E = 256, H = 2048, I = 512, top-6 + shared), CUDA
+    against Triton (FLINTC_NVFP4_MMA=0); 64 random id sets rotate so the experts come
+    from DRAM; bytes = the distinct experts' (and the shared expert's) codes + scales."""
+    from flintc.kernels import moe
+
+    E, H, I, K = 256, 2048, 512, 6
+
+    def stack(lead):
+        codes = torch.randint(0, 256, (*lead, H, I // 2), dtype=torch.uint8, device="cuda",
+                              generator=gen)
+        scales = torch.randint(1, 0x40, (*lead, H, I // 16), dtype=torch.uint8, device="cuda",
+                               generator=gen).view(torch.float8_e4m3fn)
+        return [codes, scales, torch.full(lead, 0.0125, device="cuda")]
+
+    down, sd = stack((E,)), stack(())
+    per_expert = H * I // 2 + H * I // 16
+    for N in batches:
+        sets = 64
+        ids = [torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K]
+                            for _ in range(N)]) for _ in range(sets)]
+        distinct = sum(len(torch.unique(i)) for i in ids) / sets
+        h = torch.randn(N, K + 1, I, device="cuda", generator=gen).to(torch.bfloat16)
+        wts = torch.rand(N, K, device="cuda", generator=gen)
+        res = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = None
+        variants = [(f"moe_down w{w} pf{pf}", w, pf) for w, pf in
+                    (tuple(int(v) for v in c.split(",")) for c in
+                     os.environ.get("MOE_DOWN_CFGS", "8,3 16,2 32,2").split())]
+        variants += [("op moe_down_combine_residual, cuda", 0, 0),
+                     ("op moe_down_combine_residual, triton (TUNED)", -1, 0)]
+        for label, warps, pf in variants:
+            os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
+
+            def op(i, ids=ids, h=h, wts=wts, res=res, warps=warps, pf=pf):
+                if warps > 0:
+                    return nvfp4_mma.moe_down(h, ids[i], wts, down, sd, res, warps=warps,
+                                              prefetch=pf, use_pdl=True)
+                return moe.moe_down_combine_residual(h, ids[i], wts, down, sd, res,
+                                                     use_pdl=True)
+
+            y = op(0)
+            torch.cuda.synchronize()
+            ref = y if ref is None else ref
+            diff = ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+            row(2048, f"{I} x{distinct:.1f}+1", N, label, _timed(op, sets), diff,
+                (distinct + 1) * per_expert)
+
+
+def _moe_gate_up_rows(batches, gen, row) -> None:
+    """`moe_topk_gate_up` (E = 256, H = 2048, I = 512, top-6 + shared), CUDA (variants
+    MOE_GATE_UP_CFGS "warps,prefetch ...", then the op's default) against Triton; 64
+    random logit sets rotate; bytes = the distinct experts' gate and up codes + scales."""
+    from flintc.kernels import moe
+
+    E, H, I, K = 256, 2048, 512, 6
+
+    def stack(lead):
+        codes = torch.randint(0, 256, (*lead, I, H // 2), dtype=torch.uint8, device="cuda",
+                              generator=gen)
+        scales = torch.randint(1, 0x40, (*lead, I, H // 16), dtype=torch.uint8, device="cuda",
+                               generator=gen).view(torch.float8_e4m3fn)
+        return [codes, scales, torch.full(lead, 0.0125, device="cuda")]
+
+    gate, up, sg, su = stack((E,)), stack((E,)), stack(()), stack(())
+    bias = torch.randn(E, device="cuda", generator=gen) * 0.05
+    per_expert = 2 * (I * H // 2 + I * H // 16)
+    for N in batches:
+        sets = 64
+        logits = [torch.randn(N, E, device="cuda", generator=gen) for _ in range(sets)]
+        x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+        distinct = sum(len(torch.unique(torch.topk(torch.sigmoid(lg) + bias, K).indices))
+                       for lg in logits) / sets
+        variants = [(f"moe_gate_up w{w} pf{pf}", w, pf) for w, pf in
+                    (tuple(int(v) for v in c.split(",")) for c in
+                     os.environ.get("MOE_GATE_UP_CFGS", "16,2 8,2 32,1").split())]
+        variants += [("op moe_topk_gate_up, cuda", 0, 0),
+                     ("op moe_topk_gate_up, triton (TUNED)", -1, 0)]
+        ref = None
+        for label, warps, pf in variants:
+            os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
+
+            def op(i, logits=logits, x=x, warps=warps, pf=pf):
+                if warps > 0:
+                    return nvfp4_mma.moe_topk_gate_up(x, logits[i], bias, gate, up, sg, su, K,
+                                                      2.5, warps=warps, prefetch=pf,
+                                                      use_pdl=True)[0]
+                return moe.moe_topk_gate_up(x, logits[i], bias, gate, up, sg, su, K, 2.5,
+                                            use_pdl=True)[0]
+
+            try:
+                y = op(0)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (a variant that does not fit)
+                print(f"{label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
+            ref = y if ref is None else ref
+            diff = ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+            row(f"{2 * I}", f"{H} x{distinct:.1f}+1", N, label, _timed(op, sets), diff,
+                (distinct + 1) * per_expert)
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_nvfp4_mma.py needs a CUDA GPU")
+    cases = [tuple(int(v) for v in c.split(",")) for c in
+             os.environ.get("CASES", _DEFAULT_CASES).split()]
+    ops = [tuple(int(v) for v in c.split(",")) for c in
+           os.environ.get("OPS", _DEFAULT_OPS).split()]
+    batches = [int(v) for v in os.environ.get("NS", "1,8").split(",")]
+    copy_bw = copy_bandwidth_gbs() * 1e9
+    print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s\n", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    mats: dict[tuple[int, int], _Mats] = {}
+    rows = []
+
+    def row(F, K, N, name, us, diff, nbytes):
+        rows.append(f"| {F}x{K} | {N} | {name} | {us:.2f} | "
+                    f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% | {diff:.1e} |")
+        print(rows[-1], flush=True)
+
+    for F, K, rt, splits, warps in cases:
+        m = mats.setdefault((F, K), _Mats(F, K, gen))
+        for N in batches:
+            x = torch.randn(N, K, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = x.double() @ m.ref_w.T
+            out = torch.zeros(N, F, device="cuda")
+            name = f"cuda rt{rt} s{splits} w{warps or nvfp4_mma.warps_for(K // splits)}"
+
+            def run(i, x=x, out=out, rt=rt, splits=splits, warps=warps, m=m):
+                if splits > 1:
+                    out.zero_()
+                nvfp4_mma.mma_gemv(x, *m.packed[i], m.gs, out, row_tiles=rt, splits=splits,
+                                   warps=warps or None, use_pdl=True)
+
+            try:
+                run(0)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001  (report and go on)
+                rows.append(f"| {F}x{K} | {N} | {name} | failed: {type(e).__name__}: "
+                            f"{str(e)[:80]} | | |")
+                print(rows[-1], flush=True)
+                continue
+            diff = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+            row(F, K, N, name, _timed(run, m.copies), diff, m.nbytes)
+            if (F, K) == (16384, 2048) and rt == 2:
+                tout = torch.empty(N, F, device="cuda")
+
+                def trun(i, x=x, tout=tout, N=N, F=F, K=K, m=m):
+                    nvfp4_gemv_kernel[(triton.cdiv(F, 64),)](
+                        m.codes[i], m.scales[i], x, tout, N, F, K, BLOCK_N=16, BLOCK_F=64,
+                        BLOCK_K=256, REG_DECODE=False, num_warps=4, num_stages=3)
+
+                trun(0)
+                torch.cuda.synchronize()
+                tdiff = ((tout.double() * 0.0125 - ref).abs().max() / ref.abs().max()).item()
+                row(F, K, N, "triton flat f64 k256 w4 st3", _timed(trun, m.copies), tdiff,
+                    m.nbytes)
+
+    for F, K in ops:
+        m = mats.setdefault((F, K), _Mats(F, K, gen))
+        ws = [[c, s, m.gs] for c, s in zip(m.codes, m.scales)]
+        for N in batches:
+            x = torch.randn(N, K, device="cuda", generator=gen).to(torch.bfloat16)
+            res = torch.randn(N, F, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = (res.double() + (x.double() @ m.ref_w.T).to(torch.bfloat16).double())
+            for label, flag in (("op gemv_residual, cuda", "1"),
+                                ("op gemv_residual, triton (TUNED)", "0")):
+                os.environ["FLINTC_NVFP4_MMA"] = flag
+
+                def op(i, x=x, res=res, ws=ws):
+                    return fused_gemv.gemv_residual(x, ws[i], res, use_pdl=True)
+
+                for i in range(m.copies):  # repack every copy before capture
+                    y = op(i)
+                torch.cuda.synchronize()
+                y = op(0)
+                diff = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                row(F, K, N, label, _timed(op, m.copies), diff, m.nbytes)
+    if os.environ.get("MOE", "1") != "0":
+        _moe_down_rows(batches, gen, row)
+        _moe_gate_up_rows(batches, gen, row)
+    os.environ.pop("FLINTC_NVFP4_MMA", None)
+
+    print("\n| F x K | N | kernel | us | % copy | max rel. diff to fp64 reference |\n"
+          "|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    for (rt, k, splits, pf, warps, epi, pdl, top_k, experts), kern in nvfp4_mma._KERNELS.items():
+        kind = ("moe_gate_up" if experts else "moe_down") if top_k else "gemv"
+        print(f"cuda {kind} rt{rt} K={k} s{splits} w{warps} "
+              f"pf{pf} epi{epi} pdl{int(pdl)}: "
+              f"{_func_attr(kern, 4)} registers, {_func_attr(kern, 3)} spill bytes")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""`flintc.kernels.nvfp4_mma`: the NVFP4 mma-fragment layout and its CUDA GEMV.
+
+CPU (CI): the repack is lossless and the kernel's bit formulas (replayed in torch by
+`decode_mma_layout`) give back exactly `dequantize_packed` of the original codes and
+block scales, for every E4M3 scale (zero and subnormals included) and every code; a
+fragment-level replay of the kernel's loop (its `mma.sync.m16n8k16` A / B fragments,
+the K order of its x loads, the warp split and the epilogue) matches the fp64
+reference GEMV; the launch structs match cuda.h; bad arguments raise ValueError naming
+them. GPU (`gpu` marker): the compiled kernel at the model's shapes against the
+reference, PDL on and off, inside a CUDA graph, and the `gemv_residual` op on it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import pytest
+import torch
+
+from flintc.kernels import nvfp4_mma as M
+from flintc.quant.nvfp4 import dequantize_packed, quantize
+
+ON_GPU = torch.cuda.is_available()
+E4M3_ALL = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn)  # every value >= 0
+
+
+def random_nvfp4(F: int, K: int, gen: torch.Generator, device="cpu"):
+    """Random codes (all 256 bytes) and block scales drawn from every E4M3 value >= 0."""
+    codes = torch.randint(0, 256, (F, K // 2), dtype=torch.uint8, generator=gen)
+    scales = E4M3_ALL[torch.randint(0, 127, (F, K // 16), generator=gen)]
+    return codes.to(device), scales.to(device)
+
+
+@pytest.mark.parametrize("F,K", [(16, 64), (48, 192), (32, 256)])
+def test_repack_is_lossless(F, K):
+    gen = torch.Generator().manual_seed(F * K)
+    codes, scales = random_nvfp4(F, K, gen)
+    wq, sq = M.pack_mma_layout(codes, scales)
+    assert wq.shape == (F // 16, K // 64, 32, 4) and wq.dtype == torch.int32
+    assert sq.shape == (F // 16, K // 64, 32, 2) and sq.dtype == torch.uint8
+    got = M.decode_mma_layout(wq, sq)
+    want = dequantize_packed(codes, scales, None, torch.float32)
+    assert torch.equal(got, want)  # -0 and +0 compare equal; every other bit must match
+
+
+def test_scale_codes_cover_every_e4m3_value():
+    code = M.e4m3_to_scale_code(E4M3_ALL)
+    bits = M.scale_code_to_bf16_bits(code)
+    value = ((bits & 0xFFFF) << 16).view(torch.float32)
+    s = E4M3_ALL.float()
+    nonzero = s != 0
+    assert torch.equal(value[nonzero], s[nonzero] * 2.0**118)  # exact, subnormals included
+    assert int(code.max()) <= 255 and len(set(code[nonzero].tolist())) == int(nonzero.sum())
+
+
+def test_zero_scale_blocks_decode_to_zero():
+    codes = torch.full((16, 32), 0x77, dtype=torch.uint8)  # every weight 6.0 ...
+    scales = torch.zeros(16, 4).to(torch.float8_e4m3fn)  # ... times a zero scale
+    scales[3, 1] = 2.0
+    wq, sq = M.pack_mma_layout(codes, scales)
+    got = M.decode_mma_layout(wq, sq)
+    assert torch.equal(got, dequantize_packed(codes, scales, None, torch.float32))
+    assert int((got != 0).sum()) == 16
+
+
+def _emulate_kernel(x, wq, sq, gscale, warps):
+    """The CUDA kernel's loop replayed fragment by fragment (fp64 sums): for every block
+    (16-row tile), warp (a K slice of whole chunks), chunk and k16 step, the lane's A
+    registers decoded from its word, its B registers read from x at the kernel's K order
+    (64 kc + 16 t + 4 s + 2 half + e), and D += A @ B with the PTX m16n8k16 fragment
+    maps; the warps' sums added in warp order, times 256 * global scale."""
+    N = x.shape[0]
+    FT, KC = wq.shape[:2]
+    cpw = KC // warps
+    w64 = wq.to(torch.int64) & 0xFFFFFFFF
+    sval = ((M.scale_code_to_bf16_bits(sq) & 0xFFFF) << 16).view(torch.float32).double()
+    xd = x.double()
+    out = torch.zeros(N, FT * 16, dtype=torch.float64)
+    for ft in range(FT):
+        block = torch.zeros(16, 8, dtype=torch.float64)
+        for warp in range(warps):
+            acc = torch.zeros(16, 8, dtype=torch.float64)
+            for kc in range(warp * cpw, (warp + 1) * cpw):
+                for s in range(4):
+                    A = torch.zeros(16, 16, dtype=torch.float64)
+                    B = torch.zeros(16, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        for r in range(4):
+                            bits = int(M._decode_register(w64[ft, kc, lane, s], r))
+                            sc = float(sval[ft, kc, lane, r & 1])
+                            for e in range(2):
+                                half = (bits >> (16 * e)) & 0xFFFF
+                                tiny = struct.unpack("<f", struct.pack("<I", half << 16))[0]
+                                row, kappa = g + 8 * (r & 1), 2 * t + 8 * (r >> 1) + e
+                                A[row, kappa] = tiny * sc  # exact: <= 6 significant bits
+                        n = min(g, N - 1)
+                        for h in range(2):
+                            for e in range(2):
+                                B[2 * t + 8 * h + e, g] = xd[n, 64 * kc + 16 * t + 4 * s + 2 * h + e]
+                    acc += A @ B
+            block += acc
+        out[:, ft * 16:(ft + 1) * 16] = (block * 256.0 * gscale).T[:N]
+    return out
+
+
+@pytest.mark.parametrize("N,warps", [(1, 1), (3, 2), (8, 1)])
+def test_fragment_replay_matches_reference(N, warps):
+    gen = torch.Generator().manual_seed(7 * N + warps)
+    F, K = 32, 128
+    codes, scales = random_nvfp4(F, K, gen)
+    x = torch.randn(N, K, generator=gen).to(torch.bfloat16)
+    wq, sq = M.pack_mma_layout(codes, scales)
+    got = _emulate_kernel(x, wq, sq, 0.5, warps)
+    ref = x.double() @ dequantize_packed(codes, scales, None, torch.float64).T * 0.5
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_warps_rule_and_source():
+    assert M.warps_for(4096) == 16 and M.warps_for(2048) == 16 and M.warps_for(3584) == 14
+    assert M.warps_for(10240) == 16 and M.warps_for(192) == 1
+    src = M.kernel_source(1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True)
+    for needle in ("#define KC 64", "#define CPW 4", "#define WARPS 16", "#define EPI 2",
+                   "#define PDL 1", "griddepcontrol.wait", "mma.sync.aligned.m16n8k16"):
+        assert needle in src
+
+
+def test_launch_structs_match_cuda_h():
+    assert ctypes.sizeof(M._LaunchAttr) == 72  # id, pad[4], 64-byte value union
+    assert M._LaunchAttr.value.offset == 8
+    assert ctypes.sizeof(M._LaunchConfig) == 56
+    assert (M._LaunchConfig.stream.offset, M._LaunchConfig.attrs.offset,
+            M._LaunchConfig.num_attrs.offset) == (32, 40, 48)
+
+
+def test_bad_arguments_raise_value_errors():
+    gen = torch.Generator().manual_seed(1)
+    codes, scales = random_nvfp4(32, 128, gen)
+    with pytest.raises(ValueError, match="o_proj: the mma layout needs F % 16 == 0"):
+        M.pack_mma_layout(codes[:24], scales[:24], name="o_proj")
+    with pytest.raises(ValueError, match="scales must be"):
+        M.pack_mma_layout(codes, scales[:, :4])
+    with pytest.raises(ValueError, match="w.scales: expected float8_e4m3fn"):
+        M.pack_mma_layout(codes, scales.float(), name="w")
+    bad = scales.clone()
+    bad.view(torch.uint8)[0, 0] = 0x7F  # NaN in float8_e4m3fn
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        M.pack_mma_layout(codes, bad)
+    wq, sq = M.pack_mma_layout(codes, scales)
+    g = torch.ones(())
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="x: expected contiguous bf16"):
+        M.mma_gemv(x.float(), wq, sq, g, torch.empty(2, 32))
+    with pytest.raises(ValueError, match="out: expected"):
+        M.mma_gemv(x, wq, sq, g, torch.empty(2, 16))
+    with pytest.raises(ValueError, match="splits: a bf16 out needs splits == 1"):
+        M.mma_gemv(x, wq, sq, g, torch.empty(2, 32, dtype=torch.bfloat16), splits=2,
+                   warps=1)
+    assert not M.available(torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- GPU
+SHAPES = [(2048, 4096), (5120, 2048), (4096, 2048), (2048, 10240)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("F,K", SHAPES)
+@pytest.mark.parametrize("N", [1, 5, 8])
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_kernel_model_shapes_gpu(F, K, N, use_pdl):
+    if not M.available(torch.device("cuda")):
+        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(F + K + N)
+    q = quantize(torch.randn(F, K, generator=gen) * 0.05)
+    codes, scales, gs = q.codes.cuda(), q.scales.cuda(), q.global_scale.cuda().float()
+    x = torch.randn(N, K, generator=gen).to(torch.bfloat16).cuda()
+    res = torch.randn(N, F, generator=gen).to(torch.bfloat16).cuda()
+    wq, sq = M.pack_mma_layout(codes, scales)
+    exact = x.double() @ dequantize_packed(codes, scales, gs, torch.float64).T
+    bound = K * 2.0**-24 * (x.double().abs() @ dequantize_packed(
+        codes, scales, gs, torch.float64).abs().T)  # fp32 reordering bound
+    out = torch.full((N, F), float("nan"), device="cuda")
+    M.mma_gemv(x, wq, sq, gs, out, use_pdl=use_pdl)
+    assert bool(((out.double() - exact).abs() <= bound + 1e-30).all())
+    # bf16 + residual, captured in a CUDA graph (the decode runtime replays graphs)
+    y = torch.full((N, F), float("nan"), device="cuda", dtype=torch.bfloat16)
+    M.mma_gemv(x, wq, sq, gs, y, residual=res, use_pdl=use_pdl)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    y2 = torch.empty_like(y)
+    with torch.cuda.graph(graph):
+        M.mma_gemv(x, wq, sq, gs, y2, residual=res, use_pdl=use_pdl)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, y2)
+    want = (res.double() + out.to(torch.bfloat16).double()).to(torch.bfloat16)
+    assert torch.equal(y, want)  # the epilogue's two roundings on the kernel's own sum
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_gemv_residual_op_uses_mma_gpu(monkeypatch):
+    from flintc.kernels import fused_gemv as FG
+    from flintc.ops import grouped
+
+    if not M.available(torch.device("cuda")):
+        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(3)
+    q = quantize(torch.randn(2048, 4096, generator=gen) * 0.05)
+    w = [q.codes.cuda(), q.scales.cuda(), q.global_scale.cuda()]
+    x = torch.randn(4, 4096, generator=gen).to(torch.bfloat16).cuda()
+    res = torch.randn(4, 2048, generator=gen).to(torch.bfloat16).cuda()
+    M._PACKED.clear()
+    out = FG.gemv_residual(x, w, res)
+    assert len(M._PACKED) == 1  # the CUDA path ran (and cached the repacked weight)
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
+    tri = FG.gemv_residual(x, w, res)
+    ref = grouped.gemv_residual(x, w, res)
+    for got in (out, tri):
+        diff = (got.double() - ref.double()).abs()
+        ulp = ref.double().abs().clamp_min(2.0**-126) * 2.0**-7
+        assert bool((diff <= 2 * ulp).all()), float(diff.max())
+    share = float((out != tri).float().mean())
+    print(f"mma vs triton: {share:.2%} of elements differ (fp32 summation order)")
+    assert share < 0.05
+
+
+def _stacked_nvfp4(E: int, R: int, C: int, gen: torch.Generator, gs_shape):
+    codes = torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(1, 0x40, (E, R, C // 16), dtype=torch.uint8,
+                           generator=gen).view(torch.float8_e4m3fn)  # 2^-9 (subnormal) .. 2
+    gs = (0.5 + torch.rand(gs_shape, generator=gen)) * 0.02
+    return [codes.squeeze(0) if E == 0 else codes, scales, gs.float()]
+
+
+def test_stacked_experts_pack_as_rows():
+    """A stack [E, H, I/2] packs as its E * H rows: expert e's row tiles at e * H / 16 (the
+    MoE down kernel's addressing)."""
+    gen = torch.Generator().manual_seed(11)
+    codes, scales, _ = _stacked_nvfp4(3, 32, 128, gen, (3,))
+    wq, sq = M.packed_weight(codes, scales)
+    dense = M.decode_mma_layout(wq, sq)
+    for e in range(3):
+        assert torch.equal(dense[32 * e:32 * (e + 1)],
+                           dequantize_packed(codes[e], scales[e], None, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N", [1, 3, 8])
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_moe_down_matches_reference_and_triton_gpu(N, use_pdl, monkeypatch):
+    from flintc.kernels import moe
+    from flintc.ops import grouped
+
+    if not M.available(torch.device("cuda")):
+        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(100 + N)
+    E, H, I, K = 256, 2048, 512, 6
+    down = [t.cuda() for t in _stacked_nvfp4(E, H, I, gen, (E,))]
+    sd = [t.cuda() for t in _stacked_nvfp4(1, H, I, gen, ())]
+    sd = [sd[0][0], sd[1][0], sd[2]]
+    h = torch.randn(N, K + 1, I, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(N)]).cuda()
+    wts = torch.rand(N, K, generator=gen).cuda() * 0.5
+    res = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
+    out = moe.moe_down_combine_residual(h, ids, wts, down, sd, res, use_pdl=use_pdl)
+    assert any(key[-2] == K and key[-1] == 0 for key in M._KERNELS)  # the CUDA kernel ran
+    ref = grouped.moe_down_combine_residual(h, ids, wts, down, sd, res)
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
+    tri = moe.moe_down_combine_residual(h, ids, wts, down, sd, res, use_pdl=use_pdl)
+    torch.cuda.synchronize()
+    ulp = ref.double().abs().clamp_min(2.0**-126) * 2.0**-7
+    for name, got in (("cuda", out), ("triton", tri)):
+        diff = (got.double() - ref.double()).abs()
+        assert bool((diff <= 2 * ulp).all()), (name, float(diff.max()))
+        share = float((got != ref).float().mean())
+        print(f"moe down {name} N={N}: {share:.2%} of elements differ from the reference")
+        assert share < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N", [1, 3, 8])
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_moe_topk_gate_up_matches_reference_and_triton_gpu(N, use_pdl, monkeypatch):
+    from flintc.kernels import moe
+    from flintc.ops import grouped
+
+    if not M.available(torch.device("cuda")):
+        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+    gen = torch.Generator().manual_seed(200 + N)
+    E, H, I, K = 256, 2048, 512, 6
+    gate = [t.cuda() for t in _stacked_nvfp4(E, I, H, gen, (E,))]
+    up = [t.cuda() for t in _stacked_nvfp4(E, I, H, gen, (E,))]
+    sg = [t.cuda() for t in _stacked_nvfp4(1, I, H, gen, ())]
+    su = [t.cuda() for t in _stacked_nvfp4(1, I, H, gen, ())]
+    sg, su = [sg[0][0], sg[1][0], sg[2]], [su[0][0], su[1][0], su[2]]
+    x = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
+    logits = torch.randn(N, E, generator=gen).cuda()
+    bias = (torch.randn(E, generator=gen) * 0.05).cuda()
+    h, w, ids = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
+                                     use_pdl=use_pdl)
+    assert any(key[-2] == K and key[-1] == E for key in M._KERNELS)  # the CUDA kernel ran
+    rh, rw, rids = grouped.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5)
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
+    th, tw, tids = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
+                                        use_pdl=use_pdl)
+    torch.cuda.synchronize()
+    assert torch.equal(ids, rids) and torch.equal(ids, tids)
+    torch.testing.assert_close(w, rw, rtol=4 * 2.0**-24, atol=0)
+    assert torch.equal(w, tw)  # the same formulas and sum order as the Triton kernel
+    # 2 bf16 ulps, plus a floor for values near zero: h = silu(g) * u after g and u were
+    # rounded to bf16, so one ulp of g or u moves a small h by more than its own ulp
+    tol = 2 * rh.double().abs() * 2.0**-7 + 2.0**-10 * rh.double().abs().max()
+    for name, got in (("cuda", h), ("triton", th)):
+        diff = (got.double() - rh.double()).abs()
+        assert bool((diff <= tol).all()), (name, float(diff.max()))
+        share = float((got != rh).float().mean())
+        print(f"moe gate/up {name} N={N}: {share:.2%} of elements differ from the reference")
+        assert share < 0.05
+
+
+def test_prepack_takes_the_cuda_kernels_weights(monkeypatch):
+    """`prepack` repacks exactly the NVFP4 weights named in PREPACK_SUFFIXES (here on the
+    CPU, with `available` forced), and the cache then serves them to `packed_weight`."""
+    from flintc.checkpoint.loader import load_checkpoint
+
+    ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
+                           progress=False)
+    monkeypatch.setattr(M, "available", lambda device: True)
+    monkeypatch.setattr(M, "_PACKED", {})
+    added = M.prepack(ckpt.weights)
+    want = [n for n, w in ckpt.weights.items()
+            if n.endswith(M.PREPACK_SUFFIXES) and hasattr(w, "codes")]
+    assert want and len(M._PACKED) == len(want)
+    assert added == sum(w.codes.numel() + w.scales.numel() for n, w in ckpt.weights.items()
+                        if n in want)
+    w = ckpt.weights[want[0]]
+    wq, _ = M.packed_weight(w.codes, w.scales)
+    assert wq.data_ptr() == M._PACKED[M._key(w.codes, w.scales)][0].data_ptr()
+    assert M.prepack(ckpt.weights) == 0  # already packed
+
+
+def test_flintc_nvfp4_mma_variable(monkeypatch):
+    from flintc.kernels.tuning import TuningEnvError, check_environment
+
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
+    assert not M.enabled_from_env()
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "1")
+    assert M.enabled_from_env()
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "yes")
+    with pytest.raises(TuningEnvError, match="FLINTC_NVFP4_MMA must be 0 or 1; got 'yes'"):
+        check_environment()
+
+
+def test_prepack_declines_without_room(monkeypatch):
+    """Not enough free memory for the repacked copies: nothing is packed, a warning, and
+    `available` turns False on that device (every kernel stays on Triton)."""
+    from flintc.checkpoint.loader import load_checkpoint
+
+    ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
+                           progress=False)
+    for w in ckpt.weights.values():  # pose as CUDA tensors for the memory check
+        if hasattr(w, "codes"):
+            monkeypatch.setattr(type(w.codes), "is_cuda", property(lambda t: True))
+            break
+    monkeypatch.setattr(M, "_PACKED", {})
+    monkeypatch.setattr(M, "_DECLINED", set())
+    real_available = M.available
+    monkeypatch.setattr(M, "available", lambda device: "cpu" not in M._DECLINED)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (10, 100))
+    with pytest.warns(UserWarning, match="NVFP4 kernels stay on Triton on cpu"):
+        assert M.prepack(ckpt.weights) == 0
+    assert not M._PACKED and M._DECLINED == {"cpu"}
+    monkeypatch.setattr(M, "available", real_available)
