@@ -68,27 +68,12 @@ def load_checkpoint(
             instead of reading one.
         fmt: for dummy weights only: "bf16" or "nvfp4".
 
-    On a CUDA device, NVFP4 weights that flintc's CUDA decode kernels read are also
-    repacked into their layout here (`flintc.kernels.nvfp4_mma.prepack`: extra device
-    memory, the size of those weights; FLINTC_NVFP4_MMA=0 skips it).
-
     Raises:
         CheckpointError: `path` does not exist, is neither kind of checkpoint, has no
             config, or its weights are bad (see the format modules).
         ConfigError: config.json fails validation.
         ValueError: unknown `load_format`.
     """
-    ckpt = _load(path, hf_config_path, device, load_format, config, fmt, progress)
-    if ckpt.fmt == "nvfp4" and torch.device(device).type == "cuda":
-        # the layout flintc's CUDA decode kernels read, made now (FLINT_SPEC section 4:
-        # "flintc repacks ... at load time into whatever layout its kernels read")
-        from flintc.kernels.nvfp4_mma import prepack
-
-        prepack(ckpt.weights)
-    return ckpt
-
-
-def _load(path, hf_config_path, device, load_format, config, fmt, progress) -> LoadedCheckpoint:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, found {load_format!r}")
     if isinstance(config, str):  # a preset name ("tiny", "full"), as --config gives it

@@ -919,14 +919,14 @@ def _mma_gemv(x2: torch.Tensor, wargs, F: int, out: torch.Tensor,
               residual: torch.Tensor | None, use_pdl: bool) -> bool:
     """The NVFP4 GEMV on the CUDA `mma.sync` kernel (`flintc.kernels.nvfp4_mma`) where it
     applies: a CUDA sm_90+ device (`nvfp4_mma.available`), F % 16 == 0, K % 64 == 0, x2
-    contiguous, outside the interpreter. Returns False (the caller runs the Triton kernel)
+    contiguous and 16-byte aligned, outside the interpreter. Returns False (the caller runs the Triton kernel)
     otherwise, or when a weight is first seen during CUDA-graph capture (its repack cannot
     be captured). Same numerics as the Triton kernel: exact products, fp32 sums, one
     rounding (plus the residual add's)."""
     from flintc.kernels import nvfp4_mma
 
     N, K = x2.shape
-    if _interpreting() or F % 16 or K % 64 or not x2.is_contiguous() \
+    if _interpreting() or F % 16 or K % 64 or not x2.is_contiguous() or x2.data_ptr() % 16 \
             or not nvfp4_mma.available(x2.device):
         return False
     codes, scales, gscale = wargs

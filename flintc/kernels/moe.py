@@ -1545,25 +1545,26 @@ def _mma_gate_up_applies(x, logits, E: int, top_k: int, H: int, F: int,
     """Whether `moe_topk_gate_up` runs on the CUDA mma kernel
     (`flintc.kernels.nvfp4_mma.moe_topk_gate_up`): NVFP4 with a shared expert, routing in
     the kernel, no explicit config (checked by the caller), a CUDA sm_90+ device, E % 32
-    == 0 and E <= 1024, top_k <= 8, H % 1024 == 0, F % 16 == 0, contiguous x and logits,
-    outside the interpreter. FLINTC_NVFP4_MMA=0 keeps the Triton kernel."""
+    == 0 and E <= 1024, top_k <= 8, H % 1024 == 0, F % 16 == 0, contiguous x (16-byte
+    aligned) and logits, outside the interpreter. FLINTC_NVFP4_MMA=0 keeps the Triton kernel."""
     from flintc.kernels import nvfp4_mma
 
     return (not _interpreting() and E % 32 == 0 and 32 <= E <= 1024 and top_k <= 8
             and H % 1024 == 0 and F % 16 == 0 and x.is_contiguous() and logits.is_contiguous()
-            and nvfp4_mma.available(dev))
+            and x.data_ptr() % 16 == 0 and nvfp4_mma.available(dev))
 
 
 def _mma_down_applies(h, ids, weights, H: int, F: int, K: int, dev: torch.device) -> bool:
     """Whether `moe_down_combine_residual` runs on the CUDA mma kernel
     (`flintc.kernels.nvfp4_mma.moe_down`): NVFP4 with a shared expert and no explicit
     config (checked by the caller), a CUDA sm_90+ device, F % 64 == 0, H % 16 == 0, K <=
-    16, contiguous ids and weights, outside the interpreter. FLINTC_NVFP4_MMA=0 keeps
+    16, contiguous ids and weights, h 16-byte aligned, outside the interpreter. FLINTC_NVFP4_MMA=0 keeps
     the Triton kernel."""
     from flintc.kernels import nvfp4_mma
 
     return (not _interpreting() and F % 64 == 0 and H % 16 == 0 and K <= 16
-            and ids.is_contiguous() and weights.is_contiguous() and nvfp4_mma.available(dev))
+            and ids.is_contiguous() and weights.is_contiguous() and h.data_ptr() % 16 == 0
+            and nvfp4_mma.available(dev))
 
 
 def moe_down_combine_residual(h, ids, weights, down, shared_down, residual, *,

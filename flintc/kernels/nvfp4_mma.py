@@ -72,8 +72,9 @@ depend on the previous kernel load before `griddepcontrol.wait` (in a basic bloc
 own: ptxas hoists a wait above the loads of its block), activations after it with
 coherent `ld.global` (an `ld.global.nc` may be hoisted above the wait).
 
-Weights: `prepack` repacks, at load time (`flintc.checkpoint.loader.load_checkpoint` on
-CUDA), the NVFP4 weights these kernels read (`PREPACK_SUFFIXES`); the Triton kernels and
+Weights: `prepack` repacks, at load time (the compiled runtime and `flintc bench` call it
+for triton builds on CUDA, before the KV caches are sized), the NVFP4 weights these
+kernels read (`PREPACK_SUFFIXES`); the Triton kernels and
 the prefill keep reading the packed layout, so those weights take twice their memory (the
 full model: about +20 GiB on the H200, peak 63.7 GiB at 100K against 43.5; the issue-8
 target of <= 32 GiB at batch 1 / 262K holds only with the CUDA path off until the prefill
@@ -91,6 +92,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 
 import torch
 
@@ -129,8 +131,8 @@ def e4m3_to_scale_code(scales: torch.Tensor, name: str = "scales") -> torch.Tens
 
 
 def scale_code_to_bf16_bits(code: torch.Tensor) -> torch.Tensor:
-    """uint8 `ue5m3` codes -> int32 bf16 bit patterns of `scale * 2^118` (the kernel's
-    integer formula: `(code << 4) + (236 << 7)`)."""
+    """uint8 `ue5m3` codes -> int32 bf16 bit patterns of `scale * 2^118`: `(code << 4) +
+    (236 << 7)` (the kernel computes it with `_scale2`, replayed by `decode_mma_layout`)."""
     return (code.to(torch.int32) << 4) + (_BF16_EXP_OFFSET << 7)
 
 
@@ -163,7 +165,7 @@ def pack_mma_layout(codes: torch.Tensor, scales: torch.Tensor,
                          f"{tuple(scales.shape)}")
     scode = e4m3_to_scale_code(scales, f"{name}.scales")
     table = _code_tables(codes.device)  # [4 registers, 16 codes] -> 16-bit patterns
-    zero_block = scales.view(torch.uint8) == 0  # float8_e4m3fn zero (no negative scales)
+    zero_block = scales.to(torch.float32) == 0  # +0 and -0
     wq = torch.empty((F // 16, K // 64, 32, 4), dtype=torch.int32, device=codes.device)
     rows = max(16, (1 << 22) // K // 16 * 16)  # row tiles per pass: bounded temporaries
     for r0 in range(0, F, rows):
@@ -201,13 +203,38 @@ def _code_tables(device: torch.device) -> torch.Tensor:
 _CODE_BIT_POS = ((6, 7, 8, 15), (3, 4, 5, 12), (0, 1, 2, 9), (10, 11, 13, 14))
 
 
+# The kernel's decode of register r from a word q, as C expressions: pasted into the CUDA
+# source (`kernel_source`) and evaluated on torch tensors by `_decode_register`, so the
+# CPU tests replay the very expressions the GPU runs.
+_DECODE_EXPR = ("q & 0x81C081C0u", "(q << 3) & 0x81C081C0u", "(q << 6) & 0x81C081C0u",
+                "((q << 1) & 0x80008000u) | ((q >> 4) & 0x00C000C0u) | ((q >> 5) & 0x01000100u)")
+# The scale decode: prmt selectors of the two scale bytes (row g, row g + 8) into both
+# 16-bit halves, then `(d >> 4) + _SCALE_ADD` (also pasted into the source)
+_SEL_G, _SEL_G8, _SCALE_ADD = 0x0404, 0x1414, 0x76007600
+
+
 def _decode_register(w: torch.Tensor, r: int) -> torch.Tensor:
-    """The kernel's `dec<r>`: int64 words (low 32 bits) -> bf16x2 bit patterns of
-    `e2m1 * 2^-126` for register r (low half: even k)."""
-    m = 0x81C081C0
-    if r < 3:
-        return ((w << (3 * r)) & m) & 0xFFFFFFFF
-    return ((w << 1) & 0x80008000) | ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100)
+    """The kernel's `_DECODE_EXPR[r]` on int64 words (low 32 bits) -> bf16x2 bit patterns
+    of `e2m1 * 2^-126` for register r (low half: even k)."""
+    return eval(_DECODE_EXPR[r].replace("u", ""), {"q": w}) & 0xFFFFFFFF  # noqa: S307
+
+
+def _prmt(a: torch.Tensor, sel: int) -> torch.Tensor:
+    """PTX `prmt.b32 d, a, 0, sel` (default mode) on int64 words: output byte i is byte
+    (sel >> 4i) & 7 of the 8 bytes {a, 0}, or its sign replicated when bit 3 is set."""
+    out = torch.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 15
+        byte = (a >> (8 * (nib & 7))) & 0xFF if (nib & 7) < 4 else torch.zeros_like(a)
+        if nib & 8:
+            byte = torch.where(byte & 0x80 != 0, 0xFF, 0)
+        out |= byte << (8 * i)
+    return out
+
+
+def _scale2(codes: torch.Tensor, sel: int) -> torch.Tensor:
+    """The kernel's `scale2`: bf16x2 bit patterns of `scale * 2^118` (both halves)."""
+    return ((_prmt(codes, sel) >> 4) + _SCALE_ADD) & 0xFFFFFFFF
 
 
 def _bits_to_bf16_value(bits: torch.Tensor) -> torch.Tensor:
@@ -231,7 +258,10 @@ def decode_mma_layout(wq: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
         out.append(torch.stack([bits & 0xFFFF, bits >> 16], dim=-1))  # [..., e]
     bits = torch.stack(out, dim=-2)  # [ft, kc, lane, s, r, e]
     tiny = _bits_to_bf16_value(bits)  # e2m1 * 2^-126
-    sval = _bits_to_bf16_value(scale_code_to_bf16_bits(sq))  # [ft, kc, lane, h]: x 2^118
+    word = sq[..., 0].to(torch.int64) | (sq[..., 1].to(torch.int64) << 8)  # the u16 load
+    sg = _bits_to_bf16_value(_scale2(word, _SEL_G))  # [ft, kc, lane]: scale * 2^118, row g
+    sg8 = _bits_to_bf16_value(_scale2(word, _SEL_G8))  # row g + 8
+    sval = torch.stack([sg, sg8], dim=-1)  # [ft, kc, lane, h]
     s_reg = sval[:, :, :, None, [0, 1, 0, 1]]  # [ft, kc, lane, s, r]: row g + 8 (r & 1)
     prod = (tiny.double() * s_reg[..., None].double()).float()  # exact in fp32 (and bf16)
     w8 = prod * DEQUANT_UNSCALE  # [ft, kc, g*4+t, s, r, e]
@@ -260,7 +290,7 @@ __device__ __forceinline__ u32 bmul(u32 a, u32 b) {
 __device__ __forceinline__ u32 scale2(u32 codes, u32 sel) {  // bf16x2 of scale * 2^118
   u32 d;
   asm("prmt.b32 %0, %1, 0, %2;" : "=r"(d) : "r"(codes), "r"(sel));
-  return (d >> 4) + 0x76007600u;  // (code << 4) + (236 << 7) in each half
+  return (d >> 4) + __SCALE_ADD__;  // (code << 4) + (236 << 7) in each half
 }
 __device__ __forceinline__ u16 to_bf16(float v) {
   u16 h;
@@ -336,17 +366,15 @@ __device__ __forceinline__ void mma_chunk(const Chunk& ch, float (&acc)[RT][4]) 
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
     const u32 wv[4] = {ch.w[r].x, ch.w[r].y, ch.w[r].z, ch.w[r].w};
-    const u32 sg = scale2(ch.s[r], 0x0404u);   // row g
-    const u32 sg8 = scale2(ch.s[r], 0x1414u);  // row g + 8
+    const u32 sg = scale2(ch.s[r], __SEL_G__);    // row g
+    const u32 sg8 = scale2(ch.s[r], __SEL_G8__);  // row g + 8
 #pragma unroll
     for (int st = 0; st < 4; ++st) {
       const u32 q = wv[st];
-      const u32 m = 0x81C081C0u;
-      const u32 a0 = bmul(q & m, sg);
-      const u32 a1 = bmul((q << 3) & m, sg8);
-      const u32 a2 = bmul((q << 6) & m, sg);
-      const u32 a3 = bmul(((q << 1) & 0x80008000u) | ((q >> 4) & 0x00C000C0u) |
-                          ((q >> 5) & 0x01000100u), sg8);
+      const u32 a0 = bmul(__DEC0__, sg);  // registers 0-3: _DECODE_EXPR
+      const u32 a1 = bmul(__DEC1__, sg8);
+      const u32 a2 = bmul(__DEC2__, sg);
+      const u32 a3 = bmul(__DEC3__, sg8);
       asm volatile(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
           "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -537,14 +565,14 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
 #endif
   int n = 0, k = 0;
   if (item == 0) {
-    if (ft == 0 && warp < N) {  // the routing outputs, once
+    for (int tok = warp; ft == 0 && tok < N; tok += WARPS) {  // the routing outputs, once
       int ids[KTOP];
       float w[KTOP];
-      route_token(logits + (size_t)warp * NE, bias, scaling, lane, ids, w);
+      route_token(logits + (size_t)tok * NE, bias, scaling, lane, ids, w);
       if (lane < KTOP) {
 #pragma unroll
         for (int j = 0; j < KTOP; ++j)
-          if (j == lane) { ids_out[warp * KTOP + j] = ids[j]; wout[warp * KTOP + j] = w[j]; }
+          if (j == lane) { ids_out[tok * KTOP + j] = ids[j]; wout[tok * KTOP + j] = w[j]; }
       }
     }
     asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(gscale) : "l"(sggs));
@@ -719,15 +747,16 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 """
 
 
-_KERNELS: dict[tuple, object] = {}  # compiled variants, by _kernel's arguments
+_KERNELS: dict[tuple, object] = {}  # compiled variants, by (device index, _kernel's arguments)
 
 
 def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epilogue: int,
-            pdl: bool, moe_top_k: int = 0, experts: int = 0):
-    """The compiled variant (NVRTC through `torch.cuda._compile_kernel`, about a second
-    the first time; cached for the process)."""
-    key = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts)
-    kernel = _KERNELS.get(key)
+            pdl: bool, moe_top_k: int = 0, experts: int = 0, *, device: torch.device):
+    """The compiled variant for `device` (NVRTC through `torch.cuda._compile_kernel`, about
+    a second the first time; cached for the process per device)."""
+    args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kernel = _KERNELS.get((index, *args))
     if kernel is None:
         compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
         if compile_kernel is None:
@@ -735,7 +764,8 @@ def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epil
                                f"with CUDA); this torch is {torch.__version__}")
         name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
             else "nvfp4_mma_gemv"
-        kernel = _KERNELS[key] = compile_kernel(kernel_source(*key), name)
+        with torch.cuda.device(index):
+            kernel = _KERNELS[(index, *args)] = compile_kernel(kernel_source(*args), name)
     return kernel
 
 
@@ -754,7 +784,10 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     src = _COMMON + body
     for key, value in subs.items():
         src = src.replace(key, str(int(value)))
-    return src
+    for r, expr in enumerate(_DECODE_EXPR):
+        src = src.replace(f"__DEC{r}__", f"({expr})")
+    return (src.replace("__SEL_G8__", f"0x{_SEL_G8:04X}u").replace("__SEL_G__", f"0x{_SEL_G:04X}u")
+            .replace("__SCALE_ADD__", f"0x{_SCALE_ADD:08X}u"))
 
 
 # -- launching ------------------------------------------------------------------------
@@ -777,7 +810,8 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 
 
 def _launch(kernel, grid: tuple[int, int], threads: int, args: list, use_pdl: bool) -> None:
-    """cuLaunchKernelEx of an NVRTC kernel on the current stream; with `use_pdl` the launch
+    """cuLaunchKernelEx of an NVRTC kernel on the current stream of the first tensor
+    argument's device (in that device's context); with `use_pdl` the launch
     may overlap the previous kernel (programmatic stream serialization: the kernel's
     `griddepcontrol.wait` then orders its reads). Tensors pass as pointers, ints as int,
     floats as double."""
@@ -799,10 +833,12 @@ def _launch(kernel, grid: tuple[int, int], threads: int, args: list, use_pdl: bo
     cfg.grid[:] = (grid[0], grid[1], 1)
     cfg.block[:] = (threads, 1, 1)
     cfg.shared_mem = 0
-    cfg.stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    cfg.stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
     cfg.attrs = ctypes.pointer(attr) if use_pdl else None
     cfg.num_attrs = 1 if use_pdl else 0
-    err = lib.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
+    with torch.cuda.device(device):
+        err = lib.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
     if err != 0:
         raise RuntimeError(f"nvfp4_mma: cuLaunchKernelEx failed with CUDA error {err}")
 
@@ -825,16 +861,44 @@ def enabled_from_env() -> bool:
 def available(device: torch.device) -> bool:
     """Whether the CUDA path can run on `device`: a CUDA device of compute capability 9.0
     or newer (`mul.rn.bf16x2`, `griddepcontrol`), torch with `torch.cuda._compile_kernel`,
-    FLINTC_NVFP4_MMA not 0 (`enabled_from_env`, which raises on a bad value), and `prepack`
-    not declined on it for lack of memory."""
+    FLINTC_NVFP4_MMA not 0 (`enabled_from_env`, which raises on a bad value), `prepack`
+    not declined on it for lack of memory, and NVRTC able to compile there (`_compiles`,
+    probed once)."""
     if not enabled_from_env():
         return False
     if device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel"):
         return False
-    if str(device) in _DECLINED or (device.index is None and
-                                    f"cuda:{torch.cuda.current_device()}" in _DECLINED):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if f"cuda:{index}" in _DECLINED:
         return False  # prepack found no room for the repacked weights
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    if torch.cuda.get_device_capability(index) < (9, 0):
+        return False
+    return _compiles(index)
+
+
+_PROBE = 'extern "C" __global__ void flintc_probe(int* p) { if (p) *p = 1; }'
+_COMPILES: dict[int, bool] = {}
+
+
+def _compiles(index: int) -> bool:
+    """Whether NVRTC compiles and loads a kernel on device `index` (once per process:
+    torch's `_compile_kernel` needs the CUDA headers, CUDA_HOME, that pip-only images may
+    lack). False, with a warning, sends every NVFP4 kernel to Triton."""
+    ok = _COMPILES.get(index)
+    if ok is None:
+        try:
+            with torch.cuda.device(index):
+                torch.cuda._compile_kernel(_PROBE, "flintc_probe")
+            ok = True
+        except Exception as e:  # noqa: BLE001  (any failure: the Triton kernels still work)
+            import warnings
+
+            warnings.warn(f"flintc: NVFP4 kernels stay on Triton on cuda:{index}: NVRTC "
+                          f"cannot compile the CUDA kernels ({type(e).__name__}: {e})",
+                          stacklevel=3)
+            ok = False
+        _COMPILES[index] = ok
+    return ok
 
 
 def warps_for(k: int) -> int:
@@ -878,9 +942,10 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
     N, K = x.shape
     FT, KC = wq.shape[0], wq.shape[1]
     F = FT * 16
-    if x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= N <= 8:
-        raise ValueError(f"x: expected contiguous bf16 [N <= 8, K], got {x.dtype} "
-                         f"{tuple(x.shape)}")
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= N <= 8 \
+            or x.data_ptr() % 16:
+        raise ValueError(f"x: expected contiguous, 16-byte aligned bf16 [N <= 8, K], got "
+                         f"{x.dtype} {tuple(x.shape)} at offset {x.data_ptr() % 16}")
     if K != KC * 64 or tuple(wq.shape) != (FT, KC, 32, 4) or wq.dtype != torch.int32:
         raise ValueError(f"wq: expected int32 [F/16, K/64, 32, 4] with K = {K}, got "
                          f"{wq.dtype} {tuple(wq.shape)}")
@@ -912,7 +977,7 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
                          f"divide F/16={FT} and K/64={KC}")
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
-    kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl))
+    kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl), device=x.device)
     _launch(kernel, (FT // row_tiles, splits), 32 * warps,
             [wq, sq, gscale, x, residual if residual is not None else x, out, N, F],
             bool(use_pdl))
@@ -957,6 +1022,9 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
                                                                torch.bfloat16)):
         if t.dtype != dt or not t.is_contiguous() or t.device != h.device:
             raise ValueError(f"moe_down: {name} must be a contiguous {dt} tensor on {h.device}")
+    if h.data_ptr() % 16:
+        raise ValueError("moe_down: h must be 16-byte aligned (the kernel reads it in 16-byte "
+                         "vectors)")
     if tuple(residual.shape) != (N, H):
         raise ValueError(f"moe_down: residual must be [{N}, {H}], got {tuple(residual.shape)}")
     if h.device.type != "cuda":
@@ -964,7 +1032,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
     wq, sq = packed_weight(codes, scales)
     swq, ssq = packed_weight(scodes, sscales)
     out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
-    kernel = _kernel(1, I, 1, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K)
+    kernel = _kernel(1, I, 1, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, device=h.device)
     _launch(kernel, (H // 16, 1), 32 * warps,
             [wq, sq, gs, 1 if gs.numel() > 1 else 0, swq, ssq, sgs, h, ids, weights,
              residual, out, N, H], bool(use_pdl))
@@ -1013,6 +1081,9 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         if t.dtype != dt or not t.is_contiguous() or t.device != x.device:
             raise ValueError(f"moe_topk_gate_up: {name} must be a contiguous {dt} tensor on "
                              f"{x.device}")
+    if x.data_ptr() % 16:
+        raise ValueError("moe_topk_gate_up: x must be 16-byte aligned (the kernel reads it in "
+                         "16-byte vectors)")
     if gate[2].numel() != up[2].numel():
         raise ValueError("moe_topk_gate_up: gate and up need global scales of one shape")
     if x.device.type != "cuda":
@@ -1024,7 +1095,8 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     h = torch.empty((N, top_k + 1, I), dtype=torch.bfloat16, device=x.device)
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
-    kernel = _kernel(2, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E)
+    kernel = _kernel(2, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E,
+                     device=x.device)
     _launch(kernel, (I // 16, 1 + N * top_k), 32 * warps,
             [gwq, gsq, gate[2], uwq, usq, up[2], 1 if gate[2].numel() > 1 else 0,
              sgwq, sgsq, shared_gate[2], suwq, susq, shared_up[2], x, logits, bias,
@@ -1032,7 +1104,7 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     return h, wts, ids
 
 
-_PACKED: dict[tuple, tuple[torch.Tensor, ...]] = {}
+_PACKED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 # The weights the CUDA kernels read in the decode schedule (canonical names,
 # flintc.model.weights): gemv_residual's (O projection, dense down projection),
@@ -1044,31 +1116,58 @@ PREPACK_SUFFIXES = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
 
 
 def _key(codes: torch.Tensor, scales: torch.Tensor) -> tuple:
-    return (codes.data_ptr(), scales.data_ptr(), tuple(codes.shape), str(codes.device))
+    """Storage, shape, device and in-place version of both tensors: a weight written in
+    place gets a new key (and a fresh repack)."""
+    return (codes.data_ptr(), scales.data_ptr(), tuple(codes.shape), str(codes.device),
+            codes._version, scales._version)
 
 
 def packed_weight(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The mma layout of one NVFP4 weight (codes [F, K/2] or stacked [E, F, K/2], scales
     to match; a stack packs as its E * F rows, expert e's row tiles at e * F / 16).
 
-    Repacked at load time by `prepack` (which `flintc.checkpoint.loader.load_checkpoint`
-    runs on CUDA devices), otherwise at its first use, and cached for the process (keyed
-    by the tensors' storage; the cache keeps them alive, so no other tensor can take the
-    key). A first use during CUDA-graph capture raises RuntimeError (the callers then run
-    their Triton kernel). Extra device memory: the weight's bytes again."""
+    Repacked by `prepack` (the compiled runtime and `flintc bench` call it when they load
+    a triton build on CUDA), otherwise at its first use, and cached for as long as `codes`
+    lives (a finalizer drops the entry with the tensor, so unloading a model frees both
+    copies). A first use during CUDA-graph capture raises RuntimeError (the callers then
+    run their Triton kernel). Extra device memory: the weight's bytes again."""
     key = _key(codes, scales)
     hit = _PACKED.get(key)
     if hit is None:
         if codes.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("nvfp4_mma: a weight was first seen during CUDA-graph capture")
-        wq, sq = pack_mma_layout(codes.reshape(-1, codes.shape[-1]),
-                                 scales.reshape(-1, scales.shape[-1]))
-        hit = _PACKED[key] = (wq, sq, codes, scales)
-    return hit[0], hit[1]
+        hit = _PACKED[key] = pack_mma_layout(codes.reshape(-1, codes.shape[-1]),
+                                             scales.reshape(-1, scales.shape[-1]))
+        weakref.finalize(codes, _PACKED.pop, key, None)
+    return hit
+
+
+def clear() -> None:
+    """Drop every repacked weight (their memory returns with the next allocation)."""
+    _PACKED.clear()
 
 
 PREPACK_RESERVE = 0.25  # share of the device's memory that must stay free after prepack
 _DECLINED: set[str] = set()  # devices where prepack declined for lack of memory
+
+
+def _room_for(need: int, device: torch.device) -> bool:
+    """Whether `need` more bytes leave PREPACK_RESERVE of `device`'s memory free; if not,
+    a warning, and `available` is False on the device from then on."""
+    if device.type != "cuda":
+        return True
+    free, total = torch.cuda.mem_get_info(device)
+    if free - need >= PREPACK_RESERVE * total:
+        return True
+    import warnings
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _DECLINED.add(f"cuda:{index}")
+    warnings.warn(f"flintc: NVFP4 kernels stay on Triton on cuda:{index}: their repacked "
+                  f"weights ({need / 2**30:.1f} GiB) would leave less than "
+                  f"{PREPACK_RESERVE:.0%} of the device's memory free "
+                  f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)", stacklevel=3)
+    return False
 
 
 def prepack(weights: dict) -> int:
@@ -1093,19 +1192,8 @@ def prepack(weights: dict) -> int:
         if _key(w.codes, w.scales) not in _PACKED:
             todo.append(w)
     need = sum(w.codes.numel() + w.scales.numel() for w in todo)
-    if todo and todo[0].codes.is_cuda:
-        dev = todo[0].codes.device
-        free, total = torch.cuda.mem_get_info(dev)
-        if free - need < PREPACK_RESERVE * total:
-            import warnings
-
-            _DECLINED.add(str(dev))
-            warnings.warn(f"flintc: NVFP4 kernels stay on Triton on {dev}: their repacked "
-                          f"weights ({need / 2**30:.1f} GiB) would leave less than "
-                          f"{PREPACK_RESERVE:.0%} of the device's memory free "
-                          f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)",
-                          stacklevel=2)
-            return 0
+    if todo and not _room_for(need, todo[0].codes.device):
+        return 0
     for w in todo:
         packed_weight(w.codes, w.scales)
     return need

@@ -150,7 +150,7 @@ def test_bad_arguments_raise_value_errors():
     wq, sq = M.pack_mma_layout(codes, scales)
     g = torch.ones(())
     x = torch.randn(2, 128).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="x: expected contiguous bf16"):
+    with pytest.raises(ValueError, match="x: expected contiguous, 16-byte aligned bf16"):
         M.mma_gemv(x.float(), wq, sq, g, torch.empty(2, 32))
     with pytest.raises(ValueError, match="out: expected"):
         M.mma_gemv(x, wq, sq, g, torch.empty(2, 16))
@@ -212,9 +212,10 @@ def test_gemv_residual_op_uses_mma_gpu(monkeypatch):
     w = [q.codes.cuda(), q.scales.cuda(), q.global_scale.cuda()]
     x = torch.randn(4, 4096, generator=gen).to(torch.bfloat16).cuda()
     res = torch.randn(4, 2048, generator=gen).to(torch.bfloat16).cuda()
-    M._PACKED.clear()
+    calls = []
+    monkeypatch.setattr(M, "mma_gemv", _spy(M.mma_gemv, calls))
     out = FG.gemv_residual(x, w, res)
-    assert len(M._PACKED) == 1  # the CUDA path ran (and cached the repacked weight)
+    assert len(calls) == 1  # the CUDA path ran
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
     tri = FG.gemv_residual(x, w, res)
     ref = grouped.gemv_residual(x, w, res)
@@ -225,6 +226,13 @@ def test_gemv_residual_op_uses_mma_gpu(monkeypatch):
     share = float((out != tri).float().mean())
     print(f"mma vs triton: {share:.2%} of elements differ (fp32 summation order)")
     assert share < 0.05
+
+
+def _spy(fn, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(fn.__name__)
+        return fn(*args, **kwargs)
+    return wrapped
 
 
 def _stacked_nvfp4(E: int, R: int, C: int, gen: torch.Generator, gs_shape):
@@ -266,8 +274,10 @@ def test_moe_down_matches_reference_and_triton_gpu(N, use_pdl, monkeypatch):
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(N)]).cuda()
     wts = torch.rand(N, K, generator=gen).cuda() * 0.5
     res = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
+    calls = []
+    monkeypatch.setattr(M, "moe_down", _spy(M.moe_down, calls))
     out = moe.moe_down_combine_residual(h, ids, wts, down, sd, res, use_pdl=use_pdl)
-    assert any(key[-2] == K and key[-1] == 0 for key in M._KERNELS)  # the CUDA kernel ran
+    assert len(calls) == 1  # the CUDA kernel ran
     ref = grouped.moe_down_combine_residual(h, ids, wts, down, sd, res)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
     tri = moe.moe_down_combine_residual(h, ids, wts, down, sd, res, use_pdl=use_pdl)
@@ -301,9 +311,11 @@ def test_moe_topk_gate_up_matches_reference_and_triton_gpu(N, use_pdl, monkeypat
     x = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
     logits = torch.randn(N, E, generator=gen).cuda()
     bias = (torch.randn(E, generator=gen) * 0.05).cuda()
+    calls = []
+    monkeypatch.setattr(M, "moe_topk_gate_up", _spy(M.moe_topk_gate_up, calls))
     h, w, ids = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
                                      use_pdl=use_pdl)
-    assert any(key[-2] == K and key[-1] == E for key in M._KERNELS)  # the CUDA kernel ran
+    assert len(calls) == 1  # the CUDA kernel ran
     rh, rw, rids = grouped.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
     th, tw, tids = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
@@ -357,22 +369,80 @@ def test_flintc_nvfp4_mma_variable(monkeypatch):
 
 
 def test_prepack_declines_without_room(monkeypatch):
-    """Not enough free memory for the repacked copies: nothing is packed, a warning, and
-    `available` turns False on that device (every kernel stays on Triton)."""
-    from flintc.checkpoint.loader import load_checkpoint
-
-    ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
-                           progress=False)
-    for w in ckpt.weights.values():  # pose as CUDA tensors for the memory check
-        if hasattr(w, "codes"):
-            monkeypatch.setattr(type(w.codes), "is_cuda", property(lambda t: True))
-            break
-    monkeypatch.setattr(M, "_PACKED", {})
+    """Not enough free memory for the repacked copies: a warning, and the real `available`
+    turns False on that device (every kernel stays on Triton)."""
     monkeypatch.setattr(M, "_DECLINED", set())
-    real_available = M.available
-    monkeypatch.setattr(M, "available", lambda device: "cpu" not in M._DECLINED)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (10, 100))
-    with pytest.warns(UserWarning, match="NVFP4 kernels stay on Triton on cpu"):
-        assert M.prepack(ckpt.weights) == 0
-    assert not M._PACKED and M._DECLINED == {"cpu"}
-    monkeypatch.setattr(M, "available", real_available)
+    monkeypatch.setattr(M, "_COMPILES", {0: True})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (30 << 30, 100 << 30))
+    dev = torch.device("cuda:0")
+    assert M.available(dev)
+    assert M._room_for(4 << 30, dev)  # 26 of 100 GiB left: above the 25% reserve
+    with pytest.warns(UserWarning, match="NVFP4 kernels stay on Triton on cuda:0"):
+        assert not M._room_for(6 << 30, dev)
+    assert M._DECLINED == {"cuda:0"} and not M.available(dev)
+    assert M._room_for(1 << 40, torch.device("cpu"))  # no memory check off the GPU
+
+
+def test_compile_failure_turns_the_path_off(monkeypatch):
+    """NVRTC failing (e.g. no CUDA headers) is probed once: a warning, then False."""
+    monkeypatch.setattr(M, "_COMPILES", {})
+
+    def broken(src, name):
+        raise OSError("CUDA_HOME environment variable is not set")
+
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", broken)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
+    with pytest.warns(UserWarning, match="NVRTC cannot compile the CUDA kernels"):
+        assert not M._compiles(0)
+    assert M._COMPILES == {0: False} and not M._compiles(0)
+
+
+def test_cuda_source_pastes_the_replayed_expressions():
+    """The expressions the CPU replay evaluates are the ones in the CUDA source."""
+    src = M.kernel_source(1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True)
+    for expr in M._DECODE_EXPR:
+        assert f"({expr})" in src
+    assert f"0x{M._SEL_G:04X}u" in src and f"0x{M._SEL_G8:04X}u" in src
+    assert f"0x{M._SCALE_ADD:08X}u" in src
+    assert "__" not in src.replace("__global__", "").split("extern")[0].replace(
+        "__device__", "").replace("__forceinline__", "").replace("__restrict__", "").replace(
+        "__ldg", "").replace("__uint_as_float", "")  # no placeholder left
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("variant", [
+    ("gemv", (1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True)),
+    ("gemv", (2, 2048, 1, 2, 8, M.EPI_FP32, False)),
+    ("gemv", (1, 10240, 1, 2, 16, M.EPI_BF16, True)),
+    ("moe_gate_up", (2, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256)),
+    ("moe_down", (1, 512, 1, 2, 32, M.EPI_RESIDUAL, True, 6)),
+])
+def test_cuda_sources_compile_with_nvrtc(variant):
+    """The CUDA sources compile for sm_90 with NVRTC on the CPU machine (the pip wheel,
+    no GPU): C++ errors in a variant show here, not first on the H200."""
+    import glob
+    import os
+
+    import nvidia.cuda_nvrtc as pkg
+
+    root = list(pkg.__path__)[0]
+    lib = ctypes.CDLL(sorted(glob.glob(os.path.join(root, "lib", "libnvrtc.so*")))[0])
+    kind, args = variant
+    src = M.kernel_source(*args).encode()
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"k.cu", 0, None, None) == 0
+    opts = (ctypes.c_char_p * 2)(b"--gpu-architecture=compute_90", b"-default-device")
+    rc = lib.nvrtcCompileProgram(prog, 2, opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    assert f".entry nvfp4_mma_{kind}".encode() in ptx.value
+    assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx.value
