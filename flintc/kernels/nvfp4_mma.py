@@ -216,7 +216,7 @@ _SEL_G, _SEL_G8, _SCALE_ADD = 0x0404, 0x1414, 0x76007600
 def _decode_register(w: torch.Tensor, r: int) -> torch.Tensor:
     """The kernel's `_DECODE_EXPR[r]` on int64 words (low 32 bits) -> bf16x2 bit patterns
     of `e2m1 * 2^-126` for register r (low half: even k)."""
-    return eval(_DECODE_EXPR[r].replace("u", ""), {"q": w}) & 0xFFFFFFFF  # noqa: S307
+    return eval(_DECODE_EXPR[r].replace("u", ""), {"q": w}) & 0xFFFFFFFF
 
 
 def _prmt(a: torch.Tensor, sel: int) -> torch.Tensor:
