@@ -5,6 +5,8 @@ for each case (a plain GEMV or one of the fused ops of `flintc.kernels.fused_gem
 weight format (bf16 / NVFP4) and batch N in {1, 2, 4, 8}:
 - flintc: the Triton launcher with its default configuration (`choose_config` /
   `qkv_config`), timed by CUDA-graph replay (`triton.testing.do_bench_cudagraph`, median);
+  NVFP4 `gemv` / `gemv_residual` on sm_90+ run the CUDA kernel of `flintc.kernels.nvfp4_mma`
+  there, as in the model (FLINTC_NVFP4_MMA=0: Triton; `--sweep` times Triton configs);
 - eager: the reference op `torch.ops.flintc.<op>` (plain torch: fp32 upcast / dequantize,
   not a fast path, a sanity line);
 - compile: `torch.compile` of the op's plain torch expression (bf16 matmul for bf16

@@ -27,6 +27,10 @@ prints a table with the winner of each (kernel, fmt, N) marked, and ends with th
 
 `--check` compares every kernel against the reference at the full shapes (ids exactly,
 the rest by share of differing elements and largest difference) instead of timing.
+
+NVFP4 on sm_90+: the table's `moe_topk_gate_up` / `moe_down_combine_residual` (default
+config) run the CUDA kernels of `flintc.kernels.nvfp4_mma`, as the model does; the sweep's
+explicit configs time the Triton kernels. FLINTC_NVFP4_MMA=0 puts the table on Triton too.
 """
 
 from __future__ import annotations
