@@ -74,8 +74,8 @@ coherent `ld.global` (an `ld.global.nc` may be hoisted above the wait).
 
 Weights: `prepack` repacks, at load time (the compiled runtime and `flintc bench` call it
 for triton builds on CUDA, before the KV caches are sized), the NVFP4 weights these
-kernels read (`PREPACK_SUFFIXES`); the Triton kernels and
-the prefill keep reading the packed layout, so those weights take twice their memory (the
+kernels read (`PREPACK_SUFFIXES`); the Triton kernels and the prefill keep reading the
+packed layout, so those weights take twice their memory (the
 full model: about +20 GiB on the H200, peak 63.7 GiB at 100K against 43.5; the issue-8
 target of <= 32 GiB at batch 1 / 262K holds only with the CUDA path off until the prefill
 reads this layout and the packed copies can go). Without room for the copies (less than
@@ -84,8 +84,8 @@ warning. FLINTC_NVFP4_MMA=0 turns it off (no repack, every kernel on Triton).
 
 Measured on the H200 (docs/gpu-runs.md session 12): a 16384 x 2048 GEMV at 72-75% of the
 copy bandwidth (the Triton loop: 29%); in the model the O projection 6.95 -> 3.54 us, MoE
-gate/up 13.0 -> 8.5 us (batch 1) and 52 -> 38 us (batch 8), down 7.8 -> 5.6 and 30.5 ->
-12.0 us; the NVFP4 decode step at batch 1 / 1K 2.99 -> 2.56 ms, batch 8 / 1K 6.56 -> 4.52.
+gate/up 13.0 -> 8.5 us (batch 1) and 52 -> 31 us (batch 8), down 7.8 -> 5.6 and 30.5 ->
+11.8 us; the NVFP4 decode step at batch 1 / 1K 2.99 -> 2.56 ms, batch 8 / 1K 6.56 -> 4.52.
 """
 
 from __future__ import annotations
