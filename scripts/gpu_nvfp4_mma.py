@@ -32,6 +32,9 @@ _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(_ROOT, "scripts"))
+from bench_moe import (
+    make_weight,  # random NVFP4 experts, as the MoE benchmark makes them
+)
 from common import copy_bandwidth_gbs, time_graph
 from gpu_register_decode import nvfp4_gemv_kernel
 
@@ -79,15 +82,7 @@ def _moe_down_rows(batches, gen, row) -> None:
     from flintc.kernels import moe
 
     E, H, I, K = 256, 2048, 512, 6
-
-    def stack(lead):
-        codes = torch.randint(0, 256, (*lead, H, I // 2), dtype=torch.uint8, device="cuda",
-                              generator=gen)
-        scales = torch.randint(1, 0x40, (*lead, H, I // 16), dtype=torch.uint8, device="cuda",
-                               generator=gen).view(torch.float8_e4m3fn)
-        return [codes, scales, torch.full(lead, 0.0125, device="cuda")]
-
-    down, sd = stack((E,)), stack(())
+    down, sd = make_weight((E, H, I), "nvfp4", gen), make_weight((H, I), "nvfp4", gen)
     per_expert = H * I // 2 + H * I // 16
     for N in batches:
         sets = 64
@@ -128,15 +123,8 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
     from flintc.kernels import moe
 
     E, H, I, K = 256, 2048, 512, 6
-
-    def stack(lead):
-        codes = torch.randint(0, 256, (*lead, I, H // 2), dtype=torch.uint8, device="cuda",
-                              generator=gen)
-        scales = torch.randint(1, 0x40, (*lead, I, H // 16), dtype=torch.uint8, device="cuda",
-                               generator=gen).view(torch.float8_e4m3fn)
-        return [codes, scales, torch.full(lead, 0.0125, device="cuda")]
-
-    gate, up, sg, su = stack((E,)), stack((E,)), stack(()), stack(())
+    gate, up = make_weight((E, I, H), "nvfp4", gen), make_weight((E, I, H), "nvfp4", gen)
+    sg, su = make_weight((I, H), "nvfp4", gen), make_weight((I, H), "nvfp4", gen)
     bias = torch.randn(E, device="cuda", generator=gen) * 0.05
     per_expert = 2 * (I * H // 2 + I * H // 16)
     for N in batches:

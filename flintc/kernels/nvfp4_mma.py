@@ -301,50 +301,44 @@ __device__ __forceinline__ float from_bf16(u16 h) { return __uint_as_float((u32)
 
 struct Chunk { uint4 w[RT]; u32 s[RT]; uint4 x0, x1; };
 
-// volatile loads for the weights loaded before griddepcontrol.wait (a __ldg may be moved
-// past it: it reads memory that nothing writes)
-__device__ __forceinline__ uint4 ld_v4(const uint4* p) {
+// Volatile loads. ACT = false: weights loaded before griddepcontrol.wait (ld.global.nc; a
+// __ldg may be moved past the wait: it reads memory that nothing writes). ACT = true: x
+// and the residual, the previous kernel's outputs: coherent ld.global, never .nc, which
+// ptxas may hoist above the wait (seen in the SASS).
+template <bool ACT> __device__ __forceinline__ uint4 ld_v4(const uint4* p) {
   uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  if (ACT)
+    asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  else
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ u32 ld_u16(const u16* p) {
+template <bool ACT> __device__ __forceinline__ u16 ld_u16(const u16* p) {
   u16 v;
-  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  if (ACT) asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  else asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
   return v;
+}
+#define ld_act(p) ld_v4<true>(p)
+#define ld_act_u16(p) ld_u16<true>(p)
+
+// one row tile's codes and scales of chunk c; EARLY: before griddepcontrol.wait (volatile)
+template <bool EARLY> __device__ __forceinline__ void load_tile(uint4& w, u32& s,
+                                                                const uint4* wp, const u16* sp,
+                                                                int off) {
+  if (EARLY) { w = ld_v4<false>(wp + off); s = ld_u16<false>(sp + off); }
+  else { w = __ldg(wp + off); s = __ldg(sp + off); }
 }
 
 // wp, sp, xp: this lane's pointers at chunk 0 of the warp (row tile ft0); every other
 // offset is a compile-time constant, so the loads need no address arithmetic
+template <bool EARLY = false>
 __device__ __forceinline__ void load_w(Chunk& ch, const uint4* __restrict__ wp,
                                        const u16* __restrict__ sp, int c) {
 #pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    ch.w[r] = __ldg(wp + (r * KC + c) * 32);
-    ch.s[r] = __ldg(sp + (r * KC + c) * 32);
-  }
-}
-__device__ __forceinline__ void load_w_early(Chunk& ch, const uint4* __restrict__ wp,
-                                             const u16* __restrict__ sp, int c) {
-#pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    ch.w[r] = ld_v4(wp + (r * KC + c) * 32);
-    ch.s[r] = ld_u16(sp + (r * KC + c) * 32);
-  }
-}
-// x and the residual are the previous kernel's outputs: coherent loads (ld.global, never
-// .nc, which ptxas may hoist above griddepcontrol.wait: seen in the SASS)
-__device__ __forceinline__ uint4 ld_act(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ u16 ld_act_u16(const u16* p) {
-  u16 v;
-  asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
-  return v;
+  for (int r = 0; r < RT; ++r) load_tile<EARLY>(ch.w[r], ch.s[r], wp, sp, (r * KC + c) * 32);
 }
 __device__ __forceinline__ unsigned long long ld_act_u64(const long long* p) {
   unsigned long long v;
@@ -408,7 +402,7 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
   for (int r = 0; r < RT; ++r) { acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f; }
   Chunk buf[PF + 1];
 #pragma unroll
-  for (int c = 0; c < PF && c < CPW; ++c) load_w_early(buf[c], wp, sp, c);  // weights only
+  for (int c = 0; c < PF && c < CPW; ++c) load_w<true>(buf[c], wp, sp, c);  // weights only
 #if PDL
   // x is the previous kernel's output. The wait sits in its own basic block: ptxas hoists
   // a griddepcontrol.wait above the weight loads of the same block (seen in the SASS)
@@ -519,15 +513,11 @@ __device__ void route_token(const float* logits, const float* bias, float scalin
   for (int k = 0; k < KTOP; ++k) w[k] = __fmul_rn(__fdiv_rn(sel[k], total), scaling);
 }
 
+template <bool EARLY = false>
 __device__ __forceinline__ void load_w2(Chunk& ch, const uint4* g_wp, const u16* g_sp,
-                                        const uint4* u_wp, const u16* u_sp, int c, bool early) {
-  if (early) {
-    ch.w[0] = ld_v4(g_wp + c * 32); ch.s[0] = ld_u16(g_sp + c * 32);
-    ch.w[1] = ld_v4(u_wp + c * 32); ch.s[1] = ld_u16(u_sp + c * 32);
-  } else {
-    ch.w[0] = __ldg(g_wp + c * 32); ch.s[0] = __ldg(g_sp + c * 32);
-    ch.w[1] = __ldg(u_wp + c * 32); ch.s[1] = __ldg(u_sp + c * 32);
-  }
+                                        const uint4* u_wp, const u16* u_sp, int c) {
+  load_tile<EARLY>(ch.w[0], ch.s[0], g_wp, g_sp, c * 32);  // gate
+  load_tile<EARLY>(ch.w[1], ch.s[1], u_wp, u_sp, c * 32);  // up
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -558,7 +548,7 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
     u_wp = suwq + ((size_t)ft * KC + c0) * 32 + lane;
     u_sp = susq + ((size_t)ft * KC + c0) * 32 + lane;
 #pragma unroll
-    for (int c = 0; c < PF && c < CPW; ++c) load_w2(buf[c], g_wp, g_sp, u_wp, u_sp, c, true);
+    for (int c = 0; c < PF && c < CPW; ++c) load_w2<true>(buf[c], g_wp, g_sp, u_wp, u_sp, c);
   }
 #if PDL
   if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -596,7 +586,7 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
     u_wp = uwq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
     u_sp = usq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
 #pragma unroll
-    for (int c = 0; c < PF && c < CPW; ++c) load_w2(buf[c], g_wp, g_sp, u_wp, u_sp, c, false);
+    for (int c = 0; c < PF && c < CPW; ++c) load_w2(buf[c], g_wp, g_sp, u_wp, u_sp, c);
     asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(gscale) : "l"(ggs + e * gs_stride));
     asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(uscale) : "l"(ugs + e * gs_stride));
   }
@@ -609,7 +599,7 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
 #pragma unroll
   for (int c = 0; c < CPW; ++c) {
     if (c + PF < CPW) {
-      load_w2(buf[(c + PF) % (PF + 1)], g_wp, g_sp, u_wp, u_sp, c + PF, false);
+      load_w2(buf[(c + PF) % (PF + 1)], g_wp, g_sp, u_wp, u_sp, c + PF);
       load_x(buf[(c + PF) % (PF + 1)], xp, c + PF);
     }
     mma_chunk(buf[c % (PF + 1)], acc);
@@ -675,7 +665,7 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
       sp = ssq + (size_t)ft * KC * 32 + lane;
       if (first) {  // weights only before the wait (PDL)
 #pragma unroll
-        for (int c = 0; c < PF && c < KC; ++c) load_w_early(buf[c], wp, sp, c);
+        for (int c = 0; c < PF && c < KC; ++c) load_w<true>(buf[c], wp, sp, c);
       }
       xrow = h + ((size_t)min(g, N - 1) * (KTOP + 1) + KTOP) * I;
     } else {

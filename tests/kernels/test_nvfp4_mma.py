@@ -32,6 +32,28 @@ def random_nvfp4(F: int, K: int, gen: torch.Generator, device="cpu"):
     return codes.to(device), scales.to(device)
 
 
+def _spy(fn, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(fn.__name__)
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def _nvfp4(lead: tuple, R: int, C: int, gen: torch.Generator, device="cpu") -> list:
+    """Random NVFP4 `[codes [*lead, R, C/2], scales, global_scale [*lead]]`: every code,
+    block scales 2^-9 (subnormal) .. 2, global scales 0.01 .. 0.03."""
+    codes = torch.randint(0, 256, (*lead, R, C // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(1, 0x40, (*lead, R, C // 16), dtype=torch.uint8,
+                           generator=gen).view(torch.float8_e4m3fn)
+    gs = (0.5 + torch.rand(lead, generator=gen)) * 0.02
+    return [codes.to(device), scales.to(device), gs.float().to(device)]
+
+
+def _require_mma() -> None:
+    if not M.available(torch.device("cuda")):
+        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+
+
 @pytest.mark.parametrize("F,K", [(16, 64), (48, 192), (32, 256)])
 def test_repack_is_lossless(F, K):
     gen = torch.Generator().manual_seed(F * K)
@@ -170,8 +192,7 @@ SHAPES = [(2048, 4096), (5120, 2048), (4096, 2048), (2048, 10240)]
 @pytest.mark.parametrize("N", [1, 5, 8])
 @pytest.mark.parametrize("use_pdl", [False, True])
 def test_kernel_model_shapes_gpu(F, K, N, use_pdl):
-    if not M.available(torch.device("cuda")):
-        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+    _require_mma()
     gen = torch.Generator().manual_seed(F + K + N)
     q = quantize(torch.randn(F, K, generator=gen) * 0.05)
     codes, scales, gs = q.codes.cuda(), q.scales.cuda(), q.global_scale.cuda().float()
@@ -205,8 +226,7 @@ def test_gemv_residual_op_uses_mma_gpu(monkeypatch):
     from flintc.kernels import fused_gemv as FG
     from flintc.ops import grouped
 
-    if not M.available(torch.device("cuda")):
-        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+    _require_mma()
     gen = torch.Generator().manual_seed(3)
     q = quantize(torch.randn(2048, 4096, generator=gen) * 0.05)
     w = [q.codes.cuda(), q.scales.cuda(), q.global_scale.cuda()]
@@ -228,26 +248,11 @@ def test_gemv_residual_op_uses_mma_gpu(monkeypatch):
     assert share < 0.05
 
 
-def _spy(fn, calls: list):
-    def wrapped(*args, **kwargs):
-        calls.append(fn.__name__)
-        return fn(*args, **kwargs)
-    return wrapped
-
-
-def _stacked_nvfp4(E: int, R: int, C: int, gen: torch.Generator, gs_shape):
-    codes = torch.randint(0, 256, (E, R, C // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(1, 0x40, (E, R, C // 16), dtype=torch.uint8,
-                           generator=gen).view(torch.float8_e4m3fn)  # 2^-9 (subnormal) .. 2
-    gs = (0.5 + torch.rand(gs_shape, generator=gen)) * 0.02
-    return [codes.squeeze(0) if E == 0 else codes, scales, gs.float()]
-
-
 def test_stacked_experts_pack_as_rows():
     """A stack [E, H, I/2] packs as its E * H rows: expert e's row tiles at e * H / 16 (the
     MoE down kernel's addressing)."""
     gen = torch.Generator().manual_seed(11)
-    codes, scales, _ = _stacked_nvfp4(3, 32, 128, gen, (3,))
+    codes, scales, _ = _nvfp4((3,), 32, 128, gen)
     wq, sq = M.packed_weight(codes, scales)
     dense = M.decode_mma_layout(wq, sq)
     for e in range(3):
@@ -263,13 +268,10 @@ def test_moe_down_matches_reference_and_triton_gpu(N, use_pdl, monkeypatch):
     from flintc.kernels import moe
     from flintc.ops import grouped
 
-    if not M.available(torch.device("cuda")):
-        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+    _require_mma()
     gen = torch.Generator().manual_seed(100 + N)
     E, H, I, K = 256, 2048, 512, 6
-    down = [t.cuda() for t in _stacked_nvfp4(E, H, I, gen, (E,))]
-    sd = [t.cuda() for t in _stacked_nvfp4(1, H, I, gen, ())]
-    sd = [sd[0][0], sd[1][0], sd[2]]
+    down, sd = _nvfp4((E,), H, I, gen, "cuda"), _nvfp4((), H, I, gen, "cuda")
     h = torch.randn(N, K + 1, I, generator=gen).to(torch.bfloat16).cuda()
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(N)]).cuda()
     wts = torch.rand(N, K, generator=gen).cuda() * 0.5
@@ -299,15 +301,11 @@ def test_moe_topk_gate_up_matches_reference_and_triton_gpu(N, use_pdl, monkeypat
     from flintc.kernels import moe
     from flintc.ops import grouped
 
-    if not M.available(torch.device("cuda")):
-        pytest.skip("needs compute capability 9.0 and torch.cuda._compile_kernel")
+    _require_mma()
     gen = torch.Generator().manual_seed(200 + N)
     E, H, I, K = 256, 2048, 512, 6
-    gate = [t.cuda() for t in _stacked_nvfp4(E, I, H, gen, (E,))]
-    up = [t.cuda() for t in _stacked_nvfp4(E, I, H, gen, (E,))]
-    sg = [t.cuda() for t in _stacked_nvfp4(1, I, H, gen, ())]
-    su = [t.cuda() for t in _stacked_nvfp4(1, I, H, gen, ())]
-    sg, su = [sg[0][0], sg[1][0], sg[2]], [su[0][0], su[1][0], su[2]]
+    gate, up = _nvfp4((E,), I, H, gen, "cuda"), _nvfp4((E,), I, H, gen, "cuda")
+    sg, su = _nvfp4((), I, H, gen, "cuda"), _nvfp4((), I, H, gen, "cuda")
     x = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
     logits = torch.randn(N, E, generator=gen).cuda()
     bias = (torch.randn(E, generator=gen) * 0.05).cuda()
@@ -428,8 +426,8 @@ def test_cuda_sources_compile_with_nvrtc(variant):
 
     import nvidia.cuda_nvrtc as pkg
 
-    root = list(pkg.__path__)[0]
-    lib = ctypes.CDLL(sorted(glob.glob(os.path.join(root, "lib", "libnvrtc.so*")))[0])
+    root = next(iter(pkg.__path__))
+    lib = ctypes.CDLL(min(glob.glob(os.path.join(root, "lib", "libnvrtc.so*"))))
     kind, args = variant
     src = M.kernel_source(*args).encode()
     prog = ctypes.c_void_p()
