@@ -1,6 +1,7 @@
 """Prefill MoE and dense GEMMs on the full model's shapes (GPU only).
 
-For bf16 and NVFP4 weights and N in {512, 2048, 8192} chunk tokens:
+For bf16 and NVFP4 weights (packed, or "nvfp4-mma": in the mma layout the runtime keeps on
+CUDA) and N in {512, 2048, 8192} chunk tokens:
 
 * MoE layer (H=2048, E=256 experts of F=512, top-6, one shared expert): time of
   `moe_route`, `moe_gate_up`, `moe_down_combine` and their sum, per implementation
@@ -82,7 +83,17 @@ def bf16_peak_tflops() -> float:
 
 def random_weight(shape, fmt: str) -> list[torch.Tensor]:
     """bf16 N(0, 0.02), or NVFP4 with random codes, block scales in [2^-4, 2^-1] and a
-    global scale per matrix (per expert for a stack)."""
+    global scale per matrix (per expert for a stack); "nvfp4-mma": the same NVFP4 weight
+    converted to the mma layout of the CUDA decode kernels, as the runtime holds it
+    (`flintc.kernels.nvfp4_mma.prepack`)."""
+    if fmt == "nvfp4-mma":
+        from flintc.kernels.nvfp4_mma import pack_mma_layout
+
+        codes, scales, gs = random_weight(shape, "nvfp4")
+        *lead, rows, k = shape
+        wq, sq = pack_mma_layout(codes.reshape(-1, k // 2), scales.reshape(-1, k // 16))
+        return [wq.reshape(*lead, rows // 16, k // 64, 32, 4),
+                sq.reshape(*lead, rows // 16, k // 64, 32, 2), gs]
     if fmt == "bf16":
         return [(torch.randn(*shape, device="cuda") * 0.02).to(torch.bfloat16)]
     *lead, rows, k = shape
@@ -192,7 +203,7 @@ def sweep_rows(fmt: str, tokens, copy_gbs: float) -> list[list]:
         weights, ids = GG.moe_route(x, router, bias, TOPK, SCALING)
         h = GG.moe_gate_up(x, ids, gate, up, sg, su, impl="triton")
         bms = (16, 32) if N <= 1024 else (32, 64)
-        st = 2 if fmt == "nvfp4" else 3
+        st = 2 if fmt.startswith("nvfp4") else 3
         cands = [None] + [GG.GroupedConfig(bm, bf, bk, w, st, True, False) for bm in bms
                           for bf in (64, 128) for bk in (64, 128)
                           for w in ((4, 8) if fmt == "bf16" and bm >= 32 else (4,))]
@@ -231,7 +242,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--impls", nargs="+", default=["triton", "grouped_mm"],
                         choices=["triton", "grouped_mm", "loop"])
-    parser.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4"])
+    parser.add_argument("--formats", nargs="+", default=["bf16", "nvfp4"],
+                        choices=["bf16", "nvfp4", "nvfp4-mma"])
     parser.add_argument("--skip-dense", action="store_true")
     parser.add_argument("--sweep", action="store_true",
                         help="only the Triton grouped GEMM's block sweep (BLOCKS_OVERRIDE)")

@@ -10,7 +10,8 @@ serialises kernels anyway).
 Cases (model shapes of FLINT_SPEC, batch 1 unless named): the O projection + residual
 (2048 x 4096) NVFP4 and bf16 with the default configuration, and NVFP4 with a one-step
 configuration; cuBLAS's bf16 GEMV of the same shape (`torch.nn.functional.linear`); the
-fused QKV kernel NVFP4; the MoE gate/up kernel NVFP4; the RMSNorm + LM head (bf16,
+fused QKV kernel NVFP4; the MoE gate/up kernel NVFP4; decode attention at batch 1 (the
+513-row ring of a sliding layer, a full layer at 1K tokens, the combine); the RMSNorm + LM head (bf16,
 151552 x 2048) and the plain LM head; and `stream_sum`, a kernel that only reads 4.7 MB
 (the NVFP4 O projection's bytes) with every load of a program issued at once: the floor
 a kernel of that size can reach.
@@ -110,6 +111,25 @@ def build_cases(wanted: set[str]):
             bm.SCALING)
         cases[f"moe_down_{fmt}_n8"] = lambda s8=s8: K.moe_down_combine_residual(
             s8.h[0], s8.ids[0], s8.w[0], s8.down, s8.sd[0], s8.x[0])
+    # decode attention at batch 1 (session 13): the ring of a sliding layer (513 rows, 3
+    # splits) and a full layer at 1K tokens, each with its combine: why ~10-13 us per call
+    # for ~1 MB of K / V (its fixed cost: 4.3 us with one visible row, session 7)
+    if not wanted or {"attn_ring_b1", "attn_full1k_b1", "attn_combine_b1"} & wanted:
+        import bench_decode_attention as bda
+
+        from flintc.kernels import decode_attention as da
+
+        ring = bda.make_case(1, bda.W, bda.W, bda.W)
+        n_ring = da.choose_num_splits(bda.W, 1, window=bda.W)
+        cases["attn_ring_b1"] = lambda: da.launch_decode_attention(
+            ring[0], ring[1], ring[2], ring[3], ring[4], bda.W, n_ring)
+        full = bda.make_case(1, 4096, 1024)
+        n_full = da.choose_num_splits(262144, 1)
+        cases["attn_full1k_b1"] = lambda: da.launch_decode_attention(
+            full[0], full[1], full[2], full[3], full[4], 0, n_full)
+        o, lse = da.launch_decode_attention(ring[0], ring[1], ring[2], ring[3], ring[4], bda.W,
+                                            n_ring)
+        cases["attn_combine_b1"] = lambda: da.attention_combine(o, lse, ring[5])
     if wanted:
         cases = {k: v for k, v in cases.items() if k in wanted}
     return cases

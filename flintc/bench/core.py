@@ -521,11 +521,12 @@ class _Bench:
         if eager:
             margin += 2 * 4 * cfg.vocab_size * cfg.hidden_size
         if self.cuda and m.get("backend") == "triton" and ckpt.fmt == "nvfp4":
-            # the CUDA NVFP4 kernels' repacked weights, as the runtime will make them: taken
-            # now, so the caches are sized next to them (flintc.kernels.nvfp4_mma.prepack)
+            # the CUDA NVFP4 kernels' weight layout, as the runtime will convert them: now,
+            # with the conversion's temporaries freed before the caches are sized
+            # (flintc.kernels.nvfp4_mma.prepack)
             from flintc.kernels.nvfp4_mma import prepack
 
-            prepack(ckpt.weights)
+            prepack(ckpt.weights, ckpt.config)
         if self.cuda:
             gc.collect()
             torch.cuda.empty_cache()  # the allocator's cached blocks count as free here

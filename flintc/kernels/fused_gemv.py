@@ -461,7 +461,8 @@ def gemv_residual(x, w, residual, *, use_pdl: bool = False, config: GemvConfig |
     `bf16(residual + bf16(x @ W^T))`.
 
     x: bf16 [..., K] contiguous with N = x.numel() / K rows (N > 8 falls back to the
-    reference op); w: bf16 [F, K] or NVFP4; residual: bf16 [...] contiguous with N * F
+    reference op); w: bf16 [F, K] or NVFP4, packed or in the mma layout (as `gemv`);
+    residual: bf16 [...] contiguous with N * F
     elements and last dim F. -> bf16 shaped like residual. Numerics: the GEMV bound, then
     the reference's two roundings. Raises ValueError naming a bad argument.
     """
@@ -476,7 +477,7 @@ def gemv_residual(x, w, residual, *, use_pdl: bool = False, config: GemvConfig |
     check_tensor(op, "x", x, torch.bfloat16, None, x.device)
     x2 = x.view(N, K)
     check_x2d(op, x2)
-    fmt, F, wargs = check_weight(op, "w", w, K, x.device)
+    fmt, F, wargs = check_weight(op, "w", w, K, x.device, mma_ok=True)
     check_tensor(op, "residual", residual, torch.bfloat16, None, x.device)
     if residual.numel() != N * F or residual.shape[-1] != F:
         fail(op, "residual", f"a bf16 tensor [..., {F}] with {N} rows", residual)

@@ -841,12 +841,31 @@ def check_tensor(op: str, name: str, t, dtypes, shape, device) -> None:
         fail(op, name, what + " (it is not contiguous)", t)
 
 
-def check_weight(op: str, name: str, w, K: int, device, F: int | None = None):
+def check_weight(op: str, name: str, w, K: int, device, F: int | None = None,
+                 mma_ok: bool = False):
     """Check a weight list `[w]` bf16 [F, K] or NVFP4 `[codes uint8 [F, K/2], scales
-    float8_e4m3fn [F, K/16], global_scale fp32 []]`. Returns (fmt, F, (w, scales,
-    gscale) kernel arguments; bf16 passes the weight for the unused pointers)."""
+    float8_e4m3fn [F, K/16], global_scale fp32 []]`, or with `mma_ok` NVFP4 in the mma
+    layout (`[codes int32 [F/16, K/64, 32, 4], scales uint8 [F/16, K/64, 32, 2],
+    global_scale]`, `flintc.kernels.nvfp4_mma`). Returns (fmt "bf16" / "nvfp4" /
+    "nvfp4-mma", F, (w, scales, gscale) kernel arguments; bf16 passes the weight for the
+    unused pointers)."""
     if not isinstance(w, (list, tuple)) or len(w) not in (1, 3):
         fail(op, name, "a list [weight] (bf16) or [codes, scales, global_scale] (NVFP4)", w)
+    if len(w) == 3 and isinstance(w[0], torch.Tensor) and w[0].dtype == torch.int32:
+        codes, scales, gscale = w
+        if not mma_ok:
+            fail(op, f"{name}[0] (NVFP4 codes)", f"uint8 codes [F, {K // 2}] of the packed layout "
+                 "(this op does not read the mma layout: only the CUDA decode kernels do)", codes)
+        if codes.dim() != 4 or K % 64:
+            fail(op, f"{name}[0] (NVFP4 codes, mma layout)", f"an int32 tensor [F/16, {K // 64}, "
+                 "32, 4] (K % 64 == 0)", codes)
+        F = codes.shape[0] * 16 if F is None else F
+        check_tensor(op, f"{name}[0] (NVFP4 codes, mma layout)", codes, torch.int32,
+                     (F // 16, K // 64, 32, 4), device)
+        check_tensor(op, f"{name}[1] (NVFP4 scale codes, mma layout)", scales, torch.uint8,
+                     (F // 16, K // 64, 32, 2), device)
+        check_tensor(op, f"{name}[2] (NVFP4 global scale)", gscale, torch.float32, (), device)
+        return "nvfp4-mma", F, (codes, scales, gscale)
     if len(w) == 3:
         codes, scales, gscale = w
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
@@ -875,6 +894,14 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
     unit column stride), weights `wargs` from `check_weight`, out [N, F] contiguous."""
     N, K = x2.shape
     dev = x2.device
+    if fmt == "nvfp4-mma":  # converted weights: only the CUDA kernel reads them
+        if config is not None or norm is not None or epilogue == EPI_FP32:
+            fail(op, "w", "in the packed NVFP4 layout for a config, a norm prologue or an fp32 "
+                 "output (the mma layout runs on the CUDA kernel only)")
+        if not _mma_gemv(x2, wargs, F, out, residual, use_pdl):
+            fail(op, "w", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
+                 "kernel only (sm_90+, NVRTC, outside the Triton interpreter)")
+        return out
     if (fmt == "nvfp4" and config is None and norm is None and epilogue != EPI_FP32
             and _mma_gemv(x2, wargs, F, out, residual, use_pdl)):
         return out
@@ -926,12 +953,18 @@ def _mma_gemv(x2: torch.Tensor, wargs, F: int, out: torch.Tensor,
     from flintc.kernels import nvfp4_mma
 
     N, K = x2.shape
-    if _interpreting() or F % 16 or K % 64 or not x2.is_contiguous() or x2.data_ptr() % 16 \
-            or not nvfp4_mma.available(x2.device):
-        return False
     codes, scales, gscale = wargs
+    converted = nvfp4_mma.is_mma_layout(codes)
+    if _interpreting() or F % 16 or K % 64:
+        return False
+    if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
+        return False
+    if not x2.is_contiguous() or x2.data_ptr() % 16:
+        if not converted:
+            return False
+        x2 = x2.clone(memory_format=torch.contiguous_format)  # the kernel's 16-byte loads
     try:
-        wq, sq = nvfp4_mma.packed_weight(codes, scales)
+        wq, sq = nvfp4_mma.mma_operands(codes, scales)
     except RuntimeError:  # first seen while capturing a CUDA graph
         return False
     nvfp4_mma.mma_gemv(x2, wq, sq, gscale, out.view(N, F),
@@ -957,7 +990,10 @@ def gemv(x: torch.Tensor, w: list[torch.Tensor], *, use_pdl: bool = False,
         x: bf16 [N, K], 1 <= N <= 8, contiguous.
         w: `[weight]` bf16 [F, K], or NVFP4 `[codes, scales, global_scale]` with codes
             uint8 [F, K/2], scales float8_e4m3fn [F, K/16], global_scale fp32 [];
-            K % 16 == 0 for NVFP4. All contiguous, on x's device.
+            K % 16 == 0 for NVFP4; or NVFP4 in the mma layout (codes int32 [F/16, K/64,
+            32, 4], scales uint8 [F/16, K/64, 32, 2]: `flintc.kernels.nvfp4_mma.prepack`),
+            which runs on the CUDA kernel only (sm_90+; ValueError elsewhere or with a
+            config). All contiguous, on x's device.
         use_pdl: launch with programmatic dependent launch (CUDA, sm_90+ only).
         out: optional bf16 [N, F] contiguous output; allocated when None.
         config: a `GemvConfig`; None picks one with `choose_config`.
@@ -975,7 +1011,7 @@ def gemv(x: torch.Tensor, w: list[torch.Tensor], *, use_pdl: bool = False,
             message names the argument.
     """
     check_x2d("gemv", x)
-    fmt, F, wargs = check_weight("gemv", "w", w, x.shape[1], x.device)
+    fmt, F, wargs = check_weight("gemv", "w", w, x.shape[1], x.device, mma_ok=True)
     if out is None:
         out = torch.empty((x.shape[0], F), dtype=torch.bfloat16, device=x.device)
     else:

@@ -21,6 +21,17 @@ flattened ids), so each expert's weights are read once per tile of its tokens:
     per-expert global scale on the fp32 accumulator, one rounding. gate/up run in one
     kernel with two accumulators and SiLU-and-mul in the epilogue; down writes each
     expert's bf16 output to its (token, k) slot.
+    NVFP4 weights may also come in the mma layout of the CUDA decode kernels (int32
+    codes, `flintc.kernels.nvfp4_mma.pack_mma_layout`; the runtime keeps only that
+    layout on CUDA): `MMA_LAYOUT` (K order only) loads whole words (8 weights, rows g and
+    g + 8 of a 16-row tile) and each lane's two scale codes as one u16, decodes them with
+    the CUDA kernels' word decode (inline PTX on the GPU; the same values by shifts under
+    the interpreter) into two K-order half tiles (`flintc.kernels.gemm._load_mma_halves`),
+    runs one dot per half and puts the rows back in order once per tile, on the
+    accumulators. Same exact products and fp32 sums as the packed layout's kernel; being
+    another compiled program, the sums may come out in another order (H200, 512 tokens:
+    37 of 1.57M gate/up outputs differ by one or two bf16 ulps). At 2K-8K tokens it is
+    5-10% faster than the packed layout's (docs/gpu-runs.md session 13).
   - `"grouped_mm"` (bf16 weights only): `torch._grouped_mm` (CUTLASS on sm_90, fp32
     accumulation, bf16 output: one rounding) on the sorted rows; torch's silu_mul.
     NVFP4 cannot use it: grouped_mm only returns bf16 for bf16 inputs (torch <= 2.13), so
@@ -68,8 +79,12 @@ import triton
 import triton.language as tl
 
 from flintc.kernels.gemm import (
+    MMA_CHUNK,
+    MMA_TILE_ROWS,
+    _load_mma_halves,
     _load_weight_tile,
     _round_to_bf16,
+    mma_unhalve,
 )
 from flintc.kernels import gemm as _gemm_kernels
 from flintc.kernels.gemm import gemm as dense_gemm
@@ -121,9 +136,11 @@ def moe_grouped_gemm_kernel(
     a_ptr,  # bf16 activations: the row of slot (token t, k) starts at t * a_s0 + k * a_s1, K contiguous
     order_ptr,  # int64 [M]: the slot (token * TOPK + k) at each sorted position
     out_ptr,  # bf16 output: the row of slot (t, k) starts at t * o_s0 + k * o_s1, F contiguous
-    w_ptr,  # [E, F, K] bf16, or NVFP4 codes uint8 [E, F, K/2] (gate for GATE_UP)
+    w_ptr,  # [E, F, K] bf16, or NVFP4 codes uint8 [E, F, K/2] (gate for GATE_UP); MMA_LAYOUT:
+    #         int32 [E, F/16, K/64, 32, 4] (`pack_mma_layout` of the [E * F, K] stack)
     w2_ptr,  # up weights, same layout (GATE_UP only)
-    s_ptr, s2_ptr,  # NVFP4 block scales float8_e4m3fn [E, F, K/16] (unused for bf16)
+    s_ptr, s2_ptr,  # NVFP4 block scales float8_e4m3fn [E, F, K/16] (unused for bf16); MMA_LAYOUT:
+    #                 ue5m3 scale codes uint8 [E, F/16, K/64, 32, 2]
     g_ptr, g2_ptr,  # NVFP4 global scales fp32 [E] (unused for bf16)
     tile_expert_ptr, tile_start_ptr, tile_end_ptr,  # int32 [NUM_TILES]
     F, K, TOPK, a_s0, a_s1, o_s0, o_s1,
@@ -132,6 +149,7 @@ def moe_grouped_gemm_kernel(
     USE_PDL: tl.constexpr,
     K_ORDER: tl.constexpr = True,  # NVFP4: dot in K order (else even / odd halves)
     SWAP: tl.constexpr = False,  # K order only: accumulate [F, M] = W @ a^T (weights on the left)
+    MMA_LAYOUT: tl.constexpr = False,  # NVFP4 in the mma layout (needs K_ORDER; K % 64 == 0)
 ):
     # Program (tile, pid_f): sorted slots [start, end) (all of one expert e, at most
     # BLOCK_M) times output columns [pid_f * BLOCK_F, (pid_f + 1) * BLOCK_F) of expert e.
@@ -165,6 +183,10 @@ def moe_grouped_gemm_kernel(
         s2_rows = s2_ptr + e * F * (K // 16) + offs_f.to(tl.int64) * (K // 16)
         kb = tl.arange(0, BLOCK_K // 16)
         j = tl.arange(0, 8)
+        # MMA_LAYOUT: expert e's rows are rows e * F + f of the flat [E * F, K] pack (its
+        # 16-row tiles e * F/16 ..); this program's from e * F + pid_f * BLOCK_F
+        mma_row0 = e * F + pid_f * BLOCK_F
+        mma_row_end = e * F + F
     else:
         w_base = w_ptr + e * F * K
         w2_base = w2_ptr + e * F * K
@@ -174,6 +196,11 @@ def moe_grouped_gemm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
         acc2 = tl.zeros((BLOCK_M, BLOCK_F), dtype=tl.float32)
+    # MMA_LAYOUT: one accumulator per row half of the weight tiles (`_load_mma_halves`)
+    acc_lo = tl.zeros((BLOCK_M, BLOCK_F // 2), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, BLOCK_F // 2), dtype=tl.float32)
+    acc2_lo = tl.zeros((BLOCK_M, BLOCK_F // 2), dtype=tl.float32)
+    acc2_hi = tl.zeros((BLOCK_M, BLOCK_F // 2), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if IS_NVFP4 and not K_ORDER:
             # Weights 2j (low nibbles) and 2j + 1 (high nibbles) of each code byte j, as
@@ -200,20 +227,38 @@ def moe_grouped_gemm_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_a = mask_m[:, None] & (offs_k < K)[None, :]
             a = tl.load(a_ptr + a_off[:, None] + offs_k[None, :], mask=mask_a, other=0.0)
-            if IS_NVFP4:
-                ct, st = load_weight_tile(w_rows, s_rows, mask_f, k0, K, BLOCK_K, True)
-                wt = dequant_tile_k_order(ct, st, BLOCK_F, BLOCK_K, DOT_BF16)
+            if MMA_LAYOUT:
+                # e2m1 * scale * 2^-8, exact, as dequant_tile_k_order's; one dot per row half
+                w_lo, w_hi = _load_mma_halves(w_ptr, s_ptr, mma_row0, mma_row_end, k0, K,
+                                              BLOCK_F, BLOCK_K, 8, DOT_BF16)
+                acc_lo = _mma(acc_lo, a, w_lo, False, DOT_BF16)
+                acc_hi = _mma(acc_hi, a, w_hi, False, DOT_BF16)
+                if GATE_UP:
+                    u_lo, u_hi = _load_mma_halves(w2_ptr, s2_ptr, mma_row0, mma_row_end, k0, K,
+                                                  BLOCK_F, BLOCK_K, 8, DOT_BF16)
+                    acc2_lo = _mma(acc2_lo, a, u_lo, False, DOT_BF16)
+                    acc2_hi = _mma(acc2_hi, a, u_hi, False, DOT_BF16)
             else:
-                wt, _ = _load_weight_tile(w_base, s_ptr, offs_f, mask_f, k0, K, BLOCK_K, False)
-            acc = _mma(acc, a, wt, SWAP, DOT_BF16)
-            if GATE_UP:
                 if IS_NVFP4:
-                    ct2, st2 = load_weight_tile(w2_rows, s2_rows, mask_f, k0, K, BLOCK_K, True)
-                    wt2 = dequant_tile_k_order(ct2, st2, BLOCK_F, BLOCK_K, DOT_BF16)
+                    ct, st = load_weight_tile(w_rows, s_rows, mask_f, k0, K, BLOCK_K, True)
+                    wt = dequant_tile_k_order(ct, st, BLOCK_F, BLOCK_K, DOT_BF16)
                 else:
-                    wt2, _ = _load_weight_tile(w2_base, s2_ptr, offs_f, mask_f, k0, K, BLOCK_K,
-                                               False)
-                acc2 = _mma(acc2, a, wt2, SWAP, DOT_BF16)
+                    wt, _ = _load_weight_tile(w_base, s_ptr, offs_f, mask_f, k0, K, BLOCK_K,
+                                              False)
+                acc = _mma(acc, a, wt, SWAP, DOT_BF16)
+                if GATE_UP:
+                    if IS_NVFP4:
+                        ct2, st2 = load_weight_tile(w2_rows, s2_rows, mask_f, k0, K, BLOCK_K,
+                                                    True)
+                        wt2 = dequant_tile_k_order(ct2, st2, BLOCK_F, BLOCK_K, DOT_BF16)
+                    else:
+                        wt2, _ = _load_weight_tile(w2_base, s2_ptr, offs_f, mask_f, k0, K,
+                                                   BLOCK_K, False)
+                    acc2 = _mma(acc2, a, wt2, SWAP, DOT_BF16)
+    if MMA_LAYOUT:  # the rows back in order, once per tile
+        acc = mma_unhalve(acc_lo, acc_hi, BLOCK_M, BLOCK_F)
+        if GATE_UP:
+            acc2 = mma_unhalve(acc2_lo, acc2_hi, BLOCK_M, BLOCK_F)
     if SWAP and not (IS_NVFP4 and not K_ORDER):
         acc = tl.trans(acc)
         acc2 = tl.trans(acc2)
@@ -503,12 +548,51 @@ def _fail(op: str, name: str, what: str, t) -> None:
     raise ValueError(f"{op}: {name} must be {what}; got {got}")
 
 
+def _is_mma(w) -> bool:
+    """Whether a weight list is NVFP4 in the mma layout (int32 codes)."""
+    return len(w) == 3 and isinstance(w[0], torch.Tensor) and w[0].dtype == torch.int32
+
+
+def _stacked_dims(w) -> tuple[int, int]:
+    """(E, F) of a checked stacked weight list, either NVFP4 layout or bf16."""
+    return w[0].shape[0], w[0].shape[1] * (MMA_TILE_ROWS if _is_mma(w) else 1)
+
+
+def _check_stacked_mma(op: str, name: str, w, E: int | None, K: int, device):
+    """A stacked NVFP4 weight in the mma layout: [codes int32 [E, F/16, K/64, 32, 4],
+    scales uint8 [E, F/16, K/64, 32, 2], global_scale fp32 [E]]. Returns (True, E, F)."""
+    codes, scales, gs = w
+    if K % MMA_CHUNK:
+        raise ValueError(f"{op}: mma-layout NVFP4 {name} (int32 codes) needs the reduction dim "
+                         f"{K} to be a multiple of {MMA_CHUNK}")
+    KC = K // MMA_CHUNK
+    if codes.dim() != 5 or (E is not None and codes.shape[0] != E) or codes.shape[2] != KC \
+            or tuple(codes.shape[3:]) != (32, 4) or codes.device != device \
+            or not codes.is_contiguous():
+        _fail(op, f"{name}[0] (NVFP4 mma-layout codes)",
+              f"a contiguous int32 tensor [E{'' if E is None else '=' + str(E)}, F/16, {KC}, 32, 4] "
+              f"on {device}", codes)
+    E, FT = codes.shape[0], codes.shape[1]
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 \
+            or tuple(scales.shape) != (E, FT, KC, 32, 2) or not scales.is_contiguous() \
+            or scales.device != device:
+        _fail(op, f"{name}[1] (NVFP4 mma-layout scale codes)",
+              f"a contiguous uint8 tensor [{E}, {FT}, {KC}, 32, 2] on {device}", scales)
+    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != (E,) \
+            or gs.device != device:
+        _fail(op, f"{name}[2] (NVFP4 global scales)", f"an fp32 tensor [{E}] on {device}", gs)
+    return True, E, FT * MMA_TILE_ROWS
+
+
 def _check_stacked(op: str, name: str, w, E: int | None, K: int, device):
-    """A stacked expert weight [E, F, K] (bf16) or [codes, scales, global_scale [E]].
-    Returns (is_nvfp4, E, F)."""
+    """A stacked expert weight [E, F, K]: bf16 [weight], or NVFP4 [codes, scales,
+    global_scale [E]] in the packed layout (uint8 codes) or the mma layout (int32 codes,
+    `_check_stacked_mma`). Returns (is_nvfp4, E, F)."""
     if not isinstance(w, (list, tuple)) or len(w) not in (1, 3):
         raise ValueError(f"{op}: {name} must be a list [weight] (bf16) or [codes, scales, "
                          f"global_scale] (NVFP4)")
+    if _is_mma(w):
+        return _check_stacked_mma(op, name, w, E, K, device)
     t0 = w[0]
     if not isinstance(t0, torch.Tensor) or t0.dim() != 3 or (E is not None and t0.shape[0] != E) \
             or t0.device != device or not t0.is_contiguous():
@@ -585,10 +669,20 @@ def _launch_triton(a, a_strides, out, out_strides, w, w2, plan: ExpertPlan, K, g
     (token t, k) starts at element t * s0 + k * s1 of `a` / `out` ((s0, s1) = a_strides /
     out_strides)."""
     is_nvfp4 = len(w) == 3
-    E, F = w[0].shape[0], w[0].shape[1]
+    mma = _is_mma(w)
+    E, F = _stacked_dims(w)
     dev = a.device
     M = plan.M
     cfg = _choose_blocks(M, E, F, gate_up, is_nvfp4, dev)
+    if mma:
+        # the mma-layout loader yields K-order tiles of whole 16-row tiles and 64-column
+        # chunks; an even / odd config also gets BLOCK_M <= 32 as `_choose_blocks`'s NVFP4
+        # rule (K order at BLOCK_M 64 does not compile on triton 3.6)
+        if not cfg.k_order:
+            cfg = cfg._replace(k_order=True, block_m=min(cfg.block_m, 32))
+        # one dot per 8-row half of each 16-row tile: halves of at least 16 rows (tl.dot)
+        cfg = cfg._replace(swap=False, block_f=max(cfg.block_f, 2 * MMA_TILE_ROWS),
+                           block_k=max(cfg.block_k, MMA_CHUNK))
     block_m, block_f = cfg.block_m, cfg.block_f
     t_e, t_s, t_end = plan.tiles(block_m)
     w2 = w2 if w2 is not None else w
@@ -602,15 +696,21 @@ def _launch_triton(a, a_strides, out, out_strides, w, w2, plan: ExpertPlan, K, g
         a, plan.order, out, *args, t_e, t_s, t_end, F, K, plan.K, *a_strides, *out_strides,
         BLOCK_M=block_m, BLOCK_F=block_f, BLOCK_K=cfg.block_k, IS_NVFP4=is_nvfp4,
         GATE_UP=gate_up, DOT_BF16=dev.type == "cuda", USE_PDL=pdl_mode(pdl), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, K_ORDER=cfg.k_order, SWAP=cfg.swap,
+        num_stages=cfg.num_stages, K_ORDER=cfg.k_order, SWAP=cfg.swap, MMA_LAYOUT=mma,
         **({"launch_pdl": True} if pdl else {}),
     )
 
 
 def _expert_weight_fp32(w, e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Expert e's matrix in fp32 without the global scale, and that scale (NVFP4) or None."""
+    """Expert e's matrix in fp32 without the global scale, and that scale (NVFP4) or None.
+    The mma layout is decoded by `flintc.kernels.nvfp4_mma.decode_mma_layout` (the same
+    values as `dequantize_packed` of the packed layout)."""
     if len(w) == 1:
         return w[0][e].to(torch.float32), None
+    if _is_mma(w):
+        from flintc.kernels.nvfp4_mma import decode_mma_layout
+
+        return decode_mma_layout(w[0][e], w[1][e]), w[2][e]
     from flintc.quant.nvfp4 import dequantize_packed
 
     return dequantize_packed(w[0][e], w[1][e], None, torch.float32), w[2][e]
@@ -620,7 +720,7 @@ def _loop_expert_mm(rows: torch.Tensor, w, counts: torch.Tensor, ends: torch.Ten
     """fp32 [M, F] = per-expert `rows[slice_e] @ W_e^T` (times the global scale), looping
     over the experts that have rows (host sync); unrounded."""
     M = rows.shape[0]
-    F = w[0].shape[1]
+    F = _stacked_dims(w)[1]
     y = torch.empty(M, F, dtype=torch.float32, device=rows.device)
     for e, (c, stop) in enumerate(zip(counts.tolist(), ends.tolist())):
         if c == 0:
@@ -690,10 +790,17 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: list[torch.Tensor], up
     Args:
         x: bf16 [N, H], last dim contiguous.
         ids: int64 [N, K] selected experts, each in [0, E) (not checked: needs a sync).
-        gate, up: stacked [E, F, H]: `[w]` bf16, or NVFP4 `[codes [E, F, H/2], scales
-            [E, F, H/16], global_scale fp32 [E]]`; contiguous; same format for both.
-        shared_gate, shared_up: [F, H] in either format (see `flintc.kernels.gemm.gemm`),
-            or both empty lists (no shared expert).
+        gate, up: stacked [E, F, H]: `[w]` bf16, or NVFP4 `[codes, scales, global_scale
+            fp32 [E]]` in the packed layout (codes uint8 [E, F, H/2], scales float8_e4m3fn
+            [E, F, H/16]) or the mma layout (told by codes' dtype: codes int32
+            [E, F/16, H/64, 32, 4], scales uint8 ue5m3 codes [E, F/16, H/64, 32, 2], i.e.
+            `flintc.kernels.nvfp4_mma.pack_mma_layout` of the [E * F, H] stack reshaped;
+            H % 64 == 0); contiguous; same format and layout for both. Both layouts give
+            bit-identical results for the same weights with impl "loop"; with "triton"
+            the same exact products and fp32 sums, possibly summed in another order
+            (module docstring).
+        shared_gate, shared_up: [F, H] in any of these formats (see
+            `flintc.kernels.gemm.gemm`), or both empty lists (no shared expert).
         use_pdl: PDL launch of the Triton kernel (CUDA only).
         impl: "auto" | "triton" | "grouped_mm" | "loop" (module docstring).
 
@@ -701,7 +808,10 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: list[torch.Tensor], up
         h bf16 [N, K(+1), F], the shared expert last. Numerics: module docstring.
 
     Raises:
-        ValueError: a dtype, shape, device or layout does not match, or `impl` cannot run.
+        ValueError: a dtype, shape, device or layout does not match (the message names the
+            tensor, e.g. `gate[1] (NVFP4 mma-layout scale codes)`, and the expected shape),
+            gate and up differ in format or layout, or `impl` cannot run (grouped_mm takes
+            bf16 weights only).
     """
     op = "moe_gate_up"
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
@@ -713,8 +823,9 @@ def moe_gate_up(x: torch.Tensor, ids: torch.Tensor, gate: list[torch.Tensor], up
     K = ids.shape[1]
     is_nvfp4, E, F = _check_stacked(op, "gate", gate, None, H, dev)
     is_nvfp4_u, _, F_u = _check_stacked(op, "up", up, E, H, dev)
-    if is_nvfp4_u != is_nvfp4 or F_u != F:
-        raise ValueError(f"{op}: up must have gate's format and shape [E={E}, F={F}, H={H}]")
+    if is_nvfp4_u != is_nvfp4 or F_u != F or _is_mma(up) != _is_mma(gate):
+        raise ValueError(f"{op}: up must have gate's format, layout and shape [E={E}, F={F}, "
+                         f"H={H}]")
     if bool(shared_gate) != bool(shared_up):
         raise ValueError(f"{op}: shared_gate and shared_up must both be given or both be empty")
     impl = _pick_impl(op, impl, is_nvfp4, dev)
@@ -748,8 +859,13 @@ def moe_down_combine(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     Args:
         h: bf16 [N, K(+1), F] from `moe_gate_up` (last dim contiguous).
         ids: int64 [N, K] (as for `moe_gate_up`); weights: fp32 [N, K].
-        down: stacked [E, H, F], bf16 `[w]` or NVFP4 `[codes, scales, global_scale [E]]`.
-        shared_down: [H, F] in either format, or [] (then h has K slots).
+        down: stacked [E, H, F], bf16 `[w]` or NVFP4 `[codes, scales, global_scale fp32 [E]]`
+            in the packed layout (codes uint8 [E, H, F/2], scales float8_e4m3fn
+            [E, H, F/16]) or the mma layout (codes int32 [E, H/16, F/64, 32, 4], scales
+            uint8 [E, H/16, F/64, 32, 2]; F % 64 == 0), as for `moe_gate_up`; contiguous.
+            Both layouts give the same results as for `moe_gate_up`.
+        shared_down: [H, F] in any of these formats (`flintc.kernels.gemm.gemm`), or []
+            (then h has K slots).
         use_pdl: PDL launch of the Triton kernel (CUDA only).
         impl: "auto" | "triton" | "grouped_mm" | "loop" (module docstring).
 
@@ -758,7 +874,9 @@ def moe_down_combine(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         expression given the same expert outputs).
 
     Raises:
-        ValueError: a dtype, shape, device or layout does not match, or `impl` cannot run.
+        ValueError: a dtype, shape, device or layout does not match (the message names the
+            tensor and the expected shape), or `impl` cannot run (grouped_mm takes bf16
+            weights only).
     """
     op = "moe_down_combine"
     if not isinstance(h, torch.Tensor) or h.dtype != torch.bfloat16 or h.dim() != 3 \

@@ -81,7 +81,11 @@ off): `moe_topk_gate_up` and `moe_down_combine_residual` run the CUDA C++ `mma.s
 kernels of `flintc.kernels.nvfp4_mma` instead (same op contract and rounding points; no
 expert dedupe; the routing weights use the same formulas and sum order as `_route`):
 about 1.5x (gate/up) and 1.4-2.5x (down) faster at batches 1 and 8 (docs/gpu-runs.md
-session 12). The other ops and bf16 stay on the Triton kernels here.
+session 12). The other ops and bf16 stay on the Triton kernels here. Experts that the
+runtime converted to the mma layout (`flintc.kernels.nvfp4_mma.prepack`: int32 codes
+[E, F/16, K/64, 32, 4], uint8 scale codes [E, F/16, K/64, 32, 2]) run on those CUDA
+kernels only, whatever FLINTC_NVFP4_MMA says; a call they cannot take (no routing, a
+config, another device, the interpreter) raises ValueError saying so.
 """
 
 from __future__ import annotations
@@ -1345,10 +1349,78 @@ def _kernel_opts(cfg: MoeConfig, gpu: bool) -> dict:
     return opts
 
 
+def _converted(*weights) -> bool:
+    """Whether any of the weight lists is NVFP4 in the mma layout (int32 codes,
+    `flintc.kernels.nvfp4_mma.prepack`)."""
+    return any(isinstance(w, (list, tuple)) and len(w) == 3 and isinstance(w[0], torch.Tensor)
+               and w[0].dtype == torch.int32 for w in weights)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy when it is not contiguous and 16-byte aligned (the CUDA
+    kernels' vector loads)."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(
+        memory_format=torch.contiguous_format)
+
+
+def _check_mma(op: str, name: str, w, lead: tuple, F: int, K: int, dev) -> None:
+    """w is NVFP4 in the mma layout of a [*lead, F, K] weight on dev: codes int32
+    [*lead, F/16, K/64, 32, 4], scales uint8 [..., 2] (checked by `nvfp4_mma.mma_operands`),
+    global scale fp32 [] or [*lead]."""
+    from flintc.kernels.nvfp4_mma import is_mma_layout, weight_dims
+
+    if not isinstance(w, (list, tuple)) or len(w) != 3 or not is_mma_layout(w[0]):
+        raise _err(op, name, "NVFP4 in the mma layout, as the other weights of the call", w)
+    shape = [*lead, F // 16, K // 64, 32, 4]
+    if F % 16 or K % 64 or weight_dims(w[0]) != (tuple(lead), F, K) or w[0].device != dev:
+        raise _err(op, f"{name}[0] (NVFP4 codes, mma layout)", f"an int32 tensor {shape} on {dev}",
+                   w[0])
+    gs = w[2]
+    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or gs.device != dev \
+            or tuple(gs.shape) not in ((), tuple(lead)):
+        raise _err(op, f"{name}[2] (NVFP4 global scale)", f"an fp32 tensor [] or {list(lead)} on "
+                   f"{dev}", gs)
+
+
+def _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k, scaling, use_pdl,
+                 config):
+    """`_gate_up_launch` for experts in the mma layout: the CUDA kernel, which is the only
+    one that reads it (ValueError, saying what is missing, where it cannot run)."""
+    from flintc.kernels import nvfp4_mma
+
+    N, H = x.shape
+    dev = x.device
+    if not (isinstance(gate, (list, tuple)) and len(gate) == 3 and gate[0].dim() == 5):
+        raise _err(op, "gate", "a stacked NVFP4 weight in the mma layout [E, F/16, H/64, 32, 4]",
+                   gate[0] if isinstance(gate, (list, tuple)) and gate else gate)
+    E, F = gate[0].shape[0], gate[0].shape[1] * 16
+    for name, w, lead in (("gate", gate, (E,)), ("up", up, (E,)), ("shared_gate", shared_gate, ()),
+                          ("shared_up", shared_up, ())):
+        _check_mma(op, name, w, lead, F, H, dev)
+    if logits is None or config is not None:
+        raise _err(op, "gate", "in the packed NVFP4 layout for moe_gate_up (no routing) or with a "
+                   "config: the mma layout runs on the CUDA moe_topk_gate_up kernel only")
+    if not isinstance(logits, torch.Tensor) or logits.dtype != torch.float32 \
+            or tuple(logits.shape) != (N, E) or logits.device != dev:
+        raise _err(op, "logits", f"an fp32 tensor [{N}, {E}] on {dev}", logits)
+    _check(op, "bias", bias, torch.float32, (E,), dev)
+    x, logits = _aligned(x), logits.contiguous()
+    if not _mma_gate_up_applies(x, logits, E, top_k, H, F, dev, converted=True):
+        raise _err(op, "gate", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
+                   "kernel only (sm_90+ with NVRTC, E % 32 == 0, E <= 1024, top_k <= 8, H % 1024 "
+                   "== 0, contiguous 16-byte aligned x and logits, outside the interpreter)")
+    return nvfp4_mma.moe_topk_gate_up(x, logits, bias, list(gate), list(up), list(shared_gate),
+                                      list(shared_up), top_k, scaling,
+                                      use_pdl=use_pdl and _native(dev))
+
+
 def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, top_k, scaling,
                     use_pdl, config):
     N, H = x.shape
     dev = x.device
+    if _converted(gate, up, shared_gate, shared_up):
+        return _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k,
+                            scaling, use_pdl, config)
     nv, (g0, g1, g2), F, gs_stride = _stacked(op, "gate", gate, H, dev)
     nv_u, (u0, u1, u2), _, gs_stride_u = _stacked(op, "up", up, H, dev, F=F, E=g0.shape[0])
     if nv_u != nv or gs_stride_u != gs_stride:
@@ -1495,6 +1567,8 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
     if slots != K + int(has_shared):
         raise _err(op, "h", f"[N, {K + int(has_shared)}, F] (K = {K} routed slots"
                    f"{' + the shared expert' if has_shared else ''})", h)
+    if _converted(down, shared_down):
+        return _mma_down(op, h, ids, weights, down, shared_down, residual, use_pdl, config)
     if not isinstance(down, (list, tuple)) or not down or not isinstance(down[0], torch.Tensor) \
             or down[0].dim() != 3:
         raise _err(op, "down", "a stacked expert weight list, first tensor [E, H, F(/2)]", down)
@@ -1540,31 +1614,62 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
     return out
 
 
+def _mma_down(op, h, ids, weights, down, shared_down, residual, use_pdl, config):
+    """`_down_launch` for experts in the mma layout (checked arguments h, ids, weights):
+    the CUDA kernel, the only one that reads it (ValueError where it cannot run)."""
+    from flintc.kernels import nvfp4_mma
+
+    N, slots, F = h.shape
+    K = ids.shape[1]
+    dev = h.device
+    if not (isinstance(down, (list, tuple)) and len(down) == 3 and down[0].dim() == 5):
+        raise _err(op, "down", "a stacked NVFP4 weight in the mma layout [E, H/16, F/64, 32, 4]",
+                   down[0] if isinstance(down, (list, tuple)) and down else down)
+    E, H = down[0].shape[0], down[0].shape[1] * 16
+    _check_mma(op, "down", down, (E,), H, F, dev)
+    _check_mma(op, "shared_down", shared_down, (), H, F, dev)
+    if residual is None or config is not None:
+        raise _err(op, "down", "in the packed NVFP4 layout without a residual or with a config: "
+                   "the mma layout runs on the CUDA moe_down_combine_residual kernel only")
+    _check(op, "residual", residual, torch.bfloat16, (N, H), dev)
+    h, ids, weights = _aligned(h), ids.contiguous(), weights.contiguous()
+    if not _mma_down_applies(h, ids, weights, H, F, K, dev, converted=True):
+        raise _err(op, "down", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
+                   "kernel only (sm_90+ with NVRTC, F % 64 == 0, H % 16 == 0, top-k <= 16, "
+                   "16-byte aligned h, outside the interpreter)")
+    return nvfp4_mma.moe_down(h, ids, weights, list(down), list(shared_down), residual,
+                              use_pdl=use_pdl and _native(dev))
+
+
 def _mma_gate_up_applies(x, logits, E: int, top_k: int, H: int, F: int,
-                         dev: torch.device) -> bool:
+                         dev: torch.device, converted: bool = False) -> bool:
     """Whether `moe_topk_gate_up` runs on the CUDA mma kernel
     (`flintc.kernels.nvfp4_mma.moe_topk_gate_up`): NVFP4 with a shared expert, routing in
     the kernel, no explicit config (checked by the caller), a CUDA sm_90+ device, E % 32
     == 0 and E <= 1024, top_k <= 8, H % 1024 == 0, F % 16 == 0, contiguous x (16-byte
-    aligned) and logits, outside the interpreter. FLINTC_NVFP4_MMA=0 keeps the Triton kernel."""
+    aligned) and logits, outside the interpreter. FLINTC_NVFP4_MMA=0 keeps the Triton kernel
+    for packed weights; `converted` (weights in the mma layout) ignores it."""
     from flintc.kernels import nvfp4_mma
 
+    ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)
     return (not _interpreting() and E % 32 == 0 and 32 <= E <= 1024 and top_k <= 8
             and H % 1024 == 0 and F % 16 == 0 and x.is_contiguous() and logits.is_contiguous()
-            and x.data_ptr() % 16 == 0 and nvfp4_mma.available(dev))
+            and x.data_ptr() % 16 == 0 and ok_dev)
 
 
-def _mma_down_applies(h, ids, weights, H: int, F: int, K: int, dev: torch.device) -> bool:
+def _mma_down_applies(h, ids, weights, H: int, F: int, K: int, dev: torch.device,
+                      converted: bool = False) -> bool:
     """Whether `moe_down_combine_residual` runs on the CUDA mma kernel
     (`flintc.kernels.nvfp4_mma.moe_down`): NVFP4 with a shared expert and no explicit
     config (checked by the caller), a CUDA sm_90+ device, F % 64 == 0, H % 16 == 0, K <=
     16, contiguous ids and weights, h 16-byte aligned, outside the interpreter. FLINTC_NVFP4_MMA=0 keeps
-    the Triton kernel."""
+    the Triton kernel for packed weights; `converted` (the mma layout) ignores it."""
     from flintc.kernels import nvfp4_mma
 
+    ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)
     return (not _interpreting() and F % 64 == 0 and H % 16 == 0 and K <= 16
             and ids.is_contiguous() and weights.is_contiguous() and h.data_ptr() % 16 == 0
-            and nvfp4_mma.available(dev))
+            and ok_dev)
 
 
 def moe_down_combine_residual(h, ids, weights, down, shared_down, residual, *,

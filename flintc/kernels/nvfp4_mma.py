@@ -72,15 +72,16 @@ depend on the previous kernel load before `griddepcontrol.wait` (in a basic bloc
 own: ptxas hoists a wait above the loads of its block), activations after it with
 coherent `ld.global` (an `ld.global.nc` may be hoisted above the wait).
 
-Weights: `prepack` repacks, at load time (the compiled runtime and `flintc bench` call it
-for triton builds on CUDA, before the KV caches are sized), the NVFP4 weights these
-kernels read (`PREPACK_SUFFIXES`); the Triton kernels and the prefill keep reading the
-packed layout, so those weights take twice their memory (the
-full model: about +20 GiB on the H200, peak 63.7 GiB at 100K against 43.5; the issue-8
-target of <= 32 GiB at batch 1 / 262K holds only with the CUDA path off until the prefill
-reads this layout and the packed copies can go). Without room for the copies (less than
-PREPACK_RESERVE of the device left free) the CUDA path stays off on that device, with a
-warning. FLINTC_NVFP4_MMA=0 turns it off (no repack, every kernel on Triton).
+Weights: `prepack` converts, at load time (the compiled runtime and `flintc bench` call
+it for triton builds on CUDA, before the KV caches are sized), the NVFP4 weights these
+kernels read (`PREPACK_SUFFIXES`) to this layout in place: the packed copies are freed,
+so the model takes the same memory as with the Triton kernels. The other ops that take
+those weights read the mma layout too: the prefill GEMMs (`flintc.kernels.gemm`,
+`flintc.kernels.grouped_gemm`: a Triton tile loader of this layout) and the reference
+ops (`NVFP4Tensor.dequantize`, through `unpack_mma_layout`). Ops called with packed
+weights (tests, scripts) repack them at first use into a cache (`packed_weight`).
+FLINTC_NVFP4_MMA=0 turns the conversion and the CUDA path for packed weights off (every
+kernel on Triton); weights already converted keep running on these kernels.
 
 Measured on the H200 (docs/gpu-runs.md session 12): a 16384 x 2048 GEMV at 72-75% of the
 copy bandwidth (the Triton loop: 29%); in the model the O projection 6.95 -> 3.54 us, MoE
@@ -97,9 +98,10 @@ import weakref
 import torch
 
 __all__ = ["SCALE_CODE_BIAS", "available", "decode_mma_layout", "e4m3_to_scale_code",
-           "enabled_from_env", "kernel_source", "mma_gemv", "moe_down", "moe_topk_gate_up",
-           "pack_mma_layout", "packed_weight", "prepack", "scale_code_to_bf16_bits",
-           "warps_for"]
+           "enabled_from_env", "is_mma_layout", "kernel_source", "mma_gemv", "mma_operands",
+           "moe_down", "moe_topk_gate_up", "pack_mma_layout", "packed_weight", "prepack",
+           "scale_code_to_bf16_bits", "supported", "unpack_mma_layout", "warps_for",
+           "weight_dims"]
 
 SCALE_CODE_BIAS = 9  # ue5m3: E' = unbiased exponent + 9, so 2^-9 (the smallest E4M3) has E' = 0
 _BF16_EXP_OFFSET = 236  # bf16 exponent field = E' + 236 gives scale * 2^118
@@ -194,6 +196,68 @@ def _code_tables(device: torch.device) -> torch.Tensor:
     pos = torch.tensor(_CODE_BIT_POS, dtype=torch.int64)  # [r, bit]
     bits = (v[None, :, None] >> torch.arange(4)[None, None, :]) & 1  # [1, code, bit]
     return (bits << pos[:, None, :]).sum(-1).to(device)
+
+
+def unpack_mma_layout(wq: torch.Tensor, sq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_mma_layout`: (codes uint8 [F, K/2], scales float8_e4m3fn
+    [F, K/16]) of the packed layout from wq int32 [F/16, K/64, 32, 4] and sq uint8
+    [F/16, K/64, 32, 2]. Every decoded weight equals the original's; the bytes may not:
+    a zero block scale comes back as 2^-9 (`ue5m3` code 0) with the codes' magnitudes
+    cleared. Runs on any device, in passes of bounded size. Raises ValueError for other
+    dtypes or shapes."""
+    if wq.dtype != torch.int32 or wq.dim() != 4 or tuple(wq.shape[2:]) != (32, 4) \
+            or sq.dtype != torch.uint8 or tuple(sq.shape) != (*wq.shape[:3], 2):
+        raise ValueError(f"unpack_mma_layout: expected wq int32 [F/16, K/64, 32, 4] and sq uint8 "
+                         f"[F/16, K/64, 32, 2], got {wq.dtype} {tuple(wq.shape)} and {sq.dtype} "
+                         f"{tuple(sq.shape)}")
+    FT, KC = wq.shape[0], wq.shape[1]
+    F, K = FT * 16, KC * 64
+    codes = torch.empty((F, K // 2), dtype=torch.uint8, device=wq.device)
+    pos = torch.tensor(_CODE_BIT_POS, dtype=torch.int64, device=wq.device)  # [r, bit]
+    step = max(1, (1 << 22) // (K * 16))  # row tiles per pass
+    for t0 in range(0, FT, step):
+        t1 = min(FT, t0 + step)
+        w = (wq[t0:t1].to(torch.int64) & 0xFFFFFFFF)[..., None, None, None]  # [ft, kc, l, s, 1, 1, 1]
+        shift = pos[None] + 16 * torch.arange(2, device=wq.device)[:, None, None]  # [e, r, bit]
+        nib = (((w >> shift) & 1) << torch.arange(4, device=wq.device)).sum(-1)  # [.., s, e, r]
+        nib = nib.transpose(-1, -2)  # [ft, kc, lane, s, r, e]
+        nib = nib.reshape(t1 - t0, KC, 8, 4, 4, 2, 2, 2)  # [ft, kc, g, t, s, half, h, e]
+        nib = nib.permute(0, 6, 2, 1, 3, 4, 5, 7).reshape((t1 - t0) * 16, K)
+        codes[t0 * 16:t1 * 16] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    c = sq.to(torch.int32)  # [ft, kc, g * 4 + t, h] -> [ft, h, g, kc, t]
+    val = torch.exp2(((c >> 3) - SCALE_CODE_BIAS).to(torch.float32)) * (1 + (c & 7).to(torch.float32) / 8)
+    val = val.reshape(FT, KC, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(F, K // 16)
+    return codes, val.to(torch.float8_e4m3fn)
+
+
+def is_mma_layout(codes) -> bool:
+    """Whether NVFP4 codes are in the mma layout (int32; the packed layout is uint8)."""
+    return isinstance(codes, torch.Tensor) and codes.dtype == torch.int32
+
+
+def weight_dims(codes: torch.Tensor) -> tuple[tuple[int, ...], int, int]:
+    """(leading dims, F, K) of an NVFP4 weight's codes in either layout: packed uint8
+    [..., F, K/2] or mma int32 [..., F/16, K/64, 32, 4]."""
+    if is_mma_layout(codes):
+        return tuple(codes.shape[:-4]), codes.shape[-4] * 16, codes.shape[-3] * 64
+    return tuple(codes.shape[:-2]), codes.shape[-2], codes.shape[-1] * 2
+
+
+def mma_operands(codes: torch.Tensor, scales: torch.Tensor,
+                 name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' (wq [R/16, K/64, 32, 4], sq [R/16, K/64, 32, 2]) of one NVFP4 weight
+    or stack (R = all its rows): codes already in the mma layout (`prepack`) as flat
+    views; packed codes through `packed_weight`'s cache (a repacked copy). Raises
+    ValueError (naming `name`) for mma scales that do not match the codes."""
+    if is_mma_layout(codes):
+        if scales.dtype != torch.uint8 or tuple(scales.shape) != (*codes.shape[:-1], 2) \
+                or codes.dim() < 4 or tuple(codes.shape[-2:]) != (32, 4) \
+                or not codes.is_contiguous() or not scales.is_contiguous():
+            raise ValueError(f"{name}: mma-layout codes must be contiguous int32 [..., F/16, K/64, "
+                             f"32, 4] with contiguous uint8 scales [..., F/16, K/64, 32, 2]; got "
+                             f"codes {tuple(codes.shape)}, scales {scales.dtype} {tuple(scales.shape)}")
+        return codes.reshape(-1, *codes.shape[-3:]), scales.reshape(-1, *scales.shape[-3:])
+    return packed_weight(codes, scales)
 
 
 # Register r of a k16 step: bit b of the low element's code (b = 0 mantissa, 1-2 exponent,
@@ -849,18 +913,19 @@ def enabled_from_env() -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether the CUDA path can run on `device`: a CUDA device of compute capability 9.0
-    or newer (`mul.rn.bf16x2`, `griddepcontrol`), torch with `torch.cuda._compile_kernel`,
-    FLINTC_NVFP4_MMA not 0 (`enabled_from_env`, which raises on a bad value), `prepack`
-    not declined on it for lack of memory, and NVRTC able to compile there (`_compiles`,
-    probed once)."""
-    if not enabled_from_env():
-        return False
+    """Whether the CUDA path runs for packed-layout weights on `device`: FLINTC_NVFP4_MMA
+    not 0 (`enabled_from_env`, which raises on a bad value) and `supported(device)`."""
+    return enabled_from_env() and supported(device)
+
+
+def supported(device: torch.device) -> bool:
+    """Whether the CUDA kernels can run on `device`: a CUDA device of compute capability
+    9.0 or newer (`mul.rn.bf16x2`, `griddepcontrol`), torch with
+    `torch.cuda._compile_kernel`, and NVRTC able to compile there (`_compiles`, probed
+    once). Weights already in the mma layout run on them whenever this holds."""
     if device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if f"cuda:{index}" in _DECLINED:
-        return False  # prepack found no room for the repacked weights
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     return _compiles(index)
@@ -1003,7 +1068,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
     K = ids.shape[1]
     codes, scales, gs = down
     scodes, sscales, sgs = shared_down
-    H = codes.shape[1]
+    _, H, _ = weight_dims(codes)
     if not 1 <= N <= 8 or slots != K + 1 or I % 64 or H % 16 or not 1 <= K <= 16:
         raise ValueError(f"moe_down: needs N <= 8, h [N, K + 1, I] with I % 64 == 0, "
                          f"H % 16 == 0, K <= 16; got h {tuple(h.shape)}, K = {K}, H = {H}")
@@ -1019,8 +1084,8 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
         raise ValueError(f"moe_down: residual must be [{N}, {H}], got {tuple(residual.shape)}")
     if h.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {h.device}")
-    wq, sq = packed_weight(codes, scales)
-    swq, ssq = packed_weight(scodes, sscales)
+    wq, sq = mma_operands(codes, scales, "down")
+    swq, ssq = mma_operands(scodes, sscales, "shared_down")
     out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
     kernel = _kernel(1, I, 1, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, device=h.device)
     _launch(kernel, (H // 16, 1), 32 * warps,
@@ -1059,9 +1124,9 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     warps = warps or (16 if N <= 2 else 8)
     E = logits.shape[1] if logits.dim() == 2 else -1
     codes = gate[0]
-    I = codes.shape[1]
+    lead, I, _ = weight_dims(codes)
     if not 1 <= N <= 8 or E % 32 or not 32 <= E <= 1024 or not 1 <= top_k <= 8 \
-            or H % (64 * warps) or I % 16 or codes.shape[0] != E:
+            or H % (64 * warps) or I % 16 or lead != (E,):
         raise ValueError(f"moe_topk_gate_up: needs N <= 8, E % 32 == 0 and E <= 1024, "
                          f"top_k <= 8, H % {64 * warps} == 0, I % 16 == 0; got x "
                          f"{tuple(x.shape)}, logits {tuple(logits.shape)}, gate codes "
@@ -1078,10 +1143,10 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         raise ValueError("moe_topk_gate_up: gate and up need global scales of one shape")
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
-    gwq, gsq = packed_weight(gate[0], gate[1])
-    uwq, usq = packed_weight(up[0], up[1])
-    sgwq, sgsq = packed_weight(shared_gate[0], shared_gate[1])
-    suwq, susq = packed_weight(shared_up[0], shared_up[1])
+    gwq, gsq = mma_operands(gate[0], gate[1], "gate")
+    uwq, usq = mma_operands(up[0], up[1], "up")
+    sgwq, sgsq = mma_operands(shared_gate[0], shared_gate[1], "shared_gate")
+    suwq, susq = mma_operands(shared_up[0], shared_up[1], "shared_up")
     h = torch.empty((N, top_k + 1, I), dtype=torch.bfloat16, device=x.device)
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
@@ -1116,9 +1181,8 @@ def packed_weight(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tens
     """The mma layout of one NVFP4 weight (codes [F, K/2] or stacked [E, F, K/2], scales
     to match; a stack packs as its E * F rows, expert e's row tiles at e * F / 16).
 
-    Repacked by `prepack` (the compiled runtime and `flintc bench` call it when they load
-    a triton build on CUDA), otherwise at its first use, and cached for as long as `codes`
-    lives (a finalizer drops the entry with the tensor, so unloading a model frees both
+    Repacked at its first use (weights the runtime converted with `prepack` do not come
+    here: `mma_operands`), and cached for as long as `codes` lives (a finalizer drops the entry with the tensor, so unloading a model frees both
     copies). A first use during CUDA-graph capture raises RuntimeError (the callers then
     run their Triton kernel). Extra device memory: the weight's bytes again."""
     key = _key(codes, scales)
@@ -1137,53 +1201,58 @@ def clear() -> None:
     _PACKED.clear()
 
 
-PREPACK_RESERVE = 0.25  # share of the device's memory that must stay free after prepack
-_DECLINED: set[str] = set()  # devices where prepack declined for lack of memory
+def _moe_kernels_apply(config) -> bool:
+    """Whether the model's MoE decode kernels run on the CUDA kernels for converted experts
+    (`flintc.kernels.moe._mma_gate_up_applies` / `_mma_down_applies`, shape part): a shared
+    expert, E % 32 == 0 with 32 <= E <= 1024, top-k <= 8, H % 1024 == 0, I % 64 == 0."""
+    E, H, I = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+    return (config.n_shared_experts >= 1 and E % 32 == 0 and 32 <= E <= 1024
+            and 1 <= config.num_experts_per_tok <= 8 and H % 1024 == 0 and I % 64 == 0)
 
 
-def _room_for(need: int, device: torch.device) -> bool:
-    """Whether `need` more bytes leave PREPACK_RESERVE of `device`'s memory free; if not,
-    a warning, and `available` is False on the device from then on."""
-    if device.type != "cuda":
-        return True
-    free, total = torch.cuda.mem_get_info(device)
-    if free - need >= PREPACK_RESERVE * total:
-        return True
-    import warnings
+def prepack(weights: dict, config) -> int:
+    """Convert, in place, the NVFP4 weights of `weights` (canonical name -> weight) that
+    the CUDA decode kernels read (`PREPACK_SUFFIXES`) to the mma layout, when `available`
+    on their device: each entry becomes an `NVFP4Tensor` of int32 codes and uint8 scale
+    codes, exactly as many bytes as the packed tensors, which are freed once nothing else
+    holds them (one weight at a time: the peak is one weight's size above the model's). Every op that takes these
+    weights reads the mma layout: the CUDA decode kernels directly, the prefill GEMMs
+    (`flintc.kernels.gemm`, `flintc.kernels.grouped_gemm`) through their mma tile loader,
+    the reference ops through `NVFP4Tensor.dequantize`. Call it before anything else
+    (a model, a runner) takes references to the weights, or the packed copies stay alive.
+    The compiled runtime and `flintc bench` call it for triton builds on CUDA.
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    _DECLINED.add(f"cuda:{index}")
-    warnings.warn(f"flintc: NVFP4 kernels stay on Triton on cuda:{index}: their repacked "
-                  f"weights ({need / 2**30:.1f} GiB) would leave less than "
-                  f"{PREPACK_RESERVE:.0%} of the device's memory free "
-                  f"({free / 2**30:.1f} of {total / 2**30:.1f} GiB free)", stacklevel=3)
-    return False
+    `config` (the model's FlintConfig) decides the MoE weights: they are converted only
+    when its MoE decode kernels run on the CUDA kernels (a shared expert, E % 32 == 0 and
+    32 <= E <= 1024, top-k <= 8, H % 1024 == 0, I % 64 == 0); the O projection and the
+    dense down projection whenever F % 16 == 0 and K % 64 == 0.
 
-
-def prepack(weights: dict) -> int:
-    """Repack, now, the NVFP4 weights of `weights` (canonical name -> weight) that the
-    CUDA decode kernels read (`PREPACK_SUFFIXES`), when `available` on their device: at
-    load time, so the extra memory is taken before the KV caches are sized and no repack
-    runs during the first decode step. -> bytes added (0 when nothing applies).
-
-    The copies cost the weights' bytes again (about 20 GiB for the full model). When they
-    would leave less than PREPACK_RESERVE of the device's memory free, nothing is
-    repacked, a warning says so, and `available` is False on that device from then on
-    (every NVFP4 kernel stays on Triton: same results, slower), so a model that fits
-    without the copies still loads."""
+    Returns the bytes converted (0 when nothing applies: another device, shapes the
+    kernels do not take, FLINTC_NVFP4_MMA=0, or already converted).
+    The weights' fingerprints (`flintc.runtime.build.weight_fingerprint`) are kept
+    (`NVFP4Tensor.origin`). Raises ValueError for a negative or NaN block scale.
+    """
     from flintc.quant.nvfp4 import NVFP4Tensor
+    from flintc.runtime.build import fingerprint_parts
 
-    todo = []
-    for name, w in weights.items():
-        if not (isinstance(w, NVFP4Tensor) and name.endswith(PREPACK_SUFFIXES)):
+    done = 0
+    moe = _moe_kernels_apply(config)
+    for name in list(weights):
+        w = weights[name]
+        if not (isinstance(w, NVFP4Tensor) and w.layout == "packed"
+                and name.endswith(PREPACK_SUFFIXES)):
             continue
-        if not available(w.codes.device) or w.codes.shape[-1] % 32 or w.codes.shape[-2] % 16:
+        if ".mlp.experts." in name or ".mlp.shared_experts." in name:
+            if not moe:
+                continue
+        lead, F, K = weight_dims(w.codes)
+        if F % 16 or K % 64 or not available(w.codes.device):
             continue
-        if _key(w.codes, w.scales) not in _PACKED:
-            todo.append(w)
-    need = sum(w.codes.numel() + w.scales.numel() for w in todo)
-    if todo and not _room_for(need, todo[0].codes.device):
-        return 0
-    for w in todo:
-        packed_weight(w.codes, w.scales)
-    return need
+        wq, sq = pack_mma_layout(w.codes.reshape(-1, K // 2), w.scales.reshape(-1, K // 16), name)
+        done += w.codes.numel() + w.scales.numel()
+        weights[name] = NVFP4Tensor(wq.reshape(*lead, F // 16, K // 64, 32, 4),
+                                    sq.reshape(*lead, F // 16, K // 64, 32, 2), w.global_scale,
+                                    origin=w.origin or fingerprint_parts(w))
+        _PACKED.pop(_key(w.codes, w.scales), None)
+        del w
+    return done

@@ -29,5 +29,8 @@ def weight_args(w: Weight) -> list[torch.Tensor]:
 
 
 def out_features(parts: Sequence[torch.Tensor]) -> int:
-    """F of an [..., F, K] weight in either format."""
+    """F of an [..., F, K] weight in either format (NVFP4 packed, or in the mma layout:
+    int32 codes [..., F/16, K/64, 32, 4])."""
+    if len(parts) == 3 and parts[0].dtype == torch.int32:
+        return parts[0].shape[-4] * 16
     return parts[0].shape[-2]

@@ -9,6 +9,11 @@ Two layouts of the same numbers (FLINT_SPEC section 4):
 * **packed** (NVIDIA's, what flintc's kernels read), held in :class:`NVFP4Tensor`:
   `codes` uint8 [..., N, K/2] with weight 2j in the low and 2j+1 in the high
   nibble of byte j, `scales` float8_e4m3fn [..., N, K/16], `global_scale` fp32.
+* **mma** (flintc's, made on the GPU at load time by
+  `flintc.kernels.nvfp4_mma.prepack` for the weights its CUDA decode kernels read):
+  `codes` int32 [..., N/16, K/64, 32, 4] in the order of the `mma.sync` A fragment,
+  `scales` uint8 [..., N/16, K/64, 32, 2] as `ue5m3` codes; also held in
+  :class:`NVFP4Tensor` (its `layout` tells them apart by the codes' dtype).
 
 A weight is `e2m1(code) * e4m3(scale) * global_scale`. Repacking moves bytes and
 nibbles only, so it is lossless. Block-scale bytes: 0x7F, which ggml decodes as
@@ -18,7 +23,7 @@ cannot come from an unsigned-E4M3 encoder and is rejected (:class:`NVFP4FormatEr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,35 +47,56 @@ class NVFP4FormatError(CheckpointError):
 
 @dataclass
 class NVFP4Tensor:
-    """An NVFP4 weight in the packed layout the kernels read.
+    """An NVFP4 weight in the packed layout the kernels read, or in the mma layout.
 
     Attributes:
-        codes: uint8 [..., N, K/2]; byte j holds weight 2j (low nibble) and 2j+1.
-        scales: float8_e4m3fn [..., N, K/16]; the block scale of 16 weights.
+        codes: packed layout: uint8 [..., N, K/2]; byte j holds weight 2j (low nibble)
+            and 2j+1. mma layout: int32 [..., N/16, K/64, 32, 4]
+            (`flintc.kernels.nvfp4_mma.pack_mma_layout`).
+        scales: packed: float8_e4m3fn [..., N, K/16], the block scale of 16 weights.
+            mma: uint8 [..., N/16, K/64, 32, 2] `ue5m3` codes.
         global_scale: fp32, shape [] (one scale), or the leading dims [...] (one per
             matrix: [E] for a stack of experts, [N, K] after gathering top-k).
+        origin: for a weight converted to the mma layout, its packed tensors'
+            fingerprint samples (`flintc.runtime.build.weight_fingerprint`); else None.
 
-    `shape` is the logical weight shape [..., N, K] (K is the reduction dim).
+    `shape` is the logical weight shape [..., N, K] (K is the reduction dim) in both
+    layouts; `layout` is "packed" or "mma" (from the codes' dtype). Raises
+    NVFP4FormatError (naming the dtypes or shapes) when the tensors do not form one.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     global_scale: torch.Tensor
+    # mma layout made from a packed weight: that weight's `weight_fingerprint` samples
+    # (flintc.runtime.build.fingerprint_parts), so a converted checkpoint keeps its identity
+    origin: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.codes.dtype != torch.uint8:
-            raise NVFP4FormatError(f"NVFP4 codes must be uint8, found {self.codes.dtype}")
-        if self.scales.dtype != torch.float8_e4m3fn:
-            raise NVFP4FormatError(f"NVFP4 scales must be float8_e4m3fn, found {self.scales.dtype}")
+        if self.codes.dtype == torch.int32:
+            if self.codes.dim() < 4 or tuple(self.codes.shape[-2:]) != (32, 4):
+                raise NVFP4FormatError(f"NVFP4 codes in the mma layout must be int32 [..., N/16, K/64, 32, 4], "
+                                       f"found {tuple(self.codes.shape)}")
+            if self.scales.dtype != torch.uint8 or tuple(self.scales.shape) != (*self.codes.shape[:-1], 2):
+                raise NVFP4FormatError(f"NVFP4 scales in the mma layout must be uint8 "
+                                       f"{[*self.codes.shape[:-1], 2]}, found {self.scales.dtype} "
+                                       f"{tuple(self.scales.shape)}")
+            lead = tuple(self.codes.shape[:-4])
+        else:
+            if self.codes.dtype != torch.uint8:
+                raise NVFP4FormatError(f"NVFP4 codes must be uint8 (packed layout) or int32 (mma layout), "
+                                       f"found {self.codes.dtype}")
+            if self.scales.dtype != torch.float8_e4m3fn:
+                raise NVFP4FormatError(f"NVFP4 scales must be float8_e4m3fn, found {self.scales.dtype}")
+            if tuple(self.scales.shape[:-1]) != tuple(self.codes.shape[:-1]) or (
+                self.scales.shape[-1] * BLOCK != self.codes.shape[-1] * 2
+            ):
+                raise NVFP4FormatError(
+                    f"NVFP4 codes {tuple(self.codes.shape)} and scales {tuple(self.scales.shape)} disagree"
+                )
+            lead = tuple(self.codes.shape[:-2])
         if self.global_scale.dtype != torch.float32:
             raise NVFP4FormatError(f"NVFP4 global scale must be fp32, found {self.global_scale.dtype}")
-        if tuple(self.scales.shape[:-1]) != tuple(self.codes.shape[:-1]) or (
-            self.scales.shape[-1] * BLOCK != self.codes.shape[-1] * 2
-        ):
-            raise NVFP4FormatError(
-                f"NVFP4 codes {tuple(self.codes.shape)} and scales {tuple(self.scales.shape)} disagree"
-            )
-        lead = tuple(self.codes.shape[:-2])
         if self.global_scale.dim() != 0 and tuple(self.global_scale.shape) != lead:
             raise NVFP4FormatError(
                 f"NVFP4 global scale must be a scalar or one per matrix {list(lead)}, "
@@ -78,7 +104,14 @@ class NVFP4Tensor:
             )
 
     @property
+    def layout(self) -> str:
+        """"packed" (uint8 codes) or "mma" (int32 codes)."""
+        return "mma" if self.codes.dtype == torch.int32 else "packed"
+
+    @property
     def shape(self) -> tuple[int, ...]:
+        if self.layout == "mma":
+            return (*self.codes.shape[:-4], self.codes.shape[-4] * 16, self.codes.shape[-3] * 64)
         return (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
 
     @property
@@ -87,21 +120,37 @@ class NVFP4Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() + self.global_scale.numel() * 4
+        return (self.codes.numel() * self.codes.element_size() + self.scales.numel()
+                + self.global_scale.numel() * 4)
 
     def to(self, device: torch.device | str) -> "NVFP4Tensor":
         return NVFP4Tensor(self.codes.to(device), self.scales.to(device), self.global_scale.to(device))
 
     def __getitem__(self, index) -> "NVFP4Tensor":
         """Index the leading (expert) dim: `w[sel]` gathers experts, keeping each global scale."""
-        if self.codes.dim() != 3:
+        if self.codes.dim() != (5 if self.layout == "mma" else 3):
             raise TypeError("only stacked [E, N, K] NVFP4 tensors can be indexed")
         return NVFP4Tensor(self.codes[index], self.scales[index], self.global_scale[index])
 
+    def packed(self) -> "NVFP4Tensor":
+        """This weight in the packed layout (itself when it is; the mma layout unpacked by
+        `flintc.kernels.nvfp4_mma.unpack_mma_layout`, equal in every decoded value)."""
+        if self.layout == "packed":
+            return self
+        from flintc.kernels.nvfp4_mma import unpack_mma_layout
+
+        lead = tuple(self.codes.shape[:-4])
+        codes, scales = unpack_mma_layout(self.codes.reshape(-1, *self.codes.shape[-3:]),
+                                          self.scales.reshape(-1, *self.scales.shape[-3:]))
+        n, k = self.shape[-2:]
+        return NVFP4Tensor(codes.reshape(*lead, n, k // 2), scales.reshape(*lead, n, k // BLOCK),
+                           self.global_scale)
+
     def dequantize(self, dtype: torch.dtype = torch.float32, with_global_scale: bool = True) -> torch.Tensor:
         """The weights as `dtype` [..., N, K]: e2m1 * scale (exact in fp32), times the
-        global scale when `with_global_scale` (one fp32 multiply, then cast)."""
-        return dequantize_packed(self.codes, self.scales, self.global_scale if with_global_scale else None, dtype)
+        global scale when `with_global_scale` (one fp32 multiply, then cast). Either layout."""
+        w = self.packed()
+        return dequantize_packed(w.codes, w.scales, w.global_scale if with_global_scale else None, dtype)
 
 
 # ---------------------------------------------------------------------------- decoding

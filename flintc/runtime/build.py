@@ -138,15 +138,31 @@ def weight_fingerprint(weights: dict, fmt: str, source: str = "") -> str:
     h = hashlib.sha256(fmt.encode())
     for name in sorted(weights):
         w = weights[name]
-        parts = [w.codes, w.scales, w.global_scale] if isinstance(w, NVFP4Tensor) else [w]
-        for t in parts:
-            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-            if t.device.type == "meta":
-                continue
-            flat = t.reshape(-1)
-            sample = torch.cat([flat[:4096], flat[-4096:]]) if flat.numel() > 8192 else flat
-            h.update(sample.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        if isinstance(w, NVFP4Tensor) and w.origin is not None:
+            parts = w.origin  # converted to the mma layout: the packed tensors' samples
+        else:
+            parts = fingerprint_parts(w)
+        for dtype, shape, sample in parts:
+            h.update(f"{name}|{dtype}|{shape}".encode())
+            h.update(sample)
     return h.hexdigest()
+
+
+def fingerprint_parts(w) -> tuple[tuple[str, tuple, bytes], ...]:
+    """(dtype, shape, sampled bytes) of each tensor of a weight (a tensor, or an
+    NVFP4Tensor's codes, scales and global scale), as `weight_fingerprint` hashes them:
+    the first and last 4096 elements (nothing for meta tensors)."""
+    from flintc.quant.nvfp4 import NVFP4Tensor
+
+    out = []
+    for t in [w.codes, w.scales, w.global_scale] if isinstance(w, NVFP4Tensor) else [w]:
+        sample = b""
+        if t.device.type != "meta":
+            flat = t.reshape(-1)
+            pick = torch.cat([flat[:4096], flat[-4096:]]) if flat.numel() > 8192 else flat
+            sample = pick.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        out.append((str(t.dtype), tuple(t.shape), sample))
+    return tuple(out)
 
 
 def config_fingerprint(config: FlintConfig) -> str:

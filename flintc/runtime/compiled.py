@@ -242,13 +242,14 @@ class CompiledRunner:
         self.prefill_chunk = int(manifest["prefill_chunk"])
         self.cache_rows = int(manifest["cache_rows"])
         self.backend = manifest["backend"]
-        self.model = FlintModel(self.config, ckpt.weights, max_positions=self.cache_rows)
         if self.backend == "triton" and device.type == "cuda" and ckpt.fmt == "nvfp4":
-            # the CUDA NVFP4 decode kernels' weight layout, made before the caches take the
-            # memory (flintc.kernels.nvfp4_mma.prepack; a no-op for weights already done)
+            # the CUDA NVFP4 decode kernels' weight layout, converted in place before the
+            # model takes references to the packed tensors (so they are freed) and before
+            # the caches are sized (flintc.kernels.nvfp4_mma.prepack; a no-op when done)
             from flintc.kernels.nvfp4_mma import prepack
 
-            prepack(ckpt.weights)
+            prepack(ckpt.weights, ckpt.config)
+        self.model = FlintModel(self.config, ckpt.weights, max_positions=self.cache_rows)
         self.kv = self.model.new_kv_cache(self.max_batch, self.cache_rows, device)
         self._module = _load_module(self.build / "runtime.py", f"flintc_build_{abs(hash(str(build)))}")
         plan_path = self.build / "plan.json"

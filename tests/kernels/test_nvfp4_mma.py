@@ -333,25 +333,125 @@ def test_moe_topk_gate_up_matches_reference_and_triton_gpu(N, use_pdl, monkeypat
         assert share < 0.05
 
 
-def test_prepack_takes_the_cuda_kernels_weights(monkeypatch):
-    """`prepack` repacks exactly the NVFP4 weights named in PREPACK_SUFFIXES (here on the
-    CPU, with `available` forced), and the cache then serves them to `packed_weight`."""
+def _moe_config(**over):
+    """The tiny config with the MoE shapes the CUDA MoE kernels take (E 32, H 1024)."""
+    import dataclasses
+
+    from flintc.config import FlintConfig
+
+    base = FlintConfig.preset("tiny")
+    return dataclasses.replace(base, **{"hidden_size": 1024, "n_routed_experts": 32, **over})
+
+
+@pytest.mark.parametrize("moe_applies", [False, True])
+def test_prepack_converts_in_place(monkeypatch, moe_applies):
+    """`prepack` converts exactly the NVFP4 weights named in PREPACK_SUFFIXES (the MoE ones
+    only when the config's MoE kernels run on CUDA; here on the CPU, with `available`
+    forced) to the mma layout, in place: same decoded values, same fingerprint, no cache
+    entry, and a second call does nothing."""
     from flintc.checkpoint.loader import load_checkpoint
+    from flintc.runtime.build import weight_fingerprint
 
     ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
                            progress=False)
+    config = _moe_config() if moe_applies else ckpt.config
+    assert M._moe_kernels_apply(config) == moe_applies
     monkeypatch.setattr(M, "available", lambda device: True)
     monkeypatch.setattr(M, "_PACKED", {})
-    added = M.prepack(ckpt.weights)
-    want = [n for n, w in ckpt.weights.items()
-            if n.endswith(M.PREPACK_SUFFIXES) and hasattr(w, "codes")]
-    assert want and len(M._PACKED) == len(want)
-    assert added == sum(w.codes.numel() + w.scales.numel() for n, w in ckpt.weights.items()
-                        if n in want)
-    w = ckpt.weights[want[0]]
-    wq, _ = M.packed_weight(w.codes, w.scales)
-    assert wq.data_ptr() == M._PACKED[M._key(w.codes, w.scales)][0].data_ptr()
-    assert M.prepack(ckpt.weights) == 0  # already packed
+    before = {n: w.dequantize() for n, w in ckpt.weights.items() if hasattr(w, "codes")}
+    sha = weight_fingerprint(ckpt.weights, "nvfp4", "file.gguf")
+    want = [n for n in before if n.endswith(M.PREPACK_SUFFIXES)
+            and (moe_applies or "experts." not in n)]
+    want_bytes = sum(ckpt.weights[n].codes.numel() + ckpt.weights[n].scales.numel() for n in want)
+    assert M.prepack(ckpt.weights, config) == want_bytes > 0
+    for n, w in ckpt.weights.items():
+        if n in before:
+            assert w.layout == ("mma" if n in want else "packed"), n
+            assert torch.equal(w.dequantize(), before[n]), n
+    assert any("experts." in n for n in want) == moe_applies
+    assert not M._PACKED
+    assert weight_fingerprint(ckpt.weights, "nvfp4", "file.gguf") == sha
+    assert M.prepack(ckpt.weights, config) == 0  # already converted
+
+
+def test_reference_model_runs_on_converted_weights(monkeypatch):
+    """The reference model (bench's eager baseline, the ops' N > 8 fallbacks) reads the
+    mma layout through `NVFP4Tensor.dequantize`: the same logits as on packed weights."""
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.model.reference import FlintModel
+
+    ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
+                           progress=False)
+    ids = torch.randint(0, ckpt.config.vocab_size, (2, 5))
+    pos = torch.arange(5).expand(2, 5)
+
+    def logits():
+        model = FlintModel(ckpt.config, ckpt.weights, max_positions=16)
+        kv = model.new_kv_cache(2, 16, torch.device("cpu"))
+        return model(ids, pos, torch.arange(2), kv)
+
+    ref = logits()
+    monkeypatch.setattr(M, "available", lambda device: True)
+    assert M.prepack(ckpt.weights, _moe_config()) > 0
+    assert torch.equal(logits(), ref)
+
+
+def test_unpack_inverts_pack_and_layout_checks():
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    codes, scales = random_nvfp4(48, 192, gen)
+    scales[3, 2] = 0.0  # a zero block: its codes' magnitudes are cleared in the mma layout
+    wq, sq = M.pack_mma_layout(codes, scales)
+    c2, s2 = M.unpack_mma_layout(wq, sq)
+    assert torch.equal(dequantize_packed(c2, s2, None), dequantize_packed(codes, scales, None))
+    from flintc.quant.nvfp4 import NVFP4FormatError, NVFP4Tensor
+
+    w = NVFP4Tensor(wq, sq, torch.tensor(0.5))
+    assert w.layout == "mma" and w.shape == (48, 192) and w.nbytes == codes.numel() + scales.numel() + 4
+    assert torch.equal(w.dequantize(), dequantize_packed(codes, scales, torch.tensor(0.5)))
+    assert M.weight_dims(wq) == ((), 48, 192) and M.weight_dims(codes) == ((), 48, 192)
+    with pytest.raises(NVFP4FormatError, match=r"scales in the mma layout must be uint8 \[3, 3, 32, 2\]"):
+        NVFP4Tensor(wq, sq[:, :2], torch.tensor(0.5))
+    with pytest.raises(ValueError, match="unpack_mma_layout: expected wq int32"):
+        M.unpack_mma_layout(wq.view(torch.float32), sq)
+    with pytest.raises(ValueError, match="shared_up: mma-layout codes must be contiguous"):
+        M.mma_operands(wq, sq[..., :1], "shared_up")
+
+
+def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
+    """Converted weights on a device without the CUDA kernels (here the CPU): a clear
+    ValueError from every decode op that takes them, and from the ops that never read the
+    mma layout; never a silent wrong result."""
+    from flintc.kernels import fused_gemv, gemv, moe
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    codes, scales, gs = _nvfp4((), 64, 128, gen)
+    wq, sq = M.pack_mma_layout(codes, scales)
+    w = [wq, sq, gs.reshape(())]
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="gemv: w must be in the packed NVFP4 layout here"):
+        gemv.gemv(x, w)
+    with pytest.raises(ValueError, match="gemv_residual: w must be in the packed NVFP4 layout"):
+        fused_gemv.gemv_residual(x, w, torch.zeros(2, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="does not read the mma layout"):
+        fused_gemv.norm_gate_up_silu(x, torch.ones(128), w, w, 1e-6)
+    E, I, H = 32, 64, 1024
+    st = [_nvfp4((E,), I, H, gen), _nvfp4((E,), I, H, gen), _nvfp4((), I, H, gen),
+          _nvfp4((), I, H, gen)]
+    conv = []
+    for c, s, g in st:
+        q, t = M.pack_mma_layout(c.reshape(-1, H // 2), s.reshape(-1, H // 16))
+        lead = tuple(c.shape[:-2])
+        conv.append([q.reshape(*lead, I // 16, H // 64, 32, 4), t.reshape(*lead, I // 16, H // 64, 32, 2),
+                     g.reshape(lead)])
+    xh = torch.randn(2, H).to(torch.bfloat16)
+    logits = torch.randn(2, E)
+    with pytest.raises(ValueError, match="moe_topk_gate_up: gate must be in the packed NVFP4 "
+                                         "layout here"):
+        moe.moe_topk_gate_up(xh, logits, torch.zeros(E), *conv, 6, 2.5)
+    bad = [conv[0][0][:, :2], conv[0][1], conv[0][2]]
+    with pytest.raises(ValueError, match=r"up\[0\] \(NVFP4 codes, mma layout\) must be an int32 "
+                                         r"tensor \[32, 4, 16, 32, 4\]"):
+        moe.moe_topk_gate_up(xh, logits, torch.zeros(E), conv[0], bad, conv[2], conv[3], 6, 2.5)
 
 
 def test_flintc_nvfp4_mma_variable(monkeypatch):
@@ -366,21 +466,18 @@ def test_flintc_nvfp4_mma_variable(monkeypatch):
         check_environment()
 
 
-def test_prepack_declines_without_room(monkeypatch):
-    """Not enough free memory for the repacked copies: a warning, and the real `available`
-    turns False on that device (every kernel stays on Triton)."""
-    monkeypatch.setattr(M, "_DECLINED", set())
-    monkeypatch.setattr(M, "_COMPILES", {0: True})
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (30 << 30, 100 << 30))
-    dev = torch.device("cuda:0")
-    assert M.available(dev)
-    assert M._room_for(4 << 30, dev)  # 26 of 100 GiB left: above the 25% reserve
-    with pytest.warns(UserWarning, match="NVFP4 kernels stay on Triton on cuda:0"):
-        assert not M._room_for(6 << 30, dev)
-    assert M._DECLINED == {"cuda:0"} and not M.available(dev)
-    assert M._room_for(1 << 40, torch.device("cpu"))  # no memory check off the GPU
+def test_prepack_off_with_the_variable(monkeypatch):
+    """FLINTC_NVFP4_MMA=0: nothing is converted (every kernel stays on Triton)."""
+    from flintc.checkpoint.loader import load_checkpoint
+
+    ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
+                           progress=False)
+    monkeypatch.setattr(M, "supported", lambda device: True)
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
+    assert M.prepack(ckpt.weights, ckpt.config) == 0
+    assert all(w.layout == "packed" for w in ckpt.weights.values() if hasattr(w, "codes"))
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "1")
+    assert M.prepack(ckpt.weights, ckpt.config) > 0
 
 
 def test_compile_failure_turns_the_path_off(monkeypatch):
@@ -444,3 +541,66 @@ def test_cuda_sources_compile_with_nvrtc(variant):
     lib.nvrtcGetPTX(prog, ptx)
     assert f".entry nvfp4_mma_{kind}".encode() in ptx.value
     assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx.value
+
+
+def _convert(w: list) -> list:
+    """An NVFP4 weight list `[codes, scales, gs]` in the mma layout, as `prepack` makes it."""
+    lead, F, K = M.weight_dims(w[0])
+    wq, sq = M.pack_mma_layout(w[0].reshape(-1, K // 2), w[1].reshape(-1, K // 16))
+    return [wq.reshape(*lead, F // 16, K // 64, 32, 4), sq.reshape(*lead, F // 16, K // 64, 32, 2),
+            w[2]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("N", [1, 8])
+def test_converted_weights_match_packed_gpu(N):
+    """Every op of both schedules that takes a converted weight (`prepack`) gives the
+    same result as with the packed weight: bit for bit the decode ops on the CUDA kernels
+    (the packed weight through the repack cache) and the prefill GEMM (the same bf16
+    matrix into cuBLAS); the prefill grouped GEMMs through the mma tile loader within the
+    bound of harness.assert_same (another compiled program: 37 of 1.57M
+    gate/up outputs differed in session 13). Model shapes; CPU twins: the tests above and
+    test_prefill_mma_layout."""
+    from harness import assert_same
+    from flintc.kernels import fused_gemv as FG
+    from flintc.kernels import gemm as G
+    from flintc.kernels import grouped_gemm as GG
+    from flintc.kernels import moe
+
+    _require_mma()
+    gen = torch.Generator().manual_seed(300 + N)
+    E, H, I, K, A = 256, 2048, 512, 6, 4096
+    o = _nvfp4((), H, A, gen, "cuda")
+    o[2] = o[2].reshape(())
+    gate, up = _nvfp4((E,), I, H, gen, "cuda"), _nvfp4((E,), I, H, gen, "cuda")
+    sg, su = _nvfp4((), I, H, gen, "cuda"), _nvfp4((), I, H, gen, "cuda")
+    down, sd = _nvfp4((E,), H, I, gen, "cuda"), _nvfp4((), H, I, gen, "cuda")
+    for w in (sg, su, sd):
+        w[2] = w[2].reshape(())
+    conv = {k: _convert(v) for k, v in dict(o=o, gate=gate, up=up, sg=sg, su=su, down=down,
+                                            sd=sd).items()}
+    xa = torch.randn(N, A, generator=gen).to(torch.bfloat16).cuda()
+    res = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
+    assert torch.equal(FG.gemv_residual(xa, o, res), FG.gemv_residual(xa, conv["o"], res))
+    x = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
+    logits = torch.randn(N, E, generator=gen).cuda()
+    bias = (torch.randn(E, generator=gen) * 0.05).cuda()
+    got = moe.moe_topk_gate_up(x, logits, bias, conv["gate"], conv["up"], conv["sg"], conv["su"],
+                               K, 2.5)
+    want = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    h, wts, ids = want
+    assert torch.equal(moe.moe_down_combine_residual(h, ids, wts, conv["down"], conv["sd"], res),
+                       moe.moe_down_combine_residual(h, ids, wts, down, sd, res))
+    T = 64 * N  # a prefill chunk
+    xt = torch.randn(T, A, generator=gen).to(torch.bfloat16).cuda()
+    assert torch.equal(G.gemm(xt, conv["o"]), G.gemm(xt, o))
+    xh = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+    tids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()
+    hp = GG.moe_gate_up(xh, tids, gate, up, sg, su)
+    assert_same("moe_gate_up", GG.moe_gate_up(xh, tids, conv["gate"], conv["up"], conv["sg"],
+                                              conv["su"]), hp, dots=True)
+    tw = torch.rand(T, K, generator=gen).cuda()
+    assert_same("moe_down_combine", GG.moe_down_combine(hp, tids, tw, conv["down"], conv["sd"]),
+                GG.moe_down_combine(hp, tids, tw, down, sd), dots=True)
