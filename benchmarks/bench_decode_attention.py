@@ -12,7 +12,7 @@ of the stream-K plan (`decode_attention.plan`), "shared" = the splits merged in-
 
 Sections, the rows that matter first:
 1. Key rows (issue 5 targets): B = 1 and 8 at 1K, 8K and 100K tokens in a 262,144-row
-   full cache (N = 32 splits, the compiler's default) and the 513-row ring (N = 3).
+   full cache (N = 32 splits, the compiler's default) and the 513-row ring (N = 9).
    Targets: attn+combine <= ~6 us at 1K and for the ring; >= 75% of copy at 100K.
    Reference: torch SDPA (no sink, enable_gqa) on [B, Hkv, context, D] copies.
 2. Fixed costs at B = 1: one visible row, the combine alone, one program per split
@@ -97,7 +97,7 @@ def kv_bytes(B: int, rows: int) -> int:
 def plan_info(B: int, rows: int, S: int, n: int, num_sms: int, window: int = 0, **knobs):
     """(busy programs per head, splits merged in-kernel) of the default launch."""
     T = knobs.get("programs_per_head") or da.default_programs_per_head(B, HKV, num_sms)
-    min_rows = knobs.get("min_rows") or (da.GPU_MIN_ROWS_RING if window else da.GPU_MIN_ROWS)
+    min_rows = knobs.get("min_rows") or (da.ring_min_rows(S, n) if window else da.GPU_MIN_ROWS)
     plan = da.plan(rows, S, n, T, min_rows, knobs.get("block_s") or da.GPU_BLOCK_S,
                    knobs.get("max_pieces") or da.MAX_PIECES_PER_SPLIT)
     shared = {seg[0] for segs in plan["segments"] for seg in segs if seg[3] != seg[4]}
@@ -263,9 +263,9 @@ def main(argv=None) -> str:
             f"{torch.__version__}; CUDA-graph replay, median, PDL on; config "
             f"BLOCK_S={da.GPU_BLOCK_S} warps={da.GPU_NUM_WARPS} stages={da.GPU_NUM_STAGES} "
             f"programs/SM={da.GPU_CTAS_PER_SM} min rows={da.GPU_MIN_ROWS} "
-            f"(ring {da.GPU_MIN_ROWS_RING}) max pieces={da.MAX_PIECES_PER_SPLIT}")
+            f"(ring: one split, ring_min_rows) max pieces={da.MAX_PIECES_PER_SPLIT}")
     print(head, flush=True)
-    parts = [head, "", "### Key rows (262,144-row full cache, N=32; ring of 513 rows, N=3)", "",
+    parts = [head, "", "### Key rows (262,144-row full cache, N=32; ring of 513 rows, N=9)", "",
              key_rows(copy, sms), "", "### Fixed costs (B=1)", "", fixed_costs(sms)]
     if not args.no_full_table:
         parts += ["", "### Full table (262,144-row cache; ring of 513 rows, wrapped)", "",

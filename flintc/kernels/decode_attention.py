@@ -34,6 +34,11 @@ session 3, launched T + N programs per head with pieces confined to chunks, zero
 programs for the empty chunks, and a merge that read the partials one query head at a
 time: ~20 us of fixed cost per call. Here the grid is one wave, runs are balanced
 across chunk boundaries, and the merge reads MERGE_P partials of all G heads at once.)
+Sliding layers (a ring of W rows, cut by the compiler into ceil(W / 64) splits): the
+GPU launcher sets the smallest run to one whole split (`ring_min_rows`), so each busy
+program reads exactly one split and stores it directly, with no partials, counters or
+merge: 4.9 us per call at batch 1 in the model (13.1 us when 9 programs shared 3 splits;
+docs/gpu-runs.md session 13).
 One program handles the G = Hq / Hkv query heads of one KV head, so K and V are read
 once per group (GQA).
 
@@ -376,7 +381,7 @@ GPU_NUM_WARPS = 4
 GPU_NUM_STAGES = 3
 GPU_CTAS_PER_SM = 2  # programs per SM the grid is sized for (one wave, all resident)
 GPU_MIN_ROWS = 128  # smallest run of rows per program in a full cache (short contexts)
-GPU_MIN_ROWS_RING = 64  # the same for a ring (513 rows: 9 programs of one block)
+# A ring's programs each take one whole split (`ring_min_rows`): no in-kernel merge.
 GPU_MERGE_P = 8  # partials per load of the in-kernel merge ([8, G, D] fp32 tiles)
 MAX_PIECES_PER_SPLIT = 32  # at most ~this many programs share one split (merge length)
 # Interpreter (CPU) configuration: tiny blocks so that tests exercise many programs.
@@ -437,7 +442,10 @@ def choose_num_splits(max_context: int, batch: int, num_sms: int = 132, num_kv_h
     programs per split, so N >= ceil(T / 32) with T = `default_programs_per_head`, and (b) keep
     o_part (4*B*Hq*N*(D+1) bytes, written here and read by the combine) small. Returns
     ceil(rows / 256) clamped to [that lower bound, 32] for full caches (32 for 262,144
-    rows, the compiler's current default), and ceil(W / 256) for rings (3 for W = 513).
+    rows, the compiler's current default), and ceil(W / GPU_BLOCK_S) clamped to 32 for
+    rings (9 for W = 513: one block per split, each read and stored by one program,
+    `ring_min_rows`; `flintc.passes.fuse_decode_attention.num_splits_for` makes the same
+    choice).
     Raises ValueError for non-positive inputs.
     """
     for name, v in (("max_context", max_context), ("batch", batch), ("num_sms", num_sms),
@@ -445,10 +453,25 @@ def choose_num_splits(max_context: int, batch: int, num_sms: int = 132, num_kv_h
         if int(v) < 1:
             raise ValueError(f"{name}: expected >= 1, got {v}")
     if window:
-        return max(1, math.ceil(min(max_context, window) / 256))
+        return max(1, min(32, math.ceil(min(max_context, window) / GPU_BLOCK_S)))
     programs = default_programs_per_head(batch, num_kv_heads, num_sms)
     lower = math.ceil(programs / MAX_PIECES_PER_SPLIT)
     return max(lower, min(32, math.ceil(max_context / 256)))
+
+
+def ring_min_rows(num_rows: int, num_splits: int) -> int:
+    """The GPU launcher's smallest run of rows per program for a sliding layer's ring of
+    `num_rows` rows cut into `num_splits` splits: one whole split, ceil(num_rows /
+    num_splits) rows, so that every busy program reads exactly one split and stores its
+    (o, lse) directly, with no partials, arrival counters or in-kernel merge (`plan`: one
+    contributor per chunk whenever the last split has as many blocks as the others, as
+    for W = 513 with 3 or 9 splits). Measured on the H200 at batch 1 (docs/gpu-runs.md
+    session 13): 3 splits 12.1 -> 8.8 us per attention + combine, 9 splits 6.0 us; batch
+    8: 16.5 -> 9.2 / 9.9 us. Raises ValueError for inputs < 1."""
+    for name, v in (("num_rows", num_rows), ("num_splits", num_splits)):
+        if int(v) < 1:
+            raise ValueError(f"{name}: expected >= 1, got {v}")
+    return math.ceil(num_rows / num_splits)
 
 
 def plan(rows: int, num_rows: int, num_splits: int, programs: int, min_rows: int,
@@ -527,7 +550,8 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     programs_per_head: T, the grid's programs per (sequence, KV head); default
     `default_programs_per_head(B, Hkv, SMs)` (interpreter: 4 "SMs", 1 per SM).
     min_rows: the smallest run of rows a program takes (rounded up to whole blocks);
-    default GPU_MIN_ROWS, GPU_MIN_ROWS_RING for a ring (interpreter: CPU_MIN_ROWS).
+    default GPU_MIN_ROWS, `ring_min_rows` (one whole split) for a sliding layer (window >
+    0; interpreter: CPU_MIN_ROWS).
     max_pieces: at most max_pieces x nchunks busy programs (default MAX_PIECES_PER_SPLIT).
     block_s, num_warps, num_stages: the GPU launch configuration (BLOCK_S a power of two
     >= 16; defaults GPU_*; in the interpreter BLOCK_S defaults to CPU_BLOCK_S and the
@@ -565,7 +589,12 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
         programs_per_head = default_programs_per_head(B, Hkv, _num_sms(q.device),
                                                       GPU_CTAS_PER_SM if on_gpu else 1)
     if min_rows is None:
-        min_rows = (GPU_MIN_ROWS_RING if window else GPU_MIN_ROWS) if on_gpu else CPU_MIN_ROWS
+        if not on_gpu:
+            min_rows = CPU_MIN_ROWS  # small runs: the CPU tests exercise the merges
+        elif window:  # a sliding layer's ring (S = W rows): one program per split
+            min_rows = ring_min_rows(S, num_splits)
+        else:
+            min_rows = GPU_MIN_ROWS
     max_pieces = MAX_PIECES_PER_SPLIT if max_pieces is None else max_pieces
     block_s = (GPU_BLOCK_S if on_gpu else CPU_BLOCK_S) if block_s is None else block_s
     num_warps = GPU_NUM_WARPS if num_warps is None else num_warps

@@ -17,9 +17,10 @@ token is in the cache, and in a ring the slot it overwrote held position p - W,
 outside the window anyway. The ops compute visibility from `positions` (causal;
 ring slots by position, in the window), so the shared mask nodes die and are
 removed. `num_splits`: `ctx.options["attention_splits"]` if given, else
-ceil(S / 256) clamped to [1, 32] for a cache of S rows (S = W in sliding layers;
-for full layers `ctx.options["full_attention_rows"]` when given, since the runtime's
-caches are longer than the ones traced for checking).
+ceil(S / 256) clamped to [1, 32] for a full layer's cache of S rows
+(`ctx.options["full_attention_rows"]` when given, since the runtime's caches are longer
+than the ones traced for checking), and ceil(W / 64) for a sliding layer's ring of W
+rows (`num_splits_for`).
 
 Expectation, a tolerance: the op sums keys in its own order (one einsum per chunk
 instead of one bmm) and merges chunks through their log-sum-exp, so scores, the
@@ -77,16 +78,24 @@ fused = torch.ops.flintc
 
 MAX_SPLITS = 32
 ROWS_PER_SPLIT = 256
+# A sliding layer's ring: one split per 64 rows (the decode kernel's GPU_BLOCK_S), so each
+# split is one block that one program reads and stores without an in-kernel merge (the
+# kernel's launcher gives each program one whole split of a ring): 9 splits for W = 513,
+# 6.0 us per call at batch 1 on the H200 against 12.1 with 3 splits shared by 9 programs
+# (docs/gpu-runs.md session 13).
+ROWS_PER_RING_SPLIT = 64
 
 
-def num_splits_for(rows: int, option: int | None = None) -> int:
+def num_splits_for(rows: int, option: int | None = None, ring: bool = False) -> int:
     """Splits of a cache of `rows` rows: `option` if given, else ceil(rows / 256)
-    clamped to [1, 32]."""
+    clamped to [1, 32], or for a sliding layer's ring (`ring`) ceil(rows / 64) clamped to
+    [1, 32]. Raises ValueError for an option < 1."""
     if option is not None:
         if int(option) < 1:
             raise ValueError(f"attention_splits must be >= 1, found {option}")
         return int(option)
-    return max(1, min(MAX_SPLITS, math.ceil(rows / ROWS_PER_SPLIT)))
+    per = ROWS_PER_RING_SPLIT if ring else ROWS_PER_SPLIT
+    return max(1, min(MAX_SPLITS, math.ceil(rows / per)))
 
 
 class DecodeAttentionFusionPass(GraphPass):
@@ -154,7 +163,7 @@ class DecodeAttentionFusionPass(GraphPass):
         if not sliding and self.ctx.options.get("full_attention_rows"):
             # The runtime's caches may be longer than the ones traced for checking.
             rows = int(self.ctx.options["full_attention_rows"])
-        splits = num_splits_for(rows, self.ctx.options.get("attention_splits"))
+        splits = num_splits_for(rows, self.ctx.options.get("attention_splits"), ring=sliding)
         window = c.sliding_window if sliding else 0
         positions = placeholder(gm, "positions")
         graph = gm.graph

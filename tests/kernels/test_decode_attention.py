@@ -305,11 +305,35 @@ def test_choose_num_splits():
     assert kernels.default_programs_per_head(1, 4, 132) == 66
     assert kernels.default_programs_per_head(8, 4, 132) == 8
     assert kernels.choose_num_splits(262144, 1) == 32
-    assert kernels.choose_num_splits(513, 1, window=513) == 3
+    assert kernels.choose_num_splits(513, 1, window=513) == 9
+    from flintc.passes.fuse_decode_attention import num_splits_for
+
+    assert num_splits_for(513, ring=True) == kernels.choose_num_splits(513, 1, window=513)
     assert kernels.choose_num_splits(1024, 1, num_sms=132) == 4  # 66 programs / 32 pieces
     assert kernels.choose_num_splits(100, 8) == 1
     with pytest.raises(ValueError, match="batch"):
         kernels.choose_num_splits(1024, 0)
+
+
+@pytest.mark.parametrize("splits", [3, 9])
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+def test_ring_programs_take_whole_splits(batch, splits):
+    """The GPU launcher's rule for a sliding layer (`ring_min_rows`): in the stream-K plan
+    of the full model's wrapped 513-row ring (the kernel's own integer arithmetic, replayed
+    by `plan`) every split is read by exactly one program, which stores it directly: no
+    partials, no arrival counter, no in-kernel merge (the H200's fast case, 6-9 us per call
+    against 12-17 with merges; docs/gpu-runs.md session 13)."""
+    W = 513
+    T = kernels.default_programs_per_head(batch, 4, 132)
+    p = kernels.plan(W, W, splits, T, kernels.ring_min_rows(W, splits), kernels.GPU_BLOCK_S)
+    assert p["t_eff"] == min(splits, T)  # batch 8: 8 programs a head, one takes 2 splits
+    segs = [seg for per in p["segments"] for seg in per]
+    assert sorted(seg[0] for seg in segs) == list(range(splits))  # each split once
+    assert all(seg[3] == seg[4] for seg in segs)  # one contributor: stored directly
+    assert sum(seg[2] - seg[1] for seg in segs) == W  # every row read once
+    # the old rule (64-row runs) shared each of 3 splits among 3 programs
+    old = kernels.plan(W, W, 3, T, 64, kernels.GPU_BLOCK_S)
+    assert any(seg[3] != seg[4] for per in old["segments"] for seg in per)
 
 
 def _good_args():

@@ -78,7 +78,7 @@ def assert_fused(g, splits=None):
         i = n.meta["flintc_layer"]
         rows = n.args[1].meta["val"].shape[1]
         assert n.args[5] == (c.sliding_window if c.is_sliding_layer(i) else 0)
-        assert n.args[6] == num_splits_for(rows, splits)
+        assert n.args[6] == num_splits_for(rows, splits, ring=c.is_sliding_layer(i))
 
 
 def test_decode_is_fused_within_tolerance():
@@ -160,7 +160,7 @@ def test_wrong_variants_fail_the_same_tolerance():
 
 
 def test_full_width_config_on_meta_weights():
-    """Structure at the full model's widths with NVFP4 weights (W=513: 3 splits; a
+    """Structure at the full model's widths with NVFP4 weights (W=513: 9 splits; a
     2048-row full cache: 8)."""
     cfg = FlintConfig.preset("full").replace(
         num_hidden_layers=3, n_routed_experts=16, vocab_size=1024,
@@ -170,12 +170,13 @@ def test_full_width_config_on_meta_weights():
     PassManager(PASSES, PassContext(cfg, "decode", 8, 1, 2048, "nvfp4")).run(g)
     assert_fused(g)
     splits = {n.meta["flintc_layer"]: n.args[6] for n in find_nodes(g.gm, fused.decode_attention)}
-    assert splits == {0: 3, 1: 3, 2: 8}
+    assert splits == {0: 9, 1: 9, 2: 8}
 
 
 def test_num_splits_default_and_option():
     assert [num_splits_for(s) for s in (1, 9, 256, 257, 8192, 262144)] == [1, 1, 1, 2, 32, 32]
     assert num_splits_for(9, 4) == 4
+    assert [num_splits_for(s, ring=True) for s in (9, 64, 65, 513)] == [1, 1, 2, 9]
     with pytest.raises(ValueError):
         num_splits_for(9, 0)
 
