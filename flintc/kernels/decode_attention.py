@@ -452,6 +452,8 @@ def choose_num_splits(max_context: int, batch: int, num_sms: int = 132, num_kv_h
                     ("num_kv_heads", num_kv_heads)):
         if int(v) < 1:
             raise ValueError(f"{name}: expected >= 1, got {v}")
+    if int(window) < 0:
+        raise ValueError(f"window: expected >= 0, got {window}")
     if window:
         return max(1, min(32, math.ceil(min(max_context, window) / GPU_BLOCK_S)))
     programs = default_programs_per_head(batch, num_kv_heads, num_sms)
@@ -462,10 +464,12 @@ def choose_num_splits(max_context: int, batch: int, num_sms: int = 132, num_kv_h
 def ring_min_rows(num_rows: int, num_splits: int) -> int:
     """The GPU launcher's smallest run of rows per program for a sliding layer's ring of
     `num_rows` rows cut into `num_splits` splits: one whole split, ceil(num_rows /
-    num_splits) rows, so that every busy program reads exactly one split and stores its
+    num_splits) rows, so that every split is read by exactly one program, which stores its
     (o, lse) directly, with no partials, arrival counters or in-kernel merge (`plan`: one
-    contributor per chunk whenever the last split has as many blocks as the others, as
-    for W = 513 with 3 or 9 splits). Measured on the H200 at batch 1 (docs/gpu-runs.md
+    contributor per split whenever the last split has as many blocks as the others, as for
+    a wrapped W = 513 ring with 3 or 9 splits; with fewer programs than splits, batch 8,
+    a program takes two whole splits; a ring not yet full, or other W, may still share a
+    split and merge it). Measured on the H200 at batch 1 (docs/gpu-runs.md
     session 13): 3 splits 12.1 -> 8.8 us per attention + combine, 9 splits 6.0 us; batch
     8: 16.5 -> 9.2 / 9.9 us. Raises ValueError for inputs < 1."""
     for name, v in (("num_rows", num_rows), ("num_splits", num_splits)):

@@ -1369,12 +1369,21 @@ def _check_mma(op: str, name: str, w, lead: tuple, F: int, K: int, dev) -> None:
     global scale fp32 [] or [*lead]."""
     from flintc.kernels.nvfp4_mma import is_mma_layout, weight_dims
 
+    if isinstance(w, (list, tuple)) and not w and name.startswith("shared"):
+        raise _err(op, name, "given: experts in the mma layout run on the CUDA kernel only, "
+                   "which needs a shared expert")
     if not isinstance(w, (list, tuple)) or len(w) != 3 or not is_mma_layout(w[0]):
-        raise _err(op, name, "NVFP4 in the mma layout, as the other weights of the call", w)
+        raise _err(op, name, "NVFP4 in the mma layout, as the other weights of the call",
+                   w[0] if isinstance(w, (list, tuple)) and w else w)
     shape = [*lead, F // 16, K // 64, 32, 4]
     if F % 16 or K % 64 or weight_dims(w[0]) != (tuple(lead), F, K) or w[0].device != dev:
         raise _err(op, f"{name}[0] (NVFP4 codes, mma layout)", f"an int32 tensor {shape} on {dev}",
                    w[0])
+    sc = w[1]
+    if not isinstance(sc, torch.Tensor) or sc.dtype != torch.uint8 or sc.device != dev \
+            or tuple(sc.shape) != (*lead, F // 16, K // 64, 32, 2):
+        raise _err(op, f"{name}[1] (NVFP4 scale codes, mma layout)",
+                   f"a uint8 tensor {[*lead, F // 16, K // 64, 32, 2]} on {dev}", sc)
     gs = w[2]
     if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or gs.device != dev \
             or tuple(gs.shape) not in ((), tuple(lead)):
@@ -1390,7 +1399,8 @@ def _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k, s
 
     N, H = x.shape
     dev = x.device
-    if not (isinstance(gate, (list, tuple)) and len(gate) == 3 and gate[0].dim() == 5):
+    if not (isinstance(gate, (list, tuple)) and len(gate) == 3 and isinstance(gate[0], torch.Tensor)
+            and gate[0].dtype == torch.int32 and gate[0].dim() == 5):
         raise _err(op, "gate", "a stacked NVFP4 weight in the mma layout [E, F/16, H/64, 32, 4]",
                    gate[0] if isinstance(gate, (list, tuple)) and gate else gate)
     E, F = gate[0].shape[0], gate[0].shape[1] * 16
@@ -1509,8 +1519,12 @@ def moe_topk_gate_up(x, logits, bias, gate, up, shared_gate, shared_up, top_k: i
         x: bf16 [N, H] (the normed x of `norm_router`), contiguous.
         logits: fp32 [N, E] router logits; bias: fp32 [E] e_score_correction_bias.
         gate, up: stacked experts [E, F, H]: `[w]` bf16, or NVFP4 `[codes uint8 [E, F, H/2],
-            scales float8_e4m3fn [E, F, H/16], global_scale fp32 [E] or []]`.
-        shared_gate, shared_up: [F, H] in the same format (global scale []), or both [].
+            scales float8_e4m3fn [E, F, H/16], global_scale fp32 [E] or []]`, or NVFP4 in
+            the mma layout (`flintc.kernels.nvfp4_mma.prepack`: codes int32 [E, F/16,
+            H/64, 32, 4], scales uint8 [E, F/16, H/64, 32, 2]), which runs on the CUDA
+            kernel only (module doc).
+        shared_gate, shared_up: [F, H] in the same format (global scale []), or both []
+            (not with the mma layout).
         top_k, scaling: K and routed_scaling_factor.
         use_pdl: programmatic dependent launch (CUDA only); with `prefetch` configs the
             shared expert's first tiles load before `gdc_wait`.
@@ -1523,7 +1537,9 @@ def moe_topk_gate_up(x, logits, bias, gate, up, shared_gate, shared_up, top_k: i
     Numerics: module doc. N > 8 runs the reference op.
 
     Raises:
-        ValueError: a dtype, shape, device or contiguity mismatch (names the argument).
+        ValueError: a dtype, shape, device or contiguity mismatch (names the argument);
+            mma-layout weights where the CUDA kernel cannot run (another device, the
+            interpreter, a config, no shared expert, shapes it does not take).
     """
     op = "moe_topk_gate_up"
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -1622,7 +1638,8 @@ def _mma_down(op, h, ids, weights, down, shared_down, residual, use_pdl, config)
     N, slots, F = h.shape
     K = ids.shape[1]
     dev = h.device
-    if not (isinstance(down, (list, tuple)) and len(down) == 3 and down[0].dim() == 5):
+    if not (isinstance(down, (list, tuple)) and len(down) == 3 and isinstance(down[0], torch.Tensor)
+            and down[0].dtype == torch.int32 and down[0].dim() == 5):
         raise _err(op, "down", "a stacked NVFP4 weight in the mma layout [E, H/16, F/64, 32, 4]",
                    down[0] if isinstance(down, (list, tuple)) and down else down)
     E, H = down[0].shape[0], down[0].shape[1] * 16
@@ -1684,7 +1701,9 @@ def moe_down_combine_residual(h, ids, weights, down, shared_down, residual, *,
         h: bf16 [N, K(+1), F] from kernel 6; ids: int64 [N, K] (distinct per token);
             weights: fp32 [N, K].
         down: stacked [E, H, F]: `[w]` bf16 or NVFP4 `[codes [E, H, F/2], scales
-            [E, H, F/16], global_scale [E] or []]`; shared_down: [H, F] or [].
+            [E, H, F/16], global_scale [E] or []]`, or NVFP4 in the mma layout (codes int32
+            [E, H/16, F/64, 32, 4], scales uint8 [E, H/16, F/64, 32, 2]; CUDA kernel only);
+            shared_down: [H, F] or [] (not with the mma layout).
         residual: bf16 [..., H] with N rows, contiguous.
         use_pdl: programmatic dependent launch (CUDA only); with `prefetch` configs the
             shared expert's first tile loads before `gdc_wait`.
@@ -1696,7 +1715,8 @@ def moe_down_combine_residual(h, ids, weights, down, shared_down, residual, *,
     Numerics: module doc (combine in the reference's order). N > 8 runs the reference op.
 
     Raises:
-        ValueError: a dtype, shape, device or contiguity mismatch (names the argument).
+        ValueError: a dtype, shape, device or contiguity mismatch (names the argument);
+            mma-layout weights where the CUDA kernel cannot run (as `moe_topk_gate_up`).
     """
     op = "moe_down_combine_residual"
     if not isinstance(residual, torch.Tensor) or residual.dtype != torch.bfloat16 \

@@ -159,8 +159,8 @@ def pack_mma_layout(codes: torch.Tensor, scales: torch.Tensor,
         raise ValueError(f"{name}: codes must be uint8 [F, K/2], got {codes.dtype} "
                          f"{tuple(codes.shape)}")
     F, K = codes.shape[0], 2 * codes.shape[1]
-    if F % 16 or K % 64:
-        raise ValueError(f"{name}: the mma layout needs F % 16 == 0 and K % 64 == 0, got "
+    if F % 16 or K % 64 or F == 0 or K == 0:
+        raise ValueError(f"{name}: the mma layout needs F % 16 == 0 and K % 64 == 0 (both > 0), got "
                          f"F={F}, K={K}")
     if tuple(scales.shape) != (F, K // 16):
         raise ValueError(f"{name}: scales must be [F, K/16] = [{F}, {K // 16}], got "
@@ -205,11 +205,7 @@ def unpack_mma_layout(wq: torch.Tensor, sq: torch.Tensor) -> tuple[torch.Tensor,
     a zero block scale comes back as 2^-9 (`ue5m3` code 0) with the codes' magnitudes
     cleared. Runs on any device, in passes of bounded size. Raises ValueError for other
     dtypes or shapes."""
-    if wq.dtype != torch.int32 or wq.dim() != 4 or tuple(wq.shape[2:]) != (32, 4) \
-            or sq.dtype != torch.uint8 or tuple(sq.shape) != (*wq.shape[:3], 2):
-        raise ValueError(f"unpack_mma_layout: expected wq int32 [F/16, K/64, 32, 4] and sq uint8 "
-                         f"[F/16, K/64, 32, 2], got {wq.dtype} {tuple(wq.shape)} and {sq.dtype} "
-                         f"{tuple(sq.shape)}")
+    _check_mma_pair("unpack_mma_layout", wq, sq)
     FT, KC = wq.shape[0], wq.shape[1]
     F, K = FT * 16, KC * 64
     codes = torch.empty((F, K // 2), dtype=torch.uint8, device=wq.device)
@@ -228,6 +224,24 @@ def unpack_mma_layout(wq: torch.Tensor, sq: torch.Tensor) -> tuple[torch.Tensor,
     val = torch.exp2(((c >> 3) - SCALE_CODE_BIAS).to(torch.float32)) * (1 + (c & 7).to(torch.float32) / 8)
     val = val.reshape(FT, KC, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(F, K // 16)
     return codes, val.to(torch.float8_e4m3fn)
+
+
+MAX_SCALE_CODE = ((8 + SCALE_CODE_BIAS) << 3) | 6  # 448 = 2^8 * 1.75, the largest E4M3
+
+
+def _check_mma_pair(op: str, wq, sq) -> None:
+    """wq int32 [F/16, K/64, 32, 4] and sq uint8 [F/16, K/64, 32, 2] (flat: one matrix or
+    a stack's rows), every scale code <= MAX_SCALE_CODE; else ValueError naming `op`."""
+    if not (isinstance(wq, torch.Tensor) and isinstance(sq, torch.Tensor)) \
+            or wq.dtype != torch.int32 or wq.dim() != 4 or tuple(wq.shape[2:]) != (32, 4) \
+            or sq.dtype != torch.uint8 or tuple(sq.shape) != (*wq.shape[:3], 2):
+        raise ValueError(f"{op}: expected wq int32 [F/16, K/64, 32, 4] and sq uint8 "
+                         f"[F/16, K/64, 32, 2], got {getattr(wq, 'dtype', type(wq).__name__)} "
+                         f"{tuple(getattr(wq, 'shape', ()))} and "
+                         f"{getattr(sq, 'dtype', type(sq).__name__)} {tuple(getattr(sq, 'shape', ()))}")
+    if sq.numel() and int(sq.max()) > MAX_SCALE_CODE:
+        raise ValueError(f"{op}: a scale code is {int(sq.max())}, above {MAX_SCALE_CODE} (448, the "
+                         f"largest E4M3 scale): not made by pack_mma_layout")
 
 
 def is_mma_layout(codes) -> bool:
@@ -313,7 +327,12 @@ def decode_mma_layout(wq: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
     scale formula, the bf16 product, which is exact), then undoes the 2^-8 bias, so the
     result equals `flintc.quant.nvfp4.dequantize_packed` of the original codes and scales
     (without the global scale). Runs on any device; the CPU tests use it.
+
+    Args: wq int32 [F/16, K/64, 32, 4] and sq uint8 [F/16, K/64, 32, 2] (`pack_mma_layout`;
+    a stack flattened to its rows). Returns fp32 [F, K]. Raises ValueError for other
+    dtypes or shapes, or a scale code above `MAX_SCALE_CODE` (no E4M3 value).
     """
+    _check_mma_pair("decode_mma_layout", wq, sq)
     FT, KC = wq.shape[0], wq.shape[1]
     w = wq.to(torch.int64) & 0xFFFFFFFF  # [ft, kc, lane, s]
     out = []
@@ -1230,24 +1249,32 @@ def prepack(weights: dict, config) -> int:
     Returns the bytes converted (0 when nothing applies: another device, shapes the
     kernels do not take, FLINTC_NVFP4_MMA=0, or already converted).
     The weights' fingerprints (`flintc.runtime.build.weight_fingerprint`) are kept
-    (`NVFP4Tensor.origin`). Raises ValueError for a negative or NaN block scale.
+    (`NVFP4Tensor.origin`). Raises ValueError, before converting anything, for a
+    negative or NaN block scale.
     """
     from flintc.quant.nvfp4 import NVFP4Tensor
     from flintc.runtime.build import fingerprint_parts
 
-    done = 0
     moe = _moe_kernels_apply(config)
+    todo = []
     for name in list(weights):
         w = weights[name]
         if not (isinstance(w, NVFP4Tensor) and w.layout == "packed"
                 and name.endswith(PREPACK_SUFFIXES)):
             continue
-        if ".mlp.experts." in name or ".mlp.shared_experts." in name:
-            if not moe:
-                continue
-        lead, F, K = weight_dims(w.codes)
+        if (".mlp.experts." in name or ".mlp.shared_experts." in name) and not moe:
+            continue
+        _, F, K = weight_dims(w.codes)
         if F % 16 or K % 64 or not available(w.codes.device):
             continue
+        s = w.scales.to(torch.float32)
+        if bool(torch.isnan(s).any()) or bool((s < 0).any()):  # before converting anything
+            raise ValueError(f"{name}: block scales must be finite and >= 0 (unsigned E4M3)")
+        todo.append(name)
+    done = 0
+    for name in todo:
+        w = weights[name]
+        lead, F, K = weight_dims(w.codes)
         wq, sq = pack_mma_layout(w.codes.reshape(-1, K // 2), w.scales.reshape(-1, K // 16), name)
         done += w.codes.numel() + w.scales.numel()
         weights[name] = NVFP4Tensor(wq.reshape(*lead, F // 16, K // 64, 32, 4),

@@ -124,7 +124,9 @@ class NVFP4Tensor:
                 + self.global_scale.numel() * 4)
 
     def to(self, device: torch.device | str) -> "NVFP4Tensor":
-        return NVFP4Tensor(self.codes.to(device), self.scales.to(device), self.global_scale.to(device))
+        """The same weight on `device` (layout and `origin` kept)."""
+        return NVFP4Tensor(self.codes.to(device), self.scales.to(device), self.global_scale.to(device),
+                           origin=self.origin)
 
     def __getitem__(self, index) -> "NVFP4Tensor":
         """Index the leading (expert) dim: `w[sel]` gathers experts, keeping each global scale."""

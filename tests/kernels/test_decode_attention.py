@@ -313,6 +313,8 @@ def test_choose_num_splits():
     assert kernels.choose_num_splits(100, 8) == 1
     with pytest.raises(ValueError, match="batch"):
         kernels.choose_num_splits(1024, 0)
+    with pytest.raises(ValueError, match="window: expected >= 0"):
+        kernels.choose_num_splits(1000, 1, window=-5)
 
 
 @pytest.mark.parametrize("splits", [3, 9])

@@ -604,3 +604,55 @@ def test_converted_weights_match_packed_gpu(N):
     tw = torch.rand(T, K, generator=gen).cuda()
     assert_same("moe_down_combine", GG.moe_down_combine(hp, tids, tw, conv["down"], conv["sd"]),
                 GG.moe_down_combine(hp, tids, tw, down, sd), dots=True)
+
+
+def test_layout_checks_found_by_review(monkeypatch):
+    """Inputs a review fed the mma-layout functions: each gets a ValueError that names the
+    problem (never a silent result or a bare IndexError / AttributeError), `prepack`
+    converts nothing when a scale is bad, and moving a converted weight keeps its
+    fingerprint."""
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.kernels import moe
+    from flintc.quant.nvfp4 import NVFP4Tensor
+    from flintc.runtime.build import weight_fingerprint
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    codes, scales = random_nvfp4(32, 128, gen)
+    wq, sq = M.pack_mma_layout(codes, scales)
+    bad = sq.clone()
+    bad[0, 0, 0, 0] = M.MAX_SCALE_CODE + 1
+    for fn in (M.decode_mma_layout, M.unpack_mma_layout):
+        with pytest.raises(ValueError, match="above 142"):
+            fn(wq, bad)
+        with pytest.raises(ValueError, match="expected wq int32"):
+            fn(wq, sq[:1])
+    with pytest.raises(ValueError, match="both > 0"):
+        M.pack_mma_layout(codes[:, :0], scales[:, :0])
+    # prepack: a NaN scale in a later weight leaves every weight packed
+    ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4", progress=False)
+    monkeypatch.setattr(M, "available", lambda device: True)
+    names = [n for n, w in ckpt.weights.items() if n.endswith("o_proj.weight")]
+    w = ckpt.weights[names[-1]]
+    s = w.scales.clone()
+    s.view(torch.uint8)[0, 0] = 0x7F  # NaN in E4M3
+    ckpt.weights[names[-1]] = NVFP4Tensor(w.codes, s, w.global_scale)
+    with pytest.raises(ValueError, match=f"{names[-1]}: block scales must be finite"):
+        M.prepack(ckpt.weights, ckpt.config)
+    assert all(ckpt.weights[n].layout == "packed" for n in names)
+    ckpt.weights[names[-1]] = w
+    sha = weight_fingerprint(ckpt.weights, "nvfp4", "x.gguf")
+    assert M.prepack(ckpt.weights, ckpt.config) > 0
+    moved = {k: v.to("cpu") for k, v in ckpt.weights.items()}
+    assert weight_fingerprint(moved, "nvfp4", "x.gguf") == sha
+    # MoE decode ops: a missing tensor or shared expert is named, not an AttributeError
+    E, I, H = 32, 64, 1024
+    stack = _convert(_nvfp4((E,), I, H, gen))
+    x, logits = torch.randn(1, H).to(torch.bfloat16), torch.randn(1, E)
+    with pytest.raises(ValueError, match="gate must be a stacked NVFP4 weight in the mma layout"):
+        moe.moe_topk_gate_up(x, logits, torch.zeros(E), [None, stack[1], stack[2]], stack, [], [],
+                             6, 2.5)
+    with pytest.raises(ValueError, match="shared_gate must be given"):
+        moe.moe_topk_gate_up(x, logits, torch.zeros(E), stack, stack, [], [], 6, 2.5)
+    wrong = [stack[0], torch.zeros(E, I, H // 16, dtype=torch.float8_e4m3fn), stack[2]]
+    with pytest.raises(ValueError, match=r"up\[1\] \(NVFP4 scale codes, mma layout\)"):
+        moe.moe_topk_gate_up(x, logits, torch.zeros(E), stack, wrong, [], [], 6, 2.5)
