@@ -87,13 +87,10 @@ def random_weight(shape, fmt: str) -> list[torch.Tensor]:
     converted to the mma layout of the CUDA decode kernels, as the runtime holds it
     (`flintc.kernels.nvfp4_mma.prepack`)."""
     if fmt == "nvfp4-mma":
-        from flintc.kernels.nvfp4_mma import pack_mma_layout
+        from flintc.kernels.nvfp4_mma import pack_mma_stack
 
         codes, scales, gs = random_weight(shape, "nvfp4")
-        *lead, rows, k = shape
-        wq, sq = pack_mma_layout(codes.reshape(-1, k // 2), scales.reshape(-1, k // 16))
-        return [wq.reshape(*lead, rows // 16, k // 64, 32, 4),
-                sq.reshape(*lead, rows // 16, k // 64, 32, 2), gs]
+        return [*pack_mma_stack(codes, scales), gs]
     if fmt == "bf16":
         return [(torch.randn(*shape, device="cuda") * 0.02).to(torch.bfloat16)]
     *lead, rows, k = shape

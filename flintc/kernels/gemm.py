@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flintc.kernels.nvfp4_mma import is_mma_layout, weight_dims
 from flintc.kernels.tiles import e2m1_fp32
 from flintc.model import ops
 from flintc.ops.common import CDT, as_weight
@@ -136,16 +137,6 @@ def _mma_code(q, R: tl.constexpr, E: tl.constexpr):
 
 
 @triton.jit
-def _mma_scale(sq_ptr, lane, h, mask, EXP_SHIFT: tl.constexpr):
-    """fp32 block scale * 2^-EXP_SHIFT of byte h of each lane's 2 ue5m3 scale codes (lane:
-    int64 flat lane index, (ft * K/64 + kc) * 32 + 4 g + t): code c gives
-    2^((c >> 3) - 9 - EXP_SHIFT) * (1 + (c & 7) / 8), built as fp32 bits (exact, normal
-    for EXP_SHIFT <= 100; masked lanes read code 0)."""
-    c = tl.load(sq_ptr + (lane * 2 + h), mask=mask, other=0).to(tl.int32)
-    return _scale_from_code(c, EXP_SHIFT)
-
-
-@triton.jit
 def _scale_from_code(c, EXP_SHIFT: tl.constexpr):
     """fp32 `scale * 2^-EXP_SHIFT` of ue5m3 codes c (int32 0..255), from the bits (exact)."""
     bits = (((c >> 3) + (127 - 9 - EXP_SHIFT)) << 23) | ((c & 7) << 20)
@@ -167,46 +158,6 @@ def _mma_half(q, s, H: tl.constexpr, BF16: tl.constexpr):
         w10 = w10.to(tl.bfloat16)
         w11 = w11.to(tl.bfloat16)
     return tl.join(tl.join(w00, w10), tl.join(w01, w11))
-
-
-@triton.jit
-def _load_mma_tile(wq_ptr, sq_ptr, row0, row_end, k0, K, BLOCK_F: tl.constexpr,
-                   BLOCK_K: tl.constexpr, EXP_SHIFT: tl.constexpr = 8, BF16: tl.constexpr = False):
-    """Weight tile [BLOCK_F, BLOCK_K] of an mma-layout NVFP4 matrix (flat [R, K]: codes int32
-    [R/16, K/64, 32, 4] at wq_ptr, ue5m3 scale codes uint8 [R/16, K/64, 32, 2] at sq_ptr),
-    rows [row0, row0 + BLOCK_F) and columns [k0, k0 + BLOCK_K) in natural row and K order,
-    as `e2m1 * scale * 2^-EXP_SHIFT`, exact: fp32, or bf16 with BF16 (the same values).
-    The default EXP_SHIFT = 8 matches `flintc.kernels.tiles.dequant_tile_k_order` (multiply
-    the fp32 accumulator by `DEQUANT_UNSCALE` after the K loop, as for the packed layout).
-
-    row0 (int64) and k0 multiples of 16 and 64, BLOCK_F of 16, BLOCK_K of 64 (K % 64 == 0);
-    row tiles at or past `row_end` (for expert e of a stack, rows e * F + f: row0 =
-    e * F + f0, row_end = (e + 1) * F) and chunks at or past K read 0.
-
-    Each (16-row tile, 64-column chunk) is 128 contiguous int32 words, loaded as a
-    [BLOCK_F/16, 8 (g), BLOCK_K/64, 16 (j = 4 t + s)] tile (coalesced, one load per 8
-    weights); word (g, j) holds rows g and g + 8 (h), columns 4 j .. 4 j + 3 of the chunk
-    (register 2 half + h, half e: k = 4 j + 2 half + e), and lane 4 g + t's two scale
-    bytes the block scales of those rows. The 8 weights are decoded with constant shifts
-    and joined / permuted back into natural order."""
-    FTB: tl.constexpr = BLOCK_F // 16
-    KCB: tl.constexpr = BLOCK_K // 64
-    KC = K // 64
-    i = tl.arange(0, FTB)[:, None, None, None]
-    g = tl.arange(0, 8)[None, :, None, None]
-    c = tl.arange(0, KCB)[None, None, :, None]
-    j = tl.arange(0, 16)[None, None, None, :]
-    ft = row0 // 16 + i  # int64
-    mask = (row0 + 16 * i < row_end) & (k0 + 64 * c < K) & (g < 8) & (j < 16)
-    tile = ft * KC + (k0 // 64 + c)  # (ft, kc) index
-    q = tl.load(wq_ptr + (tile * 128 + 16 * g + j), mask=mask, other=0).to(tl.uint32, bitcast=True)
-    lane = tile * 32 + 4 * g + j // 4
-    w_h0 = _mma_half(q, _mma_scale(sq_ptr, lane, 0, mask, EXP_SHIFT), 0, BF16)  # rows g
-    w_h1 = _mma_half(q, _mma_scale(sq_ptr, lane, 1, mask, EXP_SHIFT), 1, BF16)  # rows g + 8
-    w_h0 = tl.reshape(w_h0, (FTB, 8, BLOCK_K))
-    w_h1 = tl.reshape(w_h1, (FTB, 8, BLOCK_K))
-    w = tl.permute(tl.join(w_h0, w_h1), (0, 3, 1, 2))  # [FTB, 2 (h), 8 (g), BLOCK_K]
-    return tl.reshape(w, (BLOCK_F, BLOCK_K))
 
 
 # The CUDA decode kernels' word decode (`flintc.kernels.nvfp4_mma._DECODE_EXPR`, replayed
@@ -292,6 +243,35 @@ def _load_mma_halves(wq_ptr, sq_ptr, row0, row_end, k0, K, BLOCK_F: tl.constexpr
 
 
 @triton.jit
+def _load_mma_tile(wq_ptr, sq_ptr, row0, row_end, k0, K, BLOCK_F: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EXP_SHIFT: tl.constexpr = 8, BF16: tl.constexpr = False):
+    """Weight tile [BLOCK_F, BLOCK_K] of an mma-layout NVFP4 matrix (flat [R, K]: codes int32
+    [R/16, K/64, 32, 4] at wq_ptr, ue5m3 scale codes uint8 [R/16, K/64, 32, 2] at sq_ptr),
+    rows [row0, row0 + BLOCK_F) and columns [k0, k0 + BLOCK_K) in natural row and K order,
+    as `e2m1 * scale * 2^-EXP_SHIFT`, exact: fp32, or bf16 with BF16 (the same values).
+    The default EXP_SHIFT = 8 matches `flintc.kernels.tiles.dequant_tile_k_order` (multiply
+    the fp32 accumulator by `DEQUANT_UNSCALE` after the K loop, as for the packed layout).
+
+    row0 (int64) and k0 multiples of 16 and 64, BLOCK_F of 16, BLOCK_K of 64 (K % 64 == 0);
+    row tiles at or past `row_end` (for expert e of a stack, rows e * F + f: row0 =
+    e * F + f0, row_end = (e + 1) * F) and chunks at or past K read 0.
+
+    Each (16-row tile, 64-column chunk) is 128 contiguous int32 words, loaded as a
+    [BLOCK_F/16, 8 (g), BLOCK_K/64, 16 (j = 4 t + s)] tile (coalesced, one load per 8
+    weights); word (g, j) holds rows g and g + 8 (h), columns 4 j .. 4 j + 3 of the chunk
+    (register 2 half + h, half e: k = 4 j + 2 half + e), and lane 4 g + t's two scale
+    bytes the block scales of those rows. `_load_mma_halves` loads and decodes them; the
+    two row halves are joined / permuted back into natural order here."""
+    FTB: tl.constexpr = BLOCK_F // 16
+    w_lo, w_hi = _load_mma_halves(wq_ptr, sq_ptr, row0, row_end, k0, K, BLOCK_F, BLOCK_K,
+                                  EXP_SHIFT, BF16)
+    w_lo = tl.reshape(w_lo, (FTB, 8, BLOCK_K))  # rows g
+    w_hi = tl.reshape(w_hi, (FTB, 8, BLOCK_K))  # rows g + 8
+    w = tl.permute(tl.join(w_lo, w_hi), (0, 3, 1, 2))  # [FTB, 2 (h), 8 (g), BLOCK_K]
+    return tl.reshape(w, (BLOCK_F, BLOCK_K))
+
+
+@triton.jit
 def mma_unhalve(acc_lo, acc_hi, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
     """[BLOCK_M, BLOCK_F] accumulator in natural column order from the per-half ones of
     `_load_mma_halves` ([BLOCK_M, BLOCK_F / 2] each: column i = row 16 (i // 8) + i % 8
@@ -347,11 +327,6 @@ MMA_DEQUANT_BLOCK_R = 32  # rows per mma dequant program (multiple of 16)
 MMA_DEQUANT_BLOCK_K = 256  # columns per mma dequant program (multiple of 64)
 
 
-def _mma_dims(codes: torch.Tensor) -> tuple[tuple[int, ...], int, int]:
-    """(leading dims, F, K) of mma-layout codes int32 [..., F/16, K/64, 32, 4]."""
-    return tuple(codes.shape[:-4]), codes.shape[-4] * MMA_TILE_ROWS, codes.shape[-3] * MMA_CHUNK
-
-
 def nvfp4_mma_dequantize(codes: torch.Tensor, scales: torch.Tensor,
                          out: torch.Tensor | None = None,
                          use_triton: bool | None = None) -> torch.Tensor:
@@ -380,7 +355,7 @@ def nvfp4_mma_dequantize(codes: torch.Tensor, scales: torch.Tensor,
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.int32 or codes.dim() < 4 \
             or tuple(codes.shape[-2:]) != (32, 4) or not codes.is_contiguous():
         _fail(op, "codes", "a contiguous int32 tensor [..., F/16, K/64, 32, 4] (mma layout)", codes)
-    lead, F, K = _mma_dims(codes)
+    lead, F, K = weight_dims(codes)
     want = tuple(codes.shape[:-2]) + (32, 2)
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 \
             or tuple(scales.shape) != want or not scales.is_contiguous() \
@@ -445,7 +420,7 @@ def nvfp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
     Raises:
         ValueError: a dtype, shape, device or contiguity is wrong (the message names it).
     """
-    if isinstance(codes, torch.Tensor) and codes.dtype == torch.int32:
+    if is_mma_layout(codes):
         return nvfp4_mma_dequantize(codes, scales, out=out, use_triton=use_triton)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() < 2 \
             or not codes.is_contiguous():
@@ -504,7 +479,7 @@ def _check_weight(op: str, w, K: int, device: torch.device):
             _fail(op, "w[0] (weight)", f"a bf16 tensor [F, {K}] on {device}", weight)
         return False, weight.shape[0]
     codes, scales, gscale = w
-    if isinstance(codes, torch.Tensor) and codes.dtype == torch.int32:
+    if is_mma_layout(codes):
         return True, _check_mma_weight(op, w, K, device)
     if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8 or codes.dim() != 2 \
             or codes.shape[1] * 2 != K or codes.device != device or not codes.is_contiguous():

@@ -78,6 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flintc.kernels import gemm as _gemm_kernels
 from flintc.kernels.gemm import (
     MMA_CHUNK,
     MMA_TILE_ROWS,
@@ -86,8 +87,8 @@ from flintc.kernels.gemm import (
     _round_to_bf16,
     mma_unhalve,
 )
-from flintc.kernels import gemm as _gemm_kernels
 from flintc.kernels.gemm import gemm as dense_gemm
+from flintc.kernels.nvfp4_mma import is_mma_layout
 from flintc.kernels.pdl import pdl_mode
 from flintc.kernels.prefill_ops import expert_combine, silu_mul
 from flintc.kernels.tiles import (
@@ -549,8 +550,8 @@ def _fail(op: str, name: str, what: str, t) -> None:
 
 
 def _is_mma(w) -> bool:
-    """Whether a weight list is NVFP4 in the mma layout (int32 codes)."""
-    return len(w) == 3 and isinstance(w[0], torch.Tensor) and w[0].dtype == torch.int32
+    """Whether a weight list is NVFP4 in the mma layout (`nvfp4_mma.is_mma_layout`)."""
+    return len(w) == 3 and is_mma_layout(w[0])
 
 
 def _stacked_dims(w) -> tuple[int, int]:

@@ -1352,8 +1352,10 @@ def _kernel_opts(cfg: MoeConfig, gpu: bool) -> dict:
 def _converted(*weights) -> bool:
     """Whether any of the weight lists is NVFP4 in the mma layout (int32 codes,
     `flintc.kernels.nvfp4_mma.prepack`)."""
-    return any(isinstance(w, (list, tuple)) and len(w) == 3 and isinstance(w[0], torch.Tensor)
-               and w[0].dtype == torch.int32 for w in weights)
+    from flintc.kernels.nvfp4_mma import is_mma_layout
+
+    return any(isinstance(w, (list, tuple)) and len(w) == 3 and is_mma_layout(w[0])
+               for w in weights)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,8 @@ import torch
 
 __all__ = ["SCALE_CODE_BIAS", "available", "decode_mma_layout", "e4m3_to_scale_code",
            "enabled_from_env", "is_mma_layout", "kernel_source", "mma_gemv", "mma_operands",
-           "moe_down", "moe_topk_gate_up", "pack_mma_layout", "packed_weight", "prepack",
+           "moe_down", "moe_topk_gate_up", "pack_mma_layout", "pack_mma_stack", "packed_weight",
+           "prepack",
            "scale_code_to_bf16_bits", "supported", "unpack_mma_layout", "warps_for",
            "weight_dims"]
 
@@ -188,6 +189,18 @@ def pack_mma_layout(codes: torch.Tensor, scales: torch.Tensor,
     # scales [F, K/16] = [ft, h, g, kc, t] -> [ft, kc, g, t, h]
     sq = scode.reshape(F // 16, 2, 8, K // 64, 4).permute(0, 3, 2, 4, 1)
     return wq, sq.reshape(F // 16, K // 64, 32, 2).contiguous()
+
+
+def pack_mma_stack(codes: torch.Tensor, scales: torch.Tensor,
+                   name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_mma_layout` of a weight with leading dims (a stack of experts: codes uint8
+    [..., F, K/2], scales float8_e4m3fn [..., F, K/16]), packed as its rows and reshaped
+    back: (codes int32 [..., F/16, K/64, 32, 4], scale codes uint8 [..., F/16, K/64, 32,
+    2]); expert e's row tiles are tiles e * F/16 .. of the flat pack, as the kernels
+    address them. Raises ValueError as `pack_mma_layout`."""
+    lead, F, K = tuple(codes.shape[:-2]), codes.shape[-2], 2 * codes.shape[-1]
+    wq, sq = pack_mma_layout(codes.reshape(-1, K // 2), scales.reshape(-1, K // 16), name)
+    return wq.reshape(*lead, F // 16, K // 64, 32, 4), sq.reshape(*lead, F // 16, K // 64, 32, 2)
 
 
 def _code_tables(device: torch.device) -> torch.Tensor:
@@ -1274,12 +1287,9 @@ def prepack(weights: dict, config) -> int:
     done = 0
     for name in todo:
         w = weights[name]
-        lead, F, K = weight_dims(w.codes)
-        wq, sq = pack_mma_layout(w.codes.reshape(-1, K // 2), w.scales.reshape(-1, K // 16), name)
+        wq, sq = pack_mma_stack(w.codes, w.scales, name)
         done += w.codes.numel() + w.scales.numel()
-        weights[name] = NVFP4Tensor(wq.reshape(*lead, F // 16, K // 64, 32, 4),
-                                    sq.reshape(*lead, F // 16, K // 64, 32, 2), w.global_scale,
-                                    origin=w.origin or fingerprint_parts(w))
+        weights[name] = NVFP4Tensor(wq, sq, w.global_scale, origin=w.origin or fingerprint_parts(w))
         _PACKED.pop(_key(w.codes, w.scales), None)
         del w
     return done

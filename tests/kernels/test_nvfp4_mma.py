@@ -437,12 +437,7 @@ def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
     E, I, H = 32, 64, 1024
     st = [_nvfp4((E,), I, H, gen), _nvfp4((E,), I, H, gen), _nvfp4((), I, H, gen),
           _nvfp4((), I, H, gen)]
-    conv = []
-    for c, s, g in st:
-        q, t = M.pack_mma_layout(c.reshape(-1, H // 2), s.reshape(-1, H // 16))
-        lead = tuple(c.shape[:-2])
-        conv.append([q.reshape(*lead, I // 16, H // 64, 32, 4), t.reshape(*lead, I // 16, H // 64, 32, 2),
-                     g.reshape(lead)])
+    conv = [[*M.pack_mma_stack(c, s), g.reshape(c.shape[:-2])] for c, s, g in st]
     xh = torch.randn(2, H).to(torch.bfloat16)
     logits = torch.randn(2, E)
     with pytest.raises(ValueError, match="moe_topk_gate_up: gate must be in the packed NVFP4 "
@@ -545,10 +540,7 @@ def test_cuda_sources_compile_with_nvrtc(variant):
 
 def _convert(w: list) -> list:
     """An NVFP4 weight list `[codes, scales, gs]` in the mma layout, as `prepack` makes it."""
-    lead, F, K = M.weight_dims(w[0])
-    wq, sq = M.pack_mma_layout(w[0].reshape(-1, K // 2), w[1].reshape(-1, K // 16))
-    return [wq.reshape(*lead, F // 16, K // 64, 32, 4), sq.reshape(*lead, F // 16, K // 64, 32, 2),
-            w[2]]
+    return [*M.pack_mma_stack(w[0], w[1]), w[2]]
 
 
 @pytest.mark.gpu
@@ -563,6 +555,7 @@ def test_converted_weights_match_packed_gpu(N):
     gate/up outputs differed in session 13). Model shapes; CPU twins: the tests above and
     test_prefill_mma_layout."""
     from harness import assert_same
+
     from flintc.kernels import fused_gemv as FG
     from flintc.kernels import gemm as G
     from flintc.kernels import grouped_gemm as GG
@@ -578,8 +571,8 @@ def test_converted_weights_match_packed_gpu(N):
     down, sd = _nvfp4((E,), H, I, gen, "cuda"), _nvfp4((), H, I, gen, "cuda")
     for w in (sg, su, sd):
         w[2] = w[2].reshape(())
-    conv = {k: _convert(v) for k, v in dict(o=o, gate=gate, up=up, sg=sg, su=su, down=down,
-                                            sd=sd).items()}
+    conv = {k: _convert(v) for k, v in {"o": o, "gate": gate, "up": up, "sg": sg, "su": su,
+                                        "down": down, "sd": sd}.items()}
     xa = torch.randn(N, A, generator=gen).to(torch.bfloat16).cuda()
     res = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
     assert torch.equal(FG.gemv_residual(xa, o, res), FG.gemv_residual(xa, conv["o"], res))

@@ -36,7 +36,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the pref
 
 from flintc.kernels import gemm as G
 from flintc.kernels import grouped_gemm as GG
-from flintc.kernels.nvfp4_mma import decode_mma_layout, pack_mma_layout
+from flintc.kernels.nvfp4_mma import decode_mma_layout, pack_mma_stack
 from flintc.quant.nvfp4 import dequantize_packed
 
 ON_GPU = torch.cuda.is_available()
@@ -90,10 +90,7 @@ def packed_weight(shape, gen: torch.Generator, device=DEV) -> list[torch.Tensor]
 def to_mma(w: list[torch.Tensor]) -> list[torch.Tensor]:
     """The same weight in the mma layout: `pack_mma_layout` of the flattened [.. * F, K]
     matrix, the leading dims put back (expert e's row tiles are e * F/16 ..)."""
-    codes, scales, gs = w
-    *lead, F, Kh = codes.shape
-    wq, sq = pack_mma_layout(codes.reshape(-1, Kh), scales.reshape(-1, Kh // 8))
-    return [wq.reshape(*lead, F // 16, *wq.shape[1:]), sq.reshape(*lead, F // 16, *sq.shape[1:]), gs]
+    return [*pack_mma_stack(w[0], w[1]), w[2]]
 
 
 def random_ids(N: int, gen: torch.Generator) -> torch.Tensor:
