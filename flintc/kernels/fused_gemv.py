@@ -370,7 +370,11 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
     Args:
         x: bf16 [B, 1, H] (decode: T = 1; T > 1 or B > 8 falls back to the reference op).
         norm: fp32/bf16 [H]. wq: [Hq*D, H], wk, wv: [Hkv*D, H], bf16 or NVFP4 (all
-            three the same format). q_norm, k_norm: fp32/bf16 [D].
+            three the same format; NVFP4 in the packed layout or the mma layout of
+            `flintc.kernels.nvfp4_mma.prepack`, which runs on the CUDA kernel only).
+            NVFP4 without a config runs on the CUDA kernel `nvfp4_mma.mma_qkv` where it
+            applies (sm_90+, H % 64 == 0, D % 16 == 0 and <= 256), else on Triton.
+            q_norm, k_norm: fp32/bf16 [D].
         cos_table, sin_table: fp32 [P, D/2] contiguous.
         k_cache, v_cache: bf16 [num_slots, S, Hkv, D] contiguous, written in place at
             row positions[b] (window 0) or positions[b] % window (ring); only those
@@ -391,7 +395,8 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
     per program from L2, 2 table rows; written: q, one K and one V row per sequence.
 
     Raises:
-        ValueError: a dtype, shape, device or contiguity mismatch, naming the argument.
+        ValueError: a dtype, shape, device or contiguity mismatch, naming the argument;
+            mma-layout weights where the CUDA kernel cannot run.
     """
     op = "norm_qkv_rope_kv"
     if isinstance(x, torch.Tensor) and x.dim() == 3 and (x.shape[1] != 1 or x.shape[0] > MAX_N):
@@ -408,14 +413,14 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
     Hq, Hkv = int(num_heads), int(num_kv_heads)
     if Hq < 1 or Hkv < 1 or Hq % Hkv:
         fail(op, "num_heads", f"a multiple of num_kv_heads >= 1 (got {Hq} and {Hkv})")
-    fmt, FQ, wq_args = check_weight(op, "wq", wq, H, dev)
+    fmt, FQ, wq_args = check_weight(op, "wq", wq, H, dev, mma_ok=True)
     if FQ % Hq:
         fail(op, "wq", f"[num_heads * D, H] (F = {FQ}, num_heads = {Hq})")
     D = FQ // Hq
     if D < 16 or D & (D - 1):
         fail(op, "wq", f"heads of a power-of-two dim >= 16 (D = {D})")
-    fk, _, wk_args = check_weight(op, "wk", wk, H, dev, F=Hkv * D)
-    fv, _, wv_args = check_weight(op, "wv", wv, H, dev, F=Hkv * D)
+    fk, _, wk_args = check_weight(op, "wk", wk, H, dev, F=Hkv * D, mma_ok=True)
+    fv, _, wv_args = check_weight(op, "wv", wv, H, dev, F=Hkv * D, mma_ok=True)
     if not fk == fv == fmt:
         fail(op, "wk/wv", f"the same format as wq ({fmt})")
     _check_norm(op, "norm", norm, H, dev)
@@ -435,6 +440,15 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
     if not isinstance(window, int) or window < 0 or window > S:
         fail(op, "window", f"an int in [0, S = {S}] (0: full layer), got {window!r}")
     q = torch.empty((B, 1, Hq, D), dtype=torch.bfloat16, device=dev)
+    if fmt.startswith("nvfp4") and config is None and _mma_qkv(
+            x.view(B, H), norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache,
+            v_cache, slots, positions, eps, Hq, Hkv, rope, window, q, fmt == "nvfp4-mma",
+            use_pdl):
+        return q
+    if fmt == "nvfp4-mma":
+        fail(op, "wq", "in the packed NVFP4 layout here: the mma layout runs on the CUDA kernel "
+             "only (sm_90+, NVRTC, outside the Triton interpreter, no config; H % 64 == 0, "
+             "D % 16 == 0 and D <= 256)")
     cfg = config or qkv_config(B, H, D, Hq, fmt, dev, kv_heads=Hkv)
     gpu, pdl, extra = _launch_opts(dev, use_pdl, cfg)
     split, k_per_split = _effective_split(H, cfg.block_k, cfg.split_k)
@@ -453,6 +467,36 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return q
+
+
+def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache, v_cache,
+             slots, positions, eps, Hq, Hkv, rope, window, q, converted: bool,
+             use_pdl: bool) -> bool:
+    """The NVFP4 fused QKV on the CUDA `mma.sync` kernel (`nvfp4_mma.mma_qkv`) where it
+    applies: a CUDA sm_90+ device (`nvfp4_mma.supported` for converted weights, else
+    `nvfp4_mma.available`), outside the interpreter, H % 64 == 0, D % 16 == 0 and D <= 256
+    (x is copied when it is not 16-byte aligned). Returns False (the caller runs the Triton kernel) otherwise, or
+    when packed weights are first seen during CUDA-graph capture (their repack cannot be
+    captured)."""
+    from flintc.kernels import nvfp4_mma
+
+    B, H = x2.shape
+    D = q.shape[-1]
+    if _interpreting() or not nvfp4_mma.qkv_applies(H, D):
+        return False
+    if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
+        return False
+    if x2.data_ptr() % 16:
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    try:
+        for w in (wq, wk, wv):
+            nvfp4_mma.mma_operands(w[0], w[1])
+    except RuntimeError:  # packed weights first seen while capturing a CUDA graph
+        return False
+    nvfp4_mma.mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache,
+                      v_cache, slots, positions.reshape(B, 1), float(eps), Hq, Hkv, bool(rope),
+                      int(window), q, use_pdl=use_pdl)
+    return True
 
 
 def gemv_residual(x, w, residual, *, use_pdl: bool = False, config: GemvConfig | None = None):

@@ -53,6 +53,12 @@ Kernels (one source, specialised per shape at compile time; `kernel_source`):
   workspace, no atomics unless an fp32 split output is asked for); epilogues fp32, bf16,
   bf16 + residual. The model's `gemv` / `gemv_residual` (O projection, dense down
   projection) run on it (`flintc.kernels.gemv`).
+* `nvfp4_mma_qkv` (`mma_qkv`): kernel 1 of the layer, `flintc::norm_qkv_rope_kv`: the
+  input RMSNorm in the prologue (the block's K slice of the normed x in shared memory),
+  one block per (head, K slice), the K slices of a head a thread-block cluster whose
+  blocks push their sums into the first block's shared memory (DSMEM), which runs the
+  per-head RMSNorm, RoPE, the q store and the KV-cache write. Measured on the H200
+  (docs/gpu-runs.md session 14): 5.7 us at N = 1 where the Triton kernel took 10.6 us.
 * `nvfp4_mma_moe_gate_up` (`moe_topk_gate_up`): kernel 6 of the MoE layer: top-k
   routing in the prologue, then per (row tile of I, work item: the shared expert for all
   tokens, or one token's routed expert) the gate and up tiles over the whole H, SiLU-and-
@@ -99,6 +105,7 @@ import torch
 
 __all__ = ["SCALE_CODE_BIAS", "available", "decode_mma_layout", "e4m3_to_scale_code",
            "enabled_from_env", "is_mma_layout", "kernel_source", "mma_gemv", "mma_operands",
+           "mma_qkv", "qkv_applies", "qkv_launch_config", "qkv_smem_bytes", "qkv_source",
            "moe_down", "moe_topk_gate_up", "pack_mma_layout", "pack_mma_stack", "packed_weight",
            "prepack",
            "scale_code_to_bf16_bits", "supported", "unpack_mma_layout", "warps_for",
@@ -833,6 +840,302 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 """
 
 
+_QKV_SOURCE = r"""
+// flintc::norm_qkv_rope_kv for NVFP4 (kernel 1 of the decode schedule). Grid (HQ + 2 HKV
+// heads, CL), launched as clusters of (1, CL, 1) when CL > 1: block (head, rank) computes
+// the head's HD rows (RT row tiles) over K slice `rank` (KS columns), its WARPS warps CPW
+// chunks each. Prologue: the input RMSNorm (warp n takes token n: the whole row from L2
+// for the sum of squares, in a fixed order; then the block's slice of bf16(x * rstd * w)
+// into shared memory, which the mma B fragments read). Then the warps' sums are added in
+// warp order, the cluster's in rank order (rank 0 reads the other blocks' sums through
+// distributed shared memory), and rank 0 runs the epilogue: global scale, bf16, per-head
+// RMSNorm (Q, K heads), rotate-half RoPE, the q store and the KV-cache write.
+#define HD __HD__        // head dim D (RT = HD / 16 row tiles per head)
+#define HQ __HQ__        // query heads
+#define HKV __HKV__      // KV heads
+#define CL __CL__        // blocks per head (a cluster), each a K slice
+#define KS (KC * 64 / CL)  // K columns per block
+#define XST (KS + 8)     // row stride of the normed x slice in shared memory (+16 bytes:
+                         // the 8 rows of a B fragment then hit distinct banks)
+#define ROPE __ROPE__
+#define NORM_BF16 __NORMBF__  // bit 0: norm, bit 1: q_norm, bit 2: k_norm bf16 (else fp32)
+#define SLOT64 __SLOT64__     // slots int64 (else int32)
+#define UPL ((KC * 8 + 31) / 32)  // 16-byte x vectors per lane per row (RMSNorm sums)
+#define RED_BYTES (WARPS * RT * 4 * 32 * 4)
+#define XS_BYTES (8 * XST * 2)
+#define A_BYTES (RED_BYTES > XS_BYTES ? RED_BYTES : XS_BYTES)
+#define HALF_PER_LANE ((HD / 2 + 31) / 32)  // epilogue: (d, d + HD / 2) pairs per lane
+
+__device__ __forceinline__ int ld_act_s32(const int* p) {
+  int v;
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(v)); }
+__device__ __forceinline__ float norm_w(const void* p, int i, int bf16) {
+  return bf16 ? from_bf16(__ldg(static_cast<const u16*>(p) + i))
+              : __ldg(static_cast<const float*>(p) + i);
+}
+// loads of constants (norm weights, RoPE tables) issued where they stand: volatile, so
+// the compiler does not sink them to their use in the epilogue
+__device__ __forceinline__ float ld_const_f32(const float* p) {
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ float norm_w_early(const void* p, int i, int bf16) {
+  return bf16 ? from_bf16(ld_u16<false>(static_cast<const u16*>(p) + i))
+              : ld_const_f32(static_cast<const float*>(p) + i);
+}
+__device__ __forceinline__ float warp_sum(float v) {  // butterfly: every lane, same value
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+__device__ __forceinline__ float rms_rstd(float ss, float n, float eps) {  // IEEE, as torch's CPU
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, n), eps)));
+}
+#if CL > 1
+// a store into block `rank`'s shared memory at the address of p in this block's (DSMEM)
+__device__ __forceinline__ void st_cluster_f32(float* p, unsigned rank, float v) {
+  unsigned a, b;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
+               : "=r"(a) : "l"(p));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(b) : "r"(a), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(b), "f"(v) : "memory");
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
+              const float* __restrict__ qg, const uint4* __restrict__ kw,
+              const u16* __restrict__ ks, const float* __restrict__ kg,
+              const uint4* __restrict__ vw, const u16* __restrict__ vs,
+              const float* __restrict__ vg, const u16* x, const void* __restrict__ norm,
+              const void* __restrict__ q_norm, const void* __restrict__ k_norm,
+              const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+              u16* k_cache, u16* v_cache, const void* slots, const long long* pos,
+              u16* __restrict__ q_out, double eps_d, int N, int S, int window) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  u16* xs = reinterpret_cast<u16*>(smem);           // [8][XST] normed x slice (main loop)
+  float* red = reinterpret_cast<float*>(smem);      // [WARPS][RT][4][32] (after it)
+  float* yh = reinterpret_cast<float*>(smem + A_BYTES);  // [8][HD] the head's outputs
+  float* part = yh + 8 * HD;  // [CL - 1][RT][4][32]: ranks 1.. push their sums to rank 0
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int head = blockIdx.x;
+  const int rank = blockIdx.y;  // the block's rank in its (1, CL, 1) cluster
+  const float eps = (float)eps_d;
+#if CL > 1
+  // phase 1 of the cluster barrier: this block has started (its shared memory may be
+  // written by the others once they have waited for this phase)
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
+  const uint4* w;
+  const u16* s;
+  const float* gs;
+  int hl;
+  if (head < HQ) { w = qw; s = qs; gs = qg; hl = head; }
+  else if (head < HQ + HKV) { w = kw; s = ks; gs = kg; hl = head - HQ; }
+  else { w = vw; s = vs; gs = vg; hl = head - HQ - HKV; }
+  const int cl0 = warp * CPW;                 // the warp's first chunk in the slice
+  const int c0 = rank * (KC / CL) + cl0;      // ... in the row
+  const uint4* wp = w + ((size_t)hl * RT * KC + c0) * 32 + lane;
+  const u16* sp = s + ((size_t)hl * RT * KC + c0) * 32 + lane;
+  Chunk buf[PF + 1];
+#pragma unroll
+  for (int c = 0; c < PF && c < CPW; ++c) load_w<true>(buf[c], wp, sp, c);  // weights only
+  // the epilogue's constants (rank 0): global scale, head-norm weights of this lane's d
+  const bool qk = head < HQ + HKV;
+  const void* hn = head < HQ ? q_norm : k_norm;
+  const int hbf = head < HQ ? (NORM_BF16 >> 1) & 1 : (NORM_BF16 >> 2) & 1;
+  float out_scale = 0.f, nlo[HALF_PER_LANE], nhi[HALF_PER_LANE];
+  if (rank == 0) {
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(out_scale) : "l"(gs) : "memory");
+#pragma unroll
+    for (int i = 0; i < HALF_PER_LANE; ++i) {
+      const int d = lane + 32 * i;
+      nlo[i] = qk && d < HD / 2 ? norm_w_early(hn, d, hbf) : 0.f;
+      nhi[i] = qk && d < HD / 2 ? norm_w_early(hn, d + HD / 2, hbf) : 0.f;
+    }
+  }
+#if PDL
+  if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");  // x, slots, positions
+#endif
+  // rank 0, warp n < N: token n's position, slot and RoPE table rows, loaded now (they
+  // arrive during the main loop); a warp with more tokens (N > WARPS) loads the rest later
+  long long p0 = 0, slot0 = -1;
+  float cs0[HALF_PER_LANE], sn0[HALF_PER_LANE];
+  if (rank == 0 && warp < N) {
+    p0 = (long long)ld_act_u64(pos + warp);
+    if (head >= HQ)
+      slot0 = SLOT64 ? (long long)ld_act_u64(static_cast<const long long*>(slots) + warp)
+                     : (long long)ld_act_s32(static_cast<const int*>(slots) + warp);
+#pragma unroll
+    for (int i = 0; i < HALF_PER_LANE; ++i) {
+      const int d = lane + 32 * i;
+      const bool use = ROPE && qk && d < HD / 2;
+      cs0[i] = use ? ld_const_f32(cos_t + p0 * (HD / 2) + d) : 0.f;
+      sn0[i] = use ? ld_const_f32(sin_t + p0 * (HD / 2) + d) : 0.f;
+    }
+  }
+  // input RMSNorm, as flintc.model.ops.rms_norm: bf16(x * rstd * w), rstd in fp32
+  for (int n = warp; n < N; n += WARPS) {
+    const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)n * (KC * 64));
+    uint4 v[UPL];
+#pragma unroll
+    for (int i = 0; i < UPL; ++i)
+      if (lane + 32 * i < KC * 8) v[i] = ld_act(xr + lane + 32 * i);
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < UPL; ++i) {
+      if (lane + 32 * i >= KC * 8) continue;
+      const u32 e[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float f = from_bf16((u16)(e[j >> 1] >> (16 * (j & 1))));
+        ss = __fadd_rn(ss, __fmul_rn(f, f));
+      }
+    }
+    const float r = rms_rstd(warp_sum(ss), (float)(KC * 64), eps);
+#pragma unroll
+    for (int i = 0; i < UPL; ++i) {
+      const int u = lane + 32 * i - rank * (KS / 8);  // 16-byte vector index in the slice
+      if (u < 0 || u >= KS / 8) continue;
+      const int k = (rank * (KS / 8) + u) * 8;
+      const u32 e[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+      u32 o[4];
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        const float a = from_bf16((u16)(e[j >> 1] & 0xFFFFu));
+        const float b = from_bf16((u16)(e[j >> 1] >> 16));
+        const u16 ya = to_bf16(__fmul_rn(__fmul_rn(a, r), norm_w(norm, k + j, NORM_BF16 & 1)));
+        const u16 yb = to_bf16(__fmul_rn(__fmul_rn(b, r), norm_w(norm, k + j + 1, NORM_BF16 & 1)));
+        o[j >> 1] = (u32)ya | ((u32)yb << 16);
+      }
+      *reinterpret_cast<uint4*>(xs + n * XST + u * 8) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  __syncthreads();
+  // B fragment column n = g: rows g >= N read row N - 1, their outputs are not stored
+  const u16* xsp = xs + min(g, N - 1) * XST + cl0 * 64 + 16 * t;
+  float acc[RT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) { acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f; }
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    if (c + PF < CPW) load_w(buf[(c + PF) % (PF + 1)], wp, sp, c + PF);
+    Chunk& ch = buf[c % (PF + 1)];
+    ch.x0 = *reinterpret_cast<const uint4*>(xsp + 64 * c);
+    ch.x1 = *reinterpret_cast<const uint4*>(xsp + 64 * c + 8);
+    mma_chunk(ch, acc);
+  }
+#if PDL
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+  __syncthreads();  // every warp is done with xs: red takes its place
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) red[((warp * RT + r) * 4 + j) * 32 + lane] = acc[r][j];
+  __syncthreads();
+#if CL > 1
+  // phase 1 done: every block of the cluster has started
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#endif
+  // warp w sums row tiles r = w, w + WARPS, ... over the warps (in warp order): rank 0
+  // into its slot 0, the other ranks into rank 0's part[rank - 1] (a DSMEM store)
+  for (int r = warp; r < RT; r += WARPS)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v = 0.f;
+#pragma unroll
+      for (int w2 = 0; w2 < WARPS; ++w2) v += red[((w2 * RT + r) * 4 + j) * 32 + lane];
+#if CL > 1
+      if (rank != 0) st_cluster_f32(part + (((rank - 1) * RT + r) * 4 + j) * 32 + lane, 0, v);
+      else
+#endif
+      red[(r * 4 + j) * 32 + lane] = v;
+    }
+#if CL > 1
+  // phase 2: the pushes are visible to rank 0 after its wait; the other blocks are done
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+  if (rank != 0) return;
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  for (int r = warp; r < RT; r += WARPS)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float v = red[(r * 4 + j) * 32 + lane];
+#pragma unroll
+      for (int q = 1; q < CL; ++q) v += part[(((q - 1) * RT + r) * 4 + j) * 32 + lane];
+      red[(r * 4 + j) * 32 + lane] = v;  // rank order
+    }
+#endif
+  out_scale *= 256.0f;  // the global scale x 256 (exact: undoes the decode's 2^-8)
+  for (int r = warp; r < RT; r += WARPS)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int n = 2 * t + (j & 1);
+      if (n < N)  // q / k / v rounded after the GEMV
+        yh[n * HD + r * 16 + g + (j >> 1) * 8] = bf16_round(red[(r * 4 + j) * 32 + lane] * out_scale);
+    }
+  __syncthreads();
+  for (int n = warp; n < N; n += WARPS) {
+    const float* y = yh + n * HD;
+    long long p = p0, slot = slot0;
+    float cs[HALF_PER_LANE], sn[HALF_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < HALF_PER_LANE; ++i) { cs[i] = cs0[i]; sn[i] = sn0[i]; }
+    if (n != warp) {  // N > WARPS: this token's values were not loaded in the prologue
+      p = (long long)ld_act_u64(pos + n);
+      if (head >= HQ)
+        slot = SLOT64 ? (long long)ld_act_u64(static_cast<const long long*>(slots) + n)
+                      : (long long)ld_act_s32(static_cast<const int*>(slots) + n);
+#pragma unroll
+      for (int i = 0; i < HALF_PER_LANE; ++i) {
+        const int d = lane + 32 * i;
+        const bool use = ROPE && qk && d < HD / 2;
+        cs[i] = use ? __ldg(cos_t + p * (HD / 2) + d) : 0.f;
+        sn[i] = use ? __ldg(sin_t + p * (HD / 2) + d) : 0.f;
+      }
+    }
+    float rn = 1.f;
+    if (qk) {  // per-head RMSNorm over D (fp32, one rounding)
+      float ss = 0.f;
+      for (int d = lane; d < HD; d += 32) ss = __fadd_rn(ss, __fmul_rn(y[d], y[d]));
+      rn = rms_rstd(warp_sum(ss), (float)HD, eps);
+    }
+    u16* dst = nullptr;
+    if (head < HQ) {
+      dst = q_out + ((size_t)n * HQ + head) * HD;
+    } else {  // KV-cache write (flintc.ops.attention.write_kv, T = 1)
+      const long long row = window > 0 ? p % window : p;
+      if (slot >= 0 && row >= 0 && row < S)  // a negative slot: a padding row
+        dst = (head < HQ + HKV ? k_cache : v_cache) +
+              (((size_t)slot * S + row) * HKV + (head - HQ) % HKV) * HD;
+    }
+#pragma unroll
+    for (int i = 0; i < HALF_PER_LANE; ++i) {
+      const int d = lane + 32 * i;
+      if (d >= HD / 2) continue;
+      float lo = y[d], hi = y[d + HD / 2];
+      if (qk) {
+        lo = bf16_round(__fmul_rn(__fmul_rn(lo, rn), nlo[i]));
+        hi = bf16_round(__fmul_rn(__fmul_rn(hi, rn), nhi[i]));
+#if ROPE  // rotate-half RoPE (flintc.model.ops.apply_rope): fp32, one rounding, no FMA
+        const float rlo = __fsub_rn(__fmul_rn(lo, cs[i]), __fmul_rn(hi, sn[i]));
+        const float rhi = __fadd_rn(__fmul_rn(hi, cs[i]), __fmul_rn(lo, sn[i]));
+        lo = bf16_round(rlo);
+        hi = bf16_round(rhi);
+#endif
+      }
+      if (dst) { dst[d] = to_bf16(lo); dst[d + HD / 2] = to_bf16(hi); }
+    }
+  }
+}
+"""
+
+
 _KERNELS: dict[tuple, object] = {}  # compiled variants, by (device index, _kernel's arguments)
 
 
@@ -841,17 +1144,32 @@ def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epil
     """The compiled variant for `device` (NVRTC through `torch.cuda._compile_kernel`, about
     a second the first time; cached for the process per device)."""
     args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts)
+    name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
+        else "nvfp4_mma_gemv"
+    return _compiled(name, args, lambda: kernel_source(*args), device)
+
+
+def _compiled(name: str, args: tuple, source, device: torch.device, smem: int = 0):
+    """Kernel `name` of `source()` compiled for `device`, cached by (device, name, args).
+    `smem`: dynamic shared memory bytes it is launched with (above 48 KiB the kernel is
+    allowed it once, cuFuncSetAttribute)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _KERNELS.get((index, *args))
+    key = (index, name, *args)
+    kernel = _KERNELS.get(key)
     if kernel is None:
         compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
         if compile_kernel is None:
             raise RuntimeError("nvfp4_mma needs torch.cuda._compile_kernel (torch >= 2.8 "
                                f"with CUDA); this torch is {torch.__version__}")
-        name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
-            else "nvfp4_mma_gemv"
         with torch.cuda.device(index):
-            kernel = _KERNELS[(index, *args)] = compile_kernel(kernel_source(*args), name)
+            kernel = compile_kernel(source(), name)
+            if smem > 48 * 1024:
+                lib = torch.cuda._utils._get_gpu_runtime_library()
+                err = lib.cuFuncSetAttribute(kernel.func, _MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+                if err != 0:
+                    raise RuntimeError(f"nvfp4_mma: {name} cannot use {smem} bytes of shared "
+                                       f"memory on cuda:{index} (CUDA error {err})")
+        _KERNELS[key] = kernel
     return kernel
 
 
@@ -867,6 +1185,12 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
             "__KTOP__": moe_top_k, "__NE__": experts}
     body = (_MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) if moe_top_k else _GEMV_SOURCE
+    return _render(body, subs)
+
+
+def _render(body: str, subs: dict) -> str:
+    """`_COMMON` + body with the compile-time constants `subs` and the decode expressions
+    (`_DECODE_EXPR`, `_SEL_G`, `_SEL_G8`, `_SCALE_ADD`) pasted in."""
     src = _COMMON + body
     for key, value in subs.items():
         src = src.replace(key, str(int(value)))
@@ -876,10 +1200,42 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
             .replace("__SCALE_ADD__", f"0x{_SCALE_ADD:08X}u"))
 
 
+def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: int,
+               prefetch: int = 1, pdl: bool = False, rope: bool = True, norm_bf16: int = 0,
+               slot64: bool = True) -> str:
+    """The CUDA source of one fused QKV variant (`nvfp4_mma_qkv`; every argument compiled
+    in): hidden size h (a multiple of 64 * cluster * warps), head dim d (a multiple of
+    16), `heads` / `kv_heads` query / KV heads, `cluster` blocks per head (each an h /
+    cluster slice of K; a thread-block cluster when > 1), `warps` per block, `prefetch`
+    chunks loaded ahead, `norm_bf16` bits (1: the input norm, 2: q_norm, 4: k_norm are
+    bf16, else fp32), `slot64` (int64 slots, else int32). Raises ValueError for a split
+    that does not divide h."""
+    kc = h // 64
+    if h % 64 or d % 16 or kc % (cluster * warps) or not 1 <= cluster <= 8:
+        raise ValueError(f"qkv_source: needs h % (64 * cluster * warps) == 0, d % 16 == 0 and "
+                         f"cluster <= 8; got h={h}, d={d}, cluster={cluster}, warps={warps}")
+    subs = {"__RT__": d // 16, "__KC__": kc, "__CPW__": kc // (cluster * warps),
+            "__PF__": prefetch, "__WARPS__": warps, "__EPI__": EPI_BF16, "__PDL__": int(pdl),
+            "__HD__": d, "__HQ__": heads, "__HKV__": kv_heads, "__CL__": cluster,
+            "__ROPE__": int(rope), "__NORMBF__": norm_bf16, "__SLOT64__": int(slot64)}
+    return _render(_QKV_SOURCE, subs)
+
+
+def qkv_smem_bytes(h: int, d: int, cluster: int, warps: int) -> int:
+    """Dynamic shared memory of a `qkv_source` variant: the larger of the normed x slice
+    (8 rows of h / cluster + 8 bf16) and the warps' sums (warps x d / 16 x 512 bytes),
+    plus the head's outputs (8 x d fp32) and the other cluster blocks' sums (cluster - 1
+    times d / 16 x 512 bytes)."""
+    red = warps * (d // 16) * 512
+    xs = 8 * (h // cluster + 8) * 2
+    return max(red, xs) + 8 * d * 4 + (cluster - 1) * (d // 16) * 512
+
+
 # -- launching ------------------------------------------------------------------------
 
 class _LaunchAttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmatic", ctypes.c_int),
+                ("cluster", ctypes.c_uint * 3)]
 
 
 class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute (cuda.h)
@@ -893,14 +1249,18 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
-def _launch(kernel, grid: tuple[int, int], threads: int, args: list, use_pdl: bool) -> None:
+def _launch(kernel, grid: tuple[int, int], threads: int, args: list, use_pdl: bool,
+            cluster: int = 1, smem: int = 0) -> None:
     """cuLaunchKernelEx of an NVRTC kernel on the current stream of the first tensor
     argument's device (in that device's context); with `use_pdl` the launch
     may overlap the previous kernel (programmatic stream serialization: the kernel's
-    `griddepcontrol.wait` then orders its reads). Tensors pass as pointers, ints as int,
-    floats as double."""
+    `griddepcontrol.wait` then orders its reads). `cluster` > 1: thread-block clusters of
+    (1, cluster, 1) blocks; `smem`: dynamic shared memory bytes. Tensors pass as pointers,
+    ints as int, floats as double."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     keep, ptrs = [], []
     for a in args:
@@ -913,16 +1273,24 @@ def _launch(kernel, grid: tuple[int, int], threads: int, args: list, use_pdl: bo
         keep.append(c)
         ptrs.append(ctypes.cast(ctypes.byref(c), ctypes.c_void_p))
     params = (ctypes.c_void_p * len(ptrs))(*ptrs)
-    attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value.programmatic = 1
+    attrs = (_LaunchAttr * 2)()
+    n_attrs = 0
+    if use_pdl:
+        attrs[n_attrs].id = _PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n_attrs].value.programmatic = 1
+        n_attrs += 1
+    if cluster > 1:
+        attrs[n_attrs].id = _CLUSTER_DIMENSION
+        attrs[n_attrs].value.cluster[:] = (1, cluster, 1)
+        n_attrs += 1
     cfg = _LaunchConfig()
     cfg.grid[:] = (grid[0], grid[1], 1)
     cfg.block[:] = (threads, 1, 1)
-    cfg.shared_mem = 0
+    cfg.shared_mem = smem
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     cfg.stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
-    cfg.attrs = ctypes.pointer(attr) if use_pdl else None
-    cfg.num_attrs = 1 if use_pdl else 0
+    cfg.attrs = ctypes.cast(attrs, ctypes.POINTER(_LaunchAttr)) if n_attrs else None
+    cfg.num_attrs = n_attrs
     with torch.cuda.device(device):
         err = lib.cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, params, None)
     if err != 0:
@@ -1191,12 +1559,113 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     return h, wts, ids
 
 
+# (cluster, warps) candidates of the fused QKV kernel, best first (`qkv_launch_config`)
+QKV_LAUNCH_ORDER = ((4, 8), (8, 4), (2, 16), (2, 8), (1, 16), (4, 4), (2, 4), (1, 8), (1, 4),
+                    (1, 2), (1, 1))
+
+
+def qkv_launch_config(h: int) -> tuple[int, int]:
+    """(cluster, warps) of the fused QKV kernel for hidden size h: the first of
+    `QKV_LAUNCH_ORDER` whose cluster x warps divides h / 64 (each warp then a whole number
+    of 64-column chunks). Raises ValueError when h % 64 != 0."""
+    if h % 64 or h <= 0:
+        raise ValueError(f"qkv_launch_config: hidden size must be a positive multiple of 64, got {h}")
+    kc = h // 64
+    return next((c, w) for c, w in QKV_LAUNCH_ORDER if kc % (c * w) == 0)
+
+
+def qkv_applies(h: int, d: int) -> bool:
+    """Whether the fused QKV kernel takes hidden size h and head dim d: h % 64 == 0, d a
+    multiple of 16 up to 256 (its accumulators: d / 4 registers per lane)."""
+    return h > 0 and h % 64 == 0 and 16 <= d <= 256 and d % 16 == 0
+
+
+def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
+            q_norm: torch.Tensor, k_norm: torch.Tensor, cos_table: torch.Tensor,
+            sin_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            slots: torch.Tensor, positions: torch.Tensor, eps: float, num_heads: int,
+            num_kv_heads: int, rope: bool, window: int, q: torch.Tensor, *,
+            cluster: int | None = None, warps: int | None = None, prefetch: int = 1,
+            use_pdl: bool = False) -> torch.Tensor:
+    """`flintc::norm_qkv_rope_kv` for NVFP4 weights on the CUDA mma kernel (reference:
+    `flintc.ops.grouped.norm_qkv_rope_kv`; the launcher with the argument checks is
+    `flintc.kernels.fused_gemv.norm_qkv_rope_kv`): input RMSNorm, the Q / K / V GEMVs,
+    per-head Q / K RMSNorm, rotate-half RoPE, the KV-cache write; q written to `q`.
+
+    One block per (head, K slice): grid (Hq + 2 Hkv, cluster), the `cluster` blocks of a
+    head a thread-block cluster that adds its partial sums through distributed shared
+    memory (no split-K workspace, no atomics); the head's first block runs the epilogue.
+
+    Args:
+        x: bf16 [N, H] contiguous, 16-byte aligned, N <= 8 (the un-normed hidden state).
+        norm: fp32/bf16 [H]; q_norm, k_norm: fp32/bf16 [D] (contiguous).
+        wq, wk, wv: NVFP4 `[codes, scales, global_scale]` of [Hq D, H], [Hkv D, H],
+            [Hkv D, H], in the mma layout or packed (repacked once, `packed_weight`).
+        cos_table, sin_table: fp32 [P, D/2] contiguous.
+        k_cache, v_cache: bf16 [num_slots, S, Hkv, D] contiguous; row positions[n] (or
+            positions[n] % window when window > 0) of slot slots[n] is written; nothing
+            for a negative slot or a row outside [0, S).
+        slots: int32/int64 [N]; positions: int64 [N, 1] contiguous.
+        eps: RMSNorm epsilon; num_heads, num_kv_heads: Hq, Hkv; rope: apply RoPE.
+        q: bf16 [N, 1, Hq, D] contiguous, written.
+        cluster, warps: blocks per head and warps per block (None: `qkv_launch_config`);
+            prefetch: 64-column chunks each warp loads ahead.
+        use_pdl: programmatic dependent launch (weights load before the wait).
+
+    Returns q. Numerics: the reference's rounding points with IEEE division and square
+    root and no FMA contraction; only the summation orders differ (the GEMV's: exact
+    products summed in fp32 by the tensor cores; the RMSNorm sums of squares: a fixed
+    per-lane then butterfly order). Raises ValueError for shapes or dtypes the kernel
+    does not take; RuntimeError without CUDA or when the launch fails.
+    """
+    N, H = x.shape
+    FQ = weight_dims(wq[0])[1]
+    D = FQ // num_heads
+    if not 1 <= N <= 8 or not qkv_applies(H, D) or FQ != num_heads * D \
+            or weight_dims(wk[0])[1:] != (num_kv_heads * D, H) \
+            or weight_dims(wv[0])[1:] != (num_kv_heads * D, H):
+        raise ValueError(f"mma_qkv: needs N <= 8, H % 64 == 0, D % 16 == 0 (<= 256) and weights "
+                         f"[Hq D, H], [Hkv D, H] x 2; got x {tuple(x.shape)}, D {D}, wq "
+                         f"{weight_dims(wq[0])[1:]}, wk {weight_dims(wk[0])[1:]}, wv "
+                         f"{weight_dims(wv[0])[1:]}")
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
+        raise ValueError("mma_qkv: x must be a contiguous, 16-byte aligned bf16 tensor")
+    bf16_bits = 0
+    for bit, (name, t, n) in enumerate((("norm", norm, H), ("q_norm", q_norm, D),
+                                        ("k_norm", k_norm, D))):
+        if t.dtype not in (torch.float32, torch.bfloat16) or tuple(t.shape) != (n,) \
+                or not t.is_contiguous():
+            raise ValueError(f"mma_qkv: {name} must be a contiguous fp32 or bf16 tensor [{n}]")
+        bf16_bits |= (t.dtype == torch.bfloat16) << bit
+    if slots.dtype not in (torch.int32, torch.int64) or positions.dtype != torch.int64 \
+            or not positions.is_contiguous() or not slots.is_contiguous():
+        raise ValueError("mma_qkv: slots must be contiguous int32/int64 [N], positions "
+                         "contiguous int64 [N, 1]")
+    if x.device.type != "cuda":
+        raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
+    if cluster is None or warps is None:
+        cluster, warps = qkv_launch_config(H)
+    ops = [mma_operands(w[0], w[1], name) for w, name in ((wq, "wq"), (wk, "wk"), (wv, "wv"))]
+    args = (H, D, num_heads, num_kv_heads, cluster, warps, prefetch, bool(use_pdl), bool(rope),
+            bf16_bits, slots.dtype == torch.int64)
+    smem = qkv_smem_bytes(H, D, cluster, warps)
+    kernel = _compiled("nvfp4_mma_qkv", args, lambda: qkv_source(*args), x.device, smem)
+    _launch(kernel, (num_heads + 2 * num_kv_heads, cluster), 32 * warps,
+            [ops[0][0], ops[0][1], wq[2], ops[1][0], ops[1][1], wk[2], ops[2][0], ops[2][1],
+             wv[2], x, norm, q_norm, k_norm, cos_table, sin_table, k_cache, v_cache, slots,
+             positions, q, float(eps), N, k_cache.shape[1], int(window)],
+            bool(use_pdl), cluster=cluster, smem=smem)
+    return q
+
+
 _PACKED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 # The weights the CUDA kernels read in the decode schedule (canonical names,
-# flintc.model.weights): gemv_residual's (O projection, dense down projection),
-# moe_topk_gate_up's and moe_down_combine_residual's (stacked routed and shared experts).
-PREPACK_SUFFIXES = ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+# flintc.model.weights): norm_qkv_rope_kv's (Q, K, V projections), gemv_residual's (O
+# projection, dense down projection), moe_topk_gate_up's and moe_down_combine_residual's
+# (stacked routed and shared experts).
+QKV_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+PREPACK_SUFFIXES = QKV_SUFFIXES + ("self_attn.o_proj.weight", "mlp.down_proj.weight",
                     "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
                     "mlp.experts.down_proj.weight", "mlp.shared_experts.gate_proj.weight",
                     "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
@@ -1256,7 +1725,8 @@ def prepack(weights: dict, config) -> int:
 
     `config` (the model's FlintConfig) decides the MoE weights: they are converted only
     when its MoE decode kernels run on the CUDA kernels (a shared expert, E % 32 == 0 and
-    32 <= E <= 1024, top-k <= 8, H % 1024 == 0, I % 64 == 0); the O projection and the
+    32 <= E <= 1024, top-k <= 8, H % 1024 == 0, I % 64 == 0); the Q, K and V projections
+    when the fused QKV kernel takes H and D (`qkv_applies`); the O projection and the
     dense down projection whenever F % 16 == 0 and K % 64 == 0.
 
     Returns the bytes converted (0 when nothing applies: another device, shapes the
@@ -1269,6 +1739,7 @@ def prepack(weights: dict, config) -> int:
     from flintc.runtime.build import fingerprint_parts
 
     moe = _moe_kernels_apply(config)
+    qkv = qkv_applies(config.hidden_size, config.head_dim)
     todo = []
     for name in list(weights):
         w = weights[name]
@@ -1276,6 +1747,8 @@ def prepack(weights: dict, config) -> int:
                 and name.endswith(PREPACK_SUFFIXES)):
             continue
         if (".mlp.experts." in name or ".mlp.shared_experts." in name) and not moe:
+            continue
+        if name.endswith(QKV_SUFFIXES) and not qkv:
             continue
         _, F, K = weight_dims(w.codes)
         if F % 16 or K % 64 or not available(w.codes.device):

@@ -151,8 +151,9 @@ def check_qkv(args, Hq, Hkv, rope, window, config=None, use_pdl=False):
     x, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos = args
     N, D = x.shape[0], qn.shape[0]
     rows = pos[:, 0] % window if window else pos[:, 0]
+    live = slots >= 0  # a negative slot is a padding row: nothing written
     written = torch.zeros(kc.shape[:2], dtype=torch.bool, device=kc.device)
-    written[slots, rows] = True
+    written[slots[live], rows[live]] = True
     for c in (kc, vc):  # poison the rows about to be written
         c[written] = float("nan")
     kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -174,8 +175,9 @@ def check_qkv(args, Hq, Hkv, rope, window, config=None, use_pdl=False):
             f"{name}: rows outside (slot, position) changed"
         new, new_ref = c[written], c_ref[written]
         if name == "v_cache":  # v: the GEMV of the normed x, one rounding
-            h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
-            order = torch.argsort(slots * 10**6 + rows)  # rows of c[written] are sorted by (slot, row)
+            h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)[live]
+            # rows of c[written] are sorted by (slot, row)
+            order = torch.argsort(slots[live] * 10**6 + rows[live])
             tol = gemv_tol(h, wv)[order.cpu()].view(new.shape) + bf16_ulp(new_ref).cpu()
             compare(name, new, new_ref, tol)
         else:
@@ -459,6 +461,43 @@ def test_norm_qkv_rope_kv_gpu(N, fmt, kind, use_pdl):
     window = 513 if kind == "sliding" else 0
     args = qkv_inputs(N, 2048, 32, 4, 128, fmt, kind, 513, 2048)
     check_qkv(args, 32, 4, kind == "sliding", window, use_pdl=use_pdl)
+
+
+MMA_QKV_LAUNCHES = [None, (1, 16), (2, 8), (2, 16), (8, 4), (4, 4), (1, 2)]
+
+
+@pytest.mark.parametrize("launch", MMA_QKV_LAUNCHES, ids=lambda c: f"cl{c[0]}w{c[1]}" if c else "default")
+@pytest.mark.parametrize("kind", ["sliding", "full"])
+@pytest.mark.parametrize("N", [1, 3, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_nvfp4_mma_qkv_gpu(N, kind, launch, monkeypatch):
+    """The CUDA fused QKV kernel (`nvfp4_mma.mma_qkv`) on weights in the mma layout, as the
+    runtime runs them after `prepack`: full model shapes, every (cluster, warps) launch
+    given, PDL on; int32 slots with a padding row (slot -1: nothing written), bf16 head
+    norms. CPU twins: test_norm_qkv_rope_kv (the same op on the Triton kernel) and
+    test_nvfp4_mma.py's NVRTC compile of the QKV source."""
+    from flintc.kernels import nvfp4_mma as M
+
+    if not M.supported(torch.device("cuda")):
+        pytest.skip("the CUDA mma kernels need sm_90+ and NVRTC")
+    if launch is not None:
+        monkeypatch.setattr(M, "qkv_launch_config", lambda h: launch)
+    calls = []
+    real = M.mma_qkv
+    monkeypatch.setattr(M, "mma_qkv", lambda *a, **k: calls.append(k) or real(*a, **k))
+    window = 513 if kind == "sliding" else 0
+    x, norm, wq, wk, wv, qn, kn, *rest = qkv_inputs(N, 2048, 32, 4, 128, "nvfp4_gs", kind,
+                                                     513, 2048)
+    conv = [[*M.pack_mma_stack(w[0], w[1]), w[2]] for w in (wq, wk, wv)]
+    kn = kn.to(torch.bfloat16)
+    cos, sin, kc, vc, slots, pos = rest
+    slots = slots.to(torch.int32)
+    if N > 1:
+        slots[1] = -1
+    check_qkv((x, norm, *conv, qn, kn, cos, sin, kc, vc, slots, pos), 32, 4, kind == "sliding",
+              window, use_pdl=True)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])

@@ -513,6 +513,52 @@ def test_cuda_source_pastes_the_replayed_expressions():
 def test_cuda_sources_compile_with_nvrtc(variant):
     """The CUDA sources compile for sm_90 with NVRTC on the CPU machine (the pip wheel,
     no GPU): C++ errors in a variant show here, not first on the H200."""
+    kind, args = variant
+    ptx = _nvrtc_ptx(M.kernel_source(*args))
+    assert f".entry nvfp4_mma_{kind}".encode() in ptx
+    assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("args", [
+    (2048, 128, 32, 4, 4, 8, 1, True, True, 0, True),   # the model's default launch
+    (2048, 128, 32, 4, 1, 16, 1, True, False, 0, True),  # no cluster, NoPE (full layer)
+    (2048, 128, 32, 4, 8, 4, 2, False, True, 7, False),  # bf16 norms, int32 slots
+    (128, 32, 8, 2, 1, 2, 1, False, True, 0, True),  # the tiny config
+])
+def test_qkv_source_compiles_with_nvrtc(args):
+    """The fused QKV kernel's variants compile for sm_90 (CPU twin of the GPU tests'
+    compile step); in a cluster launch the blocks push their sums to rank 0 with `mapa` /
+    `st.shared::cluster`, a launch without one has no cluster instructions."""
+    ptx = _nvrtc_ptx(M.qkv_source(*args))
+    assert b".entry nvfp4_mma_qkv" in ptx
+    assert ptx.count(b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 4
+    assert (b"st.shared::cluster.f32" in ptx) == (args[4] > 1)
+    assert (b"griddepcontrol.wait" in ptx) == args[7]
+
+
+def test_qkv_launch_rules():
+    """`qkv_launch_config` divides the K chunks exactly; `qkv_source` rejects splits that
+    do not; `qkv_smem_bytes` is the larger of the x slice and the warps' sums plus the
+    head's outputs and the other cluster blocks' sums; `qkv_applies` states the kernel's shape limits."""
+    assert M.qkv_launch_config(2048) == (4, 8)
+    for h in (64, 128, 192, 320, 2048, 4096, 7168):
+        cl, w = M.qkv_launch_config(h)
+        assert (h // 64) % (cl * w) == 0 and 1 <= cl <= 8
+    with pytest.raises(ValueError, match="multiple of 64"):
+        M.qkv_launch_config(100)
+    with pytest.raises(ValueError, match="h % \\(64 \\* cluster \\* warps\\)"):
+        M.qkv_source(2048, 128, 32, 4, 4, 16)
+    assert M.qkv_smem_bytes(2048, 128, 4, 8) == max(8 * 8 * 512, 8 * 520 * 2) + 8 * 128 * 4 \
+        + 3 * 8 * 512
+    assert M.qkv_smem_bytes(2048, 128, 1, 2) == 8 * 2056 * 2 + 4096
+    assert M.qkv_applies(2048, 128) and M.qkv_applies(128, 32)
+    assert not M.qkv_applies(2048, 8) and not M.qkv_applies(2048, 512) and not M.qkv_applies(96, 32)
+
+
+def _nvrtc_ptx(source: str) -> bytes:
+    """PTX of `source` compiled for compute_90 by the pip NVRTC; fails with its log."""
     import glob
     import os
 
@@ -520,8 +566,7 @@ def test_cuda_sources_compile_with_nvrtc(variant):
 
     root = next(iter(pkg.__path__))
     lib = ctypes.CDLL(min(glob.glob(os.path.join(root, "lib", "libnvrtc.so*"))))
-    kind, args = variant
-    src = M.kernel_source(*args).encode()
+    src = source.encode()
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"k.cu", 0, None, None) == 0
     opts = (ctypes.c_char_p * 2)(b"--gpu-architecture=compute_90", b"-default-device")
@@ -534,8 +579,7 @@ def test_cuda_sources_compile_with_nvrtc(variant):
     lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
     ptx = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetPTX(prog, ptx)
-    assert f".entry nvfp4_mma_{kind}".encode() in ptx.value
-    assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx.value
+    return ptx.value
 
 
 def _convert(w: list) -> list:
