@@ -372,8 +372,9 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
         norm: fp32/bf16 [H]. wq: [Hq*D, H], wk, wv: [Hkv*D, H], bf16 or NVFP4 (all
             three the same format; NVFP4 in the packed layout or the mma layout of
             `flintc.kernels.nvfp4_mma.prepack`, which runs on the CUDA kernel only).
-            NVFP4 without a config runs on the CUDA kernel `nvfp4_mma.mma_qkv` where it
-            applies (sm_90+, H % 64 == 0, D % 16 == 0 and <= 256), else on Triton.
+            Without a config both formats run on the CUDA kernel `nvfp4_mma.mma_qkv`
+            where it applies (sm_90+, H % 64 == 0, D % 16 == 0 and <= 256), else on
+            Triton.
             q_norm, k_norm: fp32/bf16 [D].
         cos_table, sin_table: fp32 [P, D/2] contiguous.
         k_cache, v_cache: bf16 [num_slots, S, Hkv, D] contiguous, written in place at
@@ -440,7 +441,7 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
     if not isinstance(window, int) or window < 0 or window > S:
         fail(op, "window", f"an int in [0, S = {S}] (0: full layer), got {window!r}")
     q = torch.empty((B, 1, Hq, D), dtype=torch.bfloat16, device=dev)
-    if fmt.startswith("nvfp4") and config is None and _mma_qkv(
+    if config is None and _mma_qkv(
             x.view(B, H), norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache,
             v_cache, slots, positions, eps, Hq, Hkv, rope, window, q, fmt == "nvfp4-mma",
             use_pdl):
@@ -472,10 +473,11 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
 def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache, v_cache,
              slots, positions, eps, Hq, Hkv, rope, window, q, converted: bool,
              use_pdl: bool) -> bool:
-    """The NVFP4 fused QKV on the CUDA `mma.sync` kernel (`nvfp4_mma.mma_qkv`) where it
-    applies: a CUDA sm_90+ device (`nvfp4_mma.supported` for converted weights, else
-    `nvfp4_mma.available`), outside the interpreter, H % 64 == 0, D % 16 == 0 and D <= 256
-    (x is copied when it is not 16-byte aligned). Returns False (the caller runs the Triton kernel) otherwise, or
+    """The fused QKV on the CUDA `mma.sync` kernel (`nvfp4_mma.mma_qkv`; NVFP4 or bf16
+    weights) where it applies: a CUDA sm_90+ device (`nvfp4_mma.supported` for converted
+    weights, else `nvfp4_mma.available`, which FLINTC_NVFP4_MMA=0 turns off), outside the
+    interpreter, H % 64 == 0, D % 16 == 0 and D <= 256, bf16 weights 16-byte aligned (x
+    is copied when it is not). Returns False (the caller runs the Triton kernel) otherwise, or
     when packed weights are first seen during CUDA-graph capture (their repack cannot be
     captured)."""
     from flintc.kernels import nvfp4_mma
@@ -488,11 +490,15 @@ def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache
         return False
     if x2.data_ptr() % 16:
         x2 = x2.clone(memory_format=torch.contiguous_format)
-    try:
-        for w in (wq, wk, wv):
-            nvfp4_mma.mma_operands(w[0], w[1])
-    except RuntimeError:  # packed weights first seen while capturing a CUDA graph
-        return False
+    if len(wq) == 1:  # bf16: read in place
+        if any(w[0].data_ptr() % 16 for w in (wq, wk, wv)):
+            return False
+    else:
+        try:
+            for w in (wq, wk, wv):
+                nvfp4_mma.mma_operands(w[0], w[1])
+        except RuntimeError:  # packed weights first seen while capturing a CUDA graph
+            return False
     nvfp4_mma.mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache,
                       v_cache, slots, positions.reshape(B, 1), float(eps), Hq, Hkv, bool(rope),
                       int(window), q, use_pdl=use_pdl)

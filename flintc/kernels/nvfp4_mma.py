@@ -841,16 +841,20 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 
 
 _QKV_SOURCE = r"""
-// flintc::norm_qkv_rope_kv for NVFP4 (kernel 1 of the decode schedule). Grid (HQ + 2 HKV
-// heads, CL), launched as clusters of (1, CL, 1) when CL > 1: block (head, rank) computes
-// the head's HD rows (RT row tiles) over K slice `rank` (KS columns), its WARPS warps CPW
-// chunks each. Prologue: the input RMSNorm (warp n takes token n: the whole row from L2
+// flintc::norm_qkv_rope_kv for NVFP4 (mma layout) or bf16 weights (kernel 1 of the decode
+// schedule). Grid (HQ + 2 HKV heads, CL), launched as clusters of (1, CL, 1) when CL > 1:
+// block (head, rank) computes the head's HD rows over K slice `rank` (KS columns); its
+// WARPS warps form RS row groups (RT row tiles each) of WK warps, CPW chunks each. Prologue: the input RMSNorm (warp n takes token n: the whole row from L2
 // for the sum of squares, in a fixed order; then the block's slice of bf16(x * rstd * w)
 // into shared memory, which the mma B fragments read). Then the warps' sums are added in
 // warp order, the cluster's in rank order (rank 0 reads the other blocks' sums through
 // distributed shared memory), and rank 0 runs the epilogue: global scale, bf16, per-head
 // RMSNorm (Q, K heads), rotate-half RoPE, the q store and the KV-cache write.
-#define HD __HD__        // head dim D (RT = HD / 16 row tiles per head)
+#define HD __HD__        // head dim D: TT = HD / 16 row tiles per head
+#define RS __RS__        // row groups: the block's warps split the head's rows RS ways
+#define WK (WARPS / RS)  // warps per row group, each CPW chunks of the K slice
+#define TT (RT * RS)     // row tiles per head (RT: per warp)
+#define BF16W __BF16W__  // 1: bf16 weights, row-major [F, H]; 0: NVFP4 in the mma layout
 #define HQ __HQ__        // query heads
 #define HKV __HKV__      // KV heads
 #define CL __CL__        // blocks per head (a cluster), each a K slice
@@ -871,6 +875,50 @@ __device__ __forceinline__ int ld_act_s32(const int* p) {
   asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+#if BF16W
+// bf16 weights: in chunk c (64 columns) lane (g, t) reads rows g and g + 8 at columns
+// 8t .. 8t + 7 (words 0-3: k16 steps 0, 1) and 32 + 8t .. 32 + 8t + 7 (steps 2, 3), one
+// 16-byte load each: a warp's load covers 64 contiguous bytes of 8 rows. The mma's k
+// slots 2t + e / 2t + 8 + e of step s are the physical columns of those words (the sum
+// does not depend on the order), and x is read in the same order (XT0 / X1).
+struct ChunkB { uint4 w[RT][4]; uint4 x0, x1; };
+template <bool EARLY = false>
+__device__ __forceinline__ void load_wb(ChunkB& ch, const uint4* __restrict__ wp, int c) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // q: (row g, g + 8) x (columns 8t.., 32 + 8t..)
+      const uint4* p = wp + (size_t)(r * 16 + (q >> 1) * 8) * (KC * 8) + c * 8 + (q & 1) * 4;
+      ch.w[r][q] = EARLY ? ld_v4<false>(p) : __ldg(p);
+    }
+}
+__device__ __forceinline__ void mma_chunk_b(const ChunkB& ch, float (&acc)[RT][4]) {
+  const u32 xv[8] = {ch.x0.x, ch.x0.y, ch.x0.z, ch.x0.w, ch.x1.x, ch.x1.y, ch.x1.z, ch.x1.w};
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const u32 gw[8] = {ch.w[r][0].x, ch.w[r][0].y, ch.w[r][0].z, ch.w[r][0].w,
+                       ch.w[r][1].x, ch.w[r][1].y, ch.w[r][1].z, ch.w[r][1].w};
+    const u32 hw[8] = {ch.w[r][2].x, ch.w[r][2].y, ch.w[r][2].z, ch.w[r][2].w,
+                       ch.w[r][3].x, ch.w[r][3].y, ch.w[r][3].z, ch.w[r][3].w};
+#pragma unroll
+    for (int st = 0; st < 4; ++st)
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+          "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+          : "+f"(acc[r][0]), "+f"(acc[r][1]), "+f"(acc[r][2]), "+f"(acc[r][3])
+          : "r"(gw[2 * st]), "r"(hw[2 * st]), "r"(gw[2 * st + 1]), "r"(hw[2 * st + 1]),
+            "r"(xv[2 * st]), "r"(xv[2 * st + 1]));
+  }
+}
+#define XT0 8   // lane t's first x column in a chunk: 8t (second: 32 + 8t)
+#define X1 32
+typedef ChunkB QChunk;
+#else
+#define XT0 16  // lane t's x columns in a chunk: 16t .. 16t + 15 (the mma layout's order)
+#define X1 8
+typedef Chunk QChunk;
+#endif
+
 __device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(v)); }
 __device__ __forceinline__ float norm_w(const void* p, int i, int bf16) {
   return bf16 ? from_bf16(__ldg(static_cast<const u16*>(p) + i))
@@ -920,7 +968,7 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
   u16* xs = reinterpret_cast<u16*>(smem);           // [8][XST] normed x slice (main loop)
   float* red = reinterpret_cast<float*>(smem);      // [WARPS][RT][4][32] (after it)
   float* yh = reinterpret_cast<float*>(smem + A_BYTES);  // [8][HD] the head's outputs
-  float* part = yh + 8 * HD;  // [CL - 1][RT][4][32]: ranks 1.. push their sums to rank 0
+  float* part = yh + 8 * HD;  // [CL - 1][TT][4][32]: ranks 1.. push their sums to rank 0
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int head = blockIdx.x;
@@ -938,20 +986,32 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
   if (head < HQ) { w = qw; s = qs; gs = qg; hl = head; }
   else if (head < HQ + HKV) { w = kw; s = ks; gs = kg; hl = head - HQ; }
   else { w = vw; s = vs; gs = vg; hl = head - HQ - HKV; }
-  const int cl0 = warp * CPW;                 // the warp's first chunk in the slice
+  const int rg = warp / WK;                   // the warp's row group (RT row tiles)
+  const int cl0 = (warp % WK) * CPW;          // the warp's first chunk in the slice
   const int c0 = rank * (KC / CL) + cl0;      // ... in the row
-  const uint4* wp = w + ((size_t)hl * RT * KC + c0) * 32 + lane;
-  const u16* sp = s + ((size_t)hl * RT * KC + c0) * 32 + lane;
-  Chunk buf[PF + 1];
+  QChunk buf[PF + 1];
+#if BF16W
+  const uint4* wp = w + (size_t)(hl * HD + rg * RT * 16 + g) * (KC * 8) + c0 * 8 + t;
+#pragma unroll
+  for (int c = 0; c < PF && c < CPW; ++c) load_wb<true>(buf[c], wp, c);  // weights only
+#else
+  const uint4* wp = w + ((size_t)(hl * TT + rg * RT) * KC + c0) * 32 + lane;
+  const u16* sp = s + ((size_t)(hl * TT + rg * RT) * KC + c0) * 32 + lane;
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_w<true>(buf[c], wp, sp, c);  // weights only
+#endif
   // the epilogue's constants (rank 0): global scale, head-norm weights of this lane's d
   const bool qk = head < HQ + HKV;
   const void* hn = head < HQ ? q_norm : k_norm;
   const int hbf = head < HQ ? (NORM_BF16 >> 1) & 1 : (NORM_BF16 >> 2) & 1;
   float out_scale = 0.f, nlo[HALF_PER_LANE], nhi[HALF_PER_LANE];
   if (rank == 0) {
+#if BF16W
+    out_scale = 1.f;
+#else  // the global scale x 256 (exact: undoes the decode's 2^-8)
     asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(out_scale) : "l"(gs) : "memory");
+    out_scale *= 256.0f;
+#endif
 #pragma unroll
     for (int i = 0; i < HALF_PER_LANE; ++i) {
       const int d = lane + 32 * i;
@@ -1018,17 +1078,22 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
   }
   __syncthreads();
   // B fragment column n = g: rows g >= N read row N - 1, their outputs are not stored
-  const u16* xsp = xs + min(g, N - 1) * XST + cl0 * 64 + 16 * t;
+  const u16* xsp = xs + min(g, N - 1) * XST + cl0 * 64 + XT0 * t;
   float acc[RT][4];
 #pragma unroll
   for (int r = 0; r < RT; ++r) { acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f; }
 #pragma unroll
   for (int c = 0; c < CPW; ++c) {
-    if (c + PF < CPW) load_w(buf[(c + PF) % (PF + 1)], wp, sp, c + PF);
-    Chunk& ch = buf[c % (PF + 1)];
+    QChunk& ch = buf[c % (PF + 1)];
     ch.x0 = *reinterpret_cast<const uint4*>(xsp + 64 * c);
-    ch.x1 = *reinterpret_cast<const uint4*>(xsp + 64 * c + 8);
+    ch.x1 = *reinterpret_cast<const uint4*>(xsp + 64 * c + X1);
+#if BF16W
+    if (c + PF < CPW) load_wb(buf[(c + PF) % (PF + 1)], wp, c + PF);
+    mma_chunk_b(ch, acc);
+#else
+    if (c + PF < CPW) load_w(buf[(c + PF) % (PF + 1)], wp, sp, c + PF);
     mma_chunk(ch, acc);
+#endif
   }
 #if PDL
   asm volatile("griddepcontrol.launch_dependents;");
@@ -1043,41 +1108,43 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
   // phase 1 done: every block of the cluster has started
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 #endif
-  // warp w sums row tiles r = w, w + WARPS, ... over the warps (in warp order): rank 0
-  // into its slot 0, the other ranks into rank 0's part[rank - 1] (a DSMEM store)
-  for (int r = warp; r < RT; r += WARPS)
+  // warp w sums the head's row tiles T = w, w + WARPS, ... over the WK warps of T's row
+  // group (in warp order): rank 0 into SUM(T) (the slot of the group's first warp, which
+  // only this thread reads), the other ranks into rank 0's part[rank - 1] (DSMEM)
+#define SUM(T, j) red[((((T) / RT) * WK * RT + (T) % RT) * 4 + (j)) * 32 + lane]
+  for (int T = warp; T < TT; T += WARPS)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float v = 0.f;
 #pragma unroll
-      for (int w2 = 0; w2 < WARPS; ++w2) v += red[((w2 * RT + r) * 4 + j) * 32 + lane];
+      for (int w2 = 0; w2 < WK; ++w2)
+        v += red[((((T / RT) * WK + w2) * RT + T % RT) * 4 + j) * 32 + lane];
 #if CL > 1
-      if (rank != 0) st_cluster_f32(part + (((rank - 1) * RT + r) * 4 + j) * 32 + lane, 0, v);
+      if (rank != 0) st_cluster_f32(part + (((rank - 1) * TT + T) * 4 + j) * 32 + lane, 0, v);
       else
 #endif
-      red[(r * 4 + j) * 32 + lane] = v;
+      SUM(T, j) = v;
     }
 #if CL > 1
   // phase 2: the pushes are visible to rank 0 after its wait; the other blocks are done
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
   if (rank != 0) return;
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-  for (int r = warp; r < RT; r += WARPS)
+  for (int T = warp; T < TT; T += WARPS)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      float v = red[(r * 4 + j) * 32 + lane];
+      float v = SUM(T, j);
 #pragma unroll
-      for (int q = 1; q < CL; ++q) v += part[(((q - 1) * RT + r) * 4 + j) * 32 + lane];
-      red[(r * 4 + j) * 32 + lane] = v;  // rank order
+      for (int q = 1; q < CL; ++q) v += part[(((q - 1) * TT + T) * 4 + j) * 32 + lane];
+      SUM(T, j) = v;  // rank order
     }
 #endif
-  out_scale *= 256.0f;  // the global scale x 256 (exact: undoes the decode's 2^-8)
-  for (int r = warp; r < RT; r += WARPS)
+  for (int T = warp; T < TT; T += WARPS)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int n = 2 * t + (j & 1);
       if (n < N)  // q / k / v rounded after the GEMV
-        yh[n * HD + r * 16 + g + (j >> 1) * 8] = bf16_round(red[(r * 4 + j) * 32 + lane] * out_scale);
+        yh[n * HD + T * 16 + g + (j >> 1) * 8] = bf16_round(SUM(T, j) * out_scale);
     }
   __syncthreads();
   for (int n = warp; n < N; n += WARPS) {
@@ -1202,31 +1269,37 @@ def _render(body: str, subs: dict) -> str:
 
 def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: int,
                prefetch: int = 1, pdl: bool = False, rope: bool = True, norm_bf16: int = 0,
-               slot64: bool = True) -> str:
+               slot64: bool = True, bf16: bool = False, row_groups: int = 1) -> str:
     """The CUDA source of one fused QKV variant (`nvfp4_mma_qkv`; every argument compiled
-    in): hidden size h (a multiple of 64 * cluster * warps), head dim d (a multiple of
-    16), `heads` / `kv_heads` query / KV heads, `cluster` blocks per head (each an h /
-    cluster slice of K; a thread-block cluster when > 1), `warps` per block, `prefetch`
-    chunks loaded ahead, `norm_bf16` bits (1: the input norm, 2: q_norm, 4: k_norm are
-    bf16, else fp32), `slot64` (int64 slots, else int32). Raises ValueError for a split
-    that does not divide h."""
+    in): hidden size h (a multiple of 64 * cluster * warps / row_groups), head dim d (a
+    multiple of 16 * row_groups), `heads` / `kv_heads` query / KV heads, `cluster` blocks
+    per head (each an h / cluster slice of K; a thread-block cluster when > 1), `warps`
+    per block in `row_groups` groups (each group d / row_groups rows, its warps K
+    slices), `prefetch` chunks loaded ahead, `norm_bf16` bits (1: the input norm, 2:
+    q_norm, 4: k_norm are bf16, else fp32), `slot64` (int64 slots, else int32), `bf16`
+    (row-major bf16 weights instead of NVFP4 in the mma layout). Raises ValueError for a
+    split that does not divide h or d."""
     kc = h // 64
-    if h % 64 or d % 16 or kc % (cluster * warps) or not 1 <= cluster <= 8:
-        raise ValueError(f"qkv_source: needs h % (64 * cluster * warps) == 0, d % 16 == 0 and "
-                         f"cluster <= 8; got h={h}, d={d}, cluster={cluster}, warps={warps}")
-    subs = {"__RT__": d // 16, "__KC__": kc, "__CPW__": kc // (cluster * warps),
+    wk = warps // row_groups if row_groups >= 1 else 0
+    if h % 64 or d % (16 * max(row_groups, 1)) or wk < 1 or warps % row_groups \
+            or kc % (cluster * wk) or not 1 <= cluster <= 8:
+        raise ValueError(f"qkv_source: needs h % (64 * cluster * warps / row_groups) == 0, "
+                         f"d % (16 * row_groups) == 0 and cluster <= 8; got h={h}, d={d}, "
+                         f"cluster={cluster}, warps={warps}, row_groups={row_groups}")
+    subs = {"__RT__": d // 16 // row_groups, "__KC__": kc, "__CPW__": kc // (cluster * wk),
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": EPI_BF16, "__PDL__": int(pdl),
             "__HD__": d, "__HQ__": heads, "__HKV__": kv_heads, "__CL__": cluster,
-            "__ROPE__": int(rope), "__NORMBF__": norm_bf16, "__SLOT64__": int(slot64)}
+            "__ROPE__": int(rope), "__NORMBF__": norm_bf16, "__SLOT64__": int(slot64),
+            "__RS__": row_groups, "__BF16W__": int(bf16)}
     return _render(_QKV_SOURCE, subs)
 
 
-def qkv_smem_bytes(h: int, d: int, cluster: int, warps: int) -> int:
+def qkv_smem_bytes(h: int, d: int, cluster: int, warps: int, row_groups: int = 1) -> int:
     """Dynamic shared memory of a `qkv_source` variant: the larger of the normed x slice
-    (8 rows of h / cluster + 8 bf16) and the warps' sums (warps x d / 16 x 512 bytes),
-    plus the head's outputs (8 x d fp32) and the other cluster blocks' sums (cluster - 1
-    times d / 16 x 512 bytes)."""
-    red = warps * (d // 16) * 512
+    (8 rows of h / cluster + 8 bf16) and the warps' sums (warps x d / (16 row_groups) x
+    512 bytes), plus the head's outputs (8 x d fp32) and the other cluster blocks' sums
+    (cluster - 1 times d / 16 x 512 bytes)."""
+    red = warps * (d // 16 // row_groups) * 512
     xs = 8 * (h // cluster + 8) * 2
     return max(red, xs) + 8 * d * 4 + (cluster - 1) * (d // 16) * 512
 
@@ -1559,19 +1632,27 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     return h, wts, ids
 
 
-# (cluster, warps) candidates of the fused QKV kernel, best first (`qkv_launch_config`)
-QKV_LAUNCH_ORDER = ((4, 8), (8, 4), (2, 16), (2, 8), (1, 16), (4, 4), (2, 4), (1, 8), (1, 4),
-                    (1, 2), (1, 1))
+# (cluster, warps, row_groups) candidates of the fused QKV kernel, best first, per weight
+# format (`qkv_launch_config`; measured at the model's shapes, docs/gpu-runs.md session 14)
+QKV_LAUNCH_ORDER = {
+    "nvfp4": ((4, 8, 1), (8, 4, 1), (2, 16, 1), (2, 8, 1), (1, 16, 1), (4, 4, 1), (2, 4, 1),
+              (1, 8, 1), (1, 4, 1), (1, 2, 1), (1, 1, 1)),
+    "bf16": ((4, 8, 4), (4, 4, 2), (2, 8, 4), (2, 16, 8), (2, 8, 2), (1, 8, 2), (1, 4, 1),
+             (1, 2, 1), (1, 1, 1)),
+}
 
 
-def qkv_launch_config(h: int) -> tuple[int, int]:
-    """(cluster, warps) of the fused QKV kernel for hidden size h: the first of
-    `QKV_LAUNCH_ORDER` whose cluster x warps divides h / 64 (each warp then a whole number
-    of 64-column chunks). Raises ValueError when h % 64 != 0."""
-    if h % 64 or h <= 0:
-        raise ValueError(f"qkv_launch_config: hidden size must be a positive multiple of 64, got {h}")
+def qkv_launch_config(h: int, d: int = 128, fmt: str = "nvfp4") -> tuple[int, int, int]:
+    """(cluster, warps, row_groups) of the fused QKV kernel for hidden size h and head
+    dim d: the first of `QKV_LAUNCH_ORDER[fmt]` ("nvfp4" or "bf16") whose split fits
+    (cluster x warps / row_groups divides h / 64, 16 row_groups divides d). Raises
+    ValueError when h % 64 != 0 or d % 16 != 0."""
+    if h % 64 or h <= 0 or d % 16 or d <= 0:
+        raise ValueError(f"qkv_launch_config: hidden size must be a positive multiple of 64 "
+                         f"and head dim of 16, got {h} and {d}")
     kc = h // 64
-    return next((c, w) for c, w in QKV_LAUNCH_ORDER if kc % (c * w) == 0)
+    return next((c, w, r) for c, w, r in QKV_LAUNCH_ORDER[fmt]
+                if kc % (c * (w // r)) == 0 and d % (16 * r) == 0)
 
 
 def qkv_applies(h: int, d: int) -> bool:
@@ -1585,9 +1666,9 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
             sin_table: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             slots: torch.Tensor, positions: torch.Tensor, eps: float, num_heads: int,
             num_kv_heads: int, rope: bool, window: int, q: torch.Tensor, *,
-            cluster: int | None = None, warps: int | None = None, prefetch: int = 1,
-            use_pdl: bool = False) -> torch.Tensor:
-    """`flintc::norm_qkv_rope_kv` for NVFP4 weights on the CUDA mma kernel (reference:
+            cluster: int | None = None, warps: int | None = None, row_groups: int = 1,
+            prefetch: int = 1, use_pdl: bool = False) -> torch.Tensor:
+    """`flintc::norm_qkv_rope_kv` for NVFP4 or bf16 weights on the CUDA mma kernel (reference:
     `flintc.ops.grouped.norm_qkv_rope_kv`; the launcher with the argument checks is
     `flintc.kernels.fused_gemv.norm_qkv_rope_kv`): input RMSNorm, the Q / K / V GEMVs,
     per-head Q / K RMSNorm, rotate-half RoPE, the KV-cache write; q written to `q`.
@@ -1600,7 +1681,9 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
         x: bf16 [N, H] contiguous, 16-byte aligned, N <= 8 (the un-normed hidden state).
         norm: fp32/bf16 [H]; q_norm, k_norm: fp32/bf16 [D] (contiguous).
         wq, wk, wv: NVFP4 `[codes, scales, global_scale]` of [Hq D, H], [Hkv D, H],
-            [Hkv D, H], in the mma layout or packed (repacked once, `packed_weight`).
+            [Hkv D, H], in the mma layout or packed (repacked once, `packed_weight`); or
+            `[weight]` bf16 [F, H] contiguous, 16-byte aligned, read in place (all three
+            one format).
         cos_table, sin_table: fp32 [P, D/2] contiguous.
         k_cache, v_cache: bf16 [num_slots, S, Hkv, D] contiguous; row positions[n] (or
             positions[n] % window when window > 0) of slot slots[n] is written; nothing
@@ -1608,8 +1691,9 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
         slots: int32/int64 [N]; positions: int64 [N, 1] contiguous.
         eps: RMSNorm epsilon; num_heads, num_kv_heads: Hq, Hkv; rope: apply RoPE.
         q: bf16 [N, 1, Hq, D] contiguous, written.
-        cluster, warps: blocks per head and warps per block (None: `qkv_launch_config`);
-            prefetch: 64-column chunks each warp loads ahead.
+        cluster, warps, row_groups: blocks per head, warps per block and the warps' row
+            groups (None: `qkv_launch_config`); prefetch: 64-column chunks each warp
+            loads ahead.
         use_pdl: programmatic dependent launch (weights load before the wait).
 
     Returns q. Numerics: the reference's rounding points with IEEE division and square
@@ -1619,15 +1703,25 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
     does not take; RuntimeError without CUDA or when the launch fails.
     """
     N, H = x.shape
-    FQ = weight_dims(wq[0])[1]
+    bf16 = len(wq) == 1
+    if bf16:
+        for name, w in (("wq", wq), ("wk", wk), ("wv", wv)):
+            t = w[0] if len(w) == 1 else None
+            if t is None or t.dtype != torch.bfloat16 or t.dim() != 2 or not t.is_contiguous() \
+                    or t.data_ptr() % 16:
+                raise ValueError(f"mma_qkv: {name} must be a contiguous, 16-byte aligned bf16 "
+                                 "[F, H] like wq (one format for all three)")
+        dims = [(w[0].shape[0], w[0].shape[1]) for w in (wq, wk, wv)]
+    else:
+        dims = [weight_dims(w[0])[1:] for w in (wq, wk, wv)]
+    FQ = dims[0][0]
     D = FQ // num_heads
-    if not 1 <= N <= 8 or not qkv_applies(H, D) or FQ != num_heads * D \
-            or weight_dims(wk[0])[1:] != (num_kv_heads * D, H) \
-            or weight_dims(wv[0])[1:] != (num_kv_heads * D, H):
+    if not 1 <= N <= 8 or not qkv_applies(H, D) or dims != [(num_heads * D, H),
+                                                              (num_kv_heads * D, H),
+                                                              (num_kv_heads * D, H)]:
         raise ValueError(f"mma_qkv: needs N <= 8, H % 64 == 0, D % 16 == 0 (<= 256) and weights "
-                         f"[Hq D, H], [Hkv D, H] x 2; got x {tuple(x.shape)}, D {D}, wq "
-                         f"{weight_dims(wq[0])[1:]}, wk {weight_dims(wk[0])[1:]}, wv "
-                         f"{weight_dims(wv[0])[1:]}")
+                         f"[Hq D, H], [Hkv D, H] x 2; got x {tuple(x.shape)}, D {D}, weights "
+                         f"{dims}")
     if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
         raise ValueError("mma_qkv: x must be a contiguous, 16-byte aligned bf16 tensor")
     bf16_bits = 0
@@ -1644,15 +1738,18 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
     if cluster is None or warps is None:
-        cluster, warps = qkv_launch_config(H)
-    ops = [mma_operands(w[0], w[1], name) for w, name in ((wq, "wq"), (wk, "wk"), (wv, "wv"))]
+        cluster, warps, row_groups = qkv_launch_config(H, D, "bf16" if bf16 else "nvfp4")
+    if bf16:  # the weight for the unused scale / global-scale pointers
+        wargs = [t for w in (wq, wk, wv) for t in (w[0], w[0], w[0])]
+    else:
+        ops = [mma_operands(w[0], w[1], name) for w, name in ((wq, "wq"), (wk, "wk"), (wv, "wv"))]
+        wargs = [t for o, w in zip(ops, (wq, wk, wv)) for t in (o[0], o[1], w[2])]
     args = (H, D, num_heads, num_kv_heads, cluster, warps, prefetch, bool(use_pdl), bool(rope),
-            bf16_bits, slots.dtype == torch.int64)
-    smem = qkv_smem_bytes(H, D, cluster, warps)
+            bf16_bits, slots.dtype == torch.int64, bf16, row_groups)
+    smem = qkv_smem_bytes(H, D, cluster, warps, row_groups)
     kernel = _compiled("nvfp4_mma_qkv", args, lambda: qkv_source(*args), x.device, smem)
     _launch(kernel, (num_heads + 2 * num_kv_heads, cluster), 32 * warps,
-            [ops[0][0], ops[0][1], wq[2], ops[1][0], ops[1][1], wk[2], ops[2][0], ops[2][1],
-             wv[2], x, norm, q_norm, k_norm, cos_table, sin_table, k_cache, v_cache, slots,
+            [*wargs, x, norm, q_norm, k_norm, cos_table, sin_table, k_cache, v_cache, slots,
              positions, q, float(eps), N, k_cache.shape[1], int(window)],
             bool(use_pdl), cluster=cluster, smem=smem)
     return q

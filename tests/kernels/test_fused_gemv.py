@@ -463,40 +463,47 @@ def test_norm_qkv_rope_kv_gpu(N, fmt, kind, use_pdl):
     check_qkv(args, 32, 4, kind == "sliding", window, use_pdl=use_pdl)
 
 
-MMA_QKV_LAUNCHES = [None, (1, 16), (2, 8), (2, 16), (8, 4), (4, 4), (1, 2)]
+MMA_QKV_LAUNCHES = [("nvfp4_gs", None), ("nvfp4_gs", (1, 16, 1)), ("nvfp4_gs", (2, 8, 1)),
+                    ("nvfp4_gs", (2, 16, 1)), ("nvfp4_gs", (8, 4, 1)), ("nvfp4_gs", (4, 8, 2)),
+                    ("nvfp4_gs", (1, 2, 1)), ("bf16", None), ("bf16", (4, 16, 4)),
+                    ("bf16", (8, 8, 4)), ("bf16", (2, 8, 2)), ("bf16", (1, 4, 1)),
+                    ("bf16", (8, 16, 8))]
 
 
-@pytest.mark.parametrize("launch", MMA_QKV_LAUNCHES, ids=lambda c: f"cl{c[0]}w{c[1]}" if c else "default")
+@pytest.mark.parametrize("fmt,launch", MMA_QKV_LAUNCHES,
+                         ids=[f"{f}-" + (f"cl{c[0]}w{c[1]}r{c[2]}" if c else "default")
+                              for f, c in MMA_QKV_LAUNCHES])
 @pytest.mark.parametrize("kind", ["sliding", "full"])
 @pytest.mark.parametrize("N", [1, 3, 8])
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
-def test_nvfp4_mma_qkv_gpu(N, kind, launch, monkeypatch):
-    """The CUDA fused QKV kernel (`nvfp4_mma.mma_qkv`) on weights in the mma layout, as the
-    runtime runs them after `prepack`: full model shapes, every (cluster, warps) launch
-    given, PDL on; int32 slots with a padding row (slot -1: nothing written), bf16 head
-    norms. CPU twins: test_norm_qkv_rope_kv (the same op on the Triton kernel) and
-    test_nvfp4_mma.py's NVRTC compile of the QKV source."""
+def test_mma_qkv_gpu(N, kind, fmt, launch, monkeypatch):
+    """The CUDA fused QKV kernel (`nvfp4_mma.mma_qkv`) on NVFP4 weights in the mma layout
+    (as the runtime runs them after `prepack`) and on bf16 weights: full model shapes,
+    every (cluster, warps, row_groups) launch given, PDL on; int32 slots with a padding
+    row (slot -1: nothing written), bf16 head norms. CPU twins: test_norm_qkv_rope_kv
+    (the same op on the Triton kernel) and test_nvfp4_mma.py's NVRTC compile of the QKV
+    source."""
     from flintc.kernels import nvfp4_mma as M
 
     if not M.supported(torch.device("cuda")):
         pytest.skip("the CUDA mma kernels need sm_90+ and NVRTC")
     if launch is not None:
-        monkeypatch.setattr(M, "qkv_launch_config", lambda h: launch)
+        monkeypatch.setattr(M, "qkv_launch_config", lambda *a: launch)
     calls = []
     real = M.mma_qkv
     monkeypatch.setattr(M, "mma_qkv", lambda *a, **k: calls.append(k) or real(*a, **k))
     window = 513 if kind == "sliding" else 0
-    x, norm, wq, wk, wv, qn, kn, *rest = qkv_inputs(N, 2048, 32, 4, 128, "nvfp4_gs", kind,
-                                                     513, 2048)
-    conv = [[*M.pack_mma_stack(w[0], w[1]), w[2]] for w in (wq, wk, wv)]
+    x, norm, wq, wk, wv, qn, kn, *rest = qkv_inputs(N, 2048, 32, 4, 128, fmt, kind, 513, 2048)
+    if fmt != "bf16":
+        wq, wk, wv = ([*M.pack_mma_stack(w[0], w[1]), w[2]] for w in (wq, wk, wv))
     kn = kn.to(torch.bfloat16)
     cos, sin, kc, vc, slots, pos = rest
     slots = slots.to(torch.int32)
     if N > 1:
         slots[1] = -1
-    check_qkv((x, norm, *conv, qn, kn, cos, sin, kc, vc, slots, pos), 32, 4, kind == "sliding",
-              window, use_pdl=True)
+    check_qkv((x, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos), 32, 4,
+              kind == "sliding", window, use_pdl=True)
     assert len(calls) == 1
 
 

@@ -526,6 +526,8 @@ def test_cuda_sources_compile_with_nvrtc(variant):
     (2048, 128, 32, 4, 1, 16, 1, True, False, 0, True),  # no cluster, NoPE (full layer)
     (2048, 128, 32, 4, 8, 4, 2, False, True, 7, False),  # bf16 norms, int32 slots
     (128, 32, 8, 2, 1, 2, 1, False, True, 0, True),  # the tiny config
+    (2048, 128, 32, 4, 8, 16, 1, True, True, 0, True, True, 4),  # bf16 weights, row groups
+    (2048, 128, 32, 4, 2, 8, 2, True, False, 6, False, True, 2),
 ])
 def test_qkv_source_compiles_with_nvrtc(args):
     """The fused QKV kernel's variants compile for sm_90 (CPU twin of the GPU tests'
@@ -539,20 +541,29 @@ def test_qkv_source_compiles_with_nvrtc(args):
 
 
 def test_qkv_launch_rules():
-    """`qkv_launch_config` divides the K chunks exactly; `qkv_source` rejects splits that
-    do not; `qkv_smem_bytes` is the larger of the x slice and the warps' sums plus the
-    head's outputs and the other cluster blocks' sums; `qkv_applies` states the kernel's shape limits."""
-    assert M.qkv_launch_config(2048) == (4, 8)
-    for h in (64, 128, 192, 320, 2048, 4096, 7168):
-        cl, w = M.qkv_launch_config(h)
-        assert (h // 64) % (cl * w) == 0 and 1 <= cl <= 8
+    """`qkv_launch_config` divides the K chunks and the head's rows exactly; `qkv_source`
+    rejects splits that do not; `qkv_smem_bytes` is the larger of the x slice and the
+    warps' sums plus the head's outputs and the other cluster blocks' sums; `qkv_applies`
+    states the kernel's shape limits."""
+    assert M.qkv_launch_config(2048) == (4, 8, 1)
+    assert M.qkv_launch_config(2048, 128, "bf16") == (4, 8, 4)
+    for fmt in ("nvfp4", "bf16"):
+        for h in (64, 128, 192, 320, 2048, 4096, 7168):
+            for d in (16, 32, 64, 128):
+                cl, w, r = M.qkv_launch_config(h, d, fmt)
+                assert (h // 64) % (cl * (w // r)) == 0 and 1 <= cl <= 8 and d % (16 * r) == 0
+                assert M.qkv_source(h, d, 4, 1, cl, w, row_groups=r, bf16=fmt == "bf16")
     with pytest.raises(ValueError, match="multiple of 64"):
         M.qkv_launch_config(100)
-    with pytest.raises(ValueError, match="h % \\(64 \\* cluster \\* warps\\)"):
+    with pytest.raises(ValueError, match="h % \\(64 \\* cluster \\* warps / row_groups\\)"):
         M.qkv_source(2048, 128, 32, 4, 4, 16)
+    with pytest.raises(ValueError, match="d % \\(16 \\* row_groups\\)"):
+        M.qkv_source(2048, 32, 32, 4, 1, 8, row_groups=4)
     assert M.qkv_smem_bytes(2048, 128, 4, 8) == max(8 * 8 * 512, 8 * 520 * 2) + 8 * 128 * 4 \
         + 3 * 8 * 512
     assert M.qkv_smem_bytes(2048, 128, 1, 2) == 8 * 2056 * 2 + 4096
+    assert M.qkv_smem_bytes(2048, 128, 8, 16, 4) == max(16 * 2 * 512, 8 * 264 * 2) + 4096 \
+        + 7 * 8 * 512
     assert M.qkv_applies(2048, 128) and M.qkv_applies(128, 32)
     assert not M.qkv_applies(2048, 8) and not M.qkv_applies(2048, 512) and not M.qkv_applies(96, 32)
 
