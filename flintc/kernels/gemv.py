@@ -902,7 +902,7 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
             fail(op, "w", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
                  "kernel only (sm_90+, NVRTC, outside the Triton interpreter)")
         return out
-    if (fmt == "nvfp4" and config is None and norm is None and epilogue != EPI_FP32
+    if (fmt in ("nvfp4", "bf16") and config is None and norm is None and epilogue != EPI_FP32
             and _mma_gemv(x2, wargs, F, out, residual, use_pdl)):
         return out
     cfg = config or choose_config(N, F, K, fmt, dev)
@@ -944,16 +944,26 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
 
 def _mma_gemv(x2: torch.Tensor, wargs, F: int, out: torch.Tensor,
               residual: torch.Tensor | None, use_pdl: bool) -> bool:
-    """The NVFP4 GEMV on the CUDA `mma.sync` kernel (`flintc.kernels.nvfp4_mma`) where it
-    applies: a CUDA sm_90+ device (`nvfp4_mma.available`), F % 16 == 0, K % 64 == 0, x2
-    contiguous and 16-byte aligned, outside the interpreter. Returns False (the caller runs the Triton kernel)
-    otherwise, or when a weight is first seen during CUDA-graph capture (its repack cannot
-    be captured). Same numerics as the Triton kernel: exact products, fp32 sums, one
-    rounding (plus the residual add's)."""
+    """The NVFP4 or bf16 GEMV on the CUDA `mma.sync` kernel (`flintc.kernels.nvfp4_mma`)
+    where it applies: a CUDA sm_90+ device (`nvfp4_mma.available`), F % 16 == 0, K % 64
+    == 0, x2 contiguous and 16-byte aligned (bf16 weights too), outside the interpreter.
+    Returns False (the caller runs the Triton kernel) otherwise, or when an NVFP4 weight
+    is first seen during CUDA-graph capture (its repack cannot be captured). Same numerics
+    as the Triton kernel: exact products, fp32 sums, one rounding (plus the residual
+    add's)."""
     from flintc.kernels import nvfp4_mma
 
     N, K = x2.shape
     codes, scales, gscale = wargs
+    if codes.dtype == torch.bfloat16:  # bf16 weights, read in place
+        if _interpreting() or F % 16 or K % 64 or not nvfp4_mma.available(x2.device) \
+                or not x2.is_contiguous() or x2.data_ptr() % 16 or codes.data_ptr() % 16 \
+                or not codes.is_contiguous():
+            return False
+        nvfp4_mma.mma_gemv(x2, codes, None, None, out.view(N, F),
+                           residual=residual.view(N, F) if residual is not None else None,
+                           use_pdl=use_pdl)
+        return True
     converted = nvfp4_mma.is_mma_layout(codes)
     if _interpreting() or F % 16 or K % 64:
         return False

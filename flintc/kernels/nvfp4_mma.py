@@ -382,6 +382,7 @@ _COMMON = r"""
 #define WARPS __WARPS__  // warps per block, each a K / (WARPS * gridDim.y) slice
 #define EPI __EPI__      // 0: fp32 out (atomic add when split); 1: bf16 out; 2: bf16 out + residual
 #define PDL __PDL__      // griddepcontrol.wait before reading x / residual
+#define BF16W __BF16W__  // 1: bf16 weights, row-major [F, K] (ChunkB); 0: NVFP4 mma layout
 typedef unsigned int u32;
 typedef unsigned short u16;
 
@@ -480,6 +481,41 @@ __device__ __forceinline__ void mma_chunk(const Chunk& ch, float (&acc)[RT][4]) 
     }
   }
 }
+// bf16 weights: in chunk c (64 columns) lane (g, t) reads rows g and g + 8 at columns
+// 8t .. 8t + 7 (words 0-3: k16 steps 0, 1) and 32 + 8t .. 32 + 8t + 7 (steps 2, 3), one
+// 16-byte load each: a warp's load covers 64 contiguous bytes of 8 rows. The mma's k
+// slots 2t + e / 2t + 8 + e of step s are the physical columns of those words (the sum
+// does not depend on the order), and x is read in the same order (x0: columns 8t..,
+// x1: 32 + 8t..).
+struct ChunkB { uint4 w[RT][4]; uint4 x0, x1; };
+template <bool EARLY = false>
+__device__ __forceinline__ void load_wb(ChunkB& ch, const uint4* __restrict__ wp, int c) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {  // q: (row g, g + 8) x (columns 8t.., 32 + 8t..)
+      const uint4* p = wp + (size_t)(r * 16 + (q >> 1) * 8) * (KC * 8) + c * 8 + (q & 1) * 4;
+      ch.w[r][q] = EARLY ? ld_v4<false>(p) : __ldg(p);
+    }
+}
+__device__ __forceinline__ void mma_chunk_b(const ChunkB& ch, float (&acc)[RT][4]) {
+  const u32 xv[8] = {ch.x0.x, ch.x0.y, ch.x0.z, ch.x0.w, ch.x1.x, ch.x1.y, ch.x1.z, ch.x1.w};
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    const u32 gw[8] = {ch.w[r][0].x, ch.w[r][0].y, ch.w[r][0].z, ch.w[r][0].w,
+                       ch.w[r][1].x, ch.w[r][1].y, ch.w[r][1].z, ch.w[r][1].w};
+    const u32 hw[8] = {ch.w[r][2].x, ch.w[r][2].y, ch.w[r][2].z, ch.w[r][2].w,
+                       ch.w[r][3].x, ch.w[r][3].y, ch.w[r][3].z, ch.w[r][3].w};
+#pragma unroll
+    for (int st = 0; st < 4; ++st)
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+          "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+          : "+f"(acc[r][0]), "+f"(acc[r][1]), "+f"(acc[r][2]), "+f"(acc[r][3])
+          : "r"(gw[2 * st]), "r"(hw[2 * st]), "r"(gw[2 * st + 1]), "r"(hw[2 * st + 1]),
+            "r"(xv[2 * st]), "r"(xv[2 * st + 1]));
+  }
+}
 """
 
 _GEMV_SOURCE = r"""
@@ -492,25 +528,49 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
   const int g = lane >> 2, t = lane & 3;
   const int ft0 = blockIdx.x * RT;
   const int c0 = (blockIdx.y * WARPS + warp) * CPW;
-  const uint4* wp = wq + ((size_t)ft0 * KC + c0) * 32 + lane;
-  const u16* sp = sq + ((size_t)ft0 * KC + c0) * 32 + lane;
   // B fragment column n = g: rows g >= N read row N - 1, their outputs are not stored
-  const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)min(g, N - 1) * (KC * 64)) +
-                    8 * c0 + 2 * t;
-  float out_scale;  // the global scale x 256 (exact: undoes the decode's 2^-8)
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(out_scale) : "l"(gscale) : "memory");
-  out_scale *= 256.0f;
+  const uint4* xrow = reinterpret_cast<const uint4*>(x + (size_t)min(g, N - 1) * (KC * 64));
   float acc[RT][4];
 #pragma unroll
   for (int r = 0; r < RT; ++r) { acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f; }
+#if BF16W
+  // bf16: wq is the row-major weight (16-byte vectors), no scales
+  const uint4* wp = wq + (size_t)(ft0 * 16 + g) * (KC * 8) + c0 * 8 + t;
+  const uint4* xp = xrow + 8 * c0 + t;
+  const float out_scale = 1.0f;
+  ChunkB buf[PF + 1];
+#pragma unroll
+  for (int c = 0; c < PF && c < CPW; ++c) load_wb<true>(buf[c], wp, c);  // weights only
+#else
+  const uint4* wp = wq + ((size_t)ft0 * KC + c0) * 32 + lane;
+  const u16* sp = sq + ((size_t)ft0 * KC + c0) * 32 + lane;
+  const uint4* xp = xrow + 8 * c0 + 2 * t;
+  float out_scale;  // the global scale x 256 (exact: undoes the decode's 2^-8)
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(out_scale) : "l"(gscale) : "memory");
+  out_scale *= 256.0f;
   Chunk buf[PF + 1];
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_w<true>(buf[c], wp, sp, c);  // weights only
+#endif
 #if PDL
   // x is the previous kernel's output. The wait sits in its own basic block: ptxas hoists
   // a griddepcontrol.wait above the weight loads of the same block (seen in the SASS)
   if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+#if BF16W
+#pragma unroll
+  for (int c = 0; c < PF && c < CPW; ++c) { buf[c].x0 = ld_act(xp + 8 * c); buf[c].x1 = ld_act(xp + 8 * c + 4); }
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    if (c + PF < CPW) {
+      ChunkB& nx = buf[(c + PF) % (PF + 1)];
+      load_wb(nx, wp, c + PF);
+      nx.x0 = ld_act(xp + 8 * (c + PF));
+      nx.x1 = ld_act(xp + 8 * (c + PF) + 4);
+    }
+    mma_chunk_b(buf[c % (PF + 1)], acc);
+  }
+#else
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
 #pragma unroll
@@ -521,6 +581,7 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
     }
     mma_chunk(buf[c % (PF + 1)], acc);
   }
+#endif
 #if PDL
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
@@ -854,7 +915,6 @@ _QKV_SOURCE = r"""
 #define RS __RS__        // row groups: the block's warps split the head's rows RS ways
 #define WK (WARPS / RS)  // warps per row group, each CPW chunks of the K slice
 #define TT (RT * RS)     // row tiles per head (RT: per warp)
-#define BF16W __BF16W__  // 1: bf16 weights, row-major [F, H]; 0: NVFP4 in the mma layout
 #define HQ __HQ__        // query heads
 #define HKV __HKV__      // KV heads
 #define CL __CL__        // blocks per head (a cluster), each a K slice
@@ -876,40 +936,6 @@ __device__ __forceinline__ int ld_act_s32(const int* p) {
   return v;
 }
 #if BF16W
-// bf16 weights: in chunk c (64 columns) lane (g, t) reads rows g and g + 8 at columns
-// 8t .. 8t + 7 (words 0-3: k16 steps 0, 1) and 32 + 8t .. 32 + 8t + 7 (steps 2, 3), one
-// 16-byte load each: a warp's load covers 64 contiguous bytes of 8 rows. The mma's k
-// slots 2t + e / 2t + 8 + e of step s are the physical columns of those words (the sum
-// does not depend on the order), and x is read in the same order (XT0 / X1).
-struct ChunkB { uint4 w[RT][4]; uint4 x0, x1; };
-template <bool EARLY = false>
-__device__ __forceinline__ void load_wb(ChunkB& ch, const uint4* __restrict__ wp, int c) {
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {  // q: (row g, g + 8) x (columns 8t.., 32 + 8t..)
-      const uint4* p = wp + (size_t)(r * 16 + (q >> 1) * 8) * (KC * 8) + c * 8 + (q & 1) * 4;
-      ch.w[r][q] = EARLY ? ld_v4<false>(p) : __ldg(p);
-    }
-}
-__device__ __forceinline__ void mma_chunk_b(const ChunkB& ch, float (&acc)[RT][4]) {
-  const u32 xv[8] = {ch.x0.x, ch.x0.y, ch.x0.z, ch.x0.w, ch.x1.x, ch.x1.y, ch.x1.z, ch.x1.w};
-#pragma unroll
-  for (int r = 0; r < RT; ++r) {
-    const u32 gw[8] = {ch.w[r][0].x, ch.w[r][0].y, ch.w[r][0].z, ch.w[r][0].w,
-                       ch.w[r][1].x, ch.w[r][1].y, ch.w[r][1].z, ch.w[r][1].w};
-    const u32 hw[8] = {ch.w[r][2].x, ch.w[r][2].y, ch.w[r][2].z, ch.w[r][2].w,
-                       ch.w[r][3].x, ch.w[r][3].y, ch.w[r][3].z, ch.w[r][3].w};
-#pragma unroll
-    for (int st = 0; st < 4; ++st)
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-          "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-          : "+f"(acc[r][0]), "+f"(acc[r][1]), "+f"(acc[r][2]), "+f"(acc[r][3])
-          : "r"(gw[2 * st]), "r"(hw[2 * st]), "r"(gw[2 * st + 1]), "r"(hw[2 * st + 1]),
-            "r"(xv[2 * st]), "r"(xv[2 * st + 1]));
-  }
-}
 #define XT0 8   // lane t's first x column in a chunk: 8t (second: 32 + 8t)
 #define X1 32
 typedef ChunkB QChunk;
@@ -1207,10 +1233,12 @@ _KERNELS: dict[tuple, object] = {}  # compiled variants, by (device index, _kern
 
 
 def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epilogue: int,
-            pdl: bool, moe_top_k: int = 0, experts: int = 0, *, device: torch.device):
+            pdl: bool, moe_top_k: int = 0, experts: int = 0, bf16: bool = False, *,
+            device: torch.device):
     """The compiled variant for `device` (NVRTC through `torch.cuda._compile_kernel`, about
     a second the first time; cached for the process per device)."""
-    args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts)
+    args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts,
+            bool(bf16))
     name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
         else "nvfp4_mma_gemv"
     return _compiled(name, args, lambda: kernel_source(*args), device)
@@ -1242,15 +1270,18 @@ def _compiled(name: str, args: tuple, source, device: torch.device, smem: int = 
 
 def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int,
                   epilogue: int = EPI_FP32, pdl: bool = False, moe_top_k: int = 0,
-                  experts: int = 0) -> str:
+                  experts: int = 0, bf16: bool = False) -> str:
     """The CUDA source of one kernel variant (every argument is compiled in): the GEMV
-    (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
-    row_tiles 1, splits 1, k the expert width), or with experts > 0 too the MoE gate/up
-    kernel (`nvfp4_mma_moe_gate_up`, row_tiles 2: gate and up, k = H)."""
+    (`nvfp4_mma_gemv`; with `bf16` on row-major bf16 weights); with moe_top_k > 0 the
+    MoE down kernel (`nvfp4_mma_moe_down`, row_tiles 1, splits 1, k the expert width),
+    or with experts > 0 too the MoE gate/up kernel (`nvfp4_mma_moe_gate_up`, row_tiles
+    2: gate and up, k = H)."""
     chunks = k // 64
+    if bf16 and moe_top_k:
+        raise ValueError("kernel_source: bf16 weights are for the GEMV only")
     subs = {"__RT__": row_tiles, "__KC__": chunks, "__CPW__": chunks // (warps * splits),
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
-            "__KTOP__": moe_top_k, "__NE__": experts}
+            "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16)}
     body = (_MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) if moe_top_k else _GEMV_SOURCE
     return _render(body, subs)
 
@@ -1440,11 +1471,14 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
              out: torch.Tensor, *, row_tiles: int = 1, splits: int = 1, prefetch: int = 2,
              warps: int | None = None, residual: torch.Tensor | None = None,
              use_pdl: bool = False) -> torch.Tensor:
-    """`x @ W^T * global_scale` for decode batches, W NVFP4 in the mma layout (CUDA only).
+    """`x @ W^T * global_scale` for decode batches, W NVFP4 in the mma layout, or `x @ W^T`
+    for W bf16 (CUDA only).
 
     Args:
         x: bf16 [N, K], contiguous, N in 1..8.
-        wq, sq: `pack_mma_layout` of W [F, K] (K a multiple of 64).
+        wq, sq: `pack_mma_layout` of W [F, K] (K a multiple of 64); or wq the bf16 weight
+            [F, K] itself (row-major, contiguous, 16-byte aligned; F % 16 == 0), sq and
+            gscale then unused (None).
         gscale: fp32 tensor of one element on x's device: the global scale (read by the
             kernel, so no host sync).
         out: contiguous [N, F]: fp32 (the raw product; with splits > 1 it must hold
@@ -1468,21 +1502,31 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x: expected a bf16 tensor [N, K], got {type(x).__name__}")
     N, K = x.shape
-    FT, KC = wq.shape[0], wq.shape[1]
-    F = FT * 16
+    bf16 = isinstance(wq, torch.Tensor) and wq.dtype == torch.bfloat16
     if x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= N <= 8 \
             or x.data_ptr() % 16:
         raise ValueError(f"x: expected contiguous, 16-byte aligned bf16 [N <= 8, K], got "
                          f"{x.dtype} {tuple(x.shape)} at offset {x.data_ptr() % 16}")
-    if K != KC * 64 or tuple(wq.shape) != (FT, KC, 32, 4) or wq.dtype != torch.int32:
-        raise ValueError(f"wq: expected int32 [F/16, K/64, 32, 4] with K = {K}, got "
-                         f"{wq.dtype} {tuple(wq.shape)}")
-    if tuple(sq.shape) != (FT, KC, 32, 2) or sq.dtype != torch.uint8:
-        raise ValueError(f"sq: expected uint8 [{FT}, {KC}, 32, 2], got {sq.dtype} "
-                         f"{tuple(sq.shape)}")
-    if not isinstance(gscale, torch.Tensor) or gscale.dtype != torch.float32 \
-            or gscale.numel() != 1 or gscale.device != x.device:
-        raise ValueError(f"gscale: expected an fp32 tensor of one element on {x.device}")
+    if bf16:
+        F = wq.shape[0] if wq.dim() == 2 else -1
+        FT, KC = F // 16, K // 64
+        if wq.dim() != 2 or wq.shape[1] != K or F % 16 or K % 64 or F <= 0 \
+                or not wq.is_contiguous() or wq.data_ptr() % 16:
+            raise ValueError(f"wq: expected a contiguous, 16-byte aligned bf16 [F, {K}] with "
+                             f"F % 16 == 0 and K % 64 == 0, got {tuple(wq.shape)}")
+        sq = gscale = wq  # unused by the bf16 kernel
+    else:
+        FT, KC = wq.shape[0], wq.shape[1]
+        F = FT * 16
+        if K != KC * 64 or tuple(wq.shape) != (FT, KC, 32, 4) or wq.dtype != torch.int32:
+            raise ValueError(f"wq: expected int32 [F/16, K/64, 32, 4] with K = {K}, got "
+                             f"{wq.dtype} {tuple(wq.shape)}")
+        if tuple(sq.shape) != (FT, KC, 32, 2) or sq.dtype != torch.uint8:
+            raise ValueError(f"sq: expected uint8 [{FT}, {KC}, 32, 2], got {sq.dtype} "
+                             f"{tuple(sq.shape)}")
+        if not isinstance(gscale, torch.Tensor) or gscale.dtype != torch.float32 \
+                or gscale.numel() != 1 or gscale.device != x.device:
+            raise ValueError(f"gscale: expected an fp32 tensor of one element on {x.device}")
     if tuple(out.shape) != (N, F) or out.dtype not in (torch.float32, torch.bfloat16) \
             or not out.is_contiguous():
         raise ValueError(f"out: expected contiguous fp32 or bf16 [{N}, {F}], got "
@@ -1505,7 +1549,8 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
                          f"divide F/16={FT} and K/64={KC}")
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
-    kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl), device=x.device)
+    kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl), bf16=bf16,
+                     device=x.device)
     _launch(kernel, (FT // row_tiles, splits), 32 * warps,
             [wq, sq, gscale, x, residual if residual is not None else x, out, N, F],
             bool(use_pdl))

@@ -222,6 +222,71 @@ def test_kernel_model_shapes_gpu(F, K, N, use_pdl):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("F,K", SHAPES + [(256, 2048)])
+@pytest.mark.parametrize("N", [1, 5, 8])
+@pytest.mark.parametrize("warps,prefetch", [(None, 2), (8, 1)])
+def test_bf16_kernel_model_shapes_gpu(F, K, N, warps, prefetch):
+    """The GEMV kernel on row-major bf16 weights (read in place): fp32 out within the fp32
+    reordering bound of the exact product; bf16 + residual out = the epilogue's two
+    roundings of the kernel's own sum, also from a CUDA-graph replay with PDL."""
+    _require_mma()
+    gen = torch.Generator().manual_seed(F + K + N + 1)
+    w = (torch.randn(F, K, generator=gen) * 0.05).to(torch.bfloat16).cuda()
+    x = torch.randn(N, K, generator=gen).to(torch.bfloat16).cuda()
+    res = torch.randn(N, F, generator=gen).to(torch.bfloat16).cuda()
+    exact = x.double() @ w.double().T
+    bound = K * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    out = torch.full((N, F), float("nan"), device="cuda")
+    M.mma_gemv(x, w, None, None, out, warps=warps, prefetch=prefetch)
+    assert bool(((out.double() - exact).abs() <= bound + 1e-30).all())
+    y = torch.full((N, F), float("nan"), device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        M.mma_gemv(x, w, None, None, y, residual=res, warps=warps, prefetch=prefetch,
+                   use_pdl=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = (res.double() + out.to(torch.bfloat16).double()).to(torch.bfloat16)
+    assert torch.equal(y, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+def test_bf16_gemv_ops_use_mma_gpu(monkeypatch):
+    """`gemv_residual` and `gemv` with bf16 weights run the CUDA kernel (no config) and
+    agree with the reference within 2 bf16 ulps and with the Triton kernel
+    (FLINTC_NVFP4_MMA=0) but for the fp32 summation order."""
+    from flintc.kernels import fused_gemv as FG
+    from flintc.ops import grouped
+
+    _require_mma()
+    gen = torch.Generator().manual_seed(5)
+    w = [(torch.randn(2048, 4096, generator=gen) * 0.05).to(torch.bfloat16).cuda()]
+    x = torch.randn(4, 4096, generator=gen).to(torch.bfloat16).cuda()
+    res = torch.randn(4, 2048, generator=gen).to(torch.bfloat16).cuda()
+    calls = []
+    monkeypatch.setattr(M, "mma_gemv", _spy(M.mma_gemv, calls))
+    out = FG.gemv_residual(x, w, res)
+    plain = FG.gemv(x, w)
+    assert len(calls) == 2  # the CUDA path ran
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
+    tri = FG.gemv_residual(x, w, res)
+    ref = grouped.gemv_residual(x, w, res)
+    assert len(calls) == 2
+    for got in (out, tri):
+        diff = (got.double() - ref.double()).abs()
+        ulp = ref.double().abs().clamp_min(2.0**-126) * 2.0**-7
+        assert bool((diff <= 2 * ulp).all()), float(diff.max())
+    exact = x.double() @ w[0].double().T
+    assert bool(((plain.double() - exact).abs() <= exact.abs() * 2.0**-7 + 1e-6).all())
+    share = float((out != tri).float().mean())
+    print(f"bf16 mma vs triton: {share:.2%} of elements differ (fp32 summation order)")
+    assert share < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_gemv_residual_op_uses_mma_gpu(monkeypatch):
     from flintc.kernels import fused_gemv as FG
     from flintc.ops import grouped
@@ -509,6 +574,8 @@ def test_cuda_source_pastes_the_replayed_expressions():
     ("gemv", (1, 10240, 1, 2, 16, M.EPI_BF16, True)),
     ("moe_gate_up", (2, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256)),
     ("moe_down", (1, 512, 1, 2, 32, M.EPI_RESIDUAL, True, 6)),
+    ("gemv", (1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True, 0, 0, True)),  # bf16 weights
+    ("gemv", (2, 2048, 1, 1, 8, M.EPI_FP32, False, 0, 0, True)),
 ])
 def test_cuda_sources_compile_with_nvrtc(variant):
     """The CUDA sources compile for sm_90 with NVRTC on the CPU machine (the pip wheel,
