@@ -956,7 +956,9 @@ def norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, eps: 
         [N, E] = normed x @ router^T with fp32 accumulation). Formulas: FLINT_SPEC 2/3.
 
     Numerics: normed x within one bf16 ulp of the reference (sum-of-squares order, rsqrt);
-    logits within a few fp32 ulps (dot order). N > 8 runs the reference op.
+    logits within a few fp32 ulps (dot order). N > 8 runs the reference op. On CUDA sm_90+
+    (`_mma_router_applies`) the CUDA mma kernel `nvfp4_mma.mma_norm_router` runs, else the
+    Triton kernel.
 
     Raises:
         ValueError: a dtype, shape, device or contiguity mismatch (names the argument).
@@ -971,7 +973,29 @@ def norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, eps: 
     _check(op, "norm", norm, torch.float32, (H,), x.device)
     if not (1 <= N <= MAX_N):
         return _reference(op)(x, norm, router, eps)
-    return _router(op, x.view(N, H), norm, router, eps, use_pdl)
+    x2 = x.view(N, H)
+    if _mma_router_applies(x2, router):
+        from flintc.kernels import nvfp4_mma
+
+        return nvfp4_mma.mma_norm_router(x2, norm, router, eps, use_pdl=use_pdl)
+    return _router(op, x2, norm, router, eps, use_pdl)
+
+
+def _mma_router_applies(x2: torch.Tensor, router) -> bool:
+    """Whether `norm_router` runs on the CUDA mma kernel (`nvfp4_mma.mma_norm_router`):
+    `nvfp4_mma.available` on x's device (sm_90+, NVRTC, FLINTC_NVFP4_MMA not 0), outside
+    the interpreter, a contiguous 16-byte aligned bf16 router [E, H] with H % 64 == 0 and
+    E % 16 == 0, x 16-byte aligned. Otherwise the Triton kernel runs."""
+    from flintc.kernels import nvfp4_mma
+
+    N, H = x2.shape
+    if _interpreting() or x2.device.type != "cuda" or not isinstance(router, torch.Tensor) \
+            or router.dim() != 2 or router.shape[1] != H or router.dtype != torch.bfloat16 \
+            or not router.is_contiguous() or router.data_ptr() % 16 or x2.data_ptr() % 16 \
+            or router.device != x2.device:
+        return False
+    return (nvfp4_mma.router_launch_config(H, router.shape[0]) is not None
+            and nvfp4_mma.available(x2.device))
 
 
 def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int,

@@ -105,7 +105,7 @@ import torch
 
 __all__ = ["SCALE_CODE_BIAS", "available", "decode_mma_layout", "e4m3_to_scale_code",
            "enabled_from_env", "is_mma_layout", "kernel_source", "mma_gemv", "mma_operands",
-           "mma_qkv", "qkv_applies", "qkv_launch_config", "qkv_smem_bytes", "qkv_source",
+           "mma_norm_router", "mma_qkv", "qkv_applies", "router_launch_config", "qkv_launch_config", "qkv_smem_bytes", "qkv_source",
            "moe_down", "moe_topk_gate_up", "pack_mma_layout", "pack_mma_stack", "packed_weight",
            "prepack",
            "scale_code_to_bf16_bits", "supported", "unpack_mma_layout", "warps_for",
@@ -924,6 +924,8 @@ _QKV_SOURCE = r"""
 #define ROPE __ROPE__
 #define NORM_BF16 __NORMBF__  // bit 0: norm, bit 1: q_norm, bit 2: k_norm bf16 (else fp32)
 #define SLOT64 __SLOT64__     // slots int64 (else int32)
+#define ROUTER __ROUTER__     // 1: flintc::norm_router (HQ row blocks of a bf16 router, HKV 0):
+                              // fp32 logits out, the normed x out; no head norm / RoPE / cache
 #define UPL ((KC * 8 + 31) / 32)  // 16-byte x vectors per lane per row (RMSNorm sums)
 #define RED_BYTES (WARPS * RT * 4 * 32 * 4)
 #define XS_BYTES (8 * XST * 2)
@@ -989,7 +991,8 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
               const void* __restrict__ q_norm, const void* __restrict__ k_norm,
               const float* __restrict__ cos_t, const float* __restrict__ sin_t,
               u16* k_cache, u16* v_cache, const void* slots, const long long* pos,
-              u16* __restrict__ q_out, double eps_d, int N, int S, int window) {
+              void* __restrict__ q_out, u16* __restrict__ x_out, double eps_d, int N, int S,
+              int window) {
   extern __shared__ __align__(16) unsigned char smem[];
   u16* xs = reinterpret_cast<u16*>(smem);           // [8][XST] normed x slice (main loop)
   float* red = reinterpret_cast<float*>(smem);      // [WARPS][RT][4][32] (after it)
@@ -1026,6 +1029,7 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_w<true>(buf[c], wp, sp, c);  // weights only
 #endif
+#if !ROUTER
   // the epilogue's constants (rank 0): global scale, head-norm weights of this lane's d
   const bool qk = head < HQ + HKV;
   const void* hn = head < HQ ? q_norm : k_norm;
@@ -1045,9 +1049,11 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
       nhi[i] = qk && d < HD / 2 ? norm_w_early(hn, d + HD / 2, hbf) : 0.f;
     }
   }
+#endif
 #if PDL
   if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");  // x, slots, positions
 #endif
+#if !ROUTER
   // rank 0, warp n < N: token n's position, slot and RoPE table rows, loaded now (they
   // arrive during the main loop); a warp with more tokens (N > WARPS) loads the rest later
   long long p0 = 0, slot0 = -1;
@@ -1065,6 +1071,7 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
       sn0[i] = use ? ld_const_f32(sin_t + p0 * (HD / 2) + d) : 0.f;
     }
   }
+#endif
   // input RMSNorm, as flintc.model.ops.rms_norm: bf16(x * rstd * w), rstd in fp32
   for (int n = warp; n < N; n += WARPS) {
     const uint4* xr = reinterpret_cast<const uint4*>(x + (size_t)n * (KC * 64));
@@ -1103,6 +1110,14 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
     }
   }
   __syncthreads();
+#if ROUTER  // the first row block's blocks store the normed x, each its K slice
+  if (head == 0)
+    for (int i = threadIdx.x; i < N * (KS / 8); i += WARPS * 32) {
+      const int n = i / (KS / 8), u = i % (KS / 8);
+      reinterpret_cast<uint4*>(x_out + (size_t)n * (KC * 64) + rank * KS)[u] =
+          *reinterpret_cast<const uint4*>(xs + n * XST + u * 8);
+    }
+#endif
   // B fragment column n = g: rows g >= N read row N - 1, their outputs are not stored
   const u16* xsp = xs + min(g, N - 1) * XST + cl0 * 64 + XT0 * t;
   float acc[RT][4];
@@ -1165,6 +1180,16 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
       SUM(T, j) = v;  // rank order
     }
 #endif
+#if ROUTER  // logits, fp32, never rounded
+  for (int T = warp; T < TT; T += WARPS)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int n = 2 * t + (j & 1);
+      if (n < N)
+        static_cast<float*>(q_out)[(size_t)n * (HQ * HD) + head * HD + T * 16 + g + (j >> 1) * 8] =
+            SUM(T, j);
+    }
+#else
   for (int T = warp; T < TT; T += WARPS)
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -1200,7 +1225,7 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
     }
     u16* dst = nullptr;
     if (head < HQ) {
-      dst = q_out + ((size_t)n * HQ + head) * HD;
+      dst = static_cast<u16*>(q_out) + ((size_t)n * HQ + head) * HD;
     } else {  // KV-cache write (flintc.ops.attention.write_kv, T = 1)
       const long long row = window > 0 ? p % window : p;
       if (slot >= 0 && row >= 0 && row < S)  // a negative slot: a padding row
@@ -1225,6 +1250,7 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
       if (dst) { dst[d] = to_bf16(lo); dst[d + HD / 2] = to_bf16(hi); }
     }
   }
+#endif
 }
 """
 
@@ -1300,7 +1326,8 @@ def _render(body: str, subs: dict) -> str:
 
 def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: int,
                prefetch: int = 1, pdl: bool = False, rope: bool = True, norm_bf16: int = 0,
-               slot64: bool = True, bf16: bool = False, row_groups: int = 1) -> str:
+               slot64: bool = True, bf16: bool = False, row_groups: int = 1,
+               router: bool = False) -> str:
     """The CUDA source of one fused QKV variant (`nvfp4_mma_qkv`; every argument compiled
     in): hidden size h (a multiple of 64 * cluster * warps / row_groups), head dim d (a
     multiple of 16 * row_groups), `heads` / `kv_heads` query / KV heads, `cluster` blocks
@@ -1308,7 +1335,9 @@ def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: i
     per block in `row_groups` groups (each group d / row_groups rows, its warps K
     slices), `prefetch` chunks loaded ahead, `norm_bf16` bits (1: the input norm, 2:
     q_norm, 4: k_norm are bf16, else fp32), `slot64` (int64 slots, else int32), `bf16`
-    (row-major bf16 weights instead of NVFP4 in the mma layout). Raises ValueError for a
+    (row-major bf16 weights instead of NVFP4 in the mma layout); `router`: the
+    `flintc::norm_router` variant (`mma_norm_router`: `heads` row blocks of d rows of a
+    bf16 router, kv_heads 0; fp32 logits and the normed x out). Raises ValueError for a
     split that does not divide h or d."""
     kc = h // 64
     wk = warps // row_groups if row_groups >= 1 else 0
@@ -1321,7 +1350,9 @@ def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: i
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": EPI_BF16, "__PDL__": int(pdl),
             "__HD__": d, "__HQ__": heads, "__HKV__": kv_heads, "__CL__": cluster,
             "__ROPE__": int(rope), "__NORMBF__": norm_bf16, "__SLOT64__": int(slot64),
-            "__RS__": row_groups, "__BF16W__": int(bf16)}
+            "__RS__": row_groups, "__BF16W__": int(bf16), "__ROUTER__": int(router)}
+    if router and (not bf16 or kv_heads or rope):
+        raise ValueError("qkv_source: the router variant takes bf16 weights, kv_heads 0, no RoPE")
     return _render(_QKV_SOURCE, subs)
 
 
@@ -1795,9 +1826,75 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
     kernel = _compiled("nvfp4_mma_qkv", args, lambda: qkv_source(*args), x.device, smem)
     _launch(kernel, (num_heads + 2 * num_kv_heads, cluster), 32 * warps,
             [*wargs, x, norm, q_norm, k_norm, cos_table, sin_table, k_cache, v_cache, slots,
-             positions, q, float(eps), N, k_cache.shape[1], int(window)],
+             positions, q, q, float(eps), N, k_cache.shape[1], int(window)],
             bool(use_pdl), cluster=cluster, smem=smem)
     return q
+
+
+# (rows per block, cluster, warps, row_groups) of the router kernel, best first
+ROUTER_LAUNCH_ORDER = ((16, 8, 4, 1), (16, 4, 8, 1), (16, 4, 4, 1), (16, 2, 8, 1),
+                       (16, 2, 4, 1), (16, 1, 4, 1), (16, 1, 2, 1), (16, 1, 1, 1))
+
+
+def router_launch_config(h: int, e: int) -> tuple[int, int, int, int] | None:
+    """(rows per block, cluster, warps, row_groups) of `mma_norm_router` for hidden size h
+    and e experts: the first of `ROUTER_LAUNCH_ORDER` that divides them; None when none
+    does (h % 64 or e % 16 not 0)."""
+    if h <= 0 or e <= 0 or h % 64:
+        return None
+    return next(((d, c, w, r) for d, c, w, r in ROUTER_LAUNCH_ORDER
+                 if e % d == 0 and (h // 64) % (c * (w // r)) == 0), None)
+
+
+def mma_norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, eps: float,
+                    *, launch: tuple[int, int, int, int] | None = None,
+                    use_pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`flintc::norm_router` (kernel 5 of the MoE layer; reference
+    `flintc.ops.grouped.norm_router`, launcher with the argument checks
+    `flintc.kernels.moe.norm_router`) on the CUDA mma kernel: the fused QKV kernel's
+    RMSNorm prologue and bf16 mma GEMV (`qkv_source(router=True)`), the router's rows in
+    blocks of 16, each split over K in a thread-block cluster; the first row block's
+    blocks also store the normed x.
+
+    Args:
+        x: bf16 [N, H] contiguous, 16-byte aligned, N <= 8; norm: fp32/bf16 [H].
+        router: bf16 [E, H] contiguous, 16-byte aligned. eps: the RMSNorm epsilon.
+        launch: (rows per block, cluster, warps, row_groups); None: `router_launch_config`.
+        use_pdl: programmatic dependent launch (the router rows load before the wait).
+
+    Returns (normed x bf16 [N, H] = bf16(x * rstd * norm) as the reference; logits fp32
+    [N, E] = normed x @ router^T, exact products summed in fp32 by the tensor cores, not
+    rounded). Raises ValueError for shapes it does not take (`router_launch_config`
+    None, N > 8); RuntimeError without CUDA or when the launch fails.
+    """
+    N, H = x.shape
+    E = router.shape[0] if router.dim() == 2 else -1
+    cfg = launch or router_launch_config(H, E)
+    if cfg is None or not 1 <= N <= 8 or router.dim() != 2 or router.shape[1] != H \
+            or router.dtype != torch.bfloat16 or not router.is_contiguous() \
+            or router.data_ptr() % 16:
+        raise ValueError(f"mma_norm_router: needs N <= 8, H % 64 == 0, E % 16 == 0 and a "
+                         f"contiguous 16-byte aligned bf16 router [E, H]; got x {tuple(x.shape)}, "
+                         f"router {router.dtype} {tuple(router.shape)}")
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
+        raise ValueError("mma_norm_router: x must be a contiguous, 16-byte aligned bf16 tensor")
+    if norm.dtype not in (torch.float32, torch.bfloat16) or tuple(norm.shape) != (H,) \
+            or not norm.is_contiguous():
+        raise ValueError(f"mma_norm_router: norm must be a contiguous fp32 or bf16 tensor [{H}]")
+    if x.device.type != "cuda":
+        raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
+    d, cluster, warps, row_groups = cfg
+    h = torch.empty((N, H), dtype=torch.bfloat16, device=x.device)
+    logits = torch.empty((N, E), dtype=torch.float32, device=x.device)
+    args = (H, d, E // d, 0, cluster, warps, 1, bool(use_pdl), False,
+            int(norm.dtype == torch.bfloat16), True, True, row_groups, True)
+    smem = qkv_smem_bytes(H, d, cluster, warps, row_groups)
+    kernel = _compiled("nvfp4_mma_qkv", args, lambda: qkv_source(*args), x.device, smem)
+    _launch(kernel, (E // d, cluster), 32 * warps,
+            [router, router, router, router, router, router, router, router, router,
+             x, norm, norm, norm, norm, norm, x, x, x, x, logits, h, float(eps), N, 1, 0],
+            bool(use_pdl), cluster=cluster, smem=smem)
+    return h, logits
 
 
 _PACKED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

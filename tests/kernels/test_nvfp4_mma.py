@@ -287,6 +287,67 @@ def test_bf16_gemv_ops_use_mma_gpu(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("launch", [None, (16, 4, 8, 1), (32, 2, 8, 2), (16, 1, 4, 1)])
+@pytest.mark.parametrize("N", [1, 3, 8])
+def test_norm_router_gpu(N, launch, monkeypatch):
+    """`flintc::norm_router` on the CUDA kernel (`mma_norm_router`, through the op without
+    a launch given): the normed x within one bf16 ulp of the reference in <= 2% of the
+    elements, the logits within the fp32 reordering bound of the exact product of the
+    kernel's own normed x; bf16 norm weights; a CUDA-graph replay with PDL gives the same
+    bits. E = 256, H = 2048. CPU twin: test_moe_kernels.py::test_norm_router (the Triton
+    kernel) and the NVRTC compile of the router variant."""
+    from flintc.kernels import moe
+    from flintc.ops import grouped
+
+    _require_mma()
+    gen = torch.Generator().manual_seed(40 + N)
+    H, E = 2048, 256
+    x = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
+    norm = (1 + 0.1 * torch.randn(H, generator=gen)).cuda()
+    router = (torch.randn(E, H, generator=gen) * 0.02).to(torch.bfloat16).cuda()
+    if launch is None:
+        calls = []
+        monkeypatch.setattr(M, "mma_norm_router", _spy(M.mma_norm_router, calls))
+        h, logits = moe.norm_router(x, norm, router, 1e-5)
+        assert len(calls) == 1
+    else:
+        h, logits = M.mma_norm_router(x, norm, router, 1e-5, launch=launch)
+    rh, _ = grouped.norm_router(x, norm, router, 1e-5)
+    ulp = rh.double().abs().clamp_min(2.0**-126) * 2.0**-7
+    assert bool(((h.double() - rh.double()).abs() <= ulp).all())
+    assert float((h != rh).float().mean()) <= 0.02
+    exact = h.double() @ router.double().T
+    bound = H * 2.0**-24 * (h.double().abs() @ router.double().abs().T)
+    assert bool(((logits.double() - exact).abs() <= bound + 1e-30).all())
+    hb, lb = M.mma_norm_router(x, norm.to(torch.bfloat16), router, 1e-5, launch=launch)
+    rhb, _ = grouped.norm_router(x, norm.to(torch.bfloat16).float(), router, 1e-5)
+    assert float((hb != rhb).float().mean()) <= 0.02
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = M.mma_norm_router(x, norm, router, 1e-5, launch=launch, use_pdl=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], h) and torch.equal(out[1], logits)
+
+
+def test_router_launch_rules():
+    """`router_launch_config` picks a split that divides H / 64 and E; None where the
+    kernel does not apply; the router variant of the source refuses NVFP4 / KV heads."""
+    assert M.router_launch_config(2048, 256) == (16, 8, 4, 1)
+    for h, e in ((64, 16), (128, 32), (192, 48), (2048, 128), (4096, 256)):
+        d, c, w, r = M.router_launch_config(h, e)
+        assert e % d == 0 and (h // 64) % (c * (w // r)) == 0
+    assert M.router_launch_config(100, 256) is None and M.router_launch_config(2048, 8) is None
+    with pytest.raises(ValueError, match="router variant"):
+        M.qkv_source(2048, 16, 16, 0, 8, 4, router=True)
+    with pytest.raises(ValueError, match="mma_norm_router"):
+        M.mma_norm_router(torch.zeros(2, 2048, dtype=torch.bfloat16), torch.ones(2048),
+                          torch.zeros(8, 2048, dtype=torch.bfloat16), 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_gemv_residual_op_uses_mma_gpu(monkeypatch):
     from flintc.kernels import fused_gemv as FG
     from flintc.ops import grouped
@@ -595,6 +656,8 @@ def test_cuda_sources_compile_with_nvrtc(variant):
     (128, 32, 8, 2, 1, 2, 1, False, True, 0, True),  # the tiny config
     (2048, 128, 32, 4, 8, 16, 1, True, True, 0, True, True, 4),  # bf16 weights, row groups
     (2048, 128, 32, 4, 2, 8, 2, True, False, 6, False, True, 2),
+    (2048, 16, 16, 0, 8, 4, 1, True, False, 0, True, True, 1, True),  # norm_router
+    (2048, 32, 8, 0, 2, 8, 1, False, False, 1, True, True, 2, True),
 ])
 def test_qkv_source_compiles_with_nvrtc(args):
     """The fused QKV kernel's variants compile for sm_90 (CPU twin of the GPU tests'
@@ -605,6 +668,7 @@ def test_qkv_source_compiles_with_nvrtc(args):
     assert ptx.count(b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= 4
     assert (b"st.shared::cluster.f32" in ptx) == (args[4] > 1)
     assert (b"griddepcontrol.wait" in ptx) == args[7]
+    assert (b"st.global.f32" in ptx) == (len(args) == 14)  # only the router stores fp32 (logits)
 
 
 def test_qkv_launch_rules():
