@@ -560,6 +560,16 @@ def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
         fused_gemv.gemv_residual(x, w, torch.zeros(2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="does not read the mma layout"):
         fused_gemv.norm_gate_up_silu(x, torch.ones(128), w, w, 1e-6)
+    # the fused QKV: 4 / 2 heads of dim 16 over H = 128
+    wk = [*M.pack_mma_layout(*_nvfp4((), 32, 128, gen)[:2]), gs.reshape(())]
+    cos = torch.zeros(16, 8)
+    cache = torch.zeros(2, 16, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="norm_qkv_rope_kv: wq must be in the packed NVFP4 "
+                                         "layout here"):
+        fused_gemv.norm_qkv_rope_kv(x.view(2, 1, 128), torch.ones(128), w, wk, wk,
+                                    torch.ones(16), torch.ones(16), cos, cos, cache,
+                                    cache.clone(), torch.arange(2), torch.zeros(2, 1,
+                                    dtype=torch.int64), 1e-6, 4, 2, True, 0)
     E, I, H = 32, 64, 1024
     st = [_nvfp4((E,), I, H, gen), _nvfp4((E,), I, H, gen), _nvfp4((), I, H, gen),
           _nvfp4((), I, H, gen)]
