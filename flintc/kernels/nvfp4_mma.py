@@ -1,7 +1,9 @@
-"""NVFP4 W4A16 decode kernels in CUDA C++ with `mma.sync` (the GEMV, the MoE gate/up with
-top-k routing, the MoE down with the combine): the E2M1 codes decoded straight into the
-tensor-core A-operand registers (issue 5's "CUDA C++ where Triton cannot express what
-is needed").
+"""Decode kernels in CUDA C++ with `mma.sync`: NVFP4 W4A16 (the GEMV, the fused QKV, the
+MoE gate/up with top-k routing, the MoE down with the combine), the E2M1 codes decoded
+straight into the tensor-core A-operand registers (issue 5's "CUDA C++ where Triton
+cannot express what is needed"); and on bf16 weights read in place, the GEMV, the fused
+QKV and the router (`mma_norm_router`), whose A fragments load straight from the
+row-major weight (no shared memory, no relayout).
 
 Why CUDA here. The Triton NVFP4 GEMVs (`flintc.kernels.tiles`) decode a code tile into a
 bf16 tile in registers, and Triton then moves that tile through shared memory into the
@@ -93,6 +95,9 @@ Measured on the H200 (docs/gpu-runs.md session 12): a 16384 x 2048 GEMV at 72-75
 copy bandwidth (the Triton loop: 29%); in the model the O projection 6.95 -> 3.54 us, MoE
 gate/up 13.0 -> 8.5 us (batch 1) and 52 -> 31 us (batch 8), down 7.8 -> 5.6 and 30.5 ->
 11.8 us; the NVFP4 decode step at batch 1 / 1K 2.99 -> 2.56 ms, batch 8 / 1K 6.56 -> 4.52.
+Session 14: the fused QKV 10.4 -> 6.4 us (NVFP4), the router 4.6 -> 3.1 us, the bf16 O
+projection 8.0 -> 6.1 us (65% of copy; 4096 x 2048: 70%); NVFP4 decode b1/1K 2.33 ->
+2.03 ms, b8/1K 4.63 -> 4.19; BF16 2.85 -> 2.68 and 6.18 -> 5.90.
 """
 
 from __future__ import annotations
