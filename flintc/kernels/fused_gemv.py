@@ -484,7 +484,7 @@ def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache
 
     B, H = x2.shape
     D = q.shape[-1]
-    if _interpreting() or not nvfp4_mma.qkv_applies(H, D):
+    if _interpreting() or not nvfp4_mma.qkv_applies(H, D, "bf16" if len(wq) == 1 else "nvfp4"):
         return False
     if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
         return False

@@ -910,12 +910,14 @@ _QKV_SOURCE = r"""
 // flintc::norm_qkv_rope_kv for NVFP4 (mma layout) or bf16 weights (kernel 1 of the decode
 // schedule). Grid (HQ + 2 HKV heads, CL), launched as clusters of (1, CL, 1) when CL > 1:
 // block (head, rank) computes the head's HD rows over K slice `rank` (KS columns); its
-// WARPS warps form RS row groups (RT row tiles each) of WK warps, CPW chunks each. Prologue: the input RMSNorm (warp n takes token n: the whole row from L2
-// for the sum of squares, in a fixed order; then the block's slice of bf16(x * rstd * w)
-// into shared memory, which the mma B fragments read). Then the warps' sums are added in
-// warp order, the cluster's in rank order (rank 0 reads the other blocks' sums through
-// distributed shared memory), and rank 0 runs the epilogue: global scale, bf16, per-head
-// RMSNorm (Q, K heads), rotate-half RoPE, the q store and the KV-cache write.
+// WARPS warps form RS row groups (RT row tiles each) of WK warps, CPW chunks each.
+// Prologue: the input RMSNorm (warp n takes token n: the whole row from L2 for the sum of
+// squares, in a fixed order; then the block's slice of bf16(x * rstd * w) into shared
+// memory, which the mma B fragments read). Then the warps' sums are added in warp order;
+// the other blocks of the cluster store theirs into rank 0's shared memory (`part`,
+// distributed shared memory), rank 0 adds them in rank order and runs the epilogue:
+// global scale, bf16, per-head RMSNorm (Q, K heads), rotate-half RoPE, the q store and
+// the KV-cache write.
 #define HD __HD__        // head dim D: TT = HD / 16 row tiles per head
 #define RS __RS__        // row groups: the block's warps split the head's rows RS ways
 #define WK (WARPS / RS)  // warps per row group, each CPW chunks of the K slice
@@ -935,6 +937,9 @@ _QKV_SOURCE = r"""
 #define RED_BYTES (WARPS * RT * 4 * 32 * 4)
 #define XS_BYTES (8 * XST * 2)
 #define A_BYTES (RED_BYTES > XS_BYTES ? RED_BYTES : XS_BYTES)
+#define YH_OFF A_BYTES                    // yh: fp32 [8][HD]
+#define PART_OFF (YH_OFF + 8 * HD * 4)    // part: fp32 [CL - 1][TT][4][32]
+#define SMEM_BYTES (PART_OFF + (CL - 1) * TT * 4 * 32 * 4)  // = qkv_smem_bytes()
 #define HALF_PER_LANE ((HD / 2 + 31) / 32)  // epilogue: (d, d + HD / 2) pairs per lane
 
 __device__ __forceinline__ int ld_act_s32(const int* p) {
@@ -1001,8 +1006,9 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
   extern __shared__ __align__(16) unsigned char smem[];
   u16* xs = reinterpret_cast<u16*>(smem);           // [8][XST] normed x slice (main loop)
   float* red = reinterpret_cast<float*>(smem);      // [WARPS][RT][4][32] (after it)
-  float* yh = reinterpret_cast<float*>(smem + A_BYTES);  // [8][HD] the head's outputs
-  float* part = yh + 8 * HD;  // [CL - 1][TT][4][32]: ranks 1.. push their sums to rank 0
+  float* yh = reinterpret_cast<float*>(smem + YH_OFF);  // [8][HD] the head's outputs
+  float* part = reinterpret_cast<float*>(smem + PART_OFF);  // [CL - 1][TT][4][32]: ranks
+                                                            // 1.. push their sums to rank 0
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int head = blockIdx.x;
@@ -1736,10 +1742,19 @@ def qkv_launch_config(h: int, d: int = 128, fmt: str = "nvfp4") -> tuple[int, in
                 if kc % (c * (w // r)) == 0 and d % (16 * r) == 0)
 
 
-def qkv_applies(h: int, d: int) -> bool:
-    """Whether the fused QKV kernel takes hidden size h and head dim d: h % 64 == 0, d a
-    multiple of 16 up to 256 (its accumulators: d / 4 registers per lane)."""
-    return h > 0 and h % 64 == 0 and 16 <= d <= 256 and d % 16 == 0
+MAX_SMEM = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
+
+
+def qkv_applies(h: int, d: int, fmt: str = "nvfp4") -> bool:
+    """Whether the fused QKV kernel takes hidden size h and head dim d with weights of
+    `fmt` ("nvfp4" or "bf16"): h % 64 == 0, d a multiple of 16 up to 256, and the shared
+    memory of its `qkv_launch_config` within `MAX_SMEM`. (Registers per lane grow with
+    d and h: the accumulators d / 4 over the row groups, the prologue's x row h / 256
+    16-byte vectors; the model's shapes do not spill.)"""
+    if not (h > 0 and h % 64 == 0 and 16 <= d <= 256 and d % 16 == 0):
+        return False
+    cl, w, r = qkv_launch_config(h, d, fmt)
+    return qkv_smem_bytes(h, d, cl, w, r) <= MAX_SMEM
 
 
 def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
@@ -1783,39 +1798,95 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
     per-lane then butterfly order). Raises ValueError for shapes or dtypes the kernel
     does not take; RuntimeError without CUDA or when the launch fails.
     """
+    def bad(name: str, what: str, t=None):
+        got = (f", got {t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+               else f", got {type(t).__name__}" if t is not None else "")
+        raise ValueError(f"mma_qkv: {name} must be {what}{got}")
+
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        bad("x", "a bf16 tensor [N, H]", x)
     N, H = x.shape
+    dev = x.device
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16 \
+            or not 1 <= N <= 8:
+        bad("x", "a contiguous, 16-byte aligned bf16 tensor [N <= 8, H]", x)
+    if not (isinstance(num_heads, int) and isinstance(num_kv_heads, int)
+            and num_heads >= 1 and num_kv_heads >= 1):
+        bad("num_heads / num_kv_heads", f"ints >= 1 (got {num_heads!r}, {num_kv_heads!r})")
+    ws = (("wq", wq), ("wk", wk), ("wv", wv))
+    for name, w in ws:
+        if not isinstance(w, (list, tuple)) or len(w) not in (1, 3) \
+                or not all(isinstance(t, torch.Tensor) and t.device == dev for t in w):
+            bad(name, f"a list [weight] (bf16) or [codes, scales, global_scale] (NVFP4) of "
+                      f"tensors on {dev}")
     bf16 = len(wq) == 1
+    if any((len(w) == 1) != bf16 for _, w in ws):
+        bad("wq / wk / wv", "all bf16 ([weight]) or all NVFP4 ([codes, scales, global_scale])")
     if bf16:
-        for name, w in (("wq", wq), ("wk", wk), ("wv", wv)):
-            t = w[0] if len(w) == 1 else None
-            if t is None or t.dtype != torch.bfloat16 or t.dim() != 2 or not t.is_contiguous() \
+        for name, w in ws:
+            t = w[0]
+            if t.dtype != torch.bfloat16 or t.dim() != 2 or not t.is_contiguous() \
                     or t.data_ptr() % 16:
-                raise ValueError(f"mma_qkv: {name} must be a contiguous, 16-byte aligned bf16 "
-                                 "[F, H] like wq (one format for all three)")
-        dims = [(w[0].shape[0], w[0].shape[1]) for w in (wq, wk, wv)]
+                bad(name, "a contiguous, 16-byte aligned bf16 tensor [F, H] (as wq)", t)
+        dims = [(w[0].shape[0], w[0].shape[1]) for _, w in ws]
     else:
-        dims = [weight_dims(w[0])[1:] for w in (wq, wk, wv)]
+        for name, w in ws:
+            if w[2].dtype != torch.float32 or w[2].numel() != 1:
+                bad(f"{name}[2] (global scale)", "an fp32 tensor of one element", w[2])
+            if w[0].dim() not in (2, 4):
+                bad(f"{name}[0] (codes)", "NVFP4 codes, packed [F, H/2] or mma layout "
+                    "[F/16, H/64, 32, 4]", w[0])
+        dims = [weight_dims(w[0])[1:] for _, w in ws]
     FQ = dims[0][0]
     D = FQ // num_heads
-    if not 1 <= N <= 8 or not qkv_applies(H, D) or dims != [(num_heads * D, H),
-                                                              (num_kv_heads * D, H),
-                                                              (num_kv_heads * D, H)]:
-        raise ValueError(f"mma_qkv: needs N <= 8, H % 64 == 0, D % 16 == 0 (<= 256) and weights "
-                         f"[Hq D, H], [Hkv D, H] x 2; got x {tuple(x.shape)}, D {D}, weights "
-                         f"{dims}")
-    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
-        raise ValueError("mma_qkv: x must be a contiguous, 16-byte aligned bf16 tensor")
+    fmt = "bf16" if bf16 else "nvfp4"
+    if not qkv_applies(H, D, fmt) or dims != [(num_heads * D, H), (num_kv_heads * D, H),
+                                               (num_kv_heads * D, H)]:
+        bad("wq / wk / wv", f"[Hq D, H], [Hkv D, H], [Hkv D, H] with H % 64 == 0, D % 16 == 0, "
+            f"D <= 256 (Hq = {num_heads}, Hkv = {num_kv_heads}; got {dims})")
     bf16_bits = 0
     for bit, (name, t, n) in enumerate((("norm", norm, H), ("q_norm", q_norm, D),
                                         ("k_norm", k_norm, D))):
-        if t.dtype not in (torch.float32, torch.bfloat16) or tuple(t.shape) != (n,) \
-                or not t.is_contiguous():
-            raise ValueError(f"mma_qkv: {name} must be a contiguous fp32 or bf16 tensor [{n}]")
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.float32, torch.bfloat16) \
+                or tuple(t.shape) != (n,) or not t.is_contiguous() or t.device != dev:
+            bad(name, f"a contiguous fp32 or bf16 tensor [{n}] on {dev}", t)
         bf16_bits |= (t.dtype == torch.bfloat16) << bit
-    if slots.dtype not in (torch.int32, torch.int64) or positions.dtype != torch.int64 \
-            or not positions.is_contiguous() or not slots.is_contiguous():
-        raise ValueError("mma_qkv: slots must be contiguous int32/int64 [N], positions "
-                         "contiguous int64 [N, 1]")
+    for name, t in (("cos_table", cos_table), ("sin_table", sin_table)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2 \
+                or t.shape[1] != D // 2 or not t.is_contiguous() or t.device != dev:
+            bad(name, f"a contiguous fp32 tensor [P, {D // 2}] on {dev}", t)
+    if tuple(sin_table.shape) != tuple(cos_table.shape):
+        bad("sin_table", f"the shape of cos_table {tuple(cos_table.shape)}", sin_table)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 4 \
+                or tuple(t.shape[2:]) != (num_kv_heads, D) or not t.is_contiguous() \
+                or t.device != dev:
+            bad(name, f"a contiguous bf16 tensor [num_slots, S, {num_kv_heads}, {D}] on {dev}", t)
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        bad("v_cache", f"the shape of k_cache {tuple(k_cache.shape)}", v_cache)
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
+            or tuple(slots.shape) != (N,) or not slots.is_contiguous() or slots.device != dev:
+        bad("slots", f"a contiguous int32/int64 tensor [{N}] on {dev}", slots)
+    if not isinstance(positions, torch.Tensor) or positions.dtype != torch.int64 \
+            or tuple(positions.shape) != (N, 1) or not positions.is_contiguous() \
+            or positions.device != dev:
+        bad("positions", f"a contiguous int64 tensor [{N}, 1] on {dev}", positions)
+    if not isinstance(q, torch.Tensor) or q.dtype != torch.bfloat16 \
+            or tuple(q.shape) != (N, 1, num_heads, D) or not q.is_contiguous() or q.device != dev:
+        bad("q", f"a contiguous bf16 tensor [{N}, 1, {num_heads}, {D}] on {dev}", q)
+    if not isinstance(window, int) or not 0 <= window <= k_cache.shape[1]:
+        bad("window", f"an int in [0, S = {k_cache.shape[1]}] (got {window!r})")
+    if (cluster is None) != (warps is None):
+        bad("cluster / warps", "both given or both None")
+    if cluster is not None:
+        try:
+            qkv_source(H, D, num_heads, num_kv_heads, cluster, warps, prefetch,
+                       row_groups=row_groups)
+        except ValueError as e:
+            bad("cluster / warps / row_groups", f"a split of H and D ({e})")
+        if qkv_smem_bytes(H, D, cluster, warps, row_groups) > MAX_SMEM:
+            bad("cluster / warps / row_groups", f"a launch within {MAX_SMEM} bytes of shared "
+                "memory")
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
     if cluster is None or warps is None:
@@ -1848,7 +1919,16 @@ def router_launch_config(h: int, e: int) -> tuple[int, int, int, int] | None:
     if h <= 0 or e <= 0 or h % 64:
         return None
     return next(((d, c, w, r) for d, c, w, r in ROUTER_LAUNCH_ORDER
-                 if e % d == 0 and (h // 64) % (c * (w // r)) == 0), None)
+                 if _router_launch_fits(h, e, (d, c, w, r))), None)
+
+
+def _router_launch_fits(h: int, e: int, launch) -> bool:
+    """Whether (rows per block d, cluster c, warps w, row_groups r) splits h and e exactly
+    and its shared memory fits (`MAX_SMEM`)."""
+    d, c, w, r = launch
+    return (d > 0 and 1 <= c <= 8 and r >= 1 and w % r == 0 and w >= r and e % d == 0
+            and d % (16 * r) == 0 and (h // 64) % (c * (w // r)) == 0
+            and qkv_smem_bytes(h, d, c, w, r) <= MAX_SMEM)
 
 
 def mma_norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, eps: float,
@@ -1872,15 +1952,23 @@ def mma_norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, e
     rounded). Raises ValueError for shapes it does not take (`router_launch_config`
     None, N > 8); RuntimeError without CUDA or when the launch fails.
     """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"mma_norm_router: x must be a bf16 tensor [N, H], got "
+                         f"{tuple(getattr(x, 'shape', ()))}")
     N, H = x.shape
     E = router.shape[0] if router.dim() == 2 else -1
+    if launch is not None and (len(launch) != 4 or not _router_launch_fits(H, E, launch)):
+        raise ValueError(f"mma_norm_router: launch {launch} does not split H = {H} and E = {E} "
+                         "exactly (rows per block d: E % d == 0 and d % (16 row_groups) == 0; "
+                         "cluster x warps / row_groups dividing H / 64) or needs more than "
+                         f"{MAX_SMEM} bytes of shared memory")
     cfg = launch or router_launch_config(H, E)
     if cfg is None or not 1 <= N <= 8 or router.dim() != 2 or router.shape[1] != H \
             or router.dtype != torch.bfloat16 or not router.is_contiguous() \
-            or router.data_ptr() % 16:
+            or router.data_ptr() % 16 or router.device != x.device or norm.device != x.device:
         raise ValueError(f"mma_norm_router: needs N <= 8, H % 64 == 0, E % 16 == 0 and a "
-                         f"contiguous 16-byte aligned bf16 router [E, H]; got x {tuple(x.shape)}, "
-                         f"router {router.dtype} {tuple(router.shape)}")
+                         f"contiguous 16-byte aligned bf16 router [E, H] on x's device; got x "
+                         f"{tuple(x.shape)}, router {router.dtype} {tuple(router.shape)}")
     if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
         raise ValueError("mma_norm_router: x must be a contiguous, 16-byte aligned bf16 tensor")
     if norm.dtype not in (torch.float32, torch.bfloat16) or tuple(norm.shape) != (H,) \

@@ -339,6 +339,15 @@ def test_router_launch_rules():
         d, c, w, r = M.router_launch_config(h, e)
         assert e % d == 0 and (h // 64) % (c * (w // r)) == 0
     assert M.router_launch_config(100, 256) is None and M.router_launch_config(2048, 8) is None
+    src = M.qkv_source(2048, 16, 16, 0, 8, 4, rope=False, bf16=True, router=True)
+    assert _eval_define(src, "SMEM_BYTES") == M.qkv_smem_bytes(2048, 16, 8, 4)
+    x = torch.zeros(2, 2048, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"launch \(32, 1, 4, 1\) does not split"):
+        M.mma_norm_router(x, torch.ones(2048), torch.zeros(48, 2048, dtype=torch.bfloat16), 1e-5,
+                          launch=(32, 1, 4, 1))  # 32 rows per block do not divide E = 48
+    with pytest.raises(ValueError, match="x must be a bf16 tensor"):
+        M.mma_norm_router(x[None], torch.ones(2048), torch.zeros(256, 2048, dtype=torch.bfloat16),
+                          1e-5)
     with pytest.raises(ValueError, match="router variant"):
         M.qkv_source(2048, 16, 16, 0, 8, 4, router=True)
     with pytest.raises(ValueError, match="mma_norm_router"):
@@ -693,20 +702,43 @@ def test_qkv_launch_rules():
             for d in (16, 32, 64, 128):
                 cl, w, r = M.qkv_launch_config(h, d, fmt)
                 assert (h // 64) % (cl * (w // r)) == 0 and 1 <= cl <= 8 and d % (16 * r) == 0
-                assert M.qkv_source(h, d, 4, 1, cl, w, row_groups=r, bf16=fmt == "bf16")
+                src = M.qkv_source(h, d, 4, 1, cl, w, row_groups=r, bf16=fmt == "bf16")
+                # the kernel's own shared-memory layout (its #defines) = what is launched
+                assert _eval_define(src, "SMEM_BYTES") == M.qkv_smem_bytes(h, d, cl, w, r)
+                assert M.qkv_applies(h, d, fmt) == (d <= 256 and M.qkv_smem_bytes(
+                    h, d, cl, w, r) <= M.MAX_SMEM)
     with pytest.raises(ValueError, match="multiple of 64"):
         M.qkv_launch_config(100)
     with pytest.raises(ValueError, match="h % \\(64 \\* cluster \\* warps / row_groups\\)"):
         M.qkv_source(2048, 128, 32, 4, 4, 16)
     with pytest.raises(ValueError, match="d % \\(16 \\* row_groups\\)"):
         M.qkv_source(2048, 32, 32, 4, 1, 8, row_groups=4)
-    assert M.qkv_smem_bytes(2048, 128, 4, 8) == max(8 * 8 * 512, 8 * 520 * 2) + 8 * 128 * 4 \
-        + 3 * 8 * 512
-    assert M.qkv_smem_bytes(2048, 128, 1, 2) == 8 * 2056 * 2 + 4096
-    assert M.qkv_smem_bytes(2048, 128, 8, 16, 4) == max(16 * 2 * 512, 8 * 264 * 2) + 4096 \
-        + 7 * 8 * 512
-    assert M.qkv_applies(2048, 128) and M.qkv_applies(128, 32)
+    assert M.qkv_applies(2048, 128) and M.qkv_applies(128, 32) and M.qkv_applies(2048, 128, "bf16")
     assert not M.qkv_applies(2048, 8) and not M.qkv_applies(2048, 512) and not M.qkv_applies(96, 32)
+    assert not M.qkv_applies(14400, 128)  # H / 64 = 225: one block per head, 235 KB of x slice
+
+
+def _eval_define(src: str, name: str) -> int:
+    """The integer value of the C macro `name` in the rendered CUDA source `src` (its
+    #defines expanded recursively; `a > b ? a : b` evaluated as Python)."""
+    import re
+
+    defs = {}
+    for line in src.splitlines():
+        m = re.match(r"#define (\w+) (.*?)(\s*//.*)?$", line)
+        if m:
+            defs[m.group(1)] = m.group(2)
+
+    def expand(expr: str, depth: int = 0) -> str:
+        assert depth < 20
+        return re.sub(r"[A-Za-z_]\w*", lambda t: f"({expand(defs[t.group(0)], depth + 1)})"
+                      if t.group(0) in defs else t.group(0), expr)
+
+    ternary = r"\(([^()?]*) \? ([^():]*) : ([^()]*)\)"  # one level, as the macros write it
+    defs = {k: re.sub(ternary, r"(\2 if \1 else \3)", v) for k, v in defs.items()}
+    expr = expand(defs[name])
+    assert "?" not in expr, expr
+    return int(eval(expr, {}))  # noqa: S307  (our own source's integer constants)
 
 
 def _nvrtc_ptx(source: str) -> bytes:
