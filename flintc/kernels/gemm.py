@@ -492,10 +492,15 @@ def _check_weight(op: str, w, K: int, device: torch.device):
             or not scales.is_contiguous():
         _fail(op, "w[1] (NVFP4 block scales)",
               f"a contiguous float8_e4m3fn tensor [{F}, {K // NVFP4_BLOCK}] on {device}", scales)
+    _check_gscale(op, gscale, device)
+    return True, F
+
+
+def _check_gscale(op: str, gscale, device: torch.device) -> None:
+    """w[2] of an NVFP4 weight: an fp32 scalar tensor [] on `device` (either layout)."""
     if not isinstance(gscale, torch.Tensor) or gscale.dtype != torch.float32 or gscale.dim() != 0 \
             or gscale.device != device:
         _fail(op, "w[2] (NVFP4 global scale)", f"an fp32 scalar tensor [] on {device}", gscale)
-    return True, F
 
 
 def _check_mma_weight(op: str, w, K: int, device: torch.device) -> int:
@@ -516,9 +521,7 @@ def _check_mma_weight(op: str, w, K: int, device: torch.device) -> int:
             or not scales.is_contiguous():
         _fail(op, "w[1] (NVFP4 mma-layout scale codes)",
               f"a contiguous uint8 tensor [{FT}, {KC}, 32, 2] on {device}", scales)
-    if not isinstance(gscale, torch.Tensor) or gscale.dtype != torch.float32 or gscale.dim() != 0 \
-            or gscale.device != device:
-        _fail(op, "w[2] (NVFP4 global scale)", f"an fp32 scalar tensor [] on {device}", gscale)
+    _check_gscale(op, gscale, device)
     return FT * MMA_TILE_ROWS
 
 

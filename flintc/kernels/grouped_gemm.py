@@ -559,6 +559,13 @@ def _stacked_dims(w) -> tuple[int, int]:
     return w[0].shape[0], w[0].shape[1] * (MMA_TILE_ROWS if _is_mma(w) else 1)
 
 
+def _check_stacked_gscale(op: str, name: str, gs, E: int, device) -> None:
+    """`name`[2] of a stacked NVFP4 weight: fp32 global scales [E] on `device`."""
+    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != (E,) \
+            or gs.device != device:
+        _fail(op, f"{name}[2] (NVFP4 global scales)", f"an fp32 tensor [{E}] on {device}", gs)
+
+
 def _check_stacked_mma(op: str, name: str, w, E: int | None, K: int, device):
     """A stacked NVFP4 weight in the mma layout: [codes int32 [E, F/16, K/64, 32, 4],
     scales uint8 [E, F/16, K/64, 32, 2], global_scale fp32 [E]]. Returns (True, E, F)."""
@@ -579,9 +586,7 @@ def _check_stacked_mma(op: str, name: str, w, E: int | None, K: int, device):
             or scales.device != device:
         _fail(op, f"{name}[1] (NVFP4 mma-layout scale codes)",
               f"a contiguous uint8 tensor [{E}, {FT}, {KC}, 32, 2] on {device}", scales)
-    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != (E,) \
-            or gs.device != device:
-        _fail(op, f"{name}[2] (NVFP4 global scales)", f"an fp32 tensor [{E}] on {device}", gs)
+    _check_stacked_gscale(op, name, gs, E, device)
     return True, E, FT * MMA_TILE_ROWS
 
 
@@ -614,9 +619,7 @@ def _check_stacked(op: str, name: str, w, E: int | None, K: int, device):
             or scales.device != device:
         _fail(op, f"{name}[1] (NVFP4 block scales)",
               f"a contiguous float8_e4m3fn tensor [{E}, {F}, {K // NVFP4_BLOCK}] on {device}", scales)
-    if not isinstance(gs, torch.Tensor) or gs.dtype != torch.float32 or tuple(gs.shape) != (E,) \
-            or gs.device != device:
-        _fail(op, f"{name}[2] (NVFP4 global scales)", f"an fp32 tensor [{E}] on {device}", gs)
+    _check_stacked_gscale(op, name, gs, E, device)
     return True, E, F
 
 

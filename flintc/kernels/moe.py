@@ -1417,6 +1417,15 @@ def _check_mma(op: str, name: str, w, lead: tuple, F: int, K: int, dev) -> None:
                    f"{dev}", gs)
 
 
+def _require_mma_stack(op: str, name: str, w, dims: str) -> None:
+    """ValueError (`_err`) unless `w` is a stacked NVFP4 weight in the mma layout: a list of
+    3 tensors whose codes are int32 of 5 dims (`dims` names them in the message)."""
+    if not (isinstance(w, (list, tuple)) and len(w) == 3 and isinstance(w[0], torch.Tensor)
+            and w[0].dtype == torch.int32 and w[0].dim() == 5):
+        raise _err(op, name, f"a stacked NVFP4 weight in the mma layout {dims}",
+                   w[0] if isinstance(w, (list, tuple)) and w else w)
+
+
 def _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k, scaling, use_pdl,
                  config):
     """`_gate_up_launch` for experts in the mma layout: the CUDA kernel, which is the only
@@ -1425,10 +1434,7 @@ def _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k, s
 
     N, H = x.shape
     dev = x.device
-    if not (isinstance(gate, (list, tuple)) and len(gate) == 3 and isinstance(gate[0], torch.Tensor)
-            and gate[0].dtype == torch.int32 and gate[0].dim() == 5):
-        raise _err(op, "gate", "a stacked NVFP4 weight in the mma layout [E, F/16, H/64, 32, 4]",
-                   gate[0] if isinstance(gate, (list, tuple)) and gate else gate)
+    _require_mma_stack(op, "gate", gate, "[E, F/16, H/64, 32, 4]")
     E, F = gate[0].shape[0], gate[0].shape[1] * 16
     for name, w, lead in (("gate", gate, (E,)), ("up", up, (E,)), ("shared_gate", shared_gate, ()),
                           ("shared_up", shared_up, ())):
@@ -1664,10 +1670,7 @@ def _mma_down(op, h, ids, weights, down, shared_down, residual, use_pdl, config)
     N, slots, F = h.shape
     K = ids.shape[1]
     dev = h.device
-    if not (isinstance(down, (list, tuple)) and len(down) == 3 and isinstance(down[0], torch.Tensor)
-            and down[0].dtype == torch.int32 and down[0].dim() == 5):
-        raise _err(op, "down", "a stacked NVFP4 weight in the mma layout [E, H/16, F/64, 32, 4]",
-                   down[0] if isinstance(down, (list, tuple)) and down else down)
+    _require_mma_stack(op, "down", down, "[E, H/16, F/64, 32, 4]")
     E, H = down[0].shape[0], down[0].shape[1] * 16
     _check_mma(op, "down", down, (E,), H, F, dev)
     _check_mma(op, "shared_down", shared_down, (), H, F, dev)

@@ -981,6 +981,26 @@ __device__ __forceinline__ float warp_sum(float v) {  // butterfly: every lane, 
 __device__ __forceinline__ float rms_rstd(float ss, float n, float eps) {  // IEEE, as torch's CPU
   return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, n), eps)));
 }
+// token n's position, its slot (kv: a K / V head) and this lane's RoPE table entries
+// (rope), cos / sin of columns d = lane + 32 i < HD / 2 (0 elsewhere)
+__device__ __forceinline__ void load_token(int n, const long long* pos, const void* slots,
+                                           const float* cos_t, const float* sin_t, bool kv,
+                                           bool rope, int lane, long long& p, long long& slot,
+                                           float (&cs)[HALF_PER_LANE],
+                                           float (&sn)[HALF_PER_LANE]) {
+  p = (long long)ld_act_u64(pos + n);
+  if (kv)
+    slot = SLOT64 ? (long long)ld_act_u64(static_cast<const long long*>(slots) + n)
+                  : (long long)ld_act_s32(static_cast<const int*>(slots) + n);
+#pragma unroll
+  for (int i = 0; i < HALF_PER_LANE; ++i) {
+    const int d = lane + 32 * i;
+    const bool use = rope && d < HD / 2;
+    cs[i] = use ? ld_const_f32(cos_t + p * (HD / 2) + d) : 0.f;
+    sn[i] = use ? ld_const_f32(sin_t + p * (HD / 2) + d) : 0.f;
+  }
+}
+
 #if CL > 1
 // a store into block `rank`'s shared memory at the address of p in this block's (DSMEM)
 __device__ __forceinline__ void st_cluster_f32(float* p, unsigned rank, float v) {
@@ -1069,19 +1089,8 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
   // arrive during the main loop); a warp with more tokens (N > WARPS) loads the rest later
   long long p0 = 0, slot0 = -1;
   float cs0[HALF_PER_LANE], sn0[HALF_PER_LANE];
-  if (rank == 0 && warp < N) {
-    p0 = (long long)ld_act_u64(pos + warp);
-    if (head >= HQ)
-      slot0 = SLOT64 ? (long long)ld_act_u64(static_cast<const long long*>(slots) + warp)
-                     : (long long)ld_act_s32(static_cast<const int*>(slots) + warp);
-#pragma unroll
-    for (int i = 0; i < HALF_PER_LANE; ++i) {
-      const int d = lane + 32 * i;
-      const bool use = ROPE && qk && d < HD / 2;
-      cs0[i] = use ? ld_const_f32(cos_t + p0 * (HD / 2) + d) : 0.f;
-      sn0[i] = use ? ld_const_f32(sin_t + p0 * (HD / 2) + d) : 0.f;
-    }
-  }
+  if (rank == 0 && warp < N)
+    load_token(warp, pos, slots, cos_t, sin_t, head >= HQ, ROPE && qk, lane, p0, slot0, cs0, sn0);
 #endif
   // input RMSNorm, as flintc.model.ops.rms_norm: bf16(x * rstd * w), rstd in fp32
   for (int n = warp; n < N; n += WARPS) {
@@ -1215,19 +1224,8 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
     float cs[HALF_PER_LANE], sn[HALF_PER_LANE];
 #pragma unroll
     for (int i = 0; i < HALF_PER_LANE; ++i) { cs[i] = cs0[i]; sn[i] = sn0[i]; }
-    if (n != warp) {  // N > WARPS: this token's values were not loaded in the prologue
-      p = (long long)ld_act_u64(pos + n);
-      if (head >= HQ)
-        slot = SLOT64 ? (long long)ld_act_u64(static_cast<const long long*>(slots) + n)
-                      : (long long)ld_act_s32(static_cast<const int*>(slots) + n);
-#pragma unroll
-      for (int i = 0; i < HALF_PER_LANE; ++i) {
-        const int d = lane + 32 * i;
-        const bool use = ROPE && qk && d < HD / 2;
-        cs[i] = use ? __ldg(cos_t + p * (HD / 2) + d) : 0.f;
-        sn[i] = use ? __ldg(sin_t + p * (HD / 2) + d) : 0.f;
-      }
-    }
+    if (n != warp)  // N > WARPS: this token's values were not loaded in the prologue
+      load_token(n, pos, slots, cos_t, sin_t, head >= HQ, ROPE && qk, lane, p, slot, cs, sn);
     float rn = 1.f;
     if (qk) {  // per-head RMSNorm over D (fp32, one rounding)
       float ss = 0.f;
@@ -1350,13 +1348,11 @@ def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: i
     `flintc::norm_router` variant (`mma_norm_router`: `heads` row blocks of d rows of a
     bf16 router, kv_heads 0; fp32 logits and the normed x out). Raises ValueError for a
     split that does not divide h or d."""
-    kc = h // 64
-    wk = warps // row_groups if row_groups >= 1 else 0
-    if h % 64 or d % (16 * max(row_groups, 1)) or wk < 1 or warps % row_groups \
-            or kc % (cluster * wk) or not 1 <= cluster <= 8:
+    if not _qkv_split_fits(h, d, cluster, warps, row_groups):
         raise ValueError(f"qkv_source: needs h % (64 * cluster * warps / row_groups) == 0, "
                          f"d % (16 * row_groups) == 0 and cluster <= 8; got h={h}, d={d}, "
                          f"cluster={cluster}, warps={warps}, row_groups={row_groups}")
+    kc, wk = h // 64, warps // row_groups
     subs = {"__RT__": d // 16 // row_groups, "__KC__": kc, "__CPW__": kc // (cluster * wk),
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": EPI_BF16, "__PDL__": int(pdl),
             "__HD__": d, "__HQ__": heads, "__HKV__": kv_heads, "__CL__": cluster,
@@ -1365,6 +1361,15 @@ def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: i
     if router and (not bf16 or kv_heads or rope):
         raise ValueError("qkv_source: the router variant takes bf16 weights, kv_heads 0, no RoPE")
     return _render(_QKV_SOURCE, subs)
+
+
+def _qkv_split_fits(h: int, d: int, cluster: int, warps: int, row_groups: int) -> bool:
+    """Whether (cluster, warps, row_groups) splits h (64-column chunks over cluster x warps
+    / row_groups K slices) and d (16-row tiles over row_groups) exactly."""
+    if row_groups < 1 or warps < row_groups or warps % row_groups or not 1 <= cluster <= 8:
+        return False
+    return h % 64 == 0 and d % (16 * row_groups) == 0 \
+        and (h // 64) % (cluster * (warps // row_groups)) == 0
 
 
 def qkv_smem_bytes(h: int, d: int, cluster: int, warps: int, row_groups: int = 1) -> int:
@@ -1737,9 +1742,8 @@ def qkv_launch_config(h: int, d: int = 128, fmt: str = "nvfp4") -> tuple[int, in
     if h % 64 or h <= 0 or d % 16 or d <= 0:
         raise ValueError(f"qkv_launch_config: hidden size must be a positive multiple of 64 "
                          f"and head dim of 16, got {h} and {d}")
-    kc = h // 64
     return next((c, w, r) for c, w, r in QKV_LAUNCH_ORDER[fmt]
-                if kc % (c * (w // r)) == 0 and d % (16 * r) == 0)
+                if _qkv_split_fits(h, d, c, w, r))
 
 
 MAX_SMEM = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
@@ -1879,11 +1883,10 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
     if (cluster is None) != (warps is None):
         bad("cluster / warps", "both given or both None")
     if cluster is not None:
-        try:
-            qkv_source(H, D, num_heads, num_kv_heads, cluster, warps, prefetch,
-                       row_groups=row_groups)
-        except ValueError as e:
-            bad("cluster / warps / row_groups", f"a split of H and D ({e})")
+        if not _qkv_split_fits(H, D, cluster, warps, row_groups):
+            bad("cluster / warps / row_groups", f"a split of H = {H} and D = {D} (H / 64 chunks "
+                "over cluster x warps / row_groups K slices, D / 16 row tiles over row_groups, "
+                f"cluster <= 8; got {cluster}, {warps}, {row_groups})")
         if qkv_smem_bytes(H, D, cluster, warps, row_groups) > MAX_SMEM:
             bad("cluster / warps / row_groups", f"a launch within {MAX_SMEM} bytes of shared "
                 "memory")
@@ -1926,8 +1929,7 @@ def _router_launch_fits(h: int, e: int, launch) -> bool:
     """Whether (rows per block d, cluster c, warps w, row_groups r) splits h and e exactly
     and its shared memory fits (`MAX_SMEM`)."""
     d, c, w, r = launch
-    return (d > 0 and 1 <= c <= 8 and r >= 1 and w % r == 0 and w >= r and e % d == 0
-            and d % (16 * r) == 0 and (h // 64) % (c * (w // r)) == 0
+    return (d > 0 and e % d == 0 and _qkv_split_fits(h, d, c, w, r)
             and qkv_smem_bytes(h, d, c, w, r) <= MAX_SMEM)
 
 
