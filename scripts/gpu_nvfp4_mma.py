@@ -18,8 +18,14 @@ OPS: "F,K ..." shapes for the model's op `gemv_residual` (O projection 2048 x 40
 dense down 2048 x 10240) with PDL, once on the CUDA kernel and once with
 FLINTC_NVFP4_MMA=0 (the Triton kernel and TUNED config the model ran before), same
 weights, inputs and timing. NS: batches (default "1,8").
+
+MOE=0 skips the MoE rows (`_moe_down_rows`, `_moe_gate_up_rows`: their variants
+MOE_DOWN_CFGS / MOE_GATE_UP_CFGS, the formats MOE_FMTS, default nvfp4, and the routing
+probe MOE_ROUTE_PROBE=1; docs/gpu-runs.md session 15). The table ends with each compiled
+variant's registers and spill bytes.
 """
 
+import contextlib
 import ctypes
 import itertools
 import os
@@ -75,91 +81,137 @@ def _timed(fn, copies: int) -> float:
     return 1e6 * time_graph(lambda: fn(next(turn) % copies), calls_per_replay=2 * copies)
 
 
+def _fmts() -> list[str]:
+    return os.environ.get("MOE_FMTS", "nvfp4").split(",")
+
+
+@contextlib.contextmanager
+def _patched_source(old: str, new: str):
+    """Compile the MoE kernels with `old` replaced by `new` in their source (a probe:
+    separate kernel cache, restored after)."""
+    render, cache = nvfp4_mma._render, nvfp4_mma._KERNELS
+
+    def patched(body, subs):
+        src = render(body, subs)
+        return src.replace(old, new) if old in src else src
+
+    nvfp4_mma._render, nvfp4_mma._KERNELS = patched, {}
+    try:
+        yield
+    finally:
+        nvfp4_mma._render, nvfp4_mma._KERNELS = render, cache
+
+
+# the routed blocks' top-k replaced by ids from one logit load each (kept dependent on
+# the logits, so on the previous kernel): what the routing prologue costs
+_ROUTE = "e = route_slot(packed, lane, k);"
+_NO_ROUTE = "e = (int)((__float_as_uint(ld_act_f32(logits + (size_t)n * NE + k)) >> 8) % NE);"
+
+
 def _moe_down_rows(batches, gen, row) -> None:
     """`moe_down_combine_residual` (E = 256, H = 2048, I = 512, top-6 + shared), CUDA
-    against Triton (FLINTC_NVFP4_MMA=0); 64 random id sets rotate so the experts come
-    from DRAM; bytes = the distinct experts' (and the shared expert's) codes + scales."""
+    variants (MOE_DOWN_CFGS "warps,prefetch,splits ...") against the op (its default) and
+    Triton (FLINTC_NVFP4_MMA=0); formats MOE_FMTS (default nvfp4); 64 random id sets rotate
+    so the experts come from DRAM; bytes = the distinct experts' (and the shared
+    expert's) weights (NVFP4: codes + scales)."""
     from flintc.kernels import moe
 
     E, H, I, K = 256, 2048, 512, 6
-    down, sd = make_weight((E, H, I), "nvfp4", gen), make_weight((H, I), "nvfp4", gen)
-    per_expert = H * I // 2 + H * I // 16
-    for N in batches:
-        sets = 64
-        ids = [torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K]
-                            for _ in range(N)]) for _ in range(sets)]
-        distinct = sum(len(torch.unique(i)) for i in ids) / sets
-        h = torch.randn(N, K + 1, I, device="cuda", generator=gen).to(torch.bfloat16)
-        wts = torch.rand(N, K, device="cuda", generator=gen)
-        res = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
-        ref = None
-        variants = [(f"moe_down w{w} pf{pf}", w, pf) for w, pf in
-                    (tuple(int(v) for v in c.split(",")) for c in
-                     os.environ.get("MOE_DOWN_CFGS", "8,3 16,2 32,2").split())]
-        variants += [("op moe_down_combine_residual, cuda", 0, 0),
-                     ("op moe_down_combine_residual, triton (TUNED)", -1, 0)]
-        for label, warps, pf in variants:
-            os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
+    for fmt in _fmts():
+        down, sd = make_weight((E, H, I), fmt, gen), make_weight((H, I), fmt, gen)
+        per_expert = H * I * 2 if fmt == "bf16" else H * I // 2 + H * I // 16
+        for N in batches:
+            sets = 64
+            ids = [torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K]
+                                for _ in range(N)]) for _ in range(sets)]
+            distinct = sum(len(torch.unique(i)) for i in ids) / sets
+            h = torch.randn(N, K + 1, I, device="cuda", generator=gen).to(torch.bfloat16)
+            wts = torch.rand(N, K, device="cuda", generator=gen)
+            res = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+            ref = None
+            variants = [(f"{fmt} moe_down w{w} pf{pf} s{sp}", w, pf, sp) for w, pf, sp in
+                        (tuple(int(v) for v in c.split(",")) for c in
+                         os.environ.get("MOE_DOWN_CFGS", "8,3,1 16,2,1 32,2,1").split())]
+            variants += [(f"{fmt} op moe_down_combine_residual, cuda", 0, 0, 0),
+                         (f"{fmt} op moe_down_combine_residual, triton (TUNED)", -1, 0, 0)]
+            for label, warps, pf, sp in variants:
+                os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
 
-            def op(i, ids=ids, h=h, wts=wts, res=res, warps=warps, pf=pf):
-                if warps > 0:
-                    return nvfp4_mma.moe_down(h, ids[i], wts, down, sd, res, warps=warps,
-                                              prefetch=pf, use_pdl=True)
-                return moe.moe_down_combine_residual(h, ids[i], wts, down, sd, res,
-                                                     use_pdl=True)
+                def op(i, ids=ids, h=h, wts=wts, res=res, warps=warps, pf=pf, sp=sp, down=down,
+                       sd=sd):
+                    if warps > 0:
+                        return nvfp4_mma.moe_down(h, ids[i], wts, down, sd, res, warps=warps,
+                                                  prefetch=pf, splits=sp, use_pdl=True)
+                    return moe.moe_down_combine_residual(h, ids[i], wts, down, sd, res,
+                                                         use_pdl=True)
 
-            y = op(0)
-            torch.cuda.synchronize()
-            ref = y if ref is None else ref
-            diff = ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-            row(2048, f"{I} x{distinct:.1f}+1", N, label, _timed(op, sets), diff,
-                (distinct + 1) * per_expert)
+                try:
+                    y = op(0)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001  (a variant that does not fit)
+                    print(f"{label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    continue
+                ref = y if ref is None else ref
+                diff = ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+                row(2048, f"{I} x{distinct:.1f}+1", N, label, _timed(op, sets), diff,
+                    (distinct + 1) * per_expert)
 
 
 def _moe_gate_up_rows(batches, gen, row) -> None:
     """`moe_topk_gate_up` (E = 256, H = 2048, I = 512, top-6 + shared), CUDA (variants
-    MOE_GATE_UP_CFGS "warps,prefetch ...", then the op's default) against Triton; 64
-    random logit sets rotate; bytes = the distinct experts' gate and up codes + scales."""
+    MOE_GATE_UP_CFGS "warps,prefetch ...", then the op's default) against Triton; formats
+    MOE_FMTS; 64 random logit sets rotate; bytes = the distinct experts' gate and up
+    weights. MOE_ROUTE_PROBE=1 adds the default warps with the routed blocks' top-k rounds
+    replaced by one logit load (`_NO_ROUTE`: what the routing costs)."""
     from flintc.kernels import moe
 
     E, H, I, K = 256, 2048, 512, 6
-    gate, up = make_weight((E, I, H), "nvfp4", gen), make_weight((E, I, H), "nvfp4", gen)
-    sg, su = make_weight((I, H), "nvfp4", gen), make_weight((I, H), "nvfp4", gen)
-    bias = torch.randn(E, device="cuda", generator=gen) * 0.05
-    per_expert = 2 * (I * H // 2 + I * H // 16)
-    for N in batches:
-        sets = 64
-        logits = [torch.randn(N, E, device="cuda", generator=gen) for _ in range(sets)]
-        x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
-        distinct = sum(len(torch.unique(torch.topk(torch.sigmoid(lg) + bias, K).indices))
-                       for lg in logits) / sets
-        variants = [(f"moe_gate_up w{w} pf{pf}", w, pf) for w, pf in
-                    (tuple(int(v) for v in c.split(",")) for c in
-                     os.environ.get("MOE_GATE_UP_CFGS", "16,2 8,2 32,1").split())]
-        variants += [("op moe_topk_gate_up, cuda", 0, 0),
-                     ("op moe_topk_gate_up, triton (TUNED)", -1, 0)]
-        ref = None
-        for label, warps, pf in variants:
-            os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
+    for fmt in _fmts():
+        gate, up = make_weight((E, I, H), fmt, gen), make_weight((E, I, H), fmt, gen)
+        sg, su = make_weight((I, H), fmt, gen), make_weight((I, H), fmt, gen)
+        bias = torch.randn(E, device="cuda", generator=gen) * 0.05
+        per_expert = 2 * (I * H * 2 if fmt == "bf16" else I * H // 2 + I * H // 16)
+        for N in batches:
+            sets = 64
+            logits = [torch.randn(N, E, device="cuda", generator=gen) for _ in range(sets)]
+            x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+            distinct = sum(len(torch.unique(torch.topk(torch.sigmoid(lg) + bias, K).indices))
+                           for lg in logits) / sets
+            variants = [(f"{fmt} moe_gate_up w{w} pf{pf}", w, pf, False) for w, pf in
+                        (tuple(int(v) for v in c.split(",")) for c in
+                         os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split())]
+            if os.environ.get("MOE_ROUTE_PROBE") == "1":
+                w0 = nvfp4_mma.gate_up_warps(N, fmt)
+                variants.append((f"{fmt} moe_gate_up w{w0} pf2, no top-k (probe)", w0, 2, True))
+            variants += [(f"{fmt} op moe_topk_gate_up, cuda", 0, 0, False),
+                         (f"{fmt} op moe_topk_gate_up, triton (TUNED)", -1, 0, False)]
+            ref = None
+            for label, warps, pf, probe in variants:
+                os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
 
-            def op(i, logits=logits, x=x, warps=warps, pf=pf):
-                if warps > 0:
-                    return nvfp4_mma.moe_topk_gate_up(x, logits[i], bias, gate, up, sg, su, K,
-                                                      2.5, warps=warps, prefetch=pf,
-                                                      use_pdl=True)[0]
-                return moe.moe_topk_gate_up(x, logits[i], bias, gate, up, sg, su, K, 2.5,
-                                            use_pdl=True)[0]
+                def op(i, logits=logits, x=x, warps=warps, pf=pf, w=(gate, up, sg, su), bias=bias):
+                    if warps > 0:
+                        return nvfp4_mma.moe_topk_gate_up(x, logits[i], bias, *w,
+                                                          K, 2.5, warps=warps, prefetch=pf,
+                                                          use_pdl=True)[0]
+                    return moe.moe_topk_gate_up(x, logits[i], bias, *w, K, 2.5, use_pdl=True)[0]
 
-            try:
-                y = op(0)
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001  (a variant that does not fit)
-                print(f"{label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-                continue
-            ref = y if ref is None else ref
-            diff = ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
-            row(f"{2 * I}", f"{H} x{distinct:.1f}+1", N, label, _timed(op, sets), diff,
-                (distinct + 1) * per_expert)
+                with _patched_source(_ROUTE, _NO_ROUTE) if probe else contextlib.nullcontext():
+                    try:
+                        y = op(0)
+                        torch.cuda.synchronize()
+                    except Exception as e:  # noqa: BLE001  (a variant that does not fit)
+                        print(f"{label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                        continue
+                    us = _timed(op, sets)
+                if probe:
+                    diff = float("nan")  # other experts: not comparable
+                else:
+                    ref = y if ref is None else ref
+                    diff = ((y.double() - ref.double()).abs().max()
+                            / ref.double().abs().max()).item()
+                row(f"{2 * I}", f"{H} x{distinct:.1f}+1", N, label, us, diff,
+                    (distinct + 1) * per_expert)
 
 
 def main() -> None:
@@ -247,9 +299,11 @@ def main() -> None:
     print("\n| F x K | N | kernel | us | % copy | max rel. diff to fp64 reference |\n"
           "|---|---|---|---|---|---|")
     print("\n".join(rows))
-    for (rt, k, splits, pf, warps, epi, pdl, top_k, experts), kern in nvfp4_mma._KERNELS.items():
-        kind = ("moe_gate_up" if experts else "moe_down") if top_k else "gemv"
-        print(f"cuda {kind} rt{rt} K={k} s{splits} w{warps} "
+    for key, kern in nvfp4_mma._KERNELS.items():
+        if len(key) != 12:  # (device, name, the kernel_source arguments); not the QKV kernels
+            continue
+        _, name, rt, k, splits, pf, warps, epi, pdl, _, _, bf16 = key
+        print(f"cuda {name} {'bf16' if bf16 else 'nvfp4'} rt{rt} K={k} s{splits} w{warps} "
               f"pf{pf} epi{epi} pdl{int(pdl)}: "
               f"{_func_attr(kern, 4)} registers, {_func_attr(kern, 3)} spill bytes")
 

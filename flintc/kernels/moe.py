@@ -76,12 +76,14 @@ Numerics against the reference (FLINT_SPEC section 3 rounding points, all kept):
 All launchers fall back to the reference op (`torch.ops.flintc.*`) for N > 8, which a
 decode step at batch <= 8 never sees.
 
-NVFP4 on CUDA sm_90+ (no explicit config, a shared expert; FLINTC_NVFP4_MMA=0 turns it
-off): `moe_topk_gate_up` and `moe_down_combine_residual` run the CUDA C++ `mma.sync`
-kernels of `flintc.kernels.nvfp4_mma` instead (same op contract and rounding points; no
-expert dedupe; the routing weights use the same formulas and sum order as `_route`):
-about 1.5x (gate/up) and 1.4-2.5x (down) faster at batches 1 and 8 (docs/gpu-runs.md
-session 12). The other ops and bf16 stay on the Triton kernels here. Experts that the
+On CUDA sm_90+ (no explicit config, a shared expert; FLINTC_NVFP4_MMA=0 turns it off),
+`moe_topk_gate_up` and `moe_down_combine_residual` run the CUDA C++ `mma.sync` kernels of
+`flintc.kernels.nvfp4_mma` instead (same op contract and rounding points; no expert
+dedupe; the routing weights use the same formulas and sum order as `_route`): NVFP4 at
+every batch (gate/up 1.7-2.1x, down 2.5x faster than Triton at batches 1-8), bf16 where
+they were measured faster (`BF16_MMA_N`: down at every batch, 1.2-1.5x; gate/up at
+batches 1-2); docs/gpu-runs.md sessions 12 and 15. The other ops stay on the Triton
+kernels here. Experts that the
 runtime converted to the mma layout (`flintc.kernels.nvfp4_mma.prepack`: int32 codes
 [E, F/16, K/64, 32, 4], uint8 scale codes [E, F/16, K/64, 32, 2]) run on those CUDA
 kernels only, whatever FLINTC_NVFP4_MMA says; a call they cannot take (no routing, a
@@ -1494,8 +1496,9 @@ def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, 
         ids_in = ids
     slots = top_k + int(has_shared)
     fmt = "nvfp4" if nv else "bf16"
-    if route and nv and has_shared and config is None and _mma_gate_up_applies(x, logits, E,
-                                                                               top_k, H, F, dev):
+    if route and has_shared and config is None and mma_moe_applies("gate_up", fmt, N) \
+            and (nv or _bf16_in_place(gate, up, shared_gate, shared_up)) \
+            and _mma_gate_up_applies(x, logits, E, top_k, H, F, dev):
         from flintc.kernels import nvfp4_mma
 
         try:
@@ -1629,7 +1632,8 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
     else:
         sd = d
     fmt = "nvfp4" if nv else "bf16"
-    if nv and has_shared and residual is not None and config is None \
+    if has_shared and residual is not None and config is None \
+            and mma_moe_applies("down", fmt, N) and (nv or _bf16_in_place(down, shared_down)) \
             and _mma_down_applies(h, ids, weights, H, F, K, dev):
         from flintc.kernels import nvfp4_mma
 
@@ -1687,14 +1691,34 @@ def _mma_down(op, h, ids, weights, down, shared_down, residual, use_pdl, config)
                               use_pdl=use_pdl and _native(dev))
 
 
+# decode batches N at which the bf16 MoE kernels run on the CUDA mma kernels of
+# `flintc.kernels.nvfp4_mma` (bf16 weights read in place) rather than the Triton flat
+# tiles: measured on the H200, docs/gpu-runs.md session 15. NVFP4 runs them at every N.
+BF16_MMA_N = {"gate_up": frozenset((1, 2)), "down": frozenset(range(1, 9))}
+
+
+def mma_moe_applies(kind: str, fmt: str, N: int) -> bool:
+    """Whether the measured rule puts `kind` ("gate_up" or "down") for weights in `fmt`
+    ("nvfp4" or "bf16") at N decode tokens on the CUDA mma kernel (`BF16_MMA_N`); the
+    device and shape conditions are `_mma_gate_up_applies` / `_mma_down_applies`'."""
+    return fmt == "nvfp4" or N in BF16_MMA_N[kind]
+
+
+def _bf16_in_place(*weights) -> bool:
+    """Whether bf16 weights `[w]` can be read in place by the CUDA kernels: contiguous and
+    16-byte aligned (they load 16-byte vectors)."""
+    return all(w[0].is_contiguous() and w[0].data_ptr() % 16 == 0 for w in weights)
+
+
 def _mma_gate_up_applies(x, logits, E: int, top_k: int, H: int, F: int,
                          dev: torch.device, converted: bool = False) -> bool:
     """Whether `moe_topk_gate_up` runs on the CUDA mma kernel
-    (`flintc.kernels.nvfp4_mma.moe_topk_gate_up`): NVFP4 with a shared expert, routing in
-    the kernel, no explicit config (checked by the caller), a CUDA sm_90+ device, E % 32
-    == 0 and E <= 1024, top_k <= 8, H % 1024 == 0, F % 16 == 0, contiguous x (16-byte
-    aligned) and logits, outside the interpreter. FLINTC_NVFP4_MMA=0 keeps the Triton kernel
-    for packed weights; `converted` (weights in the mma layout) ignores it."""
+    (`flintc.kernels.nvfp4_mma.moe_topk_gate_up`), besides what the caller checks (a
+    shared expert, routing in the kernel, no explicit config, `mma_moe_applies`): a CUDA
+    sm_90+ device, E % 32 == 0 and E <= 1024, top_k <= 8, H % 1024 == 0, F % 16 == 0,
+    contiguous x (16-byte aligned) and logits, outside the interpreter. FLINTC_NVFP4_MMA=0
+    keeps the Triton kernel for packed NVFP4 and bf16 weights; `converted` (weights in the
+    mma layout) ignores it."""
     from flintc.kernels import nvfp4_mma
 
     ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)
@@ -1706,10 +1730,11 @@ def _mma_gate_up_applies(x, logits, E: int, top_k: int, H: int, F: int,
 def _mma_down_applies(h, ids, weights, H: int, F: int, K: int, dev: torch.device,
                       converted: bool = False) -> bool:
     """Whether `moe_down_combine_residual` runs on the CUDA mma kernel
-    (`flintc.kernels.nvfp4_mma.moe_down`): NVFP4 with a shared expert and no explicit
-    config (checked by the caller), a CUDA sm_90+ device, F % 64 == 0, H % 16 == 0, K <=
-    16, contiguous ids and weights, h 16-byte aligned, outside the interpreter. FLINTC_NVFP4_MMA=0 keeps
-    the Triton kernel for packed weights; `converted` (the mma layout) ignores it."""
+    (`flintc.kernels.nvfp4_mma.moe_down`), besides what the caller checks (a shared
+    expert, no explicit config, `mma_moe_applies`): a CUDA sm_90+ device, F % 64 == 0,
+    H % 16 == 0, K <= 16, contiguous ids and weights, h 16-byte aligned, outside the
+    interpreter. FLINTC_NVFP4_MMA=0 keeps the Triton kernel for packed NVFP4 and bf16
+    weights; `converted` (the mma layout) ignores it."""
     from flintc.kernels import nvfp4_mma
 
     ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)

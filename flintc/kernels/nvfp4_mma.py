@@ -103,6 +103,7 @@ projection 8.0 -> 6.1 us (65% of copy; 4096 x 2048: 70%); NVFP4 decode b1/1K 2.3
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import weakref
 
@@ -521,6 +522,55 @@ __device__ __forceinline__ void mma_chunk_b(const ChunkB& ch, float (&acc)[RT][4
             "r"(xv[2 * st]), "r"(xv[2 * st + 1]));
   }
 }
+// the MoE kernels take either format through these overloads (WChunk is the one compiled)
+template <bool EARLY = false>
+__device__ __forceinline__ void load_w(ChunkB& ch, const uint4* __restrict__ wp,
+                                       const u16* __restrict__, int c) {
+  load_wb<EARLY>(ch, wp, c);
+}
+__device__ __forceinline__ void load_x(ChunkB& ch, const uint4* xp, int c) {
+  ch.x0 = ld_act(xp + 8 * c);
+  ch.x1 = ld_act(xp + 8 * c + 4);
+}
+__device__ __forceinline__ void mma_chunk(const ChunkB& ch, float (&acc)[RT][4]) {
+  mma_chunk_b(ch, acc);
+}
+// a weight's fp32 global scale (NVFP4)
+__device__ __forceinline__ float global_scale(const float* p) {
+#if BF16W
+  return 0.00390625f;  // bf16 weights: 2^-8, so that the epilogue's x 256 is exactly 1
+#else
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+#endif
+}
+#if BF16W
+typedef ChunkB WChunk;
+#else
+typedef Chunk WChunk;
+#endif
+// this lane's pointers at chunk c0 of 16-row tile `tile` (of a [tiles * 16, KC * 64]
+// matrix): the weight's (bf16 row-major: row g, columns 8t..; NVFP4 mma layout: the
+// lane's fragment words), its scales (NVFP4 only) and x's row (bf16: columns 8t..;
+// NVFP4: the B fragment's 16 bytes at 16t..)
+__device__ __forceinline__ const uint4* w_at(const uint4* w, size_t tile, int c0, int lane) {
+#if BF16W
+  return w + (tile * 16 + (lane >> 2)) * (KC * 8) + c0 * 8 + (lane & 3);
+#else
+  return w + (tile * KC + c0) * 32 + lane;
+#endif
+}
+__device__ __forceinline__ const u16* s_at(const u16* s, size_t tile, int c0, int lane) {
+#if BF16W
+  return s;  // unused
+#else
+  return s + (tile * KC + c0) * 32 + lane;
+#endif
+}
+__device__ __forceinline__ const uint4* x_at(const u16* xrow, int c0, int lane) {
+  return reinterpret_cast<const uint4*>(xrow) + 8 * c0 + (BF16W ? (lane & 3) : 2 * (lane & 3));
+}
 """
 
 _GEMV_SOURCE = r"""
@@ -623,7 +673,7 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 """
 
 _MOE_GATE_UP_SOURCE = r"""
-// flintc::moe_topk_gate_up for NVFP4: grid (I / 16 row tiles, 1 + N * KTOP items); item 0
+// flintc::moe_topk_gate_up for NVFP4 (mma layout) or bf16 (row-major) experts: grid (I / 16 row tiles, 1 + N * KTOP items); item 0
 // is the shared expert for all N tokens (an N-column mma), item 1 + n * KTOP + k token
 // n's k-th routed expert (one column). The block's warps split the reduction (H) into
 // CPW-chunk slices, each computing the gate and the up tile (x read once for both); the
@@ -642,27 +692,39 @@ __device__ __forceinline__ long long route_key(float key, int e) {
   if (bits < 0) bits ^= 0x7FFFFFFF;  // signed-int order == float order
   return ((long long)bits << 32) | (unsigned)(NE - 1 - e);  // equal keys: lower e wins
 }
-// token n's top-KTOP into ids[KTOP] / w[KTOP] (one warp; every lane gets the results)
-__device__ void route_token(const float* logits, const float* bias, float scaling, int lane,
-                            int* ids, float* w) {
-  long long packed[NE / 32];
+// token n's routing keys, lane's experts lane + 32 j
+__device__ __forceinline__ void load_keys(long long (&packed)[NE / 32], const float* logits,
+                                          const float* bias, int lane) {
 #pragma unroll
   for (int j = 0; j < NE / 32; ++j) {
     const int e = lane + 32 * j;
     packed[j] = route_key(sigmoid_rn(ld_act_f32(logits + e)) + __ldg(bias + e), e);
   }
+}
+// the warp's largest key, taken out of packed (every lane gets the expert): each lane's
+// largest, then redux.sync on the high words (the score's order) and on the low words
+// (NE - 1 - e) of the lanes holding the largest high word
+__device__ __forceinline__ int take_best(long long (&packed)[NE / 32], int lane) {
+  long long best = packed[0];
+#pragma unroll
+  for (int j = 1; j < NE / 32; ++j) best = max(best, packed[j]);
+  const int hi = __reduce_max_sync(0xffffffffu, (int)(best >> 32));
+  const unsigned lo = __reduce_max_sync(0xffffffffu, (int)(best >> 32) == hi ? (unsigned)best : 0u);
+  const int e = NE - 1 - (int)lo;
   const long long lowest = (long long)(-9223372036854775807LL - 1);
+#pragma unroll
+  for (int j = 0; j < NE / 32; ++j) if (lane + 32 * j == e) packed[j] = lowest;
+  return e;
+}
+// token n's top-KTOP into ids[KTOP] / w[KTOP] (one warp; every lane gets the results)
+__device__ void route_token(const float* logits, const float* bias, float scaling, int lane,
+                            int* ids, float* w) {
+  long long packed[NE / 32];
+  load_keys(packed, logits, bias, lane);
   float sel[KTOP];
 #pragma unroll
   for (int k = 0; k < KTOP; ++k) {
-    long long best = lowest;
-#pragma unroll
-    for (int j = 0; j < NE / 32; ++j) best = max(best, packed[j]);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, off));
-    const int e = NE - 1 - (int)(best & 0xFFFFFFFFll);
-#pragma unroll
-    for (int j = 0; j < NE / 32; ++j) if (lane + 32 * j == e) packed[j] = lowest;
+    const int e = take_best(packed, lane);
     ids[k] = e;
     sel[k] = sigmoid_rn(ld_act_f32(logits + e));
   }
@@ -681,12 +743,28 @@ __device__ void route_token(const float* logits, const float* bias, float scalin
 #pragma unroll
   for (int k = 0; k < KTOP; ++k) w[k] = __fmul_rn(__fdiv_rn(sel[k], total), scaling);
 }
+// the expert in slot k of a token whose keys are loaded (k + 1 rounds of take_best)
+__device__ __forceinline__ int route_slot(long long (&packed)[NE / 32], int lane, int k) {
+  int e = 0;
+  for (int r = 0; r <= k; ++r) e = take_best(packed, lane);
+  return e;
+}
 
 template <bool EARLY = false>
 __device__ __forceinline__ void load_w2(Chunk& ch, const uint4* g_wp, const u16* g_sp,
                                         const uint4* u_wp, const u16* u_sp, int c) {
   load_tile<EARLY>(ch.w[0], ch.s[0], g_wp, g_sp, c * 32);  // gate
   load_tile<EARLY>(ch.w[1], ch.s[1], u_wp, u_sp, c * 32);  // up
+}
+template <bool EARLY = false>  // bf16: tile 0 the gate's rows g, g + 8, tile 1 the up's
+__device__ __forceinline__ void load_w2(ChunkB& ch, const uint4* g_wp, const u16*,
+                                        const uint4* u_wp, const u16*, int c) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int off = (q >> 1) * 8 * (KC * 8) + c * 8 + (q & 1) * 4;
+    ch.w[0][q] = EARLY ? ld_v4<false>(g_wp + off) : __ldg(g_wp + off);
+    ch.w[1][q] = EARLY ? ld_v4<false>(u_wp + off) : __ldg(u_wp + off);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -700,22 +778,22 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
                       double scaling_d, u16* __restrict__ hout, float* __restrict__ wout,
                       long long* __restrict__ ids_out, int N, int I) {
   __shared__ float red[WARPS][2][4][32];
-  __shared__ int s_ids[KTOP];
+  __shared__ int s_e;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int ft = blockIdx.x, FT = I >> 4;
   const int item = blockIdx.y;
   const int c0 = warp * CPW;
   const float scaling = (float)scaling_d;
-  Chunk buf[PF + 1];
+  WChunk buf[PF + 1];
   const uint4 *g_wp, *u_wp;
   const u16 *g_sp, *u_sp;
   float gscale, uscale;
   if (item == 0) {  // the shared expert: its weights stream before the wait
-    g_wp = sgwq + ((size_t)ft * KC + c0) * 32 + lane;
-    g_sp = sgsq + ((size_t)ft * KC + c0) * 32 + lane;
-    u_wp = suwq + ((size_t)ft * KC + c0) * 32 + lane;
-    u_sp = susq + ((size_t)ft * KC + c0) * 32 + lane;
+    g_wp = w_at(sgwq, ft, c0, lane);
+    g_sp = s_at(sgsq, ft, c0, lane);
+    u_wp = w_at(suwq, ft, c0, lane);
+    u_sp = s_at(susq, ft, c0, lane);
 #pragma unroll
     for (int c = 0; c < PF && c < CPW; ++c) load_w2<true>(buf[c], g_wp, g_sp, u_wp, u_sp, c);
   }
@@ -734,34 +812,32 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
           if (j == lane) { ids_out[tok * KTOP + j] = ids[j]; wout[tok * KTOP + j] = w[j]; }
       }
     }
-    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(gscale) : "l"(sggs));
-    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(uscale) : "l"(sugs));
+
+    gscale = global_scale(sggs);
+    uscale = global_scale(sugs);
   } else {
     n = (item - 1) / KTOP;
     k = (item - 1) % KTOP;
-    if (warp == 0) {
-      int ids[KTOP];
-      float w[KTOP];
-      route_token(logits + (size_t)n * NE, bias, scaling, lane, ids, w);
-      if (lane == 0) {
-#pragma unroll
-        for (int j = 0; j < KTOP; ++j) s_ids[j] = ids[j];
-      }
+    if (warp == 0) {  // this token's top-k up to slot k (k + 1 rounds)
+      long long packed[NE / 32];
+      load_keys(packed, logits + (size_t)n * NE, bias, lane);
+      const int e = route_slot(packed, lane, k);
+      if (lane == 0) s_e = e;
     }
     __syncthreads();
-    const long long e = s_ids[k];
-    g_wp = gwq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
-    g_sp = gsq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
-    u_wp = uwq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
-    u_sp = usq + ((size_t)(e * FT + ft) * KC + c0) * 32 + lane;
+    const long long e = s_e;
+    g_wp = w_at(gwq, e * FT + ft, c0, lane);
+    g_sp = s_at(gsq, e * FT + ft, c0, lane);
+    u_wp = w_at(uwq, e * FT + ft, c0, lane);
+    u_sp = s_at(usq, e * FT + ft, c0, lane);
 #pragma unroll
     for (int c = 0; c < PF && c < CPW; ++c) load_w2(buf[c], g_wp, g_sp, u_wp, u_sp, c);
-    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(gscale) : "l"(ggs + e * gs_stride));
-    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(uscale) : "l"(ugs + e * gs_stride));
+    gscale = global_scale(ggs + e * gs_stride);
+    uscale = global_scale(ugs + e * gs_stride);
   }
   const int H = KC * 64;
   const u16* xrow = x + (size_t)(item == 0 ? min(g, N - 1) : n) * H;
-  const uint4* xp = reinterpret_cast<const uint4*>(xrow) + 8 * c0 + 2 * t;
+  const uint4* xp = x_at(xrow, c0, lane);
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -804,11 +880,15 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
 
 
 _MOE_DOWN_SOURCE = r"""
-// flintc::moe_down_combine_residual for NVFP4: block = 16 rows of H, warps take the work
-// items in turn (item 0: the shared expert for all N tokens, an N-column mma; item
-// 1 + n * KTOP + k: token n's k-th routed expert, one column), each over the whole
-// reduction (KC chunks); then the block combines its 16 rows in the reference's order.
+// flintc::moe_down_combine_residual for NVFP4 (mma layout) or bf16 (row-major) experts:
+// block = 16 rows of H. Work units (item, s): item 0 the shared expert for all N tokens
+// (an N-column mma), item 1 + n * KTOP + k token n's k-th routed expert (one column);
+// s < KSPLIT a KC / KSPLIT-chunk slice of the reduction (I). The warps take the units in
+// turn; the block adds the slices' sums in s order, then combines its 16 rows in the
+// reference's order.
 #define KTOP __KTOP__
+#define KSPLIT __KSPLIT__  // warps (units) per item, each a K slice
+#define CPS (KC / KSPLIT)  // chunks per slice
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
                    const float* __restrict__ gs, int gs_stride,
@@ -816,25 +896,27 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
                    const float* __restrict__ sgs, const u16* h, const long long* ids,
                    const float* wts, const u16* residual, u16* __restrict__ out,
                    int N, int H) {
-  __shared__ float ys[8][KTOP + 1][16];  // bf16-rounded expert outputs of the 16 rows
+  __shared__ float part[KSPLIT][8][KTOP + 1][16];  // the slices' fp32 sums of the 16 rows
+  __shared__ float scl[8][KTOP + 1];  // each item's global scale x 256
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int ft = blockIdx.x, FT = H >> 4;
   const int items = 1 + N * KTOP;
   const int I = KC * 64;
-  Chunk buf[PF + 1];
+  WChunk buf[PF + 1];
   bool first = true;
-  for (int item = warp; item < items; item += WARPS) {
+  for (int u = warp; u < items * KSPLIT; u += WARPS) {
+    const int item = u / KSPLIT, s = u % KSPLIT, c0 = s * CPS;
     const uint4* wp;
     const u16* sp;
     const u16* xrow;
     float scale;
     if (item == 0) {  // the shared expert: column n = token n (rows g >= N repeat N - 1)
-      wp = swq + (size_t)ft * KC * 32 + lane;
-      sp = ssq + (size_t)ft * KC * 32 + lane;
+      wp = w_at(swq, ft, c0, lane);
+      sp = s_at(ssq, ft, c0, lane);
       if (first) {  // weights only before the wait (PDL)
 #pragma unroll
-        for (int c = 0; c < PF && c < KC; ++c) load_w<true>(buf[c], wp, sp, c);
+        for (int c = 0; c < PF && c < CPS; ++c) load_w<true>(buf[c], wp, sp, c);
       }
       xrow = h + ((size_t)min(g, N - 1) * (KTOP + 1) + KTOP) * I;
     } else {
@@ -845,60 +927,68 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 #endif
       }
       const long long e = (long long)ld_act_u64(ids + p);
-      wp = wq + ((size_t)e * FT + ft) * KC * 32 + lane;
-      sp = sq + ((size_t)e * FT + ft) * KC * 32 + lane;
+      wp = w_at(wq, e * FT + ft, c0, lane);
+      sp = s_at(sq, e * FT + ft, c0, lane);
       xrow = h + (size_t)(n * (KTOP + 1) + p % KTOP) * I;  // every column: token n
 #pragma unroll
-      for (int c = 0; c < PF && c < KC; ++c) load_w(buf[c], wp, sp, c);
-      scale = 0.f;
-      asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(scale) : "l"(gs + e * gs_stride));
+      for (int c = 0; c < PF && c < CPS; ++c) load_w(buf[c], wp, sp, c);
+      scale = global_scale(gs + e * gs_stride);
     }
     if (item == 0) {
 #if PDL
       if (first && N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-      asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(scale) : "l"(sgs));
+      scale = global_scale(sgs);
     }
     first = false;
-    const uint4* xp = reinterpret_cast<const uint4*>(xrow) + 2 * t;
+    const uint4* xp = x_at(xrow, c0, lane);
 #pragma unroll
-    for (int c = 0; c < PF && c < KC; ++c) load_x(buf[c], xp, c);
+    for (int c = 0; c < PF && c < CPS; ++c) load_x(buf[c], xp, c);
     float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int c = 0; c < KC; ++c) {
-      if (c + PF < KC) {
+    for (int c = 0; c < CPS; ++c) {
+      if (c + PF < CPS) {
         load_w(buf[(c + PF) % (PF + 1)], wp, sp, c + PF);
         load_x(buf[(c + PF) % (PF + 1)], xp, c + PF);
       }
       mma_chunk(buf[c % (PF + 1)], acc);
     }
-    scale *= 256.0f;  // exact: undoes the decode's 2^-8
     if (item == 0) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int n = 2 * t + (j & 1);
-        if (n < N) ys[n][KTOP][g + (j >> 1) * 8] = from_bf16(to_bf16(acc[0][j] * scale));
+        if (n < N) part[s][n][KTOP][g + (j >> 1) * 8] = acc[0][j];
       }
+      if (s == 0 && lane < N) scl[lane][KTOP] = scale * 256.0f;  // exact: undoes the 2^-8
     } else if (t == 0) {  // column 0 (all columns hold the same token)
       const int p = item - 1;
-      ys[p / KTOP][p % KTOP][g] = from_bf16(to_bf16(acc[0][0] * scale));
-      ys[p / KTOP][p % KTOP][g + 8] = from_bf16(to_bf16(acc[0][2] * scale));
+      part[s][p / KTOP][p % KTOP][g] = acc[0][0];
+      part[s][p / KTOP][p % KTOP][g + 8] = acc[0][2];
+      if (s == 0 && g == 0) scl[p / KTOP][p % KTOP] = scale * 256.0f;
     }
   }
 #if PDL
-  if (warp >= items && N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (warp >= items * KSPLIT && N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
   __syncthreads();
-  // combine, as flintc.model.ops.expert_combine: sum_k (w_k * y_k) in k order (separate
-  // fp32 multiply and add), plus the shared expert, one rounding; then the residual add
+  // combine, as flintc.model.ops.expert_combine: y = bf16(sum of the slices x scale); sum_k
+  // (w_k * y_k) in k order (separate fp32 multiply and add), plus the shared expert, one
+  // rounding; then the residual add
   for (int i = threadIdx.x; i < N * 16; i += WARPS * 32) {
     const int n = i >> 4, row = i & 15;
+    float y[KTOP + 1];
+#pragma unroll
+    for (int k = 0; k <= KTOP; ++k) {
+      float v = part[0][n][k][row];
+#pragma unroll
+      for (int s = 1; s < KSPLIT; ++s) v += part[s][n][k][row];
+      y[k] = from_bf16(to_bf16(v * scl[n][k]));
+    }
     float m = 0.f;
 #pragma unroll
-    for (int k = 0; k < KTOP; ++k)
-      m = __fadd_rn(m, __fmul_rn(ld_act_f32(wts + n * KTOP + k), ys[n][k][row]));
-    m = __fadd_rn(m, ys[n][KTOP][row]);
+    for (int k = 0; k < KTOP; ++k) m = __fadd_rn(m, __fmul_rn(ld_act_f32(wts + n * KTOP + k), y[k]));
+    m = __fadd_rn(m, y[KTOP]);
     const size_t o = (size_t)n * H + ft * 16 + row;
     out[o] = to_bf16(from_bf16(ld_act_u16(residual + o)) + from_bf16(to_bf16(m)));
   }
@@ -1307,16 +1397,20 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
                   epilogue: int = EPI_FP32, pdl: bool = False, moe_top_k: int = 0,
                   experts: int = 0, bf16: bool = False) -> str:
     """The CUDA source of one kernel variant (every argument is compiled in): the GEMV
-    (`nvfp4_mma_gemv`; with `bf16` on row-major bf16 weights); with moe_top_k > 0 the
-    MoE down kernel (`nvfp4_mma_moe_down`, row_tiles 1, splits 1, k the expert width),
-    or with experts > 0 too the MoE gate/up kernel (`nvfp4_mma_moe_gate_up`, row_tiles
-    2: gate and up, k = H)."""
+    (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
+    row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
+    slice), or with experts > 0 too the MoE gate/up kernel (`nvfp4_mma_moe_gate_up`,
+    row_tiles 2: gate and up, k = H, splits 1). `bf16`: row-major bf16 weights instead of
+    the NVFP4 mma layout. Raises ValueError when the down kernel's splits do not divide
+    k / 64."""
     chunks = k // 64
-    if bf16 and moe_top_k:
-        raise ValueError("kernel_source: bf16 weights are for the GEMV only")
+    if moe_top_k and not experts and chunks % splits:
+        raise ValueError(f"kernel_source: the MoE down kernel's {splits} K slices per item "
+                         f"must divide its {chunks} chunks of 64")
     subs = {"__RT__": row_tiles, "__KC__": chunks, "__CPW__": chunks // (warps * splits),
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
-            "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16)}
+            "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16),
+            "__KSPLIT__": splits}
     body = (_MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) if moe_top_k else _GEMV_SOURCE
     return _render(body, subs)
 
@@ -1604,10 +1698,39 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
     return out
 
 
+def _moe_operands(w: list, name: str, device: torch.device):
+    """(bf16, lead dims, F, K, wq, sq, global scale) of one expert weight or stack: `[w]`
+    bf16 [..., F, K] (contiguous, 16-byte aligned; sq and the scale are w itself, never
+    read: the kernel is compiled without them) or NVFP4 `[codes, scales, global_scale]`
+    (`mma_operands`). Raises ValueError naming `name` for anything else."""
+    if isinstance(w, (list, tuple)) and len(w) == 1 and isinstance(w[0], torch.Tensor):
+        t = w[0]
+        if t.dtype != torch.bfloat16 or t.dim() < 2 or not t.is_contiguous() \
+                or t.data_ptr() % 16 or t.device != device:
+            raise ValueError(f"{name}: a bf16 weight must be a contiguous 16-byte aligned "
+                             f"bf16 tensor [..., F, K] on {device}; got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+        return True, tuple(t.shape[:-2]), t.shape[-2], t.shape[-1], t, t, t
+    if not (isinstance(w, (list, tuple)) and len(w) == 3):
+        raise ValueError(f"{name}: expected [w] (bf16) or [codes, scales, global_scale] "
+                         f"(NVFP4), got {type(w).__name__} of {len(w) if hasattr(w, '__len__') else '?'}")
+    lead, F, K = weight_dims(w[0])
+    wq, sq = mma_operands(w[0], w[1], name)
+    return False, lead, F, K, wq, sq, w[2]
+
+
+# (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
+# prefetch depth is DOWN_PREFETCH's (docs/gpu-runs.md session 15)
+DOWN_LAUNCH = {"nvfp4": {n: (32, 4 if n == 1 else 2 if n <= 3 else 1) for n in range(1, 9)},
+               "bf16": {n: (32, 4) for n in range(1, 9)}}
+DOWN_PREFETCH = {"nvfp4": 2, "bf16": 2}
+
+
 def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: list,
-             shared_down: list, residual: torch.Tensor, *, warps: int = 32, prefetch: int = 2,
+             shared_down: list, residual: torch.Tensor, *, warps: int | None = None,
+             splits: int | None = None, prefetch: int | None = None,
              use_pdl: bool = False) -> torch.Tensor:
-    """`flintc::moe_down_combine_residual` for NVFP4 experts on the CUDA mma kernel:
+    """`flintc::moe_down_combine_residual` on the CUDA mma kernel:
     `bf16(residual + bf16(sum_k w_k * bf16(y_k) + bf16(y_shared)))`, y_k = token n's k-th
     routed expert's down GEMV, y_shared the shared expert's (reference:
     `flintc.ops.grouped.moe_down_combine_residual`; the sum over k in k order, each
@@ -1617,26 +1740,41 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
         h: bf16 [N, K + 1, I] contiguous (the shared expert's input last), N <= 8.
         ids: int64 [N, K] contiguous (expert indices < E; not checked on the device).
         weights: fp32 [N, K] contiguous (routing weights).
-        down: NVFP4 `[codes [E, H, I/2], scales [E, H, I/16], global_scale [E] or []]`.
-        shared_down: NVFP4 `[codes [H, I/2], scales [H, I/16], global_scale []]`.
+        down: `[w]` bf16 [E, H, I] (row-major, read in place) or NVFP4 `[codes [E, H,
+            I/2], scales [E, H, I/16], global_scale [E] or []]` (either layout).
+        shared_down: [H, I] in the same format (global scale []).
         residual: bf16 [N, H] contiguous.
-        warps, prefetch: the kernel's warps per block (each takes work items in turn:
-            the shared expert, then one per (token, slot)) and chunks loaded ahead.
+        warps, splits, prefetch: the kernel's warps per block (each takes work units in
+            turn: (item, K slice), the items the shared expert and one per (token,
+            slot)), K slices per item (dividing I / 64) and chunks loaded ahead; None:
+            `DOWN_LAUNCH` / `DOWN_PREFETCH` for the format and N (the slices cut to a
+            divisor of I / 64).
         use_pdl: programmatic dependent launch (the shared expert's first weights load
             before `griddepcontrol.wait`; routed experts need the ids).
 
-    Returns bf16 [N, H]. The weights are repacked at their first use (`packed_weight`).
-    Raises ValueError for shapes that do not fit (I % 64, H % 16, N > 8, top-k > 16);
-    RuntimeError as `mma_gemv`.
+    Returns bf16 [N, H]. Packed NVFP4 weights are repacked at their first use
+    (`packed_weight`).
+    Raises ValueError for shapes that do not fit (I % 64, H % 16, N > 8, top-k > 16,
+    splits not dividing I / 64, formats that differ); RuntimeError as `mma_gemv`.
     """
     N, slots, I = h.shape
     K = ids.shape[1]
-    codes, scales, gs = down
-    scodes, sscales, sgs = shared_down
-    _, H, _ = weight_dims(codes)
-    if not 1 <= N <= 8 or slots != K + 1 or I % 64 or H % 16 or not 1 <= K <= 16:
-        raise ValueError(f"moe_down: needs N <= 8, h [N, K + 1, I] with I % 64 == 0, "
-                         f"H % 16 == 0, K <= 16; got h {tuple(h.shape)}, K = {K}, H = {H}")
+    bf16, lead, H, I_w, wq, sq, gs = _moe_operands(down, "down", h.device)
+    sbf16, slead, sH, sI, swq, ssq, sgs = _moe_operands(shared_down, "shared_down", h.device)
+    if sbf16 != bf16 or slead != () or (sH, sI) != (H, I_w) or len(lead) != 1:
+        raise ValueError(f"moe_down: down must be a stack [E, H, I] and shared_down [H, I] in "
+                         f"the same format; got {lead + (H, I_w)} ({'bf16' if bf16 else 'nvfp4'}) "
+                         f"and {slead + (sH, sI)} ({'bf16' if sbf16 else 'nvfp4'})")
+    if not 1 <= N <= 8 or slots != K + 1 or I % 64 or I != I_w or H % 16 or not 1 <= K <= 16:
+        raise ValueError(f"moe_down: needs N <= 8, h [N, K + 1, I] with I % 64 == 0 matching "
+                         f"the weights, H % 16 == 0, K <= 16; got h {tuple(h.shape)}, K = {K}, "
+                         f"weights [{H}, {I_w}]")
+    fmt = "bf16" if bf16 else "nvfp4"
+    d_warps, d_splits = DOWN_LAUNCH[fmt][N]
+    warps, splits = warps or d_warps, splits or math.gcd(d_splits, I // 64)
+    prefetch = DOWN_PREFETCH[fmt] if prefetch is None else prefetch
+    if (I // 64) % splits:
+        raise ValueError(f"moe_down: splits {splits} must divide I / 64 = {I // 64}")
     for name, t, dt in (("h", h, torch.bfloat16), ("ids", ids, torch.int64),
                         ("weights", weights, torch.float32), ("residual", residual,
                                                                torch.bfloat16)):
@@ -1649,20 +1787,28 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
         raise ValueError(f"moe_down: residual must be [{N}, {H}], got {tuple(residual.shape)}")
     if h.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {h.device}")
-    wq, sq = mma_operands(codes, scales, "down")
-    swq, ssq = mma_operands(scodes, sscales, "shared_down")
     out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
-    kernel = _kernel(1, I, 1, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, device=h.device)
+    kernel = _kernel(1, I, splits, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, bf16=bf16,
+                     device=h.device)
     _launch(kernel, (H // 16, 1), 32 * warps,
             [wq, sq, gs, 1 if gs.numel() > 1 else 0, swq, ssq, sgs, h, ids, weights,
              residual, out, N, H], bool(use_pdl))
     return out
 
 
+def gate_up_warps(N: int, fmt: str = "nvfp4") -> int:
+    """The MoE gate/up kernel's warps per block for N tokens and weights in `fmt`
+    ("nvfp4" or "bf16"): fewer warps (more blocks per SM) as N grows; measured best on
+    the H200 (docs/gpu-runs.md session 15)."""
+    if fmt == "bf16":
+        return 4 if N == 1 else 2
+    return 8 if N == 1 else 4 if N <= 3 else 2
+
+
 def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, gate: list,
                      up: list, shared_gate: list, shared_up: list, top_k: int, scaling: float,
                      *, warps: int | None = None, prefetch: int = 2, use_pdl: bool = False):
-    """`flintc::moe_topk_gate_up` for NVFP4 experts on the CUDA mma kernel (reference:
+    """`flintc::moe_topk_gate_up` on the CUDA mma kernel (reference:
     `flintc.ops.grouped.moe_topk_gate_up`): top-k routing (`flintc.model.ops.select_topk`:
     scores = sigmoid(logits), top-k of scores + bias with ties to the lower index,
     weights = scores / sum * scaling, the sum a pairwise tree over 8 slots as in
@@ -1672,30 +1818,40 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     Args:
         x: bf16 [N, H] contiguous (the normed activations), N <= 8.
         logits: fp32 [N, E] contiguous; bias: fp32 [E].
-        gate, up: NVFP4 stacks `[codes [E, I, H/2], scales [E, I, H/16], global_scale [E]
-            or []]` (the same global-scale shape); shared_gate, shared_up: NVFP4 [I, H].
+        gate, up: stacks [E, I, H]: `[w]` bf16 (row-major, read in place) or NVFP4
+            `[codes [E, I, H/2], scales [E, I, H/16], global_scale [E] or []]` (either
+            layout; the same global-scale shape); shared_gate, shared_up: [I, H] in the
+            same format.
         top_k: experts per token (<= 8); scaling: the routing weights' factor.
         warps, prefetch: warps per block (each an H / (64 warps)-chunk slice) and chunks
-            loaded ahead. warps None: 16 for N <= 2, else 8 (measured best at N = 1 and 8,
-            docs/gpu-runs.md session 12).
+            loaded ahead. warps None: `gate_up_warps`.
         use_pdl: programmatic dependent launch (the shared expert's first weights load
             before `griddepcontrol.wait`).
 
     Returns (h bf16 [N, top_k + 1, I] (the shared expert last), weights fp32 [N, top_k],
     ids int64 [N, top_k]). Raises ValueError for shapes that do not fit (E % 32, E >
-    1024, top_k > 8, H % (64 warps), I % 16, N > 8); RuntimeError as `mma_gemv`.
+    1024, top_k > 8, H % (64 warps), I % 16, N > 8, formats that differ); RuntimeError as
+    `mma_gemv`.
     """
     N, H = x.shape
-    warps = warps or (16 if N <= 2 else 8)
     E = logits.shape[1] if logits.dim() == 2 else -1
-    codes = gate[0]
-    lead, I, _ = weight_dims(codes)
+    ops = [_moe_operands(w, name, x.device) for w, name in
+           ((gate, "gate"), (up, "up"), (shared_gate, "shared_gate"), (shared_up, "shared_up"))]
+    bf16, lead, I, H_w = ops[0][:4]
+    if any(o[0] != bf16 or o[2:4] != (I, H_w) for o in ops) or ops[1][1] != lead \
+            or ops[2][1] != () or ops[3][1] != ():
+        raise ValueError("moe_topk_gate_up: gate and up must be stacks [E, I, H], shared_gate "
+                         "and shared_up [I, H], all in one format; got "
+                         + ", ".join(f"{o[1] + o[2:4]} ({'bf16' if o[0] else 'nvfp4'})"
+                                     for o in ops))
+    fmt = "bf16" if bf16 else "nvfp4"
+    warps = warps or gate_up_warps(N, fmt)
     if not 1 <= N <= 8 or E % 32 or not 32 <= E <= 1024 or not 1 <= top_k <= 8 \
-            or H % (64 * warps) or I % 16 or lead != (E,):
+            or H % (64 * warps) or H != H_w or I % 16 or lead != (E,):
         raise ValueError(f"moe_topk_gate_up: needs N <= 8, E % 32 == 0 and E <= 1024, "
                          f"top_k <= 8, H % {64 * warps} == 0, I % 16 == 0; got x "
-                         f"{tuple(x.shape)}, logits {tuple(logits.shape)}, gate codes "
-                         f"{tuple(codes.shape)}, top_k {top_k}")
+                         f"{tuple(x.shape)}, logits {tuple(logits.shape)}, gate "
+                         f"{lead + (I, H_w)}, top_k {top_k}")
     for name, t, dt in (("x", x, torch.bfloat16), ("logits", logits, torch.float32),
                         ("bias", bias, torch.float32)):
         if t.dtype != dt or not t.is_contiguous() or t.device != x.device:
@@ -1704,22 +1860,20 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     if x.data_ptr() % 16:
         raise ValueError("moe_topk_gate_up: x must be 16-byte aligned (the kernel reads it in "
                          "16-byte vectors)")
-    if gate[2].numel() != up[2].numel():
+    if ops[0][6].numel() != ops[1][6].numel():
         raise ValueError("moe_topk_gate_up: gate and up need global scales of one shape")
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
-    gwq, gsq = mma_operands(gate[0], gate[1], "gate")
-    uwq, usq = mma_operands(up[0], up[1], "up")
-    sgwq, sgsq = mma_operands(shared_gate[0], shared_gate[1], "shared_gate")
-    suwq, susq = mma_operands(shared_up[0], shared_up[1], "shared_up")
+    (gwq, gsq, ggs), (uwq, usq, ugs), (sgwq, sgsq, sggs), (suwq, susq, sugs) = (
+        o[4:] for o in ops)
     h = torch.empty((N, top_k + 1, I), dtype=torch.bfloat16, device=x.device)
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
-    kernel = _kernel(2, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E,
+    kernel = _kernel(2, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E, bf16=bf16,
                      device=x.device)
     _launch(kernel, (I // 16, 1 + N * top_k), 32 * warps,
-            [gwq, gsq, gate[2], uwq, usq, up[2], 1 if gate[2].numel() > 1 else 0,
-             sgwq, sgsq, shared_gate[2], suwq, susq, shared_up[2], x, logits, bias,
+            [gwq, gsq, ggs, uwq, usq, ugs, 1 if not bf16 and ggs.numel() > 1 else 0,
+             sgwq, sgsq, sggs, suwq, susq, sugs, x, logits, bias,
              float(scaling), h, wts, ids, N, I], bool(use_pdl))
     return h, wts, ids
 

@@ -182,6 +182,56 @@ def test_bad_arguments_raise_value_errors():
     assert not M.available(torch.device("cpu"))
 
 
+def test_moe_launchers_check_formats_and_splits():
+    """The MoE launchers refuse mixed formats, bf16 weights they cannot read in place and
+    K slices that do not divide the expert width, naming the argument, before any launch
+    (CPU tensors: the checks run first)."""
+    gen = torch.Generator().manual_seed(2)
+    E, H, I, K, N = 32, 128, 64, 2, 1
+    bf = [(torch.randn(E, H, I, generator=gen) * 0.02).to(torch.bfloat16)]
+    sbf = [(torch.randn(H, I, generator=gen) * 0.02).to(torch.bfloat16)]
+    h = torch.randn(N, K + 1, I).to(torch.bfloat16)
+    ids = torch.zeros(N, K, dtype=torch.int64)
+    wts = torch.ones(N, K)
+    res = torch.zeros(N, H, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="down must be a stack .* in the same format"):
+        M.moe_down(h, ids, wts, bf, _nvfp4((), H, I, gen), res)
+    with pytest.raises(ValueError, match="shared_down: a bf16 weight must be a contiguous"):
+        M.moe_down(h, ids, wts, bf, [sbf[0].t()], res)
+    with pytest.raises(ValueError, match="splits 4 must divide I / 64 = 1"):
+        M.moe_down(h, ids, wts, bf, sbf, res, splits=4)
+    with pytest.raises(ValueError, match="down kernel's 3 K slices per item must divide"):
+        M.kernel_source(1, 512, 3, 2, 32, M.EPI_RESIDUAL, True, 6)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        M.moe_down(h, ids, wts, bf, sbf, res)
+    x = torch.randn(N, H).to(torch.bfloat16)
+    logits = torch.randn(N, E)
+    gate = [(torch.randn(E, I, H, generator=gen) * 0.02).to(torch.bfloat16)]
+    sgate = [(torch.randn(I, H, generator=gen) * 0.02).to(torch.bfloat16)]
+    with pytest.raises(ValueError, match="all in one format"):
+        M.moe_topk_gate_up(x, logits, torch.zeros(E), gate, gate, sgate,
+                           _nvfp4((), I, H, gen), K, 1.0, warps=2)
+    with pytest.raises(ValueError, match="gate: expected \\[w\\] \\(bf16\\) or"):
+        M.moe_topk_gate_up(x, logits, torch.zeros(E), gate[0], gate, sgate, sgate, K, 1.0)
+
+
+def test_moe_launch_rules():
+    """The MoE kernels' launch tables: every (warps, K slices) splits the model's expert
+    width and fits a block; fewer gate/up warps as N grows (more blocks per SM); bf16
+    MoE on the CUDA kernels only where measured faster (`moe.BF16_MMA_N`)."""
+    from flintc.kernels import moe
+
+    for fmt in ("nvfp4", "bf16"):
+        assert set(M.DOWN_LAUNCH[fmt]) == set(range(1, 9))
+        for warps, splits in M.DOWN_LAUNCH[fmt].values():
+            assert 32 * warps <= 1024 and (512 // 64) % splits == 0
+        ws = [M.gate_up_warps(n, fmt) for n in range(1, 9)]
+        assert ws == sorted(ws, reverse=True) and all(2048 % (64 * w) == 0 for w in ws)
+        assert moe.mma_moe_applies("down", fmt, 8) and moe.mma_moe_applies("gate_up", fmt, 1)
+    assert moe.mma_moe_applies("gate_up", "nvfp4", 8)
+    assert not moe.mma_moe_applies("gate_up", "bf16", 8)  # Triton's flat tiles: 50 vs 57 us
+
+
 # ----------------------------------------------------------------------------- GPU
 SHAPES = [(2048, 4096), (5120, 2048), (4096, 2048), (2048, 10240)]
 
@@ -395,18 +445,29 @@ def test_stacked_experts_pack_as_rows():
                            dequantize_packed(codes[e], scales[e], None, torch.float32))
 
 
+def _experts(fmt: str, lead: tuple, R: int, C: int, gen: torch.Generator) -> list:
+    """Random expert weights on the GPU: NVFP4 (`_nvfp4`) or `[w]` bf16 (std 0.02)."""
+    if fmt == "bf16":
+        return [(torch.randn(*lead, R, C, generator=gen) * 0.02).to(torch.bfloat16).cuda()]
+    return _nvfp4(lead, R, C, gen, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("N", [1, 3, 8])
 @pytest.mark.parametrize("use_pdl", [False, True])
-def test_moe_down_matches_reference_and_triton_gpu(N, use_pdl, monkeypatch):
+def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch):
+    """The CUDA down kernel (the op's default launch, and launches with K slices per
+    item) against the reference op and the Triton kernel: within 2 bf16 ulps, the share
+    of differing elements printed and below 5%."""
     from flintc.kernels import moe
     from flintc.ops import grouped
 
     _require_mma()
     gen = torch.Generator().manual_seed(100 + N)
     E, H, I, K = 256, 2048, 512, 6
-    down, sd = _nvfp4((E,), H, I, gen, "cuda"), _nvfp4((), H, I, gen, "cuda")
+    down, sd = _experts(fmt, (E,), H, I, gen), _experts(fmt, (), H, I, gen)
     h = torch.randn(N, K + 1, I, generator=gen).to(torch.bfloat16).cuda()
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(N)]).cuda()
     wts = torch.rand(N, K, generator=gen).cuda() * 0.5
@@ -414,57 +475,71 @@ def test_moe_down_matches_reference_and_triton_gpu(N, use_pdl, monkeypatch):
     calls = []
     monkeypatch.setattr(M, "moe_down", _spy(M.moe_down, calls))
     out = moe.moe_down_combine_residual(h, ids, wts, down, sd, res, use_pdl=use_pdl)
-    assert len(calls) == 1  # the CUDA kernel ran
+    assert len(calls) == int(moe.mma_moe_applies("down", fmt, N))  # the CUDA kernel ran
     ref = grouped.moe_down_combine_residual(h, ids, wts, down, sd, res)
+    got = {"op": out}
+    for warps, splits, pf in ((32, 4, 2), (16, 8, 1), (8, 2, 3)):
+        got[f"cuda w{warps} s{splits} pf{pf}"] = M.moe_down(
+            h, ids, wts, down, sd, res, warps=warps, splits=splits, prefetch=pf,
+            use_pdl=use_pdl)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
-    tri = moe.moe_down_combine_residual(h, ids, wts, down, sd, res, use_pdl=use_pdl)
+    got["triton"] = moe.moe_down_combine_residual(h, ids, wts, down, sd, res, use_pdl=use_pdl)
     torch.cuda.synchronize()
     ulp = ref.double().abs().clamp_min(2.0**-126) * 2.0**-7
-    for name, got in (("cuda", out), ("triton", tri)):
-        diff = (got.double() - ref.double()).abs()
+    for name, y in got.items():
+        diff = (y.double() - ref.double()).abs()
         assert bool((diff <= 2 * ulp).all()), (name, float(diff.max()))
-        share = float((got != ref).float().mean())
-        print(f"moe down {name} N={N}: {share:.2%} of elements differ from the reference")
+        share = float((y != ref).float().mean())
+        print(f"moe down {fmt} {name} N={N}: {share:.2%} of elements differ from the reference")
         assert share < 0.05
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("N", [1, 3, 8])
 @pytest.mark.parametrize("use_pdl", [False, True])
-def test_moe_topk_gate_up_matches_reference_and_triton_gpu(N, use_pdl, monkeypatch):
+def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch):
+    """The CUDA gate/up kernel (the op's default launch and other warp counts) against
+    the reference op and the Triton kernel: the same ids and weights, h within 2 bf16 ulps
+    plus a floor near zero, the share of differing elements printed and below 5%."""
     from flintc.kernels import moe
     from flintc.ops import grouped
 
     _require_mma()
     gen = torch.Generator().manual_seed(200 + N)
     E, H, I, K = 256, 2048, 512, 6
-    gate, up = _nvfp4((E,), I, H, gen, "cuda"), _nvfp4((E,), I, H, gen, "cuda")
-    sg, su = _nvfp4((), I, H, gen, "cuda"), _nvfp4((), I, H, gen, "cuda")
+    gate, up = _experts(fmt, (E,), I, H, gen), _experts(fmt, (E,), I, H, gen)
+    sg, su = _experts(fmt, (), I, H, gen), _experts(fmt, (), I, H, gen)
     x = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
     logits = torch.randn(N, E, generator=gen).cuda()
     bias = (torch.randn(E, generator=gen) * 0.05).cuda()
     calls = []
     monkeypatch.setattr(M, "moe_topk_gate_up", _spy(M.moe_topk_gate_up, calls))
-    h, w, ids = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
-                                     use_pdl=use_pdl)
-    assert len(calls) == 1  # the CUDA kernel ran
+    got = {"op": moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
+                                      use_pdl=use_pdl)}
+    assert len(calls) == int(moe.mma_moe_applies("gate_up", fmt, N))  # the CUDA kernel ran
+    for warps, pf in ((8, 3), (4, 2), (32, 1), (2, 2)):
+        got[f"cuda w{warps} pf{pf}"] = M.moe_topk_gate_up(
+            x, logits, bias, gate, up, sg, su, K, 2.5, warps=warps, prefetch=pf,
+            use_pdl=use_pdl)
     rh, rw, rids = grouped.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
-    th, tw, tids = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
-                                        use_pdl=use_pdl)
+    got["triton"] = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
+                                         use_pdl=use_pdl)
     torch.cuda.synchronize()
-    assert torch.equal(ids, rids) and torch.equal(ids, tids)
-    torch.testing.assert_close(w, rw, rtol=4 * 2.0**-24, atol=0)
-    assert torch.equal(w, tw)  # the same formulas and sum order as the Triton kernel
     # 2 bf16 ulps, plus a floor for values near zero: h = silu(g) * u after g and u were
     # rounded to bf16, so one ulp of g or u moves a small h by more than its own ulp
     tol = 2 * rh.double().abs() * 2.0**-7 + 2.0**-10 * rh.double().abs().max()
-    for name, got in (("cuda", h), ("triton", th)):
-        diff = (got.double() - rh.double()).abs()
+    for name, (h, w, ids) in got.items():
+        assert torch.equal(ids, rids), name
+        torch.testing.assert_close(w, rw, rtol=4 * 2.0**-24, atol=0)
+        assert torch.equal(w, got["triton"][1])  # the Triton kernel's formulas and sum order
+        diff = (h.double() - rh.double()).abs()
         assert bool((diff <= tol).all()), (name, float(diff.max()))
-        share = float((got != rh).float().mean())
-        print(f"moe gate/up {name} N={N}: {share:.2%} of elements differ from the reference")
+        share = float((h != rh).float().mean())
+        print(f"moe gate/up {fmt} {name} N={N}: {share:.2%} of elements differ from the "
+              "reference")
         assert share < 0.05
 
 
@@ -656,6 +731,10 @@ def test_cuda_source_pastes_the_replayed_expressions():
     ("moe_down", (1, 512, 1, 2, 32, M.EPI_RESIDUAL, True, 6)),
     ("gemv", (1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True, 0, 0, True)),  # bf16 weights
     ("gemv", (2, 2048, 1, 1, 8, M.EPI_FP32, False, 0, 0, True)),
+    ("moe_gate_up", (2, 2048, 1, 2, 4, M.EPI_BF16, True, 6, 256, True)),  # bf16 experts
+    ("moe_gate_up", (2, 2048, 1, 2, 2, M.EPI_BF16, False, 8, 128, False)),
+    ("moe_down", (1, 512, 4, 2, 32, M.EPI_RESIDUAL, True, 6, 0, True)),  # 4 K slices
+    ("moe_down", (1, 512, 2, 2, 32, M.EPI_RESIDUAL, False, 6)),
 ])
 def test_cuda_sources_compile_with_nvrtc(variant):
     """The CUDA sources compile for sm_90 with NVRTC on the CPU machine (the pip wheel,
