@@ -159,7 +159,8 @@ def _moe_down_rows(batches, gen, row) -> None:
 
 def _moe_gate_up_rows(batches, gen, row) -> None:
     """`moe_topk_gate_up` (E = 256, H = 2048, I = 512, top-6 + shared), CUDA (variants
-    MOE_GATE_UP_CFGS "warps,prefetch ...", then the op's default) against Triton; formats
+    MOE_GATE_UP_CFGS "warps,prefetch[,row_tiles] ...", then the op's default) against
+    Triton; formats
     MOE_FMTS; 64 random logit sets rotate; bytes = the distinct experts' gate and up
     weights. MOE_ROUTE_PROBE=1 adds the default warps with the routed blocks' top-k rounds
     replaced by one logit load (`_NO_ROUTE`: what the routing costs)."""
@@ -177,23 +178,26 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
             x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
             distinct = sum(len(torch.unique(torch.topk(torch.sigmoid(lg) + bias, K).indices))
                            for lg in logits) / sets
-            variants = [(f"{fmt} moe_gate_up w{w} pf{pf}", w, pf, False) for w, pf in
-                        (tuple(int(v) for v in c.split(",")) for c in
-                         os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split())]
+            cfgs = [tuple(int(v) for v in c.split(",")) + (1,) for c in
+                    os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split()]
+            variants = [(f"{fmt} moe_gate_up w{c[0]} pf{c[1]} rt{c[2]}", c[0], c[1], c[2], False)
+                        for c in cfgs]
             if os.environ.get("MOE_ROUTE_PROBE") == "1":
-                w0 = nvfp4_mma.gate_up_warps(N, fmt)
-                variants.append((f"{fmt} moe_gate_up w{w0} pf2, no top-k (probe)", w0, 2, True))
-            variants += [(f"{fmt} op moe_topk_gate_up, cuda", 0, 0, False),
-                         (f"{fmt} op moe_topk_gate_up, triton (TUNED)", -1, 0, False)]
+                w0, r0 = nvfp4_mma.GATE_UP_LAUNCH[fmt][N]
+                variants.append((f"{fmt} moe_gate_up w{w0} pf2 rt{r0}, no top-k (probe)", w0, 2,
+                                 r0, True))
+            variants += [(f"{fmt} op moe_topk_gate_up, cuda", 0, 0, 0, False),
+                         (f"{fmt} op moe_topk_gate_up, triton (TUNED)", -1, 0, 0, False)]
             ref = None
-            for label, warps, pf, probe in variants:
+            for label, warps, pf, rows, probe in variants:
                 os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
 
-                def op(i, logits=logits, x=x, warps=warps, pf=pf, w=(gate, up, sg, su), bias=bias):
+                def op(i, logits=logits, x=x, warps=warps, pf=pf, rows=rows,
+                       w=(gate, up, sg, su), bias=bias):
                     if warps > 0:
-                        return nvfp4_mma.moe_topk_gate_up(x, logits[i], bias, *w,
-                                                          K, 2.5, warps=warps, prefetch=pf,
-                                                          use_pdl=True)[0]
+                        return nvfp4_mma.moe_topk_gate_up(x, logits[i], bias, *w, K, 2.5,
+                                                          warps=warps, row_tiles=rows,
+                                                          prefetch=pf, use_pdl=True)[0]
                     return moe.moe_topk_gate_up(x, logits[i], bias, *w, K, 2.5, use_pdl=True)[0]
 
                 with _patched_source(_ROUTE, _NO_ROUTE) if probe else contextlib.nullcontext():

@@ -673,9 +673,10 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 """
 
 _MOE_GATE_UP_SOURCE = r"""
-// flintc::moe_topk_gate_up for NVFP4 (mma layout) or bf16 (row-major) experts: grid (I / 16 row tiles, 1 + N * KTOP items); item 0
-// is the shared expert for all N tokens (an N-column mma), item 1 + n * KTOP + k token
-// n's k-th routed expert (one column). The block's warps split the reduction (H) into
+// flintc::moe_topk_gate_up for NVFP4 (mma layout) or bf16 (row-major) experts: grid
+// (I / (16 RTB) row-tile groups, 1 + N * KTOP items); item 0 is the shared expert for all
+// N tokens (an N-column mma), item 1 + n * KTOP + k token n's k-th routed expert (one
+// column). The block's warps split the reduction (H) into
 // CPW-chunk slices, each computing the gate and the up tile (x read once for both); the
 // block adds the warps' sums in warp order. Routing (top-k of sigmoid(logit) + bias, ties
 // to the lower index; weights s / sum(s) * scaling) runs in the prologue of every
@@ -683,6 +684,7 @@ _MOE_GATE_UP_SOURCE = r"""
 // weights.
 #define KTOP __KTOP__
 #define NE __NE__  // experts (a multiple of 32, at most 1024)
+#define RTB (RT / 2)  // 16-row tiles per block, of the gate and of the up projection each
 
 __device__ __forceinline__ float sigmoid_rn(float v) {  // torch: 1 / (1 + exp(-v))
   return __fdiv_rn(1.0f, 1.0f + expf(-v));
@@ -750,21 +752,27 @@ __device__ __forceinline__ int route_slot(long long (&packed)[NE / 32], int lane
   return e;
 }
 
+// chunk c of the block's row tiles: tiles r < RTB the gate's, RTB + r the up's
 template <bool EARLY = false>
 __device__ __forceinline__ void load_w2(Chunk& ch, const uint4* g_wp, const u16* g_sp,
                                         const uint4* u_wp, const u16* u_sp, int c) {
-  load_tile<EARLY>(ch.w[0], ch.s[0], g_wp, g_sp, c * 32);  // gate
-  load_tile<EARLY>(ch.w[1], ch.s[1], u_wp, u_sp, c * 32);  // up
+#pragma unroll
+  for (int r = 0; r < RTB; ++r) {
+    load_tile<EARLY>(ch.w[r], ch.s[r], g_wp, g_sp, (r * KC + c) * 32);
+    load_tile<EARLY>(ch.w[RTB + r], ch.s[RTB + r], u_wp, u_sp, (r * KC + c) * 32);
+  }
 }
-template <bool EARLY = false>  // bf16: tile 0 the gate's rows g, g + 8, tile 1 the up's
+template <bool EARLY = false>  // bf16: a tile's rows g, g + 8 at columns 8t.., 32 + 8t..
 __device__ __forceinline__ void load_w2(ChunkB& ch, const uint4* g_wp, const u16*,
                                         const uint4* u_wp, const u16*, int c) {
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int off = (q >> 1) * 8 * (KC * 8) + c * 8 + (q & 1) * 4;
-    ch.w[0][q] = EARLY ? ld_v4<false>(g_wp + off) : __ldg(g_wp + off);
-    ch.w[1][q] = EARLY ? ld_v4<false>(u_wp + off) : __ldg(u_wp + off);
-  }
+  for (int r = 0; r < RTB; ++r)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int off = (r * 16 + (q >> 1) * 8) * (KC * 8) + c * 8 + (q & 1) * 4;
+      ch.w[r][q] = EARLY ? ld_v4<false>(g_wp + off) : __ldg(g_wp + off);
+      ch.w[RTB + r][q] = EARLY ? ld_v4<false>(u_wp + off) : __ldg(u_wp + off);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -777,11 +785,11 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
                       const u16* x, const float* logits, const float* __restrict__ bias,
                       double scaling_d, u16* __restrict__ hout, float* __restrict__ wout,
                       long long* __restrict__ ids_out, int N, int I) {
-  __shared__ float red[WARPS][2][4][32];
+  __shared__ float red[WARPS][RT][4][32];
   __shared__ int s_e;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int ft = blockIdx.x, FT = I >> 4;
+  const int ft = blockIdx.x * RTB, FT = I >> 4;  // the block's first row tile
   const int item = blockIdx.y;
   const int c0 = warp * CPW;
   const float scaling = (float)scaling_d;
@@ -812,7 +820,6 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
           if (j == lane) { ids_out[tok * KTOP + j] = ids[j]; wout[tok * KTOP + j] = w[j]; }
       }
     }
-
     gscale = global_scale(sggs);
     uscale = global_scale(sugs);
   } else {
@@ -840,7 +847,9 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
   const uint4* xp = x_at(xrow, c0, lane);
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
-  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  float acc[RT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
 #pragma unroll
   for (int c = 0; c < CPW; ++c) {
     if (c + PF < CPW) {
@@ -853,11 +862,11 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
 #pragma unroll
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < RT; ++r)
 #pragma unroll
     for (int j = 0; j < 4; ++j) red[warp][r][j][lane] = acc[r][j];
   __syncthreads();
-  if (warp == 0) {
+  for (int r = warp; r < RTB; r += WARPS) {  // warp w finishes row tiles w, w + WARPS, ..
     const int slots = KTOP + 1;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -865,11 +874,11 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
       if (item == 0 ? col >= N : col != 0) continue;
       float vg = 0.f, vu = 0.f;
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) { vg += red[w][0][j][lane]; vu += red[w][1][j][lane]; }
+      for (int w = 0; w < WARPS; ++w) { vg += red[w][r][j][lane]; vu += red[w][RTB + r][j][lane]; }
       const float gv = from_bf16(to_bf16(vg * (gscale * 256.0f)));  // g, u rounded to bf16
       const float uv = from_bf16(to_bf16(vu * (uscale * 256.0f)));
       const float hv = gv * sigmoid_rn(gv) * uv;  // silu(g) * u in fp32, one rounding
-      const int row = ft * 16 + g + (j >> 1) * 8;
+      const int row = (ft + r) * 16 + g + (j >> 1) * 8;
       const size_t o = item == 0 ? ((size_t)col * slots + KTOP) * I + row
                                  : ((size_t)n * slots + k) * I + row;
       hout[o] = to_bf16(hv);
@@ -1400,7 +1409,7 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
     row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
     slice), or with experts > 0 too the MoE gate/up kernel (`nvfp4_mma_moe_gate_up`,
-    row_tiles 2: gate and up, k = H, splits 1). `bf16`: row-major bf16 weights instead of
+    row_tiles 2 x the block's 16-row tiles of gate and up, k = H, splits 1). `bf16`: row-major bf16 weights instead of
     the NVFP4 mma layout. Raises ValueError when the down kernel's splits do not divide
     k / 64."""
     chunks = k // 64
@@ -1796,18 +1805,20 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
     return out
 
 
-def gate_up_warps(N: int, fmt: str = "nvfp4") -> int:
-    """The MoE gate/up kernel's warps per block for N tokens and weights in `fmt`
-    ("nvfp4" or "bf16"): fewer warps (more blocks per SM) as N grows; measured best on
-    the H200 (docs/gpu-runs.md session 15)."""
-    if fmt == "bf16":
-        return 4 if N == 1 else 2
-    return 8 if N == 1 else 4 if N <= 3 else 2
+# (warps, 16-row tiles per block) of the MoE gate/up kernel by weight format, per N (1-8):
+# fewer warps (more blocks per SM) and more rows per block (fewer routing prologues) as
+# N grows, measured best (docs/gpu-runs.md session 15).
+# N (us, H200): NVFP4 1: 7.5, 2: 9.3, 4: 13.7, 8: 20.8 (58% of copy); bf16 1: 11.5, 2: 17.8
+# (the bf16 kernel runs at N <= 2 only, `moe.BF16_MMA_N`); N = 3, 5-7 interpolated
+GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 else (4, 2) if n <= 5
+                            else (4, 4) for n in range(1, 9)},
+                  "bf16": {n: (4, 1) if n == 1 else (2, 1) for n in range(1, 9)}}
 
 
 def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, gate: list,
                      up: list, shared_gate: list, shared_up: list, top_k: int, scaling: float,
-                     *, warps: int | None = None, prefetch: int = 2, use_pdl: bool = False):
+                     *, warps: int | None = None, row_tiles: int | None = None,
+                     prefetch: int = 2, use_pdl: bool = False):
     """`flintc::moe_topk_gate_up` on the CUDA mma kernel (reference:
     `flintc.ops.grouped.moe_topk_gate_up`): top-k routing (`flintc.model.ops.select_topk`:
     scores = sigmoid(logits), top-k of scores + bias with ties to the lower index,
@@ -1823,15 +1834,16 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
             layout; the same global-scale shape); shared_gate, shared_up: [I, H] in the
             same format.
         top_k: experts per token (<= 8); scaling: the routing weights' factor.
-        warps, prefetch: warps per block (each an H / (64 warps)-chunk slice) and chunks
-            loaded ahead. warps None: `gate_up_warps`.
+        warps, row_tiles, prefetch: warps per block (each an H / (64 warps)-chunk slice),
+            16-row tiles of the gate and of the up projection per block, chunks loaded
+            ahead. None: `GATE_UP_LAUNCH` for the format and N.
         use_pdl: programmatic dependent launch (the shared expert's first weights load
             before `griddepcontrol.wait`).
 
     Returns (h bf16 [N, top_k + 1, I] (the shared expert last), weights fp32 [N, top_k],
     ids int64 [N, top_k]). Raises ValueError for shapes that do not fit (E % 32, E >
-    1024, top_k > 8, H % (64 warps), I % 16, N > 8, formats that differ); RuntimeError as
-    `mma_gemv`.
+    1024, top_k > 8, H % (64 warps), I % (16 row_tiles), N > 8, formats that differ);
+    RuntimeError as `mma_gemv`.
     """
     N, H = x.shape
     E = logits.shape[1] if logits.dim() == 2 else -1
@@ -1845,11 +1857,14 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
                          + ", ".join(f"{o[1] + o[2:4]} ({'bf16' if o[0] else 'nvfp4'})"
                                      for o in ops))
     fmt = "bf16" if bf16 else "nvfp4"
-    warps = warps or gate_up_warps(N, fmt)
-    if not 1 <= N <= 8 or E % 32 or not 32 <= E <= 1024 or not 1 <= top_k <= 8 \
-            or H % (64 * warps) or H != H_w or I % 16 or lead != (E,):
-        raise ValueError(f"moe_topk_gate_up: needs N <= 8, E % 32 == 0 and E <= 1024, "
-                         f"top_k <= 8, H % {64 * warps} == 0, I % 16 == 0; got x "
+    if not 1 <= N <= 8:
+        raise ValueError(f"moe_topk_gate_up: needs 1 <= N <= 8, got x {tuple(x.shape)}")
+    d_warps, d_rows = GATE_UP_LAUNCH[fmt][N]
+    warps, row_tiles = warps or d_warps, row_tiles or math.gcd(d_rows, max(I // 16, 1))
+    if E % 32 or not 32 <= E <= 1024 or not 1 <= top_k <= 8 \
+            or H % (64 * warps) or H != H_w or I % (16 * row_tiles) or lead != (E,):
+        raise ValueError(f"moe_topk_gate_up: needs E % 32 == 0 and E <= 1024, top_k <= 8, "
+                         f"H % {64 * warps} == 0, I % {16 * row_tiles} == 0; got x "
                          f"{tuple(x.shape)}, logits {tuple(logits.shape)}, gate "
                          f"{lead + (I, H_w)}, top_k {top_k}")
     for name, t, dt in (("x", x, torch.bfloat16), ("logits", logits, torch.float32),
@@ -1869,9 +1884,9 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     h = torch.empty((N, top_k + 1, I), dtype=torch.bfloat16, device=x.device)
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
-    kernel = _kernel(2, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E, bf16=bf16,
-                     device=x.device)
-    _launch(kernel, (I // 16, 1 + N * top_k), 32 * warps,
+    kernel = _kernel(2 * row_tiles, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E,
+                     bf16=bf16, device=x.device)
+    _launch(kernel, (I // (16 * row_tiles), 1 + N * top_k), 32 * warps,
             [gwq, gsq, ggs, uwq, usq, ugs, 1 if not bf16 and ggs.numel() > 1 else 0,
              sgwq, sgsq, sggs, suwq, susq, sugs, x, logits, bias,
              float(scaling), h, wts, ids, N, I], bool(use_pdl))

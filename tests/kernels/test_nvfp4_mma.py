@@ -217,16 +217,19 @@ def test_moe_launchers_check_formats_and_splits():
 
 def test_moe_launch_rules():
     """The MoE kernels' launch tables: every (warps, K slices) splits the model's expert
-    width and fits a block; fewer gate/up warps as N grows (more blocks per SM); bf16
-    MoE on the CUDA kernels only where measured faster (`moe.BF16_MMA_N`)."""
+    width and fits a block; gate/up warps never grow and row tiles never shrink with N
+    (fewer, larger blocks where routing prologues repeat); bf16 MoE on the CUDA kernels
+    only where measured faster (`moe.BF16_MMA_N`)."""
     from flintc.kernels import moe
 
     for fmt in ("nvfp4", "bf16"):
         assert set(M.DOWN_LAUNCH[fmt]) == set(range(1, 9))
         for warps, splits in M.DOWN_LAUNCH[fmt].values():
             assert 32 * warps <= 1024 and (512 // 64) % splits == 0
-        ws = [M.gate_up_warps(n, fmt) for n in range(1, 9)]
+        ws = [M.GATE_UP_LAUNCH[fmt][n][0] for n in range(1, 9)]
         assert ws == sorted(ws, reverse=True) and all(2048 % (64 * w) == 0 for w in ws)
+        rows = [M.GATE_UP_LAUNCH[fmt][n][1] for n in range(1, 9)]
+        assert rows == sorted(rows) and all(512 % (16 * r) == 0 for r in rows)
         assert moe.mma_moe_applies("down", fmt, 8) and moe.mma_moe_applies("gate_up", fmt, 1)
     assert moe.mma_moe_applies("gate_up", "nvfp4", 8)
     assert not moe.mma_moe_applies("gate_up", "bf16", 8)  # Triton's flat tiles: 50 vs 57 us
@@ -500,9 +503,10 @@ def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch)
 @pytest.mark.parametrize("N", [1, 3, 8])
 @pytest.mark.parametrize("use_pdl", [False, True])
 def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch):
-    """The CUDA gate/up kernel (the op's default launch and other warp counts) against
-    the reference op and the Triton kernel: the same ids and weights, h within 2 bf16 ulps
-    plus a floor near zero, the share of differing elements printed and below 5%."""
+    """The CUDA gate/up kernel (the op's default launch, other warp counts and row tiles
+    per block) against the reference op and the Triton kernel: the same ids and weights,
+    h within 2 bf16 ulps plus a floor near zero, the share of differing elements printed
+    and below 5%."""
     from flintc.kernels import moe
     from flintc.ops import grouped
 
@@ -519,10 +523,10 @@ def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monk
     got = {"op": moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
                                       use_pdl=use_pdl)}
     assert len(calls) == int(moe.mma_moe_applies("gate_up", fmt, N))  # the CUDA kernel ran
-    for warps, pf in ((8, 3), (4, 2), (32, 1), (2, 2)):
-        got[f"cuda w{warps} pf{pf}"] = M.moe_topk_gate_up(
-            x, logits, bias, gate, up, sg, su, K, 2.5, warps=warps, prefetch=pf,
-            use_pdl=use_pdl)
+    for warps, pf, rows in ((8, 3, 1), (4, 2, 2), (32, 1, 1), (2, 2, 4)):
+        got[f"cuda w{warps} pf{pf} rt{rows}"] = M.moe_topk_gate_up(
+            x, logits, bias, gate, up, sg, su, K, 2.5, warps=warps, row_tiles=rows,
+            prefetch=pf, use_pdl=use_pdl)
     rh, rw, rids = grouped.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
     got["triton"] = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
@@ -733,6 +737,8 @@ def test_cuda_source_pastes_the_replayed_expressions():
     ("gemv", (2, 2048, 1, 1, 8, M.EPI_FP32, False, 0, 0, True)),
     ("moe_gate_up", (2, 2048, 1, 2, 4, M.EPI_BF16, True, 6, 256, True)),  # bf16 experts
     ("moe_gate_up", (2, 2048, 1, 2, 2, M.EPI_BF16, False, 8, 128, False)),
+    ("moe_gate_up", (4, 2048, 1, 2, 4, M.EPI_BF16, True, 6, 256, False)),  # 2 row tiles
+    ("moe_gate_up", (8, 2048, 1, 1, 2, M.EPI_BF16, True, 6, 256, True)),
     ("moe_down", (1, 512, 4, 2, 32, M.EPI_RESIDUAL, True, 6, 0, True)),  # 4 K slices
     ("moe_down", (1, 512, 2, 2, 32, M.EPI_RESIDUAL, False, 6)),
 ])
