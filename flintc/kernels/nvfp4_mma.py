@@ -1806,12 +1806,14 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
 
 
 # (warps, 16-row tiles per block) of the MoE gate/up kernel by weight format, per N (1-8):
-# fewer warps (more blocks per SM) and more rows per block (fewer routing prologues) as
-# N grows, measured best (docs/gpu-runs.md session 15).
-# N (us, H200): NVFP4 1: 7.5, 2: 9.3, 4: 13.7, 8: 20.8 (58% of copy); bf16 1: 11.5, 2: 17.8
-# (the bf16 kernel runs at N <= 2 only, `moe.BF16_MMA_N`); N = 3, 5-7 interpolated
-GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 else (4, 2) if n <= 5
-                            else (4, 4) for n in range(1, 9)},
+# fewer warps (more blocks per SM) as N grows. Measured on the H200 (docs/gpu-runs.md
+# session 15), kernel alone, us: NVFP4 N = 1: 7.5 (w8), 2: 9.3 (w4), 4: 14.1 (w2; 13.7
+# with 2 row tiles), 8: 22.7 (w2; 20.8 with w4 and 4 row tiles); bf16 N = 1: 11.5 (w4),
+# 2: 17.8 (w2; the bf16 kernel runs at N <= 2 only, `moe.BF16_MMA_N`). In the model's
+# step (b8/1K) the 4-row-tile launch was slower (27.6 against 24.5 us per layer), so
+# every entry keeps one row tile; N = 3, 5-7 interpolated.
+GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 else (2, 1)
+                            for n in range(1, 9)},
                   "bf16": {n: (4, 1) if n == 1 else (2, 1) for n in range(1, 9)}}
 
 
