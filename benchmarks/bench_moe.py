@@ -72,8 +72,8 @@ def graph_us(fn, reps: int) -> float:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        for i in range(3):
-            fn(i)
+        for i in range(ROT):  # every input set once: NVFP4 weights first seen during capture
+            fn(i)             # would run the Triton fallback (their mma repack is eager)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -140,9 +140,11 @@ class Setup:
         ref = torch.ops.flintc.moe_topk_gate_up
         outs = [ref(self.xn[i], self.logits[i], self.bias[i], self.gate, self.up, self.sg[i],
                     self.su[i], TOP_K, SCALING) for i in range(ROT)]
-        self.h = [o[0] for o in outs]
-        self.w = [o[1] for o in outs]
-        self.ids = [o[2] for o in outs]
+        # contiguous, as the gate/up kernels return them in the model (the reference's ids
+        # and weights are column slices: at N > 1 the CUDA down kernel would not take them)
+        self.h = [o[0].contiguous() for o in outs]
+        self.w = [o[1].contiguous() for o in outs]
+        self.ids = [o[2].contiguous() for o in outs]
         self.distinct = statistics.mean(len(set(i.flatten().tolist())) for i in self.ids)
 
     def per_expert(self, w) -> float:
