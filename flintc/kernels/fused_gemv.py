@@ -545,8 +545,7 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
     x: bf16 [..., H] contiguous, N = x.numel() / H rows (N > 8 falls back to the
     reference op); norm: fp32/bf16 [H]; gate, up: [F, H] bf16 or NVFP4 (same format).
     `config.block_f` counts output columns (2 * block_f weight rows per program); the
-    default is `TUNED[("gate_up:" + fmt, F, H, N)]`, else `choose_config` for the 2F
-    interleaved rows with block_f halved.
+    default is `gate_up_config`'s.
     -> bf16 [N, F]. Raises ValueError naming a bad argument.
     """
     op = "norm_gate_up_silu"
@@ -567,15 +566,7 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
         fail(op, "up", f"the same format as gate ({fmt})")
     _check_norm(op, "norm", norm, H, dev)
     out = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
-    if config is None:
-        config = tuned_config(("gate_up:" + fmt, F, H, N))
-    if config is None:
-        # the rule's pick for the 2F interleaved rows, block_f in output columns; every
-        # other field kept (dropping acc_full sent NVFP4 N = 1 to the slow FMA path: 50.2
-        # us against 30.6, session 9 run 4)
-        base = choose_config(N, 2 * F, H, fmt, dev, flat_ok=False)
-        config = dataclasses.replace(base, block_f=max(16, base.block_f // 2))
-    cfg = config
+    cfg = config or gate_up_config(fmt, F, H, N, dev)
     gpu, pdl, extra = _launch_opts(dev, use_pdl, cfg)
     split, k_per_split = _effective_split(H, cfg.block_k, cfg.split_k)
     num_f = triton.cdiv(F, cfg.block_f)
@@ -594,6 +585,25 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return out
+
+
+def gate_up_config(fmt: str, F: int, H: int, N: int, device: torch.device) -> GemvConfig:
+    """`norm_gate_up_silu`'s default configuration for weights in `fmt` ("bf16" or
+    "nvfp4"), F output columns, H inputs, N tokens: the measured `TUNED` entry for N;
+    bf16 without one, the tensor-core entry of the next larger tuned N (it serves any N up
+    to 16); else `choose_config`'s pick for the 2F interleaved rows with block_f halved
+    (block_f counts output columns)."""
+    # bf16: the rule's 3-D tiles took 782.7 / 64.6 us at N = 2 / 4, the N = 8 entry 38.2 /
+    # 39.4; NVFP4: the rule (36.2 / 35.4) beats the N = 8 entry (45.6 / 46.3)
+    # (docs/gpu-runs.md session 15, runs 9 and 11)
+    for n in range(N, 9):
+        cfg = tuned_config(("gate_up:" + fmt, F, H, n))
+        if cfg is not None and (n == N or (cfg.use_dot and fmt == "bf16")):
+            return cfg
+    # every other field of the rule's pick kept (dropping acc_full sent NVFP4 N = 1 to the
+    # slow FMA path: 50.2 us against 30.6, session 9 run 4)
+    base = choose_config(N, 2 * F, H, fmt, device, flat_ok=False)
+    return dataclasses.replace(base, block_f=max(16, base.block_f // 2))
 
 
 def norm_lm_head(x, norm, w, eps, *, use_pdl: bool = False, config: GemvConfig | None = None):
@@ -673,6 +683,7 @@ __all__ = [
     "EPI_BF16",
     "KERNELS",
     "embedding",
+    "gate_up_config",
     "gemv",
     "gemv_residual",
     "lm_head",

@@ -600,3 +600,24 @@ def test_qkv_split_rule_counts_every_head_program(monkeypatch, hq, hkv):
         programs = (hq + 2 * hkv) * cfg.split_k
         assert programs <= 2 * 132, (fmt, cfg.split_k)
         assert (hq + 2 * hkv) * (cfg.split_k + 1) > 2 * 132 or cfg.split_k == H // 128, cfg
+
+
+def test_gate_up_config_falls_back_to_tensor_core_entries_for_bf16():
+    """`norm_gate_up_silu`'s default config: the TUNED entry at N = 1 and 8; bf16 at N =
+    2-7 takes the N = 8 tensor-core entry (the rule's 3-D tiles measured 782.7 us at N = 2
+    on the H200 against 38.2), NVFP4 keeps the rule there (faster than the N = 8 entry)."""
+    from flintc.kernels.gemv import TUNED, choose_config
+
+    cpu = torch.device("cpu")
+    F, H = 10240, 2048
+    for fmt in ("bf16", "nvfp4"):
+        for n in (1, 8):
+            assert FG.gate_up_config(fmt, F, H, n, cpu) == TUNED[("gate_up:" + fmt, F, H, n)]
+    for n in range(2, 8):
+        assert FG.gate_up_config("bf16", F, H, n, cpu) == TUNED[("gate_up:bf16", F, H, 8)]
+        base = choose_config(n, 2 * F, H, "nvfp4", cpu, flat_ok=False)
+        got = FG.gate_up_config("nvfp4", F, H, n, cpu)
+        assert got.block_f == max(16, base.block_f // 2) and got.use_dot == base.use_dot
+    small = FG.gate_up_config("bf16", 64, 128, 2, cpu)  # no TUNED entry at all: the rule
+    assert small.block_f == max(16, choose_config(2, 128, 128, "bf16", cpu,
+                                                  flat_ok=False).block_f // 2)
