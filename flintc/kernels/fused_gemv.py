@@ -490,18 +490,16 @@ def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache
         return False
     if x2.data_ptr() % 16:
         x2 = x2.clone(memory_format=torch.contiguous_format)
-    if len(wq) == 1:  # bf16: read in place
-        if any(w[0].data_ptr() % 16 for w in (wq, wk, wv)):
-            return False
-    else:
-        try:
-            for w in (wq, wk, wv):
-                nvfp4_mma.mma_operands(w[0], w[1])
-        except RuntimeError:  # packed weights first seen while capturing a CUDA graph
-            return False
-    nvfp4_mma.mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache,
-                      v_cache, slots, positions.reshape(B, 1), float(eps), Hq, Hkv, bool(rope),
-                      int(window), q, use_pdl=use_pdl)
+    if len(wq) == 1 and any(w[0].data_ptr() % 16 for w in (wq, wk, wv)):
+        return False  # bf16 is read in place in 16-byte vectors
+    try:
+        nvfp4_mma.mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache,
+                          v_cache, slots, positions.reshape(B, 1), float(eps), Hq, Hkv,
+                          bool(rope), int(window), q, use_pdl=use_pdl)
+    except RuntimeError:  # packed weights first seen while capturing a CUDA graph (their
+        if not torch.cuda.is_current_stream_capturing():  # repack is eager): Triton
+            raise
+        return False
     return True
 
 

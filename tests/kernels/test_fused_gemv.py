@@ -621,3 +621,28 @@ def test_gate_up_config_falls_back_to_tensor_core_entries_for_bf16():
     small = FG.gate_up_config("bf16", 64, 128, 2, cpu)  # no TUNED entry at all: the rule
     assert small.block_f == max(16, choose_config(2, 128, 128, "bf16", cpu,
                                                   flat_ok=False).block_f // 2)
+
+
+def test_mma_qkv_falls_back_only_while_capturing(monkeypatch):
+    """`_mma_qkv` hands a RuntimeError of the CUDA kernel (packed weights first seen during
+    CUDA-graph capture: their repack is eager) to the Triton kernel only while a graph is
+    being captured; otherwise it propagates (CPU: the CUDA entry points replaced)."""
+    from flintc.kernels import nvfp4_mma
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("nvfp4_mma: a weight was first seen during CUDA-graph capture")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(nvfp4_mma, "qkv_applies", lambda *a: True)
+    monkeypatch.setattr(nvfp4_mma, "available", lambda dev: True)
+    monkeypatch.setattr(nvfp4_mma, "mma_qkv", fail)
+    x2 = torch.zeros(1, 128, dtype=torch.bfloat16)
+    w = [torch.zeros(4, 4, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), None]
+    q = torch.empty(1, 2, 64, dtype=torch.bfloat16)
+    args = (x2, None, w, w, w, None, None, None, None, None, None, torch.zeros(1),
+            torch.zeros(1), 1e-5, 2, 1, True, 0, q)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert FG._mma_qkv(*args, converted=False, use_pdl=False) is False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(RuntimeError, match="first seen during CUDA-graph capture"):
+        FG._mma_qkv(*args, converted=False, use_pdl=False)

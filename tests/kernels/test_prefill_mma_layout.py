@@ -54,19 +54,6 @@ def gen():
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Launcher outputs and the NVFP4 dequant workspace start as NaN."""
-    def nan_alloc(*shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    monkeypatch.setattr(GG, "_alloc", nan_alloc)
-    G._WORKSPACE.clear()
-    G._WORKSPACE[(torch.device(DEV).type, torch.device(DEV).index)] = torch.full(
-        (1 << (24 if ON_GPU else 16),), float("nan"), dtype=torch.bfloat16, device=DEV)
-    yield
-    G._WORKSPACE.clear()
-
-
 def packed_weight(shape, gen: torch.Generator, device=DEV) -> list[torch.Tensor]:
     """Random NVFP4 weight [..., F, K] in the packed layout: [codes, scales, global_scale]
     (global scale [] for a matrix, [E] for a stack; random, never 1).
