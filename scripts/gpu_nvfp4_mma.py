@@ -102,8 +102,10 @@ def _patched_source(old: str, new: str):
         nvfp4_mma._render, nvfp4_mma._KERNELS = render, cache
 
 
-# the routed blocks' top-k replaced by ids from one logit load each (kept dependent on
-# the logits, so on the previous kernel): what the routing prologue costs
+# the routed blocks' top-k rounds (`route_slot`) replaced by an id from one logit load
+# (kept dependent on the logits, so on the previous kernel): what the rounds cost. The
+# keys are still loaded and computed (`load_keys`); session 15's run 1 replaced the whole
+# `route_token` call of the code then.
 _ROUTE = "e = route_slot(packed, lane, k);"
 _NO_ROUTE = "e = (int)((__float_as_uint(ld_act_f32(logits + (size_t)n * NE + k)) >> 8) % NE);"
 
@@ -163,7 +165,7 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
     Triton; formats
     MOE_FMTS; 64 random logit sets rotate; bytes = the distinct experts' gate and up
     weights. MOE_ROUTE_PROBE=1 adds the default warps with the routed blocks' top-k rounds
-    replaced by one logit load (`_NO_ROUTE`: what the routing costs)."""
+    replaced by one logit load (`_NO_ROUTE`: what the rounds cost)."""
     from flintc.kernels import moe
 
     E, H, I, K = 256, 2048, 512, 6

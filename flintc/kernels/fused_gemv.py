@@ -590,7 +590,11 @@ def gate_up_config(fmt: str, F: int, H: int, N: int, device: torch.device) -> Ge
     "nvfp4"), F output columns, H inputs, N tokens: the measured `TUNED` entry for N;
     bf16 without one, the tensor-core entry of the next larger tuned N (it serves any N up
     to 16); else `choose_config`'s pick for the 2F interleaved rows with block_f halved
-    (block_f counts output columns)."""
+    (block_f counts output columns). Raises ValueError for another format or N outside
+    [1, 8]."""
+    if fmt not in ("bf16", "nvfp4") or not isinstance(N, int) or not 1 <= N <= MAX_N:
+        raise ValueError(f"gate_up_config: fmt must be 'bf16' or 'nvfp4' and N in [1, {MAX_N}]; "
+                         f"got {fmt!r}, {N!r}")
     # bf16: the rule's 3-D tiles took 782.7 / 64.6 us at N = 2 / 4, the N = 8 entry 38.2 /
     # 39.4; NVFP4: the rule (36.2 / 35.4) beats the N = 8 entry (45.6 / 46.3)
     # (docs/gpu-runs.md session 15, runs 9 and 11)

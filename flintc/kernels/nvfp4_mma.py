@@ -2,8 +2,8 @@
 MoE gate/up with top-k routing, the MoE down with the combine), the E2M1 codes decoded
 straight into the tensor-core A-operand registers (issue 5's "CUDA C++ where Triton
 cannot express what is needed"); and on bf16 weights read in place, the GEMV, the fused
-QKV and the router (`mma_norm_router`), whose A fragments load straight from the
-row-major weight (no shared memory, no relayout).
+QKV, the router (`mma_norm_router`) and both MoE kernels, whose A fragments load straight
+from the row-major weight (no shared memory, no relayout).
 
 Why CUDA here. The Triton NVFP4 GEMVs (`flintc.kernels.tiles`) decode a code tile into a
 bf16 tile in registers, and Triton then moves that tile through shared memory into the
@@ -62,12 +62,14 @@ Kernels (one source, specialised per shape at compile time; `kernel_source`):
   per-head RMSNorm, RoPE, the q store and the KV-cache write. Measured on the H200
   (docs/gpu-runs.md session 14): 5.7 us at N = 1 where the Triton kernel took 10.6 us.
 * `nvfp4_mma_moe_gate_up` (`moe_topk_gate_up`): kernel 6 of the MoE layer: top-k
-  routing in the prologue, then per (row tile of I, work item: the shared expert for all
-  tokens, or one token's routed expert) the gate and up tiles over the whole H, SiLU-and-
+  routing in the prologue (a routed block runs its token's top-k up to its slot), then
+  per (group of 16-row tiles of I, work item: the shared expert for all tokens, or one
+  token's routed expert) the gate and up tiles, the block's warps splitting H, SiLU-and-
   mul in the epilogue; writes h, the routing weights and the ids.
 * `nvfp4_mma_moe_down` (`moe_down`): kernel 7: per 16 rows of H, the warps take the work
-  items (shared expert, then each token's routed experts) in turn over the whole expert
-  width, then the block combines its rows in the reference's order and adds the residual.
+  units (the shared expert, then each token's routed experts, each cut into K slices of
+  the expert width) in turn, then the block adds the slices and combines its rows in the
+  reference's order and adds the residual.
 
 Unlike `flintc.kernels.moe`'s Triton kernels they do not deduplicate experts shared by
 several tokens at batch > 1 (each (token, expert) item streams its weights; duplicates
@@ -97,7 +99,10 @@ gate/up 13.0 -> 8.5 us (batch 1) and 52 -> 31 us (batch 8), down 7.8 -> 5.6 and 
 11.8 us; the NVFP4 decode step at batch 1 / 1K 2.99 -> 2.56 ms, batch 8 / 1K 6.56 -> 4.52.
 Session 14: the fused QKV 10.4 -> 6.4 us (NVFP4), the router 4.6 -> 3.1 us, the bf16 O
 projection 8.0 -> 6.1 us (65% of copy; 4096 x 2048: 70%); NVFP4 decode b1/1K 2.33 ->
-2.03 ms, b8/1K 4.63 -> 4.19; BF16 2.85 -> 2.68 and 6.18 -> 5.90.
+2.03 ms, b8/1K 4.63 -> 4.19; BF16 2.85 -> 2.68 and 6.18 -> 5.90. Session 15: the MoE down
+kernel over K slices (NVFP4 6.0 -> 3.2 us at batch 1), bf16 experts on both MoE kernels,
+the gate/up top-k in k + 1 rounds (NVFP4 9.3 -> 7.6 us); NVFP4 b1/1K 1.82 ms, b8/1K 3.53;
+BF16 2.41 and 5.70.
 """
 
 from __future__ import annotations
@@ -109,13 +114,14 @@ import weakref
 
 import torch
 
-__all__ = ["SCALE_CODE_BIAS", "available", "decode_mma_layout", "e4m3_to_scale_code",
-           "enabled_from_env", "is_mma_layout", "kernel_source", "mma_gemv", "mma_operands",
-           "mma_norm_router", "mma_qkv", "qkv_applies", "router_launch_config", "qkv_launch_config", "qkv_smem_bytes", "qkv_source",
-           "moe_down", "moe_topk_gate_up", "pack_mma_layout", "pack_mma_stack", "packed_weight",
-           "prepack",
-           "scale_code_to_bf16_bits", "supported", "unpack_mma_layout", "warps_for",
-           "weight_dims"]
+__all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "GATE_UP_LAUNCH", "MAX_SMEM", "QKV_LAUNCH_ORDER",
+           "ROUTER_LAUNCH_ORDER", "SCALE_CODE_BIAS", "STATIC_SMEM", "available",
+           "decode_mma_layout", "e4m3_to_scale_code", "enabled_from_env", "is_mma_layout",
+           "kernel_source", "mma_gemv", "mma_norm_router", "mma_operands", "mma_qkv",
+           "moe_down", "moe_smem_bytes", "moe_topk_gate_up", "pack_mma_layout",
+           "pack_mma_stack", "packed_weight", "prepack", "qkv_applies", "qkv_launch_config",
+           "qkv_smem_bytes", "qkv_source", "router_launch_config", "scale_code_to_bf16_bits",
+           "supported", "unpack_mma_layout", "warps_for", "weight_dims"]
 
 SCALE_CODE_BIAS = 9  # ue5m3: E' = unbiased exponent + 9, so 2^-9 (the smallest E4M3) has E' = 0
 _BF16_EXP_OFFSET = 236  # bf16 exponent field = E' + 236 gives scale * 2^118
@@ -385,7 +391,7 @@ _COMMON = r"""
 #define KC __KC__        // K / 64: chunks per row
 #define CPW __CPW__      // chunks per warp
 #define PF __PF__        // chunks loaded ahead of the one in the tensor cores
-#define WARPS __WARPS__  // warps per block, each a K / (WARPS * gridDim.y) slice
+#define WARPS __WARPS__  // warps per block (the GEMV: each a K / (WARPS * gridDim.y) slice)
 #define EPI __EPI__      // 0: fp32 out (atomic add when split); 1: bf16 out; 2: bf16 out + residual
 #define PDL __PDL__      // griddepcontrol.wait before reading x / residual
 #define BF16W __BF16W__  // 1: bf16 weights, row-major [F, K] (ChunkB); 0: NVFP4 mma layout
@@ -926,6 +932,9 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
       if (first) {  // weights only before the wait (PDL)
 #pragma unroll
         for (int c = 0; c < PF && c < CPS; ++c) load_w<true>(buf[c], wp, sp, c);
+      } else {  // a later unit of this warp (WARPS < KSPLIT: several shared-expert slices)
+#pragma unroll
+        for (int c = 0; c < PF && c < CPS; ++c) load_w(buf[c], wp, sp, c);
       }
       xrow = h + ((size_t)min(g, N - 1) * (KTOP + 1) + KTOP) * I;
     } else {
@@ -1410,8 +1419,16 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
     slice), or with experts > 0 too the MoE gate/up kernel (`nvfp4_mma_moe_gate_up`,
     row_tiles 2 x the block's 16-row tiles of gate and up, k = H, splits 1). `bf16`: row-major bf16 weights instead of
-    the NVFP4 mma layout. Raises ValueError when the down kernel's splits do not divide
-    k / 64."""
+    the NVFP4 mma layout. Raises ValueError for sizes below 1, k not a multiple of 64, an
+    MoE variant over `STATIC_SMEM`, or down-kernel splits that do not divide k / 64."""
+    if min(row_tiles, splits, warps) < 1 or prefetch < 0 or k < 64 or k % 64:
+        raise ValueError(f"kernel_source: needs row_tiles, splits, warps >= 1, prefetch >= 0 "
+                         f"and k a multiple of 64; got {row_tiles}, {splits}, {warps}, "
+                         f"{prefetch}, k = {k}")
+    if moe_top_k and moe_smem_bytes(experts, warps, row_tiles // 2 if experts else splits,
+                                    moe_top_k) > STATIC_SMEM:
+        raise ValueError(f"kernel_source: this MoE variant needs more than {STATIC_SMEM} bytes "
+                         "of static shared memory (`moe_smem_bytes`)")
     chunks = k // 64
     if moe_top_k and not experts and chunks % splits:
         raise ValueError(f"kernel_source: the MoE down kernel's {splits} K slices per item "
@@ -1707,25 +1724,76 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
     return out
 
 
-def _moe_operands(w: list, name: str, device: torch.device):
-    """(bf16, lead dims, F, K, wq, sq, global scale) of one expert weight or stack: `[w]`
-    bf16 [..., F, K] (contiguous, 16-byte aligned; sq and the scale are w itself, never
-    read: the kernel is compiled without them) or NVFP4 `[codes, scales, global_scale]`
-    (`mma_operands`). Raises ValueError naming `name` for anything else."""
+def _moe_weight(w, name: str, device: torch.device) -> tuple[bool, tuple, int, int]:
+    """(bf16, lead dims, F, K) of one expert weight or stack, checked without repacking:
+    `[w]` bf16 [..., F, K] (contiguous and 16-byte aligned: the kernels read it in place in
+    16-byte vectors) or NVFP4 `[codes, scales, global_scale]` in either layout, the global
+    scale fp32 of the lead dims or []. Raises ValueError naming `name` and what is wrong."""
     if isinstance(w, (list, tuple)) and len(w) == 1 and isinstance(w[0], torch.Tensor):
         t = w[0]
-        if t.dtype != torch.bfloat16 or t.dim() < 2 or not t.is_contiguous() \
-                or t.data_ptr() % 16 or t.device != device:
-            raise ValueError(f"{name}: a bf16 weight must be a contiguous 16-byte aligned "
-                             f"bf16 tensor [..., F, K] on {device}; got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
-        return True, tuple(t.shape[:-2]), t.shape[-2], t.shape[-1], t, t, t
-    if not (isinstance(w, (list, tuple)) and len(w) == 3):
-        raise ValueError(f"{name}: expected [w] (bf16) or [codes, scales, global_scale] "
-                         f"(NVFP4), got {type(w).__name__} of {len(w) if hasattr(w, '__len__') else '?'}")
-    lead, F, K = weight_dims(w[0])
+        wrong = [why for bad, why in (
+            (t.dtype != torch.bfloat16, f"dtype {t.dtype}"), (t.dim() < 2, "fewer than 2 dims"),
+            (not t.is_contiguous(), "not contiguous"),
+            (t.data_ptr() % 16 != 0, "not 16-byte aligned"),
+            (t.device != device, f"on {t.device}")) if bad]
+        if wrong:
+            raise ValueError(f"{name}: a bf16 weight must be a contiguous, 16-byte aligned bf16 "
+                             f"tensor [..., F, K] on {device}; got {tuple(t.shape)}: "
+                             + ", ".join(wrong))
+        return True, tuple(t.shape[:-2]), t.shape[-2], t.shape[-1]
+    if not (isinstance(w, (list, tuple)) and len(w) == 3
+            and all(isinstance(t, torch.Tensor) for t in w)):
+        what = f"{type(w).__name__} of {len(w)}" if isinstance(w, (list, tuple)) \
+            else type(w).__name__
+        raise ValueError(f"{name}: expected a list [w] (bf16) or [codes, scales, "
+                         f"global_scale] (NVFP4) of tensors, got {what}")
+    codes, _, gs = w
+    if codes.dim() < 2 or codes.device != device:
+        raise ValueError(f"{name}: NVFP4 codes must be [..., F, K/2] (packed) or [..., F/16, "
+                         f"K/64, 32, 4] (mma layout) on {device}; got {tuple(codes.shape)} on "
+                         f"{codes.device}")
+    lead, F, K = weight_dims(codes)
+    if gs.dtype != torch.float32 or gs.device != device or tuple(gs.shape) not in (lead, ()):
+        raise ValueError(f"{name}: the global scale must be an fp32 tensor of shape "
+                         f"{list(lead)} or [] on {device}; got {gs.dtype} {tuple(gs.shape)} on "
+                         f"{gs.device}")
+    return False, lead, F, K
+
+
+def _moe_pointers(w: list, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(wq, sq, global scale) the kernel takes for a weight `_moe_weight` accepted: bf16
+    `w` itself three times (sq and the scale are never read: the kernel is compiled
+    without them); NVFP4 `mma_operands` (a packed weight is repacked at its first use)."""
+    if len(w) == 1:
+        return w[0], w[0], w[0]
     wq, sq = mma_operands(w[0], w[1], name)
-    return False, lead, F, K, wq, sq, w[2]
+    return wq, sq, w[2]
+
+
+STATIC_SMEM = 48 * 1024  # bytes of static __shared__ a kernel may declare
+
+
+def moe_smem_bytes(experts: int, warps: int, tiles: int, top_k: int) -> int:
+    """Static shared memory of an MoE kernel variant (its __shared__ arrays): gate/up
+    (experts > 0; tiles = 16-row tiles per block) the warps' fp32 sums and the routed
+    expert; down (tiles = K slices per item) the slices' fp32 sums of 8 tokens x (top_k +
+    1) items x 16 rows and the items' scales."""
+    if experts:
+        return 4 * warps * 2 * tiles * 4 * 32 + 4
+    return 4 * tiles * 8 * (top_k + 1) * 16 + 4 * 8 * (top_k + 1)
+
+
+def _check_moe_launch(op: str, warps: int, tiles: int, prefetch: int, tiles_name: str,
+                      smem: int) -> None:
+    """ValueError unless 1 <= warps <= 32, tiles >= 1, prefetch >= 0 (ints) and the static
+    shared memory fits (`STATIC_SMEM`)."""
+    for name, v, lo in (("warps", warps, 1), (tiles_name, tiles, 1), ("prefetch", prefetch, 0)):
+        if not isinstance(v, int) or v < lo or (name == "warps" and v > 32):
+            raise ValueError(f"{op}: {name} must be an int {'in [1, 32]' if name == 'warps' else f'>= {lo}'}"
+                             f", got {v!r}")
+    if smem > STATIC_SMEM:
+        raise ValueError(f"{op}: warps {warps} and {tiles_name} {tiles} need {smem} bytes of "
+                         f"shared memory, more than {STATIC_SMEM}")
 
 
 # (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
@@ -1762,14 +1830,21 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
             before `griddepcontrol.wait`; routed experts need the ids).
 
     Returns bf16 [N, H]. Packed NVFP4 weights are repacked at their first use
-    (`packed_weight`).
-    Raises ValueError for shapes that do not fit (I % 64, H % 16, N > 8, top-k > 16,
-    splits not dividing I / 64, formats that differ); RuntimeError as `mma_gemv`.
+    (`packed_weight`), after the checks.
+    Raises ValueError for arguments that do not fit (naming them: I % 64, H % 16, N > 8,
+    top-k > 16, splits not dividing I / 64, warps outside [1, 32], shared memory over
+    `STATIC_SMEM`, formats that differ, a bad dtype / shape / global scale);
+    RuntimeError as `mma_gemv`.
     """
+    for name, t, dims in (("h", h, 3), ("ids", ids, 2), ("weights", weights, 2),
+                          ("residual", residual, 2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise ValueError(f"moe_down: {name} must be a {dims}-d tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     N, slots, I = h.shape
     K = ids.shape[1]
-    bf16, lead, H, I_w, wq, sq, gs = _moe_operands(down, "down", h.device)
-    sbf16, slead, sH, sI, swq, ssq, sgs = _moe_operands(shared_down, "shared_down", h.device)
+    bf16, lead, H, I_w = _moe_weight(down, "down", h.device)
+    sbf16, slead, sH, sI = _moe_weight(shared_down, "shared_down", h.device)
     if sbf16 != bf16 or slead != () or (sH, sI) != (H, I_w) or len(lead) != 1:
         raise ValueError(f"moe_down: down must be a stack [E, H, I] and shared_down [H, I] in "
                          f"the same format; got {lead + (H, I_w)} ({'bf16' if bf16 else 'nvfp4'}) "
@@ -1780,10 +1855,16 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
                          f"weights [{H}, {I_w}]")
     fmt = "bf16" if bf16 else "nvfp4"
     d_warps, d_splits = DOWN_LAUNCH[fmt][N]
-    warps, splits = warps or d_warps, splits or math.gcd(d_splits, I // 64)
+    warps = d_warps if warps is None else warps
+    splits = math.gcd(d_splits, I // 64) if splits is None else splits
     prefetch = DOWN_PREFETCH[fmt] if prefetch is None else prefetch
+    _check_moe_launch("moe_down", warps, splits, prefetch, "splits",
+                      moe_smem_bytes(0, warps, splits if isinstance(splits, int) else 1, K))
     if (I // 64) % splits:
         raise ValueError(f"moe_down: splits {splits} must divide I / 64 = {I // 64}")
+    if tuple(ids.shape) != (N, K) or tuple(weights.shape) != (N, K):
+        raise ValueError(f"moe_down: ids and weights must be [{N}, {K}], got "
+                         f"{tuple(ids.shape)} and {tuple(weights.shape)}")
     for name, t, dt in (("h", h, torch.bfloat16), ("ids", ids, torch.int64),
                         ("weights", weights, torch.float32), ("residual", residual,
                                                                torch.bfloat16)):
@@ -1796,6 +1877,8 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
         raise ValueError(f"moe_down: residual must be [{N}, {H}], got {tuple(residual.shape)}")
     if h.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {h.device}")
+    wq, sq, gs = _moe_pointers(down, "down")
+    swq, ssq, sgs = _moe_pointers(shared_down, "shared_down")
     out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
     kernel = _kernel(1, I, splits, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, bf16=bf16,
                      device=h.device)
@@ -1843,15 +1926,21 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
             before `griddepcontrol.wait`).
 
     Returns (h bf16 [N, top_k + 1, I] (the shared expert last), weights fp32 [N, top_k],
-    ids int64 [N, top_k]). Raises ValueError for shapes that do not fit (E % 32, E >
-    1024, top_k > 8, H % (64 warps), I % (16 row_tiles), N > 8, formats that differ);
-    RuntimeError as `mma_gemv`.
+    ids int64 [N, top_k]). Raises ValueError for arguments that do not fit (naming them: E
+    % 32, E > 1024, top_k > 8, H % (64 warps), I % (16 row_tiles), N > 8, warps outside
+    [1, 32], shared memory over `STATIC_SMEM`, formats that differ, a bad dtype / shape /
+    bias / global scale); RuntimeError as `mma_gemv`. Packed NVFP4 weights are repacked
+    at their first use, after the checks.
     """
+    for name, t, dims in (("x", x, 2), ("logits", logits, 2), ("bias", bias, 1)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise ValueError(f"moe_topk_gate_up: {name} must be a {dims}-d tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     N, H = x.shape
-    E = logits.shape[1] if logits.dim() == 2 else -1
-    ops = [_moe_operands(w, name, x.device) for w, name in
-           ((gate, "gate"), (up, "up"), (shared_gate, "shared_gate"), (shared_up, "shared_up"))]
-    bf16, lead, I, H_w = ops[0][:4]
+    E = logits.shape[1]
+    weights = ((gate, "gate"), (up, "up"), (shared_gate, "shared_gate"), (shared_up, "shared_up"))
+    ops = [_moe_weight(w, name, x.device) for w, name in weights]
+    bf16, lead, I, H_w = ops[0]
     if any(o[0] != bf16 or o[2:4] != (I, H_w) for o in ops) or ops[1][1] != lead \
             or ops[2][1] != () or ops[3][1] != ():
         raise ValueError("moe_topk_gate_up: gate and up must be stacks [E, I, H], shared_gate "
@@ -1862,7 +1951,11 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     if not 1 <= N <= 8:
         raise ValueError(f"moe_topk_gate_up: needs 1 <= N <= 8, got x {tuple(x.shape)}")
     d_warps, d_rows = GATE_UP_LAUNCH[fmt][N]
-    warps, row_tiles = warps or d_warps, row_tiles or math.gcd(d_rows, max(I // 16, 1))
+    warps = d_warps if warps is None else warps
+    row_tiles = math.gcd(d_rows, max(I // 16, 1)) if row_tiles is None else row_tiles
+    _check_moe_launch("moe_topk_gate_up", warps, row_tiles, prefetch, "row_tiles",
+                      moe_smem_bytes(E, warps if isinstance(warps, int) else 1,
+                                     row_tiles if isinstance(row_tiles, int) else 1, top_k))
     if E % 32 or not 32 <= E <= 1024 or not 1 <= top_k <= 8 \
             or H % (64 * warps) or H != H_w or I % (16 * row_tiles) or lead != (E,):
         raise ValueError(f"moe_topk_gate_up: needs E % 32 == 0 and E <= 1024, top_k <= 8, "
@@ -1877,12 +1970,15 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     if x.data_ptr() % 16:
         raise ValueError("moe_topk_gate_up: x must be 16-byte aligned (the kernel reads it in "
                          "16-byte vectors)")
-    if ops[0][6].numel() != ops[1][6].numel():
+    if tuple(bias.shape) != (E,) or logits.shape[0] != N:
+        raise ValueError(f"moe_topk_gate_up: logits must be [{N}, E] and bias [E]; got logits "
+                         f"{tuple(logits.shape)}, bias {tuple(bias.shape)}")
+    if not bf16 and gate[2].shape != up[2].shape:
         raise ValueError("moe_topk_gate_up: gate and up need global scales of one shape")
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
     (gwq, gsq, ggs), (uwq, usq, ugs), (sgwq, sgsq, sggs), (suwq, susq, sugs) = (
-        o[4:] for o in ops)
+        _moe_pointers(w, name) for w, name in weights)
     h = torch.empty((N, top_k + 1, I), dtype=torch.bfloat16, device=x.device)
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)

@@ -618,6 +618,9 @@ def test_gate_up_config_falls_back_to_tensor_core_entries_for_bf16():
         base = choose_config(n, 2 * F, H, "nvfp4", cpu, flat_ok=False)
         got = FG.gate_up_config("nvfp4", F, H, n, cpu)
         assert got.block_f == max(16, base.block_f // 2) and got.use_dot == base.use_dot
+    for fmt, n in (("BF16", 1), ("fp8", 1), ("bf16", 0), ("nvfp4", 9)):
+        with pytest.raises(ValueError, match="fmt must be 'bf16' or 'nvfp4' and N in"):
+            FG.gate_up_config(fmt, F, H, n, cpu)
     small = FG.gate_up_config("bf16", 64, 128, 2, cpu)  # no TUNED entry at all: the rule
     assert small.block_f == max(16, choose_config(2, 128, 128, "bf16", cpu,
                                                   flat_ok=False).block_f // 2)

@@ -183,36 +183,75 @@ def test_bad_arguments_raise_value_errors():
 
 
 def test_moe_launchers_check_formats_and_splits():
-    """The MoE launchers refuse mixed formats, bf16 weights they cannot read in place and
-    K slices that do not divide the expert width, naming the argument, before any launch
-    (CPU tensors: the checks run first)."""
+    """The MoE launchers refuse, naming the argument, before any launch or repack (CPU
+    tensors: the checks run first): mixed formats, bf16 weights they cannot read in place
+    (and say why), K slices that do not divide the expert width, launch sizes out of range
+    or over the static shared memory, tensors of the wrong rank, a bias or global scale of
+    the wrong length."""
     gen = torch.Generator().manual_seed(2)
-    E, H, I, K, N = 32, 128, 64, 2, 1
+    E, H, I, K, N = 32, 128, 128, 2, 1
     bf = [(torch.randn(E, H, I, generator=gen) * 0.02).to(torch.bfloat16)]
     sbf = [(torch.randn(H, I, generator=gen) * 0.02).to(torch.bfloat16)]
     h = torch.randn(N, K + 1, I).to(torch.bfloat16)
     ids = torch.zeros(N, K, dtype=torch.int64)
     wts = torch.ones(N, K)
     res = torch.zeros(N, H, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="down must be a stack .* in the same format"):
-        M.moe_down(h, ids, wts, bf, _nvfp4((), H, I, gen), res)
-    with pytest.raises(ValueError, match="shared_down: a bf16 weight must be a contiguous"):
-        M.moe_down(h, ids, wts, bf, [sbf[0].t()], res)
-    with pytest.raises(ValueError, match="splits 4 must divide I / 64 = 1"):
-        M.moe_down(h, ids, wts, bf, sbf, res, splits=4)
+    down_cases = [
+        ({"shared_down": _nvfp4((), H, I, gen)}, "down must be a stack .* in the same format"),
+        ({"shared_down": [sbf[0].t()]}, "shared_down: a bf16 weight .*: not contiguous"),
+        ({"down": [bf[0].float()]}, "down: a bf16 weight .*: dtype torch.float32"),
+        ({"splits": 4}, "splits 4 must divide I / 64 = 2"),
+        ({"splits": 0}, "splits must be an int >= 1, got 0"),
+        ({"warps": 64}, "warps must be an int in \\[1, 32\\], got 64"),
+        ({"warps": -4}, "warps must be an int in \\[1, 32\\], got -4"),
+        ({"prefetch": -1}, "prefetch must be an int >= 0, got -1"),
+        ({"h": h[0]}, "h must be a 3-d tensor, got \\(3, 128\\)"),
+        ({"ids": ids[0]}, "ids must be a 2-d tensor"),
+        ({"ids": torch.zeros(N, K + 1, dtype=torch.int64)}, "h \\[N, K \\+ 1, I\\]"),
+        ({"down": _nvfp4((E,), H, I, gen)[:2] + [torch.ones(5)],
+          "shared_down": _nvfp4((), H, I, gen)},
+         "down: the global scale must be an fp32 tensor of shape \\[32\\] or \\[\\]"),
+    ]
+    base = {"h": h, "ids": ids, "weights": wts, "down": bf, "shared_down": sbf,
+            "residual": res}
+    for over, msg in down_cases:
+        kw = dict(base, **over)
+        extra = {k: kw.pop(k) for k in ("splits", "warps", "prefetch") if k in kw}
+        with pytest.raises(ValueError, match=msg):
+            M.moe_down(kw["h"], kw["ids"], kw["weights"], kw["down"], kw["shared_down"],
+                       kw["residual"], **extra)
+    with pytest.raises(ValueError, match="more than 49152"):  # 8 slices x 17 items x 8 x 16
+        M.moe_down(torch.randn(N, 17, 512).to(torch.bfloat16), torch.zeros(N, 16,
+                   dtype=torch.int64), torch.ones(N, 16),
+                   [torch.zeros(E, H, 512, dtype=torch.bfloat16)],
+                   [torch.zeros(H, 512, dtype=torch.bfloat16)], res, splits=8)
     with pytest.raises(ValueError, match="down kernel's 3 K slices per item must divide"):
         M.kernel_source(1, 512, 3, 2, 32, M.EPI_RESIDUAL, True, 6)
+    with pytest.raises(ValueError, match="needs row_tiles, splits, warps >= 1"):
+        M.kernel_source(1, 512, 0, 2, 32, M.EPI_RESIDUAL, True, 6)
+    with pytest.raises(ValueError, match="more than 49152 bytes of static shared memory"):
+        M.kernel_source(8, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        M.moe_down(h, ids, wts, bf, sbf, res)
+        M.moe_down(h, ids, wts, bf, sbf, res, warps=1, splits=2)  # fewer warps than slices
     x = torch.randn(N, H).to(torch.bfloat16)
     logits = torch.randn(N, E)
     gate = [(torch.randn(E, I, H, generator=gen) * 0.02).to(torch.bfloat16)]
     sgate = [(torch.randn(I, H, generator=gen) * 0.02).to(torch.bfloat16)]
+    args = (x, logits, torch.zeros(E), gate, gate, sgate, sgate, K, 1.0)
     with pytest.raises(ValueError, match="all in one format"):
-        M.moe_topk_gate_up(x, logits, torch.zeros(E), gate, gate, sgate,
-                           _nvfp4((), I, H, gen), K, 1.0, warps=2)
-    with pytest.raises(ValueError, match="gate: expected \\[w\\] \\(bf16\\) or"):
-        M.moe_topk_gate_up(x, logits, torch.zeros(E), gate[0], gate, sgate, sgate, K, 1.0)
+        M.moe_topk_gate_up(*args[:6], _nvfp4((), I, H, gen), K, 1.0, warps=2)
+    with pytest.raises(ValueError, match="gate: expected a list \\[w\\] \\(bf16\\) or"):
+        M.moe_topk_gate_up(*args[:3], gate[0], *args[4:])
+    with pytest.raises(ValueError, match="bias \\[E\\]; got logits \\(1, 32\\), bias \\(5,\\)"):
+        M.moe_topk_gate_up(x, logits, torch.zeros(5), *args[3:], warps=2)
+    with pytest.raises(ValueError, match="x must be a 2-d tensor"):
+        M.moe_topk_gate_up(x[None], *args[1:])
+    with pytest.raises(ValueError, match="row_tiles must be an int >= 1, got -1"):
+        M.moe_topk_gate_up(*args, warps=2, row_tiles=-1)
+    with pytest.raises(ValueError, match="warps 32 and row_tiles 2 need 65540 bytes"):
+        M.moe_topk_gate_up(*args, warps=32, row_tiles=2)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        M.moe_topk_gate_up(*args, warps=2)
 
 
 def test_moe_launch_rules():
@@ -230,6 +269,10 @@ def test_moe_launch_rules():
         assert ws == sorted(ws, reverse=True) and all(2048 % (64 * w) == 0 for w in ws)
         rows = [M.GATE_UP_LAUNCH[fmt][n][1] for n in range(1, 9)]
         assert rows == sorted(rows) and all(512 % (16 * r) == 0 for r in rows)
+        for warps, tiles in M.GATE_UP_LAUNCH[fmt].values():
+            assert M.moe_smem_bytes(256, warps, tiles, 6) <= M.STATIC_SMEM
+        for warps, splits in M.DOWN_LAUNCH[fmt].values():
+            assert M.moe_smem_bytes(0, warps, splits, 6) <= M.STATIC_SMEM
         assert moe.mma_moe_applies("down", fmt, 8) and moe.mma_moe_applies("gate_up", fmt, 1)
     assert moe.mma_moe_applies("gate_up", "nvfp4", 8)
     assert not moe.mma_moe_applies("gate_up", "bf16", 8)  # Triton's flat tiles: 50 vs 57 us
@@ -462,7 +505,8 @@ def _experts(fmt: str, lead: tuple, R: int, C: int, gen: torch.Generator) -> lis
 @pytest.mark.parametrize("use_pdl", [False, True])
 def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch):
     """The CUDA down kernel (the op's default launch, and launches with K slices per
-    item) against the reference op and the Triton kernel: within 2 bf16 ulps, the share
+    item, fewer warps than slices among them) against the reference op and the Triton
+    kernel: within 2 bf16 ulps, the share
     of differing elements printed and below 5%."""
     from flintc.kernels import moe
     from flintc.ops import grouped
@@ -481,7 +525,7 @@ def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch)
     assert len(calls) == int(moe.mma_moe_applies("down", fmt, N))  # the CUDA kernel ran
     ref = grouped.moe_down_combine_residual(h, ids, wts, down, sd, res)
     got = {"op": out}
-    for warps, splits, pf in ((32, 4, 2), (16, 8, 1), (8, 2, 3)):
+    for warps, splits, pf in ((32, 4, 2), (16, 8, 1), (8, 2, 3), (2, 4, 2)):
         got[f"cuda w{warps} s{splits} pf{pf}"] = M.moe_down(
             h, ids, wts, down, sd, res, warps=warps, splits=splits, prefetch=pf,
             use_pdl=use_pdl)
@@ -741,6 +785,7 @@ def test_cuda_source_pastes_the_replayed_expressions():
     ("moe_gate_up", (8, 2048, 1, 1, 2, M.EPI_BF16, True, 6, 256, True)),
     ("moe_down", (1, 512, 4, 2, 32, M.EPI_RESIDUAL, True, 6, 0, True)),  # 4 K slices
     ("moe_down", (1, 512, 2, 2, 32, M.EPI_RESIDUAL, False, 6)),
+    ("moe_down", (1, 512, 4, 2, 2, M.EPI_RESIDUAL, True, 6, 0, True)),  # warps < slices
 ])
 def test_cuda_sources_compile_with_nvrtc(variant):
     """The CUDA sources compile for sm_90 with NVRTC on the CPU machine (the pip wheel,
