@@ -137,6 +137,20 @@ def time_graph(fn: Callable[[], object], warmup: int = 3, iters: int = 20,
     return statistics.median(times)
 
 
+def first_call(fn: Callable[[], object], label: str) -> tuple[object, str | None]:
+    """`fn()` once, then a device synchronize: (its result, None); or, when it raises,
+    (None, "Type: message") after printing `label` and the error. In the kernel sweeps a
+    variant that does not fit or compile is a result: they report it and go on."""
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return out, None
+    except Exception as e:  # noqa: BLE001  (reported by the caller's table)
+        err = f"{type(e).__name__}: {str(e)[:100]}"
+        print(f"{label}: {err}", flush=True)
+        return None, err
+
+
 def _cell(v) -> str:
     if isinstance(v, str):
         return v

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bf16_gemv.py needs a CUDA GPU")
-    from common import copy_bandwidth_gbs, markdown_table, time_graph
+    from common import copy_bandwidth_gbs, first_call, markdown_table, time_graph
 
     from flintc.kernels import fused_gemv as FG
     from flintc.kernels import nvfp4_mma as M
@@ -70,11 +70,8 @@ def main() -> None:
                                           prefetch=pf, residual=res, use_pdl=True)
                     return FG.gemv_residual(x, [ws[i]], res, use_pdl=True)
 
-                try:
-                    y = op(0)
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001  (a variant that does not fit)
-                    print(f"{F}x{K} N={N} {label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                y, err = first_call(lambda op=op: op(0), f"{F}x{K} N={N} {label}")
+                if err:
                     continue
                 diff = float((y.float() - ref.float()).abs().max()) if y.dtype == ref.dtype else float("nan")
                 turn = itertools.count()

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(_ROOT, "scripts"))
 from bench_moe import (
     make_weight,  # random NVFP4 experts, as the MoE benchmark makes them
 )
-from common import copy_bandwidth_gbs, time_graph
+from common import copy_bandwidth_gbs, first_call, time_graph
 from gpu_register_decode import nvfp4_gemv_kernel
 
 from flintc.kernels import fused_gemv, nvfp4_mma
@@ -147,11 +147,8 @@ def _moe_down_rows(batches, gen, row) -> None:
                     return moe.moe_down_combine_residual(h, ids[i], wts, down, sd, res,
                                                          use_pdl=True)
 
-                try:
-                    y = op(0)
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001  (a variant that does not fit)
-                    print(f"{label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                y, err = first_call(lambda op=op: op(0), label)
+                if err:
                     continue
                 ref = y if ref is None else ref
                 diff = ((y.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
@@ -203,11 +200,8 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
                     return moe.moe_topk_gate_up(x, logits[i], bias, *w, K, 2.5, use_pdl=True)[0]
 
                 with _patched_source(_ROUTE, _NO_ROUTE) if probe else contextlib.nullcontext():
-                    try:
-                        y = op(0)
-                        torch.cuda.synchronize()
-                    except Exception as e:  # noqa: BLE001  (a variant that does not fit)
-                        print(f"{label}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                    y, err = first_call(lambda op=op: op(0), label)
+                    if err:
                         continue
                     us = _timed(op, sets)
                 if probe:
@@ -253,13 +247,9 @@ def main() -> None:
                 nvfp4_mma.mma_gemv(x, *m.packed[i], m.gs, out, row_tiles=rt, splits=splits,
                                    warps=warps or None, use_pdl=True)
 
-            try:
-                run(0)
-                torch.cuda.synchronize()
-            except Exception as e:  # noqa: BLE001  (report and go on)
-                rows.append(f"| {F}x{K} | {N} | {name} | failed: {type(e).__name__}: "
-                            f"{str(e)[:80]} | | |")
-                print(rows[-1], flush=True)
+            _, err = first_call(lambda run=run: run(0), f"{F}x{K} N={N} {name}")
+            if err:
+                rows.append(f"| {F}x{K} | {N} | {name} | failed: {err[:80]} | | |")
                 continue
             diff = ((out.double() - ref).abs().max() / ref.abs().max()).item()
             row(F, K, N, name, _timed(run, m.copies), diff, m.nbytes)

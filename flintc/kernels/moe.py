@@ -83,10 +83,10 @@ dedupe; the routing weights use the same formulas and sum order as `_route`): NV
 every batch (gate/up 1.7-2.1x, down 2.5x faster than Triton at batches 1-8), bf16 where
 they were measured faster (`BF16_MMA_N`: down at every batch, 1.2-1.5x; gate/up at
 batches 1-2); docs/gpu-runs.md sessions 12 and 15. The other ops stay on the Triton
-kernels here. Experts that the
-runtime converted to the mma layout (`flintc.kernels.nvfp4_mma.prepack`: int32 codes
-[E, F/16, K/64, 32, 4], uint8 scale codes [E, F/16, K/64, 32, 2]) run on those CUDA
-kernels only, whatever FLINTC_NVFP4_MMA says; a call they cannot take (no routing, a
+kernels here. Experts that the runtime converted to the mma layout
+(`flintc.kernels.nvfp4_mma.prepack`: int32 codes [E, F/16, K/64, 32, 4], uint8 scale
+codes [E, F/16, K/64, 32, 2]) run on those CUDA kernels only, whatever FLINTC_NVFP4_MMA
+says; a call they cannot take (no routing, a
 config, another device, the interpreter) raises ValueError saying so.
 """
 

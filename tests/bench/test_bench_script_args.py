@@ -84,3 +84,13 @@ def test_scripts_with_good_arguments_reach_the_gpu_check():
     r = run_script("bench_gemv.py", "--formats", "nvfp4", "--batches", "1,8", "--cases",
                    "qkv,o_proj+res", "--sweep-seconds", "0")
     assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
+
+
+def test_first_call_reports_a_failing_variant_and_returns_none(capsys):
+    """`first_call` (the kernel sweeps' first run of a variant): a raising call gives (None,
+    "Type: message") and prints the label with it; the sweeps then skip that variant."""
+    from common import first_call
+
+    out, err = first_call(lambda: [][1], "variant w3")
+    assert out is None and err.startswith("IndexError: list index out of range")
+    assert "variant w3: IndexError" in capsys.readouterr().out
