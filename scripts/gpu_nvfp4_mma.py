@@ -21,8 +21,9 @@ weights, inputs and timing. NS: batches (default "1,8").
 
 MOE=0 skips the MoE rows (`_moe_down_rows`, `_moe_gate_up_rows`: their variants
 MOE_DOWN_CFGS / MOE_GATE_UP_CFGS, the formats MOE_FMTS, default nvfp4, and the routing
-probe MOE_ROUTE_PROBE=1; docs/gpu-runs.md session 15). The table ends with each compiled
-variant's registers and spill bytes.
+probe MOE_ROUTE_PROBE=1; docs/gpu-runs.md session 15). MOE_CHAIN=1 adds the gate/up
+variants inside the model's MoE block (router -> gate/up -> down, `_moe_chain_rows`;
+session 16). The table ends with each compiled variant's registers and spill bytes.
 """
 
 import contextlib
@@ -214,6 +215,64 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
                     (distinct + 1) * per_expert)
 
 
+def _moe_chain_rows(batches, gen, row) -> None:
+    """The model's MoE block as it runs in the decode step, for the gate/up variants of
+    MOE_GATE_UP_CFGS: `norm_router` -> `moe_topk_gate_up` (the variant) -> the default
+    `moe_down_combine_residual`, chained with PDL in one CUDA graph (E = 256, H = 2048,
+    I = 512, top-6 + shared; 64 random residual streams rotate): the MoE block's time per
+    layer. It does not replace a model A/B: 4 row tiles at N = 8 win here (37.7 against
+    38.8 us, docs/gpu-runs.md session 16 run 5) as they do alone, and lose in the model's
+    step (session 15 run 7). Bytes: the router, the distinct experts' and the shared
+    expert's gate, up and down weights."""
+    from flintc.kernels import moe
+
+    E, H, I, K = 256, 2048, 512, 6
+    for fmt in _fmts():
+        gate, up = make_weight((E, I, H), fmt, gen), make_weight((E, I, H), fmt, gen)
+        sg, su = make_weight((I, H), fmt, gen), make_weight((I, H), fmt, gen)
+        down, sd = make_weight((E, H, I), fmt, gen), make_weight((H, I), fmt, gen)
+        bias = torch.randn(E, device="cuda", generator=gen) * 0.05
+        norm = 1.0 + 0.1 * torch.randn(H, device="cuda", generator=gen)
+        router = (0.05 * torch.randn(E, H, device="cuda", generator=gen)).to(torch.bfloat16)
+        elem = 2 if fmt == "bf16" else 0.5 + 1 / 16
+        per_expert = 3 * I * H * elem
+        for N in batches:
+            sets = 64
+            xs = [torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
+                  for _ in range(sets)]
+            logits = [moe.norm_router(x, norm, router, 1e-5)[1] for x in xs]
+            distinct = sum(len(torch.unique(torch.topk(torch.sigmoid(lg) + bias, K).indices))
+                           for lg in logits) / sets
+            cfgs = [tuple(int(v) for v in c.split(",")) + (1,) for c in
+                    os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split()]
+            variants = [(f"{fmt} chain, gate/up w{c[0]} pf{c[1]} rt{c[2]}", c[0], c[1], c[2])
+                        for c in cfgs] + [(f"{fmt} chain, op defaults", 0, 0, 0)]
+            ref = None
+            for label, warps, pf, rows in variants:
+                os.environ["FLINTC_NVFP4_MMA"] = "1"
+
+                def op(i, xs=xs, warps=warps, pf=pf, rows=rows, w=(gate, up, sg, su)):
+                    h, lg = moe.norm_router(xs[i], norm, router, 1e-5, use_pdl=True)
+                    if warps > 0:
+                        hm, wts, ids = nvfp4_mma.moe_topk_gate_up(
+                            h, lg, bias, *w, K, 2.5, warps=warps, row_tiles=rows, prefetch=pf,
+                            use_pdl=True)
+                    else:
+                        hm, wts, ids = moe.moe_topk_gate_up(h, lg, bias, *w, K, 2.5,
+                                                            use_pdl=True)
+                    return moe.moe_down_combine_residual(hm, ids, wts, down, sd, xs[i],
+                                                         use_pdl=True)
+
+                y, err = first_call(lambda op=op: op(0), label)
+                if err:
+                    continue
+                ref = y if ref is None else ref
+                diff = ((y.double() - ref.double()).abs().max()
+                        / ref.double().abs().max()).item()
+                row(f"{E}/{2 * I}/{H}", f"{H}/{I} x{distinct:.1f}+1", N, label,
+                    _timed(op, sets), diff, E * H * 2 + (distinct + 1) * per_expert)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_nvfp4_mma.py needs a CUDA GPU")
@@ -290,6 +349,8 @@ def main() -> None:
     if os.environ.get("MOE", "1") != "0":
         _moe_down_rows(batches, gen, row)
         _moe_gate_up_rows(batches, gen, row)
+        if os.environ.get("MOE_CHAIN") == "1":
+            _moe_chain_rows(batches, gen, row)
     os.environ.pop("FLINTC_NVFP4_MMA", None)
 
     print("\n| F x K | N | kernel | us | % copy | max rel. diff to fp64 reference |\n"

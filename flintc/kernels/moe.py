@@ -1637,9 +1637,10 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
             and _mma_down_applies(h, ids, weights, H, F, K, dev):
         from flintc.kernels import nvfp4_mma
 
-        try:
-            return nvfp4_mma.moe_down(h, ids, weights, list(down), list(shared_down),
-                                      residual, use_pdl=use_pdl and _native(dev))
+        try:  # column slices of ids / weights (N x K elements) are copied, not refused
+            return nvfp4_mma.moe_down(h, ids.contiguous(), weights.contiguous(), list(down),
+                                      list(shared_down), residual,
+                                      use_pdl=use_pdl and _native(dev))
         except RuntimeError:  # a weight first seen during CUDA-graph capture: Triton below
             if not torch.cuda.is_current_stream_capturing():
                 raise
@@ -1732,15 +1733,14 @@ def _mma_down_applies(h, ids, weights, H: int, F: int, K: int, dev: torch.device
     """Whether `moe_down_combine_residual` runs on the CUDA mma kernel
     (`flintc.kernels.nvfp4_mma.moe_down`), besides what the caller checks (a shared
     expert, no explicit config, `mma_moe_applies`): a CUDA sm_90+ device, F % 64 == 0,
-    H % 16 == 0, K <= 16, contiguous ids and weights, h 16-byte aligned, outside the
-    interpreter. FLINTC_NVFP4_MMA=0 keeps the Triton kernel for packed NVFP4 and bf16
-    weights; `converted` (the mma layout) ignores it."""
+    H % 16 == 0, K <= 16, h 16-byte aligned, outside the interpreter (ids and weights of
+    any strides: the callers pass contiguous copies). FLINTC_NVFP4_MMA=0 keeps the Triton
+    kernel for packed NVFP4 and bf16 weights; `converted` (the mma layout) ignores it."""
     from flintc.kernels import nvfp4_mma
 
     ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)
     return (not _interpreting() and F % 64 == 0 and H % 16 == 0 and K <= 16
-            and ids.is_contiguous() and weights.is_contiguous() and h.data_ptr() % 16 == 0
-            and ok_dev)
+            and h.data_ptr() % 16 == 0 and ok_dev)
 
 
 def moe_down_combine_residual(h, ids, weights, down, shared_down, residual, *,

@@ -528,7 +528,8 @@ __device__ __forceinline__ void mma_chunk_b(const ChunkB& ch, float (&acc)[RT][4
             "r"(xv[2 * st]), "r"(xv[2 * st + 1]));
   }
 }
-// the MoE kernels take either format through these overloads (WChunk is the one compiled)
+// the GEMV and MoE kernels take either format through these overloads (WChunk is the one
+// compiled)
 template <bool EARLY = false>
 __device__ __forceinline__ void load_w(ChunkB& ch, const uint4* __restrict__ wp,
                                        const u16* __restrict__, int c) {
@@ -590,48 +591,24 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
   const int ft0 = blockIdx.x * RT;
   const int c0 = (blockIdx.y * WARPS + warp) * CPW;
   // B fragment column n = g: rows g >= N read row N - 1, their outputs are not stored
-  const uint4* xrow = reinterpret_cast<const uint4*>(x + (size_t)min(g, N - 1) * (KC * 64));
+  const u16* xrow = x + (size_t)min(g, N - 1) * (KC * 64);
   float acc[RT][4];
 #pragma unroll
   for (int r = 0; r < RT; ++r) { acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f; }
-#if BF16W
-  // bf16: wq is the row-major weight (16-byte vectors), no scales
-  const uint4* wp = wq + (size_t)(ft0 * 16 + g) * (KC * 8) + c0 * 8 + t;
-  const uint4* xp = xrow + 8 * c0 + t;
-  const float out_scale = 1.0f;
-  ChunkB buf[PF + 1];
-#pragma unroll
-  for (int c = 0; c < PF && c < CPW; ++c) load_wb<true>(buf[c], wp, c);  // weights only
-#else
-  const uint4* wp = wq + ((size_t)ft0 * KC + c0) * 32 + lane;
-  const u16* sp = sq + ((size_t)ft0 * KC + c0) * 32 + lane;
-  const uint4* xp = xrow + 8 * c0 + 2 * t;
-  float out_scale;  // the global scale x 256 (exact: undoes the decode's 2^-8)
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(out_scale) : "l"(gscale) : "memory");
-  out_scale *= 256.0f;
-  Chunk buf[PF + 1];
+  // NVFP4: wq / sq the mma layout; bf16 (BF16W): wq the row-major weight, sq unused
+  const uint4* wp = w_at(wq, ft0, c0, lane);
+  const u16* sp = s_at(sq, ft0, c0, lane);
+  const uint4* xp = x_at(xrow, c0, lane);
+  // the global scale x 256 (exact: undoes the decode's 2^-8; bf16: 1)
+  const float out_scale = global_scale(gscale) * 256.0f;
+  WChunk buf[PF + 1];
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_w<true>(buf[c], wp, sp, c);  // weights only
-#endif
 #if PDL
   // x is the previous kernel's output. The wait sits in its own basic block: ptxas hoists
   // a griddepcontrol.wait above the weight loads of the same block (seen in the SASS)
   if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-#if BF16W
-#pragma unroll
-  for (int c = 0; c < PF && c < CPW; ++c) { buf[c].x0 = ld_act(xp + 8 * c); buf[c].x1 = ld_act(xp + 8 * c + 4); }
-#pragma unroll
-  for (int c = 0; c < CPW; ++c) {
-    if (c + PF < CPW) {
-      ChunkB& nx = buf[(c + PF) % (PF + 1)];
-      load_wb(nx, wp, c + PF);
-      nx.x0 = ld_act(xp + 8 * (c + PF));
-      nx.x1 = ld_act(xp + 8 * (c + PF) + 4);
-    }
-    mma_chunk_b(buf[c % (PF + 1)], acc);
-  }
-#else
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
 #pragma unroll
@@ -642,7 +619,6 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
     }
     mma_chunk(buf[c % (PF + 1)], acc);
   }
-#endif
 #if PDL
   asm volatile("griddepcontrol.launch_dependents;");
 #endif

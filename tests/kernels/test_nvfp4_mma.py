@@ -525,6 +525,12 @@ def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch)
     assert len(calls) == int(moe.mma_moe_applies("down", fmt, N))  # the CUDA kernel ran
     ref = grouped.moe_down_combine_residual(h, ids, wts, down, sd, res)
     got = {"op": out}
+    # column slices of ids and weights (the reference's top-k returns such views): the
+    # CUDA kernel too, on contiguous copies
+    got["op, strided ids"] = moe.moe_down_combine_residual(
+        h, torch.cat([ids, ids], 1)[:, :K], torch.cat([wts, wts], 1)[:, :K], down, sd, res,
+        use_pdl=use_pdl)
+    assert len(calls) == 2 * int(moe.mma_moe_applies("down", fmt, N))
     for warps, splits, pf in ((32, 4, 2), (16, 8, 1), (8, 2, 3), (2, 4, 2)):
         got[f"cuda w{warps} s{splits} pf{pf}"] = M.moe_down(
             h, ids, wts, down, sd, res, warps=warps, splits=splits, prefetch=pf,
@@ -758,15 +764,21 @@ def test_compile_failure_turns_the_path_off(monkeypatch):
 
 
 def test_cuda_source_pastes_the_replayed_expressions():
-    """The expressions the CPU replay evaluates are the ones in the CUDA source."""
+    """The expressions the CPU replay evaluates are the ones in the CUDA source, and every
+    kernel's rendered source (GEMV, MoE gate/up and down, QKV, router) has no `__NAME__`
+    placeholder left."""
     src = M.kernel_source(1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True)
     for expr in M._DECODE_EXPR:
         assert f"({expr})" in src
     assert f"0x{M._SEL_G:04X}u" in src and f"0x{M._SEL_G8:04X}u" in src
     assert f"0x{M._SCALE_ADD:08X}u" in src
-    assert "__" not in src.replace("__global__", "").split("extern")[0].replace(
-        "__device__", "").replace("__forceinline__", "").replace("__restrict__", "").replace(
-        "__ldg", "").replace("__uint_as_float", "")  # no placeholder left
+    import re
+
+    for source in (src, M.kernel_source(2, 2048, 1, 2, 4, M.EPI_BF16, True, 6, 256),
+                   M.kernel_source(1, 512, 4, 2, 32, M.EPI_RESIDUAL, True, 6, 0, True),
+                   M.qkv_source(2048, 128, 32, 4, 4, 8),
+                   M.qkv_source(2048, 16, 16, 0, 8, 4, bf16=True, rope=False, router=True)):
+        assert re.findall(r"__[A-Z][A-Z0-9_]*__", source) == []  # no placeholder left
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
