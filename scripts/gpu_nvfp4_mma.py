@@ -21,7 +21,8 @@ weights, inputs and timing. NS: batches (default "1,8").
 
 MOE=0 skips the MoE rows (`_moe_down_rows`, `_moe_gate_up_rows`: their variants
 MOE_DOWN_CFGS / MOE_GATE_UP_CFGS, the formats MOE_FMTS, default nvfp4, and the routing
-probe MOE_ROUTE_PROBE=1; docs/gpu-runs.md session 15). MOE_CHAIN=1 adds the gate/up
+probe MOE_ROUTE_PROBE=1; docs/gpu-runs.md session 15; MOE_COPIES weight copies the
+calls rotate through, `_copies`). MOE_CHAIN=1 adds the gate/up
 variants inside the model's MoE block (router -> gate/up -> down, `_moe_chain_rows`;
 session 16). The table ends with each compiled variant's registers and spill bytes.
 """
@@ -78,12 +79,28 @@ class _Mats:
 
 
 def _timed(fn, copies: int) -> float:
+    """us per call of fn(i), i rotating over `copies` input sets, by CUDA-graph replay;
+    every set runs once first (an NVFP4 weight first seen during capture is refused)."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
     turn = itertools.count()
     return 1e6 * time_graph(lambda: fn(next(turn) % copies), calls_per_replay=2 * copies)
 
 
 def _fmts() -> list[str]:
     return os.environ.get("MOE_FMTS", "nvfp4").split(",")
+
+
+def _copies() -> range:
+    """MOE_COPIES (default 1): copies of the expert weights the MoE rows rotate through
+    (a dividing 64, the input sets). With 1, the previous call's experts can still be in
+    the L2 (64 random sets share ~16% of their experts); the model's layers have their own
+    weights, so several copies are closer to it."""
+    n = int(os.environ.get("MOE_COPIES", "1"))
+    if n < 1 or 64 % n:
+        raise SystemExit(f"MOE_COPIES must divide 64, got {n}")
+    return range(n)
 
 
 @contextlib.contextmanager
@@ -168,8 +185,8 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
 
     E, H, I, K = 256, 2048, 512, 6
     for fmt in _fmts():
-        gate, up = make_weight((E, I, H), fmt, gen), make_weight((E, I, H), fmt, gen)
-        sg, su = make_weight((I, H), fmt, gen), make_weight((I, H), fmt, gen)
+        ws = [tuple(make_weight(shape, fmt, gen) for shape in ((E, I, H), (E, I, H), (I, H),
+                                                               (I, H))) for _ in _copies()]
         bias = torch.randn(E, device="cuda", generator=gen) * 0.05
         per_expert = 2 * (I * H * 2 if fmt == "bf16" else I * H // 2 + I * H // 16)
         for N in batches:
@@ -192,8 +209,8 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
             for label, warps, pf, rows, probe in variants:
                 os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
 
-                def op(i, logits=logits, x=x, warps=warps, pf=pf, rows=rows,
-                       w=(gate, up, sg, su), bias=bias):
+                def op(i, logits=logits, x=x, warps=warps, pf=pf, rows=rows, ws=ws, bias=bias):
+                    w = ws[i % len(ws)]
                     if warps > 0:
                         return nvfp4_mma.moe_topk_gate_up(x, logits[i], bias, *w, K, 2.5,
                                                           warps=warps, row_tiles=rows,
@@ -228,9 +245,9 @@ def _moe_chain_rows(batches, gen, row) -> None:
 
     E, H, I, K = 256, 2048, 512, 6
     for fmt in _fmts():
-        gate, up = make_weight((E, I, H), fmt, gen), make_weight((E, I, H), fmt, gen)
-        sg, su = make_weight((I, H), fmt, gen), make_weight((I, H), fmt, gen)
-        down, sd = make_weight((E, H, I), fmt, gen), make_weight((H, I), fmt, gen)
+        ws = [tuple(make_weight(shape, fmt, gen) for shape in ((E, I, H), (E, I, H), (I, H),
+                                                               (I, H), (E, H, I), (H, I)))
+              for _ in _copies()]
         bias = torch.randn(E, device="cuda", generator=gen) * 0.05
         norm = 1.0 + 0.1 * torch.randn(H, device="cuda", generator=gen)
         router = (0.05 * torch.randn(E, H, device="cuda", generator=gen)).to(torch.bfloat16)
@@ -251,7 +268,9 @@ def _moe_chain_rows(batches, gen, row) -> None:
             for label, warps, pf, rows in variants:
                 os.environ["FLINTC_NVFP4_MMA"] = "1"
 
-                def op(i, xs=xs, warps=warps, pf=pf, rows=rows, w=(gate, up, sg, su)):
+                def op(i, xs=xs, warps=warps, pf=pf, rows=rows, ws=ws, norm=norm, router=router,
+                       bias=bias):
+                    *w, down, sd = ws[i % len(ws)]
                     h, lg = moe.norm_router(xs[i], norm, router, 1e-5, use_pdl=True)
                     if warps > 0:
                         hm, wts, ids = nvfp4_mma.moe_topk_gate_up(
