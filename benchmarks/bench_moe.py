@@ -141,7 +141,7 @@ class Setup:
         outs = [ref(self.xn[i], self.logits[i], self.bias[i], self.gate, self.up, self.sg[i],
                     self.su[i], TOP_K, SCALING) for i in range(ROT)]
         # contiguous, as the gate/up kernels return them in the model (the reference's ids
-        # and weights are column slices: at N > 1 the CUDA down kernel would not take them)
+        # and weights are column slices, which the down op would copy inside the timed loop)
         self.h = [o[0].contiguous() for o in outs]
         self.w = [o[1].contiguous() for o in outs]
         self.ids = [o[2].contiguous() for o in outs]

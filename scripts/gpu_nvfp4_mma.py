@@ -94,7 +94,7 @@ def _fmts() -> list[str]:
 
 def _copies() -> range:
     """MOE_COPIES (default 1): copies of the expert weights the MoE rows rotate through
-    (a dividing 64, the input sets). With 1, the previous call's experts can still be in
+    (a divisor of 64, the input sets). With 1, the previous call's experts can still be in
     the L2 (64 random sets share ~16% of their experts); the model's layers have their own
     weights, so several copies are closer to it."""
     n = int(os.environ.get("MOE_COPIES", "1"))
@@ -138,7 +138,8 @@ def _moe_down_rows(batches, gen, row) -> None:
 
     E, H, I, K = 256, 2048, 512, 6
     for fmt in _fmts():
-        down, sd = make_weight((E, H, I), fmt, gen), make_weight((H, I), fmt, gen)
+        ws = [(make_weight((E, H, I), fmt, gen), make_weight((H, I), fmt, gen))
+              for _ in _copies()]
         per_expert = H * I * 2 if fmt == "bf16" else H * I // 2 + H * I // 16
         for N in batches:
             sets = 64
@@ -157,8 +158,8 @@ def _moe_down_rows(batches, gen, row) -> None:
             for label, warps, pf, sp in variants:
                 os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
 
-                def op(i, ids=ids, h=h, wts=wts, res=res, warps=warps, pf=pf, sp=sp, down=down,
-                       sd=sd):
+                def op(i, ids=ids, h=h, wts=wts, res=res, warps=warps, pf=pf, sp=sp, ws=ws):
+                    down, sd = ws[i % len(ws)]
                     if warps > 0:
                         return nvfp4_mma.moe_down(h, ids[i], wts, down, sd, res, warps=warps,
                                                   prefetch=pf, splits=sp, use_pdl=True)

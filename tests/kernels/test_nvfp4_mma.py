@@ -527,9 +527,11 @@ def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch)
     got = {"op": out}
     # column slices of ids and weights (the reference's top-k returns such views): the
     # CUDA kernel too, on contiguous copies
-    got["op, strided ids"] = moe.moe_down_combine_residual(
-        h, torch.cat([ids, ids], 1)[:, :K], torch.cat([wts, wts], 1)[:, :K], down, sd, res,
-        use_pdl=use_pdl)
+    # (the op takes unit column strides; at N = 1 such a slice counts as contiguous)
+    ids_s, wts_s = (torch.cat([t, t], 1)[:, :K] for t in (ids, wts))
+    assert ids_s.is_contiguous() == wts_s.is_contiguous() == (N == 1)
+    got["op, strided ids"] = moe.moe_down_combine_residual(h, ids_s, wts_s, down, sd, res,
+                                                           use_pdl=use_pdl)
     assert len(calls) == 2 * int(moe.mma_moe_applies("down", fmt, N))
     for warps, splits, pf in ((32, 4, 2), (16, 8, 1), (8, 2, 3), (2, 4, 2)):
         got[f"cuda w{warps} s{splits} pf{pf}"] = M.moe_down(
