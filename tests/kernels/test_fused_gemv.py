@@ -275,6 +275,9 @@ def test_gemv_residual(fmt, N, cfg, poison_empty):
     ("nvfp4_gs", 2, GemvConfig(use_dot=True, block_f=32, block_k=32, split_k=2, prefetch=False,
                                flat=True)),
     ("bf16", 3, GemvConfig(use_dot=True, block_f=32, block_k=64, split_k=2, swap=True)),
+    # bf16 flat tiles, split-K 3 over 8 K blocks (3, 3, 2), as session 16 run 13 swept
+    ("bf16", 2, GemvConfig(use_dot=True, block_f=64, block_k=16, split_k=3, num_stages=4,
+                           prefetch=False, flat=True)),
 ])
 def test_norm_gate_up_silu(fmt, N, cfg, poison_empty):
     """Dense MLP of the tiny config: H = 128, F = 256."""
