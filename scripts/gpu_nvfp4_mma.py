@@ -92,6 +92,18 @@ def _fmts() -> list[str]:
     return os.environ.get("MOE_FMTS", "nvfp4").split(",")
 
 
+def _gate_up_cfgs() -> list[tuple[int, int, int]]:
+    """MOE_GATE_UP_CFGS "warps,prefetch[,row_tiles] ..." (row tiles default 1)."""
+    return [(tuple(int(v) for v in c.split(",")) + (1,))[:3] for c in
+            os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split()]
+
+
+def _distinct(logits: list, bias: torch.Tensor, k: int) -> float:
+    """Mean distinct experts per call over the logit sets (top-k of sigmoid + bias)."""
+    return sum(len(torch.unique(torch.topk(torch.sigmoid(lg) + bias, k).indices))
+               for lg in logits) / len(logits)
+
+
 def _copies() -> range:
     """MOE_COPIES (default 1): copies of the expert weights the MoE rows rotate through
     (a divisor of 64, the input sets). With 1, the previous call's experts can still be in
@@ -194,10 +206,8 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
             sets = 64
             logits = [torch.randn(N, E, device="cuda", generator=gen) for _ in range(sets)]
             x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
-            distinct = sum(len(torch.unique(torch.topk(torch.sigmoid(lg) + bias, K).indices))
-                           for lg in logits) / sets
-            cfgs = [tuple(int(v) for v in c.split(",")) + (1,) for c in
-                    os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split()]
+            distinct = _distinct(logits, bias, K)
+            cfgs = _gate_up_cfgs()
             variants = [(f"{fmt} moe_gate_up w{c[0]} pf{c[1]} rt{c[2]}", c[0], c[1], c[2], False)
                         for c in cfgs]
             if os.environ.get("MOE_ROUTE_PROBE") == "1":
@@ -259,10 +269,8 @@ def _moe_chain_rows(batches, gen, row) -> None:
             xs = [torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
                   for _ in range(sets)]
             logits = [moe.norm_router(x, norm, router, 1e-5)[1] for x in xs]
-            distinct = sum(len(torch.unique(torch.topk(torch.sigmoid(lg) + bias, K).indices))
-                           for lg in logits) / sets
-            cfgs = [tuple(int(v) for v in c.split(",")) + (1,) for c in
-                    os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split()]
+            distinct = _distinct(logits, bias, K)
+            cfgs = _gate_up_cfgs()
             variants = [(f"{fmt} chain, gate/up w{c[0]} pf{c[1]} rt{c[2]}", c[0], c[1], c[2])
                         for c in cfgs] + [(f"{fmt} chain, op defaults", 0, 0, 0)]
             ref = None

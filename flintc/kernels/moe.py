@@ -1634,7 +1634,7 @@ def _down_launch(op, h, ids, weights, down, shared_down, residual, use_pdl, conf
     fmt = "nvfp4" if nv else "bf16"
     if has_shared and residual is not None and config is None \
             and mma_moe_applies("down", fmt, N) and (nv or _bf16_in_place(down, shared_down)) \
-            and _mma_down_applies(h, ids, weights, H, F, K, dev):
+            and _mma_down_applies(h, H, F, K, dev):
         from flintc.kernels import nvfp4_mma
 
         try:  # column slices of ids / weights (N x K elements) are copied, not refused
@@ -1684,7 +1684,7 @@ def _mma_down(op, h, ids, weights, down, shared_down, residual, use_pdl, config)
                    "the mma layout runs on the CUDA moe_down_combine_residual kernel only")
     _check(op, "residual", residual, torch.bfloat16, (N, H), dev)
     h, ids, weights = _aligned(h), ids.contiguous(), weights.contiguous()
-    if not _mma_down_applies(h, ids, weights, H, F, K, dev, converted=True):
+    if not _mma_down_applies(h, H, F, K, dev, converted=True):
         raise _err(op, "down", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
                    "kernel only (sm_90+ with NVRTC, F % 64 == 0, H % 16 == 0, top-k <= 16, "
                    "16-byte aligned h, outside the interpreter)")
@@ -1728,14 +1728,14 @@ def _mma_gate_up_applies(x, logits, E: int, top_k: int, H: int, F: int,
             and x.data_ptr() % 16 == 0 and ok_dev)
 
 
-def _mma_down_applies(h, ids, weights, H: int, F: int, K: int, dev: torch.device,
+def _mma_down_applies(h, H: int, F: int, K: int, dev: torch.device,
                       converted: bool = False) -> bool:
     """Whether `moe_down_combine_residual` runs on the CUDA mma kernel
     (`flintc.kernels.nvfp4_mma.moe_down`), besides what the caller checks (a shared
     expert, no explicit config, `mma_moe_applies`): a CUDA sm_90+ device, F % 64 == 0,
-    H % 16 == 0, K <= 16, h 16-byte aligned, outside the interpreter (ids and weights of
-    any strides: the callers pass contiguous copies). FLINTC_NVFP4_MMA=0 keeps the Triton
-    kernel for packed NVFP4 and bf16 weights; `converted` (the mma layout) ignores it."""
+    H % 16 == 0, K <= 16, h 16-byte aligned, outside the interpreter (ids and weights:
+    the callers pass contiguous copies). FLINTC_NVFP4_MMA=0 keeps the Triton kernel for
+    packed NVFP4 and bf16 weights; `converted` (the mma layout) ignores it."""
     from flintc.kernels import nvfp4_mma
 
     ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)

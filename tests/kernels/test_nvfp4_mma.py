@@ -525,9 +525,8 @@ def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch)
     assert len(calls) == int(moe.mma_moe_applies("down", fmt, N))  # the CUDA kernel ran
     ref = grouped.moe_down_combine_residual(h, ids, wts, down, sd, res)
     got = {"op": out}
-    # column slices of ids and weights (the reference's top-k returns such views): the
-    # CUDA kernel too, on contiguous copies
-    # (the op takes unit column strides; at N = 1 such a slice counts as contiguous)
+    # column slices of ids and weights (the reference's top-k returns such views) run on
+    # the CUDA kernel too, as contiguous copies (at N = 1 such a slice counts as contiguous)
     ids_s, wts_s = (torch.cat([t, t], 1)[:, :K] for t in (ids, wts))
     assert ids_s.is_contiguous() == wts_s.is_contiguous() == (N == 1)
     got["op, strided ids"] = moe.moe_down_combine_residual(h, ids_s, wts_s, down, sd, res,
