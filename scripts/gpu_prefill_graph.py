@@ -3,11 +3,13 @@
 For each build (<builds>/<prefix>-<fmt>-b1, as scripts/gpu_decode_time.py): load it with
 `--load-format dummy`, fill the KV caches with seeded random values, then
 
-1. capture the prefill graph (`runner.prefill_graph()`): the caches must be unchanged
-   afterwards (the capture warms up on slot 0 and restores the rows it wrote);
+1. capture the prefill graphs (`runner.prefill_graph(C)` for the chunk and, a build
+   whose chunk is longer than the sliding window, the tail chunk): the caches must be
+   unchanged afterwards (the capture warms up on slot 0 and restores the rows it wrote);
 2. prefill the same prompt (--prompt-len tokens, default 1,300 = chunks of 512, 512 and
    276 + 236 padding, so the sliding rows of a padded last chunk are saved and
-   restored around the replay) and then --continue-len more tokens at the next position,
+   restored around the replay; with --prefill-chunk 2048 and --prompt-len 4700: 2048,
+   2048, then tail chunks of 512 and 92 + 420 padding) and then --continue-len more tokens at the next position,
    once with prefill graphs off (eager, slot 0) and once on (slot 1 when the build has
    two slots, else slot 0 again), each from the same cache contents (every slot filled
    alike). Every prompt token's logits, the continuation's last logits and the slot's
@@ -102,7 +104,8 @@ def check_build(path: str, fmt: str, args) -> tuple[list[str], bool]:
     fill(runner, args.seed)
     before = [t.clone() for t in runner.kv]
     t0 = time.perf_counter()
-    runner.prefill_graph()
+    for size in sorted({runner.prefill_chunk, runner.prefill_tail_chunk}):
+        runner.prefill_graph(size)
     torch.cuda.synchronize()
     capture_s = time.perf_counter() - t0
     changed = [i for i, (t, b) in enumerate(zip(runner.kv, before)) if not torch.equal(t, b)]
@@ -124,7 +127,8 @@ def check_build(path: str, fmt: str, args) -> tuple[list[str], bool]:
     bad = diff_caches(kv_g, kv_e)
     del kv_e, kv_g
     rec = {"format": fmt, "check": "graph vs eager", "prompt_len": args.prompt_len,
-           "continue_len": args.continue_len, "chunk": runner.prefill_chunk, "slots": [slot_e, slot_g],
+           "continue_len": args.continue_len, "chunk": runner.prefill_chunk,
+           "pieces": [p[2] for p in runner.prefill_pieces(args.prompt_len)], "slots": [slot_e, slot_g],
            "logits_bit_identical": logits_same, "logits_max_abs": max_abs,
            "last_logits_max_abs": float((a_e[-1] - a_g[-1]).abs().max()),
            "kv_bit_identical": not bad, "kv_differences": bad[:10]}

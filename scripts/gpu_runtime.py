@@ -186,6 +186,14 @@ def _chunks(n: int, size: int) -> list[int]:
     return [min(size, n - s) for s in range(0, n, size)]
 
 
+def _runner_chunks(runner, n: int) -> list[int]:
+    """Real rows of each forward call of the compiled runner's prefill of n tokens (a
+    build with a chunk longer than the sliding window ends in tail chunks)."""
+    if hasattr(runner, "prefill_pieces"):
+        return [live for _, live, _ in runner.prefill_pieces(n)]
+    return _chunks(n, runner.prefill_chunk)
+
+
 # -------------------------------------------------------------------------- comparison
 def judge(a: torch.Tensor, b: torch.Tensor, atol: float, flipped: bool) -> dict:
     """One step of one sequence: compiled logits `a` against the reference's `b` [V].
@@ -254,7 +262,7 @@ def compare_prefill(runner, ref, rec, row: int, prompt: list[int], first_flip: l
         a = runner.prefill(row, prompt)
     _sync(runner.device)
     seconds = time.perf_counter() - t0
-    ours = rec.take("ours", L, _chunks(len(prompt), runner.prefill_chunk))
+    ours = rec.take("ours", L, _runner_chunks(runner, len(prompt)))
     with rec.recording("ref"):
         b = ref.prefill(row, prompt)
     theirs = rec.take("ref", L, _chunks(len(prompt), ref.prefill_chunk))

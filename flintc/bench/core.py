@@ -785,8 +785,9 @@ class _Bench:
             kernels = profile_call(lambda: runner.prefill(0, prompt, 0), self.device,
                                    what=f"a prefill of {tokens} tokens")
             bd = breakdown_from_kernels([kernels], [], labels=[(_short_name(k["name"]), None) for k in kernels])
-            bd["method"] = (f"torch.profiler (CUPTI) over one prefill of {tokens} tokens "
-                            f"({-(-tokens // runner.prefill_chunk)} chunks of {runner.prefill_chunk}); kernels "
+            sizes = [p[2] for p in runner.prefill_pieces(tokens)]
+            calls = " + ".join(f"{sizes.count(c)} chunks of {c}" for c in dict.fromkeys(sizes))
+            bd["method"] = (f"torch.profiler (CUPTI) over one prefill of {tokens} tokens ({calls}); kernels "
                             "grouped by name, each charged its critical-path time")
             bd["function"] = f"prefill ({tokens} tokens)"
         else:
@@ -826,6 +827,7 @@ class _Bench:
                                 self.r["ceilings"]["matmul_tflops"])
         return {"engine": "flintc", "fmt": fmt, "tokens": tokens, "ms": ms, "min_ms": t["min_s"] * 1e3,
                 "iters": t["iters"], "tokens_per_s": tokens / t["median_s"], "chunk": runner.prefill_chunk,
+                "pieces": [p[2] for p in runner.prefill_pieces(tokens)],
                 "roofline": roof, "roofline_ms": roof["ms"], "roofline_share": roof["ms"] / ms,
                 "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None,
                 "build": build["path"].name}

@@ -79,18 +79,25 @@ def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
     """Join several results dicts (module doc). The merged meta and ceilings are the
     first run's; `meta["runs"]` lists every source run's meta with its own `ceilings`
     and `source` (the file names in `sources`, when given), which the report's header
-    shows one line each. Raises ValueError for an empty list."""
+    shows one line each, numbered from 1; with more than one run, every record gets
+    `run`, the number of the run it comes from (the report's "run" column). Raises ValueError for an empty
+    list."""
     if not runs:
         raise ValueError("runs: expected at least one results dict")
     sources = list(sources) if sources is not None else [None] * len(runs)
     merged = {"meta": dict(runs[0]["meta"]), "ceilings": dict(runs[0].get("ceilings") or {}), "notes": [],
               "failures": []}
     merged["meta"]["runs"] = [r for run, src in zip(runs, sources) for r in _source_runs(run, src)]
+    offsets, n = [], 0  # each input's first run number - 1 (an earlier merge holds several)
+    for run, src in zip(runs, sources):
+        offsets.append(n)
+        n += len(_source_runs(run, src))
     for key, fields in LIST_KEYS.items():
         seen: dict[tuple, dict] = {}
-        for run in runs:
+        for run, offset in zip(runs, offsets):
             for rec in run.get(key, []):
-                seen[tuple(rec.get(f) for f in fields)] = rec
+                key_ = tuple(rec.get(f) for f in fields)
+                seen[key_] = dict(rec, run=offset + int(rec.get("run", 1))) if n > 1 else rec
         merged[key] = list(seen.values())
     for run in runs:
         merged["notes"] += run.get("notes", [])
@@ -111,11 +118,13 @@ def _top_ops(results: dict, fmt: str, batch: int | None, context: int | None, n:
     return f"{where}: " + ", ".join(parts) + f"; gaps {bd['gap_us']:.0f} us"
 
 
-def _top_prefill_ops(results: dict, fmt: str, n: int = 3) -> str:
+def _top_prefill_ops(results: dict, fmt: str, tokens: int | None = None, n: int = 3) -> str:
+    """The largest kernel costs of `fmt`'s prefill breakdown of `tokens` tokens (else of
+    the longest prefill measured)."""
     bds = [b for b in results.get("prefill_breakdown", []) if b["fmt"] == fmt]
     if not bds:
         return "no prefill breakdown measured"
-    bd = bds[-1]
+    bd = next((b for b in bds if b["tokens"] == tokens), None) or max(bds, key=lambda b: b["tokens"])
     parts = [f"{o['op']} {o['us'] / 1e3:.1f} ms ({o['share']:.0%})" for o in bd["ops"][:n]]
     return f"prefill {bd['tokens']} tokens: " + ", ".join(parts) + f"; gaps {bd['gap_us'] / 1e3:.1f} ms"
 
@@ -165,7 +174,7 @@ def evaluate_targets(results: dict) -> list[dict]:
         if met is False and kind in ("decode", "speedup") and fld != "peak_gib":
             points_to = _top_ops(results, fmt, batch, context)
         elif met is False and kind == "prefill":
-            points_to = _top_prefill_ops(results, fmt)
+            points_to = _top_prefill_ops(results, fmt, context)
         elif met is False:
             points_to = extra
         out.append({"key": key, "target": desc, "op": op, "limit": limit, "unit": unit, "measured": measured,
@@ -193,6 +202,18 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
     for row in rows:
         lines.append("| " + " | ".join(_fmt(c).replace("|", "\\|") for c in row) + " |")
     return lines
+
+
+def _chunks(r: dict) -> str:
+    """A prefill point's calls: "16 x 512", "4 x 2048", "2 x 2048 + 2 x 512" (from its
+    `pieces`, tokens per call; runs before session 17 recorded only `chunk`)."""
+    pieces = r.get("pieces")
+    if not pieces:
+        return f"{-(-r['tokens'] // r['chunk'])} x {r['chunk']}" if r.get("chunk") else "-"
+    counts: dict[int, int] = {}
+    for size in pieces:
+        counts[size] = counts.get(size, 0) + 1
+    return " + ".join(f"{n} x {size}" for size, n in counts.items())
 
 
 def _ctx(c: int) -> str:
@@ -256,19 +277,23 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
                          r["distinct_experts"]["mean"], r["roofline"]["bytes"] / 1e9,
                          f"{_fmt(r.get('kernels_measured'))}/{_fmt(r.get('kernels_plan'))}", r.get("peak_gib"),
                          e["e2e_ms"] if e else None, k["e2e_ms"] if k else None,
-                         f"{k['e2e_ms'] / r['e2e_ms']:.2f}x" if k and r["e2e_ms"] else "-"])
+                         f"{k['e2e_ms'] / r['e2e_ms']:.2f}x" if k and r["e2e_ms"] else "-"]
+                        + ([r.get("run", "-")] if len(runs) > 1 else []))
         L += _table(["format", "batch", "context", "fwd ms", "e2e ms", "roofline ms", "fwd % roof", "e2e % roof",
                      "experts/layer", "GB read", "kernels graph/plan", "peak GiB", "eager e2e ms",
-                     "compile e2e ms", "vs compile"], rows)
+                     "compile e2e ms", "vs compile"] + (["run"] if len(runs) > 1 else []), rows)
         L.append("")
     pre = sorted(results.get("prefill", []), key=lambda r: (r["fmt"], r["tokens"]))
     if pre:
-        L += ["## Prefill", "", "One sequence, `runner.prefill` (chunks of the build's prefill_chunk), "
+        L += ["## Prefill", "", "One sequence, `runner.prefill` (chunks: calls x tokens per call), "
               + ("device events" if str(m.get("device", "")).startswith("cuda") else "time.perf_counter")
               + " around the call. Roofline = max(FLOPs / matmul rate, weight bytes / copy bandwidth).", ""]
-        L += _table(["format", "tokens", "ms", "tokens/s", "roofline ms", "bound", "% roof", "peak GiB"],
-                    [[r["fmt"], r["tokens"], r["ms"], r["tokens_per_s"], r["roofline_ms"], r["roofline"]["bound"],
-                      f"{r['roofline_share']:.0%}", r.get("peak_gib")] for r in pre])
+        merged = len(runs) > 1
+        L += _table(["format", "tokens", "chunks", "ms", "tokens/s", "roofline ms", "bound", "% roof", "peak GiB"]
+                    + (["run"] if merged else []),
+                    [[r["fmt"], r["tokens"], _chunks(r), r["ms"], r["tokens_per_s"], r["roofline_ms"],
+                      r["roofline"]["bound"], f"{r['roofline_share']:.0%}", r.get("peak_gib")]
+                     + ([r.get("run", "-")] if merged else []) for r in pre])
         L.append("")
     if base or results.get("baseline_failures"):
         L += ["## Baselines", "", "Same weights. eager = the reference model (`flintc.model.reference`); compile = "

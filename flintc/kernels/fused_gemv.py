@@ -596,8 +596,8 @@ def gate_up_config(fmt: str, F: int, H: int, N: int, device: torch.device) -> Ge
         raise ValueError(f"gate_up_config: fmt must be 'bf16' or 'nvfp4' and N in [1, {MAX_N}]; "
                          f"got {fmt!r}, {N!r}")
     # bf16: the rule's 3-D tiles took 782.7 / 64.6 us at N = 2 / 4, the N = 8 entry 38.2 /
-    # 39.4; NVFP4: the rule (36.2 / 35.4) beats the N = 8 entry (45.6 / 46.3)
-    # (docs/gpu-runs.md session 15, runs 9 and 11)
+    # 39.4 (the N = 2 / 4 entries since session 17: 32.2 / 33.7); NVFP4: the rule (36.2 /
+    # 35.4) beats the N = 8 entry (45.6 / 46.3) (docs/gpu-runs.md session 15, runs 9 and 11)
     for n in range(N, MAX_N + 1):
         cfg = tuned_config(("gate_up:" + fmt, F, H, n))
         if cfg is not None and (n == N or (cfg.use_dot and fmt == "bf16")):

@@ -38,6 +38,11 @@ from flintc.runtime.codegen import generate_step, module_source
 
 BUILD_VERSION = 1
 DECODE_BUCKETS = (1, 2, 4, 8)
+# default tokens per prefill call on CUDA: 8,192-token prefill of the full model on the
+# H200 714 / 418 / 373 ms (NVFP4) and 676 / 390 / 339 ms (BF16) with chunks of 512 /
+# 2,048 / 4,096 (docs/gpu-runs.md session 17)
+CUDA_PREFILL_CHUNK = 2048
+MAX_PREFILL_CHUNK = 16384  # tokens per prefill call (the fp32 logits [C, V] alone: 9.9 GB at full size)
 
 
 @dataclass
@@ -48,9 +53,14 @@ class BuildOptions:
     decode_buckets: the decode batch sizes to compile instead (the largest must be
         max_batch); a batch runs in the smallest bucket that holds it.
     max_model_len: positions per sequence (full-attention cache rows).
-    prefill_chunk: tokens per prefill call; at most the sliding window W (a padded
-        last chunk must not push live tokens out of the ring). None: the largest power
-        of two <= min(W, 512).
+    prefill_chunk: tokens per prefill call. None: on CUDA `CUDA_PREFILL_CHUNK` (2048,
+        or the power of two >= max_model_len when that is less), elsewhere the largest
+        power of two <= min(W, 512). A chunk longer than the sliding window W is allowed: every MoE layer then
+        reads its experts' weights once per C tokens instead of once per 512 (the
+        grouped GEMMs are weight-bound at 512 tokens). A padded chunk must not be
+        longer than W (its padding tokens would push live tokens out of the ring), so
+        such a build also has a tail function of `prefill_tail_chunk` tokens, which
+        runs the part of a prompt shorter than C.
     backend: "triton" (Triton kernels where they exist, reference ops elsewhere; on the
         CPU through Triton's interpreter, slow: for testing kernels), "torch" (reference
         ops only), or "auto" (triton on CUDA when it is installed, else torch).
@@ -88,9 +98,12 @@ class BuildOptions:
         if o.prefill_chunk is None:
             cap = min(W, 512) if W else 512
             o.prefill_chunk = 1 << (cap.bit_length() - 1)
+            if str(o.device).startswith("cuda"):  # no longer than a prompt can be
+                longest = 1 << max(0, o.max_model_len - 1).bit_length()
+                o.prefill_chunk = max(o.prefill_chunk, min(CUDA_PREFILL_CHUNK, longest))
         o.prefill_chunk = int(o.prefill_chunk)
-        if o.prefill_chunk < 1 or (W and o.prefill_chunk > W):
-            raise InputError(f"--prefill-chunk must be in 1..{W} (the sliding window), got {o.prefill_chunk}")
+        if not 1 <= o.prefill_chunk <= MAX_PREFILL_CHUNK:
+            raise InputError(f"--prefill-chunk must be in 1..{MAX_PREFILL_CHUNK}, got {o.prefill_chunk}")
         if o.decode_buckets:
             b = sorted(set(int(n) for n in o.decode_buckets))
             if b[0] < 1 or b[-1] != o.max_batch:
@@ -116,6 +129,16 @@ class BuildOptions:
             return sorted(set(int(n) for n in self.decode_buckets))
         b = [n for n in DECODE_BUCKETS if n <= self.max_batch]
         return b if self.max_batch in b else b + [self.max_batch]
+
+    def prefill_tail_chunk(self, config: FlintConfig) -> int:
+        """Tokens per call of the tail prefill function: `prefill_chunk` when it is at
+        most the sliding window W (or the model has no sliding layer), else the largest
+        power of two <= min(W, 512). Call on resolved options."""
+        W = config.sliding_window if "sliding_attention" in config.layer_types else None
+        if not W or self.prefill_chunk <= W:
+            return self.prefill_chunk
+        cap = min(W, 512)
+        return 1 << (cap.bit_length() - 1)
 
     @property
     def cache_rows(self) -> int:
@@ -226,7 +249,10 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     t_start = time.perf_counter()
     model = FlintModel(config, ckpt.weights, max_positions=opts.cache_rows)
     check_len = _check_len(opts, config)
+    tail = opts.prefill_tail_chunk(config)
     steps = [("decode", b, 1) for b in opts.buckets] + [("prefill", 1, opts.prefill_chunk)]
+    if tail != opts.prefill_chunk:
+        steps.append(("prefill", 1, tail))
     sources, reports, plan_steps = [], [], {}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -257,7 +283,8 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
             doc = (f"{step}, batch {batch}, {tokens} token(s) per sequence: input_ids, positions int64 "
                    f"[{batch}, {tokens}]; slots int64 [{batch}]. Returns fp32 logits [{batch}, {tokens}, "
                    f"{config.vocab_size}]. Cache rows traced: {rows}.")
-            src = generate_step(graph.gm, name, graph.buffer_names, doc, pdl=(step == "decode"))
+            src = generate_step(graph.gm, name, graph.buffer_names, doc, pdl=(step == "decode"),
+                                free=(step == "prefill"))
             sources.append(src)
             reports.append({"function": name, **report.as_dict()})
             plan_steps[name] = {
@@ -344,7 +371,8 @@ def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dic
         "tokenizer_dir": str(Path(ckpt.tokenizer_dir).resolve()) if ckpt.tokenizer_dir else None,
         "weight_sha256": weight_fingerprint(ckpt.weights, ckpt.fmt, ckpt.source),
         "max_batch": opts.max_batch, "max_model_len": opts.max_model_len,
-        "prefill_chunk": opts.prefill_chunk, "cache_rows": opts.cache_rows,
+        "prefill_chunk": opts.prefill_chunk,
+        "prefill_tail_chunk": opts.prefill_tail_chunk(ckpt.config), "cache_rows": opts.cache_rows,
         "backend": opts.backend, "device": opts.device, "checked": opts.check,
         "buckets": opts.buckets,
         "functions": {name: {"step": s["step"], "batch": s["batch"], "tokens": s["tokens"],

@@ -17,7 +17,11 @@ the generated step functions of `BUILD/runtime.py`.
   sliding layers that hold live positions, so the runner saves those rows before the
   chunk and puts them back after it (padding in full layers writes rows past the
   prompt, which decode overwrites before reading; the caches have one chunk of spare
-  rows for it). On CUDA with the triton backend the prefill function is captured once
+  rows for it). A build whose chunk C is longer than the sliding window W has a second
+  prefill function of `prefill_tail_chunk` (<= W) tokens: full chunks of C run first,
+  the rest of the prompt in tail chunks (`prefill_pieces`), so only a chunk of at most
+  W tokens is ever padded (a padded chunk longer than W would leave its live tokens out
+  of the ring). On CUDA with the triton backend the prefill function is captured once
   into a CUDA graph (`prefill_graph`) and each chunk is a replay with its inputs
   copied into static buffers: one chunk launches thousands of kernels, and run
   eagerly it is bound by the host (Python and launch overhead). The save/restore of
@@ -240,6 +244,8 @@ class CompiledRunner:
         self.max_batch = int(manifest["max_batch"])
         self.max_model_len = int(manifest["max_model_len"])
         self.prefill_chunk = int(manifest["prefill_chunk"])
+        # builds before session 17 have no tail function: their chunk is at most W
+        self.prefill_tail_chunk = int(manifest.get("prefill_tail_chunk") or self.prefill_chunk)
         self.cache_rows = int(manifest["cache_rows"])
         self.backend = manifest["backend"]
         if self.backend == "triton" and device.type == "cuda" and ckpt.fmt == "nvfp4":
@@ -285,7 +291,7 @@ class CompiledRunner:
             raise InputError(f"prefill_graphs=True needs the triton backend; {self.build} uses "
                              f"{self.backend!r} (its prefill attention reads positions on the host)")
         self.prefill_graphs = allowed and self.backend == "triton"
-        self._prefill_entry: tuple | None = None
+        self._prefill_entries: dict[int, tuple] = {}  # tokens per call -> captured graph
         self._prefill_workspaces: list[torch.Tensor] = []
 
     # -- the generated functions -------------------------------------------------------
@@ -308,43 +314,58 @@ class CompiledRunner:
             return self._call(name, input_ids, positions, slots)
 
     # -- ModelRunner -----------------------------------------------------------------
+    def prefill_pieces(self, num_tokens: int) -> list[tuple[int, int, int]]:
+        """How `prefill` cuts a prompt of `num_tokens` tokens: (offset, live tokens, tokens
+        per call) per call, in order. Chunks of `prefill_chunk` while that many tokens are
+        left, then (a build with a tail function) chunks of `prefill_tail_chunk`; only the
+        last call is padded."""
+        pieces, s = [], 0
+        C, tail = self.prefill_chunk, self.prefill_tail_chunk
+        while s < num_tokens:
+            size = C if num_tokens - s >= C or tail == C else tail
+            n = min(size, num_tokens - s)
+            pieces.append((s, n, size))
+            s += n
+        return pieces
+
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0,
                 all_logits: bool = False) -> torch.Tensor:
         ids = [int(t) for t in token_ids]
         check_request(self, slot, start, len(ids))
-        C = self.prefill_chunk
-        name = f"prefill_t{C}"
         W = self.config.sliding_window
         graphed = self.use_cuda_graphs and self.prefill_graphs
+        pieces = self.prefill_pieces(len(ids))
         if graphed:
-            graph, s_ids, s_pos, s_sl, s_out = self._prefill_entry or self._capture_prefill()
-            chunks = -(-len(ids) // C)
+            entries = {size: self._prefill_entries.get(size) or self._capture_prefill(size)
+                       for size in {p[2] for p in pieces}}
+            padded = sum(p[2] for p in pieces)
             # one upload for the whole prompt (a pageable host-to-device copy waits for the
             # stream: once per prompt, not once per chunk behind the previous replay)
-            all_ids = torch.tensor(ids + [0] * (chunks * C - len(ids)), device=self.device).view(chunks, C)
-            s_sl.fill_(slot)
+            all_ids = torch.tensor(ids + [0] * (padded - len(ids)), device=self.device)
+            for entry in entries.values():
+                entry[3].fill_(slot)
         else:
             slots = torch.tensor([slot], device=self.device)
         out = []
-        for s in range(0, len(ids), C):
-            piece = ids[s:s + C]
-            n = len(piece)
+        for s, n, C in pieces:
+            piece = ids[s:s + n]
             p0 = start + s
-            pad = C - n
+            pad = C - n  # only the last piece, and then C <= W (or no sliding layer)
             saved = None
             if pad and self.sliding_caches:
                 rows = torch.arange(p0 + n, p0 + C, device=self.device) % W
                 saved = [(t, rows, t[slot, rows].clone()) for t in self.sliding_caches]
             if graphed:
-                s_ids.copy_(all_ids[s // C:s // C + 1])
+                graph, s_ids, s_pos, _, s_out = entries[C]
+                s_ids.copy_(all_ids[s:s + C][None])
                 torch.arange(p0, p0 + C, out=s_pos[0])
                 graph.replay()
                 logits = s_out[0, :n]  # [n, V], a view of the static output: cloned below
             else:
                 tok = torch.tensor([piece + [0] * pad], device=self.device)
                 pos = torch.arange(p0, p0 + C, device=self.device)[None]
-                logits = self._call(name, tok, pos, slots)[0, :n]  # [n, V]
+                logits = self._call(f"prefill_t{C}", tok, pos, slots)[0, :n]  # [n, V]
             if saved:
                 for t, rows, keep in saved:
                     t[slot, rows] = keep
@@ -431,23 +452,23 @@ class CompiledRunner:
         self._graphs[B] = entry
         return entry
 
-    def _capture_prefill(self):
-        """Capture prefill_t{C} (C = prefill_chunk) into a CUDA graph; see `prefill_graph`.
+    def _capture_prefill(self, C: int):
+        """Capture prefill_t{C} (C = prefill_chunk or prefill_tail_chunk) into a CUDA
+        graph; see `prefill_graph`.
 
         The prefill kernels have no padding-slot convention (their KV write would take a
         negative slot as an address), so the warm-up runs, which execute, use slot 0 at
         positions 0..C-1 with token 0: they read no cache row (nothing precedes position
         0) and write rows 0..C-1 of slot 0 in every layer (full layers: rows = positions;
-        sliding layers: ring rows p % W, C <= W). Those rows are saved before and written
-        back after, so whatever slot 0 holds (a live sequence, even with max_batch 1) is
-        unchanged. The capture itself executes nothing.
+        sliding layers: ring rows p % W, all W of them when C >= W). Those rows are saved
+        before and written back after, so whatever slot 0 holds (a live sequence, even
+        with max_batch 1) is unchanged. The capture itself executes nothing.
 
         Raises:
             RuntimeError: the capture failed (an operation of the prefill path that CUDA
                 graphs cannot capture, e.g. a host sync); the message names
                 FLINTC_PREFILL_GRAPHS=0, which runs prefill eagerly.
         """
-        C = self.prefill_chunk
         name = f"prefill_t{C}"
         dev = self.device
         with torch.inference_mode(False):  # plain tensors: callers of prefill_graph may fill them anywhere
@@ -466,18 +487,19 @@ class CompiledRunner:
                 for t, k in zip(self.kv, keep):
                     t[0, :C] = k
         # The NVFP4 GEMM's shared dequantization workspace (flintc.kernels.gemm) is baked
-        # into the graph by address: hold it, so a later eager call that grows (replaces)
-        # it cannot free the memory this graph writes.
+        # into the graph by address: hold it (and those of the graphs captured before), so
+        # a later call that grows (replaces) it cannot free the memory a graph writes.
         from flintc.kernels import gemm as gemm_kernels
 
-        self._prefill_workspaces = list(gemm_kernels._WORKSPACE.values())
-        self._prefill_entry = (graph, s_ids, s_pos, s_sl, out)
-        return self._prefill_entry
+        self._prefill_workspaces += list(gemm_kernels._WORKSPACE.values())
+        self._prefill_entries[C] = (graph, s_ids, s_pos, s_sl, out)
+        return self._prefill_entries[C]
 
-    def prefill_graph(self):
-        """The CUDA graph of the prefill function (captured on first use) and its static
+    def prefill_graph(self, tokens: int | None = None):
+        """The CUDA graph of a prefill function (captured on first use) and its static
         buffers: (graph, input_ids int64 [1, C], positions int64 [1, C], slots int64 [1],
-        logits fp32 [1, C, V]) with C = prefill_chunk. Fill the inputs (positions p0..p0+C-1,
+        logits fp32 [1, C, V]) with C = `tokens`, default prefill_chunk (or the build's
+        prefill_tail_chunk). Fill the inputs (positions p0..p0+C-1,
         a slot in [0, max_batch)), `graph.replay()`, read the logits before the next replay.
         A replay writes the chunk's K/V rows like the eager function (padding included:
         `prefill` saves and restores the sliding rows of a padded last chunk). Memory: the
@@ -485,13 +507,18 @@ class CompiledRunner:
 
         Raises:
             InputError: prefill graphs are off (no CUDA, use_cuda_graphs=False, the torch
-                backend, FLINTC_PREFILL_GRAPHS=0).
+                backend, FLINTC_PREFILL_GRAPHS=0), or the build has no function of
+                `tokens` tokens.
             RuntimeError: the capture failed (see `_capture_prefill`).
         """
         if not (self.use_cuda_graphs and self.prefill_graphs):
             raise InputError("prefill graphs need a CUDA device, use_cuda_graphs=True, the triton backend "
                              f"and {PREFILL_GRAPHS_ENV} not 0")
-        return self._prefill_entry or self._capture_prefill()
+        C = self.prefill_chunk if tokens is None else int(tokens)
+        if C not in (self.prefill_chunk, self.prefill_tail_chunk):
+            raise InputError(f"no prefill function of {C} tokens in {self.build}; it has "
+                             f"{sorted({self.prefill_chunk, self.prefill_tail_chunk})}")
+        return self._prefill_entries.get(C) or self._capture_prefill(C)
 
     def decode_graph(self, B: int):
         """The CUDA graph of bucket B (captured on first use) and its static buffers:

@@ -171,11 +171,14 @@ def test_targets_are_judged_with_margins():
 
 
 def test_prefill_target_points_to_the_prefill_breakdown():
-    """A missed prefill target names the prefill breakdown's largest kernels."""
+    """A missed prefill target names the largest kernels of the breakdown of its own
+    length, also when a shorter prefill's breakdown comes after it (a merge keeps the
+    first position of a key)."""
     res = {"meta": {"full_model": True, "device": "cuda"},
            "prefill": [{"engine": "flintc", "fmt": "bf16", "tokens": 8192, "ms": 2400.0}],
            "prefill_breakdown": [{"fmt": "bf16", "tokens": 8192, "gap_us": 5000.0, "ops": [
-               {"op": "flash_kernel", "us": 1.5e6, "share": 0.6}, {"op": "moe", "us": 5e5, "share": 0.2}]}]}
+               {"op": "flash_kernel", "us": 1.5e6, "share": 0.6}, {"op": "moe", "us": 5e5, "share": 0.2}]},
+               {"fmt": "bf16", "tokens": 1024, "gap_us": 1.0, "ops": [{"op": "other", "us": 1.0, "share": 1.0}]}]}
     [t] = [t for t in report.evaluate_targets(res) if t["key"] == "bf16_prefill_8192"]
     assert t["met"] is False
     assert t["points_to"] == "prefill 8192 tokens: flash_kernel 1500.0 ms (60%), moe 500.0 ms (20%); gaps 5.0 ms"
@@ -188,6 +191,38 @@ def test_merge_keeps_the_later_record():
     m = report.merge_results([a, b])
     assert report.find(m["decode"], fmt="nvfp4", batch=1)["fwd_ms"] == 1.0
     assert len(m["decode"]) == 2 and len(m["baselines"]) == 2 and len(m["meta"]["runs"]) == 2
+
+
+def test_merged_rows_name_their_run():
+    """Each merged row carries the number of the run it comes from (the report's "run"
+    column, matching the header's "Run i" lines), also through a re-merge; one run has
+    no such column; prefill rows show their calls ("2 x 2048 + 1 x 512")."""
+    a, b, c = _fake_results(), _fake_results(), _fake_results()
+    full = {"roofline_ms": 1.0, "fwd_roofline_share": 0.5, "e2e_roofline_share": 0.4,
+            "distinct_experts": {"mean": 6}, "roofline": {"bytes": 1e9}, "kernels_measured": 343,
+            "kernels_plan": 343, "peak_gib": 30.0}
+    for r in (a, b, c):
+        r["decode"] = [dict(d, **full) for d in r["decode"]]
+        r["breakdown"] = []
+    b["decode"] = [dict(a["decode"][0], fwd_ms=1.0)]  # replaces a's nvfp4 b1 row
+    c["decode"] = [dict(a["decode"][1], fwd_ms=2.0)]
+    pre = {"engine": "flintc", "fmt": "bf16", "tokens": 4700, "ms": 300.0, "min_ms": 290.0, "tokens_per_s": 1.0,
+           "chunk": 2048, "pieces": [2048, 2048, 512, 512], "roofline": {"bound": "flops"}, "roofline_ms": 30.0,
+           "roofline_share": 0.1}
+    old = dict(pre, tokens=1024, pieces=None, chunk=512)  # a run before pieces were recorded
+    c["prefill"] = [pre, old]
+    ab = report.merge_results([a, b])
+    assert sorted(r["run"] for r in ab["decode"]) == [1, 2]
+    m = report.merge_results([ab, c])
+    assert len(m["meta"]["runs"]) == 3
+    runs = {(r["fmt"], r["batch"]): r["run"] for r in m["decode"]}
+    assert runs[(a["decode"][0]["fmt"], a["decode"][0]["batch"])] == 2
+    assert runs[(a["decode"][1]["fmt"], a["decode"][1]["batch"])] == 3
+    md = report.render_markdown(m)
+    assert "| run |" in md.split("## Decode step")[1].split("\n\n")[2]
+    assert "| 2 x 2048 + 2 x 512 |" in md and "| 2 x 512 |" in md
+    a["ceilings"]["matmul_tflops"] = 790.0
+    assert "| run |" not in report.render_markdown(a)
 
 
 # -- the command on the CPU ------------------------------------------------------------------

@@ -229,6 +229,34 @@ def test_build_options_zero_is_not_unset():
         BuildOptions(max_model_len=0).resolve(tiny)
 
 
+def test_prefill_chunk_defaults_and_tail():
+    """--prefill-chunk: on CUDA 2048 by default (fewer passes over the experts' weights),
+    less when no prompt can be that long; elsewhere 2^k <= min(W, 512); a chunk longer
+    than W gets a tail function of 2^k <= min(W, 512) tokens; 1..16384 allowed."""
+    from flintc.config import FlintConfig
+    from flintc.errors import InputError
+    from flintc.runtime.build import CUDA_PREFILL_CHUNK, BuildOptions
+
+    full, tiny = FlintConfig.preset("full"), FlintConfig.preset("tiny")  # W = 513, 9
+
+    def resolved(config, **kw):
+        o = BuildOptions(**kw).resolve(config)
+        return o.prefill_chunk, o.prefill_tail_chunk(config)
+
+    assert CUDA_PREFILL_CHUNK == 2048
+    assert resolved(full, device="cuda") == (2048, 512)
+    assert resolved(full, device="cuda", max_model_len=1000) == (1024, 512)
+    assert resolved(full, device="cuda", max_model_len=100) == (512, 512)  # never below the CPU default
+    assert resolved(full) == (512, 512)
+    assert resolved(full, prefill_chunk=513) == (513, 513)  # up to W: no tail
+    assert resolved(full, prefill_chunk=4096) == (4096, 512)
+    assert resolved(tiny) == (8, 8) and resolved(tiny, device="cuda", max_model_len=64) == (64, 8)
+    assert resolved(tiny, prefill_chunk=9) == (9, 9) and resolved(tiny, prefill_chunk=10) == (10, 8)
+    for bad in (0, 16385):
+        with pytest.raises(InputError, match=f"--prefill-chunk must be in 1..16384, got {bad}"):
+            BuildOptions(prefill_chunk=bad).resolve(full)
+
+
 def test_sigterm_during_compile_leaves_no_temporary_folder(tmp_path, tiny_bf16_dir):
     """SIGTERM runs the same clean-up as Ctrl-C: exit 143, no `.b.xxxx` folder left."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}

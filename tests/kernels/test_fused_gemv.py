@@ -547,11 +547,12 @@ def test_fused_swap_and_flat_configs_gpu(N, fmt):
 
 @pytest.mark.parametrize("use_pdl", [False, True])
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4_gs"])
-@pytest.mark.parametrize("N", [1, 8])
+@pytest.mark.parametrize("N", [1, 2, 4, 8])
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 def test_fused_mlp_and_residual_gpu(N, fmt, use_pdl):
-    """Dense MLP (F = 10240) and the O / down projections with the residual add."""
+    """Dense MLP (F = 10240) and the O / down projections with the residual add, with
+    each N's default config (bf16 N = 2, 4: their own TUNED entries)."""
     x = torch.randn(N, 1, 2048, device="cuda").to(torch.bfloat16)
     norm = torch.rand(2048, device="cuda") + 0.5
     gate, up = make_weight(10240, 2048, fmt), make_weight(10240, 2048, fmt)
@@ -606,18 +607,21 @@ def test_qkv_split_rule_counts_every_head_program(monkeypatch, hq, hkv):
 
 
 def test_gate_up_config_falls_back_to_tensor_core_entries_for_bf16():
-    """`norm_gate_up_silu`'s default config: the TUNED entry at N = 1 and 8; bf16 at N =
-    2-7 takes the N = 8 tensor-core entry (the rule's 3-D tiles measured 782.7 us at N = 2
-    on the H200 against 38.2), NVFP4 keeps the rule there (faster than the N = 8 entry)."""
+    """`norm_gate_up_silu`'s default config: the TUNED entry where there is one (N = 1
+    and 8; bf16 also 2 and 4); bf16 at N = 3, 5-7 takes the next larger N's tensor-core
+    entry (the rule's 3-D tiles measured 782.7 us at N = 2 on the H200 against 38.2),
+    NVFP4 keeps the rule there (faster than the N = 8 entry)."""
     from flintc.kernels.gemv import TUNED, choose_config
 
     cpu = torch.device("cpu")
     F, H = 10240, 2048
-    for fmt in ("bf16", "nvfp4"):
-        for n in (1, 8):
+    for fmt, ns in (("bf16", (1, 2, 4, 8)), ("nvfp4", (1, 8))):
+        for n in ns:
             assert FG.gate_up_config(fmt, F, H, n, cpu) == TUNED[("gate_up:" + fmt, F, H, n)]
+    for n, tuned_n in ((3, 4), (5, 8), (6, 8), (7, 8)):
+        assert FG.gate_up_config("bf16", F, H, n, cpu) == TUNED[("gate_up:bf16", F, H, tuned_n)]
+    assert TUNED[("gate_up:bf16", F, H, 2)].use_dot and TUNED[("gate_up:bf16", F, H, 4)].use_dot
     for n in range(2, 8):
-        assert FG.gate_up_config("bf16", F, H, n, cpu) == TUNED[("gate_up:bf16", F, H, 8)]
         base = choose_config(n, 2 * F, H, "nvfp4", cpu, flat_ok=False)
         got = FG.gate_up_config("nvfp4", F, H, n, cpu)
         assert got.block_f == max(16, base.block_f // 2) and got.use_dot == base.use_dot

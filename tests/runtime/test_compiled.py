@@ -51,7 +51,11 @@ def builds(tmp_path_factory, tiny_bf16_dir):
     code = main(["compile", "--out", str(root / "nvfp4"), "--max-batch", "4", "--max-model-len",
                  str(MAX_LEN), "--backend", "torch", "--no-check"])
     assert code == 0
-    return {"bf16": (root / "bf16", tiny_bf16_dir), "nvfp4": (root / "nvfp4", default_checkpoint())}
+    compile_model(ckpt, root / "bf16-c16", BuildOptions(max_batch=2, decode_buckets=(2,), max_model_len=MAX_LEN,
+                                                        prefill_chunk=16, backend="torch", check=False,
+                                                        dump=False), progress=False, log=lambda m: None)
+    return {"bf16": (root / "bf16", tiny_bf16_dir), "nvfp4": (root / "nvfp4", default_checkpoint()),
+            "bf16-c16": (root / "bf16-c16", tiny_bf16_dir)}
 
 
 def reference(path):
@@ -108,18 +112,16 @@ def teacher_forced(runner, model, prompts, steps, log):
     ref = ReferenceRunner(model, max_batch=runner.max_batch, max_model_len=runner.max_model_len)
     out = []
     for b, ids in enumerate(prompts):
-        n_chunks = -(-len(ids) // runner.prefill_chunk)
+        pieces = runner.prefill_pieces(len(ids))  # (offset, live tokens, tokens per call)
         a = runner.prefill(b, ids)
         log.theirs = []  # the torch backend's reference ops call route_topk too
         ours = log.ours
         log.ours = []
         # the compiled prefill ran padded chunks: keep each chunk's real rows only
         real = []
-        per_layer = len(ours) // n_chunks
-        rows_last = len(ids) - (n_chunks - 1) * runner.prefill_chunk
+        per_layer = len(ours) // len(pieces)
         for layer in range(per_layer):
-            real.append(torch.cat([ours[c * per_layer + layer][: runner.prefill_chunk if c < n_chunks - 1
-                                                                 else rows_last] for c in range(n_chunks)]))
+            real.append(torch.cat([ours[c * per_layer + layer][:n] for c, (_, n, _) in enumerate(pieces)]))
         r = ref.prefill(b, ids)
         theirs = log.theirs
         log.theirs = []
@@ -229,6 +231,41 @@ def test_padding_never_touches_live_caches(builds):
             assert torch.equal(t[1, kept], b[1, kept]), f"cache {i}: padding overwrote live ring rows"
 
 
+def test_prefill_chunk_longer_than_the_sliding_window(builds, monkeypatch):
+    """--prefill-chunk 16 with W = 9: the build also has an 8-token tail function; a
+    40-token prompt runs as 16 + 16 + 8 tokens, a 21-token one as 16 + 5 (padded to 8),
+    so no chunk longer than W is padded. Teacher forced against the reference (which
+    runs the whole prompt as one 40-token forward, T > W too), and the caches after the
+    prefill hold what the reference's hold (the ring: the last 9 positions)."""
+    from flintc.runtime.runner import ReferenceRunner
+
+    build, source = builds["bf16-c16"]
+    manifest = json.loads((build / "build.json").read_text())
+    assert manifest["prefill_chunk"] == 16 and manifest["prefill_tail_chunk"] == 8
+    assert set(manifest["functions"]) == {"decode_b2", "prefill_t16", "prefill_t8"}
+    runner = load_build(build, progress=False)
+    assert runner.prefill_pieces(40) == [(0, 16, 16), (16, 16, 16), (32, 8, 8)]
+    assert runner.prefill_pieces(21) == [(0, 16, 16), (16, 5, 8)]
+    assert runner.prefill_pieces(7) == [(0, 7, 8)]
+    model = reference(source)
+    prompts = [[(7 * i + 3) % 500 + 1 for i in range(40)], [(5 * i + 11) % 400 + 2 for i in range(21)]]
+    log = ExpertLog(monkeypatch, runner)
+    assert_agree_with_flips(teacher_forced(runner, model, prompts, 12, log))
+    monkeypatch.undo()
+    runner = load_build(build, progress=False)
+    ref = ReferenceRunner(model, max_batch=2, max_model_len=runner.max_model_len, prefill_chunk=16)
+    for t in runner.kv + ref.kv:
+        t.zero_()
+    runner.prefill(1, prompts[1])
+    ref.prefill(1, prompts[1])
+    W = runner.config.sliding_window
+    for i, (ours, theirs) in enumerate(zip(runner.kv, ref.kv)):
+        rows = W if ours.shape[1] == W else 21  # the ring / positions 0..20 (padding wrote 21..23)
+        a, b = ours[1, :rows].float(), theirs[1, :rows].float()
+        assert (a - b).abs().max() <= PREFILL_ATOL + RTOL * b.abs().max(), f"cache {i} differs"
+        assert torch.equal(ours[0], torch.zeros_like(ours[0])), f"cache {i}: slot 0 was written"
+
+
 def test_generated_runtime_is_readable(builds):
     build, _ = builds["bf16"]
     src = (build / "runtime.py").read_text()
@@ -242,6 +279,35 @@ def test_generated_runtime_is_readable(builds):
     assert "layer 3" in launches[-2] and "moe_down_combine_residual" in launches[-2]
     assert all(l["pdl"] for l in plan["steps"]["decode_b1"]["launches"])
     assert (build / "report.md").is_file() and json.loads((build / "report.json").read_text())[0]["passed"]
+
+
+def test_prefill_drops_intermediates_after_their_last_use(builds):
+    """The generated prefill function `del`s each intermediate right after the line that
+    reads it last (so a chunk's peak memory is one layer's, not all layers'); no line
+    reads a name after its del, and nothing but the returned value survives. Decode
+    functions have no dels (PDL: codegen module doc)."""
+    import re
+
+    build, _ = builds["bf16"]
+    src = (build / "runtime.py").read_text()
+    assert "del " not in src.split("def decode_b1(")[1].split("\ndef ")[0]
+    body = src.split("def prefill_t8(")[1].split("\ndef ")[0].splitlines()[2:]
+    code = [line.split("#")[0].strip() for line in body if line.startswith("    ")]
+    assigned, dropped = [], set()
+    for i, line in enumerate(code):
+        if line.startswith("del "):
+            names = [n.strip() for n in line[4:].split(",")]
+            assert all(n in assigned and n not in dropped for n in names), line
+            dropped.update(names)
+            continue
+        read = set(re.findall(r"(?<![.\w])[A-Za-z_]\w*", line.split("=", 1)[-1]))  # not K.op
+        assert not read & dropped, f"line {i} reads a dropped name: {line}"
+        m = re.match(r"([A-Za-z_][A-Za-z0-9_]*) = ", line)
+        if m and not line.startswith(("k_cache", "v_cache")):
+            assigned.append(m.group(1))
+    returned = code[-1].split()[1]
+    assert code[-1].startswith("return ") and set(assigned) - dropped == {returned}
+    assert len(dropped) > 100
 
 
 def test_cli_run_build_json_and_summary(builds, capsys):

@@ -43,17 +43,20 @@ MAX_LEN = 48
 def builds(tmp_path_factory):
     """Tiny dummy-weight builds (triton backend, CPU), one decode bucket each (compile
     time): NVFP4 with 1 slot, BF16 with 2 (the graph-path test prefills slot 1 while slot 0
-    holds a live sequence); prefill chunk 8 (W = 9)."""
+    holds a live sequence); prefill chunk 8 (W = 9); and BF16 with chunks of 16 (longer
+    than W: a second, 8-token tail function)."""
     from flintc.runtime.build import BuildOptions, compile_model
 
     root = tmp_path_factory.mktemp("prefill_graphs")
     out = {}
-    for fmt, slots in (("nvfp4", 1), ("bf16", 2)):
+    for name, fmt, slots, chunk in (("nvfp4", "nvfp4", 1, None), ("bf16", "bf16", 2, None),
+                                    ("bf16-c16", "bf16", 2, 16)):
         ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt=fmt, progress=False)
-        compile_model(ckpt, root / fmt, BuildOptions(max_batch=slots, decode_buckets=(slots,), max_model_len=MAX_LEN,
-                                                     backend="triton", device="cpu", check=False, dump=False),
+        compile_model(ckpt, root / name, BuildOptions(max_batch=slots, decode_buckets=(slots,), max_model_len=MAX_LEN,
+                                                      prefill_chunk=chunk, backend="triton", device="cpu",
+                                                      check=False, dump=False),
                       progress=False, log=lambda m: None)
-        out[fmt] = (root / fmt, ckpt)
+        out[name] = (root / name, ckpt)
     return out
 
 
@@ -117,15 +120,18 @@ def fill(runner, seed):
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
 
 
-def test_graph_path_equals_eager_path(builds, monkeypatch):
-    """Prefill 20 tokens (chunks 8, 8, 4+4 padding) then 5 more at start 20, into slot 1,
-    once through the graph path and once eagerly, from the same cache contents; slot 0
-    (where the capture warms up) holds a live sequence that must not change."""
-    runner = runner_for(builds, "bf16", backend="torch")  # fast reference ops; same function
+@pytest.mark.parametrize("build,pieces", [("bf16", [8, 8, 8]), ("bf16-c16", [16, 8])])
+def test_graph_path_equals_eager_path(builds, monkeypatch, build, pieces):
+    """Prefill 20 tokens (chunks 8, 8, 4+4 padding; with 16-token chunks: 16, then 4+4
+    padding in the tail function) then 5 more at start 20, into slot 1, once through the
+    graph path (one graph per chunk size) and once eagerly, from the same cache
+    contents; slot 0 (where each capture warms up) holds a live sequence that must not
+    change."""
+    runner = runner_for(builds, build, backend="torch")  # fast reference ops; same function
     runner.use_cuda_graphs = runner.prefill_graphs = True
     monkeypatch.setattr(runner, "_graph_of", stand_in_graph_of)
     prompt = [(7 * i + 3) % runner.config.vocab_size for i in range(25)]
-    assert runner.prefill_chunk == 8 and runner.config.sliding_window == 9
+    assert [p[2] for p in runner.prefill_pieces(20)] == pieces and runner.config.sliding_window == 9
 
     def run(graphs):
         fill(runner, 0)
@@ -137,7 +143,10 @@ def test_graph_path_equals_eager_path(builds, monkeypatch):
         return a, b, [t[1].clone() for t in runner.kv]
 
     a_g, b_g, kv_g = run(True)
-    assert runner._prefill_entry is not None
+    assert sorted(runner._prefill_entries) == sorted(set(pieces))
+    assert runner.prefill_graph()[1].shape == (1, runner.prefill_chunk)
+    with pytest.raises(InputError, match="no prefill function of 12 tokens"):
+        runner.prefill_graph(12)
     a_e, b_e, kv_e = run(False)
     assert a_g.shape == (20, runner.config.vocab_size) and b_g.shape == (runner.config.vocab_size,)
     assert torch.equal(a_g, a_e) and torch.equal(b_g, b_e)
