@@ -53,14 +53,15 @@ class BuildOptions:
     decode_buckets: the decode batch sizes to compile instead (the largest must be
         max_batch); a batch runs in the smallest bucket that holds it.
     max_model_len: positions per sequence (full-attention cache rows).
-    prefill_chunk: tokens per prefill call. None: on CUDA `CUDA_PREFILL_CHUNK` (2048,
-        or the power of two >= max_model_len when that is less), elsewhere the largest
-        power of two <= min(W, 512). A chunk longer than the sliding window W is allowed: every MoE layer then
-        reads its experts' weights once per C tokens instead of once per 512 (the
-        grouped GEMMs are weight-bound at 512 tokens). A padded chunk must not be
-        longer than W (its padding tokens would push live tokens out of the ring), so
-        such a build also has a tail function of `prefill_tail_chunk` tokens, which
-        runs the part of a prompt shorter than C.
+    prefill_chunk: tokens per prefill call. None: the largest power of two <= min(W,
+        512), and on CUDA at least `CUDA_PREFILL_CHUNK` (2048) or the largest power of
+        two <= max_model_len when that is less. A chunk longer than the sliding window
+        W is allowed: every MoE layer then reads its experts' weights once per C tokens
+        instead of once per 512 (the grouped GEMMs are weight-bound at 512 tokens). A
+        padded chunk must not be longer than W (its padding tokens would push live
+        tokens out of the ring), so such a build also has a tail function of
+        `prefill_tail_chunk` tokens, which runs the part of a prompt shorter than C;
+        and such a chunk may not be longer than max_model_len (it could never run).
     backend: "triton" (Triton kernels where they exist, reference ops elsewhere; on the
         CPU through Triton's interpreter, slow: for testing kernels), "torch" (reference
         ops only), or "auto" (triton on CUDA when it is installed, else torch).
@@ -98,12 +99,17 @@ class BuildOptions:
         if o.prefill_chunk is None:
             cap = min(W, 512) if W else 512
             o.prefill_chunk = 1 << (cap.bit_length() - 1)
-            if str(o.device).startswith("cuda"):  # no longer than a prompt can be
-                longest = 1 << max(0, o.max_model_len - 1).bit_length()
-                o.prefill_chunk = max(o.prefill_chunk, min(CUDA_PREFILL_CHUNK, longest))
+            if str(o.device).startswith("cuda"):  # a prompt of max_model_len fills one
+                fits = 1 << (o.max_model_len.bit_length() - 1)
+                o.prefill_chunk = max(o.prefill_chunk, min(CUDA_PREFILL_CHUNK, fits))
         o.prefill_chunk = int(o.prefill_chunk)
         if not 1 <= o.prefill_chunk <= MAX_PREFILL_CHUNK:
             raise InputError(f"--prefill-chunk must be in 1..{MAX_PREFILL_CHUNK}, got {o.prefill_chunk}")
+        if W and o.prefill_chunk > W and o.prefill_chunk > o.max_model_len:
+            # only a chunk of at most W may be padded: this one could never run
+            raise InputError(f"--prefill-chunk {o.prefill_chunk} is longer than the sliding window ({W}) "
+                             f"and than --max-model-len ({o.max_model_len}): no prompt fills such a chunk; "
+                             f"use at most {o.max_model_len}")
         if o.decode_buckets:
             b = sorted(set(int(n) for n in o.decode_buckets))
             if b[0] < 1 or b[-1] != o.max_batch:

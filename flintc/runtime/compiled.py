@@ -246,6 +246,12 @@ class CompiledRunner:
         self.prefill_chunk = int(manifest["prefill_chunk"])
         # builds before session 17 have no tail function: their chunk is at most W
         self.prefill_tail_chunk = int(manifest.get("prefill_tail_chunk") or self.prefill_chunk)
+        W = self.config.sliding_window
+        if "sliding_attention" in self.config.layer_types and self.prefill_tail_chunk > W:
+            # a padded chunk longer than W would leave its live tokens out of the ring
+            raise InputError(f"{self.build}/build.json: prefill_tail_chunk {self.prefill_tail_chunk} is "
+                             f"longer than the sliding window ({W}): the build has no tail prefill "
+                             "function of at most W tokens; regenerate it with flintc compile")
         self.cache_rows = int(manifest["cache_rows"])
         self.backend = manifest["backend"]
         if self.backend == "triton" and device.type == "cuda" and ckpt.fmt == "nvfp4":

@@ -231,8 +231,9 @@ def test_build_options_zero_is_not_unset():
 
 def test_prefill_chunk_defaults_and_tail():
     """--prefill-chunk: on CUDA 2048 by default (fewer passes over the experts' weights),
-    less when no prompt can be that long; elsewhere 2^k <= min(W, 512); a chunk longer
-    than W gets a tail function of 2^k <= min(W, 512) tokens; 1..16384 allowed."""
+    less when no prompt can fill it; elsewhere 2^k <= min(W, 512); a chunk longer than W
+    gets a tail function of 2^k <= min(W, 512) tokens, and may not be longer than
+    max_model_len (it could never run); 1..16384 allowed."""
     from flintc.config import FlintConfig
     from flintc.errors import InputError
     from flintc.runtime.build import CUDA_PREFILL_CHUNK, BuildOptions
@@ -245,7 +246,8 @@ def test_prefill_chunk_defaults_and_tail():
 
     assert CUDA_PREFILL_CHUNK == 2048
     assert resolved(full, device="cuda") == (2048, 512)
-    assert resolved(full, device="cuda", max_model_len=1000) == (1024, 512)
+    assert resolved(full, device="cuda", max_model_len=1500) == (1024, 512)  # a prompt fills it
+    assert resolved(full, device="cuda", max_model_len=1000) == (512, 512)
     assert resolved(full, device="cuda", max_model_len=100) == (512, 512)  # never below the CPU default
     assert resolved(full) == (512, 512)
     assert resolved(full, prefill_chunk=513) == (513, 513)  # up to W: no tail
@@ -255,6 +257,12 @@ def test_prefill_chunk_defaults_and_tail():
     for bad in (0, 16385):
         with pytest.raises(InputError, match=f"--prefill-chunk must be in 1..16384, got {bad}"):
             BuildOptions(prefill_chunk=bad).resolve(full)
+    # longer than W and than any prompt: the chunk's function could never run
+    with pytest.raises(InputError, match=r"--prefill-chunk 65 is longer than the sliding window \(9\) and "
+                                         r"than --max-model-len \(64\)"):
+        BuildOptions(prefill_chunk=65, max_model_len=64).resolve(tiny)
+    assert resolved(tiny, prefill_chunk=64, max_model_len=64) == (64, 8)
+    assert resolved(tiny, prefill_chunk=8, max_model_len=4) == (8, 8)  # <= W: padded, as before
 
 
 def test_sigterm_during_compile_leaves_no_temporary_folder(tmp_path, tiny_bf16_dir):

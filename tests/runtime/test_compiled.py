@@ -245,6 +245,14 @@ def test_prefill_chunk_longer_than_the_sliding_window(builds, monkeypatch):
     assert set(manifest["functions"]) == {"decode_b2", "prefill_t16", "prefill_t8"}
     runner = load_build(build, progress=False)
     assert runner.prefill_pieces(40) == [(0, 16, 16), (16, 16, 16), (32, 8, 8)]
+    # a manifest without its tail function (edited, or written by another version) would
+    # pad a 16-token chunk: refused at load, not a silently wrong ring
+    from flintc.runtime.compiled import CompiledRunner, read_manifest
+
+    ckpt = load_checkpoint(source, progress=False)
+    for bad in ({"prefill_tail_chunk": None}, {"prefill_tail_chunk": 16}):
+        with pytest.raises(InputError, match="prefill_tail_chunk 16 is longer than the sliding window"):
+            CompiledRunner(build, dict(read_manifest(build), **bad), ckpt, torch.device("cpu"))
     assert runner.prefill_pieces(21) == [(0, 16, 16), (16, 5, 8)]
     assert runner.prefill_pieces(7) == [(0, 7, 8)]
     model = reference(source)
