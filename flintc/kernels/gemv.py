@@ -557,12 +557,9 @@ TUNED: dict[tuple[str, int, int, int], GemvConfig] = {
                                                 prefetch=False, flat=True),
     # bf16 N = 2 / 4: flat 2-D tiles with 3 K splits, 32.2 / 33.7 us against 38.2 / 39.5
     # for the N = 8 entry (session 16 run 13, bench_gemv.py --sweep --cases gate_up)
-    ("gate_up:bf16", 10240, 2048, 2): GemvConfig(use_dot=True, block_f=64, block_k=128,
-                                                split_k=3, num_warps=4, num_stages=4,
-                                                prefetch=False, flat=True),
-    ("gate_up:bf16", 10240, 2048, 4): GemvConfig(use_dot=True, block_f=64, block_k=128,
-                                                split_k=3, num_warps=4, num_stages=4,
-                                                prefetch=False, flat=True),
+    **{("gate_up:bf16", 10240, 2048, n): GemvConfig(use_dot=True, block_f=64, block_k=128,
+                                                   split_k=3, num_warps=4, num_stages=4,
+                                                   prefetch=False, flat=True) for n in (2, 4)},
     ("gate_up:nvfp4", 10240, 2048, 1): GemvConfig(use_dot=False, block_f=16, block_k=256,
                                                  split_k=1, num_warps=4, num_stages=1,
                                                  prefetch=True, acc_full=True),
