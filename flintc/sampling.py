@@ -4,6 +4,17 @@ renormalised distribution; temperature 0 is greedy. Runs on the logits' device.
 Defaults are Flint's: temperature 1.0, top-p 0.95, top-k 20. Each request may carry
 a seed; a seeded request draws from its own `torch.Generator`, so its tokens do
 not depend on what else is in the batch.
+
+Ties: tokens with equal logits are kept or dropped together. Top-k keeps every token
+whose logit is at least the k-th largest (as vLLM's top-k mask does); top-p drops a
+token when the probability mass of the tokens with a strictly larger logit reaches
+top_p, so no token is preferred to an equal one for its id. `sampling_probs` is this
+definition over the whole vocabulary (with a sort for top-p); `sample` draws from it
+without building it when top-k is on (`_top_k_scores`: the k candidates and the k-th
+logit's ties as one group, a Gumbel-max draw), which on an H200 cut the default
+sampler from ~230 us of device time in 79 kernels per step at batch 1 (~750 us in
+204 at batch 8: softmax, sort and cumsum over 151,552 logits, then
+`torch.multinomial` per row) to far less (docs/gpu-runs.md, session 18).
 """
 
 from __future__ import annotations
@@ -69,8 +80,19 @@ class SamplingParams:
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a request samples from: fp32 [..., V], zero outside the
-    top-k / top-p set, renormalised. logits: fp32 [..., V]. Not for greedy."""
+    """The distribution a request samples from (the definition; `sample` draws from it
+    without building it). logits: fp32 (or bf16) [..., V]. Not for greedy.
+
+    x = logits / temperature; top-k keeps every token with x >= the k-th largest x (the
+    k-th logit's ties all stay); softmax over the kept tokens; top-p drops a token when
+    the mass of the tokens with a strictly larger x reaches top_p (tokens with equal x
+    stay or go together; the most likely ones always stay); renormalise. The masses are
+    summed in fp64. Cost: softmax, sort and cumsum over V (on an H200 ~0.6 ms of device
+    time per call with V = 151,552); `sample` uses it only for top-k off or above
+    `MAX_FAST_TOP_K`.
+
+    Returns: fp32 [..., V], zero outside the kept set, summing to 1 per row.
+    """
     x = logits.float() / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
@@ -78,23 +100,91 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-        drop_sorted = before >= params.top_p  # keeps at least the most likely token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = probs.gather(-1, order)
+        before = torch.cumsum(sorted_p, dim=-1, dtype=torch.float64) - sorted_p  # mass ahead in the sort
+        # the mass of the strictly larger x: `before` at the first token of each run of
+        # equal x (found by a binary search of the ascending -sorted_x)
+        neg = -sorted_x.contiguous()
+        first = torch.searchsorted(neg, neg, side="left")
+        larger = before.gather(-1, first)
+        drop = torch.zeros_like(larger, dtype=torch.bool).scatter(-1, order, larger >= params.top_p)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 
+MAX_FAST_TOP_K = 256  # `_top_k_scores` does O(k^2) work per row; above this, the sort
+
+
+def _top_k_scores(x: torch.Tensor, k: int, top_p: float):
+    """`sampling_probs`'s distribution for 0 < k < V, without any pass over the vocabulary
+    but torch.topk and one comparison with a sum (no softmax, sort or cumsum over V).
+
+    Args:
+        x: fp32 [R, V], the logits over the temperature. k: top-k. top_p: in (0, 1].
+
+    Returns (cand, scores, tied):
+        cand: int64 [R, k], torch.topk's ids; scores: fp64 [R, k + 1], the log-weights
+        (up to a per-row constant) of the k candidates that lie strictly above the k-th
+        logit and of the k-th logit's ties as one group (last column; they all share its
+        weight), -inf for what top-k or top-p drops; tied: bool [R, V], the k-th logit's
+        ties (inside the k or not).
+
+    Every token with a larger logit than the k-th is among the candidates, so the mass
+    above a candidate, and the total mass (candidates above the k-th plus n_tied times
+    the k-th weight), are sums over k values: O(k^2) work per row.
+    """
+    vals, cand = torch.topk(x, k, dim=-1)  # [R, k], descending
+    vd = vals.double()
+    m, kth = vd[:, :1], vd[:, -1:]
+    tied = x == vals[:, -1:]  # [R, V]
+    n_tied = tied.sum(-1, keepdim=True)  # [R, 1], >= 1
+    above = vd > kth  # [R, k]
+    e = torch.exp(vd - m) * above  # weights of the candidates above the k-th; 0 for its ties
+    e_kth = torch.exp(kth - m)
+    mass_above = e.sum(-1, keepdim=True)
+    total = mass_above + n_tied * e_kth
+    larger = ((vd[:, None, :] > vd[:, :, None]) * e[:, None, :]).sum(-1)  # [R, k] mass of larger x
+    keep = above & (larger < top_p * total)
+    keep_tied = mass_above < top_p * total  # the ties' larger-x mass is every candidate above
+    ninf = float("-inf")  # a Python scalar: a device tensor made from it would be a host-to-device copy
+    scores = torch.cat([torch.where(keep, vd - m, ninf),
+                        torch.where(keep_tied, torch.log(n_tied.double()) + kth - m, ninf)], dim=-1)
+    return cand, scores, tied
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log(u)) in fp64 for uniforms u in [0, 1) (u = 0 gives -inf)."""
+    return -torch.log(-torch.log(u.double()))
+
+
+def _draw(x: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of x (fp32 [R, V], the logits over the temperature) from
+    `sampling_probs`'s distribution, by the Gumbel-max trick (argmax of log-weight plus
+    Gumbel noise is a draw from the normalised weights; Gumbel 1954, as in
+    Maddison et al. 2014, "A* Sampling"), with uniforms u (fp32 [R, V + k + 1], each row
+    from its request's generator). Returns int64 [R]."""
+    V = x.shape[-1]
+    k = params.top_k
+    if 0 < k < V and k <= MAX_FAST_TOP_K:
+        cand, scores, tied = _top_k_scores(x, k, params.top_p)
+        win = torch.argmax(scores + _gumbel(u[:, :k + 1]), dim=-1)  # [R] in [0, k]
+        # the group of ties: each tie equally likely (the largest of independent uniforms)
+        tie = torch.argmax(torch.where(tied, u[:, k + 1:k + 1 + V], -1.0), dim=-1)
+        pick = cand.gather(-1, win.clamp(max=k - 1)[:, None])[:, 0]
+        return torch.where(win == k, tie, pick)
+    probs = sampling_probs(x, SamplingParams(temperature=1.0, top_k=k, top_p=params.top_p))
+    return torch.argmax(torch.log(probs.double()) + _gumbel(u[:, :V]), dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
-    """Draw one token per row, rows with the same settings batched: `sampling_probs` runs
-    once per group of rows with equal (temperature, top_k, top_p), not once per row (at
-    batch 8 the per-row version cost ~3 ms per decode step on an H200, about half a
-    forward; docs/gpu-runs.md, session 11). No host-to-device copy: the launches queue
-    behind the forward pass instead of waiting for it. Greedy rows take the argmax (ties
-    to the lower token id); each sampled row then draws with `torch.multinomial` from its
-    own generator, so a seeded request's tokens do not depend on the rest of the batch.
+    """Draw one token per row, rows with the same settings batched (one `_draw` per group
+    of rows with equal (temperature, top_k, top_p)). Greedy rows take the argmax (ties to
+    the lower token id). Each sampled row fills its own uniforms from its own generator
+    (one `uniform_` launch per row), so a seeded request's tokens do not depend on the
+    rest of the batch. No host sync and no host-to-device copy: the launches queue behind
+    the forward pass.
 
     Args:
         logits: fp32 (or bf16) [B, V].
@@ -107,17 +197,30 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
         raise ValueError("sample() needs logits [B, V] and one params/generator per row")
-    B = logits.shape[0]
+    B, V = logits.shape
     if all(p.is_greedy for p in params):
         return torch.argmax(logits, dim=-1)  # first maximum: the lower token id
-    out = torch.empty(B, dtype=torch.long, device=logits.device)
-    greedy = [b for b, p in enumerate(params) if p.is_greedy]
-    if greedy:
-        top = torch.argmax(_rows(logits, greedy), dim=-1)
-        for j, b in enumerate(greedy):
-            out[b] = top[j]
-    for b, probs in sampling_probs_rows(logits, params).items():
-        out[b] = torch.multinomial(probs, 1, generator=generators[b])[0]
+    groups: dict[tuple, list[int]] = {}
+    for b, p in enumerate(params):
+        key = ("greedy",) if p.is_greedy else (p.temperature, p.top_k, p.top_p)
+        groups.setdefault(key, []).append(b)
+    width = V + max((p.top_k for p in params if 0 < p.top_k < V), default=0) + 1
+    u = torch.empty(B, width, dtype=torch.float32, device=logits.device)
+    out = None if len(groups) == 1 else torch.empty(B, dtype=torch.long, device=logits.device)
+    for key, rows in groups.items():
+        x = _rows(logits, rows)
+        if key == ("greedy",):
+            tok = torch.argmax(x, dim=-1)
+        else:
+            p = params[rows[0]]
+            x = x.float() if p.temperature == 1 else x.float() / p.temperature  # x / 1 == x
+            for b in rows:
+                u[b].uniform_(generator=generators[b])
+            tok = _draw(x, p, _rows(u, rows))
+        if out is None:
+            return tok
+        for j, b in enumerate(rows):
+            out[b] = tok[j]
     return out
 
 
@@ -127,19 +230,3 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(x.shape[0])):
         return x
     return torch.stack([x[b] for b in rows])
-
-
-def sampling_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> dict:
-    """`sampling_probs` of every non-greedy row of logits [B, V] with its own params,
-    computed once per group of rows with equal (temperature, top_k, top_p).
-    Returns {row: fp32 [V]} for the non-greedy rows (views into each group's result)."""
-    groups: dict[tuple, list[int]] = {}
-    for b, p in enumerate(params):
-        if not p.is_greedy:
-            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(b)
-    out = {}
-    for rows in groups.values():
-        probs = sampling_probs(_rows(logits, rows), params[rows[0]])
-        for j, b in enumerate(rows):
-            out[b] = probs[j]
-    return out

@@ -11,7 +11,11 @@ synchronizations (median of --iters, after --warmup), at one batch and context:
 3. `decode + greedy`: 2 then `torch.argmax` and the token read;
 4. `decode + default`: 2 then `sample` with Flint's defaults (temperature 1, top-k 20,
    top-p 0.95) and the token read, as `flintc bench` does;
-5. `sample default`: `sample` alone on fixed logits, and the token read.
+5. `sample default`: `sample` alone on fixed logits, and the token read;
+6. `sampling_probs default (the definition)`: the whole distribution `sample` draws from
+   (softmax and a sort over the vocabulary), and one value read: what `sample` cost
+   before session 18;
+7. `decode, host time to return`: `runner.decode` alone from an idle device (no sync).
 
 The differences name the costs: 2 - 1 the input path, 4 - 3 the sampler. Prints a
 Markdown table (also to --out).
@@ -56,7 +60,7 @@ def main() -> int:
         print("gpu_e2e_overhead.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from flintc.runtime.compiled import load_build
-    from flintc.sampling import SamplingParams, sample
+    from flintc.sampling import SamplingParams, sample, sampling_probs
 
     runner = load_build(args.build, load_format="dummy", device="cuda", progress=False)
     B = args.batch
@@ -74,8 +78,19 @@ def main() -> int:
         ("decode + greedy", lambda: sample(runner.decode(slots, ids, pos), greedy, [None] * B).tolist()),
         ("decode + default", lambda: sample(runner.decode(slots, ids, pos), default, gens).tolist()),
         ("sample default", lambda: sample(logits, default, gens).tolist()),
+        ("sampling_probs default (the definition)", lambda: sampling_probs(logits, default[0])[0, 0].item()),
     ]
     ms = {name: timed(fn, args.iters, args.warmup) for name, fn in rows}
+    # host time of runner.decode alone (checks, input staging, the replay's launch), from an
+    # idle device: what a step pays before its graph starts
+    host = []
+    for _ in range(args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.decode(slots, ids, pos)
+        host.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    ms["decode, host time to return"] = statistics.median(host)
     lines = [f"build {args.build}, batch {B}, context {args.context}: host wall clock, median of "
              f"{args.iters}", "", "| step | ms | over replay |", "|---|---|---|"]
     lines += [f"| {name} | {v:.3f} | {v - ms['replay']:+.3f} |" for name, v in ms.items()]

@@ -1,44 +1,123 @@
-"""The batched sampler (`flintc.sampling.sample`) against the per-row definition
+"""The batched sampler (`flintc.sampling.sample`) against the definition
 (`sampling_probs`, FLINT_SPEC section 6), on the CPU."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from flintc.sampling import SamplingParams, sample, sampling_probs, sampling_probs_rows
+from flintc.sampling import SamplingParams, _top_k_scores, sample, sampling_probs
 
 V = 257
 
-params_st = st.builds(
-    SamplingParams,
-    temperature=st.sampled_from([0.05, 0.7, 1.0, 2.5]),
-    top_p=st.sampled_from([1.0, 0.999, 0.95, 0.5, 0.01]),
-    top_k=st.sampled_from([-1, 0, 1, 2, 20, V - 1, V, V + 5]),
-)
+def implied_probs(x: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
+    """The distribution `_top_k_scores` draws from, spread over the vocabulary: fp64 [R, V]."""
+    cand, scores, tied = _top_k_scores(x, k, top_p)
+    w = torch.softmax(scores, dim=-1)  # [R, k + 1]
+    probs = torch.zeros(x.shape, dtype=torch.float64).scatter(-1, cand, w[:, :k])
+    return probs + tied * (w[:, k:] / tied.sum(-1, keepdim=True))
 
 
-@settings(max_examples=60, deadline=None)
-@given(rows=st.lists(st.one_of(params_st, st.just(SamplingParams(temperature=0))), min_size=1,
-                     max_size=8), seed=st.integers(0, 2**31 - 1), ties=st.booleans())
-def test_grouped_probs_match_the_per_row_definition(rows, seed, ties):
-    """`sampling_probs_rows` (rows with equal settings batched) keeps, for every non-greedy
-    row, exactly the tokens `sampling_probs` keeps for that row alone (top-k ties with the
-    k-th logit kept, stable top-p), with the same probabilities up to fp32 summation
-    order; greedy rows are left out."""
+def near_the_cut(x: torch.Tensor, params: SamplingParams, eps: float = 1e-6) -> bool:
+    """Whether some kept token's mass of strictly larger logits lies within eps of top_p
+    (there fp rounding may decide either way)."""
+    kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+    p = torch.softmax(x.masked_fill(x < kth, float("-inf")).double(), dim=-1)
+    larger = ((x[:, None, :] > x[:, :, None]) * p[:, None, :]).sum(-1)  # [R, V]
+    return bool(((larger - params.top_p).abs() < eps).any())
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 4), vocab=st.integers(2, 200),
+       k=st.integers(1, 199), top_p=st.sampled_from([0.01, 0.25, 0.5, 0.75, 0.95, 0.999, 1.0]),
+       logits=st.sampled_from(["normal", "rounded", "bf16", "flat", "halves"]))
+def test_top_k_draw_follows_the_definition(seed, rows, vocab, k, top_p, logits):
+    """`sample`'s top-k path (the k candidates plus the k-th logit's ties as one group; no
+    softmax, sort or cumsum over the vocabulary) draws from exactly `sampling_probs`'s
+    distribution, whatever ties the logits have: at the k-th logit (all kept, inside and
+    outside torch.topk's k), among the candidates, or everywhere (flat)."""
+    k = min(k, vocab - 1) if vocab > 1 else 1
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(rows), V, generator=g) * 4
-    if ties:  # many equal logits: the top-k threshold and the top-p order meet ties
-        logits = torch.round(logits)
-    got = sampling_probs_rows(logits, rows)
-    assert sorted(got) == [b for b, p in enumerate(rows) if not p.is_greedy]
-    for j, probs in got.items():
-        want = sampling_probs(logits[j], rows[j])
-        assert probs.shape == (V,) and probs.dtype == torch.float32
-        assert torch.equal(want > 0, probs > 0), f"row {j} {rows[j]}: kept set differs"
-        torch.testing.assert_close(probs, want, atol=1e-7, rtol=1e-5)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    if logits == "rounded":
+        x = torch.round(x)
+    elif logits == "bf16":
+        x = x.to(torch.bfloat16).float()
+    elif logits == "flat":
+        x = torch.zeros(rows, vocab)
+    elif logits == "halves":  # every value twice, at ids far apart
+        x[:, vocab // 2: vocab // 2 * 2] = x[:, : vocab // 2]
+    p = SamplingParams(top_k=k, top_p=top_p)
+    assume(vocab > 1 and not near_the_cut(x, p))
+    want = sampling_probs(x, p).double()
+    got = implied_probs(x, k, top_p)
+    assert torch.equal(want > 0, got > 0), f"kept {(got > 0).sum(-1).tolist()} vs {(want > 0).sum(-1).tolist()}"
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_ties_are_kept_or_dropped_together():
+    """Tokens 7 and 9 lead (logit 3), 16 tokens tie at logit 2, the rest far below, top-k 4:
+    top-k keeps all 18 (torch.topk returned only 2 of the 16). The mass above the ties is
+    2e / (2e + 16) = 0.2536: top-p 0.2 drops all 16 ties, top-p 0.3 keeps all 16, in the
+    definition and in the draw's distribution."""
+    vocab = 64
+    tied = [3, 5, 8, 13, 21, 22, 30, 33, 34, 40, 41, 50, 55, 60, 61, 63]
+    x = torch.full((1, vocab), -30.0)
+    x[0, tied] = 2.0
+    x[0, [7, 9]] = 3.0
+    for top_p, kept in ((0.2, [7, 9]), (0.3, sorted(tied + [7, 9]))):
+        want = sampling_probs(x, SamplingParams(top_k=4, top_p=top_p))
+        got = implied_probs(x, 4, top_p)
+        assert (want[0] > 0).nonzero().flatten().tolist() == kept
+        torch.testing.assert_close(got, want.double(), atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(want[0, tied], torch.full((16,), 1 / (2 * math.e + 16)))
+
+
+def test_draws_match_the_distribution():
+    """4,000 rows of the same logits (ties at the k-th logit, inside and outside the k),
+    each drawn with its own seeded generator: every token's count lies within 5 standard
+    deviations of 4,000 p, and no token of probability 0 is drawn."""
+    n, vocab = 4000, 12
+    base = torch.tensor([2.0, 0.5, 1.0, 1.0, -3.0, 1.0, 2.0, 0.0, 1.0, -1.0, 1.0, 0.5])
+    p = SamplingParams(top_k=4, top_p=0.9, seed=0)  # keeps 0, 6 (logit 2) and the five 1.0s
+    want = sampling_probs(base[None], p)[0].double()
+    gens = [torch.Generator().manual_seed(1000 + i) for i in range(n)]
+    toks = sample(base.expand(n, vocab).contiguous(), [p] * n, gens)
+    counts = torch.bincount(toks, minlength=vocab).double()
+    assert set(toks.tolist()) == set((want > 0).nonzero().flatten().tolist())
+    sd = (n * want * (1 - want)).sqrt()
+    assert bool(((counts - n * want).abs() <= 5 * sd + 1e-9).all()), (counts.tolist(), (n * want).tolist())
+
+
+def test_top_p_without_top_k_draws_from_the_whole_vocabulary():
+    """top_k 0: the draw takes `sampling_probs` over all V (a sort for top-p)."""
+    n, vocab = 2000, 6
+    base = torch.tensor([1.0, 1.0, 0.0, -5.0, 1.0, 0.0])
+    p = SamplingParams(top_k=0, top_p=0.7)  # the three 1.0s: mass above them 0 -> all kept; 0.0s: 0.85
+    want = sampling_probs(base[None], p)[0]
+    assert (want > 0).nonzero().flatten().tolist() == [0, 1, 4]
+    toks = sample(base.expand(n, vocab).contiguous(), [p] * n,
+                  [torch.Generator().manual_seed(i) for i in range(n)])
+    counts = torch.bincount(toks, minlength=vocab)
+    assert counts[[2, 3, 5]].sum() == 0 and bool((counts[[0, 1, 4]] > 550).all()), counts.tolist()
+
+
+def test_top_k_above_the_fast_path_takes_the_definition(monkeypatch):
+    """top_k above MAX_FAST_TOP_K (whose O(k^2) path would be too slow) draws from
+    `sampling_probs` over the vocabulary: only kept tokens, and the fast path is not run."""
+    from flintc import sampling as S
+
+    monkeypatch.setattr(S, "_top_k_scores", lambda *a: pytest.fail("took the O(k^2) path"))
+    n, vocab, k = 300, 600, S.MAX_FAST_TOP_K + 44
+    x = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 4
+    p = SamplingParams(top_k=k, top_p=0.8)
+    want = sampling_probs(x, p)[0]
+    toks = sample(x.expand(n, vocab).contiguous(), [p] * n, [torch.Generator().manual_seed(i) for i in range(n)])
+    assert bool((want[toks] > 0).all()) and 0 < int((want > 0).sum()) < k
 
 
 def test_greedy_rows_take_the_argmax_ties_to_the_lower_id():

@@ -155,6 +155,36 @@ def test_graph_path_equals_eager_path(builds, monkeypatch, build, pieces):
         assert torch.equal(g, e), f"KV cache {i} differs between graph and eager prefill"
 
 
+def test_decode_graph_path_equals_eager_path(builds, monkeypatch):
+    """Decode through the graph path (token ids, positions and slots staged in one host
+    buffer [3, B] from a ring, one copy into the graph's static inputs, replay) against
+    eager calls: 7 steps (more than the ring holds), with one live row and a padding row,
+    then both rows, from the same cache contents: equal logits and KV caches."""
+    runner = runner_for(builds, "bf16", backend="torch")
+    assert runner.buckets == [2]
+    steps = [([1], [11], [4]), ([0, 1], [5, 6], [3, 5]), ([1, 0], [9, 2], [6, 4]), ([0], [3], [5]),
+             ([0, 1], [7, 8], [6, 7]), ([1], [1], [8]), ([0, 1], [4, 4], [7, 9])]
+    assert len(steps) > runner.STAGING_RING
+
+    def run(graphs):
+        fill(runner, 0)
+        runner.use_cuda_graphs = graphs
+        out = [runner.decode(*step).clone() for step in steps]  # a replay rewrites its output
+        return out, [t.clone() for t in runner.kv]
+
+    monkeypatch.setattr(runner, "_graph_of", stand_in_graph_of)
+    got, kv_g = run(True)
+    assert list(runner._graphs) == [2] and runner._staging_next[2] == len(steps) % runner.STAGING_RING
+    static = runner.decode_graph(2)
+    assert static[1].shape == (2, 1) and static[2].shape == (2, 1) and static[3].shape == (2,)
+    want, kv_e = run(False)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert g.shape == (len(steps[i][0]), runner.config.vocab_size)
+        assert torch.equal(g, e), f"step {i}: graph-path logits differ from eager"
+    for i, (g, e) in enumerate(zip(kv_g, kv_e)):
+        assert torch.equal(g, e), f"KV cache {i} differs between graph and eager decode"
+
+
 def test_who_gets_prefill_graphs(builds, monkeypatch):
     on_cpu = runner_for(builds, "nvfp4")
     assert on_cpu.prefill_graphs and not on_cpu.use_cuda_graphs

@@ -1,0 +1,107 @@
+"""Where the sampler's time goes on a GPU: host time, kernels and their device time.
+
+For each batch in --batches, on random fp32 logits [B, V] (V = Flint's 151,552), with
+Flint's default settings (temperature 1, top-k 20, top-p 0.95, one seeded generator per
+row):
+
+1. `alone`: `flintc.sampling.sample` then the token read, host wall clock between two
+   synchronizations (median of --iters);
+2. `after busy`: the same queued behind ~2 ms of device work (`torch.cuda._sleep`), as
+   in a decode step where the host issues the sampler while the graph replays: wall
+   clock minus the busy time alone, i.e. what the sampler adds to a step;
+3. a torch.profiler (CUPTI) table of one call: kernels, launches, device us.
+
+for `sample` and `sampling_probs` (the definition: softmax and a sort over the
+vocabulary; what `sample` computed before session 18). Prints Markdown (also to --out).
+
+    python3 scripts/gpu_sampler_profile.py --batches 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def wall(fn, iters: int, busy_cycles: int = 0) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        if busy_cycles:
+            torch.cuda._sleep(busy_cycles)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def busy_ms(cycles: int, iters: int) -> float:
+    return wall(lambda: None, iters, cycles)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--vocab", type=int, default=151552)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_sampler_profile.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import flintc.sampling as S
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = []
+    cycles = 2_000_000  # ~1-2 ms at the H200's clocks
+    base = busy_ms(cycles, args.iters)
+    lines += [f"busy kernel alone: {base:.3f} ms", ""]
+    for B in [int(b) for b in args.batches.split(",")]:
+        g = torch.Generator(device="cuda").manual_seed(B)
+        logits = (torch.randn(B, args.vocab, device="cuda", generator=g) * 3).to(torch.bfloat16).float()
+        params = [S.SamplingParams(seed=100 + b) for b in range(B)]
+        gens = [p.make_generator("cuda") for p in params]
+        variants = {
+            "sample (default path)": lambda: S.sample(logits, params, gens).tolist(),
+            "sampling_probs (the definition)": lambda: S.sampling_probs(logits, params[0])[0, 0].item(),
+            "greedy (argmax)": lambda: torch.argmax(logits, -1).tolist(),
+        }
+        lines += [f"### batch {B}", "", "| variant | alone ms | after busy ms (added) |", "|---|---|---|"]
+        for name, fn in variants.items():
+            a = wall(fn, args.iters)
+            b = wall(fn, args.iters, cycles) - 0  # includes the busy wait left after launch
+            lines.append(f"| {name} | {a:.3f} | {b:.3f} ({b - base:+.3f}) |")
+        lines.append("")
+        for name in ("sample (default path)", "sampling_probs (the definition)"):
+            fn = variants[name]
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            evs = prof.key_averages()
+            rows = sorted((e for e in evs if e.device_time_total > 0 and e.device_type.name == "CUDA"),
+                          key=lambda e: -e.device_time_total)
+            ops = sum(e.count for e in evs if e.key.startswith("aten::") and e.cpu_parent is None) \
+                if hasattr(evs[0], "cpu_parent") else None
+            total = sum(e.device_time_total for e in rows)
+            lines += [f"{name}, batch {B}: {sum(e.count for e in rows)} kernels, {total:.1f} us device",
+                      "", "| kernel | launches | us |", "|---|---|---|"]
+            lines += [f"| {e.key[:80]} | {e.count} | {e.device_time_total:.1f} |" for e in rows[:14]]
+            lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        open(args.out, "w").write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
