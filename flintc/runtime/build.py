@@ -41,7 +41,7 @@ DECODE_BUCKETS = (1, 2, 4, 8)
 # default tokens per prefill call on CUDA: 8,192-token prefill of the full model on the
 # H200 714 / 418 / 373 ms (NVFP4) and 676 / 390 / 339 ms (BF16) with chunks of 512 /
 # 2,048 / 4,096 (docs/gpu-runs.md session 17)
-CUDA_PREFILL_CHUNK = 2048
+CUDA_PREFILL_CHUNK = 4096
 MAX_PREFILL_CHUNK = 16384  # tokens per prefill call (the fp32 logits [C, V] alone: 9.9 GB at full size)
 
 
@@ -53,15 +53,17 @@ class BuildOptions:
     decode_buckets: the decode batch sizes to compile instead (the largest must be
         max_batch); a batch runs in the smallest bucket that holds it.
     max_model_len: positions per sequence (full-attention cache rows).
-    prefill_chunk: tokens per prefill call. None: the largest power of two <= min(W,
-        512), and on CUDA at least `CUDA_PREFILL_CHUNK` (2048) or the largest power of
-        two <= max_model_len when that is less. A chunk longer than the sliding window
-        W is allowed: every MoE layer then reads its experts' weights once per C tokens
-        instead of once per 512 (the grouped GEMMs are weight-bound at 512 tokens). A
-        padded chunk must not be longer than W (its padding tokens would push live
-        tokens out of the ring), so such a build also has a tail function of
-        `prefill_tail_chunk` tokens, which runs the part of a prompt shorter than C;
-        and such a chunk may not be longer than max_model_len (it could never run).
+    prefill_chunk: tokens per prefill call, at most. None: the largest power of two <=
+        min(W, 512), and on CUDA at least `CUDA_PREFILL_CHUNK` (4096) or the largest
+        power of two <= max_model_len when that is less. A chunk longer than the sliding
+        window W is allowed: every MoE layer then reads its experts' weights once per C
+        tokens instead of once per 512 (the grouped GEMMs are weight-bound at 512
+        tokens). A padded chunk must not be longer than W (its padding tokens would push
+        live tokens out of the ring), so such a build also has a tail function of
+        `prefill_tail_chunk` tokens, and one of every power of two between the two
+        (`prefill_sizes`): a prompt runs as the fewest unpadded chunks, then one padded
+        tail chunk. Such a chunk may not be longer than max_model_len (it could never
+        run).
     backend: "triton" (Triton kernels where they exist, reference ops elsewhere; on the
         CPU through Triton's interpreter, slow: for testing kernels), "torch" (reference
         ops only), or "auto" (triton on CUDA when it is installed, else torch).
@@ -145,6 +147,20 @@ class BuildOptions:
             return self.prefill_chunk
         cap = min(W, 512)
         return 1 << (cap.bit_length() - 1)
+
+    def prefill_sizes(self, config: FlintConfig) -> list[int]:
+        """Tokens per call of each prefill function, longest first: `prefill_chunk`; when
+        that is longer than the tail chunk, also every power of two strictly between the
+        two, then `prefill_tail_chunk`. E.g. [4096, 2048, 1024, 512] for the full model
+        on CUDA; a 6,000-token prompt then runs as 4,096 + 1,024 + 512 + 368 (padded to
+        512) tokens instead of 2 x 2,048 + 4 x 512 with chunks of 2,048 and a 512 tail
+        (each MoE layer reads all its experts' weights once per chunk). Call on resolved
+        options."""
+        C, tail = self.prefill_chunk, self.prefill_tail_chunk(config)
+        if C == tail:
+            return [C]
+        mids = [1 << e for e in range(C.bit_length() - 1, tail.bit_length() - 1, -1) if tail < 1 << e < C]
+        return [C] + mids + [tail]
 
     @property
     def cache_rows(self) -> int:
@@ -255,10 +271,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     t_start = time.perf_counter()
     model = FlintModel(config, ckpt.weights, max_positions=opts.cache_rows)
     check_len = _check_len(opts, config)
-    tail = opts.prefill_tail_chunk(config)
-    steps = [("decode", b, 1) for b in opts.buckets] + [("prefill", 1, opts.prefill_chunk)]
-    if tail != opts.prefill_chunk:
-        steps.append(("prefill", 1, tail))
+    steps = [("decode", b, 1) for b in opts.buckets] + [("prefill", 1, c) for c in opts.prefill_sizes(config)]
     sources, reports, plan_steps = [], [], {}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -378,7 +391,8 @@ def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dic
         "weight_sha256": weight_fingerprint(ckpt.weights, ckpt.fmt, ckpt.source),
         "max_batch": opts.max_batch, "max_model_len": opts.max_model_len,
         "prefill_chunk": opts.prefill_chunk,
-        "prefill_tail_chunk": opts.prefill_tail_chunk(ckpt.config), "cache_rows": opts.cache_rows,
+        "prefill_tail_chunk": opts.prefill_tail_chunk(ckpt.config),
+        "prefill_sizes": opts.prefill_sizes(ckpt.config), "cache_rows": opts.cache_rows,
         "backend": opts.backend, "device": opts.device, "checked": opts.check,
         "buckets": opts.buckets,
         "functions": {name: {"step": s["step"], "batch": s["batch"], "tokens": s["tokens"],

@@ -17,10 +17,11 @@ the generated step functions of `BUILD/runtime.py`.
   sliding layers that hold live positions, so the runner saves those rows before the
   chunk and puts them back after it (padding in full layers writes rows past the
   prompt, which decode overwrites before reading; the caches have one chunk of spare
-  rows for it). A build whose chunk C is longer than the sliding window W has a second
-  prefill function of `prefill_tail_chunk` (<= W) tokens: full chunks of C run first,
-  the rest of the prompt in tail chunks (`prefill_pieces`), so only a chunk of at most
-  W tokens is ever padded (a padded chunk longer than W would leave its live tokens out
+  rows for it). A build whose chunk C is longer than the sliding window W also has
+  prefill functions of every power of two below C down to `prefill_tail_chunk` (<= W)
+  tokens (`prefill_sizes`): each call takes the longest that the tokens left fill, the
+  rest runs as one padded tail chunk (`prefill_pieces`), so only a chunk of at most W
+  tokens is ever padded (a padded chunk longer than W would leave its live tokens out
   of the ring). On CUDA with the triton backend the prefill function is captured once
   into a CUDA graph (`prefill_graph`) and each chunk is a replay with its inputs
   copied into static buffers: one chunk launches thousands of kernels, and run
@@ -252,6 +253,17 @@ class CompiledRunner:
             raise InputError(f"{self.build}/build.json: prefill_tail_chunk {self.prefill_tail_chunk} is "
                              f"longer than the sliding window ({W}): the build has no tail prefill "
                              "function of at most W tokens; regenerate it with flintc compile")
+        # builds before session 18 have no ladder: their chunk and tail only
+        self.prefill_sizes = sorted({int(c) for c in manifest.get("prefill_sizes") or
+                                     (self.prefill_chunk, self.prefill_tail_chunk)}, reverse=True)
+        missing = [c for c in self.prefill_sizes if f"prefill_t{c}" not in manifest.get("functions", {})]
+        if "functions" in manifest and missing:
+            raise InputError(f"{self.build}/build.json: prefill sizes {missing} have no prefill_t<size> "
+                             "function; regenerate the build with flintc compile")
+        if self.prefill_sizes[0] != self.prefill_chunk or self.prefill_sizes[-1] != self.prefill_tail_chunk:
+            raise InputError(f"{self.build}/build.json: prefill_sizes {self.prefill_sizes} must run from "
+                             f"prefill_chunk {self.prefill_chunk} down to prefill_tail_chunk "
+                             f"{self.prefill_tail_chunk}")
         self.cache_rows = int(manifest["cache_rows"])
         self.backend = manifest["backend"]
         if self.backend == "triton" and device.type == "cuda" and ckpt.fmt == "nvfp4":
@@ -325,14 +337,14 @@ class CompiledRunner:
     # -- ModelRunner -----------------------------------------------------------------
     def prefill_pieces(self, num_tokens: int) -> list[tuple[int, int, int]]:
         """How `prefill` cuts a prompt of `num_tokens` tokens: (offset, live tokens, tokens
-        per call) per call, in order. Chunks of `prefill_chunk` while that many tokens are
-        left, then (a build with a tail function) chunks of `prefill_tail_chunk`; only the
-        last call is padded."""
+        per call) per call, in order. Each call takes the longest of `prefill_sizes` that
+        the tokens left fill; when none does, the shortest (`prefill_tail_chunk`, at most
+        W), padded: only the last call is padded."""
         pieces, s = [], 0
-        C, tail = self.prefill_chunk, self.prefill_tail_chunk
         while s < num_tokens:
-            size = C if num_tokens - s >= C or tail == C else tail
-            n = min(size, num_tokens - s)
+            left = num_tokens - s
+            size = next((c for c in self.prefill_sizes if c <= left), self.prefill_sizes[-1])
+            n = min(size, left)
             pieces.append((s, n, size))
             s += n
         return pieces
@@ -480,7 +492,7 @@ class CompiledRunner:
         return entry
 
     def _capture_prefill(self, C: int):
-        """Capture prefill_t{C} (C = prefill_chunk or prefill_tail_chunk) into a CUDA
+        """Capture prefill_t{C} (C one of `prefill_sizes`) into a CUDA
         graph; see `prefill_graph`.
 
         The prefill kernels have no padding-slot convention (their KV write would take a
@@ -525,8 +537,8 @@ class CompiledRunner:
     def prefill_graph(self, tokens: int | None = None):
         """The CUDA graph of a prefill function (captured on first use) and its static
         buffers: (graph, input_ids int64 [1, C], positions int64 [1, C], slots int64 [1],
-        logits fp32 [1, C, V]) with C = `tokens`, default prefill_chunk (or the build's
-        prefill_tail_chunk). Fill the inputs (positions p0..p0+C-1,
+        logits fp32 [1, C, V]) with C = `tokens` (one of `prefill_sizes`), default
+        prefill_chunk. Fill the inputs (positions p0..p0+C-1,
         a slot in [0, max_batch)), `graph.replay()`, read the logits before the next replay.
         A replay writes the chunk's K/V rows like the eager function (padding included:
         `prefill` saves and restores the sliding rows of a padded last chunk). Memory: the
@@ -542,9 +554,9 @@ class CompiledRunner:
             raise InputError("prefill graphs need a CUDA device, use_cuda_graphs=True, the triton backend "
                              f"and {PREFILL_GRAPHS_ENV} not 0")
         C = self.prefill_chunk if tokens is None else int(tokens)
-        if C not in (self.prefill_chunk, self.prefill_tail_chunk):
+        if C not in self.prefill_sizes:
             raise InputError(f"no prefill function of {C} tokens in {self.build}; it has "
-                             f"{sorted({self.prefill_chunk, self.prefill_tail_chunk})}")
+                             f"{sorted(self.prefill_sizes)}")
         return self._prefill_entries.get(C) or self._capture_prefill(C)
 
     def decode_graph(self, B: int):

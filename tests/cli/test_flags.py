@@ -230,10 +230,11 @@ def test_build_options_zero_is_not_unset():
 
 
 def test_prefill_chunk_defaults_and_tail():
-    """--prefill-chunk: on CUDA 2048 by default (fewer passes over the experts' weights),
+    """--prefill-chunk: on CUDA 4096 by default (fewer passes over the experts' weights),
     less when no prompt can fill it; elsewhere 2^k <= min(W, 512); a chunk longer than W
-    gets a tail function of 2^k <= min(W, 512) tokens, and may not be longer than
-    max_model_len (it could never run); 1..16384 allowed."""
+    gets a tail function of 2^k <= min(W, 512) tokens and one of every power of two in
+    between, and may not be longer than max_model_len (it could never run); 1..16384
+    allowed."""
     from flintc.config import FlintConfig
     from flintc.errors import InputError
     from flintc.runtime.build import CUDA_PREFILL_CHUNK, BuildOptions
@@ -244,8 +245,16 @@ def test_prefill_chunk_defaults_and_tail():
         o = BuildOptions(**kw).resolve(config)
         return o.prefill_chunk, o.prefill_tail_chunk(config)
 
-    assert CUDA_PREFILL_CHUNK == 2048
-    assert resolved(full, device="cuda") == (2048, 512)
+    def sizes(config, **kw):
+        return BuildOptions(**kw).resolve(config).prefill_sizes(config)
+
+    assert CUDA_PREFILL_CHUNK == 4096
+    assert resolved(full, device="cuda") == (4096, 512)
+    assert sizes(full, device="cuda") == [4096, 2048, 1024, 512]  # every power of two down to the tail
+    assert sizes(full, prefill_chunk=3000) == [3000, 2048, 1024, 512]
+    assert sizes(full) == [512] and sizes(full, prefill_chunk=513) == [513]
+    assert sizes(tiny, prefill_chunk=32) == [32, 16, 8] and sizes(tiny, prefill_chunk=10) == [10, 8]
+    assert resolved(full, device="cuda", max_model_len=3000) == (2048, 512)
     assert resolved(full, device="cuda", max_model_len=1500) == (1024, 512)  # a prompt fills it
     assert resolved(full, device="cuda", max_model_len=1000) == (512, 512)
     assert resolved(full, device="cuda", max_model_len=100) == (512, 512)  # never below the CPU default

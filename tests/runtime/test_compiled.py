@@ -51,11 +51,11 @@ def builds(tmp_path_factory, tiny_bf16_dir):
     code = main(["compile", "--out", str(root / "nvfp4"), "--max-batch", "4", "--max-model-len",
                  str(MAX_LEN), "--backend", "torch", "--no-check"])
     assert code == 0
-    compile_model(ckpt, root / "bf16-c16", BuildOptions(max_batch=2, decode_buckets=(2,), max_model_len=MAX_LEN,
-                                                        prefill_chunk=16, backend="torch", check=False,
+    compile_model(ckpt, root / "bf16-c32", BuildOptions(max_batch=2, decode_buckets=(2,), max_model_len=MAX_LEN,
+                                                        prefill_chunk=32, backend="torch", check=False,
                                                         dump=False), progress=False, log=lambda m: None)
     return {"bf16": (root / "bf16", tiny_bf16_dir), "nvfp4": (root / "nvfp4", default_checkpoint()),
-            "bf16-c16": (root / "bf16-c16", tiny_bf16_dir)}
+            "bf16-c32": (root / "bf16-c32", tiny_bf16_dir)}
 
 
 def reference(path):
@@ -232,31 +232,42 @@ def test_padding_never_touches_live_caches(builds):
 
 
 def test_prefill_chunk_longer_than_the_sliding_window(builds, monkeypatch):
-    """--prefill-chunk 16 with W = 9: the build also has an 8-token tail function; a
-    40-token prompt runs as 16 + 16 + 8 tokens, a 21-token one as 16 + 5 (padded to 8),
-    so no chunk longer than W is padded. Teacher forced against the reference (which
-    runs the whole prompt as one 40-token forward, T > W too), and the caches after the
-    prefill hold what the reference's hold (the ring: the last 9 positions)."""
+    """--prefill-chunk 32 with W = 9: the build also has functions of 16 and 8 (the tail)
+    tokens; a 40-token prompt runs as 32 + 8 tokens, a 21-token one as 16 + 5 (padded to
+    8), a 63-token one as 32 + 16 + 8 + 7 (padded), so no chunk longer than W is padded.
+    Teacher forced against the reference (which runs the whole prompt as one forward,
+    T > W too), and the caches after the prefill hold what the reference's hold (the
+    ring: the last 9 positions)."""
     from flintc.runtime.runner import ReferenceRunner
 
-    build, source = builds["bf16-c16"]
+    build, source = builds["bf16-c32"]
     manifest = json.loads((build / "build.json").read_text())
-    assert manifest["prefill_chunk"] == 16 and manifest["prefill_tail_chunk"] == 8
-    assert set(manifest["functions"]) == {"decode_b2", "prefill_t16", "prefill_t8"}
+    assert manifest["prefill_chunk"] == 32 and manifest["prefill_tail_chunk"] == 8
+    assert manifest["prefill_sizes"] == [32, 16, 8]
+    assert set(manifest["functions"]) == {"decode_b2", "prefill_t32", "prefill_t16", "prefill_t8"}
     runner = load_build(build, progress=False)
-    assert runner.prefill_pieces(40) == [(0, 16, 16), (16, 16, 16), (32, 8, 8)]
+    assert runner.prefill_pieces(40) == [(0, 32, 32), (32, 8, 8)]
+    assert runner.prefill_pieces(63) == [(0, 32, 32), (32, 16, 16), (48, 8, 8), (56, 7, 8)]
     # a manifest without its tail function (edited, or written by another version) would
-    # pad a 16-token chunk: refused at load, not a silently wrong ring
+    # pad a 32-token chunk: refused at load, not a silently wrong ring; so is a ladder
+    # whose functions are missing or that does not end at the tail
     from flintc.runtime.compiled import CompiledRunner, read_manifest
 
     ckpt = load_checkpoint(source, progress=False)
-    for bad in ({"prefill_tail_chunk": None}, {"prefill_tail_chunk": 16}):
-        with pytest.raises(InputError, match="prefill_tail_chunk 16 is longer than the sliding window"):
+    for bad in ({"prefill_tail_chunk": None, "prefill_sizes": None}, {"prefill_tail_chunk": 32}):
+        with pytest.raises(InputError, match="prefill_tail_chunk 32 is longer than the sliding window"):
             CompiledRunner(build, dict(read_manifest(build), **bad), ckpt, torch.device("cpu"))
+    with pytest.raises(InputError, match=r"prefill sizes \[64\] have no prefill_t<size> function"):
+        CompiledRunner(build, dict(read_manifest(build), prefill_sizes=[64, 32, 16, 8]), ckpt, torch.device("cpu"))
+    with pytest.raises(InputError, match=r"must run from prefill_chunk 32 down to prefill_tail_chunk 8"):
+        CompiledRunner(build, dict(read_manifest(build), prefill_sizes=[32, 16]), ckpt, torch.device("cpu"))
+    # a build from before the ladder (chunk and tail only) still loads and cuts as it did
+    old = CompiledRunner(build, dict(read_manifest(build), prefill_sizes=None), ckpt, torch.device("cpu"))
+    assert old.prefill_sizes == [32, 8] and old.prefill_pieces(40) == [(0, 32, 32), (32, 8, 8)]
     assert runner.prefill_pieces(21) == [(0, 16, 16), (16, 5, 8)]
     assert runner.prefill_pieces(7) == [(0, 7, 8)]
     model = reference(source)
-    prompts = [[(7 * i + 3) % 500 + 1 for i in range(40)], [(5 * i + 11) % 400 + 2 for i in range(21)]]
+    prompts = [[(7 * i + 3) % 500 + 1 for i in range(63)], [(5 * i + 11) % 400 + 2 for i in range(21)]]
     log = ExpertLog(monkeypatch, runner)
     assert_agree_with_flips(teacher_forced(runner, model, prompts, 12, log))
     monkeypatch.undo()
