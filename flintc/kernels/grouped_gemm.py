@@ -33,7 +33,7 @@ flattened ids), so each expert's weights are read once per tile of its tokens:
     37 of 1.57M gate/up outputs differ by one or two bf16 ulps). At 2K-8K tokens it is
     5-10% faster than the packed layout's (docs/gpu-runs.md session 13).
   - `"grouped_mm"` (bf16 weights only): `torch._grouped_mm` (CUTLASS on sm_90, fp32
-    accumulation, bf16 output: one rounding) on the sorted rows; torch's silu_mul.
+    accumulation, bf16 output: one rounding) on the sorted rows; `prefill_ops.silu_mul`.
     NVFP4 cannot use it: grouped_mm only returns bf16 for bf16 inputs (torch <= 2.13), so
     the global scale would meet an already-rounded value (a second rounding).
   - `"loop"`: a Python loop over the experts that have tokens, each a plain fp32 matmul
@@ -41,16 +41,19 @@ flattened ids), so each expert's weights are read once per tile of its tokens:
   `"auto"` picks triton on CUDA (for bf16 too: 806 us per MoE layer at 512 tokens against
   912 for grouped_mm on the H200, docs/gpu-runs.md session 8 run 3), and on CPU
   grouped_mm for bf16 if torch has it, else loop.
-  The shared expert is two / one plain GEMMs (`flintc.kernels.gemm.gemm`). The weighted
-  combine is the reference's expression (`expert_combine`) on the [N, K, H] expert outputs,
-  so it is bit-identical given identical expert outputs.
+  The shared expert is two / one plain GEMMs (`flintc.kernels.gemm.gemm`) and its SiLU-and-
+  mul. The weighted combine with the shared expert is `prefill_ops.expert_combine` on the
+  [N, K, H] expert outputs: on the CPU the reference's expression (bit-identical given
+  identical expert outputs), on CUDA one Triton kernel summing in slot order (within
+  `flintc.kernels.prefill_norm`'s bound: <= 1 bf16 ulp + (K + 1) 2^-23 sum |w_k y_k|).
 
 Rounding points kept (FLINT_SPEC 3): g and u rounded to bf16 before SiLU-and-mul, h
 rounded once; each expert's down output rounded to bf16 before the fp32 weighted combine;
 the combine rounded once. Differences from the reference come only from the GEMMs'
 fp32 summation order (<= 1 bf16 ulp + K * 2^-24 * sum |x_k w_k| per rounded value,
-most elements bit-identical) and, in the Triton epilogue, from Triton's sigmoid against
-torch's (an fp32 ulp, so h can land one bf16 ulp away at a rounding boundary).
+most elements bit-identical), on CUDA from the combine's summation order (above) and, in
+the Triton epilogue and SiLU-and-mul, from Triton's sigmoid against torch's (an fp32 ulp,
+so h can land one bf16 ulp away at a rounding boundary).
 
 CUDA graphs (the runtime captures the prefill function, `CompiledRunner.prefill_graph`):
 no host syncs and no data-dependent allocation in `triton` and `grouped_mm`. The slots
@@ -874,8 +877,9 @@ def moe_down_combine(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         impl: "auto" | "triton" | "grouped_mm" | "loop" (module docstring).
 
     Returns:
-        bf16 [N, H]. Numerics: module docstring (combine bit-identical to the reference's
-        expression given the same expert outputs).
+        bf16 [N, H]. Numerics: module docstring (on the CPU the combine is bit-identical to
+        the reference's expression given the same expert outputs; on CUDA within one bf16
+        ulp plus fp32 reordering of the K + 1 terms).
 
     Raises:
         ValueError: a dtype, shape, device or layout does not match (the message names the

@@ -1,4 +1,4 @@
-"""RMSNorm and SiLU-and-mul as fused ops (one kernel each)."""
+"""RMSNorm (alone and after a residual add) and SiLU-and-mul as fused ops (one kernel each)."""
 
 from __future__ import annotations
 
@@ -28,3 +28,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 @silu_mul.register_fake
 def _(gate, up):
     return torch.empty_like(gate)
+
+
+@torch.library.custom_op("flintc::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm that reads its result (prefill,
+    `flintc.passes.fuse_add_rms_norm`): `h = bf16(fp32 x + fp32 y)`, `rms_norm(h)`.
+    x, y: bf16 [..., H]; weight: fp32 [H]. -> (h, normed), both bf16 [..., H]."""
+    h = ops.residual_add(x, y, CDT)
+    return h, ops.rms_norm(h, weight, eps, CDT)
+
+
+@add_rms_norm.register_fake
+def _(x, y, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)

@@ -17,9 +17,11 @@ Prefill (T tokens per sequence) shares 1-5, then:
  6. fuse_prefill_attention flash attention with sinks and window reading the cache, plus
                            the KV write -> prefill_attention_kv (tolerance)
  7. lower_gemm             linears -> large-batch GEMM; LM head; embedding
+ 8. fuse_add_rms_norm      each residual add + the RMSNorm reading it -> add_rms_norm
 
 Grouping and PDL apply to decode only: prefill kernels are long, launch gaps do not
-matter, and its attention must read the old ring before the write.
+matter, and its attention must read the old ring before the write. Decode folds its
+residual adds into the GEMVs (8); prefill folds them into the norm that follows (8).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import os
 from flintc.graph.trace import CapturedGraph, capture
 from flintc.passes.base import GraphPass, PassContext
 from flintc.passes.canonicalize import CanonicalizationPass
+from flintc.passes.fuse_add_rms_norm import AddRMSNormFusionPass
 from flintc.passes.fuse_decode_attention import DecodeAttentionFusionPass
 from flintc.passes.fuse_moe import MoEFusionPass
 from flintc.passes.fuse_prefill_attention import PrefillAttentionFusionPass
@@ -45,7 +48,8 @@ COMMON = [CanonicalizationPass, RMSNormFusionPass, SiLUMulFusionPass, QKNormRope
           MoEFusionPass]
 DECODE_PIPELINE: list[type[GraphPass]] = COMMON + [
     DecodeAttentionFusionPass, SmallBatchGEMVLoweringPass, LowLatencyGroupingPass, PDLChainingPass]
-PREFILL_PIPELINE: list[type[GraphPass]] = COMMON + [PrefillAttentionFusionPass, GEMMLoweringPass]
+PREFILL_PIPELINE: list[type[GraphPass]] = COMMON + [PrefillAttentionFusionPass, GEMMLoweringPass,
+                                                   AddRMSNormFusionPass]
 
 
 def pipeline_for(step: str) -> list[type[GraphPass]]:

@@ -12,7 +12,8 @@ the full model (47 MoE layers, 2 dense, plus the model-level ops).
 
 On the CPU, `gpu_like=True` makes the count follow what a GPU runs where the code
 branches on the device: the MoE expert GEMMs take the implementation "auto" picks on an
-GPU (triton, both formats), and `flintc.kernels.gemm._mm_fp32`
+GPU (triton, both formats), the norms and elementwise ops of `flintc.kernels.prefill_ops`
+their Triton kernels (`flintc.kernels.prefill_norm`), and `flintc.kernels.gemm._mm_fp32`
 (cuBLAS `aten::mm.dtype` on CUDA, upcasts + an fp32 matmul on the CPU) is counted as the
 one `mm.dtype` it is on CUDA.
 
@@ -145,6 +146,7 @@ def _patched(mode: _Counter, gpu_like: bool, device: torch.device):
     if gpu_like and device.type != "cuda":
         from flintc.kernels import gemm as G
         from flintc.kernels import grouped_gemm as GG
+        from flintc.kernels import prefill_ops as PO
 
         real_mm = G._mm_fp32
 
@@ -159,6 +161,7 @@ def _patched(mode: _Counter, gpu_like: bool, device: torch.device):
         real_pick = GG._pick_impl
         patch(G, "_mm_fp32", mm_fp32)
         patch(GG, "_pick_impl", lambda op, impl, nvfp4, dev: real_pick(op, "triton", nvfp4, dev))
+        patch(PO, "_use_triton", lambda t: True)
     del triton
     try:
         yield

@@ -56,6 +56,17 @@ def test_rms_norm_and_silu_mul_are_bit_identical():
     assert same_bits(out[:, 7], ops.silu_mul(g[:, 0], u[:, 0], F32))
 
 
+def test_add_rms_norm_is_bit_identical():
+    """`flintc::add_rms_norm`'s CPU launcher against the functions it fuses."""
+    x, y = rand_bf16(5, 7, 128, seed=11), rand_bf16(5, 7, 128, seed=12)
+    w = (torch.rand(128, generator=torch.Generator().manual_seed(13)) + 0.5).to(DEV)
+    h, normed = P.add_rms_norm(x, y, w, 1e-5)
+    want = ops.residual_add(x, y, F32)
+    assert same_bits(h, want) and same_bits(normed, ops.rms_norm(want, w, 1e-5, F32))
+    got = torch.ops.flintc.add_rms_norm(x, y, w, 1e-5)  # the op's reference body
+    assert same_bits(got[0], h) and same_bits(got[1], normed)
+
+
 @pytest.mark.parametrize("rope", [True, False])
 def test_qk_norm_rope_is_bit_identical(rope):
     B, T, Hq, Hkv, D = 1, 11, 8, 2, 32
@@ -188,8 +199,14 @@ def test_gate_up_plan_is_not_reused_after_ids_change_in_place():
 # Per-layer aten ops of one prefill chunk (tiny builds, GPU choices; `scripts/prefill_op_count.py`):
 # before this change 85 / 67 (dense sliding / full) and 180 / 162 (NVFP4 MoE sliding / full),
 # 127 / 109 (BF16 MoE through grouped_mm; 94 / 82 after it; the Triton grouped GEMM that
-# "auto" now picks for BF16 too: 79 / 67).
-MAX_ATEN_OPS = {"nvfp4": {0: 66, 1: 54, 2: 79, 3: 67}, "bf16": {0: 66, 1: 54, 2: 79, 3: 67}}
+# "auto" now picks for BF16 too: 79 / 67); 66 / 54 and 79 / 67 before the Triton norms and
+# elementwise kernels of `flintc.kernels.prefill_norm` and `fuse_add_rms_norm`: 14 / 14 and
+# 24 / 24 (what is left: the GEMMs' casts or NVFP4 scale products, the router's ops).
+MAX_ATEN_OPS = {"nvfp4": {0: 14, 1: 14, 2: 24, 3: 24}, "bf16": {0: 14, 1: 14, 2: 24, 3: 24}}
+# Triton launches per layer of the norms and elementwise ops (prefill_norm): layer 0 has the
+# input norm of the embedding; dense layers a silu_mul, MoE layers the shared expert's
+# silu_mul and the combine.
+NORM_LAUNCHES = {0: 5, 1: 4, 2: 5, 3: 5}
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
@@ -209,6 +226,14 @@ def test_prefill_chunk_aten_op_count_does_not_grow(fmt, tmp_path):
     counts = count_step_ops(runner, f"prefill_t{runner.prefill_chunk}")
     got = {layer: counts.layer_total(layer) for layer in MAX_ATEN_OPS[fmt]}
     assert all(got[x] <= n for x, n in MAX_ATEN_OPS[fmt].items()), (got, MAX_ATEN_OPS[fmt])
+    norm_kernels = {f"triton.{k}" for k in ("rms_norm_kernel", "qk_norm_rope_kernel",
+                                            "expert_combine_kernel", "silu_mul_kernel")}
+    launches = {layer: sum(n for (_, op), n in counts.by_layer[layer].items() if op in norm_kernels)
+                for layer in NORM_LAUNCHES}
+    assert launches == NORM_LAUNCHES
+    # every residual add runs inside add_rms_norm: the function calls no aten add or cast
+    callers = {caller for c in counts.by_layer.values() for caller, _ in c}
+    assert not callers & {"aten.add", "aten._to_copy"}, callers
     # one sort per MoE layer for the experts (plus the router's), none in down_combine
     moe = counts.by_layer[2]
     assert moe.get(("K.moe_gate_up", "aten.sort")) == 1 and ("K.moe_down_combine", "aten.sort") not in moe

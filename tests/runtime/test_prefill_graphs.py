@@ -2,12 +2,13 @@
 
 A GPU prefill runs the generated `prefill_t{C}` with the triton backend: the Triton
 prefill attention, the MoE route (cuBLAS + torch sort), the grouped expert GEMMs
-(Triton for NVFP4; torch's grouped_mm for BF16 on sm_90) and cuBLAS GEMMs, plus aten
-glue. Here:
+(Triton for NVFP4; torch's grouped_mm for BF16 on sm_90), cuBLAS GEMMs, the Triton norms
+and elementwise kernels (`flintc.kernels.prefill_norm`), plus aten glue. Here:
 
 * the whole generated function runs with those implementations (Triton's interpreter,
   the MoE impl CUDA would pick) under `forbid_host_sync()`: no host sync, no copy of
   host data, no allocation sized by a device value anywhere on the path;
+* with the Triton norms its logits and caches agree with the CPU's torch bodies;
 * the runner's graph path (static input buffers, one replay per chunk, the sliding
   rows of a padded last chunk saved and restored around the replay, logits cloned out
   of the static output, the capture's warm-up on slot 0 saved and restored) runs with a
@@ -78,10 +79,12 @@ def test_generated_prefill_has_no_host_sync(builds, fmt, moe_impl, monkeypatch):
     loop fallback for NVFP4, which syncs: that is the CPU path) or, for BF16, torch's
     grouped_mm (sync-free on sm_90 / sm_100)."""
     from flintc.kernels import grouped_gemm as GG
+    from flintc.kernels import prefill_ops as P
     from flintc.runtime.hostsync import forbid_host_sync
 
     real = GG._pick_impl
     monkeypatch.setattr(GG, "_pick_impl", lambda op, impl, nvfp4, dev: real(op, moe_impl, nvfp4, dev))
+    monkeypatch.setattr(P, "_use_triton", lambda t: True)  # the Triton norms, as on CUDA
     runner = runner_for(builds, fmt)
     assert runner.backend == "triton" and runner.prefill_graphs and not runner.use_cuda_graphs
     C = runner.prefill_chunk
@@ -92,6 +95,36 @@ def test_generated_prefill_has_no_host_sync(builds, fmt, moe_impl, monkeypatch):
     with forbid_host_sync():
         logits = runner.forward(name, ids, pos, slots)
     assert logits.shape == (1, C, runner.config.vocab_size) and bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_prefill_norm_kernels_match_the_cpu_path(builds, fmt, monkeypatch):
+    """The generated prefill with the Triton norms and elementwise kernels a GPU runs
+    (`flintc.kernels.prefill_norm`, `add_rms_norm` included) against the same function with
+    the CPU's torch bodies (bit-identical to the reference ops), from the same cache
+    contents: logits within the pipelines' tolerance (atol 0.06, rtol 0.02,
+    tests/runtime/test_compiled.py), and the KV caches written alike."""
+    from flintc.kernels import prefill_ops as P
+
+    runner = runner_for(builds, fmt)
+    C = runner.prefill_chunk
+    name = f"prefill_t{C}"
+    assert "K.add_rms_norm(" in (runner.build / "runtime.py").read_text()
+    ids = torch.randint(0, runner.config.vocab_size, (1, C), generator=torch.Generator().manual_seed(2))
+    pos, slots = torch.arange(5, 5 + C)[None], torch.tensor([0])
+    fill(runner, 3)  # an earlier chunk's keys and values
+    before = [t.clone() for t in runner.kv]
+    want = runner.forward(name, ids, pos, slots).clone()
+    want_kv = [t.clone() for t in runner.kv]
+    for t, b in zip(runner.kv, before):
+        t.copy_(b)
+    monkeypatch.setattr(P, "_use_triton", lambda t: True)
+    got = runner.forward(name, ids, pos, slots)
+    print(f"{fmt}: logits max abs diff {(got - want).abs().max().item():.3g}, "
+          f"{(got != want).float().mean().item():.2%} differ")
+    assert torch.allclose(got, want, atol=0.06, rtol=0.02)
+    for a, b in zip(runner.kv, want_kv):
+        assert torch.allclose(a.float(), b.float(), atol=0.06, rtol=0.02)
 
 
 class StandInGraph:
