@@ -318,6 +318,10 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor, k_norm:
             _check(op, name, t, torch.float32, q.device)
             if tuple(t.shape) != (B, T, D // 2) or not t.is_contiguous():
                 fail(op, name, f"a contiguous fp32 tensor [{B}, {T}, {D // 2}]", t)
+    if q_norm.dtype != k_norm.dtype:
+        # the kernel picks one pointer per program with a branch, and compiled Triton (not
+        # the interpreter) needs both branches to have one pointer type: fp32 holds either
+        q_norm, k_norm = q_norm.float(), k_norm.float()
     q_out = _alloc(*q.shape, dtype=torch.bfloat16, device=q.device)
     k_out = _alloc(*k.shape, dtype=torch.bfloat16, device=q.device)
     N = B * T
