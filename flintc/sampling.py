@@ -27,11 +27,16 @@ import torch
 from flintc.errors import InputError
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings.
 
-    temperature: >= 0; 0 means greedy (argmax, ties to the lower token id).
+    temperature: >= 0; below `GREEDY_TEMPERATURE` (1e-5, vLLM's sampling epsilon) the
+        request is greedy (argmax, ties to the lower token id): logits / temperature
+        would overflow to inf there.
     top_k: keep the k most likely tokens; 0 or -1 keeps all.
     top_p: in (0, 1]; keep the smallest set of most likely tokens whose
         probability (after top-k, renormalised) reaches top_p.
@@ -68,7 +73,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def make_generator(self, device: torch.device | str) -> torch.Generator:
         g = torch.Generator(device=device)
@@ -106,7 +111,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         # the mass of the strictly larger x: `before` at the first token of each run of
         # equal x (found by a binary search of the ascending -sorted_x)
         neg = -sorted_x.contiguous()
-        first = torch.searchsorted(neg, neg, side="left")
+        # (a NaN logit is found nowhere, i.e. at V: clamped, so a row with NaN gives some
+        # token of that row instead of an out-of-bounds gather, a device assert on CUDA)
+        first = torch.searchsorted(neg, neg, side="left").clamp_(max=vocab - 1)
         larger = before.gather(-1, first)
         drop = torch.zeros_like(larger, dtype=torch.bool).scatter(-1, order, larger >= params.top_p)
         probs = probs.masked_fill(drop, 0.0)
@@ -181,9 +188,11 @@ def _draw(x: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Ten
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
     """Draw one token per row, rows with the same settings batched (one `_draw` per group
     of rows with equal (temperature, top_k, top_p)). Greedy rows take the argmax (ties to
-    the lower token id). Each sampled row fills its own uniforms from its own generator
-    (one `uniform_` launch per row), so a seeded request's tokens do not depend on the
-    rest of the batch. No host sync and no host-to-device copy: the launches queue behind
+    the lower token id). Each sampled row fills its own V + MAX_FAST_TOP_K + 1 uniforms
+    from its own generator (one `uniform_` launch per row, the same count whatever the
+    settings), so a seeded request's tokens do not depend on the rest of the batch, at
+    any step. A row holding NaN logits gets an unspecified token of that row (no error;
+    the other rows are unaffected). No host sync and no host-to-device copy: the launches queue behind
     the forward pass.
 
     Args:
@@ -204,8 +213,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for b, p in enumerate(params):
         key = ("greedy",) if p.is_greedy else (p.temperature, p.top_k, p.top_p)
         groups.setdefault(key, []).append(b)
-    width = V + max((p.top_k for p in params if 0 < p.top_k < V), default=0) + 1
-    u = torch.empty(B, width, dtype=torch.float32, device=logits.device)
+    # Every sampled row draws the same number of uniforms whatever its or the other rows'
+    # settings, so a seeded request's generator advances alike in any batch.
+    u = torch.empty(B, V + MAX_FAST_TOP_K + 1, dtype=torch.float32, device=logits.device)
     out = None if len(groups) == 1 else torch.empty(B, dtype=torch.long, device=logits.device)
     for key, rows in groups.items():
         x = _rows(logits, rows)

@@ -150,6 +150,42 @@ def test_seeded_rows_do_not_depend_on_the_batch():
         assert alone == [together[b]], f"row {b}"
 
 
+def test_seeded_rows_do_not_depend_on_the_batch_over_steps():
+    """Over several steps with one generator per request (as the runtime keeps them), a
+    seeded row draws the same tokens alone and next to rows with other settings (another
+    top-k, the sort path, greedy): its generator advances alike in every batch."""
+    g = torch.Generator().manual_seed(2)
+    steps = [torch.randn(3, V, generator=g) * 2 for _ in range(6)]
+    mine = SamplingParams(seed=11, top_k=20)
+
+    def run(others):
+        ps = [mine] + others
+        gens = [p.make_generator("cpu") if not p.is_greedy else None for p in ps]
+        return [sample(x[:len(ps)], ps, gens)[0].item() for x in steps]
+
+    alone = run([])
+    for others in ([SamplingParams(seed=5, top_k=50)], [SamplingParams(top_k=0, top_p=0.9)],
+                   [SamplingParams(temperature=0), SamplingParams(seed=6, top_k=200, top_p=0.5)]):
+        assert run(others) == alone, others
+
+
+def test_tiny_temperature_is_greedy_and_nan_does_not_crash():
+    """A temperature below 1e-5 samples greedily (logits / t would overflow); a row with a
+    NaN logit gets some token of its row on both paths, and the other rows are drawn as
+    usual (no out-of-bounds gather)."""
+    x = torch.tensor([[1.0, 3.0, 2.0, 0.5]])
+    for k in (0, 2):
+        p = SamplingParams(temperature=1e-40, top_k=k)
+        assert p.is_greedy and sample(x, [p], [None]).tolist() == [1]
+    x = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    x[1, 3] = float("nan")
+    for k in (0, 5, 300):
+        p = SamplingParams(top_k=k, top_p=0.9)
+        tok = sample(x, [p, p], [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)])
+        assert tok.shape == (2,) and all(0 <= t < 50 for t in tok.tolist())
+        assert sampling_probs(x[:1], p)[0, tok[0]] > 0
+
+
 def test_draws_only_kept_tokens():
     """Over many draws, a row samples only tokens of its top-k / top-p set, and every token
     of a flat top-k set shows up."""

@@ -93,7 +93,8 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                    help="tokens per prefill call, at most (default: 4096 on CUDA, or less for a shorter "
                         "--max-model-len; else 2^k <= min(W, 512)); a chunk longer than the sliding window W "
                         "adds functions of every power of two below it down to a tail of 2^k <= min(W, 512) "
-                        "tokens: a prompt runs as the fewest unpadded chunks, then one padded tail chunk")
+                        "tokens: each call takes the longest chunk the prompt fills (for a power of two, the fewest "
+                        "calls), then one padded tail chunk")
     if backend:
         p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                        help="triton: Triton kernels where they exist (on a CPU: Triton's slow "

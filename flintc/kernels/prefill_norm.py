@@ -326,7 +326,9 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_norm: torch.Tensor, k_norm:
     k_out = _alloc(*k.shape, dtype=torch.bfloat16, device=q.device)
     N = B * T
     if N:
-        heads = min(triton.next_power_of_2(max(Hq, Hkv)), max(1, HEAD_TILE // D))
+        per_tile = max(1, HEAD_TILE // D)
+        per_tile = 1 << (per_tile.bit_length() - 1)  # tl.arange needs a power of two (D = 96: 8, not 10)
+        heads = min(triton.next_power_of_2(max(Hq, Hkv)), per_tile)
         grid = (N, triton.cdiv(Hq, heads) + triton.cdiv(Hkv, heads))
         tables = (cos, sin) if rope else (q_norm, q_norm)  # not read without RoPE
         qk_norm_rope_kernel[grid](q, k, q_norm, k_norm, *tables, q_out, k_out, float(eps),

@@ -61,9 +61,9 @@ class BuildOptions:
         tokens). A padded chunk must not be longer than W (its padding tokens would push
         live tokens out of the ring), so such a build also has a tail function of
         `prefill_tail_chunk` tokens, and one of every power of two between the two
-        (`prefill_sizes`): a prompt runs as the fewest unpadded chunks, then one padded
-        tail chunk. Such a chunk may not be longer than max_model_len (it could never
-        run).
+        (`prefill_sizes`): each call takes the longest chunk the tokens left fill (with a
+        power-of-two C, the fewest calls), then one padded tail chunk. Such a chunk may not
+        be longer than max_model_len (it could never run).
     backend: "triton" (Triton kernels where they exist, reference ops elsewhere; on the
         CPU through Triton's interpreter, slow: for testing kernels), "torch" (reference
         ops only), or "auto" (triton on CUDA when it is installed, else torch).

@@ -254,8 +254,12 @@ class CompiledRunner:
                              f"longer than the sliding window ({W}): the build has no tail prefill "
                              "function of at most W tokens; regenerate it with flintc compile")
         # builds before session 18 have no ladder: their chunk and tail only
-        self.prefill_sizes = sorted({int(c) for c in manifest.get("prefill_sizes") or
-                                     (self.prefill_chunk, self.prefill_tail_chunk)}, reverse=True)
+        sizes = manifest.get("prefill_sizes") or [self.prefill_chunk, self.prefill_tail_chunk]
+        if not isinstance(sizes, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0
+                                                  for c in sizes):
+            raise InputError(f"{self.build}/build.json: prefill_sizes must be a list of positive integers "
+                             f"(tokens per prefill function), got {sizes!r}")
+        self.prefill_sizes = sorted(set(sizes), reverse=True)
         missing = [c for c in self.prefill_sizes if f"prefill_t{c}" not in manifest.get("functions", {})]
         if "functions" in manifest and missing:
             raise InputError(f"{self.build}/build.json: prefill sizes {missing} have no prefill_t<size> "
@@ -339,7 +343,9 @@ class CompiledRunner:
         """How `prefill` cuts a prompt of `num_tokens` tokens: (offset, live tokens, tokens
         per call) per call, in order. Each call takes the longest of `prefill_sizes` that
         the tokens left fill; when none does, the shortest (`prefill_tail_chunk`, at most
-        W), padded: only the last call is padded."""
+        W), padded: only the last call is padded. With a power-of-two prefill_chunk (the
+        default) that is the fewest calls; with another (say 33: sizes 33, 32, 16, 8) it
+        may not be (64 tokens: 33 + 16 + 8 + 7 padded, not 32 + 32)."""
         pieces, s = [], 0
         while s < num_tokens:
             left = num_tokens - s
@@ -469,7 +475,7 @@ class CompiledRunner:
         host.numpy()[:] = rows
         self._static_inputs[B].copy_(host, non_blocking=True)
         if done is not None:
-            done.record()
+            done.record(torch.cuda.current_stream(self.device))
         graph.replay()
         return out
 

@@ -40,7 +40,8 @@ class ModelRunner(Protocol):
     def decode(self, slots: Sequence[int], token_ids: Sequence[int],
                positions: Sequence[int]) -> torch.Tensor:
         """One token per slot (distinct slots, 1 <= len <= max_batch). -> fp32 logits
-        [B, V] in the order given."""
+        [B, V] in the order given. With CUDA graphs they may be a view of the graph's
+        output, which the next decode call rewrites: read (or copy) them before then."""
         ...
 
 

@@ -156,7 +156,8 @@ def test_add_rms_norm_row_strided_inputs(poisoned):
 
 
 @pytest.mark.parametrize("rope", [True, False])
-@pytest.mark.parametrize("B,T,Hq,Hkv,D", [(1, 11, 8, 2, 32), (2, 3, 32, 4, 128), (1, 2, 6, 3, 24)])
+@pytest.mark.parametrize("B,T,Hq,Hkv,D", [(1, 11, 8, 2, 32), (2, 3, 32, 4, 128), (1, 2, 6, 3, 24),
+                                           (1, 2, 32, 4, 96)])  # 1024 // 96 = 10 heads: 8 per tile
 def test_qk_norm_rope(B, T, Hq, Hkv, D, rope, poisoned):
     check_qk_norm_rope(B, T, Hq, Hkv, D, rope)
 

@@ -261,6 +261,9 @@ def test_prefill_chunk_longer_than_the_sliding_window(builds, monkeypatch):
         CompiledRunner(build, dict(read_manifest(build), prefill_sizes=[64, 32, 16, 8]), ckpt, torch.device("cpu"))
     with pytest.raises(InputError, match=r"must run from prefill_chunk 32 down to prefill_tail_chunk 8"):
         CompiledRunner(build, dict(read_manifest(build), prefill_sizes=[32, 16]), ckpt, torch.device("cpu"))
+    for bad in (32, [32, None, 8], [32, 16.5, 8], ["x"]):
+        with pytest.raises(InputError, match=r"prefill_sizes must be a list of positive integers"):
+            CompiledRunner(build, dict(read_manifest(build), prefill_sizes=bad), ckpt, torch.device("cpu"))
     # a build from before the ladder (chunk and tail only) still loads and cuts as it did
     old = CompiledRunner(build, dict(read_manifest(build), prefill_sizes=None), ckpt, torch.device("cpu"))
     assert old.prefill_sizes == [32, 8] and old.prefill_pieces(40) == [(0, 32, 32), (32, 8, 8)]
