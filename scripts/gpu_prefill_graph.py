@@ -104,7 +104,7 @@ def check_build(path: str, fmt: str, args) -> tuple[list[str], bool]:
     fill(runner, args.seed)
     before = [t.clone() for t in runner.kv]
     t0 = time.perf_counter()
-    for size in sorted(getattr(runner, "prefill_sizes", {runner.prefill_chunk, runner.prefill_tail_chunk})):
+    for size in sorted(runner.prefill_sizes):
         runner.prefill_graph(size)
     torch.cuda.synchronize()
     capture_s = time.perf_counter() - t0
