@@ -180,15 +180,17 @@ def run_bench(args) -> list[str]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for fmt in [f for f in ("bf16", "nvfp4") if f in FORMATS]:
         for N in BATCHES:
-            for row in bench_one(Setup(fmt, N, gen), args.pdl, args.reps, copy_bw):
+            for row in bench_one(Setup(fmt, N, gen), args.pdl, args.reps, copy_bw,
+                                 not args.no_floor):
                 lines.append(row)
                 print(row, flush=True)
             torch.cuda.empty_cache()
     return lines
 
 
-def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float) -> list[str]:
-    """Rows of the table for one format and batch."""
+def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float, floor: bool = False) -> list[str]:
+    """Rows of the table for one format and batch (with `floor`, then the read floors'
+    rows of `floor_rows`)."""
     from flintc.kernels import moe as K
 
     ref = torch.ops.flintc
@@ -231,6 +233,56 @@ def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float) -> list[str]:
         gbs = nb / us / 1e3
         rows.append(f"| {name} | {s.fmt} | {s.N} | {s.distinct:.1f} | {nb / 1e6:.2f} | {us:.1f} | "
                     f"{gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {us_t:.0f} | {us_t / us:.0f}x |")
+    if floor:
+        rows += floor_rows(s, pdl, reps, copy_bw,
+                           {"moe_topk_gate_up": s.bytes_gate_up(),
+                            "moe_down_combine_residual": s.bytes_down()})
+    return rows
+
+
+FLOOR_LAUNCHES = [(t, l) for t in (128, 256, 512, 1024) for l in (1, 2, 4, 8) if t * l <= 4096]
+
+
+def floor_rows(s: Setup, pdl: bool, reps: int, copy_bw: float, op_bytes: dict) -> list[str]:
+    """The read floor of each expert op (`read_floor.ReadFloor`: only the op's weight
+    reads, ids read after the wait as the op must): the best of `FLOOR_LAUNCHES`, timed
+    as the op is. "MB read" and "% copy" count the op's bytes (weights and activations),
+    so the row's % copy is the most the op itself could reach in this chain; the
+    `ids_known` row (ids read before the wait, which no real kernel can do) shows what
+    the dependency on the router costs, the `late trigger` row (`launch_dependents` at
+    the end, where the op's kernels have it by default) what the trigger's place costs."""
+    from read_floor import ReadFloor
+
+    def weights(w):  # NVFP4 [codes, scales, global scale]; bf16 [w]
+        return ([w[0]], [w[1].view(torch.uint8)]) if s.fmt == "nvfp4" else ([w[0]], [])
+
+    def floor_of(routed: list, shared: list) -> ReadFloor:
+        c, sc = zip(*[weights(w) for w in routed])
+        shc, shs = zip(*[weights(w) for w in shared])
+        return ReadFloor([x[0] for x in c], [x[0] for x in sc if x],
+                         [x[0] for x in shc], [x[0] for x in shs if x])
+
+    ops = {"moe_topk_gate_up": [floor_of([s.gate, s.up], [s.sg[j], s.su[j]]) for j in range(ROT)],
+           "moe_down_combine_residual": [floor_of([s.down], [s.sd[j]]) for j in range(ROT)]}
+    rows = []
+    for op, floors in ops.items():
+        floors[0].check(s.ids[0])  # reads exactly the op's weight bytes (XOR per item)
+        for mode, trigger in (("dependent", "early"), ("dependent", "late"),
+                              ("ids_known", "early")):
+            best = None
+            for t, ld in FLOOR_LAUNCHES:
+                def fn(i, t=t, ld=ld, mode=mode, trigger=trigger):
+                    return floors[i % ROT](s.ids[i % ROT], t, ld, mode, pdl, trigger)
+                us = graph_us(fn, reps)
+                if best is None or us < best[0]:
+                    best = (us, t, ld)
+            us, t, ld = best
+            nb = op_bytes[op]
+            gbs = nb / us / 1e3
+            rows.append(f"| read floor of {op} ({mode}, {trigger} trigger; {t} threads x {ld} "
+                        f"loads) | {s.fmt} | "
+                        f"{s.N} | {s.distinct:.1f} | {nb / 1e6:.2f} | {us:.1f} | {gbs:.0f} | "
+                        f"{100 * gbs / copy_bw:.0f}% | - | - |")
     return rows
 
 
@@ -357,6 +409,8 @@ def main() -> None:
                         "at full shapes instead of timing")
     parser.add_argument("--reps", type=int, default=10, help="graph replays per timing")
     parser.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
+    parser.add_argument("--no-floor", action="store_true", help="skip the read-floor rows "
+                        "(benchmarks/read_floor.py: a kernel that only reads the op's weights)")
     parser.add_argument("--sweep-seconds", type=float, default=60.0,
                         help="time budget of the config sweep in s (compile included; >= 0, "
                              "0 stops it at once, unlike bench_gemv.py's 0 = no limit)")

@@ -666,6 +666,7 @@ _MOE_GATE_UP_SOURCE = r"""
 // weights.
 #define KTOP __KTOP__
 #define NE __NE__  // experts (a multiple of 32, at most 1024)
+#define TRIG_EARLY __TRIG__  // PDL: launch_dependents once the first loads are issued
 #define RTB (RT / 2)  // 16-row tiles per block, of the gate and of the up projection each
 
 __device__ __forceinline__ float sigmoid_rn(float v) {  // torch: 1 / (1 + exp(-v))
@@ -829,6 +830,9 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
   const uint4* xp = x_at(xrow, c0, lane);
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
+#if PDL && TRIG_EARLY
+  asm volatile("griddepcontrol.launch_dependents;");  // the block's first loads are issued
+#endif
   float acc[RT][4];
 #pragma unroll
   for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
@@ -840,7 +844,7 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
     }
     mma_chunk(buf[c % (PF + 1)], acc);
   }
-#if PDL
+#if PDL && !TRIG_EARLY
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
 #pragma unroll
@@ -879,6 +883,7 @@ _MOE_DOWN_SOURCE = r"""
 // reference's order.
 #define KTOP __KTOP__
 #define KSPLIT __KSPLIT__  // warps (units) per item, each a K slice
+#define TRIG_EARLY __TRIG__  // PDL: launch_dependents once the first unit's loads are issued
 #define CPS (KC / KSPLIT)  // chunks per slice
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
@@ -938,6 +943,9 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
     const uint4* xp = x_at(xrow, c0, lane);
 #pragma unroll
     for (int c = 0; c < PF && c < CPS; ++c) load_x(buf[c], xp, c);
+#if PDL && TRIG_EARLY
+    if (u == warp) asm volatile("griddepcontrol.launch_dependents;");  // first unit's loads issued
+#endif
     float acc[1][4] = {{0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int c = 0; c < CPS; ++c) {
@@ -963,7 +971,7 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
   }
 #if PDL
   if (warp >= items * KSPLIT && N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;");
+  if (!TRIG_EARLY || warp >= items * KSPLIT) asm volatile("griddepcontrol.launch_dependents;");
 #endif
   __syncthreads();
   // combine, as flintc.model.ops.expert_combine: y = bf16(sum of the slices x scale); sum_k
@@ -1352,12 +1360,12 @@ _KERNELS: dict[tuple, object] = {}  # compiled variants, by (device index, _kern
 
 
 def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epilogue: int,
-            pdl: bool, moe_top_k: int = 0, experts: int = 0, bf16: bool = False, *,
-            device: torch.device):
+            pdl: bool, moe_top_k: int = 0, experts: int = 0, bf16: bool = False,
+            trigger_early: bool = False, *, device: torch.device):
     """The compiled variant for `device` (NVRTC through `torch.cuda._compile_kernel`, about
     a second the first time; cached for the process per device)."""
     args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts,
-            bool(bf16))
+            bool(bf16), bool(trigger_early))
     name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
         else "nvfp4_mma_gemv"
     return _compiled(name, args, lambda: kernel_source(*args), device)
@@ -1389,14 +1397,17 @@ def _compiled(name: str, args: tuple, source, device: torch.device, smem: int = 
 
 def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int,
                   epilogue: int = EPI_FP32, pdl: bool = False, moe_top_k: int = 0,
-                  experts: int = 0, bf16: bool = False) -> str:
+                  experts: int = 0, bf16: bool = False, trigger_early: bool = False) -> str:
     """The CUDA source of one kernel variant (every argument is compiled in): the GEMV
     (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
     row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
     slice), or with experts > 0 too the MoE gate/up kernel (`nvfp4_mma_moe_gate_up`,
     row_tiles 2 x the block's 16-row tiles of gate and up, k = H, splits 1). `bf16`: row-major bf16 weights instead of
-    the NVFP4 mma layout. Raises ValueError for sizes below 1, k not a multiple of 64, an
-    MoE variant over `STATIC_SMEM`, or down-kernel splits that do not divide k / 64."""
+    the NVFP4 mma layout. `trigger_early` (MoE kernels, with `pdl`): each block's
+    `griddepcontrol.launch_dependents` right after its first weight and activation loads
+    are issued instead of after its main loop (`moe_trigger_early`). Raises ValueError for
+    sizes below 1, k not a multiple of 64, an MoE variant over `STATIC_SMEM`, or
+    down-kernel splits that do not divide k / 64."""
     if min(row_tiles, splits, warps) < 1 or prefetch < 0 or k < 64 or k % 64:
         raise ValueError(f"kernel_source: needs row_tiles, splits, warps >= 1, prefetch >= 0 "
                          f"and k a multiple of 64; got {row_tiles}, {splits}, {warps}, "
@@ -1412,7 +1423,7 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     subs = {"__RT__": row_tiles, "__KC__": chunks, "__CPW__": chunks // (warps * splits),
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
             "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16),
-            "__KSPLIT__": splits}
+            "__KSPLIT__": splits, "__TRIG__": int(bool(trigger_early))}
     body = (_MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) if moe_top_k else _GEMV_SOURCE
     return _render(body, subs)
 
@@ -1773,6 +1784,33 @@ def _check_moe_launch(op: str, warps: int, tiles: int, prefetch: int, tiles_name
 
 
 # (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
+# The MoE kernels whose PDL trigger (`griddepcontrol.launch_dependents`) comes right after
+# each block's first loads are issued, not after its main loop; FLINTC_MOE_TRIGGER
+# overrides it (`moe_trigger_early`).
+MOE_EARLY_TRIGGER: frozenset = frozenset()
+
+
+def moe_trigger_early(kernel: str) -> bool:
+    """Whether the MoE `kernel` ("gate_up" or "down") triggers its dependents early:
+    FLINTC_MOE_TRIGGER, when set, is a comma-separated list of the kernels that do ("" or
+    "none": neither); otherwise `MOE_EARLY_TRIGGER`. The trigger is a scheduling hint:
+    the dependents' `griddepcontrol.wait` still waits for this grid to complete.
+
+    Raises:
+        TuningEnvError (a ValueError): FLINTC_MOE_TRIGGER names something else.
+    """
+    text = os.environ.get("FLINTC_MOE_TRIGGER")
+    if text is None:
+        return kernel in MOE_EARLY_TRIGGER
+    names = {t.strip().lower() for t in text.split(",") if t.strip()} - {"none"}
+    if not names <= {"gate_up", "down"}:
+        from flintc.kernels.tuning import TuningEnvError
+
+        raise TuningEnvError("FLINTC_MOE_TRIGGER must list kernels among gate_up, down (or "
+                             f"be empty / none); got {text!r}")
+    return kernel in names
+
+
 # prefetch depth is DOWN_PREFETCH's (docs/gpu-runs.md session 15)
 DOWN_LAUNCH = {"nvfp4": {n: (32, 4 if n == 1 else 2 if n <= 3 else 1) for n in range(1, 9)},
                "bf16": {n: (32, 4) for n in range(1, 9)}}
@@ -1857,7 +1895,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
     swq, ssq, sgs = _moe_pointers(shared_down, "shared_down")
     out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
     kernel = _kernel(1, I, splits, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, bf16=bf16,
-                     device=h.device)
+                     trigger_early=moe_trigger_early("down"), device=h.device)
     _launch(kernel, (H // 16, 1), 32 * warps,
             [wq, sq, gs, 1 if gs.numel() > 1 else 0, swq, ssq, sgs, h, ids, weights,
              residual, out, N, H], bool(use_pdl))
@@ -1959,7 +1997,7 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
     kernel = _kernel(2 * row_tiles, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E,
-                     bf16=bf16, device=x.device)
+                     bf16=bf16, trigger_early=moe_trigger_early("gate_up"), device=x.device)
     _launch(kernel, (I // (16 * row_tiles), 1 + N * top_k), 32 * warps,
             [gwq, gsq, ggs, uwq, usq, ugs, 1 if not bf16 and ggs.numel() > 1 else 0,
              sgwq, sgsq, sggs, suwq, susq, sugs, x, logits, bias,

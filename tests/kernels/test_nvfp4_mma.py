@@ -13,6 +13,7 @@ reference, PDL on and off, inside a CUDA graph, and the `gemv_residual` op on it
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 
 import pytest
@@ -807,6 +808,51 @@ def test_cuda_sources_compile_with_nvrtc(variant):
     ptx = _nvrtc_ptx(M.kernel_source(*args))
     assert f".entry nvfp4_mma_{kind}".encode() in ptx
     assert b"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("args", [
+    (2, 2048, 1, 2, 8, M.EPI_BF16, True, 6, 256),   # gate/up, NVFP4
+    (2, 2048, 1, 2, 4, M.EPI_BF16, True, 6, 256, True),  # gate/up, bf16
+    (1, 512, 4, 2, 32, M.EPI_RESIDUAL, True, 6),    # down, 4 K slices
+    (1, 512, 4, 2, 2, M.EPI_RESIDUAL, True, 6),     # down, warps < slices
+])
+def test_moe_trigger_early_moves_launch_dependents(args):
+    """`trigger_early` puts the MoE kernels' `griddepcontrol.launch_dependents` before their
+    first tensor-core mma (once the first loads are issued); without it every trigger comes
+    after the last mma. Without PDL there is none."""
+    def positions(ptx, what):
+        return [m.start() for m in re.finditer(re.escape(what), ptx)]
+
+    mma = b"mma.sync.aligned.m16n8k16"
+    late = _nvrtc_ptx(M.kernel_source(*args))
+    early = _nvrtc_ptx(M.kernel_source(*args, trigger_early=True))
+    trig = b"griddepcontrol.launch_dependents"
+    assert positions(late, trig) and min(positions(late, trig)) > max(positions(late, mma))
+    assert positions(early, trig) and min(positions(early, trig)) < min(positions(early, mma))
+    off = list(args)
+    off[6] = False
+    assert trig not in _nvrtc_ptx(M.kernel_source(*off, trigger_early=True))
+
+
+def test_moe_trigger_env(monkeypatch):
+    """FLINTC_MOE_TRIGGER lists the MoE kernels that trigger early; unset, `MOE_EARLY_TRIGGER`
+    decides; anything else is a TuningEnvError naming the variable."""
+    from flintc.kernels.tuning import TuningEnvError
+
+    monkeypatch.delenv("FLINTC_MOE_TRIGGER", raising=False)
+    assert [M.moe_trigger_early(k) for k in ("gate_up", "down")] == \
+        [k in M.MOE_EARLY_TRIGGER for k in ("gate_up", "down")]
+    monkeypatch.setenv("FLINTC_MOE_TRIGGER", "down")
+    assert (M.moe_trigger_early("gate_up"), M.moe_trigger_early("down")) == (False, True)
+    monkeypatch.setenv("FLINTC_MOE_TRIGGER", " gate_up , down ")
+    assert M.moe_trigger_early("gate_up") and M.moe_trigger_early("down")
+    monkeypatch.setenv("FLINTC_MOE_TRIGGER", "none")
+    assert not M.moe_trigger_early("gate_up") and not M.moe_trigger_early("down")
+    monkeypatch.setenv("FLINTC_MOE_TRIGGER", "gemv")
+    with pytest.raises(TuningEnvError, match="FLINTC_MOE_TRIGGER"):
+        M.moe_trigger_early("down")
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),

@@ -1,0 +1,128 @@
+"""`benchmarks/read_floor.py`, the MoE read-floor kernel: its argument checks and chunking
+on the CPU, its CUDA source through the pip NVRTC (no GPU needed), and on a GPU
+(`-m gpu`) that every launch reads exactly the op's weight bytes (an XOR per item against
+numpy's over the same bytes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+
+import read_floor as RF  # noqa: E402
+
+
+def _weights(E, R, C, fmt, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    if fmt == "bf16":
+        return [torch.randn(E, R, C, generator=g, device=device).to(torch.bfloat16)], []
+    codes = torch.randint(0, 256, (E, R, C // 2), generator=g, device=device,
+                          dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(0, 256, (E, R, C // 16), generator=g, device=device,
+                           dtype=torch.int32).to(torch.uint8)
+    return [codes], [scales]
+
+
+def _floor(E, R, C, fmt, matrices, device="cpu"):
+    routed = [_weights(E, R, C, fmt, device, seed=m) for m in range(matrices)]
+    shared = [_weights(1, R, C, fmt, device, seed=10 + m) for m in range(matrices)]
+    return RF.ReadFloor([c[0] for c, _ in routed], [s[0] for _, s in routed if s],
+                        [c[0][0] for c, _ in shared], [s[0][0] for _, s in shared if s])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_chunks_cover_an_expert(fmt):
+    """chunks x threads x loads words = one item's codes and scales, for the model's gate/up
+    (2 matrices of 512 x 2048) and down (1 of 2048 x 512)."""
+    for rows, cols, m in ((512, 2048, 2), (2048, 512, 1)):
+        rf = _floor(2, rows, cols, fmt, m)
+        per = rows * cols // 2 + rows * cols // 16 if fmt == "nvfp4" else rows * cols * 2
+        assert rf.item_bytes() == m * per
+        for t, ld in ((128, 1), (256, 4), (1024, 4), (512, 8)):
+            assert rf.chunks(t, ld) * t * ld * 16 == rf.item_bytes()
+
+
+def test_expected_xor_is_the_items_bytes():
+    """`expected_xor` (what `check` compares the kernel with): item 0 the shared expert,
+    then one per id in order, each the XOR of its codes' and scales' 32-bit words; an
+    expert repeated gives the same word, and flipping one byte of an expert changes only
+    its items."""
+    import numpy as np
+
+    rf = _floor(4, 32, 128, "nvfp4", 2)
+    ids = torch.tensor([[2, 0, 2]])
+    got = rf.expected_xor(ids)
+    assert len(got) == 4 and got[1] == got[3]
+
+    def by_hand(ts):
+        acc = 0
+        for t in ts:
+            for w in t.contiguous().view(torch.uint8).reshape(-1).numpy().view(np.uint32):
+                acc ^= int(w)
+        return acc
+
+    assert got[0] == by_hand(rf.shared)
+    assert got[2] == by_hand([rf.codes[0][0], rf.codes[1][0], rf.scales[0][0], rf.scales[1][0]])
+    rf.scales[1][2, 5, 3] ^= 0x10
+    again = rf.expected_xor(ids)
+    assert again[1] != got[1] and again[3] == again[1] and again[:1] + again[2:3] == [got[0], got[2]]
+
+
+def test_bad_arguments_are_named():
+    rf = _floor(2, 512, 2048, "nvfp4", 2)
+    with pytest.raises(ValueError, match="threads must be a multiple of 32"):
+        rf.chunks(100, 1)
+    with pytest.raises(ValueError, match="loads 1..16"):
+        rf.chunks(256, 17)
+    small = _floor(2, 16, 128, "nvfp4", 1)  # 64 words of scales per expert... 16 x 8 bytes
+    with pytest.raises(ValueError, match="does not divide"):
+        small.chunks(1024, 4)
+    c, s = _weights(2, 512, 2048, "nvfp4")
+    with pytest.raises(ValueError, match="shared_codes.0. must hold"):
+        RF.ReadFloor(c, s, [c[0][0][:256]], [s[0][0]])
+    with pytest.raises(ValueError, match="scales and shared_scales"):
+        RF.ReadFloor(c, s, [c[0][0]], [])
+    with pytest.raises(ValueError, match="matrices must be 1 or 2"):
+        RF.kernel_source(3, 4)
+    with pytest.raises(ValueError, match="mode must be"):
+        rf(torch.zeros(6, dtype=torch.int64), mode="fast")
+    with pytest.raises(ValueError, match="trigger must be"):
+        rf(torch.zeros(6, dtype=torch.int64), trigger="soon")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nvidia.cuda_nvrtc") is None,
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("matrices,loads", [(1, 1), (2, 4), (2, 8)])
+def test_source_compiles_with_nvrtc(matrices, loads):
+    """The kernel compiles for sm_90; every weight load is a 16-byte non-coherent load and
+    the PDL wait / trigger are in it."""
+    from test_nvfp4_mma import _nvrtc_ptx
+
+    ptx = _nvrtc_ptx(RF.kernel_source(matrices, loads))
+    assert b".entry read_floor" in ptx
+    assert ptx.count(b"ld.global.nc.v4.u32") == loads
+    assert b"griddepcontrol.wait" in ptx and b"griddepcontrol.launch_dependents" in ptx
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("mode", ["dependent", "ids_known"])
+def test_reads_exactly_the_op_bytes_gpu(fmt, mode):
+    """At the model's shapes (E = 16 here to keep it small), every launch of the floor
+    reads each item's bytes once: the XOR per item matches numpy's, with repeated ids."""
+    for rows, cols, m in ((512, 2048, 2), (2048, 512, 1)):
+        rf = _floor(16, rows, cols, fmt, m, device="cuda")
+        ids = torch.tensor([[3, 0, 15, 7, 7, 2], [1, 3, 4, 5, 6, 8]], device="cuda")
+        for t, ld in ((128, 1), (256, 4), (1024, 4), (512, 8)):
+            out = rf(ids, t, ld, mode)
+            torch.cuda.synchronize()
+            assert out.shape == (13, rf.chunks(t, ld), t // 32)
+            rf.check(ids, t, ld, mode)
