@@ -394,6 +394,8 @@ _COMMON = r"""
 #define WARPS __WARPS__  // warps per block (the GEMV: each a K / (WARPS * gridDim.y) slice)
 #define EPI __EPI__      // 0: fp32 out (atomic add when split); 1: bf16 out; 2: bf16 out + residual
 #define PDL __PDL__      // griddepcontrol.wait before reading x / residual
+#define TRIG_EARLY __TRIG__  // PDL: launch_dependents once a block's first loads are issued
+                             // (after the wait), not after its main loop
 #define BF16W __BF16W__  // 1: bf16 weights, row-major [F, K] (ChunkB); 0: NVFP4 mma layout
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -611,6 +613,9 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 #endif
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
+#if PDL && TRIG_EARLY
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 #pragma unroll
   for (int c = 0; c < CPW; ++c) {
     if (c + PF < CPW) {
@@ -619,7 +624,7 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
     }
     mma_chunk(buf[c % (PF + 1)], acc);
   }
-#if PDL
+#if PDL && !TRIG_EARLY
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
 #pragma unroll
@@ -666,7 +671,6 @@ _MOE_GATE_UP_SOURCE = r"""
 // weights.
 #define KTOP __KTOP__
 #define NE __NE__  // experts (a multiple of 32, at most 1024)
-#define TRIG_EARLY __TRIG__  // PDL: launch_dependents once the first loads are issued
 #define RTB (RT / 2)  // 16-row tiles per block, of the gate and of the up projection each
 
 __device__ __forceinline__ float sigmoid_rn(float v) {  // torch: 1 / (1 + exp(-v))
@@ -883,7 +887,6 @@ _MOE_DOWN_SOURCE = r"""
 // reference's order.
 #define KTOP __KTOP__
 #define KSPLIT __KSPLIT__  // warps (units) per item, each a K slice
-#define TRIG_EARLY __TRIG__  // PDL: launch_dependents once the first unit's loads are issued
 #define CPS (KC / KSPLIT)  // chunks per slice
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
@@ -1222,6 +1225,9 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
     }
   }
   __syncthreads();
+#if PDL && TRIG_EARLY
+  asm volatile("griddepcontrol.launch_dependents;");  // x is read and normed
+#endif
 #if ROUTER  // the first row block's blocks store the normed x, each its K slice
   if (head == 0)
     for (int i = threadIdx.x; i < N * (KS / 8); i += WARPS * 32) {
@@ -1248,7 +1254,7 @@ nvfp4_mma_qkv(const uint4* __restrict__ qw, const u16* __restrict__ qs,
     mma_chunk(ch, acc);
 #endif
   }
-#if PDL
+#if PDL && !TRIG_EARLY
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
   __syncthreads();  // every warp is done with xs: red takes its place
@@ -1405,7 +1411,7 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     row_tiles 2 x the block's 16-row tiles of gate and up, k = H, splits 1). `bf16`: row-major bf16 weights instead of
     the NVFP4 mma layout. `trigger_early` (MoE kernels, with `pdl`): each block's
     `griddepcontrol.launch_dependents` right after its first weight and activation loads
-    are issued instead of after its main loop (`moe_trigger_early`). Raises ValueError for
+    are issued instead of after its main loop (`mma_trigger_early`). Raises ValueError for
     sizes below 1, k not a multiple of 64, an MoE variant over `STATIC_SMEM`, or
     down-kernel splits that do not divide k / 64."""
     if min(row_tiles, splits, warps) < 1 or prefetch < 0 or k < 64 or k % 64:
@@ -1443,7 +1449,7 @@ def _render(body: str, subs: dict) -> str:
 def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: int,
                prefetch: int = 1, pdl: bool = False, rope: bool = True, norm_bf16: int = 0,
                slot64: bool = True, bf16: bool = False, row_groups: int = 1,
-               router: bool = False) -> str:
+               router: bool = False, trigger_early: bool = False) -> str:
     """The CUDA source of one fused QKV variant (`nvfp4_mma_qkv`; every argument compiled
     in): hidden size h (a multiple of 64 * cluster * warps / row_groups), head dim d (a
     multiple of 16 * row_groups), `heads` / `kv_heads` query / KV heads, `cluster` blocks
@@ -1453,8 +1459,9 @@ def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: i
     q_norm, 4: k_norm are bf16, else fp32), `slot64` (int64 slots, else int32), `bf16`
     (row-major bf16 weights instead of NVFP4 in the mma layout); `router`: the
     `flintc::norm_router` variant (`mma_norm_router`: `heads` row blocks of d rows of a
-    bf16 router, kv_heads 0; fp32 logits and the normed x out). Raises ValueError for a
-    split that does not divide h or d."""
+    bf16 router, kv_heads 0; fp32 logits and the normed x out); `trigger_early`: the PDL
+    trigger once the normed x is in shared memory, not after the main loop
+    (`mma_trigger_early`). Raises ValueError for a split that does not divide h or d."""
     if not _qkv_split_fits(h, d, cluster, warps, row_groups):
         raise ValueError(f"qkv_source: needs h % (64 * cluster * warps / row_groups) == 0, "
                          f"d % (16 * row_groups) == 0 and cluster <= 8; got h={h}, d={d}, "
@@ -1464,7 +1471,8 @@ def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: i
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": EPI_BF16, "__PDL__": int(pdl),
             "__HD__": d, "__HQ__": heads, "__HKV__": kv_heads, "__CL__": cluster,
             "__ROPE__": int(rope), "__NORMBF__": norm_bf16, "__SLOT64__": int(slot64),
-            "__RS__": row_groups, "__BF16W__": int(bf16), "__ROUTER__": int(router)}
+            "__RS__": row_groups, "__BF16W__": int(bf16), "__ROUTER__": int(router),
+            "__TRIG__": int(bool(trigger_early))}
     if router and (not bf16 or kv_heads or rope):
         raise ValueError("qkv_source: the router variant takes bf16 weights, kv_heads 0, no RoPE")
     return _render(_QKV_SOURCE, subs)
@@ -1704,6 +1712,7 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
     kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl), bf16=bf16,
+                     trigger_early=mma_trigger_early("gemv"),
                      device=x.device)
     _launch(kernel, (FT // row_tiles, splits), 32 * warps,
             [wq, sq, gscale, x, residual if residual is not None else x, out, N, F],
@@ -1784,30 +1793,35 @@ def _check_moe_launch(op: str, warps: int, tiles: int, prefetch: int, tiles_name
 
 
 # (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
-# The MoE kernels whose PDL trigger (`griddepcontrol.launch_dependents`) comes right after
-# each block's first loads are issued, not after its main loop; FLINTC_MOE_TRIGGER
-# overrides it (`moe_trigger_early`).
-MOE_EARLY_TRIGGER: frozenset = frozenset()
+# The CUDA kernels whose PDL trigger (`griddepcontrol.launch_dependents`) comes right
+# after each block's first loads are issued (after its `griddepcontrol.wait`), not after
+# its main loop; FLINTC_MMA_TRIGGER overrides it (`mma_trigger_early`).
+MMA_KERNELS = ("gemv", "qkv", "router", "gate_up", "down")
+EARLY_TRIGGER: frozenset = frozenset()
 
 
-def moe_trigger_early(kernel: str) -> bool:
-    """Whether the MoE `kernel` ("gate_up" or "down") triggers its dependents early:
-    FLINTC_MOE_TRIGGER, when set, is a comma-separated list of the kernels that do ("" or
-    "none": neither); otherwise `MOE_EARLY_TRIGGER`. The trigger is a scheduling hint:
-    the dependents' `griddepcontrol.wait` still waits for this grid to complete.
+def mma_trigger_early(kernel: str) -> bool:
+    """Whether the CUDA `kernel` (one of `MMA_KERNELS`: `mma_gemv`, `mma_qkv`,
+    `mma_norm_router`, `moe_topk_gate_up`, `moe_down`) triggers its dependents early:
+    FLINTC_MMA_TRIGGER, when set, is a comma-separated list of the kernels that do ("" or
+    "none": none; "all": every one); otherwise `EARLY_TRIGGER`. The trigger is a
+    scheduling hint: the dependents' `griddepcontrol.wait` still waits for this grid to
+    complete and its writes to be visible, so the outputs do not depend on it.
 
     Raises:
-        TuningEnvError (a ValueError): FLINTC_MOE_TRIGGER names something else.
+        TuningEnvError (a ValueError): FLINTC_MMA_TRIGGER names something else.
     """
-    text = os.environ.get("FLINTC_MOE_TRIGGER")
+    text = os.environ.get("FLINTC_MMA_TRIGGER")
     if text is None:
-        return kernel in MOE_EARLY_TRIGGER
+        return kernel in EARLY_TRIGGER
     names = {t.strip().lower() for t in text.split(",") if t.strip()} - {"none"}
-    if not names <= {"gate_up", "down"}:
+    if "all" in names:
+        names = (names - {"all"}) | set(MMA_KERNELS)
+    if not names <= set(MMA_KERNELS):
         from flintc.kernels.tuning import TuningEnvError
 
-        raise TuningEnvError("FLINTC_MOE_TRIGGER must list kernels among gate_up, down (or "
-                             f"be empty / none); got {text!r}")
+        raise TuningEnvError(f"FLINTC_MMA_TRIGGER must list kernels among {', '.join(MMA_KERNELS)} "
+                             f"(or be all, none or empty); got {text!r}")
     return kernel in names
 
 
@@ -1895,7 +1909,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
     swq, ssq, sgs = _moe_pointers(shared_down, "shared_down")
     out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
     kernel = _kernel(1, I, splits, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, bf16=bf16,
-                     trigger_early=moe_trigger_early("down"), device=h.device)
+                     trigger_early=mma_trigger_early("down"), device=h.device)
     _launch(kernel, (H // 16, 1), 32 * warps,
             [wq, sq, gs, 1 if gs.numel() > 1 else 0, swq, ssq, sgs, h, ids, weights,
              residual, out, N, H], bool(use_pdl))
@@ -1997,7 +2011,7 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
     kernel = _kernel(2 * row_tiles, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E,
-                     bf16=bf16, trigger_early=moe_trigger_early("gate_up"), device=x.device)
+                     bf16=bf16, trigger_early=mma_trigger_early("gate_up"), device=x.device)
     _launch(kernel, (I // (16 * row_tiles), 1 + N * top_k), 32 * warps,
             [gwq, gsq, ggs, uwq, usq, ugs, 1 if not bf16 and ggs.numel() > 1 else 0,
              sgwq, sgsq, sggs, suwq, susq, sugs, x, logits, bias,
@@ -2181,7 +2195,8 @@ def mma_qkv(x: torch.Tensor, norm: torch.Tensor, wq: list, wk: list, wv: list,
         ops = [mma_operands(w[0], w[1], name) for w, name in ((wq, "wq"), (wk, "wk"), (wv, "wv"))]
         wargs = [t for o, w in zip(ops, (wq, wk, wv)) for t in (o[0], o[1], w[2])]
     args = (H, D, num_heads, num_kv_heads, cluster, warps, prefetch, bool(use_pdl), bool(rope),
-            bf16_bits, slots.dtype == torch.int64, bf16, row_groups)
+            bf16_bits, slots.dtype == torch.int64, bf16, row_groups, False,
+            mma_trigger_early("qkv"))
     smem = qkv_smem_bytes(H, D, cluster, warps, row_groups)
     kernel = _compiled("nvfp4_mma_qkv", args, lambda: qkv_source(*args), x.device, smem)
     _launch(kernel, (num_heads + 2 * num_kv_heads, cluster), 32 * warps,
@@ -2263,7 +2278,8 @@ def mma_norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, e
     h = torch.empty((N, H), dtype=torch.bfloat16, device=x.device)
     logits = torch.empty((N, E), dtype=torch.float32, device=x.device)
     args = (H, d, E // d, 0, cluster, warps, 1, bool(use_pdl), False,
-            int(norm.dtype == torch.bfloat16), True, True, row_groups, True)
+            int(norm.dtype == torch.bfloat16), True, True, row_groups, True,
+            mma_trigger_early("router"))
     smem = qkv_smem_bytes(H, d, cluster, warps, row_groups)
     kernel = _compiled("nvfp4_mma_qkv", args, lambda: qkv_source(*args), x.device, smem)
     _launch(kernel, (E // d, cluster), 32 * warps,

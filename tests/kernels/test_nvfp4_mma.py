@@ -817,9 +817,11 @@ def test_cuda_sources_compile_with_nvrtc(variant):
     (2, 2048, 1, 2, 4, M.EPI_BF16, True, 6, 256, True),  # gate/up, bf16
     (1, 512, 4, 2, 32, M.EPI_RESIDUAL, True, 6),    # down, 4 K slices
     (1, 512, 4, 2, 2, M.EPI_RESIDUAL, True, 6),     # down, warps < slices
+    (1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True),      # GEMV
+    (1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True, 0, 0, True),  # GEMV, bf16 weights
 ])
-def test_moe_trigger_early_moves_launch_dependents(args):
-    """`trigger_early` puts the MoE kernels' `griddepcontrol.launch_dependents` before their
+def test_trigger_early_moves_launch_dependents(args):
+    """`trigger_early` puts the kernels' `griddepcontrol.launch_dependents` before their
     first tensor-core mma (once the first loads are issued); without it every trigger comes
     after the last mma. Without PDL there is none."""
     def positions(ptx, what):
@@ -836,23 +838,43 @@ def test_moe_trigger_early_moves_launch_dependents(args):
     assert trig not in _nvrtc_ptx(M.kernel_source(*off, trigger_early=True))
 
 
-def test_moe_trigger_env(monkeypatch):
-    """FLINTC_MOE_TRIGGER lists the MoE kernels that trigger early; unset, `MOE_EARLY_TRIGGER`
-    decides; anything else is a TuningEnvError naming the variable."""
+def test_qkv_trigger_early_moves_launch_dependents():
+    """The fused QKV and router variants: with `trigger_early` the trigger comes before the
+    first mma (once x is normed into shared memory), otherwise after the last."""
+    mma = b"mma.sync.aligned.m16n8k16"
+    trig = b"griddepcontrol.launch_dependents"
+    for kw in ({}, {"bf16": True, "row_groups": 2}):
+        for early in (False, True):
+            ptx = _nvrtc_ptx(M.qkv_source(2048, 128, 32, 4, 4, 8, pdl=True, trigger_early=early,
+                                          **kw))
+            t = [m.start() for m in re.finditer(trig, ptx)]
+            m = [x.start() for x in re.finditer(mma, ptx)]
+            assert t and (min(t) < min(m) if early else min(t) > max(m))
+    ptx = _nvrtc_ptx(M.qkv_source(2048, 16, 16, 0, 8, 4, pdl=True, bf16=True, rope=False,
+                                  router=True, trigger_early=True))
+    assert ptx.find(trig) < ptx.find(mma)
+
+
+def test_mma_trigger_env(monkeypatch):
+    """FLINTC_MMA_TRIGGER lists the CUDA kernels that trigger early ("all" / "none" too);
+    unset, `EARLY_TRIGGER` decides; anything else is a TuningEnvError naming the variable."""
     from flintc.kernels.tuning import TuningEnvError
 
-    monkeypatch.delenv("FLINTC_MOE_TRIGGER", raising=False)
-    assert [M.moe_trigger_early(k) for k in ("gate_up", "down")] == \
-        [k in M.MOE_EARLY_TRIGGER for k in ("gate_up", "down")]
-    monkeypatch.setenv("FLINTC_MOE_TRIGGER", "down")
-    assert (M.moe_trigger_early("gate_up"), M.moe_trigger_early("down")) == (False, True)
-    monkeypatch.setenv("FLINTC_MOE_TRIGGER", " gate_up , down ")
-    assert M.moe_trigger_early("gate_up") and M.moe_trigger_early("down")
-    monkeypatch.setenv("FLINTC_MOE_TRIGGER", "none")
-    assert not M.moe_trigger_early("gate_up") and not M.moe_trigger_early("down")
-    monkeypatch.setenv("FLINTC_MOE_TRIGGER", "gemv")
-    with pytest.raises(TuningEnvError, match="FLINTC_MOE_TRIGGER"):
-        M.moe_trigger_early("down")
+    monkeypatch.delenv("FLINTC_MMA_TRIGGER", raising=False)
+    assert [M.mma_trigger_early(k) for k in M.MMA_KERNELS] == \
+        [k in M.EARLY_TRIGGER for k in M.MMA_KERNELS]
+    monkeypatch.setenv("FLINTC_MMA_TRIGGER", "down")
+    assert [M.mma_trigger_early(k) for k in M.MMA_KERNELS] == [k == "down" for k in M.MMA_KERNELS]
+    monkeypatch.setenv("FLINTC_MMA_TRIGGER", " gate_up , down ")
+    assert M.mma_trigger_early("gate_up") and M.mma_trigger_early("down")
+    assert not M.mma_trigger_early("gemv")
+    monkeypatch.setenv("FLINTC_MMA_TRIGGER", "all")
+    assert all(M.mma_trigger_early(k) for k in M.MMA_KERNELS)
+    monkeypatch.setenv("FLINTC_MMA_TRIGGER", "none")
+    assert not any(M.mma_trigger_early(k) for k in M.MMA_KERNELS)
+    monkeypatch.setenv("FLINTC_MMA_TRIGGER", "attention")
+    with pytest.raises(TuningEnvError, match="FLINTC_MMA_TRIGGER"):
+        M.mma_trigger_early("down")
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
