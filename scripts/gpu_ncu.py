@@ -111,6 +111,21 @@ def build_cases(wanted: set[str]):
             bm.SCALING)
         cases[f"moe_down_{fmt}_n8"] = lambda s8=s8: K.moe_down_combine_residual(
             s8.h[0], s8.ids[0], s8.w[0], s8.down, s8.sd[0], s8.x[0])
+    # the read floor of the NVFP4 gate/up (benchmarks/read_floor.py: only the op's weight
+    # loads, 128 threads x 8 loads each) at N = 1 and 8, next to the op's cases above
+    for n in (1, 8):
+        if wanted and f"read_floor_gate_up_nvfp4_n{n}" not in wanted:
+            continue
+        import bench_moe as bm
+        from read_floor import ReadFloor
+
+        sf = bm.Setup("nvfp4", n, torch.Generator(device="cuda").manual_seed(0))
+        rf = ReadFloor([sf.gate[0], sf.up[0]], [sf.gate[1].view(torch.uint8),
+                                                sf.up[1].view(torch.uint8)],
+                       [sf.sg[0][0], sf.su[0][0]], [sf.sg[0][1].view(torch.uint8),
+                                                    sf.su[0][1].view(torch.uint8)])
+        cases[f"read_floor_gate_up_nvfp4_n{n}"] = lambda rf=rf, sf=sf: rf(sf.ids[0], 128, 8,
+                                                                          use_pdl=False)
     # decode attention at batch 1 (session 13): the ring of a sliding layer (513 rows, 3
     # splits) and a full layer at 1K tokens, each with its combine: why ~10-13 us per call
     # for ~1 MB of K / V (its fixed cost: 4.3 us with one visible row, session 7)

@@ -1795,9 +1795,13 @@ def _check_moe_launch(op: str, warps: int, tiles: int, prefetch: int, tiles_name
 # (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
 # The CUDA kernels whose PDL trigger (`griddepcontrol.launch_dependents`) comes right
 # after each block's first loads are issued (after its `griddepcontrol.wait`), not after
-# its main loop; FLINTC_MMA_TRIGGER overrides it (`mma_trigger_early`).
+# its main loop; FLINTC_MMA_TRIGGER overrides it (`mma_trigger_early`). Measured on the
+# H200 (docs/gpu-runs.md session 19, runs 3-4): the MoE down kernel alone at N = 8 11.5 ->
+# 9.4 us (52 -> 64% of copy), N = 4 6.8 -> 5.8; the NVFP4 forward at b8/1K 3.58 -> 3.49
+# ms, other points unchanged. Early for every kernel: BF16 b8/1K 5.84 -> 5.94 ms; for the
+# gate/up kernel alone, slower (N = 4 14.5 -> 16.7 us).
 MMA_KERNELS = ("gemv", "qkv", "router", "gate_up", "down")
-EARLY_TRIGGER: frozenset = frozenset()
+EARLY_TRIGGER: frozenset = frozenset({"down"})
 
 
 def mma_trigger_early(kernel: str) -> bool:
