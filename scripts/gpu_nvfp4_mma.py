@@ -20,7 +20,7 @@ FLINTC_NVFP4_MMA=0 (the Triton kernel and TUNED config the model ran before), sa
 weights, inputs and timing. NS: batches (default "1,8").
 
 MOE=0 skips the MoE rows (`_moe_down_rows`, `_moe_gate_up_rows`: their variants
-MOE_DOWN_CFGS / MOE_GATE_UP_CFGS, the formats MOE_FMTS, default nvfp4, and the routing
+MOE_DOWN_CFGS / MOE_GATE_UP_CFGS ("warps,prefetch[,row_tiles[,min_blocks]]"), the formats MOE_FMTS, default nvfp4, and the routing
 probe MOE_ROUTE_PROBE=1; docs/gpu-runs.md session 15; MOE_COPIES weight copies the
 calls rotate through, `_copies`). MOE_CHAIN=1 adds the gate/up
 variants inside the model's MoE block (router -> gate/up -> down, `_moe_chain_rows`;
@@ -92,10 +92,18 @@ def _fmts() -> list[str]:
     return os.environ.get("MOE_FMTS", "nvfp4").split(",")
 
 
-def _gate_up_cfgs() -> list[tuple[int, int, int]]:
-    """MOE_GATE_UP_CFGS "warps,prefetch[,row_tiles] ..." (row tiles default 1)."""
-    return [(tuple(int(v) for v in c.split(",")) + (1,))[:3] for c in
-            os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split()]
+def _gate_up_cfgs() -> list[tuple[int, int, int, int]]:
+    """MOE_GATE_UP_CFGS "warps,prefetch[,row_tiles[,min_blocks]] ..." (row tiles default 1,
+    min_blocks, the resident blocks per SM the registers are capped for, default 0: none)."""
+    out = []
+    for c in os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split():
+        v = [int(x) for x in c.split(",")]
+        out.append(tuple(v + [1, 0][len(v) - 2:])[:4])
+    return out
+
+
+def _cfg_label(c) -> str:
+    return f"w{c[0]} pf{c[1]} rt{c[2]}" + (f" mb{c[3]}" if c[3] else "")
 
 
 def _distinct(logits: list, bias: torch.Tensor, k: int) -> float:
@@ -208,24 +216,26 @@ def _moe_gate_up_rows(batches, gen, row) -> None:
             x = torch.randn(N, H, device="cuda", generator=gen).to(torch.bfloat16)
             distinct = _distinct(logits, bias, K)
             cfgs = _gate_up_cfgs()
-            variants = [(f"{fmt} moe_gate_up w{c[0]} pf{c[1]} rt{c[2]}", c[0], c[1], c[2], False)
+            variants = [(f"{fmt} moe_gate_up {_cfg_label(c)}", c[0], c[1], c[2], False, c[3])
                         for c in cfgs]
             if os.environ.get("MOE_ROUTE_PROBE") == "1":
                 w0, r0 = nvfp4_mma.GATE_UP_LAUNCH[fmt][N]
                 variants.append((f"{fmt} moe_gate_up w{w0} pf2 rt{r0}, no top-k (probe)", w0, 2,
-                                 r0, True))
-            variants += [(f"{fmt} op moe_topk_gate_up, cuda", 0, 0, 0, False),
-                         (f"{fmt} op moe_topk_gate_up, triton (TUNED)", -1, 0, 0, False)]
+                                 r0, True, 0))
+            variants += [(f"{fmt} op moe_topk_gate_up, cuda", 0, 0, 0, False, 0),
+                         (f"{fmt} op moe_topk_gate_up, triton (TUNED)", -1, 0, 0, False, 0)]
             ref = None
-            for label, warps, pf, rows, probe in variants:
+            for label, warps, pf, rows, probe, mb in variants:
                 os.environ["FLINTC_NVFP4_MMA"] = "0" if warps < 0 else "1"
 
-                def op(i, logits=logits, x=x, warps=warps, pf=pf, rows=rows, ws=ws, bias=bias):
+                def op(i, logits=logits, x=x, warps=warps, pf=pf, rows=rows, ws=ws, bias=bias,
+                       mb=mb):
                     w = ws[i % len(ws)]
                     if warps > 0:
                         return nvfp4_mma.moe_topk_gate_up(x, logits[i], bias, *w, K, 2.5,
                                                           warps=warps, row_tiles=rows,
-                                                          prefetch=pf, use_pdl=True)[0]
+                                                          prefetch=pf, min_blocks=mb,
+                                                          use_pdl=True)[0]
                     return moe.moe_topk_gate_up(x, logits[i], bias, *w, K, 2.5, use_pdl=True)[0]
 
                 with _patched_source(_ROUTE, _NO_ROUTE) if probe else contextlib.nullcontext():
@@ -271,20 +281,20 @@ def _moe_chain_rows(batches, gen, row) -> None:
             logits = [moe.norm_router(x, norm, router, 1e-5)[1] for x in xs]
             distinct = _distinct(logits, bias, K)
             cfgs = _gate_up_cfgs()
-            variants = [(f"{fmt} chain, gate/up w{c[0]} pf{c[1]} rt{c[2]}", c[0], c[1], c[2])
-                        for c in cfgs] + [(f"{fmt} chain, op defaults", 0, 0, 0)]
+            variants = [(f"{fmt} chain, gate/up {_cfg_label(c)}", c[0], c[1], c[2], c[3])
+                        for c in cfgs] + [(f"{fmt} chain, op defaults", 0, 0, 0, 0)]
             ref = None
-            for label, warps, pf, rows in variants:
+            for label, warps, pf, rows, mb in variants:
                 os.environ["FLINTC_NVFP4_MMA"] = "1"
 
                 def op(i, xs=xs, warps=warps, pf=pf, rows=rows, ws=ws, norm=norm, router=router,
-                       bias=bias):
+                       bias=bias, mb=mb):
                     *w, down, sd = ws[i % len(ws)]
                     h, lg = moe.norm_router(xs[i], norm, router, 1e-5, use_pdl=True)
                     if warps > 0:
                         hm, wts, ids = nvfp4_mma.moe_topk_gate_up(
                             h, lg, bias, *w, K, 2.5, warps=warps, row_tiles=rows, prefetch=pf,
-                            use_pdl=True)
+                            min_blocks=mb, use_pdl=True)
                     else:
                         hm, wts, ids = moe.moe_topk_gate_up(h, lg, bias, *w, K, 2.5,
                                                             use_pdl=True)

@@ -114,7 +114,8 @@ import weakref
 
 import torch
 
-__all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "GATE_UP_LAUNCH", "MAX_SMEM", "QKV_LAUNCH_ORDER",
+__all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
+           "MAX_SMEM", "MMA_KERNELS", "QKV_LAUNCH_ORDER", "gate_up_min_blocks", "mma_trigger_early",
            "ROUTER_LAUNCH_ORDER", "SCALE_CODE_BIAS", "STATIC_SMEM", "available",
            "decode_mma_layout", "e4m3_to_scale_code", "enabled_from_env", "is_mma_layout",
            "kernel_source", "mma_gemv", "mma_norm_router", "mma_operands", "mma_qkv",
@@ -762,7 +763,7 @@ __device__ __forceinline__ void load_w2(ChunkB& ch, const uint4* g_wp, const u16
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32 __MINB__)
 nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq,
                       const float* __restrict__ ggs, const uint4* __restrict__ uwq,
                       const u16* __restrict__ usq, const float* __restrict__ ugs, int gs_stride,
@@ -1367,11 +1368,11 @@ _KERNELS: dict[tuple, object] = {}  # compiled variants, by (device index, _kern
 
 def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epilogue: int,
             pdl: bool, moe_top_k: int = 0, experts: int = 0, bf16: bool = False,
-            trigger_early: bool = False, *, device: torch.device):
+            trigger_early: bool = False, min_blocks: int = 0, *, device: torch.device):
     """The compiled variant for `device` (NVRTC through `torch.cuda._compile_kernel`, about
     a second the first time; cached for the process per device)."""
     args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts,
-            bool(bf16), bool(trigger_early))
+            bool(bf16), bool(trigger_early), int(min_blocks))
     name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
         else "nvfp4_mma_gemv"
     return _compiled(name, args, lambda: kernel_source(*args), device)
@@ -1403,7 +1404,8 @@ def _compiled(name: str, args: tuple, source, device: torch.device, smem: int = 
 
 def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int,
                   epilogue: int = EPI_FP32, pdl: bool = False, moe_top_k: int = 0,
-                  experts: int = 0, bf16: bool = False, trigger_early: bool = False) -> str:
+                  experts: int = 0, bf16: bool = False, trigger_early: bool = False,
+                  min_blocks: int = 0) -> str:
     """The CUDA source of one kernel variant (every argument is compiled in): the GEMV
     (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
     row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
@@ -1411,7 +1413,9 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     row_tiles 2 x the block's 16-row tiles of gate and up, k = H, splits 1). `bf16`: row-major bf16 weights instead of
     the NVFP4 mma layout. `trigger_early` (MoE kernels, with `pdl`): each block's
     `griddepcontrol.launch_dependents` right after its first weight and activation loads
-    are issued instead of after its main loop (`mma_trigger_early`). Raises ValueError for
+    are issued instead of after its main loop (`mma_trigger_early`). `min_blocks` > 0 (the
+    gate/up kernel): `__launch_bounds__(warps * 32, min_blocks)`, so ptxas caps the
+    registers for that many resident blocks per SM (spilling if it must). Raises ValueError for
     sizes below 1, k not a multiple of 64, an MoE variant over `STATIC_SMEM`, or
     down-kernel splits that do not divide k / 64."""
     if min(row_tiles, splits, warps) < 1 or prefetch < 0 or k < 64 or k % 64:
@@ -1430,7 +1434,11 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
             "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16),
             "__KSPLIT__": splits, "__TRIG__": int(bool(trigger_early))}
+    if min_blocks < 0 or (min_blocks and not experts):
+        raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel and >= 0; "
+                         f"got {min_blocks}")
     body = (_MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) if moe_top_k else _GEMV_SOURCE
+    body = body.replace("__MINB__", f", {min_blocks}" if min_blocks else "")
     return _render(body, subs)
 
 
@@ -1931,11 +1939,44 @@ GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 else (2, 1
                             for n in range(1, 9)},
                   "bf16": {n: (4, 1) if n == 1 else (2, 1) for n in range(1, 9)}}
 
+# Resident blocks per SM the gate/up kernel's registers are capped for (`min_blocks`; 0: no
+# cap), by weight format and N; FLINTC_MMA_GATE_UP_MIN_BLOCKS overrides entries
+# (`gate_up_min_blocks`).
+GATE_UP_MIN_BLOCKS = {fmt: {n: 0 for n in range(1, 9)} for fmt in ("nvfp4", "bf16")}
+
+
+def gate_up_min_blocks(fmt: str, n: int) -> int:
+    """`min_blocks` of the gate/up kernel for weight format `fmt` and batch `n`:
+    FLINTC_MMA_GATE_UP_MIN_BLOCKS, when set, is a comma-separated list of `fmt:N=blocks`
+    entries (e.g. "nvfp4:8=12,nvfp4:4=0") that replace those of `GATE_UP_MIN_BLOCKS`.
+
+    Raises:
+        TuningEnvError (a ValueError): an entry that is not `fmt:N=blocks` with fmt nvfp4
+            or bf16, 1 <= N <= 8 and 0 <= blocks <= 32.
+    """
+    table = {k: dict(v) for k, v in GATE_UP_MIN_BLOCKS.items()}
+    text = os.environ.get("FLINTC_MMA_GATE_UP_MIN_BLOCKS", "")
+    for entry in (e.strip() for e in text.split(",") if e.strip()):
+        try:
+            key, blocks = entry.split("=")
+            f, nn = key.split(":")
+            f, nn, blocks = f.strip(), int(nn), int(blocks)
+            if f not in table or not 1 <= nn <= 8 or not 0 <= blocks <= 32:
+                raise ValueError
+        except ValueError:
+            from flintc.kernels.tuning import TuningEnvError
+
+            raise TuningEnvError("FLINTC_MMA_GATE_UP_MIN_BLOCKS: expected entries fmt:N=blocks "
+                                 "(fmt nvfp4 or bf16, N 1-8, blocks 0-32); got "
+                                 f"{entry!r}") from None
+        table[f][nn] = blocks
+    return table[fmt][n]
+
 
 def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, gate: list,
                      up: list, shared_gate: list, shared_up: list, top_k: int, scaling: float,
                      *, warps: int | None = None, row_tiles: int | None = None,
-                     prefetch: int = 2, use_pdl: bool = False):
+                     prefetch: int = 2, min_blocks: int | None = None, use_pdl: bool = False):
     """`flintc::moe_topk_gate_up` on the CUDA mma kernel (reference:
     `flintc.ops.grouped.moe_topk_gate_up`): top-k routing (`flintc.model.ops.select_topk`:
     scores = sigmoid(logits), top-k of scores + bias with ties to the lower index,
@@ -1954,6 +1995,8 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         warps, row_tiles, prefetch: warps per block (each an H / (64 warps)-chunk slice),
             16-row tiles of the gate and of the up projection per block, chunks loaded
             ahead. None: `GATE_UP_LAUNCH` for the format and N.
+        min_blocks: resident blocks per SM the registers are capped for (0: no cap);
+            None: `gate_up_min_blocks` for the format and N.
         use_pdl: programmatic dependent launch (the shared expert's first weights load
             before `griddepcontrol.wait`).
 
@@ -1984,6 +2027,10 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         raise ValueError(f"moe_topk_gate_up: needs 1 <= N <= 8, got x {tuple(x.shape)}")
     d_warps, d_rows = GATE_UP_LAUNCH[fmt][N]
     warps = d_warps if warps is None else warps
+    min_blocks = gate_up_min_blocks(fmt, N) if min_blocks is None else min_blocks
+    if not isinstance(min_blocks, int) or not 0 <= min_blocks <= 32:
+        raise ValueError(f"moe_topk_gate_up: min_blocks must be an int in [0, 32], got "
+                         f"{min_blocks!r}")
     row_tiles = math.gcd(d_rows, max(I // 16, 1)) if row_tiles is None else row_tiles
     _check_moe_launch("moe_topk_gate_up", warps, row_tiles, prefetch, "row_tiles",
                       moe_smem_bytes(E, warps if isinstance(warps, int) else 1,
@@ -2015,7 +2062,8 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
     kernel = _kernel(2 * row_tiles, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E,
-                     bf16=bf16, trigger_early=mma_trigger_early("gate_up"), device=x.device)
+                     bf16=bf16, trigger_early=mma_trigger_early("gate_up"),
+                     min_blocks=min_blocks, device=x.device)
     _launch(kernel, (I // (16 * row_tiles), 1 + N * top_k), 32 * warps,
             [gwq, gsq, ggs, uwq, usq, ugs, 1 if not bf16 and ggs.numel() > 1 else 0,
              sgwq, sgsq, sggs, suwq, susq, sugs, x, logits, bias,

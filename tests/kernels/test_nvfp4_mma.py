@@ -251,6 +251,8 @@ def test_moe_launchers_check_formats_and_splits():
         M.moe_topk_gate_up(*args, warps=2, row_tiles=-1)
     with pytest.raises(ValueError, match="warps 32 and row_tiles 2 need 65540 bytes"):
         M.moe_topk_gate_up(*args, warps=32, row_tiles=2)
+    with pytest.raises(ValueError, match="min_blocks must be an int in \\[0, 32\\], got 33"):
+        M.moe_topk_gate_up(*args, warps=2, min_blocks=33)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         M.moe_topk_gate_up(*args, warps=2)
 
@@ -575,10 +577,12 @@ def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monk
     got = {"op": moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
                                       use_pdl=use_pdl)}
     assert len(calls) == int(moe.mma_moe_applies("gate_up", fmt, N))  # the CUDA kernel ran
-    for warps, pf, rows in ((8, 3, 1), (4, 2, 2), (32, 1, 1), (2, 2, 4)):
-        got[f"cuda w{warps} pf{pf} rt{rows}"] = M.moe_topk_gate_up(
+    # the last two with registers capped for 12 / 3 blocks per SM (ptxas spills a few)
+    for warps, pf, rows, mb in ((8, 3, 1, 0), (4, 2, 2, 0), (32, 1, 1, 0), (2, 2, 4, 0),
+                                (2, 2, 1, 12), (8, 4, 1, 3)):
+        got[f"cuda w{warps} pf{pf} rt{rows} mb{mb}"] = M.moe_topk_gate_up(
             x, logits, bias, gate, up, sg, su, K, 2.5, warps=warps, row_tiles=rows,
-            prefetch=pf, use_pdl=use_pdl)
+            prefetch=pf, min_blocks=mb, use_pdl=use_pdl)
     rh, rw, rids = grouped.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
     got["triton"] = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
@@ -853,6 +857,34 @@ def test_qkv_trigger_early_moves_launch_dependents():
     ptx = _nvrtc_ptx(M.qkv_source(2048, 16, 16, 0, 8, 4, pdl=True, bf16=True, rope=False,
                                   router=True, trigger_early=True))
     assert ptx.find(trig) < ptx.find(mma)
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
+def test_gate_up_min_blocks_in_the_ptx():
+    """`min_blocks` becomes the gate/up kernel's `__launch_bounds__` minimum (PTX
+    `.minnctapersm`); 0 leaves it out; other kernels refuse it."""
+    args = (2, 2048, 1, 2, 2, M.EPI_BF16, True, 6, 256)
+    assert b".minnctapersm 12" in _nvrtc_ptx(M.kernel_source(*args, min_blocks=12))
+    assert b".minnctapersm" not in _nvrtc_ptx(M.kernel_source(*args))
+    with pytest.raises(ValueError, match="min_blocks is for the MoE gate/up kernel"):
+        M.kernel_source(1, 512, 1, 2, 32, M.EPI_RESIDUAL, True, 6, min_blocks=4)
+
+
+def test_gate_up_min_blocks_env(monkeypatch):
+    """FLINTC_MMA_GATE_UP_MIN_BLOCKS replaces `GATE_UP_MIN_BLOCKS` entries; bad entries are
+    a TuningEnvError naming the variable and the entry."""
+    from flintc.kernels.tuning import TuningEnvError
+
+    monkeypatch.delenv("FLINTC_MMA_GATE_UP_MIN_BLOCKS", raising=False)
+    assert M.gate_up_min_blocks("nvfp4", 8) == M.GATE_UP_MIN_BLOCKS["nvfp4"][8]
+    monkeypatch.setenv("FLINTC_MMA_GATE_UP_MIN_BLOCKS", "nvfp4:8=12, bf16:2=5")
+    assert M.gate_up_min_blocks("nvfp4", 8) == 12 and M.gate_up_min_blocks("bf16", 2) == 5
+    assert M.gate_up_min_blocks("nvfp4", 4) == M.GATE_UP_MIN_BLOCKS["nvfp4"][4]
+    for bad in ("nvfp4:9=1", "fp8:1=2", "nvfp4:1=40", "nvfp4=3", "nvfp4:x=1"):
+        monkeypatch.setenv("FLINTC_MMA_GATE_UP_MIN_BLOCKS", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_MIN_BLOCKS.*" + bad[:5]):
+            M.gate_up_min_blocks("nvfp4", 1)
 
 
 def test_mma_trigger_env(monkeypatch):
