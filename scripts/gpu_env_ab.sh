@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call (< 10 min): A/B of a kernel tuning knob that an environment variable sets
 # ($AB_VAR, default FLINTC_MMA_TRIGGER: which CUDA kernels trigger PDL early; or
-# FLINTC_MMA_GATE_UP_MIN_BLOCKS, ...), in one process per value so nothing is shared.
+# FLINTC_MMA_GATE_UP_LAUNCH, ...), in one process per value so nothing is shared.
 # Steps, each skipped when its variable is empty (`;` separates values):
 #   AB_TESTS      pytest arguments, run with $AB_VAR=$AB_TESTS_VALUE (default: the GPU
 #                 tests of the CUDA kernels and of the read floor, with "all")

@@ -115,7 +115,7 @@ import weakref
 import torch
 
 __all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
-           "MAX_SMEM", "MMA_KERNELS", "QKV_LAUNCH_ORDER", "gate_up_min_blocks", "mma_trigger_early",
+           "MAX_SMEM", "MMA_KERNELS", "QKV_LAUNCH_ORDER", "gate_up_launch", "mma_trigger_early",
            "ROUTER_LAUNCH_ORDER", "SCALE_CODE_BIAS", "STATIC_SMEM", "available",
            "decode_mma_layout", "e4m3_to_scale_code", "enabled_from_env", "is_mma_layout",
            "kernel_source", "mma_gemv", "mma_norm_router", "mma_operands", "mma_qkv",
@@ -1940,37 +1940,44 @@ GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 else (2, 1
                   "bf16": {n: (4, 1) if n == 1 else (2, 1) for n in range(1, 9)}}
 
 # Resident blocks per SM the gate/up kernel's registers are capped for (`min_blocks`; 0: no
-# cap), by weight format and N; FLINTC_MMA_GATE_UP_MIN_BLOCKS overrides entries
-# (`gate_up_min_blocks`).
+# cap), by weight format and N. Measured on the H200 (docs/gpu-runs.md session 19, run 6):
+# no cap won in the model; 2 warps capped for 12 blocks spill and lose (N = 8 22.8 ->
+# 24.5 us alone); 4 warps capped for 6 (80 registers, no spill) beat the default alone
+# and chained at N = 4 and 8 (N = 8 alone 22.8 -> 21.8 us, chained 37.7 -> 37.1).
 GATE_UP_MIN_BLOCKS = {fmt: {n: 0 for n in range(1, 9)} for fmt in ("nvfp4", "bf16")}
 
 
-def gate_up_min_blocks(fmt: str, n: int) -> int:
-    """`min_blocks` of the gate/up kernel for weight format `fmt` and batch `n`:
-    FLINTC_MMA_GATE_UP_MIN_BLOCKS, when set, is a comma-separated list of `fmt:N=blocks`
-    entries (e.g. "nvfp4:8=12,nvfp4:4=0") that replace those of `GATE_UP_MIN_BLOCKS`.
+def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int]:
+    """(warps, row_tiles, min_blocks) of the gate/up kernel for weight format `fmt` and
+    batch `n`: `GATE_UP_LAUNCH` and `GATE_UP_MIN_BLOCKS`, with the entries of
+    FLINTC_MMA_GATE_UP_LAUNCH, when set, in their place: `/`-separated `fmt:N=warps,
+    row_tiles,min_blocks` (e.g. "nvfp4:8=4,1,6/nvfp4:4=4,1,6"), for tuning runs.
 
     Raises:
-        TuningEnvError (a ValueError): an entry that is not `fmt:N=blocks` with fmt nvfp4
-            or bf16, 1 <= N <= 8 and 0 <= blocks <= 32.
+        TuningEnvError (a ValueError): an entry that is not `fmt:N=w,r,b` with fmt nvfp4
+            or bf16, 1 <= N <= 8, 1 <= w <= 32, r >= 1 and 0 <= b <= 32.
     """
-    table = {k: dict(v) for k, v in GATE_UP_MIN_BLOCKS.items()}
-    text = os.environ.get("FLINTC_MMA_GATE_UP_MIN_BLOCKS", "")
-    for entry in (e.strip() for e in text.split(",") if e.strip()):
+    launch = (*GATE_UP_LAUNCH[fmt][n], GATE_UP_MIN_BLOCKS[fmt][n])
+    text = os.environ.get("FLINTC_MMA_GATE_UP_LAUNCH", "")
+    for entry in (e.strip() for e in text.split("/") if e.strip()):
         try:
-            key, blocks = entry.split("=")
+            key, value = entry.split("=")
             f, nn = key.split(":")
-            f, nn, blocks = f.strip(), int(nn), int(blocks)
-            if f not in table or not 1 <= nn <= 8 or not 0 <= blocks <= 32:
+            f, nn = f.strip(), int(nn)
+            w, r, b = (int(v) for v in value.split(","))
+            if f not in GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 or r < 1 \
+                    or not 0 <= b <= 32:
                 raise ValueError
         except ValueError:
             from flintc.kernels.tuning import TuningEnvError
 
-            raise TuningEnvError("FLINTC_MMA_GATE_UP_MIN_BLOCKS: expected entries fmt:N=blocks "
-                                 "(fmt nvfp4 or bf16, N 1-8, blocks 0-32); got "
-                                 f"{entry!r}") from None
-        table[f][nn] = blocks
-    return table[fmt][n]
+            raise TuningEnvError("FLINTC_MMA_GATE_UP_LAUNCH: expected entries "
+                                 "fmt:N=warps,row_tiles,min_blocks (fmt nvfp4 or bf16, N 1-8, "
+                                 f"warps 1-32, row_tiles >= 1, min_blocks 0-32); got {entry!r}"
+                                 ) from None
+        if (f, nn) == (fmt, n):
+            launch = (w, r, b)
+    return launch
 
 
 def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, gate: list,
@@ -1995,8 +2002,8 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         warps, row_tiles, prefetch: warps per block (each an H / (64 warps)-chunk slice),
             16-row tiles of the gate and of the up projection per block, chunks loaded
             ahead. None: `GATE_UP_LAUNCH` for the format and N.
-        min_blocks: resident blocks per SM the registers are capped for (0: no cap);
-            None: `gate_up_min_blocks` for the format and N.
+        min_blocks: resident blocks per SM the registers are capped for (0: no cap).
+            None for any of these: `gate_up_launch` for the format and N.
         use_pdl: programmatic dependent launch (the shared expert's first weights load
             before `griddepcontrol.wait`).
 
@@ -2025,9 +2032,9 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     fmt = "bf16" if bf16 else "nvfp4"
     if not 1 <= N <= 8:
         raise ValueError(f"moe_topk_gate_up: needs 1 <= N <= 8, got x {tuple(x.shape)}")
-    d_warps, d_rows = GATE_UP_LAUNCH[fmt][N]
+    d_warps, d_rows, d_blocks = gate_up_launch(fmt, N)
     warps = d_warps if warps is None else warps
-    min_blocks = gate_up_min_blocks(fmt, N) if min_blocks is None else min_blocks
+    min_blocks = d_blocks if min_blocks is None else min_blocks
     if not isinstance(min_blocks, int) or not 0 <= min_blocks <= 32:
         raise ValueError(f"moe_topk_gate_up: min_blocks must be an int in [0, 32], got "
                          f"{min_blocks!r}")

@@ -577,9 +577,9 @@ def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monk
     got = {"op": moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
                                       use_pdl=use_pdl)}
     assert len(calls) == int(moe.mma_moe_applies("gate_up", fmt, N))  # the CUDA kernel ran
-    # the last two with registers capped for 12 / 3 blocks per SM (ptxas spills a few)
+    # the last three with registers capped for 12 / 3 / 6 blocks per SM (the first spills)
     for warps, pf, rows, mb in ((8, 3, 1, 0), (4, 2, 2, 0), (32, 1, 1, 0), (2, 2, 4, 0),
-                                (2, 2, 1, 12), (8, 4, 1, 3)):
+                                (2, 2, 1, 12), (8, 4, 1, 3), (4, 2, 1, 6)):
         got[f"cuda w{warps} pf{pf} rt{rows} mb{mb}"] = M.moe_topk_gate_up(
             x, logits, bias, gate, up, sg, su, K, 2.5, warps=warps, row_tiles=rows,
             prefetch=pf, min_blocks=mb, use_pdl=use_pdl)
@@ -871,20 +871,26 @@ def test_gate_up_min_blocks_in_the_ptx():
         M.kernel_source(1, 512, 1, 2, 32, M.EPI_RESIDUAL, True, 6, min_blocks=4)
 
 
-def test_gate_up_min_blocks_env(monkeypatch):
-    """FLINTC_MMA_GATE_UP_MIN_BLOCKS replaces `GATE_UP_MIN_BLOCKS` entries; bad entries are
-    a TuningEnvError naming the variable and the entry."""
+def test_gate_up_launch_env(monkeypatch):
+    """`gate_up_launch` is (GATE_UP_LAUNCH's warps and row tiles, GATE_UP_MIN_BLOCKS);
+    FLINTC_MMA_GATE_UP_LAUNCH replaces entries; bad entries are a TuningEnvError naming the
+    variable and the entry."""
     from flintc.kernels.tuning import TuningEnvError
 
-    monkeypatch.delenv("FLINTC_MMA_GATE_UP_MIN_BLOCKS", raising=False)
-    assert M.gate_up_min_blocks("nvfp4", 8) == M.GATE_UP_MIN_BLOCKS["nvfp4"][8]
-    monkeypatch.setenv("FLINTC_MMA_GATE_UP_MIN_BLOCKS", "nvfp4:8=12, bf16:2=5")
-    assert M.gate_up_min_blocks("nvfp4", 8) == 12 and M.gate_up_min_blocks("bf16", 2) == 5
-    assert M.gate_up_min_blocks("nvfp4", 4) == M.GATE_UP_MIN_BLOCKS["nvfp4"][4]
-    for bad in ("nvfp4:9=1", "fp8:1=2", "nvfp4:1=40", "nvfp4=3", "nvfp4:x=1"):
-        monkeypatch.setenv("FLINTC_MMA_GATE_UP_MIN_BLOCKS", bad)
-        with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_MIN_BLOCKS.*" + bad[:5]):
-            M.gate_up_min_blocks("nvfp4", 1)
+    monkeypatch.delenv("FLINTC_MMA_GATE_UP_LAUNCH", raising=False)
+    for fmt in ("nvfp4", "bf16"):
+        for n in range(1, 9):
+            assert M.gate_up_launch(fmt, n) == (*M.GATE_UP_LAUNCH[fmt][n],
+                                                M.GATE_UP_MIN_BLOCKS[fmt][n])
+    monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:8=4,1,6 / bf16:2=2,2,0")
+    assert M.gate_up_launch("nvfp4", 8) == (4, 1, 6) and M.gate_up_launch("bf16", 2) == (2, 2, 0)
+    assert M.gate_up_launch("nvfp4", 4) == (*M.GATE_UP_LAUNCH["nvfp4"][4],
+                                            M.GATE_UP_MIN_BLOCKS["nvfp4"][4])
+    for bad in ("nvfp4:9=4,1,6", "fp8:1=4,1,6", "nvfp4:1=4,1,40", "nvfp4:1=4,1", "nvfp4:1=0,1,0",
+                "nvfp4=4,1,6"):
+        monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_LAUNCH.*" + bad[:5]):
+            M.gate_up_launch("nvfp4", 1)
 
 
 def test_mma_trigger_env(monkeypatch):
