@@ -17,7 +17,15 @@ Bytes counted per call: the distinct selected experts' weights (averaged over th
 sets; tokens that share an expert read it once, as the kernels do), the shared expert's,
 the router's, and every activation read or written. NVFP4 bytes include block scales.
 
-    python benchmarks/bench_moe.py [--out moe.md] [--pdl] [--check] [--no-sweep]
+    python benchmarks/bench_moe.py [--out moe.md] [--pdl] [--check] [--no-sweep] [--no-floor]
+
+Each (format, N) ends with read-floor rows (`--no-floor` skips them): `read_floor.py`'s
+kernel, which only reads the op's weight bytes (ids read after the PDL wait, as the op
+must), timed the same way, best of `FLOOR_LAUNCHES`; its "% copy" (the op's bytes over the
+floor's time) is the most the op could reach in this chain. Also an `ids_known` row (ids
+read before the wait: no real kernel can) and a `late trigger` row (`launch_dependents`
+after the stores, where the kernels of `flintc.kernels.nvfp4_mma` trigger unless
+`EARLY_TRIGGER` names them).
 
 After the table, a sweep (at most `--sweep-seconds`, default 60, compile time included)
 times the candidates of `flintc.kernels.moe.sweep_configs` for `moe_topk_gate_up` and
