@@ -258,7 +258,8 @@ def floor_rows(s: Setup, pdl: bool, reps: int, copy_bw: float, op_bytes: dict) -
     so the row's % copy is the most the op itself could reach in this chain; the
     `ids_known` row (ids read before the wait, which no real kernel can do) shows what
     the dependency on the router costs, the `late trigger` row (`launch_dependents` at
-    the end, where the op's kernels have it by default) what the trigger's place costs."""
+    the end, where the op's kernels have it unless `nvfp4_mma.EARLY_TRIGGER` names them)
+    what the trigger's place costs."""
     from read_floor import ReadFloor
 
     def weights(w):  # NVFP4 [codes, scales, global scale]; bf16 [w]

@@ -66,8 +66,9 @@ __device__ __forceinline__ long long ld_id(const long long* p) {  // coherent: w
 extern "C" __global__ void read_floor(
     const uint4* c0, const uint4* c1, const uint4* s0, const uint4* s1,
     const uint4* sc0, const uint4* sc1, const uint4* ss0, const uint4* ss1,
-    const long long* ids, u32* out, long long nc, long long ns, int dependent, int pdl,
+    const long long* ids, u32* out, int nc_words, int ns_words, int dependent, int pdl,
     int late) {
+  const long long nc = nc_words, ns = ns_words;  // 16-byte words per expert
   const int item = blockIdx.y;
   const long long chunk = (long long)blockDim.x * LOADS;
   long long o = (long long)blockIdx.x * chunk;
@@ -115,9 +116,9 @@ def kernel_source(matrices: int, loads: int) -> str:
 
 
 def _words(t: torch.Tensor, name: str) -> int:
-    if not t.is_contiguous() or (t.numel() * t.element_size()) % 16:
-        raise ValueError(f"read_floor: {name} must be contiguous with a multiple of 16 bytes; "
-                         f"got shape {tuple(t.shape)}, dtype {t.dtype}")
+    if not t.is_contiguous() or (t.numel() * t.element_size()) % 16 or t.data_ptr() % 16:
+        raise ValueError(f"read_floor: {name} must be contiguous, 16-byte aligned, with a "
+                         f"multiple of 16 bytes; got shape {tuple(t.shape)}, dtype {t.dtype}")
     return t.numel() * t.element_size() // 16
 
 
@@ -139,6 +140,11 @@ class ReadFloor:
         if len(scales) not in (0, len(codes)) or len(shared_scales) != len(scales):
             raise ValueError("read_floor: scales and shared_scales need one per matrix or none")
         self.experts = codes[0].shape[0]
+        for name, t in [("codes[0]", codes[0])] + ([("scales[0]", scales[0])] if scales else []):
+            if _words(t, name) % self.experts or _words(t, name) // self.experts >= 2**31:
+                raise ValueError(f"read_floor: {name} {tuple(t.shape)} must hold a whole number "
+                                 f"of 16-byte words per expert (under 2^31) for its "
+                                 f"{self.experts} experts")
         self.nc = _words(codes[0], "codes[0]") // self.experts
         self.ns = _words(scales[0], "scales[0]") // self.experts if scales else 0
         for i, t in enumerate(codes):
@@ -184,7 +190,8 @@ class ReadFloor:
                  trigger: str = "early") -> torch.Tensor:
         """Launch once on the current stream. ids: int64 `[N, top_k]` (or flat) expert ids.
         trigger: "early" (`launch_dependents` once the loads are issued) or "late" (at the
-        end, after the XOR is stored, where the op's kernels trigger by default).
+        end, after the XOR is stored, where the op's kernels trigger unless
+        `nvfp4_mma.EARLY_TRIGGER` names them).
         Returns the per-warp XOR words, uint32 as int32 `[items, chunks, threads / 32]`."""
         from flintc.kernels import nvfp4_mma as M
 
@@ -192,8 +199,10 @@ class ReadFloor:
             raise ValueError(f"read_floor: trigger must be 'early' or 'late'; got {trigger!r}")
         if mode not in ("dependent", "ids_known"):
             raise ValueError(f"read_floor: mode must be 'dependent' or 'ids_known'; got {mode!r}")
-        if ids.dtype != torch.int64 or not ids.is_contiguous():
-            raise ValueError(f"read_floor: ids must be contiguous int64; got {ids.dtype}")
+        if ids.dtype != torch.int64 or not ids.is_contiguous() \
+                or ids.device != self.codes[0].device:
+            raise ValueError(f"read_floor: ids must be contiguous int64 on "
+                             f"{self.codes[0].device}; got {ids.dtype} on {ids.device}")
         chunks = self.chunks(threads, loads)
         items = 1 + ids.numel()
         key = (items, chunks, threads, ids.device)
@@ -224,6 +233,14 @@ class ReadFloor:
               mode: str = "dependent") -> None:
         """Run once and compare each item's XOR with `expected_xor`; raises AssertionError
         naming the first item that differs (a load missed or read twice)."""
+        flat = ids.flatten()
+        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.experts):
+            raise ValueError(f"read_floor: ids must lie in [0, {self.experts})")
+        chunks = self.chunks(threads, loads)
+        key = (1 + ids.numel(), chunks, threads, ids.device)
+        # a fresh, poisoned buffer: a word the launch does not write keeps 0xFFFFFFFF
+        self._out[key] = torch.full((key[0], chunks, threads // 32), -1, dtype=torch.int32,
+                                    device=ids.device)
         out = self(ids, threads, loads, mode).cpu().numpy().view(np.uint32)
         got = np.bitwise_xor.reduce(out.reshape(out.shape[0], -1), axis=1)
         for item, want in enumerate(self.expected_xor(ids)):

@@ -4,15 +4,19 @@
 # FLINTC_MMA_GATE_UP_LAUNCH, ...), in one process per value so nothing is shared.
 # Steps, each skipped when its variable is empty (`;` separates values):
 #   AB_TESTS      pytest arguments, run with $AB_VAR=$AB_TESTS_VALUE (default: the GPU
-#                 tests of the CUDA kernels and of the read floor, with "all")
+#                 tests of the CUDA kernels and of the read floor, with "all"), at most
+#                 $AB_TESTS_S seconds (200)
 #   AB_MICRO      a command run with the GPU Python's environment (e.g. `$PY
-#                 scripts/gpu_nvfp4_mma.py` with its own variables); default none
+#                 scripts/gpu_nvfp4_mma.py` with its own variables), at most
+#                 $AB_MICRO_S seconds (200); default none
 #   AB_MOE        values for `benchmarks/bench_moe.py --pdl --no-sweep` (the first one
 #                 with the read-floor rows; default "none;down")
 #   AB_SETS       values for `flintc bench` (decode, contexts $AB_CONTEXTS, batches
 #                 $AB_BATCHES, formats $AB_FORMATS; default "none;down;all;none")
-#   AB_RUNTIME    the value for the 4-layer full-width runtime check (default all)
-# An empty value ("" between `;`) means the variable unset. Needs gpu_builds/
+#   AB_RUNTIME    the value for the 4-layer full-width runtime check (default all; "-":
+#                 with the variable unset; empty: no check)
+# An empty value in AB_MOE / AB_SETS ("" between `;`, or a leading / trailing `;`) or "-"
+# means the variable unset; AB_MOE / AB_SETS empty skip the step. Needs gpu_builds/
 # (docs/benchmarks.md "How to run": full-{fmt}-b1 and full-{fmt}; the bench takes the
 # first batch-1 build it finds). Logs in /tmp/env_ab; back in $OUT: moe.md, bench-<i>.md,
 # micro.log, tests.log (at most 8 files come back from the device).
@@ -30,7 +34,7 @@ unset TRITON_INTERPRET
 VAR=${AB_VAR:-FLINTC_MMA_TRIGGER}
 FORMATS=${AB_FORMATS:-nvfp4,bf16}
 WORK=/tmp/env_ab
-mkdir -p "$WORK"
+rm -rf "$WORK" && mkdir -p "$WORK"  # a warm machine keeps /tmp: no earlier call's files
 step() {  # step NAME LIMIT_S CMD...: output to $WORK/NAME.log, its tail to stdout
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
@@ -38,38 +42,59 @@ step() {  # step NAME LIMIT_S CMD...: output to $WORK/NAME.log, its tail to stdo
   echo "== $name: rc $? in $(( $(date +%s) - t0 )) s"
   tail -n "${TAIL:-12}" "$WORK/$name.log"
 }
-envp() {  # envp VALUE: the `env` words that set $VAR to VALUE (unset it when VALUE is empty)
-  if [ -n "$1" ]; then echo "env $VAR=$1"; else echo "env -u $VAR"; fi
+envp() {  # envp VALUE: ENVP, the `env` words that set $VAR to VALUE (unset: empty or -)
+  if [ -n "$1" ] && [ "$1" != - ]; then ENVP=(env "$VAR=$1"); else ENVP=(env -u "$VAR"); fi
+}
+values() {  # values TEXT: VALUES, TEXT split at `;`, empty fields (leading, trailing) kept
+  VALUES=()
+  local rest=$1
+  while :; do
+    VALUES+=("${rest%%;*}")
+    [ "$rest" = "${rest#*;}" ] && break
+    rest=${rest#*;}
+  done
 }
 TESTS=${AB_TESTS-tests/kernels/test_nvfp4_mma.py tests/bench/test_read_floor.py}
-[ -n "$TESTS" ] && TAIL=4 step tests "${AB_TESTS_S:-200}" $(envp "${AB_TESTS_VALUE-all}") $PY -m pytest \
-  -q -p no:cacheprovider -m gpu $TESTS
+if [ -n "$TESTS" ]; then
+  envp "${AB_TESTS_VALUE-all}"
+  TAIL=4 step tests "${AB_TESTS_S:-200}" "${ENVP[@]}" $PY -m pytest -q -p no:cacheprovider -m gpu \
+    $TESTS
+fi
 cp "$WORK/tests.log" "$OUT/tests.log" 2>/dev/null
 [ -n "${AB_MICRO:-}" ] && TAIL=60 step micro "${AB_MICRO_S:-200}" bash -c "$AB_MICRO"
 cp "$WORK/micro.log" "$OUT/micro.log" 2>/dev/null
 i=0
-IFS=';' read -ra MOE <<<"${AB_MOE-none;down}"
-for t in "${MOE[@]}"; do
-  floor=--no-floor; [ $i = 0 ] && floor=
-  TAIL=80 step "moe-$i" 150 $(envp "$t") $PY benchmarks/bench_moe.py --pdl --no-sweep $floor \
-    --formats "$FORMATS" --out "$WORK/moe-$i.md"
-  echo "($VAR=$t)"; echo "($VAR=$t)" >>"$WORK/moe-$i.md"; i=$((i + 1))
-done
+if [ -n "${AB_MOE-none;down}" ]; then
+  values "${AB_MOE-none;down}"
+  for t in "${VALUES[@]}"; do
+    floor=--no-floor; [ $i = 0 ] && floor=
+    envp "$t"
+    TAIL=80 step "moe-$i" 150 "${ENVP[@]}" $PY benchmarks/bench_moe.py --pdl --no-sweep $floor \
+      --formats "$FORMATS" --out "$WORK/moe-$i.md"
+    echo "($VAR=$t)"; echo "($VAR=$t)" >>"$WORK/moe-$i.md"; i=$((i + 1))
+  done
+fi
 cat "$WORK"/moe-*.md >"$OUT/moe.md" 2>/dev/null
 BENCH="-m flintc bench --load-format dummy --config full --formats $FORMATS
   --contexts ${AB_CONTEXTS:-1024} --batches ${AB_BATCHES:-1,8} --prefill 1024
   --prefill-iters 1 --baselines none --builds gpu_builds --no-compile"
 i=0
-IFS=';' read -ra SETS <<<"${AB_SETS-none;down;all;none}"
-for t in "${SETS[@]}"; do
-  TAIL=0 step "bench-$i" 130 $(envp "$t") $PY $BENCH --out "$WORK/bench-$i"
-  echo "$VAR=$t"; grep -E '^\| (nvfp4|bf16) \| [0-9] \|' "$WORK/bench-$i.log"
-  cp "$WORK/bench-$i/bench.md" "$OUT/bench-$i.md" 2>/dev/null
-  i=$((i + 1))
-done
+if [ -n "${AB_SETS-none;down;all;none}" ]; then
+  values "${AB_SETS-none;down;all;none}"
+  for t in "${VALUES[@]}"; do
+    envp "$t"
+    TAIL=0 step "bench-$i" 130 "${ENVP[@]}" $PY $BENCH --out "$WORK/bench-$i"
+    echo "$VAR=$t"; grep -E '^\| (nvfp4|bf16) \| [0-9] \|' "$WORK/bench-$i.log"
+    cp "$WORK/bench-$i/bench.md" "$OUT/bench-$i.md" 2>/dev/null
+    i=$((i + 1))
+  done
+fi
 RT=${AB_RUNTIME-all}
-[ -n "$RT" ] && TAIL=3 step runtime 100 $(envp "$RT") $PY scripts/gpu_runtime.py \
-  --builds gpu_builds --build-prefix full4d --config gpu_builds/full4-config --formats "$FORMATS" \
-  --prompt-len 2600 --steps 16 --out "$WORK/runtime.md"
-grep -h "SUMMARY" "$WORK/runtime.log" 2>/dev/null
+if [ -n "$RT" ]; then
+  envp "$RT"
+  TAIL=3 step runtime 100 "${ENVP[@]}" $PY scripts/gpu_runtime.py --builds gpu_builds \
+    --build-prefix full4d --config gpu_builds/full4-config --formats "$FORMATS" \
+    --prompt-len 2600 --steps 16 --out "$WORK/runtime.md"
+  grep -h "SUMMARY" "$WORK/runtime.log" 2>/dev/null
+fi
 exit 0

@@ -97,7 +97,13 @@ def _gate_up_cfgs() -> list[tuple[int, int, int, int]]:
     min_blocks, the resident blocks per SM the registers are capped for, default 0: none)."""
     out = []
     for c in os.environ.get("MOE_GATE_UP_CFGS", "8,2 4,2 2,2").split():
-        v = [int(x) for x in c.split(",")]
+        try:
+            v = [int(x) for x in c.split(",")]
+            if not 2 <= len(v) <= 4:
+                raise ValueError
+        except ValueError:
+            raise SystemExit(f"MOE_GATE_UP_CFGS: expected warps,prefetch[,row_tiles[,min_blocks]]"
+                             f" entries; got {c!r}") from None
         out.append(tuple(v + [1, 0][len(v) - 2:])[:4])
     return out
 
@@ -197,7 +203,7 @@ def _moe_down_rows(batches, gen, row) -> None:
 
 def _moe_gate_up_rows(batches, gen, row) -> None:
     """`moe_topk_gate_up` (E = 256, H = 2048, I = 512, top-6 + shared), CUDA (variants
-    MOE_GATE_UP_CFGS "warps,prefetch[,row_tiles] ...", then the op's default) against
+    MOE_GATE_UP_CFGS "warps,prefetch[,row_tiles[,min_blocks]] ...", then the op's default) against
     Triton; formats
     MOE_FMTS; 64 random logit sets rotate; bytes = the distinct experts' gate and up
     weights. MOE_ROUTE_PROBE=1 adds the default warps with the routed blocks' top-k rounds
@@ -395,11 +401,12 @@ def main() -> None:
           "|---|---|---|---|---|---|")
     print("\n".join(rows))
     for key, kern in nvfp4_mma._KERNELS.items():
-        if len(key) != 12:  # (device, name, the kernel_source arguments); not the QKV kernels
-            continue
-        _, name, rt, k, splits, pf, warps, epi, pdl, _, _, bf16 = key
+        if not str(key[1]).startswith(("nvfp4_mma_gemv", "nvfp4_mma_moe")):
+            continue  # (device, name, `_kernel`'s arguments); not the QKV / router kernels
+        _, name, rt, k, splits, pf, warps, epi, pdl, _, _, bf16, trig, mb = key
         print(f"cuda {name} {'bf16' if bf16 else 'nvfp4'} rt{rt} K={k} s{splits} w{warps} "
-              f"pf{pf} epi{epi} pdl{int(pdl)}: "
+              f"pf{pf} epi{epi} pdl{int(pdl)} trigger {'early' if trig else 'late'} "
+              f"min_blocks {mb}: "
               f"{_func_attr(kern, 4)} registers, {_func_attr(kern, 3)} spill bytes")
 
 

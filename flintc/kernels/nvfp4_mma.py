@@ -1411,7 +1411,7 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
     slice), or with experts > 0 too the MoE gate/up kernel (`nvfp4_mma_moe_gate_up`,
     row_tiles 2 x the block's 16-row tiles of gate and up, k = H, splits 1). `bf16`: row-major bf16 weights instead of
-    the NVFP4 mma layout. `trigger_early` (MoE kernels, with `pdl`): each block's
+    the NVFP4 mma layout. `trigger_early` (with `pdl`): each block's
     `griddepcontrol.launch_dependents` right after its first weight and activation loads
     are issued instead of after its main loop (`mma_trigger_early`). `min_blocks` > 0 (the
     gate/up kernel): `__launch_bounds__(warps * 32, min_blocks)`, so ptxas caps the
@@ -1434,9 +1434,9 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
             "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16),
             "__KSPLIT__": splits, "__TRIG__": int(bool(trigger_early))}
-    if min_blocks < 0 or (min_blocks and not experts):
-        raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel and >= 0; "
-                         f"got {min_blocks}")
+    if min_blocks < 0 or (min_blocks and not experts) or min_blocks * warps * 32 > 2048:
+        raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel, >= 0, with "
+                         f"min_blocks x warps x 32 <= 2048; got {min_blocks} (warps {warps})")
     body = (_MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) if moe_top_k else _GEMV_SOURCE
     body = body.replace("__MINB__", f", {min_blocks}" if min_blocks else "")
     return _render(body, subs)
@@ -1800,7 +1800,6 @@ def _check_moe_launch(op: str, warps: int, tiles: int, prefetch: int, tiles_name
                          f"shared memory, more than {STATIC_SMEM}")
 
 
-# (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
 # The CUDA kernels whose PDL trigger (`griddepcontrol.launch_dependents`) comes right
 # after each block's first loads are issued (after its `griddepcontrol.wait`), not after
 # its main loop; FLINTC_MMA_TRIGGER overrides it (`mma_trigger_early`). Measured on the
@@ -1826,17 +1825,21 @@ def mma_trigger_early(kernel: str) -> bool:
     text = os.environ.get("FLINTC_MMA_TRIGGER")
     if text is None:
         return kernel in EARLY_TRIGGER
-    names = {t.strip().lower() for t in text.split(",") if t.strip()} - {"none"}
+    names = {t.strip().lower() for t in text.split(",") if t.strip()}
+    if "none" in names and len(names) > 1:  # "none,down": contradictory, refused
+        names.add("?")
+    names -= {"none"}
     if "all" in names:
         names = (names - {"all"}) | set(MMA_KERNELS)
     if not names <= set(MMA_KERNELS):
         from flintc.kernels.tuning import TuningEnvError
 
         raise TuningEnvError(f"FLINTC_MMA_TRIGGER must list kernels among {', '.join(MMA_KERNELS)} "
-                             f"(or be all, none or empty); got {text!r}")
+                             f"(or be all, or none / empty alone); got {text!r}")
     return kernel in names
 
 
+# (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
 # prefetch depth is DOWN_PREFETCH's (docs/gpu-runs.md session 15)
 DOWN_LAUNCH = {"nvfp4": {n: (32, 4 if n == 1 else 2 if n <= 3 else 1) for n in range(1, 9)},
                "bf16": {n: (32, 4) for n in range(1, 9)}}
@@ -1963,17 +1966,18 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int]:
         try:
             key, value = entry.split("=")
             f, nn = key.split(":")
-            f, nn = f.strip(), int(nn)
+            f, nn = f.strip().lower(), int(nn)
             w, r, b = (int(v) for v in value.split(","))
             if f not in GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 or r < 1 \
-                    or not 0 <= b <= 32:
+                    or not 0 <= b <= 32 or b * w * 32 > 2048:
                 raise ValueError
         except ValueError:
             from flintc.kernels.tuning import TuningEnvError
 
             raise TuningEnvError("FLINTC_MMA_GATE_UP_LAUNCH: expected entries "
                                  "fmt:N=warps,row_tiles,min_blocks (fmt nvfp4 or bf16, N 1-8, "
-                                 f"warps 1-32, row_tiles >= 1, min_blocks 0-32); got {entry!r}"
+                                 "warps 1-32, row_tiles >= 1, min_blocks 0-32 with min_blocks "
+                                 f"x warps x 32 <= 2048); got {entry!r}"
                                  ) from None
         if (f, nn) == (fmt, n):
             launch = (w, r, b)
@@ -2003,7 +2007,8 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
             16-row tiles of the gate and of the up projection per block, chunks loaded
             ahead. None: `GATE_UP_LAUNCH` for the format and N.
         min_blocks: resident blocks per SM the registers are capped for (0: no cap).
-            None for any of these: `gate_up_launch` for the format and N.
+            None for any of these: `gate_up_launch` for the format and N (min_blocks
+            None with other warps or row tiles than the table's: no cap).
         use_pdl: programmatic dependent launch (the shared expert's first weights load
             before `griddepcontrol.wait`).
 
@@ -2033,11 +2038,14 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     if not 1 <= N <= 8:
         raise ValueError(f"moe_topk_gate_up: needs 1 <= N <= 8, got x {tuple(x.shape)}")
     d_warps, d_rows, d_blocks = gate_up_launch(fmt, N)
+    if min_blocks is None:  # the table's cap belongs to the table's warps and row tiles
+        min_blocks = d_blocks if warps in (None, d_warps) and row_tiles in (None, d_rows) else 0
     warps = d_warps if warps is None else warps
-    min_blocks = d_blocks if min_blocks is None else min_blocks
-    if not isinstance(min_blocks, int) or not 0 <= min_blocks <= 32:
-        raise ValueError(f"moe_topk_gate_up: min_blocks must be an int in [0, 32], got "
-                         f"{min_blocks!r}")
+    if type(min_blocks) is not int or not 0 <= min_blocks <= 32 \
+            or (isinstance(warps, int) and min_blocks * warps * 32 > 2048):
+        raise ValueError(f"moe_topk_gate_up: min_blocks must be an int in [0, 32] with "
+                         f"min_blocks x warps x 32 <= 2048 threads per SM, got {min_blocks!r} "
+                         f"with warps {warps!r}")
     row_tiles = math.gcd(d_rows, max(I // 16, 1)) if row_tiles is None else row_tiles
     _check_moe_launch("moe_topk_gate_up", warps, row_tiles, prefetch, "row_tiles",
                       moe_smem_bytes(E, warps if isinstance(warps, int) else 1,

@@ -81,7 +81,7 @@ def test_bad_arguments_are_named():
         rf.chunks(100, 1)
     with pytest.raises(ValueError, match="loads 1..16"):
         rf.chunks(256, 17)
-    small = _floor(2, 16, 128, "nvfp4", 1)  # 64 words of scales per expert... 16 x 8 bytes
+    small = _floor(2, 16, 128, "nvfp4", 1)  # 64 words of codes, 8 of scales per expert
     with pytest.raises(ValueError, match="does not divide"):
         small.chunks(1024, 4)
     c, s = _weights(2, 512, 2048, "nvfp4")
@@ -95,6 +95,17 @@ def test_bad_arguments_are_named():
         rf(torch.zeros(6, dtype=torch.int64), mode="fast")
     with pytest.raises(ValueError, match="trigger must be"):
         rf(torch.zeros(6, dtype=torch.int64), trigger="soon")
+    with pytest.raises(ValueError, match="ids must be contiguous int64"):
+        rf(torch.zeros(6, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 2\)"):
+        rf.check(torch.tensor([0, 2]))
+    base = torch.zeros(3 * 16 * 48 + 1, dtype=torch.uint8)
+    shifted = base[1:].view(3, 16, 48)  # contiguous, one byte off 16-byte alignment
+    with pytest.raises(ValueError, match=r"codes\[0\] must be contiguous, 16-byte aligned"):
+        RF.ReadFloor([shifted], [], [base[:768]], [])
+    with pytest.raises(ValueError, match="whole number of 16-byte words per expert"):
+        RF.ReadFloor([torch.zeros(2, 8, 1, dtype=torch.uint8)], [],
+                     [torch.zeros(16, dtype=torch.uint8)], [])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nvidia.cuda_nvrtc") is None,

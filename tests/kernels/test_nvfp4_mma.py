@@ -251,8 +251,9 @@ def test_moe_launchers_check_formats_and_splits():
         M.moe_topk_gate_up(*args, warps=2, row_tiles=-1)
     with pytest.raises(ValueError, match="warps 32 and row_tiles 2 need 65540 bytes"):
         M.moe_topk_gate_up(*args, warps=32, row_tiles=2)
-    with pytest.raises(ValueError, match="min_blocks must be an int in \\[0, 32\\], got 33"):
-        M.moe_topk_gate_up(*args, warps=2, min_blocks=33)
+    for warps, mb in ((2, 33), (32, 3), (2, True)):
+        with pytest.raises(ValueError, match="min_blocks must be an int in \\[0, 32\\] with"):
+            M.moe_topk_gate_up(*args, warps=warps, min_blocks=mb)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         M.moe_topk_gate_up(*args, warps=2)
 
@@ -842,6 +843,8 @@ def test_trigger_early_moves_launch_dependents(args):
     assert trig not in _nvrtc_ptx(M.kernel_source(*off, trigger_early=True))
 
 
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
 def test_qkv_trigger_early_moves_launch_dependents():
     """The fused QKV and router variants: with `trigger_early` the trigger comes before the
     first mma (once x is normed into shared memory), otherwise after the last."""
@@ -869,6 +872,8 @@ def test_gate_up_min_blocks_in_the_ptx():
     assert b".minnctapersm" not in _nvrtc_ptx(M.kernel_source(*args))
     with pytest.raises(ValueError, match="min_blocks is for the MoE gate/up kernel"):
         M.kernel_source(1, 512, 1, 2, 32, M.EPI_RESIDUAL, True, 6, min_blocks=4)
+    with pytest.raises(ValueError, match="min_blocks x warps x 32 <= 2048"):
+        M.kernel_source(2, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256, min_blocks=5)
 
 
 def test_gate_up_launch_env(monkeypatch):
@@ -887,7 +892,7 @@ def test_gate_up_launch_env(monkeypatch):
     assert M.gate_up_launch("nvfp4", 4) == (*M.GATE_UP_LAUNCH["nvfp4"][4],
                                             M.GATE_UP_MIN_BLOCKS["nvfp4"][4])
     for bad in ("nvfp4:9=4,1,6", "fp8:1=4,1,6", "nvfp4:1=4,1,40", "nvfp4:1=4,1", "nvfp4:1=0,1,0",
-                "nvfp4=4,1,6"):
+                "nvfp4=4,1,6", "nvfp4:1=32,1,3"):
         monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", bad)
         with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_LAUNCH.*" + bad[:5]):
             M.gate_up_launch("nvfp4", 1)
@@ -910,6 +915,9 @@ def test_mma_trigger_env(monkeypatch):
     assert all(M.mma_trigger_early(k) for k in M.MMA_KERNELS)
     monkeypatch.setenv("FLINTC_MMA_TRIGGER", "none")
     assert not any(M.mma_trigger_early(k) for k in M.MMA_KERNELS)
+    monkeypatch.setenv("FLINTC_MMA_TRIGGER", "none,down")  # contradictory
+    with pytest.raises(TuningEnvError, match="none / empty alone"):
+        M.mma_trigger_early("down")
     monkeypatch.setenv("FLINTC_MMA_TRIGGER", "attention")
     with pytest.raises(TuningEnvError, match="FLINTC_MMA_TRIGGER"):
         M.mma_trigger_early("down")
