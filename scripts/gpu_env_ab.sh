@@ -18,8 +18,9 @@
 # An empty value in AB_MOE / AB_SETS ("" between `;`, or a leading / trailing `;`) or "-"
 # means the variable unset; AB_MOE / AB_SETS empty skip the step. Needs gpu_builds/
 # (docs/benchmarks.md "How to run": full-{fmt}-b1 and full-{fmt}; the bench takes the
-# first batch-1 build it finds). Logs in /tmp/env_ab; back in $OUT: moe.md, bench-<i>.md,
-# micro.log, tests.log (at most 8 files come back from the device).
+# first batch-1 build it finds). Logs in /tmp/env_ab; back in $OUT: moe.md, micro.log,
+# tests.log and env_ab.tgz (all of /tmp/env_ab: every log, each bench's bench.md,
+# bench.json and plots; at most 8 files come back from the device, so the rest is packed).
 #
 #   OUT=/some/dir [AB_VAR=...] [AB_SETS=...] bash scripts/gpu_env_ab.sh   # repo root
 set -uo pipefail
@@ -85,7 +86,6 @@ if [ -n "${AB_SETS-none;down;all;none}" ]; then
     envp "$t"
     TAIL=0 step "bench-$i" 130 "${ENVP[@]}" $PY $BENCH --out "$WORK/bench-$i"
     echo "$VAR=$t"; grep -E '^\| (nvfp4|bf16) \| [0-9] \|' "$WORK/bench-$i.log"
-    cp "$WORK/bench-$i/bench.md" "$OUT/bench-$i.md" 2>/dev/null
     i=$((i + 1))
   done
 fi
@@ -97,4 +97,6 @@ if [ -n "$RT" ]; then
     --prompt-len 2600 --steps 16 --out "$WORK/runtime.md"
   grep -h "SUMMARY" "$WORK/runtime.log" 2>/dev/null
 fi
+tar czf "$OUT/env_ab.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")" \
+  || echo "packing $WORK failed"
 exit 0
