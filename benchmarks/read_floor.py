@@ -147,23 +147,23 @@ class ReadFloor:
                                  f"{self.experts} experts")
         self.nc = _words(codes[0], "codes[0]") // self.experts
         self.ns = _words(scales[0], "scales[0]") // self.experts if scales else 0
-        for i, t in enumerate(codes):
-            if t.shape[0] != self.experts or _words(t, f"codes[{i}]") != self.nc * self.experts:
-                raise ValueError(f"read_floor: codes[{i}] has shape {tuple(t.shape)}; expected "
-                                 f"{self.experts} experts of {16 * self.nc} bytes")
-        for i, t in enumerate(scales):
-            if t.shape[0] != self.experts or _words(t, f"scales[{i}]") != self.ns * self.experts:
-                raise ValueError(f"read_floor: scales[{i}] has shape {tuple(t.shape)}; expected "
-                                 f"{self.experts} experts of {16 * self.ns} bytes")
-        for i, t in enumerate(shared_codes):
-            if _words(t, f"shared_codes[{i}]") != self.nc:
-                raise ValueError(f"read_floor: shared_codes[{i}] must hold {16 * self.nc} bytes")
-        for i, t in enumerate(shared_scales):
-            if _words(t, f"shared_scales[{i}]") != self.ns:
-                raise ValueError(f"read_floor: shared_scales[{i}] must hold {16 * self.ns} bytes")
+        routed = [(f"codes[{i}]", t, self.nc) for i, t in enumerate(codes)] + \
+            [(f"scales[{i}]", t, self.ns) for i, t in enumerate(scales)]
+        for name, t, words in routed:
+            if t.shape[0] != self.experts or _words(t, name) != words * self.experts:
+                raise ValueError(f"read_floor: {name} has shape {tuple(t.shape)}; expected "
+                                 f"{self.experts} experts of {16 * words} bytes")
+        shared = [(f"shared_codes[{i}]", t, self.nc) for i, t in enumerate(shared_codes)] + \
+            [(f"shared_scales[{i}]", t, self.ns) for i, t in enumerate(shared_scales)]
+        for name, t, words in shared:
+            if _words(t, name) != words:
+                raise ValueError(f"read_floor: {name} must hold {16 * words} bytes")
         self.m = len(codes)
-        pad = lambda ts: list(ts) + [ts[0]] * (2 - len(ts)) if ts else [codes[0]] * 2  # noqa: E731
-        self.ptrs = pad(codes) + pad(scales) + pad(shared_codes) + pad(shared_scales)
+
+        def two(ts):  # the kernel takes 2 pointers per role; unused ones repeat a valid one
+            return list(ts) + [ts[0]] * (2 - len(ts)) if ts else [codes[0]] * 2
+
+        self.ptrs = two(codes) + two(scales) + two(shared_codes) + two(shared_scales)
         self.codes, self.scales = codes, scales
         self.shared = list(shared_codes) + list(shared_scales)
         self.item_words = self.m * (self.nc + self.ns)
@@ -187,8 +187,10 @@ class ReadFloor:
 
     def __call__(self, ids: torch.Tensor, threads: int = 256, loads: int = 4,
                  mode: str = "dependent", use_pdl: bool = True,
-                 trigger: str = "early") -> torch.Tensor:
+                 trigger: str = "early", out: torch.Tensor | None = None) -> torch.Tensor:
         """Launch once on the current stream. ids: int64 `[N, top_k]` (or flat) expert ids.
+        out: the int32 `[items, chunks, threads / 32]` buffer to write (None: one kept per
+        shape, so a CUDA graph can replay the launch).
         trigger: "early" (`launch_dependents` once the loads are issued) or "late" (at the
         end, after the XOR is stored, where the op's kernels trigger unless
         `nvfp4_mma.EARLY_TRIGGER` names them).
@@ -205,11 +207,14 @@ class ReadFloor:
                              f"{self.codes[0].device}; got {ids.dtype} on {ids.device}")
         chunks = self.chunks(threads, loads)
         items = 1 + ids.numel()
-        key = (items, chunks, threads, ids.device)
-        out = self._out.get(key)
+        shape = (items, chunks, threads // 32)
         if out is None:
-            out = self._out[key] = torch.empty((items, chunks, threads // 32), dtype=torch.int32,
-                                               device=ids.device)
+            key = (shape, ids.device)
+            out = self._out.get(key)
+            if out is None:
+                out = self._out[key] = torch.empty(shape, dtype=torch.int32, device=ids.device)
+        elif tuple(out.shape) != shape or out.dtype != torch.int32 or out.device != ids.device:
+            raise ValueError(f"read_floor: out must be int32 {list(shape)} on {ids.device}")
         kernel = M._compiled("read_floor", (self.m, loads), lambda: kernel_source(self.m, loads),
                              ids.device)
         M._launch(kernel, (chunks, items), threads,
@@ -236,12 +241,10 @@ class ReadFloor:
         flat = ids.flatten()
         if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.experts):
             raise ValueError(f"read_floor: ids must lie in [0, {self.experts})")
-        chunks = self.chunks(threads, loads)
-        key = (1 + ids.numel(), chunks, threads, ids.device)
         # a fresh, poisoned buffer: a word the launch does not write keeps 0xFFFFFFFF
-        self._out[key] = torch.full((key[0], chunks, threads // 32), -1, dtype=torch.int32,
-                                    device=ids.device)
-        out = self(ids, threads, loads, mode).cpu().numpy().view(np.uint32)
+        poisoned = torch.full((1 + ids.numel(), self.chunks(threads, loads), threads // 32), -1,
+                              dtype=torch.int32, device=ids.device)
+        out = self(ids, threads, loads, mode, out=poisoned).cpu().numpy().view(np.uint32)
         got = np.bitwise_xor.reduce(out.reshape(out.shape[0], -1), axis=1)
         for item, want in enumerate(self.expected_xor(ids)):
             if int(got[item]) != want:

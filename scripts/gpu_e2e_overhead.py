@@ -32,6 +32,9 @@ import time
 
 import torch
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import write_out  # noqa: E402  (benchmarks/common.py: --out files)
+
 
 def timed(fn, iters: int, warmup: int) -> float:
     """Median wall-clock ms of fn() followed by a device synchronization."""
@@ -96,8 +99,7 @@ def main() -> int:
     lines += [f"| {name} | {v:.3f} | {v - ms['replay']:+.3f} |" for name, v in ms.items()]
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    write_out(args.out, text)
     return 0
 
 

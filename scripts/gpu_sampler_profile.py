@@ -26,6 +26,9 @@ import time
 
 import torch
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import write_out  # noqa: E402  (benchmarks/common.py: --out files)
+
 
 def wall(fn, iters: int, busy_cycles: int = 0) -> float:
     for _ in range(3):
@@ -98,8 +101,7 @@ def main() -> int:
             lines.append("")
     text = "\n".join(lines)
     print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    write_out(args.out, text)
     return 0
 
 

@@ -1826,12 +1826,11 @@ def mma_trigger_early(kernel: str) -> bool:
     if text is None:
         return kernel in EARLY_TRIGGER
     names = {t.strip().lower() for t in text.split(",") if t.strip()}
-    if "none" in names and len(names) > 1:  # "none,down": contradictory, refused
-        names.add("?")
-    names -= {"none"}
-    if "all" in names:
+    if names == {"none"}:
+        names = set()
+    elif "all" in names:
         names = (names - {"all"}) | set(MMA_KERNELS)
-    if not names <= set(MMA_KERNELS):
+    if not names <= set(MMA_KERNELS):  # also "none" next to a kernel: contradictory
         from flintc.kernels.tuning import TuningEnvError
 
         raise TuningEnvError(f"FLINTC_MMA_TRIGGER must list kernels among {', '.join(MMA_KERNELS)} "
