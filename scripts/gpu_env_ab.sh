@@ -3,7 +3,8 @@
 # ($AB_VAR, default FLINTC_MMA_TRIGGER: which CUDA kernels trigger PDL early; or
 # FLINTC_MMA_GATE_UP_LAUNCH, ...), in one process per value so nothing is shared.
 # Steps, each skipped when its variable is empty (`;` separates values):
-#   AB_TESTS      pytest arguments, run with $AB_VAR=$AB_TESTS_VALUE (default: the GPU
+#   AB_TESTS      pytest arguments, split as the shell would (quotes group words:
+#                 AB_TESTS="tests/x.py -k 'a or b'"), run with $AB_VAR=$AB_TESTS_VALUE (default: the GPU
 #                 tests of the CUDA kernels and of the read floor, with "all"), at most
 #                 $AB_TESTS_S seconds (200)
 #   AB_MICRO      a command run with the GPU Python's environment (e.g. `$PY
@@ -18,8 +19,8 @@
 # An empty value in AB_MOE / AB_SETS ("" between `;`, or a leading / trailing `;`) or "-"
 # means the variable unset; AB_MOE / AB_SETS empty skip the step. Needs gpu_builds/
 # (docs/benchmarks.md "How to run": full-{fmt}-b1 and full-{fmt}; the bench takes the
-# first batch-1 build it finds). Logs in /tmp/env_ab; back in $OUT: moe.md, micro.log,
-# tests.log and env_ab.tgz (all of /tmp/env_ab: every log, each bench's bench.md,
+# first batch-1 build it finds). Logs in $AB_WORK (default /tmp/env_ab); back in $OUT: moe.md, micro.log,
+# tests.log and env_ab.tgz (all of that folder: every log, each bench's bench.md,
 # bench.json and plots; at most 8 files come back from the device, so the rest is packed).
 #
 #   OUT=/some/dir [AB_VAR=...] [AB_SETS=...] bash scripts/gpu_env_ab.sh   # repo root
@@ -34,7 +35,7 @@ export PY PYTHONPATH PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 VAR=${AB_VAR:-FLINTC_MMA_TRIGGER}
 FORMATS=${AB_FORMATS:-nvfp4,bf16}
-WORK=/tmp/env_ab
+WORK=${AB_WORK:-/tmp/env_ab}
 rm -rf "$WORK" && mkdir -p "$WORK"  # a warm machine keeps /tmp: no earlier call's files
 step() {  # step NAME LIMIT_S CMD...: output to $WORK/NAME.log, its tail to stdout
   local name=$1 limit=$2; shift 2
@@ -58,8 +59,9 @@ values() {  # values TEXT: VALUES, TEXT split at `;`, empty fields (leading, tra
 TESTS=${AB_TESTS-tests/kernels/test_nvfp4_mma.py tests/bench/test_read_floor.py}
 if [ -n "$TESTS" ]; then
   envp "${AB_TESTS_VALUE-all}"
+  eval "TEST_ARGS=($TESTS)" || exit 1
   TAIL=4 step tests "${AB_TESTS_S:-200}" "${ENVP[@]}" $PY -m pytest -q -p no:cacheprovider -m gpu \
-    $TESTS
+    "${TEST_ARGS[@]}"
 fi
 cp "$WORK/tests.log" "$OUT/tests.log" 2>/dev/null
 [ -n "${AB_MICRO:-}" ] && TAIL=60 step micro "${AB_MICRO_S:-200}" bash -c "$AB_MICRO"

@@ -21,3 +21,29 @@ def test_script_parses(script):
 
 def test_there_are_scripts():
     assert len(SCRIPTS) >= 10 and any(s.name == "gpu_prefill_chunks.sh" for s in SCRIPTS)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_env_ab_splits_tests_and_values_like_the_shell(tmp_path):
+    """`scripts/gpu_env_ab.sh` dry-run with a stand-in Python that prints its arguments and
+    the A/B variable: AB_TESTS is split as the shell would (a quoted `-k` expression stays
+    one argument), AB_TESTS_VALUE sets the variable for the tests, and each AB_MOE value
+    (`;`-separated; empty or "-": unset) runs `bench_moe.py` once with its own setting."""
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/usr/bin/env bash\nprintf "ARG[%s]\\n" "$@"\n'
+                    'echo "VAR[${FLINTC_AB_PROBE-unset}]"\n')
+    fake.chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake),
+           "GPU_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out"),
+           "AB_WORK": str(tmp_path / "work"),
+           "AB_VAR": "FLINTC_AB_PROBE", "AB_TESTS": "tests/x.py -k 'a or b'",
+           "AB_TESTS_VALUE": "v1", "AB_MOE": ";x y;-", "AB_SETS": "", "AB_RUNTIME": ""}
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_env_ab.sh")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    tests = (tmp_path / "out" / "tests.log").read_text().splitlines()
+    assert tests[-4:] == ["ARG[tests/x.py]", "ARG[-k]", "ARG[a or b]", "VAR[v1]"]
+    runs = [line for line in r.stdout.splitlines() if line.startswith("VAR[")]
+    assert runs == ["VAR[v1]", "VAR[unset]", "VAR[x y]", "VAR[unset]"], r.stdout  # tests, moe
+    assert (tmp_path / "out" / "env_ab.tgz").stat().st_size > 0

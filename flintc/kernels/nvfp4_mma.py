@@ -1936,17 +1936,21 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
 # with 2 row tiles), 8: 22.7 (w2; 20.8 with w4 and 4 row tiles); bf16 N = 1: 11.5 (w4),
 # 2: 17.8 (w2; the bf16 kernel runs at N <= 2 only, `moe.BF16_MMA_N`). In the model's
 # step (b8/1K) the 4-row-tile launch was slower (27.6 against 24.5 us per layer), so
-# every entry keeps one row tile; N = 3, 5-7 interpolated.
-GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 else (2, 1)
+# every entry keeps one row tile; N = 3, 5-7 interpolated. NVFP4 N = 8: 4 warps with the
+# registers capped for 6 blocks per SM (`GATE_UP_MIN_BLOCKS`; session 20, run 3: the
+# forward at b8/1K 3.49 -> 3.40 ms, twice, alternated).
+GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 or n == 8 else (2, 1)
                             for n in range(1, 9)},
                   "bf16": {n: (4, 1) if n == 1 else (2, 1) for n in range(1, 9)}}
 
 # Resident blocks per SM the gate/up kernel's registers are capped for (`min_blocks`; 0: no
-# cap), by weight format and N. Measured on the H200 (docs/gpu-runs.md session 19, run 6):
-# no cap won in the model; 2 warps capped for 12 blocks spill and lose (N = 8 22.8 ->
-# 24.5 us alone); 4 warps capped for 6 (80 registers, no spill) beat the default alone
-# and chained at N = 4 and 8 (N = 8 alone 22.8 -> 21.8 us, chained 37.7 -> 37.1).
-GATE_UP_MIN_BLOCKS = {fmt: {n: 0 for n in range(1, 9)} for fmt in ("nvfp4", "bf16")}
+# cap), by weight format and N. Measured on the H200 (docs/gpu-runs.md session 19, run 6;
+# session 20, runs 2-3): 2 warps capped for 12 blocks spill and lose (N = 8 22.8 -> 24.5
+# us alone); 4 warps capped for 6 (80 registers) beat the default alone at N = 4 and 8
+# (N = 8 23.7 -> 22.7 us) and in the model at N = 8 (b8/1K 3.49 -> 3.40 ms, twice), not
+# at N = 4 (b4/1K 2.54 -> 2.57 ms), so only NVFP4 N = 8 is capped.
+GATE_UP_MIN_BLOCKS = {fmt: {n: 6 if (fmt, n) == ("nvfp4", 8) else 0 for n in range(1, 9)}
+                      for fmt in ("nvfp4", "bf16")}
 
 
 def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int]:

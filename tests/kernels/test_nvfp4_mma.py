@@ -260,9 +260,10 @@ def test_moe_launchers_check_formats_and_splits():
 
 def test_moe_launch_rules():
     """The MoE kernels' launch tables: every (warps, K slices) splits the model's expert
-    width and fits a block; gate/up warps never grow and row tiles never shrink with N
-    (fewer, larger blocks where routing prologues repeat); bf16 MoE on the CUDA kernels
-    only where measured faster (`moe.BF16_MMA_N`)."""
+    width and fits a block; gate/up row tiles never shrink with N, warps never grow but
+    where the registers are capped (NVFP4 N = 8: 4 warps for 6 blocks per SM, measured
+    faster in the model); every cap fits 2,048 threads per SM; bf16 MoE on the CUDA
+    kernels only where measured faster (`moe.BF16_MMA_N`)."""
     from flintc.kernels import moe
 
     for fmt in ("nvfp4", "bf16"):
@@ -270,7 +271,9 @@ def test_moe_launch_rules():
         for warps, splits in M.DOWN_LAUNCH[fmt].values():
             assert 32 * warps <= 1024 and (512 // 64) % splits == 0
         ws = [M.GATE_UP_LAUNCH[fmt][n][0] for n in range(1, 9)]
-        assert ws == sorted(ws, reverse=True) and all(2048 % (64 * w) == 0 for w in ws)
+        uncapped = [w for n, w in enumerate(ws, 1) if not M.GATE_UP_MIN_BLOCKS[fmt][n]]
+        assert uncapped == sorted(uncapped, reverse=True) and all(2048 % (64 * w) == 0 for w in ws)
+        assert all(M.GATE_UP_MIN_BLOCKS[fmt][n] * ws[n - 1] * 32 <= 2048 for n in range(1, 9))
         rows = [M.GATE_UP_LAUNCH[fmt][n][1] for n in range(1, 9)]
         assert rows == sorted(rows) and all(512 % (16 * r) == 0 for r in rows)
         for warps, tiles in M.GATE_UP_LAUNCH[fmt].values():
@@ -887,8 +890,10 @@ def test_gate_up_launch_env(monkeypatch):
         for n in range(1, 9):
             assert M.gate_up_launch(fmt, n) == (*M.GATE_UP_LAUNCH[fmt][n],
                                                 M.GATE_UP_MIN_BLOCKS[fmt][n])
-    monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:8=4,1,6 / bf16:2=2,2,0")
-    assert M.gate_up_launch("nvfp4", 8) == (4, 1, 6) and M.gate_up_launch("bf16", 2) == (2, 2, 0)
+    monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:8=2,1,0 / bf16:2=2,2,0")
+    assert M.gate_up_launch("nvfp4", 8) == (2, 1, 0) != (*M.GATE_UP_LAUNCH["nvfp4"][8],
+                                                          M.GATE_UP_MIN_BLOCKS["nvfp4"][8])
+    assert M.gate_up_launch("bf16", 2) == (2, 2, 0)
     assert M.gate_up_launch("nvfp4", 4) == (*M.GATE_UP_LAUNCH["nvfp4"][4],
                                             M.GATE_UP_MIN_BLOCKS["nvfp4"][4])
     for bad in ("nvfp4:9=4,1,6", "fp8:1=4,1,6", "nvfp4:1=4,1,40", "nvfp4:1=4,1", "nvfp4:1=0,1,0",
