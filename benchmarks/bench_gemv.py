@@ -14,11 +14,17 @@ weight format (bf16 / NVFP4) and batch N in {1, 2, 4, 8}:
 and prints the achieved GB/s (bytes = weights + activations in and out + cache rows) and
 its share of the copy bandwidth.
 
+With `--floor` each row also gets the case's read floor (`read_floor.weight_floor`: a
+kernel that only reads the weights, every load issued before the PDL wait, best of
+`FLOOR_LAUNCHES`, timed the same way over the same rotated copies) as a share of the copy
+bandwidth with the row's bytes: the most the op could reach (issue 5 asks 70% of the large
+GEMVs). Not for `qkv` (three matrices of two sizes).
+
 With `--sweep` each flintc case also times every candidate of `sweep_configs` and reports
 the best; at the end it prints `TUNED` entries to paste into `flintc/kernels/gemv.py`
 (keys as documented at `TUNED`).
 
-    python benchmarks/bench_gemv.py [--sweep] [--pdl] [--out gemv.md] [--cases q_proj,qkv]
+    python benchmarks/bench_gemv.py [--sweep] [--pdl] [--floor] [--out gemv.md] [--cases q_proj,qkv]
 """
 
 from __future__ import annotations
@@ -123,9 +129,10 @@ class Case:
 
         F, K = self.F, self.K
         x = torch.randn(N, K, device="cuda").to(torch.bfloat16)
+        self.rot = None  # the weights' Rotation, for `--floor` (1-2 equal-size matrices)
         if self.kind == "gemv":
             w = make_weight(F, K, fmt)
-            rot = Rotation(w)
+            rot = self.rot = Rotation(w)
             ours = lambda cfg=None: fg.gemv(x, rot.next(), use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.gemv(x, w)  # noqa: E731
             plain = lambda x, w: plain_linear(x, w)  # noqa: E731
@@ -133,7 +140,7 @@ class Case:
         if self.kind == "gemv_residual":
             w = make_weight(F, K, fmt)
             res = torch.randn(N, F, device="cuda").to(torch.bfloat16)
-            rot = Rotation(w)
+            rot = self.rot = Rotation(w)
             ours = lambda cfg=None: fg.gemv_residual(x, rot.next(), res, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.gemv_residual(x, w, res)  # noqa: E731
             plain = lambda x, w, r: (r.float() + plain_linear(x, w).float()).to(torch.bfloat16)  # noqa: E731
@@ -142,7 +149,7 @@ class Case:
         norm = torch.rand(K, device="cuda") + 0.5
         if self.kind == "gate_up":
             g, u = make_weight(F, K, fmt), make_weight(F, K, fmt)
-            rot = Rotation([g, u])
+            rot = self.rot = Rotation([g, u])
             ours = lambda cfg=None: fg.norm_gate_up_silu(x, norm, *rot.next(), 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.norm_gate_up_silu(x, norm, g, u, 1e-5)  # noqa: E731
 
@@ -153,7 +160,7 @@ class Case:
                     ("gate_up:" + fmt, F, K, N), None)
         if self.kind == "lm_head_plain":  # the LM head without the final RMSNorm
             w = make_weight(F, K, "bf16")[0]
-            rot = Rotation([w])
+            rot = self.rot = Rotation([w])
             ours = lambda cfg=None: fg.lm_head(x, rot.next()[0], use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.lm_head(x, w)  # noqa: E731
             plain = lambda x, w: x.float() @ w.float().T  # noqa: E731
@@ -161,7 +168,7 @@ class Case:
         if self.kind == "lm_head":
             w = make_weight(F, K, "bf16")[0]
             x3 = x.view(N, 1, K)
-            rot = Rotation([w])
+            rot = self.rot = Rotation([w])
             ours = lambda cfg=None: fg.norm_lm_head(x3, norm, rot.next()[0], 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.norm_lm_head(x3, norm, w, 1e-5)  # noqa: E731
 
@@ -217,6 +224,43 @@ CASES = [
 ]
 PDL = False
 ROTATE = True
+FLOOR_LAUNCHES = [(t, l) for t in (128, 256, 512, 1024) for l in (1, 2, 4, 8) if t * l <= 4096]
+
+
+def weight_floors(rot: Rotation) -> list:
+    """One `read_floor.weight_floor` per rotated copy of a case's weights: a plain weight
+    (`[codes, scales, global_scale]` or `[w]`) is one matrix, the dense gate/up's `[gate,
+    up]` two. Raises ValueError (from `weight_floor`) for other groups (QKV's three)."""
+    from read_floor import weight_floor
+
+    def matrices(group):
+        return group if isinstance(group[0], (list, tuple)) else [group]
+
+    return [weight_floor(matrices(c)) for c in rot.copies]
+
+
+def floor_us(rot: Rotation, reps: int) -> tuple[float, str]:
+    """The read floor of a case's weights (`read_floor.weight_floor`: a kernel that only
+    reads them, every load issued before `griddepcontrol.wait` as a GEMV's may be), over
+    the same rotated copies and timed as the op is (`kernel_ms`, PDL as `--pdl`): the best
+    of `FLOOR_LAUNCHES` that split the weights, in ms, and that launch. The first copy's
+    reads are checked against numpy's XOR of its bytes first."""
+    from read_floor import NO_IDS
+
+    floors = weight_floors(rot)
+    ids = NO_IDS.cuda()
+    floors[0].check(ids)
+    best = (math.inf, "")
+    for t, ld in FLOOR_LAUNCHES:
+        try:
+            floors[0].chunks(t, ld)
+        except ValueError:
+            continue  # this launch does not split the weights into whole chunks
+        i = iter(range(1 << 62))
+        ms = kernel_ms(lambda: floors[next(i) % len(floors)](ids, t, ld, "dependent", PDL), reps)
+        if ms < best[0]:
+            best = (ms, f"{t} x {ld}")
+    return best
 
 
 def main() -> None:
@@ -241,6 +285,10 @@ def main() -> None:
                         help="do not rotate weight copies (the kernels then read L2-resident weights; "
                              "the pre-session-5 behaviour)")
     parser.add_argument("--tuned-json", help="write the sweep winners as a FLINTC_GEMV_TUNED file")
+    parser.add_argument("--floor", action="store_true",
+                        help="add each case's read floor (benchmarks/read_floor.py: a kernel "
+                             "that only reads the weights, loads issued before the PDL wait), "
+                             "with the row's bytes: the most the op could reach; not for qkv")
     parser.add_argument("--formats", default="bf16,nvfp4",
                         help="comma-separated weight formats (default bf16,nvfp4)")
     parser.add_argument("--batches", default="1,2,4,8",
@@ -273,8 +321,10 @@ def main() -> None:
                "the eager and compile columns read one copy, L2-resident where it fits)" if ROTATE
                else "weights NOT rotated (--l2-resident): small shapes are timed from L2"), "",
             "| case | F x K | fmt | N | flintc us | GB/s | % copy | config | eager us | compile us "
-            "| compile % copy |" + (" best us | best % copy | best config |" if args.sweep else ""),
-            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.sweep else "")]
+            "| compile % copy |" + (" best us | best % copy | best config |" if args.sweep else "")
+            + (" floor us | floor % copy | floor launch |" if args.floor else ""),
+            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.sweep else "")
+            + ("---|---|---|" if args.floor else "")]
     lines = list(head)
     print("\n".join(lines), flush=True)
     tuned = []
@@ -286,6 +336,7 @@ def main() -> None:
         if wanted and case.name not in wanted:
             continue
         for fmt in [f for f in case.fmts if f in FORMATS]:
+            floor = None  # (ms, launch) of the case's read floor: the same for every N
             for N in BATCHES:
                 ours, eager, plain, plain_args, moved, key, rows_fixed = case.build(fmt, N)
                 if case.kind == "qkv":
@@ -342,6 +393,11 @@ def main() -> None:
                         tuned_json.append({"key": list(key), "config": dict(bc.__dict__),
                                            "us": bt * 1e3, "default_us": ms * 1e3})
                         tuned.append(f"    {key!r}: {bc!r},  # {case.name} {100 * moved / bt / 1e6 / copy_bw:.0f}%")
+                if args.floor:
+                    if floor is None and case.rot is not None:
+                        floor = floor_us(case.rot, args.reps)
+                    row += (f" {floor[0] * 1e3:.1f} | {100 * moved / floor[0] / 1e6 / copy_bw:.0f}% | "
+                            f"{floor[1]} |" if floor else " - | - | - |")
                 lines.append(row)
                 print(row, flush=True)
                 torch.cuda.empty_cache()

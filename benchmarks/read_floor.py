@@ -106,6 +106,41 @@ extern "C" __global__ void read_floor(
 """
 
 
+def weight_floor(matrices: list) -> "ReadFloor":
+    """The read floor of a GEMV whose weights do not depend on the previous kernel (a
+    dense projection, or a fused one over 2 equal-size matrices such as gate and up): a
+    `ReadFloor` whose only item is the shared one, so every load is issued before
+    `griddepcontrol.wait`, as a GEMV's may be. Call it with no routed ids,
+    `floor(NO_IDS.to(device), threads, loads, "dependent", use_pdl)`; `item_bytes()` is
+    the weights' bytes (codes and scales; the fp32 global scale is not counted).
+
+    Args:
+        matrices: 1 or 2 weights of one size, each `[w]` bf16 `[F, K]` or NVFP4 `[codes
+            [F, K / 2] uint8, scales [F, K / 16] float8_e4m3fn, global scale]`.
+
+    Raises:
+        ValueError: another count of matrices, formats or sizes that differ (naming them),
+            or sizes `ReadFloor` refuses.
+    """
+    if not isinstance(matrices, (list, tuple)) or len(matrices) not in (1, 2):
+        raise ValueError(f"read_floor.weight_floor: needs 1 or 2 matrices; got "
+                         f"{len(matrices) if isinstance(matrices, (list, tuple)) else matrices!r}")
+    kinds = {len(m) for m in matrices}
+    if kinds not in ({1}, {3}):
+        raise ValueError("read_floor.weight_floor: every matrix is [w] (bf16) or [codes, "
+                         "scales, global_scale] (NVFP4), all in one format")
+    codes = [m[0] for m in matrices]
+    scales = [m[1].view(torch.uint8) for m in matrices] if kinds == {3} else []
+    if len({tuple(t.shape) for t in codes}) != 1 or len({tuple(t.shape) for t in scales}) > 1:
+        raise ValueError("read_floor.weight_floor: the matrices must have one size; got "
+                         + ", ".join(str(tuple(t.shape)) for t in codes))
+    return ReadFloor([t.unsqueeze(0) for t in codes], [t.unsqueeze(0) for t in scales],
+                     codes, scales)
+
+
+NO_IDS = torch.empty(0, dtype=torch.int64)  # no routed items: `weight_floor`'s calls
+
+
 def kernel_source(matrices: int, loads: int) -> str:
     """CUDA source of the read-floor kernel for `matrices` (1 or 2) per item and `loads`
     16-byte words per thread (1..16). Raises ValueError outside those."""

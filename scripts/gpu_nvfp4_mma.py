@@ -4,8 +4,8 @@ kernels, on the GPU: correctness, then time and share of copy bandwidth
 
     python scripts/gpu_nvfp4_mma.py      # on a GPU; env CASES, OPS, NS
 
-CASES: "F,K,row_tiles,splits,warps ..." raw kernel variants, fp32 out (warps 0: the
-`warps_for` rule); default: the 16384 x 2048 matrix of the register-decode runs (an
+CASES: "F,K,row_tiles,splits,warps[,prefetch] ..." raw kernel variants, fp32 out (warps
+0 / no prefetch: `gemv_launch`'s, or with splits the `warps_for` rule and 2); default: the 16384 x 2048 matrix of the register-decode runs (an
 asymptote), and the model's shapes. Each row: us per call by CUDA-graph replay with the
 weights rotated through copies larger than the L2 (so they come from DRAM), % of the
 copy bandwidth measured in the same run (bytes = codes + scales), the largest
@@ -320,7 +320,7 @@ def _moe_chain_rows(batches, gen, row) -> None:
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_nvfp4_mma.py needs a CUDA GPU")
-    cases = [tuple(int(v) for v in c.split(",")) for c in
+    cases = [(tuple(int(v) for v in c.split(",")) + (-1,))[:6] for c in
              os.environ.get("CASES", _DEFAULT_CASES).split()]
     ops = [tuple(int(v) for v in c.split(",")) for c in
            os.environ.get("OPS", _DEFAULT_OPS).split()]
@@ -336,19 +336,22 @@ def main() -> None:
                     f"{100 * nbytes / (us * 1e-6) / copy_bw:.0f}% | {diff:.1e} |")
         print(rows[-1], flush=True)
 
-    for F, K, rt, splits, warps in cases:
+    for F, K, rt, splits, warps, pf in cases:
         m = mats.setdefault((F, K), _Mats(F, K, gen))
         for N in batches:
             x = torch.randn(N, K, device="cuda", generator=gen).to(torch.bfloat16)
             ref = x.double() @ m.ref_w.T
             out = torch.zeros(N, F, device="cuda")
-            name = f"cuda rt{rt} s{splits} w{warps or nvfp4_mma.warps_for(K // splits)}"
+            dw, dp = nvfp4_mma.gemv_launch("nvfp4", F, K) if splits == 1 \
+                else (nvfp4_mma.warps_for(K // splits), 2)
+            name = f"cuda rt{rt} s{splits} w{warps or dw} pf{dp if pf < 0 else pf}"
 
-            def run(i, x=x, out=out, rt=rt, splits=splits, warps=warps, m=m):
+            def run(i, x=x, out=out, rt=rt, splits=splits, warps=warps, m=m, pf=pf):
                 if splits > 1:
                     out.zero_()
                 nvfp4_mma.mma_gemv(x, *m.packed[i], m.gs, out, row_tiles=rt, splits=splits,
-                                   warps=warps or None, use_pdl=True)
+                                   warps=warps or None, prefetch=None if pf < 0 else pf,
+                                   use_pdl=True)
 
             _, err = first_call(lambda run=run: run(0), f"{F}x{K} N={N} {name}")
             if err:

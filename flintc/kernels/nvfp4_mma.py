@@ -115,6 +115,7 @@ import weakref
 import torch
 
 __all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
+           "GEMV_LAUNCH", "gemv_launch",
            "MAX_SMEM", "MMA_KERNELS", "QKV_LAUNCH_ORDER", "gate_up_launch", "mma_trigger_early",
            "ROUTER_LAUNCH_ORDER", "SCALE_CODE_BIAS", "STATIC_SMEM", "available",
            "decode_mma_layout", "e4m3_to_scale_code", "enabled_from_env", "is_mma_layout",
@@ -1637,10 +1638,49 @@ def warps_for(k: int) -> int:
     return next(w for w in (16, 14, 8, 4, 2, 1) if (k // 64) % w == 0)
 
 
+# (warps, prefetch) of the GEMV kernel by (weight format, F, K), where measured better than
+# the rule (`warps_for(K)` warps, 2 chunks ahead); FLINTC_MMA_GEMV_LAUNCH overrides it
+# (`gemv_launch`).
+GEMV_LAUNCH: dict = {}
+
+
+def gemv_launch(fmt: str, F: int, K: int) -> tuple[int, int]:
+    """(warps, prefetch) of the GEMV kernel for an [F, K] weight in format `fmt` (nvfp4 or
+    bf16), splits 1: `GEMV_LAUNCH`'s entry, else (`warps_for(K)`, 2); the entries of
+    FLINTC_MMA_GEMV_LAUNCH, when set, take precedence: `/`-separated `fmt:FxK=warps,
+    prefetch` (e.g. "nvfp4:2048x10240=16,6/nvfp4:2048x4096=16,4"), for tuning runs.
+
+    Raises:
+        TuningEnvError (a ValueError): an entry that is not `fmt:FxK=w,p` with fmt nvfp4
+            or bf16, F and K positive multiples of 16 and 64, 1 <= w <= 32 dividing K / 64,
+            and 0 <= p <= 16.
+    """
+    launch = GEMV_LAUNCH.get((fmt, F, K), (warps_for(K), 2))
+    text = os.environ.get("FLINTC_MMA_GEMV_LAUNCH", "")
+    for entry in (e.strip() for e in text.split("/") if e.strip()):
+        try:
+            key, value = entry.split("=")
+            f, shape = key.split(":")
+            ff, kk = (int(v) for v in shape.lower().split("x"))
+            w, pf = (int(v) for v in value.split(","))
+            if f.strip().lower() not in ("nvfp4", "bf16") or ff < 16 or ff % 16 or kk < 64 \
+                    or kk % 64 or not 1 <= w <= 32 or (kk // 64) % w or not 0 <= pf <= 16:
+                raise ValueError
+        except ValueError:
+            from flintc.kernels.tuning import TuningEnvError
+
+            raise TuningEnvError("FLINTC_MMA_GEMV_LAUNCH: expected entries fmt:FxK=warps,"
+                                 "prefetch (fmt nvfp4 or bf16, F % 16 == 0, K % 64 == 0, warps "
+                                 f"1-32 dividing K / 64, prefetch 0-16); got {entry!r}") from None
+        if (f.strip().lower(), ff, kk) == (fmt, F, K):
+            launch = (w, pf)
+    return launch
+
+
 def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.Tensor,
-             out: torch.Tensor, *, row_tiles: int = 1, splits: int = 1, prefetch: int = 2,
-             warps: int | None = None, residual: torch.Tensor | None = None,
-             use_pdl: bool = False) -> torch.Tensor:
+             out: torch.Tensor, *, row_tiles: int = 1, splits: int = 1,
+             prefetch: int | None = None, warps: int | None = None,
+             residual: torch.Tensor | None = None, use_pdl: bool = False) -> torch.Tensor:
     """`x @ W^T * global_scale` for decode batches, W NVFP4 in the mma layout, or `x @ W^T`
     for W bf16 (CUDA only).
 
@@ -1657,10 +1697,11 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
         row_tiles: 16-row tiles per block (F / 16 must be a multiple).
         splits: split-K factor: grid (F / (16 row_tiles), splits).
         prefetch: chunks (64 K) each warp loads ahead of the one it computes (a hint:
-            ptxas schedules the loads).
+            ptxas schedules the loads; the first ones are issued before the PDL wait).
         warps: warps per block, each a K / (warps * splits) slice (a whole number of
             chunks); the block adds the warps' sums in shared memory in warp order.
-            None: `warps_for(K / splits)`.
+            None for either: with splits 1 `gemv_launch` for the format and shape, else
+            `warps_for(K / splits)` warps and prefetch 2.
         residual: bf16 [N, F] contiguous, only with a bf16 out:
             `out = bf16(residual + bf16(x @ W^T * global_scale))`.
         use_pdl: launch with programmatic dependent launch (the first weights are loaded
@@ -1713,7 +1754,12 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
                                  != (N, F) or not residual.is_contiguous()):
         raise ValueError(f"residual: expected contiguous bf16 [{N}, {F}], got "
                          f"{residual.dtype} {tuple(residual.shape)}")
-    warps = warps or warps_for(K // splits)
+    d_warps, d_prefetch = gemv_launch("bf16" if bf16 else "nvfp4", F, K) if splits == 1 \
+        else (warps_for(K // splits), 2)
+    warps = warps or d_warps
+    prefetch = d_prefetch if prefetch is None else prefetch
+    if type(prefetch) is not int or not 0 <= prefetch <= 16:
+        raise ValueError(f"prefetch: expected an int in [0, 16], got {prefetch!r}")
     if FT % row_tiles or KC % (warps * splits):
         raise ValueError(f"row_tiles={row_tiles}, warps={warps}, splits={splits} do not "
                          f"divide F/16={FT} and K/64={KC}")

@@ -82,7 +82,7 @@ def test_scripts_refuse_bad_arguments_before_the_gpu_check(script, args, needle)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
 def test_scripts_with_good_arguments_reach_the_gpu_check():
     r = run_script("bench_gemv.py", "--formats", "nvfp4", "--batches", "1,8", "--cases",
-                   "qkv,o_proj+res", "--sweep-seconds", "0")
+                   "qkv,o_proj+res", "--sweep-seconds", "0", "--floor")
     assert r.returncode == 1 and "needs a CUDA GPU" in r.stderr, r.stderr[-2000:]
 
 
@@ -94,3 +94,27 @@ def test_first_call_reports_a_failing_variant_and_returns_none(capsys):
     out, err = first_call(lambda: [][1], "variant w3")
     assert out is None and err.startswith("IndexError: list index out of range")
     assert "variant w3: IndexError" in capsys.readouterr().out
+
+
+def test_gemv_floor_groups_each_case_s_weights():
+    """`bench_gemv.weight_floors` (`--floor`): a plain weight is one matrix, the dense
+    gate/up two, per rotated copy; each floor reads exactly that copy's codes and scales."""
+    import bench_gemv as BG
+    from flintc.quant.nvfp4 import quantize
+
+    q = quantize((torch.randn(64, 128) * 0.05).to(torch.bfloat16))
+    nv = [q.codes, q.scales, q.global_scale]
+    bf = [(torch.randn(64, 128) * 0.05).to(torch.bfloat16)]
+
+    class Rot:  # the part of `bench_gemv.Rotation` the floors read
+        def __init__(self, *copies):
+            self.copies = list(copies)
+
+    for copies, per in (((nv, [c.clone() for c in nv]), 64 * 64 + 64 * 8), ((bf,), 64 * 128 * 2),
+                        (([nv, nv],), 2 * (64 * 64 + 64 * 8))):
+        floors = BG.weight_floors(Rot(*copies))
+        assert len(floors) == len(copies) and all(f.item_bytes() == per for f in floors)
+        assert floors[0].shared[0].data_ptr() == (copies[0][0][0] if isinstance(copies[0][0], list)
+                                                  else copies[0][0]).data_ptr()
+    with pytest.raises(ValueError, match="needs 1 or 2 matrices; got 3"):
+        BG.weight_floors(Rot([nv, nv, nv]))

@@ -137,3 +137,51 @@ def test_reads_exactly_the_op_bytes_gpu(fmt, mode):
             torch.cuda.synchronize()
             assert out.shape == (13, rf.chunks(t, ld), t // 32)
             rf.check(ids, t, ld, mode)
+
+
+def _gemv_weight(F, K, fmt, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    if fmt == "bf16":
+        return [torch.randn(F, K, generator=g, device=device).to(torch.bfloat16)]
+    codes = torch.randint(0, 256, (F, K // 2), generator=g, device=device,
+                          dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(0, 127, (F, K // 16), generator=g, device=device,
+                           dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    return [codes, scales, torch.ones((), device=device)]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_weight_floor_reads_the_gemv_bytes(fmt):
+    """`weight_floor`: one item (the weights, no routed ids) of exactly the matrices'
+    codes and scales; the XOR it must reproduce is numpy's over those bytes; bad groups are
+    refused naming the problem."""
+    for F, K, m in ((4096, 2048, 1), (2048, 4096, 1), (512, 2048, 2)):
+        ws = [_gemv_weight(F, K, fmt, seed=i) for i in range(m)]
+        rf = RF.weight_floor(ws)
+        per = F * K * 2 if fmt == "bf16" else F * K // 2 + F * K // 16
+        assert rf.item_bytes() == m * per
+        assert rf.chunks(256, 4) * 256 * 4 * 16 == m * per
+        want = RF.weight_floor(ws).expected_xor(RF.NO_IDS)
+        import numpy as np
+
+        raw = np.concatenate([t.contiguous().view(torch.uint8).reshape(-1).numpy()
+                              for t in [w[0] for w in ws] + [w[1] for w in ws if len(w) == 3]])
+        assert want == [int(np.bitwise_xor.reduce(raw.view(np.uint32)))]
+    with pytest.raises(ValueError, match="needs 1 or 2 matrices; got 3"):
+        RF.weight_floor([_gemv_weight(64, 64, fmt)] * 3)
+    with pytest.raises(ValueError, match="must have one size"):
+        RF.weight_floor([_gemv_weight(64, 128, fmt), _gemv_weight(128, 128, fmt)])
+    with pytest.raises(ValueError, match="all in one format"):
+        RF.weight_floor([_gemv_weight(64, 128, "bf16"), _gemv_weight(64, 128, "nvfp4")])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+def test_weight_floor_reads_exactly_the_weights_gpu(fmt):
+    """On a GPU, `weight_floor` launches read every weight byte once (its CPU twin:
+    `test_weight_floor_reads_the_gemv_bytes`)."""
+    for F, K, m in ((4096, 2048, 1), (512, 2048, 2)):
+        rf = RF.weight_floor([_gemv_weight(F, K, fmt, "cuda", seed=i) for i in range(m)])
+        for t, ld in ((128, 1), (256, 4), (1024, 4)):
+            rf.check(RF.NO_IDS.cuda(), t, ld)

@@ -294,8 +294,13 @@ SHAPES = [(2048, 4096), (5120, 2048), (4096, 2048), (2048, 10240)]
 @pytest.mark.parametrize("F,K", SHAPES)
 @pytest.mark.parametrize("N", [1, 5, 8])
 @pytest.mark.parametrize("use_pdl", [False, True])
-def test_kernel_model_shapes_gpu(F, K, N, use_pdl):
+@pytest.mark.parametrize("warps,prefetch", [(None, None), (32, 3), (16, 8)])
+def test_kernel_model_shapes_gpu(F, K, N, use_pdl, warps, prefetch):
+    """The NVFP4 GEMV kernel (the default launch, and deeper prefetch / 32 warps): fp32
+    out within the fp32 reordering bound; bf16 + residual out the epilogue's two roundings
+    of the kernel's own sum, also from a CUDA-graph replay."""
     _require_mma()
+    kw = {"warps": warps, "prefetch": prefetch}
     gen = torch.Generator().manual_seed(F + K + N)
     q = quantize(torch.randn(F, K, generator=gen) * 0.05)
     codes, scales, gs = q.codes.cuda(), q.scales.cuda(), q.global_scale.cuda().float()
@@ -306,16 +311,16 @@ def test_kernel_model_shapes_gpu(F, K, N, use_pdl):
     bound = K * 2.0**-24 * (x.double().abs() @ dequantize_packed(
         codes, scales, gs, torch.float64).abs().T)  # fp32 reordering bound
     out = torch.full((N, F), float("nan"), device="cuda")
-    M.mma_gemv(x, wq, sq, gs, out, use_pdl=use_pdl)
+    M.mma_gemv(x, wq, sq, gs, out, use_pdl=use_pdl, **kw)
     assert bool(((out.double() - exact).abs() <= bound + 1e-30).all())
     # bf16 + residual, captured in a CUDA graph (the decode runtime replays graphs)
     y = torch.full((N, F), float("nan"), device="cuda", dtype=torch.bfloat16)
-    M.mma_gemv(x, wq, sq, gs, y, residual=res, use_pdl=use_pdl)
+    M.mma_gemv(x, wq, sq, gs, y, residual=res, use_pdl=use_pdl, **kw)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     y2 = torch.empty_like(y)
     with torch.cuda.graph(graph):
-        M.mma_gemv(x, wq, sq, gs, y2, residual=res, use_pdl=use_pdl)
+        M.mma_gemv(x, wq, sq, gs, y2, residual=res, use_pdl=use_pdl, **kw)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, y2)
@@ -797,6 +802,8 @@ def test_cuda_source_pastes_the_replayed_expressions():
     ("gemv", (1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True)),
     ("gemv", (2, 2048, 1, 2, 8, M.EPI_FP32, False)),
     ("gemv", (1, 10240, 1, 2, 16, M.EPI_BF16, True)),
+    ("gemv", (1, 10240, 1, 8, 16, M.EPI_RESIDUAL, True)),  # deeper prefetch
+    ("gemv", (1, 4096, 1, 3, 32, M.EPI_RESIDUAL, True)),  # 32 warps: all of a slice ahead
     ("moe_gate_up", (2, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256)),
     ("moe_down", (1, 512, 1, 2, 32, M.EPI_RESIDUAL, True, 6)),
     ("gemv", (1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True, 0, 0, True)),  # bf16 weights
@@ -901,6 +908,34 @@ def test_gate_up_launch_env(monkeypatch):
         monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", bad)
         with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_LAUNCH.*" + bad[:5]):
             M.gate_up_launch("nvfp4", 1)
+
+
+def test_gemv_launch_env(monkeypatch):
+    """`gemv_launch`: `GEMV_LAUNCH`'s entry or (`warps_for(K)`, 2); FLINTC_MMA_GEMV_LAUNCH
+    entries take precedence for their format and shape; bad entries are a TuningEnvError
+    naming the variable and the entry; `mma_gemv` refuses a bad prefetch."""
+    from flintc.kernels.tuning import TuningEnvError
+
+    monkeypatch.delenv("FLINTC_MMA_GEMV_LAUNCH", raising=False)
+    for fmt, F, K in (("nvfp4", 2048, 4096), ("bf16", 2048, 10240), ("nvfp4", 4096, 2048)):
+        assert M.gemv_launch(fmt, F, K) == M.GEMV_LAUNCH.get((fmt, F, K), (M.warps_for(K), 2))
+    monkeypatch.setenv("FLINTC_MMA_GEMV_LAUNCH", "nvfp4:2048x10240=32,5 / bf16:2048X4096=8,4")
+    assert M.gemv_launch("nvfp4", 2048, 10240) == (32, 5)
+    assert M.gemv_launch("bf16", 2048, 4096) == (8, 4)
+    assert M.gemv_launch("nvfp4", 2048, 4096) == M.GEMV_LAUNCH.get(("nvfp4", 2048, 4096),
+                                                                   (16, 2))
+    for bad in ("nvfp4:2048x10240=3,2", "fp8:64x64=1,1", "nvfp4:2048x100=1,1", "nvfp4:2048=1,1",
+                "nvfp4:2048x4096=16,17", "nvfp4:2048x4096=16"):
+        monkeypatch.setenv("FLINTC_MMA_GEMV_LAUNCH", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_GEMV_LAUNCH.*" + bad[:5]):
+            M.gemv_launch("nvfp4", 2048, 4096)
+    monkeypatch.delenv("FLINTC_MMA_GEMV_LAUNCH")
+    gen = torch.Generator().manual_seed(1)
+    q = quantize(torch.randn(32, 128, generator=gen))
+    wq, sq = M.pack_mma_layout(q.codes, q.scales)
+    with pytest.raises(ValueError, match="prefetch: expected an int in \\[0, 16\\], got 17"):
+        M.mma_gemv(torch.zeros(1, 128).to(torch.bfloat16), wq, sq, q.global_scale.float(),
+                   torch.empty(1, 32), prefetch=17)
 
 
 def test_mma_trigger_env(monkeypatch):
