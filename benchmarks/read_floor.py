@@ -116,24 +116,43 @@ def weight_floor(matrices: list) -> "ReadFloor":
 
     Args:
         matrices: 1 or 2 weights of one size, each `[w]` bf16 `[F, K]` or NVFP4 `[codes
-            [F, K / 2] uint8, scales [F, K / 16] float8_e4m3fn, global scale]`.
+            [F, K / 2] uint8, scales [F, K / 16] float8_e4m3fn, global scale]`, or NVFP4
+            in the mma layout (`nvfp4_mma.prepack`: codes int32 [F/16, K/64, 32, 4],
+            scales uint8 [F/16, K/64, 32, 2]; the same bytes).
 
     Raises:
         ValueError: another count of matrices, formats or sizes that differ (naming them),
-            or sizes `ReadFloor` refuses.
+            a matrix whose codes and scales do not make one weight of those layouts, or
+            sizes `ReadFloor` refuses.
     """
     if not isinstance(matrices, (list, tuple)) or len(matrices) not in (1, 2):
-        raise ValueError(f"read_floor.weight_floor: needs 1 or 2 matrices; got "
-                         f"{len(matrices) if isinstance(matrices, (list, tuple)) else matrices!r}")
-    kinds = {len(m) for m in matrices}
-    if kinds not in ({1}, {3}):
+        got = len(matrices) if isinstance(matrices, (list, tuple)) else type(matrices).__name__
+        raise ValueError(f"read_floor.weight_floor: needs 1 or 2 matrices; got {got}")
+    kinds = {len(m) if isinstance(m, (list, tuple)) else -1 for m in matrices}
+    if kinds not in ({1}, {3}) or not all(isinstance(t, torch.Tensor) for m in matrices
+                                          for t in m[:2]):
         raise ValueError("read_floor.weight_floor: every matrix is [w] (bf16) or [codes, "
-                         "scales, global_scale] (NVFP4), all in one format")
+                         "scales, global_scale] (NVFP4) of tensors, all in one format")
+    for i, m in enumerate(matrices):
+        c, s = m[0], m[1] if len(m) == 3 else None
+        if s is None:
+            ok = c.dtype == torch.bfloat16 and c.dim() == 2
+        elif c.dtype == torch.int32:  # the mma layout
+            ok = s.dtype == torch.uint8 and c.dim() == 4 and tuple(c.shape[2:]) == (32, 4) \
+                and tuple(s.shape) == tuple(c.shape[:2]) + (32, 2)
+        else:  # packed
+            ok = c.dtype == torch.uint8 and s.dtype in (torch.float8_e4m3fn, torch.uint8) \
+                and c.dim() == 2 and c.shape[1] % 8 == 0 \
+                and tuple(s.shape) == (c.shape[0], c.shape[1] // 8)
+        if not ok:
+            raise ValueError(f"read_floor.weight_floor: matrix {i} must be bf16 [F, K], NVFP4 "
+                             f"uint8 [F, K/2] codes with [F, K/16] scales, or the mma layout; "
+                             f"got " + ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in m[:2]))
     codes = [m[0] for m in matrices]
     scales = [m[1].view(torch.uint8) for m in matrices] if kinds == {3} else []
-    if len({tuple(t.shape) for t in codes}) != 1 or len({tuple(t.shape) for t in scales}) > 1:
+    if len({(t.dtype, tuple(t.shape)) for t in codes}) != 1:
         raise ValueError("read_floor.weight_floor: the matrices must have one size; got "
-                         + ", ".join(str(tuple(t.shape)) for t in codes))
+                         + ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in codes))
     return ReadFloor([t.unsqueeze(0) for t in codes], [t.unsqueeze(0) for t in scales],
                      codes, scales)
 

@@ -1651,10 +1651,13 @@ def gemv_launch(fmt: str, F: int, K: int) -> tuple[int, int]:
     prefetch` (e.g. "nvfp4:2048x10240=16,6/nvfp4:2048x4096=16,4"), for tuning runs.
 
     Raises:
+        ValueError: `fmt` other than "nvfp4" or "bf16".
         TuningEnvError (a ValueError): an entry that is not `fmt:FxK=w,p` with fmt nvfp4
             or bf16, F and K positive multiples of 16 and 64, 1 <= w <= 32 dividing K / 64,
             and 0 <= p <= 16.
     """
+    if fmt not in ("nvfp4", "bf16"):
+        raise ValueError(f"gemv_launch: fmt must be 'nvfp4' or 'bf16'; got {fmt!r}")
     launch = GEMV_LAUNCH.get((fmt, F, K), (warps_for(K), 2))
     text = os.environ.get("FLINTC_MMA_GEMV_LAUNCH", "")
     for entry in (e.strip() for e in text.split("/") if e.strip()):
@@ -1758,6 +1761,9 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
         else (warps_for(K // splits), 2)
     warps = warps or d_warps
     prefetch = d_prefetch if prefetch is None else prefetch
+    if type(warps) is not int or not 1 <= warps <= 32:
+        raise ValueError(f"warps: expected an int in [1, 32] (32 threads each, at most 1024 "
+                         f"per block), got {warps!r}")
     if type(prefetch) is not int or not 0 <= prefetch <= 16:
         raise ValueError(f"prefetch: expected an int in [0, 16], got {prefetch!r}")
     if FT % row_tiles or KC % (warps * splits):
@@ -2006,9 +2012,13 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int]:
     row_tiles,min_blocks` (e.g. "nvfp4:8=4,1,6/nvfp4:4=4,1,6"), for tuning runs.
 
     Raises:
+        ValueError: `fmt` other than "nvfp4" or "bf16", or `n` not an int in 1..8.
         TuningEnvError (a ValueError): an entry that is not `fmt:N=w,r,b` with fmt nvfp4
             or bf16, 1 <= N <= 8, 1 <= w <= 32, r >= 1 and 0 <= b <= 32.
     """
+    if fmt not in GATE_UP_LAUNCH or type(n) is not int or not 1 <= n <= 8:
+        raise ValueError(f"gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
+                         f"1..8; got {fmt!r}, {n!r}")
     launch = (*GATE_UP_LAUNCH[fmt][n], GATE_UP_MIN_BLOCKS[fmt][n])
     text = os.environ.get("FLINTC_MMA_GATE_UP_LAUNCH", "")
     for entry in (e.strip() for e in text.split("/") if e.strip()):

@@ -173,6 +173,27 @@ def test_weight_floor_reads_the_gemv_bytes(fmt):
         RF.weight_floor([_gemv_weight(64, 128, fmt), _gemv_weight(128, 128, fmt)])
     with pytest.raises(ValueError, match="all in one format"):
         RF.weight_floor([_gemv_weight(64, 128, "bf16"), _gemv_weight(64, 128, "nvfp4")])
+    codes, scales, gs = _gemv_weight(64, 128, "nvfp4")
+    for bad in ([codes, scales[:32], gs], [codes, scales.float(), gs], [codes.float(), scales, gs]):
+        with pytest.raises(ValueError, match="matrix 0 must be"):
+            RF.weight_floor([bad])
+    with pytest.raises(ValueError, match="matrix 0 must be"):
+        RF.weight_floor([[torch.zeros(64, 128)]])  # fp32, not bf16
+
+
+def test_weight_floor_takes_the_mma_layout():
+    """NVFP4 weights converted to the mma layout (`nvfp4_mma.prepack`: int32 codes, uint8
+    scale codes) have the packed layout's byte count; `weight_floor` reads all of them."""
+    from flintc.kernels import nvfp4_mma as M
+    from flintc.quant.nvfp4 import quantize
+
+    q = quantize((torch.randn(64, 128) * 0.05).to(torch.bfloat16))
+    wq, sq = M.pack_mma_layout(q.codes, q.scales)
+    rf = RF.weight_floor([[wq, sq, q.global_scale], [wq.clone(), sq.clone(), q.global_scale]])
+    assert rf.item_bytes() == 2 * (64 * 64 + 64 * 8)
+    assert rf.shared[0].data_ptr() == wq.data_ptr()
+    with pytest.raises(ValueError, match="matrix 0 must be"):
+        RF.weight_floor([[wq, q.scales, q.global_scale]])
 
 
 @pytest.mark.gpu

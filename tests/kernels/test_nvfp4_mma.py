@@ -908,6 +908,10 @@ def test_gate_up_launch_env(monkeypatch):
         monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", bad)
         with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_LAUNCH.*" + bad[:5]):
             M.gate_up_launch("nvfp4", 1)
+    monkeypatch.delenv("FLINTC_MMA_GATE_UP_LAUNCH")
+    for fmt, n in (("fp8", 1), ("NVFP4", 8), ("nvfp4", 0), ("nvfp4", 9), ("bf16", 8.0)):
+        with pytest.raises(ValueError, match="gate_up_launch: fmt must be"):
+            M.gate_up_launch(fmt, n)
 
 
 def test_gemv_launch_env(monkeypatch):
@@ -936,6 +940,12 @@ def test_gemv_launch_env(monkeypatch):
     with pytest.raises(ValueError, match="prefetch: expected an int in \\[0, 16\\], got 17"):
         M.mma_gemv(torch.zeros(1, 128).to(torch.bfloat16), wq, sq, q.global_scale.float(),
                    torch.empty(1, 32), prefetch=17)
+    for warps in (-1, 64, True):
+        with pytest.raises(ValueError, match="warps: expected an int in \\[1, 32\\]"):
+            M.mma_gemv(torch.zeros(1, 128).to(torch.bfloat16), wq, sq, q.global_scale.float(),
+                       torch.empty(1, 32), warps=warps)
+    with pytest.raises(ValueError, match="fmt must be 'nvfp4' or 'bf16'; got 'NVFP4'"):
+        M.gemv_launch("NVFP4", 2048, 4096)
 
 
 def test_mma_trigger_env(monkeypatch):
