@@ -19,7 +19,8 @@
 # An empty value in AB_MOE / AB_SETS ("" between `;`, or a leading / trailing `;`) or "-"
 # means the variable unset; AB_MOE / AB_SETS empty skip the step. Needs gpu_builds/
 # (docs/benchmarks.md "How to run": full-{fmt}-b1 and full-{fmt}; the bench takes the
-# first batch-1 build it finds). Logs in $AB_WORK (default /tmp/env_ab); back in $OUT: moe.md, micro.log,
+# first batch-1 build it finds). Logs in $AB_WORK (default /tmp/env_ab; emptied first, so an
+# absolute path holding neither the repository nor $OUT); back in $OUT: moe.md, micro.log,
 # tests.log and env_ab.tgz (all of that folder: every log, each bench's bench.md,
 # bench.json and plots; at most 8 files come back from the device, so the rest is packed).
 #
@@ -36,6 +37,11 @@ unset TRITON_INTERPRET
 VAR=${AB_VAR:-FLINTC_MMA_TRIGGER}
 FORMATS=${AB_FORMATS:-nvfp4,bf16}
 WORK=${AB_WORK:-/tmp/env_ab}
+case "$WORK" in  # emptied below: an absolute path that holds neither the repository nor $OUT
+  /*[!/]*) case "$PWD/ $OUT/" in "${WORK%/}/"* | *" ${WORK%/}/"*)
+    echo "AB_WORK=$WORK holds the repository or OUT: refusing to empty it" >&2; exit 1 ;; esac ;;
+  *) echo "AB_WORK must be an absolute path other than /; got '$WORK'" >&2; exit 1 ;;
+esac
 rm -rf "$WORK" && mkdir -p "$WORK"  # a warm machine keeps /tmp: no earlier call's files
 step() {  # step NAME LIMIT_S CMD...: output to $WORK/NAME.log, its tail to stdout
   local name=$1 limit=$2; shift 2

@@ -47,3 +47,20 @@ def test_env_ab_splits_tests_and_values_like_the_shell(tmp_path):
     runs = [line for line in r.stdout.splitlines() if line.startswith("VAR[")]
     assert runs == ["VAR[v1]", "VAR[unset]", "VAR[x y]", "VAR[unset]"], r.stdout  # tests, moe
     assert (tmp_path / "out" / "env_ab.tgz").stat().st_size > 0
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_env_ab_refuses_to_empty_a_work_folder_holding_out_or_the_repo(tmp_path):
+    """`scripts/gpu_env_ab.sh` empties AB_WORK: it refuses (exit 1, nothing removed) a
+    relative path, /, and a folder that holds OUT or the repository."""
+    keep = tmp_path / "keep.txt"
+    keep.write_text("x")
+    root = Path(__file__).resolve().parents[1]
+    for work in ("work", "/", str(tmp_path), str(root), str(root.parent) + "/"):
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": "/bin/false",
+               "GPU_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out"),
+               "AB_WORK": work, "AB_TESTS": "", "AB_MOE": "", "AB_SETS": "", "AB_RUNTIME": ""}
+        r = subprocess.run(["bash", str(root / "scripts" / "gpu_env_ab.sh")], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "AB_WORK" in r.stderr, (work, r.stderr)
+        assert keep.exists() and (root / "scripts" / "gpu_env_ab.sh").exists()
