@@ -320,8 +320,12 @@ def _moe_chain_rows(batches, gen, row) -> None:
 def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_nvfp4_mma.py needs a CUDA GPU")
-    cases = [(tuple(int(v) for v in c.split(",")) + (-1,))[:6] for c in
+    cases = [tuple(int(v) for v in c.split(",")) for c in
              os.environ.get("CASES", _DEFAULT_CASES).split()]
+    if any(len(c) not in (5, 6) for c in cases):
+        raise SystemExit(f"CASES: expected F,K,row_tiles,splits,warps[,prefetch] entries; "
+                         f"got {os.environ.get('CASES')!r}")
+    cases = [c + (-1,) * (6 - len(c)) for c in cases]
     ops = [tuple(int(v) for v in c.split(",")) for c in
            os.environ.get("OPS", _DEFAULT_OPS).split()]
     batches = [int(v) for v in os.environ.get("NS", "1,8").split(",")]
