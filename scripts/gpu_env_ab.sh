@@ -19,7 +19,8 @@
 # An empty value in AB_MOE / AB_SETS ("" between `;`, or a leading / trailing `;`) or "-"
 # means the variable unset; AB_MOE / AB_SETS empty skip the step. Needs gpu_builds/
 # (docs/benchmarks.md "How to run": full-{fmt}-b1 and full-{fmt}; the bench takes the
-# first batch-1 build it finds). Logs in $AB_WORK (default /tmp/env_ab; emptied first, so an
+# first batch-1 build it finds, restricted to the builds matching $AB_BUILD_GLOB when set,
+# e.g. 'full-nvfp4*'). Logs in $AB_WORK (default /tmp/env_ab; emptied first, so an
 # absolute path holding neither the repository nor $OUT); back in $OUT: moe.md, micro.log,
 # tests.log and env_ab.tgz (all of that folder: every log, each bench's bench.md,
 # bench.json and plots; at most 8 files come back from the device, so the rest is packed).
@@ -87,12 +88,14 @@ cat "$WORK"/moe-*.md >"$OUT/moe.md" 2>/dev/null
 BENCH="-m flintc bench --load-format dummy --config full --formats $FORMATS
   --contexts ${AB_CONTEXTS:-1024} --batches ${AB_BATCHES:-1,8} --prefill 1024
   --prefill-iters 1 --baselines none --builds gpu_builds --no-compile"
+GLOB_ARGS=()  # quoted: the patterns must reach flintc bench unexpanded
+[ -n "${AB_BUILD_GLOB:-}" ] && GLOB_ARGS=(--build-glob "$AB_BUILD_GLOB")
 i=0
 if [ -n "${AB_SETS-none;down;all;none}" ]; then
   values "${AB_SETS-none;down;all;none}"
   for t in "${VALUES[@]}"; do
     envp "$t"
-    TAIL=0 step "bench-$i" 130 "${ENVP[@]}" $PY $BENCH --out "$WORK/bench-$i"
+    TAIL=0 step "bench-$i" 130 "${ENVP[@]}" $PY $BENCH "${GLOB_ARGS[@]}" --out "$WORK/bench-$i"
     echo "$VAR=$t"; grep -E '^\| (nvfp4|bf16) \| [0-9] \|' "$WORK/bench-$i.log"
     i=$((i + 1))
   done

@@ -46,6 +46,14 @@ def test_env_ab_splits_tests_and_values_like_the_shell(tmp_path):
     assert tests[-4:] == ["ARG[tests/x.py]", "ARG[-k]", "ARG[a or b]", "VAR[v1]"]
     runs = [line for line in r.stdout.splitlines() if line.startswith("VAR[")]
     assert runs == ["VAR[v1]", "VAR[unset]", "VAR[x y]", "VAR[unset]"], r.stdout  # tests, moe
+    # the flintc bench step: one run per AB_SETS value, the build patterns passed unexpanded
+    # (the script runs in the repository root, where an unquoted READM* would become README.md)
+    env.update(AB_MOE="", AB_TESTS="", AB_SETS="-", AB_BUILD_GLOB="READM*")
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_env_ab.sh")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    log = (tmp_path / "work" / "bench-0.log").read_text().splitlines()
+    assert log[log.index("ARG[--build-glob]") + 1] == "ARG[READM*]", log
     assert (tmp_path / "out" / "env_ab.tgz").stat().st_size > 0
 
 

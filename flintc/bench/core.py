@@ -24,6 +24,7 @@ the build's sequence slots) so neither L2 nor the expert selection repeats a ste
 
 from __future__ import annotations
 
+import fnmatch
 import gc
 import json
 import os
@@ -57,6 +58,7 @@ class BenchOptions:
     baselines: list[str] = field(default_factory=lambda: ["eager", "compile"])
     baseline_points: list[tuple[int, int]] | None = None
     builds: Path | None = None
+    build_globs: list[str] | None = None
     backend: str | None = None
     device: str = "cuda"
     warmup: int | None = None
@@ -375,6 +377,9 @@ class _Bench:
             for path in sorted(root.iterdir()):
                 if not (path / "build.json").is_file():
                     continue
+                if self.o.build_globs and not any(fnmatch.fnmatchcase(path.name, g)
+                                                  for g in self.o.build_globs):
+                    continue  # --build-glob: only the named builds
                 try:
                     m = read_manifest(path)
                 except InputError:
@@ -412,7 +417,9 @@ class _Bench:
         name = f"{self.o.config or 'model'}-{fmt}"
         path = root / name
         if not self.o.compile_missing:
-            self.note(f"{fmt}: no build for these weights in {root} and --no-compile given; flintc not measured")
+            which = f" matching --build-glob {','.join(self.o.build_globs)}" if self.o.build_globs else ""
+            self.note(f"{fmt}: no build for these weights{which} in {root} and --no-compile given; flintc not "
+                      "measured")
             return []
         max_len = self.o.max_model_len or min(cfg.max_position_embeddings,
                                               max(self.o.contexts + self.o.prefill))

@@ -135,6 +135,9 @@ def add_parser(sub) -> None:
     p.add_argument("--builds", default=None,
                    help="folder holding builds (any subfolder with build.json for these weights); a missing "
                         "one is compiled there (default: OUT/builds)")
+    p.add_argument("--build-glob", default=None,
+                   help="comma-separated shell patterns: only builds in --builds whose folder name matches "
+                        "one are used (e.g. 'full-nvfp4*,full-bf16*'; default: every build for these weights)")
     p.add_argument("--no-compile", action="store_true",
                    help="never compile a missing build (report it instead): compiling the full model takes minutes")
     p.add_argument("--backend", choices=("triton", "torch"), default=None,
@@ -190,7 +193,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         prefill=[] if args.prefill.strip() in ("", "none") else _ints(args.prefill, "--prefill"),
         baselines=baselines, baseline_points=_points(args.baseline_points, "--baseline-points"),
         breakdown=_points(args.breakdown, "--breakdown"),
-        builds=Path(args.builds) if args.builds else None, backend=args.backend, device=args.device,
+        builds=Path(args.builds) if args.builds else None,
+        build_globs=[g.strip() for g in args.build_glob.split(",") if g.strip()] if args.build_glob else None,
+        backend=args.backend, device=args.device,
         warmup=args.warmup, iters=args.iters, e2e_iters=args.e2e_iters, prefill_iters=args.prefill_iters,
         rotations=args.rotations, time_budget=args.time_budget, step_timeout=args.step_timeout,
         run_flintc=not args.no_flintc, compile_missing=not args.no_compile, max_model_len=args.max_model_len,

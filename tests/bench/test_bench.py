@@ -321,6 +321,31 @@ def test_caches_are_sized_to_the_points(cpu_run, tmp_path):
     assert res["decode"] == [] and any("no build covers it" in n for n in res["notes"])
 
 
+def test_build_glob_picks_the_builds(cpu_run, tmp_path):
+    """--build-glob: only builds whose folder name matches a pattern are used (two copies
+    of the fixture's build: the point runs on the named one); none matching with
+    --no-compile is a note naming the patterns."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    for name in ("a-tiny-bf16", "b-tiny-bf16"):
+        shutil.copytree(out / "builds" / "tiny-bf16", builds / name)
+    args = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64",
+            "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
+            "--builds", str(builds)]
+    for glob, want in (("b-*", "b-tiny-bf16"), ("zz*, a-*", "a-tiny-bf16"), (None, "a-tiny-bf16")):
+        run = tmp_path / f"out-{want}-{glob is None}"
+        assert main(args + (["--build-glob", glob] if glob else []) + ["--out", str(run)]) == 0
+        res = json.loads((run / "bench.json").read_text())
+        assert [r["build"] for r in res["decode"]] == [want], (glob, res["notes"])
+        assert {b["path"] for b in res["builds"]} == (
+            {str(builds / want)} if glob else {str(builds / n) for n in ("a-tiny-bf16", "b-tiny-bf16")})
+    assert main(args + ["--build-glob", "zz*", "--out", str(tmp_path / "none")]) == 0
+    res = json.loads((tmp_path / "none" / "bench.json").read_text())
+    assert res["decode"] == [] and any("matching --build-glob zz*" in n for n in res["notes"])
+
+
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", "{}", None])
 def test_a_build_with_a_broken_plan_is_skipped_with_a_note(cpu_run, tmp_path, content):
     """A build in --builds whose plan.json is missing or unreadable is named in a note and
