@@ -16,7 +16,7 @@ its share of the copy bandwidth.
 
 With `--floor` each row also gets the case's read floor (`read_floor.weight_floor`: a
 kernel that only reads the weights, every load issued before the PDL wait, best of
-`FLOOR_LAUNCHES`, timed the same way over the same rotated copies) as a share of the copy
+`read_floor.LAUNCHES`, timed the same way over the same rotated copies) as a share of the copy
 bandwidth with the row's bytes: the most the op could reach (issue 5 asks 70% of the large
 GEMVs). Not for `qkv` (three matrices of two sizes).
 
@@ -30,6 +30,7 @@ the best; at the end it prints `TUNED` entries to paste into `flintc/kernels/gem
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 
@@ -224,7 +225,6 @@ CASES = [
 ]
 PDL = False
 ROTATE = True
-FLOOR_LAUNCHES = [(t, l) for t in (128, 256, 512, 1024) for l in (1, 2, 4, 8) if t * l <= 4096]
 
 
 def weight_floors(rot: Rotation) -> list:
@@ -243,24 +243,21 @@ def floor_us(rot: Rotation, reps: int) -> tuple[float, str]:
     """The read floor of a case's weights (`read_floor.weight_floor`: a kernel that only
     reads them, every load issued before `griddepcontrol.wait` as a GEMV's may be), over
     the same rotated copies and timed as the op is (`kernel_ms`, PDL as `--pdl`): the best
-    of `FLOOR_LAUNCHES` that split the weights, in ms, and that launch. The first copy's
-    reads are checked against numpy's XOR of its bytes first."""
-    from read_floor import NO_IDS
+    of `read_floor.LAUNCHES` that split the weights, in ms, and that launch. The first
+    copy's reads are checked against numpy's XOR of its bytes first."""
+    from read_floor import NO_IDS, best_launch
 
     floors = weight_floors(rot)
     ids = NO_IDS.cuda()
     floors[0].check(ids)
-    best = (math.inf, "")
-    for t, ld in FLOOR_LAUNCHES:
-        try:
-            floors[0].chunks(t, ld)
-        except ValueError:
-            continue  # this launch does not split the weights into whole chunks
-        i = iter(range(1 << 62))
-        ms = kernel_ms(lambda: floors[next(i) % len(floors)](ids, t, ld, "dependent", PDL), reps)
-        if ms < best[0]:
-            best = (ms, f"{t} x {ld}")
-    return best
+
+    def timed(t, ld):
+        turn = itertools.count()  # each launch in the graph reads the next copy
+        return kernel_ms(lambda: floors[next(turn) % len(floors)](ids, t, ld, "dependent", PDL),
+                         reps)
+
+    ms, t, ld = best_launch(floors[0], timed)
+    return ms, f"{t} x {ld}"
 
 
 def main() -> None:

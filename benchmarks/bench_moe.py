@@ -21,7 +21,7 @@ the router's, and every activation read or written. NVFP4 bytes include block sc
 
 Each (format, N) ends with read-floor rows (`--no-floor` skips them): `read_floor.py`'s
 kernel, which only reads the op's weight bytes (ids read after the PDL wait, as the op
-must), timed the same way, best of `FLOOR_LAUNCHES`; its "% copy" (the op's bytes over the
+must), timed the same way, best of `read_floor.LAUNCHES`; its "% copy" (the op's bytes over the
 floor's time) is the most the op could reach in this chain. Also an `ids_known` row (ids
 read before the wait: no real kernel can) and a `late trigger` row (`launch_dependents`
 after the stores, where the kernels of `flintc.kernels.nvfp4_mma` trigger unless
@@ -248,19 +248,16 @@ def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float, floor: bool = Fals
     return rows
 
 
-FLOOR_LAUNCHES = [(t, l) for t in (128, 256, 512, 1024) for l in (1, 2, 4, 8) if t * l <= 4096]
-
-
 def floor_rows(s: Setup, pdl: bool, reps: int, copy_bw: float, op_bytes: dict) -> list[str]:
     """The read floor of each expert op (`read_floor.ReadFloor`: only the op's weight
-    reads, ids read after the wait as the op must): the best of `FLOOR_LAUNCHES`, timed
+    reads, ids read after the wait as the op must): the best of `read_floor.LAUNCHES`, timed
     as the op is. "MB read" and "% copy" count the op's bytes (weights and activations),
     so the row's % copy is the most the op itself could reach in this chain; the
     `ids_known` row (ids read before the wait, which no real kernel can do) shows what
     the dependency on the router costs, the `late trigger` row (`launch_dependents` at
     the end, where the op's kernels have it unless `nvfp4_mma.EARLY_TRIGGER` names them)
     what the trigger's place costs."""
-    from read_floor import ReadFloor
+    from read_floor import ReadFloor, best_launch
 
     def weights(w):  # NVFP4 [codes, scales, global scale]; bf16 [w]
         return ([w[0]], [w[1].view(torch.uint8)]) if s.fmt == "nvfp4" else ([w[0]], [])
@@ -278,14 +275,11 @@ def floor_rows(s: Setup, pdl: bool, reps: int, copy_bw: float, op_bytes: dict) -
         floors[0].check(s.ids[0])  # reads exactly the op's weight bytes (XOR per item)
         for mode, trigger in (("dependent", "early"), ("dependent", "late"),
                               ("ids_known", "early")):
-            best = None
-            for t, ld in FLOOR_LAUNCHES:
-                def fn(i, t=t, ld=ld, mode=mode, trigger=trigger):
-                    return floors[i % ROT](s.ids[i % ROT], t, ld, mode, pdl, trigger)
-                us = graph_us(fn, reps)
-                if best is None or us < best[0]:
-                    best = (us, t, ld)
-            us, t, ld = best
+            def timed(t, ld, mode=mode, trigger=trigger):
+                return graph_us(lambda i: floors[i % ROT](s.ids[i % ROT], t, ld, mode, pdl,
+                                                          trigger), reps)
+
+            us, t, ld = best_launch(floors[0], timed)
             nb = op_bytes[op]
             gbs = nb / us / 1e3
             rows.append(f"| read floor of {op} ({mode}, {trigger} trigger; {t} threads x {ld} "

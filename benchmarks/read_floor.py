@@ -159,6 +159,28 @@ def weight_floor(matrices: list) -> "ReadFloor":
 
 NO_IDS = torch.empty(0, dtype=torch.int64)  # no routed items: `weight_floor`'s calls
 
+# (threads, loads) the benchmarks try, keeping the best (`best_launch`)
+LAUNCHES = [(t, l) for t in (128, 256, 512, 1024) for l in (1, 2, 4, 8) if t * l <= 4096]
+
+
+def best_launch(rf: "ReadFloor", time_fn) -> tuple[float, int, int]:
+    """(time, threads, loads) of the fastest of `LAUNCHES` that split `rf`'s items into
+    whole chunks, `time_fn(threads, loads)` timing one (any unit, smaller is better).
+    Raises ValueError when none splits them."""
+    best = None
+    for t, ld in LAUNCHES:
+        try:
+            rf.chunks(t, ld)
+        except ValueError:
+            continue  # this launch does not split the weights into whole chunks
+        us = time_fn(t, ld)
+        if best is None or us < best[0]:
+            best = (us, t, ld)
+    if best is None:
+        raise ValueError("read_floor.best_launch: no launch of LAUNCHES splits the items into "
+                         "whole chunks")
+    return best
+
 
 def kernel_source(matrices: int, loads: int) -> str:
     """CUDA source of the read-floor kernel for `matrices` (1 or 2) per item and `loads`

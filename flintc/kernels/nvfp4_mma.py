@@ -1638,6 +1638,24 @@ def warps_for(k: int) -> int:
     return next(w for w in (16, 14, 8, 4, 2, 1) if (k // 64) % w == 0)
 
 
+def _env_entries(var: str, parse, expected: str) -> list:
+    """The `/`-separated entries of the tuning variable `var` (none when unset), each
+    through `parse`, which raises ValueError for a malformed one.
+
+    Raises:
+        TuningEnvError (a ValueError): naming `var`, the `expected` form and the entry.
+    """
+    out = []
+    for entry in (e.strip() for e in os.environ.get(var, "").split("/") if e.strip()):
+        try:
+            out.append(parse(entry))
+        except ValueError:
+            from flintc.kernels.tuning import TuningEnvError
+
+            raise TuningEnvError(f"{var}: expected entries {expected}; got {entry!r}") from None
+    return out
+
+
 # (warps, prefetch) of the GEMV kernel by (weight format, F, K), where measured better than
 # the rule (`warps_for(K)` warps, 2 chunks ahead); FLINTC_MMA_GEMV_LAUNCH overrides it
 # (`gemv_launch`).
@@ -1658,26 +1676,21 @@ def gemv_launch(fmt: str, F: int, K: int) -> tuple[int, int]:
     """
     if fmt not in ("nvfp4", "bf16"):
         raise ValueError(f"gemv_launch: fmt must be 'nvfp4' or 'bf16'; got {fmt!r}")
-    launch = GEMV_LAUNCH.get((fmt, F, K), (warps_for(K), 2))
-    text = os.environ.get("FLINTC_MMA_GEMV_LAUNCH", "")
-    for entry in (e.strip() for e in text.split("/") if e.strip()):
-        try:
-            key, value = entry.split("=")
-            f, shape = key.split(":")
-            ff, kk = (int(v) for v in shape.lower().split("x"))
-            w, pf = (int(v) for v in value.split(","))
-            if f.strip().lower() not in ("nvfp4", "bf16") or ff < 16 or ff % 16 or kk < 64 \
-                    or kk % 64 or not 1 <= w <= 32 or (kk // 64) % w or not 0 <= pf <= 16:
-                raise ValueError
-        except ValueError:
-            from flintc.kernels.tuning import TuningEnvError
+    def parse(entry: str) -> tuple:
+        key, value = entry.split("=")
+        f, shape = key.split(":")
+        f = f.strip().lower()
+        ff, kk = (int(v) for v in shape.lower().split("x"))
+        w, pf = (int(v) for v in value.split(","))
+        if f not in ("nvfp4", "bf16") or ff < 16 or ff % 16 or kk < 64 or kk % 64 \
+                or not 1 <= w <= 32 or (kk // 64) % w or not 0 <= pf <= 16:
+            raise ValueError
+        return (f, ff, kk), (w, pf)
 
-            raise TuningEnvError("FLINTC_MMA_GEMV_LAUNCH: expected entries fmt:FxK=warps,"
-                                 "prefetch (fmt nvfp4 or bf16, F % 16 == 0, K % 64 == 0, warps "
-                                 f"1-32 dividing K / 64, prefetch 0-16); got {entry!r}") from None
-        if (f.strip().lower(), ff, kk) == (fmt, F, K):
-            launch = (w, pf)
-    return launch
+    entries = dict(_env_entries("FLINTC_MMA_GEMV_LAUNCH", parse,
+                                "fmt:FxK=warps,prefetch (fmt nvfp4 or bf16, F % 16 == 0, K % 64 "
+                                "== 0, warps 1-32 dividing K / 64, prefetch 0-16)"))
+    return entries.get((fmt, F, K), GEMV_LAUNCH.get((fmt, F, K), (warps_for(K), 2)))
 
 
 def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.Tensor,
@@ -2019,28 +2032,21 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int]:
     if fmt not in GATE_UP_LAUNCH or type(n) is not int or not 1 <= n <= 8:
         raise ValueError(f"gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
                          f"1..8; got {fmt!r}, {n!r}")
-    launch = (*GATE_UP_LAUNCH[fmt][n], GATE_UP_MIN_BLOCKS[fmt][n])
-    text = os.environ.get("FLINTC_MMA_GATE_UP_LAUNCH", "")
-    for entry in (e.strip() for e in text.split("/") if e.strip()):
-        try:
-            key, value = entry.split("=")
-            f, nn = key.split(":")
-            f, nn = f.strip().lower(), int(nn)
-            w, r, b = (int(v) for v in value.split(","))
-            if f not in GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 or r < 1 \
-                    or not 0 <= b <= 32 or b * w * 32 > 2048:
-                raise ValueError
-        except ValueError:
-            from flintc.kernels.tuning import TuningEnvError
+    def parse(entry: str) -> tuple:
+        key, value = entry.split("=")
+        f, nn = key.split(":")
+        f, nn = f.strip().lower(), int(nn)
+        w, r, b = (int(v) for v in value.split(","))
+        if f not in GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 or r < 1 \
+                or not 0 <= b <= 32 or b * w * 32 > 2048:
+            raise ValueError
+        return (f, nn), (w, r, b)
 
-            raise TuningEnvError("FLINTC_MMA_GATE_UP_LAUNCH: expected entries "
-                                 "fmt:N=warps,row_tiles,min_blocks (fmt nvfp4 or bf16, N 1-8, "
-                                 "warps 1-32, row_tiles >= 1, min_blocks 0-32 with min_blocks "
-                                 f"x warps x 32 <= 2048); got {entry!r}"
-                                 ) from None
-        if (f, nn) == (fmt, n):
-            launch = (w, r, b)
-    return launch
+    entries = dict(_env_entries("FLINTC_MMA_GATE_UP_LAUNCH", parse,
+                                "fmt:N=warps,row_tiles,min_blocks (fmt nvfp4 or bf16, N 1-8, "
+                                "warps 1-32, row_tiles >= 1, min_blocks 0-32 with min_blocks x "
+                                "warps x 32 <= 2048)"))
+    return entries.get((fmt, n), (*GATE_UP_LAUNCH[fmt][n], GATE_UP_MIN_BLOCKS[fmt][n]))
 
 
 def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, gate: list,

@@ -206,3 +206,24 @@ def test_weight_floor_reads_exactly_the_weights_gpu(fmt):
         rf = RF.weight_floor([_gemv_weight(F, K, fmt, "cuda", seed=i) for i in range(m)])
         for t, ld in ((128, 1), (256, 4), (1024, 4)):
             rf.check(RF.NO_IDS.cuda(), t, ld)
+
+
+def test_best_launch_takes_the_fastest_launch_that_splits():
+    """`best_launch`: the smallest time among the `LAUNCHES` that split the items into
+    whole chunks (the others are never timed); none splitting is a ValueError."""
+    rf = _floor(2, 512, 2048, "nvfp4", 2)  # 2 x (64 Ki + 8 Ki) words per item
+    timed = []
+
+    def fake(t, ld):
+        timed.append((t, ld))
+        return abs(t * ld - 2048) + t / 1e4  # fastest: 256 x 8 (then 512 x 4, ...)
+
+    assert RF.best_launch(rf, fake) == (256 / 1e4, 256, 8)
+    assert sorted(timed) == sorted(RF.LAUNCHES)  # every launch splits these items
+    small = RF.weight_floor([_gemv_weight(16, 64, "bf16")])  # 128 words: only t x ld <= 128
+    seen = []
+    RF.best_launch(small, lambda t, ld: seen.append((t, ld)) or 1.0)
+    assert seen == [(128, 1)]
+    tiny = RF.weight_floor([_gemv_weight(16, 16, "bf16")])  # 32 words: no launch splits them
+    with pytest.raises(ValueError, match="no launch of LAUNCHES splits"):
+        RF.best_launch(tiny, lambda t, ld: 1.0)
