@@ -541,10 +541,15 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
     K loop, `bf16(silu(g) * u)` with g, u rounded to bf16 first.
 
     x: bf16 [..., H] contiguous, N = x.numel() / H rows (N > 8 falls back to the
-    reference op); norm: fp32/bf16 [H]; gate, up: [F, H] bf16 or NVFP4 (same format).
-    `config.block_f` counts output columns (2 * block_f weight rows per program); the
-    default is `gate_up_config`'s.
-    -> bf16 [N, F]. Raises ValueError naming a bad argument.
+    reference op); norm: fp32/bf16 [H]; gate, up: [F, H] bf16 or NVFP4 (same format;
+    NVFP4 packed, or in the mma layout of `flintc.kernels.nvfp4_mma.prepack`, which only
+    the CUDA kernel reads). Without a config, NVFP4 and bf16 at N = 2-4
+    (`nvfp4_mma.norm_gate_up_formats`, `NORM_GATE_UP_BF16_N`) run on the CUDA kernel
+    `nvfp4_mma.mma_norm_gate_up` where it applies
+    (`_mma_norm_gate_up`), else the Triton kernel here. `config.block_f` counts output
+    columns (2 * block_f weight rows per program); the default is `gate_up_config`'s.
+    -> bf16 [N, F]. Raises ValueError naming a bad argument, or for mma-layout weights
+    where the CUDA kernel cannot run.
     """
     op = "norm_gate_up_silu"
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() < 1:
@@ -558,11 +563,19 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
     x2 = x.view(N, H)
     check_x2d(op, x2)
     dev = x.device
-    fmt, F, g_args = check_weight(op, "gate", gate, H, dev)
-    fu, _, u_args = check_weight(op, "up", up, H, dev, F=F)
+    fmt, F, g_args = check_weight(op, "gate", gate, H, dev, mma_ok=True)
+    fu, _, u_args = check_weight(op, "up", up, H, dev, F=F, mma_ok=True)
     if fu != fmt:
         fail(op, "up", f"the same format as gate ({fmt})")
     _check_norm(op, "norm", norm, H, dev)
+    if config is None:
+        h = _mma_norm_gate_up(x2, norm, gate, up, eps, fmt, use_pdl)
+        if h is not None:
+            return h
+    if fmt == "nvfp4-mma":
+        fail(op, "gate", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
+             "kernel only (sm_90+, NVRTC, outside the Triton interpreter, no config, H % 128 "
+             "== 0, F % 16 == 0)")
     out = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
     cfg = config or gate_up_config(fmt, F, H, N, dev)
     gpu, pdl, extra = _launch_opts(dev, use_pdl, cfg)
@@ -583,6 +596,45 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return out
+
+
+def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
+    """The dense gate/up on the CUDA `mma.sync` kernel (`nvfp4_mma.mma_norm_gate_up`) where
+    it applies: weights in the mma layout (`nvfp4_mma.supported`), or a format of
+    `nvfp4_mma.norm_gate_up_formats()` (`nvfp4_mma.available`, which FLINTC_NVFP4_MMA=0
+    turns off), bf16 at the batches of `nvfp4_mma.NORM_GATE_UP_BF16_N` only; outside the interpreter; F % 16 == 0 and H split by the launch
+    (`norm_gate_up_launch`); bf16 weights 16-byte aligned (x is copied when it is not).
+    Returns h bf16 [N, F], or None (the caller runs the Triton kernel) otherwise, or when
+    packed weights are first seen during CUDA-graph capture (their repack cannot be
+    captured)."""
+    from flintc.kernels import nvfp4_mma
+
+    converted = fmt == "nvfp4-mma"
+    base = "nvfp4" if converted else fmt
+    if _interpreting() or not (converted or base in nvfp4_mma.norm_gate_up_formats()):
+        return None
+    if base == "bf16" and x2.shape[0] not in nvfp4_mma.NORM_GATE_UP_BF16_N:
+        return None
+    if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
+        return None
+    N, H = x2.shape
+    warps, row_tiles, prefetch, _ = nvfp4_mma.norm_gate_up_launch(base, N)
+    F = nvfp4_mma.weight_dims(gate[0])[1] if base == "nvfp4" else gate[0].shape[0]
+    if H % 64 or (H // 64) % warps or H // 64 < 2 * warps or prefetch >= H // 64 // warps \
+            or F % (16 * row_tiles):
+        return None
+    if base == "bf16" and any(w[0].data_ptr() % 16 or not w[0].is_contiguous()
+                              for w in (gate, up)):
+        return None  # bf16 is read in place in 16-byte vectors
+    if x2.data_ptr() % 16:
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    try:
+        return nvfp4_mma.mma_norm_gate_up(x2, norm, list(gate), list(up), float(eps),
+                                          use_pdl=use_pdl)
+    except RuntimeError:  # packed weights first seen while capturing a CUDA graph (their
+        if not torch.cuda.is_current_stream_capturing():  # repack is eager): Triton
+            raise
+        return None
 
 
 def gate_up_config(fmt: str, F: int, H: int, N: int, device: torch.device) -> GemvConfig:

@@ -1,8 +1,10 @@
 """Decode kernels in CUDA C++ with `mma.sync`: NVFP4 W4A16 (the GEMV, the fused QKV, the
-MoE gate/up with top-k routing, the MoE down with the combine), the E2M1 codes decoded
+dense MLP's RMSNorm + gate/up + SiLU-and-mul (`mma_norm_gate_up`), the MoE gate/up with
+top-k routing, the MoE down with the combine), the E2M1 codes decoded
 straight into the tensor-core A-operand registers (issue 5's "CUDA C++ where Triton
 cannot express what is needed"); and on bf16 weights read in place, the GEMV, the fused
-QKV, the router (`mma_norm_router`) and both MoE kernels, whose A fragments load straight
+QKV, the router (`mma_norm_router`), the dense gate/up and both MoE kernels, whose A
+fragments load straight
 from the row-major weight (no shared memory, no relayout).
 
 Why CUDA here. The Triton NVFP4 GEMVs (`flintc.kernels.tiles`) decode a code tile into a
@@ -661,6 +663,37 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 }
 """
 
+_GATE_UP_COMMON = r"""
+// the gate/up kernels' (MoE and dense) shared parts
+#define RTB (RT / 2)  // 16-row tiles per block, of the gate and of the up projection each
+__device__ __forceinline__ float sigmoid_rn(float v) {  // torch: 1 / (1 + exp(-v))
+  return __fdiv_rn(1.0f, 1.0f + expf(-v));
+}
+// chunk c of the block's row tiles: tiles r < RTB the gate's, RTB + r the up's
+template <bool EARLY = false>
+__device__ __forceinline__ void load_w2(Chunk& ch, const uint4* g_wp, const u16* g_sp,
+                                        const uint4* u_wp, const u16* u_sp, int c) {
+#pragma unroll
+  for (int r = 0; r < RTB; ++r) {
+    load_tile<EARLY>(ch.w[r], ch.s[r], g_wp, g_sp, (r * KC + c) * 32);
+    load_tile<EARLY>(ch.w[RTB + r], ch.s[RTB + r], u_wp, u_sp, (r * KC + c) * 32);
+  }
+}
+template <bool EARLY = false>  // bf16: a tile's rows g, g + 8 at columns 8t.., 32 + 8t..
+__device__ __forceinline__ void load_w2(ChunkB& ch, const uint4* g_wp, const u16*,
+                                        const uint4* u_wp, const u16*, int c) {
+#pragma unroll
+  for (int r = 0; r < RTB; ++r)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int off = (r * 16 + (q >> 1) * 8) * (KC * 8) + c * 8 + (q & 1) * 4;
+      ch.w[r][q] = EARLY ? ld_v4<false>(g_wp + off) : __ldg(g_wp + off);
+      ch.w[RTB + r][q] = EARLY ? ld_v4<false>(u_wp + off) : __ldg(u_wp + off);
+    }
+}
+
+"""
+
 _MOE_GATE_UP_SOURCE = r"""
 // flintc::moe_topk_gate_up for NVFP4 (mma layout) or bf16 (row-major) experts: grid
 // (I / (16 RTB) row-tile groups, 1 + N * KTOP items); item 0 is the shared expert for all
@@ -673,11 +706,7 @@ _MOE_GATE_UP_SOURCE = r"""
 // weights.
 #define KTOP __KTOP__
 #define NE __NE__  // experts (a multiple of 32, at most 1024)
-#define RTB (RT / 2)  // 16-row tiles per block, of the gate and of the up projection each
 
-__device__ __forceinline__ float sigmoid_rn(float v) {  // torch: 1 / (1 + exp(-v))
-  return __fdiv_rn(1.0f, 1.0f + expf(-v));
-}
 __device__ __forceinline__ long long route_key(float key, int e) {
   int bits = __float_as_int(key + 0.0f);  // -0 -> +0
   if (bits < 0) bits ^= 0x7FFFFFFF;  // signed-int order == float order
@@ -739,29 +768,6 @@ __device__ __forceinline__ int route_slot(long long (&packed)[NE / 32], int lane
   int e = 0;
   for (int r = 0; r <= k; ++r) e = take_best(packed, lane);
   return e;
-}
-
-// chunk c of the block's row tiles: tiles r < RTB the gate's, RTB + r the up's
-template <bool EARLY = false>
-__device__ __forceinline__ void load_w2(Chunk& ch, const uint4* g_wp, const u16* g_sp,
-                                        const uint4* u_wp, const u16* u_sp, int c) {
-#pragma unroll
-  for (int r = 0; r < RTB; ++r) {
-    load_tile<EARLY>(ch.w[r], ch.s[r], g_wp, g_sp, (r * KC + c) * 32);
-    load_tile<EARLY>(ch.w[RTB + r], ch.s[RTB + r], u_wp, u_sp, (r * KC + c) * 32);
-  }
-}
-template <bool EARLY = false>  // bf16: a tile's rows g, g + 8 at columns 8t.., 32 + 8t..
-__device__ __forceinline__ void load_w2(ChunkB& ch, const uint4* g_wp, const u16*,
-                                        const uint4* u_wp, const u16*, int c) {
-#pragma unroll
-  for (int r = 0; r < RTB; ++r)
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int off = (r * 16 + (q >> 1) * 8) * (KC * 8) + c * 8 + (q & 1) * 4;
-      ch.w[r][q] = EARLY ? ld_v4<false>(g_wp + off) : __ldg(g_wp + off);
-      ch.w[RTB + r][q] = EARLY ? ld_v4<false>(u_wp + off) : __ldg(u_wp + off);
-    }
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32 __MINB__)
@@ -875,6 +881,174 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
                                  : ((size_t)n * slots + k) * I + row;
       hout[o] = to_bf16(hv);
     }
+  }
+}
+"""
+
+
+_DENSE_GATE_UP_SOURCE = r"""
+// flintc::norm_gate_up_silu (kernel 5 of a dense layer's decode schedule) for NVFP4 (mma
+// layout) or bf16 (row-major) weights [F, H]. Grid (blocks, 1): block b computes row
+// groups b, b + gridDim.x, ... < `groups` (a group: RTB 16-row tiles of the gate and the
+// same rows of the up projection); the block's WARPS warps split H into CPW-chunk slices.
+// Each warp's weight loads run as one stream over its (group, chunk) pairs, PF chunks
+// ahead, so the next group's first chunks are in flight during a group's epilogue.
+// Prologue: the first PF chunks' weights load before griddepcontrol.wait; then the
+// post-attention RMSNorm (warp n takes token n: the whole row from L2 for the sum of
+// squares, in a fixed order, then bf16(x * rstd * w) into shared memory, which the mma B
+// fragments read). Epilogue per group: the warps' sums added in warp order, the global
+// scale, g and u rounded to bf16, bf16(silu(g) * u) (FLINT_SPEC section 3).
+#define NORM_BF16 __NORMBF__  // 1: the norm weight is bf16 (else fp32)
+#define XST (KC * 64 + 8)  // row stride of the normed x in shared memory (+16 bytes: the
+                           // 8 rows of a B fragment then hit distinct banks)
+#define UPL ((KC * 8 + 31) / 32)  // 16-byte x vectors per lane per row (RMSNorm sums)
+#define RED_FLOATS (WARPS * RT * 4 * 32)
+#if BF16W
+#define XV1 4  // a lane's second x vector of a chunk: columns 32 + 8t.. (first: 8t..)
+#else
+#define XV1 1  // columns 16t + 8.. (first: 16t..), the mma layout's order
+#endif
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+nvfp4_mma_norm_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq,
+                       const float* __restrict__ ggs, const uint4* __restrict__ uwq,
+                       const u16* __restrict__ usq, const float* __restrict__ ugs,
+                       const u16* x, const void* __restrict__ norm, double eps_d,
+                       u16* __restrict__ out, int N, int F, int groups) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* red = reinterpret_cast<float*>(smem);                   // [WARPS][RT][4][32]
+  u16* xs = reinterpret_cast<u16*>(smem + RED_FLOATS * 4);       // [N][XST] normed x
+  __shared__ float s_rstd[8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int c0 = warp * CPW;
+  int grp = blockIdx.x;
+  const uint4* g_wp = w_at(gwq, (size_t)grp * RTB, c0, lane);
+  const u16* g_sp = s_at(gsq, (size_t)grp * RTB, c0, lane);
+  const uint4* u_wp = w_at(uwq, (size_t)grp * RTB, c0, lane);
+  const u16* u_sp = s_at(usq, (size_t)grp * RTB, c0, lane);
+  // one register set per chunk of the slice: the indices are compile-time constants
+  // across the group loop too (chunk c of every group in buf[c]); at most PF + 1 are live
+  WChunk buf[CPW];
+#pragma unroll
+  for (int c = 0; c < PF && c < CPW; ++c) load_w2<true>(buf[c], g_wp, g_sp, u_wp, u_sp, c);
+  // the global scales x 256 (exact: undoes the decode's 2^-8; bf16: 1)
+  const float gscale = global_scale(ggs) * 256.0f, uscale = global_scale(ugs) * 256.0f;
+  const float eps = (float)eps_d;
+#if PDL
+  // x is the previous kernel's output; the wait in its own basic block (see the GEMV)
+  if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  // post-attention RMSNorm, as flintc.model.ops.rms_norm: bf16(x * rstd * w), rstd fp32.
+  // (1) the raw rows into shared memory, every thread 16-byte vectors u of all N rows
+  for (int u = threadIdx.x; u < KC * 8; u += WARPS * 32) {
+    uint4 v[8];
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+      if (n < N) v[n] = ld_act(reinterpret_cast<const uint4*>(x + (size_t)n * (KC * 64)) + u);
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+      if (n < N) *reinterpret_cast<uint4*>(xs + n * XST + u * 8) = v[n];
+  }
+  __syncthreads();
+  // (2) warp n: row n's sum of squares in a fixed order (each lane its vectors lane + 32 i
+  // in turn, then a butterfly), rstd into s_rstd[n]
+  for (int n = warp; n < N; n += WARPS) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < UPL; ++i) {
+      if (lane + 32 * i >= KC * 8) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(xs + n * XST + (lane + 32 * i) * 8);
+      const u32 e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float f = from_bf16((u16)(e[j >> 1] >> (16 * (j & 1))));
+        ss = __fadd_rn(ss, __fmul_rn(f, f));
+      }
+    }
+    const float r = rms_rstd(warp_sum(ss), (float)(KC * 64), eps);
+    if (lane == 0) s_rstd[n] = r;
+  }
+  __syncthreads();
+  // (3) in place: bf16(x * rstd * w), every thread its vectors u of all rows
+  for (int u = threadIdx.x; u < KC * 8; u += WARPS * 32) {
+    float nw[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) nw[j] = norm_w(norm, u * 8 + j, NORM_BF16);
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      if (n >= N) continue;
+      uint4* p = reinterpret_cast<uint4*>(xs + n * XST + u * 8);
+      const uint4 v = *p;
+      const float r = s_rstd[n];
+      const u32 e[4] = {v.x, v.y, v.z, v.w};
+      u32 o[4];
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        const float a = from_bf16((u16)(e[j >> 1] & 0xFFFFu));
+        const float b = from_bf16((u16)(e[j >> 1] >> 16));
+        const u16 ya = to_bf16(__fmul_rn(__fmul_rn(a, r), nw[j]));
+        const u16 yb = to_bf16(__fmul_rn(__fmul_rn(b, r), nw[j + 1]));
+        o[j >> 1] = (u32)ya | ((u32)yb << 16);
+      }
+      *p = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+  __syncthreads();
+#if PDL && TRIG_EARLY
+  asm volatile("griddepcontrol.launch_dependents;");  // x is read and normed
+#endif
+  // B fragment column n = g: rows g >= N read row N - 1, their outputs are not stored
+  const uint4* xp = reinterpret_cast<const uint4*>(xs + min(g, N - 1) * XST) + 8 * c0 +
+                    (BF16W ? t : 2 * t);
+  for (; grp < groups; grp += gridDim.x) {
+    const int next = grp + gridDim.x;
+    const bool more = next < groups;  // the same in every thread of the block
+    const size_t nt = (size_t)(more ? next : grp) * RTB;
+    const uint4* ng_wp = w_at(gwq, nt, c0, lane);
+    const u16* ng_sp = s_at(gsq, nt, c0, lane);
+    const uint4* nu_wp = w_at(uwq, nt, c0, lane);
+    const u16* nu_sp = s_at(usq, nt, c0, lane);
+    float acc[RT][4];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.f;
+#pragma unroll
+    for (int c = 0; c < CPW; ++c) {
+      if (c + PF < CPW) load_w2(buf[c + PF], g_wp, g_sp, u_wp, u_sp, c + PF);
+      else if (c + PF - CPW < CPW && more)  // the next group's first chunks
+        load_w2(buf[c + PF - CPW], ng_wp, ng_sp, nu_wp, nu_sp, c + PF - CPW);
+      buf[c].x0 = xp[8 * c];
+      buf[c].x1 = xp[8 * c + XV1];
+      mma_chunk(buf[c], acc);
+    }
+#if PDL && !TRIG_EARLY
+    if (!more) asm volatile("griddepcontrol.launch_dependents;");
+#endif
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) red[((warp * RT + r) * 4 + j) * 32 + lane] = acc[r][j];
+    __syncthreads();
+    for (int r = warp; r < RTB; r += WARPS) {  // warp w finishes row tiles w, w + WARPS, ..
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int col = 2 * t + (j & 1);
+        if (col >= N) continue;
+        float vg = 0.f, vu = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {  // fixed order
+          vg += red[((w * RT + r) * 4 + j) * 32 + lane];
+          vu += red[((w * RT + RTB + r) * 4 + j) * 32 + lane];
+        }
+        const float gv = from_bf16(to_bf16(vg * gscale));  // g, u rounded to bf16
+        const float uv = from_bf16(to_bf16(vu * uscale));
+        const float hv = gv * sigmoid_rn(gv) * uv;  // silu(g) * u in fp32, one rounding
+        const int row = (grp * RTB + r) * 16 + g + (j >> 1) * 8;
+        out[(size_t)col * F + row] = to_bf16(hv);
+      }
+    }
+    if (more) __syncthreads();  // red is rewritten by the next group
+    g_wp = ng_wp; g_sp = ng_sp; u_wp = nu_wp; u_sp = nu_sp;
   }
 }
 """
@@ -1003,6 +1177,22 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 """
 
 
+_NORM_COMMON = r"""
+// RMSNorm helpers of the kernels with a norm prologue (QKV, router, dense gate/up)
+__device__ __forceinline__ float norm_w(const void* p, int i, int bf16) {
+  return bf16 ? from_bf16(__ldg(static_cast<const u16*>(p) + i))
+              : __ldg(static_cast<const float*>(p) + i);
+}
+__device__ __forceinline__ float warp_sum(float v) {  // butterfly: every lane, same value
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+__device__ __forceinline__ float rms_rstd(float ss, float n, float eps) {  // IEEE, as torch's CPU
+  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, n), eps)));
+}
+"""
+
 _QKV_SOURCE = r"""
 // flintc::norm_qkv_rope_kv for NVFP4 (mma layout) or bf16 weights (kernel 1 of the decode
 // schedule). Grid (HQ + 2 HKV heads, CL), launched as clusters of (1, CL, 1) when CL > 1:
@@ -1055,10 +1245,6 @@ typedef Chunk QChunk;
 #endif
 
 __device__ __forceinline__ float bf16_round(float v) { return from_bf16(to_bf16(v)); }
-__device__ __forceinline__ float norm_w(const void* p, int i, int bf16) {
-  return bf16 ? from_bf16(__ldg(static_cast<const u16*>(p) + i))
-              : __ldg(static_cast<const float*>(p) + i);
-}
 // loads of constants (norm weights, RoPE tables) issued where they stand: volatile, so
 // the compiler does not sink them to their use in the epilogue
 __device__ __forceinline__ float ld_const_f32(const float* p) {
@@ -1069,14 +1255,6 @@ __device__ __forceinline__ float ld_const_f32(const float* p) {
 __device__ __forceinline__ float norm_w_early(const void* p, int i, int bf16) {
   return bf16 ? from_bf16(ld_u16<false>(static_cast<const u16*>(p) + i))
               : ld_const_f32(static_cast<const float*>(p) + i);
-}
-__device__ __forceinline__ float warp_sum(float v) {  // butterfly: every lane, same value
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
-__device__ __forceinline__ float rms_rstd(float ss, float n, float eps) {  // IEEE, as torch's CPU
-  return __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(ss, n), eps)));
 }
 // token n's position, its slot (kv: a K / V head) and this lane's RoPE table entries
 // (rope), cos / sin of columns d = lane + 32 i < HD / 2 (0 elsewhere)
@@ -1438,7 +1616,8 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     if min_blocks < 0 or (min_blocks and not experts) or min_blocks * warps * 32 > 2048:
         raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel, >= 0, with "
                          f"min_blocks x warps x 32 <= 2048; got {min_blocks} (warps {warps})")
-    body = (_MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) if moe_top_k else _GEMV_SOURCE
+    body = (_GATE_UP_COMMON + _MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) \
+        if moe_top_k else _GEMV_SOURCE
     body = body.replace("__MINB__", f", {min_blocks}" if min_blocks else "")
     return _render(body, subs)
 
@@ -1484,7 +1663,7 @@ def qkv_source(h: int, d: int, heads: int, kv_heads: int, cluster: int, warps: i
             "__TRIG__": int(bool(trigger_early))}
     if router and (not bf16 or kv_heads or rope):
         raise ValueError("qkv_source: the router variant takes bf16 weights, kv_heads 0, no RoPE")
-    return _render(_QKV_SOURCE, subs)
+    return _render(_NORM_COMMON + _QKV_SOURCE, subs)
 
 
 def _qkv_split_fits(h: int, d: int, cluster: int, warps: int, row_groups: int) -> bool:
@@ -1872,13 +2051,14 @@ def _check_moe_launch(op: str, warps: int, tiles: int, prefetch: int, tiles_name
 # 9.4 us (52 -> 64% of copy), N = 4 6.8 -> 5.8; the NVFP4 forward at b8/1K 3.58 -> 3.49
 # ms, other points unchanged. Early for every kernel: BF16 b8/1K 5.84 -> 5.94 ms; for the
 # gate/up kernel alone, slower (N = 4 14.5 -> 16.7 us).
-MMA_KERNELS = ("gemv", "qkv", "router", "gate_up", "down")
+MMA_KERNELS = ("gemv", "qkv", "router", "gate_up", "down", "norm_gate_up")
 EARLY_TRIGGER: frozenset = frozenset({"down"})
 
 
 def mma_trigger_early(kernel: str) -> bool:
     """Whether the CUDA `kernel` (one of `MMA_KERNELS`: `mma_gemv`, `mma_qkv`,
-    `mma_norm_router`, `moe_topk_gate_up`, `moe_down`) triggers its dependents early:
+    `mma_norm_router`, `moe_topk_gate_up`, `moe_down`, `mma_norm_gate_up`) triggers its
+    dependents early:
     FLINTC_MMA_TRIGGER, when set, is a comma-separated list of the kernels that do ("" or
     "none": none; "all": every one); otherwise `EARLY_TRIGGER`. The trigger is a
     scheduling hint: the dependents' `griddepcontrol.wait` still waits for this grid to
@@ -2421,14 +2601,219 @@ def mma_norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, e
     return h, logits
 
 
+# -- dense MLP: RMSNorm + gate/up + SiLU-and-mul ----------------------------------------
+
+def norm_gate_up_source(h: int, warps: int, row_tiles: int, prefetch: int, pdl: bool = False,
+                        bf16: bool = False, norm_bf16: bool = False,
+                        trigger_early: bool = False) -> str:
+    """The CUDA source of one dense gate/up variant (`nvfp4_mma_norm_gate_up`; every
+    argument compiled in): hidden size h (a multiple of 128 * warps: each warp a slice of
+    at least 2 chunks of 64), `row_tiles` 16-row tiles of the gate and of the up
+    projection per row group, `prefetch` chunks loaded ahead (0 to the slice's chunks - 1:
+    the next group's first chunks load while a group finishes), `bf16` weights
+    (row-major) instead of NVFP4 (mma layout), `norm_bf16` (the RMSNorm weight bf16, else
+    fp32), `trigger_early` (PDL trigger once the normed x is in shared memory, not after
+    the block's last main loop). Raises ValueError for a split or prefetch that does not
+    fit."""
+    kc = h // 64 if h % 64 == 0 else 0
+    if min(warps, row_tiles) < 1 or kc < 2 * warps or kc % warps \
+            or not 0 <= prefetch < kc // warps:
+        raise ValueError(f"norm_gate_up_source: needs warps, row_tiles >= 1, h a multiple of "
+                         f"64 * warps with at least 2 chunks of 64 per warp, 0 <= prefetch < "
+                         f"chunks per warp; got h={h}, warps={warps}, row_tiles={row_tiles}, "
+                         f"prefetch={prefetch}")
+    subs = {"__RT__": 2 * row_tiles, "__KC__": kc, "__CPW__": kc // warps, "__PF__": prefetch,
+            "__WARPS__": warps, "__EPI__": EPI_BF16, "__PDL__": int(pdl),
+            "__BF16W__": int(bf16), "__NORMBF__": int(bool(norm_bf16)),
+            "__TRIG__": int(bool(trigger_early))}
+    return _render(_NORM_COMMON + _GATE_UP_COMMON + _DENSE_GATE_UP_SOURCE, subs)
+
+
+def norm_gate_up_smem_bytes(h: int, warps: int, row_tiles: int, n: int) -> int:
+    """Dynamic shared memory of a `norm_gate_up_source` variant at n tokens: the warps'
+    fp32 sums (warps x 2 row_tiles x 512 bytes) and the normed x (n rows of h + 8 bf16)."""
+    return warps * 2 * row_tiles * 512 + n * (h + 8) * 2
+
+
+# (warps, row_tiles, prefetch, blocks per SM) of the dense gate/up kernel by weight format,
+# per N (1-8); blocks per SM 0: one row group per block (grid F / (16 row_tiles)), else a
+# grid of that many blocks per SM, each looping over row groups. Measured on the H200 at H
+# 2048, F 10240 (docs/gpu-runs.md session 21, runs 1-2; kernel alone, us): NVFP4 N = 1
+# 11.6-11.8 (4, 2, 2, 0), 2: 12.1 twice (4, 1, 3, 0), 4: 12.9 (4, 2, 3, 0; 13.1-13.2 with
+# (4, 2, 2, 0)), 8: 13.9 twice (16, 1, 1, 2; (4, 2, 3, 0) 14.2) (the Triton kernel: 22.0 /
+# 36.2 / 35.8 / 32.9); N = 3, 5-7 interpolated. bf16 N = 2 / 4: 25.9 / 26.5 with (8, 1,
+# 2, 2) (Triton: 32.4 / 34.5).
+NORM_GATE_UP_LAUNCH = {
+    "nvfp4": {n: (4, 2, 2, 0) if n == 1 else (4, 1, 3, 0) if n in (2, 3)
+              else (16, 1, 1, 2) if n == 8 else (4, 2, 3, 0) for n in range(1, 9)},
+    "bf16": {n: (8, 1, 2, 2) for n in range(1, 9)}}
+# weight formats whose dense gate/up runs on the CUDA kernel by default (`fused_gemv`;
+# FLINTC_MMA_NORM_GATE_UP_FORMATS overrides it, `norm_gate_up_formats`), and the batches
+# at which bf16 does (`NORM_GATE_UP_BF16_N`): the Triton kernel is faster at N = 1 (23.4
+# against 24.8 us) and 8 (26.0 against 27.4), session 21 run 1
+NORM_GATE_UP_FORMATS = frozenset({"nvfp4", "bf16"})
+NORM_GATE_UP_BF16_N = frozenset({2, 3, 4})
+
+
+def norm_gate_up_formats() -> frozenset:
+    """The weight formats whose dense gate/up runs on the CUDA kernel (bf16 at the batches
+    of `NORM_GATE_UP_BF16_N` only): the comma-separated FLINTC_MMA_NORM_GATE_UP_FORMATS
+    when set ("nvfp4", "bf16", both, or "none" / empty: neither, so NVFP4 dense gate and
+    up stay packed and on Triton), else `NORM_GATE_UP_FORMATS`.
+
+    Raises:
+        TuningEnvError (a ValueError): another name in the variable.
+    """
+    text = os.environ.get("FLINTC_MMA_NORM_GATE_UP_FORMATS")
+    if text is None:
+        return NORM_GATE_UP_FORMATS
+    names = {t.strip().lower() for t in text.split(",") if t.strip()} - {"none"}
+    if not names <= {"nvfp4", "bf16"} or ("none" in text.lower() and names):
+        from flintc.kernels.tuning import TuningEnvError
+
+        raise TuningEnvError("FLINTC_MMA_NORM_GATE_UP_FORMATS must list formats among nvfp4, "
+                             f"bf16 (or be none / empty); got {text!r}")
+    return frozenset(names)
+
+
+def norm_gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
+    """(warps, row_tiles, prefetch, blocks per SM) of the dense gate/up kernel for weight
+    format `fmt` and batch `n`: `NORM_GATE_UP_LAUNCH`, with the entries of
+    FLINTC_MMA_NORM_GATE_UP_LAUNCH, when set, in their place: `/`-separated
+    `fmt:N=warps,row_tiles,prefetch,blocks` (e.g. "nvfp4:1=4,1,3,0/nvfp4:8=8,2,2,3"), for
+    tuning runs.
+
+    Raises:
+        ValueError: `fmt` other than "nvfp4" or "bf16", or `n` not an int in 1..8.
+        TuningEnvError (a ValueError): an entry that is not `fmt:N=w,r,p,b` with fmt nvfp4
+            or bf16, 1 <= N <= 8, 1 <= w <= 32, r >= 1, 0 <= p <= 16 and 0 <= b <= 32.
+    """
+    if fmt not in NORM_GATE_UP_LAUNCH or type(n) is not int or not 1 <= n <= 8:
+        raise ValueError(f"norm_gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
+                         f"1..8; got {fmt!r}, {n!r}")
+
+    def parse(entry: str) -> tuple:
+        key, value = entry.split("=")
+        f, nn = key.split(":")
+        f, nn = f.strip().lower(), int(nn)
+        w, r, pf, b = (int(v) for v in value.split(","))
+        if f not in NORM_GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 or r < 1 \
+                or not 0 <= pf <= 16 or not 0 <= b <= 32:
+            raise ValueError
+        return (f, nn), (w, r, pf, b)
+
+    entries = dict(_env_entries("FLINTC_MMA_NORM_GATE_UP_LAUNCH", parse,
+                                "fmt:N=warps,row_tiles,prefetch,blocks (fmt nvfp4 or bf16, N "
+                                "1-8, warps 1-32, row_tiles >= 1, prefetch 0-16, blocks per SM "
+                                "0-32)"))
+    return entries.get((fmt, n), NORM_GATE_UP_LAUNCH[fmt][n])
+
+
+def norm_gate_up_applies(h: int, f: int) -> bool:
+    """Whether the dense gate/up kernel's launch for every batch 1-8
+    (`norm_gate_up_launch("nvfp4", n)`) splits hidden size h and MLP width f: warps
+    dividing h / 64 with at least 2 chunks each, prefetch below the chunks per warp,
+    f a multiple of 16 row_tiles; and NVFP4 among `norm_gate_up_formats()`. NVFP4 dense
+    gate and up weights are converted to the mma layout (`prepack`) only then."""
+    if "nvfp4" not in norm_gate_up_formats():
+        return False
+    for n in range(1, 9):
+        warps, row_tiles, prefetch, _ = norm_gate_up_launch("nvfp4", n)
+        kc = h // 64
+        if h % 64 or kc % warps or kc < 2 * warps or prefetch >= kc // warps \
+                or f % (16 * row_tiles):
+            return False
+    return True
+
+
+def mma_norm_gate_up(x: torch.Tensor, norm: torch.Tensor, gate: list, up: list, eps: float,
+                     *, launch: tuple[int, int, int, int] | None = None,
+                     use_pdl: bool = False) -> torch.Tensor:
+    """`flintc::norm_gate_up_silu` (kernel 5 of a dense layer; reference
+    `flintc.ops.grouped.norm_gate_up_silu`, launcher with the argument checks
+    `flintc.kernels.fused_gemv.norm_gate_up_silu`) on the CUDA mma kernel: the
+    post-attention RMSNorm in each block's prologue (into shared memory), the gate and up
+    GEMVs in one K loop over the same rows, g and u rounded to bf16, `bf16(silu(g) * u)`
+    (FLINT_SPEC section 3).
+
+    Args:
+        x: bf16 [N, H] contiguous, 16-byte aligned, 1 <= N <= 8 (the residual stream, not
+            normed); norm: fp32/bf16 [H] contiguous; eps: the RMSNorm epsilon.
+        gate, up: [F, H]: `[w]` bf16 (row-major, contiguous, 16-byte aligned: read in
+            place) or NVFP4 `[codes, scales, global_scale []]` in either layout (a packed
+            weight is repacked at its first use), both in one format.
+        launch: (warps, row_tiles, prefetch, blocks per SM) (`norm_gate_up_launch`); None:
+            that function's for the format and N.
+        use_pdl: programmatic dependent launch (the first weight chunks load before
+            `griddepcontrol.wait`, x after).
+
+    Returns h bf16 [N, F]. Raises ValueError for arguments that do not fit (naming them:
+    shapes, dtypes, formats, H % (128 warps), F % (16 row_tiles), prefetch not below
+    H / (64 warps), N outside 1..8); RuntimeError without CUDA or when the launch fails.
+    """
+    op = "mma_norm_gate_up"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{op}: x must be a bf16 tensor [N, H], got "
+                         f"{tuple(getattr(x, 'shape', ())) or type(x).__name__}")
+    N, H = x.shape
+    if x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16 \
+            or not 1 <= N <= 8:
+        raise ValueError(f"{op}: x must be a contiguous, 16-byte aligned bf16 tensor [N <= 8, "
+                         f"H]; got {x.dtype} {tuple(x.shape)}")
+    g_bf16, g_lead, F, g_k = _moe_weight(gate, "gate", x.device)
+    u_bf16, u_lead, u_f, u_k = _moe_weight(up, "up", x.device)
+    if (g_bf16, g_lead, F, g_k) != (u_bf16, u_lead, u_f, u_k) or g_lead != () or g_k != H:
+        raise ValueError(f"{op}: gate and up must be [F, {H}] in one format; got gate "
+                         f"{g_lead + (F, g_k)} ({'bf16' if g_bf16 else 'nvfp4'}), up "
+                         f"{u_lead + (u_f, u_k)} ({'bf16' if u_bf16 else 'nvfp4'})")
+    if not isinstance(norm, torch.Tensor) or norm.dtype not in (torch.float32, torch.bfloat16) \
+            or tuple(norm.shape) != (H,) or not norm.is_contiguous() or norm.device != x.device:
+        raise ValueError(f"{op}: norm must be a contiguous fp32 or bf16 tensor [{H}] on "
+                         f"{x.device}")
+    fmt = "bf16" if g_bf16 else "nvfp4"
+    warps, row_tiles, prefetch, per_sm = launch if launch is not None \
+        else norm_gate_up_launch(fmt, N)
+    for name, v, lo in (("warps", warps, 1), ("row_tiles", row_tiles, 1),
+                        ("prefetch", prefetch, 0), ("blocks per SM", per_sm, 0)):
+        if type(v) is not int or v < lo:
+            raise ValueError(f"{op}: launch {name} must be an int >= {lo}, got {v!r}")
+    if warps > 32 or H % 64 or (H // 64) % warps or H // 64 < 2 * warps \
+            or prefetch >= H // 64 // warps or F % (16 * row_tiles):
+        raise ValueError(f"{op}: launch (warps {warps}, row_tiles {row_tiles}, prefetch "
+                         f"{prefetch}) does not split H = {H} (warps <= 32 dividing H / 64 with "
+                         f">= 2 chunks each, prefetch below the chunks per warp) or F = {F} "
+                         f"(a multiple of 16 row_tiles)")
+    if x.device.type != "cuda":
+        raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
+    (gwq, gsq, ggs), (uwq, usq, ugs) = _moe_pointers(gate, "gate"), _moe_pointers(up, "up")
+    groups = F // (16 * row_tiles)
+    if per_sm:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        grid = min(groups, per_sm * sms)
+    else:
+        grid = groups
+    args = (H, warps, row_tiles, prefetch, bool(use_pdl), g_bf16, norm.dtype == torch.bfloat16,
+            mma_trigger_early("norm_gate_up"))
+    kernel = _compiled("nvfp4_mma_norm_gate_up", args, lambda: norm_gate_up_source(*args),
+                       x.device, norm_gate_up_smem_bytes(H, warps, row_tiles, 8))
+    out = torch.empty((N, F), dtype=torch.bfloat16, device=x.device)
+    _launch(kernel, (grid, 1), 32 * warps,
+            [gwq, gsq, ggs, uwq, usq, ugs, x, norm, float(eps), out, N, F, groups],
+            bool(use_pdl), smem=norm_gate_up_smem_bytes(H, warps, row_tiles, N))
+    return out
+
+
 _PACKED: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 # The weights the CUDA kernels read in the decode schedule (canonical names,
-# flintc.model.weights): norm_qkv_rope_kv's (Q, K, V projections), gemv_residual's (O
-# projection, dense down projection), moe_topk_gate_up's and moe_down_combine_residual's
+# flintc.model.weights): norm_qkv_rope_kv's (Q, K, V projections), norm_gate_up_silu's
+# (dense gate and up projections), gemv_residual's (O projection, dense down projection),
+# moe_topk_gate_up's and moe_down_combine_residual's
 # (stacked routed and shared experts).
 QKV_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
-PREPACK_SUFFIXES = QKV_SUFFIXES + ("self_attn.o_proj.weight", "mlp.down_proj.weight",
+DENSE_GATE_UP_SUFFIXES = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+PREPACK_SUFFIXES = QKV_SUFFIXES + DENSE_GATE_UP_SUFFIXES + ("self_attn.o_proj.weight",
+                    "mlp.down_proj.weight",
                     "mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight",
                     "mlp.experts.down_proj.weight", "mlp.shared_experts.gate_proj.weight",
                     "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight")
@@ -2490,7 +2875,9 @@ def prepack(weights: dict, config) -> int:
     when its MoE decode kernels run on the CUDA kernels (a shared expert, E % 32 == 0 and
     32 <= E <= 1024, top-k <= 8, H % 1024 == 0, I % 64 == 0); the Q, K and V projections
     when the fused QKV kernel takes H and D (`qkv_applies`); the O projection and the
-    dense down projection whenever F % 16 == 0 and K % 64 == 0.
+    dense down projection whenever F % 16 == 0 and K % 64 == 0; the dense gate and up
+    projections when the dense gate/up kernel's launches take H and F at every batch
+    (`norm_gate_up_applies`).
 
     Returns the bytes converted (0 when nothing applies: another device, shapes the
     kernels do not take, FLINTC_NVFP4_MMA=0, or already converted).
@@ -2503,6 +2890,7 @@ def prepack(weights: dict, config) -> int:
 
     moe = _moe_kernels_apply(config)
     qkv = qkv_applies(config.hidden_size, config.head_dim)
+    dense = norm_gate_up_applies(config.hidden_size, config.intermediate_size)
     todo = []
     for name in list(weights):
         w = weights[name]
@@ -2512,6 +2900,8 @@ def prepack(weights: dict, config) -> int:
         if (".mlp.experts." in name or ".mlp.shared_experts." in name) and not moe:
             continue
         if name.endswith(QKV_SUFFIXES) and not qkv:
+            continue
+        if name.endswith(DENSE_GATE_UP_SUFFIXES) and not dense:
             continue
         _, F, K = weight_dims(w.codes)
         if F % 16 or K % 64 or not available(w.codes.device):

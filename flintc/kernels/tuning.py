@@ -68,19 +68,27 @@ def overrides(env_var: str, factory, key_types: tuple) -> dict:
 
 def check_environment() -> None:
     """Validate every kernel-tuning environment variable at once (FLINTC_PDL_TRIGGER,
-    FLINTC_GEMV_TUNED, FLINTC_MOE_TUNED, FLINTC_NVFP4_MMA), so a bad value is reported when a runtime
-    loads, not at the first launch that reads it (or never, on paths that do not).
+    FLINTC_GEMV_TUNED, FLINTC_MOE_TUNED, FLINTC_NVFP4_MMA, and the CUDA kernels' launch
+    knobs FLINTC_MMA_TRIGGER, FLINTC_MMA_GEMV_LAUNCH, FLINTC_MMA_GATE_UP_LAUNCH,
+    FLINTC_MMA_NORM_GATE_UP_LAUNCH, FLINTC_MMA_NORM_GATE_UP_FORMATS), so a bad value is
+    reported when a runtime loads, not at the first launch that reads it (or never, on
+    paths that do not).
 
     Raises:
         TuningEnvError: the first malformed variable, named with its value.
     """
     from flintc.kernels.gemv import GemvConfig
     from flintc.kernels.moe import MoeConfig
-    from flintc.kernels.nvfp4_mma import enabled_from_env
+    from flintc.kernels import nvfp4_mma
     from flintc.kernels.pdl import pdl_mode
 
     pdl_mode(True)
-    enabled_from_env()
+    nvfp4_mma.enabled_from_env()
+    nvfp4_mma.mma_trigger_early("gemv")
+    nvfp4_mma.gemv_launch("nvfp4", 16, 64)
+    nvfp4_mma.gate_up_launch("nvfp4", 1)
+    nvfp4_mma.norm_gate_up_launch("nvfp4", 1)
+    nvfp4_mma.norm_gate_up_formats()
     overrides("FLINTC_GEMV_TUNED", GemvConfig, (str, int, int, int))
     overrides("FLINTC_MOE_TUNED", MoeConfig, (str, str, int))
 

@@ -633,14 +633,19 @@ def test_prepack_converts_in_place(monkeypatch, moe_applies):
 
     ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
                            progress=False)
-    config = _moe_config() if moe_applies else ckpt.config
+    # H 2048 (the full model's): the MoE and the dense gate/up kernels take it; tiny's 128
+    # neither (the weights stay tiny: the config only decides)
+    config = _moe_config(hidden_size=2048) if moe_applies else ckpt.config
     assert M._moe_kernels_apply(config) == moe_applies
+    dense = M.norm_gate_up_applies(config.hidden_size, config.intermediate_size)
+    assert dense == moe_applies
     monkeypatch.setattr(M, "available", lambda device: True)
     monkeypatch.setattr(M, "_PACKED", {})
     before = {n: w.dequantize() for n, w in ckpt.weights.items() if hasattr(w, "codes")}
     sha = weight_fingerprint(ckpt.weights, "nvfp4", "file.gguf")
     want = [n for n in before if n.endswith(M.PREPACK_SUFFIXES)
-            and (moe_applies or "experts." not in n)]
+            and (moe_applies or "experts." not in n)
+            and (dense or not n.endswith(M.DENSE_GATE_UP_SUFFIXES))]
     want_bytes = sum(ckpt.weights[n].codes.numel() + ckpt.weights[n].scales.numel() for n in want)
     assert M.prepack(ckpt.weights, config) == want_bytes > 0
     for n, w in ckpt.weights.items():
@@ -648,6 +653,7 @@ def test_prepack_converts_in_place(monkeypatch, moe_applies):
             assert w.layout == ("mma" if n in want else "packed"), n
             assert torch.equal(w.dequantize(), before[n]), n
     assert any("experts." in n for n in want) == moe_applies
+    assert any(n.endswith(M.DENSE_GATE_UP_SUFFIXES) for n in want) == dense
     assert not M._PACKED
     assert weight_fingerprint(ckpt.weights, "nvfp4", "file.gguf") == sha
     assert M.prepack(ckpt.weights, config) == 0  # already converted
@@ -711,7 +717,8 @@ def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
         gemv.gemv(x, w)
     with pytest.raises(ValueError, match="gemv_residual: w must be in the packed NVFP4 layout"):
         fused_gemv.gemv_residual(x, w, torch.zeros(2, 64, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="does not read the mma layout"):
+    with pytest.raises(ValueError, match="norm_gate_up_silu: gate must be in the packed NVFP4 "
+                                         "layout here"):
         fused_gemv.norm_gate_up_silu(x, torch.ones(128), w, w, 1e-6)
     # the fused QKV: 4 / 2 heads of dim 16 over H = 128
     wk = [*M.pack_mma_layout(*_nvfp4((), 32, 128, gen)[:2]), gs.reshape(())]
@@ -1184,3 +1191,159 @@ def test_layout_checks_found_by_review(monkeypatch):
     wrong = [stack[0], torch.zeros(E, I, H // 16, dtype=torch.float8_e4m3fn), stack[2]]
     with pytest.raises(ValueError, match=r"up\[1\] \(NVFP4 scale codes, mma layout\)"):
         moe.moe_topk_gate_up(x, logits, torch.zeros(E), stack, wrong, [], [], 6, 2.5)
+
+
+# -- the dense gate/up kernel (flintc::norm_gate_up_silu) ----------------------------------
+
+_NVRTC = __import__("importlib").util.find_spec("nvidia.cuda_nvrtc")
+
+
+@pytest.mark.skipif(not _NVRTC, reason="needs the nvidia-cuda-nvrtc wheel "
+                                       "(pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("args", [
+    (2048, 8, 1, 2, True),                      # the default launch, NVFP4
+    (2048, 4, 2, 3, True, False, True, True),   # 2 row tiles, bf16 norm, early trigger
+    (2048, 16, 1, 1, False),                    # no PDL, 2 chunks per warp
+    (2048, 8, 1, 2, True, True),                # bf16 weights
+    (1024, 4, 1, 0, True, True, False, False),  # no prefetch
+])
+def test_norm_gate_up_source_compiles_with_nvrtc(args):
+    """The dense gate/up kernel compiles for sm_90 with NVRTC on the CPU machine. With PDL
+    the first weight loads come before `griddepcontrol.wait` and x's after it; the trigger
+    sits after the last mma (early: before the first); without PDL neither instruction."""
+    ptx = _nvrtc_ptx(M.norm_gate_up_source(*args)).decode()
+    assert ".entry nvfp4_mma_norm_gate_up" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    pdl = args[4]
+    early = len(args) > 7 and args[7]
+    if not pdl:
+        assert "griddepcontrol" not in ptx
+        return
+    wait = ptx.index("griddepcontrol.wait")
+    weights = ptx.index("ld.global.nc.v4.u32")
+    act = ptx.index("ld.global.v4.u32")  # x: coherent loads, never .nc
+    mmas = [m.start() for m in re.finditer("mma.sync.aligned", ptx)]
+    trig = [m.start() for m in re.finditer("griddepcontrol.launch_dependents", ptx)]
+    assert (weights < wait) == (args[3] > 0) and wait < act
+    assert trig and (max(trig) < min(mmas) if early else min(trig) > max(mmas))
+
+
+def test_norm_gate_up_source_and_launch_refuse_bad_splits():
+    """`norm_gate_up_source` and `mma_norm_gate_up` refuse splits the kernel cannot take,
+    naming them, before anything runs (x on the CPU: the checks come first)."""
+    for bad in ((2048, 32, 1, 0), (2048, 8, 1, 4), (2048, 3, 1, 1), (2000, 4, 1, 1),
+                (2048, 8, 0, 1), (2048, 8, 1, -1)):
+        with pytest.raises(ValueError, match="norm_gate_up_source: needs"):
+            M.norm_gate_up_source(*bad)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
+    gate = _nvfp4((), 64, 256, gen)
+    norm = torch.ones(256)
+    with pytest.raises(ValueError, match=r"does not split H = 256"):
+        M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(8, 1, 1, 0))
+    with pytest.raises(ValueError, match=r"F = 64"):
+        M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(2, 8, 1, 0))
+    with pytest.raises(ValueError, match="gate and up must be"):
+        M.mma_norm_gate_up(x, norm, gate, _nvfp4((), 32, 256, gen), 1e-5, launch=(2, 1, 1, 0))
+    with pytest.raises(ValueError, match="gate and up must be"):
+        M.mma_norm_gate_up(x, norm, gate, [torch.zeros(64, 256, dtype=torch.bfloat16)], 1e-5)
+    with pytest.raises(ValueError, match=r"norm must be a contiguous fp32 or bf16 tensor \[256\]"):
+        M.mma_norm_gate_up(x, torch.ones(128), gate, gate, 1e-5, launch=(2, 1, 1, 0))
+    with pytest.raises(ValueError, match=r"x must be a contiguous, 16-byte aligned bf16"):
+        M.mma_norm_gate_up(torch.zeros(9, 256, dtype=torch.bfloat16), norm, gate, gate, 1e-5)
+    with pytest.raises(ValueError, match="launch prefetch must be an int >= 0"):
+        M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(2, 1, -1, 0))
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(2, 1, 1, 0))
+
+
+def test_norm_gate_up_launch_env_and_applies(monkeypatch):
+    """`norm_gate_up_launch` is NORM_GATE_UP_LAUNCH's entry; FLINTC_MMA_NORM_GATE_UP_LAUNCH
+    replaces entries; bad entries are a TuningEnvError naming the variable and the entry.
+    `norm_gate_up_applies` (which decides `prepack`) follows the launch: the full model's
+    H 2048 / F 10240 yes, the tiny model's H 128 no."""
+    from flintc.kernels.tuning import TuningEnvError
+
+    monkeypatch.delenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH", raising=False)
+    for fmt in ("nvfp4", "bf16"):
+        for n in range(1, 9):
+            assert M.norm_gate_up_launch(fmt, n) == M.NORM_GATE_UP_LAUNCH[fmt][n]
+    assert M.norm_gate_up_applies(2048, 10240) and not M.norm_gate_up_applies(128, 256)
+    monkeypatch.setenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH", "nvfp4:8=4,2,3,2 / bf16:1=16,1,1,0")
+    assert M.norm_gate_up_launch("nvfp4", 8) == (4, 2, 3, 2)
+    assert M.norm_gate_up_launch("bf16", 1) == (16, 1, 1, 0)
+    assert M.norm_gate_up_launch("nvfp4", 1) == M.NORM_GATE_UP_LAUNCH["nvfp4"][1]
+    monkeypatch.setenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH", "nvfp4:3=32,1,1,0")
+    assert not M.norm_gate_up_applies(2048, 10240)  # 32 warps: 1 chunk each
+    monkeypatch.delenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH")
+    for text, want in (("none", set()), ("", set()), ("bf16", {"bf16"}),
+                       ("NVFP4, bf16", {"nvfp4", "bf16"})):
+        monkeypatch.setenv("FLINTC_MMA_NORM_GATE_UP_FORMATS", text)
+        assert M.norm_gate_up_formats() == want
+        assert M.norm_gate_up_applies(2048, 10240) == ("nvfp4" in want)
+    for bad in ("fp8", "none,nvfp4"):
+        monkeypatch.setenv("FLINTC_MMA_NORM_GATE_UP_FORMATS", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_NORM_GATE_UP_FORMATS"):
+            M.norm_gate_up_formats()
+    monkeypatch.delenv("FLINTC_MMA_NORM_GATE_UP_FORMATS")
+    assert M.norm_gate_up_formats() == M.NORM_GATE_UP_FORMATS
+    for bad in ("nvfp4:9=4,1,2,0", "fp8:1=4,1,2,0", "nvfp4:1=4,1,2", "nvfp4:1=0,1,2,0",
+                "nvfp4:1=4,0,2,0", "nvfp4:1=4,1,17,0", "nvfp4:1=4,1,2,33", "nvfp4=4,1,2,0"):
+        monkeypatch.setenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_NORM_GATE_UP_LAUNCH.*" + bad[:5]):
+            M.norm_gate_up_launch("nvfp4", 1)
+    monkeypatch.delenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH")
+    for fmt, n in (("fp8", 1), ("nvfp4", 0), ("bf16", 9), ("nvfp4", 2.0)):
+        with pytest.raises(ValueError, match="norm_gate_up_launch: fmt must be"):
+            M.norm_gate_up_launch(fmt, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("N", [1, 3, 8])
+@pytest.mark.parametrize("use_pdl", [False, True])
+def test_norm_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch):
+    """The CUDA dense gate/up kernel (the op's default path, converted weights, and other
+    launches: warps, row tiles, prefetch, blocks looping over row groups) against the
+    reference op and the Triton kernel at the model's shapes (H 2048, F 10240): h within
+    2 bf16 ulps plus a floor near zero, the share of differing elements printed and below
+    5%. The op takes the CUDA kernel for NVFP4, and bf16 at `NORM_GATE_UP_BF16_N`."""
+    from flintc.kernels import fused_gemv
+    from flintc.ops import grouped
+
+    _require_mma()
+    gen = torch.Generator().manual_seed(300 + N)
+    H, F = 2048, 10240
+    gate, up = _experts(fmt, (), F, H, gen), _experts(fmt, (), F, H, gen)
+    x = (torch.randn(N, H, generator=gen) * 3).to(torch.bfloat16).cuda()
+    norm = (torch.rand(H, generator=gen) + 0.5).cuda()
+    calls = []
+    monkeypatch.setattr(M, "mma_norm_gate_up", _spy(M.mma_norm_gate_up, calls))
+    got = {"op": fused_gemv.norm_gate_up_silu(x, norm, gate, up, 1e-5, use_pdl=use_pdl)}
+    assert len(calls) == int(fmt == "nvfp4" or N in M.NORM_GATE_UP_BF16_N)
+    if fmt == "nvfp4":
+        got["op converted"] = fused_gemv.norm_gate_up_silu(x, norm, _convert(gate),
+                                                           _convert(up), 1e-5, use_pdl=use_pdl)
+        assert len(calls) == 2
+    for launch in ((8, 1, 2, 0), (4, 1, 3, 0), (16, 1, 1, 0), (8, 2, 2, 0), (4, 1, 0, 0),
+                   (8, 1, 2, 1), (4, 2, 3, 3), (2, 1, 6, 0)):
+        got[f"cuda {launch}"] = M.mma_norm_gate_up(x, norm, gate, up, 1e-5, launch=launch,
+                                                   use_pdl=use_pdl)
+    got["bf16 norm"] = M.mma_norm_gate_up(x, norm.to(torch.bfloat16), gate, up, 1e-5,
+                                          use_pdl=use_pdl)
+    ref = grouped.norm_gate_up_silu(x, norm, gate, up, 1e-5)
+    ref_bf16_norm = grouped.norm_gate_up_silu(x, norm.to(torch.bfloat16), gate, up, 1e-5)
+    monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
+    got["triton"] = fused_gemv.norm_gate_up_silu(x, norm, gate, up, 1e-5, use_pdl=use_pdl)
+    torch.cuda.synchronize()
+    assert ref.shape == (N, F)
+    for name, h in got.items():
+        r = ref_bf16_norm if name == "bf16 norm" else ref
+        tol = 2 * r.double().abs() * 2.0**-7 + 2.0**-10 * r.double().abs().max()
+        diff = (h.double() - r.double()).abs()
+        assert bool((diff <= tol).all()), (name, float(diff.max()))
+        share = float((h != r).float().mean())
+        print(f"dense gate/up {fmt} {name} N={N}: {share:.2%} of elements differ from the "
+              "reference")
+        assert share < 0.05

@@ -46,6 +46,18 @@ def test_pdl_mode_rejects_unknown(monkeypatch, tmp_path):
     monkeypatch.setenv("FLINTC_MOE_TUNED", str(tmp_path / "missing.json"))
     with pytest.raises(FlintcError, match="FLINTC_MOE_TUNED=.*cannot read"):
         check_environment()
+    monkeypatch.delenv("FLINTC_MOE_TUNED")
+    # the CUDA kernels' launch knobs are checked up front too
+    for var, bad in (("FLINTC_MMA_TRIGGER", "qkv,sometimes"),
+                     ("FLINTC_MMA_GEMV_LAUNCH", "nvfp4:2048x4096=3,2"),
+                     ("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:1=4,1"),
+                     ("FLINTC_MMA_NORM_GATE_UP_LAUNCH", "nvfp4:1=4,1,2"),
+                     ("FLINTC_MMA_NORM_GATE_UP_FORMATS", "fp8")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(FlintcError, match=var):
+            check_environment()
+        monkeypatch.delenv(var)
+    check_environment()
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
