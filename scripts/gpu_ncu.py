@@ -10,7 +10,8 @@ serialises kernels anyway).
 Cases (model shapes of FLINT_SPEC, batch 1 unless named): the O projection + residual
 (2048 x 4096) NVFP4 and bf16 with the default configuration, and NVFP4 with a one-step
 configuration; cuBLAS's bf16 GEMV of the same shape (`torch.nn.functional.linear`); the
-fused QKV kernel NVFP4; the MoE gate/up kernel NVFP4; decode attention at batch 1 (the
+fused QKV kernel NVFP4; the MoE gate/up kernel NVFP4; the dense gate/up kernel NVFP4 at
+batch 1 and 8 (`dense_gate_up_nvfp4_n1`, `_n8`); decode attention at batch 1 (the
 513-row ring of a sliding layer, a full layer at 1K tokens, the combine); the RMSNorm + LM head (bf16,
 151552 x 2048) and the plain LM head; and `stream_sum`, a kernel that only reads 4.7 MB
 (the NVFP4 O projection's bytes) with every load of a program issued at once: the floor
@@ -126,6 +127,27 @@ def build_cases(wanted: set[str]):
                                                     sf.su[0][1].view(torch.uint8)])
         cases[f"read_floor_gate_up_nvfp4_n{n}"] = lambda rf=rf, sf=sf: rf(sf.ids[0], 128, 8,
                                                                           use_pdl=False)
+    # the dense layers' NVFP4 gate/up on the CUDA kernel (session 21: 40-50% of copy against
+    # a 93% read floor) at N = 1 and 8, each with its default launch (`norm_gate_up_launch`)
+    for n in (1, 8):
+        if wanted and f"dense_gate_up_nvfp4_n{n}" not in wanted:
+            continue
+        from flintc.kernels import nvfp4_mma
+
+        g = torch.Generator(device="cuda").manual_seed(n)
+        F, H = 10240, 2048
+        pair = []
+        for _ in range(2):
+            codes = torch.randint(0, 256, (F, H // 2), dtype=torch.uint8, device="cuda",
+                                  generator=g)
+            scales = (torch.rand(F, H // 16, device="cuda", generator=g) + 0.5) \
+                .to(torch.float8_e4m3fn)
+            pair.append([*nvfp4_mma.pack_mma_layout(codes, scales),
+                         torch.tensor(0.01, device="cuda")])
+        xd = torch.randn(n, H, device="cuda", generator=g).to(torch.bfloat16)
+        nd = torch.ones(H, device="cuda")
+        cases[f"dense_gate_up_nvfp4_n{n}"] = lambda xd=xd, nd=nd, pair=pair: \
+            nvfp4_mma.mma_norm_gate_up(xd, nd, pair[0], pair[1], 1e-5)
     # decode attention at batch 1 (session 13): the ring of a sliding layer (513 rows, 3
     # splits) and a full layer at 1K tokens, each with its combine: why ~10-13 us per call
     # for ~1 MB of K / V (its fixed cost: 4.3 us with one visible row, session 7)

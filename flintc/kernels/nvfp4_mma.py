@@ -1029,23 +1029,22 @@ nvfp4_mma_norm_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gs
 #pragma unroll
       for (int j = 0; j < 4; ++j) red[((warp * RT + r) * 4 + j) * 32 + lane] = acc[r][j];
     __syncthreads();
-    for (int r = warp; r < RTB; r += WARPS) {  // warp w finishes row tiles w, w + WARPS, ..
+    // every thread finishes outputs (row tile r, row, column < N): consecutive threads
+    // take consecutive rows of one column
+    for (int i = threadIdx.x; i < RTB * 16 * N; i += WARPS * 32) {
+      const int r = i / (16 * N), rem = i - r * 16 * N;
+      const int col = rem >> 4, row16 = rem & 15;
+      const int j = 2 * (row16 >> 3) + (col & 1), ln = 4 * (row16 & 7) + (col >> 1);
+      float vg = 0.f, vu = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int col = 2 * t + (j & 1);
-        if (col >= N) continue;
-        float vg = 0.f, vu = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {  // fixed order
-          vg += red[((w * RT + r) * 4 + j) * 32 + lane];
-          vu += red[((w * RT + RTB + r) * 4 + j) * 32 + lane];
-        }
-        const float gv = from_bf16(to_bf16(vg * gscale));  // g, u rounded to bf16
-        const float uv = from_bf16(to_bf16(vu * uscale));
-        const float hv = gv * sigmoid_rn(gv) * uv;  // silu(g) * u in fp32, one rounding
-        const int row = (grp * RTB + r) * 16 + g + (j >> 1) * 8;
-        out[(size_t)col * F + row] = to_bf16(hv);
+      for (int w = 0; w < WARPS; ++w) {  // fixed order
+        vg += red[((w * RT + r) * 4 + j) * 32 + ln];
+        vu += red[((w * RT + RTB + r) * 4 + j) * 32 + ln];
       }
+      const float gv = from_bf16(to_bf16(vg * gscale));  // g, u rounded to bf16
+      const float uv = from_bf16(to_bf16(vu * uscale));
+      const float hv = gv * sigmoid_rn(gv) * uv;  // silu(g) * u in fp32, one rounding
+      out[(size_t)col * F + (grp * RTB + r) * 16 + row16] = to_bf16(hv);
     }
     if (more) __syncthreads();  // red is rewritten by the next group
     g_wp = ng_wp; g_sp = ng_sp; u_wp = nu_wp; u_sp = nu_sp;
@@ -2638,14 +2637,13 @@ def norm_gate_up_smem_bytes(h: int, warps: int, row_tiles: int, n: int) -> int:
 # (warps, row_tiles, prefetch, blocks per SM) of the dense gate/up kernel by weight format,
 # per N (1-8); blocks per SM 0: one row group per block (grid F / (16 row_tiles)), else a
 # grid of that many blocks per SM, each looping over row groups. Measured on the H200 at H
-# 2048, F 10240 (docs/gpu-runs.md session 21, runs 1-2; kernel alone, us): NVFP4 N = 1
-# 11.6-11.8 (4, 2, 2, 0), 2: 12.1 twice (4, 1, 3, 0), 4: 12.9 (4, 2, 3, 0; 13.1-13.2 with
-# (4, 2, 2, 0)), 8: 13.9 twice (16, 1, 1, 2; (4, 2, 3, 0) 14.2) (the Triton kernel: 22.0 /
-# 36.2 / 35.8 / 32.9); N = 3, 5-7 interpolated. bf16 N = 2 / 4: 25.9 / 26.5 with (8, 1,
-# 2, 2) (Triton: 32.4 / 34.5).
+# 2048, F 10240 (docs/gpu-runs.md session 21, runs 1-2 and 6; kernel alone, us): with the
+# epilogue spread over all threads (run 6), (4, 2, 2, 0) is the best launch at every
+# measured N: 11.3 / 11.6 / 12.1 / 13.6 at N = 1 / 2 / 4 / 8 (the Triton kernel: 22.0 /
+# 36.1 / 35.7 / 32.8); N = 3, 5-7 interpolated. bf16 N = 2 / 4: 26.1 / 26.8 with (8, 1, 2,
+# 2) (Triton: 31.9 / 33.8).
 NORM_GATE_UP_LAUNCH = {
-    "nvfp4": {n: (4, 2, 2, 0) if n == 1 else (4, 1, 3, 0) if n in (2, 3)
-              else (16, 1, 1, 2) if n == 8 else (4, 2, 3, 0) for n in range(1, 9)},
+    "nvfp4": {n: (4, 2, 2, 0) for n in range(1, 9)},
     "bf16": {n: (8, 1, 2, 2) for n in range(1, 9)}}
 # weight formats whose dense gate/up runs on the CUDA kernel by default (`fused_gemv`;
 # FLINTC_MMA_NORM_GATE_UP_FORMATS overrides it, `norm_gate_up_formats`), and the batches
