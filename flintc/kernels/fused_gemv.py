@@ -574,8 +574,8 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
             return h
     if fmt == "nvfp4-mma":
         fail(op, "gate", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
-             "kernel only (sm_90+, NVRTC, outside the Triton interpreter, no config, H % 128 "
-             "== 0, F % 16 == 0)")
+             "kernel only (sm_90+, NVRTC, outside the Triton interpreter, no config, and a "
+             "launch that fits H and F: nvfp4_mma.norm_gate_up_fits)")
     out = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
     cfg = config or gate_up_config(fmt, F, H, N, dev)
     gpu, pdl, extra = _launch_opts(dev, use_pdl, cfg)
@@ -602,8 +602,9 @@ def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
     """The dense gate/up on the CUDA `mma.sync` kernel (`nvfp4_mma.mma_norm_gate_up`) where
     it applies: weights in the mma layout (`nvfp4_mma.supported`), or a format of
     `nvfp4_mma.norm_gate_up_formats()` (`nvfp4_mma.available`, which FLINTC_NVFP4_MMA=0
-    turns off), bf16 at the batches of `nvfp4_mma.NORM_GATE_UP_BF16_N` only; outside the interpreter; F % 16 == 0 and H split by the launch
-    (`norm_gate_up_launch`); bf16 weights 16-byte aligned (x is copied when it is not).
+    turns off), bf16 at the batches of `nvfp4_mma.NORM_GATE_UP_BF16_N` only; outside the
+    interpreter; a launch (`norm_gate_up_launch`) that fits H, F and N
+    (`norm_gate_up_fits`); bf16 weights 16-byte aligned (x is copied when it is not).
     Returns h bf16 [N, F], or None (the caller runs the Triton kernel) otherwise, or when
     packed weights are first seen during CUDA-graph capture (their repack cannot be
     captured)."""
@@ -618,10 +619,8 @@ def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
     if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
         return None
     N, H = x2.shape
-    warps, row_tiles, prefetch, _ = nvfp4_mma.norm_gate_up_launch(base, N)
     F = nvfp4_mma.weight_dims(gate[0])[1] if base == "nvfp4" else gate[0].shape[0]
-    if H % 64 or (H // 64) % warps or H // 64 < 2 * warps or prefetch >= H // 64 // warps \
-            or F % (16 * row_tiles):
+    if nvfp4_mma.norm_gate_up_fits(H, F, N, nvfp4_mma.norm_gate_up_launch(base, N)):
         return None
     if base == "bf16" and any(w[0].data_ptr() % 16 or not w[0].is_contiguous()
                               for w in (gate, up)):

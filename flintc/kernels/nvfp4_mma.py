@@ -2606,7 +2606,7 @@ def norm_gate_up_source(h: int, warps: int, row_tiles: int, prefetch: int, pdl: 
                         bf16: bool = False, norm_bf16: bool = False,
                         trigger_early: bool = False) -> str:
     """The CUDA source of one dense gate/up variant (`nvfp4_mma_norm_gate_up`; every
-    argument compiled in): hidden size h (a multiple of 128 * warps: each warp a slice of
+    argument compiled in): hidden size h (h / 64 a multiple of warps, each warp a slice of
     at least 2 chunks of 64), `row_tiles` 16-row tiles of the gate and of the up
     projection per row group, `prefetch` chunks loaded ahead (0 to the slice's chunks - 1:
     the next group's first chunks load while a group finishes), `bf16` weights
@@ -2684,7 +2684,7 @@ def norm_gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
     Raises:
         ValueError: `fmt` other than "nvfp4" or "bf16", or `n` not an int in 1..8.
         TuningEnvError (a ValueError): an entry that is not `fmt:N=w,r,p,b` with fmt nvfp4
-            or bf16, 1 <= N <= 8, 1 <= w <= 32, r >= 1, 0 <= p <= 16 and 0 <= b <= 32.
+            or bf16, 1 <= N <= 8, 1 <= w <= 32, 1 <= r <= 8, 0 <= p <= 16 and 0 <= b <= 32.
     """
     if fmt not in NORM_GATE_UP_LAUNCH or type(n) is not int or not 1 <= n <= 8:
         raise ValueError(f"norm_gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
@@ -2695,33 +2695,53 @@ def norm_gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
         f, nn = key.split(":")
         f, nn = f.strip().lower(), int(nn)
         w, r, pf, b = (int(v) for v in value.split(","))
-        if f not in NORM_GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 or r < 1 \
-                or not 0 <= pf <= 16 or not 0 <= b <= 32:
+        if f not in NORM_GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 \
+                or not 1 <= r <= 8 or not 0 <= pf <= 16 or not 0 <= b <= 32:
             raise ValueError
         return (f, nn), (w, r, pf, b)
 
     entries = dict(_env_entries("FLINTC_MMA_NORM_GATE_UP_LAUNCH", parse,
                                 "fmt:N=warps,row_tiles,prefetch,blocks (fmt nvfp4 or bf16, N "
-                                "1-8, warps 1-32, row_tiles >= 1, prefetch 0-16, blocks per SM "
+                                "1-8, warps 1-32, row_tiles 1-8, prefetch 0-16, blocks per SM "
                                 "0-32)"))
     return entries.get((fmt, n), NORM_GATE_UP_LAUNCH[fmt][n])
 
 
+def norm_gate_up_fits(h: int, f: int, n: int, launch: tuple) -> str:
+    """Why the dense gate/up kernel cannot run launch (warps, row_tiles, prefetch, blocks
+    per SM) at hidden size h, MLP width f and batch n, or "" when it can: warps in 1..32
+    dividing h / 64 with at least 2 chunks of 64 each, prefetch below the chunks per warp,
+    row_tiles in 1..8 with f a multiple of 16 row_tiles, and the shared memory for n rows
+    (`norm_gate_up_smem_bytes`) at most `MAX_SMEM`."""
+    if not isinstance(launch, (tuple, list)) or len(launch) != 4 \
+            or any(type(v) is not int for v in launch):
+        return f"launch must be 4 ints (warps, row_tiles, prefetch, blocks per SM), got {launch!r}"
+    warps, row_tiles, prefetch, per_sm = launch
+    kc = h // 64
+    if not 1 <= warps <= 32 or h % 64 or kc % warps or kc < 2 * warps:
+        return (f"warps {warps} must be in 1..32 and divide H / 64 = {h / 64:g} with at least "
+                f"2 chunks of 64 each")
+    if not 0 <= prefetch < kc // warps:
+        return f"prefetch {prefetch} must be in 0..{kc // warps - 1} (the chunks per warp - 1)"
+    if not 1 <= row_tiles <= 8 or f % (16 * row_tiles):
+        return f"row_tiles {row_tiles} must be in 1..8 with F = {f} a multiple of 16 row_tiles"
+    if per_sm < 0:
+        return f"blocks per SM {per_sm} must be >= 0"
+    smem = norm_gate_up_smem_bytes(h, warps, row_tiles, n)
+    if smem > MAX_SMEM:
+        return f"it needs {smem} bytes of shared memory at N = {n}, more than {MAX_SMEM}"
+    return ""
+
+
 def norm_gate_up_applies(h: int, f: int) -> bool:
-    """Whether the dense gate/up kernel's launch for every batch 1-8
-    (`norm_gate_up_launch("nvfp4", n)`) splits hidden size h and MLP width f: warps
-    dividing h / 64 with at least 2 chunks each, prefetch below the chunks per warp,
-    f a multiple of 16 row_tiles; and NVFP4 among `norm_gate_up_formats()`. NVFP4 dense
-    gate and up weights are converted to the mma layout (`prepack`) only then."""
+    """Whether the dense gate/up kernel runs at hidden size h and MLP width f at every
+    batch 1-8 with `norm_gate_up_launch("nvfp4", n)` (`norm_gate_up_fits`), and NVFP4 is
+    among `norm_gate_up_formats()`. `prepack` converts an NVFP4 dense gate or up weight
+    [f, h] to the mma layout only then, so a converted weight always has the CUDA kernel."""
     if "nvfp4" not in norm_gate_up_formats():
         return False
-    for n in range(1, 9):
-        warps, row_tiles, prefetch, _ = norm_gate_up_launch("nvfp4", n)
-        kc = h // 64
-        if h % 64 or kc % warps or kc < 2 * warps or prefetch >= kc // warps \
-                or f % (16 * row_tiles):
-            return False
-    return True
+    return all(not norm_gate_up_fits(h, f, n, norm_gate_up_launch("nvfp4", n))
+               for n in range(1, 9))
 
 
 def mma_norm_gate_up(x: torch.Tensor, norm: torch.Tensor, gate: list, up: list, eps: float,
@@ -2746,8 +2766,8 @@ def mma_norm_gate_up(x: torch.Tensor, norm: torch.Tensor, gate: list, up: list, 
             `griddepcontrol.wait`, x after).
 
     Returns h bf16 [N, F]. Raises ValueError for arguments that do not fit (naming them:
-    shapes, dtypes, formats, H % (128 warps), F % (16 row_tiles), prefetch not below
-    H / (64 warps), N outside 1..8); RuntimeError without CUDA or when the launch fails.
+    shapes, dtypes, formats, N outside 1..8, a launch that `norm_gate_up_fits` refuses);
+    RuntimeError without CUDA or when the launch fails.
     """
     op = "mma_norm_gate_up"
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -2769,18 +2789,11 @@ def mma_norm_gate_up(x: torch.Tensor, norm: torch.Tensor, gate: list, up: list, 
         raise ValueError(f"{op}: norm must be a contiguous fp32 or bf16 tensor [{H}] on "
                          f"{x.device}")
     fmt = "bf16" if g_bf16 else "nvfp4"
-    warps, row_tiles, prefetch, per_sm = launch if launch is not None \
-        else norm_gate_up_launch(fmt, N)
-    for name, v, lo in (("warps", warps, 1), ("row_tiles", row_tiles, 1),
-                        ("prefetch", prefetch, 0), ("blocks per SM", per_sm, 0)):
-        if type(v) is not int or v < lo:
-            raise ValueError(f"{op}: launch {name} must be an int >= {lo}, got {v!r}")
-    if warps > 32 or H % 64 or (H // 64) % warps or H // 64 < 2 * warps \
-            or prefetch >= H // 64 // warps or F % (16 * row_tiles):
-        raise ValueError(f"{op}: launch (warps {warps}, row_tiles {row_tiles}, prefetch "
-                         f"{prefetch}) does not split H = {H} (warps <= 32 dividing H / 64 with "
-                         f">= 2 chunks each, prefetch below the chunks per warp) or F = {F} "
-                         f"(a multiple of 16 row_tiles)")
+    launch = norm_gate_up_launch(fmt, N) if launch is None else launch
+    why = norm_gate_up_fits(H, F, N, launch)
+    if why:
+        raise ValueError(f"{op}: launch {launch!r} does not fit H = {H}, F = {F}, N = {N}: {why}")
+    warps, row_tiles, prefetch, per_sm = launch
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
     (gwq, gsq, ggs), (uwq, usq, ugs) = _moe_pointers(gate, "gate"), _moe_pointers(up, "up")
@@ -2793,7 +2806,7 @@ def mma_norm_gate_up(x: torch.Tensor, norm: torch.Tensor, gate: list, up: list, 
     args = (H, warps, row_tiles, prefetch, bool(use_pdl), g_bf16, norm.dtype == torch.bfloat16,
             mma_trigger_early("norm_gate_up"))
     kernel = _compiled("nvfp4_mma_norm_gate_up", args, lambda: norm_gate_up_source(*args),
-                       x.device, norm_gate_up_smem_bytes(H, warps, row_tiles, 8))
+                       x.device, min(MAX_SMEM, norm_gate_up_smem_bytes(H, warps, row_tiles, 8)))
     out = torch.empty((N, F), dtype=torch.bfloat16, device=x.device)
     _launch(kernel, (grid, 1), 32 * warps,
             [gwq, gsq, ggs, uwq, usq, ugs, x, norm, float(eps), out, N, F, groups],
@@ -2874,8 +2887,8 @@ def prepack(weights: dict, config) -> int:
     32 <= E <= 1024, top-k <= 8, H % 1024 == 0, I % 64 == 0); the Q, K and V projections
     when the fused QKV kernel takes H and D (`qkv_applies`); the O projection and the
     dense down projection whenever F % 16 == 0 and K % 64 == 0; the dense gate and up
-    projections when the dense gate/up kernel's launches take H and F at every batch
-    (`norm_gate_up_applies`).
+    projections [F, K] when the dense gate/up kernel's launches take K and F at every
+    batch (`norm_gate_up_applies`).
 
     Returns the bytes converted (0 when nothing applies: another device, shapes the
     kernels do not take, FLINTC_NVFP4_MMA=0, or already converted).
@@ -2888,7 +2901,6 @@ def prepack(weights: dict, config) -> int:
 
     moe = _moe_kernels_apply(config)
     qkv = qkv_applies(config.hidden_size, config.head_dim)
-    dense = norm_gate_up_applies(config.hidden_size, config.intermediate_size)
     todo = []
     for name in list(weights):
         w = weights[name]
@@ -2899,9 +2911,9 @@ def prepack(weights: dict, config) -> int:
             continue
         if name.endswith(QKV_SUFFIXES) and not qkv:
             continue
-        if name.endswith(DENSE_GATE_UP_SUFFIXES) and not dense:
-            continue
         _, F, K = weight_dims(w.codes)
+        if name.endswith(DENSE_GATE_UP_SUFFIXES) and not norm_gate_up_applies(K, F):
+            continue
         if F % 16 or K % 64 or not available(w.codes.device):
             continue
         s = w.scales.to(torch.float32)

@@ -633,11 +633,15 @@ def test_prepack_converts_in_place(monkeypatch, moe_applies):
 
     ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
                            progress=False)
-    # H 2048 (the full model's): the MoE and the dense gate/up kernels take it; tiny's 128
-    # neither (the weights stay tiny: the config only decides)
+    # the MoE kernels: decided by the config (H 2048: they take it; the weights stay tiny);
+    # the dense gate/up: by each weight's own [F, K], which the default launches do not
+    # split at tiny's K = 128, and 1-warp launches do
     config = _moe_config(hidden_size=2048) if moe_applies else ckpt.config
     assert M._moe_kernels_apply(config) == moe_applies
-    dense = M.norm_gate_up_applies(config.hidden_size, config.intermediate_size)
+    if moe_applies:
+        monkeypatch.setenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH",
+                           "/".join(f"nvfp4:{n}=1,1,1,0" for n in range(1, 9)))
+    dense = M.norm_gate_up_applies(128, 256)
     assert dense == moe_applies
     monkeypatch.setattr(M, "available", lambda device: True)
     monkeypatch.setattr(M, "_PACKED", {})
@@ -1239,10 +1243,18 @@ def test_norm_gate_up_source_and_launch_refuse_bad_splits():
     x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
     gate = _nvfp4((), 64, 256, gen)
     norm = torch.ones(256)
-    with pytest.raises(ValueError, match=r"does not split H = 256"):
+    with pytest.raises(ValueError, match=r"does not fit H = 256, F = 64, N = 2: warps 8 must"):
         M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(8, 1, 1, 0))
-    with pytest.raises(ValueError, match=r"F = 64"):
+    with pytest.raises(ValueError, match=r"row_tiles 8 must be in 1..8 with F = 64"):
         M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(2, 8, 1, 0))
+    with pytest.raises(ValueError, match=r"launch must be 4 ints"):
+        M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(2, 1, 1))
+    big = torch.zeros(8, 16384, dtype=torch.bfloat16)  # 8 normed rows of 16384: > 227 KiB
+    wide = _nvfp4((), 64, 16384, gen)
+    with pytest.raises(ValueError, match=r"bytes of shared memory at N = 8"):
+        M.mma_norm_gate_up(big, torch.ones(16384), wide, wide, 1e-5, launch=(4, 1, 1, 0))
+    assert not M.norm_gate_up_applies(16384, 10240)  # so prepack leaves such weights packed
+    assert M.norm_gate_up_fits(16384, 10240, 1, (4, 1, 1, 0)) == ""
     with pytest.raises(ValueError, match="gate and up must be"):
         M.mma_norm_gate_up(x, norm, gate, _nvfp4((), 32, 256, gen), 1e-5, launch=(2, 1, 1, 0))
     with pytest.raises(ValueError, match="gate and up must be"):
@@ -1251,7 +1263,7 @@ def test_norm_gate_up_source_and_launch_refuse_bad_splits():
         M.mma_norm_gate_up(x, torch.ones(128), gate, gate, 1e-5, launch=(2, 1, 1, 0))
     with pytest.raises(ValueError, match=r"x must be a contiguous, 16-byte aligned bf16"):
         M.mma_norm_gate_up(torch.zeros(9, 256, dtype=torch.bfloat16), norm, gate, gate, 1e-5)
-    with pytest.raises(ValueError, match="launch prefetch must be an int >= 0"):
+    with pytest.raises(ValueError, match="prefetch -1 must be in 0..1"):
         M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(2, 1, -1, 0))
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         M.mma_norm_gate_up(x, norm, gate, gate, 1e-5, launch=(2, 1, 1, 0))
@@ -1288,9 +1300,11 @@ def test_norm_gate_up_launch_env_and_applies(monkeypatch):
     monkeypatch.delenv("FLINTC_MMA_NORM_GATE_UP_FORMATS")
     assert M.norm_gate_up_formats() == M.NORM_GATE_UP_FORMATS
     for bad in ("nvfp4:9=4,1,2,0", "fp8:1=4,1,2,0", "nvfp4:1=4,1,2", "nvfp4:1=0,1,2,0",
-                "nvfp4:1=4,0,2,0", "nvfp4:1=4,1,17,0", "nvfp4:1=4,1,2,33", "nvfp4=4,1,2,0"):
+                "nvfp4:1=4,0,2,0", "nvfp4:1=4,1,17,0", "nvfp4:1=4,1,2,33", "nvfp4=4,1,2,0",
+                "nvfp4:1=4,9,2,0"):
         monkeypatch.setenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH", bad)
-        with pytest.raises(TuningEnvError, match="FLINTC_MMA_NORM_GATE_UP_LAUNCH.*" + bad[:5]):
+        with pytest.raises(TuningEnvError,
+                           match="FLINTC_MMA_NORM_GATE_UP_LAUNCH.*" + re.escape(repr(bad))):
             M.norm_gate_up_launch("nvfp4", 1)
     monkeypatch.delenv("FLINTC_MMA_NORM_GATE_UP_LAUNCH")
     for fmt, n in (("fp8", 1), ("nvfp4", 0), ("bf16", 9), ("nvfp4", 2.0)):
