@@ -67,15 +67,43 @@ def _ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out.float() - ref.float()).abs().max().item() / ulp
 
 
+def _settings(parser: argparse.ArgumentParser) -> tuple:
+    """(formats, batches, launches, F, H) from the environment (module doc); a malformed
+    variable ends the script through `parser.error` naming it (exit status 2)."""
+    def ints(name: str, text: str) -> list[int]:
+        try:
+            return [int(v) for v in text.split(",")]
+        except ValueError:
+            parser.error(f"{name}: expected comma-separated integers, got {text!r}")
+
+    fmts = [f.strip() for f in os.environ.get("FMTS", "nvfp4,bf16").split(",")]
+    if not fmts or not set(fmts) <= {"nvfp4", "bf16"}:
+        parser.error(f"FMTS: expected formats among nvfp4, bf16; got {os.environ['FMTS']!r}")
+    ns = ints("NS", os.environ.get("NS", "1,2,4,8"))
+    if not all(1 <= n <= 8 for n in ns):
+        parser.error(f"NS: batches must be in 1..8, got {ns}")
+    launches = [tuple(ints("LAUNCHES", w)) for w in
+                os.environ.get("LAUNCHES", _DEFAULT_LAUNCHES).split()]
+    if not launches or any(len(la) != 4 for la in launches):
+        parser.error("LAUNCHES: expected space-separated warps,row_tiles,prefetch,"
+                     f"blocks_per_sm entries, got {os.environ.get('LAUNCHES')!r}")
+    sizes = []
+    for name, default in (("F", "10240"), ("H", "2048")):
+        v = ints(name, os.environ.get(name, default))
+        if len(v) != 1 or v[0] < 1:
+            parser.error(f"{name}: expected one positive integer, got {os.environ[name]!r}")
+        sizes.append(v[0])
+    return fmts, ns, launches, *sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="", help="write the table (Markdown) here too")
     args = parser.parse_args()
-    fmts = os.environ.get("FMTS", "nvfp4,bf16").split(",")
-    ns = [int(v) for v in os.environ.get("NS", "1,2,4,8").split(",")]
-    launches = [tuple(int(v) for v in s.split(","))
-                for s in os.environ.get("LAUNCHES", _DEFAULT_LAUNCHES).split()]
-    F, H = int(os.environ.get("F", 10240)), int(os.environ.get("H", 2048))
+    fmts, ns, launches, F, H = _settings(parser)
+    if not torch.cuda.is_available():
+        parser.exit(1, "gpu_dense_gate_up.py: needs a CUDA GPU (torch.cuda.is_available() is "
+                       "False)\n")
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth_gbs()
     rows, compiled = [], {}

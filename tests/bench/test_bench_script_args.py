@@ -118,3 +118,20 @@ def test_gemv_floor_groups_each_case_s_weights():
                                                   else copies[0][0]).data_ptr()
     with pytest.raises(ValueError, match="needs 1 or 2 matrices; got 3"):
         BG.weight_floors(Rot([nv, nv, nv]))
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"FMTS": "fp8"}, "FMTS: expected formats among nvfp4, bf16"),
+    ({"NS": "0,8"}, "NS: batches must be in 1..8"),
+    ({"LAUNCHES": "4,2,2"}, "LAUNCHES: expected space-separated"),
+    ({"LAUNCHES": "4,2,x,0"}, "LAUNCHES: expected comma-separated integers"),
+    ({"H": "1,2"}, "H: expected one positive integer"),
+])
+def test_dense_gate_up_script_refuses_bad_settings(env, needle):
+    """scripts/gpu_dense_gate_up.py: a malformed environment variable ends it with one
+    `error:` line naming the variable, exit status 2, before it looks for a GPU."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_dense_gate_up.py")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env}, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr.strip().splitlines()[-1]

@@ -1361,3 +1361,48 @@ def test_norm_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypa
         print(f"dense gate/up {fmt} {name} N={N}: {share:.2%} of elements differ from the "
               "reference")
         assert share < 0.05
+
+
+def test_norm_gate_up_epilogue_replay():
+    """The dense gate/up epilogue's index math, as pasted in the CUDA source (checked to be
+    there), replayed: thread i of the loop finds the accumulator of the m16n8k16 C fragment
+    (lane 4 g + t, register j: row g + 8 (j >> 1), column 2 t + (j & 1); PTX ISA) that holds
+    output (row tile r, row, column < N), gate and up alike, and every output is written
+    exactly once. Integer partial sums make the warp-order sums exact."""
+    src = M.norm_gate_up_source(2048, 4, 2, 2)
+    for line in ("const int r = i / (16 * N), rem = i - r * 16 * N;",
+                 "const int col = rem >> 4, row16 = rem & 15;",
+                 "const int j = 2 * (row16 >> 3) + (col & 1), ln = 4 * (row16 & 7) + (col >> 1);",
+                 "vg += red[((w * RT + r) * 4 + j) * 32 + ln];",
+                 "vu += red[((w * RT + RTB + r) * 4 + j) * 32 + ln];",
+                 "out[(size_t)col * F + (grp * RTB + r) * 16 + row16] = to_bf16(hv);"):
+        assert line in src, line
+    gen = torch.Generator().manual_seed(11)
+    for warps, rtb in ((1, 1), (4, 2), (3, 1)):
+        rt = 2 * rtb
+        # C[w, tile, row, col]: warp w's partial sums of 16-row tile `tile` (gate tiles
+        # 0..rtb-1, up tiles rtb..), 8 columns
+        C = torch.randint(-1000, 1000, (warps, rt, 16, 8), generator=gen)
+        red = torch.zeros(warps * rt * 4 * 32, dtype=torch.int64)
+        for w in range(warps):
+            for tile in range(rt):
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    for j in range(4):
+                        red[((w * rt + tile) * 4 + j) * 32 + lane] = \
+                            C[w, tile, g + 8 * (j >> 1), 2 * t + (j & 1)]
+        for N in range(1, 9):
+            seen = {}
+            for i in range(rtb * 16 * N):
+                r = i // (16 * N)
+                rem = i - r * 16 * N
+                col, row16 = rem >> 4, rem & 15
+                j, ln = 2 * (row16 >> 3) + (col & 1), 4 * (row16 & 7) + (col >> 1)
+                vg = sum(int(red[((w * rt + r) * 4 + j) * 32 + ln]) for w in range(warps))
+                vu = sum(int(red[((w * rt + rtb + r) * 4 + j) * 32 + ln]) for w in range(warps))
+                assert (r, row16, col) not in seen
+                seen[(r, row16, col)] = (vg, vu)
+            assert len(seen) == rtb * 16 * N
+            for (r, row16, col), (vg, vu) in seen.items():
+                assert vg == int(C[:, r, row16, col].sum())
+                assert vu == int(C[:, rtb + r, row16, col].sum())
