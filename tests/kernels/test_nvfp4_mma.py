@@ -1406,3 +1406,19 @@ def test_norm_gate_up_epilogue_replay():
             for (r, row16, col), (vg, vu) in seen.items():
                 assert vg == int(C[:, r, row16, col].sum())
                 assert vu == int(C[:, rtb + r, row16, col].sum())
+
+
+def test_dense_gate_up_reference_reads_converted_weights():
+    """Past N = 8 (prefill chunks) `norm_gate_up_silu` takes the reference op, which must
+    read the dense gate and up weights that `prepack` converted to the mma layout: the
+    same bits as from the packed weights (here on the CPU)."""
+    from flintc.kernels import fused_gemv
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    gate, up = _nvfp4((), 64, 256, gen), _nvfp4((), 64, 256, gen)
+    x = (torch.randn(12, 256, generator=gen) * 2).to(torch.bfloat16)
+    norm = torch.rand(256, generator=gen) + 0.5
+    want = fused_gemv.norm_gate_up_silu(x, norm, gate, up, 1e-5)
+    conv = [[*M.pack_mma_layout(w[0], w[1]), w[2]] for w in (gate, up)]
+    got = fused_gemv.norm_gate_up_silu(x, norm, conv[0], conv[1], 1e-5)
+    assert got.shape == (12, 64) and torch.equal(got, want)
