@@ -28,6 +28,19 @@ def set_public_mode(path: str | os.PathLike) -> None:
         os.chmod(path, 0o666 & ~mask)
 
 
+def cannot_write_in(folder: str | os.PathLike) -> str | None:
+    """Why a file cannot be created in the existing folder `folder` (the OS error's text),
+    or None when it can: creates and removes an empty temporary file there, which also
+    catches what permission bits do not tell root (a read-only or virtual file system)."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".flintc-probe-", dir=folder)
+    except OSError as e:
+        return e.strerror or str(e)
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
 def write_text_atomic(path, text: str) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

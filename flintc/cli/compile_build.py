@@ -63,6 +63,7 @@ def check_output_folder(path, flag: str = "--out") -> None:
     from pathlib import Path
 
     from flintc.errors import InputError
+    from flintc.fileio import cannot_write_in
 
     target = Path(path)
     parent = target.parent if str(target.parent) else Path(".")
@@ -72,6 +73,31 @@ def check_output_folder(path, flag: str = "--out") -> None:
         raise InputError(f"{flag} {path}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: the parent folder {parent} is not writable")
+    why = cannot_write_in(parent)
+    if why:
+        raise InputError(f"{flag} {path}: cannot write in the parent folder {parent} ({why})")
+
+
+def check_output_parents(path, flag: str) -> None:
+    """Fail before any work when `path` (a file or folder whose missing parent folders the
+    command creates) cannot be written: its nearest existing ancestor must be a folder
+    one can write in. Raises InputError naming the flag and path."""
+    from pathlib import Path
+
+    from flintc.errors import InputError
+    from flintc.fileio import cannot_write_in
+
+    target = Path(path)
+    if target.is_dir() and flag != "--out":
+        raise InputError(f"{flag} {path}: is a directory, expected a file name")
+    anc = target.parent if str(target.parent) else Path(".")
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise InputError(f"{flag} {path}: {anc} is not a folder")
+    why = cannot_write_in(anc)
+    if why:
+        raise InputError(f"{flag} {path}: cannot write in the folder {anc} ({why})")
 
 
 def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
@@ -166,6 +192,12 @@ def run_compile(args: argparse.Namespace) -> int:
 
     check_model_source_args(args)
     check_output_folder(args.out, "--out")
+    if getattr(args, "backend", None) in ("triton", "auto", None):
+        # the variables the build's runtime will read (FLINTC_PDL_TRIGGER, FLINTC_MMA_*, ...):
+        # a bad value is refused now, not by `flintc run` after the compile
+        from flintc.runtime.compiled import check_environment
+
+        check_environment(getattr(args, "backend", None))
     if args.max_model_len is not None and args.max_model_len < 1:
         raise InputError(f"--max-model-len must be at least 1, got {args.max_model_len}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:

@@ -29,8 +29,10 @@ def add_parser(sub) -> None:
 def run_make_checkpoint(args: argparse.Namespace) -> int:
     from flintc.checkpoint.writer import make_checkpoint
     from flintc.config import FlintConfig
+    from flintc.cli.compile_build import check_output_parents
     from flintc.errors import InputError
 
+    check_output_parents(args.out, "--out")
     if args.max_shard_bytes is not None:
         if args.max_shard_bytes < 1:
             raise InputError(f"--max-shard-bytes must be a positive number of bytes, got {args.max_shard_bytes}")

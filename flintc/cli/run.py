@@ -280,11 +280,19 @@ class _TextStream:
 def _check_output_path(path: str, flag: str) -> None:
     """Fail before any work if `path` cannot be written: its folder must exist and it
     must not be a folder itself."""
+    from flintc.fileio import cannot_write_in
+
     target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
         raise InputError(f"{flag} {path}: is a directory, expected a file name")
-    if not target.parent.is_dir():
-        raise InputError(f"{flag} {path}: folder {target.parent} does not exist")
+    if parent.exists() and not parent.is_dir():
+        raise InputError(f"{flag} {path}: {parent} is not a folder")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: folder {parent} does not exist")
+    why = cannot_write_in(parent)
+    if why:
+        raise InputError(f"{flag} {path}: cannot write in the folder {parent} ({why})")
 
 
 def _save_npy_atomic(path: str, array) -> None:

@@ -24,6 +24,10 @@ def run_verify(args: argparse.Namespace) -> int:
     from flintc.passes.manager import PassCheckError
     from flintc.passes.pipeline import compile_step
 
+    if args.json_out:  # refused now, not after every pass has run
+        from flintc.cli.compile_build import check_output_parents
+
+        check_output_parents(args.json_out, "--json")
     steps = ("decode", "prefill") if args.step == "both" else (args.step,)
     ok, reports = True, []
     for target in build_targets(args):

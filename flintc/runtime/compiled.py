@@ -125,6 +125,11 @@ def read_manifest(build: str | Path) -> dict:
     for key in ("build_version", "config", "weight_sha256", "functions", "max_batch"):
         if key not in manifest:
             raise InputError(f"{path} has no field {key!r}; rebuild with flintc compile")
+    from flintc.runtime.build import BUILD_VERSION
+
+    if manifest["build_version"] != BUILD_VERSION:
+        raise InputError(f"{path}: build_version {manifest['build_version']!r}, this flintc "
+                         f"reads {BUILD_VERSION}; rebuild with flintc compile")
     return manifest
 
 
@@ -169,6 +174,9 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
         use_triton_interpreter(build)  # as `flintc run --device cpu`: before the kernels are imported
     check_environment(manifest.get("backend"))  # before the weights load
     config = FlintConfig.from_dict(manifest["config"], source=str(build / "build.json"))
+    if config_fingerprint(config) != manifest.get("config_sha256"):
+        raise InputError(f"{build / 'build.json'}: its config does not match its config_sha256 "
+                         "(the file was edited); recompile with flintc compile")
     if ckpt is None:
         source = model or manifest["weight_source"]
         if str(source).startswith("dummy:") and load_format != "dummy":

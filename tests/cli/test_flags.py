@@ -441,3 +441,46 @@ def test_interrupted_dump_leaves_nothing_and_a_dump_replaces_an_earlier_one(caps
     assert not (out / "99-stale.py").exists() and json.loads((out / "report.json").read_text())["stages"]
     assert f"-> {out}" in stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dumps"]
+
+
+def test_output_paths_are_checked_before_any_work(capsys, tmp_path, monkeypatch, tiny_bf16_dir):
+    """make-checkpoint --out, verify --json and run --logits-out under a plain file, or in
+    a folder where no file can be created (the write probe of `flintc.fileio`, which also
+    sees what permission bits do not tell root), are refused at once with one line naming
+    the flag; nothing is written."""
+    import flintc.fileio as fileio
+
+    (tmp_path / "file").write_text("x")
+    t0 = time.perf_counter()
+    for args, flag in ((["make-checkpoint", "--config", "tiny", "--out", tmp_path / "file" / "c"],
+                        "--out"),
+                       (["verify", "--json", tmp_path / "file" / "r.json", "--step", "decode"],
+                        "--json")):
+        code, _, err = run_cli(capsys, *args)
+        assert_one_line_error(code, err, flag, "is not a folder")
+    real = fileio.cannot_write_in
+    monkeypatch.setattr(fileio, "cannot_write_in", lambda folder: "Read-only file system")
+    for args, flag in ((["make-checkpoint", "--config", "tiny", "--out", tmp_path / "c"], "--out"),
+                       (["verify", "--json", tmp_path / "r.json", "--step", "decode"], "--json"),
+                       (["compile", tiny_bf16_dir, "--out", tmp_path / "b"], "--out"),
+                       (["run", tiny_bf16_dir, "--prompt-ids", "1,2", "--max-tokens", "1",
+                         "--logits-out", tmp_path / "l.npy"], "--logits-out")):
+        code, _, err = run_cli(capsys, *args)
+        assert_one_line_error(code, err, flag, "cannot write in the", "Read-only file system")
+    assert time.perf_counter() - t0 < 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    monkeypatch.setattr(fileio, "cannot_write_in", real)
+    assert real(tmp_path) is None and real(tmp_path / "missing") is not None
+
+
+def test_compile_checks_the_kernel_environment_first(capsys, tmp_path, monkeypatch, tiny_bf16_dir):
+    """A malformed kernel variable is refused by `flintc compile` (the build's runtime would
+    refuse it at load), before any compile work, naming the variable."""
+    for var, bad in (("FLINTC_PDL_TRIGGER", "sometimes"),
+                     ("FLINTC_MMA_NORM_GATE_UP_LAUNCH", "nvfp4:1=4,1,2")):
+        monkeypatch.setenv(var, bad)
+        code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", tmp_path / "b",
+                               "--backend", "triton")
+        assert_one_line_error(code, err, var)
+        monkeypatch.delenv(var)
+    assert list(tmp_path.iterdir()) == []

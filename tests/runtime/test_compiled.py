@@ -539,3 +539,25 @@ def test_cuda_build_without_a_gpu_hints_at_device_cpu(builds, capsys, tmp_path):
     assert code == 2 and "no CUDA GPU" in err and "--device cpu" in err
     code, out, err = run_cli(capsys, *args, "--device", "cpu")  # and the hint is true
     assert code == 0 and len(json.loads(out)["output_ids"]) == 2, err
+
+
+def test_edited_build_json_is_refused(builds, tmp_path):
+    """A build.json whose build_version this flintc does not read, or whose config no
+    longer matches its config_sha256 (edited by hand), is refused naming the file."""
+    import shutil
+
+    from flintc.errors import InputError
+
+    build, ckpt_dir = builds["bf16"]
+    for field, value, needle in (("build_version", 99, "build_version 99"),
+                                 ("config", "hidden_size", "does not match its config_sha256")):
+        copy = tmp_path / field
+        shutil.copytree(build, copy)
+        manifest = json.loads((copy / "build.json").read_text())
+        if field == "config":
+            manifest["config"]["hidden_size"] *= 2
+        else:
+            manifest[field] = value
+        (copy / "build.json").write_text(json.dumps(manifest))
+        with pytest.raises(InputError, match=needle):
+            load_build(copy, ckpt_dir, progress=False)
