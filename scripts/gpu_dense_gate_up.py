@@ -56,10 +56,6 @@ def _weights(fmt: str, F: int, H: int, copies: int, gen: torch.Generator) -> lis
     return out
 
 
-def _nbytes(w: list) -> int:
-    return sum(t.numel() * t.element_size() for t in w[:2])
-
-
 def _ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest |out - ref| in bf16 ulps at the reference's largest magnitude."""
     scale = ref.float().abs().max().item()
@@ -106,7 +102,7 @@ def main() -> None:
                        "False)\n")
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth_gbs()
-    rows, compiled = [], {}
+    rows = []
     for fmt in fmts:
         per = 2 * (F * H * 2 if fmt == "bf16" else F * H // 2 + F * H // 16)
         copies = max(2, int(256e6 // per) + 1)
@@ -145,8 +141,6 @@ def main() -> None:
                 gbs = nbytes / us / 1e3
                 rows.append([fmt, N, name, f"{us:.2f}", f"{gbs:.0f}", f"{100 * gbs / bw:.0f}%",
                              f"{ulps:.2f}"])
-                if la is not None:
-                    compiled[(fmt, la)] = None
         del ws, conv
         torch.cuda.empty_cache()
     regs = []

@@ -620,7 +620,8 @@ def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
         return None
     N, H = x2.shape
     F = nvfp4_mma.weight_dims(gate[0])[1] if base == "nvfp4" else gate[0].shape[0]
-    if nvfp4_mma.norm_gate_up_fits(H, F, N, nvfp4_mma.norm_gate_up_launch(base, N)):
+    launch = nvfp4_mma.norm_gate_up_launch(base, N)
+    if nvfp4_mma.norm_gate_up_fits(H, F, N, launch):
         return None
     if base == "bf16" and any(w[0].data_ptr() % 16 or not w[0].is_contiguous()
                               for w in (gate, up)):
@@ -629,7 +630,7 @@ def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
         x2 = x2.clone(memory_format=torch.contiguous_format)
     try:
         return nvfp4_mma.mma_norm_gate_up(x2, norm, list(gate), list(up), float(eps),
-                                          use_pdl=use_pdl)
+                                          launch=launch, use_pdl=use_pdl)
     except RuntimeError:  # packed weights first seen while capturing a CUDA graph (their
         if not torch.cuda.is_current_stream_capturing():  # repack is eager): Triton
             raise

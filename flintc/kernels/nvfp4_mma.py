@@ -1834,6 +1834,19 @@ def _env_entries(var: str, parse, expected: str) -> list:
     return out
 
 
+def _fmt_n_entry(entry: str, fields: int) -> tuple[tuple[str, int], tuple[int, ...]]:
+    """One `fmt:N=v1,v2,...` tuning entry: ((fmt, N), the `fields` ints), fmt "nvfp4" or
+    "bf16" (any case), 1 <= N <= 8. Raises ValueError for any other form (the caller
+    checks the values' ranges)."""
+    key, value = entry.split("=")
+    f, nn = key.split(":")
+    f, nn = f.strip().lower(), int(nn)
+    vals = tuple(int(v) for v in value.split(","))
+    if f not in ("nvfp4", "bf16") or not 1 <= nn <= 8 or len(vals) != fields:
+        raise ValueError
+    return (f, nn), vals
+
+
 # (warps, prefetch) of the GEMV kernel by (weight format, F, K), where measured better than
 # the rule (`warps_for(K)` warps, 2 chunks ahead); FLINTC_MMA_GEMV_LAUNCH overrides it
 # (`gemv_launch`).
@@ -2212,14 +2225,10 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int]:
         raise ValueError(f"gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
                          f"1..8; got {fmt!r}, {n!r}")
     def parse(entry: str) -> tuple:
-        key, value = entry.split("=")
-        f, nn = key.split(":")
-        f, nn = f.strip().lower(), int(nn)
-        w, r, b = (int(v) for v in value.split(","))
-        if f not in GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 or r < 1 \
-                or not 0 <= b <= 32 or b * w * 32 > 2048:
+        key, (w, r, b) = _fmt_n_entry(entry, 3)
+        if not 1 <= w <= 32 or r < 1 or not 0 <= b <= 32 or b * w * 32 > 2048:
             raise ValueError
-        return (f, nn), (w, r, b)
+        return key, (w, r, b)
 
     entries = dict(_env_entries("FLINTC_MMA_GATE_UP_LAUNCH", parse,
                                 "fmt:N=warps,row_tiles,min_blocks (fmt nvfp4 or bf16, N 1-8, "
@@ -2691,14 +2700,10 @@ def norm_gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
                          f"1..8; got {fmt!r}, {n!r}")
 
     def parse(entry: str) -> tuple:
-        key, value = entry.split("=")
-        f, nn = key.split(":")
-        f, nn = f.strip().lower(), int(nn)
-        w, r, pf, b = (int(v) for v in value.split(","))
-        if f not in NORM_GATE_UP_LAUNCH or not 1 <= nn <= 8 or not 1 <= w <= 32 \
-                or not 1 <= r <= 8 or not 0 <= pf <= 16 or not 0 <= b <= 32:
+        key, (w, r, pf, b) = _fmt_n_entry(entry, 4)
+        if not 1 <= w <= 32 or not 1 <= r <= 8 or not 0 <= pf <= 16 or not 0 <= b <= 32:
             raise ValueError
-        return (f, nn), (w, r, pf, b)
+        return key, (w, r, pf, b)
 
     entries = dict(_env_entries("FLINTC_MMA_NORM_GATE_UP_LAUNCH", parse,
                                 "fmt:N=warps,row_tiles,prefetch,blocks (fmt nvfp4 or bf16, N "
