@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import itertools
 import os
+import re
 import sys
 
 import torch
@@ -146,12 +147,14 @@ def _patched_source(old: str, new: str):
         nvfp4_mma._render, nvfp4_mma._KERNELS = render, cache
 
 
-# the routed blocks' top-k rounds (`route_slot`) replaced by an id from one logit load
-# (kept dependent on the logits, so on the previous kernel): what the rounds cost. The
-# keys are still loaded and computed (`load_keys`); session 15's run 1 replaced the whole
-# `route_token` call of the code then.
-_ROUTE = "e = route_slot(packed, lane, k);"
-_NO_ROUTE = "e = (int)((__float_as_uint(ld_act_f32(logits + (size_t)n * NE + k)) >> 8) % NE);"
+# the routed blocks' routing (`route_slot_block`: the keys and the top-k rounds of every
+# warp, and warp 0's merge) replaced by an id from one logit load (kept dependent on the
+# logits, so on the previous kernel): what the routing costs. Session 15's run 1 replaced
+# the whole `route_token` call of the code then, sessions 16-21 warp 0's rounds alone.
+_ROUTE = re.search(r"const long long e = route_slot_block\([^;]*\);",
+                   nvfp4_mma._MOE_GATE_UP_SOURCE).group(0)
+_NO_ROUTE = ("const long long e = (__float_as_uint(ld_act_f32(logits + (size_t)n * NE + k)) >> 8)"
+             " % NE;")
 
 
 def _moe_down_rows(batches, gen, row) -> None:
@@ -410,10 +413,10 @@ def main() -> None:
     for key, kern in nvfp4_mma._KERNELS.items():
         if not str(key[1]).startswith(("nvfp4_mma_gemv", "nvfp4_mma_moe")):
             continue  # (device, name, `_kernel`'s arguments); not the QKV / router kernels
-        _, name, rt, k, splits, pf, warps, epi, pdl, _, _, bf16, trig, mb = key
+        _, name, rt, k, splits, pf, warps, epi, pdl, _, _, bf16, trig, mb, block_route = key
         print(f"cuda {name} {'bf16' if bf16 else 'nvfp4'} rt{rt} K={k} s{splits} w{warps} "
               f"pf{pf} epi{epi} pdl{int(pdl)} trigger {'early' if trig else 'late'} "
-              f"min_blocks {mb}: "
+              f"min_blocks {mb} route {'block' if block_route else 'warp'}: "
               f"{_func_attr(kern, 4)} registers, {_func_attr(kern, 3)} spill bytes")
 
 

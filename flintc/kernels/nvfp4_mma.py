@@ -117,6 +117,7 @@ import weakref
 import torch
 
 __all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
+           "GATE_UP_PREFETCH", "GATE_UP_ROUTE", "gate_up_route",
            "GEMV_LAUNCH", "gemv_launch",
            "MAX_SMEM", "MMA_KERNELS", "QKV_LAUNCH_ORDER", "gate_up_launch", "mma_trigger_early",
            "ROUTER_LAUNCH_ORDER", "SCALE_CODE_BIAS", "STATIC_SMEM", "available",
@@ -472,6 +473,11 @@ __device__ __forceinline__ float ld_act_f32(const float* p) {
   asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ float ld_f32_nc(const float* p) {  // a weight, before the wait
+  float v;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ void load_x(Chunk& ch, const uint4* xp, int c) {
   ch.x0 = ld_act(xp + 8 * c);
   ch.x1 = ld_act(xp + 8 * c + 1);
@@ -706,6 +712,8 @@ _MOE_GATE_UP_SOURCE = r"""
 // weights.
 #define KTOP __KTOP__
 #define NE __NE__  // experts (a multiple of 32, at most 1024)
+#define BLOCK_ROUTE __BLOCK_ROUTE__  // routed blocks: 1 every warp routes (route_slot_block),
+                                     // 0 warp 0 alone
 
 __device__ __forceinline__ long long route_key(float key, int e) {
   int bits = __float_as_int(key + 0.0f);  // -0 -> +0
@@ -721,20 +729,26 @@ __device__ __forceinline__ void load_keys(long long (&packed)[NE / 32], const fl
     packed[j] = route_key(sigmoid_rn(ld_act_f32(logits + e)) + __ldg(bias + e), e);
   }
 }
-// the warp's largest key, taken out of packed (every lane gets the expert): each lane's
-// largest, then redux.sync on the high words (the score's order) and on the low words
-// (NE - 1 - e) of the lanes holding the largest high word
-__device__ __forceinline__ int take_best(long long (&packed)[NE / 32], int lane) {
+#define LOWEST_KEY (-9223372036854775807LL - 1)  // below every expert's key
+// the warp's largest key, taken out of packed (every lane gets it): each lane's largest,
+// then redux.sync on the high words (the score's order) and on the low words (NE - 1 - e)
+// of the lanes holding the largest high word. Keys are unique (the expert is in the low
+// word), so the one equal to it is the one taken.
+template <int J>
+__device__ __forceinline__ long long take_best_key(long long (&packed)[J]) {
   long long best = packed[0];
 #pragma unroll
-  for (int j = 1; j < NE / 32; ++j) best = max(best, packed[j]);
+  for (int j = 1; j < J; ++j) best = max(best, packed[j]);
   const int hi = __reduce_max_sync(0xffffffffu, (int)(best >> 32));
   const unsigned lo = __reduce_max_sync(0xffffffffu, (int)(best >> 32) == hi ? (unsigned)best : 0u);
-  const int e = NE - 1 - (int)lo;
-  const long long lowest = (long long)(-9223372036854775807LL - 1);
+  const long long key = (long long)(((unsigned long long)(unsigned)hi << 32) | lo);
 #pragma unroll
-  for (int j = 0; j < NE / 32; ++j) if (lane + 32 * j == e) packed[j] = lowest;
-  return e;
+  for (int j = 0; j < J; ++j) if (packed[j] == key) packed[j] = LOWEST_KEY;
+  return key;
+}
+__device__ __forceinline__ int key_expert(long long key) { return NE - 1 - (int)(unsigned)key; }
+__device__ __forceinline__ int take_best(long long (&packed)[NE / 32], int) {
+  return key_expert(take_best_key(packed));
 }
 // token n's top-KTOP into ids[KTOP] / w[KTOP] (one warp; every lane gets the results)
 __device__ void route_token(const float* logits, const float* bias, float scaling, int lane,
@@ -763,11 +777,42 @@ __device__ void route_token(const float* logits, const float* bias, float scalin
 #pragma unroll
   for (int k = 0; k < KTOP; ++k) w[k] = __fmul_rn(__fdiv_rn(sel[k], total), scaling);
 }
-// the expert in slot k of a token whose keys are loaded (k + 1 rounds of take_best)
-__device__ __forceinline__ int route_slot(long long (&packed)[NE / 32], int lane, int k) {
-  int e = 0;
-  for (int r = 0; r <= k; ++r) e = take_best(packed, lane);
-  return e;
+// The block's routing (every routed block, for its token n and slot k): all warps share
+// the experts, warp w taking e = lane + 32 (w + WARPS j), j < RJ. Each warp takes its own
+// top-(k + 1) keys into s_cand[w][0..k]; the union of those holds the block's top-(k + 1),
+// so warp 0's top-(k + 1) of the union ends on slot k's expert, as k + 1 rounds over all
+// NE keys would (the same keys, the same order). bias_r: the warp's biases, loaded before
+// the dependency wait (a weight).
+#define RJ ((NE / 32 + WARPS - 1) / WARPS)  // experts per lane
+#define CJ ((WARPS * KTOP + 31) / 32)       // candidates per lane of warp 0's merge
+__device__ __forceinline__ int route_slot_block(const float* logits, const float (&bias_r)[RJ],
+                                                int k, int lane, int warp,
+                                                long long (*s_cand)[KTOP], int* s_e) {
+  long long packed[RJ];
+#pragma unroll
+  for (int j = 0; j < RJ; ++j) {
+    const int e = lane + 32 * (warp + WARPS * j);
+    packed[j] = e < NE ? route_key(sigmoid_rn(ld_act_f32(logits + e)) + bias_r[j], e)
+                       : LOWEST_KEY;
+  }
+  for (int r = 0; r <= k; ++r) {
+    const long long key = take_best_key(packed);
+    if (lane == 0) s_cand[warp][r] = key;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    long long cand[CJ];
+#pragma unroll
+    for (int j = 0; j < CJ; ++j) {
+      const int i = lane + 32 * j, w = i / KTOP, r = i - w * KTOP;
+      cand[j] = w < WARPS && r <= k ? s_cand[w][r] : LOWEST_KEY;
+    }
+    long long key = LOWEST_KEY;
+    for (int r = 0; r <= k; ++r) key = take_best_key(cand);
+    if (lane == 0) *s_e = key_expert(key);
+  }
+  __syncthreads();
+  return *s_e;
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32 __MINB__)
@@ -781,6 +826,7 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
                       double scaling_d, u16* __restrict__ hout, float* __restrict__ wout,
                       long long* __restrict__ ids_out, int N, int I) {
   __shared__ float red[WARPS][RT][4][32];
+  __shared__ long long s_cand[WARPS][KTOP];
   __shared__ int s_e;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -799,6 +845,12 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
     u_sp = s_at(susq, ft, c0, lane);
 #pragma unroll
     for (int c = 0; c < PF && c < CPW; ++c) load_w2<true>(buf[c], g_wp, g_sp, u_wp, u_sp, c);
+  }
+  float bias_r[RJ];  // the routing biases (a weight: loaded before the wait)
+#pragma unroll
+  for (int j = 0; j < RJ; ++j) {
+    const int e = lane + 32 * (warp + WARPS * j);
+    bias_r[j] = BLOCK_ROUTE && item != 0 && e < NE ? ld_f32_nc(bias + e) : 0.f;
   }
 #if PDL
   if (N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -820,14 +872,20 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
   } else {
     n = (item - 1) / KTOP;
     k = (item - 1) % KTOP;
-    if (warp == 0) {  // this token's top-k up to slot k (k + 1 rounds)
+#if BLOCK_ROUTE
+    const long long e = route_slot_block(logits + (size_t)n * NE, bias_r, k, lane, warp,
+                                         s_cand, &s_e);
+#else
+    if (warp == 0) {  // warp 0 alone: this token's top-k up to slot k (k + 1 rounds)
       long long packed[NE / 32];
       load_keys(packed, logits + (size_t)n * NE, bias, lane);
-      const int e = route_slot(packed, lane, k);
+      int e = 0;
+      for (int r = 0; r <= k; ++r) e = take_best(packed, lane);
       if (lane == 0) s_e = e;
     }
     __syncthreads();
     const long long e = s_e;
+#endif
     g_wp = w_at(gwq, e * FT + ft, c0, lane);
     g_sp = s_at(gsq, e * FT + ft, c0, lane);
     u_wp = w_at(uwq, e * FT + ft, c0, lane);
@@ -1546,11 +1604,12 @@ _KERNELS: dict[tuple, object] = {}  # compiled variants, by (device index, _kern
 
 def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epilogue: int,
             pdl: bool, moe_top_k: int = 0, experts: int = 0, bf16: bool = False,
-            trigger_early: bool = False, min_blocks: int = 0, *, device: torch.device):
+            trigger_early: bool = False, min_blocks: int = 0, block_route: bool = True, *,
+            device: torch.device):
     """The compiled variant for `device` (NVRTC through `torch.cuda._compile_kernel`, about
     a second the first time; cached for the process per device)."""
     args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts,
-            bool(bf16), bool(trigger_early), int(min_blocks))
+            bool(bf16), bool(trigger_early), int(min_blocks), bool(block_route))
     name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
         else "nvfp4_mma_gemv"
     return _compiled(name, args, lambda: kernel_source(*args), device)
@@ -1583,7 +1642,7 @@ def _compiled(name: str, args: tuple, source, device: torch.device, smem: int = 
 def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int,
                   epilogue: int = EPI_FP32, pdl: bool = False, moe_top_k: int = 0,
                   experts: int = 0, bf16: bool = False, trigger_early: bool = False,
-                  min_blocks: int = 0) -> str:
+                  min_blocks: int = 0, block_route: bool = True) -> str:
     """The CUDA source of one kernel variant (every argument is compiled in): the GEMV
     (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
     row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
@@ -1593,7 +1652,9 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     `griddepcontrol.launch_dependents` right after its first weight and activation loads
     are issued instead of after its main loop (`mma_trigger_early`). `min_blocks` > 0 (the
     gate/up kernel): `__launch_bounds__(warps * 32, min_blocks)`, so ptxas caps the
-    registers for that many resident blocks per SM (spilling if it must). Raises ValueError for
+    registers for that many resident blocks per SM (spilling if it must). `block_route` (the
+    gate/up kernel): every warp of a routed block takes a share of the top-k
+    (`route_slot_block`), else warp 0 alone (`gate_up_route`). Raises ValueError for
     sizes below 1, k not a multiple of 64, an MoE variant over `STATIC_SMEM`, or
     down-kernel splits that do not divide k / 64."""
     if min(row_tiles, splits, warps) < 1 or prefetch < 0 or k < 64 or k % 64:
@@ -1611,7 +1672,8 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     subs = {"__RT__": row_tiles, "__KC__": chunks, "__CPW__": chunks // (warps * splits),
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
             "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16),
-            "__KSPLIT__": splits, "__TRIG__": int(bool(trigger_early))}
+            "__KSPLIT__": splits, "__TRIG__": int(bool(trigger_early)),
+            "__BLOCK_ROUTE__": int(bool(block_route))}
     if min_blocks < 0 or (min_blocks and not experts) or min_blocks * warps * 32 > 2048:
         raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel, >= 0, with "
                          f"min_blocks x warps x 32 <= 2048; got {min_blocks} (warps {warps})")
@@ -2035,11 +2097,11 @@ STATIC_SMEM = 48 * 1024  # bytes of static __shared__ a kernel may declare
 
 def moe_smem_bytes(experts: int, warps: int, tiles: int, top_k: int) -> int:
     """Static shared memory of an MoE kernel variant (its __shared__ arrays): gate/up
-    (experts > 0; tiles = 16-row tiles per block) the warps' fp32 sums and the routed
-    expert; down (tiles = K slices per item) the slices' fp32 sums of 8 tokens x (top_k +
+    (experts > 0; tiles = 16-row tiles per block) the warps' fp32 sums, their routing
+    candidates (top_k keys each) and the routed expert; down (tiles = K slices per item) the slices' fp32 sums of 8 tokens x (top_k +
     1) items x 16 rows and the items' scales."""
     if experts:
-        return 4 * warps * 2 * tiles * 4 * 32 + 4
+        return 4 * warps * 2 * tiles * 4 * 32 + 8 * warps * top_k + 4
     return 4 * tiles * 8 * (top_k + 1) * 16 + 4 * 8 * (top_k + 1)
 
 
@@ -2195,9 +2257,12 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
 # step (b8/1K) the 4-row-tile launch was slower (27.6 against 24.5 us per layer), so
 # every entry keeps one row tile; N = 3, 5-7 interpolated. NVFP4 N = 8: 4 warps with the
 # registers capped for 6 blocks per SM (`GATE_UP_MIN_BLOCKS`; session 20, run 3: the
-# forward at b8/1K 3.49 -> 3.40 ms, twice, alternated).
-GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 or n == 8 else (2, 1)
-                            for n in range(1, 9)},
+# forward at b8/1K 3.49 -> 3.40 ms, twice, alternated). Session 22 (every warp routes,
+# `route_slot_block`; run 2, kernel alone, us): N = 4 4 warps 12.3, 2 warps 13.5; in the
+# model (run 3, alternated twice) b4/1K 2.45 -> 2.43 ms with 4 warps, so NVFP4 N = 4-7 take
+# 4 warps (N = 5-7 interpolated). 3 chunks ahead at N = 1 (5.5 against 5.8 us alone) did
+# not move the model's b1/1K (1.74 ms both).
+GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) for n in range(1, 9)},
                   "bf16": {n: (4, 1) if n == 1 else (2, 1) for n in range(1, 9)}}
 
 # Resident blocks per SM the gate/up kernel's registers are capped for (`min_blocks`; 0: no
@@ -2209,38 +2274,76 @@ GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) if n <= 3 or n == 8 
 GATE_UP_MIN_BLOCKS = {fmt: {n: 6 if (fmt, n) == ("nvfp4", 8) else 0 for n in range(1, 9)}
                       for fmt in ("nvfp4", "bf16")}
 
+# Chunks each warp of the gate/up kernel loads ahead, by weight format and N.
+GATE_UP_PREFETCH = {fmt: {n: 2 for n in range(1, 9)} for fmt in ("nvfp4", "bf16")}
 
-def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int]:
-    """(warps, row_tiles, min_blocks) of the gate/up kernel for weight format `fmt` and
-    batch `n`: `GATE_UP_LAUNCH` and `GATE_UP_MIN_BLOCKS`, with the entries of
-    FLINTC_MMA_GATE_UP_LAUNCH, when set, in their place: `/`-separated `fmt:N=warps,
-    row_tiles,min_blocks` (e.g. "nvfp4:8=4,1,6/nvfp4:4=4,1,6"), for tuning runs.
+
+def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
+    """(warps, row_tiles, min_blocks, prefetch) of the gate/up kernel for weight format
+    `fmt` and batch `n`: `GATE_UP_LAUNCH`, `GATE_UP_MIN_BLOCKS` and `GATE_UP_PREFETCH`, with
+    the entries of FLINTC_MMA_GATE_UP_LAUNCH, when set, in their place: `/`-separated
+    `fmt:N=warps,row_tiles,min_blocks[,prefetch]` (prefetch 2 when left out; e.g.
+    "nvfp4:8=4,1,6/nvfp4:1=8,1,0,3"), for tuning runs.
 
     Raises:
         ValueError: `fmt` other than "nvfp4" or "bf16", or `n` not an int in 1..8.
-        TuningEnvError (a ValueError): an entry that is not `fmt:N=w,r,b` with fmt nvfp4
-            or bf16, 1 <= N <= 8, 1 <= w <= 32, r >= 1 and 0 <= b <= 32.
+        TuningEnvError (a ValueError): an entry that is not `fmt:N=w,r,b[,p]` with fmt nvfp4
+            or bf16, 1 <= N <= 8, 1 <= w <= 32, r >= 1, 0 <= b <= 32 (b x w x 32 <= 2048)
+            and 0 <= p <= 8.
     """
     if fmt not in GATE_UP_LAUNCH or type(n) is not int or not 1 <= n <= 8:
         raise ValueError(f"gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
                          f"1..8; got {fmt!r}, {n!r}")
     def parse(entry: str) -> tuple:
-        key, (w, r, b) = _fmt_n_entry(entry, 3)
-        if not 1 <= w <= 32 or r < 1 or not 0 <= b <= 32 or b * w * 32 > 2048:
+        fields = 4 if entry.count(",") == 3 else 3
+        key, vals = _fmt_n_entry(entry, fields)
+        w, r, b, p = vals if fields == 4 else (*vals, 2)
+        if not 1 <= w <= 32 or r < 1 or not 0 <= b <= 32 or b * w * 32 > 2048 \
+                or not 0 <= p <= 8:
             raise ValueError
-        return key, (w, r, b)
+        return key, (w, r, b, p)
 
     entries = dict(_env_entries("FLINTC_MMA_GATE_UP_LAUNCH", parse,
-                                "fmt:N=warps,row_tiles,min_blocks (fmt nvfp4 or bf16, N 1-8, "
-                                "warps 1-32, row_tiles >= 1, min_blocks 0-32 with min_blocks x "
-                                "warps x 32 <= 2048)"))
-    return entries.get((fmt, n), (*GATE_UP_LAUNCH[fmt][n], GATE_UP_MIN_BLOCKS[fmt][n]))
+                                "fmt:N=warps,row_tiles,min_blocks[,prefetch] (fmt nvfp4 or "
+                                "bf16, N 1-8, warps 1-32, row_tiles >= 1, min_blocks 0-32 with "
+                                "min_blocks x warps x 32 <= 2048, prefetch 0-8, default 2)"))
+    return entries.get((fmt, n), (*GATE_UP_LAUNCH[fmt][n], GATE_UP_MIN_BLOCKS[fmt][n],
+                                  GATE_UP_PREFETCH[fmt][n]))
+
+
+# How the gate/up kernel's routed blocks find their expert: "block" (every warp routes a
+# share of the experts, then warp 0 merges the warps' top-(k + 1) candidates:
+# `route_slot_block`) or "warp" (warp 0 alone, k + 1 rounds over all experts while the
+# other warps wait at the barrier; sessions 15-21). FLINTC_MMA_GATE_UP_ROUTE overrides it.
+# Measured on the H200 (docs/gpu-runs.md session 22, runs 1 and 3; `bench_moe.py --pdl`,
+# kernel alone, us, warp -> block): NVFP4 N = 1 / 2 / 4 / 8 8.2 / 10.1 / 15.2 / 22.6 -> 5.9
+# / 8.0 / 13.9 / 18.9; bf16 N = 1 / 2 12.2 / 18.0 -> 9.9 / 17.2; the NVFP4 forward at 1K,
+# b1 / b8, 1.83 / 3.36 -> 1.74 / 3.18 ms.
+GATE_UP_ROUTE = "block"
+
+
+def gate_up_route() -> str:
+    """"block" or "warp": FLINTC_MMA_GATE_UP_ROUTE when set (case and spaces ignored), else
+    `GATE_UP_ROUTE`. Both give the same experts (the same keys, ties to the lower index).
+
+    Raises:
+        TuningEnvError (a ValueError): another value in the variable.
+    """
+    text = os.environ.get("FLINTC_MMA_GATE_UP_ROUTE")
+    if text is None:
+        return GATE_UP_ROUTE
+    value = text.strip().lower()
+    if value not in ("block", "warp"):
+        from flintc.kernels.tuning import TuningEnvError
+        raise TuningEnvError(f"FLINTC_MMA_GATE_UP_ROUTE must be 'block' or 'warp', got {text!r}")
+    return value
 
 
 def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, gate: list,
                      up: list, shared_gate: list, shared_up: list, top_k: int, scaling: float,
                      *, warps: int | None = None, row_tiles: int | None = None,
-                     prefetch: int = 2, min_blocks: int | None = None, use_pdl: bool = False):
+                     prefetch: int | None = None, min_blocks: int | None = None,
+                     use_pdl: bool = False):
     """`flintc::moe_topk_gate_up` on the CUDA mma kernel (reference:
     `flintc.ops.grouped.moe_topk_gate_up`): top-k routing (`flintc.model.ops.select_topk`:
     scores = sigmoid(logits), top-k of scores + bias with ties to the lower index,
@@ -2258,7 +2361,7 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         top_k: experts per token (<= 8); scaling: the routing weights' factor.
         warps, row_tiles, prefetch: warps per block (each an H / (64 warps)-chunk slice),
             16-row tiles of the gate and of the up projection per block, chunks loaded
-            ahead. None: `GATE_UP_LAUNCH` for the format and N.
+            ahead. None: `gate_up_launch`'s for the format and N.
         min_blocks: resident blocks per SM the registers are capped for (0: no cap).
             None for any of these: `gate_up_launch` for the format and N (min_blocks
             None with other warps or row tiles than the table's: no cap).
@@ -2290,10 +2393,11 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     fmt = "bf16" if bf16 else "nvfp4"
     if not 1 <= N <= 8:
         raise ValueError(f"moe_topk_gate_up: needs 1 <= N <= 8, got x {tuple(x.shape)}")
-    d_warps, d_rows, d_blocks = gate_up_launch(fmt, N)
+    d_warps, d_rows, d_blocks, d_prefetch = gate_up_launch(fmt, N)
     if min_blocks is None:  # the table's cap belongs to the table's warps and row tiles
         min_blocks = d_blocks if warps in (None, d_warps) and row_tiles in (None, d_rows) else 0
     warps = d_warps if warps is None else warps
+    prefetch = d_prefetch if prefetch is None else prefetch
     if type(min_blocks) is not int or not 0 <= min_blocks <= 32 \
             or (isinstance(warps, int) and min_blocks * warps * 32 > 2048):
         raise ValueError(f"moe_topk_gate_up: min_blocks must be an int in [0, 32] with "
@@ -2331,7 +2435,8 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
     kernel = _kernel(2 * row_tiles, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E,
                      bf16=bf16, trigger_early=mma_trigger_early("gate_up"),
-                     min_blocks=min_blocks, device=x.device)
+                     min_blocks=min_blocks, block_route=gate_up_route() == "block",
+                     device=x.device)
     _launch(kernel, (I // (16 * row_tiles), 1 + N * top_k), 32 * warps,
             [gwq, gsq, ggs, uwq, usq, ugs, 1 if not bf16 and ggs.numel() > 1 else 0,
              sgwq, sgsq, sggs, suwq, susq, sugs, x, logits, bias,

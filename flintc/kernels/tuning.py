@@ -70,7 +70,8 @@ def check_environment() -> None:
     """Validate every kernel-tuning environment variable at once (FLINTC_PDL_TRIGGER,
     FLINTC_GEMV_TUNED, FLINTC_MOE_TUNED, FLINTC_NVFP4_MMA, and the CUDA kernels' launch
     knobs FLINTC_MMA_TRIGGER, FLINTC_MMA_GEMV_LAUNCH, FLINTC_MMA_GATE_UP_LAUNCH,
-    FLINTC_MMA_NORM_GATE_UP_LAUNCH, FLINTC_MMA_NORM_GATE_UP_FORMATS), so a bad value is
+    FLINTC_MMA_NORM_GATE_UP_LAUNCH, FLINTC_MMA_NORM_GATE_UP_FORMATS,
+    FLINTC_MMA_GATE_UP_ROUTE), so a bad value is
     reported when a runtime loads, not at the first launch that reads it (or never, on
     paths that do not).
 
@@ -89,6 +90,7 @@ def check_environment() -> None:
     nvfp4_mma.gate_up_launch("nvfp4", 1)
     nvfp4_mma.norm_gate_up_launch("nvfp4", 1)
     nvfp4_mma.norm_gate_up_formats()
+    nvfp4_mma.gate_up_route()
     overrides("FLINTC_GEMV_TUNED", GemvConfig, (str, int, int, int))
     overrides("FLINTC_MOE_TUNED", MoeConfig, (str, str, int))
 

@@ -249,7 +249,8 @@ def test_moe_launchers_check_formats_and_splits():
         M.moe_topk_gate_up(x[None], *args[1:])
     with pytest.raises(ValueError, match="row_tiles must be an int >= 1, got -1"):
         M.moe_topk_gate_up(*args, warps=2, row_tiles=-1)
-    with pytest.raises(ValueError, match="warps 32 and row_tiles 2 need 65540 bytes"):
+    # 32 warps x 4 row tiles x 4 x 32 fp32 sums + 32 warps x top-k 2 routing keys + s_e
+    with pytest.raises(ValueError, match="warps 32 and row_tiles 2 need 66052 bytes"):
         M.moe_topk_gate_up(*args, warps=32, row_tiles=2)
     for warps, mb in ((2, 33), (32, 3), (2, True)):
         with pytest.raises(ValueError, match="min_blocks must be an int in \\[0, 32\\] with"):
@@ -565,11 +566,14 @@ def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch)
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("N", [1, 3, 8])
 @pytest.mark.parametrize("use_pdl", [False, True])
-def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch):
+@pytest.mark.parametrize("ties", [False, True])
+def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, ties, monkeypatch):
     """The CUDA gate/up kernel (the op's default launch, other warp counts and row tiles
     per block) against the reference op and the Triton kernel: the same ids and weights,
     h within 2 bf16 ulps plus a floor near zero, the share of differing elements printed
-    and below 5%."""
+    and below 5%. `ties`: logits and biases on coarse grids, so many experts share a
+    routing key and the top-k must take the lower index (the block's warps each hold a
+    share of the experts, so equal keys meet across warps too)."""
     from flintc.kernels import moe
     from flintc.ops import grouped
 
@@ -581,17 +585,25 @@ def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monk
     x = torch.randn(N, H, generator=gen).to(torch.bfloat16).cuda()
     logits = torch.randn(N, E, generator=gen).cuda()
     bias = (torch.randn(E, generator=gen) * 0.05).cuda()
+    if ties:  # 5 logit values x 2 bias values: about 25 experts per key
+        logits = (torch.randint(-2, 3, (N, E), generator=gen) * 0.5).cuda()
+        bias = (torch.randint(0, 2, (E,), generator=gen) * 0.25).cuda()
     calls = []
     monkeypatch.setattr(M, "moe_topk_gate_up", _spy(M.moe_topk_gate_up, calls))
     got = {"op": moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
                                       use_pdl=use_pdl)}
     assert len(calls) == int(moe.mma_moe_applies("gate_up", fmt, N))  # the CUDA kernel ran
-    # the last three with registers capped for 12 / 3 / 6 blocks per SM (the first spills)
+    # the 5th to 7th with registers capped for 12 / 3 / 6 blocks per SM (the first spills);
+    # the last one warp, which routes all E experts alone
     for warps, pf, rows, mb in ((8, 3, 1, 0), (4, 2, 2, 0), (32, 1, 1, 0), (2, 2, 4, 0),
-                                (2, 2, 1, 12), (8, 4, 1, 3), (4, 2, 1, 6)):
+                                (2, 2, 1, 12), (8, 4, 1, 3), (4, 2, 1, 6), (1, 2, 1, 0)):
         got[f"cuda w{warps} pf{pf} rt{rows} mb{mb}"] = M.moe_topk_gate_up(
             x, logits, bias, gate, up, sg, su, K, 2.5, warps=warps, row_tiles=rows,
             prefetch=pf, min_blocks=mb, use_pdl=use_pdl)
+    monkeypatch.setenv("FLINTC_MMA_GATE_UP_ROUTE", "warp")  # warp 0 routing alone
+    got["cuda warp route"] = M.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
+                                                use_pdl=use_pdl)
+    monkeypatch.delenv("FLINTC_MMA_GATE_UP_ROUTE")
     rh, rw, rids = grouped.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
     got["triton"] = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
@@ -897,25 +909,65 @@ def test_gate_up_min_blocks_in_the_ptx():
         M.kernel_source(2, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256, min_blocks=5)
 
 
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("warps, experts, top_k", [(4, 256, 6), (2, 128, 8), (32, 32, 8),
+                                                    (1, 1024, 1), (8, 96, 6)])
+def test_gate_up_block_route_in_the_ptx(warps, experts, top_k):
+    """`block_route` compiles for every share of experts per warp (fewer experts than
+    lanes x warps too) and loads the routing biases before `griddepcontrol.wait` (a
+    weight), with one barrier more than warp 0 routing alone, which reads them after."""
+    args = (2, 2048, 1, 2, warps, M.EPI_BF16, True, top_k, experts)
+    block = _nvrtc_ptx(M.kernel_source(*args)).decode()
+    alone = _nvrtc_ptx(M.kernel_source(*args, block_route=False)).decode()
+    assert block == _nvrtc_ptx(M.kernel_source(*args, block_route=True)).decode()  # default
+    assert "ld.global.nc.f32" in block[:block.index("griddepcontrol.wait")]
+    assert "ld.global.nc.f32" not in alone[:alone.index("griddepcontrol.wait")]
+    assert block.count("bar.sync") == alone.count("bar.sync") + 1
+
+
+def test_gate_up_route_env(monkeypatch):
+    """`gate_up_route`: GATE_UP_ROUTE, or FLINTC_MMA_GATE_UP_ROUTE ("block" / "warp", case
+    and spaces ignored); another value is a TuningEnvError naming the variable, also from
+    `tuning.check_environment`."""
+    from flintc.kernels.tuning import TuningEnvError, check_environment
+
+    monkeypatch.delenv("FLINTC_MMA_GATE_UP_ROUTE", raising=False)
+    assert M.gate_up_route() == M.GATE_UP_ROUTE == "block"
+    for text, value in (("warp", "warp"), (" Block ", "block"), ("WARP", "warp")):
+        monkeypatch.setenv("FLINTC_MMA_GATE_UP_ROUTE", text)
+        assert M.gate_up_route() == value
+    for bad in ("", "blocks", "0"):
+        monkeypatch.setenv("FLINTC_MMA_GATE_UP_ROUTE", bad)
+        with pytest.raises(TuningEnvError, match=f"FLINTC_MMA_GATE_UP_ROUTE must be 'block' or "
+                                                 f"'warp', got '{bad}'"):
+            M.gate_up_route()
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_ROUTE"):
+            check_environment()
+
+
 def test_gate_up_launch_env(monkeypatch):
-    """`gate_up_launch` is (GATE_UP_LAUNCH's warps and row tiles, GATE_UP_MIN_BLOCKS);
-    FLINTC_MMA_GATE_UP_LAUNCH replaces entries; bad entries are a TuningEnvError naming the
-    variable and the entry."""
+    """`gate_up_launch` is (GATE_UP_LAUNCH's warps and row tiles, GATE_UP_MIN_BLOCKS,
+    GATE_UP_PREFETCH); FLINTC_MMA_GATE_UP_LAUNCH replaces entries (prefetch optional); bad
+    entries are a TuningEnvError naming the variable and the entry."""
     from flintc.kernels.tuning import TuningEnvError
 
     monkeypatch.delenv("FLINTC_MMA_GATE_UP_LAUNCH", raising=False)
     for fmt in ("nvfp4", "bf16"):
         for n in range(1, 9):
             assert M.gate_up_launch(fmt, n) == (*M.GATE_UP_LAUNCH[fmt][n],
-                                                M.GATE_UP_MIN_BLOCKS[fmt][n])
-    monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:8=2,1,0 / bf16:2=2,2,0")
-    assert M.gate_up_launch("nvfp4", 8) == (2, 1, 0) != (*M.GATE_UP_LAUNCH["nvfp4"][8],
-                                                          M.GATE_UP_MIN_BLOCKS["nvfp4"][8])
-    assert M.gate_up_launch("bf16", 2) == (2, 2, 0)
+                                                M.GATE_UP_MIN_BLOCKS[fmt][n],
+                                                M.GATE_UP_PREFETCH[fmt][n])
+    monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:8=2,1,0 / bf16:2=2,2,0,3")
+    assert M.gate_up_launch("nvfp4", 8) == (2, 1, 0, 2) != (*M.GATE_UP_LAUNCH["nvfp4"][8],
+                                                             M.GATE_UP_MIN_BLOCKS["nvfp4"][8],
+                                                             M.GATE_UP_PREFETCH["nvfp4"][8])
+    assert M.gate_up_launch("bf16", 2) == (2, 2, 0, 3)  # the optional prefetch field
     assert M.gate_up_launch("nvfp4", 4) == (*M.GATE_UP_LAUNCH["nvfp4"][4],
-                                            M.GATE_UP_MIN_BLOCKS["nvfp4"][4])
+                                            M.GATE_UP_MIN_BLOCKS["nvfp4"][4],
+                                            M.GATE_UP_PREFETCH["nvfp4"][4])
     for bad in ("nvfp4:9=4,1,6", "fp8:1=4,1,6", "nvfp4:1=4,1,40", "nvfp4:1=4,1", "nvfp4:1=0,1,0",
-                "nvfp4=4,1,6", "nvfp4:1=32,1,3"):
+                "nvfp4=4,1,6", "nvfp4:1=32,1,3", "nvfp4:1=4,1,0,9", "nvfp4:1=4,1,0,2,1"):
         monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", bad)
         with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_LAUNCH.*" + bad[:5]):
             M.gate_up_launch("nvfp4", 1)
