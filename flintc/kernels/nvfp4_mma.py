@@ -783,11 +783,14 @@ __device__ void route_token(const float* logits, const float* bias, float scalin
 // so warp 0's top-(k + 1) of the union ends on slot k's expert, as k + 1 rounds over all
 // NE keys would (the same keys, the same order). bias_r: the warp's biases, loaded before
 // the dependency wait (a weight).
+// Warp 0 of the block that routes slot KTOP - 1 holds the token's top-k keys in order
+// (top[]): that block (row group 0) writes the token's ids and weights (`write_routing`).
 #define RJ ((NE / 32 + WARPS - 1) / WARPS)  // experts per lane
 #define CJ ((WARPS * KTOP + 31) / 32)       // candidates per lane of warp 0's merge
 __device__ __forceinline__ int route_slot_block(const float* logits, const float (&bias_r)[RJ],
                                                 int k, int lane, int warp,
-                                                long long (*s_cand)[KTOP], int* s_e) {
+                                                long long (*s_cand)[KTOP], int* s_e,
+                                                long long (&top)[KTOP]) {
   long long packed[RJ];
 #pragma unroll
   for (int j = 0; j < RJ; ++j) {
@@ -808,11 +811,30 @@ __device__ __forceinline__ int route_slot_block(const float* logits, const float
       cand[j] = w < WARPS && r <= k ? s_cand[w][r] : LOWEST_KEY;
     }
     long long key = LOWEST_KEY;
-    for (int r = 0; r <= k; ++r) key = take_best_key(cand);
+#pragma unroll
+    for (int r = 0; r < KTOP; ++r)  // unrolled: top[] stays in registers
+      if (r <= k) top[r] = key = take_best_key(cand);
     if (lane == 0) *s_e = key_expert(key);
   }
   __syncthreads();
   return *s_e;
+}
+// token's ids and weights from warp 0's top[] (every lane holds all KTOP keys): lane j
+// takes slot j, with route_token's formulas and its pairwise sum over 8 slots (lanes 0-7,
+// shuffles: lane k adds lane k + 4, then k + 2, then k + 1)
+__device__ __forceinline__ void write_routing(const float* logits, const long long (&top)[KTOP],
+                                              float scaling, int lane, long long* ids,
+                                              float* w) {
+  int e = 0;
+#pragma unroll
+  for (int j = 0; j < KTOP; ++j) if (lane == j) e = key_expert(top[j]);
+  const float sel = lane < KTOP ? sigmoid_rn(ld_act_f32(logits + e)) : 0.f;
+  float v = sel;
+#pragma unroll
+  for (int width = 4; width > 0; width >>= 1) v = v + __shfl_down_sync(0xffffffffu, v, width);
+  float total = __shfl_sync(0xffffffffu, v, 0);
+  if (!(total > 0.f)) total = 1.f;
+  if (lane < KTOP) { ids[lane] = e; w[lane] = __fmul_rn(__fdiv_rn(sel, total), scaling); }
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32 __MINB__)
@@ -846,6 +868,7 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
 #pragma unroll
     for (int c = 0; c < PF && c < CPW; ++c) load_w2<true>(buf[c], g_wp, g_sp, u_wp, u_sp, c);
   }
+  long long top[KTOP];  // block route: warp 0's top-(k + 1) keys in order
   float bias_r[RJ];  // the routing biases (a weight: loaded before the wait)
 #pragma unroll
   for (int j = 0; j < RJ; ++j) {
@@ -857,7 +880,8 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
 #endif
   int n = 0, k = 0;
   if (item == 0) {
-    for (int tok = warp; ft == 0 && tok < N; tok += WARPS) {  // the routing outputs, once
+    for (int tok = warp; !BLOCK_ROUTE && ft == 0 && tok < N; tok += WARPS) {  // warp mode:
+      // the routing outputs, once (block route: `write_routing`)
       int ids[KTOP];
       float w[KTOP];
       route_token(logits + (size_t)tok * NE, bias, scaling, lane, ids, w);
@@ -874,7 +898,7 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
     k = (item - 1) % KTOP;
 #if BLOCK_ROUTE
     const long long e = route_slot_block(logits + (size_t)n * NE, bias_r, k, lane, warp,
-                                         s_cand, &s_e);
+                                         s_cand, &s_e, top);
 #else
     if (warp == 0) {  // warp 0 alone: this token's top-k up to slot k (k + 1 rounds)
       long long packed[NE / 32];
@@ -900,6 +924,11 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
   const uint4* xp = x_at(xrow, c0, lane);
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
+#if BLOCK_ROUTE
+  if (item != 0 && ft == 0 && k == KTOP - 1 && warp == 0)  // its first loads are in flight
+    write_routing(logits + (size_t)n * NE, top, scaling, lane, ids_out + n * KTOP,
+                  wout + n * KTOP);
+#endif
 #if PDL && TRIG_EARLY
   asm volatile("griddepcontrol.launch_dependents;");  // the block's first loads are issued
 #endif
@@ -2270,9 +2299,11 @@ GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) for n in range(1, 9)
 # session 20, runs 2-3): 2 warps capped for 12 blocks spill and lose (N = 8 22.8 -> 24.5
 # us alone); 4 warps capped for 6 (80 registers) beat the default alone at N = 4 and 8
 # (N = 8 23.7 -> 22.7 us) and in the model at N = 8 (b8/1K 3.49 -> 3.40 ms, twice), not
-# at N = 4 (b4/1K 2.54 -> 2.57 ms), so only NVFP4 N = 8 is capped.
-GATE_UP_MIN_BLOCKS = {fmt: {n: 6 if (fmt, n) == ("nvfp4", 8) else 0 for n in range(1, 9)}
-                      for fmt in ("nvfp4", "bf16")}
+# at N = 4 (b4/1K 2.54 -> 2.57 ms), so only NVFP4 N = 8 was capped. Session 22 (block
+# routing; run 5): 4 warps use 76 registers uncapped (6 blocks per SM already), and the cap
+# for 6 forces 80 with 16 bytes of spill: N = 8 alone 18.8 -> 18.3 us uncapped, the forward
+# at b8/1K 3.23 -> 3.17 ms. No entry is capped now; the knob stays for tuning runs.
+GATE_UP_MIN_BLOCKS = {fmt: {n: 0 for n in range(1, 9)} for fmt in ("nvfp4", "bf16")}
 
 # Chunks each warp of the gate/up kernel loads ahead, by weight format and N.
 GATE_UP_PREFETCH = {fmt: {n: 2 for n in range(1, 9)} for fmt in ("nvfp4", "bf16")}
@@ -2318,7 +2349,10 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
 # Measured on the H200 (docs/gpu-runs.md session 22, runs 1 and 3; `bench_moe.py --pdl`,
 # kernel alone, us, warp -> block): NVFP4 N = 1 / 2 / 4 / 8 8.2 / 10.1 / 15.2 / 22.6 -> 5.9
 # / 8.0 / 13.9 / 18.9; bf16 N = 1 / 2 12.2 / 18.0 -> 9.9 / 17.2; the NVFP4 forward at 1K,
-# b1 / b8, 1.83 / 3.36 -> 1.74 / 3.18 ms.
+# b1 / b8, 1.83 / 3.36 -> 1.74 / 3.18 ms. Then (run 5) the token's ids and weights moved
+# from block (0, 0), where warp 0 routed every token alone before its shared-expert
+# GEMV, to the block that routes slot k - 1 in row group 0 (`write_routing`): NVFP4 N = 1
+# 5.9 -> 5.4 us alone.
 GATE_UP_ROUTE = "block"
 
 
