@@ -108,8 +108,27 @@ class FlintConfig:
             ConfigError: `name` is not a known preset.
         """
         if name not in PRESETS:
-            raise ConfigError(f"unknown config preset '{name}' (expected one of {sorted(PRESETS)})")
+            raise ConfigError(f"unknown config preset '{name}': the presets are {preset_names()}")
         return cls.from_dict(PRESETS[name], source=f"<preset {name}>")
+
+    @classmethod
+    def from_preset_or_path(cls, value: str, flag: str = "--config") -> "FlintConfig":
+        """A preset name (`tiny`, `full`), else the path of a config.json or of a folder
+        holding one: the `--config` of `flintc make-checkpoint`, `verify` and `dump`. A
+        preset wins over a file or folder of the same name.
+
+        Raises:
+            ConfigError: `value` is empty, or neither a preset nor an existing path (the
+                message names `flag`, lists the presets and says a path is accepted);
+                or the file is missing, unreadable or fails validation (`from_file`).
+        """
+        if value in PRESETS:
+            return cls.preset(value)
+        if value and Path(value).exists():
+            return cls.from_file(value)
+        what = "is empty" if not value else "is neither a config preset nor an existing file or folder"
+        raise ConfigError(f"{flag} {value!r} {what}: expected a preset ({preset_names()}) or the path of a "
+                          "config.json file or of a folder holding one")
 
     def replace(self, **changes: Any) -> "FlintConfig":
         """A copy with some fields changed, validated again (e.g. fewer layers)."""
@@ -313,3 +332,8 @@ _TINY: dict[str, Any] = {
 }
 
 PRESETS: dict[str, dict[str, Any]] = {"tiny": _TINY, "full": _FULL}
+
+
+def preset_names() -> str:
+    """The preset names for messages, e.g. "full, tiny"."""
+    return ", ".join(sorted(PRESETS))

@@ -173,7 +173,13 @@ def add_parser(sub) -> None:
 def run_bench_cli(args: argparse.Namespace) -> int:
     """Exit code: 0, or 1 when a measurement failed (one line each on stderr, as they
     happen; bench.json's `failures` keeps their tracebacks). Bad options raise
-    InputError before anything is written."""
+    InputError before anything is written: an empty --out or --builds, an --out that
+    cannot be written (`check_output_parents`)."""
+    from flintc.cli.compile_build import check_not_empty, check_output_parents
+
+    check_output_parents(args.out, "--out")
+    if args.builds is not None:
+        check_not_empty(args.builds, "--builds", "a folder path (or leave --builds out for OUT/builds)")
     out = Path(args.out)
     if args.from_json:
         from flintc.bench.report import merge_results, write_outputs

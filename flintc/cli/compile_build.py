@@ -52,12 +52,52 @@ def check_model_source_args(args, build_manifest: dict | None = None) -> None:
             if value is not None:
                 raise InputError(f"{flag} {value} applies only with --load-format dummy (random weights); "
                                  "a checkpoint's own config.json and files give its config and format")
+    if args.config is not None:
+        check_config_preset(args.config)
     if args.fmt is None:
         args.fmt = "bf16"
 
 
+def check_config_preset(value: str, flag: str = "--config") -> None:
+    """`value` must name a preset (tiny, full): the --config of compile and run, which
+    take no config.json path (their MODEL does, with --load-format dummy). Raises
+    InputError naming the flag, listing the presets and saying how to use another config."""
+    from flintc.config import PRESETS, preset_names
+    from flintc.errors import InputError
+
+    if value not in PRESETS:
+        raise InputError(f"{flag} {value!r}: unknown config preset; the presets are {preset_names()} (for "
+                         "another config, give its config.json, or the folder holding it, as MODEL with "
+                         "--load-format dummy)")
+
+
+def check_not_empty(path, flag: str, expected: str = "a path") -> None:
+    """An output path the user gave must not be empty: `Path("")` is the current folder,
+    which no one means by `--out ""` (an unset shell variable, most often). Called first by
+    every output check (`check_output_folder`, `check_output_parents`, `flintc run`'s
+    --logits-out), before any work. Raises InputError naming the flag."""
+    from flintc.errors import InputError
+
+    if str(path) == "":
+        raise InputError(f"{flag} must not be empty: expected {expected}")
+
+
+def check_folder_named(path, flag: str) -> None:
+    """An output folder that is written under a temporary name beside it and renamed into
+    place (`flintc.fileio.move_into_place`) needs a name of its own: not `.`, `..` or `/`,
+    which cannot be renamed. Raises InputError naming the flag and path."""
+    from pathlib import Path
+
+    from flintc.errors import InputError
+
+    if Path(path).name in ("", ".."):
+        raise InputError(f"{flag} {path}: expected a path ending in the name of the folder to write (e.g. "
+                         f"{flag} out), not . or .. or /: the output is written beside it and renamed into place")
+
+
 def check_output_folder(path, flag: str = "--out") -> None:
-    """Fail before any work when the folder `path` cannot be created: its parent must
+    """Fail before any work when the folder `path` cannot be created: it must not be
+    empty (`check_not_empty`), nor `.` or `..` (`check_folder_named`); its parent must
     exist, be a folder and be writable. Raises InputError naming the flag and path."""
     import os
     from pathlib import Path
@@ -65,6 +105,8 @@ def check_output_folder(path, flag: str = "--out") -> None:
     from flintc.errors import InputError
     from flintc.fileio import cannot_write_in
 
+    check_not_empty(path, flag, "the path of a folder to write")
+    check_folder_named(path, flag)
     target = Path(path)
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.exists():
@@ -80,13 +122,14 @@ def check_output_folder(path, flag: str = "--out") -> None:
 
 def check_output_parents(path, flag: str) -> None:
     """Fail before any work when `path` (a file or folder whose missing parent folders the
-    command creates) cannot be written: its nearest existing ancestor must be a folder
-    one can write in. Raises InputError naming the flag and path."""
+    command creates) cannot be written: it must not be empty, and its nearest existing
+    ancestor must be a folder one can write in. Raises InputError naming the flag and path."""
     from pathlib import Path
 
     from flintc.errors import InputError
     from flintc.fileio import cannot_write_in
 
+    check_not_empty(path, flag, "a folder path" if flag == "--out" else "a file name")
     target = Path(path)
     if target.is_dir() and flag != "--out":
         raise InputError(f"{flag} {path}: is a directory, expected a file name")

@@ -41,11 +41,13 @@ def _is_dump_output(folder: Path) -> bool:
     return one(folder) or (one(folder / "counts") and one(folder / "numerics"))
 
 
-def check_dump_out(out: Path) -> None:
-    """Refuse an --out the dump would clobber. Raises InputError naming the path."""
+def check_dump_out(out: str | Path) -> None:
+    """Refuse an --out the dump would clobber, or an empty one (as given: `Path("")` is
+    the current folder). Raises InputError naming the path."""
     from flintc.cli.compile_build import check_output_folder
 
     check_output_folder(out, "--out")
+    out = Path(out)
     if not out.exists():
         return
     if not out.is_dir():
@@ -64,7 +66,7 @@ def run_dump(args: argparse.Namespace) -> int:
     from flintc.passes.pipeline import compile_step
 
     out = Path(args.out)
-    check_dump_out(out)
+    check_dump_out(args.out)
     targets = build_targets(args)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if str(out.parent) else "."))
     try:

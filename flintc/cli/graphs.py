@@ -19,7 +19,8 @@ FULL_NUMERIC_LAYERS = 4
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf (default: random weights of --config)")
-    p.add_argument("--config", default="tiny", help="preset when no MODEL is given: tiny or full")
+    p.add_argument("--config", default="tiny",
+                   help="when no MODEL is given: preset tiny or full, or a config.json path")
     p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16",
                    help="weight format of the random weights when no MODEL is given")
     p.add_argument("--hf-config-path", default=None, help="folder with config.json for a .gguf MODEL")
@@ -70,7 +71,7 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
         ckpt = load_checkpoint(args.model, hf_config_path=args.hf_config_path, device=device, progress=False)
         model = FlintModel(ckpt.config, ckpt.weights, max_positions=max_pos)
         return [Target(model, model, f"weights: {ckpt.source} ({ckpt.fmt})")]
-    config = FlintConfig.preset(args.config) if args.config in ("tiny", "full") else FlintConfig.from_file(args.config)
+    config = FlintConfig.from_preset_or_path(args.config, "--config")
 
     def real(cfg):
         w = random_weights(cfg, seed=args.seed, device=device)

@@ -29,17 +29,18 @@ def add_parser(sub) -> None:
 def run_make_checkpoint(args: argparse.Namespace) -> int:
     from flintc.checkpoint.writer import make_checkpoint
     from flintc.config import FlintConfig
-    from flintc.cli.compile_build import check_output_parents
+    from flintc.cli.compile_build import check_folder_named, check_output_parents
     from flintc.errors import InputError
 
     check_output_parents(args.out, "--out")
+    check_folder_named(args.out, "--out")
     if args.max_shard_bytes is not None:
         if args.max_shard_bytes < 1:
             raise InputError(f"--max-shard-bytes must be a positive number of bytes, got {args.max_shard_bytes}")
         if args.fmt != "bf16":
             raise InputError("--max-shard-bytes applies only to --format bf16 (an NVFP4 checkpoint is one "
                              ".gguf file)")
-    config = FlintConfig.preset(args.config) if args.config in ("tiny", "full") else FlintConfig.from_file(args.config)
+    config = FlintConfig.from_preset_or_path(args.config, "--config")
     path = make_checkpoint(config, args.fmt, args.out, seed=args.seed, max_shard_bytes=args.max_shard_bytes)
     print(path)
     return 0

@@ -278,10 +278,13 @@ class _TextStream:
 
 
 def _check_output_path(path: str, flag: str) -> None:
-    """Fail before any work if `path` cannot be written: its folder must exist and it
-    must not be a folder itself."""
+    """Fail before any work if `path` cannot be written: it must not be empty, its
+    folder must exist and it must not be a folder itself. Raises InputError naming the
+    flag."""
+    from flintc.cli.compile_build import check_not_empty
     from flintc.fileio import cannot_write_in
 
+    check_not_empty(path, flag, "a file name")
     target = Path(path)
     parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():

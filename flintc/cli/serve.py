@@ -71,6 +71,12 @@ def run_serve(args: argparse.Namespace) -> int:
                         ("--tokenizer", args.tokenizer)):
         if value is not None and not Path(value).exists():
             raise InputError(f"{flag} {value}: no such file or folder")
+    if args.build is not None and args.model is None:
+        # the checkpoint build.json records must still be there (the tokenizer is looked
+        # for beside it): else say so, naming build.json, not "no tokenizer found"
+        from flintc.runtime.compiled import read_manifest, recorded_weight_source
+
+        recorded_weight_source(args.build, read_manifest(args.build))
     if args.max_model_len is not None and args.max_model_len < 2:
         raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

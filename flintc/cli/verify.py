@@ -24,7 +24,7 @@ def run_verify(args: argparse.Namespace) -> int:
     from flintc.passes.manager import PassCheckError
     from flintc.passes.pipeline import compile_step
 
-    if args.json_out:  # refused now, not after every pass has run
+    if args.json_out is not None:  # refused now, not after every pass has run (an empty one too)
         from flintc.cli.compile_build import check_output_parents
 
         check_output_parents(args.json_out, "--json")
@@ -49,7 +49,7 @@ def run_verify(args: argparse.Namespace) -> int:
             print(format_table(report))
             reports.append(report.as_dict())
             ok &= report.passed
-    if args.json_out:
+    if args.json_out is not None:
         from flintc.fileio import write_json_atomic
 
         write_json_atomic(args.json_out, {"passed": ok, "reports": reports})

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from flintc.errors import InputError
+from flintc.errors import CheckpointError, InputError
 from flintc.ops.attention import pad_slot
 from flintc.runtime.runner import check_request
 
@@ -133,6 +133,35 @@ def read_manifest(build: str | Path) -> dict:
     return manifest
 
 
+def _pass_model_or_recompile(build: Path) -> str:
+    """What to do when the checkpoint a build records cannot be loaded."""
+    return (f"pass the checkpoint as MODEL (flintc run MODEL --build {build}; the same for flintc serve), "
+            "or recompile with flintc compile")
+
+
+def recorded_weight_source(build: str | Path, manifest: dict) -> str:
+    """The weights BUILD/build.json records (`weight_source`): "dummy:<fmt>", or the
+    absolute path of the checkpoint the build was compiled from, which must still exist.
+    `load_build` calls it when no checkpoint is given; `flintc serve --build` too, before
+    it looks for the tokenizer beside that checkpoint.
+
+    Raises:
+        InputError: build.json records no weight_source, or a path that no longer exists
+            (the checkpoint was moved or deleted since the compile); the message names
+            build.json and the path, and says to pass the checkpoint as MODEL or to
+            recompile.
+    """
+    build = Path(build)
+    where, retry = build / "build.json", _pass_model_or_recompile(build)
+    source = manifest.get("weight_source")
+    if not isinstance(source, str) or not source:
+        raise InputError(f"{where} records no weight_source (the checkpoint it was compiled from): {retry}")
+    if not source.startswith("dummy:") and not Path(source).exists():
+        raise InputError(f"{where} records the checkpoint {source} (weight_source), which no longer exists "
+                         f"(moved or deleted since the compile): {retry}")
+    return source
+
+
 def load_build(build: str | Path, model: str | Path | None = None, device: str | None = None,
                load_format: str | None = None, hf_config_path=None, progress: bool = True,
                use_cuda_graphs: bool = True, ckpt=None, prefill_graphs: bool | None = None) -> "CompiledRunner":
@@ -141,7 +170,8 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     Args:
         build: the BUILD folder written by `flintc compile`.
         model: the checkpoint to take the weights from (default: the one recorded in
-            build.json). Its config and weight fingerprint must match the build's.
+            build.json, `recorded_weight_source`). Its config and weight fingerprint must
+            match the build's.
         device: override the device recorded in the build ("cpu" or "cuda").
         use_cuda_graphs: on CUDA, replay decode (and prefill, see `prefill_graphs`) from
             CUDA graphs; False runs every step eagerly.
@@ -150,13 +180,16 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
             triton backend only). None: as FLINTC_PREFILL_GRAPHS says (default on).
 
     Raises:
-        InputError: BUILD is not a build; the weights or config differ from the ones it
+        InputError: BUILD is not a build; no `model` given and the checkpoint build.json
+            records no longer exists (`recorded_weight_source`: the message names
+            build.json and the path); the weights or config differ from the ones it
             was compiled for; the device is CUDA and there is no GPU; prefill_graphs=True
             with the torch backend; a FLINTC_* variable is malformed (`check_environment`);
             a triton build on the CPU with TRITON_INTERPRET set to other than 1, or with
             flintc's kernels imported before it was set (`use_triton_interpreter`; else
             TRITON_INTERPRET=1 is set here, as the CLI does for --device cpu).
-        CheckpointError: the weights cannot be loaded.
+        CheckpointError: the weights cannot be loaded (from the checkpoint build.json
+            records, when no `model` is given: the message then names build.json).
     """
     from flintc.checkpoint.loader import load_checkpoint
     from flintc.config import FlintConfig
@@ -178,16 +211,23 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
         raise InputError(f"{build / 'build.json'}: its config does not match its config_sha256 "
                          "(the file was edited); recompile with flintc compile")
     if ckpt is None:
-        source = model or manifest["weight_source"]
-        if str(source).startswith("dummy:") and load_format != "dummy":
-            raise InputError(f"{build} was compiled with dummy weights; pass --load-format dummy "
-                             "(and the same --format) to run it")
         if load_format == "dummy":
             ckpt = load_checkpoint(None, device=device, load_format="dummy", config=config,
                                    fmt=manifest["weight_format"], progress=progress)
         else:
-            ckpt = load_checkpoint(source, hf_config_path=hf_config_path, device=device,
-                                   progress=progress)
+            source = model or recorded_weight_source(build, manifest)
+            if str(source).startswith("dummy:"):
+                raise InputError(f"{build} was compiled with dummy weights; pass --load-format dummy "
+                                 "(and the same --format) to run it")
+            try:
+                ckpt = load_checkpoint(source, hf_config_path=hf_config_path, device=device,
+                                       progress=progress)
+            except CheckpointError as e:
+                if model is not None:
+                    raise
+                # the checkpoint is there but no longer loads (a file of it moved or deleted)
+                raise CheckpointError(f"{e} (the checkpoint {build / 'build.json'} records: "
+                                      f"{_pass_model_or_recompile(build)})") from None
     if config_fingerprint(ckpt.config) != manifest["config_sha256"]:
         raise InputError(f"the weights' config ({ckpt.source}) differs from the one {build} was "
                          "compiled for; recompile with flintc compile")
