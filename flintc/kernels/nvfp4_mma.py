@@ -2136,12 +2136,13 @@ def moe_smem_bytes(experts: int, warps: int, tiles: int, top_k: int) -> int:
 
 def _check_moe_launch(op: str, warps: int, tiles: int, prefetch: int, tiles_name: str,
                       smem: int) -> None:
-    """ValueError unless 1 <= warps <= 32, tiles >= 1, prefetch >= 0 (ints) and the static
-    shared memory fits (`STATIC_SMEM`)."""
-    for name, v, lo in (("warps", warps, 1), (tiles_name, tiles, 1), ("prefetch", prefetch, 0)):
-        if not isinstance(v, int) or v < lo or (name == "warps" and v > 32):
-            raise ValueError(f"{op}: {name} must be an int {'in [1, 32]' if name == 'warps' else f'>= {lo}'}"
-                             f", got {v!r}")
+    """ValueError unless 1 <= warps <= 32, tiles >= 1, 0 <= prefetch <= 16 (ints, not
+    bools) and the static shared memory fits (`STATIC_SMEM`)."""
+    for name, v, lo, hi in (("warps", warps, 1, 32), (tiles_name, tiles, 1, None),
+                            ("prefetch", prefetch, 0, 16)):
+        if type(v) is not int or v < lo or (hi is not None and v > hi):
+            raise ValueError(f"{op}: {name} must be an int "
+                             f"{f'in [{lo}, {hi}]' if hi is not None else f'>= {lo}'}, got {v!r}")
     if smem > STATIC_SMEM:
         raise ValueError(f"{op}: warps {warps} and {tiles_name} {tiles} need {smem} bytes of "
                          f"shared memory, more than {STATIC_SMEM}")
@@ -2320,7 +2321,8 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
         ValueError: `fmt` other than "nvfp4" or "bf16", or `n` not an int in 1..8.
         TuningEnvError (a ValueError): an entry that is not `fmt:N=w,r,b[,p]` with fmt nvfp4
             or bf16, 1 <= N <= 8, 1 <= w <= 32, r >= 1, 0 <= b <= 32 (b x w x 32 <= 2048)
-            and 0 <= p <= 8.
+            and 0 <= p <= 8, whose shared memory fits at top-k 8 (`moe_smem_bytes`; what
+            depends on H and I, H % (64 w) and I % (16 r), is the launcher's check).
     """
     if fmt not in GATE_UP_LAUNCH or type(n) is not int or not 1 <= n <= 8:
         raise ValueError(f"gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
@@ -2330,14 +2332,15 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
         key, vals = _fmt_n_entry(entry, fields)
         w, r, b, p = vals if fields == 4 else (*vals, 2)
         if not 1 <= w <= 32 or r < 1 or not 0 <= b <= 32 or b * w * 32 > 2048 \
-                or not 0 <= p <= 8:
+                or not 0 <= p <= 8 or moe_smem_bytes(1, w, r, 8) > STATIC_SMEM:
             raise ValueError
         return key, (w, r, b, p)
 
     entries = dict(_env_entries("FLINTC_MMA_GATE_UP_LAUNCH", parse,
                                 "fmt:N=warps,row_tiles,min_blocks[,prefetch] (fmt nvfp4 or "
                                 "bf16, N 1-8, warps 1-32, row_tiles >= 1, min_blocks 0-32 with "
-                                "min_blocks x warps x 32 <= 2048, prefetch 0-8, default 2)"))
+                                "min_blocks x warps x 32 <= 2048, prefetch 0-8, default 2; "
+                                "warps x row_tiles within the static shared memory)"))
     return entries.get((fmt, n), (*GATE_UP_LAUNCH[fmt][n], GATE_UP_MIN_BLOCKS[fmt][n],
                                   GATE_UP_PREFETCH[fmt][n]))
 
@@ -2358,13 +2361,13 @@ GATE_UP_ROUTE = "block"
 
 def gate_up_route() -> str:
     """"block" or "warp": FLINTC_MMA_GATE_UP_ROUTE when set (case and spaces ignored), else
-    `GATE_UP_ROUTE`. Both give the same experts (the same keys, ties to the lower index).
+    (unset or empty) `GATE_UP_ROUTE`. Both give the same experts (the same keys, ties to the lower index).
 
     Raises:
         TuningEnvError (a ValueError): another value in the variable.
     """
     text = os.environ.get("FLINTC_MMA_GATE_UP_ROUTE")
-    if text is None:
+    if text is None or not text.strip():  # unset or empty, as the other variables
         return GATE_UP_ROUTE
     value = text.strip().lower()
     if value not in ("block", "warp"):
@@ -2395,7 +2398,8 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         top_k: experts per token (<= 8); scaling: the routing weights' factor.
         warps, row_tiles, prefetch: warps per block (each an H / (64 warps)-chunk slice),
             16-row tiles of the gate and of the up projection per block, chunks loaded
-            ahead. None: `gate_up_launch`'s for the format and N.
+            ahead (at most 16). None: `gate_up_launch`'s for the format and N (the row
+            tiles cut to a divisor of I / 16).
         min_blocks: resident blocks per SM the registers are capped for (0: no cap).
             None for any of these: `gate_up_launch` for the format and N (min_blocks
             None with other warps or row tiles than the table's: no cap).
@@ -2404,7 +2408,8 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
 
     Returns (h bf16 [N, top_k + 1, I] (the shared expert last), weights fp32 [N, top_k],
     ids int64 [N, top_k]). Raises ValueError for arguments that do not fit (naming them: E
-    % 32, E > 1024, top_k > 8, H % (64 warps), I % (16 row_tiles), N > 8, warps outside
+    % 32, E > 1024, top_k not an int in [1, 8], scaling not a finite number, weights whose
+    E or H differ from logits' and x's, H % (64 warps), I % (16 row_tiles), N > 8, warps outside
     [1, 32], shared memory over `STATIC_SMEM`, formats that differ, a bad dtype / shape /
     bias / global scale); RuntimeError as `mma_gemv`. Packed NVFP4 weights are repacked
     at their first use, after the checks.
@@ -2437,13 +2442,22 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
         raise ValueError(f"moe_topk_gate_up: min_blocks must be an int in [0, 32] with "
                          f"min_blocks x warps x 32 <= 2048 threads per SM, got {min_blocks!r} "
                          f"with warps {warps!r}")
+    if type(top_k) is not int or not 1 <= top_k <= 8:
+        raise ValueError(f"moe_topk_gate_up: top_k must be an int in [1, 8], got {top_k!r}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) \
+            or not math.isfinite(scaling):
+        raise ValueError(f"moe_topk_gate_up: scaling must be a finite number, got {scaling!r}")
     row_tiles = math.gcd(d_rows, max(I // 16, 1)) if row_tiles is None else row_tiles
     _check_moe_launch("moe_topk_gate_up", warps, row_tiles, prefetch, "row_tiles",
-                      moe_smem_bytes(E, warps if isinstance(warps, int) else 1,
-                                     row_tiles if isinstance(row_tiles, int) else 1, top_k))
-    if E % 32 or not 32 <= E <= 1024 or not 1 <= top_k <= 8 \
-            or H % (64 * warps) or H != H_w or I % (16 * row_tiles) or lead != (E,):
-        raise ValueError(f"moe_topk_gate_up: needs E % 32 == 0 and E <= 1024, top_k <= 8, "
+                      moe_smem_bytes(E, warps if type(warps) is int else 1,
+                                     row_tiles if type(row_tiles) is int else 1, top_k))
+    if lead != (E,) or H != H_w:
+        raise ValueError(f"moe_topk_gate_up: the weights do not match the inputs: gate / up "
+                         f"{lead + (I, H_w)} must be [E, I, H] with E = {E} (logits "
+                         f"{tuple(logits.shape)}) and H = {H} (x {tuple(x.shape)})")
+    if E % 32 or not 32 <= E <= 1024 \
+            or H % (64 * warps) or I % (16 * row_tiles):
+        raise ValueError(f"moe_topk_gate_up: needs E % 32 == 0 and 32 <= E <= 1024, "
                          f"H % {64 * warps} == 0, I % {16 * row_tiles} == 0; got x "
                          f"{tuple(x.shape)}, logits {tuple(logits.shape)}, gate "
                          f"{lead + (I, H_w)}, top_k {top_k}")

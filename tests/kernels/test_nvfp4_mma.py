@@ -205,7 +205,7 @@ def test_moe_launchers_check_formats_and_splits():
         ({"splits": 0}, "splits must be an int >= 1, got 0"),
         ({"warps": 64}, "warps must be an int in \\[1, 32\\], got 64"),
         ({"warps": -4}, "warps must be an int in \\[1, 32\\], got -4"),
-        ({"prefetch": -1}, "prefetch must be an int >= 0, got -1"),
+        ({"prefetch": -1}, "prefetch must be an int in \\[0, 16\\], got -1"),
         ({"h": h[0]}, "h must be a 3-d tensor, got \\(3, 128\\)"),
         ({"ids": ids[0]}, "ids must be a 2-d tensor"),
         ({"ids": torch.zeros(N, K + 1, dtype=torch.int64)}, "h \\[N, K \\+ 1, I\\]"),
@@ -255,6 +255,22 @@ def test_moe_launchers_check_formats_and_splits():
     for warps, mb in ((2, 33), (32, 3), (2, True)):
         with pytest.raises(ValueError, match="min_blocks must be an int in \\[0, 32\\] with"):
             M.moe_topk_gate_up(*args, warps=warps, min_blocks=mb)
+    # top_k and scaling checked before anything uses them; bools are not ints here
+    for top_k in ("2", None, 2.5, True, 0, 9):
+        with pytest.raises(ValueError, match=f"top_k must be an int in \\[1, 8\\], got {top_k!r}"):
+            M.moe_topk_gate_up(*args[:7], top_k, 1.0, warps=2)
+    for scaling in (None, "a", float("nan"), True):
+        with pytest.raises(ValueError, match="scaling must be a finite number"):
+            M.moe_topk_gate_up(*args[:8], scaling, warps=2)
+    for kw, msg in (({"warps": True}, "warps must be an int in \\[1, 32\\], got True"),
+                    ({"prefetch": 17}, "prefetch must be an int in \\[0, 16\\], got 17")):
+        with pytest.raises(ValueError, match=msg):
+            M.moe_topk_gate_up(*args, **kw)
+    # weights that do not match the inputs: the message names the mismatch
+    with pytest.raises(ValueError, match="must be \\[E, I, H\\] with E = 64 \\(logits \\(1, 64\\)\\)"):
+        M.moe_topk_gate_up(x, torch.randn(N, 64), torch.zeros(64), *args[3:], warps=2)
+    with pytest.raises(ValueError, match=f"and H = {2 * H} \\(x \\(1, {2 * H}\\)\\)"):
+        M.moe_topk_gate_up(torch.randn(N, 2 * H).to(torch.bfloat16), *args[1:], warps=2)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         M.moe_topk_gate_up(*args, warps=2)
 
@@ -927,9 +943,9 @@ def test_gate_up_block_route_in_the_ptx(warps, experts, top_k):
 
 
 def test_gate_up_route_env(monkeypatch):
-    """`gate_up_route`: GATE_UP_ROUTE, or FLINTC_MMA_GATE_UP_ROUTE ("block" / "warp", case
-    and spaces ignored); another value is a TuningEnvError naming the variable, also from
-    `tuning.check_environment`."""
+    """`gate_up_route`: GATE_UP_ROUTE (variable unset or empty), or FLINTC_MMA_GATE_UP_ROUTE
+    ("block" / "warp", case and spaces ignored); another value is a TuningEnvError naming
+    the variable, also from `tuning.check_environment`."""
     from flintc.kernels.tuning import TuningEnvError, check_environment
 
     monkeypatch.delenv("FLINTC_MMA_GATE_UP_ROUTE", raising=False)
@@ -937,7 +953,10 @@ def test_gate_up_route_env(monkeypatch):
     for text, value in (("warp", "warp"), (" Block ", "block"), ("WARP", "warp")):
         monkeypatch.setenv("FLINTC_MMA_GATE_UP_ROUTE", text)
         assert M.gate_up_route() == value
-    for bad in ("", "blocks", "0"):
+    for empty in ("", "  "):  # empty: unset, as every other tuning variable
+        monkeypatch.setenv("FLINTC_MMA_GATE_UP_ROUTE", empty)
+        assert M.gate_up_route() == M.GATE_UP_ROUTE
+    for bad in ("blocks", "0", "warp,block"):
         monkeypatch.setenv("FLINTC_MMA_GATE_UP_ROUTE", bad)
         with pytest.raises(TuningEnvError, match=f"FLINTC_MMA_GATE_UP_ROUTE must be 'block' or "
                                                  f"'warp', got '{bad}'"):
@@ -967,7 +986,8 @@ def test_gate_up_launch_env(monkeypatch):
                                             M.GATE_UP_MIN_BLOCKS["nvfp4"][4],
                                             M.GATE_UP_PREFETCH["nvfp4"][4])
     for bad in ("nvfp4:9=4,1,6", "fp8:1=4,1,6", "nvfp4:1=4,1,40", "nvfp4:1=4,1", "nvfp4:1=0,1,0",
-                "nvfp4=4,1,6", "nvfp4:1=32,1,3", "nvfp4:1=4,1,0,9", "nvfp4:1=4,1,0,2,1"):
+                "nvfp4=4,1,6", "nvfp4:1=32,1,3", "nvfp4:1=4,1,0,9", "nvfp4:1=4,1,0,2,1",
+                "nvfp4:1=32,1000,0", "nvfp4:1=32,2,0"):  # the last two: shared memory
         monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", bad)
         with pytest.raises(TuningEnvError, match="FLINTC_MMA_GATE_UP_LAUNCH.*" + bad[:5]):
             M.gate_up_launch("nvfp4", 1)
