@@ -17,6 +17,8 @@ FULL_NUMERIC_LAYERS = 4
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    from flintc.cli.args import seed
+
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf (default: random weights of --config)")
     p.add_argument("--config", default="tiny",
@@ -25,7 +27,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weight format of the random weights when no MODEL is given")
     p.add_argument("--hf-config-path", default=None, help="folder with config.json for a .gguf MODEL")
     p.add_argument("--device", default="cpu", help="cpu or cuda: where the weights and the checks run")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and the check inputs")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and the check inputs")
     p.add_argument("--batch", type=int, default=2, help="decode batch B (1..8)")
     p.add_argument("--tokens", type=int, default=16, help="prefill tokens per sequence")
     p.add_argument("--cache-len", type=int, default=64, help="full-attention cache length S_max")
@@ -65,13 +67,23 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
                          "every token into the full-attention cache; raise --cache-len or lower --tokens")
     if args.attention_splits is not None and args.attention_splits < 1:
         raise InputError(f"--attention-splits must be at least 1, got {args.attention_splits}")
-    device = torch.device(args.device)
+    from flintc.cli.args import torch_device
+
+    device = torch_device(args.device)
     max_pos = max(args.cache_len, args.tokens) + 1
+
+    def check_positions(cfg) -> None:
+        if max_pos - 1 > cfg.max_position_embeddings:
+            raise InputError(f"--cache-len {args.cache_len} / --tokens {args.tokens}: more positions than "
+                             f"the model's max_position_embeddings {cfg.max_position_embeddings}")
+
     if args.model is not None:
         ckpt = load_checkpoint(args.model, hf_config_path=args.hf_config_path, device=device, progress=False)
+        check_positions(ckpt.config)
         model = FlintModel(ckpt.config, ckpt.weights, max_positions=max_pos)
         return [Target(model, model, f"weights: {ckpt.source} ({ckpt.fmt})")]
     config = FlintConfig.from_preset_or_path(args.config, "--config")
+    check_positions(config)
 
     def real(cfg):
         w = random_weights(cfg, seed=args.seed, device=device)

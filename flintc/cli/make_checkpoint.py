@@ -6,6 +6,8 @@ import argparse
 
 
 def add_parser(sub) -> None:
+    from flintc.cli.args import seed
+
     from flintc.cli import HelpFormatter
 
     p = sub.add_parser(
@@ -20,7 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16",
                    help="BF16 safetensors folder or NVFP4 .gguf file")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random weights (0 to 2**63 - 1)")
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="BF16 only: split into model-0000N-of-0000M.safetensors shards")
     p.set_defaults(func=run_make_checkpoint)

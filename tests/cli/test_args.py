@@ -1,0 +1,62 @@
+"""Seeds, devices and cache lengths of `flintc make-checkpoint`, `verify` and `dump`
+(`flintc.cli.args`): a value torch would reject deep in the run (a seed of 2**64 or
+more, `--device bogus`, CUDA on a machine without a GPU, more cache positions than the
+model has) is a one-line error with exit code 2, before any work."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from flintc.cli import args as cli_args
+from flintc.cli import main
+from flintc.errors import InputError
+
+
+@pytest.mark.parametrize("text, value", [("0", 0), ("7", 7), (str(2**63 - 1), 2**63 - 1)])
+def test_seed_accepts_the_generator_range(text, value):
+    assert cli_args.seed(text) == value
+
+
+@pytest.mark.parametrize("text", [str(2**63), str(2**64), "-1", "1.5", "x", ""])
+def test_seed_refuses_the_rest(text):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected an integer in \[0, 2\*\*63\)"):
+        cli_args.seed(text)
+
+
+def test_torch_device():
+    assert cli_args.torch_device("cpu") == torch.device("cpu")
+    for bad, msg in (("bogus", "expected cpu or cuda"), ("meta", "expected cpu or cuda"),
+                     ("", "expected cpu or cuda")):
+        with pytest.raises(InputError, match=f"--device {bad!r}: {msg}|--device {bad}: {msg}"):
+            cli_args.torch_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="--device cuda: no CUDA GPU is available"):
+            cli_args.torch_device("cuda")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["make-checkpoint", "--seed", str(2**64), "--out", "{tmp}/ck"], "argument --seed: expected an integer"),
+    (["verify", "--seed", str(10**23)], "argument --seed: expected an integer"),
+    (["dump", "--seed", "-3", "--out", "{tmp}/d"], "argument --seed: expected an integer"),
+    (["verify", "--device", "bogus"], "--device 'bogus': expected cpu or cuda"),
+    (["dump", "--device", "bogus", "--out", "{tmp}/d"], "--device 'bogus': expected cpu or cuda"),
+    (["verify", "--step", "decode", "--cache-len", "999999999"],
+     "--cache-len 999999999 / --tokens 16: more positions than the model's max_position_embeddings"),
+])
+def test_bad_seed_device_cache_len_is_one_line(argv, needle, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:  # argparse errors exit; InputError returns 2
+        raise SystemExit(main([a.format(tmp=tmp_path) for a in argv]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert needle in err and "Traceback" not in err, err
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "d").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_verify_on_cuda_without_a_gpu(capsys):
+    code = main(["verify", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--device cuda: no CUDA GPU is available" in err, err
