@@ -3,8 +3,9 @@
 `main()` builds the argparse parser from each sub-command's `add_parser`, runs the
 chosen one, and turns every user-facing error (:class:`~flintc.errors.FlintcError`,
 or an OSError on a file the user named) into one line on stderr and exit code 2,
-without a traceback. SIGTERM is turned into :class:`Terminated` (a KeyboardInterrupt),
-so the clean-up that runs on Ctrl-C (temporary BUILD, dump and checkpoint folders)
+without a traceback; an empty input path (MODEL "", --build "", ...) is refused first
+(`compile_build.check_input_paths`). SIGTERM is turned into :class:`Terminated` (a
+KeyboardInterrupt), so the clean-up that runs on Ctrl-C (temporary BUILD, dump and checkpoint folders)
 runs on `kill` too; the exit code is then 143. Every sub-command's parser uses
 :class:`HelpFormatter`, so its --help says each default once.
 """
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    from flintc.cli.compile_build import check_input_paths
+
     try:
+        check_input_paths(args)  # an empty MODEL, --build, --tokenizer, ...: before any work
         return int(args.func(args) or 0)
     except Terminated:
         print("flintc: terminated", file=sys.stderr)

@@ -72,14 +72,40 @@ def check_config_preset(value: str, flag: str = "--config") -> None:
 
 
 def check_not_empty(path, flag: str, expected: str = "a path") -> None:
-    """An output path the user gave must not be empty: `Path("")` is the current folder,
-    which no one means by `--out ""` (an unset shell variable, most often). Called first by
-    every output check (`check_output_folder`, `check_output_parents`, `flintc run`'s
-    --logits-out), before any work. Raises InputError naming the flag."""
+    """A path the user gave must not be empty: `Path("")` is the current folder, which no
+    one means by `--out ""` or `--build ""` (an unset shell variable, most often). Called
+    first by every output check (`check_output_folder`, `check_output_parents`, `flintc
+    run`'s --logits-out) and for every input path (`check_input_paths`), before any work.
+    Raises InputError naming the flag."""
     from flintc.errors import InputError
 
     if str(path) == "":
         raise InputError(f"{flag} must not be empty: expected {expected}")
+
+
+# The input paths of the sub-commands, by argparse dest (the same meaning in every
+# sub-command that has one): the option as the user types it, and what it expects.
+INPUT_PATHS = (
+    ("model", "MODEL", "the path of a BF16 checkpoint folder or an NVFP4 .gguf file (or leave MODEL out for "
+                       "the default)"),
+    ("build", "--build", "the path of a BUILD folder written by flintc compile"),
+    ("tokenizer", "--tokenizer", "the path of a folder holding tokenizer.json"),
+    ("hf_config_path", "--hf-config-path", "the path of a folder holding config.json, or of a config.json file"),
+    ("from_json", "--from-json", "the path of a bench.json file written by flintc bench"),
+)
+
+
+def check_input_paths(args) -> None:
+    """Refuse an empty input path (MODEL, --build, --tokenizer, --hf-config-path,
+    --from-json: `INPUT_PATHS`) of any sub-command, before any work: `Path("")` would be
+    taken as the current folder, or an empty --build or --tokenizer as none given.
+    `flintc.cli.main` calls it before every sub-command. Raises InputError naming the
+    option (`check_not_empty`)."""
+    for dest, flag, expected in INPUT_PATHS:
+        value = getattr(args, dest, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None:
+                check_not_empty(v, flag, expected)
 
 
 def check_folder_named(path, flag: str) -> None:
@@ -229,12 +255,19 @@ def build_options(args):
 
 
 def run_compile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
     from flintc.errors import InputError
 
     check_model_source_args(args)
     check_output_folder(args.out, "--out")
+    tokenizer = None
+    if args.tokenizer is not None:  # recorded in build.json, for flintc run/serve --build
+        tokenizer = Path(args.tokenizer).parent if Path(args.tokenizer).is_file() else Path(args.tokenizer)
+        if not (tokenizer / "tokenizer.json").is_file():
+            raise InputError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
     if getattr(args, "backend", None) in ("triton", "auto", None):
         # the variables the build's runtime will read (FLINTC_PDL_TRIGGER, FLINTC_MMA_*, ...):
         # a bad value is refused now, not by `flintc run` after the compile
@@ -247,8 +280,6 @@ def run_compile(args: argparse.Namespace) -> int:
         raise InputError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     if not 1 <= args.max_batch <= 8:
         raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {args.max_batch}")
-    from pathlib import Path
-
     out = Path(args.out)
     if out.exists() and not (out / "build.json").is_file():
         raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
@@ -263,6 +294,8 @@ def run_compile(args: argparse.Namespace) -> int:
     from flintc.runtime.build import compile_model
 
     ckpt = load_model_checkpoint(args, weights_on)
+    if tokenizer is not None:
+        ckpt.tokenizer_dir = tokenizer
     manifest = compile_model(ckpt, args.out, build_options(args), progress=sys.stderr.isatty(),
                              log=lambda msg: print(msg, file=sys.stderr))
     fns = ", ".join(f"{n} ({f['kernels']} kernels)" for n, f in manifest["functions"].items())

@@ -142,12 +142,18 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
             if not torch.cuda.is_available():
                 raise InputError(f"{args.build} was compiled for {device} but no CUDA GPU is available; "
                                  "pass --device cpu to run it on the CPU")
+        from flintc.runtime.compiled import check_weight_kind
+        from flintc.serve.server import tokenizer_dir
+
+        check_weight_kind(args.build, manifest, args.load_format, args.model)
+        # as flintc serve --build: beside MODEL, then where build.json says; needed for --prompt
+        tok_dir = tokenizer_dir(args, required=bool(args.prompt))
         prepare_device(device)
         runner = load_build(args.build, model=args.model, device=device,
                             load_format=args.load_format if args.load_format == "dummy" else None,
                             hf_config_path=args.hf_config_path, progress=sys.stderr.isatty())
         limit_build(runner, args.build, max_model_len=args.max_model_len, max_batch=args.max_batch)
-        return runner, runner.tokenizer_dir, runner.config
+        return runner, tok_dir, runner.config
     check_model_source_args(args)
     args.device = args.device or "cpu"
     prepare_device(args.device)
@@ -205,6 +211,15 @@ def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
 
     engine, tok_dir, config = _runner_and_tokenizer(args, cleanup, n_prompts)
     tok_dir = args.tokenizer or tok_dir
+    if args.prompt and tok_dir is None:  # MODEL (or dummy weights) without a tokenizer, no --build
+        where = (f"no tokenizer.json beside MODEL {args.model}" if args.model is not None else
+                 "dummy weights" + (f" of --config {args.config}" if args.config else "") + " come without one"
+                 if args.load_format == "dummy"
+                 else "none beside the default model")
+        if args.hf_config_path is not None:
+            where += f" nor in --hf-config-path {args.hf_config_path}"
+        raise InputError(f"--prompt needs a tokenizer: {where}; pass --tokenizer DIR (a folder with "
+                         "tokenizer.json and tokenizer_config.json), or give token ids with --prompt-ids")
     tokenizer = load_tokenizer(tok_dir) if (tok_dir or args.prompt) else None
     prompts = [tokenizer.encode(t) for t in args.prompt or []] + id_prompts
     if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:

@@ -27,7 +27,13 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--hf-config-path", default=None,
                    help="folder with config.json (and tokenizer) for a .gguf MODEL")
-    p.add_argument("--tokenizer", default=None, help="folder with tokenizer.json and tokenizer_config.json")
+    p.add_argument("--tokenizer", default=None,
+                   help="folder with tokenizer.json and tokenizer_config.json (default: the first that has one "
+                        "of --hf-config-path, MODEL's folder, and with --build the BUILD folder, then the "
+                        "tokenizer folder and the checkpoint its build.json records)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: with --build, for a build compiled with --load-format dummy: make its random "
+                        "weights on the device again (as flintc run --build BUILD --load-format dummy)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients must name (default: MODEL as given)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -71,12 +77,20 @@ def run_serve(args: argparse.Namespace) -> int:
                         ("--tokenizer", args.tokenizer)):
         if value is not None and not Path(value).exists():
             raise InputError(f"{flag} {value}: no such file or folder")
-    if args.build is not None and args.model is None:
-        # the checkpoint build.json records must still be there (the tokenizer is looked
-        # for beside it): else say so, naming build.json, not "no tokenizer found"
-        from flintc.runtime.compiled import read_manifest, recorded_weight_source
+    if args.build is not None:
+        from flintc.runtime.compiled import check_weight_kind, read_manifest, recorded_weight_source
 
-        recorded_weight_source(args.build, read_manifest(args.build))
+        manifest = read_manifest(args.build)
+        # dummy weights for a dummy build only (and a checkpoint for a checkpoint's build)
+        check_weight_kind(args.build, manifest, args.load_format, args.model)
+        if args.model is None and args.load_format != "dummy":
+            # the checkpoint build.json records must still be there (the tokenizer is looked
+            # for beside it too): else say so, naming build.json, not "no tokenizer found"
+            recorded_weight_source(args.build, manifest)
+    elif args.load_format == "dummy":
+        raise InputError("--load-format dummy applies only with --build (a build compiled with --load-format "
+                         "dummy); to serve random weights, compile them first: flintc compile --load-format "
+                         "dummy --config tiny --out BUILD, then flintc serve --build BUILD --load-format dummy")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

@@ -162,6 +162,58 @@ def recorded_weight_source(build: str | Path, manifest: dict) -> str:
     return source
 
 
+def check_weight_kind(build: str | Path, manifest: dict, load_format: str | None = None,
+                      model: str | Path | None = None) -> None:
+    """Refuse weights that can never match BUILD's, before anything loads: dummy (random)
+    weights (`load_format` "dummy") for a build compiled from a checkpoint, or a checkpoint
+    (`model`, or the default auto load) for a build compiled with dummy weights: their
+    fingerprints never agree. Shared by `load_build` and `flintc serve --build` (which
+    checks it up front). Nothing is checked when build.json records no weight_source.
+
+    Raises:
+        InputError: naming the build, what its build.json records and what to do.
+    """
+    source = manifest.get("weight_source")
+    if not isinstance(source, str) or not source:
+        return
+    where = Path(build) / "build.json"
+    if source.startswith("dummy:"):
+        if load_format != "dummy":
+            but = f", not with the weights of MODEL {model}: drop MODEL and" if model is not None else ";"
+            raise InputError(f"{build} was compiled with dummy (random) weights ({where} records weight_source "
+                             f"{source}){but} pass --load-format dummy (the same random weights are made again)")
+    elif load_format == "dummy":
+        raise InputError(f"--load-format dummy: {build} was compiled with the weights of {source} ({where} "
+                         "records them as weight_source), not with dummy (random) weights; drop --load-format "
+                         "dummy")
+
+
+def recorded_tokenizer_places(build: str | Path, manifest: dict) -> list[tuple[Path, str]]:
+    """Where BUILD/build.json says the tokenizer was at compile time, in the order to look
+    there: the tokenizer folder it records (tokenizer_dir), then the folder of the
+    checkpoint it records (weight_source; none for dummy weights). Each as (path, what it
+    is, for messages); the paths are as recorded and may no longer exist."""
+    where = Path(build) / "build.json"
+    places: list[tuple[Path, str]] = []
+    tok = manifest.get("tokenizer_dir")
+    if isinstance(tok, str) and tok:
+        places.append((Path(tok), f"the tokenizer folder {where} records"))
+    source = manifest.get("weight_source")
+    if isinstance(source, str) and source and not source.startswith("dummy:"):
+        p = Path(source)
+        folder = p.parent if p.is_file() or p.suffix == ".gguf" else p
+        if all(folder != q for q, _ in places):
+            places.append((folder, f"beside the checkpoint {where} records"))
+    return places
+
+
+def _first_tokenizer(places) -> Path | None:
+    for p, _ in places:
+        if (Path(p) / "tokenizer.json").is_file():
+            return Path(p)
+    return None
+
+
 def load_build(build: str | Path, model: str | Path | None = None, device: str | None = None,
                load_format: str | None = None, hf_config_path=None, progress: bool = True,
                use_cuda_graphs: bool = True, ckpt=None, prefill_graphs: bool | None = None) -> "CompiledRunner":
@@ -173,6 +225,8 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
             build.json, `recorded_weight_source`). Its config and weight fingerprint must
             match the build's.
         device: override the device recorded in the build ("cpu" or "cuda").
+        load_format: "dummy" for a build compiled with dummy (random) weights: they are
+            made again (same recipe, seed 0); else None (or "auto").
         use_cuda_graphs: on CUDA, replay decode (and prefill, see `prefill_graphs`) from
             CUDA graphs; False runs every step eagerly.
         ckpt: an already loaded checkpoint (skips loading; still checked).
@@ -182,8 +236,9 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     Raises:
         InputError: BUILD is not a build; no `model` given and the checkpoint build.json
             records no longer exists (`recorded_weight_source`: the message names
-            build.json and the path); the weights or config differ from the ones it
-            was compiled for; the device is CUDA and there is no GPU; prefill_graphs=True
+            build.json and the path); dummy weights for a build compiled from a
+            checkpoint, or the reverse (`check_weight_kind`); the weights or config
+            differ from the ones it was compiled for; the device is CUDA and there is no GPU; prefill_graphs=True
             with the torch backend; a FLINTC_* variable is malformed (`check_environment`);
             a triton build on the CPU with TRITON_INTERPRET set to other than 1, or with
             flintc's kernels imported before it was set (`use_triton_interpreter`; else
@@ -211,14 +266,12 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
         raise InputError(f"{build / 'build.json'}: its config does not match its config_sha256 "
                          "(the file was edited); recompile with flintc compile")
     if ckpt is None:
+        check_weight_kind(build, manifest, load_format, model)
         if load_format == "dummy":
             ckpt = load_checkpoint(None, device=device, load_format="dummy", config=config,
                                    fmt=manifest["weight_format"], progress=progress)
         else:
             source = model or recorded_weight_source(build, manifest)
-            if str(source).startswith("dummy:"):
-                raise InputError(f"{build} was compiled with dummy weights; pass --load-format dummy "
-                                 "(and the same --format) to run it")
             try:
                 ckpt = load_checkpoint(source, hf_config_path=hf_config_path, device=device,
                                        progress=progress)
@@ -289,7 +342,8 @@ class CompiledRunner:
         self.config = ckpt.config
         self.device = device
         self.fmt = ckpt.fmt
-        self.tokenizer_dir = ckpt.tokenizer_dir or manifest.get("tokenizer_dir")
+        # beside the weights, else where build.json says it was at compile time (if still there)
+        self.tokenizer_dir = ckpt.tokenizer_dir or _first_tokenizer(recorded_tokenizer_places(build, manifest))
         self.max_batch = int(manifest["max_batch"])
         self.max_model_len = int(manifest["max_model_len"])
         self.prefill_chunk = int(manifest["prefill_chunk"])

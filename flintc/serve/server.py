@@ -19,7 +19,8 @@ from flintc.errors import FlintcError, InputError
 
 def make_runner(args: argparse.Namespace):
     """-> a ModelRunner for the parsed `flintc serve` arguments (``model``, ``build``,
-    ``hf_config_path``, ``max_batch``, ``max_model_len``, ``device``).
+    ``hf_config_path``, ``max_batch``, ``max_model_len``, ``device``, ``load_format``:
+    "dummy" makes the dummy weights of a build compiled with them).
 
     Raises:
         FlintcError: ``--build`` given but the compiled runtime is not available.
@@ -37,8 +38,10 @@ def make_runner(args: argparse.Namespace):
             raise FlintcError(f"--build {args.build}: the compiled runtime is not available yet "
                               f"(cannot import flintc.runtime.compiled: {exc}); serve a checkpoint "
                               f"(MODEL) on the reference backend instead") from None
+        dummy = getattr(args, "load_format", None) == "dummy"
         runner = compiled.load_build(args.build, model=args.model, hf_config_path=args.hf_config_path,
-                                     device=getattr(args, "device", None), progress=sys.stderr.isatty())
+                                     device=getattr(args, "device", None), load_format="dummy" if dummy else None,
+                                     progress=sys.stderr.isatty())
         # The build fixes the decode buckets and the cache length; a smaller request limits
         # the scheduler, a larger one cannot be met.
         compiled.limit_build(runner, args.build, max_model_len=args.max_model_len, max_batch=args.max_batch)
@@ -62,32 +65,51 @@ def model_path(args: argparse.Namespace) -> Path:
     return default_checkpoint()
 
 
-def tokenizer_dir(args: argparse.Namespace) -> Path:
-    """Where the tokenizer is: --tokenizer, else --hf-config-path, else the build
-    folder, else MODEL's folder (MODEL itself when it is a folder).
+def tokenizer_dir(args: argparse.Namespace, required: bool = True) -> Path | None:
+    """Where the tokenizer is (a folder holding tokenizer.json), for `flintc serve` and
+    `flintc run --build` (``tokenizer``, ``hf_config_path``, ``model``, ``build``): the
+    first of --tokenizer, --hf-config-path, MODEL's folder (MODEL itself when it is a
+    folder; without --build and MODEL, the embedded default model's), and with --build
+    the BUILD folder, then where its build.json says the tokenizer was at compile time
+    (`flintc.runtime.compiled.recorded_tokenizer_places`: the tokenizer folder it records,
+    then beside the checkpoint it records). So a MODEL given with --build is looked
+    beside first, then the checkpoint the build was compiled from.
+
+    -> the folder, or None when none holds tokenizer.json and not `required`.
 
     Raises:
-        InputError: none of them holds tokenizer.json.
+        InputError: --tokenizer holds no tokenizer.json; or `required` and none of the
+            places does: the message names each place looked in.
     """
-    candidates = [args.tokenizer, args.hf_config_path]
-    if args.build is not None:
-        candidates.append(args.build)
-        from flintc.runtime.compiled import read_manifest
-
-        candidates.append(read_manifest(args.build).get("tokenizer_dir"))
-    else:
-        m = model_path(args)
-        candidates.append(m if m.is_dir() else m.parent)
-    for c in candidates:
-        if c is None:
-            continue
-        p = Path(c)
+    if args.tokenizer is not None:
+        p = Path(args.tokenizer)
         p = p.parent if p.is_file() else p
-        if (p / "tokenizer.json").is_file():
-            return p
-        if c in (args.tokenizer,):
-            raise InputError(f"--tokenizer {c}: no tokenizer.json there")
-    raise InputError("no tokenizer found beside the model: pass --tokenizer DIR (a folder with "
+        if not (p / "tokenizer.json").is_file():
+            raise InputError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+        return p
+    places: list[tuple[Path, str]] = []
+    if args.hf_config_path is not None:
+        places.append((Path(args.hf_config_path), "--hf-config-path"))
+    if args.model is not None or args.build is None:
+        m = model_path(args)
+        places.append((m if m.is_dir() else m.parent, "MODEL" if args.model is not None else "the default model"))
+    recorded = []
+    if args.build is not None:
+        from flintc.runtime.compiled import read_manifest, recorded_tokenizer_places
+
+        places.append((Path(args.build), "--build"))
+        recorded = recorded_tokenizer_places(args.build, read_manifest(args.build))
+        places += recorded
+    folders = [(p.parent if p.is_file() else p, what) for p, what in places]
+    for folder, _ in folders:
+        if (folder / "tokenizer.json").is_file():
+            return folder
+    if not required:
+        return None
+    looked = ", ".join(f"{folder} ({what})" for folder, what in folders)
+    if args.build is not None and not recorded:
+        looked += f"; {Path(args.build) / 'build.json'} records no tokenizer folder"
+    raise InputError(f"no tokenizer found: no tokenizer.json in {looked}; pass --tokenizer DIR (a folder with "
                      "tokenizer.json and tokenizer_config.json)")
 
 

@@ -7,10 +7,17 @@ the file or option at fault and says what to do, before any work.
 - `--config bogus`: the error lists the presets, and says when a config.json path is
   accepted too.
 - An empty output path (`--out ""`, `--json ""`, ...) is refused naming the option; it
-  used to mean the current folder.
+  used to mean the current folder. So is an empty input path (MODEL "", `--build ""`,
+  `--tokenizer ""`, `--hf-config-path ""`, `--from-json ""`).
+- `flintc serve MODEL --build BUILD` and `flintc run MODEL --build BUILD` look for the
+  tokenizer beside MODEL first, then where the build's build.json says it was; when
+  none is found the error names every place looked in.
+- A build compiled with dummy weights: `flintc serve --build` takes --load-format dummy,
+  as `flintc run --build` does, and both say so up front.
 
-None compiles a build: the build here is a build.json written by hand, which is all a
-build's loader reads before the weights."""
+Most tests compile no build: the build there is a build.json written by hand, which is
+all a build's loader reads before the weights. The tokenizer and dummy-weight tests
+compile two small builds of the tiny model once (a few seconds each, no checks)."""
 
 from __future__ import annotations
 
@@ -180,3 +187,233 @@ def test_output_folder_needs_a_name(capsys, tmp_path, monkeypatch, args):
     code, out, err = run_cli(capsys, *args)
     assert_one_line_error(code, err, f"--out {args[-1]}: expected a path ending in the name of the folder")
     assert out == "" and list(tmp_path.iterdir()) == []
+
+
+# ---- empty input paths ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["run", "", "--prompt-ids", "1"], "MODEL"),
+    (["run", "--build", "", "--prompt-ids", "1"], "--build"),
+    (["run", "{ckpt}", "--tokenizer", "", "--prompt", "hi"], "--tokenizer"),
+    (["run", "{ckpt}", "--hf-config-path", "", "--prompt-ids", "1"], "--hf-config-path"),
+    (["compile", "", "--out", "{tmp}/b"], "MODEL"),
+    (["compile", "{ckpt}", "--tokenizer", "", "--out", "{tmp}/b"], "--tokenizer"),
+    (["compile", "{ckpt}", "--hf-config-path", "", "--out", "{tmp}/b"], "--hf-config-path"),
+    (["serve", "", "--port", "0"], "MODEL"),
+    (["serve", "--build", "", "--port", "0"], "--build"),
+    (["serve", "{ckpt}", "--tokenizer", "", "--port", "0"], "--tokenizer"),
+    (["serve", "{ckpt}", "--hf-config-path", "", "--port", "0"], "--hf-config-path"),
+    (["bench", "--from-json", "", "--out", "{tmp}/o"], "--from-json"),
+    (["bench", "--from-json", "{tmp}/bench.json", "--from-json", "", "--out", "{tmp}/o"], "--from-json"),
+    (["bench", "", "--device", "cpu", "--config", "tiny", "--out", "{tmp}/o"], "MODEL"),
+    (["bench", "--device", "cpu", "--config", "tiny", "--hf-config-path", "", "--out", "{tmp}/o"],
+     "--hf-config-path"),
+    (["dump", "", "--out", "{tmp}/d"], "MODEL"),
+    (["verify", "--hf-config-path", "", "--step", "decode"], "--hf-config-path"),
+])
+def test_empty_input_path_is_refused(capsys, tmp_path, monkeypatch, tiny_bf16_dir, args, flag):
+    """An empty input path is not the current folder, nor "none given": refused at once
+    naming the option (MODEL "" loaded the current folder, `run --build ""` ran the
+    default model on the reference backend, `run --tokenizer ""` was ignored, `serve ""`
+    served the current folder, `bench --from-json ""` said ".: Is a directory")."""
+    monkeypatch.chdir(tmp_path)
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path, ckpt=tiny_bf16_dir) for a in args])
+    assert_one_line_error(code, err, f"{flag} must not be empty: expected the path of ")
+    assert out == "" and list(tmp_path.iterdir()) == [] and time.perf_counter() - t0 < 5
+
+
+def test_check_input_paths():
+    import argparse
+
+    from flintc.cli.compile_build import check_input_paths
+    from flintc.errors import InputError
+
+    check_input_paths(argparse.Namespace(model=None, build="b", from_json=["a.json"], out=""))  # --out: not input
+    check_input_paths(argparse.Namespace())
+    with pytest.raises(InputError, match="^--from-json must not be empty"):
+        check_input_paths(argparse.Namespace(from_json=["a.json", ""]))
+
+
+# ---- the tokenizer of a build --------------------------------------------------------------
+
+
+def _compile(out: Path, *source) -> Path:
+    """A small BUILD of the tiny model (decode bucket 1, 32 positions, no checks: a few
+    seconds on a CPU)."""
+    assert main(["compile", *map(str, source), "--out", str(out), "--max-batch", "1", "--max-model-len", "32",
+                 "--no-check", "--no-dump", "--device", "cpu", "--backend", "torch"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def moved_build(tmp_path_factory, tiny_bf16_dir):
+    """(checkpoint, BUILD): BUILD compiled from a copy of the tiny checkpoint, which was
+    then moved to `checkpoint` (build.json still records its old path)."""
+    root = tmp_path_factory.mktemp("moved")
+    shutil.copytree(tiny_bf16_dir, root / "ckpt")
+    build = _compile(root / "build", root / "ckpt")
+    (root / "ckpt").rename(root / "moved")
+    return root / "moved", build
+
+
+@pytest.fixture(scope="module")
+def dummy_build(tmp_path_factory):
+    """A BUILD compiled with dummy weights of the tiny preset (no tokenizer recorded)."""
+    return _compile(tmp_path_factory.mktemp("dummy") / "build", "--load-format", "dummy", "--config", "tiny")
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """`flintc serve` runs up to uvicorn, which is not started (the socket is closed);
+    -> the folders load_tokenizer was called with (by serve or run)."""
+    import flintc.checkpoint.tokenizer as tokenizer_module
+    import flintc.serve.server as server
+
+    loaded = []
+    real = tokenizer_module.load_tokenizer
+    monkeypatch.setattr(tokenizer_module, "load_tokenizer", lambda p: loaded.append(Path(p)) or real(p))
+    monkeypatch.setattr(server, "serve", lambda app, sock, log_level="info": sock.close())
+    return loaded
+
+
+def _without_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of the checkpoint `src` (same weights) without its tokenizer files."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("tokenizer*"))
+    return dst
+
+
+def test_serve_build_looks_for_the_tokenizer_beside_model(capsys, served, moved_build):
+    """`flintc serve MODEL --build BUILD` said "no tokenizer found beside the model"
+    although MODEL's folder held the tokenizer: only BUILD and the tokenizer folder
+    build.json records (moved away with the checkpoint) were looked in."""
+    model, build = moved_build
+    code, out, err = run_cli(capsys, "serve", model, "--build", build, "--port", 0)
+    assert code == 0 and f"flintc serve: '{build}' on http://127.0.0.1:" in err, err
+    assert served == [model]
+
+
+def test_run_build_uses_the_tokenizer_of_model_or_none(capsys, served, tmp_path, moved_build):
+    """`flintc run MODEL --build BUILD`: the tokenizer is looked for beside MODEL, then
+    where build.json says. MODEL without a tokenizer and the recorded one moved away:
+    --prompt-ids ran into "<recorded path>: tokenizer folder not found"; now they run
+    without a tokenizer, and --prompt (which needs one) names every place looked in."""
+    model, build = moved_build
+    code, out, err = run_cli(capsys, "run", model, "--build", build, "--prompt", "hi", "--max-tokens", 1)
+    assert code == 0 and served == [model], err
+    bare = _without_tokenizer(model, tmp_path / "bare")
+    code, out, err = run_cli(capsys, "run", bare, "--build", build, "--prompt-ids", "1,2", "--max-tokens", 1)
+    assert code == 0 and served == [model], err
+    recorded = json.loads((build / "build.json").read_text())["tokenizer_dir"]
+    for command in (["run", bare, "--build", build, "--prompt", "hi"], ["serve", bare, "--build", build, "--port", 0]):
+        t0 = time.perf_counter()
+        code, out, err = run_cli(capsys, *command)
+        assert_one_line_error(code, err, f"no tokenizer found: no tokenizer.json in {bare} (MODEL), {build} (--build), "
+                              f"{recorded} (the tokenizer folder {build / 'build.json'} records)",
+                              "pass --tokenizer DIR")
+        assert time.perf_counter() - t0 < 5  # before the weights load
+
+
+def test_tokenizer_lookup_order(tmp_path):
+    """MODEL first, then BUILD, then the tokenizer folder build.json records, then the
+    folder of the checkpoint it records; --tokenizer and --hf-config-path before all."""
+    import argparse
+
+    from flintc.serve.server import tokenizer_dir
+
+    def folder(name, tokenizer=True):
+        (tmp_path / name).mkdir()
+        if tokenizer:
+            (tmp_path / name / "tokenizer.json").write_text("{}")
+        return tmp_path / name
+
+    ckpt, tok, model, bare, hf = folder("ckpt"), folder("tok"), folder("model"), folder("bare", False), folder("hf")
+    build = _fake_build(tmp_path / "build", str(ckpt))
+    manifest = json.loads((build / "build.json").read_text())
+    (build / "build.json").write_text(json.dumps({**manifest, "tokenizer_dir": str(tok)}))
+
+    def ns(**kw):
+        return argparse.Namespace(**{"tokenizer": None, "hf_config_path": None, "model": None, "build": build, **kw})
+
+    assert tokenizer_dir(ns(model=model)) == model
+    assert tokenizer_dir(ns(model=bare)) == tok
+    assert tokenizer_dir(ns()) == tok
+    assert tokenizer_dir(ns(model=model, hf_config_path=hf)) == hf
+    assert tokenizer_dir(ns(model=model, tokenizer=ckpt)) == ckpt
+    (tok / "tokenizer.json").unlink()
+    assert tokenizer_dir(ns(model=bare)) == ckpt  # beside the recorded checkpoint
+    (ckpt / "tokenizer.json").unlink()
+    assert tokenizer_dir(ns(model=bare), required=False) is None
+    (build / "tokenizer.json").write_text("{}")
+    assert tokenizer_dir(ns(model=bare)) == build
+
+
+def test_compile_records_the_tokenizer_given(capsys, tmp_path, monkeypatch, tiny_bf16_dir):
+    """`flintc compile MODEL --tokenizer DIR` ignored DIR: build.json recorded MODEL's
+    tokenizer folder (none here), so `run/serve --build` found none. A DIR without
+    tokenizer.json is refused before the compile."""
+    import flintc.runtime.build
+
+    seen = []
+
+    def fake_compile(ckpt, out, opts, **kw):
+        seen.append(ckpt.tokenizer_dir)
+        return {"functions": {}, "compile_seconds": 0.0, "checked": False}
+
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", fake_compile)
+    bare = _without_tokenizer(tiny_bf16_dir, tmp_path / "bare")
+    code, _, err = run_cli(capsys, "compile", bare, "--tokenizer", tiny_bf16_dir, "--out", tmp_path / "b")
+    assert code == 0 and seen == [Path(tiny_bf16_dir)], err
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--tokenizer", bare, "--out", tmp_path / "b")
+    assert_one_line_error(code, err, f"--tokenizer {bare}: no tokenizer.json there")
+    assert len(seen) == 1
+
+
+# ---- a build of dummy weights --------------------------------------------------------------
+
+
+def test_serve_takes_load_format_dummy_like_run(capsys, served, dummy_build, tiny_bf16_dir):
+    """`flintc serve --build B` of a build compiled with --load-format dummy said "no
+    tokenizer found", and with --tokenizer "pass --load-format dummy (and the same
+    --format)", options serve did not have. Now serve takes --load-format dummy, as
+    `flintc run --build B --load-format dummy` does, and both say so before any work."""
+    for command in (["serve", "--build", dummy_build, "--tokenizer", tiny_bf16_dir, "--port", 0],
+                    ["run", "--build", dummy_build, "--prompt-ids", "1"]):
+        t0 = time.perf_counter()
+        code, out, err = run_cli(capsys, *command)
+        assert_one_line_error(code, err, f"{dummy_build} was compiled with dummy (random) weights ("
+                              f"{dummy_build / 'build.json'} records weight_source dummy:bf16); "
+                              "pass --load-format dummy")
+        assert out == "" and time.perf_counter() - t0 < 5
+    code, out, err = run_cli(capsys, "serve", "--build", dummy_build, "--load-format", "dummy", "--tokenizer",
+                             tiny_bf16_dir, "--port", 0)
+    assert code == 0 and f"flintc serve: '{dummy_build}' on http://127.0.0.1:" in err, err
+    code, out, err = run_cli(capsys, "run", "--build", dummy_build, "--load-format", "dummy", "--prompt-ids", "1",
+                             "--max-tokens", 1)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_load_format_dummy_must_match_the_build(capsys, command, dummy_build, moved_build, tiny_bf16_dir):
+    """Weights that can never match the build's fingerprint are refused up front, saying
+    why: dummy weights for a build of a checkpoint's, a checkpoint for a build of dummy
+    weights (both said "the weights in ... are not the ones ... (fingerprint differs)"
+    after loading them); serve takes --load-format dummy only with --build."""
+    model, build = moved_build
+    tail = ["--prompt-ids", "1"] if command == "run" else ["--port", "0"]
+    cases = [
+        ([command, "--build", build, "--load-format", "dummy", *tail],
+         [f"--load-format dummy: {build} was compiled with the weights of ", "drop --load-format dummy"]),
+        ([command, tiny_bf16_dir, "--build", dummy_build, *tail],
+         [f"{dummy_build} was compiled with dummy (random) weights", f"not with the weights of MODEL {tiny_bf16_dir}",
+          "drop MODEL and pass --load-format dummy"]),
+    ]
+    if command == "serve":
+        cases.append((["serve", "--load-format", "dummy", "--port", "0"],
+                      ["--load-format dummy applies only with --build", "flintc compile --load-format dummy"]))
+    for args, needles in cases:
+        t0 = time.perf_counter()
+        code, out, err = run_cli(capsys, *args)
+        assert_one_line_error(code, err, *needles)
+        assert out == "" and time.perf_counter() - t0 < 5
