@@ -93,6 +93,11 @@ def run_serve(args: argparse.Namespace) -> int:
                          "dummy --config tiny --out BUILD, then flintc serve --build BUILD --load-format dummy")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if args.api_key is not None and not args.api_key.strip():
+        # an empty key would let `Authorization: Bearer ` (no key at all) through
+        raise InputError("--api-key must not be empty: leave it out to serve without a key")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise InputError("--served-model-name must not be empty: leave it out for MODEL as given")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise InputError("--enable-auto-tool-choice needs --tool-call-parser glm47")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():

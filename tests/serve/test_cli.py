@@ -84,6 +84,14 @@ def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
     assert "--tool-call-parser" in capsys.readouterr().err
     assert main(["serve", str(tiny_bf16_dir), "--max-batch", "0"]) == 2
     assert main(["serve", str(tiny_bf16_dir), "--tokenizer", str(tiny_bf16_dir / "nope")]) == 2
+    capsys.readouterr()
+    # an empty --api-key would accept `Authorization: Bearer ` with no key; empty names too
+    for flag, needle in (("--api-key", "--api-key must not be empty"),
+                         ("--served-model-name", "--served-model-name must not be empty")):
+        for empty in ("", " "):
+            assert main(["serve", str(tiny_bf16_dir), flag, empty, "--port", "0"]) == 2
+            err = capsys.readouterr().err
+            assert needle in err and "Traceback" not in err, err
 
 
 def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
