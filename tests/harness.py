@@ -102,3 +102,21 @@ def assert_same(name: str, got: torch.Tensor, want: torch.Tensor, dots: bool = F
         assert diff <= 0.01 * got.numel(), f"{name}: {diff} of {got.numel()} elements differ"
         return
     assert diff == 0, f"{name}: {diff} of {got.numel()} elements differ from the packed layout"
+
+
+def run_cli(capsys, *args):
+    """`flintc ARGS...` in process (every arg str()-ed): (exit code, stdout, stderr)."""
+    from flintc.cli import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, *needles):
+    """A CLI user error: exit code 2, one line `flintc: error: ...` on stderr holding every
+    needle, no traceback."""
+    assert code == 2, err
+    assert err.startswith("flintc: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert str(n) in err, (n, err)

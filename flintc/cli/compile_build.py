@@ -265,9 +265,9 @@ def run_compile(args: argparse.Namespace) -> int:
     check_output_folder(args.out, "--out")
     tokenizer = None
     if args.tokenizer is not None:  # recorded in build.json, for flintc run/serve --build
-        tokenizer = Path(args.tokenizer).parent if Path(args.tokenizer).is_file() else Path(args.tokenizer)
-        if not (tokenizer / "tokenizer.json").is_file():
-            raise InputError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+        from flintc.serve.server import given_tokenizer_dir
+
+        tokenizer = given_tokenizer_dir(args.tokenizer)
     if getattr(args, "backend", None) in ("triton", "auto", None):
         # the variables the build's runtime will read (FLINTC_PDL_TRIGGER, FLINTC_MMA_*, ...):
         # a bad value is refused now, not by `flintc run` after the compile

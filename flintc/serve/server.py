@@ -65,6 +65,19 @@ def model_path(args: argparse.Namespace) -> Path:
     return default_checkpoint()
 
 
+def given_tokenizer_dir(path, flag: str = "--tokenizer") -> Path:
+    """The folder of a tokenizer the user named (`path` the folder, or a file in it).
+
+    Raises:
+        InputError: that folder holds no tokenizer.json (the message names `flag`).
+    """
+    p = Path(path)
+    p = p.parent if p.is_file() else p
+    if not (p / "tokenizer.json").is_file():
+        raise InputError(f"{flag} {path}: no tokenizer.json there")
+    return p
+
+
 def tokenizer_dir(args: argparse.Namespace, required: bool = True) -> Path | None:
     """Where the tokenizer is (a folder holding tokenizer.json), for `flintc serve` and
     `flintc run --build` (``tokenizer``, ``hf_config_path``, ``model``, ``build``): the
@@ -82,11 +95,7 @@ def tokenizer_dir(args: argparse.Namespace, required: bool = True) -> Path | Non
             places does: the message names each place looked in.
     """
     if args.tokenizer is not None:
-        p = Path(args.tokenizer)
-        p = p.parent if p.is_file() else p
-        if not (p / "tokenizer.json").is_file():
-            raise InputError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
-        return p
+        return given_tokenizer_dir(args.tokenizer)
     places: list[tuple[Path, str]] = []
     if args.hf_config_path is not None:
         places.append((Path(args.hf_config_path), "--hf-config-path"))

@@ -19,21 +19,9 @@ from types import SimpleNamespace
 import pytest
 
 from flintc.cli import main
+from harness import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run_cli(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code, err, *needles):
-    assert code == 2, err
-    assert err.startswith("flintc: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert str(n) in err, (n, err)
 
 
 # ---- flintc run: the reference backend -------------------------------------------------
