@@ -13,6 +13,11 @@ experts out of 256; the routed tensors are 1.6 GB bf16 / 0.4 GB NVFP4) and its o
 of the per-layer weights that every call would otherwise re-read (router, shared expert:
 16 copies = 16 / 96 MB bf16), as consecutive layers do in a real forward.
 
+`moe_topk_gate_up` is given the routed down weights (`down_prefetch`), as in the model, so
+its row includes the L2 prefetch of the selected experts' down rows (bytes not counted in
+its row) and the down kernel's row reads them from DRAM (nothing prefetched them); the
+MoE layer row is the three as the model runs them.
+
 Bytes counted per call: the distinct selected experts' weights (averaged over the input
 sets; tokens that share an expert read it once, as the kernels do), the shared expert's,
 the router's, and every activation read or written. NVFP4 bytes include block scales.
@@ -215,7 +220,7 @@ def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float, floor: bool = Fals
     def gate_up(i, impl=K):
         j = r(i)
         return impl.moe_topk_gate_up(s.xn[j], s.logits[j], s.bias[j], s.gate, s.up, s.sg[j],
-                                     s.su[j], TOP_K, SCALING, **kw(impl))
+                                     s.su[j], TOP_K, SCALING, s.down, **kw(impl))
 
     def down(i, impl=K):
         j = r(i)
@@ -226,7 +231,7 @@ def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float, floor: bool = Fals
         j = r(i)
         xn, logits = impl.norm_router(s.x[j], s.norm[j], s.router[j], EPS, **kw(impl))
         h, w, ids = impl.moe_topk_gate_up(xn, logits, s.bias[j], s.gate, s.up, s.sg[j], s.su[j],
-                                          TOP_K, SCALING, **kw(impl))
+                                          TOP_K, SCALING, s.down, **kw(impl))
         return impl.moe_down_combine_residual(h, ids, w, s.down, s.sd[j], s.x[j], **kw(impl))
 
     cases = [("norm_router", s.bytes_norm_router(), norm_router),

@@ -303,9 +303,9 @@ def _moe_chain_rows(batches, gen, row) -> None:
                     if warps > 0:
                         hm, wts, ids = nvfp4_mma.moe_topk_gate_up(
                             h, lg, bias, *w, K, 2.5, warps=warps, row_tiles=rows, prefetch=pf,
-                            min_blocks=mb, use_pdl=True)
+                            min_blocks=mb, use_pdl=True, down=down)
                     else:
-                        hm, wts, ids = moe.moe_topk_gate_up(h, lg, bias, *w, K, 2.5,
+                        hm, wts, ids = moe.moe_topk_gate_up(h, lg, bias, *w, K, 2.5, down,
                                                             use_pdl=True)
                     return moe.moe_down_combine_residual(hm, ids, wts, down, sd, xs[i],
                                                          use_pdl=True)

@@ -72,3 +72,30 @@ def test_env_ab_refuses_to_empty_a_work_folder_holding_out_or_the_repo(tmp_path)
                            env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 1 and "AB_WORK" in r.stderr, (work, r.stderr)
         assert keep.exists() and (root / "scripts" / "gpu_env_ab.sh").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_l2_prefetch_plan_dry_run(tmp_path):
+    """`scripts/gpu_l2_prefetch.sh` (the planned H200 runs of the L2 prefetch) with a
+    stand-in Python: part 1 runs the tests with one `-k` expression and `bench_moe.py` with
+    FLINTC_MMA_L2_PREFETCH none / the in-kernel prefetches / all; another PART is refused."""
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/usr/bin/env bash\nprintf "ARG[%s]\\n" "$@"\n'
+                    'echo "VAR[${FLINTC_MMA_L2_PREFETCH-unset}]"\n')
+    fake.chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake),
+           "GPU_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out"),
+           "AB_WORK": str(tmp_path / "work")}
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_l2_prefetch.sh")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    tests = (tmp_path / "out" / "tests.log").read_text().splitlines()
+    k = tests[tests.index("ARG[-k]") + 1]
+    assert k.startswith("ARG[moe_topk_gate_up_matches and (True-1- or True-8-) or") \
+        and k.endswith("or converted]") and tests[-1] == "VAR[unset]", tests
+    runs = [line for line in r.stdout.splitlines() if line.startswith("VAR[")]
+    assert runs[1:4] == ["VAR[none]", "VAR[gemv,gate_up,down,norm_gate_up]", "VAR[all]"], r.stdout
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_l2_prefetch.sh")], cwd=tmp_path,
+                       env={**env, "PART": "3"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "PART must be 1 or 2" in r.stderr

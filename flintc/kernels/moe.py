@@ -1429,7 +1429,7 @@ def _require_mma_stack(op: str, name: str, w, dims: str) -> None:
 
 
 def _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k, scaling, use_pdl,
-                 config):
+                 config, down_prefetch=None):
     """`_gate_up_launch` for experts in the mma layout: the CUDA kernel, which is the only
     one that reads it (ValueError, saying what is missing, where it cannot run)."""
     from flintc.kernels import nvfp4_mma
@@ -1455,16 +1455,22 @@ def _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k, s
                    "== 0, contiguous 16-byte aligned x and logits, outside the interpreter)")
     return nvfp4_mma.moe_topk_gate_up(x, logits, bias, list(gate), list(up), list(shared_gate),
                                       list(shared_up), top_k, scaling,
-                                      use_pdl=use_pdl and _native(dev))
+                                      use_pdl=use_pdl and _native(dev),
+                                      down=_down_hint(down_prefetch))
+
+
+def _down_hint(down_prefetch):
+    """`down_prefetch` as the CUDA launcher's `down` list (None stays None)."""
+    return None if down_prefetch is None else list(down_prefetch)
 
 
 def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, top_k, scaling,
-                    use_pdl, config):
+                    use_pdl, config, down_prefetch=None):
     N, H = x.shape
     dev = x.device
     if _converted(gate, up, shared_gate, shared_up):
         return _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k,
-                            scaling, use_pdl, config)
+                            scaling, use_pdl, config, down_prefetch)
     nv, (g0, g1, g2), F, gs_stride = _stacked(op, "gate", gate, H, dev)
     nv_u, (u0, u1, u2), _, gs_stride_u = _stacked(op, "up", up, H, dev, F=F, E=g0.shape[0])
     if nv_u != nv or gs_stride_u != gs_stride:
@@ -1504,7 +1510,8 @@ def _gate_up_launch(op, x, logits, bias, ids, gate, up, shared_gate, shared_up, 
         try:
             return nvfp4_mma.moe_topk_gate_up(x, logits, bias, list(gate), list(up),
                                               list(shared_gate), list(shared_up), top_k,
-                                              scaling, use_pdl=use_pdl and _native(dev))
+                                              scaling, use_pdl=use_pdl and _native(dev),
+                                              down=_down_hint(down_prefetch))
         except RuntimeError:  # a weight first seen during CUDA-graph capture: Triton below
             if not torch.cuda.is_current_stream_capturing():
                 raise
@@ -1545,7 +1552,8 @@ def _stacked(op, name, w, cols, dev, F=None, E=None):
 
 
 def moe_topk_gate_up(x, logits, bias, gate, up, shared_gate, shared_up, top_k: int, scaling: float,
-                     *, use_pdl: bool = False, config: MoeConfig | None = None):
+                     down_prefetch=None, *, use_pdl: bool = False,
+                     config: MoeConfig | None = None):
     """`flintc::moe_topk_gate_up` (kernel 6): top-k routing, the selected and shared experts'
     gate/up GEMVs and SiLU-and-mul, one launch (grid: (F blocks, N*K + 1 slots, split of
     H); each distinct expert streamed once for all tokens that chose it).
@@ -1561,6 +1569,10 @@ def moe_topk_gate_up(x, logits, bias, gate, up, shared_gate, shared_up, top_k: i
         shared_gate, shared_up: [F, H] in the same format (global scale []), or both []
             (not with the mma layout).
         top_k, scaling: K and routed_scaling_factor.
+        down_prefetch: None, or the routed experts' down stack [E, H, F] in gate's format,
+            which the next kernel reads: the CUDA kernel prefetches the selected experts'
+            down weights into L2 (`nvfp4_mma.moe_topk_gate_up`'s `down`); the Triton
+            kernel ignores it. It never changes the outputs.
         use_pdl: programmatic dependent launch (CUDA only); with `prefetch` configs the
             shared expert's first tiles load before `gdc_wait`.
         config: a `MoeConfig` (None: `choose_config`).
@@ -1584,7 +1596,7 @@ def moe_topk_gate_up(x, logits, bias, gate, up, shared_gate, shared_up, top_k: i
     if not (1 <= x.shape[0] <= MAX_N):
         return _reference(op)(x, logits, bias, gate, up, shared_gate, shared_up, top_k, scaling)
     return _gate_up_launch(op, x, logits, bias, None, gate, up, shared_gate, shared_up, top_k,
-                           scaling, use_pdl, config)
+                           scaling, use_pdl, config, down_prefetch)
 
 
 def moe_gate_up(x, ids, gate, up, shared_gate, shared_up, *, use_pdl: bool = False,

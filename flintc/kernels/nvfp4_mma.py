@@ -402,6 +402,9 @@ _COMMON = r"""
 #define TRIG_EARLY __TRIG__  // PDL: launch_dependents once a block's first loads are issued
                              // (after the wait), not after its main loop
 #define BF16W __BF16W__  // 1: bf16 weights, row-major [F, K] (ChunkB); 0: NVFP4 mma layout
+#define L2PF __L2PF__    // 1: the chunks of a warp's slice past the first PF (which load into
+                         // registers) are prefetched into L2 once their address is known
+                         // (`l2_prefetch_tiles`), so that their register loads hit L2
 typedef unsigned int u32;
 typedef unsigned short u16;
 
@@ -554,6 +557,32 @@ __device__ __forceinline__ void load_x(ChunkB& ch, const uint4* xp, int c) {
 __device__ __forceinline__ void mma_chunk(const ChunkB& ch, float (&acc)[RT][4]) {
   mma_chunk_b(ch, acc);
 }
+// L2 prefetch of `bytes` (a multiple of 16) at p (16-byte aligned): one bulk request, no
+// registers, no completion to wait for (PTX ISA 8.0, sm_90: cp.async.bulk.prefetch.L2)
+__device__ __forceinline__ void l2_prefetch(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+// L2 prefetch (L2PF) of chunks [a, a + n) of a warp's slice of `tiles` consecutive 16-row
+// tiles: w0 / s0 lane 0's `w_at` / `s_at` pointers at the slice's first chunk. NVFP4 (mma
+// layout): a tile's chunks are contiguous, 512 code bytes and 64 scale bytes each, so a
+// tile takes 2 requests; bf16 (row-major): one request per row of 128 n bytes. The warp's
+// lanes share the requests.
+__device__ __forceinline__ void l2_prefetch_tiles(const void* w0, const void* s0, int tiles,
+                                                  int a, int n, int lane) {
+#if L2PF
+  if (n <= 0) return;
+#if BF16W
+  for (int p = lane; p < tiles * 16; p += 32)
+    l2_prefetch(static_cast<const uint4*>(w0) + (size_t)p * (KC * 8) + a * 8, n * 128);
+#else
+  for (int p = lane; p < 2 * tiles; p += 32) {
+    const size_t off = ((size_t)(p >> 1) * KC + a) * 32;
+    if (p & 1) l2_prefetch(static_cast<const u16*>(s0) + off, n * 64);
+    else l2_prefetch(static_cast<const uint4*>(w0) + off, n * 512);
+  }
+#endif
+#endif
+}
 // a weight's fp32 global scale (NVFP4)
 __device__ __forceinline__ float global_scale(const float* p) {
 #if BF16W
@@ -616,6 +645,7 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
   WChunk buf[PF + 1];
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_w<true>(buf[c], wp, sp, c);  // weights only
+  l2_prefetch_tiles(w_at(wq, ft0, c0, 0), s_at(sq, ft0, c0, 0), RT, PF, CPW - PF, lane);
 #if PDL
   // x is the previous kernel's output. The wait sits in its own basic block: ptxas hoists
   // a griddepcontrol.wait above the weight loads of the same block (seen in the SASS)
@@ -837,6 +867,16 @@ __device__ __forceinline__ void write_routing(const float* logits, const long lo
   if (lane < KTOP) { ids[lane] = e; w[lane] = __fmul_rn(__fdiv_rn(sel, total), scaling); }
 }
 
+// L2 prefetch of this block's share (blockIdx.x of gridDim.x: the row groups) of `bytes`
+// (a multiple of 16) at p, over the warp's lanes: the routed block's expert's down weights
+// (d_wbytes / d_sbytes > 0), which the next kernel (flintc::moe_down_combine_residual)
+// reads, so that its loads hit L2
+__device__ __forceinline__ void l2_prefetch_share(const unsigned char* p, int bytes, int lane) {
+  const int parts = gridDim.x * 32;
+  const int piece = ((bytes + parts - 1) / parts + 15) & ~15;
+  const long long lo = ((long long)blockIdx.x * 32 + lane) * piece;
+  if (lo < bytes) l2_prefetch(p + lo, (unsigned)min((long long)piece, bytes - lo));
+}
 extern "C" __global__ void __launch_bounds__(WARPS * 32 __MINB__)
 nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq,
                       const float* __restrict__ ggs, const uint4* __restrict__ uwq,
@@ -846,7 +886,9 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
                       const u16* __restrict__ susq, const float* __restrict__ sugs,
                       const u16* x, const float* logits, const float* __restrict__ bias,
                       double scaling_d, u16* __restrict__ hout, float* __restrict__ wout,
-                      long long* __restrict__ ids_out, int N, int I) {
+                      long long* __restrict__ ids_out, int N, int I,
+                      const void* __restrict__ dwq, const void* __restrict__ dsq,
+                      int d_wbytes, int d_sbytes) {
   __shared__ float red[WARPS][RT][4][32];
   __shared__ long long s_cand[WARPS][KTOP];
   __shared__ int s_e;
@@ -867,6 +909,8 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
     u_sp = s_at(susq, ft, c0, lane);
 #pragma unroll
     for (int c = 0; c < PF && c < CPW; ++c) load_w2<true>(buf[c], g_wp, g_sp, u_wp, u_sp, c);
+    l2_prefetch_tiles(w_at(sgwq, ft, c0, 0), s_at(sgsq, ft, c0, 0), RTB, PF, CPW - PF, lane);
+    l2_prefetch_tiles(w_at(suwq, ft, c0, 0), s_at(susq, ft, c0, 0), RTB, PF, CPW - PF, lane);
   }
   long long top[KTOP];  // block route: warp 0's top-(k + 1) keys in order
   float bias_r[RJ];  // the routing biases (a weight: loaded before the wait)
@@ -916,6 +960,14 @@ nvfp4_mma_moe_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gsq
     u_sp = s_at(usq, e * FT + ft, c0, lane);
 #pragma unroll
     for (int c = 0; c < PF && c < CPW; ++c) load_w2(buf[c], g_wp, g_sp, u_wp, u_sp, c);
+    l2_prefetch_tiles(w_at(gwq, e * FT + ft, c0, 0), s_at(gsq, e * FT + ft, c0, 0), RTB, PF,
+                      CPW - PF, lane);
+    l2_prefetch_tiles(w_at(uwq, e * FT + ft, c0, 0), s_at(usq, e * FT + ft, c0, 0), RTB, PF,
+                      CPW - PF, lane);
+    if (d_wbytes > 0 && warp == WARPS - 1)  // this block's share of e's down weights
+      l2_prefetch_share(static_cast<const unsigned char*>(dwq) + e * d_wbytes, d_wbytes, lane);
+    if (d_sbytes > 0 && warp == WARPS - 1)
+      l2_prefetch_share(static_cast<const unsigned char*>(dsq) + e * d_sbytes, d_sbytes, lane);
     gscale = global_scale(ggs + e * gs_stride);
     uscale = global_scale(ugs + e * gs_stride);
   }
@@ -1019,6 +1071,15 @@ nvfp4_mma_norm_gate_up(const uint4* __restrict__ gwq, const u16* __restrict__ gs
   WChunk buf[CPW];
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_w2<true>(buf[c], g_wp, g_sp, u_wp, u_sp, c);
+#if L2PF
+  for (int gi = grp; gi < groups; gi += gridDim.x) {  // the rest of every group's slice
+    const int a = gi == grp ? PF : 0;
+    l2_prefetch_tiles(w_at(gwq, (size_t)gi * RTB, c0, 0), s_at(gsq, (size_t)gi * RTB, c0, 0),
+                      RTB, a, CPW - a, lane);
+    l2_prefetch_tiles(w_at(uwq, (size_t)gi * RTB, c0, 0), s_at(usq, (size_t)gi * RTB, c0, 0),
+                      RTB, a, CPW - a, lane);
+  }
+#endif
   // the global scales x 256 (exact: undoes the decode's 2^-8; bf16: 1)
   const float gscale = global_scale(ggs) * 256.0f, uscale = global_scale(ugs) * 256.0f;
   const float eps = (float)eps_d;
@@ -1182,6 +1243,7 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 #pragma unroll
         for (int c = 0; c < PF && c < CPS; ++c) load_w(buf[c], wp, sp, c);
       }
+      l2_prefetch_tiles(w_at(swq, ft, c0, 0), s_at(ssq, ft, c0, 0), 1, PF, CPS - PF, lane);
       xrow = h + ((size_t)min(g, N - 1) * (KTOP + 1) + KTOP) * I;
     } else {
       const int p = item - 1, n = p / KTOP;
@@ -1196,6 +1258,8 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
       xrow = h + (size_t)(n * (KTOP + 1) + p % KTOP) * I;  // every column: token n
 #pragma unroll
       for (int c = 0; c < PF && c < CPS; ++c) load_w(buf[c], wp, sp, c);
+      l2_prefetch_tiles(w_at(wq, e * FT + ft, c0, 0), s_at(sq, e * FT + ft, c0, 0), 1, PF,
+                        CPS - PF, lane);
       scale = global_scale(gs + e * gs_stride);
     }
     if (item == 0) {
@@ -1633,12 +1697,13 @@ _KERNELS: dict[tuple, object] = {}  # compiled variants, by (device index, _kern
 
 def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epilogue: int,
             pdl: bool, moe_top_k: int = 0, experts: int = 0, bf16: bool = False,
-            trigger_early: bool = False, min_blocks: int = 0, block_route: bool = True, *,
-            device: torch.device):
+            trigger_early: bool = False, min_blocks: int = 0, block_route: bool = True,
+            l2_prefetch: bool = False, *, device: torch.device):
     """The compiled variant for `device` (NVRTC through `torch.cuda._compile_kernel`, about
     a second the first time; cached for the process per device)."""
     args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts,
-            bool(bf16), bool(trigger_early), int(min_blocks), bool(block_route))
+            bool(bf16), bool(trigger_early), int(min_blocks), bool(block_route),
+            bool(l2_prefetch))
     name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
         else "nvfp4_mma_gemv"
     return _compiled(name, args, lambda: kernel_source(*args), device)
@@ -1671,7 +1736,8 @@ def _compiled(name: str, args: tuple, source, device: torch.device, smem: int = 
 def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int,
                   epilogue: int = EPI_FP32, pdl: bool = False, moe_top_k: int = 0,
                   experts: int = 0, bf16: bool = False, trigger_early: bool = False,
-                  min_blocks: int = 0, block_route: bool = True) -> str:
+                  min_blocks: int = 0, block_route: bool = True,
+                  l2_prefetch: bool = False) -> str:
     """The CUDA source of one kernel variant (every argument is compiled in): the GEMV
     (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
     row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
@@ -1683,7 +1749,9 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     gate/up kernel): `__launch_bounds__(warps * 32, min_blocks)`, so ptxas caps the
     registers for that many resident blocks per SM (spilling if it must). `block_route` (the
     gate/up kernel): every warp of a routed block takes a share of the top-k
-    (`route_slot_block`), else warp 0 alone (`gate_up_route`). Raises ValueError for
+    (`route_slot_block`), else warp 0 alone (`gate_up_route`). `l2_prefetch`: each warp
+    prefetches the chunks of its slice past the first `prefetch` into L2 once their
+    address is known (`mma_l2_prefetch`). Raises ValueError for
     sizes below 1, k not a multiple of 64, an MoE variant over `STATIC_SMEM`, or
     down-kernel splits that do not divide k / 64."""
     if min(row_tiles, splits, warps) < 1 or prefetch < 0 or k < 64 or k % 64:
@@ -1702,7 +1770,7 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
             "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16),
             "__KSPLIT__": splits, "__TRIG__": int(bool(trigger_early)),
-            "__BLOCK_ROUTE__": int(bool(block_route))}
+            "__BLOCK_ROUTE__": int(bool(block_route)), "__L2PF__": int(bool(l2_prefetch))}
     if min_blocks < 0 or (min_blocks and not experts) or min_blocks * warps * 32 > 2048:
         raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel, >= 0, with "
                          f"min_blocks x warps x 32 <= 2048; got {min_blocks} (warps {warps})")
@@ -1716,6 +1784,7 @@ def _render(body: str, subs: dict) -> str:
     """`_COMMON` + body with the compile-time constants `subs` and the decode expressions
     (`_DECODE_EXPR`, `_SEL_G`, `_SEL_G8`, `_SCALE_ADD`) pasted in."""
     src = _COMMON + body
+    subs = {"__L2PF__": 0, **subs}
     for key, value in subs.items():
         src = src.replace(key, str(int(value)))
     for r, expr in enumerate(_DECODE_EXPR):
@@ -2068,7 +2137,7 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
     kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl), bf16=bf16,
                      trigger_early=mma_trigger_early("gemv"),
-                     device=x.device)
+                     l2_prefetch=mma_l2_prefetch("gemv"), device=x.device)
     _launch(kernel, (FT // row_tiles, splits), 32 * warps,
             [wq, sq, gscale, x, residual if residual is not None else x, out, N, F],
             bool(use_pdl))
@@ -2171,20 +2240,55 @@ def mma_trigger_early(kernel: str) -> bool:
     Raises:
         TuningEnvError (a ValueError): FLINTC_MMA_TRIGGER names something else.
     """
-    text = os.environ.get("FLINTC_MMA_TRIGGER")
+    return kernel in _kernel_set("FLINTC_MMA_TRIGGER", EARLY_TRIGGER, MMA_KERNELS)
+
+
+def _kernel_set(var: str, default: frozenset, names: tuple) -> frozenset:
+    """The kernels listed in the environment variable `var` (a comma-separated list of
+    `names`; "all": every one; "" or "none": none), or `default` when it is unset.
+
+    Raises:
+        TuningEnvError (a ValueError): `var` names something else.
+    """
+    text = os.environ.get(var)
     if text is None:
-        return kernel in EARLY_TRIGGER
-    names = {t.strip().lower() for t in text.split(",") if t.strip()}
-    if names == {"none"}:
-        names = set()
-    elif "all" in names:
-        names = (names - {"all"}) | set(MMA_KERNELS)
-    if not names <= set(MMA_KERNELS):  # also "none" next to a kernel: contradictory
+        return default
+    got = {t.strip().lower() for t in text.split(",") if t.strip()}
+    if got == {"none"}:
+        got = set()
+    elif "all" in got:
+        got = (got - {"all"}) | set(names)
+    if not got <= set(names):  # also "none" next to a kernel: contradictory
         from flintc.kernels.tuning import TuningEnvError
 
-        raise TuningEnvError(f"FLINTC_MMA_TRIGGER must list kernels among {', '.join(MMA_KERNELS)} "
-                             f"(or be all, or none / empty alone); got {text!r}")
-    return kernel in names
+        raise TuningEnvError(f"{var} must list kernels among {', '.join(names)} (or be all, "
+                             f"or none / empty alone); got {text!r}")
+    return frozenset(got)
+
+
+# The CUDA kernels whose warps prefetch the rest of their weight slices into L2
+# (`cp.async.bulk.prefetch.L2`) once the addresses are known: before the PDL wait for
+# weights that do not depend on the previous kernel, right after the routing or the ids
+# for the routed experts. "down_weights": the MoE gate/up kernel also prefetches its
+# share of each selected expert's down weights (when the launcher is given them), which
+# the next kernel reads. FLINTC_MMA_L2_PREFETCH overrides it (`mma_l2_prefetch`).
+# Session 23 (2026-12-04) wrote these prefetches with no GPU lent: they compile for sm_90
+# (NVRTC, CPU tests) but are neither checked on a GPU nor measured, so none is on by
+# default until an H200 run (docs/gpu-runs.md, "session 23: planned") says which pay.
+L2_PREFETCH_KERNELS = ("gemv", "gate_up", "down", "norm_gate_up", "down_weights")
+L2_PREFETCH: frozenset = frozenset()
+
+
+def mma_l2_prefetch(kernel: str) -> bool:
+    """Whether the CUDA `kernel` (one of `L2_PREFETCH_KERNELS`) prefetches into L2:
+    FLINTC_MMA_L2_PREFETCH, when set, is a comma-separated list of those that do ("" or
+    "none": none; "all": every one); otherwise `L2_PREFETCH`. A prefetch changes only when
+    bytes arrive, never the results.
+
+    Raises:
+        TuningEnvError (a ValueError): FLINTC_MMA_L2_PREFETCH names something else.
+    """
+    return kernel in _kernel_set("FLINTC_MMA_L2_PREFETCH", L2_PREFETCH, L2_PREFETCH_KERNELS)
 
 
 # (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
@@ -2272,7 +2376,8 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
     swq, ssq, sgs = _moe_pointers(shared_down, "shared_down")
     out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
     kernel = _kernel(1, I, splits, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, bf16=bf16,
-                     trigger_early=mma_trigger_early("down"), device=h.device)
+                     trigger_early=mma_trigger_early("down"),
+                     l2_prefetch=mma_l2_prefetch("down"), device=h.device)
     _launch(kernel, (H // 16, 1), 32 * warps,
             [wq, sq, gs, 1 if gs.numel() > 1 else 0, swq, ssq, sgs, h, ids, weights,
              residual, out, N, H], bool(use_pdl))
@@ -2380,7 +2485,7 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
                      up: list, shared_gate: list, shared_up: list, top_k: int, scaling: float,
                      *, warps: int | None = None, row_tiles: int | None = None,
                      prefetch: int | None = None, min_blocks: int | None = None,
-                     use_pdl: bool = False):
+                     use_pdl: bool = False, down: list | None = None):
     """`flintc::moe_topk_gate_up` on the CUDA mma kernel (reference:
     `flintc.ops.grouped.moe_topk_gate_up`): top-k routing (`flintc.model.ops.select_topk`:
     scores = sigmoid(logits), top-k of scores + bias with ties to the lower index,
@@ -2405,6 +2510,10 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
             None with other warps or row tiles than the table's: no cap).
         use_pdl: programmatic dependent launch (the shared expert's first weights load
             before `griddepcontrol.wait`).
+        down: the routed experts' down stack [E, H, I] in the same format, which the
+            next kernel (`moe_down`) reads: each routed block prefetches its share of
+            its expert's down weights into L2 (when `mma_l2_prefetch("down_weights")`);
+            None: no prefetch. The outputs do not depend on it.
 
     Returns (h bf16 [N, top_k + 1, I] (the shared expert last), weights fp32 [N, top_k],
     ids int64 [N, top_k]). Raises ValueError for arguments that do not fit (naming them: E
@@ -2474,6 +2583,12 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
                          f"{tuple(logits.shape)}, bias {tuple(bias.shape)}")
     if not bf16 and gate[2].shape != up[2].shape:
         raise ValueError("moe_topk_gate_up: gate and up need global scales of one shape")
+    if down is not None:
+        d_bf16, d_lead, d_h, d_i = _moe_weight(down, "down", x.device)
+        if (d_bf16, d_lead, d_h, d_i) != (bf16, (E,), H, I):
+            raise ValueError(f"moe_topk_gate_up: down must be the routed experts' down stack "
+                             f"[{E}, {H}, {I}] ({fmt}); got {d_lead + (d_h, d_i)} "
+                             f"({'bf16' if d_bf16 else 'nvfp4'})")
     if x.device.type != "cuda":
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
     (gwq, gsq, ggs), (uwq, usq, ugs), (sgwq, sgsq, sggs), (suwq, susq, sugs) = (
@@ -2481,14 +2596,20 @@ def moe_topk_gate_up(x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, 
     h = torch.empty((N, top_k + 1, I), dtype=torch.bfloat16, device=x.device)
     wts = torch.empty((N, top_k), dtype=torch.float32, device=x.device)
     ids = torch.empty((N, top_k), dtype=torch.int64, device=x.device)
+    d_args = [x, x, 0, 0]  # no down weights to prefetch
+    if down is not None and mma_l2_prefetch("down_weights"):
+        dwq, dsq, _ = _moe_pointers(down, "down")
+        wb, sb = dwq[0].numel() * dwq.element_size(), dsq[0].numel() * dsq.element_size()
+        if wb < 2 ** 31:  # the kernel takes int byte counts
+            d_args = [dwq, dsq, wb, 0 if bf16 else sb]
     kernel = _kernel(2 * row_tiles, H, 1, prefetch, warps, EPI_BF16, bool(use_pdl), top_k, E,
                      bf16=bf16, trigger_early=mma_trigger_early("gate_up"),
                      min_blocks=min_blocks, block_route=gate_up_route() == "block",
-                     device=x.device)
+                     l2_prefetch=mma_l2_prefetch("gate_up"), device=x.device)
     _launch(kernel, (I // (16 * row_tiles), 1 + N * top_k), 32 * warps,
             [gwq, gsq, ggs, uwq, usq, ugs, 1 if not bf16 and ggs.numel() > 1 else 0,
              sgwq, sgsq, sggs, suwq, susq, sugs, x, logits, bias,
-             float(scaling), h, wts, ids, N, I], bool(use_pdl))
+             float(scaling), h, wts, ids, N, I, *d_args], bool(use_pdl))
     return h, wts, ids
 
 
@@ -2766,7 +2887,7 @@ def mma_norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor, e
 
 def norm_gate_up_source(h: int, warps: int, row_tiles: int, prefetch: int, pdl: bool = False,
                         bf16: bool = False, norm_bf16: bool = False,
-                        trigger_early: bool = False) -> str:
+                        trigger_early: bool = False, l2_prefetch: bool = False) -> str:
     """The CUDA source of one dense gate/up variant (`nvfp4_mma_norm_gate_up`; every
     argument compiled in): hidden size h (h / 64 a multiple of warps, each warp a slice of
     at least 2 chunks of 64), `row_tiles` 16-row tiles of the gate and of the up
@@ -2774,8 +2895,9 @@ def norm_gate_up_source(h: int, warps: int, row_tiles: int, prefetch: int, pdl: 
     the next group's first chunks load while a group finishes), `bf16` weights
     (row-major) instead of NVFP4 (mma layout), `norm_bf16` (the RMSNorm weight bf16, else
     fp32), `trigger_early` (PDL trigger once the normed x is in shared memory, not after
-    the block's last main loop). Raises ValueError for a split or prefetch that does not
-    fit."""
+    the block's last main loop), `l2_prefetch` (before the dependency wait, each warp
+    prefetches the rest of its slice of every row group of the block into L2,
+    `mma_l2_prefetch`). Raises ValueError for a split or prefetch that does not fit."""
     kc = h // 64 if h % 64 == 0 else 0
     if min(warps, row_tiles) < 1 or kc < 2 * warps or kc % warps \
             or not 0 <= prefetch < kc // warps:
@@ -2786,7 +2908,7 @@ def norm_gate_up_source(h: int, warps: int, row_tiles: int, prefetch: int, pdl: 
     subs = {"__RT__": 2 * row_tiles, "__KC__": kc, "__CPW__": kc // warps, "__PF__": prefetch,
             "__WARPS__": warps, "__EPI__": EPI_BF16, "__PDL__": int(pdl),
             "__BF16W__": int(bf16), "__NORMBF__": int(bool(norm_bf16)),
-            "__TRIG__": int(bool(trigger_early))}
+            "__TRIG__": int(bool(trigger_early)), "__L2PF__": int(bool(l2_prefetch))}
     return _render(_NORM_COMMON + _GATE_UP_COMMON + _DENSE_GATE_UP_SOURCE, subs)
 
 
@@ -2962,7 +3084,7 @@ def mma_norm_gate_up(x: torch.Tensor, norm: torch.Tensor, gate: list, up: list, 
     else:
         grid = groups
     args = (H, warps, row_tiles, prefetch, bool(use_pdl), g_bf16, norm.dtype == torch.bfloat16,
-            mma_trigger_early("norm_gate_up"))
+            mma_trigger_early("norm_gate_up"), mma_l2_prefetch("norm_gate_up"))
     kernel = _compiled("nvfp4_mma_norm_gate_up", args, lambda: norm_gate_up_source(*args),
                        x.device, min(MAX_SMEM, norm_gate_up_smem_bytes(H, warps, row_tiles, 8)))
     out = torch.empty((N, F), dtype=torch.bfloat16, device=x.device)

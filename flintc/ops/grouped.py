@@ -80,21 +80,28 @@ def _(x, norm, router, eps):
     return x.new_empty(n, x.shape[-1]), x.new_empty(n, router.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("flintc::moe_topk_gate_up", mutates_args=())
+@torch.library.custom_op(
+    "flintc::moe_topk_gate_up", mutates_args=(),
+    # written out: infer_schema does not take an optional tensor list (Tensor[]?)
+    schema="(Tensor x, Tensor logits, Tensor bias, Tensor[] gate, Tensor[] up, "
+           "Tensor[] shared_gate, Tensor[] shared_up, SymInt top_k, float scaling, "
+           "Tensor[]? down_prefetch=None) -> (Tensor, Tensor, Tensor)")
 def moe_topk_gate_up(
     x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, gate: list[torch.Tensor],
     up: list[torch.Tensor], shared_gate: list[torch.Tensor], shared_up: list[torch.Tensor],
-    top_k: int, scaling: float,
+    top_k: int, scaling: float, down_prefetch: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel 6 (MoE): top-k routing in the prologue, then the selected and shared
     experts' gate/up GEMVs with SiLU-and-mul. -> (h bf16 [N, K+1, F], weights fp32
-    [N, K], ids int64 [N, K])."""
+    [N, K], ids int64 [N, K]). `down_prefetch`: the routed experts' down weights that
+    kernel 7 reads (set by the LowLatencyGroupingPass), a hint for the kernel to prefetch
+    the selected experts' rows into L2; it does not change the values."""
     weights, ids = ops.select_topk(logits, bias, top_k, scaling)
     return moe_gate_up(x, ids, gate, up, shared_gate, shared_up), weights, ids
 
 
 @moe_topk_gate_up.register_fake
-def _(x, logits, bias, gate, up, shared_gate, shared_up, top_k, scaling):
+def _(x, logits, bias, gate, up, shared_gate, shared_up, top_k, scaling, down_prefetch=None):
     n = top_k + (1 if shared_gate else 0)
     N = x.shape[0]
     return (x.new_empty(N, n, out_features(gate)), x.new_empty(N, top_k, dtype=torch.float32),

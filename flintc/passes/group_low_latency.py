@@ -11,7 +11,8 @@ residual adds and the RoPE row gathers it folds here):
     K3 attention_combine  (unchanged)
     K4 gemv_residual      <- gemv (o_proj) + residual add
     MoE:   K5 norm_router <- rms_norm + the router GEMV of moe_route
-           K6 moe_topk_gate_up <- top-k of moe_route + moe_gate_up
+           K6 moe_topk_gate_up <- top-k of moe_route + moe_gate_up (given K7's down
+              weights: the kernel prefetches the selected experts' rows into L2)
            K7 moe_down_combine_residual <- moe_down_combine + residual add
     dense: K5 norm_gate_up_silu <- rms_norm, gemv gate/up, silu_mul
            K6 gemv_residual     <- gemv (down) + residual add
@@ -33,7 +34,7 @@ Before / after (MoE layer, decode B=2):
     + residual add (4 aten ops)
   ->
     norm_router = flintc.norm_router(add_x, w_..._post_attention_layernorm, w_..._mlp_gate, 1e-05)
-    moe_topk_gate_up = flintc.moe_topk_gate_up(xn, logits, w_..._bias, [gate], [up], [sg], [su], 6, 2.5)
+    moe_topk_gate_up = flintc.moe_topk_gate_up(xn, logits, w_..._bias, [gate], [up], [sg], [su], 6, 2.5, [down])
     moe_down_combine_residual = flintc.moe_down_combine_residual(h, ids, weights, [down], [sd], add_x)
 """
 
@@ -173,7 +174,10 @@ class LowLatencyGroupingPass(GraphPass):
             nr = _new(gm, route, F.norm_router.default, (x, w_post, router, eps), route)
             xn, logits = _getitem(gm, route, nr, 0, route), _getitem(gm, route, nr, 1, route)
             _, _, gate, up, sg, su = gu.args
-            tg = _new(gm, gu, F.moe_topk_gate_up.default, (xn, logits, bias, gate, up, sg, su, top_k, scaling), gu)
+            # K7's routed down weights, for K6 to prefetch the selected experts' rows into L2
+            down = [u.args[3] for u in gu.users if is_op(u, F.moe_down_combine_residual)]
+            args = (xn, logits, bias, gate, up, sg, su, top_k, scaling)
+            tg = _new(gm, gu, F.moe_topk_gate_up.default, args + tuple(down[:1]) if len(down) == 1 else args, gu)
             h, weights, ids = (_getitem(gm, gu, tg, i, gu) for i in range(3))
             old = getitem_users(route)
             ids.meta["flintc_role"] = "moe_selected"

@@ -271,8 +271,37 @@ def test_moe_launchers_check_formats_and_splits():
         M.moe_topk_gate_up(x, torch.randn(N, 64), torch.zeros(64), *args[3:], warps=2)
     with pytest.raises(ValueError, match=f"and H = {2 * H} \\(x \\(1, {2 * H}\\)\\)"):
         M.moe_topk_gate_up(torch.randn(N, 2 * H).to(torch.bfloat16), *args[1:], warps=2)
+    # the down weights to prefetch must be the routed down stack [E, H, I] in gate's format
+    down = [(torch.randn(E, H, I, generator=gen) * 0.02).to(torch.bfloat16)]
+    for bad, got in (([down[0][:, :, :64].contiguous()], f"\\({E}, {H}, 64\\) \\(bf16\\)"),
+                     ([down[0][0]], f"\\({H}, {I}\\) \\(bf16\\)"),
+                     (_nvfp4((E,), H, I, gen), f"\\({E}, {H}, {I}\\) \\(nvfp4\\)")):
+        with pytest.raises(ValueError, match=f"down must be the routed experts' down stack "
+                                             f"\\[{E}, {H}, {I}\\] \\(bf16\\); got {got}"):
+            M.moe_topk_gate_up(*args, warps=2, down=bad)
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         M.moe_topk_gate_up(*args, warps=2)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):  # a fitting down passes
+        M.moe_topk_gate_up(*args, warps=2, down=down)
+
+
+def test_l2_prefetch_env(monkeypatch):
+    """`mma_l2_prefetch`: L2_PREFETCH when FLINTC_MMA_L2_PREFETCH is unset, else the kernels
+    it lists ("all", "none" / empty); another name is a TuningEnvError naming the variable."""
+    from flintc.kernels.tuning import TuningEnvError
+
+    monkeypatch.delenv("FLINTC_MMA_L2_PREFETCH", raising=False)
+    for k in M.L2_PREFETCH_KERNELS:
+        assert M.mma_l2_prefetch(k) == (k in M.L2_PREFETCH)
+    for text, on in (("none", set()), ("", set()), ("all", set(M.L2_PREFETCH_KERNELS)),
+                     ("Gate_Up, down_weights", {"gate_up", "down_weights"}),
+                     ("all,gemv", set(M.L2_PREFETCH_KERNELS))):
+        monkeypatch.setenv("FLINTC_MMA_L2_PREFETCH", text)
+        assert {k for k in M.L2_PREFETCH_KERNELS if M.mma_l2_prefetch(k)} == on, text
+    for bad in ("qkv", "none,gemv", "gate-up"):
+        monkeypatch.setenv("FLINTC_MMA_L2_PREFETCH", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_L2_PREFETCH must list kernels"):
+            M.mma_l2_prefetch("gemv")
 
 
 def test_moe_launch_rules():
@@ -312,10 +341,11 @@ SHAPES = [(2048, 4096), (5120, 2048), (4096, 2048), (2048, 10240)]
 @pytest.mark.parametrize("N", [1, 5, 8])
 @pytest.mark.parametrize("use_pdl", [False, True])
 @pytest.mark.parametrize("warps,prefetch", [(None, None), (32, 3), (16, 8)])
-def test_kernel_model_shapes_gpu(F, K, N, use_pdl, warps, prefetch):
+def test_kernel_model_shapes_gpu(F, K, N, use_pdl, warps, prefetch, monkeypatch):
     """The NVFP4 GEMV kernel (the default launch, and deeper prefetch / 32 warps): fp32
     out within the fp32 reordering bound; bf16 + residual out the epilogue's two roundings
-    of the kernel's own sum, also from a CUDA-graph replay."""
+    of the kernel's own sum, also from a CUDA-graph replay; with the L2 prefetch, the
+    same fp32 out bit for bit."""
     _require_mma()
     kw = {"warps": warps, "prefetch": prefetch}
     gen = torch.Generator().manual_seed(F + K + N)
@@ -330,6 +360,11 @@ def test_kernel_model_shapes_gpu(F, K, N, use_pdl, warps, prefetch):
     out = torch.full((N, F), float("nan"), device="cuda")
     M.mma_gemv(x, wq, sq, gs, out, use_pdl=use_pdl, **kw)
     assert bool(((out.double() - exact).abs() <= bound + 1e-30).all())
+    monkeypatch.setenv("FLINTC_MMA_L2_PREFETCH", "gemv")
+    out_l2 = torch.full((N, F), float("nan"), device="cuda")
+    M.mma_gemv(x, wq, sq, gs, out_l2, use_pdl=use_pdl, **kw)
+    monkeypatch.delenv("FLINTC_MMA_L2_PREFETCH")
+    assert torch.equal(out, out_l2)  # a hint: the same sums in the same order
     # bf16 + residual, captured in a CUDA graph (the decode runtime replays graphs)
     y = torch.full((N, F), float("nan"), device="cuda", dtype=torch.bfloat16)
     M.mma_gemv(x, wq, sq, gs, y, residual=res, use_pdl=use_pdl, **kw)
@@ -350,10 +385,11 @@ def test_kernel_model_shapes_gpu(F, K, N, use_pdl, warps, prefetch):
 @pytest.mark.parametrize("F,K", SHAPES + [(256, 2048)])
 @pytest.mark.parametrize("N", [1, 5, 8])
 @pytest.mark.parametrize("warps,prefetch", [(None, 2), (8, 1)])
-def test_bf16_kernel_model_shapes_gpu(F, K, N, warps, prefetch):
+def test_bf16_kernel_model_shapes_gpu(F, K, N, warps, prefetch, monkeypatch):
     """The GEMV kernel on row-major bf16 weights (read in place): fp32 out within the fp32
     reordering bound of the exact product; bf16 + residual out = the epilogue's two
-    roundings of the kernel's own sum, also from a CUDA-graph replay with PDL."""
+    roundings of the kernel's own sum, also from a CUDA-graph replay with PDL (there with
+    the L2 prefetch: a hint, the same values)."""
     _require_mma()
     gen = torch.Generator().manual_seed(F + K + N + 1)
     w = (torch.randn(F, K, generator=gen) * 0.05).to(torch.bfloat16).cuda()
@@ -367,9 +403,11 @@ def test_bf16_kernel_model_shapes_gpu(F, K, N, warps, prefetch):
     y = torch.full((N, F), float("nan"), device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    monkeypatch.setenv("FLINTC_MMA_L2_PREFETCH", "gemv")
     with torch.cuda.graph(graph):
         M.mma_gemv(x, w, None, None, y, residual=res, warps=warps, prefetch=prefetch,
                    use_pdl=True)
+    monkeypatch.delenv("FLINTC_MMA_L2_PREFETCH")
     graph.replay()
     torch.cuda.synchronize()
     want = (res.double() + out.to(torch.bfloat16).double()).to(torch.bfloat16)
@@ -565,6 +603,10 @@ def test_moe_down_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypatch)
         got[f"cuda w{warps} s{splits} pf{pf}"] = M.moe_down(
             h, ids, wts, down, sd, res, warps=warps, splits=splits, prefetch=pf,
             use_pdl=use_pdl)
+    monkeypatch.setenv("FLINTC_MMA_L2_PREFETCH", "down")  # one K slice: 6 chunks past 2
+    got["cuda w32 s1 pf2, L2 prefetch"] = M.moe_down(h, ids, wts, down, sd, res, warps=32,
+                                                     splits=1, prefetch=2, use_pdl=use_pdl)
+    monkeypatch.delenv("FLINTC_MMA_L2_PREFETCH")
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
     got["triton"] = moe.moe_down_combine_residual(h, ids, wts, down, sd, res, use_pdl=use_pdl)
     torch.cuda.synchronize()
@@ -620,6 +662,16 @@ def test_moe_topk_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, ties
     got["cuda warp route"] = M.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
                                                 use_pdl=use_pdl)
     monkeypatch.delenv("FLINTC_MMA_GATE_UP_ROUTE")
+    # every L2 prefetch on (the gate/up slices, and the selected experts' down weights
+    # through the op's down_prefetch argument): hints, the same outputs; 1 and 8 warps
+    down = _experts(fmt, (E,), H, I, gen)
+    monkeypatch.setenv("FLINTC_MMA_L2_PREFETCH", "all")
+    got["op, L2 prefetch"] = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
+                                                  down, use_pdl=use_pdl)
+    for warps in (1, 8):
+        got[f"cuda w{warps}, L2 prefetch"] = M.moe_topk_gate_up(
+            x, logits, bias, gate, up, sg, su, K, 2.5, warps=warps, use_pdl=use_pdl, down=down)
+    monkeypatch.delenv("FLINTC_MMA_L2_PREFETCH")
     rh, rw, rids = grouped.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")
     got["triton"] = moe.moe_topk_gate_up(x, logits, bias, gate, up, sg, su, K, 2.5,
@@ -940,6 +992,38 @@ def test_gate_up_block_route_in_the_ptx(warps, experts, top_k):
     assert "ld.global.nc.f32" in block[:block.index("griddepcontrol.wait")]
     assert "ld.global.nc.f32" not in alone[:alone.index("griddepcontrol.wait")]
     assert block.count("bar.sync") == alone.count("bar.sync") + 1
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("bf16", [False, True])
+def test_l2_prefetch_in_the_ptx(bf16):
+    """`l2_prefetch` adds `cp.async.bulk.prefetch.L2` requests where a warp's slice has
+    chunks past the first `prefetch`: before `griddepcontrol.wait` for weights that do not
+    depend on the previous kernel (the GEMV, the dense gate/up, the shared experts; the
+    down kernel with one K slice per item: 8 chunks), and none where the slice is all in
+    registers. The MoE gate/up kernel always has the
+    (runtime-switched) prefetch of the selected experts' down weights."""
+    pf = b"cp.async.bulk.prefetch.L2.global"
+    wait = b"griddepcontrol.wait"
+    b = (0, 0, True) if bf16 else ()
+    for args, before_wait in (((1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True, *b), True),  # 4 chunks
+                              ((1, 512, 1, 2, 32, M.EPI_RESIDUAL, True, 6, 0, bf16), None)):
+        on, off = (_nvrtc_ptx(M.kernel_source(*args, l2_prefetch=v)) for v in (True, False))
+        assert pf in on and pf not in off, args
+        if before_wait:  # (the down kernel's branches come in no fixed order in the PTX)
+            assert on.find(pf) < on.find(wait), args
+    # 16 warps x 2 chunks = K 2048: every chunk is in registers, nothing to prefetch
+    ptx = _nvrtc_ptx(M.kernel_source(1, 2048, 1, 2, 16, M.EPI_RESIDUAL, True, *b,
+                                     l2_prefetch=True))
+    assert pf not in ptx
+    gate_up = (2, 2048, 1, 2, 4, M.EPI_BF16, True, 6, 256, bf16)
+    on, off = (_nvrtc_ptx(M.kernel_source(*gate_up, l2_prefetch=v)) for v in (True, False))
+    assert on.count(pf) > off.count(pf) >= 1
+    assert pf not in off[:off.find(wait)] and pf in on[:on.find(wait)]  # the shared expert's
+    on, off = (_nvrtc_ptx(M.norm_gate_up_source(2048, 4, 2, 2, True, bf16, l2_prefetch=v))
+               for v in (True, False))
+    assert pf in on[:on.find(wait)] and pf not in off
 
 
 def test_gate_up_route_env(monkeypatch):
@@ -1418,6 +1502,11 @@ def test_norm_gate_up_matches_reference_and_triton_gpu(fmt, N, use_pdl, monkeypa
                                                    use_pdl=use_pdl)
     got["bf16 norm"] = M.mma_norm_gate_up(x, norm.to(torch.bfloat16), gate, up, 1e-5,
                                           use_pdl=use_pdl)
+    monkeypatch.setenv("FLINTC_MMA_L2_PREFETCH", "norm_gate_up")  # blocks looping too
+    for launch in ((4, 2, 2, 0), (4, 1, 2, 2)):
+        got[f"cuda {launch}, L2 prefetch"] = M.mma_norm_gate_up(x, norm, gate, up, 1e-5,
+                                                                launch=launch, use_pdl=use_pdl)
+    monkeypatch.delenv("FLINTC_MMA_L2_PREFETCH")
     ref = grouped.norm_gate_up_silu(x, norm, gate, up, 1e-5)
     ref_bf16_norm = grouped.norm_gate_up_silu(x, norm.to(torch.bfloat16), gate, up, 1e-5)
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "0")

@@ -52,7 +52,8 @@ def test_pdl_mode_rejects_unknown(monkeypatch, tmp_path):
                      ("FLINTC_MMA_GEMV_LAUNCH", "nvfp4:2048x4096=3,2"),
                      ("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:1=4,1"),
                      ("FLINTC_MMA_NORM_GATE_UP_LAUNCH", "nvfp4:1=4,1,2"),
-                     ("FLINTC_MMA_NORM_GATE_UP_FORMATS", "fp8")):
+                     ("FLINTC_MMA_NORM_GATE_UP_FORMATS", "fp8"),
+                     ("FLINTC_MMA_L2_PREFETCH", "gate_up,qkv")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(FlintcError, match=var):
             check_environment()

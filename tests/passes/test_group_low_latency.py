@@ -23,6 +23,11 @@ def test_group_low_latency(fmt):
     for n in g.gm.graph.nodes:
         if kernels_of(n):
             assert op_name(n).startswith("flintc."), n.name
+    # K6 gets K7's routed down weights (its L2 prefetch hint): the same graph inputs
+    for n in g.gm.graph.nodes:
+        if op_name(n) == "flintc.moe_topk_gate_up":
+            downs = list({u for h in n.users for u in h.users if op_name(u) == "flintc.moe_down_combine_residual"})
+            assert len(downs) == 1 and len(n.args) == 10 and n.args[9] == downs[0].args[3], n.name
 
 
 def test_old_cache_writers_are_erased():
