@@ -10,7 +10,8 @@ serialises kernels anyway).
 Cases (model shapes of FLINT_SPEC, batch 1 unless named): the O projection + residual
 (2048 x 4096) NVFP4 and bf16 with the default configuration, and NVFP4 with a one-step
 configuration; cuBLAS's bf16 GEMV of the same shape (`torch.nn.functional.linear`); the
-fused QKV kernel NVFP4; the MoE gate/up kernel NVFP4; the dense gate/up kernel NVFP4 at
+fused QKV kernel NVFP4; the MoE gate/up and down kernels NVFP4 (batch 1, 4, 8) and bf16
+(batch 8); the dense gate/up kernel NVFP4 at
 batch 1 and 8 (`dense_gate_up_nvfp4_n1`, `_n8`); decode attention at batch 1 (the
 513-row ring of a sliding layer, a full layer at 1K tokens, the combine); the RMSNorm + LM head (bf16,
 151552 x 2048) and the plain LM head; and `stream_sum`, a kernel that only reads 4.7 MB
@@ -100,18 +101,18 @@ def build_cases(wanted: set[str]):
         cases["norm_router_nvfp4"] = lambda: K.norm_router(s.x[0], s.norm[0], s.router[0], bm.EPS)
     # batch 8, each format's TUNED configuration (flat 2-D tiles): why NVFP4 takes longer
     # than bf16 for 3.6x fewer bytes (session 9: 63 against 50 us for gate/up)
-    for fmt in ("nvfp4", "bf16"):
-        if wanted and not {f"moe_gate_up_{fmt}_n8", f"moe_down_{fmt}_n8"} & wanted:
-            continue
-        import bench_moe as bm
-        from flintc.kernels import moe as K
+    # (and NVFP4 at batch 4, 50% of copy against a read floor of 87%: session 22)
+    for fmt, n in (("nvfp4", 4), ("nvfp4", 8), ("bf16", 8)):
+        if not wanted or {f"moe_gate_up_{fmt}_n{n}", f"moe_down_{fmt}_n{n}"} & wanted:
+            import bench_moe as bm
+            from flintc.kernels import moe as K
 
-        s8 = bm.Setup(fmt, 8, torch.Generator(device="cuda").manual_seed(0))
-        cases[f"moe_gate_up_{fmt}_n8"] = lambda s8=s8: K.moe_topk_gate_up(
-            s8.xn[0], s8.logits[0], s8.bias[0], s8.gate, s8.up, s8.sg[0], s8.su[0], bm.TOP_K,
-            bm.SCALING)
-        cases[f"moe_down_{fmt}_n8"] = lambda s8=s8: K.moe_down_combine_residual(
-            s8.h[0], s8.ids[0], s8.w[0], s8.down, s8.sd[0], s8.x[0])
+            sn = bm.Setup(fmt, n, torch.Generator(device="cuda").manual_seed(0))
+            cases[f"moe_gate_up_{fmt}_n{n}"] = lambda sn=sn: K.moe_topk_gate_up(
+                sn.xn[0], sn.logits[0], sn.bias[0], sn.gate, sn.up, sn.sg[0], sn.su[0],
+                bm.TOP_K, bm.SCALING, sn.down)
+            cases[f"moe_down_{fmt}_n{n}"] = lambda sn=sn: K.moe_down_combine_residual(
+                sn.h[0], sn.ids[0], sn.w[0], sn.down, sn.sd[0], sn.x[0])
     # the read floor of the NVFP4 gate/up (benchmarks/read_floor.py: only the op's weight
     # loads, 128 threads x 8 loads each) at N = 1 and 8, next to the op's cases above
     for n in (1, 8):

@@ -182,7 +182,7 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                    help="decode batch sizes to compile, e.g. 1,8 (default: 1,2,4,8 up to --max-batch)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions per sequence (default: max_position_embeddings)" if backend else
-                   "positions per sequence, prompt + output (default: max_position_embeddings, or "
+                   "tokens per sequence, prompt + output (default: max_position_embeddings, or "
                    "the build's with --build; at most the build's)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="tokens per prefill call, at most (default: 4096 on CUDA, or less for a shorter "

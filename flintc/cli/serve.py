@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="model id clients must name (default: MODEL as given)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="positions per sequence, prompt + output (default: the model's maximum)")
+                   help="tokens per sequence, prompt + output (default: the model's maximum)")
     p.add_argument("--max-batch", type=int, default=None,
                    help="sequences decoded together (KV-cache slots; default: 8, or the build's with --build, "
                         "at most the build's)")

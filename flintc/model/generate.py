@@ -35,20 +35,23 @@ class GenerationResult:
     decode_steps: int = 0
     step_logits: list[torch.Tensor] = field(default_factory=list)
     # Per prompt: "stop" (end-of-text token), "length" (max_tokens), or
-    # "max_model_len" (the sequence reached the positions available).
+    # "max_model_len" (prompt + generated tokens reached max_model_len).
     finish_reasons: list[str] = field(default_factory=list)
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_len: int, name: str = "prompt") -> None:
     """Raises InputError for an empty prompt, a token id outside [0, vocab_size), or a
-    prompt longer than `max_len`."""
+    prompt of `max_len` tokens or more: `max_len` (max_model_len) counts the prompt and
+    the generated tokens, as vLLM's does, so a prompt leaves room for at least one."""
     if len(ids) == 0:
         raise InputError(f"{name} is empty")
     bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < vocab_size)]
     if bad:
         raise InputError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    if len(ids) > max_len:
-        raise InputError(f"{name} has {len(ids)} tokens, more than the maximum of {max_len}")
+    if len(ids) >= max_len:
+        raise InputError(f"{name} has {len(ids)} tokens, more than the maximum of {max_len - 1} "
+                         f"(the maximum model length {max_len} counts the prompt and at least "
+                         "one generated token)")
 
 
 @torch.inference_mode()
@@ -70,12 +73,12 @@ def generate(
         params: one SamplingParams for all prompts, or one per prompt.
         eos_token_id: a sequence stops after producing it (unless ignore_eos).
         on_token: called as on_token(prompt_index, token_id) as tokens appear.
-        max_model_len: positions available per sequence (default: the model's
-            max_positions); generation stops there.
+        max_model_len: the most tokens a sequence holds, prompt and generated (vLLM's
+            meaning; default: the model's max_positions); generation stops there.
 
     Raises:
-        InputError: a prompt is empty, holds an out-of-range id, or is longer than
-            max_model_len.
+        InputError: a prompt is empty, holds an out-of-range id, or has max_model_len
+            tokens or more.
     """
     from flintc.runtime.generate import generate_with_runner
     from flintc.runtime.runner import ReferenceRunner
@@ -87,8 +90,9 @@ def generate(
         raise ValueError("need one SamplingParams per prompt")
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, max_len, name=f"prompt {i}" if len(prompts) > 1 else "prompt")
-    # One slot per prompt; caches only as long as this request can grow.
-    cache_len = min(max_len, max(len(p) + q.max_tokens for p, q in zip(prompts, plist)))
+    # One slot per prompt; caches only as long as this request can grow (max_model_len
+    # counts the prompt and at least one generated token, even at max_tokens 0)
+    cache_len = min(max_len, max(len(p) + max(q.max_tokens, 1) for p, q in zip(prompts, plist)))
     runner = ReferenceRunner(model, max_batch=len(prompts), max_model_len=cache_len, prefill_chunk=prefill_chunk)
     return generate_with_runner(runner, prompts, plist, eos_token_id=eos_token_id,
                                 return_prompt_logits=return_prompt_logits,

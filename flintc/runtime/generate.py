@@ -5,7 +5,8 @@ temperature 0, per-request seeds).
 
 Same result type and stopping rules as the reference loop (`flintc.model.generate`):
 a sequence stops at its end-of-text token (unless ignore_eos), at max_tokens, or when
-it reaches the runner's max_model_len.
+prompt + generated tokens reach the runner's max_model_len (vLLM's meaning: the last
+token needs no cache position, so a sequence uses max_model_len - 1 positions).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def generate_with_runner(
                 result.finish_reasons[b] = "stop"
             elif len(result.output_ids[b]) >= plist[b].max_tokens:
                 result.finish_reasons[b] = "length"
-            elif pos[b] >= runner.max_model_len:
+            elif pos[b] + 1 >= runner.max_model_len:  # pos[b] + 1 tokens: prompt + generated
                 result.finish_reasons[b] = "max_model_len"
             else:
                 still.append(b)

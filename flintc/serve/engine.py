@@ -306,7 +306,8 @@ class Engine:
         if req.stop and self._cut_stop(seq):
             self._finish(seq, "stop")
             return
-        if len(seq.out_ids) >= params.max_tokens or seq.pos >= self.max_model_len:
+        # seq.pos + 1 tokens so far (prompt + generated): vLLM's max_model_len counts both
+        if len(seq.out_ids) >= params.max_tokens or seq.pos + 1 >= self.max_model_len:
             self._finish(seq, "length")
             return
         hold = max((_prefix_overlap(seq.text, s) for s in req.stop), default=0)

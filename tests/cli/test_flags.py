@@ -35,11 +35,13 @@ def test_reference_backend_honours_max_model_len(capsys, tiny_bf16_dir):
     code, short, err = run_cli(capsys, *args, "--max-model-len", 5)
     assert code == 0, err
     full, short = json.loads(full), json.loads(short)
-    # Positions 0..4: the prompt takes 3, decode writes 2 more; the last token needs no position.
+    # max_model_len counts the prompt and the generated tokens (vLLM's meaning): 3 + 2
     assert short["finish_reason"] == "max_model_len"
-    assert short["output_ids"] == full["output_ids"][:3]
-    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1,2,3,4,5,6", "--max-model-len", 4)
-    assert_one_line_error(code, err, "6 tokens", "maximum of 4")
+    assert short["output_ids"] == full["output_ids"][:2]
+    for ids in ("1,2,3,4,5,6", "1,2,3,4"):  # the prompt must leave room for one token
+        code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", ids, "--max-model-len", 4)
+        assert_one_line_error(code, err, f"{len(ids.split(','))} tokens", "maximum of 3",
+                              "counts the prompt")
 
 
 @pytest.mark.parametrize("args, needles", [
