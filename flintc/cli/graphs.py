@@ -21,10 +21,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf (default: random weights of --config)")
-    p.add_argument("--config", default="tiny",
-                   help="when no MODEL is given: preset tiny or full, or a config.json path")
-    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default="bf16",
-                   help="weight format of the random weights when no MODEL is given")
+    p.add_argument("--config", default=None,
+                   help="when no MODEL is given: preset tiny or full, or a config.json path "
+                   "(default: tiny)")
+    p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default=None,
+                   help="weight format of the random weights when no MODEL is given (default: bf16)")
     p.add_argument("--hf-config-path", default=None, help="folder with config.json for a .gguf MODEL")
     p.add_argument("--device", default="cpu", help="cpu or cuda: where the weights and the checks run")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and the check inputs")
@@ -49,7 +50,10 @@ class Target:
 
 def build_targets(args: argparse.Namespace) -> list[Target]:
     """One target normally; for `--config full` without MODEL two: all 49 layers on meta
-    weights (kernel counts only) and a 4-layer full-width model with real weights."""
+    weights (kernel counts only) and a 4-layer full-width model with real weights.
+
+    Raises InputError for flags out of range, and for --config / --format next to a MODEL
+    (they shape the random weights only; MODEL's own files give both)."""
     from flintc.checkpoint.dummy import dummy_weights
     from flintc.checkpoint.init import random_weights
     from flintc.checkpoint.loader import load_checkpoint
@@ -78,10 +82,17 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
                              f"the model's max_position_embeddings {cfg.max_position_embeddings}")
 
     if args.model is not None:
+        for flag, value in (("--config", args.config), ("--format", args.fmt)):
+            if value is not None:
+                raise InputError(f"{flag} {value} applies only without MODEL (random weights); "
+                                 f"MODEL {args.model}'s own config.json and files give its config and "
+                                 "format")
         ckpt = load_checkpoint(args.model, hf_config_path=args.hf_config_path, device=device, progress=False)
         check_positions(ckpt.config)
         model = FlintModel(ckpt.config, ckpt.weights, max_positions=max_pos)
         return [Target(model, model, f"weights: {ckpt.source} ({ckpt.fmt})")]
+    args.config = "tiny" if args.config is None else args.config
+    args.fmt = "bf16" if args.fmt is None else args.fmt
     config = FlintConfig.from_preset_or_path(args.config, "--config")
     check_positions(config)
 

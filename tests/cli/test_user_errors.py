@@ -405,3 +405,20 @@ def test_load_format_dummy_must_match_the_build(capsys, command, dummy_build, mo
         code, out, err = run_cli(capsys, *args)
         assert_one_line_error(code, err, *needles)
         assert out == "" and time.perf_counter() - t0 < 5
+
+
+# ---- verify / dump: --config and --format shape random weights only --------------------------
+
+
+@pytest.mark.parametrize("command", ["verify", "dump"])
+@pytest.mark.parametrize("flag, value", [("--format", "nvfp4"), ("--config", "full"),
+                                         ("--format", "bf16")])
+def test_graph_commands_refuse_random_weight_flags_with_a_model(capsys, tmp_path, tiny_bf16_dir,
+                                                                command, flag, value):
+    """With a MODEL, `--config` and `--format` used to be ignored silently (the checkpoint's
+    files decide both); now they are refused naming the flag, as `flintc compile` does,
+    even when the value matches the checkpoint's."""
+    extra = ["--out", str(tmp_path / "dump")] if command == "dump" else []
+    code, _, err = run_cli(capsys, command, str(tiny_bf16_dir), flag, value, *extra)
+    assert_one_line_error(code, err, f"{flag} {value} applies only without MODEL", "config.json")
+    assert not (tmp_path / "dump").exists()
