@@ -159,7 +159,7 @@ def main() -> None:
             + markdown_table(["fmt", "N", "kernel (warps, row_tiles, prefetch, blocks/SM)",
                               "us", "GB/s", "% copy", "max diff (bf16 ulps)"], rows)
             + "\n\n" + markdown_table(["variant (H, warps, row_tiles, prefetch, pdl, bf16, "
-                                       "norm bf16, trigger early)", "registers",
+                                       "norm bf16, trigger early, L2 prefetch)", "registers",
                                        "local bytes"], regs) + "\n")
     print(text)
     if args.out:

@@ -29,6 +29,7 @@ session 16). The table ends with each compiled variant's registers and spill byt
 
 import contextlib
 import ctypes
+import inspect
 import itertools
 import os
 import re
@@ -413,10 +414,13 @@ def main() -> None:
     for key, kern in nvfp4_mma._KERNELS.items():
         if not str(key[1]).startswith(("nvfp4_mma_gemv", "nvfp4_mma_moe")):
             continue  # (device, name, `_kernel`'s arguments); not the QKV / router kernels
-        _, name, rt, k, splits, pf, warps, epi, pdl, _, _, bf16, trig, mb, block_route = key
-        print(f"cuda {name} {'bf16' if bf16 else 'nvfp4'} rt{rt} K={k} s{splits} w{warps} "
-              f"pf{pf} epi{epi} pdl{int(pdl)} trigger {'early' if trig else 'late'} "
-              f"min_blocks {mb} route {'block' if block_route else 'warp'}: "
+        # named by `_kernel`'s parameters, so a new field cannot shift them
+        a = dict(zip(inspect.signature(nvfp4_mma._kernel).parameters, key[2:]))
+        print(f"cuda {key[1]} {'bf16' if a['bf16'] else 'nvfp4'} rt{a['row_tiles']} K={a['k']} "
+              f"s{a['splits']} w{a['warps']} pf{a['prefetch']} epi{a['epilogue']} "
+              f"pdl{int(a['pdl'])} trigger {'early' if a['trigger_early'] else 'late'} "
+              f"min_blocks {a['min_blocks']} route {'block' if a['block_route'] else 'warp'} "
+              f"L2 prefetch {int(a['l2_prefetch'])}: "
               f"{_func_attr(kern, 4)} registers, {_func_attr(kern, 3)} spill bytes")
 
 

@@ -1749,11 +1749,15 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     gate/up kernel): `__launch_bounds__(warps * 32, min_blocks)`, so ptxas caps the
     registers for that many resident blocks per SM (spilling if it must). `block_route` (the
     gate/up kernel): every warp of a routed block takes a share of the top-k
-    (`route_slot_block`), else warp 0 alone (`gate_up_route`). `l2_prefetch`: each warp
+    (`route_slot_block`), else warp 0 alone (`gate_up_route`); the other kernels take only
+    the default. `l2_prefetch`: each warp
     prefetches the chunks of its slice past the first `prefetch` into L2 once their
     address is known (`mma_l2_prefetch`). Raises ValueError for
-    sizes below 1, k not a multiple of 64, an MoE variant over `STATIC_SMEM`, or
-    down-kernel splits that do not divide k / 64."""
+    sizes below 1, k not a multiple of 64, an MoE variant over `STATIC_SMEM`,
+    down-kernel splits that do not divide k / 64, or a parameter of another kernel
+    (experts without moe_top_k, gate/up splits other than 1, block_route False outside
+    the gate/up kernel, min_blocks outside it) so that no two argument sets name one
+    kernel."""
     if min(row_tiles, splits, warps) < 1 or prefetch < 0 or k < 64 or k % 64:
         raise ValueError(f"kernel_source: needs row_tiles, splits, warps >= 1, prefetch >= 0 "
                          f"and k a multiple of 64; got {row_tiles}, {splits}, {warps}, "
@@ -1771,6 +1775,11 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
             "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16),
             "__KSPLIT__": splits, "__TRIG__": int(bool(trigger_early)),
             "__BLOCK_ROUTE__": int(bool(block_route)), "__L2PF__": int(bool(l2_prefetch))}
+    gate_up = bool(moe_top_k and experts)
+    if experts and not moe_top_k or gate_up and splits != 1 or not block_route and not gate_up:
+        raise ValueError(f"kernel_source: experts and block_route are for the MoE gate/up kernel "
+                         f"(moe_top_k and experts > 0, splits 1); got moe_top_k {moe_top_k}, "
+                         f"experts {experts}, splits {splits}, block_route {block_route}")
     if min_blocks < 0 or (min_blocks and not experts) or min_blocks * warps * 32 > 2048:
         raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel, >= 0, with "
                          f"min_blocks x warps x 32 <= 2048; got {min_blocks} (warps {warps})")

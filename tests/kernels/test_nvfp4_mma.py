@@ -963,6 +963,20 @@ def test_qkv_trigger_early_moves_launch_dependents():
     assert ptx.find(trig) < ptx.find(mma)
 
 
+def test_kernel_source_refuses_other_kernels_parameters():
+    """`kernel_source` refuses a parameter that the chosen kernel does not have (so no two
+    argument sets compile and cache the same kernel twice): experts without moe_top_k, a
+    gate/up split, the warp route outside the gate/up kernel."""
+    for args, kw in (((1, 2048, 1, 2, 16, M.EPI_FP32, True, 0, 256), {}),
+                     ((2, 2048, 2, 2, 4, M.EPI_BF16, True, 6, 256), {}),
+                     ((1, 2048, 1, 2, 16, M.EPI_FP32, True), {"block_route": False}),
+                     ((1, 512, 4, 2, 32, M.EPI_RESIDUAL, True, 6), {"block_route": False})):
+        with pytest.raises(ValueError, match="experts and block_route are for the MoE gate/up"):
+            M.kernel_source(*args, **kw)
+    assert "nvfp4_mma_moe_gate_up" in M.kernel_source(2, 2048, 1, 2, 4, M.EPI_BF16, True, 6, 256,
+                                                      block_route=False)
+
+
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
                     reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
 def test_gate_up_min_blocks_in_the_ptx():
