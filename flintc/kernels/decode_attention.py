@@ -79,13 +79,15 @@ from flintc.kernels.pdl import PDL_EARLY, pdl_mode
 
 @triton.jit
 def _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
+                       k_pre, v_pre, pre_lo,
                        HKV: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
                        CLAMP_TO_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_S: tl.constexpr, BF16_DOT: tl.constexpr):
+                       BLOCK_S: tl.constexpr, BF16_DOT: tl.constexpr, PRELOAD: tl.constexpr):
     # Online softmax of the G queries in q [BLOCK_G, BLOCK_D] (bf16 when BF16_DOT, else
     # fp32) over cache rows [lo, hi)
     # of one (slot, KV head): returns (o normalised, lse), o = 0 and lse = -inf when no
-    # row is visible.
+    # row is visible. PRELOAD: the block starting at row pre_lo is k_pre / v_pre (loaded
+    # before the PDL wait by the caller, masked as here), not loaded again.
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -106,8 +108,14 @@ def _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
             visible = in_seg & (kpos >= 0) & (kpos <= p) & (p - kpos < WINDOW)
         kv_off = kv_base + rows.to(tl.int64)[:, None] * (HKV * D) + offs_d[None, :]
         kv_mask = visible[:, None] & mask_d[None, :]  # invisible rows are not read
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if PRELOAD:
+            take = s0 == pre_lo  # the caller's block: no second load (masked off)
+            m_load = (kv_mask & (s0 != pre_lo)) != 0  # (!= 0: bool in the interpreter too)
+            k = tl.where(take, k_pre, tl.load(k_cache_ptr + kv_off, mask=m_load, other=0.0))
+            v = tl.where(take, v_pre, tl.load(v_cache_ptr + kv_off, mask=m_load, other=0.0))
+        else:
+            k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if BF16_DOT:
             # GPU: a bf16 x bf16 product is exact in fp32 and the MMA accumulates in fp32,
             # so this is the fp32 q.k of the reference up to summation order.
@@ -154,10 +162,16 @@ def decode_attention_kernel(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
     CLAMP_TO_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_P: tl.constexpr,
-    BF16_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    BF16_DOT: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
+    POISON_CURRENT: tl.constexpr,
 ):
     # Program (bh = b * HKV + kv head, t): a balanced run of blocks of the visible rows
     # (see the module docstring), and some empty chunks.
+    # PRELOAD (CLAMP_TO_P only): slots, positions and the first block of the program's run
+    # load before the PDL wait (`preload_enabled`); after it, the current token's row (the
+    # one the previous kernel, the fused QKV, writes this step) is loaded again into that
+    # block. POISON_CURRENT (tests): that row of the early load is NaN first, standing in
+    # for an early load that raced the write, so a missed reload shows.
     bh = tl.program_id(0)
     t = tl.program_id(1)
     b = bh // HKV
@@ -170,7 +184,7 @@ def decode_attention_kernel(
     heads = (bh * G + offs_g).to(tl.int64)  # rows of o_part [B * HKV * G, N, D]
     if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
         tl.extra.cuda.gdc_launch_dependents()
-    if USE_PDL:
+    if USE_PDL and not PRELOAD:
         # q, slots, positions and the cache are written by the previous kernels; the
         # counters by the previous launch of this kernel.
         tl.extra.cuda.gdc_wait()
@@ -180,10 +194,6 @@ def decode_attention_kernel(
     # row (R = 0 below), so every chunk is empty (o = 0, lse = -inf).
     live = slot >= 0
     slot = tl.maximum(slot, 0)
-    # q [B, 1, HKV * G, D]: heads hk * G .. hk * G + G - 1 (loaded with p: one round trip).
-    q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=out_mask, other=0.0)
-    if not BF16_DOT:
-        q = q.to(tl.float32)  # interpreter: no bf16 arithmetic (the GPU keeps bf16 q)
 
     # Visible rows are all in [0, R): full cache rows 0..p; a ring of S <= W rows holds
     # rows 0..p until it wraps, then all of them. (A ring longer than W: all S rows,
@@ -194,6 +204,56 @@ def decode_attention_kernel(
         R = S + 0 * p
     R = tl.where(live, R, 0)
     nchunks = (R + CHUNK - 1) // CHUNK
+    # Blocks of BLOCK_S rows aligned to chunk starts: bpc per full chunk, the last chunk's
+    # rows rounded up. Program t takes blocks [u0, u1) of nblk; block u is owned by
+    # program ceil((u + 1) T_eff / nblk) - 1.
+    bpc = (CHUNK + BLOCK_S - 1) // BLOCK_S
+    last_rows = R - (nchunks - 1) * CHUNK
+    nblk = tl.where(nchunks > 0, (nchunks - 1) * bpc + (last_rows + BLOCK_S - 1) // BLOCK_S, 0)
+    t_eff = tl.minimum(tl.minimum((nblk + MIN_BLOCKS - 1) // MIN_BLOCKS, T), nchunks * MAX_PIECES)
+    t_eff = tl.maximum(t_eff, 1)
+    busy = (t < t_eff) & (nblk > 0)
+    offs_s = tl.arange(0, BLOCK_S)
+    if PRELOAD:
+        # The run's first block (its first segment's first rows, as the loop below
+        # computes them), read before the wait: every row but the current one was written
+        # by kernels that completed before the previous kernel started.
+        u0p = ((t.to(tl.int64) * nblk) // t_eff).to(tl.int32)
+        u1p = (((t + 1).to(tl.int64) * nblk) // t_eff).to(tl.int32)
+        n0p = u0p // bpc
+        c_lo0 = n0p * CHUNK
+        c_hi0 = tl.minimum(c_lo0 + CHUNK, R)
+        nb0 = (c_hi0 - c_lo0 + BLOCK_S - 1) // BLOCK_S
+        pre_lo = c_lo0 + (u0p - n0p * bpc) * BLOCK_S
+        hi0 = tl.minimum(c_lo0 + (tl.minimum(u1p, n0p * bpc + nb0) - n0p * bpc) * BLOCK_S, c_hi0)
+        rows0 = pre_lo + offs_s
+        in0 = (rows0 < hi0) & busy
+        off0 = slot * S * HKV * D + hk * D + rows0.to(tl.int64)[:, None] * (HKV * D) + offs_d[None, :]
+        # (!= 0: the interpreter's & of a scalar and a vector of bools holds int32)
+        m0 = (in0[:, None] & mask_d[None, :]) != 0
+        k_pre = tl.load(k_cache_ptr + off0, mask=m0, other=0.0)
+        v_pre = tl.load(v_cache_ptr + off0, mask=m0, other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()  # q, the current row and the counters: after it
+        if WINDOW > 0:
+            cur = p % WINDOW  # the ring row of position p (flintc.ops.attention.write_kv)
+        else:
+            cur = p
+        is_cur = ((in0 & (rows0 == cur))[:, None] & mask_d[None, :]) != 0
+        if POISON_CURRENT:
+            k_pre = tl.where(is_cur, float("nan"), k_pre)
+            v_pre = tl.where(is_cur, float("nan"), v_pre)
+        k_pre = tl.where(is_cur, tl.load(k_cache_ptr + off0, mask=is_cur, other=0.0), k_pre)
+        v_pre = tl.where(is_cur, tl.load(v_cache_ptr + off0, mask=is_cur, other=0.0), v_pre)
+        pre_lo = tl.where(busy, pre_lo, -1)
+    else:
+        k_pre = 0.0
+        v_pre = 0.0
+        pre_lo = -1
+    # q [B, 1, HKV * G, D]: heads hk * G .. hk * G + G - 1.
+    q = tl.load(q_ptr + heads[:, None] * D + offs_d[None, :], mask=out_mask, other=0.0)
+    if not BF16_DOT:
+        q = q.to(tl.float32)  # interpreter: no bf16 arithmetic (the GPU keeps bf16 q)
 
     # Empty chunks nchunks.. N-1: o = 0, lse = -inf (the op's convention), written by
     # programs T-1, T-2, ... (idle unless the context is long).
@@ -203,15 +263,7 @@ def decode_attention_kernel(
         tl.store(lse_ptr + heads * N + z, tl.full([BLOCK_G], float("-inf"), tl.float32),
                  mask=mask_g)
 
-    # Blocks of BLOCK_S rows aligned to chunk starts: bpc per full chunk, the last chunk's
-    # rows rounded up. Program t takes blocks [u0, u1) of nblk; block u is owned by
-    # program ceil((u + 1) T_eff / nblk) - 1.
-    bpc = (CHUNK + BLOCK_S - 1) // BLOCK_S
-    last_rows = R - (nchunks - 1) * CHUNK
-    nblk = tl.where(nchunks > 0, (nchunks - 1) * bpc + (last_rows + BLOCK_S - 1) // BLOCK_S, 0)
-    t_eff = tl.minimum(tl.minimum((nblk + MIN_BLOCKS - 1) // MIN_BLOCKS, T), nchunks * MAX_PIECES)
-    t_eff = tl.maximum(t_eff, 1)
-    if (t < t_eff) & (nblk > 0):
+    if busy:
         u0 = ((t.to(tl.int64) * nblk) // t_eff).to(tl.int32)
         u1 = (((t + 1).to(tl.int64) * nblk) // t_eff).to(tl.int32)
         kv_base = slot * S * HKV * D + hk * D  # row r of this head: kv_base + r * HKV * D
@@ -230,8 +282,9 @@ def decode_attention_kernel(
             lo = c_lo + (tl.maximum(u0, first) - first) * BLOCK_S
             hi = tl.minimum(c_lo + (tl.minimum(u1, first + nb) - first) * BLOCK_S, c_hi)
             o, lse = _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
+                                        k_pre, v_pre, tl.where(n == n0, pre_lo, -1),
                                         HKV, D, WINDOW, CLAMP_TO_P, BLOCK_G, BLOCK_D, BLOCK_S,
-                                        BF16_DOT)
+                                        BF16_DOT, PRELOAD)
             ta, tb = _contributors(n, CHUNK, R, bpc, nblk, t_eff, BLOCK_S)
             if ta == tb:
                 o_ptrs = o_part_ptr + (heads[:, None] * N + n) * D + offs_d[None, :]
@@ -379,6 +432,10 @@ def attention_combine_kernel(
 GPU_BLOCK_S = 64
 GPU_NUM_WARPS = 4
 GPU_NUM_STAGES = 3
+# With PRELOAD the first block's K and V tiles stay in registers across the wait: at 4
+# warps ptxas then spills (255 registers, 72 / 90 bytes stored / loaded, sm_90 probe),
+# at 8 warps it does not (232 registers)
+GPU_PRELOAD_NUM_WARPS = 8
 GPU_CTAS_PER_SM = 2  # programs per SM the grid is sized for (one wave, all resident)
 GPU_MIN_ROWS = 128  # smallest run of rows per program in a full cache (short contexts)
 # A ring's programs each take one whole split (`ring_min_rows`): no in-kernel merge.
@@ -386,6 +443,10 @@ GPU_MERGE_P = 8  # partials per load of the in-kernel merge ([8, G, D] fp32 tile
 MAX_PIECES_PER_SPLIT = 32  # at most ~this many programs share one split (merge length)
 # Interpreter (CPU) configuration: tiny blocks so that tests exercise many programs.
 CPU_BLOCK_S = 16
+# Whether the kernel reads slots, positions and its first block of K / V rows before the
+# PDL wait (`preload_enabled`; FLINTC_DECODE_ATTN_PRELOAD overrides). Written in session
+# 23 with no GPU lent: checked in the interpreter, not yet on a GPU or measured, so off.
+PRELOAD = False
 CPU_MIN_ROWS = 16
 CPU_MERGE_P = 4
 CPU_NUM_SMS = 4
@@ -526,6 +587,25 @@ def plan(rows: int, num_rows: int, num_splits: int, programs: int, min_rows: int
     return {"t_eff": t_eff, "nblk": nblk, "segments": segments, "zero_fill": zero_fill}
 
 
+def preload_enabled() -> bool:
+    """FLINTC_DECODE_ATTN_PRELOAD: "1" reads slots, positions and each program's first
+    block of cache rows before the PDL wait (the current token's row again after it),
+    "0" after the wait; unset or empty: `PRELOAD`. Only for caches where the visible rows
+    are 0..p (full layers, rings of at most W rows); the outputs do not change.
+
+    Raises:
+        TuningEnvError (a ValueError): another value, naming the variable.
+    """
+    value = os.environ.get("FLINTC_DECODE_ATTN_PRELOAD", "").strip()
+    if value == "":
+        return PRELOAD
+    if value not in ("0", "1"):
+        from flintc.kernels.tuning import TuningEnvError
+
+        raise TuningEnvError(f"FLINTC_DECODE_ATTN_PRELOAD must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _check(cond: bool, name: str, what: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {what}")
@@ -547,7 +627,8 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
                             *, use_pdl: bool = False, programs_per_head: int | None = None,
                             min_rows: int | None = None, max_pieces: int | None = None,
                             block_s: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None):
+                            num_stages: int | None = None, preload: bool | None = None,
+                            _poison_current_row: bool = False):
     """`decode_attention` with the decomposition and launch knobs exposed (tests and
     benchmarks); None takes the module's default.
 
@@ -559,7 +640,12 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     max_pieces: at most max_pieces x nchunks busy programs (default MAX_PIECES_PER_SPLIT).
     block_s, num_warps, num_stages: the GPU launch configuration (BLOCK_S a power of two
     >= 16; defaults GPU_*; in the interpreter BLOCK_S defaults to CPU_BLOCK_S and the
-    others are ignored). Other arguments, results and errors as `decode_attention`; also
+    others are ignored; num_warps defaults to GPU_PRELOAD_NUM_WARPS with the early
+    reads). preload: the early reads of `preload_enabled` (None: that function's; only
+    where the visible rows are 0..p, else ignored); `_poison_current_row` (tests, with preload): the early read of the
+    current token's row is replaced by NaN, as a read that raced the QKV kernel's write
+    would be stale, so that the reload after the wait is checked. Other arguments,
+    results and errors as `decode_attention`; also
     raises ValueError for a knob that is not an int >= 1 (block_s: a power of two >= 16).
     """
     _check_tensor(q, "q", torch.bfloat16, 4)
@@ -601,7 +687,10 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
             min_rows = GPU_MIN_ROWS
     max_pieces = MAX_PIECES_PER_SPLIT if max_pieces is None else max_pieces
     block_s = (GPU_BLOCK_S if on_gpu else CPU_BLOCK_S) if block_s is None else block_s
-    num_warps = GPU_NUM_WARPS if num_warps is None else num_warps
+    clamp = window == 0 or S <= window  # the visible rows are 0..p (or the whole ring)
+    preload = bool(preload_enabled() if preload is None else preload) and clamp
+    if num_warps is None:
+        num_warps = GPU_PRELOAD_NUM_WARPS if preload else GPU_NUM_WARPS
     num_stages = GPU_NUM_STAGES if num_stages is None else num_stages
     for name, v in (("programs_per_head", programs_per_head), ("min_rows", min_rows),
                     ("max_pieces", max_pieces), ("num_warps", num_warps),
@@ -628,11 +717,12 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     decode_attention_kernel[(B * Hkv, T)](
         q, k_cache, v_cache, slots, positions, o_part, lse, ws_o, ws_lse, counters,
         S, chunk, num_splits, T, math.ceil(min_rows / block_s), max_pieces, D ** -0.5,
-        HKV=Hkv, G=G, D=D, WINDOW=window, CLAMP_TO_P=(window == 0 or S <= window),
+        HKV=Hkv, G=G, D=D, WINDOW=window, CLAMP_TO_P=clamp,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_GM=triton.next_power_of_2(G),
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
         MERGE_P=GPU_MERGE_P if on_gpu else CPU_MERGE_P, BF16_DOT=on_gpu, USE_PDL=pdl_mode(pdl),
-        **extra,
+        PRELOAD=preload,
+        POISON_CURRENT=bool(_poison_current_row), **extra,
     )
     return o_part, lse
 
@@ -716,8 +806,9 @@ def aot_probe_specs(configs=None):
     """Compile specs for `scripts/triton_aot_probe.py` (sm_90 without a GPU): the full
     model's shapes (Hq=32, Hkv=4, D=128); the attention kernel for a full cache (the
     same code as a ring of S <= W rows) with each launch configuration of `configs`
-    ((BLOCK_S, warps, stages) tuples, the first one also for a ring longer than W;
-    default: the GPU_* constants and the benchmark sweep's others), and the combine."""
+    ((BLOCK_S, warps, stages) tuples, the first one also for a ring longer than W and
+    with the early reads (PRELOAD) of a full cache and of a ring; default: the GPU_*
+    constants and the benchmark sweep's others), and the combine."""
     configs = configs or [(GPU_BLOCK_S, GPU_NUM_WARPS, GPU_NUM_STAGES), (64, 8, 3), (128, 4, 2),
                           (32, 4, 4)]
     types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
@@ -727,14 +818,19 @@ def aot_probe_specs(configs=None):
              "MIN_BLOCKS": "i32", "MAX_PIECES": "i32", "scale": "fp32"}
     names = decode_attention_kernel.arg_names
     specs = []
-    variants = [(0, True, cfg) for cfg in configs]  # full cache, or a ring of S <= W rows
-    variants.append((513, False, configs[0]))  # a ring longer than W: the row-by-row mask
-    for window, clamp, (block_s, warps, stages) in variants:
+    # full cache, or a ring of S <= W rows; a ring longer than W: the row-by-row mask;
+    # the early reads (PRELOAD) of a full cache and of a sliding layer's ring (W = 513)
+    variants = [(0, True, cfg, False) for cfg in configs]
+    pre = (GPU_BLOCK_S, GPU_PRELOAD_NUM_WARPS, GPU_NUM_STAGES)
+    variants += [(513, False, configs[0], False), (0, True, pre, True), (513, True, pre, True)]
+    for window, clamp, (block_s, warps, stages), preload in variants:
         consts = {"HKV": 4, "G": 8, "D": 128, "WINDOW": window, "CLAMP_TO_P": clamp,
                   "BLOCK_G": 16, "BLOCK_GM": 8, "BLOCK_D": 128, "BLOCK_S": block_s,
-                  "MERGE_P": GPU_MERGE_P, "BF16_DOT": True, "USE_PDL": PDL_EARLY}
+                  "MERGE_P": GPU_MERGE_P, "BF16_DOT": True, "USE_PDL": PDL_EARLY,
+                  "PRELOAD": preload, "POISON_CURRENT": False}
+        kind = "ring > W" if not clamp else ("ring" if window else "full")
         specs.append({
-            "name": f"decode_attention {'ring > W' if not clamp else 'full'} BLOCK_S={block_s} "
+            "name": f"decode_attention {kind}{' preload' if preload else ''} BLOCK_S={block_s} "
                     f"warps={warps} stages={stages}",
             "fn": decode_attention_kernel,
             "signature": {n: types.get(n, "constexpr") for n in names},

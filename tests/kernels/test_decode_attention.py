@@ -186,6 +186,45 @@ def test_decode_attention_matches_reference(window, S, num_splits, positions, kn
     assert counters_are_zero(), "arrival counters not reset after the launch"
 
 
+@pytest.mark.parametrize("window,S,num_splits,positions,knobs", CPU_CASES)
+def test_preload_matches_reference(window, S, num_splits, positions, knobs):
+    """The early reads (`preload=True`: slots, positions and each program's first block
+    before the PDL wait, the current token's row again after it) give the same partials,
+    also when the early read of the current row is stale (`_poison_current_row`: NaN
+    there, which the reload must replace). Rings longer than the window read after the
+    wait as before."""
+    Hq, Hkv, D = 8, 2, 32
+    B = len(positions)
+    q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, positions)
+    sinks = (torch.randn(Hq) * 2).to(DEV)
+    for poison in (False, True):
+        (o, lse, out), (o_ref, lse_ref, out_ref) = run_both(
+            q, kc, vc, slots, pos, window, num_splits, sinks, preload=True,
+            _poison_current_row=poison, **knobs)
+        assert_partials_close(o, lse, o_ref, lse_ref)
+        assert_within_one_bf16_ulp(out, out_ref, atol=S * 2.0**-24 * vc.float().abs().max().item())
+        assert counters_are_zero()
+
+
+def test_preload_env(monkeypatch):
+    """FLINTC_DECODE_ATTN_PRELOAD: 0 / 1, unset or empty the default (`PRELOAD`); another
+    value is a TuningEnvError naming it, from `tuning.check_environment` too."""
+    from flintc.kernels.tuning import TuningEnvError, check_environment
+
+    for value, want in ((None, kernels.PRELOAD), ("", kernels.PRELOAD), ("1", True), (" 0 ", False)):
+        if value is None:
+            monkeypatch.delenv("FLINTC_DECODE_ATTN_PRELOAD", raising=False)
+        else:
+            monkeypatch.setenv("FLINTC_DECODE_ATTN_PRELOAD", value)
+        assert kernels.preload_enabled() is want
+    for bad in ("yes", "2", "true"):
+        monkeypatch.setenv("FLINTC_DECODE_ATTN_PRELOAD", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_DECODE_ATTN_PRELOAD must be 0 or 1"):
+            kernels.preload_enabled()
+        with pytest.raises(TuningEnvError, match="FLINTC_DECODE_ATTN_PRELOAD"):
+            check_environment()
+
+
 def test_pieces_are_merged_and_repeatable():
     """One split of 64 rows shared by 4 programs of one block: every partial merges
     through the workspace; a second launch (counters reused) gives bit-identical
@@ -437,6 +476,32 @@ def test_decode_attention_gpu(window, S, num_splits, positions, knobs, use_pdl):
     sinks[1] = -1e4
     (o, lse, out), (o_ref, lse_ref, out_ref) = run_both(
         q, kc, vc, slots, pos, window, num_splits, sinks, use_pdl=use_pdl, **knobs)
+    assert_partials_close(o, lse, o_ref, lse_ref, rtol=2e-5, atol=2e-5)
+    assert_within_one_bf16_ulp(out, out_ref, atol=1e-5)
+    assert counters_are_zero()
+    del kc, vc, o_ref
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (and TRITON_INTERPRET unset or 0)")
+@pytest.mark.parametrize("poison", [False, True])
+@pytest.mark.parametrize("window,S,num_splits,positions", [
+    (513, 513, 8, [100000, 512, 513, 0, 300, 1026, 1539, 7]), (513, 513, 9, [2000]),
+    (0, 262144, 32, [1023]), (0, 8192, 96, [8191, 8000, 5000, 4097, 100, 17, 0, 8190])])
+def test_decode_attention_preload_gpu(window, S, num_splits, positions, poison):
+    """The early reads before the PDL wait (`preload=True`, 8 warps) at the model's shapes,
+    with PDL: the same partials and output as the reference, also when the early read of
+    the current token's row is made stale (`_poison_current_row`). The CPU twin:
+    `test_preload_matches_reference`."""
+    B = len(positions)
+    gen = torch.Generator(device="cuda").manual_seed(S + B + 1)
+    Hq, Hkv, D = 32, 4, 128
+    q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, positions, num_slots=B, gen=gen)
+    sinks = torch.randn(Hq, generator=gen, device="cuda") * 2
+    (o, lse, out), (o_ref, lse_ref, out_ref) = run_both(
+        q, kc, vc, slots, pos, window, num_splits, sinks, use_pdl=True, preload=True,
+        _poison_current_row=poison)
     assert_partials_close(o, lse, o_ref, lse_ref, rtol=2e-5, atol=2e-5)
     assert_within_one_bf16_ulp(out, out_ref, atol=1e-5)
     assert counters_are_zero()

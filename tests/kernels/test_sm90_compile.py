@@ -38,7 +38,7 @@ def test_decode_kernels_compile_for_sm90(quick_run):
     proc = quick_run
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "every case compiled for sm_90" in proc.stdout
-    assert proc.stdout.count("ok    ") == 17, proc.stdout
+    assert proc.stdout.count("ok    ") == 18, proc.stdout
     # the report includes the K loop's length: every GEMV / MoE case has a loop
     assert all(" loop 0 instr" not in line for line in proc.stdout.splitlines()
                if line.startswith("ok    ") and ("moe" in line or "gemv" in line)), proc.stdout
