@@ -20,6 +20,33 @@ def seed(text: str) -> int:
     return value
 
 
+def device_name(text: str) -> str:
+    """A --device value as given (cpu, cuda or cuda:N; checked where it is used:
+    `torch_device`, `flintc.runtime.device.prepare_device`). An empty one is refused: it
+    used to mean the default device (an unset shell variable, most often). Raises
+    argparse.ArgumentTypeError."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty: expected cpu or cuda (or cuda:N); leave --device "
+                                         "out for the default")
+    return text
+
+
+def buckets(text: str) -> tuple[int, ...]:
+    """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8). An empty value is
+    refused (it used to mean the default buckets), and so is an item that is not an
+    integer; the sizes themselves (each >= 1, the largest --max-batch) are checked with
+    --max-batch (`flintc.runtime.build.BuildOptions.resolve`). Raises
+    argparse.ArgumentTypeError."""
+    expected = "comma-separated decode batch sizes, e.g. 1,8"
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty: expected {expected}; leave --buckets out for "
+                                         "1,2,4,8 up to --max-batch")
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
 def torch_device(text: str, flag: str = "--device"):
     """`text` as a torch.device, which must be the CPU or an available CUDA GPU.
 

@@ -108,6 +108,7 @@ def _load_report(path: str) -> dict:
 
 def add_parser(sub) -> None:
     from flintc.cli import HelpFormatter
+    from flintc.cli.args import device_name
 
     p = sub.add_parser("bench", help="benchmark flintc against its roofline and baselines",
                        description=__doc__, formatter_class=HelpFormatter)
@@ -149,7 +150,7 @@ def add_parser(sub) -> None:
                         "device memory), so it can also serve contexts beyond its max model len")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="max model length of a build compiled here (default: the largest context)")
-    p.add_argument("--device", default="cuda", help="cuda or cpu")
+    p.add_argument("--device", type=device_name, default="cuda", help="cuda or cpu")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per point (default 10; cpu 1)")
     p.add_argument("--iters", type=int, default=None, help="timed graph replays per point (default 100; cpu 2)")
     p.add_argument("--e2e-iters", type=int, default=None, help="timed end-to-end steps (default 50; cpu 2)")

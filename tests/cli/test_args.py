@@ -1,7 +1,9 @@
 """Seeds, devices and cache lengths of `flintc make-checkpoint`, `verify` and `dump`
 (`flintc.cli.args`): a value torch would reject deep in the run (a seed of 2**64 or
 more, `--device bogus`, CUDA on a machine without a GPU, more cache positions than the
-model has) is a one-line error with exit code 2, before any work."""
+model has) is a one-line error with exit code 2, before any work. An empty --device or
+--buckets (of every sub-command that has one) is refused by argparse: it used to mean
+the default."""
 
 from __future__ import annotations
 
@@ -35,6 +37,40 @@ def test_torch_device():
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match="--device cuda: no CUDA GPU is available"):
             cli_args.torch_device("cuda")
+
+
+def test_device_name_and_buckets():
+    assert cli_args.device_name("cuda:1") == "cuda:1"
+    assert cli_args.buckets("1, 8") == (1, 8)
+    for text in ("", " "):
+        with pytest.raises(argparse.ArgumentTypeError, match="^must not be empty: expected cpu or cuda"):
+            cli_args.device_name(text)
+        with pytest.raises(argparse.ArgumentTypeError, match="^must not be empty: expected comma-separated"):
+            cli_args.buckets(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated decode batch sizes"):
+        cli_args.buckets("1,x")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--buckets", ""], "--buckets"),
+    (["run", "--prompt-ids", "1", "--backend", "torch", "--buckets", ""], "--buckets"),
+    (["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--device", ""], "--device"),
+    (["run", "--prompt-ids", "1", "--device", ""], "--device"),
+    (["serve", "--port", "0", "--device", ""], "--device"),
+    (["bench", "--config", "tiny", "--out", "{tmp}/o", "--device", ""], "--device"),
+    (["verify", "--step", "decode", "--device", " "], "--device"),
+    (["dump", "--out", "{tmp}/d", "--device", ""], "--device"),
+])
+def test_empty_device_or_buckets_is_refused(argv, flag, tmp_path, capsys):
+    """`--buckets ""` compiled the default buckets and `--device ""` ran on the default
+    device (compile, run, serve): now argparse refuses the empty value, naming the flag,
+    before any work."""
+    with pytest.raises(SystemExit) as e:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert f"error: argument {flag}: must not be empty: expected " in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, needle", [
