@@ -14,6 +14,8 @@ the file or option at fault and says what to do, before any work.
   none is found the error names every place looked in.
 - A build compiled with dummy weights: `flintc serve --build` takes --load-format dummy,
   as `flintc run --build` does, and both say so up front.
+- `flintc bench` values outside their domain (`--max-model-len 0`, `--time-budget -1`,
+  a `--breakdown` point not measured) are refused, not taken as the default or skipped.
 
 Most tests compile no build: the build there is a build.json written by hand, which is
 all a build's loader reads before the weights. The tokenizer and dummy-weight tests
@@ -222,6 +224,50 @@ def test_check_input_paths():
     check_input_paths(argparse.Namespace())
     with pytest.raises(InputError, match="^--from-json must not be empty"):
         check_input_paths(argparse.Namespace(from_json=["a.json", ""]))
+
+
+# ---- bench values outside their domain -----------------------------------------------------
+
+_BENCH_QUICK = ["bench", "--device", "cpu", "--config", "tiny", "--formats", "bf16", "--contexts", "64,128",
+                "--batches", "1,2", "--prefill", "16", "--baselines", "none", "--no-plots"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+    (["--max-model-len", "-2"], "--max-model-len must be >= 1, got -2"),
+    (["--time-budget", "-1"], "--time-budget must be a positive number of seconds, got -1"),
+    (["--time-budget", "0"], "--time-budget must be a positive number of seconds, got 0"),
+    (["--time-budget", "nan"], "--time-budget must be a positive number of seconds, got nan"),
+    (["--step-timeout", "-5"], "--step-timeout must be a positive number of seconds, got -5"),
+    (["--breakdown", "9x9"], "--breakdown 9x9: not a decode point this run measures; expected BATCHxCONTEXT with "
+                             "BATCH in --batches (1,2) and CONTEXT in --contexts (64,128)"),
+    (["--breakdown", "1x64,2x100"], "--breakdown 2x100: not a decode point this run measures"),
+    (["--breakdown", "1x64", "--no-flintc"], "--breakdown applies only when flintc is measured"),
+])
+def test_bench_refuses_values_outside_their_domain(capsys, tmp_path, args, needle):
+    """`flintc bench --max-model-len 0` compiled for the largest context, `--time-budget
+    -1` skipped every point and `--step-timeout -5` (or 0) meant no limit, all exiting 0;
+    `--breakdown 9x9` (no such decode point measured) was never taken, silently. Now each
+    is one line naming the option, before anything is measured or written."""
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, *_BENCH_QUICK, *args, "--out", tmp_path / "o")
+    assert_one_line_error(code, err, needle)
+    assert out == "" and list(tmp_path.iterdir()) == [] and time.perf_counter() - t0 < 5
+
+
+def test_bench_options_check_the_same_values(tmp_path):
+    """The Python API (`BenchOptions.resolved`) refuses them too; the default breakdown
+    points and points among those measured are accepted."""
+    from flintc.bench.core import BenchOptions
+    from flintc.errors import InputError
+
+    base = dict(out=tmp_path, device="cpu", config="tiny", contexts=[64, 128], batches=[1, 2])
+    opts = BenchOptions(**base, breakdown=[(2, 128)], time_budget=0.5, max_model_len=1).resolved()
+    assert opts.breakdown == [(2, 128)]
+    for bad, match in (({"max_model_len": 0}, "--max-model-len"), ({"time_budget": -1.0}, "--time-budget"),
+                       ({"step_timeout": 0.0}, "--step-timeout"), ({"breakdown": [(1, 256)]}, "--breakdown 1x256")):
+        with pytest.raises(InputError, match=f"^{match}"):
+            BenchOptions(**base, **bad).resolved()
 
 
 # ---- the tokenizer of a build --------------------------------------------------------------
