@@ -16,6 +16,8 @@ the file or option at fault and says what to do, before any work.
   as `flintc run --build` does, and both say so up front.
 - `flintc bench` values outside their domain (`--max-model-len 0`, `--time-budget -1`,
   a `--breakdown` point not measured) are refused, not taken as the default or skipped.
+- A $FLINTC_CACHE_DIR (where the default model is made) that cannot be written: the
+  error names the variable and its value.
 
 Most tests compile no build: the build there is a build.json written by hand, which is
 all a build's loader reads before the weights. The tokenizer and dummy-weight tests
@@ -268,6 +270,52 @@ def test_bench_options_check_the_same_values(tmp_path):
                        ({"step_timeout": 0.0}, "--step-timeout"), ({"breakdown": [(1, 256)]}, "--breakdown 1x256")):
         with pytest.raises(InputError, match=f"^{match}"):
             BenchOptions(**base, **bad).resolved()
+
+
+# ---- FLINTC_CACHE_DIR ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["run", "--prompt-ids", "1", "--max-tokens", "1"], ["serve", "--port", "0"],
+                                     ["compile", "--out", "{tmp}/b"]])
+@pytest.mark.parametrize("cache, blocker", [("file", "file"), ("file/sub", "file"),
+                                            ("cache", "cache/default-tiny-nvfp4-s0")])
+def test_cache_dir_errors_name_the_variable(capsys, tmp_path, monkeypatch, command, cache, blocker):
+    """The default model is made in $FLINTC_CACHE_DIR: when that is a file, under one, or
+    a file holds the default's name there, the error said only "<path>: File exists" (or
+    "Not a directory"), not which variable chose the path."""
+    (tmp_path / "cache").mkdir()
+    cache, blocker = tmp_path / cache, tmp_path / blocker
+    for f in (tmp_path / "file", tmp_path / "cache" / "default-tiny-nvfp4-s0"):
+        f.write_text("x")
+    monkeypatch.setenv("FLINTC_CACHE_DIR", str(cache))
+    code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in command])
+    assert_one_line_error(code, err, f"FLINTC_CACHE_DIR={cache}: cannot write the default model there ({blocker} "
+                          "is a file, not a folder); set FLINTC_CACHE_DIR to a writable folder, or pass MODEL")
+    assert out == "" and not (tmp_path / "b").exists()
+
+
+def test_unwritable_cache_dir_names_the_variable(capsys, tmp_path, monkeypatch):
+    """An unwritable $FLINTC_CACHE_DIR (simulated: the tests may run as root), and an
+    unusable default cache folder when FLINTC_CACHE_DIR is unset, which says so."""
+    import tempfile
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FLINTC_CACHE_DIR", str(cache))
+
+    def denied(prefix=None, dir=None, **kw):
+        raise PermissionError(13, "Permission denied", str(dir))
+
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "mkdtemp", denied)
+        code, out, err = run_cli(capsys, "run", "--prompt-ids", "1", "--max-tokens", "1")
+    assert_one_line_error(code, err, f"FLINTC_CACHE_DIR={cache}: cannot write the default model there ({cache}: "
+                          "Permission denied)")
+    monkeypatch.delenv("FLINTC_CACHE_DIR")
+    (tmp_path / "xdg").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    code, out, err = run_cli(capsys, "run", "--prompt-ids", "1", "--max-tokens", "1")
+    assert_one_line_error(code, err, f"the cache folder {tmp_path / 'xdg' / 'flintc'} ($XDG_CACHE_HOME/flintc; "
+                          "FLINTC_CACHE_DIR is not set): cannot write the default model there", "set FLINTC_CACHE_DIR")
 
 
 # ---- the tokenizer of a build --------------------------------------------------------------
