@@ -3,7 +3,8 @@
 more, `--device bogus`, CUDA on a machine without a GPU, more cache positions than the
 model has) is a one-line error with exit code 2, before any work. An empty --device or
 --buckets (of every sub-command that has one) is refused by argparse: it used to mean
-the default."""
+the default. `--prompt-ids -1,2` reaches the token-id check (argparse took -1,2 for an
+option)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from flintc.cli import args as cli_args
 from flintc.cli import main
 from flintc.errors import InputError
+from harness import assert_one_line_error, run_cli
 
 
 @pytest.mark.parametrize("text, value", [("0", 0), ("7", 7), (str(2**63 - 1), 2**63 - 1)])
@@ -96,3 +98,27 @@ def test_verify_on_cuda_without_a_gpu(capsys):
     code = main(["verify", "--device", "cuda"])
     err = capsys.readouterr().err
     assert code == 2 and "--device cuda: no CUDA GPU is available" in err, err
+
+
+def test_join_int_list_values():
+    join = cli_args.join_int_list_values
+    assert join(["run", "--prompt-ids", "-1,2", "--seed", "-3"]) == ["run", "--prompt-ids=-1,2", "--seed", "-3"]
+    assert join(["run", "--prompt-ids", "1,2", "--prompt-ids", "-4"]) == ["run", "--prompt-ids", "1,2",
+                                                                         "--prompt-ids=-4"]
+    assert join(["run", "--prompt-ids", "-x"]) == ["run", "--prompt-ids", "-x"]  # an option: argparse says so
+    assert join(["run", "--", "--prompt-ids", "-1,2"]) == ["run", "--", "--prompt-ids", "-1,2"]
+    assert join(["run", "--prompt-ids"]) == ["run", "--prompt-ids"]
+
+
+@pytest.mark.parametrize("ids, bad", [("-1,2", -1), ("-1", -1), ("3,-20", -20)])
+@pytest.mark.parametrize("joined", [False, True])
+def test_negative_prompt_ids_are_refused_naming_the_flag(capsys, tiny_bf16_dir, ids, bad, joined):
+    """Token ids are in [0, vocab_size): `--prompt-ids -1,2` said "argument --prompt-ids:
+    expected one argument" (argparse took -1,2 for an option), `--prompt-ids=-1,2` and
+    `--prompt-ids -1` said "prompt: token id -1 is outside the vocabulary" after loading
+    the model. Now every form is one line naming --prompt-ids and the negative id."""
+    args = [f"--prompt-ids={ids}"] if joined else ["--prompt-ids", ids]
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, *args, "--max-tokens", 1)
+    assert_one_line_error(code, err, f"--prompt-ids {ids!r}: token id {bad} is negative; token ids are in "
+                          "[0, vocab_size)")
+    assert out == ""
