@@ -83,7 +83,9 @@ class BenchOptions:
         option: a count or size out of range (--max-model-len, --iters, ... below 1), a
         --time-budget or --step-timeout that is not a positive number of seconds, a
         --breakdown point that is not one of the decode points measured, an unknown
-        name, a missing MODEL or --hf-config-path, an unknown --config preset."""
+        name, a missing MODEL or --hf-config-path, an unknown --config preset, or
+        dummy weights of --config that the CPU has not the memory for
+        (`flintc.runtime.device.check_weights_fit`)."""
         o = BenchOptions(**{k: getattr(self, k) for k in self.__dataclass_fields__})
         cuda = o.device.startswith("cuda")
         o.warmup = 10 if o.warmup is None and cuda else (1 if o.warmup is None else o.warmup)
@@ -145,6 +147,14 @@ class BenchOptions:
                                      f"expected BATCHxCONTEXT with BATCH in --batches "
                                      f"({','.join(map(str, o.batches))}) and CONTEXT in --contexts "
                                      f"({','.join(map(str, o.contexts))})")
+        if o.model is None and o.config is not None and o.device.startswith("cpu"):
+            # the weights of --config on a CPU without the memory (the default config is full):
+            # refused now, not killed (out of memory) after the ceilings are written
+            from flintc.config import FlintConfig
+            from flintc.runtime.device import check_weights_fit
+
+            for fmt in o.formats:
+                check_weights_fit(FlintConfig.preset(o.config), fmt, o.device)
         if o.builds is None:
             o.builds = Path(o.out) / "builds"
         return o
