@@ -27,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 import gc
 import json
+import math
 import os
 import platform
 import sys
@@ -78,7 +79,13 @@ class BenchOptions:
     command: str = ""
 
     def resolved(self) -> "BenchOptions":
-        """Defaults that depend on the device; validation. Raises InputError."""
+        """Defaults that depend on the device; validation. Raises InputError naming the
+        option: a count or size out of range (--max-model-len, --iters, ... below 1), a
+        --time-budget or --step-timeout that is not a positive number of seconds, a
+        --breakdown point that is not one of the decode points measured, an unknown
+        name, a missing MODEL or --hf-config-path, an unknown --config preset, or
+        dummy weights of --config that the CPU has not the memory for
+        (`flintc.runtime.device.check_weights_fit`)."""
         o = BenchOptions(**{k: getattr(self, k) for k in self.__dataclass_fields__})
         cuda = o.device.startswith("cuda")
         o.warmup = 10 if o.warmup is None and cuda else (1 if o.warmup is None else o.warmup)
@@ -91,6 +98,14 @@ class BenchOptions:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
         if o.warmup < 0:
             raise InputError(f"--warmup must be >= 0, got {o.warmup}")
+        if o.max_model_len is not None and o.max_model_len < 1:  # 0 used to mean the default
+            raise InputError(f"--max-model-len must be >= 1, got {o.max_model_len} (leave it out for the largest "
+                             "context)")
+        for flag, seconds in (("--time-budget", o.time_budget), ("--step-timeout", o.step_timeout)):
+            # 0 used to mean no limit, a negative budget skipped every point
+            if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+                raise InputError(f"{flag} must be a positive number of seconds, got {seconds:g} (leave it out "
+                                 "for no limit)")
         for f in o.formats:
             if f not in ("bf16", "nvfp4"):
                 raise InputError(f"--formats: unknown format {f!r} (expected bf16, nvfp4)")
@@ -122,6 +137,24 @@ class BenchOptions:
             except ConfigError as e:
                 raise InputError(f"--config {o.config}: {e}") from None
         o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
+        if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
+            if not o.run_flintc:
+                raise InputError("--breakdown applies only when flintc is measured; drop --no-flintc (or "
+                                 "--breakdown)")
+            for batch, context in o.breakdown:
+                if batch not in o.batches or context not in o.contexts:
+                    raise InputError(f"--breakdown {batch}x{context}: not a decode point this run measures; "
+                                     f"expected BATCHxCONTEXT with BATCH in --batches "
+                                     f"({','.join(map(str, o.batches))}) and CONTEXT in --contexts "
+                                     f"({','.join(map(str, o.contexts))})")
+        if o.model is None and o.config is not None and o.device.startswith("cpu"):
+            # the weights of --config on a CPU without the memory (the default config is full):
+            # refused now, not killed (out of memory) after the ceilings are written
+            from flintc.config import FlintConfig
+            from flintc.runtime.device import check_weights_fit
+
+            for fmt in o.formats:
+                check_weights_fit(FlintConfig.preset(o.config), fmt, o.device)
         if o.builds is None:
             o.builds = Path(o.out) / "builds"
         return o

@@ -1,7 +1,8 @@
 """The embedded default model: the tiny NVFP4 checkpoint, generated once into a cache.
 
 `flintc run` with no MODEL uses it. It lives in `$FLINTC_CACHE_DIR` (default
-`$XDG_CACHE_HOME/flintc`, else `~/.cache/flintc`) under `default-tiny-nvfp4-s0/`.
+`$XDG_CACHE_HOME/flintc`, else `~/.cache/flintc`) under `default-tiny-nvfp4-s0/`; a
+cache folder that cannot be written is an InputError naming FLINTC_CACHE_DIR.
 It is written to a temporary folder and renamed into place, so a crash or two
 processes racing never leave a half-written default behind.
 """
@@ -12,6 +13,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from flintc.errors import InputError
 
 DEFAULT_NAME = "default-tiny-nvfp4-s0"
 GGUF_NAME = "model-nvfp4.gguf"
@@ -25,15 +28,43 @@ def cache_dir() -> Path:
     return Path(base) / "flintc"
 
 
+def cache_error(folder: Path, exc: OSError) -> InputError:
+    """The error for a cache `folder` that cannot be created or written (`exc`): it names
+    FLINTC_CACHE_DIR and its value when the variable chose the folder (else the folder,
+    and where its path came from), says why, and what to do."""
+    env = os.environ.get("FLINTC_CACHE_DIR")
+    if env:
+        where = f"FLINTC_CACHE_DIR={env}"
+    else:
+        base = "$XDG_CACHE_HOME/flintc" if os.environ.get("XDG_CACHE_HOME") else "~/.cache/flintc"
+        where = f"the cache folder {folder} ({base}; FLINTC_CACHE_DIR is not set)"
+    blocker = next((p for p in (folder / DEFAULT_NAME, folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        why = f"{blocker} is a file, not a folder"
+    else:
+        why = f"{exc.filename}: {exc.strerror}" if exc.filename and exc.strerror else str(exc)
+    return InputError(f"{where}: cannot write the default model there ({why}); set FLINTC_CACHE_DIR to a "
+                      "writable folder, or pass MODEL")
+
+
 def default_checkpoint() -> Path:
-    """Path of the default tiny NVFP4 GGUF file, generating it on first use."""
+    """Path of the default tiny NVFP4 GGUF file, generating it on first use.
+
+    Raises:
+        InputError: the cache folder (`cache_dir`) cannot be created or written: it is
+            a file, under one, or not writable (`cache_error`: the message names
+            FLINTC_CACHE_DIR and its value when it is set).
+    """
     from flintc.checkpoint.writer import make_checkpoint
 
     final = cache_dir() / DEFAULT_NAME
     if (final / GGUF_NAME).is_file():
         return final / GGUF_NAME
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=final.parent))
+    except OSError as exc:
+        raise cache_error(final.parent, exc) from None
     try:
         made = make_checkpoint("tiny", "nvfp4", tmp / "ckpt", seed=0)
         try:
@@ -42,6 +73,8 @@ def default_checkpoint() -> Path:
             if not (final / GGUF_NAME).is_file():
                 shutil.rmtree(final, ignore_errors=True)
                 os.rename(made.parent, final)
+    except OSError as exc:  # the disk full, a file named like the default in the way
+        raise cache_error(final.parent, exc) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final / GGUF_NAME

@@ -21,6 +21,7 @@ import torch
 from flintc.config import FlintConfig
 from flintc.errors import CheckpointError
 from flintc.model.weights import WeightDict
+from flintc.runtime.device import check_weights_fit
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,6 +73,8 @@ def load_checkpoint(
         CheckpointError: `path` does not exist, is neither kind of checkpoint, has no
             config, or its weights are bad (see the format modules).
         ConfigError: config.json fails validation.
+        InputError: on a CPU, the weights need more memory than is available
+            (`flintc.runtime.device.check_weights_fit`: the full config, most often).
         ValueError: unknown `load_format`.
     """
     if load_format not in LOAD_FORMATS:
@@ -97,6 +100,7 @@ def load_checkpoint(
     from flintc.checkpoint.safetensors_io import load_bf16
 
     config = config or _read_config(hf_config_path or path, path)
+    check_weights_fit(config, "bf16", device)
     weights = load_bf16(path, config, device, progress)
     tok = _tokenizer_dir(path, hf_dir)
     return LoadedCheckpoint(config, weights, "bf16", str(path), tok)
@@ -137,6 +141,7 @@ def _load_gguf(path, config_dir, hf_config_path, device, config, progress) -> Lo
     if config is None:
         hint = " (a GGUF file takes its config from the BF16 folder: pass --hf-config-path, hf_config_path= in Python)"
         config = _read_config(hf_config_path or config_dir, path, hint)
+    check_weights_fit(config, "nvfp4", device)
     weights = load_gguf(path, config, device, progress)
     return LoadedCheckpoint(config, weights, "nvfp4", str(path), _tokenizer_dir(config_dir, None))
 
@@ -152,6 +157,7 @@ def _load_dummy(path, hf_dir, hf_config_path, device, config, fmt) -> LoadedChec
                               "hf_config_path= in Python)")
         config = _read_config(where, Path(where))
     folder = hf_dir or (_config_dir(path) if path is not None and path.exists() else None)
+    check_weights_fit(config, fmt, device)
     weights = dummy_weights(config, fmt, device)
     tok = _tokenizer_dir(folder, None) if folder is not None else None
     return LoadedCheckpoint(config, weights, fmt, f"dummy:{fmt}", tok)

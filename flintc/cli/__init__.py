@@ -67,8 +67,11 @@ def _install_sigterm_handler():
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flintc.cli.args import join_int_list_values
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `--prompt-ids -1,2` reaches flintc run's check of the ids (argparse would take -1,2 for an option)
+    args = parser.parse_args(join_int_list_values(sys.argv[1:] if argv is None else list(argv)))
     previous = _install_sigterm_handler()
     try:
         return _run(args)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a 64-bit integer
 
@@ -18,6 +19,33 @@ def seed(text: str) -> int:
     if not 0 <= value < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text}")
     return value
+
+
+def device_name(text: str) -> str:
+    """A --device value as given (cpu, cuda or cuda:N; checked where it is used:
+    `torch_device`, `flintc.runtime.device.prepare_device`). An empty one is refused: it
+    used to mean the default device (an unset shell variable, most often). Raises
+    argparse.ArgumentTypeError."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty: expected cpu or cuda (or cuda:N); leave --device "
+                                         "out for the default")
+    return text
+
+
+def buckets(text: str) -> tuple[int, ...]:
+    """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8). An empty value is
+    refused (it used to mean the default buckets), and so is an item that is not an
+    integer; the sizes themselves (each >= 1, the largest --max-batch) are checked with
+    --max-batch (`flintc.runtime.build.BuildOptions.resolve`). Raises
+    argparse.ArgumentTypeError."""
+    expected = "comma-separated decode batch sizes, e.g. 1,8"
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty: expected {expected}; leave --buckets out for "
+                                         "1,2,4,8 up to --max-batch")
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
 
 
 def torch_device(text: str, flag: str = "--device"):
@@ -43,3 +71,28 @@ def torch_device(text: str, flag: str = "--device"):
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise InputError(f"{flag} {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
+
+
+# Options whose value is a list of integers: a value that starts with "-" and a digit but
+# is not one plain number ("-1,2") is taken by argparse for an option, and the option is
+# said to be "expected one argument".
+INT_LIST_OPTIONS = ("--prompt-ids",)
+_NEGATIVE_VALUE = re.compile(r"-\d")
+
+
+def join_int_list_values(argv: list[str]) -> list[str]:
+    """`argv` with `OPTION -1,2` written `OPTION=-1,2` for the INT_LIST_OPTIONS (up to a
+    `--`), so that such a value reaches the option's own check, which names the option
+    and says what is wrong (a negative token id), instead of argparse's "expected one
+    argument"."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + argv[i:]
+        if argv[i] in INT_LIST_OPTIONS and i + 1 < len(argv) and _NEGATIVE_VALUE.match(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out

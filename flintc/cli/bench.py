@@ -108,6 +108,7 @@ def _load_report(path: str) -> dict:
 
 def add_parser(sub) -> None:
     from flintc.cli import HelpFormatter
+    from flintc.cli.args import device_name
 
     p = sub.add_parser("bench", help="benchmark flintc against its roofline and baselines",
                        description=__doc__, formatter_class=HelpFormatter)
@@ -131,7 +132,8 @@ def add_parser(sub) -> None:
                    help="BATCHxCONTEXT points for the baselines (default: eager at batch 1 at every context "
                         "and at every batch at the first context; compile at 1x1024, 1x100000, 8x1024)")
     p.add_argument("--breakdown", default=None,
-                   help="BATCHxCONTEXT points for the per-kernel breakdown (default 1x100000,8x8192 where measured)")
+                   help="BATCHxCONTEXT points for the per-kernel breakdown, among the decode points measured "
+                        "(BATCH in --batches, CONTEXT in --contexts) (default 1x100000,8x8192 where measured)")
     p.add_argument("--builds", default=None,
                    help="folder holding builds (any subfolder with build.json for these weights); a missing "
                         "one is compiled there (default: OUT/builds)")
@@ -148,8 +150,8 @@ def add_parser(sub) -> None:
                         "caches sized to the longest context it serves here (as long as they fit in the free "
                         "device memory), so it can also serve contexts beyond its max model len")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="max model length of a build compiled here (default: the largest context)")
-    p.add_argument("--device", default="cuda", help="cuda or cpu")
+                   help="max model length (>= 1) of a build compiled here (default: the largest context)")
+    p.add_argument("--device", type=device_name, default="cuda", help="cuda or cpu")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per point (default 10; cpu 1)")
     p.add_argument("--iters", type=int, default=None, help="timed graph replays per point (default 100; cpu 2)")
     p.add_argument("--e2e-iters", type=int, default=None, help="timed end-to-end steps (default 50; cpu 2)")
@@ -159,9 +161,11 @@ def add_parser(sub) -> None:
     p.add_argument("--sampling", choices=("default", "greedy"), default="default",
                    help="end-to-end sampling: Flint's defaults (temperature 1, top-k 20, top-p 0.95) or greedy")
     p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds for the whole run: later points are skipped (with a note) when it is spent")
+                   help="seconds for the whole run (> 0): later points are skipped (with a note) when it is "
+                        "spent (default: no limit)")
     p.add_argument("--step-timeout", type=float, default=None,
-                   help="seconds one measurement may take before it is abandoned (with a note)")
+                   help="seconds (> 0) one measurement may take before it is abandoned (with a note) "
+                        "(default: no limit)")
     p.add_argument("--no-flintc", action="store_true", help="measure only the ceilings and the baselines")
     p.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     p.add_argument("--from-json", action="append", default=None, metavar="BENCH_JSON",

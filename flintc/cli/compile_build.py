@@ -178,7 +178,9 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                    "largest decode batch (1..8); with --build at most the build's, with the "
                    "reference backend the most prompts allowed (default: 8 when compiling, "
                    "the build's with --build, any number on the reference backend)")
-    p.add_argument("--buckets", default=None,
+    from flintc.cli.args import buckets, device_name
+
+    p.add_argument("--buckets", type=buckets, default=None,
                    help="decode batch sizes to compile, e.g. 1,8 (default: 1,2,4,8 up to --max-batch)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="positions per sequence (default: max_position_embeddings)" if backend else
@@ -194,7 +196,7 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
         p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                        help="triton: Triton kernels where they exist (on a CPU: Triton's slow "
                             "interpreter); torch: the reference ops; auto: triton on CUDA, else torch")
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=device_name, default=None,
                    help="cpu or cuda (default: cpu; for --build, the device it was compiled for)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the per-pass numeric checks (faster; the report says so)")
@@ -241,15 +243,9 @@ def load_model_checkpoint(args, device: str):
 def build_options(args):
     from flintc.runtime.build import BuildOptions
 
-    buckets = None
-    if getattr(args, "buckets", None):
-        try:
-            buckets = tuple(int(b) for b in args.buckets.split(","))
-        except ValueError:
-            from flintc.errors import InputError
-
-            raise InputError(f"--buckets {args.buckets!r}: expected comma-separated integers, e.g. 1,8") from None
-    return BuildOptions(max_batch=args.max_batch, max_model_len=args.max_model_len, decode_buckets=buckets,
+    buckets = getattr(args, "buckets", None)  # parsed by flintc.cli.args.buckets
+    return BuildOptions(max_batch=args.max_batch, max_model_len=args.max_model_len,
+                        decode_buckets=tuple(buckets) if buckets else None,
                         prefill_chunk=args.prefill_chunk, backend=args.backend, device=args.device,
                         check=not args.no_check, dump=not args.no_dump)
 

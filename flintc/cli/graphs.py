@@ -17,7 +17,7 @@ FULL_NUMERIC_LAYERS = 4
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    from flintc.cli.args import seed
+    from flintc.cli.args import device_name, seed
 
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf (default: random weights of --config)")
@@ -27,7 +27,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", dest="fmt", choices=("bf16", "nvfp4"), default=None,
                    help="weight format of the random weights when no MODEL is given (default: bf16)")
     p.add_argument("--hf-config-path", default=None, help="folder with config.json for a .gguf MODEL")
-    p.add_argument("--device", default="cpu", help="cpu or cuda: where the weights and the checks run")
+    p.add_argument("--device", type=device_name, default="cpu",
+                   help="cpu or cuda: where the weights and the checks run")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and the check inputs")
     p.add_argument("--batch", type=int, default=2, help="decode batch B (1..8)")
     p.add_argument("--tokens", type=int, default=16, help="prefill tokens per sequence")

@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
 
 
 def parse_prompt_ids(text: str) -> list[int]:
+    """'1,2,3' -> [1, 2, 3]: one --prompt-ids value. Raises InputError naming the flag: an
+    item that is not an integer, or a negative one (token ids are in [0, vocab_size);
+    the upper bound is checked against the model's vocabulary when it is loaded)."""
     ids = []
     for piece in text.split(","):
         piece = piece.strip()
@@ -69,6 +72,9 @@ def parse_prompt_ids(text: str) -> list[int]:
             ids.append(int(piece))
         except ValueError:
             raise InputError(f"--prompt-ids: {piece!r} is not an integer token id") from None
+        if ids[-1] < 0:
+            raise InputError(f"--prompt-ids {text!r}: token id {ids[-1]} is negative; token ids are in "
+                             "[0, vocab_size)")
     return ids
 
 

@@ -16,6 +16,7 @@ from flintc.errors import InputError
 
 def add_parser(sub) -> None:
     from flintc.cli import HelpFormatter
+    from flintc.cli.args import device_name
 
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API",
                        description=__doc__.split("\n\n")[1] if __doc__ else None,
@@ -41,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-batch", type=int, default=None,
                    help="sequences decoded together (KV-cache slots; default: 8, or the build's with --build, "
                         "at most the build's)")
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=device_name, default=None,
                    help="cpu or cuda (default: cpu; with --build, the device it was compiled for)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse tool calls from replies when tool_choice is \"auto\"")

@@ -4,6 +4,8 @@ Triton kernels run on a CPU only in Triton's interpreter, which `@triton.jit` se
 when it decorates a kernel: `TRITON_INTERPRET=1` must be set before flintc's kernel
 modules are imported. `prepare_device` (the CLI, `flintc.compile`, `flintc.load`) and
 `use_triton_interpreter` (`load_build` of a triton build on the CPU) set it.
+`check_weights_fit` refuses weights the CPU has not the memory for (the checkpoint
+loader calls it before making or reading any).
 """
 
 from __future__ import annotations
@@ -33,6 +35,61 @@ def prepare_device(name: str) -> None:
         os.environ.setdefault(INTERPRET_ENV, "1")
     else:
         raise InputError(f"--device: unknown device {name!r} (expected cpu or cuda)")
+
+
+def available_memory_bytes() -> int | None:
+    """Bytes of memory a new allocation can take on this machine: MemAvailable of
+    /proc/meminfo, else the free pages (`os.sysconf`); None when neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# A run needs more than its weights (activations, KV caches, a compile's checks): the
+# weights may take at most 1/WEIGHTS_HEADROOM of the available memory.
+WEIGHTS_HEADROOM = 1.1
+
+
+def check_weights_fit(config, fmt: str, device) -> None:
+    """Refuse to make or load the `fmt` weights of `config` on a CPU without the memory
+    for them, before any allocation: the process would be killed part-way (out of
+    memory) without a word. The full config needs about 74 GiB in bf16, 22 GiB in NVFP4
+    (`flintc.bench.roofline.weight_bytes` of every expert and the whole vocabulary),
+    the tiny one a few MB; refused when that times WEIGHTS_HEADROOM is more than the
+    available memory (`available_memory_bytes`). Nothing is checked for
+    another device (CUDA's own out-of-memory error says what happened; "meta" allocates
+    nothing) or when the available memory cannot be read.
+
+    Raises:
+        InputError: the weights (times WEIGHTS_HEADROOM) need more than the available
+            memory; the message names the config, the sizes in GiB, and suggests
+            --config tiny or a GPU.
+    """
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return
+    from flintc.bench.roofline import weight_bytes
+
+    need = weight_bytes(config, fmt, config.n_routed_experts, config.vocab_size).total
+    avail = available_memory_bytes()
+    if avail is None or need * WEIGHTS_HEADROOM <= avail:
+        return
+    source = str(getattr(config, "source", "") or "")
+    name = (f"the {source[len('<preset '):-1]} config" if source.startswith("<preset ") and source.endswith(">")
+            else f"the config {source}" if source else "the model's config")
+    raise InputError(f"{name}: its {fmt} weights take about {need / 2**30:.1f} GiB (a run about "
+                     f"{need * WEIGHTS_HEADROOM / 2**30:.1f} GiB), but only {avail / 2**30:.1f} GiB of memory is "
+                     "available on this machine: a CPU run of it would be killed for lack of memory; use a smaller "
+                     "config (--config tiny) or a CUDA GPU (--device cuda)")
 
 
 def _compiled_kernel_modules() -> list[str]:
@@ -71,4 +128,5 @@ def use_triton_interpreter(what) -> None:
                          "flintc.kernels")
 
 
-__all__ = ["INTERPRET_ENV", "prepare_device", "use_triton_interpreter"]
+__all__ = ["INTERPRET_ENV", "available_memory_bytes", "check_weights_fit", "prepare_device",
+           "use_triton_interpreter"]

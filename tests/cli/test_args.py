@@ -1,7 +1,10 @@
 """Seeds, devices and cache lengths of `flintc make-checkpoint`, `verify` and `dump`
 (`flintc.cli.args`): a value torch would reject deep in the run (a seed of 2**64 or
 more, `--device bogus`, CUDA on a machine without a GPU, more cache positions than the
-model has) is a one-line error with exit code 2, before any work."""
+model has) is a one-line error with exit code 2, before any work. An empty --device or
+--buckets (of every sub-command that has one) is refused by argparse: it used to mean
+the default. `--prompt-ids -1,2` reaches the token-id check (argparse took -1,2 for an
+option)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 from flintc.cli import args as cli_args
 from flintc.cli import main
 from flintc.errors import InputError
+from harness import assert_one_line_error, run_cli
 
 
 @pytest.mark.parametrize("text, value", [("0", 0), ("7", 7), (str(2**63 - 1), 2**63 - 1)])
@@ -35,6 +39,40 @@ def test_torch_device():
     if not torch.cuda.is_available():
         with pytest.raises(InputError, match="--device cuda: no CUDA GPU is available"):
             cli_args.torch_device("cuda")
+
+
+def test_device_name_and_buckets():
+    assert cli_args.device_name("cuda:1") == "cuda:1"
+    assert cli_args.buckets("1, 8") == (1, 8)
+    for text in ("", " "):
+        with pytest.raises(argparse.ArgumentTypeError, match="^must not be empty: expected cpu or cuda"):
+            cli_args.device_name(text)
+        with pytest.raises(argparse.ArgumentTypeError, match="^must not be empty: expected comma-separated"):
+            cli_args.buckets(text)
+    with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated decode batch sizes"):
+        cli_args.buckets("1,x")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--buckets", ""], "--buckets"),
+    (["run", "--prompt-ids", "1", "--backend", "torch", "--buckets", ""], "--buckets"),
+    (["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--device", ""], "--device"),
+    (["run", "--prompt-ids", "1", "--device", ""], "--device"),
+    (["serve", "--port", "0", "--device", ""], "--device"),
+    (["bench", "--config", "tiny", "--out", "{tmp}/o", "--device", ""], "--device"),
+    (["verify", "--step", "decode", "--device", " "], "--device"),
+    (["dump", "--out", "{tmp}/d", "--device", ""], "--device"),
+])
+def test_empty_device_or_buckets_is_refused(argv, flag, tmp_path, capsys):
+    """`--buckets ""` compiled the default buckets and `--device ""` ran on the default
+    device (compile, run, serve): now argparse refuses the empty value, naming the flag,
+    before any work."""
+    with pytest.raises(SystemExit) as e:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert f"error: argument {flag}: must not be empty: expected " in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -60,3 +98,27 @@ def test_verify_on_cuda_without_a_gpu(capsys):
     code = main(["verify", "--device", "cuda"])
     err = capsys.readouterr().err
     assert code == 2 and "--device cuda: no CUDA GPU is available" in err, err
+
+
+def test_join_int_list_values():
+    join = cli_args.join_int_list_values
+    assert join(["run", "--prompt-ids", "-1,2", "--seed", "-3"]) == ["run", "--prompt-ids=-1,2", "--seed", "-3"]
+    assert join(["run", "--prompt-ids", "1,2", "--prompt-ids", "-4"]) == ["run", "--prompt-ids", "1,2",
+                                                                         "--prompt-ids=-4"]
+    assert join(["run", "--prompt-ids", "-x"]) == ["run", "--prompt-ids", "-x"]  # an option: argparse says so
+    assert join(["run", "--", "--prompt-ids", "-1,2"]) == ["run", "--", "--prompt-ids", "-1,2"]
+    assert join(["run", "--prompt-ids"]) == ["run", "--prompt-ids"]
+
+
+@pytest.mark.parametrize("ids, bad", [("-1,2", -1), ("-1", -1), ("3,-20", -20)])
+@pytest.mark.parametrize("joined", [False, True])
+def test_negative_prompt_ids_are_refused_naming_the_flag(capsys, tiny_bf16_dir, ids, bad, joined):
+    """Token ids are in [0, vocab_size): `--prompt-ids -1,2` said "argument --prompt-ids:
+    expected one argument" (argparse took -1,2 for an option), `--prompt-ids=-1,2` and
+    `--prompt-ids -1` said "prompt: token id -1 is outside the vocabulary" after loading
+    the model. Now every form is one line naming --prompt-ids and the negative id."""
+    args = [f"--prompt-ids={ids}"] if joined else ["--prompt-ids", ids]
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, *args, "--max-tokens", 1)
+    assert_one_line_error(code, err, f"--prompt-ids {ids!r}: token id {bad} is negative; token ids are in "
+                          "[0, vocab_size)")
+    assert out == ""

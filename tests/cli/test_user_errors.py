@@ -14,6 +14,12 @@ the file or option at fault and says what to do, before any work.
   none is found the error names every place looked in.
 - A build compiled with dummy weights: `flintc serve --build` takes --load-format dummy,
   as `flintc run --build` does, and both say so up front.
+- `flintc bench` values outside their domain (`--max-model-len 0`, `--time-budget -1`,
+  a `--breakdown` point not measured) are refused, not taken as the default or skipped.
+- A $FLINTC_CACHE_DIR (where the default model is made) that cannot be written: the
+  error names the variable and its value.
+- The full model on a CPU without the memory for its weights (a check against the
+  available memory, monkeypatched here: no test makes the full model's weights).
 
 Most tests compile no build: the build there is a build.json written by hand, which is
 all a build's loader reads before the weights. The tokenizer and dummy-weight tests
@@ -222,6 +228,179 @@ def test_check_input_paths():
     check_input_paths(argparse.Namespace())
     with pytest.raises(InputError, match="^--from-json must not be empty"):
         check_input_paths(argparse.Namespace(from_json=["a.json", ""]))
+
+
+# ---- bench values outside their domain -----------------------------------------------------
+
+_BENCH_QUICK = ["bench", "--device", "cpu", "--config", "tiny", "--formats", "bf16", "--contexts", "64,128",
+                "--batches", "1,2", "--prefill", "16", "--baselines", "none", "--no-plots"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+    (["--max-model-len", "-2"], "--max-model-len must be >= 1, got -2"),
+    (["--time-budget", "-1"], "--time-budget must be a positive number of seconds, got -1"),
+    (["--time-budget", "0"], "--time-budget must be a positive number of seconds, got 0"),
+    (["--time-budget", "nan"], "--time-budget must be a positive number of seconds, got nan"),
+    (["--step-timeout", "-5"], "--step-timeout must be a positive number of seconds, got -5"),
+    (["--breakdown", "9x9"], "--breakdown 9x9: not a decode point this run measures; expected BATCHxCONTEXT with "
+                             "BATCH in --batches (1,2) and CONTEXT in --contexts (64,128)"),
+    (["--breakdown", "1x64,2x100"], "--breakdown 2x100: not a decode point this run measures"),
+    (["--breakdown", "1x64", "--no-flintc"], "--breakdown applies only when flintc is measured"),
+])
+def test_bench_refuses_values_outside_their_domain(capsys, tmp_path, args, needle):
+    """`flintc bench --max-model-len 0` compiled for the largest context, `--time-budget
+    -1` skipped every point and `--step-timeout -5` (or 0) meant no limit, all exiting 0;
+    `--breakdown 9x9` (no such decode point measured) was never taken, silently. Now each
+    is one line naming the option, before anything is measured or written."""
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, *_BENCH_QUICK, *args, "--out", tmp_path / "o")
+    assert_one_line_error(code, err, needle)
+    assert out == "" and list(tmp_path.iterdir()) == [] and time.perf_counter() - t0 < 5
+
+
+def test_bench_options_check_the_same_values(tmp_path):
+    """The Python API (`BenchOptions.resolved`) refuses them too; the default breakdown
+    points and points among those measured are accepted."""
+    from flintc.bench.core import BenchOptions
+    from flintc.errors import InputError
+
+    base = dict(out=tmp_path, device="cpu", config="tiny", contexts=[64, 128], batches=[1, 2])
+    opts = BenchOptions(**base, breakdown=[(2, 128)], time_budget=0.5, max_model_len=1).resolved()
+    assert opts.breakdown == [(2, 128)]
+    for bad, match in (({"max_model_len": 0}, "--max-model-len"), ({"time_budget": -1.0}, "--time-budget"),
+                       ({"step_timeout": 0.0}, "--step-timeout"), ({"breakdown": [(1, 256)]}, "--breakdown 1x256")):
+        with pytest.raises(InputError, match=f"^{match}"):
+            BenchOptions(**base, **bad).resolved()
+
+
+# ---- FLINTC_CACHE_DIR ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["run", "--prompt-ids", "1", "--max-tokens", "1"], ["serve", "--port", "0"],
+                                     ["compile", "--out", "{tmp}/b"]])
+@pytest.mark.parametrize("cache, blocker", [("file", "file"), ("file/sub", "file"),
+                                            ("cache", "cache/default-tiny-nvfp4-s0")])
+def test_cache_dir_errors_name_the_variable(capsys, tmp_path, monkeypatch, command, cache, blocker):
+    """The default model is made in $FLINTC_CACHE_DIR: when that is a file, under one, or
+    a file holds the default's name there, the error said only "<path>: File exists" (or
+    "Not a directory"), not which variable chose the path."""
+    (tmp_path / "cache").mkdir()
+    cache, blocker = tmp_path / cache, tmp_path / blocker
+    for f in (tmp_path / "file", tmp_path / "cache" / "default-tiny-nvfp4-s0"):
+        f.write_text("x")
+    monkeypatch.setenv("FLINTC_CACHE_DIR", str(cache))
+    code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in command])
+    assert_one_line_error(code, err, f"FLINTC_CACHE_DIR={cache}: cannot write the default model there ({blocker} "
+                          "is a file, not a folder); set FLINTC_CACHE_DIR to a writable folder, or pass MODEL")
+    assert out == "" and not (tmp_path / "b").exists()
+
+
+def test_unwritable_cache_dir_names_the_variable(capsys, tmp_path, monkeypatch):
+    """An unwritable $FLINTC_CACHE_DIR (simulated: the tests may run as root), and an
+    unusable default cache folder when FLINTC_CACHE_DIR is unset, which says so."""
+    import tempfile
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FLINTC_CACHE_DIR", str(cache))
+
+    def denied(prefix=None, dir=None, **kw):
+        raise PermissionError(13, "Permission denied", str(dir))
+
+    with monkeypatch.context() as m:
+        m.setattr(tempfile, "mkdtemp", denied)
+        code, out, err = run_cli(capsys, "run", "--prompt-ids", "1", "--max-tokens", "1")
+    assert_one_line_error(code, err, f"FLINTC_CACHE_DIR={cache}: cannot write the default model there ({cache}: "
+                          "Permission denied)")
+    monkeypatch.delenv("FLINTC_CACHE_DIR")
+    (tmp_path / "xdg").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    code, out, err = run_cli(capsys, "run", "--prompt-ids", "1", "--max-tokens", "1")
+    assert_one_line_error(code, err, f"the cache folder {tmp_path / 'xdg' / 'flintc'} ($XDG_CACHE_HOME/flintc; "
+                          "FLINTC_CACHE_DIR is not set): cannot write the default model there", "set FLINTC_CACHE_DIR")
+
+
+# ---- a model too large for the CPU's memory -------------------------------------------------
+
+
+@pytest.fixture
+def small_memory(monkeypatch):
+    """8 GiB of available memory; and dummy weights of a config over 2e9 parameters fail
+    the test at once: a check that does not fire never allocates the full model."""
+    import flintc.checkpoint.dummy as dummy
+    import flintc.runtime.device as device
+
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: 8 * 2**30)
+    real = dummy.dummy_weights
+
+    def guarded(config, fmt="bf16", device="cpu", *args, **kwargs):
+        assert config.num_parameters()["total"] < 2e9 or str(device) == "meta", \
+            "the memory check did not fire: the full model's weights were about to be made"
+        return real(config, fmt, device, *args, **kwargs)
+
+    monkeypatch.setattr(dummy, "dummy_weights", guarded)
+
+
+_NO_ROOM = "GiB of memory is available on this machine: a CPU run of it would be killed for lack of memory"
+
+
+_FULL_DUMMY = ["--config", "full", "--load-format", "dummy"]
+
+
+@pytest.mark.parametrize("args, fmt_gib", [
+    (["run", *_FULL_DUMMY, "--device", "cpu", "--prompt-ids", "1"], "bf16 weights take about 73.9 GiB (a run about "
+                                                                     "81.3 GiB)"),
+    (["run", *_FULL_DUMMY, "--format", "nvfp4", "--prompt-ids", "1"], "nvfp4 weights take about 21.7 GiB"),
+    (["compile", *_FULL_DUMMY, "--device", "cpu", "--out", "{tmp}/b"], "bf16 weights take about 73.9 GiB"),
+    (["bench", "--device", "cpu", "--out", "{tmp}/o"], "bf16 weights take about 73.9 GiB"),
+    (["bench", "--device", "cpu", "--config", "full", "--formats", "nvfp4", "--out", "{tmp}/o"],
+     "nvfp4 weights take about 21.7 GiB"),
+])
+def test_full_model_on_a_cpu_without_the_memory(capsys, tmp_path, small_memory, args, fmt_gib):
+    """`flintc run/compile --config full --load-format dummy --device cpu` (and bench on
+    the CPU, whose default config is full) started making 74 GiB of weights and got
+    killed for lack of memory, without a word. Now the weights' size is checked against
+    the available memory first (here 8 GiB, monkeypatched): one line naming the config,
+    both sizes, what to do; nothing written."""
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in args])
+    assert_one_line_error(code, err, f"the full config: its {fmt_gib}", f"but only 8.0 {_NO_ROOM}",
+                          "use a smaller config (--config tiny) or a CUDA GPU (--device cuda)")
+    assert out == "" and list(tmp_path.iterdir()) == [] and time.perf_counter() - t0 < 5
+
+
+def test_memory_check_passes_the_tiny_model(capsys, tmp_path, small_memory, monkeypatch, tiny_bf16_dir):
+    """The tiny config runs with 8 GiB; a checkpoint too large for what is available is
+    refused naming its config.json."""
+    import flintc.runtime.device as device
+
+    code, out, err = run_cli(capsys, "run", "--config", "tiny", "--load-format", "dummy", "--device", "cpu",
+                             "--prompt-ids", "1", "--max-tokens", 1)
+    assert code == 0, err
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: 2**20)
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1", "--max-tokens", 1)
+    assert_one_line_error(code, err, f"the config {Path(tiny_bf16_dir) / 'config.json'}: its bf16 weights take",
+                          f"but only 0.0 {_NO_ROOM}")
+
+
+def test_check_weights_fit(monkeypatch):
+    from flintc.config import FlintConfig
+    from flintc.errors import InputError
+    from flintc.runtime import device
+
+    full, tiny = FlintConfig.preset("full"), FlintConfig.preset("tiny")
+    assert device.available_memory_bytes() > 0
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: 22 * 2**30)
+    device.check_weights_fit(tiny, "bf16", "cpu")
+    for where in ("cuda", "cuda:1", "meta"):  # only the CPU is checked
+        device.check_weights_fit(full, "bf16", where)
+    with pytest.raises(InputError, match=r"^the full config: its nvfp4 weights take about 21.7 GiB \(a run about "
+                                         r"23.8 GiB\), but only 22.0 GiB"):
+        device.check_weights_fit(full, "nvfp4", "cpu")  # the weights fit, with the rest of a run they do not
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: 24 * 2**30)
+    device.check_weights_fit(full, "nvfp4", "cpu")
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: None)  # unknown: not checked
+    device.check_weights_fit(full, "bf16", "cpu")
 
 
 # ---- the tokenizer of a build --------------------------------------------------------------
