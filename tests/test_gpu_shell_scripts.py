@@ -12,6 +12,19 @@ import pytest
 SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.sh"))
 
 
+def _dry_run_env(tmp_path: Path, var: str) -> dict:
+    """The environment of a GPU script's dry run: a stand-in Python (`fakepy`) that prints
+    its arguments (`ARG[...]`) and the A/B variable `var` (`VAR[...]`), and the output
+    and work folders in `tmp_path`."""
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/usr/bin/env bash\nprintf "ARG[%s]\\n" "$@"\n'
+                    f'echo "VAR[${{{var}-unset}}]"\n')
+    fake.chmod(0o755)
+    return {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake),
+            "GPU_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out"),
+            "AB_WORK": str(tmp_path / "work")}
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_script_parses(script):
@@ -29,15 +42,8 @@ def test_env_ab_splits_tests_and_values_like_the_shell(tmp_path):
     the A/B variable: AB_TESTS is split as the shell would (a quoted `-k` expression stays
     one argument), AB_TESTS_VALUE sets the variable for the tests, and each AB_MOE value
     (`;`-separated; empty or "-": unset) runs `bench_moe.py` once with its own setting."""
-    fake = tmp_path / "fakepy"
-    fake.write_text('#!/usr/bin/env bash\nprintf "ARG[%s]\\n" "$@"\n'
-                    'echo "VAR[${FLINTC_AB_PROBE-unset}]"\n')
-    fake.chmod(0o755)
     root = Path(__file__).resolve().parents[1]
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake),
-           "GPU_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out"),
-           "AB_WORK": str(tmp_path / "work"),
-           "AB_VAR": "FLINTC_AB_PROBE", "AB_TESTS": "tests/x.py -k 'a or b'",
+    env = {**_dry_run_env(tmp_path, "FLINTC_AB_PROBE"), "AB_VAR": "FLINTC_AB_PROBE", "AB_TESTS": "tests/x.py -k 'a or b'",
            "AB_TESTS_VALUE": "v1", "AB_MOE": ";x y;-", "AB_SETS": "", "AB_RUNTIME": ""}
     r = subprocess.run(["bash", str(root / "scripts" / "gpu_env_ab.sh")], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)
@@ -79,14 +85,8 @@ def test_l2_prefetch_plan_dry_run(tmp_path):
     """`scripts/gpu_l2_prefetch.sh` (the planned H200 runs of the L2 prefetch) with a
     stand-in Python: part 1 runs the tests with one `-k` expression and `bench_moe.py` with
     FLINTC_MMA_L2_PREFETCH none / the in-kernel prefetches / all; another PART is refused."""
-    fake = tmp_path / "fakepy"
-    fake.write_text('#!/usr/bin/env bash\nprintf "ARG[%s]\\n" "$@"\n'
-                    'echo "VAR[${FLINTC_MMA_L2_PREFETCH-unset}]"\n')
-    fake.chmod(0o755)
     root = Path(__file__).resolve().parents[1]
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake),
-           "GPU_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out"),
-           "AB_WORK": str(tmp_path / "work")}
+    env = _dry_run_env(tmp_path, "FLINTC_MMA_L2_PREFETCH")
     r = subprocess.run(["bash", str(root / "scripts" / "gpu_l2_prefetch.sh")], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

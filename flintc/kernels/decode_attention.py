@@ -155,6 +155,19 @@ def _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
 
 
 @triton.jit
+def _segment_rows(n, u0, u1, R, CHUNK, bpc, BLOCK_S: tl.constexpr):
+    # Rows [lo, hi) of chunk n that a run of blocks [u0, u1) covers (blocks of BLOCK_S
+    # rows aligned to chunk starts, bpc per chunk; R visible rows).
+    c_lo = n * CHUNK
+    c_hi = tl.minimum(c_lo + CHUNK, R)
+    first = n * bpc
+    nb = (c_hi - c_lo + BLOCK_S - 1) // BLOCK_S
+    lo = c_lo + (tl.maximum(u0, first) - first) * BLOCK_S
+    hi = tl.minimum(c_lo + (tl.minimum(u1, first + nb) - first) * BLOCK_S, c_hi)
+    return lo, hi
+
+
+@triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr, o_part_ptr, lse_ptr,
     ws_o_ptr, ws_lse_ptr, counter_ptr,
@@ -213,19 +226,15 @@ def decode_attention_kernel(
     t_eff = tl.minimum(tl.minimum((nblk + MIN_BLOCKS - 1) // MIN_BLOCKS, T), nchunks * MAX_PIECES)
     t_eff = tl.maximum(t_eff, 1)
     busy = (t < t_eff) & (nblk > 0)
+    u0 = ((t.to(tl.int64) * nblk) // t_eff).to(tl.int32)
+    u1 = (((t + 1).to(tl.int64) * nblk) // t_eff).to(tl.int32)
+    n0 = u0 // bpc
     offs_s = tl.arange(0, BLOCK_S)
     if PRELOAD:
         # The run's first block (its first segment's first rows, as the loop below
-        # computes them), read before the wait: every row but the current one was written
+        # takes them), read before the wait: every row but the current one was written
         # by kernels that completed before the previous kernel started.
-        u0p = ((t.to(tl.int64) * nblk) // t_eff).to(tl.int32)
-        u1p = (((t + 1).to(tl.int64) * nblk) // t_eff).to(tl.int32)
-        n0p = u0p // bpc
-        c_lo0 = n0p * CHUNK
-        c_hi0 = tl.minimum(c_lo0 + CHUNK, R)
-        nb0 = (c_hi0 - c_lo0 + BLOCK_S - 1) // BLOCK_S
-        pre_lo = c_lo0 + (u0p - n0p * bpc) * BLOCK_S
-        hi0 = tl.minimum(c_lo0 + (tl.minimum(u1p, n0p * bpc + nb0) - n0p * bpc) * BLOCK_S, c_hi0)
+        pre_lo, hi0 = _segment_rows(n0, u0, u1, R, CHUNK, bpc, BLOCK_S)
         rows0 = pre_lo + offs_s
         in0 = (rows0 < hi0) & busy
         off0 = slot * S * HKV * D + hk * D + rows0.to(tl.int64)[:, None] * (HKV * D) + offs_d[None, :]
@@ -264,23 +273,14 @@ def decode_attention_kernel(
                  mask=mask_g)
 
     if busy:
-        u0 = ((t.to(tl.int64) * nblk) // t_eff).to(tl.int32)
-        u1 = (((t + 1).to(tl.int64) * nblk) // t_eff).to(tl.int32)
         kv_base = slot * S * HKV * D + hk * D  # row r of this head: kv_base + r * HKV * D
-        n0 = u0 // bpc
         # Chunks whose merge falls to this program (the last contributor to arrive): at
         # most its first and its last chunk (a middle chunk is covered whole). Merged
         # after the loop, so the merge's registers do not add to the main loop's.
         merge_first = -1
         merge_last = -1
         for n in range(n0, (u1 - 1) // bpc + 1):
-            # Segment of chunk n: its blocks [ub_lo, ub_hi) within [u0, u1).
-            c_lo = n * CHUNK
-            c_hi = tl.minimum(c_lo + CHUNK, R)
-            first = n * bpc
-            nb = (c_hi - c_lo + BLOCK_S - 1) // BLOCK_S
-            lo = c_lo + (tl.maximum(u0, first) - first) * BLOCK_S
-            hi = tl.minimum(c_lo + (tl.minimum(u1, first + nb) - first) * BLOCK_S, c_hi)
+            lo, hi = _segment_rows(n, u0, u1, R, CHUNK, bpc, BLOCK_S)  # segment of chunk n
             o, lse = _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
                                         k_pre, v_pre, tl.where(n == n0, pre_lo, -1),
                                         HKV, D, WINDOW, CLAMP_TO_P, BLOCK_G, BLOCK_D, BLOCK_S,
