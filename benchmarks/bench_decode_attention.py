@@ -14,6 +14,8 @@ Sections, the rows that matter first:
 1. Key rows (issue 5 targets): B = 1 and 8 at 1K, 8K and 100K tokens in a 262,144-row
    full cache (N = 32 splits, the compiler's default) and the 513-row ring (N = 9).
    Targets: attn+combine <= ~6 us at 1K and for the ring; >= 75% of copy at 100K.
+   "fused us": the combine in the attention launch (`decode_attention_combine`, the
+   build option `fold_attention_combine`), against "attn+combine us" (two launches).
    Reference: torch SDPA (no sink, enable_gqa) on [B, Hkv, context, D] copies.
 2. Fixed costs at B = 1: one visible row, the combine alone, one program per split
    (no in-kernel merge), PDL off.
@@ -78,6 +80,18 @@ def time_calls(case, window, n, pdl=True, **knobs):
     return time_graph(pair, 3, 30), time_graph(attn, 3, 30), time_graph(combine, 3, 30)
 
 
+def time_fused(case, window, n, pdl=True, **knobs):
+    """Seconds for attention with the combine in the same launch
+    (`decode_attention_combine`, the build option `fold_attention_combine`)."""
+    q, kc, vc, slots, pos, sinks = case
+
+    def fused():
+        return da.launch_decode_attention(q, kc, vc, slots, pos, window, n, use_pdl=pdl,
+                                          sinks=sinks, **knobs)
+
+    return time_graph(fused, 3, 30)
+
+
 def time_sdpa(B: int, context: int) -> float:
     q = torch.randn(B, HQ, 1, D, device="cuda").to(torch.bfloat16)
     k = torch.randn(B, HKV, context, D, device="cuda").to(torch.bfloat16)
@@ -116,27 +130,30 @@ def key_rows(copy: float, num_sms: int) -> str:
         for ctx in (1024, 8192, 100_000):
             case[4].fill_(ctx - 1)
             t_pair, t_attn, t_comb = time_calls(case, 0, n)
+            t_fused = time_fused(case, 0, n)
             t_sdpa = time_sdpa(B, ctx)
             share = kv_bytes(B, ctx) / t_pair / 1e9 / copy
             target = (f"<= 6 us: {'yes' if t_pair <= 6e-6 else 'NO'}" if ctx == 1024 else
                       f">= 75%: {'yes' if share >= 0.75 else 'NO'}" if ctx == 100_000 else "-")
             busy, shared = plan_info(B, ctx, FULL_ROWS, n, num_sms)
             rows.append([B, f"full {ctx}", n, busy, shared, us(t_pair), us(t_attn), us(t_comb),
-                         f"{share:.0%}", us(t_sdpa), target])
+                         us(t_fused), f"{share:.0%}", us(t_sdpa), target])
             print(rows[-1], flush=True)
         del case
         torch.cuda.empty_cache()
     for B in (1, 8):
         n = da.choose_num_splits(W, B, window=W)
-        t_pair, t_attn, t_comb = time_calls(make_case(B, W, W, window=W), W, n)
+        case = make_case(B, W, W, window=W)
+        t_pair, t_attn, t_comb = time_calls(case, W, n)
+        t_fused = time_fused(case, W, n)
         busy, shared = plan_info(B, W, W, n, num_sms, window=W)
         rows.append([B, f"ring {W}", n, busy, shared, us(t_pair), us(t_attn), us(t_comb),
-                     f"{kv_bytes(B, W) / t_pair / 1e9 / copy:.0%}", "-",
+                     us(t_fused), f"{kv_bytes(B, W) / t_pair / 1e9 / copy:.0%}", "-",
                      f"<= 6 us: {'yes' if t_pair <= 6e-6 else 'NO'}"])
         print(rows[-1], flush=True)
     return markdown_table(["B", "layer, tokens", "splits", "programs/head", "shared splits",
-                           "attn+combine us", "attn us", "combine us", "% copy", "SDPA us",
-                           "target"], rows)
+                           "attn+combine us", "attn us", "combine us", "fused us", "% copy",
+                           "SDPA us", "target"], rows)
 
 
 def fixed_costs(num_sms: int) -> str:

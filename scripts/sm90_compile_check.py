@@ -226,9 +226,10 @@ def main() -> int:
 
     specs = DA.aot_probe_specs()
     if args.quick:  # the default launch configuration, the ring > W mask, a ring's early
-        # reads (PRELOAD), the combine
+        # reads (PRELOAD), a ring with the combine in the launch (FUSE_COMBINE), the combine
         specs = [specs[0]] + [s for s in specs if s["name"].startswith(
-            ("decode_attention ring > W", "decode_attention ring preload"))] + [specs[-1]]
+            ("decode_attention ring > W", "decode_attention ring preload",
+             "decode_attention ring fused combine"))] + [specs[-1]]
     fails = 0
     for label, module, name, call, cfg in cases(args.quick) + [(s["name"], None, None, s, None)
                                                              for s in specs]:

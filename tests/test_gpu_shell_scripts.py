@@ -99,3 +99,34 @@ def test_l2_prefetch_plan_dry_run(tmp_path):
     r = subprocess.run(["bash", str(root / "scripts" / "gpu_l2_prefetch.sh")], cwd=tmp_path,
                        env={**env, "PART": "3"}, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "PART must be 1 or 2" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_attn_fold_plan_dry_run(tmp_path):
+    """`scripts/gpu_attn_fold.sh` (the planned H200 run of the folded attention combine)
+    with a stand-in Python and stand-in builds: the fused-launch GPU tests, the model
+    benched on the full-nvfp4* and fold-nvfp4* builds alternately, the 4-layer check on the
+    fold4d builds; without the builds it stops first, naming the missing one."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**_dry_run_env(tmp_path, "FLINTC_DECODE_ATTN_PRELOAD"), "BUILDS": str(tmp_path / "b")}
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_attn_fold.sh")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "full-nvfp4 missing: run scripts/gpu_builds.sh" in r.stderr
+    for b in ("full-nvfp4", "full-nvfp4-b1", "fold-nvfp4", "fold-nvfp4-b1", "fold4d-nvfp4-b1",
+              "fold4d-bf16-b1"):
+        (tmp_path / "b" / b).mkdir(parents=True)
+        (tmp_path / "b" / b / "build.json").write_text("{}")
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_attn_fold.sh")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    work = tmp_path / "work"
+    tests = (work / "tests.log").read_text()
+    assert "ARG[combine_gpu or cuda_graph]" in tests and "ARG[-m]" in tests
+    globs = []
+    for i in range(4):
+        args = (work / f"bench-{i}.log").read_text().splitlines()
+        globs.append(args[args.index("ARG[--build-glob]") + 1])
+    assert globs == ["ARG[full-nvfp4*]", "ARG[fold-nvfp4*]"] * 2
+    check = (work / "check.log").read_text().splitlines()
+    assert check[check.index("ARG[--build-prefix]") + 1] == "ARG[fold4d]"
+    assert (tmp_path / "out" / "attn_fold.tgz").is_file()

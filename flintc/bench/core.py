@@ -440,7 +440,8 @@ class _Bench:
                                      "max_model_len": m["max_model_len"], "backend": m["backend"],
                                      "buckets": m.get("buckets"), "kv_cache_bytes": b["kv_bytes"],
                                      "caches_resizable": b["resizable"],
-                                     "created": m.get("created"), "functions": m.get("functions")})
+                                     "created": m.get("created"), "functions": m.get("functions"),
+                                     "fold_attention_combine": bool(m.get("fold_attention_combine"))})
         return found
 
     def _compile_missing(self, fmt: str, ckpt, root: Path) -> list[dict]:

@@ -198,6 +198,9 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                             "interpreter); torch: the reference ops; auto: triton on CUDA, else torch")
     p.add_argument("--device", type=device_name, default=None,
                    help="cpu or cuda (default: cpu; for --build, the device it was compiled for)")
+    p.add_argument("--fold-attention-combine", action="store_true",
+                   help="decode: merge the attention splits with the sinks inside the attention "
+                        "kernel (one kernel less per layer; not yet measured on a GPU, so off by default)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the per-pass numeric checks (faster; the report says so)")
     p.add_argument("--no-dump", action="store_true",
@@ -247,7 +250,8 @@ def build_options(args):
     return BuildOptions(max_batch=args.max_batch, max_model_len=args.max_model_len,
                         decode_buckets=tuple(buckets) if buckets else None,
                         prefill_chunk=args.prefill_chunk, backend=args.backend, device=args.device,
-                        check=not args.no_check, dump=not args.no_dump)
+                        check=not args.no_check, dump=not args.no_dump,
+                        fold_attention_combine=bool(getattr(args, "fold_attention_combine", False)))
 
 
 def run_compile(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from flintc.cli.graphs import add_model_args, build_targets, format_table
+from flintc.cli.graphs import add_model_args, build_targets, format_table, pass_options
 from flintc.errors import InputError
 
 # What makes a folder a checkpoint or a build: never written over by a dump.
@@ -78,8 +78,7 @@ def run_dump(args: argparse.Namespace) -> int:
                                      cache_len=args.cache_len, disabled=args.disable,
                                      check_model=target.check_model, seed=args.seed,
                                      dump_dir=tmp / sub if sub else tmp,
-                                     options={"attention_splits": args.attention_splits}
-                                     if args.attention_splits else None)
+                                     options=pass_options(args))
             tables.append((target.note, out / sub if sub else out, format_table(report)))
         move_into_place(tmp, out)
     except BaseException:

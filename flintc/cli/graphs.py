@@ -37,6 +37,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="skip a pass by name (repeatable)")
     p.add_argument("--attention-splits", type=int, default=None,
                    help="split-KV chunks for decode attention (default: from the cache length)")
+    p.add_argument("--fold-attention-combine", action="store_true",
+                   help="decode: fold the split-KV combine into the attention kernel "
+                        "(decode_attention_combine; as flintc compile)")
+
+
+def pass_options(args: argparse.Namespace) -> dict:
+    """compile_step's per-pass options from --attention-splits / --fold-attention-combine."""
+    options = {}
+    if args.attention_splits:
+        options["attention_splits"] = args.attention_splits
+    if getattr(args, "fold_attention_combine", False):
+        options["fold_attention_combine"] = True
+    return options
 
 
 @dataclass

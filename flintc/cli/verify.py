@@ -58,4 +58,6 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _options(args) -> dict:
-    return {"attention_splits": args.attention_splits} if args.attention_splits else {}
+    from flintc.cli.graphs import pass_options
+
+    return pass_options(args)

@@ -41,6 +41,16 @@ merge: 4.9 us per call at batch 1 in the model (13.1 us when 9 programs shared 3
 docs/gpu-runs.md session 13).
 One program handles the G = Hq / Hkv query heads of one KV head, so K and V are read
 once per group (GQA).
+With the combine in the same launch (`decode_attention_combine`, FUSE_COMBINE; the build
+option `fold_attention_combine`), the busy programs of each (sequence, KV head) then
+bump a second arrival counter once their chunks are stored or merged, and the last to
+arrive merges the visible chunks with the sinks for its G query heads and writes the
+bf16 output (split-K's "last block reduces", as TensorRT-LLM's multi-block XQA kernels
+do): no zero-fill of the empty chunks, no combine kernel. Session 24 wrote it with no
+GPU lent (interpreter-checked: within one bf16 ulp of the reference, bit-identical to
+the two launches in every CPU case; compiled for sm_90: 254 registers, no spill), so the
+compiler emits it only when asked (`flintc compile --fold-attention-combine`) until
+`scripts/gpu_attn_fold.sh` has measured it.
 
 Numerics: scores, online softmax and p.v in fp32. On the GPU q.k is a bf16 x bf16
 tensor-core product (exact products, fp32 accumulation) and p.v splits fp32 p into
@@ -55,7 +65,8 @@ bf16 output to one bf16 ulp where an fp32 value sits on a rounding boundary.
 interpreter, whose fp32 -> bf16 cast truncates, the rounding is done in integer
 arithmetic.
 
-Scratch state: the arrival counters are a persistent int32 buffer per (device, size),
+Scratch state: the arrival counters (per chunk, then per (sequence, KV head) when the
+combine is fused) are a persistent int32 buffer per (device, size),
 allocated zeroed on first use and left zeroed by every launch. Two decode_attention
 launches of the same B x Hkv x N must therefore not run concurrently on different
 streams (in one stream, and with PDL, they are ordered: every kernel calls gdc_wait
@@ -170,13 +181,13 @@ def _segment_rows(n, u0, u1, R, CHUNK, bpc, BLOCK_S: tl.constexpr):
 @triton.jit
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr, o_part_ptr, lse_ptr,
-    ws_o_ptr, ws_lse_ptr, counter_ptr,
+    ws_o_ptr, ws_lse_ptr, counter_ptr, sinks_ptr, out_ptr, done_ptr,
     S, CHUNK, N, T, MIN_BLOCKS, MAX_PIECES, scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
     CLAMP_TO_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_P: tl.constexpr,
     BF16_DOT: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
-    POISON_CURRENT: tl.constexpr,
+    POISON_CURRENT: tl.constexpr, FUSE_COMBINE: tl.constexpr, SOFT_RNE: tl.constexpr,
 ):
     # Program (bh = b * HKV + kv head, t): a balanced run of blocks of the visible rows
     # (see the module docstring), and some empty chunks.
@@ -185,6 +196,10 @@ def decode_attention_kernel(
     # one the previous kernel, the fused QKV, writes this step) is loaded again into that
     # block. POISON_CURRENT (tests): that row of the early load is NaN first, standing in
     # for an early load that raced the write, so a missed reload shows.
+    # FUSE_COMBINE (`decode_attention_combine`): the busy programs of (b, KV head) count
+    # their arrivals on done_ptr[bh] once their chunks are stored (or merged), and the
+    # last to arrive merges the chunks with the sinks into out (bf16 [B, 1, Hq * D]), as
+    # `attention_combine_kernel` does; empty chunks are neither zero-filled nor read.
     bh = tl.program_id(0)
     t = tl.program_id(1)
     b = bh // HKV
@@ -265,8 +280,9 @@ def decode_attention_kernel(
         q = q.to(tl.float32)  # interpreter: no bf16 arithmetic (the GPU keeps bf16 q)
 
     # Empty chunks nchunks.. N-1: o = 0, lse = -inf (the op's convention), written by
-    # programs T-1, T-2, ... (idle unless the context is long).
-    for z in range(nchunks + T - 1 - t, N, T):
+    # programs T-1, T-2, ... (idle unless the context is long). With FUSE_COMBINE the
+    # partials are scratch and the combine reads chunks < nchunks only: no zero-fill.
+    for z in range(nchunks + T - 1 - t, N if not FUSE_COMBINE else 0, T):
         zero_ptrs = o_part_ptr + (heads[:, None] * N + z) * D + offs_d[None, :]
         tl.store(zero_ptrs, tl.zeros([BLOCK_G, BLOCK_D], tl.float32), mask=out_mask)
         tl.store(lse_ptr + heads * N + z, tl.full([BLOCK_G], float("-inf"), tl.float32),
@@ -315,6 +331,18 @@ def decode_attention_kernel(
                 _merge_chunk(ws_o_ptr, ws_lse_ptr, o_part_ptr, lse_ptr, bh, n, ta, tb, T, N,
                              nblk, t_eff, bpc, G, D, BLOCK_GM, BLOCK_D, MERGE_P)
                 tl.atomic_xchg(counter_ptr + bh * N + n, 0)  # ready for the next launch
+    if FUSE_COMBINE:
+        # Programs 0..t_eff-1 take part (program 0 alone when no row is visible: it
+        # writes the sink-only output, 0). Their o_part / lse stores (and merges) before
+        # the release of the arrival count, as for the chunk counters above.
+        if t < t_eff:
+            tl.debug_barrier()
+            arrived = tl.atomic_add(done_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if arrived == t_eff - 1:
+                tl.debug_barrier()
+                _combine_heads(o_part_ptr, lse_ptr, sinks_ptr, out_ptr, bh, hk, nchunks, N, G,
+                               D, BLOCK_GM, BLOCK_D, MERGE_P, SOFT_RNE)
+                tl.atomic_xchg(done_ptr + bh, 0)  # ready for the next launch
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -371,6 +399,51 @@ def _merge_chunk(ws_o_ptr, ws_lse_ptr, o_part_ptr, lse_ptr, bh, n, ta, tb, T, N,
     tl.store(o_part_ptr + (heads[:, None] * N + n) * D + offs_d[None, :], o,
              mask=mask_g[:, None] & mask_d[None, :])
     tl.store(lse_ptr + heads * N + n, lse, mask=mask_g)
+
+
+@triton.jit
+def _combine_heads(o_part_ptr, lse_ptr, sinks_ptr, out_ptr, bh, hk, nchunks, N,
+                   G: tl.constexpr, D: tl.constexpr, BLOCK_GM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, MERGE_P: tl.constexpr, SOFT_RNE: tl.constexpr):
+    # `attention_combine_kernel` for the G query heads of one (sequence, KV head), over
+    # chunks 0..nchunks-1 (the others are empty: weight 0), MERGE_P chunks per load:
+    # m = max(sink, max lse) first, then the weighted sum, then one bf16 rounding.
+    # .cg loads: the other programs' partials are at L2.
+    offs_c = tl.arange(0, MERGE_P)
+    offs_g = tl.arange(0, BLOCK_GM)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < G
+    mask_d = offs_d < D
+    heads = bh.to(tl.int64) * G + offs_g  # rows b * Hq + hk * G + g of o_part and out
+    sink = tl.load(sinks_ptr + hk * G + offs_g, mask=mask_g, other=0.0).to(tl.float32)
+    m = sink
+    for c0 in range(0, nchunks, MERGE_P):
+        c = c0 + offs_c
+        mask = (c < nchunks)[:, None] & mask_g[None, :]
+        lse_c = tl.load(lse_ptr + heads[None, :] * N + c[:, None], mask=mask,
+                        other=float("-inf"), cache_modifier=".cg")  # [P, GM]
+        m = tl.maximum(m, tl.max(lse_c, axis=0))  # finite because the sink is
+    den = tl.zeros([BLOCK_GM], tl.float32)
+    acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
+    for c0 in range(0, nchunks, MERGE_P):
+        c = c0 + offs_c
+        mask = (c < nchunks)[:, None] & mask_g[None, :]
+        lse_c = tl.load(lse_ptr + heads[None, :] * N + c[:, None], mask=mask,
+                        other=float("-inf"), cache_modifier=".cg")
+        live = lse_c > float("-inf")
+        w = tl.where(live, tl.exp(lse_c - m[None, :]), 0.0)  # [P, GM]
+        o_c = tl.load(o_part_ptr + (heads[None, :, None] * N + c[:, None, None]) * D
+                      + offs_d[None, None, :], mask=live[:, :, None] & mask_d[None, None, :],
+                      other=0.0, cache_modifier=".cg")  # [P, GM, D]
+        den += tl.sum(w, axis=0)
+        acc += tl.sum(w[:, :, None] * o_c, axis=0)
+    out = acc / (tl.exp(sink - m) + den)[:, None]
+    if SOFT_RNE:
+        out_bf16 = _to_bf16_rne(out)  # interpreter: round like torch, not truncate
+    else:
+        out_bf16 = out.to(tl.bfloat16)
+    tl.store(out_ptr + heads[:, None] * D + offs_d[None, :], out_bf16,
+             mask=mask_g[:, None] & mask_d[None, :])
 
 
 @triton.jit
@@ -628,7 +701,7 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
                             min_rows: int | None = None, max_pieces: int | None = None,
                             block_s: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None, preload: bool | None = None,
-                            _poison_current_row: bool = False):
+                            sinks=None, _poison_current_row: bool = False):
     """`decode_attention` with the decomposition and launch knobs exposed (tests and
     benchmarks); None takes the module's default.
 
@@ -644,8 +717,10 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     reads). preload: the early reads of `preload_enabled` (None: that function's; only
     where the visible rows are 0..p, else ignored); `_poison_current_row` (tests, with preload): the early read of the
     current token's row is replaced by NaN, as a read that raced the QKV kernel's write
-    would be stale, so that the reload after the wait is checked. Other arguments,
-    results and errors as `decode_attention`; also
+    would be stale, so that the reload after the wait is checked.
+    sinks: fp32 [Hq]: the combine runs in the same launch (`decode_attention_combine`)
+    and the result is its bf16 [B, 1, Hq * D] output instead of (o_part, lse).
+    Other arguments, results and errors as `decode_attention`; also
     raises ValueError for a knob that is not an int >= 1 (block_s: a power of two >= 16).
     """
     _check_tensor(q, "q", torch.bfloat16, 4)
@@ -671,8 +746,12 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     _positive_int(num_splits, "num_splits")
     _check(num_slots * S * Hkv * D < 2**62, "k_cache", "too large for int64 offsets")
     _check(S < 2**30, "k_cache", f"expected fewer than 2**30 rows, got {S}")
+    fuse = sinks is not None
+    if fuse:
+        _check_tensor(sinks, "sinks", torch.float32, 1)
+        _check(tuple(sinks.shape) == (Hq,), "sinks", f"expected ({Hq},), got {tuple(sinks.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("slots", slots),
-                    ("positions", positions)):
+                    ("positions", positions)) + ((("sinks", sinks),) if fuse else ()):
         _check(t.device == q.device, name, f"on {t.device}, q on {q.device}")
     on_gpu = q.is_cuda and not _interpreting()
     if programs_per_head is None and B > 0:
@@ -702,29 +781,33 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     G = Hq // Hkv
     o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, 1, Hq * D, dtype=torch.bfloat16, device=q.device) if fuse else None
     if B == 0:
-        return o_part, lse
+        return out if fuse else (o_part, lse)
     T = programs_per_head
     chunk = math.ceil(S / num_splits)
     # Scratch: two partial slots per program (its first and last split).
     ws_o = torch.empty(B * Hkv * T * 2 * G * D, dtype=torch.float32, device=q.device)
     ws_lse = torch.empty(B * Hkv * T * 2 * G, dtype=torch.float32, device=q.device)
-    counters = _counters(q.device, B * Hkv * num_splits)
+    # Arrival counters: one per chunk, then (fused) one per (sequence, KV head).
+    counters = _counters(q.device, B * Hkv * (num_splits + fuse))
+    done = counters[B * Hkv * num_splits:] if fuse else counters
     pdl = bool(use_pdl) and on_gpu
     extra = {"launch_pdl": True} if pdl else {}
     if on_gpu:
         extra.update(num_warps=num_warps, num_stages=num_stages)
     decode_attention_kernel[(B * Hkv, T)](
         q, k_cache, v_cache, slots, positions, o_part, lse, ws_o, ws_lse, counters,
+        sinks if fuse else lse, out if fuse else o_part, done,
         S, chunk, num_splits, T, math.ceil(min_rows / block_s), max_pieces, D ** -0.5,
         HKV=Hkv, G=G, D=D, WINDOW=window, CLAMP_TO_P=clamp,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_GM=triton.next_power_of_2(G),
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
         MERGE_P=GPU_MERGE_P if on_gpu else CPU_MERGE_P, BF16_DOT=on_gpu, USE_PDL=pdl_mode(pdl),
-        PRELOAD=preload,
-        POISON_CURRENT=bool(_poison_current_row), **extra,
+        PRELOAD=preload, POISON_CURRENT=bool(_poison_current_row), FUSE_COMBINE=fuse,
+        SOFT_RNE=not on_gpu, **extra,
     )
-    return o_part, lse
+    return out if fuse else (o_part, lse)
 
 
 def decode_attention(q, k_cache, v_cache, slots, positions, window: int, num_splits: int,
@@ -751,6 +834,31 @@ def decode_attention(q, k_cache, v_cache, slots, positions, window: int, num_spl
     """
     return launch_decode_attention(q, k_cache, v_cache, slots, positions, window, num_splits,
                                    use_pdl=use_pdl)
+
+
+def decode_attention_combine(q, k_cache, v_cache, slots, positions, sinks, window: int,
+                             num_splits: int, *, use_pdl: bool = False):
+    """`decode_attention` and `attention_combine` in one launch (contract and reference:
+    `flintc.ops.grouped.decode_attention_combine`, i.e.
+    `torch.ops.flintc.decode_attention_combine`, which composes the two references).
+
+    The split-KV decomposition is `decode_attention`'s; the busy programs of each
+    (sequence, KV head) then count their arrivals on a counter (atomic, acq_rel, after
+    their partials are stored or merged), and the last to arrive merges the visible
+    chunks with the sinks for the G query heads of that KV head and writes the bf16
+    output, as `attention_combine_kernel` does for one head (the split-K "last block
+    reduces" pattern, as TensorRT-LLM's multi-block XQA attention does). The partials
+    are scratch: empty chunks are neither written nor read. One launch less per layer.
+
+    q, k_cache, v_cache, slots, positions, window, num_splits: as `decode_attention`;
+    sinks: fp32 [Hq]. Returns bf16 [B, 1, Hq * D], rounded once; as the two kernels up
+    to summation order (within one bf16 ulp of the reference; tests check it).
+    Bytes: `decode_attention`'s reads and partials, plus 4*Hq for the sinks and
+    2*B*Hq*D written. Raises ValueError naming the argument on a wrong dtype, shape,
+    layout or device. `use_pdl`: programmatic dependent launch (CUDA only).
+    """
+    return launch_decode_attention(q, k_cache, v_cache, slots, positions, window, num_splits,
+                                   use_pdl=use_pdl, sinks=sinks)
 
 
 def attention_combine(o_part, lse, sinks, *, use_pdl: bool = False):
@@ -814,23 +922,29 @@ def aot_probe_specs(configs=None):
     types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
              "slots_ptr": "*i64", "positions_ptr": "*i64", "o_part_ptr": "*fp32",
              "lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32",
-             "counter_ptr": "*i32", "S": "i32", "CHUNK": "i32", "N": "i32", "T": "i32",
+             "counter_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16", "done_ptr": "*i32",
+             "S": "i32", "CHUNK": "i32", "N": "i32", "T": "i32",
              "MIN_BLOCKS": "i32", "MAX_PIECES": "i32", "scale": "fp32"}
     names = decode_attention_kernel.arg_names
     specs = []
     # full cache, or a ring of S <= W rows; a ring longer than W: the row-by-row mask;
     # the early reads (PRELOAD) of a full cache and of a sliding layer's ring (W = 513)
-    variants = [(0, True, cfg, False) for cfg in configs]
+    # with the combine in the launch (FUSE_COMBINE) for a full cache and a ring
+    variants = [(0, True, cfg, False, False) for cfg in configs]
     pre = (GPU_BLOCK_S, GPU_PRELOAD_NUM_WARPS, GPU_NUM_STAGES)
-    variants += [(513, False, configs[0], False), (0, True, pre, True), (513, True, pre, True)]
-    for window, clamp, (block_s, warps, stages), preload in variants:
+    variants += [(513, False, configs[0], False, False), (0, True, pre, True, False),
+                 (513, True, pre, True, False), (0, True, configs[0], False, True),
+                 (513, True, configs[0], False, True)]
+    for window, clamp, (block_s, warps, stages), preload, fuse in variants:
         consts = {"HKV": 4, "G": 8, "D": 128, "WINDOW": window, "CLAMP_TO_P": clamp,
                   "BLOCK_G": 16, "BLOCK_GM": 8, "BLOCK_D": 128, "BLOCK_S": block_s,
                   "MERGE_P": GPU_MERGE_P, "BF16_DOT": True, "USE_PDL": PDL_EARLY,
-                  "PRELOAD": preload, "POISON_CURRENT": False}
+                  "PRELOAD": preload, "POISON_CURRENT": False, "FUSE_COMBINE": fuse,
+                  "SOFT_RNE": False}
         kind = "ring > W" if not clamp else ("ring" if window else "full")
         specs.append({
-            "name": f"decode_attention {kind}{' preload' if preload else ''} BLOCK_S={block_s} "
+            "name": f"decode_attention {kind}{' preload' if preload else ''}"
+                    f"{' fused combine' if fuse else ''} BLOCK_S={block_s} "
                     f"warps={warps} stages={stages}",
             "fn": decode_attention_kernel,
             "signature": {n: types.get(n, "constexpr") for n in names},
@@ -853,4 +967,5 @@ def aot_probe_specs(configs=None):
 KERNELS = {
     "decode_attention": decode_attention,
     "attention_combine": attention_combine,
+    "decode_attention_combine": decode_attention_combine,
 }

@@ -5,7 +5,9 @@ functions of the ops it replaces, so grouping is bit-exact.
 MoE layer (7): norm_qkv_rope_kv, decode_attention, attention_combine,
 gemv_residual (O projection), norm_router, moe_topk_gate_up,
 moe_down_combine_residual. Dense layer (6): the first four, norm_gate_up_silu,
-gemv_residual (down). Per forward: embedding and norm_lm_head.
+gemv_residual (down). Per forward: embedding and norm_lm_head. With the
+`fold_attention_combine` option, decode_attention_combine replaces decode_attention and
+attention_combine: 6 and 5.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from flintc.model import ops
-from flintc.ops.attention import write_kv_padded
+from flintc.ops.attention import attention_combine, decode_attention, write_kv_padded
 from flintc.ops.common import CDT, as_weight, out_features
 from flintc.ops.moe import moe_down_combine, moe_gate_up
 
@@ -50,6 +52,29 @@ def _(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache, v_cach
       eps, num_heads, num_kv_heads, rope, window):
     B, T, _ = x.shape
     return x.new_empty(B, T, num_heads, out_features(wq) // num_heads)
+
+
+@torch.library.custom_op("flintc::decode_attention_combine", mutates_args=())
+def decode_attention_combine(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    positions: torch.Tensor, sinks: torch.Tensor, window: int, num_splits: int,
+) -> torch.Tensor:
+    """Kernel 2 with the combine folded in: split-KV decode attention and the merge of
+    its splits with the learned sinks, `attention_combine(*decode_attention(...), sinks)`
+    (FLINT_SPEC 2, attention steps 5-7). The partials are internal.
+
+    q: bf16 [B, 1, Hq, D]; caches: bf16 [slots, S, Hkv, D] holding the new token; slots:
+    [B] (negative: a padding row, output 0); positions: int64 [B, 1]; sinks: fp32 [Hq];
+    window: W or 0; num_splits: N. -> bf16 [B, 1, Hq * D].
+    """
+    o_part, lse = decode_attention(q, k_cache, v_cache, slots, positions, window, num_splits)
+    return attention_combine(o_part, lse, sinks)
+
+
+@decode_attention_combine.register_fake
+def _(q, k_cache, v_cache, slots, positions, sinks, window, num_splits):
+    B, _, Hq, D = q.shape
+    return q.new_empty(B, 1, Hq * D, dtype=torch.bfloat16)
 
 
 @torch.library.custom_op("flintc::gemv_residual", mutates_args=())

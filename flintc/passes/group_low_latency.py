@@ -7,8 +7,9 @@ It runs last, on a graph where every op is already a flintc op (plus the aten
 residual adds and the RoPE row gathers it folds here):
 
     K1 norm_qkv_rope_kv   <- rms_norm, gemv q/k/v, qk_norm_rope_kv_write (+ cos/sin rows)
-    K2 decode_attention   (unchanged)
-    K3 attention_combine  (unchanged)
+    K2 decode_attention   (unchanged; with the option `fold_attention_combine`:
+    K3 attention_combine   decode_attention_combine <- decode_attention + attention_combine,
+                           one kernel whose last program per KV head merges the splits)
     K4 gemv_residual      <- gemv (o_proj) + residual add
     MoE:   K5 norm_router <- rms_norm + the router GEMV of moe_route
            K6 moe_topk_gate_up <- top-k of moe_route + moe_gate_up (given K7's down
@@ -90,6 +91,8 @@ class LowLatencyGroupingPass(GraphPass):
         n += self._group_moe(gm, eps)
         n += self._group_dense_mlp(gm, eps)
         n += self._group_head(gm, eps)
+        if self.ctx.options.get("fold_attention_combine"):
+            n += self._fold_attention_combine(gm)
         gm.graph.eliminate_dead_code()
         refresh_meta(gm)
         return PassResult(matches=n)
@@ -202,6 +205,28 @@ class LowLatencyGroupingPass(GraphPass):
             x, w_post, _ = normed.args
             new = _new(gm, sm, F.norm_gate_up_silu.default, (x, w_post, g.args[1], u.args[1], eps), sm)
             sm.replace_all_uses_with(new)
+            done += 1
+        gm.graph.eliminate_dead_code()
+        return done
+
+    # ------------------------------------------------------------------ K2 + K3
+    def _fold_attention_combine(self, gm: GraphModule) -> int:
+        """decode_attention -> (o_part, lse) -> attention_combine, where nothing else
+        reads the partials: one decode_attention_combine."""
+        done = 0
+        for comb in [n for n in gm.graph.nodes if is_op(n, F.attention_combine)]:
+            o_part, lse, sinks = comb.args
+            if not (o_part.target is operator.getitem and lse.target is operator.getitem):
+                continue
+            attn = o_part.args[0]
+            if not (is_op(attn, F.decode_attention)
+                    and lse.args[0] is attn and len(o_part.users) == 1 and len(lse.users) == 1
+                    and set(attn.users) <= {o_part, lse}):
+                continue
+            q, k_cache, v_cache, slots, positions, window, num_splits = attn.args
+            new = _new(gm, comb, F.decode_attention_combine.default,
+                       (q, k_cache, v_cache, slots, positions, sinks, window, num_splits), attn)
+            comb.replace_all_uses_with(new)
             done += 1
         gm.graph.eliminate_dead_code()
         return done

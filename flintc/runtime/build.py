@@ -73,6 +73,9 @@ class BuildOptions:
     dump_dir: where the dumps go, one subfolder per function (None: BUILD/dumps);
         `flintc run` sends a temporary BUILD's dumps to `$FLINTC_DUMP_DIR` this way.
     attention_splits: split-KV chunks of decode attention (None: from the cache length).
+    fold_attention_combine: decode attention and the merge of its splits with the sinks
+        in one kernel (`decode_attention_combine`: 6 kernels per MoE layer, 5 per dense
+        layer) instead of two; off until measured on a GPU (docs/gpu-runs.md).
     """
 
     max_batch: int = 8
@@ -84,6 +87,7 @@ class BuildOptions:
     dump: bool = True
     dump_dir: str | Path | None = None
     attention_splits: int | None = None
+    fold_attention_combine: bool = False
     decode_buckets: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict)
 
@@ -283,6 +287,8 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
             opts_step = {"full_attention_rows": opts.cache_rows}
             if opts.attention_splits:
                 opts_step["attention_splits"] = opts.attention_splits
+            if opts.fold_attention_combine:
+                opts_step["fold_attention_combine"] = True
             dump_dir = False  # no dumps, not even into $FLINTC_DUMP_DIR
             if opts.dump:
                 dump_dir = (Path(opts.dump_dir) if opts.dump_dir else tmp / "dumps") / name
@@ -394,7 +400,7 @@ def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dic
         "prefill_tail_chunk": opts.prefill_tail_chunk(ckpt.config),
         "prefill_sizes": opts.prefill_sizes(ckpt.config), "cache_rows": opts.cache_rows,
         "backend": opts.backend, "device": opts.device, "checked": opts.check,
-        "buckets": opts.buckets,
+        "buckets": opts.buckets, "fold_attention_combine": bool(opts.fold_attention_combine),
         "functions": {name: {"step": s["step"], "batch": s["batch"], "tokens": s["tokens"],
                              "kernels": s["kernels"]} for name, s in plan_steps.items()},
     }

@@ -7,14 +7,16 @@ by several programs that the kernel merges in-kernel (arrival counters; more sha
 than one merge load takes), programs whose runs cross split boundaries (workspace slots
 0 and 1), more splits than programs (middle splits stored directly, several empty splits
 zero-filled per program), a ring of W=9 rows before and after it wraps, and a ring
-longer than its window (row-by-row mask). The stream-K plan (`kernels.plan`) is checked
+longer than its window (row-by-row mask); each of these also with the combine in the
+attention launch (`decode_attention_combine`: the last program per KV head merges the
+splits with the sinks). The stream-K plan (`kernels.plan`) is checked
 on its own over many shapes: every visible row in exactly one segment, no segment
 across a split, sharers as the kernel computes them, balanced runs. The same kernel
 tests run on the GPU when there is one.
 GPU (`-m gpu`): full shapes (Hq=32, Hkv=4, D=128), caches up to 262,144 rows (1K, 8K
 and 100K tokens in a 262,144-row cache), rings of W=513, with and without PDL, the
-benchmark sweep's other launch configurations, and replays of a CUDA graph with
-changing positions.
+benchmark sweep's other launch configurations, the fused combine on every GPU case, and
+replays of a CUDA graph with changing positions (two launches and one).
 
 Every check poisons: the launchers' outputs and scratch are NaN-filled before the
 kernel runs, and the kernel sees a copy of the caches in which every row it must not
@@ -139,6 +141,25 @@ def run_both(q, k_cache, v_cache, slots, pos, window, num_splits, sinks, use_pdl
     return (o, lse, out), (o_ref, lse_ref, out_ref)
 
 
+def run_fused(q, k_cache, v_cache, slots, pos, window, num_splits, sinks, use_pdl=False,
+              **knobs):
+    """The combine in the attention launch (`sinks=`, as `decode_attention_combine`):
+    its output and partials scratch NaN-poisoned, invisible cache rows NaN; and the
+    reference op `torch.ops.flintc.decode_attention_combine` on the clean caches."""
+    k_bad = poison_invisible(k_cache, slots, pos, window)
+    v_bad = poison_invisible(v_cache, slots, pos, window)
+    real_empty = torch.empty
+    try:
+        torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+        out = kernels.launch_decode_attention(q, k_bad, v_bad, slots, pos, window, num_splits,
+                                              use_pdl=use_pdl, sinks=sinks, **knobs)
+    finally:
+        torch.empty = real_empty
+    ref = torch.ops.flintc.decode_attention_combine(q, k_cache, v_cache, slots, pos, sinks,
+                                                    window, num_splits)
+    return out, ref
+
+
 CPU_CASES = [
     # (window, S, num_splits, positions (B of them), launcher knobs)
     pytest.param(0, 48, 3, [47], {}, id="full-B1"),
@@ -184,6 +205,44 @@ def test_decode_attention_matches_reference(window, S, num_splits, positions, kn
     # |v| <= max|v|, 2^-24 relative each (a 4-ulp miss at |out| ~ 1e-6 was seen)
     assert_within_one_bf16_ulp(out, out_ref, atol=S * 2.0**-24 * vc.float().abs().max().item())
     assert counters_are_zero(), "arrival counters not reset after the launch"
+
+
+@pytest.mark.parametrize("preload", [False, True])
+@pytest.mark.parametrize("window,S,num_splits,positions,knobs", CPU_CASES)
+def test_fused_combine_matches_reference(window, S, num_splits, positions, knobs, preload):
+    """The combine in the attention launch (`decode_attention_combine`): the last busy
+    program of each (sequence, KV head) merges the chunks with the sinks. Every CPU case
+    (pieces merged in-kernel first, runs across splits, empty splits that are neither
+    written nor read, rings), also with the early reads; the output within one bf16 ulp
+    of the reference (the composed ops) and of the two-launch path, the counters reset."""
+    Hq, Hkv, D = 8, 2, 32
+    B = len(positions)
+    q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, positions)
+    sinks = (torch.randn(Hq) * 2).to(DEV)
+    sinks[0] = -1e4
+    sinks[1] = 8.0
+    out, ref = run_fused(q, kc, vc, slots, pos, window, num_splits, sinks, preload=preload,
+                         **knobs)
+    atol = S * 2.0**-24 * vc.float().abs().max().item()
+    assert_within_one_bf16_ulp(out, ref, atol=atol)
+    (_, _, two), _ = run_both(q, kc, vc, slots, pos, window, num_splits, sinks, preload=preload,
+                              **knobs)
+    assert_within_one_bf16_ulp(out, two, atol=atol)
+    assert counters_are_zero(), "arrival counters not reset after the launch"
+
+
+def test_fused_combine_repeatable_and_rejects_bad_sinks():
+    """A second launch (counters reused) gives the same bits; sinks of the wrong dtype,
+    shape or device raise ValueError naming them."""
+    q, kc, vc, slots, pos = make_inputs(2, 8, 2, 32, 64, [63, 20])
+    sinks = torch.randn(8).to(DEV)
+    knobs = {"programs_per_head": 4, "min_rows": 16}
+    a = kernels.launch_decode_attention(q, kc, vc, slots, pos, 0, 1, sinks=sinks, **knobs)
+    b = kernels.launch_decode_attention(q, kc, vc, slots, pos, 0, 1, sinks=sinks, **knobs)
+    assert torch.equal(a, b) and counters_are_zero()
+    for bad in (sinks.double(), sinks[:4].contiguous(), sinks.view(2, 4), sinks.to("meta")):
+        with pytest.raises(ValueError, match="sinks"):
+            kernels.decode_attention_combine(q, kc, vc, slots, pos, bad, 0, 1)
 
 
 @pytest.mark.parametrize("window,S,num_splits,positions,knobs", CPU_CASES)
@@ -288,7 +347,8 @@ def test_plan_covers_each_visible_row_once(R, S, N, T, min_rows, block_s):
 
 def test_kernels_table_and_defaults():
     """The contract's table, and the default launcher equals the reference."""
-    assert set(kernels.KERNELS) == {"decode_attention", "attention_combine"}
+    assert set(kernels.KERNELS) == {"decode_attention", "attention_combine",
+                                    "decode_attention_combine"}
     q, kc, vc, slots, pos = make_inputs(2, 8, 2, 32, 16, [15, 3])
     o, lse = kernels.KERNELS["decode_attention"](q, kc, vc, slots, pos, 0, 2, use_pdl=True)
     assert_partials_close(o, lse, *torch.ops.flintc.decode_attention(q, kc, vc, slots, pos, 0, 2))
@@ -485,6 +545,28 @@ def test_decode_attention_gpu(window, S, num_splits, positions, knobs, use_pdl):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (and TRITON_INTERPRET unset or 0)")
+@pytest.mark.parametrize("use_pdl", [False, True])
+@pytest.mark.parametrize("window,S,num_splits,positions,knobs", GPU_CASES)
+def test_decode_attention_combine_gpu(window, S, num_splits, positions, knobs, use_pdl):
+    """The combine in the attention launch at the model's shapes (every GPU case, with
+    and without PDL): within one bf16 ulp of the reference, counters reset. The CPU
+    twin: `test_fused_combine_matches_reference`."""
+    B = len(positions)
+    gen = torch.Generator(device="cuda").manual_seed(S + B + 2)
+    Hq, Hkv, D = 32, 4, 128
+    q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, positions, num_slots=B, gen=gen)
+    sinks = torch.randn(Hq, generator=gen, device="cuda") * 2
+    sinks[1] = -1e4
+    out, ref = run_fused(q, kc, vc, slots, pos, window, num_splits, sinks, use_pdl=use_pdl,
+                         **knobs)
+    assert_within_one_bf16_ulp(out, ref, atol=1e-5)
+    assert counters_are_zero()
+    del kc, vc
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (and TRITON_INTERPRET unset or 0)")
 @pytest.mark.parametrize("poison", [False, True])
 @pytest.mark.parametrize("window,S,num_splits,positions", [
     (513, 513, 8, [100000, 512, 513, 0, 300, 1026, 1539, 7]), (513, 513, 9, [2000]),
@@ -511,16 +593,21 @@ def test_decode_attention_preload_gpu(window, S, num_splits, positions, poison):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA (and TRITON_INTERPRET unset or 0)")
-@pytest.mark.parametrize("window,S,num_splits", [(0, 65536, 32), (513, 513, 3)])
-def test_decode_attention_cuda_graph_replays(window, S, num_splits):
-    """Attention + combine captured once with PDL, replayed with new positions written in
-    place: the run-time decomposition follows p and the counters stay consistent."""
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("window,S,num_splits", [(0, 65536, 32), (513, 513, 3), (513, 513, 9)])
+def test_decode_attention_cuda_graph_replays(window, S, num_splits, fused):
+    """Attention + combine (two launches, or one: `fused`) captured once with PDL,
+    replayed with new positions written in place: the run-time decomposition follows p
+    and the counters stay consistent."""
     B, Hq, Hkv, D = 2, 32, 4, 128
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, [S - 1, 10], num_slots=B, gen=gen)
     sinks = torch.randn(Hq, generator=gen, device="cuda") * 2
 
     def step():
+        if fused:
+            return kernels.decode_attention_combine(q, kc, vc, slots, pos, sinks, window,
+                                                    num_splits, use_pdl=True)
         o, lse = kernels.decode_attention(q, kc, vc, slots, pos, window, num_splits, use_pdl=True)
         return kernels.attention_combine(o, lse, sinks, use_pdl=True)
 

@@ -87,6 +87,13 @@ def test_decode_attention_padding_rows(window, S, splits):
         assert bool((lse[1] == float("-inf")).all()), name
         out = comb(o, lse, sinks)
         assert torch.isfinite(out.float()).all() and not out[1].float().abs().any(), name
+    # the combine in the attention launch (decode_attention_combine), kernel and op
+    for name, fused in (("kernel", DA.decode_attention_combine),
+                        ("torch op", torch.ops.flintc.decode_attention_combine)):
+        out = fused(q, kc, vc, slots, pos, sinks, window, splits)
+        out_l = fused(q[live], kc, vc, slots[live], pos[live], sinks, window, splits)
+        assert torch.equal(out[live], out_l), name
+        assert torch.isfinite(out.float()).all() and not out[1].float().abs().any(), name
 
 
 @pytest.mark.parametrize("fmt,kind", [("bf16", "full"), ("nvfp4", "sliding")])

@@ -4,7 +4,8 @@ The interpreter twins check what the kernels compute but never run their `GPU=Tr
 branches (inline-asm NVFP4 decode, bf16 tensor-core dots, the swapped dot, PDL waits).
 `scripts/sm90_compile_check.py --quick` compiles one configuration per kernel and format
 (plain GEMV, fused QKV, dense gate/up, MoE gate/up and down; flat and swapped tiles) and
-decode attention's default launch, its ring > W variant and the combine, with Triton's
+decode attention's default launch, its ring > W variant, its early reads, its fused
+combine (`decode_attention_combine`) and the combine, with Triton's
 whole pipeline down to ptxas, in a subprocess without TRITON_INTERPRET.
 """
 
@@ -38,7 +39,7 @@ def test_decode_kernels_compile_for_sm90(quick_run):
     proc = quick_run
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "every case compiled for sm_90" in proc.stdout
-    assert proc.stdout.count("ok    ") == 18, proc.stdout
+    assert proc.stdout.count("ok    ") == 19, proc.stdout
     # the report includes the K loop's length: every GEMV / MoE case has a loop
     assert all(" loop 0 instr" not in line for line in proc.stdout.splitlines()
                if line.startswith("ok    ") and ("moe" in line or "gemv" in line)), proc.stdout

@@ -46,3 +46,39 @@ def test_chained_residual_adds_fold():
     assert count_ops(g.gm, "aten.add", "aten._to_copy") == {"aten.add": 0, "aten._to_copy": 0}
     assert count_ops(g.gm, "flintc.gemv_residual")["flintc.gemv_residual"] == \
         TINY.num_hidden_layers + TINY.first_k_dense_replace
+
+
+def test_fold_attention_combine_needs_sole_readers():
+    """With `fold_attention_combine`, a decode_attention whose partials something else also
+    reads (here an extra aten.sum of one layer's o_part) keeps its two kernels; the other
+    layers fold. Without the option nothing folds."""
+    import operator
+
+    import torch
+
+    from flintc.passes.group_low_latency import LowLatencyGroupingPass
+    from flintc.passes.pipeline import pipeline_for
+    from harness import context, run_passes
+
+    upto = pipeline_for("decode")[:pipeline_for("decode").index(LowLatencyGroupingPass)]
+    for fold in (False, True):
+        g, _ = run_passes(upto)
+        gm = g.gm
+        attn = [n for n in gm.graph.nodes if op_name(n) == "flintc.decode_attention"]
+        o_part = next(u for u in attn[0].users if u.target is operator.getitem and u.args[1] == 0)
+        with gm.graph.inserting_after(o_part):
+            extra = gm.graph.call_function(torch.ops.aten.sum.default, (o_part,))
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        out.args = ((*out.args[0], extra),) if isinstance(out.args[0], tuple) else ((out.args[0], extra),)
+        gm.recompile()
+        ctx = context(g)
+        ctx.options["fold_attention_combine"] = fold
+        LowLatencyGroupingPass(ctx).run(gm)
+        got = count_ops(gm, "flintc.decode_attention", "flintc.attention_combine",
+                        "flintc.decode_attention_combine")
+        layers = TINY.num_hidden_layers
+        want = ({"flintc.decode_attention": 1, "flintc.attention_combine": 1,
+                 "flintc.decode_attention_combine": layers - 1} if fold else
+                {"flintc.decode_attention": layers, "flintc.attention_combine": layers,
+                 "flintc.decode_attention_combine": 0})
+        assert got == want, (fold, got)

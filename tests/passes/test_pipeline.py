@@ -12,7 +12,7 @@ from flintc.graph.accounting import kernels_of
 from flintc.graph.match import op_name
 from flintc.model.reference import FlintModel
 from flintc.passes.pipeline import compile_step, pipeline_for
-from harness import TINY, compiled, tiny_model
+from harness import TINY, compiled, tiny_model, tiny_nvfp4_model
 
 MOE_SCHEDULE = ["flintc.norm_qkv_rope_kv", "flintc.decode_attention", "flintc.attention_combine",
                 "flintc.gemv_residual", "flintc.norm_router", "flintc.moe_topk_gate_up",
@@ -89,3 +89,27 @@ def test_full_width_kernel_counts_on_meta_weights():
     per_forward_49 = 2 + 2 * final.per_kind["dense"] + 47 * final.per_kind["moe"]
     assert per_forward_49 == 343 <= 346
     assert report.stages[0].kernels.per_forward > 1000 * 7 / 49
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_fold_attention_combine_six_and_five_kernels(fmt):
+    """The option `fold_attention_combine`: group_low_latency replaces decode_attention +
+    attention_combine with decode_attention_combine (its reference composes the two), so
+    the pass stays bit-exact and a layer runs 6 (MoE) / 5 (dense) kernels; the PDL marks
+    put the sinks (a weight) before the wait and the caches and q after it."""
+    model = tiny_model() if fmt == "bf16" else tiny_nvfp4_model()
+    g, report = compile_step(model, "decode", batch=2, cache_len=32, check_model=model,
+                             options={"fold_attention_combine": True})
+    assert all(s.check.passed for s in report.stages)
+    assert all(s.check.bit_exact for s in report.stages if s.name != "fuse_decode_attention")
+    fused = ["flintc.norm_qkv_rope_kv", "flintc.decode_attention_combine"]
+    layers = kernels_by_layer(g.gm)
+    for i in range(TINY.num_hidden_layers):
+        want = MOE_SCHEDULE if TINY.is_moe_layer(i) else DENSE_SCHEDULE
+        assert layers[i] == fused + want[3:]
+    final = report.stages[-1].kernels
+    assert final.per_kind == {"dense": 5, "moe": 6}
+    assert final.per_forward == 2 * 5 + 2 * 6 + 2
+    node = next(n for n in g.gm.graph.nodes if op_name(n) == "flintc.decode_attention_combine")
+    assert any(name.startswith("w_") and "sinks" in name for name in node.meta["pdl"]["before_wait"])
+    assert all(not name.startswith("w_") for name in node.meta["pdl"]["after_wait"])

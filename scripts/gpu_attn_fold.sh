@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# One H200 call (< 10 min): the combine folded into the decode attention kernel
+# (`decode_attention_combine`, `flintc compile --fold-attention-combine`), written in
+# session 24 with no GPU lent, so off by default until this run says whether it pays
+# (docs/gpu-runs.md, "session 24: planned"). With it the last busy program of each
+# (sequence, KV head) merges the splits with the sinks: one kernel less per layer
+# (294 per forward instead of 343).
+# Steps, logs in $WORK (default /tmp/attn_fold), tails to stdout, everything packed into
+# $OUT/attn_fold.tgz:
+#   tests   the decode attention GPU tests of the fused launch and of CUDA-graph replays
+#           (both paths), at most 150 s
+#   micro   benchmarks/bench_decode_attention.py key rows: "attn+combine us" (two
+#           launches) against "fused us" (one), B = 1 / 8, 1K-100K and the ring
+#   model   flintc bench, NVFP4, 1K and 100K, b1 / b8: the full-nvfp4* builds against the
+#           fold-nvfp4* builds, alternated twice (the forward and its breakdown)
+#   check   the 4-layer full-width runtime check of the fold4d builds (NVFP4, BF16)
+# Needs the builds of `bash scripts/gpu_builds.sh` in $BUILDS (default gpu_builds: full-*,
+# fold-*, fold4d-*, full4-config).
+#
+#   OUT=/some/dir bash scripts/gpu_attn_fold.sh   # repo root; carry .whl and gpu_builds
+set -uo pipefail
+OUT=${OUT:-$PWD/attn_fold_out}
+mkdir -p "$OUT" || exit 1
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.." || exit 1
+LOG=/tmp/pip-attn-fold.log
+. scripts/gpu_env.sh
+export PY PYTHONPATH PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+WORK=${AB_WORK:-/tmp/attn_fold}
+BUILDS=${BUILDS:-gpu_builds}
+for b in full-nvfp4 full-nvfp4-b1 fold-nvfp4 fold-nvfp4-b1 fold4d-nvfp4-b1 fold4d-bf16-b1; do
+  [ -f "$BUILDS/$b/build.json" ] || { echo "$BUILDS/$b missing: run scripts/gpu_builds.sh" >&2; exit 1; }
+done
+rm -rf "$WORK" && mkdir -p "$WORK"
+step() {  # step NAME LIMIT_S CMD...: output to $WORK/NAME.log, its tail to stdout
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
+  echo "== $name: rc $? in $(( $(date +%s) - t0 )) s"
+  tail -n "${TAIL:-12}" "$WORK/$name.log"
+}
+TAIL=4 step tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu \
+  tests/kernels/test_decode_attention.py -k "combine_gpu or cuda_graph"
+TAIL=16 step micro 120 $PY benchmarks/bench_decode_attention.py --no-full-table --sweep-s 0 \
+  --out "$WORK/micro.md"
+BENCH="-m flintc bench --load-format dummy --config full --formats nvfp4 --contexts 1024,100000
+  --batches 1,8 --prefill 1024 --prefill-iters 1 --baselines none --builds $BUILDS --no-compile"
+i=0
+for glob in 'full-nvfp4*' 'fold-nvfp4*' 'full-nvfp4*' 'fold-nvfp4*'; do
+  TAIL=0 step "bench-$i" 110 $PY $BENCH --build-glob "$glob" --out "$WORK/bench-$i"
+  echo "builds $glob"; grep -E '^\| nvfp4 \| [0-9] \|' "$WORK/bench-$i.log"
+  grep -E '^\| (decode_attention|attention_combine|decode_attention_combine) \|' "$WORK/bench-$i.log" | head -6
+  i=$((i + 1))
+done
+TAIL=3 step check 100 $PY scripts/gpu_runtime.py --builds "$BUILDS" --build-prefix fold4d \
+  --config "$BUILDS/full4-config" --formats nvfp4,bf16 --prompt-len 2600 --steps 16 \
+  --out "$WORK/check.md"
+grep -h "SUMMARY" "$WORK/check.log" 2>/dev/null
+cp "$WORK/micro.md" "$OUT/" 2>/dev/null
+tar czf "$OUT/attn_fold.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")" || echo "packing $WORK failed"
+exit 0
