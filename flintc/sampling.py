@@ -15,11 +15,19 @@ logit's ties as one group, a Gumbel-max draw), which on an H200 cut the default
 sampler from ~230 us of device time in 79 kernels per step at batch 1 (~750 us in
 204 at batch 8: softmax, sort and cumsum over 151,552 logits, then
 `torch.multinomial` per row) to far less (docs/gpu-runs.md, session 18).
+
+`FLINTC_SAMPLER=triton` draws on CUDA in one launch instead (`flintc.kernels.sampler`:
+the same distribution, Gumbel-max over per-token Philox uniforms keyed by the request's
+generator seed and offset), for batches whose rows are greedy or have 1 <= top_k <=
+64 < V; other batches, and the default `torch`, take the path above. Written in session
+24 without a GPU (interpreter-checked), so off until `scripts/gpu_sampler_ab.sh` has
+measured it.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +36,25 @@ from flintc.errors import InputError
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+DEFAULT_SAMPLER = "torch"  # FLINTC_SAMPLER unset: "triton" once measured on a GPU
+
+
+def sampler_backend() -> str:
+    """FLINTC_SAMPLER: "torch" (the torch ops below) or "triton" (one launch,
+    `flintc.kernels.sampler`, on CUDA for the batches it takes); unset or empty:
+    `DEFAULT_SAMPLER`.
+
+    Raises:
+        TuningEnvError (a ValueError): another value, naming the variable.
+    """
+    value = os.environ.get("FLINTC_SAMPLER", "").strip()
+    if value == "":
+        return DEFAULT_SAMPLER
+    if value not in ("torch", "triton"):
+        from flintc.kernels.tuning import TuningEnvError
+
+        raise TuningEnvError(f"FLINTC_SAMPLER must be torch or triton, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -209,6 +236,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     B, V = logits.shape
     if all(p.is_greedy for p in params):
         return torch.argmax(logits, dim=-1)  # first maximum: the lower token id
+    if sampler_backend() == "triton" and _triton_takes(logits, params, generators):
+        return _sample_triton(logits, params, generators)
     groups: dict[tuple, list[int]] = {}
     for b, p in enumerate(params):
         key = ("greedy",) if p.is_greedy else (p.temperature, p.top_k, p.top_p)
@@ -232,6 +261,66 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         for j, b in enumerate(rows):
             out[b] = tok[j]
     return out
+
+
+def _triton_takes(logits: torch.Tensor, params: list[SamplingParams], generators) -> bool:
+    """Whether `flintc.kernels.sampler` takes this batch: logits on CUDA (or any device
+    under Triton's interpreter, for tests), every sampled row with 1 <= top_k <= its
+    MAX_TOP_K and < V, and a generator whose Philox state can be read (CUDA: seed and
+    offset; the CPU's draws an offset)."""
+    if not (logits.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        return False
+    try:
+        from flintc.kernels import sampler
+    except ImportError:  # no triton
+        return False
+    V = logits.shape[-1]
+    if V >= 2**24 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(-1) != 1:
+        return False
+    sampled = [(p, g) for p, g in zip(params, generators) if not p.is_greedy]
+    if not sampler.supports([p.top_k for p, _ in sampled], V):
+        return False
+    return all(g is None or g.device.type != "cuda" or hasattr(g, "get_offset") for _, g in sampled)
+
+
+def _philox_state(gen: torch.Generator | None, device: torch.device) -> tuple[int, int]:
+    """(seed, offset) for one row's draw, advancing the row's generator so that its next
+    draw differs: a CUDA generator's Philox seed and offset (offset + 4 after), a CPU
+    generator's seed and a 62-bit offset drawn from it. None: the device's default
+    generator."""
+    if gen is None:
+        gen = (torch.cuda.default_generators[device.index if device.index is not None
+                                             else torch.cuda.current_device()]
+               if device.type == "cuda" else torch.default_generator)
+    if gen.device.type == "cuda":
+        off = gen.get_offset()
+        gen.set_offset(off + 4)
+        return gen.initial_seed(), off
+    return gen.initial_seed(), int(torch.randint(0, 2**62, (1,), generator=gen))
+
+
+def _sample_triton(logits: torch.Tensor, params: list[SamplingParams], generators) -> torch.Tensor:
+    """`sample` in one launch of `flintc.kernels.sampler` (see `_triton_takes`). The
+    per-row settings and Philox state go to the device in one asynchronous copy from
+    pinned memory (no host sync)."""
+    from flintc.kernels import sampler
+
+    seeds, offsets, ks, temps, tops = [], [], [], [], []
+    for p, g in zip(params, generators):
+        if p.is_greedy:
+            seed, off, k, t = 0, 0, 1, 0.0
+        else:
+            (seed, off), k, t = _philox_state(g, logits.device), p.top_k, float(p.temperature)
+        seeds.append(seed)
+        offsets.append(off)
+        ks.append(k)
+        temps.append(t)
+        tops.append(float(p.top_p))
+    host = sampler.pack_params(seeds, offsets, ks, temps, tops)
+    if logits.is_cuda:
+        host = host.pin_memory()  # the caching host allocator keeps it until the copy is done
+    dev = host.to(logits.device, non_blocking=True)
+    return sampler.launch_sample(logits, dev, max(ks))
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

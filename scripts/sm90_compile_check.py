@@ -11,8 +11,9 @@ gives the probe's resource report (registers, spills, shared memory, MMA kinds).
 checks that the code compiles, not what it computes (that is the GPU tests' job).
 
     python scripts/sm90_compile_check.py            # every case (~2-3 min on 2 cores)
-    python scripts/sm90_compile_check.py --quick    # one case per kernel and format, and
-                                                    # decode attention's default (CI)
+    python scripts/sm90_compile_check.py --quick    # one case per kernel and format,
+                                                    # decode attention's default and the
+                                                    # sampler's (CI)
 
 Exit status: 0 when every case compiled, 1 when one failed (each failure printed with
 Triton's message), 2 for bad arguments or a Triton without these compiler entry points.
@@ -224,18 +225,22 @@ def main() -> int:
 
     from flintc.kernels import decode_attention as DA
 
+    from flintc.kernels import sampler as SK
+
     specs = DA.aot_probe_specs()
     if args.quick:  # the default launch configuration, the ring > W mask, a ring's early
         # reads (PRELOAD), a ring with the combine in the launch (FUSE_COMBINE), the combine
         specs = [specs[0]] + [s for s in specs if s["name"].startswith(
             ("decode_attention ring > W", "decode_attention ring preload",
              "decode_attention ring fused combine"))] + [specs[-1]]
+    # the one-launch sampler (FLINTC_SAMPLER=triton): top_k <= 32 (quick), and <= 64
+    specs += SK.aot_probe_specs()[:1] if args.quick else SK.aot_probe_specs()
     fails = 0
     for label, module, name, call, cfg in cases(args.quick) + [(s["name"], None, None, s, None)
                                                              for s in specs]:
         t = time.time()
         try:
-            if module is None:  # a decode attention spec
+            if module is None:  # an aot_probe_specs spec (decode attention, sampler)
                 k = _probe_compile(call["fn"], call["signature"], call["constexprs"],
                                    call.get("num_warps", 4), call.get("num_stages", 3),
                                    call.get("divisible", ()))

@@ -130,3 +130,24 @@ def test_attn_fold_plan_dry_run(tmp_path):
     check = (work / "check.log").read_text().splitlines()
     assert check[check.index("ARG[--build-prefix]") + 1] == "ARG[fold4d]"
     assert (tmp_path / "out" / "attn_fold.tgz").is_file()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sampler_plan_dry_run(tmp_path):
+    """`scripts/gpu_sampler_ab.sh` (the planned H200 run of the one-launch sampler) with a
+    stand-in Python: the sampler tests with FLINTC_SAMPLER=triton and every test of the
+    two files (`-m 'gpu or not gpu'` after the script's `-m gpu`), then flintc bench with
+    torch / triton alternated."""
+    root = Path(__file__).resolve().parents[1]
+    env = _dry_run_env(tmp_path, "FLINTC_SAMPLER")
+    r = subprocess.run(["bash", str(root / "scripts" / "gpu_sampler_ab.sh")], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    tests = (tmp_path / "out" / "tests.log").read_text().splitlines()
+    assert tests[-1] == "VAR[triton]" and "ARG[gpu or not gpu]" in tests, tests
+    assert "ARG[tests/kernels/test_sampler.py]" in tests
+    micro = [line for line in r.stdout.splitlines() if line.startswith("VAR[")]
+    # the tests (triton), then per value the profile and the end-to-end runs at b1 and b8
+    assert micro == ["VAR[triton]"] + ["VAR[torch]"] * 3 + ["VAR[triton]"] * 3, r.stdout
+    sets = [line for line in r.stdout.splitlines() if line.startswith("FLINTC_SAMPLER=")]
+    assert sets == ["FLINTC_SAMPLER=torch", "FLINTC_SAMPLER=triton"] * 2, r.stdout

@@ -48,7 +48,8 @@ arrive merges the visible chunks with the sinks for its G query heads and writes
 bf16 output (split-K's "last block reduces", as TensorRT-LLM's multi-block XQA kernels
 do): no zero-fill of the empty chunks, no combine kernel. Session 24 wrote it with no
 GPU lent (interpreter-checked: within one bf16 ulp of the reference, bit-identical to
-the two launches in every CPU case; compiled for sm_90: 254 registers, no spill), so the
+the two launches in the interpreter runs of the CPU cases; compiled for sm_90: 254
+registers with triton 3.9, 255 with the H200's 3.6, no spill), so the
 compiler emits it only when asked (`flintc compile --fold-attention-combine`) until
 `scripts/gpu_attn_fold.sh` has measured it.
 

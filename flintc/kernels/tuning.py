@@ -71,7 +71,8 @@ def check_environment() -> None:
     FLINTC_GEMV_TUNED, FLINTC_MOE_TUNED, FLINTC_NVFP4_MMA, and the CUDA kernels' launch
     knobs FLINTC_MMA_TRIGGER, FLINTC_MMA_GEMV_LAUNCH, FLINTC_MMA_GATE_UP_LAUNCH,
     FLINTC_MMA_NORM_GATE_UP_LAUNCH, FLINTC_MMA_NORM_GATE_UP_FORMATS,
-    FLINTC_MMA_GATE_UP_ROUTE, FLINTC_MMA_L2_PREFETCH; FLINTC_DECODE_ATTN_PRELOAD), so a
+    FLINTC_MMA_GATE_UP_ROUTE, FLINTC_MMA_L2_PREFETCH; FLINTC_DECODE_ATTN_PRELOAD;
+    FLINTC_SAMPLER), so a
     bad value is
     reported when a runtime loads, not at the first launch that reads it (or never, on
     paths that do not).
@@ -88,6 +89,9 @@ def check_environment() -> None:
     from flintc.kernels.decode_attention import preload_enabled
 
     preload_enabled()
+    from flintc.sampling import sampler_backend
+
+    sampler_backend()
     nvfp4_mma.enabled_from_env()
     nvfp4_mma.mma_trigger_early("gemv")
     nvfp4_mma.mma_l2_prefetch("gemv")

@@ -88,7 +88,7 @@ def prefill_graphs_from_env() -> bool:
 
 def check_environment(backend: str | None = None) -> None:
     """Validate every FLINTC_* variable a runtime reads when it loads or launches
-    (FLINTC_PREFILL_GRAPHS; for the triton backend also FLINTC_PDL_TRIGGER,
+    (FLINTC_PREFILL_GRAPHS and FLINTC_SAMPLER; for the triton backend also FLINTC_PDL_TRIGGER,
     FLINTC_GEMV_TUNED and FLINTC_MOE_TUNED, see `flintc.kernels.tuning.check_environment`),
     so that a bad value is reported before a compile or a weight load, not after.
 
@@ -103,6 +103,9 @@ def check_environment(backend: str | None = None) -> None:
             expected (TuningEnvError for the kernels' variables).
     """
     prefill_graphs_from_env()
+    from flintc.sampling import sampler_backend
+
+    sampler_backend()  # read by the sampler on every backend (TuningEnvError: an InputError)
     if backend == "torch":
         return
     if backend != "triton" and importlib.util.find_spec("triton") is None:

@@ -1,0 +1,275 @@
+"""Tests of `flintc.kernels.sampler` (one-launch top-k / top-p sampling).
+
+CPU (Triton's interpreter, small vocabularies cut into many chunks of CPU_CHUNK logits):
+- `draw_model`, a plain-torch statement of the kernel's rule (distinct values in
+  descending order until their counts reach k, fp64 weights c exp(v - v0), top-p on the
+  mass of the larger values, Gumbel-max over the kept values with each value's largest
+  uniform), equals `flintc.sampling.sampling_probs` as a distribution: the same kept
+  tokens, each with the probability the definition gives;
+- the kernel draws exactly `draw_model`'s token on the same uniforms (`uniforms=`), over
+  ties (inside, at and beyond the k-th value), -inf logits, bf16 logits, temperatures,
+  top-p, greedy rows and mixed batches;
+- with its own Philox uniforms: a row's token depends only on its seed and draw offset
+  (not on the batch), and the draws of one distribution over 256 seeds follow it
+  (chi-square, fixed seeds);
+- bad arguments raise ValueError naming them.
+GPU (`-m gpu`): the full vocabulary (151,552) at batch 1 and 8 against `draw_model`.
+"""
+
+from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from flintc.kernels import sampler as S
+from flintc.sampling import SamplingParams, sampling_probs
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+DEV = "cuda" if ON_GPU else "cpu"
+
+
+def draw_model(x: torch.Tensor, u: torch.Tensor, k: int, top_p: float, greedy: bool = False) -> int:
+    """The kernel's rule for one row: x fp32 [V] (logits over the temperature), u fp32 [V]."""
+    if greedy:
+        return int(torch.argmax(x))
+    finite = x > float("-inf")
+    values = torch.unique(x[finite], sorted=True).flip(0)  # distinct, descending
+    kept_v, counts, cum = [], [], 0
+    for v in values.tolist():
+        if cum >= k:
+            break
+        c = int((x == v).sum())
+        kept_v.append(v)
+        counts.append(c)
+        cum += c
+    v = torch.tensor(kept_v, dtype=torch.float64)
+    e = torch.tensor(counts, dtype=torch.float64) * torch.exp(v - v[0])
+    larger = torch.cumsum(e, 0) - e
+    keep = larger < top_p * e.sum()
+    best, tok = -math.inf, 0
+    for j, val in enumerate(kept_v):
+        if not keep[j]:
+            continue
+        ids = (x == val).nonzero()[:, 0]
+        uu = u[ids]
+        top = uu.max()
+        t = int(ids[(uu == top).nonzero()[0, 0]])
+        score = (v[j] - v[0]).item() - math.log(-math.log(float(top))) if top > 0 else -math.inf
+        if score > best:
+            best, tok = score, t
+    return tok
+
+
+def model_probs(x: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
+    """The probability `draw_model` gives each token (Gumbel-max: value j with weight
+    e_j among the kept, each of its c_j tokens equally)."""
+    finite = x > float("-inf")
+    values = torch.unique(x[finite], sorted=True).flip(0)
+    kept_v, counts, cum = [], [], 0
+    for v in values.tolist():
+        if cum >= k:
+            break
+        c = int((x == v).sum())
+        kept_v.append(v)
+        counts.append(c)
+        cum += c
+    v = torch.tensor(kept_v, dtype=torch.float64)
+    e = torch.tensor(counts, dtype=torch.float64) * torch.exp(v - v[0])
+    keep = (torch.cumsum(e, 0) - e) < top_p * e.sum()
+    p = torch.zeros(x.shape[0], dtype=torch.float64)
+    z = e[keep].sum()
+    for j, val in enumerate(kept_v):
+        if keep[j]:
+            p[x == val] = e[j] / z / counts[j]
+    return p
+
+
+def logits_with_ties(V: int, gen: torch.Generator) -> torch.Tensor:
+    """Random logits rounded to few values (many ties), one -inf."""
+    x = (torch.randn(V, generator=gen) * 2).round(decimals=1)
+    x[V // 3] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("k,top_p", [(1, 0.95), (5, 0.95), (20, 0.95), (20, 0.3), (7, 1.0), (40, 0.8)])
+def test_model_is_sampling_probs(k, top_p):
+    """The kernel's rule draws from `sampling_probs`'s distribution (the definition)."""
+    gen = torch.Generator().manual_seed(k)
+    for _ in range(5):
+        x = logits_with_ties(300, gen)
+        want = sampling_probs(x[None], SamplingParams(temperature=1.0, top_k=k, top_p=top_p))[0].double()
+        got = model_probs(x, k, top_p)
+        assert torch.equal(got > 0, want > 0), "kept sets differ"
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
+def _params(rows):
+    """rows: (seed, offset, top_k, temperature, top_p) per row -> params on DEV."""
+    return S.pack_params(*[list(c) for c in zip(*rows)]).to(DEV)
+
+
+CASES = [
+    # (V, rows of (top_k, temperature, top_p), logits dtype)
+    pytest.param(300, [(20, 1.0, 0.95)], torch.float32, id="B1-defaults"),
+    pytest.param(301, [(20, 1.0, 0.95), (5, 0.7, 0.5), (1, 1.3, 1.0)], torch.float32, id="mixed-settings"),
+    pytest.param(257, [(20, 0.0, 0.95), (20, 1.0, 0.95)], torch.float32, id="greedy-and-sampled"),
+    pytest.param(200, [(33, 1.0, 0.9), (64, 0.9, 1.0)], torch.float32, id="k-33-and-64"),
+    pytest.param(300, [(20, 1.0, 0.95), (8, 2.0, 0.6)], torch.bfloat16, id="bf16"),
+]
+
+
+@pytest.mark.parametrize("V,rows,dtype", CASES)
+def test_kernel_draws_the_models_token(V, rows, dtype):
+    gen = torch.Generator().manual_seed(V + len(rows))
+    B = len(rows)
+    x = torch.stack([logits_with_ties(V, gen) for _ in range(B)]).to(dtype)
+    x[0, 3:9] = x[0].max()  # ties at the top
+    for trial in range(3):
+        u = torch.rand(B, V, generator=gen)
+        u[0, 5] = u[0, 4]  # equal uniforms within a tie: the lower id wins
+        params = _params([(b, trial, k, t, p) for b, (k, t, p) in enumerate(rows)])
+        got = S.launch_sample(x.to(DEV), params, max(k for k, _, _ in rows), uniforms=u.to(DEV))
+        for b, (k, t, p) in enumerate(rows):
+            xb = x[b].float()
+            xs = xb if t < S.GREEDY_TEMPERATURE else xb / t
+            assert int(got[b]) == draw_model(xs, u[b], k, p, greedy=t < S.GREEDY_TEMPERATURE), (trial, b)
+    assert all(bool((c == 0).all()) for c in S._COUNTERS.values()), "arrival counters not reset"
+
+
+def test_greedy_ties_take_the_lower_id():
+    x = torch.zeros(2, 200)
+    x[0, [17, 150, 199]] = 5.0
+    x[1, 0] = float("-inf")
+    params = _params([(0, 0, 1, 0.0, 1.0), (0, 0, 1, 0.0, 1.0)])
+    assert S.launch_sample(x.to(DEV), params, 1).tolist() == [17, 1]
+
+
+def test_philox_draws_depend_on_seed_and_offset_only():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.stack([logits_with_ties(300, gen) for _ in range(3)]).to(DEV)
+    rows = [(11, 4, 20, 1.0, 0.95), (12, 0, 5, 0.8, 0.9), (2**62 + 5, 2**40, 20, 1.0, 1.0)]
+    batch = S.launch_sample(x, _params(rows), 20)
+    for b, row in enumerate(rows):
+        alone = S.launch_sample(x[b:b + 1].contiguous(), _params([row]), row[2])
+        assert int(alone[0]) == int(batch[b]), b
+    # the same seed over offsets 0..15: not one token every time (the stream advances)
+    xs = x[:1].expand(16, -1).contiguous()
+    toks = S.launch_sample(xs, _params([(11, o, 20, 1.0, 1.0) for o in range(16)]), 20)
+    assert len(set(toks.tolist())) > 1
+
+
+def test_philox_draws_follow_the_distribution():
+    """256 seeds drawing from one small distribution (V = 16, top-k 6 with a tie at the
+    6th value, top-p 0.9): chi-square against `model_probs` (fixed seeds, so the
+    statistic is deterministic; its 1e-4 critical value at the degrees of freedom)."""
+    V, k, top_p, n = 16, 6, 0.9, 256
+    x = torch.tensor([3.0, 2.5, 2.5, 2.0, 1.0, 0.5, 0.5, 0.2, -1, -2, -3, -4, -5, -6, -7, -8])
+    p = model_probs(x, k, top_p)
+    toks = S.launch_sample(x[None].expand(n, -1).contiguous().to(DEV),
+                           _params([(1000 + s, 0, k, 1.0, top_p) for s in range(n)]), k)
+    counts = torch.bincount(toks.cpu(), minlength=V).double()
+    assert counts[p == 0].sum() == 0, "a token outside the kept set was drawn"
+    live = p > 0
+    exp = n * p[live]
+    chi2 = float(((counts[live] - exp) ** 2 / exp).sum())
+    assert chi2 < 25.7, f"chi-square {chi2:.1f} over {int(live.sum()) - 1} degrees of freedom"  # 1e-4 at 5 dof
+
+
+@pytest.mark.parametrize("name,call", [
+    ("logits", lambda x, p: S.launch_sample(x.double(), p, 20)),
+    ("logits", lambda x, p: S.launch_sample(x[0], p, 20)),
+    ("params", lambda x, p: S.launch_sample(x, p[:4].contiguous(), 20)),
+    ("params", lambda x, p: S.launch_sample(x, p.int(), 20)),
+    ("max_top_k", lambda x, p: S.launch_sample(x, p, 0)),
+    ("max_top_k", lambda x, p: S.launch_sample(x, p, S.MAX_TOP_K + 1)),
+    ("max_top_k", lambda x, p: S.launch_sample(x, p, 300)),
+    ("uniforms", lambda x, p: S.launch_sample(x, p, 20, uniforms=torch.rand(2, 5).to(x.device))),
+])
+def test_bad_arguments(name, call):
+    x = torch.randn(2, 300).to(DEV)
+    p = _params([(0, 0, 20, 1.0, 0.9), (1, 0, 20, 1.0, 0.9)])
+    with pytest.raises(ValueError, match=name):
+        call(x, p)
+
+
+def test_pack_params_and_supports():
+    p = S.pack_params([7, 2**63 + 3], [1, 2], [20, 1], [0.5, 1.0], [0.95, 1.0])
+    assert p.dtype == torch.int64 and p.shape == (5, 2)
+    assert p[0].tolist() == [7, 3]  # seeds taken mod 2^63
+    assert p[3].to(torch.int32).view(torch.float32).tolist() == [0.5, 1.0]
+    assert S.supports([1, 20, 64], 1000) and not S.supports([0], 1000) and not S.supports([65], 1000)
+    assert not S.supports([20], 20)
+    with pytest.raises(ValueError, match="one seed"):
+        S.pack_params([1], [1, 2], [1], [1.0], [1.0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA (and TRITON_INTERPRET unset or 0)")
+@pytest.mark.parametrize("B", [1, 8])
+def test_full_vocabulary_gpu(B):
+    """V = 151,552 (37 chunks of GPU_CHUNK), the default settings and a greedy row,
+    against `draw_model` on the same uniforms. The CPU twin:
+    `test_kernel_draws_the_models_token`."""
+    V = 151552
+    gen = torch.Generator().manual_seed(B)
+    x = torch.randn(B, V, generator=gen) * 3
+    x[0, 1000:1010] = x[0].max()
+    u = torch.rand(B, V, generator=gen)
+    rows = [(b, 0, 20, 0.0 if b == 1 else 1.0, 0.95) for b in range(B)]
+    got = S.launch_sample(x.cuda(), _params(rows), 20, uniforms=u.cuda()).cpu()
+    for b in range(B):
+        assert int(got[b]) == draw_model(x[b], u[b], 20, 0.95, greedy=b == 1), b
+    toks = S.launch_sample(x.cuda(), _params(rows), 20)  # Philox: a valid token per row
+    assert ((toks >= 0) & (toks < V)).all()
+
+
+def test_sample_takes_the_kernel_when_asked(monkeypatch):
+    """`flintc.sampling.sample` with FLINTC_SAMPLER=triton: one launch for a mixed batch
+    (greedy, defaults, other settings), the greedy row its argmax, every sampled token in
+    its kept set, and a seeded row's tokens the same alone or in a batch, step after
+    step; a batch the kernel does not take (top_k 0: the whole vocabulary) goes the torch
+    way; a bad FLINTC_SAMPLER is an error naming it."""
+    from flintc import sampling
+    from flintc.kernels.tuning import TuningEnvError, check_environment
+
+    calls = []
+    real = S.launch_sample
+    monkeypatch.setattr(S, "launch_sample", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    monkeypatch.setenv("FLINTC_SAMPLER", "triton")
+    gen = torch.Generator().manual_seed(5)
+    V = 300
+    x = torch.stack([logits_with_ties(V, gen) for _ in range(3)]).to(DEV)
+    params = [SamplingParams(temperature=0.0), SamplingParams(seed=7),
+              SamplingParams(seed=8, top_k=5, top_p=0.5, temperature=0.8)]
+
+    def gens():
+        return [None if p.is_greedy else p.make_generator(DEV) for p in params]
+
+    g_batch, g_alone = gens(), gens()
+    for step in range(3):
+        toks = sampling.sample(x, params, g_batch)
+        assert calls[-1] == 20 and int(toks[0]) == int(torch.argmax(x[0]))
+        for b in (1, 2):
+            probs = sampling_probs(x[b:b + 1].float(), params[b])[0]
+            assert probs[int(toks[b])] > 0, (step, b)
+            alone = sampling.sample(x[b:b + 1], [params[b]], [g_alone[b]])
+            assert int(alone[0]) == int(toks[b]), (step, b)
+    n = len(calls)
+    sampling.sample(x[:1], [SamplingParams(top_k=0, seed=1)], [SamplingParams(seed=1).make_generator(DEV)])
+    assert len(calls) == n, "top_k 0 must take the torch path"
+    monkeypatch.setenv("FLINTC_SAMPLER", "cuda")
+    with pytest.raises(TuningEnvError, match="FLINTC_SAMPLER must be torch or triton"):
+        sampling.sample(x, params, gens())
+    with pytest.raises(TuningEnvError, match="FLINTC_SAMPLER"):
+        check_environment()
+    monkeypatch.delenv("FLINTC_SAMPLER")
+    assert sampling.sampler_backend() == sampling.DEFAULT_SAMPLER
