@@ -48,8 +48,8 @@ arrive merges the visible chunks with the sinks for its G query heads and writes
 bf16 output (split-K's "last block reduces", as TensorRT-LLM's multi-block XQA kernels
 do): no zero-fill of the empty chunks, no combine kernel. Session 24 wrote it with no
 GPU lent (interpreter-checked: within one bf16 ulp of the reference, bit-identical to
-the two launches in the interpreter runs of the CPU cases; compiled for sm_90: 254
-registers with triton 3.9, 255 with the H200's 3.6, no spill), so the
+the two launches in the interpreter runs of the CPU cases; compiled for sm_90: 252
+registers with triton 3.9, 254 with the H200's 3.6, no spill), so the
 compiler emits it only when asked (`flintc compile --fold-attention-combine`) until
 `scripts/gpu_attn_fold.sh` has measured it.
 
@@ -189,6 +189,7 @@ def decode_attention_kernel(
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_P: tl.constexpr,
     BF16_DOT: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
     POISON_CURRENT: tl.constexpr, FUSE_COMBINE: tl.constexpr, SOFT_RNE: tl.constexpr,
+    COMBINE_P: tl.constexpr,
 ):
     # Program (bh = b * HKV + kv head, t): a balanced run of blocks of the visible rows
     # (see the module docstring), and some empty chunks.
@@ -342,7 +343,7 @@ def decode_attention_kernel(
             if arrived == t_eff - 1:
                 tl.debug_barrier()
                 _combine_heads(o_part_ptr, lse_ptr, sinks_ptr, out_ptr, bh, hk, nchunks, N, G,
-                               D, BLOCK_GM, BLOCK_D, MERGE_P, SOFT_RNE)
+                               D, BLOCK_GM, BLOCK_D, COMBINE_P, SOFT_RNE)
                 tl.atomic_xchg(done_ptr + bh, 0)  # ready for the next launch
     if USE_PDL == 1:  # PDL_LATE: trigger after the main loop
         tl.extra.cuda.gdc_launch_dependents()
@@ -405,46 +406,54 @@ def _merge_chunk(ws_o_ptr, ws_lse_ptr, o_part_ptr, lse_ptr, bh, n, ta, tb, T, N,
 @triton.jit
 def _combine_heads(o_part_ptr, lse_ptr, sinks_ptr, out_ptr, bh, hk, nchunks, N,
                    G: tl.constexpr, D: tl.constexpr, BLOCK_GM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, MERGE_P: tl.constexpr, SOFT_RNE: tl.constexpr):
+                   BLOCK_D: tl.constexpr, COMBINE_P: tl.constexpr, SOFT_RNE: tl.constexpr):
     # `attention_combine_kernel` for the G query heads of one (sequence, KV head), over
-    # chunks 0..nchunks-1 (the others are empty: weight 0), MERGE_P chunks per load:
-    # m = max(sink, max lse) first, then the weighted sum, then one bf16 rounding.
-    # .cg loads: the other programs' partials are at L2.
-    offs_c = tl.arange(0, MERGE_P)
+    # chunks 0..nchunks-1 (the others are empty: weight 0), COMBINE_P chunks per round:
+    # each round issues its lse and o loads together (o in two halves of D), so the
+    # program's tail is one round trip to L2 per COMBINE_P chunks (one for nchunks <=
+    # COMBINE_P: the combine kernel's formula exactly, m = max(sink, lse) first; more
+    # rounds merge online, rescaling by exp(m - m_new)). .cg loads: the other programs'
+    # partials are at L2. Chunks below nchunks are all written (o = 0 where empty).
+    HALF: tl.constexpr = BLOCK_D // 2
+    offs_c = tl.arange(0, COMBINE_P)
     offs_g = tl.arange(0, BLOCK_GM)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_lo = tl.arange(0, HALF)
+    offs_hi = HALF + offs_lo
     mask_g = offs_g < G
-    mask_d = offs_d < D
     heads = bh.to(tl.int64) * G + offs_g  # rows b * Hq + hk * G + g of o_part and out
     sink = tl.load(sinks_ptr + hk * G + offs_g, mask=mask_g, other=0.0).to(tl.float32)
-    m = sink
-    for c0 in range(0, nchunks, MERGE_P):
-        c = c0 + offs_c
-        mask = (c < nchunks)[:, None] & mask_g[None, :]
-        lse_c = tl.load(lse_ptr + heads[None, :] * N + c[:, None], mask=mask,
-                        other=float("-inf"), cache_modifier=".cg")  # [P, GM]
-        m = tl.maximum(m, tl.max(lse_c, axis=0))  # finite because the sink is
+    m = sink  # finite: the sink is
     den = tl.zeros([BLOCK_GM], tl.float32)
-    acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
-    for c0 in range(0, nchunks, MERGE_P):
+    acc_lo = tl.zeros([BLOCK_GM, HALF], tl.float32)
+    acc_hi = tl.zeros([BLOCK_GM, HALF], tl.float32)
+    for c0 in range(0, nchunks, COMBINE_P):
         c = c0 + offs_c
-        mask = (c < nchunks)[:, None] & mask_g[None, :]
-        lse_c = tl.load(lse_ptr + heads[None, :] * N + c[:, None], mask=mask,
-                        other=float("-inf"), cache_modifier=".cg")
-        live = lse_c > float("-inf")
-        w = tl.where(live, tl.exp(lse_c - m[None, :]), 0.0)  # [P, GM]
-        o_c = tl.load(o_part_ptr + (heads[None, :, None] * N + c[:, None, None]) * D
-                      + offs_d[None, None, :], mask=live[:, :, None] & mask_d[None, None, :],
-                      other=0.0, cache_modifier=".cg")  # [P, GM, D]
-        den += tl.sum(w, axis=0)
-        acc += tl.sum(w[:, :, None] * o_c, axis=0)
-    out = acc / (tl.exp(sink - m) + den)[:, None]
-    if SOFT_RNE:
-        out_bf16 = _to_bf16_rne(out)  # interpreter: round like torch, not truncate
-    else:
-        out_bf16 = out.to(tl.bfloat16)
-    tl.store(out_ptr + heads[:, None] * D + offs_d[None, :], out_bf16,
-             mask=mask_g[:, None] & mask_d[None, :])
+        mask = (c < nchunks)[:, None] & mask_g[None, :]  # [P, GM]
+        rows = heads[None, :] * N + c[:, None]
+        lse_c = tl.load(lse_ptr + rows, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        o_lo = tl.load(o_part_ptr + rows[:, :, None] * D + offs_lo[None, None, :],
+                       mask=mask[:, :, None] & (offs_lo < D)[None, None, :], other=0.0,
+                       cache_modifier=".cg")  # [P, GM, D / 2]
+        o_hi = tl.load(o_part_ptr + rows[:, :, None] * D + offs_hi[None, None, :],
+                       mask=mask[:, :, None] & (offs_hi < D)[None, None, :], other=0.0,
+                       cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse_c, axis=0))
+        alpha = tl.exp(m - m_new)
+        w = tl.where(lse_c > float("-inf"), tl.exp(lse_c - m_new[None, :]), 0.0)  # [P, GM]
+        den = den * alpha + tl.sum(w, axis=0)
+        acc_lo = acc_lo * alpha[:, None] + tl.sum(w[:, :, None] * o_lo, axis=0)
+        acc_hi = acc_hi * alpha[:, None] + tl.sum(w[:, :, None] * o_hi, axis=0)
+        m = m_new
+    denom = (tl.exp(sink - m) + den)[:, None]
+    for half in tl.static_range(2):
+        out = (acc_lo if half == 0 else acc_hi) / denom
+        offs_d = offs_lo if half == 0 else offs_hi
+        if SOFT_RNE:
+            out_bf16 = _to_bf16_rne(out)  # interpreter: round like torch, not truncate
+        else:
+            out_bf16 = out.to(tl.bfloat16)
+        tl.store(out_ptr + heads[:, None] * D + offs_d[None, :], out_bf16,
+                 mask=mask_g[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
@@ -514,6 +523,9 @@ GPU_CTAS_PER_SM = 2  # programs per SM the grid is sized for (one wave, all resi
 GPU_MIN_ROWS = 128  # smallest run of rows per program in a full cache (short contexts)
 # A ring's programs each take one whole split (`ring_min_rows`): no in-kernel merge.
 GPU_MERGE_P = 8  # partials per load of the in-kernel merge ([8, G, D] fp32 tiles)
+# Chunks per round of the fused combine (FUSE_COMBINE): 16 covers a sliding layer's 9
+# splits and a full layer's chunks up to 16 x 8,192 rows in one round ([16, G, D / 2] x 2)
+GPU_COMBINE_P = 16
 MAX_PIECES_PER_SPLIT = 32  # at most ~this many programs share one split (merge length)
 # Interpreter (CPU) configuration: tiny blocks so that tests exercise many programs.
 CPU_BLOCK_S = 16
@@ -523,6 +535,7 @@ CPU_BLOCK_S = 16
 PRELOAD = False
 CPU_MIN_ROWS = 16
 CPU_MERGE_P = 4
+CPU_COMBINE_P = 2  # the interpreter: small rounds so that tests merge online
 CPU_NUM_SMS = 4
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -806,7 +819,7 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
         MERGE_P=GPU_MERGE_P if on_gpu else CPU_MERGE_P, BF16_DOT=on_gpu, USE_PDL=pdl_mode(pdl),
         PRELOAD=preload, POISON_CURRENT=bool(_poison_current_row), FUSE_COMBINE=fuse,
-        SOFT_RNE=not on_gpu, **extra,
+        SOFT_RNE=not on_gpu, COMBINE_P=GPU_COMBINE_P if on_gpu else CPU_COMBINE_P, **extra,
     )
     return out if fuse else (o_part, lse)
 
@@ -941,7 +954,7 @@ def aot_probe_specs(configs=None):
                   "BLOCK_G": 16, "BLOCK_GM": 8, "BLOCK_D": 128, "BLOCK_S": block_s,
                   "MERGE_P": GPU_MERGE_P, "BF16_DOT": True, "USE_PDL": PDL_EARLY,
                   "PRELOAD": preload, "POISON_CURRENT": False, "FUSE_COMBINE": fuse,
-                  "SOFT_RNE": False}
+                  "SOFT_RNE": False, "COMBINE_P": GPU_COMBINE_P}
         kind = "ring > W" if not clamp else ("ring" if window else "full")
         specs.append({
             "name": f"decode_attention {kind}{' preload' if preload else ''}"
