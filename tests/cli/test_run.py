@@ -107,6 +107,29 @@ def test_bad_run_arguments(capsys, tiny_bf16_dir, args, needle):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt", ""], "--prompt '': the prompt text is empty; a prompt needs at least one token"),
+    (["--prompt", "hi", "--prompt", ""], "--prompt '': the prompt text is empty"),
+    (["--prompt-ids", "1,2,3", "--max-model-len", "3"], "--prompt-ids: 3 tokens, more than the maximum of 2 "
+                                                         "(--max-model-len 3 counts the prompt"),
+])
+def test_bad_prompts_fail_before_compiling(capsys, monkeypatch, tiny_bf16_dir, args, needle):
+    """An empty --prompt, or --prompt-ids longer than --max-model-len allows, used to fail
+    only after the weights loaded and the temporary BUILD compiled (10-45 s on the tiny
+    model), as "prompt is empty" (no flag named) / "prompt has 3 tokens". Now at once."""
+    import flintc.checkpoint.loader
+    import flintc.runtime.build
+
+    def never(*a, **k):
+        raise AssertionError("loaded or compiled before the prompts were checked")
+
+    monkeypatch.setattr(flintc.checkpoint.loader, "load_checkpoint", never)
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", never)
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--backend", "torch", "--max-tokens", 1, *args)
+    assert code == 2 and err.startswith("flintc: error: ") and needle in err and err.count("\n") == 1, err
+    assert out == ""
+
+
 def test_bad_config_names_file_and_field(capsys, tmp_path, tiny_bf16_dir):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_bf16_dir, bad)
