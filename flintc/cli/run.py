@@ -119,8 +119,10 @@ def _temporary_build_dumps(opts, no_dump: bool) -> None:
     """Where a temporary BUILD's pass-by-pass dumps go: the BUILD is removed at exit, so
     they are written only where they outlive the run, into `$FLINTC_DUMP_DIR/<function>/`
     when it is set (as for any compile), else nowhere; --no-dump always means none."""
-    dump_dir = os.environ.get("FLINTC_DUMP_DIR") or None
-    opts.dump = dump_dir is not None and not no_dump
+    from flintc.fileio import dump_dir_from_env
+
+    dump_dir = None if no_dump else dump_dir_from_env()  # an unwritable one: an InputError now
+    opts.dump = dump_dir is not None
     opts.dump_dir = dump_dir if opts.dump else None
 
 
