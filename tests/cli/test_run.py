@@ -165,6 +165,15 @@ def test_make_checkpoint_refuses_non_empty_dir(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
 
 
+def test_make_checkpoint_refuses_a_file_as_out(capsys, tmp_path):
+    """An --out that is a file (even an empty one) was "already exists and is not empty"."""
+    (tmp_path / "f").write_text("")
+    code, _, err = run_cli(capsys, "make-checkpoint", "--config", "tiny", "--out", tmp_path / "f")
+    assert code == 2 and err == f"flintc: error: {tmp_path / 'f'}: already exists and is a file, not a folder; " \
+                                "refusing to write\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
 def test_console_script_prints_no_traceback(tmp_path):
     """The installed entry point (python -m flintc): one line, exit 2, no traceback."""
     proc = subprocess.run([sys.executable, "-m", "flintc", "run", str(tmp_path / "absent"),
