@@ -86,8 +86,10 @@ def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
     assert main(["serve", str(tiny_bf16_dir), "--tokenizer", str(tiny_bf16_dir / "nope")]) == 2
     capsys.readouterr()
     # an empty --api-key would accept `Authorization: Bearer ` with no key; empty names too
+    # an empty --host listened on every interface (0.0.0.0), silently
     for flag, needle in (("--api-key", "--api-key must not be empty"),
-                         ("--served-model-name", "--served-model-name must not be empty")):
+                         ("--served-model-name", "--served-model-name must not be empty"),
+                         ("--host", "--host must not be empty: expected the address to listen on")):
         for empty in ("", " "):
             assert main(["serve", str(tiny_bf16_dir), flag, empty, "--port", "0"]) == 2
             err = capsys.readouterr().err
