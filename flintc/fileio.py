@@ -72,3 +72,34 @@ def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(out)
+
+
+DUMP_DIR_ENV = "FLINTC_DUMP_DIR"
+
+
+def dump_dir_from_env() -> str | None:
+    """$FLINTC_DUMP_DIR (where `compile_step`, `flintc verify` and the temporary BUILD of
+    `flintc run` write their pass-by-pass dumps), or None when it is unset or empty.
+
+    Raises:
+        InputError: naming the variable and its value, when the folder could not be
+            made or written: it, or the nearest existing folder above it, is a file,
+            or cannot be written in. Checked before any work (it used to fail after
+            the capture or a whole compile as "<path>/decode_b1: Not a directory").
+    """
+    from flintc.errors import InputError
+
+    value = os.environ.get(DUMP_DIR_ENV) or None
+    if value is None:
+        return None
+    anc = Path(value)
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    fix = f"set {DUMP_DIR_ENV} to a writable folder, or unset it for no dumps"
+    if anc.exists() and not anc.is_dir():
+        raise InputError(f"{DUMP_DIR_ENV}={value}: cannot write the dumps there ({anc} is a file, not a "
+                         f"folder); {fix}")
+    why = cannot_write_in(anc)
+    if why:
+        raise InputError(f"{DUMP_DIR_ENV}={value}: cannot write the dumps there ({anc}: {why}); {fix}")
+    return value

@@ -82,6 +82,7 @@ class BenchOptions:
         """Defaults that depend on the device; validation. Raises InputError naming the
         option: a count or size out of range (--max-model-len, --iters, ... below 1), a
         --time-budget or --step-timeout that is not a positive number of seconds, a
+        --time-budget not above the seconds kept for writing the outputs (`_Clock.RESERVE_S`), a
         --breakdown point that is not one of the decode points measured, an unknown
         name, a missing MODEL or --hf-config-path, an unknown --config preset, or
         dummy weights of --config that the CPU has not the memory for
@@ -106,6 +107,11 @@ class BenchOptions:
             if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
                 raise InputError(f"{flag} must be a positive number of seconds, got {seconds:g} (leave it out "
                                  "for no limit)")
+        if o.time_budget is not None and o.time_budget <= _Clock.RESERVE_S:
+            # the last RESERVE_S seconds are kept for writing the outputs: a smaller budget
+            # measured nothing, each format "skipped, the time budget is spent", exit 0
+            raise InputError(f"--time-budget must be more than {_Clock.RESERVE_S:g} s (the time kept for "
+                             f"writing the outputs), got {o.time_budget:g} (leave it out for no limit)")
         for f in o.formats:
             if f not in ("bf16", "nvfp4"):
                 raise InputError(f"--formats: unknown format {f!r} (expected bf16, nvfp4)")

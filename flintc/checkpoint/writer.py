@@ -52,8 +52,8 @@ def make_checkpoint(
         too large for weights to be written.
 
     Raises:
-        CheckpointError: `out_dir` exists and is not an empty folder (nothing is
-            written), or the final rename fails.
+        CheckpointError: `out_dir` exists and is a file or a folder that is not empty
+            (nothing is written; the message says which), or the final rename fails.
         ConfigError: an unknown preset or a bad config.json.
         ValueError: unknown `fmt`.
     """
@@ -63,7 +63,9 @@ def make_checkpoint(
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be positive, found {max_shard_bytes}")
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and not out_dir.is_dir():  # "is not empty" said of an empty file
+        raise CheckpointError(f"{out_dir}: already exists and is a file, not a folder; refusing to write")
+    if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir}: already exists and is not empty; refusing to write")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"

@@ -54,9 +54,10 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def _points(text: str | None, what: str) -> list[tuple[int, int]] | None:
     """'1x1024,8x8192' -> [(1, 1024), (8, 8192)] (batch x context); None (the default
-    points) for None or ''. Raises InputError naming the flag `what`: an empty item, or
-    one that is not two positive integers joined by x."""
-    if not text:
+    points) for None, the flag left out. Raises InputError naming the flag `what`: no
+    item at all ('' used to mean the default points, silently), an empty item, or one
+    that is not two positive integers joined by x."""
+    if text is None:
         return None
     pts = []
     for piece in _items(text, what, "comma-separated BATCHxCONTEXT items, e.g. 1x1024,8x8192"):
@@ -69,6 +70,15 @@ def _points(text: str | None, what: str) -> list[tuple[int, int]] | None:
                              f"got {piece!r}")
         pts.append((b, c))
     return pts
+
+
+def _none_or(text: str, flag: str, expected: str, parse) -> list:
+    """[] for 'none' (spaces around allowed), else `parse(text)`: the lists that may be
+    empty on purpose (--prefill, --baselines). Raises InputError naming `flag` for ''
+    (it used to mean none, silently); `expected` says what else the flag takes."""
+    if not text.strip():
+        raise InputError(f"{flag}: expected at least one value, or none: {expected}")
+    return [] if text.strip() == "none" else parse(text)
 
 
 def _names(text: str, flag: str, choices: tuple[str, ...]) -> list[str]:
@@ -125,7 +135,7 @@ def add_parser(sub) -> None:
     p.add_argument("--contexts", default="1024,8192,32768,100000,262144",
                    help="decode context lengths (tokens in the sequence, the new one included)")
     p.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (sequences per step)")
-    p.add_argument("--prefill", default="1024,8192", help="prefill lengths (tokens)")
+    p.add_argument("--prefill", default="1024,8192", help="prefill lengths (tokens), or none")
     p.add_argument("--baselines", default="eager,compile",
                    help="eager and/or compile (torch.compile max-autotune), or none")
     p.add_argument("--baseline-points", default=None,
@@ -161,8 +171,8 @@ def add_parser(sub) -> None:
     p.add_argument("--sampling", choices=("default", "greedy"), default="default",
                    help="end-to-end sampling: Flint's defaults (temperature 1, top-k 20, top-p 0.95) or greedy")
     p.add_argument("--time-budget", type=float, default=None,
-                   help="seconds for the whole run (> 0): later points are skipped (with a note) when it is "
-                        "spent (default: no limit)")
+                   help="seconds for the whole run (> 15: the last 15 s are kept for writing the outputs): "
+                        "later points are skipped (with a note) when it is spent (default: no limit)")
     p.add_argument("--step-timeout", type=float, default=None,
                    help="seconds (> 0) one measurement may take before it is abandoned (with a note) "
                         "(default: no limit)")
@@ -193,14 +203,15 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         return 0
     from flintc.bench.core import BenchOptions, run_bench
 
-    baselines = ([] if args.baselines.strip() in ("", "none")
-                 else _names(args.baselines, "--baselines", ("eager", "compile")))
+    baselines = _none_or(args.baselines, "--baselines", "comma-separated names out of eager, compile",
+                         lambda t: _names(t, "--baselines", ("eager", "compile")))
     opts = BenchOptions(
         out=out, model=args.model, load_format=args.load_format,
         config=args.config if args.model is None else None, hf_config_path=args.hf_config_path,
         formats=_names(args.formats, "--formats", ("bf16", "nvfp4")),
         contexts=_ints(args.contexts, "--contexts"), batches=_ints(args.batches, "--batches"),
-        prefill=[] if args.prefill.strip() in ("", "none") else _ints(args.prefill, "--prefill"),
+        prefill=_none_or(args.prefill, "--prefill", "comma-separated positive integers, e.g. 1024,8192",
+                         lambda t: _ints(t, "--prefill")),
         baselines=baselines, baseline_points=_points(args.baseline_points, "--baseline-points"),
         breakdown=_points(args.breakdown, "--breakdown"),
         builds=Path(args.builds) if args.builds else None,

@@ -120,8 +120,10 @@ def _temporary_build_dumps(opts, no_dump: bool) -> None:
     """Where a temporary BUILD's pass-by-pass dumps go: the BUILD is removed at exit, so
     they are written only where they outlive the run, into `$FLINTC_DUMP_DIR/<function>/`
     when it is set (as for any compile), else nowhere; --no-dump always means none."""
-    dump_dir = os.environ.get("FLINTC_DUMP_DIR") or None
-    opts.dump = dump_dir is not None and not no_dump
+    from flintc.fileio import dump_dir_from_env
+
+    dump_dir = None if no_dump else dump_dir_from_env()  # an unwritable one: an InputError now
+    opts.dump = dump_dir is not None
     opts.dump_dir = dump_dir if opts.dump else None
 
 
@@ -190,6 +192,24 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
     return runner, ckpt.tokenizer_dir, ckpt.config
 
 
+def _check_prompts_early(args, id_prompts: list[list[int]]) -> None:
+    """What can be told of the prompts before the model loads (and a --backend
+    torch|triton compiles): an empty --prompt text, and --prompt-ids that do not fit a
+    --max-model-len given (they used to fail only after the load and compile, as "prompt
+    is empty" / "prompt has N tokens"). Raises InputError naming the flag. Token ids
+    beyond the vocabulary and text prompts that encode too long are checked once the
+    model and tokenizer are loaded (`flintc.model.generate.check_prompt`)."""
+    for text in args.prompt or []:
+        if text == "":
+            raise InputError("--prompt '': the prompt text is empty; a prompt needs at least one token")
+    if args.max_model_len is not None and args.max_model_len >= 1:
+        for ids in id_prompts:
+            if len(ids) >= args.max_model_len:
+                raise InputError(f"--prompt-ids: {len(ids)} tokens, more than the maximum of "
+                                 f"{args.max_model_len - 1} (--max-model-len {args.max_model_len} counts the "
+                                 "prompt and at least one generated token)")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from flintc.sampling import SamplingParams
 
@@ -204,6 +224,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise InputError(f"--{field.replace('_', '-')}: {exc}") from None
         raise
     id_prompts = [parse_prompt_ids(t) for t in args.prompt_ids or []]
+    _check_prompts_early(args, id_prompts)
     n_prompts = len(id_prompts) + len(args.prompt or [])
     if args.logits_out is not None:
         if n_prompts != 1:

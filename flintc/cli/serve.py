@@ -68,6 +68,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pathlib import Path
 
+    if not args.host.strip():  # socket.bind(("", port)) listens on every interface, silently
+        raise InputError("--host must not be empty: expected the address to listen on, e.g. 127.0.0.1 (the "
+                         "default) or 0.0.0.0 for every interface")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0..65535 (0 picks a free port), got {args.port}")
     if args.max_batch is not None and args.max_batch < 1:

@@ -28,6 +28,9 @@ def run_verify(args: argparse.Namespace) -> int:
         from flintc.cli.compile_build import check_output_parents
 
         check_output_parents(args.json_out, "--json")
+    from flintc.fileio import dump_dir_from_env
+
+    dump_dir_from_env()  # $FLINTC_DUMP_DIR that cannot be written: refused before the first pass
     steps = ("decode", "prefill") if args.step == "both" else (args.step,)
     ok, reports = True, []
     for target in build_targets(args):

@@ -27,8 +27,6 @@ residual adds into the GEMVs (8); prefill folds them into the norm that follows 
 
 from __future__ import annotations
 
-import os
-
 from flintc.graph.trace import CapturedGraph, capture
 from flintc.passes.base import GraphPass, PassContext
 from flintc.passes.canonicalize import CanonicalizationPass
@@ -83,9 +81,13 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
     Raises:
         GraphLegalityError, PassVerifyError, PassCheckError: a pass broke the graph
         or missed its expectation (the message names the pass).
+        InputError: `$FLINTC_DUMP_DIR` (read when dump_dir is None) names a folder that
+        cannot be written (`flintc.fileio.dump_dir_from_env`), before the capture.
     """
     if dump_dir is None:
-        dump_dir = os.environ.get("FLINTC_DUMP_DIR") or None
+        from flintc.fileio import dump_dir_from_env
+
+        dump_dir = dump_dir_from_env()
     elif not dump_dir:  # False (or ""): no dumps
         dump_dir = None
     # Source lines on the nodes are for the dumps only; recording them slows tracing.

@@ -115,8 +115,18 @@ def check_environment(backend: str | None = None) -> None:
     check_kernel_environment()
 
 
+# build.json's fields that the runtime reads as a number or a name, what each must be
+_MANIFEST_COUNTS = ("max_batch", "max_model_len", "prefill_chunk", "prefill_tail_chunk", "cache_rows")
+_MANIFEST_NAMES = {"backend": ("torch", "triton"), "weight_format": ("bf16", "nvfp4")}
+
+
 def read_manifest(build: str | Path) -> dict:
-    """BUILD/build.json. Raises InputError when BUILD is not a flintc build."""
+    """BUILD/build.json. Raises InputError naming the file when BUILD is not a flintc
+    build, or its build.json is not a JSON object, lacks a field every build has, has
+    another build_version, or a field the runtime reads of the wrong kind (a count such
+    as max_batch that is not a positive integer, a backend or weight_format this flintc
+    does not know, a device that is not a string, functions that are not an object):
+    a hand-edited file used to fail later as a bare ValueError / TypeError / KeyError."""
     build = Path(build)
     path = build / "build.json"
     if not path.is_file():
@@ -125,6 +135,9 @@ def read_manifest(build: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise InputError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise InputError(f"{path}: expected a JSON object (a build manifest), got a JSON "
+                         f"{type(manifest).__name__}; rebuild with flintc compile")
     for key in ("build_version", "config", "weight_sha256", "functions", "max_batch"):
         if key not in manifest:
             raise InputError(f"{path} has no field {key!r}; rebuild with flintc compile")
@@ -133,6 +146,22 @@ def read_manifest(build: str | Path) -> dict:
     if manifest["build_version"] != BUILD_VERSION:
         raise InputError(f"{path}: build_version {manifest['build_version']!r}, this flintc "
                          f"reads {BUILD_VERSION}; rebuild with flintc compile")
+    for key in _MANIFEST_COUNTS:
+        value = manifest.get(key)
+        if key in manifest and not (key == "prefill_tail_chunk" and value is None) and not (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise InputError(f"{path}: {key} must be a positive integer, got {value!r} (the file was edited?); "
+                             "rebuild with flintc compile")
+    for key, names in _MANIFEST_NAMES.items():
+        if key in manifest and manifest[key] not in names:
+            raise InputError(f"{path}: {key} must be one of {', '.join(names)}, got {manifest[key]!r} (the file "
+                             "was edited?); rebuild with flintc compile")
+    if "device" in manifest and not (isinstance(manifest["device"], str) and manifest["device"]):
+        raise InputError(f"{path}: device must be a device name such as cpu or cuda, got {manifest['device']!r} "
+                         "(the file was edited?); rebuild with flintc compile")
+    if not isinstance(manifest["functions"], dict):
+        raise InputError(f"{path}: functions must be an object (function name -> its kernels), got a JSON "
+                         f"{type(manifest['functions']).__name__}; rebuild with flintc compile")
     return manifest
 
 
@@ -342,6 +371,9 @@ class CompiledRunner:
         from flintc.runtime.kernels import KernelTable
 
         self.build, self.manifest = Path(build), manifest
+        for key in ("max_model_len", "prefill_chunk", "cache_rows", "backend", "weight_format"):
+            if key not in manifest:  # read_manifest checks their kind, when they are there
+                raise InputError(f"{self.build / 'build.json'} has no field {key!r}; rebuild with flintc compile")
         self.config = ckpt.config
         self.device = device
         self.fmt = ckpt.fmt
@@ -386,6 +418,9 @@ class CompiledRunner:
         self.kv = self.model.new_kv_cache(self.max_batch, self.cache_rows, device)
         self._module = _load_module(self.build / "runtime.py", f"flintc_build_{abs(hash(str(build)))}")
         plan_path = self.build / "plan.json"
+        if not plan_path.is_file():
+            raise InputError(f"{plan_path} does not exist: the build is incomplete; regenerate it with flintc "
+                             "compile")
         try:
             self.plan = json.loads(plan_path.read_text())["steps"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:

@@ -568,7 +568,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
 
 def _check_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Validate OpenAI tool definitions. Raises APIError(400) naming the bad entry."""
+    """Validate OpenAI tool definitions. Raises APIError(400) naming the bad entry: not
+    a function tool with a name, or parameters that are not an object (a 500 before)."""
     if not tools:
         return None
     for i, t in enumerate(tools):
@@ -577,14 +578,19 @@ def _check_tools(tools: list[dict] | None) -> list[dict] | None:
                 or not fn["name"]:
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
                            f"{{\"name\": ..., \"parameters\": ...}}}}", param=f"tools[{i}]")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):  # read as a schema by the parser and template
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object, got "
+                           f"{type(params).__name__}", param=f"tools[{i}].function.parameters")
     return tools
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages -> what the chat template takes: ``developer`` becomes
     ``system``, assistant tool-call arguments (JSON strings in OpenAI's format) become
-    mappings. Raises APIError(400) for an unknown role, a non-text content part, or
-    arguments that are not a JSON object."""
+    mappings. Raises APIError(400) for an unknown role, a non-text content part,
+    tool_calls that are not a list (a 500 before), or arguments that are not a JSON
+    object."""
     if not messages:
         raise APIError(400, "'messages' must hold at least one message", param="messages")
     out = []
@@ -603,6 +609,9 @@ def _template_messages(messages: list[dict]) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string, a list of text parts, or null",
                            param=f"messages[{i}].content")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise APIError(400, f"messages[{i}].tool_calls must be a list of tool calls, got "
+                           f"{type(m['tool_calls']).__name__}", param=f"messages[{i}].tool_calls")
         if m.get("tool_calls"):
             calls = []
             for j, tc in enumerate(m["tool_calls"]):

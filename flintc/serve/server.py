@@ -25,7 +25,9 @@ def make_runner(args: argparse.Namespace):
     Raises:
         FlintcError: ``--build`` given but the compiled runtime is not available.
         InputError: ``--max-model-len`` / ``--max-batch`` above the build's
-            (:func:`flintc.runtime.compiled.limit_build`).
+            (:func:`flintc.runtime.compiled.limit_build`); without a build,
+            ``--max-model-len`` above the model's max_position_embeddings, or KV caches
+            the CPU has not the memory for (`_check_caches_fit`).
         CheckpointError / ConfigError: the checkpoint cannot be loaded.
     """
     import torch
@@ -53,7 +55,41 @@ def make_runner(args: argparse.Namespace):
     ckpt = load_checkpoint(model_path(args), hf_config_path=args.hf_config_path, device=device,
                            progress=sys.stderr.isatty())
     model = FlintModel(ckpt.config, ckpt.weights)
-    return ReferenceRunner(model, max_batch=args.max_batch or 8, max_model_len=args.max_model_len)
+    max_batch = args.max_batch or 8
+    if args.max_model_len is not None and args.max_model_len > model.max_positions:
+        # it was cut to max_position_embeddings silently (as a build's compile refuses it)
+        raise InputError(f"--max-model-len {args.max_model_len}: more than the model's max_position_embeddings "
+                         f"({model.max_positions}); drop the flag for {model.max_positions}, or give a smaller one")
+    _check_caches_fit(model, max_batch, args.max_model_len or model.max_positions, device)
+    return ReferenceRunner(model, max_batch=max_batch, max_model_len=args.max_model_len)
+
+
+def _check_caches_fit(model, max_batch: int, max_model_len: int, device) -> None:
+    """Refuse KV caches (`FlintModel.new_kv_cache` of `max_batch` slots, `max_model_len`
+    rows per full-attention layer, W per sliding one) that the CPU has not the memory
+    for, before allocating them: `--max-batch 100000` was a bare "can't allocate
+    memory" RuntimeError. Nothing is checked on another device or when the available
+    memory cannot be read (`flintc.runtime.device.available_memory_bytes`).
+
+    Raises:
+        InputError: naming --max-batch, --max-model-len, the caches' size and the memory
+            available, in GiB.
+    """
+    import torch
+
+    from flintc.runtime.device import available_memory_bytes
+
+    if torch.device(device).type != "cpu":
+        return
+    c = model.config
+    rows = sum(c.sliding_window if c.is_sliding_layer(i) else max_model_len for i in range(c.num_hidden_layers))
+    itemsize = torch.empty((), dtype=model.act_dtype).element_size()
+    need = 2 * max_batch * rows * c.num_key_value_heads * c.head_dim * itemsize  # K and V
+    avail = available_memory_bytes()
+    if avail is not None and need > avail:
+        raise InputError(f"--max-batch {max_batch} x --max-model-len {max_model_len}: the KV caches would take "
+                         f"{need / 2**30:.1f} GiB, but only {avail / 2**30:.1f} GiB of memory is available; give "
+                         "a smaller --max-batch or --max-model-len")
 
 
 def model_path(args: argparse.Namespace) -> Path:

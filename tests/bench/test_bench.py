@@ -458,6 +458,29 @@ def test_list_options_refuse_empty_items(tmp_path, capsys, flag, value):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--breakdown", "", "--breakdown: expected at least one value: comma-separated BATCHxCONTEXT items"),
+    ("--baseline-points", " ", "--baseline-points: expected at least one value: comma-separated BATCHxCONTEXT"),
+    ("--prefill", "", "--prefill: expected at least one value, or none: comma-separated positive integers"),
+    ("--baselines", "", "--baselines: expected at least one value, or none: comma-separated names out of eager"),
+])
+def test_empty_list_options_are_refused(tmp_path, capsys, flag, value, needle):
+    """An empty value is not the default: `--breakdown ''` and `--baseline-points ''` ran
+    the default points, `--prefill ''` and `--baselines ''` measured none, all silently.
+    One line naming the option, exit 2, nothing written; `none` still means none."""
+    assert main(["bench", *_QUICK, flag, value, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: {needle}") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_none_means_an_empty_list():
+    from flintc.cli.bench import _ints, _none_or
+
+    assert _none_or(" none ", "--prefill", "sizes", lambda t: _ints(t, "--prefill")) == []
+    assert _none_or("16,32", "--prefill", "sizes", lambda t: _ints(t, "--prefill")) == [16, 32]
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--config", "bogus"], "--config bogus: unknown config preset 'bogus'"),
     (["--breakdown", "0x64"], "--breakdown: expected BATCHxCONTEXT items of positive integers"),

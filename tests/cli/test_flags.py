@@ -133,6 +133,45 @@ def test_compile_step_dump_dir_false_ignores_flintc_dump_dir(monkeypatch, tmp_pa
     assert not (tmp_path / "dd").exists()
 
 
+@pytest.mark.parametrize("command", [
+    ["run", "{ckpt}", "--backend", "torch", "--max-batch", "1", "--no-check", "--prompt-ids", "1,2",
+     "--max-tokens", "1"],
+    ["verify", "--step", "decode"],
+])
+@pytest.mark.parametrize("value, blocker", [("file", "file"), ("file/sub", "file")])
+def test_unwritable_flintc_dump_dir_names_the_variable(capsys, tmp_path, monkeypatch, tiny_bf16_dir, command,
+                                                       value, blocker):
+    """$FLINTC_DUMP_DIR that is a file (or under one) said "<dir>/decode_b1: Not a
+    directory", naming no variable, after a temporary BUILD's capture (`run`) or the
+    first step's passes (`verify`). Now one line naming the variable, before any work."""
+    import flintc.passes.pipeline as pipeline
+
+    def never(*a, **k):
+        raise AssertionError("compile_step ran before $FLINTC_DUMP_DIR was checked")
+
+    monkeypatch.setattr(pipeline, "compile_step", never)
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / value))
+    code, out, err = run_cli(capsys, *[a.format(ckpt=tiny_bf16_dir) for a in command])
+    assert_one_line_error(code, err, f"FLINTC_DUMP_DIR={tmp_path / value}: cannot write the dumps there "
+                          f"({tmp_path / blocker} is a file, not a folder); set FLINTC_DUMP_DIR to a writable "
+                          "folder, or unset it for no dumps")
+    assert out == ""
+
+
+def test_compile_step_checks_flintc_dump_dir(monkeypatch, tmp_path):
+    """The Python API refuses it too (before the capture), unless dump_dir=False."""
+    from harness import tiny_model
+
+    from flintc.errors import InputError
+    from flintc.passes.pipeline import compile_step
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "file"))
+    with pytest.raises(InputError, match="^FLINTC_DUMP_DIR="):
+        compile_step(tiny_model(), "prefill", batch=1, tokens=8, cache_len=16, disabled=["fuse_moe"])
+
+
 # ---- --build limits: one function for run and serve ------------------------------------
 
 

@@ -107,6 +107,29 @@ def test_bad_run_arguments(capsys, tiny_bf16_dir, args, needle):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt", ""], "--prompt '': the prompt text is empty; a prompt needs at least one token"),
+    (["--prompt", "hi", "--prompt", ""], "--prompt '': the prompt text is empty"),
+    (["--prompt-ids", "1,2,3", "--max-model-len", "3"], "--prompt-ids: 3 tokens, more than the maximum of 2 "
+                                                         "(--max-model-len 3 counts the prompt"),
+])
+def test_bad_prompts_fail_before_compiling(capsys, monkeypatch, tiny_bf16_dir, args, needle):
+    """An empty --prompt, or --prompt-ids longer than --max-model-len allows, used to fail
+    only after the weights loaded and the temporary BUILD compiled (10-45 s on the tiny
+    model), as "prompt is empty" (no flag named) / "prompt has 3 tokens". Now at once."""
+    import flintc.checkpoint.loader
+    import flintc.runtime.build
+
+    def never(*a, **k):
+        raise AssertionError("loaded or compiled before the prompts were checked")
+
+    monkeypatch.setattr(flintc.checkpoint.loader, "load_checkpoint", never)
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", never)
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--backend", "torch", "--max-tokens", 1, *args)
+    assert code == 2 and err.startswith("flintc: error: ") and needle in err and err.count("\n") == 1, err
+    assert out == ""
+
+
 def test_bad_config_names_file_and_field(capsys, tmp_path, tiny_bf16_dir):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_bf16_dir, bad)
@@ -140,6 +163,15 @@ def test_make_checkpoint_refuses_non_empty_dir(capsys, tmp_path):
     code, _, err = run_cli(capsys, "make-checkpoint", "--config", "tiny", "--out", tmp_path)
     assert code == 2 and str(tmp_path) in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.txt"]
+
+
+def test_make_checkpoint_refuses_a_file_as_out(capsys, tmp_path):
+    """An --out that is a file (even an empty one) was "already exists and is not empty"."""
+    (tmp_path / "f").write_text("")
+    code, _, err = run_cli(capsys, "make-checkpoint", "--config", "tiny", "--out", tmp_path / "f")
+    assert code == 2 and err == f"flintc: error: {tmp_path / 'f'}: already exists and is a file, not a folder; " \
+                                "refusing to write\n", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
 def test_console_script_prints_no_traceback(tmp_path):

@@ -242,6 +242,8 @@ _BENCH_QUICK = ["bench", "--device", "cpu", "--config", "tiny", "--formats", "bf
     (["--time-budget", "-1"], "--time-budget must be a positive number of seconds, got -1"),
     (["--time-budget", "0"], "--time-budget must be a positive number of seconds, got 0"),
     (["--time-budget", "nan"], "--time-budget must be a positive number of seconds, got nan"),
+    (["--time-budget", "10"], "--time-budget must be more than 15 s (the time kept for writing the outputs), "
+                              "got 10"),
     (["--step-timeout", "-5"], "--step-timeout must be a positive number of seconds, got -5"),
     (["--breakdown", "9x9"], "--breakdown 9x9: not a decode point this run measures; expected BATCHxCONTEXT with "
                              "BATCH in --batches (1,2) and CONTEXT in --contexts (64,128)"),
@@ -250,7 +252,9 @@ _BENCH_QUICK = ["bench", "--device", "cpu", "--config", "tiny", "--formats", "bf
 ])
 def test_bench_refuses_values_outside_their_domain(capsys, tmp_path, args, needle):
     """`flintc bench --max-model-len 0` compiled for the largest context, `--time-budget
-    -1` skipped every point and `--step-timeout -5` (or 0) meant no limit, all exiting 0;
+    -1` skipped every point (as did a budget within the 15 s kept for writing the outputs,
+    "the time budget (10 s) is spent" after 1 s) and `--step-timeout -5` (or 0) meant no
+    limit, all exiting 0;
     `--breakdown 9x9` (no such decode point measured) was never taken, silently. Now each
     is one line naming the option, before anything is measured or written."""
     t0 = time.perf_counter()
@@ -266,9 +270,10 @@ def test_bench_options_check_the_same_values(tmp_path):
     from flintc.errors import InputError
 
     base = dict(out=tmp_path, device="cpu", config="tiny", contexts=[64, 128], batches=[1, 2])
-    opts = BenchOptions(**base, breakdown=[(2, 128)], time_budget=0.5, max_model_len=1).resolved()
+    opts = BenchOptions(**base, breakdown=[(2, 128)], time_budget=15.5, max_model_len=1).resolved()
     assert opts.breakdown == [(2, 128)]
     for bad, match in (({"max_model_len": 0}, "--max-model-len"), ({"time_budget": -1.0}, "--time-budget"),
+                       ({"time_budget": 15.0}, "--time-budget must be more than 15 s"),
                        ({"step_timeout": 0.0}, "--step-timeout"), ({"breakdown": [(1, 256)]}, "--breakdown 1x256")):
         with pytest.raises(InputError, match=f"^{match}"):
             BenchOptions(**base, **bad).resolved()

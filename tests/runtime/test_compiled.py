@@ -563,3 +563,55 @@ def test_edited_build_json_is_refused(builds, tmp_path):
         (copy / "build.json").write_text(json.dumps(manifest))
         with pytest.raises(InputError, match=needle):
             load_build(copy, ckpt_dir, progress=False)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("max_batch", "x", "max_batch must be a positive integer, got 'x'"),
+    ("max_model_len", None, "max_model_len must be a positive integer, got None"),
+    ("cache_rows", -1, "cache_rows must be a positive integer, got -1"),
+    ("prefill_chunk", True, "prefill_chunk must be a positive integer, got True"),
+    ("backend", "cuda", "backend must be one of torch, triton, got 'cuda'"),
+    ("weight_format", "int4", "weight_format must be one of bf16, nvfp4, got 'int4'"),
+    ("device", 5, "device must be a device name such as cpu or cuda, got 5"),
+    ("functions", [], "functions must be an object"),
+    (None, [1], "expected a JSON object (a build manifest), got a JSON list"),
+])
+def test_build_json_fields_of_the_wrong_kind_are_refused(builds, tmp_path, field, value, needle):
+    """A hand-edited build.json whose counts, backend, weight format or device are of the
+    wrong kind (or that is not an object) is refused naming the file and the field; they
+    failed later as a bare ValueError (int('x')), TypeError, AttributeError ('int' has no
+    startswith) or "unknown backend" traceback from the kernel table."""
+    import shutil
+
+    from flintc.runtime.compiled import read_manifest
+
+    build, ckpt_dir = builds["bf16"]
+    copy = tmp_path / "edited"
+    shutil.copytree(build, copy)
+    manifest = json.loads((copy / "build.json").read_text())
+    (copy / "build.json").write_text(json.dumps(value if field is None else {**manifest, field: value}))
+    with pytest.raises(InputError) as exc:
+        read_manifest(copy)
+    assert str(exc.value).startswith(f"{copy / 'build.json'}: ") and needle in str(exc.value), exc.value
+    with pytest.raises(InputError, match="build.json"):
+        load_build(copy, ckpt_dir, progress=False)
+
+
+def test_build_without_its_plan_or_a_field_is_refused(builds, tmp_path):
+    """A build folder without plan.json said only "plan.json: No such file or directory";
+    a build.json without cache_rows (or another field the runtime reads) was a KeyError."""
+    import shutil
+
+    build, ckpt_dir = builds["bf16"]
+    copy = tmp_path / "no-plan"
+    shutil.copytree(build, copy)
+    (copy / "plan.json").unlink()
+    with pytest.raises(InputError, match="plan.json does not exist: the build is incomplete"):
+        load_build(copy, ckpt_dir, progress=False)
+    copy = tmp_path / "no-rows"
+    shutil.copytree(build, copy)
+    manifest = json.loads((copy / "build.json").read_text())
+    del manifest["cache_rows"]
+    (copy / "build.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="build.json has no field 'cache_rows'"):
+        load_build(copy, ckpt_dir, progress=False)

@@ -86,8 +86,10 @@ def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
     assert main(["serve", str(tiny_bf16_dir), "--tokenizer", str(tiny_bf16_dir / "nope")]) == 2
     capsys.readouterr()
     # an empty --api-key would accept `Authorization: Bearer ` with no key; empty names too
+    # an empty --host listened on every interface (0.0.0.0), silently
     for flag, needle in (("--api-key", "--api-key must not be empty"),
-                         ("--served-model-name", "--served-model-name must not be empty")):
+                         ("--served-model-name", "--served-model-name must not be empty"),
+                         ("--host", "--host must not be empty: expected the address to listen on")):
         for empty in ("", " "):
             assert main(["serve", str(tiny_bf16_dir), flag, empty, "--port", "0"]) == 2
             err = capsys.readouterr().err
@@ -122,3 +124,32 @@ def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
     with pytest.raises(InputError, match="--max-batch 8: b was compiled for at most 4 sequences"):
         make_runner(ns(max_batch=8))
     assert len(calls) == 4
+
+
+def test_reference_runner_limits_are_checked(tiny_bf16_dir, monkeypatch):
+    """Without --build: --max-model-len above max_position_embeddings was cut to it
+    silently, and KV caches beyond the memory (--max-batch 100000) were a bare "can't
+    allocate memory" RuntimeError. Both are one line naming the flags (the memory is
+    monkeypatched: no test allocates that much)."""
+    import argparse
+
+    import flintc.runtime.device as device
+    from flintc.errors import InputError
+    from flintc.serve.server import _check_caches_fit, make_runner
+
+    def ns(**kw):
+        return argparse.Namespace(**{"build": None, "model": str(tiny_bf16_dir), "hf_config_path": None,
+                                     "device": None, "max_batch": None, "max_model_len": None, **kw})
+
+    with pytest.raises(InputError, match=r"^--max-model-len 4097: more than the model's max_position_embeddings "
+                                         r"\(4096\)"):
+        make_runner(ns(max_model_len=4097))
+    runner = make_runner(ns(max_batch=4, max_model_len=64))
+    assert (runner.max_batch, runner.max_model_len) == (4, 64)
+    # tiny: 2 full layers x 64 rows + 2 sliding x 9, 2 KV heads x 32 x bf16, K and V: 37,376 bytes a slot
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: 4 * 37376)
+    _check_caches_fit(runner.model, 4, 64, "cpu")
+    _check_caches_fit(runner.model, 5, 64, "meta")  # not a CPU: not checked
+    with pytest.raises(InputError, match=r"^--max-batch 5 x --max-model-len 64: the KV caches would take 0\.0 GiB, "
+                                         r"but only 0\.0 GiB of memory is available; give a smaller --max-batch"):
+        _check_caches_fit(runner.model, 5, 64, "cpu")

@@ -367,6 +367,14 @@ def test_disconnect_frees_slot(server, client):
     ({"temperature": "hot"}, "temperature"),
     ({"unknown_field": 1}, "unknown_field"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    # a 500 (TypeError: 'int' object is not iterable / AttributeError: no attribute 'get') before
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": 5}, {"role": "user", "content": "x"}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": "f()"}, {"role": "user", "content": "x"}]},
+     "messages[0].tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[0].function.parameters"),
 ])
 def test_bad_request_values(server, patch, param):
     status, body = raw(server, "POST", "/v1/chat/completions", {**chat("hi", model=MODEL, max_tokens=2), **patch})
