@@ -21,9 +21,10 @@ Sections, the rows that matter first:
    (no in-kernel merge), PDL off.
 3. Full table: B = 1, 2, 4, 8 x 1K .. 262K tokens, and the ring for B = 1..8.
 4. Sweep (time budget `--sweep-s`, default 50 s): launch configurations (BLOCK_S,
-   warps, stages, programs per SM) at 100K for B = 1 and 8, and the smallest run
-   (min_rows) and sharers per split (max_pieces) at 1K / 8K / ring. The winner goes
-   into the module constants GPU_*.
+   warps, stages, programs per SM) at 100K for B = 1 and 8, the smallest run
+   (min_rows) and sharers per split (max_pieces) at 1K / 8K / ring, and the ring with
+   one program per split at B = 1 and 8 (`--sweep-ring-only`: these alone). The winner
+   goes into the module constants GPU_*.
 
     python benchmarks/bench_decode_attention.py [--out results.md] [--sweep-s 50]
 """
@@ -213,8 +214,28 @@ def full_table(copy: float, num_sms: int) -> str:
                            "GB/s", "% copy", "attn % copy", "SDPA us", "SDPA % copy"], rows)
 
 
-def sweep(copy: float, num_sms: int, budget_s: float) -> str:
-    """Trials until `budget_s` seconds have passed (the rest is listed as not run)."""
+def ring_trials() -> list:
+    """A sliding layer's ring (W = 513, N = 9 splits of 57 rows) with one program per
+    split at every batch (programs_per_head = 9, min_rows = one split): at batch 8 the
+    default launch has 8 programs per head for 9 splits, so one program per head reads two
+    splits one after the other (9.7 us per call in the model against 4.5 at batch 1,
+    session 22). Smaller tiles (BLOCK_S = 32: ~170 registers, 3 programs per SM) or one
+    stage (a split is one block) let 288 programs be resident at once."""
+    n = da.choose_num_splits(W, 1, window=W)
+    rows = da.ring_min_rows(W, n)
+    trials = []
+    for B in (1, 8):
+        trials.append((B, W, W, "default launch", {}))
+        for bs, warps, stages in ((64, 4, 3), (64, 4, 1), (32, 4, 2), (32, 2, 2)):
+            trials.append((B, W, W, f"one program per split BLOCK_S={bs} warps={warps} stages={stages}",
+                           {"block_s": bs, "num_warps": warps, "num_stages": stages,
+                            "programs_per_head": n, "min_rows": rows}))
+    return trials
+
+
+def sweep(copy: float, num_sms: int, budget_s: float, only_ring: bool = False) -> str:
+    """Trials until `budget_s` seconds have passed (the rest is listed as not run);
+    `only_ring`: the ring trials alone (`ring_trials`)."""
     t_end = time.monotonic() + budget_s
     rows = []
     # (BLOCK_S, warps, stages, programs per SM) at 100K.
@@ -233,6 +254,9 @@ def sweep(copy: float, num_sms: int, budget_s: float) -> str:
         trials.append((1, 0, 8192, f"max_pieces={max_pieces}", {"max_pieces": max_pieces}))
     for min_rows in (64, 128, 192):
         trials.append((1, W, W, f"min_rows={min_rows}", {"min_rows": min_rows}))
+    trials += ring_trials()
+    if only_ring:
+        trials = ring_trials()
     cases = {}
     for B, window, ctx, label, knobs in trials:
         S = W if window else FULL_ROWS
@@ -268,6 +292,8 @@ def main(argv=None) -> str:
     parser.add_argument("--out", help="also write the Markdown tables to this file")
     parser.add_argument("--sweep-s", type=float, default=50.0,
                         help="time budget of the configuration sweep in seconds (0: skip it)")
+    parser.add_argument("--sweep-ring-only", action="store_true",
+                        help="the sweep's ring trials alone (one program per split at batch 1 and 8)")
     parser.add_argument("--no-full-table", action="store_true",
                         help="skip section 3 (the full B x context table)")
     args = parser.parse_args(argv)
@@ -288,7 +314,7 @@ def main(argv=None) -> str:
         parts += ["", "### Full table (262,144-row cache; ring of 513 rows, wrapped)", "",
                   full_table(copy, sms)]
     if args.sweep_s > 0:
-        parts += ["", "### Sweep", "", sweep(copy, sms, args.sweep_s)]
+        parts += ["", "### Sweep", "", sweep(copy, sms, args.sweep_s, args.sweep_ring_only)]
     text = "\n".join(parts)
     print(text)
     write_out(args.out, text)

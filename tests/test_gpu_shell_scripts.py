@@ -112,8 +112,7 @@ def test_attn_fold_plan_dry_run(tmp_path):
     r = subprocess.run(["bash", str(root / "scripts" / "gpu_attn_fold.sh")], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "full-nvfp4 missing: run scripts/gpu_builds.sh" in r.stderr
-    for b in ("full-nvfp4", "full-nvfp4-b1", "fold-nvfp4", "fold-nvfp4-b1", "fold4d-nvfp4-b1",
-              "fold4d-bf16-b1"):
+    for b in ("full-nvfp4", "full-nvfp4-b1", "fold-nvfp4", "fold-nvfp4-b1", "fold4d-nvfp4-b1"):
         (tmp_path / "b" / b).mkdir(parents=True)
         (tmp_path / "b" / b / "build.json").write_text("{}")
     r = subprocess.run(["bash", str(root / "scripts" / "gpu_attn_fold.sh")], cwd=tmp_path,
