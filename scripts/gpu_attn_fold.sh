@@ -10,13 +10,15 @@
 #   tests   the decode attention GPU tests of the fused launch (the model's shapes: 1K and
 #           100K in a 262,144-row cache, B = 8 mixed, the rings) and of CUDA-graph replays
 #           (both paths), at most 100 s
+#   route   the prefill routing kernel's tests (`route_topk_rows`, at 4,096 tokens too)
 #   micro   benchmarks/bench_decode_attention.py key rows: "attn+combine us" (two
 #           launches) against "fused us" (one), B = 1 / 8, 1K-100K and the ring; and the
 #           ring with one program per split at B = 1 / 8 (`--sweep-ring-only`)
 #   model   flintc bench, NVFP4, 1K, b1 / b8: the full-nvfp4* builds against the
 #           fold-nvfp4* builds, alternated twice (the forward; 100K is the micro's)
-# Limits (100 + 150 + 4 x 80 + 80 s = 650 s) are caps; the steps' expected times (about
-# 520 s) keep the call under 10 min.
+# Limits (100 + 60 + 150 + 4 x 80 + 80 s = 710 s) are caps; the steps' expected times
+# (about 540 s) keep the call under 10 min. The bench's prefill row (1,024 tokens) is the
+# first timing of the prefill routing kernel (against session 22 run 4's 44.8 ms NVFP4).
 #   check   the 4-layer full-width runtime check of the fold4d NVFP4 build
 # Needs the builds of `bash scripts/gpu_builds.sh` in $BUILDS (default gpu_builds: full-*,
 # fold-*, fold4d-*, full4-config).
@@ -47,6 +49,9 @@ step() {  # step NAME LIMIT_S CMD...: output to $WORK/NAME.log, its tail to stdo
 TAIL=4 step tests 100 $PY -m pytest -q -p no:cacheprovider -m gpu \
   tests/kernels/test_decode_attention.py \
   -k "(combine_gpu and (1K-context or 100K or B8-mixed or ring)) or cuda_graph"
+# (and the prefill chunk's routing kernel, on by default since session 24, unmeasured)
+TAIL=3 step route 60 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernels.py \
+  -k route_topk_rows
 TAIL=30 step micro 150 $PY benchmarks/bench_decode_attention.py --no-full-table --sweep-s 30 \
   --sweep-ring-only --out "$WORK/micro.md"
 BENCH="-m flintc bench --load-format dummy --config full --formats nvfp4 --contexts 1024

@@ -31,6 +31,7 @@ import argparse
 import os
 import sys
 import time
+import types
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -213,6 +214,11 @@ def cases(quick: bool):
                         lambda cfg=cfg, a=(h[:n1(cfg)], ids[:n1(cfg)], wts[:n1(cfg)], d_e, sd,
                                            res[:n1(cfg)]):
                         M.moe_down_combine_residual(*a, config=cfg), cfg))
+    # the prefill chunk's routing on CUDA (grouped_gemm.moe_route): 4,096 tokens, 256 experts
+    logits = torch.randn(4096, 256, generator=gen)
+    launch = types.SimpleNamespace(num_warps=4, num_stages=1)  # route_topk_rows's launch
+    out.append(("prefill route_topk_rows N=4096 E=256", M, "topk_rows_kernel",
+                lambda logits=logits: M.route_topk_rows(logits, torch.zeros(256), 6, 2.5), launch))
     return out
 
 

@@ -122,6 +122,7 @@ def test_attn_fold_plan_dry_run(tmp_path):
     tests = (work / "tests.log").read_text()
     assert "ARG[(combine_gpu and (1K-context or 100K or B8-mixed or ring)) or cuda_graph]" in tests \
         and "ARG[-m]" in tests
+    assert "ARG[route_topk_rows]" in (work / "route.log").read_text()
     globs = []
     for i in range(4):
         args = (work / f"bench-{i}.log").read_text().splitlines()

@@ -8,12 +8,14 @@ full model). Here the N*K (token, k) slots are sorted by expert (a stable argsor
 flattened ids), so each expert's weights are read once per tile of its tokens:
 
 * `moe_route`: router GEMM with fp32 accumulation (cuBLAS bf16 GEMM with fp32 output on
-  CUDA; the reference expression on CPU), then the reference's own selection code
-  (`select_topk`: sigmoid, stable descending sort of `scores + bias` so ties go to the
-  lower index, normalised weights times the scaling). On CPU ids and weights are
-  bit-identical; on CUDA the logits differ from the reference's fp32 GEMM only by fp32
-  reordering, so ids are equal except where two of `scores + bias` are within a few fp32
-  ulps of the k-th place (a near-tie), and weights are then within a few fp32 ulps.
+  CUDA; the reference expression on CPU), then the selection: on CPU the reference's own
+  code (`select_topk`: sigmoid, stable descending sort of `scores + bias` so ties go to
+  the lower index, normalised weights times the scaling), bit-identical; on CUDA one
+  Triton launch with the same definition (`flintc.kernels.moe.route_topk_rows`: K
+  max-reductions over packed keys per token). On CUDA the logits differ from the
+  reference's fp32 GEMM only by fp32 reordering and the sigmoid by an ulp, so ids are
+  equal except where two of `scores + bias` are within a few fp32 ulps of the k-th place
+  (a near-tie), and weights are within a few fp32 ulps.
 * `moe_gate_up` / `moe_down_combine`, three implementations (`impl=`):
   - `"triton"`: one Triton grouped GEMM kernel (below). Rows are gathered through index
     arrays (no sorted copy of x), weights are bf16 or NVFP4 decoded in-kernel (W4A16:
@@ -785,6 +787,14 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: 
     # cuBLAS with fp32 output on CUDA; on CPU the reference's expression (same operands
     # and layout as `x.to(CDT) @ router.to(CDT).T`: bit-identical)
     logits = _gemm_kernels._mm_fp32(x, router.T)
+    if x.is_cuda and not _interpreting():
+        # one Triton launch for the selection (session 24; not yet timed on the GPU): the
+        # decode top-k's packed-key max-reductions instead of a stable sort of all E keys
+        # per token and its elementwise launches (about 1.1 ms of sorts and ~6 small
+        # launches per MoE layer in a 1,024-token prefill, docs/benchmarks.md)
+        from flintc.kernels.moe import route_topk_rows
+
+        return route_topk_rows(logits.contiguous(), bias, top_k, scaling)
     return ops.select_topk(logits, bias, top_k, scaling)
 
 

@@ -1000,6 +1000,62 @@ def _mma_router_applies(x2: torch.Tensor, router) -> bool:
             and nvfp4_mma.available(x2.device))
 
 
+@triton.jit
+def topk_rows_kernel(
+    logits_ptr, bias_ptr,  # fp32 [N, E], fp32 [E]
+    wts_ptr, ids_ptr,  # out: fp32 [N, K], int64 [N, K]
+    N, E, scaling,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    # Program p: the top-k of tokens [p * BLOCK_N, (p + 1) * BLOCK_N) (a prefill chunk's
+    # routing, `route_topk_rows`), `_route` as the decode top-k.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, TOPK_PAD)
+    ids, wts = _route(logits_ptr, bias_ptr, N, E, scaling, offs_n, offs_k, BLOCK_E, TOP_K,
+                      LIBDEVICE)
+    mask = (offs_n < N)[:, None] & (offs_k < TOP_K)[None, :]
+    out = offs_n.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
+    tl.store(wts_ptr + out, wts, mask=mask)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
+
+
+TOPK_ROWS_BLOCK_N = 16  # tokens per program of `topk_rows_kernel` ([16, 256] int64 keys)
+
+
+def route_topk_rows(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
+    """Steps 2-4 of the MoE router for any number of tokens in one launch (a prefill
+    chunk's `moe_route` after its router GEMM), as `flintc.model.ops.select_topk`: sigmoid
+    scores, the top-k of `scores + bias` with ties to the lower expert index, weights
+    `scores[sel] / sum * scaling`. Replaces select_topk's stable sort of all E keys per
+    token and its elementwise launches by K max-reductions per token over packed int64
+    keys (`_route`).
+
+    logits: fp32 [N, E] contiguous; bias: fp32 [E]. Returns (weights fp32 [N, K], ids
+    int64 [N, K]). Numerics as the decode top-k: the sigmoid is Triton's (its exp on
+    CUDA), so ids equal the reference's except at ulp-level near-ties of `scores + bias`,
+    weights within a few fp32 ulps. Raises ValueError on a bad argument (named).
+    """
+    op = "route_topk_rows"
+    if not isinstance(logits, torch.Tensor) or logits.dtype != torch.float32 or logits.dim() != 2 \
+            or not logits.is_contiguous():
+        raise _err(op, "logits", "a contiguous fp32 tensor [N, E]", logits)
+    N, E = logits.shape
+    dev = logits.device
+    _check(op, "bias", bias, torch.float32, (E,), dev)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+        raise _err(op, "top_k", f"an int in [1, E={E}] (got {top_k!r})")
+    wts = torch.empty((N, top_k), dtype=torch.float32, device=dev)
+    ids = torch.empty((N, top_k), dtype=torch.int64, device=dev)
+    if N == 0:
+        return wts, ids
+    topk_rows_kernel[(triton.cdiv(N, TOPK_ROWS_BLOCK_N),)](
+        logits, bias, wts, ids, N, E, float(scaling), BLOCK_N=TOPK_ROWS_BLOCK_N,
+        **_route_consts(E, top_k), LIBDEVICE=_native(dev),
+        **({"num_warps": 4} if _native(dev) else {}))
+    return wts, ids
+
+
 def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int,
               scaling: float, *, use_pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`flintc::moe_route`: router GEMV then top-k (two launches: `norm_router_kernel`

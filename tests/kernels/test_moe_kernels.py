@@ -340,6 +340,32 @@ def test_unfused_ops(fmt, poison):
     assert_bf16_close(f"moe_down_combine ({fmt})", m, rm)
 
 
+@pytest.mark.parametrize("N,E", [
+    (37, TINY["E"]), (5, 256),
+    pytest.param(4096, 256, marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs CUDA")]),
+])
+def test_route_topk_rows(N, E):
+    """`route_topk_rows` (the prefill chunk's selection on CUDA, one launch for any N:
+    here 37 tokens over 3 programs of 16, the full model's 256 experts, and on the GPU a
+    4,096-token chunk; the CPU cases are its twins) against
+    `select_topk`: ids exact with a crafted tie at every token's top-k boundary (the lower
+    index wins), weights within 8 fp32 ulps; N = 0; bad arguments named."""
+    from flintc.model.ops import select_topk
+
+    gen = torch.Generator().manual_seed(N + E)
+    logits, bias, pairs = tied_logits(N, E, gen)
+    wts, ids = K.route_topk_rows(logits, bias, TOP_K, SCALING)
+    rw, rids = select_topk(logits.cpu(), bias.cpu(), TOP_K, SCALING)
+    check_routing(ids, wts, rids, rw, pairs)
+    w0, i0 = K.route_topk_rows(logits[:0].contiguous(), bias, TOP_K, SCALING)
+    assert w0.shape == (0, TOP_K) and i0.shape == (0, TOP_K)
+    for name, call in (("logits", lambda: K.route_topk_rows(logits.double(), bias, TOP_K, 1.0)),
+                       ("bias", lambda: K.route_topk_rows(logits, bias[:3], TOP_K, 1.0)),
+                       ("top_k", lambda: K.route_topk_rows(logits, bias, E + 1, 1.0))):
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
 def test_kernels_table_matches_ops():
     """KERNELS maps each op name to a launcher (the runtime looks them up by name)."""
     assert set(K.KERNELS) == {"norm_router", "moe_topk_gate_up", "moe_down_combine_residual",

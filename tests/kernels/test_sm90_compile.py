@@ -5,7 +5,8 @@ branches (inline-asm NVFP4 decode, bf16 tensor-core dots, the swapped dot, PDL w
 `scripts/sm90_compile_check.py --quick` compiles one configuration per kernel and format
 (plain GEMV, fused QKV, dense gate/up, MoE gate/up and down; flat and swapped tiles) and
 decode attention's default launch, its ring > W variant, its early reads, its fused
-combine (`decode_attention_combine`) and the combine, and the one-launch sampler, with Triton's
+combine (`decode_attention_combine`) and the combine, the one-launch sampler, and the
+prefill chunk's routing (`route_topk_rows`), with Triton's
 whole pipeline down to ptxas, in a subprocess without TRITON_INTERPRET.
 """
 
@@ -39,7 +40,7 @@ def test_decode_kernels_compile_for_sm90(quick_run):
     proc = quick_run
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert "every case compiled for sm_90" in proc.stdout
-    assert proc.stdout.count("ok    ") == 20, proc.stdout
+    assert proc.stdout.count("ok    ") == 21, proc.stdout
     # the report includes the K loop's length: every GEMV / MoE case has a loop
     assert all(" loop 0 instr" not in line for line in proc.stdout.splitlines()
                if line.startswith("ok    ") and ("moe" in line or "gemv" in line)), proc.stdout
