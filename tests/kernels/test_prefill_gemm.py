@@ -387,6 +387,17 @@ def test_sort_by_expert_groups_slots():
     assert order.tolist() == [3, 1, 2, 5, 0, 4]  # slots token*K + k, stable within an expert
 
 
+@pytest.mark.parametrize("E", [256, 300])
+def test_sort_by_expert_narrow_keys_keep_the_stable_order(E):
+    """The sort runs on uint8 keys for E <= 256 (one radix pass) and int16 above: the same
+    order as a stable argsort of the int64 ids, with many equal ids (1,000 tokens x 6)."""
+    ids = torch.randint(0, E, (1000, 6), generator=torch.Generator().manual_seed(E)).to(DEV)
+    order, counts, ends = GG.sort_by_expert(ids, E)
+    assert torch.equal(order, torch.argsort(ids.reshape(-1), stable=True))
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1), minlength=E))
+    assert torch.equal(ends, torch.cumsum(counts, 0))
+
+
 # ---------------------------------------------------------------------------- argument checks
 @functools.lru_cache(maxsize=1)
 def _bad_calls():
