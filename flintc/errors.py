@@ -27,3 +27,14 @@ class CheckpointError(FlintcError):
 
 class InputError(FlintcError):
     """A prompt, token id or sampling value is out of range."""
+
+
+class FlintcWarning(UserWarning):
+    """Something a user should know that does not stop the command; the CLI prints it
+    as one line, `flintc: warning: ...`."""
+
+
+class StaleBuildWarning(FlintcWarning):
+    """A BUILD was compiled by other compiler code (passes, ops, graph capture, model or
+    code generator) than the flintc loading it: its schedule is still valid but may
+    lack fusions or kernel arguments added since; recompile to get them."""

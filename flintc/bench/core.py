@@ -435,6 +435,11 @@ class _Bench:
                 except InputError as e:
                     self.note(f"{e}; not used")
                     continue
+                from flintc.runtime.compiled import stale_build_note
+
+                stale = stale_build_note(path, m)
+                if stale:
+                    self.note(stale)  # measured all the same: the results say which code compiled it
                 found.append(_build_record(path, m, plan))
         if not found:
             found = self._compile_missing(fmt, ckpt, root)

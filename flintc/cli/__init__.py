@@ -73,11 +73,35 @@ def main(argv: list[str] | None = None) -> int:
     # `--prompt-ids -1,2` reaches flintc run's check of the ids (argparse would take -1,2 for an option)
     args = parser.parse_args(join_int_list_values(sys.argv[1:] if argv is None else list(argv)))
     previous = _install_sigterm_handler()
+    show = _install_warning_format()
     try:
         return _run(args)
     finally:
+        import warnings
+
+        warnings.showwarning = show
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _install_warning_format():
+    """Print flintc's own warnings (`flintc.errors.FlintcWarning`) as one line,
+    `flintc: warning: ...`, without Python's file:line prefix; others as Python does.
+    Returns the previous `warnings.showwarning`."""
+    import warnings
+
+    from flintc.errors import FlintcWarning
+
+    previous = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, FlintcWarning):
+            print(f"flintc: warning: {message}", file=sys.stderr if file is None else file)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    return previous
 
 
 def _run(args) -> int:

@@ -378,6 +378,31 @@ def _kv_layout(config: FlintConfig, opts: BuildOptions) -> dict:
                     "(flintc.ops.attention.pad_slot) and neither read nor write the cache"}
 
 
+# What decides a build's graphs: the reference model traced, the capture, the passes and
+# the ops they emit, and the code generator (flintc/<dir>/*.py, relative to the package).
+COMPILER_SOURCES = ("model", "graph", "passes", "ops", "runtime/codegen.py")
+_COMPILER_SHA: list[str] = []
+
+
+def compiler_fingerprint() -> str:
+    """sha256 of the compiler's sources (`COMPILER_SOURCES`: path and bytes of each file,
+    in sorted order), computed once per process. Two flintc trees with the same value
+    compile the same graphs from the same model; build.json records it
+    ("compiler_sha256"), and loading a build compiled by other compiler code warns
+    (`StaleBuildWarning`), as a torch.compile cache keys on a hash of its code."""
+    if not _COMPILER_SHA:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        for rel in COMPILER_SOURCES:
+            path = root / rel
+            files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+            for f in files:
+                h.update(str(f.relative_to(root)).encode() + b"\0")
+                h.update(f.read_bytes() + b"\0")
+        _COMPILER_SHA.append(h.hexdigest())
+    return _COMPILER_SHA[0]
+
+
 def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -401,6 +426,7 @@ def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dic
         "prefill_sizes": opts.prefill_sizes(ckpt.config), "cache_rows": opts.cache_rows,
         "backend": opts.backend, "device": opts.device, "checked": opts.check,
         "buckets": opts.buckets, "fold_attention_combine": bool(opts.fold_attention_combine),
+        "compiler_sha256": compiler_fingerprint(),
         "functions": {name: {"step": s["step"], "batch": s["batch"], "tokens": s["tokens"],
                              "kernels": s["kernels"]} for name, s in plan_steps.items()},
     }

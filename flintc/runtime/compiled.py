@@ -246,6 +246,24 @@ def _first_tokenizer(places) -> Path | None:
     return None
 
 
+def stale_build_note(build: str | Path, manifest: dict) -> str | None:
+    """Why BUILD's graphs may be out of date, or None: its build.json records another
+    compiler fingerprint than this flintc's (`flintc.runtime.build.compiler_fingerprint`:
+    the model, capture, passes, ops and code generator it was compiled by), or none (a
+    build from before flintc recorded one). Such a build still runs (its ops keep their
+    contracts) but may lack fusions or kernel arguments added since."""
+    from flintc.runtime.build import compiler_fingerprint
+
+    recorded = manifest.get("compiler_sha256")
+    if recorded == compiler_fingerprint():
+        return None
+    what = (f"by other compiler code (compiler_sha256 {str(recorded)[:12]}, this flintc "
+            f"{compiler_fingerprint()[:12]})" if recorded else
+            "by a flintc that did not record its compiler fingerprint")
+    return (f"{Path(build)} was compiled {what}: its schedule may lack fusions or kernel "
+            "arguments added since; recompile with flintc compile to get them")
+
+
 def load_build(build: str | Path, model: str | Path | None = None, device: str | None = None,
                load_format: str | None = None, hf_config_path=None, progress: bool = True,
                use_cuda_graphs: bool = True, ckpt=None, prefill_graphs: bool | None = None) -> "CompiledRunner":
@@ -284,6 +302,13 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
 
     build = Path(build)
     manifest = read_manifest(build)
+    note = stale_build_note(build, manifest)
+    if note:
+        import warnings
+
+        from flintc.errors import StaleBuildWarning
+
+        warnings.warn(note, StaleBuildWarning, stacklevel=2)
     device = device or manifest.get("device", "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"{build} was compiled for {device} but no CUDA GPU is available "

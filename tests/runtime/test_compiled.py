@@ -565,6 +565,41 @@ def test_edited_build_json_is_refused(builds, tmp_path):
             load_build(copy, ckpt_dir, progress=False)
 
 
+def test_build_compiled_by_other_compiler_code_warns(builds, tmp_path, capsys):
+    """build.json records the compiler fingerprint (sha256 of the model, capture, passes,
+    ops and code generator sources); a build this flintc compiled loads silently, one
+    with another fingerprint, or none (older builds), loads with a StaleBuildWarning
+    naming the build, which the CLI prints as one `flintc: warning:` line."""
+    import shutil
+    import warnings
+
+    from flintc.errors import StaleBuildWarning
+    from flintc.runtime.build import compiler_fingerprint
+
+    build, ckpt_dir = builds["bf16"]
+    manifest = json.loads((build / "build.json").read_text())
+    fp = compiler_fingerprint()
+    assert manifest["compiler_sha256"] == fp and len(fp) == 64 and compiler_fingerprint() == fp
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", StaleBuildWarning)
+        load_build(build, ckpt_dir, progress=False)
+    for value, needle in (("0" * 64, r"compiled by other compiler code \(compiler_sha256 000000000000"),
+                          (None, "did not record its compiler fingerprint")):
+        copy = tmp_path / str(value)[:4]
+        shutil.copytree(build, copy)
+        edited = dict(manifest)
+        if value is None:
+            del edited["compiler_sha256"]
+        else:
+            edited["compiler_sha256"] = value
+        (copy / "build.json").write_text(json.dumps(edited))
+        with pytest.warns(StaleBuildWarning, match=needle):
+            load_build(copy, ckpt_dir, progress=False)
+    code, out, err = run_cli(capsys, "run", "--build", copy, "--prompt-ids", "1,2", "--max-tokens", 1)
+    lines = [l for l in err.splitlines() if l.startswith("flintc: warning:")]
+    assert code == 0 and len(lines) == 1 and "recompile with flintc compile" in lines[0], err
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("max_batch", "x", "max_batch must be a positive integer, got 'x'"),
     ("max_model_len", None, "max_model_len must be a positive integer, got None"),
