@@ -53,8 +53,8 @@ class CompiledModel:
             on_token: called as on_token(prompt_index, token_id).
 
         Raises:
-            InputError: text prompts without a tokenizer, too many prompts, bad ids,
-                or invalid sampling values.
+            InputError: text prompts without a tokenizer, no prompts or too many, bad
+                ids, or invalid sampling values.
         """
         from flintc.runtime.generate import generate_with_runner
 
@@ -110,14 +110,17 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
 
     Other arguments as `flintc compile` (see `flintc.runtime.build.BuildOptions`).
     Raises InputError / CheckpointError / PassCheckError as `flintc compile`; InputError
-    also for a malformed FLINTC_* variable (`flintc.runtime.compiled.check_environment`),
-    before compiling.
+    also for an empty `out` (`Path("")` is the current folder) and a malformed FLINTC_*
+    variable (`flintc.runtime.compiled.check_environment`), before compiling.
     """
     from flintc.checkpoint.loader import load_checkpoint
     from flintc.runtime.build import BuildOptions, compile_model
     from flintc.runtime.compiled import check_environment, load_build
     from flintc.runtime.device import prepare_device
 
+    if out is not None and str(out) == "":
+        raise InputError("out must not be empty: expected the path of the BUILD folder to write (or None for "
+                         "a temporary one)")
     prepare_device(device)  # a CPU run uses Triton's interpreter: set before triton loads
     check_environment("torch" if backend == "auto" and device == "cpu" else backend)  # before the compile
     if model is None and load_format != "dummy":

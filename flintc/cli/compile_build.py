@@ -217,7 +217,7 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model)")
-    p.add_argument("--out", required=True, help="the BUILD folder to write")
+    p.add_argument("--out", required=True, help="the BUILD folder to write; an existing build there is replaced")
     add_model_source_args(p)
     add_build_args(p)
     p.set_defaults(func=run_compile)

@@ -171,6 +171,12 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
 
         check_environment("torch" if backend == "auto" and args.device == "cpu" else backend)
     ckpt = load_model_checkpoint(args, args.device)
+    limit = ckpt.config.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > limit:
+        # the reference backend cut it to max_position_embeddings silently (as flintc compile
+        # and flintc serve refuse it)
+        raise InputError(f"--max-model-len {args.max_model_len}: more than the model's max_position_embeddings "
+                         f"({limit}); drop the flag for {limit}, or give a smaller one")
     if backend == "reference":
         from flintc.model.reference import FlintModel
 

@@ -1930,7 +1930,7 @@ def enabled_from_env() -> bool:
     if value not in ("0", "1"):
         from flintc.kernels.tuning import TuningEnvError
 
-        raise TuningEnvError(f"FLINTC_NVFP4_MMA must be 0 or 1; got {value!r}")
+        raise TuningEnvError(f"FLINTC_NVFP4_MMA must be 0 or 1, got {value!r}")
     return value == "1"
 
 

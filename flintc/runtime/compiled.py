@@ -83,7 +83,7 @@ def prefill_graphs_from_env() -> bool:
         return True
     if value == "0":
         return False
-    raise InputError(f"{PREFILL_GRAPHS_ENV} must be 0 or 1; got {value!r}")
+    raise InputError(f"{PREFILL_GRAPHS_ENV} must be 0 or 1, got {value!r}")
 
 
 def check_environment(backend: str | None = None) -> None:

@@ -44,12 +44,14 @@ def generate_with_runner(
         on_token: called as on_token(prompt_index, token_id) as tokens appear.
 
     Raises:
-        InputError: more prompts than runner.max_batch, an empty prompt, an id outside
-            the vocabulary, or a prompt of max_model_len tokens or more.
+        InputError: no prompts or more than runner.max_batch, an empty prompt, an id
+            outside the vocabulary, or a prompt of max_model_len tokens or more.
     """
     cfg = runner.config
     B = len(prompts)
-    if not 1 <= B <= runner.max_batch:
+    if B == 0:
+        raise InputError("no prompts: give at least one")
+    if B > runner.max_batch:
         raise InputError(f"{B} prompts, but the runtime takes at most {runner.max_batch} at once "
                          "(--max-batch)")
     plist = params if isinstance(params, list) else [params] * B

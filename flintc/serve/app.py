@@ -291,6 +291,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             return cls.model_validate_json(body)
         except ValidationError as exc:
             e = exc.errors()[0]
+            if e["type"] == "json_invalid":  # JSON that json.loads takes and pydantic not: a lone surrogate
+                why = (e.get("ctx") or {}).get("error", e["msg"])
+                raise APIError(400, f"malformed JSON in the request body: {why}", code="invalid_json") from None
             where = ".".join(str(p) for p in e["loc"]) or "body"
             msg = ("Unrecognized request argument supplied: " + where if e["type"] == "extra_forbidden"
                    else f"invalid value for '{where}': {e['msg']}")

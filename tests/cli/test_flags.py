@@ -44,6 +44,24 @@ def test_reference_backend_honours_max_model_len(capsys, tiny_bf16_dir):
                               "counts the prompt")
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_run_refuses_max_model_len_beyond_the_model(capsys, monkeypatch, tiny_bf16_dir, backend):
+    """--max-model-len above max_position_embeddings (4096 for tiny) was cut to it silently on
+    the reference backend; refused as `flintc compile` and `flintc serve` refuse it, by
+    every backend (--build: `test_run_build_limits_use_the_shared_function`), before
+    anything compiles."""
+    import flintc.runtime.build
+
+    def never(*a, **k):
+        raise AssertionError("compiled before --max-model-len was checked")
+
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", never)
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--backend", backend, "--prompt-ids", "1,2",
+                             "--max-tokens", 2, "--max-model-len", 4097)
+    assert_one_line_error(code, err, "--max-model-len 4097", "max_position_embeddings (4096)")
+    assert out == ""
+
+
 @pytest.mark.parametrize("args, needles", [
     (["--max-model-len", "0"], ["--max-model-len", "got 0"]),
     (["--max-model-len", "-3"], ["--max-model-len", "got -3"]),
@@ -369,6 +387,13 @@ def test_help_output_has_no_doubled_default(capsys, command):
         assert noise not in text
     if command == "run":
         assert text.count("(default: random)") == 1 and "(default: 16)" in text
+
+
+def test_compile_help_says_an_existing_build_is_replaced(capsys):
+    with pytest.raises(SystemExit):
+        main(["compile", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the BUILD folder to write; an existing build there is replaced" in text
 
 
 # ---- verify / dump / make-checkpoint / serve ----------------------------------------------

@@ -837,7 +837,7 @@ def test_flintc_nvfp4_mma_variable(monkeypatch):
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "1")
     assert M.enabled_from_env()
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "yes")
-    with pytest.raises(TuningEnvError, match="FLINTC_NVFP4_MMA must be 0 or 1; got 'yes'"):
+    with pytest.raises(TuningEnvError, match="FLINTC_NVFP4_MMA must be 0 or 1, got 'yes'"):
         check_environment()
 
 

@@ -527,6 +527,35 @@ def test_forward_refuses_ids_outside_the_vocabulary(builds):
     assert m.forward([V - 1]).shape == (1, V)
 
 
+def test_python_api_generate_needs_a_prompt(builds):
+    """`m.generate([])` said "0 prompts, but the runtime takes at most 4 at once
+    (--max-batch)", as if there were too many."""
+    import flintc
+
+    m = flintc.load(builds["bf16"][0])
+    with pytest.raises(InputError, match="^no prompts: give at least one$"):
+        m.generate([], temperature=0, max_tokens=2)
+    with pytest.raises(InputError, match="5 prompts, but the runtime takes at most 4"):
+        m.generate([[1, 2]] * 5, temperature=0, max_tokens=2)
+
+
+def test_python_api_compile_refuses_an_empty_out(tmp_path, monkeypatch):
+    """`flintc.compile(model, out="")` took "" as the current folder (and would replace a
+    build there), where `flintc compile --out ""` is refused: refused too, before any
+    checkpoint loads."""
+    import flintc
+    import flintc.checkpoint.loader
+
+    def never(*a, **k):
+        raise AssertionError("loaded a checkpoint before out was checked")
+
+    monkeypatch.setattr(flintc.checkpoint.loader, "load_checkpoint", never)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InputError, match="^out must not be empty: expected the path of the BUILD folder"):
+        flintc.compile(out="", backend="torch", check=False, dump=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cuda_build_without_a_gpu_hints_at_device_cpu(builds, capsys, tmp_path):
     import shutil
 

@@ -231,7 +231,7 @@ def test_who_gets_prefill_graphs(builds, monkeypatch):
     assert not runner_for(builds, "nvfp4").prefill_graphs
     assert runner_for(builds, "nvfp4", prefill_graphs=True).prefill_graphs  # the argument wins
     monkeypatch.setenv("FLINTC_PREFILL_GRAPHS", "yes")
-    with pytest.raises(InputError, match="FLINTC_PREFILL_GRAPHS must be 0 or 1; got 'yes'"):
+    with pytest.raises(InputError, match="FLINTC_PREFILL_GRAPHS must be 0 or 1, got 'yes'"):
         runner_for(builds, "nvfp4")
 
 

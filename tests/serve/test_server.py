@@ -408,6 +408,22 @@ def test_error_cases(server, client):
     assert r.usage.completion_tokens >= 1
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", rb'{"model": "flint-tiny", "prompt": "\ud800", "max_tokens": 1}'),
+    ("/v1/completions", rb'{"model": "flint-tiny", "prompt": "a\udc00b", "max_tokens": 1}'),
+    ("/v1/chat/completions", rb'{"model": "flint-tiny", "messages": [{"role": "user", "content": "\ud800"}]}'),
+    ("/v1/chat/completions", b'{"model": "flint-tiny", "messages": ['),
+])
+def test_malformed_json_has_code_invalid_json(server, path, body):
+    """A lone-surrogate escape (which json.loads takes, pydantic not) was a 400 "invalid
+    value for 'body'" with code null; any malformed body is code invalid_json."""
+    status, got = raw(server, "POST", path, body)
+    assert status == 400, got
+    err = got["error"]
+    assert err["code"] == "invalid_json" and err["param"] is None, err
+    assert err["message"].startswith("malformed JSON in the request body: "), err
+
+
 def test_over_length_error_names_the_prompt_field(server):
     """The context-length error names the field holding the prompt: "prompt" for
     /v1/completions, "messages" for /v1/chat/completions."""
