@@ -77,14 +77,20 @@ def generate(
             meaning; default: the model's max_positions); generation stops there.
 
     Raises:
-        InputError: a prompt is empty, holds an out-of-range id, or has max_model_len
-            tokens or more.
+        InputError: no prompts, a prompt is empty, holds an out-of-range id, or has
+            max_model_len tokens or more; max_model_len below 1 or above the model's
+            max_positions.
     """
     from flintc.runtime.generate import generate_with_runner
     from flintc.runtime.runner import ReferenceRunner
 
     cfg = model.config
-    max_len = min(max_model_len or model.max_positions, model.max_positions)
+    if not prompts:
+        raise InputError("no prompts: give at least one")
+    if max_model_len is not None and not 1 <= max_model_len <= model.max_positions:
+        raise InputError(f"max_model_len {max_model_len}: expected 1..{model.max_positions} (the model's "
+                         "max_positions)")
+    max_len = max_model_len or model.max_positions
     plist = params if isinstance(params, list) else [params] * len(prompts)
     if len(plist) != len(prompts):
         raise ValueError("need one SamplingParams per prompt")

@@ -378,9 +378,11 @@ def _kv_layout(config: FlintConfig, opts: BuildOptions) -> dict:
                     "(flintc.ops.attention.pad_slot) and neither read nor write the cache"}
 
 
-# What decides a build's graphs: the reference model traced, the capture, the passes and
-# the ops they emit, and the code generator (flintc/<dir>/*.py, relative to the package).
-COMPILER_SOURCES = ("model", "graph", "passes", "ops", "runtime/codegen.py")
+# What decides a build's graphs: the reference model traced (not its generate loop), the
+# capture, the passes and the ops they emit, and the code generator (files, or folders of
+# *.py, relative to the package).
+COMPILER_SOURCES = ("model/reference.py", "model/ops.py", "model/weights.py", "graph", "passes",
+                    "ops", "runtime/codegen.py")
 _COMPILER_SHA: list[str] = []
 
 

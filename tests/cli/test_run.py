@@ -233,3 +233,22 @@ def test_bad_environment_fails_before_compiling(capsys, monkeypatch, tiny_bf16_d
     code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--backend", backend, "--device", "cpu",
                            "--prompt-ids", "1,2", "--max-tokens", 1)
     assert code == 2 and err.startswith(f"flintc: error: {var}") and err.count("\n") == 1, err
+
+
+def test_reference_generate_refuses_no_prompts_and_too_long_a_model_len():
+    """The Python API's reference `generate`: no prompts, and a max_model_len outside
+    1..max_positions, are InputErrors naming them (a bare ValueError from max() of
+    nothing, and a silent cut to max_positions, before)."""
+    from flintc.checkpoint.init import random_weights
+    from flintc.config import FlintConfig
+    from flintc.errors import InputError
+    from flintc.model.reference import FlintModel
+
+    cfg = FlintConfig.preset("tiny")
+    model = FlintModel(cfg, random_weights(cfg, 0), max_positions=64)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    with pytest.raises(InputError, match="no prompts"):
+        generate(model, [], params)
+    for bad in (0, 65):
+        with pytest.raises(InputError, match=f"max_model_len {bad}: expected 1..64"):
+            generate(model, [[1, 2]], params, max_model_len=bad)
