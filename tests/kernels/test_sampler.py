@@ -273,3 +273,31 @@ def test_sample_takes_the_kernel_when_asked(monkeypatch):
         check_environment()
     monkeypatch.delenv("FLINTC_SAMPLER")
     assert sampling.sampler_backend() == sampling.DEFAULT_SAMPLER
+
+
+def test_sample_seeded_row_does_not_depend_on_the_batch_with_triton(monkeypatch):
+    """With FLINTC_SAMPLER=triton a seeded row draws the same tokens, and leaves its
+    generator in the same state, whatever the other rows are: also next to a row the
+    kernel does not take (top_k 0, or above MAX_TOP_K), which must not send the seeded
+    row down the torch path (`flintc.sampling` promises that a seeded request's tokens
+    do not depend on the rest of the batch)."""
+    from flintc import sampling
+
+    monkeypatch.setenv("FLINTC_SAMPLER", "triton")
+    gen = torch.Generator().manual_seed(9)
+    V = 300
+    steps = [torch.stack([logits_with_ties(V, gen) for _ in range(3)]).to(DEV) for _ in range(3)]
+    mine = SamplingParams(seed=11, top_k=20)
+
+    def run(others):
+        ps = [mine] + others
+        gens = [None if p.is_greedy else p.make_generator(DEV) for p in ps]
+        toks = [int(sampling.sample(x[:len(ps)], ps, gens)[0]) for x in steps]
+        return toks, gens[0].get_state()
+
+    alone, state = run([])
+    for others in ([SamplingParams(seed=5, top_k=5)], [SamplingParams(seed=6, top_k=0, top_p=0.9)],
+                   [SamplingParams(temperature=0), SamplingParams(seed=7, top_k=S.MAX_TOP_K + 1)]):
+        toks, st = run(others)
+        assert toks == alone, others
+        assert torch.equal(st, state), others
