@@ -221,8 +221,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     from its own generator (one `uniform_` launch per row, the same count whatever the
     settings), so a seeded request's tokens do not depend on the rest of the batch, at
     any step. A row holding NaN logits gets an unspecified token of that row (no error;
-    the other rows are unaffected). No host sync and no host-to-device copy: the launches queue behind
-    the forward pass.
+    the other rows are unaffected). No host sync and no host-to-device copy (with
+    FLINTC_SAMPLER=triton, the kernel's rows: one asynchronous copy of their settings from
+    pinned memory): the launches queue behind the forward pass.
 
     Args:
         logits: fp32 (or bf16) [B, V].
