@@ -18,8 +18,10 @@ sampler from ~230 us of device time in 79 kernels per step at batch 1 (~750 us i
 
 `FLINTC_SAMPLER=triton` draws on CUDA in one launch instead (`flintc.kernels.sampler`:
 the same distribution, Gumbel-max over per-token Philox uniforms keyed by the request's
-generator seed and offset), for batches whose rows are greedy or have 1 <= top_k <=
-64 < V; other batches, and the default `torch`, take the path above. Written in session
+generator seed and offset), for the rows with 1 <= top_k <= 64 < V (each row decided on
+its own settings, so a seeded row's tokens still do not depend on the batch; a batch of
+only such rows and greedy ones is one launch); the other rows, and the default `torch`,
+take the path above. Written in session
 24 without a GPU (interpreter-checked), so off until `scripts/gpu_sampler_ab.sh` has
 measured it.
 """
@@ -219,8 +221,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     from its own generator (one `uniform_` launch per row, the same count whatever the
     settings), so a seeded request's tokens do not depend on the rest of the batch, at
     any step. A row holding NaN logits gets an unspecified token of that row (no error;
-    the other rows are unaffected). No host sync and no host-to-device copy: the launches queue behind
-    the forward pass.
+    the other rows are unaffected). No host sync and no host-to-device copy (with
+    FLINTC_SAMPLER=triton, the kernel's rows: one asynchronous copy of their settings from
+    pinned memory): the launches queue behind the forward pass.
 
     Args:
         logits: fp32 (or bf16) [B, V].
@@ -236,16 +239,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     B, V = logits.shape
     if all(p.is_greedy for p in params):
         return torch.argmax(logits, dim=-1)  # first maximum: the lower token id
-    if sampler_backend() == "triton" and _triton_takes(logits, params, generators):
-        return _sample_triton(logits, params, generators)
+    # The kernel's rows are chosen row by row (never for the whole batch), so that which
+    # way a seeded row goes, and so its tokens, do not depend on the other rows.
+    fast = _triton_rows(logits, params, generators) if sampler_backend() == "triton" else []
+    if fast and len(fast) == sum(not p.is_greedy for p in params):
+        return _sample_triton(logits, params, generators)  # the greedy rows too
+    fast_set = set(fast)
     groups: dict[tuple, list[int]] = {}
     for b, p in enumerate(params):
+        if b in fast_set:
+            continue
         key = ("greedy",) if p.is_greedy else (p.temperature, p.top_k, p.top_p)
         groups.setdefault(key, []).append(b)
     # Every sampled row draws the same number of uniforms whatever its or the other rows'
     # settings, so a seeded request's generator advances alike in any batch.
     u = torch.empty(B, V + MAX_FAST_TOP_K + 1, dtype=torch.float32, device=logits.device)
-    out = None if len(groups) == 1 else torch.empty(B, dtype=torch.long, device=logits.device)
+    out = None if len(groups) == 1 and not fast else torch.empty(B, dtype=torch.long, device=logits.device)
+    if fast:
+        tok = _sample_triton(_rows(logits, fast), [params[b] for b in fast], [generators[b] for b in fast])
+        for j, b in enumerate(fast):
+            out[b] = tok[j]
     for key, rows in groups.items():
         x = _rows(logits, rows)
         if key == ("greedy",):
@@ -263,24 +276,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return out
 
 
-def _triton_takes(logits: torch.Tensor, params: list[SamplingParams], generators) -> bool:
-    """Whether `flintc.kernels.sampler` takes this batch: logits on CUDA (or any device
-    under Triton's interpreter, for tests), every sampled row with 1 <= top_k <= its
-    MAX_TOP_K and < V, and a generator whose Philox state can be read (CUDA: seed and
-    offset; the CPU's draws an offset)."""
+def _triton_rows(logits: torch.Tensor, params: list[SamplingParams], generators) -> list[int]:
+    """The sampled rows `flintc.kernels.sampler` takes, each decided on its own settings
+    alone: logits on CUDA (or any device under Triton's interpreter, for tests), the row
+    with 1 <= top_k <= its MAX_TOP_K and < V, and a generator whose Philox state can be
+    read (CUDA: seed and offset; the CPU's draws an offset)."""
     if not (logits.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
-        return False
+        return []
     try:
         from flintc.kernels import sampler
     except ImportError:  # no triton
-        return False
+        return []
     V = logits.shape[-1]
     if V >= 2**24 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(-1) != 1:
-        return False
-    sampled = [(p, g) for p, g in zip(params, generators) if not p.is_greedy]
-    if not sampler.supports([p.top_k for p, _ in sampled], V):
-        return False
-    return all(g is None or g.device.type != "cuda" or hasattr(g, "get_offset") for _, g in sampled)
+        return []
+    return [b for b, (p, g) in enumerate(zip(params, generators))
+            if not p.is_greedy and sampler.supports([p.top_k], V)
+            and (g is None or g.device.type != "cuda" or hasattr(g, "get_offset"))]
 
 
 def _philox_state(gen: torch.Generator | None, device: torch.device) -> tuple[int, int]:
@@ -300,7 +312,8 @@ def _philox_state(gen: torch.Generator | None, device: torch.device) -> tuple[in
 
 
 def _sample_triton(logits: torch.Tensor, params: list[SamplingParams], generators) -> torch.Tensor:
-    """`sample` in one launch of `flintc.kernels.sampler` (see `_triton_takes`). The
+    """`sample` in one launch of `flintc.kernels.sampler` (for the rows of `_triton_rows`,
+    and greedy rows). The
     per-row settings and Philox state go to the device in one asynchronous copy from
     pinned memory (no host sync)."""
     from flintc.kernels import sampler

@@ -95,7 +95,8 @@ def sample_kernel(
     U_FROM_PTR: tl.constexpr,
 ):
     # Program (row, ch): logits [ch * CHUNK, (ch + 1) * CHUNK) of the row. params [5, B]
-    # int64: seed, draw offset, top_k, temperature and top_p (fp32 bits). Records
+    # int64: seed, draw offset, top_k, temperature (fp32 bits) and top_p (fp64 bits, the
+    # Python float that `sampling_probs` compares). Records
     # [B, NCHUNK, 4, KMAX] fp32: value, count, token, u. (Token ids < 2^24 are exact in
     # fp32: V = 151,552.)
     row = tl.program_id(0)
@@ -129,7 +130,7 @@ def sample_kernel(
     arrived = tl.atomic_add(counter_ptr + row, 1, sem="acq_rel", scope="gpu")
     if arrived == NCHUNK - 1:
         tl.debug_barrier()
-        top_p = tl.load(params_ptr + 4 * B + row).to(tl.int32).to(tl.float32, bitcast=True)
+        top_p = tl.load(params_ptr + 4 * B + row).to(tl.float64, bitcast=True)
         _merge_and_draw(rec_ptr + row.to(tl.int64) * NCHUNK * 4 * KMAX, NCHUNK, V, kk, greedy,
                         top_p, out_ptr + row, KMAX, MERGE)
         tl.atomic_xchg(counter_ptr + row, 0)  # ready for the next launch
@@ -175,7 +176,7 @@ def _merge_and_draw(rec, NCHUNK, V, kk, greedy, top_p, out, KMAX: tl.constexpr,
     e = tl.where(kept, cnts * tl.exp(vals.to(tl.float64) - m), 0.0)
     total = tl.sum(e, axis=0)
     larger = tl.cumsum(e, axis=0) - e  # mass of the strictly larger values
-    keep = kept & (larger < top_p.to(tl.float64) * total)
+    keep = kept & (larger < top_p * total)
     uu = tl.where(kept, us, 0.5).to(tl.float64)  # (the slots not kept: any u in (0, 1))
     gumbel = -tl.log(-tl.log(uu))  # u = 0: -inf, never drawn
     score = tl.where(keep, vals.to(tl.float64) - m + gumbel, float("-inf"))
@@ -202,8 +203,10 @@ def _counters(device: torch.device, numel: int) -> torch.Tensor:
 
 def pack_params(seeds, offsets, top_k, temperature, top_p) -> torch.Tensor:
     """The kernel's per-row parameters as one int64 [5, B] host tensor (pinned by the
-    caller if it wants an asynchronous copy): seed, draw offset, top_k, and the fp32 bits
-    of temperature and top_p. Raises ValueError on lists of different lengths."""
+    caller if it wants an asynchronous copy): seed, draw offset, top_k, the fp32 bits of
+    temperature (the torch path divides fp32 logits by it as fp32 too) and the fp64 bits of
+    top_p (compared in fp64, as `sampling_probs`: an fp32 top_p would move the cut).
+    Raises ValueError on lists of different lengths."""
     B = len(seeds)
     if not (len(offsets) == len(top_k) == len(temperature) == len(top_p) == B):
         raise ValueError("pack_params: one seed, offset, top_k, temperature and top_p per row")
@@ -212,7 +215,7 @@ def pack_params(seeds, offsets, top_k, temperature, top_p) -> torch.Tensor:
     out[1] = torch.tensor([int(o) & (2**63 - 1) for o in offsets], dtype=torch.int64)
     out[2] = torch.tensor([int(k) for k in top_k], dtype=torch.int64)
     out[3] = torch.tensor(list(temperature), dtype=torch.float32).view(torch.int32).to(torch.int64)
-    out[4] = torch.tensor(list(top_p), dtype=torch.float32).view(torch.int32).to(torch.int64)
+    out[4] = torch.tensor(list(top_p), dtype=torch.float64).view(torch.int64)
     return out
 
 

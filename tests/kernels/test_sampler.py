@@ -273,3 +273,52 @@ def test_sample_takes_the_kernel_when_asked(monkeypatch):
         check_environment()
     monkeypatch.delenv("FLINTC_SAMPLER")
     assert sampling.sampler_backend() == sampling.DEFAULT_SAMPLER
+
+
+def test_sample_seeded_row_does_not_depend_on_the_batch_with_triton(monkeypatch):
+    """With FLINTC_SAMPLER=triton a seeded row draws the same tokens, and leaves its
+    generator in the same state, whatever the other rows are: also next to a row the
+    kernel does not take (top_k 0, or above MAX_TOP_K), which must not send the seeded
+    row down the torch path (`flintc.sampling` promises that a seeded request's tokens
+    do not depend on the rest of the batch)."""
+    from flintc import sampling
+
+    monkeypatch.setenv("FLINTC_SAMPLER", "triton")
+    gen = torch.Generator().manual_seed(9)
+    V = 300
+    steps = [torch.stack([logits_with_ties(V, gen) for _ in range(3)]).to(DEV) for _ in range(3)]
+    mine = SamplingParams(seed=11, top_k=20)
+
+    def run(others):
+        ps = [mine] + others
+        gens = [None if p.is_greedy else p.make_generator(DEV) for p in ps]
+        toks = [int(sampling.sample(x[:len(ps)], ps, gens)[0]) for x in steps]
+        return toks, gens[0].get_state()
+
+    alone, state = run([])
+    for others in ([SamplingParams(seed=5, top_k=5)], [SamplingParams(seed=6, top_k=0, top_p=0.9)],
+                   [SamplingParams(temperature=0), SamplingParams(seed=7, top_k=S.MAX_TOP_K + 1)]):
+        toks, st = run(others)
+        assert toks == alone, others
+        assert torch.equal(st, state), others
+
+
+def test_top_p_is_compared_at_full_precision():
+    """top_p reaches the kernel as the Python float (fp64), as `sampling_probs` and
+    `_top_k_scores` compare it: here the mass above the second value is 0.94999999787,
+    between fp32(0.95) = 0.949999988 and 0.95, so the second token stays (an fp32 top_p
+    dropped it), and with the larger uniform it is drawn."""
+    from flintc.sampling import _top_k_scores
+
+    V = 100
+    x = torch.full((V,), -30.0)
+    x[10], x[20] = 0.0, -2.944438934326172  # 1 / (1 + exp(x[20])) = 0.94999999787
+    p = SamplingParams(temperature=1.0, top_k=5, top_p=0.95)
+    assert (sampling_probs(x[None], p)[0] > 0).nonzero().flatten().tolist() == [10, 20]
+    cand, scores, _ = _top_k_scores(x[None], 5, 0.95)
+    assert sorted(cand[0][scores[0, :5] > float("-inf")].tolist()) == [10, 20]
+    assert p.top_p == 0.95 and S.pack_params([0], [0], [5], [1.0], [0.95])[4].view(torch.float64).item() == 0.95
+    u = torch.full((1, V), 0.5)
+    u[0, 10], u[0, 20] = 0.001, 0.999
+    got = S.launch_sample(x[None].to(DEV), _params([(0, 0, 5, 1.0, 0.95)]), 5, uniforms=u.to(DEV))
+    assert int(got[0]) == draw_model(x, u[0], 5, 0.95) == 20
