@@ -105,7 +105,9 @@ def sample_kernel(
     k = tl.load(params_ptr + 2 * B + row).to(tl.int32)
     temp = tl.load(params_ptr + 3 * B + row).to(tl.int32).to(tl.float32, bitcast=True)
     greedy = temp < GREEDY_EPS
-    kk = tl.where(greedy, 1, k)
+    # (clamped to the records' KMAX slots: a caller's max_top_k below a row's top_k then
+    # samples that row with top-k KMAX instead of writing past its records)
+    kk = tl.minimum(tl.where(greedy, 1, k), KMAX)
     offs = ch * CHUNK + tl.arange(0, CHUNK)
     mask = offs < V
     x = tl.load(logits_ptr + row.to(tl.int64) * stride_row + offs, mask=mask,

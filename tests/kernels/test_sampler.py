@@ -322,3 +322,11 @@ def test_top_p_is_compared_at_full_precision():
     u[0, 10], u[0, 20] = 0.001, 0.999
     got = S.launch_sample(x[None].to(DEV), _params([(0, 0, 5, 1.0, 0.95)]), 5, uniforms=u.to(DEV))
     assert int(got[0]) == draw_model(x, u[0], 5, 0.95) == 20
+
+
+def test_top_k_above_max_top_k_is_clamped_to_the_records():
+    """A direct caller passing max_top_k below a row's top_k: the kernel samples that row
+    with top-k KMAX (the records it has), never past them: every draw among the 4 largest."""
+    x = torch.arange(300, dtype=torch.float32)[None].expand(64, -1).contiguous() * 0.01
+    toks = S.launch_sample(x.to(DEV), _params([(s, 0, 20, 1.0, 1.0) for s in range(64)]), 4)
+    assert bool((toks.cpu() >= 296).all()), toks.tolist()
