@@ -302,13 +302,6 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
 
     build = Path(build)
     manifest = read_manifest(build)
-    note = stale_build_note(build, manifest)
-    if note:
-        import warnings
-
-        from flintc.errors import StaleBuildWarning
-
-        warnings.warn(note, StaleBuildWarning, stacklevel=2)
     device = device or manifest.get("device", "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"{build} was compiled for {device} but no CUDA GPU is available "
@@ -347,8 +340,16 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     if weight_fingerprint(ckpt.weights, ckpt.fmt, ckpt.source) != manifest["weight_sha256"]:
         raise InputError(f"the weights in {ckpt.source} are not the ones {build} was compiled "
                          "with (fingerprint differs); recompile, or pass the original checkpoint")
-    return CompiledRunner(build, manifest, ckpt, torch.device(device), use_cuda_graphs=use_cuda_graphs,
-                          prefill_graphs=prefill_graphs)
+    runner = CompiledRunner(build, manifest, ckpt, torch.device(device), use_cuda_graphs=use_cuda_graphs,
+                            prefill_graphs=prefill_graphs)
+    note = stale_build_note(build, manifest)
+    if note:  # once the build has loaded: an error above stays the only line
+        import warnings
+
+        from flintc.errors import StaleBuildWarning
+
+        warnings.warn(note, StaleBuildWarning, stacklevel=2)
+    return runner
 
 
 def limit_build(runner: "CompiledRunner", build: str | Path, max_model_len: int | None = None,
