@@ -76,7 +76,8 @@ def _chunk_top_values(x, u, offs, V, kk, rec, KMAX: tl.constexpr):
     tl.debug_barrier()  # before the slots' own stores below
     prev = tl.max(x, axis=0) + float("inf")  # +inf (a tensor: the loop carries one)
     for j in range(0, kk):
-        v = tl.max(tl.where(x < prev, x, float("-inf")), axis=0)
+        # (the first round takes max(x) unfiltered: a +inf logit is a value like any other)
+        v = tl.max(tl.where(x < prev, x, tl.where(j == 0, x, float("-inf"))), axis=0)
         eq = (x == v) & (x > float("-inf"))
         c = tl.sum(eq.to(tl.int32), axis=0)
         bu = tl.max(tl.where(eq, u, -1.0), axis=0)
@@ -160,7 +161,7 @@ def _merge_and_draw(rec, NCHUNK, V, kk, greedy, top_p, out, KMAX: tl.constexpr,
     prev = tl.max(rv, axis=0) + float("inf")  # +inf (a tensor: the loop carries one)
     cum = tl.sum(rc, axis=0) * 0.0
     for j in range(0, kk):  # the counts reach kk within kk distinct values
-        v = tl.max(tl.where(rv < prev, rv, float("-inf")), axis=0)
+        v = tl.max(tl.where(rv < prev, rv, tl.where(j == 0, rv, float("-inf"))), axis=0)
         eq = (rv == v) & (rv > float("-inf"))
         c = tl.sum(tl.where(eq, rc, 0.0), axis=0)
         bu = tl.max(tl.where(eq, ru, -1.0), axis=0)

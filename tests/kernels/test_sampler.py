@@ -330,3 +330,13 @@ def test_top_k_above_max_top_k_is_clamped_to_the_records():
     x = torch.arange(300, dtype=torch.float32)[None].expand(64, -1).contiguous() * 0.01
     toks = S.launch_sample(x.to(DEV), _params([(s, 0, 20, 1.0, 1.0) for s in range(64)]), 4)
     assert bool((toks.cpu() >= 296).all()), toks.tolist()
+
+
+def test_greedy_row_takes_an_inf_logit_in_a_mixed_batch():
+    """A greedy row next to a sampled one (so the kernel runs it) whose logits hold +inf:
+    the lowest +inf token, as torch.argmax; the sampled row is unaffected."""
+    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(9))
+    x[0, [30, 120]] = float("inf")
+    params = _params([(0, 0, 1, 0.0, 1.0), (3, 0, 20, 1.0, 0.95)])
+    toks = S.launch_sample(x.to(DEV), params, 20)
+    assert int(toks[0]) == 30 and 0 <= int(toks[1]) < 200
