@@ -49,14 +49,9 @@ def sampler_backend() -> str:
     Raises:
         TuningEnvError (a ValueError): another value, naming the variable.
     """
-    value = os.environ.get("FLINTC_SAMPLER", "").strip()
-    if value == "":
-        return DEFAULT_SAMPLER
-    if value not in ("torch", "triton"):
-        from flintc.kernels.tuning import TuningEnvError
+    from flintc.kernels.tuning import env_choice
 
-        raise TuningEnvError(f"FLINTC_SAMPLER must be torch or triton, got {value!r}")
-    return value
+    return env_choice("FLINTC_SAMPLER", ("torch", "triton"), DEFAULT_SAMPLER)
 
 
 @dataclass(frozen=True)

@@ -217,7 +217,7 @@ def cases(quick: bool):
     # the prefill chunk's routing on CUDA (grouped_gemm.moe_route): 4,096 tokens, 256 experts
     logits = torch.randn(4096, 256, generator=gen)
     launch = types.SimpleNamespace(num_warps=4, num_stages=1)  # route_topk_rows's launch
-    out.append(("prefill route_topk_rows N=4096 E=256", M, "topk_rows_kernel",
+    out.append(("prefill route_topk_rows N=4096 E=256", M, "topk_kernel",
                 lambda logits=logits: M.route_topk_rows(logits, torch.zeros(256), 6, 2.5), launch))
     return out
 

@@ -25,6 +25,12 @@ def _dry_run_env(tmp_path: Path, var: str) -> dict:
             "AB_WORK": str(tmp_path / "work")}
 
 
+def run_script(name: str, tmp_path: Path, env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """`bash scripts/NAME` in `tmp_path` with exactly `env`; its output captured as text."""
+    return subprocess.run(["bash", str(SCRIPTS[0].parent / name)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
 def test_script_parses(script):
@@ -42,11 +48,9 @@ def test_env_ab_splits_tests_and_values_like_the_shell(tmp_path):
     the A/B variable: AB_TESTS is split as the shell would (a quoted `-k` expression stays
     one argument), AB_TESTS_VALUE sets the variable for the tests, and each AB_MOE value
     (`;`-separated; empty or "-": unset) runs `bench_moe.py` once with its own setting."""
-    root = Path(__file__).resolve().parents[1]
     env = {**_dry_run_env(tmp_path, "FLINTC_AB_PROBE"), "AB_VAR": "FLINTC_AB_PROBE", "AB_TESTS": "tests/x.py -k 'a or b'",
            "AB_TESTS_VALUE": "v1", "AB_MOE": ";x y;-", "AB_SETS": "", "AB_RUNTIME": ""}
-    r = subprocess.run(["bash", str(root / "scripts" / "gpu_env_ab.sh")], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = run_script("gpu_env_ab.sh", tmp_path, env, 120)
     assert r.returncode == 0, r.stderr
     tests = (tmp_path / "out" / "tests.log").read_text().splitlines()
     assert tests[-4:] == ["ARG[tests/x.py]", "ARG[-k]", "ARG[a or b]", "VAR[v1]"]
@@ -55,8 +59,7 @@ def test_env_ab_splits_tests_and_values_like_the_shell(tmp_path):
     # the flintc bench step: one run per AB_SETS value, the build patterns passed unexpanded
     # (the script runs in the repository root, where an unquoted READM* would become README.md)
     env.update(AB_MOE="", AB_TESTS="", AB_SETS="-", AB_BUILD_GLOB="READM*")
-    r = subprocess.run(["bash", str(root / "scripts" / "gpu_env_ab.sh")], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = run_script("gpu_env_ab.sh", tmp_path, env, 120)
     assert r.returncode == 0, r.stderr
     log = (tmp_path / "work" / "bench-0.log").read_text().splitlines()
     assert log[log.index("ARG[--build-glob]") + 1] == "ARG[READM*]", log
@@ -74,8 +77,7 @@ def test_env_ab_refuses_to_empty_a_work_folder_holding_out_or_the_repo(tmp_path)
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": "/bin/false",
                "GPU_SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out"),
                "AB_WORK": work, "AB_TESTS": "", "AB_MOE": "", "AB_SETS": "", "AB_RUNTIME": ""}
-        r = subprocess.run(["bash", str(root / "scripts" / "gpu_env_ab.sh")], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=120)
+        r = run_script("gpu_env_ab.sh", tmp_path, env, 120)
         assert r.returncode == 1 and "AB_WORK" in r.stderr, (work, r.stderr)
         assert keep.exists() and (root / "scripts" / "gpu_env_ab.sh").exists()
 
@@ -85,10 +87,8 @@ def test_l2_prefetch_plan_dry_run(tmp_path):
     """`scripts/gpu_l2_prefetch.sh` (the planned H200 runs of the L2 prefetch) with a
     stand-in Python: part 1 runs the tests with one `-k` expression and `bench_moe.py` with
     FLINTC_MMA_L2_PREFETCH none / the in-kernel prefetches / all; another PART is refused."""
-    root = Path(__file__).resolve().parents[1]
     env = _dry_run_env(tmp_path, "FLINTC_MMA_L2_PREFETCH")
-    r = subprocess.run(["bash", str(root / "scripts" / "gpu_l2_prefetch.sh")], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = run_script("gpu_l2_prefetch.sh", tmp_path, env, 120)
     assert r.returncode == 0, r.stderr
     tests = (tmp_path / "out" / "tests.log").read_text().splitlines()
     k = tests[tests.index("ARG[-k]") + 1]
@@ -96,8 +96,7 @@ def test_l2_prefetch_plan_dry_run(tmp_path):
         and k.endswith("or converted]") and tests[-1] == "VAR[unset]", tests
     runs = [line for line in r.stdout.splitlines() if line.startswith("VAR[")]
     assert runs[1:4] == ["VAR[none]", "VAR[gemv,gate_up,down,norm_gate_up]", "VAR[all]"], r.stdout
-    r = subprocess.run(["bash", str(root / "scripts" / "gpu_l2_prefetch.sh")], cwd=tmp_path,
-                       env={**env, "PART": "3"}, capture_output=True, text=True, timeout=60)
+    r = run_script("gpu_l2_prefetch.sh", tmp_path, {**env, "PART": "3"}, 60)
     assert r.returncode == 1 and "PART must be 1 or 2" in r.stderr
 
 
@@ -107,16 +106,13 @@ def test_attn_fold_plan_dry_run(tmp_path):
     with a stand-in Python and stand-in builds: the fused-launch GPU tests, the model
     benched on the full-nvfp4* and fold-nvfp4* builds alternately, the 4-layer check on the
     fold4d builds; without the builds it stops first, naming the missing one."""
-    root = Path(__file__).resolve().parents[1]
     env = {**_dry_run_env(tmp_path, "FLINTC_DECODE_ATTN_PRELOAD"), "BUILDS": str(tmp_path / "b")}
-    r = subprocess.run(["bash", str(root / "scripts" / "gpu_attn_fold.sh")], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=60)
+    r = run_script("gpu_attn_fold.sh", tmp_path, env, 60)
     assert r.returncode == 1 and "full-nvfp4 missing: run scripts/gpu_builds.sh" in r.stderr
     for b in ("full-nvfp4", "full-nvfp4-b1", "fold-nvfp4", "fold-nvfp4-b1", "fold4d-nvfp4-b1"):
         (tmp_path / "b" / b).mkdir(parents=True)
         (tmp_path / "b" / b / "build.json").write_text("{}")
-    r = subprocess.run(["bash", str(root / "scripts" / "gpu_attn_fold.sh")], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = run_script("gpu_attn_fold.sh", tmp_path, env, 120)
     assert r.returncode == 0, r.stderr
     work = tmp_path / "work"
     tests = (work / "tests.log").read_text()
@@ -139,10 +135,8 @@ def test_sampler_plan_dry_run(tmp_path):
     stand-in Python: the sampler tests with FLINTC_SAMPLER=triton and every test of the
     two files (`-m 'gpu or not gpu'` after the script's `-m gpu`), then flintc bench with
     torch, then triton."""
-    root = Path(__file__).resolve().parents[1]
     env = _dry_run_env(tmp_path, "FLINTC_SAMPLER")
-    r = subprocess.run(["bash", str(root / "scripts" / "gpu_sampler_ab.sh")], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = run_script("gpu_sampler_ab.sh", tmp_path, env, 120)
     assert r.returncode == 0, r.stderr
     tests = (tmp_path / "out" / "tests.log").read_text().splitlines()
     assert tests[-1] == "VAR[triton]" and "ARG[gpu or not gpu]" in tests, tests

@@ -683,14 +683,9 @@ def preload_enabled() -> bool:
     Raises:
         TuningEnvError (a ValueError): another value, naming the variable.
     """
-    value = os.environ.get("FLINTC_DECODE_ATTN_PRELOAD", "").strip()
-    if value == "":
-        return PRELOAD
-    if value not in ("0", "1"):
-        from flintc.kernels.tuning import TuningEnvError
+    from flintc.kernels.tuning import env_choice
 
-        raise TuningEnvError(f"FLINTC_DECODE_ATTN_PRELOAD must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_choice("FLINTC_DECODE_ATTN_PRELOAD", ("0", "1"), "1" if PRELOAD else "0") == "1"
 
 
 def _check(cond: bool, name: str, what: str) -> None:

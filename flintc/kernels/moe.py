@@ -288,8 +288,10 @@ def topk_kernel(
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
     USE_PDL: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    # One program: the top-k of all N tokens (second launch of moe_route).
-    offs_n = tl.arange(0, BLOCK_N)
+    # Program p: the top-k of tokens [p * BLOCK_N, (p + 1) * BLOCK_N): one program for all
+    # N in decode (the second launch of moe_route), blocks of TOPK_ROWS_BLOCK_N tokens for
+    # a prefill chunk (`route_topk_rows`).
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, TOPK_PAD)
     if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
         tl.extra.cuda.gdc_launch_dependents()
@@ -1000,27 +1002,7 @@ def _mma_router_applies(x2: torch.Tensor, router) -> bool:
             and nvfp4_mma.available(x2.device))
 
 
-@triton.jit
-def topk_rows_kernel(
-    logits_ptr, bias_ptr,  # fp32 [N, E], fp32 [E]
-    wts_ptr, ids_ptr,  # out: fp32 [N, K], int64 [N, K]
-    N, E, scaling,
-    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, TOPK_PAD: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
-):
-    # Program p: the top-k of tokens [p * BLOCK_N, (p + 1) * BLOCK_N) (a prefill chunk's
-    # routing, `route_topk_rows`), `_route` as the decode top-k.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, TOPK_PAD)
-    ids, wts = _route(logits_ptr, bias_ptr, N, E, scaling, offs_n, offs_k, BLOCK_E, TOP_K,
-                      LIBDEVICE)
-    mask = (offs_n < N)[:, None] & (offs_k < TOP_K)[None, :]
-    out = offs_n.to(tl.int64)[:, None] * TOP_K + offs_k[None, :]
-    tl.store(wts_ptr + out, wts, mask=mask)
-    tl.store(ids_ptr + out, ids.to(tl.int64), mask=mask)
-
-
-TOPK_ROWS_BLOCK_N = 16  # tokens per program of `topk_rows_kernel` ([16, 256] int64 keys)
+TOPK_ROWS_BLOCK_N = 16  # tokens per program of `route_topk_rows` ([16, 256] int64 keys)
 
 
 def route_topk_rows(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
@@ -1029,7 +1011,7 @@ def route_topk_rows(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scalin
     scores, the top-k of `scores + bias` with ties to the lower expert index, weights
     `scores[sel] / sum * scaling`. Replaces select_topk's stable sort of all E keys per
     token and its elementwise launches by K max-reductions per token over packed int64
-    keys (`_route`).
+    keys (`_route`, in `topk_kernel` over blocks of TOPK_ROWS_BLOCK_N tokens).
 
     logits: fp32 [N, E] contiguous; bias: fp32 [E]. Returns (weights fp32 [N, K], ids
     int64 [N, K]). Numerics as the decode top-k: the sigmoid is Triton's (its exp on
@@ -1049,9 +1031,9 @@ def route_topk_rows(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scalin
     ids = torch.empty((N, top_k), dtype=torch.int64, device=dev)
     if N == 0:
         return wts, ids
-    topk_rows_kernel[(triton.cdiv(N, TOPK_ROWS_BLOCK_N),)](
+    topk_kernel[(triton.cdiv(N, TOPK_ROWS_BLOCK_N),)](
         logits, bias, wts, ids, N, E, float(scaling), BLOCK_N=TOPK_ROWS_BLOCK_N,
-        **_route_consts(E, top_k), LIBDEVICE=_native(dev),
+        **_route_consts(E, top_k), USE_PDL=0, LIBDEVICE=_native(dev),
         **({"num_warps": 4} if _native(dev) else {}))
     return wts, ids
 

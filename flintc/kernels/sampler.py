@@ -43,9 +43,10 @@ Written in session 24 without a GPU: interpreter-checked (tests/kernels/test_sam
 and compiled for sm_90 (188 registers with triton 3.9, 205 with the H200's 3.6, no
 spill; `aot_probe_specs`), not yet run on a GPU, hence `FLINTC_SAMPLER` defaults to torch.
 
-Scratch: the records (4 x 4 B x B x NCHUNK x KMAX) per launch; the arrival counters are a
-persistent zeroed int32 buffer per (device, B), left zeroed by every launch (two launches
-with the same B must not run concurrently on different streams).
+Scratch: the records (4 x 4 B x B x NCHUNK x KMAX) per launch; the arrival counters are
+the decode kernels' per-device zeroed pool (`flintc.kernels.gemv.split_k_counters`),
+left zeroed by every launch (launches sharing it must not run concurrently on different
+streams).
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ import torch
 import triton
 import triton.language as tl
 
+from flintc.kernels.gemv import split_k_counters
+
 GREEDY_TEMPERATURE = 1e-5  # as flintc.sampling.GREEDY_TEMPERATURE
 MAX_TOP_K = 64  # KMAX is the next power of two >= the batch's largest top_k
 GPU_CHUNK = 4096  # logits per program (37 programs per row at V = 151,552)
 GPU_NUM_WARPS = 4
 CPU_CHUNK = 64  # the interpreter: small chunks so that tests merge many records
-_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 @triton.jit
@@ -195,15 +197,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _counters(device: torch.device, numel: int) -> torch.Tensor:
-    key = (device.type, device.index, numel)
-    buf = _COUNTERS.get(key)
-    if buf is None:
-        buf = torch.zeros(numel, dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def pack_params(seeds, offsets, top_k, temperature, top_p) -> torch.Tensor:
     """The kernel's per-row parameters as one int64 [5, B] host tensor (pinned by the
     caller if it wants an asynchronous copy): seed, draw offset, top_k, the fp32 bits of
@@ -267,7 +260,7 @@ def launch_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, *,
     extra = {"num_warps": num_warps or GPU_NUM_WARPS} if on_gpu else {}
     sample_kernel[(B, nchunk)](
         logits, logits.stride(0), params, uniforms if uniforms is not None else logits, rec,
-        _counters(logits.device, B), out, V, nchunk,
+        split_k_counters(logits.device, B), out, V, nchunk,
         CHUNK=chunk, KMAX=kmax, MERGE=triton.next_power_of_2(nchunk * kmax),
         GREEDY_EPS=GREEDY_TEMPERATURE, U_FROM_PTR=uniforms is not None, **extra,
     )

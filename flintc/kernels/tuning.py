@@ -27,6 +27,21 @@ class TuningEnvError(InputError, ValueError):
 _CACHE: dict[tuple[str, str, float], dict] = {}
 
 
+def env_choice(env_var: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of `env_var` (stripped), one of `choices`; `default` when it is unset or
+    empty.
+
+    Raises:
+        TuningEnvError: another value: "`env_var` must be a or b, got 'x'".
+    """
+    value = os.environ.get(env_var, "").strip()
+    if value == "":
+        return default
+    if value not in choices:
+        raise TuningEnvError(f"{env_var} must be {' or '.join(choices)}, got {value!r}")
+    return value
+
+
 def overrides(env_var: str, factory, key_types: tuple) -> dict:
     """The entries of the file named by `env_var` as {key tuple: factory(**config)}; empty
     when the variable is unset or blank. Re-read when the file changes.

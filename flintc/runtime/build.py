@@ -21,6 +21,7 @@ an interrupted compile leaves no half-written BUILD.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -383,26 +384,23 @@ def _kv_layout(config: FlintConfig, opts: BuildOptions) -> dict:
 # *.py, relative to the package).
 COMPILER_SOURCES = ("model/reference.py", "model/ops.py", "model/weights.py", "graph", "passes",
                     "ops", "runtime/codegen.py")
-_COMPILER_SHA: list[str] = []
 
 
+@functools.lru_cache(maxsize=None)
 def compiler_fingerprint() -> str:
     """sha256 of the compiler's sources (`COMPILER_SOURCES`: path and bytes of each file,
     in sorted order), computed once per process. Two flintc trees with the same value
     compile the same graphs from the same model; build.json records it
     ("compiler_sha256"), and loading a build compiled by other compiler code warns
     (`StaleBuildWarning`), as a torch.compile cache keys on a hash of its code."""
-    if not _COMPILER_SHA:
-        root = Path(__file__).resolve().parents[1]
-        h = hashlib.sha256()
-        for rel in COMPILER_SOURCES:
-            path = root / rel
-            files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
-            for f in files:
-                h.update(str(f.relative_to(root)).encode() + b"\0")
-                h.update(f.read_bytes() + b"\0")
-        _COMPILER_SHA.append(h.hexdigest())
-    return _COMPILER_SHA[0]
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for rel in COMPILER_SOURCES:
+        path = root / rel
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            h.update(str(f.relative_to(root)).encode() + b"\0")
+            h.update(f.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dict:

@@ -486,6 +486,19 @@ def test_attention_combine_rejects_bad_input(name, bad):
         kernels.attention_combine(*bad(o, lse, sinks))
 
 
+def gpu_inputs(S: int, positions: list[int], seed: int, dead_sink: bool = False):
+    """The model's shapes (Hq = 32, Hkv = 4, D = 128) on CUDA: `make_inputs` with one slot
+    per sequence, then sinks ~ 2 N(0, 1) (sink 1 at -1e4, taking no mass, with
+    `dead_sink`), all from one generator seeded with `seed`."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    B, Hq, Hkv, D = len(positions), 32, 4, 128
+    q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, positions, num_slots=B, gen=gen)
+    sinks = torch.randn(Hq, generator=gen, device="cuda") * 2
+    if dead_sink:
+        sinks[1] = -1e4
+    return q, kc, vc, slots, pos, sinks
+
+
 GPU_CASES = [
     # (window, S, num_splits, positions: B of them, knobs). The reference expands V to
     # [B, Hq, S, D] fp32 (4 GiB per 2**15 rows at B=8), hence B=1 at the longest caches.
@@ -529,11 +542,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("window,S,num_splits,positions,knobs", GPU_CASES)
 def test_decode_attention_gpu(window, S, num_splits, positions, knobs, use_pdl):
     B = len(positions)
-    gen = torch.Generator(device="cuda").manual_seed(S + B)
-    Hq, Hkv, D = 32, 4, 128
-    q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, positions, num_slots=B, gen=gen)
-    sinks = torch.randn(Hq, generator=gen, device="cuda") * 2
-    sinks[1] = -1e4
+    q, kc, vc, slots, pos, sinks = gpu_inputs(S, positions, S + B, dead_sink=True)
     (o, lse, out), (o_ref, lse_ref, out_ref) = run_both(
         q, kc, vc, slots, pos, window, num_splits, sinks, use_pdl=use_pdl, **knobs)
     assert_partials_close(o, lse, o_ref, lse_ref, rtol=2e-5, atol=2e-5)
@@ -552,11 +561,7 @@ def test_decode_attention_combine_gpu(window, S, num_splits, positions, knobs, u
     and without PDL): within one bf16 ulp of the reference, counters reset. The CPU
     twin: `test_fused_combine_matches_reference`."""
     B = len(positions)
-    gen = torch.Generator(device="cuda").manual_seed(S + B + 2)
-    Hq, Hkv, D = 32, 4, 128
-    q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, positions, num_slots=B, gen=gen)
-    sinks = torch.randn(Hq, generator=gen, device="cuda") * 2
-    sinks[1] = -1e4
+    q, kc, vc, slots, pos, sinks = gpu_inputs(S, positions, S + B + 2, dead_sink=True)
     out, ref = run_fused(q, kc, vc, slots, pos, window, num_splits, sinks, use_pdl=use_pdl,
                          **knobs)
     assert_within_one_bf16_ulp(out, ref, atol=1e-5)
@@ -577,10 +582,7 @@ def test_decode_attention_preload_gpu(window, S, num_splits, positions, poison):
     the current token's row is made stale (`_poison_current_row`). The CPU twin:
     `test_preload_matches_reference`."""
     B = len(positions)
-    gen = torch.Generator(device="cuda").manual_seed(S + B + 1)
-    Hq, Hkv, D = 32, 4, 128
-    q, kc, vc, slots, pos = make_inputs(B, Hq, Hkv, D, S, positions, num_slots=B, gen=gen)
-    sinks = torch.randn(Hq, generator=gen, device="cuda") * 2
+    q, kc, vc, slots, pos, sinks = gpu_inputs(S, positions, S + B + 1)
     (o, lse, out), (o_ref, lse_ref, out_ref) = run_both(
         q, kc, vc, slots, pos, window, num_splits, sinks, use_pdl=True, preload=True,
         _poison_current_row=poison)

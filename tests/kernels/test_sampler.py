@@ -30,6 +30,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
+from flintc.kernels import gemv as G
 from flintc.kernels import sampler as S
 from flintc.sampling import SamplingParams, sampling_probs
 
@@ -37,43 +38,12 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") !
 DEV = "cuda" if ON_GPU else "cpu"
 
 
-def draw_model(x: torch.Tensor, u: torch.Tensor, k: int, top_p: float, greedy: bool = False) -> int:
-    """The kernel's rule for one row: x fp32 [V] (logits over the temperature), u fp32 [V]."""
-    if greedy:
-        return int(torch.argmax(x))
-    finite = x > float("-inf")
-    values = torch.unique(x[finite], sorted=True).flip(0)  # distinct, descending
-    kept_v, counts, cum = [], [], 0
-    for v in values.tolist():
-        if cum >= k:
-            break
-        c = int((x == v).sum())
-        kept_v.append(v)
-        counts.append(c)
-        cum += c
-    v = torch.tensor(kept_v, dtype=torch.float64)
-    e = torch.tensor(counts, dtype=torch.float64) * torch.exp(v - v[0])
-    larger = torch.cumsum(e, 0) - e
-    keep = larger < top_p * e.sum()
-    best, tok = -math.inf, 0
-    for j, val in enumerate(kept_v):
-        if not keep[j]:
-            continue
-        ids = (x == val).nonzero()[:, 0]
-        uu = u[ids]
-        top = uu.max()
-        t = int(ids[(uu == top).nonzero()[0, 0]])
-        score = (v[j] - v[0]).item() - math.log(-math.log(float(top))) if top > 0 else -math.inf
-        if score > best:
-            best, tok = score, t
-    return tok
-
-
-def model_probs(x: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
-    """The probability `draw_model` gives each token (Gumbel-max: value j with weight
-    e_j among the kept, each of its c_j tokens equally)."""
-    finite = x > float("-inf")
-    values = torch.unique(x[finite], sorted=True).flip(0)
+def kept_values(x: torch.Tensor, k: int, top_p: float):
+    """The kernel's rule up to the draw, for one row x fp32 [V]: the distinct finite
+    values in descending order until their counts reach k (list), their counts (list),
+    fp64 weights e_j = c_j exp(v_j - v_0), and which of them top-p keeps (the mass of the
+    larger values below top_p times the total)."""
+    values = torch.unique(x[x > float("-inf")], sorted=True).flip(0)  # distinct, descending
     kept_v, counts, cum = [], [], 0
     for v in values.tolist():
         if cum >= k:
@@ -85,6 +55,32 @@ def model_probs(x: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
     v = torch.tensor(kept_v, dtype=torch.float64)
     e = torch.tensor(counts, dtype=torch.float64) * torch.exp(v - v[0])
     keep = (torch.cumsum(e, 0) - e) < top_p * e.sum()
+    return kept_v, counts, e, keep
+
+
+def draw_model(x: torch.Tensor, u: torch.Tensor, k: int, top_p: float, greedy: bool = False) -> int:
+    """The kernel's rule for one row: x fp32 [V] (logits over the temperature), u fp32 [V]."""
+    if greedy:
+        return int(torch.argmax(x))
+    kept_v, _, _, keep = kept_values(x, k, top_p)
+    best, tok = -math.inf, 0
+    for j, val in enumerate(kept_v):
+        if not keep[j]:
+            continue
+        ids = (x == val).nonzero()[:, 0]
+        uu = u[ids]
+        top = uu.max()
+        t = int(ids[(uu == top).nonzero()[0, 0]])
+        score = (val - kept_v[0]) - math.log(-math.log(float(top))) if top > 0 else -math.inf
+        if score > best:
+            best, tok = score, t
+    return tok
+
+
+def model_probs(x: torch.Tensor, k: int, top_p: float) -> torch.Tensor:
+    """The probability `draw_model` gives each token (Gumbel-max: value j with weight
+    e_j among the kept, each of its c_j tokens equally)."""
+    kept_v, counts, e, keep = kept_values(x, k, top_p)
     p = torch.zeros(x.shape[0], dtype=torch.float64)
     z = e[keep].sum()
     for j, val in enumerate(kept_v):
@@ -142,7 +138,7 @@ def test_kernel_draws_the_models_token(V, rows, dtype):
             xb = x[b].float()
             xs = xb if t < S.GREEDY_TEMPERATURE else xb / t
             assert int(got[b]) == draw_model(xs, u[b], k, p, greedy=t < S.GREEDY_TEMPERATURE), (trial, b)
-    assert all(bool((c == 0).all()) for c in S._COUNTERS.values()), "arrival counters not reset"
+    assert all(bool((c == 0).all()) for c in G._COUNTERS.values()), "arrival counters not reset"
 
 
 def test_greedy_ties_take_the_lower_id():
