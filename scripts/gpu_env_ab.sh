@@ -25,8 +25,11 @@
 # tests.log and env_ab.tgz (all of that folder: every log, each bench's bench.md,
 # bench.json and plots; at most 8 files come back from the device, so the rest is packed).
 #
+# AB_BUDGET_S (default 540) caps the whole call: a step gets what is left at most.
+#
 #   OUT=/some/dir [AB_VAR=...] [AB_SETS=...] bash scripts/gpu_env_ab.sh   # repo root
 set -uo pipefail
+START=${AB_START:-$(date +%s)}  # the whole call's start (AB_BUDGET_S below)
 OUT=${OUT:-$PWD/env_ab_out}
 mkdir -p "$OUT" || exit 1
 OUT=$(cd "$OUT" && pwd)
@@ -44,13 +47,11 @@ case "$WORK" in  # emptied below: an absolute path that holds neither the reposi
   *) echo "AB_WORK must be an absolute path other than /; got '$WORK'" >&2; exit 1 ;;
 esac
 rm -rf "$WORK" && mkdir -p "$WORK"  # a warm machine keeps /tmp: no earlier call's files
-step() {  # step NAME LIMIT_S CMD...: output to $WORK/NAME.log, its tail to stdout
-  local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@" >"$WORK/$name.log" 2>&1
-  echo "== $name: rc $? in $(( $(date +%s) - t0 )) s"
-  tail -n "${TAIL:-12}" "$WORK/$name.log"
-}
+# `step NAME CAP_S CMD...` is gpu_env.sh's: each step gets min(CAP_S, what is left of
+# the whole call's AB_BUDGET_S, default 540 s) and is skipped under 20 s, so one call
+# never outlasts the device's 10-minute limit; logs in $WORK.
+BUDGET=${AB_BUDGET_S:-540}
+T=$WORK
 envp() {  # envp VALUE: ENVP, the `env` words that set $VAR to VALUE (unset: empty or -)
   if [ -n "$1" ] && [ "$1" != - ]; then ENVP=(env "$VAR=$1"); else ENVP=(env -u "$VAR"); fi
 }

@@ -4,8 +4,8 @@
 # lent, so it is off by default until these runs say which kernels gain
 # (docs/gpu-runs.md, "session 23: planned"). Both parts run `scripts/gpu_env_ab.sh`.
 #   PART=1 (default): the GPU tests of every prefetching kernel (the tests turn the
-#     prefetch on themselves), `bench_moe.py` NVFP4 with none / the in-kernel prefetches /
-#     all (adds the gate/up kernel's prefetch of the selected experts' down weights), and
+#     prefetch on themselves), `bench_moe.py` NVFP4 with none / all (session 25 dropped the
+#     in-kernel-only value, INKERNEL, to fit AB_BUDGET_S; run it with AB_MOE if all gains), and
 #     the NVFP4 model at 1K, b1-b8, none then all (one alternation: the call must stay
 #     under 10 min).
 #   PART=2: the dense gate/up (`gpu_dense_gate_up.py`) and the GEMV O projection / dense
@@ -22,7 +22,7 @@ case "${PART:-1}" in
     K="moe_topk_gate_up_matches and (True-1- or True-8-) or moe_down_matches"
     K="$K or norm_gate_up_matches or kernel_model_shapes or converted"
     AB_TESTS="tests/kernels/test_nvfp4_mma.py -k '$K'" \
-    AB_TESTS_VALUE=- AB_TESTS_S=120 AB_MICRO="" AB_MOE="none;$INKERNEL;all" \
+    AB_TESTS_VALUE=- AB_TESTS_S=90 AB_MICRO="" AB_MOE="none;all" \
     AB_SETS="none;all" AB_FORMATS=nvfp4 AB_BATCHES=1,2,4,8 \
     AB_BUILD_GLOB='full-nvfp4*' AB_RUNTIME="" bash scripts/gpu_env_ab.sh ;;
   2)
