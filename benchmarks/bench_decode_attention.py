@@ -22,8 +22,8 @@ Sections, the rows that matter first:
 3. Full table: B = 1, 2, 4, 8 x 1K .. 262K tokens, and the ring for B = 1..8.
 4. Sweep (time budget `--sweep-s`, default 50 s): launch configurations (BLOCK_S,
    warps, stages, programs per SM) at 100K for B = 1 and 8, the smallest run
-   (min_rows) and sharers per split (max_pieces) at 1K / 8K / ring, and the ring with
-   one program per split at B = 1 and 8 (`--sweep-ring-only`: these alone). The winner
+   (min_rows) and sharers per split (max_pieces) at 1K / 8K / ring, and the ring's
+   launches (`ring_launch`) at B = 1-16 (`--sweep-ring-only`: these alone). The winner
    goes into the module constants GPU_*.
 
     python benchmarks/bench_decode_attention.py [--out results.md] [--sweep-s 50]
@@ -215,8 +215,10 @@ def full_table(copy: float, num_sms: int) -> str:
 
 
 def ring_trials() -> list:
-    """A sliding layer's ring (W = 513, N = 9 splits of 57 rows) with one program per
-    split at every batch (programs_per_head = 9, min_rows = one split): at batch 8 the
+    """A sliding layer's ring (W = 513, N = 9 splits of 57 rows) at B = 1-16: the default
+    launch (`ring_launch`), launch configurations with one program per split
+    (programs_per_head = 9, min_rows = one split), and BLOCK_S 32 / 2 warps with the
+    one-wave program count. At batch 8 the
     default launch has 8 programs per head for 9 splits, so one program per head reads two
     splits one after the other (9.7 us per call in the model against 4.5 at batch 1,
     session 22). Smaller tiles (BLOCK_S = 32: ~170 registers, 3 programs per SM) or one
@@ -224,12 +226,19 @@ def ring_trials() -> list:
     n = da.choose_num_splits(W, 1, window=W)
     rows = da.ring_min_rows(W, n)
     trials = []
-    for B in (1, 8):
-        trials.append((B, W, W, "default launch", {}))
-        for bs, warps, stages in ((64, 4, 3), (64, 4, 1), (32, 4, 2), (32, 2, 2)):
+    for B in (1, 2, 4, 8, 16):
+        bs, warps, stages, per_split = da.ring_launch(B)
+        trials.append((B, W, W, f"default launch (ring_launch: BLOCK_S={bs} warps={warps} "
+                       f"stages={stages}{', one program per split' if per_split else ''})", {}))
+        for bs, warps, stages in ((64, 4, 3), (32, 4, 2), (32, 2, 2), (32, 2, 1), (16, 2, 2),
+                                  (32, 1, 2)):
             trials.append((B, W, W, f"one program per split BLOCK_S={bs} warps={warps} stages={stages}",
                            {"block_s": bs, "num_warps": warps, "num_stages": stages,
                             "programs_per_head": n, "min_rows": rows}))
+        trials.append((B, W, W, "one-wave programs BLOCK_S=32 warps=2 stages=2",
+                       {"block_s": 32, "num_warps": 2, "num_stages": 2, "programs_per_head":
+                        da.default_programs_per_head(B, HKV, torch.cuda.get_device_properties(0)
+                                                     .multi_processor_count, da.GPU_CTAS_PER_SM)}))
     return trials
 
 

@@ -146,3 +146,37 @@ def test_sampler_plan_dry_run(tmp_path):
     assert micro == ["VAR[triton]"] + ["VAR[torch]"] * 3 + ["VAR[triton]"] * 3, r.stdout
     sets = [line for line in r.stdout.splitlines() if line.startswith("FLINTC_SAMPLER=")]
     assert sets == ["FLINTC_SAMPLER=torch", "FLINTC_SAMPLER=triton"], r.stdout
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_ring_launch_plan_dry_run(tmp_path):
+    """`scripts/gpu_ring_launch.sh` (session 25's follow-up run) with a stand-in Python and
+    stand-in builds: the ring and sampler GPU tests with FLINTC_SAMPLER unset, the ring
+    sweep, and four model benches: the defaults, the ring launch, the gate/up launch, the
+    defaults again (each setting in its own bench alone)."""
+    env = {**_dry_run_env(tmp_path, "FLINTC_SAMPLER"), "BUILDS": str(tmp_path / "b")}
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/usr/bin/env bash\nprintf "ARG[%s]\\n" "$@"\n'
+                    'echo "RING[${FLINTC_DECODE_ATTN_RING_LAUNCH-unset}]"\n'
+                    'echo "GATE_UP[${FLINTC_MMA_GATE_UP_LAUNCH-unset}]"\n'
+                    'echo "SAMPLER[${FLINTC_SAMPLER-unset}]"\n')
+    r = run_script("gpu_ring_launch.sh", tmp_path, env, 60)
+    assert r.returncode == 1 and "full-nvfp4 missing: run scripts/gpu_builds.sh" in r.stderr
+    for b in ("full-nvfp4", "full-nvfp4-b1"):
+        (tmp_path / "b" / b).mkdir(parents=True)
+        (tmp_path / "b" / b / "build.json").write_text("{}")
+    r = run_script("gpu_ring_launch.sh", tmp_path, {**env, "FLINTC_SAMPLER": "torch"}, 120)
+    assert r.returncode == 0, r.stderr
+    work = tmp_path / "work"
+    tests = (work / "tests.log").read_text()
+    assert "ARG[tests/kernels/test_sampler.py]" in tests and "SAMPLER[unset]" in tests
+    assert "ARG[--sweep-ring-only]" in (work / "micro.log").read_text()
+    sets = []
+    for i in range(4):
+        log = (work / f"bench-{i}.log").read_text().splitlines()
+        assert log[log.index("ARG[--build-glob]") + 1] == "ARG[full-nvfp4*]"
+        sets.append([line for line in log if line.startswith(("RING[", "GATE_UP["))])
+    assert sets == [["RING[unset]", "GATE_UP[unset]"], ["RING[2=32,2,2,1]", "GATE_UP[unset]"],
+                    ["RING[unset]", "GATE_UP[nvfp4:4=2,1,0/nvfp4:8=2,1,0]"],
+                    ["RING[unset]", "GATE_UP[unset]"]]
+    assert (tmp_path / "out" / "ring_launch.tgz").is_file()

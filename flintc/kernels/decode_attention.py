@@ -529,6 +529,12 @@ GPU_COMBINE_P = 16
 MAX_PIECES_PER_SPLIT = 32  # at most ~this many programs share one split (merge length)
 # Interpreter (CPU) configuration: tiny blocks so that tests exercise many programs.
 CPU_BLOCK_S = 16
+# A sliding layer's ring launch by batch (`ring_launch`): {smallest batch: (BLOCK_S, warps,
+# stages, one program per split)}, the entry with the largest key <= B applying;
+# FLINTC_DECODE_ATTN_RING_LAUNCH overrides entries. Session 25 (H200, W = 513, 9 splits):
+# BLOCK_S 32, 2 warps, 2 stages, one program per split took 8.4 us per attention + combine
+# at batch 8 against 10.2 for the default launch, and 6.6 against 6.1 at batch 1.
+RING_LAUNCH = {1: (GPU_BLOCK_S, GPU_NUM_WARPS, GPU_NUM_STAGES, 0)}
 # Whether the kernel reads slots, positions and its first block of K / V rows before the
 # PDL wait (`preload_enabled`; FLINTC_DECODE_ATTN_PRELOAD overrides). Written in session
 # 23 with no GPU lent: checked in the interpreter, not yet on a GPU or measured, so off.
@@ -688,6 +694,46 @@ def preload_enabled() -> bool:
     return env_choice("FLINTC_DECODE_ATTN_PRELOAD", ("0", "1"), "1" if PRELOAD else "0") == "1"
 
 
+def ring_launch(batch: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_S, warps, stages, one program per split) of a sliding layer's ring launch on
+    the GPU at batch `batch`: the `RING_LAUNCH` entry with the largest smallest-batch key
+    <= batch, after the entries of FLINTC_DECODE_ATTN_RING_LAUNCH (`/`-separated
+    `B=block_s,warps,stages,per_split`, e.g. "8=32,2,2,1": from batch 8 on, BLOCK_S 32,
+    2 warps, 2 stages, one program per split), which replace or add keys. One program per
+    split: programs_per_head = the ring's splits, each read by one program (else the
+    one-wave default, `default_programs_per_head`).
+
+    Raises:
+        ValueError: batch < 1.
+        TuningEnvError (a ValueError): an entry not of that form (B >= 1, BLOCK_S a power
+            of two >= 16, warps 1-16 a power of two, stages 1-8, per_split 0 or 1), naming
+            the variable.
+    """
+    if type(batch) is not int or batch < 1:
+        raise ValueError(f"ring_launch: batch must be an int >= 1, got {batch!r}")
+    table = dict(RING_LAUNCH)
+    var = "FLINTC_DECODE_ATTN_RING_LAUNCH"
+    for entry in (e.strip() for e in os.environ.get(var, "").split("/") if e.strip()):
+        try:
+            key, value = entry.split("=")
+            b = int(key)
+            bs, w, st, per = (int(v) for v in value.split(","))
+            if b < 1 or bs < 16 or bs & (bs - 1) or not 1 <= w <= 16 or w & (w - 1) \
+                    or not 1 <= st <= 8 or per not in (0, 1):
+                raise ValueError
+        except ValueError:
+            from flintc.kernels.tuning import TuningEnvError
+            raise TuningEnvError(
+                f"{var}: expected `/`-separated B=block_s,warps,stages,per_split entries "
+                f"(B >= 1, block_s a power of two >= 16, warps a power of two 1-16, stages "
+                f"1-8, per_split 0 or 1), got {entry!r}") from None
+        table[b] = (bs, w, st, per)
+    key = max((k for k in table if k <= batch), default=None)
+    bs, w, st, per = table[key] if key is not None else (GPU_BLOCK_S, GPU_NUM_WARPS,
+                                                         GPU_NUM_STAGES, 0)
+    return bs, w, st, bool(per)
+
+
 def _check(cond: bool, name: str, what: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {what}")
@@ -721,7 +767,8 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     0; interpreter: CPU_MIN_ROWS).
     max_pieces: at most max_pieces x nchunks busy programs (default MAX_PIECES_PER_SPLIT).
     block_s, num_warps, num_stages: the GPU launch configuration (BLOCK_S a power of two
-    >= 16; defaults GPU_*; in the interpreter BLOCK_S defaults to CPU_BLOCK_S and the
+    >= 16; defaults GPU_*, for a sliding layer's ring `ring_launch(B)`, which may also
+    set programs_per_head to one program per split; in the interpreter BLOCK_S defaults to CPU_BLOCK_S and the
     others are ignored; num_warps defaults to GPU_PRELOAD_NUM_WARPS with the early
     reads). preload: the early reads of `preload_enabled` (None: that function's; only
     where the visible rows are 0..p, else ignored); `_poison_current_row` (tests, with preload): the early read of the
@@ -763,6 +810,13 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
                     ("positions", positions)) + ((("sinks", sinks),) if fuse else ()):
         _check(t.device == q.device, name, f"on {t.device}, q on {q.device}")
     on_gpu = q.is_cuda and not _interpreting()
+    r_warps = None
+    if on_gpu and window and B > 0:  # a sliding layer's ring: `ring_launch` by batch
+        r_bs, r_warps, r_stages, per_split = ring_launch(B)
+        block_s = r_bs if block_s is None else block_s
+        num_stages = r_stages if num_stages is None else num_stages
+        if per_split and programs_per_head is None:
+            programs_per_head = num_splits
     if programs_per_head is None and B > 0:
         programs_per_head = default_programs_per_head(B, Hkv, _num_sms(q.device),
                                                       GPU_CTAS_PER_SM if on_gpu else 1)
@@ -778,7 +832,7 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     clamp = window == 0 or S <= window  # the visible rows are 0..p (or the whole ring)
     preload = bool(preload_enabled() if preload is None else preload) and clamp
     if num_warps is None:
-        num_warps = GPU_PRELOAD_NUM_WARPS if preload else GPU_NUM_WARPS
+        num_warps = GPU_PRELOAD_NUM_WARPS if preload else (r_warps or GPU_NUM_WARPS)
     num_stages = GPU_NUM_STAGES if num_stages is None else num_stages
     for name, v in (("programs_per_head", programs_per_head), ("min_rows", min_rows),
                     ("max_pieces", max_pieces), ("num_warps", num_warps),

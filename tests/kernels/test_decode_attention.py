@@ -186,6 +186,11 @@ CPU_CASES = [
     # does), one split shared by 3 programs.
     pytest.param(9, 40, 1, [20, 50], {"programs_per_head": 3, "min_rows": 4},
                  id="ring-longer-than-window"),
+    # `ring_launch`'s one program per split with splits of two blocks, the second short
+    # (the GPU twin: ring-B8-BLOCK_S-32-2-warps-per-split): a wrapped ring of 57 rows in 3
+    # splits of 19 rows, BLOCK_S 16.
+    pytest.param(57, 57, 3, [200, 56, 57, 5], {"programs_per_head": 3, "min_rows": 19},
+                 id="ring-one-program-per-split-two-blocks"),
 ]
 
 
@@ -437,6 +442,46 @@ def test_ring_programs_take_whole_splits(batch, splits):
     assert any(seg[3] != seg[4] for per in old["segments"] for seg in per)
 
 
+def test_ring_launch_table_and_overrides(monkeypatch):
+    """`ring_launch`: the `RING_LAUNCH` entry with the largest smallest-batch key <= B,
+    FLINTC_DECODE_ATTN_RING_LAUNCH entries replacing or adding keys; malformed entries are
+    refused naming the variable (also by the runtime's `check_environment`)."""
+    from flintc.kernels.tuning import TuningEnvError, check_environment
+
+    monkeypatch.delenv("FLINTC_DECODE_ATTN_RING_LAUNCH", raising=False)
+    monkeypatch.setattr(kernels, "RING_LAUNCH", {1: (64, 4, 3, 0), 4: (32, 2, 2, 1)})
+    assert kernels.ring_launch(1) == kernels.ring_launch(3) == (64, 4, 3, False)
+    assert kernels.ring_launch(4) == kernels.ring_launch(64) == (32, 2, 2, True)
+    monkeypatch.setenv("FLINTC_DECODE_ATTN_RING_LAUNCH", " 2=16,1,1,1 / 8=64,8,2,0 ")
+    assert [kernels.ring_launch(b) for b in (1, 2, 4, 8)] == [
+        (64, 4, 3, False), (16, 1, 1, True), (32, 2, 2, True), (64, 8, 2, False)]
+    monkeypatch.setattr(kernels, "RING_LAUNCH", {4: (32, 2, 2, 1)})
+    monkeypatch.delenv("FLINTC_DECODE_ATTN_RING_LAUNCH")
+    assert kernels.ring_launch(1) == (kernels.GPU_BLOCK_S, kernels.GPU_NUM_WARPS,
+                                      kernels.GPU_NUM_STAGES, False)  # no key <= B
+    for bad in ("8=32,2,2", "8=48,2,2,1", "0=32,2,2,1", "8=32,3,2,1", "8=32,2,0,1",
+                "8=32,2,2,2", "x=32,2,2,1", "8:32,2,2,1"):
+        monkeypatch.setenv("FLINTC_DECODE_ATTN_RING_LAUNCH", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_DECODE_ATTN_RING_LAUNCH.*" + bad[:1]):
+            kernels.ring_launch(8)
+        with pytest.raises(TuningEnvError, match="FLINTC_DECODE_ATTN_RING_LAUNCH"):
+            check_environment()
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        kernels.ring_launch(0)
+
+
+def test_ring_launch_per_split_plans_one_program_per_split():
+    """With one program per split (`ring_launch`'s fourth field) and BLOCK_S 32, the
+    model's wrapped ring (W = 513, 9 splits of 57 rows, two blocks each) is read by
+    exactly 9 programs per head, each storing its split directly."""
+    W, n = 513, 9
+    p = kernels.plan(W, W, n, n, kernels.ring_min_rows(W, n), 32)
+    assert p["t_eff"] == n
+    segs = [seg for per in p["segments"] for seg in per]
+    assert sorted(seg[0] for seg in segs) == list(range(n))
+    assert all(seg[3] == seg[4] for seg in segs) and sum(s[2] - s[1] for s in segs) == W
+
+
 def _good_args():
     q, kc, vc, slots, pos = make_inputs(2, 8, 2, 32, 16, [3, 7])
     return {"q": q, "k_cache": kc, "v_cache": vc, "slots": slots, "positions": pos,
@@ -533,6 +578,14 @@ GPU_CASES = [
                                            "programs_per_head": 33},
                  id="8-warps"),
     pytest.param(513, 513, 3, [5000], {"min_rows": 192}, id="ring-one-program-per-split"),
+    # The ring launches of the session-25 sweep (`ring_launch` candidates): one program per
+    # split of 57 rows in two BLOCK_S = 32 blocks (one masked short), 2 or 1 warps.
+    pytest.param(513, 513, 9, [100000, 512, 513, 0, 300, 1026, 1539, 7],
+                 {"block_s": 32, "num_warps": 2, "num_stages": 2, "programs_per_head": 9,
+                  "min_rows": 57}, id="ring-B8-BLOCK_S-32-2-warps-per-split"),
+    pytest.param(513, 513, 9, [2000, 9], {"block_s": 16, "num_warps": 1, "num_stages": 1,
+                                          "programs_per_head": 9, "min_rows": 57},
+                 id="ring-B2-BLOCK_S-16-1-warp-per-split"),
 ]
 
 
