@@ -533,8 +533,10 @@ CPU_BLOCK_S = 16
 # stages, one program per split)}, the entry with the largest key <= B applying;
 # FLINTC_DECODE_ATTN_RING_LAUNCH overrides entries. Session 25 (H200, W = 513, 9 splits):
 # BLOCK_S 32, 2 warps, 2 stages, one program per split took 8.4 us per attention + combine
-# at batch 8 against 10.2 for the default launch, and 6.6 against 6.1 at batch 1.
-RING_LAUNCH = {1: (GPU_BLOCK_S, GPU_NUM_WARPS, GPU_NUM_STAGES, 0)}
+# at batch 8 against 10.3 for the default launch (which has 8 programs per head for 9
+# splits from batch 8 on), 13.9 against 14.5 at 16, but 6.7-7.4 against 6.1-7.4 at 1-4; in
+# the model b8/1K 3.17 -> 3.09 ms. So from batch 8 on.
+RING_LAUNCH = {1: (GPU_BLOCK_S, GPU_NUM_WARPS, GPU_NUM_STAGES, 0), 8: (32, 2, 2, 1)}
 # Whether the kernel reads slots, positions and its first block of K / V rows before the
 # PDL wait (`preload_enabled`; FLINTC_DECODE_ATTN_PRELOAD overrides). Written in session
 # 23 with no GPU lent: checked in the interpreter, not yet on a GPU or measured, so off.

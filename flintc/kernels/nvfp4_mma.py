@@ -2405,8 +2405,11 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
 # `route_slot_block`; run 2, kernel alone, us): N = 4 4 warps 12.3, 2 warps 13.5; in the
 # model (run 3, alternated twice) b4/1K 2.45 -> 2.43 ms with 4 warps, so NVFP4 N = 4-7 take
 # 4 warps (N = 5-7 interpolated). 3 chunks ahead at N = 1 (5.5 against 5.8 us alone) did
-# not move the model's b1/1K (1.74 ms both).
-GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (4, 1) for n in range(1, 9)},
+# not move the model's b1/1K (1.74 ms both). Session 25: NVFP4 N = 8 alone 18.0 (4 warps)
+# -> 17.0 us (2 warps); in the model b8/1K 3.17 -> 3.11 ms (defaults before and after);
+# N = 4 with 2 warps 2.41 -> 2.40 (noise), so only N = 8 takes 2 warps.
+GATE_UP_LAUNCH = {"nvfp4": {n: (8, 1) if n == 1 else (2, 1) if n == 8 else (4, 1)
+                            for n in range(1, 9)},
                   "bf16": {n: (4, 1) if n == 1 else (2, 1) for n in range(1, 9)}}
 
 # Resident blocks per SM the gate/up kernel's registers are capped for (`min_blocks`; 0: no
