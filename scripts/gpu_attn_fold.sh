@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call (< 10 min): the combine folded into the decode attention kernel
 # (`decode_attention_combine`, `flintc compile --fold-attention-combine`), written in
-# session 24 with no GPU lent, so off by default until this run says whether it pays
-# (docs/gpu-runs.md, "session 24: planned"). With it the last busy program of each
+# session 24; session 25 ran this call and measured it slower, so it stays off
+# (docs/gpu-runs.md, session 25, run 3). With it the last busy program of each
 # (sequence, KV head) merges the splits with the sinks: one kernel less per layer
 # (294 per forward instead of 343).
 # Steps, logs in $WORK (default /tmp/attn_fold), tails to stdout, everything packed into

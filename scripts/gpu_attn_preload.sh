@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call (< 10 min): the decode attention's early reads (FLINTC_DECODE_ATTN_PRELOAD,
-# `decode_attention.preload_enabled`), written in session 23 with no GPU lent, so off by
-# default until this run says whether they pay (docs/gpu-runs.md, "session 23: planned").
+# `decode_attention.preload_enabled`), written in session 23; session 25 ran this call and
+# measured them slower, so they stay off (docs/gpu-runs.md, session 25, run 4).
 # With them each program reads slots, positions and its first block of K / V rows before
 # the PDL wait, and the current token's row again after it.
 # Steps (`scripts/gpu_env_ab.sh`): the decode attention GPU tests (the preload cases turn

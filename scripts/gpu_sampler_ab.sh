@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call (< 10 min): the one-launch sampler (FLINTC_SAMPLER=triton,
-# `flintc.kernels.sampler`), written in session 24 with no GPU lent, so off by default
-# until this run says whether it pays (docs/gpu-runs.md, "session 24: planned").
+# `flintc.kernels.sampler`), written in session 24; session 25 ran this call and it paid,
+# so it is the default on CUDA since (docs/gpu-runs.md, session 25, run 2). The A/B still
+# sets FLINTC_SAMPLER=torch / triton explicitly.
 # Steps (`scripts/gpu_env_ab.sh`, AB_VAR=FLINTC_SAMPLER):
 #   tests   the sampler's GPU tests (the full vocabulary against the kernel's rule) and
 #           tests/test_sampling.py, with FLINTC_SAMPLER=triton

@@ -46,12 +46,14 @@ option `fold_attention_combine`), the busy programs of each (sequence, KV head) 
 bump a second arrival counter once their chunks are stored or merged, and the last to
 arrive merges the visible chunks with the sinks for its G query heads and writes the
 bf16 output (split-K's "last block reduces", as TensorRT-LLM's multi-block XQA kernels
-do): no zero-fill of the empty chunks, no combine kernel. Session 24 wrote it with no
-GPU lent (interpreter-checked: within one bf16 ulp of the reference, bit-identical to
-the two launches in the interpreter runs of the CPU cases; compiled for sm_90: 252
-registers with triton 3.9, 254 with the H200's 3.6, no spill), so the
-compiler emits it only when asked (`flintc compile --fold-attention-combine`) until
-`scripts/gpu_attn_fold.sh` has measured it.
+do): no zero-fill of the empty chunks, no combine kernel. Within one bf16 ulp of the
+reference (interpreter and H200 tests; 254 registers on sm_90 with triton 3.6, no spill),
+but slower on the H200 (session 25: 14.2 us per call in the NVFP4 model at b1/1K against
+7.3 + 1.7 for the two launches; the last program's tail, an atomic round trip and the
+chunks' loads, costs more than the kernel boundary), so the compiler emits it only when
+asked (`flintc compile --fold-attention-combine`).
+Sliding layers from batch 8 on launch BLOCK_S 32, 2 warps, one program per split
+(`ring_launch`): 10.3 -> 8.4 us per call at b8 (session 25).
 
 Numerics: scores, online softmax and p.v in fp32. On the GPU q.k is a bf16 x bf16
 tensor-core product (exact products, fp32 accumulation) and p.v splits fp32 p into
@@ -539,7 +541,8 @@ CPU_BLOCK_S = 16
 RING_LAUNCH = {1: (GPU_BLOCK_S, GPU_NUM_WARPS, GPU_NUM_STAGES, 0), 8: (32, 2, 2, 1)}
 # Whether the kernel reads slots, positions and its first block of K / V rows before the
 # PDL wait (`preload_enabled`; FLINTC_DECODE_ATTN_PRELOAD overrides). Written in session
-# 23 with no GPU lent: checked in the interpreter, not yet on a GPU or measured, so off.
+# 23; measured slower in session 25 (it needs 8 warps: NVFP4 b1/100K 2.39 -> 3.25 ms,
+# b8/1K 3.13 -> 3.40; docs/gpu-runs.md), so off.
 PRELOAD = False
 CPU_MIN_ROWS = 16
 CPU_MERGE_P = 4
@@ -981,7 +984,8 @@ def aot_probe_specs(configs=None):
     same code as a ring of S <= W rows) with each launch configuration of `configs`
     ((BLOCK_S, warps, stages) tuples, the first one also for a ring longer than W and
     with the early reads (PRELOAD) of a full cache and of a ring; default: the GPU_*
-    constants and the benchmark sweep's others), and the combine."""
+    constants and the benchmark sweep's others), a sliding layer's ring with each other
+    `RING_LAUNCH` configuration, and the combine."""
     configs = configs or [(GPU_BLOCK_S, GPU_NUM_WARPS, GPU_NUM_STAGES), (64, 8, 3), (128, 4, 2),
                           (32, 4, 4)]
     types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
@@ -1000,6 +1004,9 @@ def aot_probe_specs(configs=None):
     variants += [(513, False, configs[0], False, False), (0, True, pre, True, False),
                  (513, True, pre, True, False), (0, True, configs[0], False, True),
                  (513, True, configs[0], False, True)]
+    # the sliding layers' ring launches (`RING_LAUNCH`) other than the first configuration
+    variants += [(513, True, cfg, False, False) for cfg in
+                 sorted({tuple(v[:3]) for v in RING_LAUNCH.values()} - {tuple(configs[0])})]
     for window, clamp, (block_s, warps, stages), preload, fuse in variants:
         consts = {"HKV": 4, "G": 8, "D": 128, "WINDOW": window, "CLAMP_TO_P": clamp,
                   "BLOCK_G": 16, "BLOCK_GM": 8, "BLOCK_D": 128, "BLOCK_S": block_s,

@@ -2281,9 +2281,10 @@ def _kernel_set(var: str, default: frozenset, names: tuple) -> frozenset:
 # for the routed experts. "down_weights": the MoE gate/up kernel also prefetches its
 # share of each selected expert's down weights (when the launcher is given them), which
 # the next kernel reads. FLINTC_MMA_L2_PREFETCH overrides it (`mma_l2_prefetch`).
-# Session 23 (2026-12-04) wrote these prefetches with no GPU lent: they compile for sm_90
-# (NVRTC, CPU tests) but are neither checked on a GPU nor measured, so none is on by
-# default until an H200 run (docs/gpu-runs.md, "session 23: planned") says which pay.
+# Session 23 wrote these prefetches; session 25 measured them on the H200 (docs/gpu-runs.md
+# runs 1 and 5): all of them slow the MoE gate/up (NVFP4 N = 8 18.6 -> 21.9 us, the model
+# b8/1K 3.16 -> 3.36 ms; BF16 b1/1K 2.33 -> 2.46) and the GEMVs gain 1-2% alone, so none
+# is on by default.
 L2_PREFETCH_KERNELS = ("gemv", "gate_up", "down", "norm_gate_up", "down_weights")
 L2_PREFETCH: frozenset = frozenset()
 

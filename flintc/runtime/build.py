@@ -76,7 +76,8 @@ class BuildOptions:
     attention_splits: split-KV chunks of decode attention (None: from the cache length).
     fold_attention_combine: decode attention and the merge of its splits with the sinks
         in one kernel (`decode_attention_combine`: 6 kernels per MoE layer, 5 per dense
-        layer) instead of two; off until measured on a GPU (docs/gpu-runs.md).
+        layer) instead of two; off: slower on the H200 (NVFP4 b1/1K 1.70 -> 1.93 ms,
+        docs/gpu-runs.md session 25).
     """
 
     max_batch: int = 8

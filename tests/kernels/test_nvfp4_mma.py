@@ -1075,8 +1075,8 @@ def test_gate_up_launch_env(monkeypatch):
             assert M.gate_up_launch(fmt, n) == (*M.GATE_UP_LAUNCH[fmt][n],
                                                 M.GATE_UP_MIN_BLOCKS[fmt][n],
                                                 M.GATE_UP_PREFETCH[fmt][n])
-    monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:8=2,1,0 / bf16:2=2,2,0,3")
-    assert M.gate_up_launch("nvfp4", 8) == (2, 1, 0, 2) != (*M.GATE_UP_LAUNCH["nvfp4"][8],
+    monkeypatch.setenv("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:8=4,1,6 / bf16:2=2,2,0,3")
+    assert M.gate_up_launch("nvfp4", 8) == (4, 1, 6, 2) != (*M.GATE_UP_LAUNCH["nvfp4"][8],
                                                              M.GATE_UP_MIN_BLOCKS["nvfp4"][8],
                                                              M.GATE_UP_PREFETCH["nvfp4"][8])
     assert M.gate_up_launch("bf16", 2) == (2, 2, 0, 3)  # the optional prefetch field
