@@ -716,23 +716,21 @@ def ring_launch(batch: int) -> tuple[int, int, int, bool]:
     """
     if type(batch) is not int or batch < 1:
         raise ValueError(f"ring_launch: batch must be an int >= 1, got {batch!r}")
-    table = dict(RING_LAUNCH)
-    var = "FLINTC_DECODE_ATTN_RING_LAUNCH"
-    for entry in (e.strip() for e in os.environ.get(var, "").split("/") if e.strip()):
-        try:
-            key, value = entry.split("=")
-            b = int(key)
-            bs, w, st, per = (int(v) for v in value.split(","))
-            if b < 1 or bs < 16 or bs & (bs - 1) or not 1 <= w <= 16 or w & (w - 1) \
-                    or not 1 <= st <= 8 or per not in (0, 1):
-                raise ValueError
-        except ValueError:
-            from flintc.kernels.tuning import TuningEnvError
-            raise TuningEnvError(
-                f"{var}: expected `/`-separated B=block_s,warps,stages,per_split entries "
-                f"(B >= 1, block_s a power of two >= 16, warps a power of two 1-16, stages "
-                f"1-8, per_split 0 or 1), got {entry!r}") from None
-        table[b] = (bs, w, st, per)
+    def parse(entry: str) -> tuple:
+        key, value = entry.split("=")
+        b = int(key)
+        bs, w, st, per = (int(v) for v in value.split(","))
+        if b < 1 or bs < 16 or bs & (bs - 1) or not 1 <= w <= 16 or w & (w - 1) \
+                or not 1 <= st <= 8 or per not in (0, 1):
+            raise ValueError
+        return b, (bs, w, st, per)
+
+    from flintc.kernels.tuning import env_entries
+
+    table = {**RING_LAUNCH, **dict(env_entries(
+        "FLINTC_DECODE_ATTN_RING_LAUNCH", parse,
+        "B=block_s,warps,stages,per_split (B >= 1, block_s a power of two >= 16, warps a "
+        "power of two 1-16, stages 1-8, per_split 0 or 1)"))}
     key = max((k for k in table if k <= batch), default=None)
     bs, w, st, per = table[key] if key is not None else (GPU_BLOCK_S, GPU_NUM_WARPS,
                                                          GPU_NUM_STAGES, 0)
@@ -773,8 +771,9 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     max_pieces: at most max_pieces x nchunks busy programs (default MAX_PIECES_PER_SPLIT).
     block_s, num_warps, num_stages: the GPU launch configuration (BLOCK_S a power of two
     >= 16; defaults GPU_*, for a sliding layer's ring `ring_launch(B)`, which may also
-    set programs_per_head to one program per split; in the interpreter BLOCK_S defaults to CPU_BLOCK_S and the
-    others are ignored; num_warps defaults to GPU_PRELOAD_NUM_WARPS with the early
+    set programs_per_head to one program per split; in the interpreter BLOCK_S defaults
+    to CPU_BLOCK_S and the others are ignored; num_warps defaults to
+    GPU_PRELOAD_NUM_WARPS with the early
     reads). preload: the early reads of `preload_enabled` (None: that function's; only
     where the visible rows are 0..p, else ignored); `_poison_current_row` (tests, with preload): the early read of the
     current token's row is replaced by NaN, as a read that raced the QKV kernel's write

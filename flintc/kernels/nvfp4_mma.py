@@ -116,6 +116,8 @@ import weakref
 
 import torch
 
+from flintc.kernels.tuning import env_entries
+
 __all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
            "GATE_UP_PREFETCH", "GATE_UP_ROUTE", "gate_up_route",
            "GEMV_LAUNCH", "gemv_launch",
@@ -1985,24 +1987,6 @@ def warps_for(k: int) -> int:
     return next(w for w in (16, 14, 8, 4, 2, 1) if (k // 64) % w == 0)
 
 
-def _env_entries(var: str, parse, expected: str) -> list:
-    """The `/`-separated entries of the tuning variable `var` (none when unset), each
-    through `parse`, which raises ValueError for a malformed one.
-
-    Raises:
-        TuningEnvError (a ValueError): naming `var`, the `expected` form and the entry.
-    """
-    out = []
-    for entry in (e.strip() for e in os.environ.get(var, "").split("/") if e.strip()):
-        try:
-            out.append(parse(entry))
-        except ValueError:
-            from flintc.kernels.tuning import TuningEnvError
-
-            raise TuningEnvError(f"{var}: expected entries {expected}; got {entry!r}") from None
-    return out
-
-
 def _fmt_n_entry(entry: str, fields: int) -> tuple[tuple[str, int], tuple[int, ...]]:
     """One `fmt:N=v1,v2,...` tuning entry: ((fmt, N), the `fields` ints), fmt "nvfp4" or
     "bf16" (any case), 1 <= N <= 8. Raises ValueError for any other form (the caller
@@ -2047,7 +2031,7 @@ def gemv_launch(fmt: str, F: int, K: int) -> tuple[int, int]:
             raise ValueError
         return (f, ff, kk), (w, pf)
 
-    entries = dict(_env_entries("FLINTC_MMA_GEMV_LAUNCH", parse,
+    entries = dict(env_entries("FLINTC_MMA_GEMV_LAUNCH", parse,
                                 "fmt:FxK=warps,prefetch (fmt nvfp4 or bf16, F % 16 == 0, K % 64 "
                                 "== 0, warps 1-32 dividing K / 64, prefetch 0-16)"))
     return entries.get((fmt, F, K), GEMV_LAUNCH.get((fmt, F, K), (warps_for(K), 2)))
@@ -2454,7 +2438,7 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
             raise ValueError
         return key, (w, r, b, p)
 
-    entries = dict(_env_entries("FLINTC_MMA_GATE_UP_LAUNCH", parse,
+    entries = dict(env_entries("FLINTC_MMA_GATE_UP_LAUNCH", parse,
                                 "fmt:N=warps,row_tiles,min_blocks[,prefetch] (fmt nvfp4 or "
                                 "bf16, N 1-8, warps 1-32, row_tiles >= 1, min_blocks 0-32 with "
                                 "min_blocks x warps x 32 <= 2048, prefetch 0-8, default 2; "
@@ -2993,7 +2977,7 @@ def norm_gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
             raise ValueError
         return key, (w, r, pf, b)
 
-    entries = dict(_env_entries("FLINTC_MMA_NORM_GATE_UP_LAUNCH", parse,
+    entries = dict(env_entries("FLINTC_MMA_NORM_GATE_UP_LAUNCH", parse,
                                 "fmt:N=warps,row_tiles,prefetch,blocks (fmt nvfp4 or bf16, N "
                                 "1-8, warps 1-32, row_tiles 1-8, prefetch 0-16, blocks per SM "
                                 "0-32)"))

@@ -42,6 +42,22 @@ def env_choice(env_var: str, choices: tuple[str, ...], default: str) -> str:
     return value
 
 
+def env_entries(var: str, parse, expected: str) -> list:
+    """The `/`-separated entries of the tuning variable `var` (none when unset or blank),
+    each stripped and passed through `parse`, which raises ValueError for a malformed one.
+
+    Raises:
+        TuningEnvError (a ValueError): naming `var`, the `expected` form and the entry.
+    """
+    out = []
+    for entry in (e.strip() for e in os.environ.get(var, "").split("/") if e.strip()):
+        try:
+            out.append(parse(entry))
+        except ValueError:
+            raise TuningEnvError(f"{var}: expected entries {expected}; got {entry!r}") from None
+    return out
+
+
 def overrides(env_var: str, factory, key_types: tuple) -> dict:
     """The entries of the file named by `env_var` as {key tuple: factory(**config)}; empty
     when the variable is unset or blank. Re-read when the file changes.
