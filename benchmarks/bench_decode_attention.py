@@ -214,7 +214,7 @@ def full_table(copy: float, num_sms: int) -> str:
                            "GB/s", "% copy", "attn % copy", "SDPA us", "SDPA % copy"], rows)
 
 
-def ring_trials() -> list:
+def ring_trials(num_sms: int) -> list:
     """A sliding layer's ring (W = 513, N = 9 splits of 57 rows) at B = 1-16: the default
     launch (`ring_launch`), launch configurations with one program per split
     (programs_per_head = 9, min_rows = one split), and BLOCK_S 32 / 2 warps with the
@@ -237,8 +237,7 @@ def ring_trials() -> list:
                             "programs_per_head": n, "min_rows": rows}))
         trials.append((B, W, W, "one-wave programs BLOCK_S=32 warps=2 stages=2",
                        {"block_s": 32, "num_warps": 2, "num_stages": 2, "programs_per_head":
-                        da.default_programs_per_head(B, HKV, torch.cuda.get_device_properties(0)
-                                                     .multi_processor_count, da.GPU_CTAS_PER_SM)}))
+                        da.default_programs_per_head(B, HKV, num_sms, da.GPU_CTAS_PER_SM)}))
     return trials
 
 
@@ -263,9 +262,9 @@ def sweep(copy: float, num_sms: int, budget_s: float, only_ring: bool = False) -
         trials.append((1, 0, 8192, f"max_pieces={max_pieces}", {"max_pieces": max_pieces}))
     for min_rows in (64, 128, 192):
         trials.append((1, W, W, f"min_rows={min_rows}", {"min_rows": min_rows}))
-    trials += ring_trials()
+    trials += ring_trials(num_sms)
     if only_ring:
-        trials = ring_trials()
+        trials = ring_trials(num_sms)
     cases = {}
     for B, window, ctx, label, knobs in trials:
         S = W if window else FULL_ROWS

@@ -37,9 +37,7 @@ LOG=/tmp/pip-attn-fold.log
 WORK=${AB_WORK:-/tmp/attn_fold}
 T=$WORK
 BUILDS=${BUILDS:-gpu_builds}
-for b in full-nvfp4 full-nvfp4-b1 fold-nvfp4 fold-nvfp4-b1 fold4d-nvfp4-b1; do
-  [ -f "$BUILDS/$b/build.json" ] || { echo "$BUILDS/$b missing: run scripts/gpu_builds.sh" >&2; exit 1; }
-done
+require_builds full-nvfp4 full-nvfp4-b1 fold-nvfp4 fold-nvfp4-b1 fold4d-nvfp4-b1 || exit 1
 rm -rf "$WORK" && mkdir -p "$WORK"
 TAIL=4 step tests 100 $PY -m pytest -q -p no:cacheprovider -m gpu \
   tests/kernels/test_decode_attention.py \

@@ -68,3 +68,13 @@ step() {
   timeout --kill-after=10 "$cap" "$@" > "$T/$name.log" 2>&1
   echo "   exit $? after $(( $(date +%s) - START )) s"; tail -n "${TAIL:-12}" "$T/$name.log"
 }
+
+# require_builds NAME...: every $BUILDS/NAME/build.json exists (BUILDS default gpu_builds),
+# else a line naming the first missing one and `scripts/gpu_builds.sh`; returns 1.
+require_builds() {
+  local b
+  for b in "$@"; do
+    [ -f "${BUILDS:-gpu_builds}/$b/build.json" ] || {
+      echo "${BUILDS:-gpu_builds}/$b missing: run scripts/gpu_builds.sh" >&2; return 1; }
+  done
+}

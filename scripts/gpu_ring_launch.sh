@@ -28,9 +28,7 @@ T=$WORK
 BUILDS=${BUILDS:-gpu_builds}
 RING=${RING:-2=32,2,2,1}
 GATE_UP=${GATE_UP:-nvfp4:4=2,1,0/nvfp4:8=2,1,0}
-for b in full-nvfp4 full-nvfp4-b1; do
-  [ -f "$BUILDS/$b/build.json" ] || { echo "$BUILDS/$b missing: run scripts/gpu_builds.sh" >&2; exit 1; }
-done
+require_builds full-nvfp4 full-nvfp4-b1 || exit 1
 rm -rf "$WORK" && mkdir -p "$WORK"
 TAIL=4 step tests 90 env -u FLINTC_SAMPLER $PY -m pytest -q -p no:cacheprovider -m gpu \
   tests/kernels/test_decode_attention.py tests/kernels/test_sampler.py tests/test_sampling.py \
