@@ -32,6 +32,7 @@ Sections, the rows that matter first:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -186,6 +187,63 @@ def fixed_costs(num_sms: int) -> str:
                            "attn+combine us", "attn us", "combine us"], rows)
 
 
+def plan_chunk(rows: int, S: int, n: int) -> int:
+    """The chunk length of this code's split layout for `rows` visible rows (before
+    session 26 the chunks cut the whole cache: ceil(S / n))."""
+    try:
+        from flintc.ops.attention import split_layout
+    except ImportError:
+        return math.ceil(S / n)
+    return split_layout(rows, n)[0]
+
+
+def short_contexts(copy: float, num_sms: int) -> str:
+    """Full layers at short contexts: the cost of the chunk layout. The model's bench
+    loads caches of as many rows as the context (S = 1024, N = 32: chunks of 32 rows, two
+    per program), a server caches 131,072-262,144 rows (one chunk holds the context, its
+    programs merge it in-kernel); smaller N at S = context emulates other chunk sizes
+    (N = 16 at S = 1024: one 64-row chunk per program, stored directly). From session 26
+    the chunks follow the visible rows (`flintc.ops.attention.split_layout`), so S no
+    longer matters; the "chunk rows" column gives the layout of the code that ran."""
+    rows = []
+    trials = []
+    for B in (1, 8):
+        for S, ctx, n, knobs in (
+                (1024, 1024, 32, {}), (1024, 1024, 32, {"min_rows": 64}),
+                (1024, 1024, 32, {"min_rows": 32}),
+                (1024, 1024, 32, {"min_rows": 32, "block_s": 32, "num_warps": 2, "num_stages": 2}),
+                (1024, 1024, 16, {"min_rows": 64}), (1024, 1024, 16, {}),
+                (1024, 1024, 8, {}), (1024, 1024, 8, {"block_s": 128}),
+                (1024, 1024, 16, {"min_rows": 64, "block_s": 32, "num_warps": 2, "num_stages": 2}),
+                (1024, 1024, 16, {"min_rows": 64, "num_stages": 1}),
+                (FULL_ROWS, 1024, 32, {}), (FULL_ROWS, 1024, 32, {"min_rows": 64}),
+                (FULL_ROWS, 1024, 32, {"programs_per_head": 8}),
+                (2048, 2048, 32, {"min_rows": 64}), (4096, 4096, 32, {}),
+                (8192, 8192, 32, {}), (8192, 8192, 32, {"min_rows": 64}),
+                (8192, 8192, 32, {"min_rows": 256}), (FULL_ROWS, 8192, 32, {}),
+                (FULL_ROWS, 8192, 32, {"min_rows": 256}), (FULL_ROWS, 100_000, 32, {})):
+            if B == 1 or (S == FULL_ROWS and "programs_per_head" not in knobs) or \
+                    (S == 1024 and n == 32 and len(knobs) <= 1 and knobs.get("min_rows", 64) == 64):
+                trials.append((B, S, ctx, n, knobs))
+    for B, S, ctx, n, knobs in trials:
+        case = make_case(B, S, ctx)
+        try:
+            t_pair, t_attn, t_comb = time_calls(case, 0, n, **knobs)
+            busy, shared = plan_info(B, ctx, S, n, num_sms, **knobs)
+            label = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "default"
+            rows.append([B, ctx, S, n, plan_chunk(ctx, S, n), label, busy, shared, us(t_pair),
+                         us(t_attn), us(t_comb), f"{kv_bytes(B, ctx) / t_pair / 1e9 / copy:.0%}"])
+        except Exception as e:  # noqa: BLE001  (a configuration that does not launch)
+            rows.append([B, ctx, S, n, "-", str(knobs), "-", "-", f"{type(e).__name__}: {e}"[:80],
+                         "-", "-", "-"])
+        print(rows[-1], flush=True)
+        del case
+    torch.cuda.empty_cache()
+    return markdown_table(["B", "tokens", "cache rows S", "splits N", "chunk rows", "knobs",
+                           "programs/head", "shared splits", "attn+combine us", "attn us",
+                           "combine us", "% copy"], rows)
+
+
 def full_table(copy: float, num_sms: int) -> str:
     rows = []
     for B in BATCHES:
@@ -302,6 +360,8 @@ def main(argv=None) -> str:
                         help="time budget of the configuration sweep in seconds (0: skip it)")
     parser.add_argument("--sweep-ring-only", action="store_true",
                         help="the sweep's ring trials alone (one program per split at batch 1 and 8)")
+    parser.add_argument("--short-only", action="store_true",
+                        help="only the short-context full-layer table (chunk layouts at 1K-8K)")
     parser.add_argument("--no-full-table", action="store_true",
                         help="skip section 3 (the full B x context table)")
     args = parser.parse_args(argv)
@@ -316,6 +376,12 @@ def main(argv=None) -> str:
             f"programs/SM={da.GPU_CTAS_PER_SM} min rows={da.GPU_MIN_ROWS} "
             f"(ring: one split, ring_min_rows) max pieces={da.MAX_PIECES_PER_SPLIT}")
     print(head, flush=True)
+    if args.short_only:
+        text = "\n".join([head, "", "### Full layers at short contexts (chunk layouts)", "",
+                          short_contexts(copy, sms)])
+        print(text)
+        write_out(args.out, text)
+        return text
     parts = [head, "", "### Key rows (262,144-row full cache, N=32; ring of 513 rows, N=9)", "",
              key_rows(copy, sms), "", "### Fixed costs (B=1)", "", fixed_costs(sms)]
     if not args.no_full_table:

@@ -14,7 +14,14 @@ row):
 for `sample` and `sampling_probs` (the definition: softmax and a sort over the
 vocabulary; what `sample` computed before session 18). Prints Markdown (also to --out).
 
-    python3 scripts/gpu_sampler_profile.py --batches 1,8
+`--launch-sweep`: instead, the one-launch kernel alone (`flintc.kernels.sampler.
+launch_sample`, top-k 20) in CUDA-graph replays (`benchmarks/common.time_graph`, median
+device time per call) for each logits chunk per program x warps: the chunk phase runs k
+rounds of four reductions over its CHUNK logits, so smaller chunks (more programs) and
+fewer warps (cheaper cross-warp reductions) trade against the merge's records (NCHUNK x
+32 per row).
+
+    python3 scripts/gpu_sampler_profile.py --batches 1,8 [--launch-sweep]
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import write_out  # noqa: E402  (benchmarks/common.py: --out files)
+from common import time_graph, write_out  # noqa: E402  (benchmarks/common.py)
 
 
 def wall(fn, iters: int, busy_cycles: int = 0) -> float:
@@ -49,16 +56,48 @@ def busy_ms(cycles: int, iters: int) -> float:
     return wall(lambda: None, iters, cycles)
 
 
+def launch_sweep(batches: list[int], vocab: int) -> str:
+    """Markdown table: `launch_sample` (top-k 20, top-p 0.95, temperature 1) device us per
+    call for chunk x warps at each batch; the default launch marked."""
+    from flintc.kernels import sampler as K
+
+    rows = ["| batch | chunk | warps | programs per row | us per call | |", "|---|---|---|---|---|---|"]
+    for B in batches:
+        g = torch.Generator(device="cuda").manual_seed(B)
+        logits = (torch.randn(B, vocab, device="cuda", generator=g) * 3).float()
+        params = K.pack_params([100 + b for b in range(B)], [7] * B, [20] * B, [1.0] * B,
+                               [0.95] * B).cuda()
+        for chunk in (1024, 2048, 4096, 8192):
+            for warps in (1, 2, 4, 8):
+                try:
+                    t = time_graph(lambda: K.launch_sample(logits, params, 20, chunk=chunk,
+                                                           num_warps=warps), 3, 30)
+                    cell = f"{t * 1e6:.1f}"
+                except Exception as e:  # noqa: BLE001  (a launch that does not compile)
+                    cell = f"{type(e).__name__}: {str(e)[:50]}"
+                mark = "default" if (chunk, warps) == (K.GPU_CHUNK, K.GPU_NUM_WARPS) else ""
+                rows.append(f"| {B} | {chunk} | {warps} | {-(-vocab // chunk)} | {cell} | {mark} |")
+                print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--vocab", type=int, default=151552)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--launch-sweep", action="store_true",
+                    help="time the one-launch kernel per chunk x warps instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_sampler_profile.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.launch_sweep:
+        text = launch_sweep([int(b) for b in args.batches.split(",")], args.vocab)
+        print(text)
+        write_out(args.out, text)
+        return 0
     import flintc.sampling as S
     from torch.profiler import ProfilerActivity, profile
 

@@ -180,3 +180,40 @@ def test_ring_launch_plan_dry_run(tmp_path):
                     ["RING[unset]", "GATE_UP[nvfp4:4=2,1,0/nvfp4:8=2,1,0]"],
                     ["RING[unset]", "GATE_UP[unset]"]]
     assert (tmp_path / "out" / "ring_launch.tgz").is_file()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_split_layout_plan_dry_run(tmp_path):
+    """`scripts/gpu_split_layout.sh` (session 26) with a stand-in Python, stand-in builds
+    and an old tree: the short-context microbenchmark on both trees, four model benches
+    (old, new, new with FLINTC_DECODE_ATTN_MIN_ROWS, old; the old ones run in the old
+    tree), then the GPU tests, the sampler's launch sweep and the 4-layer check."""
+    env = {**_dry_run_env(tmp_path, "FLINTC_DECODE_ATTN_MIN_ROWS"), "BUILDS": str(tmp_path / "b"),
+           "AB_OLD": str(tmp_path / "old")}
+    r = run_script("gpu_split_layout.sh", tmp_path, env, 60)
+    assert r.returncode == 1 and "full-nvfp4 missing: run scripts/gpu_builds.sh" in r.stderr
+    for b in ("full-nvfp4", "full-nvfp4-b1"):
+        (tmp_path / "b" / b).mkdir(parents=True)
+        (tmp_path / "b" / b / "build.json").write_text("{}")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "fakepy").write_text('#!/usr/bin/env bash\nprintf "ARG[%s]\\n" "$@"\n'
+                                     'echo "VAR[${FLINTC_DECODE_ATTN_MIN_ROWS-unset}]"\n'
+                                     'echo "CWD[$PWD]"\n')
+    r = run_script("gpu_split_layout.sh", tmp_path, env, 120)
+    assert r.returncode == 0, r.stderr
+    work = tmp_path / "work"
+    for name in ("micro-new", "micro-old"):
+        assert "ARG[--short-only]" in (work / f"{name}.log").read_text()
+    assert f"CWD[{tmp_path / 'old'}]" in (work / "micro-old.log").read_text()
+    seen = []
+    for i in range(4):
+        log = (work / f"bench-{i}.log").read_text().splitlines()
+        assert log[log.index("ARG[--build-glob]") + 1] == "ARG[full-nvfp4*]"
+        seen.append((next(x for x in log if x.startswith("VAR[")),
+                     next(x for x in log if x.startswith("CWD[")) == f"CWD[{tmp_path / 'old'}]"))
+    assert seen == [("VAR[unset]", True), ("VAR[unset]", False), ("VAR[64]", False),
+                    ("VAR[unset]", True)]
+    assert "ARG[tests/kernels/test_decode_attention.py]" in (work / "tests.log").read_text()
+    assert "ARG[--launch-sweep]" in (work / "sampler.log").read_text()
+    assert "ARG[full4d]" in (work / "check.log").read_text()
+    assert (tmp_path / "out" / "split_layout.tgz").is_file()

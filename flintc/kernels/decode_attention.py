@@ -2,10 +2,16 @@
 that merges the splits with the learned sink (FLINT_SPEC 2, attention steps 5-7).
 
 Contract and references: `flintc.ops.attention.decode_attention` and
-`flintc.ops.attention.attention_combine` (`torch.ops.flintc.*`). The op cuts the S cache
-rows into `num_splits` (N) equal chunks of C = ceil(S / N) rows and returns one fp32
+`flintc.ops.attention.attention_combine` (`torch.ops.flintc.*`). The op cuts each
+sequence's R visible rows into at most `num_splits` (N) equal chunks
+(`flintc.ops.attention.split_layout`: ceil(R / SPLIT_ROWS) chunks of at most 64 rows
+while that is at most N, else N chunks of ceil(R / N) rows) and returns one fp32
 partial per chunk, normalised within the chunk, with its log-sum-exp (o = 0 and
-lse = -inf for a chunk without a visible key); the combine merges them with the sink.
+lse = -inf for a chunk without a visible key, and for the unused chunks); the combine
+merges them with the sink. (Until session 26 the chunks cut the whole cache, C =
+ceil(S / N): 1,024 tokens in a 131,072-row cache were one chunk of 4,096 rows that 8
+programs shared and merged in-kernel, 12.4 us per call against 4.8 for a sliding layer's
+ring of 9 chunks read by one program each; docs/gpu-runs.md.)
 
 Work decomposition (`decode_attention_kernel`): stream-K over the visible rows. N is a
 graph constant chosen by the compiler for the longest context, but the visible rows R
@@ -15,7 +21,7 @@ KV head), T = GPU_CTAS_PER_SM x SMs / (B x Hkv) (one wave, all resident at once)
 each program derives its work from p at run time:
 - The R rows are cut into blocks of BLOCK_S rows aligned to chunk starts (a chunk's
   last block may be short; no block straddles two chunks): nblk blocks in all.
-- T_eff = min(T, ceil(nblk / MIN_BLOCKS), nchunks x MAX_PIECES) programs take
+- T_eff = min(T, ceil(nblk / min(MIN_BLOCKS, bpc)), nchunks x MAX_PIECES) programs take
   contiguous, balanced runs of blocks (program t: blocks [t nblk / T_eff,
   (t+1) nblk / T_eff)); the others only zero-fill. A run may cross chunk boundaries: it
   is then one segment per chunk it touches, each with its own online softmax.
@@ -28,8 +34,8 @@ each program derives its work from p at run time:
 - Empty chunks [nchunks, N) get o = 0, lse = -inf from the highest-numbered programs
   (the idle ones when the context is short).
 Rows past R are never read, so a 262,144-row cache holding 1K tokens costs 1K rows
-of reads, about MIN_ROWS rows per busy program, and one merge: short contexts are
-cheap whatever N is. (The previous version, measured in docs/gpu-runs.md 2026-11-30
+of reads in 16 chunks of 64 rows, each one block, about MIN_ROWS rows per busy program
+and no merge: short contexts are cheap whatever N and S are. (The previous version, measured in docs/gpu-runs.md 2026-11-30
 session 3, launched T + N programs per head with pieces confined to chunks, zero-fill
 programs for the empty chunks, and a merge that read the partials one query head at a
 time: ~20 us of fixed cost per call. Here the grid is one wave, runs are balanced
@@ -185,7 +191,7 @@ def _segment_rows(n, u0, u1, R, CHUNK, bpc, BLOCK_S: tl.constexpr):
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr, o_part_ptr, lse_ptr,
     ws_o_ptr, ws_lse_ptr, counter_ptr, sinks_ptr, out_ptr, done_ptr,
-    S, CHUNK, N, T, MIN_BLOCKS, MAX_PIECES, scale,
+    S, SPLIT_ROWS, N, T, MIN_BLOCKS, MAX_PIECES, scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, WINDOW: tl.constexpr,
     CLAMP_TO_P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_P: tl.constexpr,
@@ -235,14 +241,21 @@ def decode_attention_kernel(
     else:
         R = S + 0 * p
     R = tl.where(live, R, 0)
+    # The split layout of the visible rows (`flintc.ops.attention.split_layout`): at most
+    # N chunks of CHUNK rows: ceil(R / SPLIT_ROWS) of them while that is at most N.
+    wanted = tl.minimum(tl.maximum((R + SPLIT_ROWS - 1) // SPLIT_ROWS, 1), N)
+    CHUNK = tl.maximum((R + wanted - 1) // wanted, 1)
     nchunks = (R + CHUNK - 1) // CHUNK
-    # Blocks of BLOCK_S rows aligned to chunk starts: bpc per full chunk, the last chunk's
-    # rows rounded up. Program t takes blocks [u0, u1) of nblk; block u is owned by
-    # program ceil((u + 1) T_eff / nblk) - 1.
+    # Blocks of BLOCK_S rows aligned to chunk starts, bpc per chunk; the last chunk's
+    # blocks past its rows are empty (so that runs of whole chunks stay aligned to them).
+    # Program t takes blocks [u0, u1) of nblk; block u is owned by program
+    # ceil((u + 1) T_eff / nblk) - 1.
     bpc = (CHUNK + BLOCK_S - 1) // BLOCK_S
-    last_rows = R - (nchunks - 1) * CHUNK
-    nblk = tl.where(nchunks > 0, (nchunks - 1) * bpc + (last_rows + BLOCK_S - 1) // BLOCK_S, 0)
-    t_eff = tl.minimum(tl.minimum((nblk + MIN_BLOCKS - 1) // MIN_BLOCKS, T), nchunks * MAX_PIECES)
+    nblk = nchunks * bpc
+    # The smallest run: MIN_BLOCKS, or one whole chunk when chunks are shorter (a short
+    # context's chunks are one block each: one program per chunk, stored directly)
+    min_blocks = tl.minimum(MIN_BLOCKS, bpc)
+    t_eff = tl.minimum(tl.minimum((nblk + min_blocks - 1) // min_blocks, T), nchunks * MAX_PIECES)
     t_eff = tl.maximum(t_eff, 1)
     busy = (t < t_eff) & (nblk > 0)
     u0 = ((t.to(tl.int64) * nblk) // t_eff).to(tl.int32)
@@ -301,30 +314,31 @@ def decode_attention_kernel(
         merge_last = -1
         for n in range(n0, (u1 - 1) // bpc + 1):
             lo, hi = _segment_rows(n, u0, u1, R, CHUNK, bpc, BLOCK_S)  # segment of chunk n
-            o, lse = _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
-                                        k_pre, v_pre, tl.where(n == n0, pre_lo, -1),
-                                        HKV, D, WINDOW, CLAMP_TO_P, BLOCK_G, BLOCK_D, BLOCK_S,
-                                        BF16_DOT, PRELOAD)
-            ta, tb = _contributors(n, CHUNK, R, bpc, nblk, t_eff, BLOCK_S)
-            if ta == tb:
-                o_ptrs = o_part_ptr + (heads[:, None] * N + n) * D + offs_d[None, :]
-                tl.store(o_ptrs, o, mask=out_mask)
-                tl.store(lse_ptr + heads * N + n, lse, mask=mask_g)
-            else:
-                # Workspace ws_o [B * HKV, T, 2, G, D], ws_lse [B * HKV, T, 2, G]: slot
-                # (t, 0) for the program's first chunk, (t, 1) for its last.
-                e = (n != n0).to(tl.int32)
-                ws_rows = (((bh * T + t) * 2 + e) * G + offs_g).to(tl.int64)
-                tl.store(ws_o_ptr + ws_rows[:, None] * D + offs_d[None, :], o, mask=out_mask)
-                tl.store(ws_lse_ptr + ws_rows, lse, mask=mask_g)
-                # All threads' stores before the release of the arrival count.
-                tl.debug_barrier()
-                arrived = tl.atomic_add(counter_ptr + bh * N + n, 1, sem="acq_rel", scope="gpu")
-                if arrived == tb - ta:
-                    if n == n0:
-                        merge_first = n
-                    else:
-                        merge_last = n
+            if lo < hi:  # (a run ending in the last chunk's empty blocks: nothing there)
+                o, lse = _segment_attention(q, k_cache_ptr, v_cache_ptr, kv_base, lo, hi, p, scale,
+                                            k_pre, v_pre, tl.where(n == n0, pre_lo, -1),
+                                            HKV, D, WINDOW, CLAMP_TO_P, BLOCK_G, BLOCK_D, BLOCK_S,
+                                            BF16_DOT, PRELOAD)
+                ta, tb = _contributors(n, CHUNK, R, bpc, nblk, t_eff, BLOCK_S)
+                if ta == tb:
+                    o_ptrs = o_part_ptr + (heads[:, None] * N + n) * D + offs_d[None, :]
+                    tl.store(o_ptrs, o, mask=out_mask)
+                    tl.store(lse_ptr + heads * N + n, lse, mask=mask_g)
+                else:
+                    # Workspace ws_o [B * HKV, T, 2, G, D], ws_lse [B * HKV, T, 2, G]: slot
+                    # (t, 0) for the program's first chunk, (t, 1) for its last.
+                    e = (n != n0).to(tl.int32)
+                    ws_rows = (((bh * T + t) * 2 + e) * G + offs_g).to(tl.int64)
+                    tl.store(ws_o_ptr + ws_rows[:, None] * D + offs_d[None, :], o, mask=out_mask)
+                    tl.store(ws_lse_ptr + ws_rows, lse, mask=mask_g)
+                    # All threads' stores before the release of the arrival count.
+                    tl.debug_barrier()
+                    arrived = tl.atomic_add(counter_ptr + bh * N + n, 1, sem="acq_rel", scope="gpu")
+                    if arrived == tb - ta:
+                        if n == n0:
+                            merge_first = n
+                        else:
+                            merge_last = n
         for i in range(2):
             n = tl.where(i == 0, merge_first, merge_last)
             if n >= 0:
@@ -656,12 +670,12 @@ def plan(rows: int, num_rows: int, num_splits: int, programs: int, min_rows: int
             raise ValueError(f"{name}: expected >= 1, got {v}")
     if not 0 <= rows <= num_rows:
         raise ValueError(f"rows: expected 0..{num_rows}, got {rows}")
-    chunk = math.ceil(num_rows / num_splits)
-    nchunks = (rows + chunk - 1) // chunk
+    from flintc.ops.attention import split_layout  # on call: nothing registers at import
+
+    chunk, nchunks = split_layout(rows, num_splits)
     bpc = (chunk + block_s - 1) // block_s
-    nblk = (nchunks - 1) * bpc + (rows - (nchunks - 1) * chunk + block_s - 1) // block_s \
-        if nchunks else 0
-    min_blocks = math.ceil(min_rows / block_s)
+    nblk = nchunks * bpc  # the last chunk's blocks past its rows are empty
+    min_blocks = min(math.ceil(min_rows / block_s), bpc)
     t_eff = max(1, min((nblk + min_blocks - 1) // min_blocks, programs, nchunks * max_pieces))
 
     def contributors(n):
@@ -681,7 +695,8 @@ def plan(rows: int, num_rows: int, num_splits: int, programs: int, min_rows: int
             nb = (c_hi - c_lo + block_s - 1) // block_s
             lo = c_lo + (max(u0, first) - first) * block_s
             hi = min(c_lo + (min(u1, first + nb) - first) * block_s, c_hi)
-            segments[t].append((n, lo, hi, *contributors(n)))
+            if lo < hi:
+                segments[t].append((n, lo, hi, *contributors(n)))
     return {"t_eff": t_eff, "nblk": nblk, "segments": segments, "zero_fill": zero_fill}
 
 
@@ -697,6 +712,30 @@ def preload_enabled() -> bool:
     from flintc.kernels.tuning import env_choice
 
     return env_choice("FLINTC_DECODE_ATTN_PRELOAD", ("0", "1"), "1" if PRELOAD else "0") == "1"
+
+
+def full_min_rows() -> int:
+    """The GPU launcher's smallest run of rows per program in a full cache: the integer in
+    FLINTC_DECODE_ATTN_MIN_ROWS, else `GPU_MIN_ROWS` (unset or empty). At short contexts
+    the chunks are at most `flintc.ops.attention.SPLIT_ROWS` rows (`split_layout`): a value
+    up to that length gives one program per chunk (no in-kernel merge), a larger one
+    several chunks per program.
+
+    Raises:
+        TuningEnvError (a ValueError): not an integer >= 1, naming the variable.
+    """
+    from flintc.kernels.tuning import TuningEnvError
+
+    value = os.environ.get("FLINTC_DECODE_ATTN_MIN_ROWS", "").strip()
+    if not value:
+        return GPU_MIN_ROWS
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise TuningEnvError(f"FLINTC_DECODE_ATTN_MIN_ROWS must be an integer >= 1, got {value!r}")
+    return rows
 
 
 def ring_launch(batch: int) -> tuple[int, int, int, bool]:
@@ -766,8 +805,9 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     programs_per_head: T, the grid's programs per (sequence, KV head); default
     `default_programs_per_head(B, Hkv, SMs)` (interpreter: 4 "SMs", 1 per SM).
     min_rows: the smallest run of rows a program takes (rounded up to whole blocks);
-    default GPU_MIN_ROWS, `ring_min_rows` (one whole split) for a sliding layer (window >
-    0; interpreter: CPU_MIN_ROWS).
+    default `full_min_rows()` (GPU_MIN_ROWS unless FLINTC_DECODE_ATTN_MIN_ROWS),
+    `ring_min_rows` (one whole split) for a sliding layer (window > 0; interpreter:
+    CPU_MIN_ROWS); a chunk shorter than it is one program's whole run.
     max_pieces: at most max_pieces x nchunks busy programs (default MAX_PIECES_PER_SPLIT).
     block_s, num_warps, num_stages: the GPU launch configuration (BLOCK_S a power of two
     >= 16; defaults GPU_*, for a sliding layer's ring `ring_launch(B)`, which may also
@@ -830,7 +870,7 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
         elif window:  # a sliding layer's ring (S = W rows): one program per split
             min_rows = ring_min_rows(S, num_splits)
         else:
-            min_rows = GPU_MIN_ROWS
+            min_rows = full_min_rows()
     max_pieces = MAX_PIECES_PER_SPLIT if max_pieces is None else max_pieces
     block_s = (GPU_BLOCK_S if on_gpu else CPU_BLOCK_S) if block_s is None else block_s
     clamp = window == 0 or S <= window  # the visible rows are 0..p (or the whole ring)
@@ -845,6 +885,8 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
             _positive_int(v, name)
     _check(isinstance(block_s, int) and block_s >= 16 and block_s & (block_s - 1) == 0,
            "block_s", f"expected a power of two >= 16, got {block_s!r}")
+    from flintc.ops import attention  # the split layout's SPLIT_ROWS (on call, see above)
+
     G = Hq // Hkv
     o_part = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hq, num_splits, dtype=torch.float32, device=q.device)
@@ -852,7 +894,6 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     if B == 0:
         return out if fuse else (o_part, lse)
     T = programs_per_head
-    chunk = math.ceil(S / num_splits)
     # Scratch: two partial slots per program (its first and last split).
     ws_o = torch.empty(B * Hkv * T * 2 * G * D, dtype=torch.float32, device=q.device)
     ws_lse = torch.empty(B * Hkv * T * 2 * G, dtype=torch.float32, device=q.device)
@@ -866,7 +907,8 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     decode_attention_kernel[(B * Hkv, T)](
         q, k_cache, v_cache, slots, positions, o_part, lse, ws_o, ws_lse, counters,
         sinks if fuse else lse, out if fuse else o_part, done,
-        S, chunk, num_splits, T, math.ceil(min_rows / block_s), max_pieces, D ** -0.5,
+        S, attention.SPLIT_ROWS, num_splits, T, math.ceil(min_rows / block_s), max_pieces,
+        D ** -0.5,
         HKV=Hkv, G=G, D=D, WINDOW=window, CLAMP_TO_P=clamp,
         BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_GM=triton.next_power_of_2(G),
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_S=block_s,
@@ -887,8 +929,9 @@ def decode_attention(q, k_cache, v_cache, slots, positions, window: int, num_spl
     the new token; slots: int32/int64 [B] (a negative slot is a padding row, which
     reads no cache row: all its chunks empty; `flintc.ops.attention.pad_slot`);
     positions: int64 [B, 1]; window: W for a
-    ring cache of W rows, 0 for a full cache (rows 0..p visible); num_splits: N equal
-    chunks of ceil(S / N) rows. Returns (o_part fp32 [B, Hq, N, D], lse fp32 [B, Hq, N]),
+    ring cache of W rows, 0 for a full cache (rows 0..p visible); num_splits: N, the
+    most chunks a sequence's visible rows are cut into (`flintc.ops.attention.
+    split_layout`). Returns (o_part fp32 [B, Hq, N, D], lse fp32 [B, Hq, N]),
     o = 0 and lse = -inf for chunks without a visible key. All tensors contiguous, on
     one device. Raises ValueError naming the argument on a wrong dtype, shape, layout
     or device (and for S >= 2**30 rows).
@@ -991,7 +1034,7 @@ def aot_probe_specs(configs=None):
              "slots_ptr": "*i64", "positions_ptr": "*i64", "o_part_ptr": "*fp32",
              "lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32",
              "counter_ptr": "*i32", "sinks_ptr": "*fp32", "out_ptr": "*bf16", "done_ptr": "*i32",
-             "S": "i32", "CHUNK": "i32", "N": "i32", "T": "i32",
+             "S": "i32", "SPLIT_ROWS": "i32", "N": "i32", "T": "i32",
              "MIN_BLOCKS": "i32", "MAX_PIECES": "i32", "scale": "fp32"}
     names = decode_attention_kernel.arg_names
     specs = []

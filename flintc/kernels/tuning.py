@@ -103,7 +103,7 @@ def check_environment() -> None:
     knobs FLINTC_MMA_TRIGGER, FLINTC_MMA_GEMV_LAUNCH, FLINTC_MMA_GATE_UP_LAUNCH,
     FLINTC_MMA_NORM_GATE_UP_LAUNCH, FLINTC_MMA_NORM_GATE_UP_FORMATS,
     FLINTC_MMA_GATE_UP_ROUTE, FLINTC_MMA_L2_PREFETCH; FLINTC_DECODE_ATTN_PRELOAD,
-    FLINTC_DECODE_ATTN_RING_LAUNCH;
+    FLINTC_DECODE_ATTN_RING_LAUNCH, FLINTC_DECODE_ATTN_MIN_ROWS;
     FLINTC_SAMPLER), so a
     bad value is
     reported when a runtime loads, not at the first launch that reads it (or never, on
@@ -118,10 +118,11 @@ def check_environment() -> None:
     from flintc.kernels.pdl import pdl_mode
 
     pdl_mode(True)
-    from flintc.kernels.decode_attention import preload_enabled, ring_launch
+    from flintc.kernels.decode_attention import full_min_rows, preload_enabled, ring_launch
 
     preload_enabled()
     ring_launch(1)
+    full_min_rows()
     from flintc.sampling import sampler_backend
 
     sampler_backend()

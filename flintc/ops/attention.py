@@ -107,6 +107,52 @@ def key_positions(positions: torch.Tensor, num_rows: int, window: int) -> torch.
     return p - torch.remainder(p - rows, window)
 
 
+# The target chunk length of `decode_attention`'s split layout, in cache rows: a context of
+# R rows is cut into ceil(R / SPLIT_ROWS) chunks while that is at most N (`split_layout`),
+# so a short context gets fewer chunks, not thinner ones. 64 = the GPU kernel's BLOCK_S:
+# such a chunk is one block, read by one program.
+SPLIT_ROWS = 64
+
+
+def visible_rows(position: int, slot: int, num_rows: int, window: int) -> int:
+    """R, the rows of a cache of `num_rows` rows that can hold a visible key for the token
+    at `position` (rows 0..R-1): 0 for a padding row (slot < 0), else min(position + 1,
+    num_rows) for a full cache or a ring of at most `window` rows (rows fill in order until
+    the ring wraps), and every row of a ring longer than the window (masked row by row)."""
+    if slot < 0:
+        return 0
+    if window == 0 or num_rows <= window:
+        return max(0, min(position + 1, num_rows))
+    return num_rows
+
+
+def split_layout(rows: int, num_splits: int, split_rows: int | None = None) -> tuple[int, int]:
+    """(C, n): the chunk length in rows and the chunks used when `decode_attention` cuts
+    R = `rows` visible rows into at most `num_splits` (N) chunks: n' = min(N, ceil(R /
+    split_rows)) chunks wanted, C = ceil(R / n') rows each (the last may be shorter), n =
+    ceil(R / C) <= n' of them hold rows; chunks n..N-1 are empty. So C <= split_rows while
+    R <= N x split_rows, and C = ceil(R / N) past that. `split_rows` defaults to SPLIT_ROWS
+    (read at call time). R = 0 gives (1, 0).
+
+    The layout follows the visible rows, not the cache length, as FlashDecoding's and
+    vLLM's paged attention v2 partitions follow the sequence (ceil(len / 512) partitions):
+    1,024 tokens in a 262,144-row cache are 16 chunks of 64 rows, not one chunk of 8,192
+    rows that every program shares.
+
+    Raises:
+        ValueError: rows < 0, num_splits < 1 or split_rows < 1.
+    """
+    split_rows = SPLIT_ROWS if split_rows is None else split_rows
+    if rows < 0 or num_splits < 1 or split_rows < 1:
+        raise ValueError(f"split_layout: expected rows >= 0, num_splits >= 1, split_rows >= 1; "
+                         f"got {rows}, {num_splits}, {split_rows}")
+    if rows == 0:
+        return 1, 0
+    wanted = min(num_splits, math.ceil(rows / split_rows))
+    chunk = math.ceil(rows / wanted)
+    return chunk, math.ceil(rows / chunk)
+
+
 @torch.library.custom_op("flintc::decode_attention", mutates_args=())
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -116,15 +162,18 @@ def decode_attention(
 
     q: bf16 [B, 1, Hq, D] (normed, rotated); caches: bf16 [slots, S, Hkv, D] already
     holding the new token; positions: int64 [B, 1]; window: W for a ring cache, 0 for
-    a full one (keys 0..p). The S rows are cut into `num_splits` equal chunks; each
-    gives an fp32 partial output normalised within the chunk and its log-sum-exp
-    (-inf and o = 0 for a chunk with no visible key). A padding row (negative slot,
+    a full one (keys 0..p). Each sequence's R visible rows (`visible_rows`) are cut into
+    at most `num_splits` chunks of C rows (`split_layout`: ceil(R / SPLIT_ROWS) chunks
+    while that is at most num_splits, so fewer for a short context); each chunk gives an fp32
+    partial output normalised within the chunk and its log-sum-exp (-inf and o = 0 for a
+    chunk with no visible key, and for the unused chunks). A padding row (negative slot,
     `pad_slot`) sees no key: all its chunks are empty. Returns (o_part fp32
     [B, Hq, num_splits, D], lse fp32 [B, Hq, num_splits]); `attention_combine` adds
     the sink and merges them.
     """
     B, _, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
     keys = k_cache[cache_slots(slots)].to(CDT)  # [B, S, Hkv, D]
     values = v_cache[cache_slots(slots)].to(CDT)
     kpos = key_positions(positions, S, window)  # [B, S]
@@ -132,20 +181,28 @@ def decode_attention(
     visible = (kpos >= 0) & (kpos <= p) & (slots >= 0)[:, None]  # [B, S]; padding: none
     if window:
         visible &= (p - kpos) < window
-    qh = q[:, 0].to(CDT).view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
+    qh = q[:, 0].to(CDT).view(B, Hkv, G, D)  # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bshd->bhgs", qh, keys) * (D ** -0.5)  # [B, Hkv, G, S]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf")).reshape(B, Hq, S)
-    chunk = math.ceil(S / num_splits)
-    pad = chunk * num_splits - S
-    scores = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")).view(B, Hq, num_splits, chunk)
-    vals = torch.nn.functional.pad(values, (0, 0, 0, 0, 0, pad)).view(B, num_splits, chunk, Hkv, D)
-    m = scores.amax(dim=-1, keepdim=True)  # [B, Hq, N, 1]
+    # Each sequence's layout (`split_layout`) from R on the device: no host sync, so the
+    # op stays capturable in a CUDA graph.
+    R = torch.where(slots >= 0, torch.clamp(p[:, 0] + 1, 0, S) if window == 0 or S <= window
+                    else torch.full_like(p[:, 0], S), torch.zeros_like(p[:, 0]))  # [B]
+    wanted = torch.clamp((R + SPLIT_ROWS - 1) // SPLIT_ROWS, 1, num_splits)
+    chunk = torch.clamp((R + wanted - 1) // wanted, min=1)  # [B]
+    rows = torch.arange(S, device=q.device)
+    idx = torch.clamp(rows[None, :] // chunk[:, None], max=num_splits - 1)  # [B, S] chunk of each row
+    idx_h = idx[:, None, :].expand(B, Hq, S)
+    m = torch.full((B, Hq, num_splits), float("-inf"), dtype=CDT, device=q.device)
+    m = m.scatter_reduce(2, idx_h, scores, "amax")  # [B, Hq, N]
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(scores - m_safe)  # [B, Hq, N, C]; masked keys give 0
-    l = e.sum(dim=-1)  # [B, Hq, N]
-    vh = vals.permute(0, 3, 1, 2, 4).repeat_interleave(Hq // Hkv, dim=1)  # [B, Hq, N, C, D]
-    o = torch.einsum("bhnc,bhncd->bhnd", e, vh) / torch.where(l > 0, l, torch.ones_like(l))[..., None]
-    lse = torch.where(l > 0, m_safe[..., 0] + torch.log(l), torch.full_like(l, float("-inf")))
+    e = torch.exp(scores - m_safe.gather(2, idx_h))  # [B, Hq, S]; masked keys give 0
+    l = torch.zeros_like(m).scatter_add(2, idx_h, e)  # [B, Hq, N]
+    onehot = (idx[:, None, :] == torch.arange(num_splits, device=q.device)[None, :, None]).to(CDT)
+    e_n = e.view(B, Hkv, G, 1, S) * onehot.view(B, 1, 1, num_splits, S)  # [B, Hkv, G, N, S]
+    o = e_n @ values.permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, G, N, D]
+    o = o.reshape(B, Hq, num_splits, D) / torch.where(l > 0, l, torch.ones_like(l))[..., None]
+    lse = torch.where(l > 0, m_safe + torch.log(l), torch.full_like(l, float("-inf")))
     return o, lse
 
 

@@ -2,7 +2,8 @@
 (flash-decoding) attention, `flintc.decode_attention`, plus `flintc.attention_combine`.
 
 Why: FLINT_SPEC section 5 runs decode attention as two kernels: one that reads the
-KV cache in `num_splits` chunks along its length, each chunk giving a partial
+KV cache in at most `num_splits` chunks along its length (the chunks cut the visible
+rows, `flintc.ops.attention.split_layout`), each chunk giving a partial
 output and its log-sum-exp, and a combine that merges them with the learned sink.
 The captured core is some 35 aten ops per layer: the cache gathers (plus the `cat`
 with the new token in sliding layers), the scores bmm, the mask, the sink concat,

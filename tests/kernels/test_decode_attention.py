@@ -43,7 +43,19 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 import flintc.ops  # noqa: F401  (registers torch.ops.flintc.*)
 from flintc.kernels import decode_attention as kernels
-from flintc.ops.attention import key_positions
+from flintc.ops.attention import key_positions, split_layout
+
+
+@pytest.fixture
+def small_splits(monkeypatch):
+    """The interpreter cases' caches hold tens of rows, which the model's split layout
+    (ceil(R / `SPLIT_ROWS`) chunks, SPLIT_ROWS = 64) would keep in one chunk: chunks of at
+    most 4 rows here (while the splits last), for the kernel and the reference alike (both read the constant at
+    call time), so that these cases have many chunks, empty ones, shared ones and runs
+    across them. `test_decode_attention_default_split_rows` covers the default."""
+    import flintc.ops.attention as attention
+
+    monkeypatch.setattr(attention, "SPLIT_ROWS", 4)
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEV = "cuda" if ON_GPU else "cpu"
@@ -167,21 +179,33 @@ CPU_CASES = [
     pytest.param(0, 40, 4, [39, 0, 17, 8, 31, 1, 24, 39], {}, id="full-B8"),
     pytest.param(0, 48, 1, [47, 20], {"programs_per_head": 6, "min_rows": 4},
                  id="full-one-split-in-pieces"),
+    # 41 and 71 visible rows of 96 in 4 splits of 11 and 18 rows, 9 programs: each 18-row
+    # split is two blocks (16 + 2 rows) that two programs share.
     pytest.param(0, 96, 4, [40, 70], {"programs_per_head": 9, "min_rows": 4},
                  id="full-long-cache-short-context-pieces"),
     pytest.param(9, 9, 3, [0, 4, 8], {}, id="ring-not-wrapped"),
     pytest.param(9, 9, 2, [31, 100, 9], {"programs_per_head": 4, "min_rows": 2},
                  id="ring-wrapped-pieces"),
-    # Splits of 3 blocks (16, 16, 8 rows), runs of 2-3 blocks: program 1 ends split 0
-    # (its slot 0) and starts split 1 (its slot 1).
+    # 113 visible rows in splits of 38 (blocks of 16, 16, 6 rows), runs of 2-3 blocks:
+    # program 1 ends split 0 (its slot 0) and starts split 1 (its slot 1).
     pytest.param(0, 120, 3, [112], {"programs_per_head": 4, "min_rows": 16},
                  id="full-runs-cross-splits"),
     # One split shared by 10 programs: three merge loads of CPU_MERGE_P = 4.
     pytest.param(0, 160, 1, [150], {"programs_per_head": 12, "min_rows": 16},
                  id="full-one-split-ten-sharers"),
-    # 16 splits of 4 rows, 2 programs: runs of 6-7 whole splits (stored directly, no
-    # merge) and 3 empty splits, zero-filled by both programs.
+    # 51 visible rows in 13 of 16 splits (4 rows each), 2 programs: runs of 6-7 whole
+    # splits (stored directly, no merge) and 3 empty splits, zero-filled by both.
     pytest.param(0, 64, 16, [50, 3], {"programs_per_head": 2}, id="full-more-splits-than-programs"),
+    # 140 visible rows in 8 splits of 18 rows (blocks of 16 + 2 rows), the last split 14
+    # rows, one block, then an empty one: runs of whole splits (8 programs), runs of one
+    # block (16 programs: the last one's block is the empty one, it reads and stores
+    # nothing), runs across splits (12 programs); a second sequence of 51 rows.
+    pytest.param(0, 200, 8, [139], {"programs_per_head": 8, "min_rows": 32},
+                 id="full-last-split-fewer-blocks"),
+    pytest.param(0, 200, 8, [139], {"programs_per_head": 16, "min_rows": 16},
+                 id="full-last-split-fewer-blocks-empty-run"),
+    pytest.param(0, 200, 8, [139, 50], {"programs_per_head": 12, "min_rows": 16},
+                 id="full-last-split-fewer-blocks-shared"),
     # A ring of 40 rows for a window of 9 (rows masked one by one as the reference
     # does), one split shared by 3 programs.
     pytest.param(9, 40, 1, [20, 50], {"programs_per_head": 3, "min_rows": 4},
@@ -194,6 +218,7 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.usefixtures("small_splits")
 @pytest.mark.parametrize("window,S,num_splits,positions,knobs", CPU_CASES)
 def test_decode_attention_matches_reference(window, S, num_splits, positions, knobs):
     Hq, Hkv, D = 8, 2, 32
@@ -212,6 +237,7 @@ def test_decode_attention_matches_reference(window, S, num_splits, positions, kn
     assert counters_are_zero(), "arrival counters not reset after the launch"
 
 
+@pytest.mark.usefixtures("small_splits")
 @pytest.mark.parametrize("preload", [False, True])
 @pytest.mark.parametrize("window,S,num_splits,positions,knobs", CPU_CASES)
 def test_fused_combine_matches_reference(window, S, num_splits, positions, knobs, preload):
@@ -250,6 +276,7 @@ def test_fused_combine_repeatable_and_rejects_bad_sinks():
             kernels.decode_attention_combine(q, kc, vc, slots, pos, bad, 0, 1)
 
 
+@pytest.mark.usefixtures("small_splits")
 @pytest.mark.parametrize("window,S,num_splits,positions,knobs", CPU_CASES)
 def test_preload_matches_reference(window, S, num_splits, positions, knobs):
     """The early reads (`preload=True`: slots, positions and each program's first block
@@ -289,6 +316,55 @@ def test_preload_env(monkeypatch):
             check_environment()
 
 
+@pytest.mark.parametrize("knobs", [{}, {"programs_per_head": 3, "min_rows": 16}])
+def test_decode_attention_default_split_rows(knobs):
+    """The model's split layout (SPLIT_ROWS = 64): a 300-row cache in 7 splits holds
+    sequences of 300, 6, 65 and 131 visible rows, cut into 5 chunks of 60 rows, 1 of 6, 2
+    of 33 and 3 of 44 (`split_layout`), the other splits empty; a padding row (negative
+    slot) has none. The kernel's partials match the reference's, chunk by chunk."""
+    import flintc.ops.attention as attention
+
+    assert attention.SPLIT_ROWS == 64
+    Hq, Hkv, D, S, N = 8, 2, 32, 300, 7
+    positions = [299, 5, 64, 130, 17]
+    q, kc, vc, slots, pos = make_inputs(len(positions), Hq, Hkv, D, S, positions, num_slots=6)
+    slots = torch.tensor([3, 0, 2, 1, attention.pad_slot(5)], device=DEV)  # slot 5 free
+    assert [split_layout(attention.visible_rows(p, s, S, 0), N)
+            for p, s in zip(positions, slots.tolist())] == [(60, 5), (6, 1), (33, 2), (44, 3), (1, 0)]
+    sinks = torch.randn(Hq).to(DEV)
+    (o, lse, out), (o_ref, lse_ref, out_ref) = run_both(q, kc, vc, slots, pos, 0, N, sinks, **knobs)
+    assert_partials_close(o, lse, o_ref, lse_ref)
+    assert torch.isneginf(lse_ref[:, :, 5:]).all() and torch.isneginf(lse_ref[-1]).all()
+    assert not torch.isneginf(lse_ref[0, :, :5]).any()
+    assert_within_one_bf16_ulp(out, out_ref, atol=S * 2.0**-24 * vc.float().abs().max().item())
+    assert counters_are_zero()
+
+
+def test_split_layout():
+    """`split_layout(R, N)`: at most N chunks, equal but the last, covering rows 0..R-1,
+    of at most SPLIT_ROWS rows while N x SPLIT_ROWS rows suffice, else as few rows as N
+    chunks allow; bad arguments raise ValueError naming the function."""
+    assert split_layout(0, 32) == (1, 0)
+    assert split_layout(1, 32) == (1, 1)
+    assert split_layout(1024, 32) == (64, 16)
+    assert split_layout(1000, 32) == (63, 16)
+    assert split_layout(100_000, 32) == (3125, 32)
+    assert split_layout(513, 9) == (57, 9)  # a sliding layer's wrapped ring: as before
+    assert split_layout(262144, 32) == (8192, 32)
+    assert split_layout(10, 4, split_rows=3) == (3, 4)
+    assert split_layout(70, 3) == (35, 2)
+    for R in range(0, 700, 7):
+        for N in (1, 2, 3, 9, 32):
+            chunk, n = split_layout(R, N)
+            assert n <= N and (n == 0) == (R == 0)
+            assert R == 0 or ((n - 1) * chunk < R <= n * chunk)
+            assert chunk <= 64 if R <= 64 * N else chunk == -(-R // N)
+    for bad in ((-1, 4), (5, 0), (5, 2, 0)):
+        with pytest.raises(ValueError, match="split_layout"):
+            split_layout(*bad)
+
+
+@pytest.mark.usefixtures("small_splits")
 def test_pieces_are_merged_and_repeatable():
     """One split of 64 rows shared by 4 programs of one block: every partial merges
     through the workspace; a second launch (counters reused) gives bit-identical
@@ -321,7 +397,8 @@ def test_plan_covers_each_visible_row_once(R, S, N, T, min_rows, block_s):
     sharers (ta..tb) of a split are exactly the programs with a segment in it, only a
     run's first and last segments can be shared, empty splits are zero-filled once."""
     plan = kernels.plan(R, S, N, T, min_rows, block_s)
-    chunk = -(-S // N)
+    chunk, nchunks = split_layout(R, N)
+    assert nchunks <= N and (nchunks == 0 or (nchunks - 1) * chunk < R <= nchunks * chunk)
     covered = []
     runs = []
     sharers = {}
@@ -345,9 +422,26 @@ def test_plan_covers_each_visible_row_once(R, S, N, T, min_rows, block_s):
         assert tb - ta + 1 <= kernels.MAX_PIECES_PER_SPLIT + 2
     assert not runs or max(runs) - min(runs) <= 2, f"unbalanced runs (blocks): {runs}"
     assert len(runs) <= T
-    nchunks = -(-R // chunk)
     zero = sorted(z for zs in plan["zero_fill"] for z in zs)
     assert zero == list(range(nchunks, N)), "empty splits not zero-filled exactly once"
+
+
+@pytest.mark.parametrize("R,S,T,block_s,want", [
+    (1024, 262144, 66, 64, 16), (1024, 1024, 66, 64, 16), (1000, 131072, 66, 64, 16),
+    (2100, 262144, 66, 64, 32), (3000, 262144, 66, 64, 32), (2100, 262144, 66, 32, 32),
+    (1024, 262144, 8, 64, 8), (513, 262144, 66, 64, 9)])
+def test_plan_short_contexts_take_one_program_per_chunk(R, S, T, block_s, want):
+    """With the GPU's smallest run (GPU_MIN_ROWS) and chunks shorter than it (the split
+    layout of a short context: ceil(R / 64) chunks of at most 64 rows, or N = 32 chunks
+    of a few blocks), each busy program takes whole chunks and stores them directly: no
+    chunk is shared and merged in-kernel, whatever the cache length S, also when the last
+    chunk has fewer blocks than the others (R = 2,100: 31 chunks of 66 rows, 2 blocks,
+    and one of 54 rows, 1 block). `want` busy programs (fewer when T is smaller)."""
+    plan = kernels.plan(R, S, 32, T, kernels.GPU_MIN_ROWS, block_s)
+    assert plan["t_eff"] == want
+    segs = [seg for segs in plan["segments"] for seg in segs]
+    assert all(ta == tb for _, _, _, ta, tb in segs), "a chunk shared by several programs"
+    assert sorted(r for _, lo, hi, _, _ in segs for r in range(lo, hi)) == list(range(R))
 
 
 def test_kernels_table_and_defaults():
