@@ -17,7 +17,7 @@ vocabulary; what `sample` computed before session 18). Prints Markdown (also to 
 `--launch-sweep`: instead, the one-launch kernel alone (`flintc.kernels.sampler.
 launch_sample`, top-k 20) in CUDA-graph replays (`benchmarks/common.time_graph`, median
 device time per call) for each logits chunk per program x warps: the chunk phase runs k
-rounds of four reductions over its CHUNK logits, so smaller chunks (more programs) and
+rounds of three reductions over its CHUNK logits, so smaller chunks (more programs) and
 fewer warps (cheaper cross-warp reductions) trade against the merge's records (NCHUNK x
 32 per row).
 
