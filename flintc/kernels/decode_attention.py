@@ -33,13 +33,14 @@ each program derives its work from p at run time:
   resets the counter to 0.
 - Empty chunks [nchunks, N) get o = 0, lse = -inf from the highest-numbered programs
   (the idle ones when the context is short).
-Rows past R are never read, so a 262,144-row cache holding 1K tokens costs 1K rows
-of reads in 16 chunks of 64 rows, each one block, about MIN_ROWS rows per busy program
-and no merge: short contexts are cheap whatever N and S are. (The previous version,
-measured in docs/gpu-runs.md 2026-11-30 session 3, launched T + N programs per head with pieces confined to chunks, zero-fill
-programs for the empty chunks, and a merge that read the partials one query head at a
-time: ~20 us of fixed cost per call. Here the grid is one wave, runs are balanced
-across chunk boundaries, and the merge reads MERGE_P partials of all G heads at once.)
+Rows past R are never read, so a 262,144-row cache holding 1K tokens costs 1K rows of
+reads in 16 chunks of 64 rows, each one block, about MIN_ROWS rows per busy program and
+no merge: short contexts are cheap whatever N and S are. (The previous version, measured
+in docs/gpu-runs.md 2026-11-30 session 3, launched T + N programs per head with pieces
+confined to chunks, zero-fill programs for the empty chunks, and a merge that read the
+partials one query head at a time: ~20 us of fixed cost per call. Here the grid is one
+wave, runs are balanced across chunk boundaries, and the merge reads MERGE_P partials of
+all G heads at once.)
 Sliding layers (a ring of W rows, cut by the compiler into ceil(W / 64) splits): the
 GPU launcher sets the smallest run to one whole split (`ring_min_rows`), so each busy
 program reads exactly one split and stores it directly, with no partials, counters or
