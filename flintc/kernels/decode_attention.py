@@ -34,7 +34,7 @@ each program derives its work from p at run time:
 - Empty chunks [nchunks, N) get o = 0, lse = -inf from the highest-numbered programs
   (the idle ones when the context is short).
 Rows past R are never read, so a 262,144-row cache holding 1K tokens costs 1K rows of
-reads in 16 chunks of 64 rows, each one block, about MIN_ROWS rows per busy program and
+reads in 16 chunks of 64 rows, each one block read by one busy program, and
 no merge: short contexts are cheap whatever N and S are. (The previous version, measured
 in docs/gpu-runs.md 2026-11-30 session 3, launched T + N programs per head with pieces
 confined to chunks, zero-fill programs for the empty chunks, and a merge that read the
