@@ -66,6 +66,34 @@ def _install_sigterm_handler():
         return None
 
 
+def _install_unraisable_hook():
+    """Deliver SIGTERM again when its `Terminated` was dropped: a signal handler's
+    exception raised while Python runs a weakref callback, a __del__ or importlib's
+    module-lock callback cannot propagate, and Python reports it through
+    `sys.unraisablehook` ("Exception ignored in ...") and goes on, so the command would
+    run to completion and exit 0. The hook sends the signal again, whose handler then raises
+    at the next ordinary bytecode. Other unraisable exceptions go to the previous hook,
+    which is returned."""
+    import os
+    import threading
+
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, Terminated):
+            # From another thread, 50 ms on: raised here, the handler would run inside
+            # this hook, whose exceptions are dropped too; the main thread handles the
+            # new signal once the hook has returned.
+            timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+            timer.daemon = True
+            timer.start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    return previous
+
+
 def main(argv: list[str] | None = None) -> int:
     from flintc.cli.args import join_int_list_values
 
@@ -73,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     # `--prompt-ids -1,2` reaches flintc run's check of the ids (argparse would take -1,2 for an option)
     args = parser.parse_args(join_int_list_values(sys.argv[1:] if argv is None else list(argv)))
     previous = _install_sigterm_handler()
+    unraisable = _install_unraisable_hook()
     show = _install_warning_format()
     try:
         return _run(args)
@@ -82,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = show
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = unraisable
 
 
 def _install_warning_format():

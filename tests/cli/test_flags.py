@@ -538,3 +538,41 @@ def test_compile_checks_the_kernel_environment_first(capsys, tmp_path, monkeypat
         assert_one_line_error(code, err, var)
         monkeypatch.delenv(var)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_dropped_in_a_callback_is_delivered_again():
+    """SIGTERM's `Terminated` raised where Python drops exceptions (here a __del__; in the
+    CI run of session 26, importlib's module-lock callback, after which `flintc compile`
+    ran on and exited 0) reaches `sys.unraisablehook`, which `main` sets to raise the
+    signal again: the command still stops with Terminated. Another unraisable exception
+    goes to the previous hook."""
+    from flintc import cli
+
+    previous = signal.getsignal(signal.SIGTERM)
+    cli._install_sigterm_handler()
+    hook = cli._install_unraisable_hook()
+    seen = []
+    try:
+        class Dropped:
+            def __del__(self):
+                raise cli.Terminated()
+
+        with pytest.raises(cli.Terminated):
+            obj = Dropped()
+            del obj  # the exception is dropped here, the signal sent again
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # its handler raises in this loop
+                time.sleep(0.01)
+        sys.unraisablehook, inner = (lambda u: seen.append(u.exc_type)), sys.unraisablehook
+        cli._install_unraisable_hook()
+
+        class Other:
+            def __del__(self):
+                raise RuntimeError("not a termination")
+
+        obj = Other()
+        del obj
+        assert seen == [RuntimeError]
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        sys.unraisablehook = hook
