@@ -96,6 +96,7 @@ import triton
 import triton.language as tl
 
 from flintc.kernels.pdl import PDL_EARLY, pdl_mode
+from flintc.kernels.platform import interpreting, sm_count
 
 
 @triton.jit
@@ -565,20 +566,10 @@ CPU_COMBINE_P = 2  # the interpreter: small rounds so that tests merge online
 CPU_NUM_SMS = 4
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
-_NUM_SMS: dict[int, int] = {}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda" or _interpreting():
-        return CPU_NUM_SMS
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
+    return CPU_NUM_SMS if interpreting() else sm_count(device, cpu=CPU_NUM_SMS)
 
 
 def _counters(device: torch.device, numel: int) -> torch.Tensor:
@@ -854,7 +845,7 @@ def launch_decode_attention(q, k_cache, v_cache, slots, positions, window: int, 
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("slots", slots),
                     ("positions", positions)) + ((("sinks", sinks),) if fuse else ()):
         _check(t.device == q.device, name, f"on {t.device}, q on {q.device}")
-    on_gpu = q.is_cuda and not _interpreting()
+    on_gpu = q.is_cuda and not interpreting()
     r_warps = None
     if on_gpu and window and B > 0:  # a sliding layer's ring: `ring_launch` by batch
         r_bs, r_warps, r_stages, per_split = ring_launch(B)
@@ -997,12 +988,12 @@ def attention_combine(o_part, lse, sinks, *, use_pdl: bool = False):
     out = torch.empty(B, 1, Hq * D, dtype=torch.bfloat16, device=o_part.device)
     if B == 0:
         return out
-    pdl = bool(use_pdl) and o_part.is_cuda and not _interpreting()
+    pdl = bool(use_pdl) and o_part.is_cuda and not interpreting()
     extra = {"launch_pdl": True} if pdl else {}
     attention_combine_kernel[(B * Hq,)](
         o_part, lse, sinks, out,
         HQ=Hq, N=N, D=D, BLOCK_N=triton.next_power_of_2(N), BLOCK_D=triton.next_power_of_2(D),
-        SOFT_RNE=not (o_part.is_cuda and not _interpreting()), USE_PDL=pdl_mode(pdl), num_warps=4, **extra,
+        SOFT_RNE=not (o_part.is_cuda and not interpreting()), USE_PDL=pdl_mode(pdl), num_warps=4, **extra,
     )
     return out
 

@@ -41,7 +41,6 @@ from flintc.kernels.gemv import (
     _effective_split,
     _gemv_loop,
     _gemv_loop_flat,
-    _interpreting,
     _is_last,
     _load_w,
     _rms_rstd,
@@ -60,6 +59,7 @@ from flintc.kernels.gemv import (
 from flintc.kernels.gemv import gemv as _gemv
 from flintc.kernels.gemv import lm_head as lm_head
 from flintc.kernels.pdl import pdl_mode
+from flintc.kernels.platform import interpreting
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -306,7 +306,7 @@ def embedding_kernel(ids_ptr, table_ptr, out_ptr, V, H, BLOCK_H: tl.constexpr,
 
 # ----------------------------------------------------------------------------- helpers
 def _launch_opts(device: torch.device, use_pdl: bool, cfg: GemvConfig | None):
-    gpu = device.type == "cuda" and not _interpreting()
+    gpu = device.type == "cuda" and not interpreting()
     pdl = bool(use_pdl) and gpu
     extra = {"launch_pdl": True} if pdl else {}
     if gpu and cfg is not None:
@@ -484,7 +484,7 @@ def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache
 
     B, H = x2.shape
     D = q.shape[-1]
-    if _interpreting() or not nvfp4_mma.qkv_applies(H, D, "bf16" if len(wq) == 1 else "nvfp4"):
+    if interpreting() or not nvfp4_mma.qkv_applies(H, D, "bf16" if len(wq) == 1 else "nvfp4"):
         return False
     if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
         return False
@@ -612,7 +612,7 @@ def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
 
     converted = fmt == "nvfp4-mma"
     base = "nvfp4" if converted else fmt
-    if _interpreting() or not (converted or base in nvfp4_mma.norm_gate_up_formats()):
+    if interpreting() or not (converted or base in nvfp4_mma.norm_gate_up_formats()):
         return None
     if base == "bf16" and x2.shape[0] not in nvfp4_mma.NORM_GATE_UP_BF16_N:
         return None

@@ -35,7 +35,6 @@ so a later growth cannot free memory the graph writes.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -43,16 +42,13 @@ import triton
 import triton.language as tl
 
 from flintc.kernels.nvfp4_mma import is_mma_layout, weight_dims
+from flintc.kernels.platform import interpreting
 from flintc.kernels.tiles import e2m1_fp32
 from flintc.model import ops
 from flintc.ops.common import CDT, as_weight
 
 NVFP4_BLOCK = 16  # weights per E4M3 block scale
 DEQUANT_BLOCK = 1024  # code bytes (2048 weights) per dequant program
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------------------- Triton helpers
@@ -369,7 +365,7 @@ def nvfp4_mma_dequantize(codes: torch.Tensor, scales: torch.Tensor,
           or out.device != codes.device):
         _fail(op, "out", f"a contiguous bf16 tensor {list(lead) + [F, K]} on {codes.device}", out)
     if use_triton is None:
-        use_triton = codes.device.type == "cuda" or _interpreting()
+        use_triton = codes.device.type == "cuda" or interpreting()
     R = out.numel() // K if K else 0
     if not use_triton:
         from flintc.kernels.nvfp4_mma import decode_mma_layout
@@ -443,7 +439,7 @@ def nvfp4_dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
         raise ValueError(f"nvfp4_dequantize: out must be a contiguous bf16 tensor {list(lead) + [K]} "
                          f"on {codes.device}")
     if use_triton is None:
-        use_triton = codes.device.type == "cuda" or _interpreting()
+        use_triton = codes.device.type == "cuda" or interpreting()
     if not use_triton:
         from flintc.quant.nvfp4 import dequantize_packed
 

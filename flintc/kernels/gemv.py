@@ -50,14 +50,13 @@ Kernel design (issue 5 speed work):
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from flintc.kernels.pdl import pdl_mode
+from flintc.kernels.platform import interpreting, sm_count
 from flintc.kernels.tiles import (
     DEQUANT_UNSCALE,
     acc_final,
@@ -581,27 +580,11 @@ def tuned_config(key: tuple[str, int, int, int]) -> GemvConfig | None:
     return hit if hit is not None else TUNED.get(key)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """SM count of a CUDA device; 1 on the CPU (the interpreter runs programs in turn)."""
-    if device.type != "cuda":
-        return 1
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def auto_split_k(num_f_blocks: int, K: int, block_k: int, device: torch.device,
                  programs_per_sm: int = 2, max_split: int = 16) -> int:
     """Split-K count so that about `programs_per_sm` programs per SM are in flight, at
     most `max_split`, and each split has at least one BLOCK_K step."""
-    target = programs_per_sm * num_sms(device)
+    target = programs_per_sm * sm_count(device)
     return max(1, min(target // max(num_f_blocks, 1), triton.cdiv(K, block_k), max_split))
 
 
@@ -633,7 +616,7 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
         return hit
     if device.type != "cuda":  # interpreter: small tiles keep the CPU time down
         return GemvConfig(use_dot=True, block_f=16, block_k=64, split_k=1)
-    if flat_ok and fmt == "bf16" and triton.cdiv(F, 128) >= 2 * num_sms(device):  # LM head
+    if flat_ok and fmt == "bf16" and triton.cdiv(F, 128) >= 2 * sm_count(device):  # LM head
         split = auto_split_k(triton.cdiv(F, 128), K, 128, device)
         return GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=split, num_warps=4,
                           num_stages=3, prefetch=False, flat=True)
@@ -671,7 +654,7 @@ def one_step_configs(fmt: str, N: int, F: int, K: int, device: torch.device,
             tile = bf * bk * wbytes
             if tile > max_tile_bytes or tile < 4096:
                 continue
-            if triton.cdiv(F, bf) * split < num_sms(device) // 2:
+            if triton.cdiv(F, bf) * split < sm_count(device) // 2:
                 continue  # fewer programs than half the SMs: not a bandwidth config
             for use_dot in (True, False):
                 cfg = GemvConfig(use_dot=use_dot, block_f=bf, block_k=bk, split_k=split,
@@ -911,7 +894,7 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
             and _mma_gemv(x2, wargs, F, out, residual, use_pdl)):
         return out
     cfg = config or choose_config(N, F, K, fmt, dev)
-    gpu = dev.type == "cuda" and not _interpreting()
+    gpu = dev.type == "cuda" and not interpreting()
     if cfg.block_k % (32 if fmt == "nvfp4" or cfg.use_dot else 8) or cfg.block_f < 16 \
             and cfg.use_dot:
         raise ValueError(f"{op}: config {cfg} has block_k/block_f too small for this path")
@@ -961,7 +944,7 @@ def _mma_gemv(x2: torch.Tensor, wargs, F: int, out: torch.Tensor,
     N, K = x2.shape
     codes, scales, gscale = wargs
     if codes.dtype == torch.bfloat16:  # bf16 weights, read in place
-        if _interpreting() or F % 16 or K % 64 or not nvfp4_mma.available(x2.device) \
+        if interpreting() or F % 16 or K % 64 or not nvfp4_mma.available(x2.device) \
                 or not x2.is_contiguous() or x2.data_ptr() % 16 or codes.data_ptr() % 16 \
                 or not codes.is_contiguous():
             return False
@@ -970,7 +953,7 @@ def _mma_gemv(x2: torch.Tensor, wargs, F: int, out: torch.Tensor,
                            use_pdl=use_pdl)
         return True
     converted = nvfp4_mma.is_mma_layout(codes)
-    if _interpreting() or F % 16 or K % 64:
+    if interpreting() or F % 16 or K % 64:
         return False
     if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
         return False

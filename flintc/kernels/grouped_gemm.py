@@ -75,7 +75,6 @@ capture `_pick_impl` refuses it with a clear error.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -95,6 +94,7 @@ from flintc.kernels.gemm import (
 from flintc.kernels.gemm import gemm as dense_gemm
 from flintc.kernels.nvfp4_mma import is_mma_layout
 from flintc.kernels.pdl import pdl_mode
+from flintc.kernels.platform import interpreting
 from flintc.kernels.prefill_ops import expert_combine, silu_mul
 from flintc.kernels.tiles import (
     DEQUANT_UNSCALE,
@@ -108,10 +108,6 @@ from flintc.model import ops
 
 NVFP4_BLOCK = 16
 IMPLS = ("auto", "triton", "grouped_mm", "loop")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -288,11 +284,6 @@ def moe_grouped_gemm_kernel(
     # mask: real slot rows and real output columns.
     tl.store(out_ptr + out_off[:, None] + offs_f[None, :], _round_to_bf16(res),
              mask=mask_m[:, None] & mask_f[None, :])
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class GroupedConfig(NamedTuple):
@@ -669,7 +660,7 @@ def _pick_impl(op: str, impl: str, is_nvfp4: bool, device) -> str:
         return "grouped_mm" if not is_nvfp4 and _grouped_mm_fn() is not None else "loop"
     if impl == "grouped_mm" and (is_nvfp4 or _grouped_mm_fn() is None):
         raise ValueError(f"{op}: impl='grouped_mm' needs bf16 weights and a torch with grouped_mm")
-    if impl == "triton" and device.type != "cuda" and not _interpreting():
+    if impl == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(f"{op}: impl='triton' on CPU tensors needs TRITON_INTERPRET=1")
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         if impl == "loop" or (impl == "grouped_mm" and not _grouped_mm_sync_free(device)):
@@ -793,7 +784,7 @@ def moe_route(x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: 
     # cuBLAS with fp32 output on CUDA; on CPU the reference's expression (same operands
     # and layout as `x.to(CDT) @ router.to(CDT).T`: bit-identical)
     logits = _gemm_kernels._mm_fp32(x, router.T)
-    if x.is_cuda and not _interpreting():
+    if x.is_cuda and not interpreting():
         # one Triton launch for the selection (session 24; the 1,024-token NVFP4 prefill
         # 44.8 -> 43.2 ms with it and the uint8 sort keys, session 25): the
         # decode top-k's packed-key max-reductions instead of a stable sort of all E keys

@@ -93,7 +93,6 @@ config, another device, the interpreter) raises ValueError saying so.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
@@ -102,6 +101,7 @@ import triton.language as tl
 
 from flintc.kernels.gemv import _round_to_bf16, split_k_counters
 from flintc.kernels.pdl import pdl_mode
+from flintc.kernels.platform import interpreting, sm_count
 from flintc.kernels.tiles import (
     DEQUANT_UNSCALE,
     acc_final,
@@ -889,20 +889,14 @@ def _on_gpu(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _launch_opts(use_pdl: bool, device: torch.device) -> tuple[bool, dict]:
-    pdl = bool(use_pdl) and _on_gpu(device) and not _interpreting()
+    pdl = bool(use_pdl) and _on_gpu(device) and not interpreting()
     return pdl, ({"launch_pdl": True} if pdl else {})
 
 
 def _native(device: torch.device) -> bool:
     """Compiled GPU code (bf16 tensor-core dots, libdevice): not the interpreter."""
-    return _on_gpu(device) and not _interpreting()
+    return _on_gpu(device) and not interpreting()
 
 
 def _reference(name: str):
@@ -993,7 +987,7 @@ def _mma_router_applies(x2: torch.Tensor, router) -> bool:
     from flintc.kernels import nvfp4_mma
 
     N, H = x2.shape
-    if _interpreting() or x2.device.type != "cuda" or not isinstance(router, torch.Tensor) \
+    if interpreting() or x2.device.type != "cuda" or not isinstance(router, torch.Tensor) \
             or router.dim() != 2 or router.shape[1] != H or router.dtype != torch.bfloat16 \
             or not router.is_contiguous() or router.data_ptr() % 16 or x2.data_ptr() % 16 \
             or router.device != x2.device:
@@ -1183,23 +1177,12 @@ TUNED: dict[tuple[str, str, int], MoeConfig] = {
 }
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 def auto_split(programs: int, red: int, block_k: int, device: torch.device,
                per_sm: int = 4, max_split: int = 8) -> int:
     """Split of the reduction (length `red`) so that `programs` (programs per split) x
     split reaches about `per_sm` programs per SM, each split keeping >= 2 BLOCK_K steps
     where the length allows."""
-    target = per_sm * _sms(device)
+    target = per_sm * sm_count(device)
     steps = max(1, triton.cdiv(red, block_k) // 2)
     return max(1, min(target // max(programs, 1), steps, max_split))
 
@@ -1216,7 +1199,7 @@ def choose_config(kernel: str, fmt: str, N: int, rows: int, red: int, slots: int
     NVFP4 gate/up kernel capped at 168 registers (its N = 4 / 8 winners, session 10); split
     of the reduction up to ~4 programs per SM counting one program per (slot, row block)
     (slots = N*K + 1 is an upper bound on the distinct experts)."""
-    if device.type != "cuda" or _interpreting():  # interpreter: fewest programs and steps
+    if device.type != "cuda" or interpreting():  # interpreter: fewest programs and steps
         return MoeConfig(block_rows=min(128, max(16, triton.next_power_of_2(rows))),
                          block_k=min(128, max(32, triton.next_power_of_2(red))), split=1,
                          num_stages=1)
@@ -1254,7 +1237,7 @@ def one_step_configs(kernel: str, fmt: str, N: int, rows: int, red: int, slots: 
             tile = mats * br * bk * wbytes
             if tile > max_tile_bytes or tile < 4096 or br > rows:
                 continue
-            if slots * triton.cdiv(rows, br) * split < _sms(device) // 2:
+            if slots * triton.cdiv(rows, br) * split < sm_count(device) // 2:
                 continue
             for use_dot in (True, False):
                 cfg = MoeConfig(block_rows=br, block_k=bk, split=split, use_dot=use_dot,
@@ -1773,7 +1756,7 @@ def _mma_gate_up_applies(x, logits, E: int, top_k: int, H: int, F: int,
     from flintc.kernels import nvfp4_mma
 
     ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)
-    return (not _interpreting() and E % 32 == 0 and 32 <= E <= 1024 and top_k <= 8
+    return (not interpreting() and E % 32 == 0 and 32 <= E <= 1024 and top_k <= 8
             and H % 1024 == 0 and F % 16 == 0 and x.is_contiguous() and logits.is_contiguous()
             and x.data_ptr() % 16 == 0 and ok_dev)
 
@@ -1789,7 +1772,7 @@ def _mma_down_applies(h, H: int, F: int, K: int, dev: torch.device,
     from flintc.kernels import nvfp4_mma
 
     ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)
-    return (not _interpreting() and F % 64 == 0 and H % 16 == 0 and K <= 16
+    return (not interpreting() and F % 64 == 0 and H % 16 == 0 and K <= 16
             and h.data_ptr() % 16 == 0 and ok_dev)
 
 

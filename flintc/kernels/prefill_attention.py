@@ -35,13 +35,13 @@ Nothing runs at import.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from flintc.kernels.pdl import pdl_mode
+from flintc.kernels.platform import interpreting
 
 
 @triton.jit
@@ -222,10 +222,6 @@ CPU_BLOCK_M = 16
 CPU_BLOCK_N = 16
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _check(cond: bool, name: str, what: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {what}")
@@ -293,7 +289,7 @@ def prefill_attention_kv(q, k, v, k_cache, v_cache, slots, positions, sinks, win
         return out
     G = Hq // Hkv
     G_PAD = triton.next_power_of_2(G)
-    on_gpu = q.is_cuda and not _interpreting()
+    on_gpu = q.is_cuda and not interpreting()
     pdl = bool(use_pdl) and on_gpu
     extra = {"launch_pdl": True} if pdl else {}
     block_m = GPU_BLOCK_M if on_gpu else CPU_BLOCK_M

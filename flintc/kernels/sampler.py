@@ -53,13 +53,13 @@ streams).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from flintc.kernels.gemv import split_k_counters
+from flintc.kernels.platform import interpreting
 
 GREEDY_TEMPERATURE = 1e-5  # as flintc.sampling.GREEDY_TEMPERATURE
 MAX_TOP_K = 64  # KMAX is the next power of two >= the batch's largest top_k
@@ -214,10 +214,6 @@ def _merge_and_draw(rec, NCHUNK, V, kk, greedy, top_p, out, KMAX: tl.constexpr,
     tl.store(out, tok.to(tl.int64))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def pack_params(seeds, offsets, top_k, temperature, top_p) -> torch.Tensor:
     """The kernel's per-row parameters as one int64 [5, B] host tensor (pinned by the
     caller if it wants an asynchronous copy): seed, draw offset, top_k, the fp32 bits of
@@ -274,7 +270,7 @@ def launch_sample(logits: torch.Tensor, params: torch.Tensor, max_top_k: int, *,
         raise ValueError(f"max_top_k: the Triton sampler takes top_k in 1..{MAX_TOP_K} and below V = {V}, "
                          f"got {max_top_k!r}")
     kmax = triton.next_power_of_2(max_top_k)
-    on_gpu = logits.is_cuda and not _interpreting()
+    on_gpu = logits.is_cuda and not interpreting()
     chunk = chunk or (GPU_CHUNK if on_gpu else CPU_CHUNK)
     nchunk = triton.cdiv(V, chunk)
     rec = torch.empty(B * nchunk * 4 * kmax, dtype=torch.float32, device=logits.device)

@@ -597,7 +597,7 @@ def test_qkv_split_rule_counts_every_head_program(monkeypatch, hq, hkv):
     (Nsight Compute, docs/gpu-runs.md session 11). Shapes outside TUNED, 132 SMs."""
     from flintc.kernels import gemv as G
 
-    monkeypatch.setattr(G, "num_sms", lambda device: 132)
+    monkeypatch.setattr(G, "sm_count", lambda device: 132)
     H = 1024  # not a TUNED shape: the rule decides
     for fmt in ("bf16", "nvfp4"):
         cfg = FG.qkv_config(1, H, 64, hq, fmt, torch.device("cuda"), kv_heads=hkv)

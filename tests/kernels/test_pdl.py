@@ -67,7 +67,7 @@ def test_pdl_mode_rejects_unknown(monkeypatch, tmp_path):
 def test_one_step_configs_make_one_step(monkeypatch, fmt, F, K, rows):
     """Every one-step candidate covers K in exactly one BLOCK_K step per program, prefetches
     (so the whole slice is issued before gdc_wait) and fits the tile budget."""
-    monkeypatch.setattr(G, "num_sms", lambda device: 132)
+    monkeypatch.setattr(G, "sm_count", lambda device: 132)
     cands = G.one_step_configs(fmt, 1, F, K, torch.device("cpu"), rows)
     assert cands, "no candidate"
     wbytes = 0.5 + 1 / 16 if fmt == "nvfp4" else 2.0
@@ -93,7 +93,7 @@ def test_moe_one_step_configs(monkeypatch, fmt, kernel, rows, red):
     tile budget (gate and up tiles counted together), listed by the one-step sweep."""
     from flintc.kernels import moe as M
 
-    monkeypatch.setattr(M, "_sms", lambda device: 132)
+    monkeypatch.setattr(M, "sm_count", lambda device: 132)
     dev = torch.device("cpu")
     cands = M.one_step_configs(kernel, fmt, 1, rows, red, 7, dev)
     assert cands
@@ -129,7 +129,7 @@ def test_tuning_override_files(tmp_path, monkeypatch):
     mpath.write_text(json.dumps({"entries": [{"key": ["gate_up", "nvfp4", 1],
                                               "config": {**mcfg.__dict__}}]}))
     monkeypatch.setenv("FLINTC_MOE_TUNED", str(mpath))
-    monkeypatch.setattr(M, "_interpreting", lambda: False)
+    monkeypatch.setattr(M, "interpreting", lambda: False)
     assert M.choose_config("gate_up", "nvfp4", 1, 512, 2048, 7, torch.device("cuda", 0)) == mcfg
     path.write_text('{"entries": [{"key": ["nvfp4", 1], "config": {}}]}')
     with pytest.raises(ValueError, match="FLINTC_GEMV_TUNED=.*gemv.json"):

@@ -353,7 +353,7 @@ GROUPED_CONFIGS = [GG.GroupedConfig(16, 16, 64, 4, 1, k_order=ko, swap=sw)
 @pytest.mark.parametrize("cfg", GROUPED_CONFIGS, ids=lambda c: f"k_order={c.k_order},swap={c.swap}")
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_moe_grouped_gemm_configs(fmt, cfg, poisoned, monkeypatch):
-    if not ON_GPU and not GG._interpreting():
+    if not ON_GPU and not GG.interpreting():
         pytest.skip("the Triton kernel needs a GPU or TRITON_INTERPRET=1")
     monkeypatch.setattr(GG, "BLOCKS_OVERRIDE", cfg)
     check_moe(moe_case(21, fmt, seed=31), ["triton"])

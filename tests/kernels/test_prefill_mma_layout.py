@@ -41,7 +41,7 @@ from flintc.quant.nvfp4 import dequantize_packed
 
 ON_GPU = torch.cuda.is_available()
 DEV = "cuda" if ON_GPU else "cpu"
-CAN_TRITON = ON_GPU or G._interpreting()
+CAN_TRITON = ON_GPU or G.interpreting()
 E, TOPK = 4, 2
 
 
