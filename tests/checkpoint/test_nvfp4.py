@@ -181,3 +181,30 @@ def test_code_eight_is_positive_zero_as_in_ggml():
     ours = dequantize_packed(codes, scales, torch.tensor(0.5))
     assert_same_bits(ours, gguf_decode(block, torch.tensor(0.5)))
     assert not torch.signbit(ours).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_eager_lookup_decodes_as_the_traced_bit_formula(dtype):
+    """Eager decoding looks each code byte up in a table; a traced one (make_fx, fake
+    tensors) keeps the bit formula of `decode_e2m1`, whose aten ops the fusion passes'
+    patterns match. Both give the same bits for every byte and a spread of scales, and
+    the traced graph holds the bit arithmetic, not the lookup."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(24, 4)  # [24, 1024]: every byte
+    scales = torch.randint(0, 127, (24, 128), generator=g, dtype=torch.uint8)
+    scales[0], scales[1] = 0, 1  # zero and the smallest subnormal E4M3 scale
+    scales = scales.view(torch.float8_e4m3fn)
+    gs = torch.tensor(0.3711)
+    eager = dequantize_packed(codes, scales, gs, dtype)
+    for mode in ("real", "fake"):
+        gm = make_fx(lambda c, s, x: dequantize_packed(c, s, x, dtype), tracing_mode=mode)(
+            codes, scales, gs)
+        targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        assert not any("embedding" in t for t in targets), targets
+        assert any("bitwise_and" in t for t in targets), targets
+        traced = gm(codes, scales, gs)
+        assert traced.dtype == eager.dtype == dtype
+        bits = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
+        assert torch.equal(traced.view(bits[dtype]), eager.view(bits[dtype]))
