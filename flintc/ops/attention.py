@@ -174,20 +174,22 @@ def decode_attention(
     B, _, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
-    keys = k_cache[cache_slots(slots)].to(CDT)  # [B, S, Hkv, D]
-    values = v_cache[cache_slots(slots)].to(CDT)
-    kpos = key_positions(positions, S, window)  # [B, S]
     p = positions[:, -1:]
+    # Each sequence's visible rows R (`visible_rows`) and layout (`split_layout`) on the
+    # device: no host sync on CUDA, so the op stays capturable in a CUDA graph.
+    R = torch.where(slots >= 0, torch.clamp(p[:, 0] + 1, 0, S) if window == 0 or S <= window
+                    else torch.full_like(p[:, 0], S), torch.zeros_like(p[:, 0]))  # [B]
+    if not q.is_cuda:  # rows past every sequence's R hold no visible key: leave them out
+        S = max(1, int(R.max()))
+    keys = k_cache[cache_slots(slots), :S].to(CDT)  # [B, S, Hkv, D]
+    values = v_cache[cache_slots(slots), :S].to(CDT)
+    kpos = key_positions(positions, S, window)  # [B, S]
     visible = (kpos >= 0) & (kpos <= p) & (slots >= 0)[:, None]  # [B, S]; padding: none
     if window:
         visible &= (p - kpos) < window
     qh = q[:, 0].to(CDT).view(B, Hkv, G, D)  # [B, Hkv, G, D]
     scores = torch.einsum("bhgd,bshd->bhgs", qh, keys) * (D ** -0.5)  # [B, Hkv, G, S]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf")).reshape(B, Hq, S)
-    # Each sequence's layout (`split_layout`) from R on the device: no host sync, so the
-    # op stays capturable in a CUDA graph.
-    R = torch.where(slots >= 0, torch.clamp(p[:, 0] + 1, 0, S) if window == 0 or S <= window
-                    else torch.full_like(p[:, 0], S), torch.zeros_like(p[:, 0]))  # [B]
     wanted = torch.clamp((R + SPLIT_ROWS - 1) // SPLIT_ROWS, 1, num_splits)
     chunk = torch.clamp((R + wanted - 1) // wanted, min=1)  # [B]
     rows = torch.arange(S, device=q.device)
