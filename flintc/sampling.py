@@ -119,8 +119,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     x = logits / temperature; top-k keeps every token with x >= the k-th largest x (the
     k-th logit's ties all stay); softmax over the kept tokens; top-p drops a token when
     the mass of the tokens with a strictly larger x reaches top_p (tokens with equal x
-    stay or go together; the most likely ones always stay); renormalise. The masses are
-    summed in fp64. Cost: softmax, sort and cumsum over V (on an H200 ~0.6 ms of device
+    stay or go together; the most likely ones always stay); renormalise. The masses that
+    decide top-p are computed and summed in fp64. Cost: softmax, sort and cumsum over V (on an H200 ~0.6 ms of device
     time per call with V = 151,552); `sample` uses it only for top-k off or above
     `MAX_FAST_TOP_K`.
 
@@ -134,8 +134,10 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        sorted_p = probs.gather(-1, order)
-        before = torch.cumsum(sorted_p, dim=-1, dtype=torch.float64) - sorted_p  # mass ahead in the sort
+        # the decision on fp64 masses, as `_top_k_scores` and the sampler kernel take it:
+        # fp32 probabilities would move a token whose mass lies within an fp32 ulp of top_p
+        sorted_p = torch.softmax(x.double(), dim=-1).gather(-1, order)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass ahead in the sort
         # the mass of the strictly larger x: `before` at the first token of each run of
         # equal x (found by a binary search of the ascending -sorted_x)
         neg = -sorted_x.contiguous()

@@ -77,6 +77,21 @@ def test_ties_are_kept_or_dropped_together():
     torch.testing.assert_close(want[0, tied], torch.full((16,), 1 / (2 * math.e + 16)))
 
 
+def test_top_p_decides_on_fp64_masses():
+    """Token 20's larger-logit mass, 1 / (1 + e^x20 + 98 e^-30) = 0.95000002 in fp64, reaches
+    top_p = 0.95 by less than an fp32 ulp of the probabilities: the definition drops it, as
+    the top-k path (and the sampler kernel) do; with fp32 softmax masses it stayed."""
+    x = torch.full((1, 100), -30.0)
+    x[0, 10], x[0, 20] = 0.0, -2.94443941116333
+    p = SamplingParams(top_k=5, top_p=0.95)
+    larger = 1 / (1 + math.exp(x[0, 20].item()) + 98 * math.exp(-30.0))
+    assert 0.95 <= larger < 0.95 + 1e-7
+    assert (sampling_probs(x, p)[0] > 0).nonzero().flatten().tolist() == [10]
+    assert (implied_probs(x, 5, 0.95)[0] > 0).nonzero().flatten().tolist() == [10]
+    full = sampling_probs(x, SamplingParams(top_k=0, top_p=0.95))  # the sort path alone
+    assert (full[0] > 0).nonzero().flatten().tolist() == [10]
+
+
 def test_draws_match_the_distribution():
     """4,000 rows of the same logits (ties at the k-th logit, inside and outside the k),
     each drawn with its own seeded generator: every token's count lies within 5 standard
