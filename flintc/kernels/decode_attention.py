@@ -1055,7 +1055,8 @@ def aot_probe_specs(configs=None):
             "fn": decode_attention_kernel,
             "signature": {n: types.get(n, "constexpr") for n in names},
             "constexprs": consts, "num_warps": warps, "num_stages": stages,
-            "divisible": ("S", "CHUNK"),
+            # as a launch specialises them: SPLIT_ROWS = 64; S of a full cache (a ring: 513)
+            "divisible": ("S", "SPLIT_ROWS") if window == 0 else ("SPLIT_ROWS",),
         })
     combine_names = attention_combine_kernel.arg_names
     ctypes = {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*bf16"}
