@@ -86,6 +86,10 @@ def prefill_graphs_from_env() -> bool:
     raise InputError(f"{PREFILL_GRAPHS_ENV} must be 0 or 1, got {value!r}")
 
 
+TRITON_MISSING = ("the triton backend needs Triton, which is not installed: pip install triton "
+                  "(flintc's extra: pip install 'flintc[triton]'), or use --backend torch")
+
+
 def check_environment(backend: str | None = None) -> None:
     """Validate every FLINTC_* variable a runtime reads when it loads or launches
     (FLINTC_PREFILL_GRAPHS and FLINTC_SAMPLER; for the triton backend also FLINTC_PDL_TRIGGER,
@@ -100,7 +104,8 @@ def check_environment(backend: str | None = None) -> None:
 
     Raises:
         InputError: the first malformed variable, named with its value and what is
-            expected (TuningEnvError for the kernels' variables).
+            expected (TuningEnvError for the kernels' variables); the triton backend
+            without Triton installed.
     """
     prefill_graphs_from_env()
     from flintc.sampling import sampler_backend
@@ -108,7 +113,9 @@ def check_environment(backend: str | None = None) -> None:
     sampler_backend()  # read by the sampler on every backend (TuningEnvError: an InputError)
     if backend == "torch":
         return
-    if backend != "triton" and importlib.util.find_spec("triton") is None:
+    if importlib.util.find_spec("triton") is None:
+        if backend == "triton":
+            raise InputError(TRITON_MISSING)
         return  # auto without triton: the reference ops, which read no variable
     from flintc.kernels.tuning import check_environment as check_kernel_environment
 
@@ -461,6 +468,8 @@ class CompiledRunner:
                                  "model does not have; recompile")
             self._weights[name] = SimpleNamespace(**{a: buffers[b] for a, b in step["weights"].items()})
         if self.backend == "triton":  # a bad FLINTC_* tuning variable: one error now, not mid-run
+            if importlib.util.find_spec("triton") is None:
+                raise InputError(f"{self.build}: a triton build; {TRITON_MISSING}")
             from flintc.kernels.tuning import check_environment
 
             check_environment()

@@ -576,3 +576,18 @@ def test_sigterm_dropped_in_a_callback_is_delivered_again():
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         sys.unraisablehook = hook
+
+
+@pytest.mark.parametrize("command", ["compile", "run"])
+def test_triton_backend_without_triton_is_one_line(capsys, tmp_path, monkeypatch, tiny_bf16_dir, command):
+    """`--backend triton` on a machine without Triton (an optional extra) is a user error
+    that says what to install, before any compile, not an import traceback."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "triton" else real(name, *a, **k))
+    args = ["--out", tmp_path / "b"] if command == "compile" else ["--prompt-ids", "1", "--no-dump"]
+    code, _, err = run_cli(capsys, command, tiny_bf16_dir, "--backend", "triton", *args)
+    assert_one_line_error(code, err, "triton backend needs Triton", "pip install triton")
+    assert list(tmp_path.iterdir()) == []
