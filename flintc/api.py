@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,29 +49,32 @@ class CompiledModel:
         """Generate after each prompt (a str needs the tokenizer, or a list of token ids).
 
         Args:
-            prompts: one prompt or a list of up to max_batch prompts.
-            params: SamplingParams (one or one per prompt); or keyword arguments of
-                SamplingParams (temperature=0, max_tokens=16, seed=1, ...).
+            prompts: one prompt (a str, or token ids: a list / tuple of ints or an int64
+                [T] tensor) or a list of up to max_batch prompts.
+            params: SamplingParams (one or one per prompt); or, instead, keyword
+                arguments of SamplingParams (temperature=0, max_tokens=16, seed=1, ...).
             on_token: called as on_token(prompt_index, token_id).
 
         Raises:
-            InputError: text prompts without a tokenizer, no prompts or too many, bad
-                ids, or invalid sampling values.
+            InputError: text prompts without a tokenizer, a prompt that is neither text
+                nor token ids, no prompts or too many, bad ids, invalid sampling
+                values, or both `params` and sampling keywords.
         """
         from flintc.runtime.generate import generate_with_runner
 
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
         ids = []
-        for p in prompts:
+        for p in _prompt_list(prompts):
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise InputError("text prompts need a tokenizer; pass token ids or tokenizer=DIR")
                 ids.append(self.tokenizer.encode(p))
             else:
-                ids.append([int(t) for t in p])
+                ids.append(p)
         if params is None:
             params = SamplingParams(**sampling)
+        elif sampling:
+            raise InputError(f"generate: pass params or sampling keywords ({', '.join(sorted(sampling))}), "
+                             "not both")
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         r = generate_with_runner(self.runner, ids, params, eos_token_id=eos, on_token=on_token,
                                  return_prompt_logits=return_prompt_logits)
@@ -85,19 +90,65 @@ class CompiledModel:
         default 0..T-1. Writes the slot's KV cache. -> fp32 [T, V].
 
         Raises:
-            ValueError: no token ids, or an id outside the vocabulary [0, vocab_size).
+            InputError (a ValueError): input_ids that are not integer token ids of one
+                sequence, none, or an id outside the vocabulary [0, vocab_size).
         """
-        ids = torch.as_tensor(input_ids).reshape(-1).tolist()
+        ids = _token_ids(input_ids, "forward: input_ids", allow_batch_of_one=True)
         vocab = self.runner.config.vocab_size
         if not ids:
-            raise ValueError("forward needs at least one token id")
+            raise _ApiInputError("forward needs at least one token id")
         for t in ids:
-            if not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t} is outside the vocabulary [0, {vocab}) of {self.build}")
+            if not 0 <= t < vocab:
+                raise _ApiInputError(f"token id {t} is outside the vocabulary [0, {vocab}) of {self.build}")
         start = 0 if positions is None else int(torch.as_tensor(positions).reshape(-1)[0])
         if len(ids) == 1:
             return self.runner.decode([slot], ids, [start])
         return self.runner.prefill(slot, ids, start, all_logits=True)
+
+
+class _ApiInputError(InputError, ValueError):
+    """An InputError that is also a ValueError (what `forward` raised before)."""
+
+
+def _token_ids(p, what: str, allow_batch_of_one: bool = False) -> list[int]:
+    """A prompt's token ids: a list / tuple of ints or an integer tensor of shape [T] (or
+    [1, T] when `allow_batch_of_one`). Raises InputError naming `what` otherwise."""
+    if isinstance(p, torch.Tensor):
+        if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool \
+                or not (p.dim() == 1 or (allow_batch_of_one and p.dim() == 2 and p.shape[0] == 1)):
+            raise _ApiInputError(f"{what}: expected an integer tensor of shape [T]"
+                                 f"{' or [1, T]' if allow_batch_of_one else ''}, got {p.dtype} "
+                                 f"{list(p.shape)}")
+        return [int(t) for t in p.reshape(-1).tolist()]
+    if allow_batch_of_one and isinstance(p, (list, tuple)) and len(p) == 1 \
+            and isinstance(p[0], (list, tuple)):
+        p = p[0]
+    if not isinstance(p, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in p):
+        raise _ApiInputError(f"{what}: expected token ids (a list of ints or an integer tensor), "
+                             f"got {_describe(p)}")
+    return list(p)
+
+
+def _describe(x) -> str:
+    if isinstance(x, (list, tuple)):
+        kinds = sorted({type(t).__name__ for t in x})
+        return f"a {type(x).__name__} of {', '.join(kinds) or 'nothing'}"
+    return type(x).__name__
+
+
+def _prompt_list(prompts) -> list:
+    """`generate`'s prompts as a list of str / token-id lists: one prompt (str, ids) or a
+    list / tuple of them. Raises InputError for anything else."""
+    if isinstance(prompts, (str, torch.Tensor)):
+        return [prompts if isinstance(prompts, str) else _token_ids(prompts, "generate: prompt")]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt of ids
+        return [p if isinstance(p, str) else _token_ids(p, f"generate: prompt {i}")
+                for i, p in enumerate(prompts)]
+    raise _ApiInputError(f"generate: expected a prompt (str or token ids) or a list of prompts, "
+                         f"got {_describe(prompts)}")
 
 
 def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_format: str = "auto",
@@ -106,12 +157,15 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
             backend: str = "auto", device: str = "cpu", check: bool = True, dump: bool = True,
             progress: bool = False) -> CompiledModel:
     """Compile `model` (a BF16 folder or NVFP4 .gguf; None: the embedded default tiny
-    model) into BUILD `out` (None: a new temporary folder) and load it.
+    model) into BUILD `out` (None: a new temporary folder, removed when the interpreter
+    exits) and load it.
 
-    Other arguments as `flintc compile` (see `flintc.runtime.build.BuildOptions`).
-    Raises InputError / CheckpointError / PassCheckError as `flintc compile`; InputError
-    also for an empty `out` (`Path("")` is the current folder) and a malformed FLINTC_*
-    variable (`flintc.runtime.compiled.check_environment`), before compiling.
+    Other arguments as `flintc compile` (see `flintc.runtime.build.BuildOptions`); `fmt`
+    ("bf16" or "nvfp4") and `config` only with load_format="dummy", as the CLI's
+    --format and --config. Raises InputError / CheckpointError / PassCheckError as
+    `flintc compile`; InputError also for an empty `out` (`Path("")` is the current
+    folder), a `fmt` or `config` that does not apply, and a malformed FLINTC_* variable
+    (`flintc.runtime.compiled.check_environment`), before compiling.
     """
     from flintc.checkpoint.loader import load_checkpoint
     from flintc.runtime.build import BuildOptions, compile_model
@@ -121,6 +175,11 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     if out is not None and str(out) == "":
         raise InputError("out must not be empty: expected the path of the BUILD folder to write (or None for "
                          "a temporary one)")
+    if fmt not in ("bf16", "nvfp4"):
+        raise InputError(f"compile: fmt must be 'bf16' or 'nvfp4', got {fmt!r}")
+    if load_format != "dummy" and (fmt != "bf16" or config is not None):
+        raise InputError("compile: fmt and config choose the random weights of load_format='dummy'; "
+                         "a checkpoint has its own format and config.json")
     prepare_device(device)  # a CPU run uses Triton's interpreter: set before triton loads
     check_environment("torch" if backend == "auto" and device == "cpu" else backend)  # before the compile
     if model is None and load_format != "dummy":
@@ -129,12 +188,16 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
         model = default_checkpoint()
     ckpt = load_checkpoint(model, hf_config_path=hf_config_path, device=device, load_format=load_format,
                            config=config, fmt=fmt, progress=progress)
-    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="flintc-build-")) / "build"
+    if out is None:
+        tmp = tempfile.mkdtemp(prefix="flintc-build-")
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        out = Path(tmp) / "build"
+    out = Path(out)
     opts = BuildOptions(max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                         backend=backend, device=device, check=check, dump=dump)
     compile_model(ckpt, out, opts, progress=progress, log=lambda *a: None)
     runner = load_build(out, ckpt=ckpt, device=device, progress=progress)
-    return CompiledModel(runner, _tokenizer(tokenizer or ckpt.tokenizer_dir))
+    return CompiledModel(runner, _tokenizer(tokenizer, ckpt.tokenizer_dir))
 
 
 def load(build, model=None, *, device: str | None = None, load_format: str | None = None,
@@ -146,15 +209,17 @@ def load(build, model=None, *, device: str | None = None, load_format: str | Non
     prepare_device(device or read_manifest(build).get("device", "cpu"))
     runner = load_build(build, model=model, device=device, load_format=load_format,
                         hf_config_path=hf_config_path, progress=progress)
-    return CompiledModel(runner, _tokenizer(tokenizer or runner.tokenizer_dir))
+    return CompiledModel(runner, _tokenizer(tokenizer, runner.tokenizer_dir))
 
 
-def _tokenizer(folder):
-    if not folder:
-        return None
+def _tokenizer(given, recorded):
+    """The tokenizer `given` (its errors raised), else the one in the `recorded` folder
+    (the checkpoint's; errors raised too, as the CLI does), else None when that folder
+    holds no tokenizer.json: such a build runs on token ids."""
     from flintc.checkpoint.tokenizer import load_tokenizer
 
-    try:
-        return load_tokenizer(folder)
-    except Exception:  # noqa: BLE001 - a build without a usable tokenizer still runs on ids
+    if given:
+        return load_tokenizer(given)
+    if not recorded or not (Path(recorded) / "tokenizer.json").is_file():
         return None
+    return load_tokenizer(recorded)

@@ -11,6 +11,8 @@ in the 4-bucket with one padding row on the scratch slot.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -537,6 +539,81 @@ def test_python_api_generate_needs_a_prompt(builds):
         m.generate([], temperature=0, max_tokens=2)
     with pytest.raises(InputError, match="5 prompts, but the runtime takes at most 4"):
         m.generate([[1, 2]] * 5, temperature=0, max_tokens=2)
+
+
+def test_python_api_takes_prompts_of_every_documented_kind_and_refuses_others(builds):
+    """Token ids as a list, a tuple or an int64 tensor, one or a list of them, give the
+    same tokens; anything else (a bare int, None, floats, a 2-D tensor, a str to forward,
+    ragged ids) is an InputError naming the argument, not a TypeError from deep inside."""
+    import flintc
+
+    m = flintc.load(builds["bf16"][0])
+    kw = dict(temperature=0, max_tokens=2, ignore_eos=True)
+    want = m.generate([[1, 2, 3]], **kw).output_ids
+    for prompts in ([1, 2, 3], (1, 2, 3), torch.tensor([1, 2, 3]), [torch.tensor([1, 2, 3])], [(1, 2, 3)]):
+        assert m.generate(prompts, **kw).output_ids == want, prompts
+    for bad, needle in ((5, "got int"), (None, "got NoneType"), ([1.5, 2.0], "prompt 0: expected token ids"),
+                        (torch.tensor([[1, 2], [3, 4]]), "shape \\[T\\]"),
+                        (torch.tensor([1.0]), "integer tensor")):
+        with pytest.raises(InputError, match=needle):
+            m.generate(bad, **kw)
+    for bad in ("hello", [[1, 2], [3]], torch.tensor([0.5])):
+        with pytest.raises(InputError, match="forward: input_ids"):
+            m.forward(bad)
+    assert m.forward([[1, 2]]).shape == m.forward(torch.tensor([[1, 2]])).shape == (2, m.runner.config.vocab_size)
+
+
+def test_python_api_refuses_params_with_sampling_keywords(builds):
+    """`generate(p, params=..., max_tokens=3)` dropped max_tokens silently."""
+    import flintc
+    from flintc.sampling import SamplingParams
+
+    m = flintc.load(builds["bf16"][0])
+    with pytest.raises(InputError, match="pass params or sampling keywords \\(max_tokens\\), not both"):
+        m.generate([1, 2], params=SamplingParams(temperature=0), max_tokens=3)
+
+
+def test_python_api_reports_a_bad_tokenizer(builds, tmp_path):
+    """A tokenizer passed to `flintc.load` that is missing or corrupt, or a corrupt one
+    where the build records the checkpoint's, is the loader's error (as on the CLI), not
+    a model without a tokenizer that later says "text prompts need a tokenizer"."""
+    import shutil
+
+    import flintc
+    from flintc.errors import CheckpointError
+
+    build = builds["bf16"][0]
+    with pytest.raises(CheckpointError, match="tokenizer folder not found"):
+        flintc.load(build, tokenizer=tmp_path / "nope")
+    ckpt = Path(json.loads((Path(build) / "build.json").read_text())["tokenizer_dir"])
+    bad = tmp_path / "tok"
+    shutil.copytree(ckpt, bad)
+    (bad / "tokenizer.json").write_text('{"garbage": 1}')
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        flintc.load(build, tokenizer=bad)
+
+
+def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_path, tiny_bf16_dir):
+    """`fmt` and `config` only apply to random (dummy) weights, as the CLI's --format and
+    --config; an unknown fmt is refused. A build compiled to out=None is removed when the
+    interpreter exits."""
+    import subprocess
+    import sys
+
+    import flintc
+
+    for kw, needle in ((dict(fmt="int8"), "fmt must be 'bf16' or 'nvfp4'"),
+                       (dict(fmt="nvfp4"), "load_format='dummy'"), (dict(config="tiny"), "load_format='dummy'")):
+        with pytest.raises(InputError, match=needle):
+            flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, **kw)
+    assert list(tmp_path.iterdir()) == []
+    code = ("import flintc, sys; m = flintc.compile(sys.argv[1], check=False, dump=False, max_batch=1); "
+            "print(m.build)")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", code, str(tiny_bf16_dir)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert Path(run.stdout.strip()).parent.parent == tmp_path and list(tmp_path.iterdir()) == []
 
 
 def test_python_api_compile_refuses_an_empty_out(tmp_path, monkeypatch):
