@@ -169,7 +169,26 @@ def read_manifest(build: str | Path) -> dict:
     if not isinstance(manifest["functions"], dict):
         raise InputError(f"{path}: functions must be an object (function name -> its kernels), got a JSON "
                          f"{type(manifest['functions']).__name__}; rebuild with flintc compile")
+    _check_manifest_consistency(path, manifest)
     return manifest
+
+
+def _check_manifest_consistency(path: Path, manifest: dict) -> None:
+    """Fields that each look valid but contradict each other (a hand-edited build.json):
+    max_batch above the largest compiled decode batch (a batch with no function, which
+    failed as a bare StopIteration), and full-attention caches of fewer rows than
+    max_model_len plus one prefill chunk (`BuildOptions.cache_rows`; an IndexError at the
+    first write past them)."""
+    batches = [f.get("batch") for f in manifest["functions"].values()
+               if isinstance(f, dict) and f.get("step") == "decode"]
+    batches = [b for b in batches if isinstance(b, int) and not isinstance(b, bool)]
+    if batches and manifest["max_batch"] > max(batches):
+        raise InputError(f"{path}: max_batch {manifest['max_batch']} exceeds the largest compiled decode batch "
+                         f"{max(batches)} (the file was edited?); rebuild with flintc compile")
+    rows, length, chunk = (manifest.get(k) for k in ("cache_rows", "max_model_len", "prefill_chunk"))
+    if None not in (rows, length, chunk) and rows < length + chunk:
+        raise InputError(f"{path}: cache_rows {rows} is less than max_model_len + prefill_chunk = "
+                         f"{length + chunk} (the file was edited?); rebuild with flintc compile")
 
 
 def _pass_model_or_recompile(build: Path) -> str:

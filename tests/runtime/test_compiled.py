@@ -650,15 +650,19 @@ def test_cuda_build_without_a_gpu_hints_at_device_cpu(builds, capsys, tmp_path):
 
 
 def test_edited_build_json_is_refused(builds, tmp_path):
-    """A build.json whose build_version this flintc does not read, or whose config no
-    longer matches its config_sha256 (edited by hand), is refused naming the file."""
+    """A build.json whose build_version this flintc does not read, whose config no longer
+    matches its config_sha256, or whose max_batch / cache_rows contradict its functions /
+    max_model_len (edited by hand; the latter failed as a StopIteration / IndexError
+    mid-run), is refused naming the file."""
     import shutil
 
     from flintc.errors import InputError
 
     build, ckpt_dir = builds["bf16"]
     for field, value, needle in (("build_version", 99, "build_version 99"),
-                                 ("config", "hidden_size", "does not match its config_sha256")):
+                                 ("config", "hidden_size", "does not match its config_sha256"),
+                                 ("max_batch", 16, "max_batch 16 exceeds the largest compiled decode batch 4"),
+                                 ("cache_rows", 10, "cache_rows 10 is less than max_model_len \\+ prefill_chunk")):
         copy = tmp_path / field
         shutil.copytree(build, copy)
         manifest = json.loads((copy / "build.json").read_text())
