@@ -13,6 +13,7 @@ runs on `kill` too; the exit code is then 143. Every sub-command's parser uses
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import sys
@@ -146,6 +147,12 @@ def _run(args) -> int:
     except FlintcError as exc:
         print(f"flintc: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except BrokenPipeError:  # `flintc run ... | head`: the reader left; stop quietly, as `yes | head`
+        try:  # Python flushes stdout again at exit: point it at /dev/null (Python docs, "Note on SIGPIPE")
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+            pass
+        return 128 + signal.SIGPIPE
     except OSError as exc:  # a path the user named: unwritable, missing folder, disk full
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         print(f"flintc: error: {where}{exc.strerror or exc}", file=sys.stderr)

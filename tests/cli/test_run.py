@@ -252,3 +252,16 @@ def test_reference_generate_refuses_no_prompts_and_too_long_a_model_len():
     for bad in (0, 65):
         with pytest.raises(InputError, match=f"max_model_len {bad}: expected 1..64"):
             generate(model, [[1, 2]], params, max_model_len=bad)
+
+
+def test_a_closed_pipe_stops_quietly(tiny_bf16_dir):
+    """`flintc run ... | head -c 5`: the reader leaves early. flintc stops with 141 (128 +
+    SIGPIPE, as `yes | head`) and prints nothing on stderr; it printed "flintc: error:
+    Broken pipe" with exit 2, the code of a bad argument."""
+    proc = subprocess.Popen([sys.executable, "-m", "flintc", "run", str(tiny_bf16_dir), "--prompt-ids", "1",
+                             "--max-tokens", "300", "--ignore-eos", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(5)
+    proc.stdout.close()  # the reader leaves
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=600) == 141 and err == "", err
