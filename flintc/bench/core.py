@@ -272,7 +272,9 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
         "triton": ver("triton"),
         "flintc": ver("flintc"),
         "driver": _driver_version() if device.type == "cuda" else None,
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        # the interpreter runs only the triton backend's kernels (the torch backend: none)
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1"
+        and (o.backend or ("triton" if device.type == "cuda" else "torch")) == "triton",
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in o.__dict__.items()},
         "timing": ("CUDA-graph replays timed with device events" if device.type == "cuda"
                    else "eager calls of the generated functions timed with time.perf_counter (no CUDA graphs)"),

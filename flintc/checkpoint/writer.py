@@ -108,9 +108,10 @@ def _write_contents(
     num_params = config.num_parameters()["total"]
     if num_params > MAX_RANDOM_PARAMS:
         log.warning(
-            "%s: %.2fe9 parameters would be %.0f GB of bf16 weights: writing config.json and "
-            "the tokenizer only (load it with load_format='dummy')",
+            "%s: %.2fe9 parameters are too many to make random weights for (%.0f GB of bf16 in "
+            "memory%s): writing config.json and the tokenizer only (load it with load_format='dummy')",
             out_dir, num_params / 1e9, num_params * 2 / 1e9,
+            "" if fmt == "bf16" else f", {num_params * 0.5625 / 1e9:.0f} GB as NVFP4",
         )
         return False
     weights = random_weights(config, seed)
