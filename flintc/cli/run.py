@@ -53,8 +53,9 @@ def add_parser(sub) -> None:
                    help="reference backend numerics: bf16 (FLINT_SPEC rounding points) or float64 "
                         "oracle (default: bf16)")
     p.add_argument("--output", choices=("text", "json"), default="text",
-                   help="text: stream a single prompt's text (else one line per prompt); json: one "
-                        "object per prompt")
+                   help="text: stream a single prompt's text (else one line per prompt, line breaks "
+                        "and other control characters escaped as \\n, \\x0e, ...); json: one object "
+                        "per prompt")
     p.add_argument("--logits-out", default=None,
                    help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy "
                         "(one prompt only)")
@@ -291,11 +292,26 @@ def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
             stream.close()
         else:
             text = tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
-            print(f"[{i}] {text}")
+            print(f"[{i}] {one_line(text)}")
     print(f"prompt tokens: {sum(map(len, prompts))}, generated tokens: "
           f"{sum(map(len, result.output_ids))}, prefill: {result.prefill_seconds:.3f} s, "
           f"decode: {_decode_figure(result)}", file=sys.stderr)
     return 0
+
+
+def one_line(text: str) -> str:
+    """`text` on one line: backslashes, line breaks and other characters that do not print
+    (control characters, U+2028, ...) escaped as Python writes them (\\\\, \\n, \\x0e,
+    \\u2028); printable text, non-ASCII included, as it is."""
+    out = []
+    for c in text:
+        if c == "\\":
+            out.append("\\\\")
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out.append(repr(c)[1:-1])
+    return "".join(out)
 
 
 def _decode_figure(result) -> str:

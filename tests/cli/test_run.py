@@ -265,3 +265,15 @@ def test_a_closed_pipe_stops_quietly(tiny_bf16_dir):
     proc.stdout.close()  # the reader leaves
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=600) == 141 and err == "", err
+
+
+def test_batch_text_output_keeps_one_line_per_prompt():
+    """`--output text` with several prompts prints `[i] text` lines: a generated line break
+    or control character (raw, it split the line or moved the cursor) is escaped as Python
+    writes it; printable text, non-ASCII included, is kept."""
+    from flintc.cli.run import one_line
+
+    assert one_line("a\nb\r\tc\x0e\u2028") == "a\\nb\\r\\tc\\x0e\\u2028"
+    assert one_line("été 😀 'q' \"q\"") == "été 😀 'q' \"q\""
+    assert one_line("x\\n") == "x\\\\n"  # a literal backslash stays told apart from a line break
+    assert all("\n" not in one_line(chr(c)) for c in range(0x3000))
