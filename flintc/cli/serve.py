@@ -111,6 +111,7 @@ def run_serve(args: argparse.Namespace) -> int:
                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     tokenizer = load_tokenizer(tokenizer_dir(args))
+    tokenizer.check_chat_template()  # a malformed one: before the port is bound and the weights load
     sock = bind(args.host, args.port)  # fail fast on a busy port, before loading weights
     runner = make_runner(args)
     if tokenizer.vocab_size != runner.config.vocab_size:

@@ -8,7 +8,8 @@ server-sent events (``data: {json}`` lines, ending with ``data: [DONE]``) when
 server keeps serving.
 
 Each request is tokenized here (chat: the tokenizer folder's Jinja chat template,
-rendered as Hugging Face does, tools included), checked against
+rendered as Hugging Face does, tools included), on a worker thread so that a huge
+prompt does not stall the event loop and every other client, checked against
 ``--max-model-len``, and handed to the :class:`~flintc.serve.engine.Engine` as one
 :class:`~flintc.serve.engine.GenRequest` per choice (``n``). Engine outputs come back
 through an asyncio queue; for chat they go through the reasoning parser
@@ -21,6 +22,11 @@ Sampling defaults are FLINT_SPEC section 6 (temperature 1.0, top-p 0.95, top-k
 every choice would be the same). ``max_tokens`` (or ``max_completion_tokens``)
 counts every generated token, reasoning included; by default chat may use the
 rest of the context and completions 16 tokens (the OpenAI default).
+
+The chat template is compiled when the app is made (`FlintTokenizer.check_chat_template`):
+a malformed one stops the server at startup instead of failing every chat request.
+A tokenizer with no chat template still serves /v1/completions; chat requests then
+get a 400.
 """
 
 from __future__ import annotations
@@ -231,7 +237,13 @@ def _sse(obj) -> str:
 
 def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
     """Build the FastAPI app over a (started or not) engine. The app's lifespan starts
-    the engine and shuts it down when the server stops."""
+    the engine and shuts it down when the server stops.
+
+    Raises:
+        CheckpointError: the tokenizer's chat template is malformed
+            (`FlintTokenizer.check_chat_template`).
+    """
+    has_chat_template = tokenizer.check_chat_template()
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -389,6 +401,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         check_auth(request)
         req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         n, stop = common_checks(req)
+        if not has_chat_template:
+            raise APIError(400, "this model has no chat template (its tokenizer_config.json has no "
+                           "chat_template), so chat messages cannot be rendered; use /v1/completions "
+                           "with a prompt, or serve a tokenizer that has one (--tokenizer DIR)")
         tools = _check_tools(req.tools)
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         if isinstance(choice, dict) or choice == "required":
@@ -406,12 +422,18 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             raise APIError(400, f"chat_template_kwargs may not set {sorted(_TEMPLATE_RESERVED & kwargs.keys())}",
                            param="chat_template_kwargs")
         messages = _template_messages(req.messages)
-        try:
-            prompt_text = tokenizer.apply_chat_template(messages, tools=prompt_tools or None,
-                                                        add_generation_prompt=True, **kwargs)
-        except jinja2.TemplateError as exc:
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        prompt_ids = tokenizer.encode(prompt_text)
+
+        def render() -> tuple[str, list[int]]:  # on a worker thread: both scale with the request
+            try:
+                text = tokenizer.apply_chat_template(messages, tools=prompt_tools or None,
+                                                     add_generation_prompt=True, **kwargs)
+            except jinja2.TemplateError as exc:
+                raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+            return text, tokenizer.encode(text)
+
+        prompt_text, prompt_ids = await asyncio.to_thread(render)
+        if not prompt_ids:  # the runner's prefill refuses it, failing every running request with it
+            raise APIError(400, "the chat template rendered the messages to an empty prompt", param="messages")
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise APIError(400, "'max_tokens' and 'max_completion_tokens' disagree", param="max_tokens")
@@ -489,7 +511,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         check_auth(request)
         req: CompletionRequest = await parse(request, CompletionRequest)
         n, stop = common_checks(req)
-        prompts = _completion_prompts(req.prompt, tokenizer)
+        prompts = await asyncio.to_thread(_completion_prompts, req.prompt, tokenizer)
         asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for ids in prompts:
             check_length(len(ids), asked, "max_tokens", "prompt")
@@ -636,8 +658,9 @@ def _template_messages(messages: list[dict]) -> list[dict]:
 
 
 def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
-    """The four OpenAI prompt forms -> token id lists. Raises APIError(400) for an
-    empty prompt or a token id outside the vocabulary."""
+    """The four OpenAI prompt forms -> token id lists (run it off the event loop: encoding
+    a long text takes seconds, with the GIL released). Raises APIError(400) for an empty prompt or a token id
+    outside the vocabulary."""
     if isinstance(prompt, str):
         prompts = [tokenizer.encode(prompt)]
     elif prompt and all(isinstance(p, str) for p in prompt):

@@ -72,6 +72,28 @@ def test_build_that_is_not_a_build(tiny_bf16_dir, tmp_path, capsys):
     assert rc == 2 and "is not a flintc build" in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("template, needle", [
+    (5, "chat_template must be a string (a Jinja template), got int"),
+    ("{% for m in messages %}{{ m.content }", "the chat_template does not compile: unexpected '}' (template line 1)"),
+    ("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}",
+     "the chat_template does not compile: No filter named 'nosuchfilter'. (template line 1)"),
+])
+def test_malformed_chat_template_stops_serve(tiny_bf16_dir, tmp_path, capsys, template, needle):
+    """A malformed chat template stops `flintc serve` at startup, one line naming
+    tokenizer_config.json, exit code 2; it was found by every chat request instead (a
+    500, or a 400 for an unknown filter)."""
+    import json
+    import shutil
+
+    ck = shutil.copytree(tiny_bf16_dir, tmp_path / "ck")
+    config = json.loads((ck / "tokenizer_config.json").read_text())
+    (ck / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    rc = main(["serve", str(ck), "--port", "0", "--max-model-len", "64"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "tokenizer_config.json: " + needle in err, err
+
+
 def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

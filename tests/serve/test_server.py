@@ -9,13 +9,18 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from flintc.checkpoint.tokenizer import SPECIAL_TOKENS, FlintTokenizer
+from flintc.errors import CheckpointError
 from flintc.model.generate import generate
 from flintc.sampling import SamplingParams
 from flintc.serve.app import ServeOptions
@@ -66,9 +71,9 @@ def reference(model, prompt_ids, **kw):
     return res.output_ids[0], res.step_logits
 
 
-def raw(server, method, path, body=None, headers=None):
+def raw(server, method, path, body=None, headers=None, timeout=120):
     """One HTTP request without the openai client. -> (status, parsed JSON or text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
     data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
     conn.request(method, path, body=data, headers={"Content-Type": "application/json",
                                                     "Authorization": f"Bearer {KEY}", **(headers or {})})
@@ -434,3 +439,151 @@ def test_over_length_error_names_the_prompt_field(server):
     assert status == 400 and body["error"]["param"] == "messages", body
     status, body = raw(server, "POST", "/v1/chat/completions", chat("hi", max_completion_tokens=5000))
     assert status == 400 and body["error"]["param"] == "max_completion_tokens", body
+
+
+# ---- the chat template -------------------------------------------------------------------
+
+
+def with_template(tok, template=None, drop=False) -> FlintTokenizer:
+    """`tok` with another chat_template in its config (left out when `drop`)."""
+    config = {k: v for k, v in tok.config.items() if k != "chat_template"}
+    if not drop:
+        config["chat_template"] = template
+    return FlintTokenizer(tok._tok, config)
+
+
+@pytest.mark.parametrize("template, message", [
+    (5, "tokenizer_config.json: chat_template must be a string (a Jinja template), got int"),
+    (["{{ x }}"], "tokenizer_config.json: chat_template must be a string (a Jinja template), got list"),
+    ("{% for m in messages %}{{ m.content }}", "tokenizer_config.json: the chat_template does not compile: "
+     "Unexpected end of template. Jinja was looking for the following tags: 'endfor' or 'else'. The innermost "
+     "block that needs to be closed is 'for'. (template line 1)"),
+    ("hi\n{{ messages[0].content | nosuchfilter }}", "tokenizer_config.json: the chat_template does not compile: "
+     "No filter named 'nosuchfilter'. (template line 2)"),
+    ("{{ messages is nosuchtest }}", "tokenizer_config.json: the chat_template does not compile: "
+     "No test named 'nosuchtest'. (template line 1)"),
+])
+def test_malformed_chat_template_is_refused_up_front(tiny_serving, template, message):
+    """A malformed template was found only by each chat request (a 500 "no
+    chat_template string", or a 400 blaming the client for an unknown filter); now
+    create_app refuses it with one line (`flintc serve` exits 2: test_cli.py)."""
+    from flintc.serve.app import create_app
+
+    _, tok = tiny_serving
+    bad = with_template(tok, template)
+    with pytest.raises(CheckpointError) as e:
+        bad.check_chat_template()
+    assert str(e.value) == message
+    with pytest.raises(CheckpointError, match="^tokenizer_config.json: "):
+        create_app(None, bad, ServeOptions(MODEL))  # raises before it looks at the engine
+    assert tok.check_chat_template() is True
+    assert with_template(tok, drop=True).check_chat_template() is False
+    assert with_template(tok, None).check_chat_template() is False  # "chat_template": null
+
+
+def test_no_chat_template_serves_completions(tiny_serving, serve_kit):
+    """Without a chat template, /v1/completions serves and chat is a clear 400 (it was a
+    500 "internal error: CheckpointError ...")."""
+    model, tok = tiny_serving
+    run = serve_kit.start_server(model, with_template(tok, drop=True), ServeOptions(MODEL), max_batch=1)
+    try:
+        status, body = raw(run, "POST", "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 2,
+                                                             "ignore_eos": True})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        status, body = raw(run, "POST", "/v1/chat/completions", chat("Hello", max_tokens=2))
+        assert status == 400, body
+        assert body["error"]["type"] == "invalid_request_error"
+        assert body["error"]["message"].startswith("this model has no chat template"), body
+        assert raw(run, "GET", "/health") == (200, {"status": "ok"})
+    finally:
+        serve_kit.stop_server(run)
+
+
+def test_template_errors_for_given_messages_are_400s(tiny_serving, serve_kit):
+    """A template that compiles but fails on these messages (raise_exception, a filter
+    only looked up when rendered, an empty rendering) is the request's 400, and the
+    server keeps serving."""
+    model, tok = tiny_serving
+    template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system turns') }}"
+                "{% elif m.content == 'filter' %}{{ m.content | nosuchfilter }}{% else %}{{ m.content }}"
+                "{% endif %}{% endfor %}")
+    run = serve_kit.start_server(model, with_template(tok, template), ServeOptions(MODEL), max_batch=1)
+    try:
+        for messages, needle in (([{"role": "system", "content": "x"}], "no system turns"),
+                                 ([{"role": "user", "content": "filter"}], "nosuchfilter"),
+                                 ([{"role": "user", "content": ""}], "rendered the messages to an empty prompt")):
+            status, body = raw(run, "POST", "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                                      "max_tokens": 1})
+            assert status == 400 and needle in body["error"]["message"], body
+            assert body["error"]["param"] == "messages"
+        status, body = raw(run, "POST", "/v1/chat/completions", chat("Hello", max_tokens=2, ignore_eos=True))
+        assert status == 200 and body["usage"]["prompt_tokens"] == len(tok.encode("Hello")), body
+    finally:
+        serve_kit.stop_server(run)
+
+
+# ---- tokenizing off the event loop -----------------------------------------------------------
+
+MARK = "block-the-tokenizer"
+
+
+class BlockingTokenizer:
+    """Stands in for a FlintTokenizer's ``tokenizers.Tokenizer``: encoding (any encode*
+    method) a text holding MARK waits for `release`, having set `entered`."""
+
+    def __init__(self, inner):
+        self.inner, self.entered, self.release = inner, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not name.startswith("encode"):
+            return attr
+
+        def encode(x, *args, **kw):
+            if MARK in str(x):
+                self.entered.set()
+                assert self.release.wait(60), "never released"
+            return attr(x, *args, **kw)
+
+        return encode
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": MODEL, "prompt": f"x {MARK}", "max_tokens": 1}),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", f"x {MARK}"], "max_tokens": 1}),
+    ("/v1/chat/completions", chat(f"x {MARK}", max_tokens=1)),
+])
+def test_tokenizing_does_not_block_other_requests(server, tiny_serving, monkeypatch, path, body):
+    """Tokenizing ran on the event loop: a 5M-character prompt held /health for 4 s.
+    While one request's tokenizing is held up, /health and another request are
+    answered; then the held request completes."""
+    _, tok = tiny_serving
+    blocking = BlockingTokenizer(tok._tok)
+    monkeypatch.setattr(tok, "_tok", blocking)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            held = pool.submit(raw, server, "POST", path, body)
+            assert blocking.entered.wait(60), "the request never reached the tokenizer"
+            assert raw(server, "GET", "/health", timeout=10) == (200, {"status": "ok"})
+            status, other = raw(server, "POST", "/v1/completions",
+                                {"model": MODEL, "prompt": "Hello", "max_tokens": 1}, timeout=30)
+            assert status == 200 and other["choices"][0]["finish_reason"] in ("length", "stop"), other
+            assert not held.done()
+        finally:
+            blocking.release.set()
+        status, got = held.result(60)
+    assert status == 200 and got["usage"]["completion_tokens"] == (2 if isinstance(body.get("prompt"), list)
+                                                                   else 1), got
+
+
+_TEXT = st.lists(st.one_of(st.text(max_size=12), st.sampled_from(SPECIAL_TOKENS + ("<|reserved_3|>", " ", "\n"))),
+                 max_size=8).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=_TEXT)
+def test_encode_off_the_gil_equals_the_tokenizers(tiny_serving, text):
+    """FlintTokenizer.encode (the batch encoder, which releases the GIL) gives exactly
+    `tokenizers`' single-text encoder's ids, special-token strings included."""
+    _, tok = tiny_serving
+    assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
