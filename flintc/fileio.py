@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -57,6 +58,50 @@ def write_text_atomic(path, text: str) -> None:
 
 def write_json_atomic(path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def temp_dir_beside(out: str | os.PathLike) -> Path:
+    """A new owner-only folder beside `out` to build it in, `.{name}.{pid}.XXXXXXXX`, to
+    be published with `move_into_place`. First removes the folders of that form (and
+    `move_into_place`'s `.{name}.old-{pid}`) that a flintc process which no longer runs
+    left there: a SIGKILL or a power cut skips every cleanup. Folders of live processes,
+    of other users and of other names are left alone."""
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    remove_stale_temp_dirs(out)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", dir=parent))
+
+
+def remove_stale_temp_dirs(out: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders of `out` (`temp_dir_beside`, `move_into_place`) whose
+    process is gone (POSIX only: `kill(pid, 0)`). Returns the removed paths."""
+    out = Path(out)
+    parent = out.parent if str(out.parent) else Path(".")
+    if os.name != "posix" or not parent.is_dir():
+        return []
+    name = re.escape(out.name)
+    pattern = re.compile(rf"\.{name}\.(?:(\d+)\.[a-z0-9_]{{8}}|old-(\d+))")
+    removed = []
+    for p in parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        if not m or not p.is_dir() or p.is_symlink():
+            continue
+        pid = int(m[1] or m[2])
+        if pid == os.getpid() or _process_alive(pid) or p.stat().st_uid != os.getuid():
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):  # another user's, or not a pid
+        return pid > 0
+    return True
 
 
 def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 from flintc.cli.graphs import add_model_args, build_targets, format_table, pass_options
@@ -62,13 +61,13 @@ def check_dump_out(out: str | Path) -> None:
 
 
 def run_dump(args: argparse.Namespace) -> int:
-    from flintc.fileio import move_into_place
+    from flintc.fileio import move_into_place, temp_dir_beside
     from flintc.passes.pipeline import compile_step
 
     out = Path(args.out)
     check_dump_out(args.out)
     targets = build_targets(args)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent if str(out.parent) else "."))
+    tmp = temp_dir_beside(out)
     try:
         tables = []
         for i, target in enumerate(targets):

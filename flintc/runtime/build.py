@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 from flintc.config import FlintConfig
 from flintc.errors import InputError
+from flintc.fileio import temp_dir_beside
 from flintc.runtime.codegen import generate_step, module_source
 
 BUILD_VERSION = 1
@@ -279,7 +279,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     check_len = _check_len(opts, config)
     steps = [("decode", b, 1) for b in opts.buckets] + [("prefill", 1, c) for c in opts.prefill_sizes(config)]
     sources, reports, plan_steps = [], [], {}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_dir_beside(out)  # (and removes those a killed compile left)
     try:
         bar = _progress(steps, progress)
         for step, batch, tokens in bar:

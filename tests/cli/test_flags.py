@@ -338,6 +338,34 @@ def test_sigterm_during_compile_leaves_no_temporary_folder(tmp_path, tiny_bf16_d
     assert list(tmp_path.iterdir()) == []
 
 
+def test_sigkill_leftovers_are_removed_by_the_next_compile(tmp_path, tiny_bf16_dir):
+    """SIGKILL skips every clean-up: a killed compile leaves its `.b.<pid>.xxxxxxxx`
+    folder. The next compile into the same --out removes the folders of processes that
+    no longer run (also `.b.old-<pid>`), and leaves a live process's and other names'."""
+    from flintc.fileio import remove_stale_temp_dirs, temp_dir_beside
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "flintc", "compile", str(tiny_bf16_dir), "--out",
+                             str(tmp_path / "b"), "--no-dump", "--no-check"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(f".b.{proc.pid}.") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.kill()
+    proc.communicate(timeout=60)
+    killed = [p for p in tmp_path.iterdir() if p.name.startswith(f".b.{proc.pid}.")]
+    assert len(killed) == 1 and killed[0].is_dir()
+    (tmp_path / f".b.old-{proc.pid}").mkdir()  # move_into_place's, killed between its renames
+    live = tmp_path / f".b.{os.getppid()}.abcd_123"  # a running process's (pytest's parent)
+    other = tmp_path / f".c.{proc.pid}.abcd_123"  # another --out's
+    live.mkdir(), other.mkdir()
+    mine = temp_dir_beside(tmp_path / "b")
+    assert mine.name.startswith(f".b.{os.getpid()}.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, mine.name])
+    assert remove_stale_temp_dirs(tmp_path / "b") == []  # its own process's is not stale
+
+
 # ---- --help: each default said once -----------------------------------------------------
 
 # A help text that tells an option's default: "(default: X)", "(default 10; cpu 1)",
