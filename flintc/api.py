@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import atexit
+import numbers
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -113,6 +114,8 @@ class _ApiInputError(InputError, ValueError):
 def _token_ids(p, what: str, allow_batch_of_one: bool = False) -> list[int]:
     """A prompt's token ids: a list / tuple of ints or an integer tensor of shape [T] (or
     [1, T] when `allow_batch_of_one`). Raises InputError naming `what` otherwise."""
+    if not isinstance(p, (torch.Tensor, list, tuple, str)) and hasattr(p, "__array__"):
+        p = torch.as_tensor(p)  # a NumPy array
     if isinstance(p, torch.Tensor):
         if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool \
                 or not (p.dim() == 1 or (allow_batch_of_one and p.dim() == 2 and p.shape[0] == 1)):
@@ -123,11 +126,15 @@ def _token_ids(p, what: str, allow_batch_of_one: bool = False) -> list[int]:
     if allow_batch_of_one and isinstance(p, (list, tuple)) and len(p) == 1 \
             and isinstance(p[0], (list, tuple)):
         p = p[0]
-    if not isinstance(p, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                     for t in p):
+    if not isinstance(p, (list, tuple)) or not all(_is_id(t) for t in p):
         raise _ApiInputError(f"{what}: expected token ids (a list of ints or an integer tensor), "
                              f"got {_describe(p)}")
-    return list(p)
+    return [int(t) for t in p]
+
+
+def _is_id(t) -> bool:
+    """An integer token id: a Python or NumPy integer, not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 def _describe(x) -> str:
@@ -140,11 +147,14 @@ def _describe(x) -> str:
 def _prompt_list(prompts) -> list:
     """`generate`'s prompts as a list of str / token-id lists: one prompt (str, ids) or a
     list / tuple of them. Raises InputError for anything else."""
-    if isinstance(prompts, (str, torch.Tensor)):
-        return [prompts if isinstance(prompts, str) else _token_ids(prompts, "generate: prompt")]
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor) or (not isinstance(prompts, (list, tuple))
+                                             and hasattr(prompts, "__array__")):
+        return [_token_ids(prompts, "generate: prompt")]
     if isinstance(prompts, (list, tuple)):
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [list(prompts)]  # one prompt of ids
+        if prompts and all(_is_id(t) for t in prompts):
+            return [[int(t) for t in prompts]]  # one prompt of ids
         return [p if isinstance(p, str) else _token_ids(p, f"generate: prompt {i}")
                 for i, p in enumerate(prompts)]
     raise _ApiInputError(f"generate: expected a prompt (str or token ids) or a list of prompts, "

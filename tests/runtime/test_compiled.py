@@ -550,7 +550,10 @@ def test_python_api_takes_prompts_of_every_documented_kind_and_refuses_others(bu
     m = flintc.load(builds["bf16"][0])
     kw = dict(temperature=0, max_tokens=2, ignore_eos=True)
     want = m.generate([[1, 2, 3]], **kw).output_ids
-    for prompts in ([1, 2, 3], (1, 2, 3), torch.tensor([1, 2, 3]), [torch.tensor([1, 2, 3])], [(1, 2, 3)]):
+    import numpy as np
+
+    for prompts in ([1, 2, 3], (1, 2, 3), torch.tensor([1, 2, 3]), [torch.tensor([1, 2, 3])], [(1, 2, 3)],
+                    np.array([1, 2, 3]), [np.int64(1), 2, np.int32(3)]):
         assert m.generate(prompts, **kw).output_ids == want, prompts
     for bad, needle in ((5, "got int"), (None, "got NoneType"), ([1.5, 2.0], "prompt 0: expected token ids"),
                         (torch.tensor([[1, 2], [3, 4]]), "shape \\[T\\]"),
