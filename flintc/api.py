@@ -185,6 +185,7 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     if out is not None and str(out) == "":
         raise InputError("out must not be empty: expected the path of the BUILD folder to write (or None for "
                          "a temporary one)")
+    given_tokenizer = _tokenizer(tokenizer, None)  # a bad one: before the compile writes `out`
     if fmt not in ("bf16", "nvfp4"):
         raise InputError(f"compile: fmt must be 'bf16' or 'nvfp4', got {fmt!r}")
     if load_format != "dummy" and (fmt != "bf16" or config is not None):
@@ -207,19 +208,34 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
                         backend=backend, device=device, check=check, dump=dump)
     compile_model(ckpt, out, opts, progress=progress, log=lambda *a: None)
     runner = load_build(out, ckpt=ckpt, device=device, progress=progress)
-    return CompiledModel(runner, _tokenizer(tokenizer, ckpt.tokenizer_dir))
+    return CompiledModel(runner, given_tokenizer or _tokenizer(None, ckpt.tokenizer_dir))
 
 
 def load(build, model=None, *, device: str | None = None, load_format: str | None = None,
          hf_config_path=None, tokenizer=None, progress: bool = False) -> CompiledModel:
-    """Load BUILD and the weights it was compiled for (see `load_build`)."""
+    """Load BUILD and the weights it was compiled for (see `load_build`), and the
+    tokenizer: `tokenizer`, else found as `flintc run --build` finds it
+    (`flintc.serve.server.tokenizer_dir`: beside `hf_config_path` or `model`, in BUILD,
+    then where its build.json records it), else None (token ids only).
+
+    Raises:
+        InputError / CheckpointError: as `load_build`; a tokenizer that does not load
+            (its file named).
+    """
+    from types import SimpleNamespace
+
     from flintc.runtime.compiled import load_build, read_manifest
     from flintc.runtime.device import prepare_device
+    from flintc.serve.server import tokenizer_dir
 
+    given_tokenizer = _tokenizer(tokenizer, None)
     prepare_device(device or read_manifest(build).get("device", "cpu"))
     runner = load_build(build, model=model, device=device, load_format=load_format,
                         hf_config_path=hf_config_path, progress=progress)
-    return CompiledModel(runner, _tokenizer(tokenizer, runner.tokenizer_dir))
+    if given_tokenizer is not None:
+        return CompiledModel(runner, given_tokenizer)
+    where = SimpleNamespace(tokenizer=None, hf_config_path=hf_config_path, model=model, build=build)
+    return CompiledModel(runner, _tokenizer(None, tokenizer_dir(where, required=False)))
 
 
 def _tokenizer(given, recorded):

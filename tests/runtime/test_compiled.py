@@ -594,6 +594,13 @@ def test_python_api_reports_a_bad_tokenizer(builds, tmp_path):
     (bad / "tokenizer.json").write_text('{"garbage": 1}')
     with pytest.raises(CheckpointError, match="tokenizer.json"):
         flintc.load(build, tokenizer=bad)
+    # the tokenizer build.json records comes first, as for `flintc run --build`
+    moved = tmp_path / "build"
+    shutil.copytree(build, moved)
+    manifest = json.loads((moved / "build.json").read_text())
+    (moved / "build.json").write_text(json.dumps({**manifest, "tokenizer_dir": str(bad)}))
+    with pytest.raises(CheckpointError, match=f"{bad}/tokenizer.json"):
+        flintc.load(moved)
 
 
 def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_path, tiny_bf16_dir):
@@ -604,11 +611,14 @@ def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_pa
     import sys
 
     import flintc
+    from flintc.errors import CheckpointError
 
     for kw, needle in ((dict(fmt="int8"), "fmt must be 'bf16' or 'nvfp4'"),
                        (dict(fmt="nvfp4"), "load_format='dummy'"), (dict(config="tiny"), "load_format='dummy'")):
         with pytest.raises(InputError, match=needle):
             flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, **kw)
+    with pytest.raises(CheckpointError, match="tokenizer folder not found"):  # before the compile writes out
+        flintc.compile(tiny_bf16_dir, out=tmp_path / "b", tokenizer=tmp_path / "nope", check=False, dump=False)
     assert list(tmp_path.iterdir()) == []
     code = ("import flintc, sys; m = flintc.compile(sys.argv[1], check=False, dump=False, max_batch=1); "
             "print(m.build)")
@@ -665,7 +675,9 @@ def test_edited_build_json_is_refused(builds, tmp_path):
     for field, value, needle in (("build_version", 99, "build_version 99"),
                                  ("config", "hidden_size", "does not match its config_sha256"),
                                  ("max_batch", 16, "max_batch 16 exceeds the largest compiled decode batch 4"),
-                                 ("cache_rows", 10, "cache_rows 10 is less than max_model_len \\+ prefill_chunk")):
+                                 ("cache_rows", 10, "cache_rows 10 is less than max_model_len \\+ prefill_chunk"),
+                                 ("max_model_len", 8192, "max_model_len 8192 exceeds the model's "
+                                  "max_position_embeddings 4096")):
         copy = tmp_path / field
         shutil.copytree(build, copy)
         manifest = json.loads((copy / "build.json").read_text())
