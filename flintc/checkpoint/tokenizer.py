@@ -337,7 +337,17 @@ class FlintTokenizer:
         offsets, where the installed version has it), which releases the GIL, unlike
         ``Tokenizer.encode`` (4.7 s held for a 5M-character text): a server can encode
         on a worker thread without stalling its event loop. The same ids. Safe from
-        several threads at once (encoding only reads the tokenizer)."""
+        several threads at once (encoding only reads the tokenizer).
+
+        Raises:
+            InputError: ``text`` is not valid Unicode (a lone surrogate).
+        """
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate (undecodable bytes of argv, ...)
+                raise InputError(f"the text to encode is not valid Unicode: {e.reason} at character "
+                                 f"{e.start} ({text[e.start]!r}); expected UTF-8 text") from None
         batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
         return batch([text], add_special_tokens=False)[0].ids
 

@@ -101,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # `--prompt-ids -1,2` reaches flintc run's check of the ids (argparse would take -1,2 for an option)
     args = parser.parse_args(join_int_list_values(sys.argv[1:] if argv is None else list(argv)))
+    for stream in (sys.stdout, sys.stderr):  # text the terminal's encoding lacks: escaped, not a traceback
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):  # not a TextIOWrapper
+            pass
     previous = _install_sigterm_handler()
     unraisable = _install_unraisable_hook()
     show = _install_warning_format()

@@ -265,6 +265,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
     async def _api_error(request, exc: APIError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(InputError)  # bad input that a check below the handlers found (a 500 before)
+    async def _input_error(request, exc: InputError):
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
         return JSONResponse(error_body(f"invalid request: {exc.errors()}"), status_code=400)

@@ -277,3 +277,30 @@ def test_batch_text_output_keeps_one_line_per_prompt():
     assert one_line("été 😀 'q' \"q\"") == "été 😀 'q' \"q\""
     assert one_line("x\\n") == "x\\\\n"  # a literal backslash stays told apart from a line break
     assert all("\n" not in one_line(chr(c)) for c in range(0x3000))
+
+
+def test_text_the_terminal_cannot_encode_is_escaped(tiny_bf16_dir):
+    """With an ASCII stdout (PYTHONIOENCODING=ascii, LANG=C), generated U+FFFD and other
+    non-ASCII text is written escaped (\\ufffd), streaming or not; it was a
+    UnicodeEncodeError traceback with exit 1."""
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    for prompts in (["1"], ["1", "2"]):
+        args = [a for ids in prompts for a in ("--prompt-ids", ids)]
+        proc = subprocess.run([sys.executable, "-m", "flintc", "run", str(tiny_bf16_dir), *args, "--max-tokens",
+                               "12", "--temperature", "0", "--ignore-eos"], capture_output=True, env=env,
+                              timeout=600)
+        assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode()
+        assert proc.stdout.isascii() and b"\\ufffd" in proc.stdout, proc.stdout  # this seed's text has one
+
+
+def test_text_with_a_lone_surrogate_is_an_input_error(tiny_bf16_dir):
+    """A prompt that is not valid Unicode (undecodable bytes of a command line under the C
+    locale, `generate('h\\udce9llo')`) is an InputError naming the character; it was a
+    TypeError from the tokenizers library."""
+    from flintc.checkpoint.tokenizer import load_tokenizer
+    from flintc.errors import InputError
+
+    tok = load_tokenizer(tiny_bf16_dir)
+    with pytest.raises(InputError, match="not valid Unicode: surrogates not allowed at character 1"):
+        tok.encode("h\udce9llo")
+    assert tok.encode("héllo") == tok._tok.encode("héllo", add_special_tokens=False).ids

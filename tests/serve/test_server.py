@@ -587,3 +587,20 @@ def test_encode_off_the_gil_equals_the_tokenizers(tiny_serving, text):
     `tokenizers`' single-text encoder's ids, special-token strings included."""
     _, tok = tiny_serving
     assert tok.encode(text) == tok._tok.encode(text, add_special_tokens=False).ids
+
+
+def test_an_input_error_below_the_handlers_is_a_400(server, tiny_serving, monkeypatch):
+    """An InputError raised below the request handlers' own checks (here the tokenizer's,
+    for text that is not valid Unicode) answers 400 invalid_request_error, not a 500."""
+    from flintc.errors import InputError
+
+    _, tok = tiny_serving
+
+    def refuse(text):
+        raise InputError("the text to encode is not valid Unicode")
+
+    monkeypatch.setattr(tok, "encode", refuse)
+    status, body = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["message"] == "the text to encode is not valid Unicode"
+    assert raw(server, "GET", "/health") == (200, {"status": "ok"})
