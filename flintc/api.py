@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import numbers
 import shutil
 import tempfile
@@ -72,7 +73,15 @@ class CompiledModel:
             else:
                 ids.append(p)
         if params is None:
-            params = SamplingParams(**sampling)
+            try:
+                params = SamplingParams(**sampling)
+            except TypeError:  # a keyword SamplingParams does not have
+                fields = ", ".join(f.name for f in dataclasses.fields(SamplingParams))
+                unknown = sorted(set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)})
+                if not unknown:
+                    raise
+                raise InputError(f"generate: unknown sampling keyword {', '.join(map(repr, unknown))}; "
+                                 f"SamplingParams takes {fields}") from None
         elif sampling:
             raise InputError(f"generate: pass params or sampling keywords ({', '.join(sorted(sampling))}), "
                              "not both")

@@ -112,6 +112,24 @@ class SamplingParams:
         return g
 
 
+def params_per_prompt(params, n: int) -> list["SamplingParams"]:
+    """One SamplingParams per prompt: `params` itself repeated n times, or a list / tuple
+    of n of them.
+
+    Raises:
+        InputError: a list of another length, or an entry that is not a SamplingParams
+            (a dict, say), named.
+    """
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+    if len(plist) != n:
+        raise InputError(f"{len(plist)} SamplingParams for {n} prompts: give one, or one per prompt")
+    for i, p in enumerate(plist):
+        if not isinstance(p, SamplingParams):
+            where = "params" if not isinstance(params, (list, tuple)) else f"params[{i}]"
+            raise InputError(f"{where}: expected a flintc.sampling.SamplingParams, got {type(p).__name__}")
+    return plist
+
+
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a request samples from (the definition; `sample` draws from it
     without building it). logits: fp32 (or bf16) [..., V]. Not for greedy.

@@ -18,7 +18,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.model.reference import FlintModel
-from flintc.sampling import SamplingParams
+from flintc.sampling import SamplingParams, params_per_prompt
 
 
 @dataclass
@@ -91,9 +91,7 @@ def generate(
         raise InputError(f"max_model_len {max_model_len}: expected 1..{model.max_positions} (the model's "
                          "max_positions)")
     max_len = max_model_len or model.max_positions
-    plist = params if isinstance(params, list) else [params] * len(prompts)
-    if len(plist) != len(prompts):
-        raise ValueError("need one SamplingParams per prompt")
+    plist = params_per_prompt(params, len(prompts))
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, max_len, name=f"prompt {i}" if len(prompts) > 1 else "prompt")
     # One slot per prompt; caches only as long as this request can grow (max_model_len

@@ -18,7 +18,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.model.generate import GenerationResult, check_prompt
-from flintc.sampling import SamplingParams, sample
+from flintc.sampling import SamplingParams, params_per_prompt, sample
 
 
 def _sync(device: torch.device) -> None:
@@ -54,9 +54,7 @@ def generate_with_runner(
     if B > runner.max_batch:
         raise InputError(f"{B} prompts, but the runtime takes at most {runner.max_batch} at once "
                          "(--max-batch)")
-    plist = params if isinstance(params, list) else [params] * B
-    if len(plist) != B:
-        raise ValueError("need one SamplingParams per prompt")
+    plist = params_per_prompt(params, B)
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, runner.max_model_len,
                      name=f"prompt {i}" if B > 1 else "prompt")

@@ -567,13 +567,24 @@ def test_python_api_takes_prompts_of_every_documented_kind_and_refuses_others(bu
 
 
 def test_python_api_refuses_params_with_sampling_keywords(builds):
-    """`generate(p, params=..., max_tokens=3)` dropped max_tokens silently."""
+    """`generate(p, params=..., max_tokens=3)` dropped max_tokens silently; an unknown
+    keyword, params that are not SamplingParams, or a list of the wrong length are
+    InputErrors that say what was expected."""
     import flintc
     from flintc.sampling import SamplingParams
 
     m = flintc.load(builds["bf16"][0])
     with pytest.raises(InputError, match="pass params or sampling keywords \\(max_tokens\\), not both"):
         m.generate([1, 2], params=SamplingParams(temperature=0), max_tokens=3)
+    # and what was a TypeError, an AttributeError or a plain ValueError
+    with pytest.raises(InputError, match="unknown sampling keyword 'foo'; SamplingParams takes temperature, "):
+        m.generate([1, 2], foo=1)
+    with pytest.raises(InputError, match="^params: expected a flintc.sampling.SamplingParams, got dict$"):
+        m.generate([1, 2], params={"temperature": 0})
+    with pytest.raises(InputError, match="^3 SamplingParams for 2 prompts: give one, or one per prompt$"):
+        m.generate([[1, 2], [3]], params=[SamplingParams(temperature=0)] * 3)
+    with pytest.raises(InputError, match="^params\\[1\\]: expected .*got NoneType$"):
+        m.generate([[1, 2], [3]], params=[SamplingParams(temperature=0), None])
 
 
 def test_python_api_reports_a_bad_tokenizer(builds, tmp_path):
