@@ -67,16 +67,15 @@ def temp_dir_beside(out: str | os.PathLike) -> Path:
     left there: a SIGKILL or a power cut skips every cleanup. Folders of live processes,
     of other users and of other names are left alone."""
     out = Path(out)
-    parent = out.parent if str(out.parent) else Path(".")
     remove_stale_temp_dirs(out)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", dir=parent))
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", dir=out.parent))
 
 
 def remove_stale_temp_dirs(out: str | os.PathLike) -> list[Path]:
     """Remove the temporary folders of `out` (`temp_dir_beside`, `move_into_place`) whose
     process is gone (POSIX only: `kill(pid, 0)`). Returns the removed paths."""
     out = Path(out)
-    parent = out.parent if str(out.parent) else Path(".")
+    parent = out.parent  # Path("b").parent is Path(".")
     if os.name != "posix" or not parent.is_dir():
         return []
     name = re.escape(out.name)

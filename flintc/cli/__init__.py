@@ -75,7 +75,6 @@ def _install_unraisable_hook():
     run to completion and exit 0. The hook sends the signal again, whose handler then raises
     at the next ordinary bytecode. Other unraisable exceptions go to the previous hook,
     which is returned."""
-    import os
     import threading
 
     previous = sys.unraisablehook

@@ -35,7 +35,6 @@ Nothing runs at import.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -53,7 +53,6 @@ streams).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -177,21 +177,20 @@ def _check_manifest_consistency(path: Path, manifest: dict) -> None:
     """Fields that each look valid but contradict each other (a hand-edited build.json):
     max_batch above the largest compiled decode batch (a batch with no function, which
     failed as a bare StopIteration), max_model_len above the config's
-    max_position_embeddings (the RoPE tables' length), and full-attention caches of fewer rows than
-    max_model_len plus one prefill chunk (`BuildOptions.cache_rows`; an IndexError at the
-    first write past them)."""
+    max_position_embeddings (the RoPE tables' length), and full-attention caches of fewer
+    rows than max_model_len plus one prefill chunk (`BuildOptions.cache_rows`; an
+    IndexError at the first write past them)."""
     batches = [f.get("batch") for f in manifest["functions"].values()
                if isinstance(f, dict) and f.get("step") == "decode"]
     batches = [b for b in batches if isinstance(b, int) and not isinstance(b, bool)]
     if batches and manifest["max_batch"] > max(batches):
         raise InputError(f"{path}: max_batch {manifest['max_batch']} exceeds the largest compiled decode batch "
                          f"{max(batches)} (the file was edited?); rebuild with flintc compile")
+    rows, length, chunk = (manifest.get(k) for k in ("cache_rows", "max_model_len", "prefill_chunk"))
     limit = manifest["config"].get("max_position_embeddings") if isinstance(manifest["config"], dict) else None
-    length = manifest.get("max_model_len")
     if isinstance(limit, int) and isinstance(length, int) and length > limit:
         raise InputError(f"{path}: max_model_len {length} exceeds the model's max_position_embeddings {limit} "
                          "(the file was edited?); rebuild with flintc compile")
-    rows, length, chunk = (manifest.get(k) for k in ("cache_rows", "max_model_len", "prefill_chunk"))
     if None not in (rows, length, chunk) and rows < length + chunk:
         raise InputError(f"{path}: cache_rows {rows} is less than max_model_len + prefill_chunk = "
                          f"{length + chunk} (the file was edited?); rebuild with flintc compile")
