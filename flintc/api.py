@@ -183,14 +183,16 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     ("bf16" or "nvfp4") and `config` only with load_format="dummy", as the CLI's
     --format and --config. Raises InputError / CheckpointError / PassCheckError as
     `flintc compile`; InputError also for an empty `out` (`Path("")` is the current
-    folder), a `fmt` or `config` that does not apply, and a malformed FLINTC_* variable
+    folder), an unknown `load_format` (`flintc.checkpoint.loader.check_load_format`), a
+    `fmt` or `config` that does not apply, and a malformed FLINTC_* variable
     (`flintc.runtime.compiled.check_environment`), before compiling.
     """
-    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.checkpoint.loader import check_load_format, load_checkpoint
     from flintc.runtime.build import BuildOptions, compile_model
     from flintc.runtime.compiled import check_environment, load_build
     from flintc.runtime.device import prepare_device
 
+    check_load_format(load_format)  # before the embedded default checkpoint is written
     if out is not None and str(out) == "":
         raise InputError("out must not be empty: expected the path of the BUILD folder to write (or None for "
                          "a temporary one)")
@@ -228,15 +230,16 @@ def load(build, model=None, *, device: str | None = None, load_format: str | Non
     then where its build.json records it), else None (token ids only).
 
     Raises:
-        InputError / CheckpointError: as `load_build`; a tokenizer that does not load
-            (its file named).
+        InputError / CheckpointError: as `load_build` (a `load_format` other than "auto",
+            "dummy" or None first); a tokenizer that does not load (its file named).
     """
     from types import SimpleNamespace
 
-    from flintc.runtime.compiled import load_build, read_manifest
+    from flintc.runtime.compiled import check_build_load_format, load_build, read_manifest
     from flintc.runtime.device import prepare_device
     from flintc.serve.server import tokenizer_dir
 
+    check_build_load_format(load_format)
     given_tokenizer = _tokenizer(tokenizer, None)
     prepare_device(device or read_manifest(build).get("device", "cpu"))
     runner = load_build(build, model=model, device=device, load_format=load_format,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from flintc.config import FlintConfig
-from flintc.errors import CheckpointError
+from flintc.errors import CheckpointError, InputError
 from flintc.model.weights import WeightDict
 from flintc.runtime.device import check_weights_fit
 
@@ -73,12 +73,11 @@ def load_checkpoint(
         CheckpointError: `path` does not exist, is neither kind of checkpoint, has no
             config, or its weights are bad (see the format modules).
         ConfigError: config.json fails validation.
-        InputError: on a CPU, the weights need more memory than is available
-            (`flintc.runtime.device.check_weights_fit`: the full config, most often).
-        ValueError: unknown `load_format`.
+        InputError: an unknown `load_format` (`check_load_format`); on a CPU, the weights
+            need more memory than is available (`flintc.runtime.device.check_weights_fit`:
+            the full config, most often).
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, found {load_format!r}")
+    check_load_format(load_format)
     if isinstance(config, str):  # a preset name ("tiny", "full"), as --config gives it
         config = FlintConfig.preset(config)
     path = Path(path) if path is not None else None
@@ -104,6 +103,13 @@ def load_checkpoint(
     weights = load_bf16(path, config, device, progress)
     tok = _tokenizer_dir(path, hf_dir)
     return LoadedCheckpoint(config, weights, "bf16", str(path), tok)
+
+
+def check_load_format(load_format) -> None:
+    """Raises InputError naming load_format and the accepted values (`LOAD_FORMATS`)
+    unless it is one of them: a plain ValueError before (a traceback)."""
+    if load_format not in LOAD_FORMATS:
+        raise InputError(f"load_format must be one of {', '.join(map(repr, LOAD_FORMATS))}, got {load_format!r}")
 
 
 def _detect(path: Path) -> str:

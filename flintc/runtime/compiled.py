@@ -295,6 +295,19 @@ def stale_build_note(build: str | Path, manifest: dict) -> str | None:
             "arguments added since; recompile with flintc compile to get them")
 
 
+BUILD_LOAD_FORMATS = ("auto", "dummy")
+
+
+def check_build_load_format(load_format) -> None:
+    """Raises InputError naming load_format and the values a build takes
+    (`BUILD_LOAD_FORMATS`, or None) unless it is one of them: another one was ignored
+    (the build's checkpoint loaded as for "auto"), or refused as if it were "auto" for a
+    build compiled with dummy weights."""
+    if load_format is not None and load_format not in BUILD_LOAD_FORMATS:
+        raise InputError(f"load_format must be {' or '.join(map(repr, BUILD_LOAD_FORMATS))} (or None) to load a "
+                         f"build, got {load_format!r} (a build reads its checkpoint's format from build.json)")
+
+
 def load_build(build: str | Path, model: str | Path | None = None, device: str | None = None,
                load_format: str | None = None, hf_config_path=None, progress: bool = True,
                use_cuda_graphs: bool = True, ckpt=None, prefill_graphs: bool | None = None) -> "CompiledRunner":
@@ -315,7 +328,8 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
             triton backend only). None: as FLINTC_PREFILL_GRAPHS says (default on).
 
     Raises:
-        InputError: BUILD is not a build; no `model` given and the checkpoint build.json
+        InputError: a `load_format` other than "auto", "dummy" or None
+            (`check_build_load_format`); BUILD is not a build; no `model` given and the checkpoint build.json
             records no longer exists (`recorded_weight_source`: the message names
             build.json and the path); dummy weights for a build compiled from a
             checkpoint, or the reverse (`check_weight_kind`); the weights or config
@@ -331,6 +345,7 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     from flintc.config import FlintConfig
     from flintc.runtime.build import config_fingerprint, weight_fingerprint
 
+    check_build_load_format(load_format)
     build = Path(build)
     manifest = read_manifest(build)
     device = device or manifest.get("device", "cpu")

@@ -657,6 +657,31 @@ def test_python_api_compile_refuses_an_empty_out(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_python_api_refuses_an_unknown_load_format(builds, tmp_path, monkeypatch, tiny_bf16_dir):
+    """An unknown load_format was a plain ValueError from the loader (`flintc.compile`,
+    after writing the embedded default checkpoint when no model was given) or ignored
+    (`flintc.load` loaded the build's checkpoint as for "auto"); it is an InputError
+    listing the accepted values, before anything loads or is written."""
+    import flintc
+    import flintc.checkpoint.default
+    import flintc.checkpoint.loader
+
+    def never(*a, **k):
+        raise AssertionError("did work before load_format was checked")
+
+    monkeypatch.setattr(flintc.checkpoint.loader, "load_checkpoint", never)
+    monkeypatch.setattr(flintc.checkpoint.default, "default_checkpoint", never)
+    for model, kw in ((None, {}), (tiny_bf16_dir, {}), (tiny_bf16_dir, dict(fmt="nvfp4"))):
+        with pytest.raises(InputError, match="^load_format must be one of 'auto', 'safetensors', 'gguf', "
+                                             "'dummy', got 'bogus'$"):
+            flintc.compile(model, out=tmp_path / "b", load_format="bogus", check=False, dump=False, **kw)
+    assert list(tmp_path.iterdir()) == []
+    for bad in ("bogus", "gguf"):
+        with pytest.raises(InputError, match=f"^load_format must be 'auto' or 'dummy' \\(or None\\) to load a "
+                                             f"build, got {bad!r}"):
+            flintc.load(builds["bf16"][0], load_format=bad)
+
+
 def test_cuda_build_without_a_gpu_hints_at_device_cpu(builds, capsys, tmp_path):
     import shutil
 
