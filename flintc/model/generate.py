@@ -34,8 +34,8 @@ class GenerationResult:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     step_logits: list[torch.Tensor] = field(default_factory=list)
-    # Per prompt: "stop" (end-of-text token), "length" (max_tokens), or
-    # "max_model_len" (prompt + generated tokens reached max_model_len).
+    # Per prompt: "stop" (end-of-text token) or "length" (max_tokens, or prompt +
+    # generated tokens reached max_model_len: vLLM's convention, as `flintc serve`'s).
     finish_reasons: list[str] = field(default_factory=list)
 
 

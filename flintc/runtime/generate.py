@@ -6,7 +6,9 @@ temperature 0, per-request seeds).
 Same result type and stopping rules as the reference loop (`flintc.model.generate`):
 a sequence stops at its end-of-text token (unless ignore_eos), at max_tokens, or when
 prompt + generated tokens reach the runner's max_model_len (vLLM's meaning: the last
-token needs no cache position, so a sequence uses max_model_len - 1 positions).
+token needs no cache position, so a sequence uses max_model_len - 1 positions). The
+finish reason is "stop" for the first, "length" for both others (as vLLM and
+`flintc serve` report them).
 """
 
 from __future__ import annotations
@@ -94,10 +96,9 @@ def generate_with_runner(
                 on_token(b, t)
             if t == eos_token_id and not plist[b].ignore_eos:
                 result.finish_reasons[b] = "stop"
-            elif len(result.output_ids[b]) >= plist[b].max_tokens:
+            elif len(result.output_ids[b]) >= plist[b].max_tokens \
+                    or pos[b] + 1 >= runner.max_model_len:  # pos[b] + 1 tokens: prompt + generated
                 result.finish_reasons[b] = "length"
-            elif pos[b] + 1 >= runner.max_model_len:  # pos[b] + 1 tokens: prompt + generated
-                result.finish_reasons[b] = "max_model_len"
             else:
                 still.append(b)
         live = still

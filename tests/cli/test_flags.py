@@ -36,7 +36,7 @@ def test_reference_backend_honours_max_model_len(capsys, tiny_bf16_dir):
     assert code == 0, err
     full, short = json.loads(full), json.loads(short)
     # max_model_len counts the prompt and the generated tokens (vLLM's meaning): 3 + 2
-    assert short["finish_reason"] == "max_model_len"
+    assert short["finish_reason"] == "length"  # as for max_tokens (vLLM's convention)
     assert short["output_ids"] == full["output_ids"][:2]
     for ids in ("1,2,3,4,5,6", "1,2,3,4"):  # the prompt must leave room for one token
         code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", ids, "--max-model-len", 4)

@@ -475,7 +475,7 @@ def test_run_build_honours_smaller_limits_and_refuses_larger(builds, capsys):
     assert code == 0, err
     full, short = json.loads(full), json.loads(short)
     # 3 prompt + 2 generated tokens = --max-model-len 5 (vLLM's meaning)
-    assert short["finish_reason"] == "max_model_len" and short["output_ids"] == full["output_ids"][:2]
+    assert short["finish_reason"] == "length" and short["output_ids"] == full["output_ids"][:2]  # as vLLM's
     code, out, err = run_cli(capsys, *args, "--max-batch", 1, "--prompt-ids", "4,5")
     assert code == 2 and "--max-batch is 1" in err
 
