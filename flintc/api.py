@@ -96,12 +96,15 @@ class CompiledModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 slot: int = 0) -> torch.Tensor:
         """Logits of a token sequence of one sequence slot, through the generated prefill
-        (T > 1) or decode (T == 1) function. input_ids: int64 [T] or [1, T]; positions
-        default 0..T-1. Writes the slot's KV cache. -> fp32 [T, V].
+        (T > 1) or decode (T == 1) function. input_ids: int64 [T] or [1, T]; positions:
+        consecutive integers p, p + 1, ... in [0, max_model_len), [T] or [1, T] (a list
+        or an integer tensor), default 0..T-1. Writes the slot's KV cache. -> fp32 [T, V].
 
         Raises:
             InputError (a ValueError): input_ids that are not integer token ids of one
-                sequence, none, or an id outside the vocabulary [0, vocab_size).
+                sequence, none, or an id outside the vocabulary [0, vocab_size);
+                positions that are not integers, not one per id, not consecutive, or
+                outside [0, max_model_len).
         """
         ids = _token_ids(input_ids, "forward: input_ids", allow_batch_of_one=True)
         vocab = self.runner.config.vocab_size
@@ -110,19 +113,37 @@ class CompiledModel:
         for t in ids:
             if not 0 <= t < vocab:
                 raise _ApiInputError(f"token id {t} is outside the vocabulary [0, {vocab}) of {self.build}")
-        start = 0 if positions is None else int(torch.as_tensor(positions).reshape(-1)[0])
+        start = 0 if positions is None else self._start_position(positions, len(ids))
         if len(ids) == 1:
             return self.runner.decode([slot], ids, [start])
         return self.runner.prefill(slot, ids, start, all_logits=True)
+
+    def _start_position(self, positions, n: int) -> int:
+        """The first of `forward`'s `positions` for `n` ids, once they are checked (the
+        runner takes a start and counts up from it)."""
+        pos = _token_ids(positions, "forward: positions", allow_batch_of_one=True, kind="positions")
+        if len(pos) != n:
+            raise _ApiInputError(f"forward: positions: expected one position per input id: {n}, got {len(pos)}")
+        limit = self.runner.max_model_len
+        for p in pos:
+            if not 0 <= p < limit:
+                raise _ApiInputError(f"forward: positions: position {p} is outside [0, {limit}) (the max_model_len "
+                                     f"of {self.build})")
+        for i in range(1, n):
+            if pos[i] != pos[i - 1] + 1:
+                raise _ApiInputError(f"forward: positions: expected consecutive positions (p, p + 1, ...: one "
+                                     f"sequence's tokens in order), got {pos[i]} after {pos[i - 1]} at index {i}")
+        return pos[0]
 
 
 class _ApiInputError(InputError, ValueError):
     """An InputError that is also a ValueError (what `forward` raised before)."""
 
 
-def _token_ids(p, what: str, allow_batch_of_one: bool = False) -> list[int]:
-    """A prompt's token ids: a list / tuple of ints or an integer tensor of shape [T] (or
-    [1, T] when `allow_batch_of_one`). Raises InputError naming `what` otherwise."""
+def _token_ids(p, what: str, allow_batch_of_one: bool = False, kind: str = "token ids") -> list[int]:
+    """A prompt's token ids (or other integers, `kind`: forward's positions): a list /
+    tuple of ints or an integer tensor of shape [T] (or [1, T] when
+    `allow_batch_of_one`). Raises InputError naming `what` otherwise."""
     if not isinstance(p, (torch.Tensor, list, tuple, str)) and hasattr(p, "__array__"):
         p = torch.as_tensor(p)  # a NumPy array
     if isinstance(p, torch.Tensor):
@@ -136,7 +157,7 @@ def _token_ids(p, what: str, allow_batch_of_one: bool = False) -> list[int]:
             and isinstance(p[0], (list, tuple)):
         p = p[0]
     if not isinstance(p, (list, tuple)) or not all(_is_id(t) for t in p):
-        raise _ApiInputError(f"{what}: expected token ids (a list of ints or an integer tensor), "
+        raise _ApiInputError(f"{what}: expected {kind} (a list of ints or an integer tensor), "
                              f"got {_describe(p)}")
     return [int(t) for t in p]
 

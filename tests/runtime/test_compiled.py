@@ -529,6 +529,43 @@ def test_forward_refuses_ids_outside_the_vocabulary(builds):
     assert m.forward([V - 1]).shape == (1, V)
 
 
+def test_forward_checks_positions(builds):
+    """forward(positions=...) read only the first position: positions of another length or
+    shape than the ids, floats, bools, a gap (all taken as start, start + 1, ...), or a
+    str (a TypeError from torch) are InputErrors naming positions and what was expected,
+    and so are positions outside [0, max_model_len) (the runner's error for them named
+    neither forward nor the argument)."""
+    import numpy as np
+
+    import flintc
+
+    m = flintc.load(builds["bf16"][0])
+    L = m.runner.max_model_len
+    want = m.forward([1, 2, 3])
+    for pos in (torch.arange(3), [0, 1, 2], (0, 1, 2), np.arange(3), [[0, 1, 2]], torch.arange(3)[None]):
+        assert torch.equal(m.forward([1, 2, 3], positions=pos), want), pos
+    assert m.forward([1, 2, 3], positions=[L - 3, L - 2, L - 1]).shape == want.shape
+    assert m.forward(torch.tensor([[5]]), positions=torch.tensor([[L - 1]])).shape == want[:1].shape
+    shape = "expected an integer tensor of shape \\[T\\] or \\[1, T\\]"
+    for ids, pos, needle in (
+            ([1, 2, 3], torch.arange(2), "expected one position per input id: 3, got 2$"),
+            ([1, 2, 3], [0, 1, 2, 3], "expected one position per input id: 3, got 4$"),
+            ([1, 2, 3], torch.zeros(2, 3, dtype=torch.long), shape + ", got torch.int64 \\[2, 3\\]"),
+            ([1, 2, 3], torch.tensor(0), shape + ", got torch.int64 \\[\\]"),
+            ([1, 2, 3], torch.tensor([0.0, 1.0, 2.0]), shape + ", got torch.float32"),
+            ([1, 2, 3], torch.tensor([False, True, True]), shape + ", got torch.bool"),
+            ([1, 2, 3], [0, 1.5, 2], "expected positions \\(a list of ints or an integer tensor\\), got a list "
+                                     "of float, int"),
+            ([1, 2, 3], "012", "expected positions .*got str"),
+            ([1, 2, 3], [-1, 0, 1], f"position -1 is outside \\[0, {L}\\)"),
+            ([1, 2, 3], [L - 2, L - 1, L], f"position {L} is outside \\[0, {L}\\)"),
+            ([7], [L], f"position {L} is outside \\[0, {L}\\)"),
+            ([1, 2, 3], [0, 2, 3], "expected consecutive positions .*got 2 after 0 at index 1$"),
+    ):
+        with pytest.raises(InputError, match=f"^forward: positions: {needle}"):
+            m.forward(ids, positions=pos)
+
+
 def test_python_api_generate_needs_a_prompt(builds):
     """`m.generate([])` said "0 prompts, but the runtime takes at most 4 at once
     (--max-batch)", as if there were too many."""
