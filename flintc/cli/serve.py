@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from flintc.errors import InputError
+from flintc.serve.server import MAX_REQUEST_BYTES
 
 
 def add_parser(sub) -> None:
@@ -53,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave tool definitions out of the prompt when tool_choice is \"none\"")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                   help="largest request body, in bytes: a larger one is answered 413 before it is parsed (0: no "
+                        "cap; default: 32 MiB)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     p.set_defaults(func=run_serve)
@@ -95,6 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InputError("--load-format dummy applies only with --build (a build compiled with --load-format "
                          "dummy); to serve random weights, compile them first: flintc compile --load-format "
                          "dummy --config tiny --out BUILD, then flintc serve --build BUILD --load-format dummy")
+    if args.max_request_bytes < 0:
+        raise InputError(f"--max-request-bytes must be 0 (no cap) or more, got {args.max_request_bytes}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.api_key is not None and not args.api_key.strip():
@@ -109,7 +115,8 @@ def run_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(model_name=served_model_name(args), api_key=args.api_key,
                            enable_auto_tool_choice=args.enable_auto_tool_choice,
                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                           max_request_bytes=args.max_request_bytes)
     tokenizer = load_tokenizer(tokenizer_dir(args))
     tokenizer.check_chat_template()  # a malformed one: before the port is bound and the weights load
     sock = bind(args.host, args.port)  # fail fast on a busy port, before loading weights

@@ -57,6 +57,7 @@ from flintc.serve.protocol import (
     unsupported,
 )
 from flintc.serve.reasoning import ReasoningParser, initial_state_for_prompt
+from flintc.serve.server import MAX_REQUEST_BYTES
 from flintc.serve.tool_calls import ToolCallParser
 
 TOOL_CALL_PARSERS = ("glm47",)
@@ -81,6 +82,7 @@ class ServeOptions:
     reasoning_parser: split ``<think>`` text into reasoning_content.
     exclude_tools_when_tool_choice_none: leave tool definitions out of the prompt when
         tool_choice is "none".
+    max_request_bytes: the largest request body read (a 413 beyond it); 0: no cap.
     """
 
     model_name: str
@@ -89,6 +91,7 @@ class ServeOptions:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
+    max_request_bytes: int = MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -97,6 +100,8 @@ class ServeOptions:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.max_request_bytes < 0:
+            raise ValueError(f"max_request_bytes must be 0 (no cap) or more, got {self.max_request_bytes}")
 
 
 # --------------------------------------------------------------------------------------
@@ -297,8 +302,32 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                            f"'{options.model_name}'", "not_found_error", "model", "model_not_found")
 
+    async def read_body(request: Request) -> bytes:
+        """The request body, refused with a 413 when it is over --max-request-bytes: by
+        its Content-Length before any of it is read, else (chunked) once the bytes read
+        pass the cap. Parsing a body of 5M token ids held the event loop for seconds."""
+        limit = options.max_request_bytes
+        if not limit:
+            return await request.body()
+
+        def too_large(size: str) -> APIError:
+            return APIError(413, f"the request body is over the limit of {limit} bytes (--max-request-bytes){size}",
+                            code="request_too_large")
+
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large(f": Content-Length {int(length)}")
+        chunks, size = [], 0
+        async with contextlib.aclosing(request.stream()) as stream:
+            async for chunk in stream:
+                size += len(chunk)
+                if size > limit:
+                    raise too_large("")
+                chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(request: Request, cls):
-        body = await request.body()
+        body = await read_body(request)
         try:
             json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:

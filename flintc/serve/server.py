@@ -16,6 +16,10 @@ from pathlib import Path
 
 from flintc.errors import FlintcError, InputError
 
+# --max-request-bytes' default, a common proxy default (5M token ids as JSON are ~35 MB);
+# here, not in app.py, so that the CLI's parser does not import FastAPI
+MAX_REQUEST_BYTES = 32 * 2**20
+
 
 def make_runner(args: argparse.Namespace):
     """-> a ModelRunner for the parsed `flintc serve` arguments (``model``, ``build``,

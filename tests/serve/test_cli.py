@@ -118,6 +118,29 @@ def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
             assert needle in err and "Traceback" not in err, err
 
 
+def test_max_request_bytes_flag(tiny_bf16_dir, capsys, monkeypatch):
+    """--max-request-bytes (default 32 MiB, 0: no cap) reaches the app's options; a
+    negative value is one line, exit code 2, before anything loads."""
+    import flintc.serve.app
+    from flintc.errors import InputError
+
+    seen = []
+
+    def create_app(engine, tokenizer, options):
+        seen.append(options.max_request_bytes)
+        raise InputError("stop before serving")
+
+    monkeypatch.setattr(flintc.serve.app, "create_app", create_app)
+    for flags in ([], ["--max-request-bytes", "0"], ["--max-request-bytes", "1000"]):
+        assert main(["serve", str(tiny_bf16_dir), "--port", "0", "--max-model-len", "64", *flags]) == 2
+    assert seen == [32 * 2**20, 0, 1000]
+    capsys.readouterr()
+    assert main(["serve", str(tiny_bf16_dir), "--port", "0", "--max-request-bytes", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "flintc: error: --max-request-bytes must be 0 (no cap) or more, got -1\n", err
+    assert seen == [32 * 2**20, 0, 1000]
+
+
 def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
     """`flintc serve --build`: --max-model-len / --max-batch go through
     compiled.limit_build, as for `flintc run --build` (a stand-in build: no weights)."""
