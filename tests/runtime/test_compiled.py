@@ -651,7 +651,8 @@ def test_python_api_reports_a_bad_tokenizer(builds, tmp_path):
         flintc.load(moved)
 
 
-def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_path, tiny_bf16_dir):
+def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_path, tmp_path_factory,
+                                                                         tiny_bf16_dir):
     """`fmt` and `config` only apply to random (dummy) weights, as the CLI's --format and
     --config; an unknown fmt is refused. A build compiled to out=None is removed when the
     interpreter exits."""
@@ -670,7 +671,10 @@ def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_pa
     assert list(tmp_path.iterdir()) == []
     code = ("import flintc, sys; m = flintc.compile(sys.argv[1], check=False, dump=False, max_batch=1); "
             "print(m.build)")
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    # torch's inductor cache would default to TMPDIR/torchinductor_USER: elsewhere, so
+    # that TMPDIR holds only what flintc leaves there
+    env = {**os.environ, "TMPDIR": str(tmp_path),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor_cache"))}
     run = subprocess.run([sys.executable, "-c", code, str(tiny_bf16_dir)], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr
