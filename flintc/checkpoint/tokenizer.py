@@ -12,6 +12,12 @@ to exactly ``vocab_size`` (the full model's 151552 holds far more than the corpu
 or any Hugging Face byte-level BPE), renders chat templates exactly as transformers does,
 and :class:`IncrementalDetokenizer` turns a token stream into text without ever emitting a
 broken UTF-8 sequence. The chat template itself lives in ``chat_template.jinja``.
+
+Chat templates are found where transformers (>= 4.47) finds them: a ``chat_template.jinja``
+file and ``additional_chat_templates/NAME.jinja`` files in the tokenizer folder take the
+place of ``tokenizer_config.json``'s ``chat_template``, which is a string or a list of
+``{"name", "template"}`` objects. Of several named templates, ``tool_use`` renders requests
+with tools when there is one, ``default`` the others (transformers' ``get_chat_template``).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ NUM_BYTE_SYMBOLS = 256
 MIN_VOCAB_SIZE = NUM_BYTE_SYMBOLS + len(SPECIAL_TOKENS)
 RESERVED_PREFIX = "<|reserved_"
 DEFAULT_MODEL_MAX_LENGTH = 262144
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' names (tokenization_utils_base)
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 # GLM-4's pre-tokenizer split (cl100k-like): contractions, words, 1-3 digit numbers,
 # punctuation runs, newlines, spaces. ByteLevel then maps bytes to printable characters.
@@ -252,6 +260,28 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _chat_template_files(folder: Path) -> dict[str, tuple[str, str]]:
+    """name -> (source, path) of the template files in tokenizer folder `folder`:
+    ``chat_template.jinja`` ("default") and ``additional_chat_templates/NAME.jinja``, as
+    transformers (>= 4.47) saves and loads them. Empty when there are none.
+
+    Raises:
+        CheckpointError: a template file that cannot be read as UTF-8, naming it.
+    """
+    paths = {"default": folder / CHAT_TEMPLATE_FILE}
+    if (folder / CHAT_TEMPLATE_DIR).is_dir():
+        for path in sorted((folder / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+            paths[path.name.removesuffix(".jinja")] = path
+    out = {}
+    for name, path in paths.items():
+        if path.is_file():
+            try:
+                out[name] = (path.read_text("utf-8"), str(path))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CheckpointError(f"{path}: cannot read chat template file ({exc})") from None
+    return out
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: tokenizer file not found")
@@ -292,7 +322,9 @@ class FlintTokenizer:
     def __init__(self, tokenizer: Tokenizer, config: dict):
         self._tok = tokenizer
         self.config = config
-        self._template: jinja2.Template | None = None
+        # name -> (Jinja source, where it was read); None: from config["chat_template"]
+        self._template_sources: dict[str, tuple[str, str]] | None = None
+        self._templates: dict[str, jinja2.Template] = {}
         self._token_bytes: dict[int, bytes] = {}
         eos = config.get("eos_token", EOS_TOKEN)
         self.eos_token = eos["content"] if isinstance(eos, dict) else eos
@@ -328,7 +360,87 @@ class FlintTokenizer:
                                   f"got {type(tok.decoder).__name__}")
         out = cls(tok, _read_json(config_path))
         out.config_path = config_path
+        files = _chat_template_files(folder)
+        if files:  # as transformers: the files replace tokenizer_config.json's chat_template
+            out._template_sources = files
         return out
+
+    def set_chat_template(self, source: str, where: str) -> None:
+        """Render chats with `source` (a Jinja template) instead of the tokenizer's
+        templates, as vLLM's ``--chat-template``; `where` names it in error messages.
+        Checked by the next `check_chat_template` or rendering."""
+        self._template_sources = {"default": (source, where)}
+        self._templates = {}
+
+    def _chat_template_sources(self) -> dict[str, tuple[str, str]]:
+        """name -> (source, where): the files' templates, or tokenizer_config.json's
+        ``chat_template`` (a string: "default"; a list of {"name", "template"}: by name).
+
+        Raises:
+            CheckpointError: ``chat_template`` is neither, naming the file and the entry.
+        """
+        if self._template_sources is not None:
+            return self._template_sources
+        where = str(getattr(self, "config_path", "tokenizer_config.json"))
+        source = self.config.get("chat_template")
+        if source is None:
+            return {}
+        if isinstance(source, str):
+            return {"default": (source, where)}
+        if not isinstance(source, list):
+            raise CheckpointError(f"{where}: chat_template must be a string (a Jinja template) or a list of "
+                                  f"{{\"name\", \"template\"}} objects, got {type(source).__name__}")
+        named = {}
+        for i, entry in enumerate(source):
+            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)):
+                raise CheckpointError(f"{where}: chat_template[{i}] must be an object with string \"name\" and "
+                                      f"\"template\", got {json.dumps(entry)[:80]}")
+            named[entry["name"]] = (entry["template"], where)
+        return named
+
+    @property
+    def chat_template_names(self) -> list[str]:
+        """The names of the chat templates ("default" for a single one), sorted."""
+        return sorted(self._chat_template_sources())
+
+    def _chat_template(self, tools) -> jinja2.Template:
+        """The compiled template for a chat with or without `tools`, chosen as
+        transformers' ``get_chat_template`` chooses: "tool_use" for a chat with tools when
+        there is one, else "default".
+
+        Raises:
+            CheckpointError: no template, none named "default" (naming those there are),
+                or the chosen one does not compile.
+        """
+        sources = self._chat_template_sources()
+        if not sources:
+            raise CheckpointError(f"{getattr(self, 'config_path', 'tokenizer_config.json')}: no chat template "
+                                  f"(no chat_template in it, no {CHAT_TEMPLATE_FILE} beside it)")
+        name = "tool_use" if tools is not None and "tool_use" in sources else "default"
+        if name not in sources:
+            where = ", ".join(sorted({w for _, w in sources.values()}))
+            raise CheckpointError(f"{where}: several chat templates ({', '.join(sorted(sources))}) and none "
+                                  f"named 'default' (transformers needs one too, to render a chat without "
+                                  f"naming its template)")
+        return self._compiled(name)
+
+    def _compiled(self, name: str) -> jinja2.Template:
+        """Chat template `name`, compiled once.
+
+        Raises:
+            CheckpointError: it does not compile, naming its file, the problem and the line.
+        """
+        if name not in self._templates:
+            source, where = self._chat_template_sources()[name]
+            try:
+                self._templates[name] = _compile_chat_template(source)
+            except jinja2.TemplateSyntaxError as exc:  # TemplateAssertionError (unknown filter / test) too
+                why = " ".join(str(exc.message or type(exc).__name__).split())
+                what = "the chat_template" if name == "default" else f"the chat template {name!r}"
+                raise CheckpointError(f"{where}: {what} does not compile: {why} "
+                                      f"(template line {exc.lineno})") from None
+        return self._templates[name]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their single ids.
@@ -394,30 +506,23 @@ class FlintTokenizer:
             yield tail
 
     def check_chat_template(self) -> bool:
-        """Compile the config's ``chat_template`` now, as its first rendering would, so
-        that a malformed one is found at startup (as vLLM's server does), not at every
-        chat request. -> True when there is a template, False when there is none (no
-        ``chat_template``, or null).
+        """Compile the chat templates now, as their first rendering would, so that a
+        malformed one is found at startup (as vLLM's server does), not at every chat
+        request. -> True when there is a template, False when there is none (no
+        ``chat_template``, or null, and no template files).
 
         Raises:
-            CheckpointError: ``chat_template`` is not a string, or does not compile (a
-                Jinja syntax error, an unknown filter or test), naming
-                tokenizer_config.json, the problem and the template line.
+            CheckpointError: ``chat_template`` is not a string or a list of named
+                templates; a template does not compile (a Jinja syntax error, an unknown
+                filter or test), naming its file, the problem and the template line;
+                several templates and none named "default".
         """
-        source = self.config.get("chat_template")
-        if source is None:
+        sources = self._chat_template_sources()
+        if not sources:
             return False
-        where = getattr(self, "config_path", "tokenizer_config.json")
-        if not isinstance(source, str):
-            raise CheckpointError(f"{where}: chat_template must be a string (a Jinja template), "
-                                  f"got {type(source).__name__}")
-        if self._template is None:
-            try:
-                self._template = _compile_chat_template(source)
-            except jinja2.TemplateSyntaxError as exc:  # TemplateAssertionError (unknown filter / test) too
-                why = " ".join(str(exc.message or type(exc).__name__).split())
-                raise CheckpointError(f"{where}: the chat_template does not compile: {why} "
-                                      f"(template line {exc.lineno})") from None
+        self._chat_template(None)  # "default": there must be one
+        for name in sorted(sources):
+            self._compiled(name)
         return True
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
@@ -429,18 +534,17 @@ class FlintTokenizer:
         config's ``eos_token``/``pad_token``/``bos_token``. Returns the text, or its ids
         when ``tokenize``.
 
+        With several named templates, a chat with ``tools`` renders with "tool_use" if
+        there is one, else with "default" (transformers' choice).
+
         Raises:
-            CheckpointError: the config has no ``chat_template``.
+            CheckpointError: no chat template, or none for this chat (`_chat_template`).
             jinja2.TemplateError: the template rejects the messages (``raise_exception``).
         """
-        if self._template is None:
-            source = self.config.get("chat_template")
-            if not isinstance(source, str):
-                raise CheckpointError("tokenizer_config.json has no chat_template string")
-            self._template = _compile_chat_template(source)
+        template = self._chat_template(tools)
         special = {k: self.config.get(k) for k in ("bos_token", "eos_token", "pad_token")
                    if self.config.get(k) is not None}
-        text = self._template.render(messages=messages, tools=tools, documents=None,
+        text = template.render(messages=messages, tools=tools, documents=None,
                                      add_generation_prompt=add_generation_prompt,
                                      **{**special, **kwargs})
         return self.encode(text) if tokenize else text

@@ -47,6 +47,9 @@ def add_parser(sub) -> None:
                    help="cpu or cuda (default: cpu; with --build, the device it was compiled for)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse tool calls from replies when tool_choice is \"auto\"")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="the Jinja chat template to render chats with, a file or the template itself (as vLLM's "
+                        "--chat-template), instead of the tokenizer's")
     p.add_argument("--tool-call-parser", choices=("glm47",), default=None,
                    help="the format of the tool calls in replies")
     p.add_argument("--reasoning-parser", choices=("glm47",), default=None,
@@ -60,6 +63,33 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
     p.set_defaults(func=run_serve)
+
+
+def chat_template_arg(value: str) -> tuple[str, str]:
+    """--chat-template's (source, where): the file's text when `value` is a file, else
+    `value` itself when it holds Jinja markup (``{{``, ``{%`` or ``{#``), as vLLM's
+    ``load_chat_template`` reads it.
+
+    Raises:
+        InputError: neither (a path that does not exist, most likely), or a file that is
+            not UTF-8 text.
+    """
+    from pathlib import Path
+
+    path = Path(value)
+    try:
+        is_file = path.is_file()
+    except OSError:  # a template too long for a file name
+        is_file = False
+    if is_file:
+        try:
+            return path.read_text("utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InputError(f"--chat-template {value}: cannot read the file ({exc})") from None
+    if any(mark in value for mark in ("{{", "{%", "{#")):
+        return value, "--chat-template"
+    raise InputError(f"--chat-template {value}: no such file, and not a Jinja template either (no {{{{ or {{% "
+                     f"in it)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -118,6 +148,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                            max_request_bytes=args.max_request_bytes)
     tokenizer = load_tokenizer(tokenizer_dir(args))
+    if args.chat_template is not None:
+        tokenizer.set_chat_template(*chat_template_arg(args.chat_template))
     tokenizer.check_chat_template()  # a malformed one: before the port is bound and the weights load
     sock = bind(args.host, args.port)  # fail fast on a busy port, before loading weights
     runner = make_runner(args)

@@ -436,8 +436,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         n, stop = common_checks(req)
         if not has_chat_template:
             raise APIError(400, "this model has no chat template (its tokenizer_config.json has no "
-                           "chat_template), so chat messages cannot be rendered; use /v1/completions "
-                           "with a prompt, or serve a tokenizer that has one (--tokenizer DIR)")
+                           "chat_template and there is no chat_template.jinja beside it), so chat messages "
+                           "cannot be rendered; use /v1/completions with a prompt, or serve with a template "
+                           "(--chat-template FILE, or --tokenizer DIR of a tokenizer that has one)")
         tools = _check_tools(req.tools)
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         if isinstance(choice, dict) or choice == "required":

@@ -257,6 +257,109 @@ def test_matches_transformers_rendering_when_installed(tiny_dir, tok):
         tok.apply_chat_template(msgs, tools=[WEATHER_TOOL])
 
 
+# --- where chat templates come from ---------------------------------------------------------
+
+def _copy_tokenizer(src: Path, dst: Path, **config_changes) -> Path:
+    """A copy of tokenizer folder `src` in `dst`, its tokenizer_config.json updated
+    (a value None removes the key)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    config = json.loads((src / "tokenizer_config.json").read_text("utf-8"))
+    config.update(config_changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (dst / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return dst
+
+
+USER_HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_chat_template_files_replace_the_config_template(tiny_dir, tmp_path):
+    """chat_template.jinja beside tokenizer_config.json wins over its chat_template, and
+    additional_chat_templates/NAME.jinja adds named ones, as transformers >= 4.47 saves
+    and loads them; a chat with tools renders with "tool_use"."""
+    folder = _copy_tokenizer(tiny_dir, tmp_path / "t")
+    (folder / "chat_template.jinja").write_text("FILE {{ messages[0].content }}", encoding="utf-8")
+    tok = FlintTokenizer.from_dir(folder)
+    assert tok.check_chat_template() and tok.chat_template_names == ["default"]
+    assert tok.apply_chat_template(USER_HI) == "FILE Hi"
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text(
+        "TOOLS {{ tools | length }} {{ messages[0].content }}", encoding="utf-8")
+    tok = FlintTokenizer.from_dir(folder)
+    assert tok.check_chat_template() and tok.chat_template_names == ["default", "tool_use"]
+    assert tok.apply_chat_template(USER_HI) == "FILE Hi"
+    assert tok.apply_chat_template(USER_HI, tools=[WEATHER_TOOL]) == "TOOLS 1 Hi"
+
+
+def test_chat_template_list_form(tiny_dir, tmp_path):
+    """tokenizer_config.json's chat_template as a list of {"name", "template"} (Hugging
+    Face's form for several templates): "default" without tools, "tool_use" with."""
+    templates = [{"name": "default", "template": "D {{ messages[0].content }}"},
+                 {"name": "tool_use", "template": "T {{ messages[0].content }}"}]
+    tok = FlintTokenizer.from_dir(_copy_tokenizer(tiny_dir, tmp_path / "t", chat_template=templates))
+    assert tok.check_chat_template() and tok.chat_template_names == ["default", "tool_use"]
+    assert tok.apply_chat_template(USER_HI) == "D Hi"
+    assert tok.apply_chat_template(USER_HI, tools=[WEATHER_TOOL]) == "T Hi"
+    only_default = FlintTokenizer.from_dir(_copy_tokenizer(tiny_dir, tmp_path / "d", chat_template=templates[:1]))
+    assert only_default.apply_chat_template(USER_HI, tools=[WEATHER_TOOL]) == "D Hi"
+
+
+@pytest.mark.parametrize("chat_template, files, needle", [
+    ([{"name": "tool_use", "template": "x"}], {}, "several chat templates (tool_use) and none named 'default'"),
+    ([{"name": "default", "template": 3}], {}, 'chat_template[0] must be an object with string "name"'),
+    (None, {"additional_chat_templates/a.jinja": "x", "additional_chat_templates/b.jinja": "y"},
+     "several chat templates (a, b) and none named 'default'"),
+    (None, {"chat_template.jinja": "{{ x }"}, "chat_template.jinja: the chat_template does not compile"),
+    (None, {"chat_template.jinja": "ok", "additional_chat_templates/tool_use.jinja": "{% if %}"},
+     "tool_use.jinja: the chat template 'tool_use' does not compile"),
+])
+def test_bad_chat_template_sets_are_refused_naming_the_file(tiny_dir, tmp_path, chat_template, files, needle):
+    folder = _copy_tokenizer(tiny_dir, tmp_path / "t", chat_template=chat_template)
+    for name, text in files.items():
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(text, encoding="utf-8")
+    tok = FlintTokenizer.from_dir(folder)
+    with pytest.raises(CheckpointError) as err:
+        tok.check_chat_template()
+    assert needle in str(err.value)
+
+
+def test_no_chat_template_anywhere(tiny_dir, tmp_path):
+    tok = FlintTokenizer.from_dir(_copy_tokenizer(tiny_dir, tmp_path / "t", chat_template=None))
+    assert tok.check_chat_template() is False and tok.chat_template_names == []
+    with pytest.raises(CheckpointError, match="no chat template"):
+        tok.apply_chat_template(USER_HI)
+
+
+def test_set_chat_template_replaces_the_tokenizers(tiny_dir, tmp_path):
+    folder = _copy_tokenizer(tiny_dir, tmp_path / "t")
+    (folder / "chat_template.jinja").write_text("FILE", encoding="utf-8")
+    tok = FlintTokenizer.from_dir(folder)
+    assert tok.apply_chat_template(USER_HI) == "FILE"
+    tok.set_chat_template("SET {{ messages[0].content }}", "--chat-template")
+    assert tok.check_chat_template() and tok.apply_chat_template(USER_HI, tools=[WEATHER_TOOL]) == "SET Hi"
+
+
+def test_chat_template_files_as_transformers_loads_them(tiny_dir, tmp_path):
+    """The same choice of template as transformers' for files and the list form."""
+    transformers = pytest.importorskip("transformers")
+    files = _copy_tokenizer(tiny_dir, tmp_path / "files")
+    (files / "chat_template.jinja").write_text("FILE {{ messages[0].content }}", encoding="utf-8")
+    (files / "additional_chat_templates").mkdir()
+    (files / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS {{ messages[0].content }}",
+                                                                        encoding="utf-8")
+    listed = _copy_tokenizer(tiny_dir, tmp_path / "list", chat_template=[
+        {"name": "default", "template": "D {{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T {{ messages[0].content }}"}])
+    for folder in (files, listed):
+        hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
+        tok = FlintTokenizer.from_dir(folder)
+        for tools in (None, [WEATHER_TOOL]):
+            assert tok.apply_chat_template(USER_HI, tools=tools) == hf.apply_chat_template(
+                USER_HI, tools=tools, tokenize=False, add_generation_prompt=True)
+
+
 # --- loading errors -------------------------------------------------------------------------
 
 

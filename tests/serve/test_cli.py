@@ -73,7 +73,9 @@ def test_build_that_is_not_a_build(tiny_bf16_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("template, needle", [
-    (5, "chat_template must be a string (a Jinja template), got int"),
+    (5, "chat_template must be a string (a Jinja template) or a list of {\"name\", \"template\"} objects, got int"),
+    ([{"name": "default"}], "chat_template[0] must be an object with string \"name\" and \"template\""),
+    ([{"name": "tool_use", "template": "x"}], "several chat templates (tool_use) and none named 'default'"),
     ("{% for m in messages %}{{ m.content }", "the chat_template does not compile: unexpected '}' (template line 1)"),
     ("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}",
      "the chat_template does not compile: No filter named 'nosuchfilter'. (template line 1)"),
@@ -92,6 +94,22 @@ def test_malformed_chat_template_stops_serve(tiny_bf16_dir, tmp_path, capsys, te
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "tokenizer_config.json: " + needle in err, err
+
+
+def test_chat_template_flag(tiny_bf16_dir, tmp_path, capsys):
+    """--chat-template takes a file or the template itself, as vLLM's; a path that does
+    not exist, or a template that does not compile, is one line naming the flag."""
+    from flintc.cli.serve import chat_template_arg
+
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}", encoding="utf-8")
+    assert chat_template_arg(str(f)) == ("{{ messages[0].content }}", str(f))
+    assert chat_template_arg("{% for m in messages %}{{ m.content }}{% endfor %}")[1] == "--chat-template"
+    for value, needle in ((str(tmp_path / "nope.jinja"), "no such file, and not a Jinja template either"),
+                          ("{{ messages[0].content }", "--chat-template: the chat_template does not compile")):
+        rc = main(["serve", str(tiny_bf16_dir), "--port", "0", "--max-model-len", "64", "--chat-template", value])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and needle in err, err
 
 
 def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):

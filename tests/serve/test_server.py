@@ -508,8 +508,10 @@ def with_template(tok, template=None, drop=False) -> FlintTokenizer:
 
 
 @pytest.mark.parametrize("template, message", [
-    (5, "tokenizer_config.json: chat_template must be a string (a Jinja template), got int"),
-    (["{{ x }}"], "tokenizer_config.json: chat_template must be a string (a Jinja template), got list"),
+    (5, 'tokenizer_config.json: chat_template must be a string (a Jinja template) or a list of {"name", '
+        '"template"} objects, got int'),
+    (["{{ x }}"], 'tokenizer_config.json: chat_template[0] must be an object with string "name" and "template", '
+                  'got "{{ x }}"'),
     ("{% for m in messages %}{{ m.content }}", "tokenizer_config.json: the chat_template does not compile: "
      "Unexpected end of template. Jinja was looking for the following tags: 'endfor' or 'else'. The innermost "
      "block that needs to be closed is 'for'. (template line 1)"),
