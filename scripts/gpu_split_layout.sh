@@ -17,7 +17,8 @@
 #              tree's script copied in)
 #   check      the 4-layer full-width runtime check (scripts/gpu_runtime.py, full4d builds)
 #              at a 2,600-token prompt: decode steps against the reference ops
-# Caps within SPLIT_BUDGET_S (default 570 s); the measurements first, then the tests.
+# Caps within SPLIT_BUDGET_S (default 570 s); the tests first (the new layout's first GPU run),
+# then the measurements.
 #
 #   git archive HEAD~1 | tar -x -C _ab_old; cp benchmarks/bench_decode_attention.py _ab_old/benchmarks/
 #   cp scripts/gpu_sampler_profile.py _ab_old/scripts/
@@ -39,6 +40,8 @@ OLD=${AB_OLD:-_ab_old}
 MIN_ROWS=${MIN_ROWS:-64}
 require_builds full-nvfp4 full-nvfp4-b1 || exit 1
 rm -rf "$WORK" && mkdir -p "$WORK"
+TAIL=4 step tests 100 $PY -m pytest -q -p no:cacheprovider -m gpu \
+  tests/kernels/test_decode_attention.py tests/kernels/test_pad_slot.py
 TAIL=45 step micro-new 100 $PY benchmarks/bench_decode_attention.py --short-only \
   --out "$WORK/micro-new.md"
 if [ -d "$OLD" ]; then
@@ -63,8 +66,6 @@ for set in old new "FLINTC_DECODE_ATTN_MIN_ROWS=$MIN_ROWS" old; do
   grep -E '^\| (decode_attention|attention_combine) \|' "$WORK/bench-$i.log" | head -4
   i=$((i + 1))
 done
-TAIL=4 step tests 120 $PY -m pytest -q -p no:cacheprovider -m gpu \
-  tests/kernels/test_decode_attention.py tests/kernels/test_pad_slot.py
 TAIL=40 step sampler 70 $PY scripts/gpu_sampler_profile.py --batches 1,8 --launch-sweep \
   --out "$WORK/sampler.md"
 if [ -d "$OLD" ]; then
