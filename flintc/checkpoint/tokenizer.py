@@ -238,8 +238,47 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int, *,
 # Loading and using
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``, which transformers' template
+    environment has (its AssistantTracker marks the assistant's tokens for training
+    masks): renders the block as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """Jinja's ``namespace`` without underscore-prefixed attributes, as transformers'
+    (a sandbox hardening: no route to CPython internals)."""
+
+    def __init__(*args, **kwargs):  # Jinja's signature trick, so that namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}")
+
+
 def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template the way transformers' ``chat_template_utils`` does."""
+    """Compile a chat template the way transformers' ``chat_template_utils`` does (its
+    globals, filters and tags; the environment of transformers 5.x)."""
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -252,11 +291,20 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
+    class TemplateDict:  # `dict(...)` and `dict.fromkeys(...)`, and no attribute of the type itself
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     return env.from_string(source)
 
 
@@ -374,7 +422,8 @@ class FlintTokenizer:
 
     def _chat_template_sources(self) -> dict[str, tuple[str, str]]:
         """name -> (source, where): the files' templates, or tokenizer_config.json's
-        ``chat_template`` (a string: "default"; a list of {"name", "template"}: by name).
+        ``chat_template`` (a string: "default"; a list of {"name", "template"} or a
+        {name: template} object: by name).
 
         Raises:
             CheckpointError: ``chat_template`` is neither, naming the file and the entry.
@@ -387,9 +436,15 @@ class FlintTokenizer:
             return {}
         if isinstance(source, str):
             return {"default": (source, where)}
+        if isinstance(source, dict):  # {name: template}, as transformers holds several
+            source = [{"name": k, "template": v} for k, v in source.items()]
         if not isinstance(source, list):
             raise CheckpointError(f"{where}: chat_template must be a string (a Jinja template) or a list of "
                                   f"{{\"name\", \"template\"}} objects, got {type(source).__name__}")
+        if not source:
+            raise CheckpointError(f"{where}: chat_template is an empty list: expected a Jinja template string, or "
+                                  f"{{\"name\", \"template\"}} objects (one named \"default\"); leave it out or "
+                                  f"null for no template")
         named = {}
         for i, entry in enumerate(source):
             if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)

@@ -88,6 +88,9 @@ def chat_template_arg(value: str) -> tuple[str, str]:
             raise InputError(f"--chat-template {value}: cannot read the file ({exc})") from None
     if any(mark in value for mark in ("{{", "{%", "{#")):
         return value, "--chat-template"
+    if path.is_dir():
+        raise InputError(f"--chat-template {value}: is a folder; expected a Jinja template file (or the "
+                         f"template itself)")
     raise InputError(f"--chat-template {value}: no such file, and not a Jinja template either (no {{{{ or {{% "
                      f"in it)")
 

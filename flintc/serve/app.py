@@ -463,6 +463,11 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                                      add_generation_prompt=True, **kwargs)
             except jinja2.TemplateError as exc:
                 raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+            except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as exc:
+                # the template's own expression failing on these messages (`content + 1` on a
+                # string): the request's 400, as vLLM answers, not a 500
+                raise APIError(400, f"the chat template failed on the messages: {type(exc).__name__}: {exc}",
+                               param="messages") from None
             return text, tokenizer.encode(text)
 
         prompt_text, prompt_ids = await asyncio.to_thread(render)
@@ -647,7 +652,8 @@ def _check_tools(tools: list[dict] | None) -> list[dict] | None:
 def _template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages -> what the chat template takes: ``developer`` becomes
     ``system``, assistant tool-call arguments (JSON strings in OpenAI's format) become
-    mappings. Raises APIError(400) for an unknown role, a non-text content part,
+    mappings, fields sent as null (other than content) are left out. Raises
+    APIError(400) for an unknown role, a non-text content part,
     tool_calls that are not a list (a 500 before), or arguments that are not a JSON
     object."""
     if not messages:
@@ -658,7 +664,10 @@ def _template_messages(messages: list[dict]) -> list[dict]:
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise APIError(400, f"messages[{i}].role must be system, developer, user, assistant or "
                            f"tool, got {role!r}", param=f"messages[{i}].role")
-        m = dict(m, role="system" if role == "developer" else role)
+        # a field sent as null is left out (OpenAI's meaning: absent), but content: templates
+        # test `message.content` of an assistant turn holding only tool calls
+        m = {k: v for k, v in m.items() if v is not None or k == "content"}
+        m["role"] = "system" if role == "developer" else role
         content = m.get("content")
         if isinstance(content, list):
             for part in content:

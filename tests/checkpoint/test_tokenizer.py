@@ -325,6 +325,30 @@ def test_bad_chat_template_sets_are_refused_naming_the_file(tiny_dir, tmp_path, 
     assert needle in str(err.value)
 
 
+def test_chat_template_dict_form_and_empty_list(tiny_dir, tmp_path):
+    """{name: template} (transformers' in-memory form) is read as the list form; an
+    empty list is refused at the check, naming the file (chat was a 400 saying there is
+    no chat_template)."""
+    tok = FlintTokenizer.from_dir(_copy_tokenizer(tiny_dir, tmp_path / "d", chat_template={
+        "default": "D", "tool_use": "T"}))
+    assert tok.apply_chat_template(USER_HI) == "D" and tok.apply_chat_template(USER_HI, tools=[WEATHER_TOOL]) == "T"
+    empty = FlintTokenizer.from_dir(_copy_tokenizer(tiny_dir, tmp_path / "e", chat_template=[]))
+    with pytest.raises(CheckpointError, match=r"tokenizer_config.json: chat_template is an empty list"):
+        empty.check_chat_template()
+
+
+def test_chat_template_environment_as_transformers(tok):
+    """transformers' template globals and tags: {% generation %} blocks render as they
+    are, dict() builds a mapping, and a namespace refuses underscore attributes."""
+    t = FlintTokenizer(tok._tok, {**tok.config})
+    t.set_chat_template("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}"
+                        "{{ dict(a=1) | tojson }}", "test")
+    assert t.check_chat_template() and t.apply_chat_template(USER_HI) == '[Hi]{"a": 1}'
+    t.set_chat_template("{% set ns = namespace(_x=1) %}{{ ns._x }}", "test")
+    with pytest.raises(jinja2.exceptions.SecurityError, match="underscore"):
+        t.apply_chat_template(USER_HI)
+
+
 def test_no_chat_template_anywhere(tiny_dir, tmp_path):
     tok = FlintTokenizer.from_dir(_copy_tokenizer(tiny_dir, tmp_path / "t", chat_template=None))
     assert tok.check_chat_template() is False and tok.chat_template_names == []
@@ -352,7 +376,9 @@ def test_chat_template_files_as_transformers_loads_them(tiny_dir, tmp_path):
     listed = _copy_tokenizer(tiny_dir, tmp_path / "list", chat_template=[
         {"name": "default", "template": "D {{ messages[0].content }}"},
         {"name": "tool_use", "template": "T {{ messages[0].content }}"}])
-    for folder in (files, listed):
+    generation = _copy_tokenizer(tiny_dir, tmp_path / "generation", chat_template=(
+        "{% for m in messages %}{% generation %}<{{ m.content }}>{% endgeneration %}{% endfor %}"))
+    for folder in (files, listed, generation):
         hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(folder))
         tok = FlintTokenizer.from_dir(folder)
         for tools in (None, [WEATHER_TOOL]):

@@ -562,12 +562,24 @@ def test_template_errors_for_given_messages_are_400s(tiny_serving, serve_kit):
     server keeps serving."""
     model, tok = tiny_serving
     template = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system turns') }}"
-                "{% elif m.content == 'filter' %}{{ m.content | nosuchfilter }}{% else %}{{ m.content }}"
-                "{% endif %}{% endfor %}")
+                "{% elif m.content == 'filter' %}{{ m.content | nosuchfilter }}"
+                "{% elif m.content == 'add' %}{{ m.content + 1 }}"
+                "{% elif 'tool_calls' in m %}{{ m.tool_calls | length }}"
+                "{% else %}{{ m.content }}{% endif %}{% endfor %}")
     run = serve_kit.start_server(model, with_template(tok, template), ServeOptions(MODEL), max_batch=1)
     try:
+        # a null field is left out, as if absent: `'tool_calls' in m` is false (a 500 before:
+        # len(None) in the template)
+        status, body = raw(run, "POST", "/v1/chat/completions", {
+            "model": MODEL, "max_tokens": 1, "messages": [
+                {"role": "user", "content": "Hi", "name": None},
+                {"role": "assistant", "content": "yo", "tool_calls": None}, {"role": "user", "content": "x"}]})
+        assert status == 200, body
         for messages, needle in (([{"role": "system", "content": "x"}], "no system turns"),
                                  ([{"role": "user", "content": "filter"}], "nosuchfilter"),
+                                 # an error of the template's own expression (a 500 before)
+                                 ([{"role": "user", "content": "add"}], "the chat template failed on the messages: "
+                                  "TypeError"),
                                  ([{"role": "user", "content": ""}], "rendered the messages to an empty prompt")):
             status, body = raw(run, "POST", "/v1/chat/completions", {"model": MODEL, "messages": messages,
                                                                       "max_tokens": 1})
