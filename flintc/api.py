@@ -104,7 +104,8 @@ class CompiledModel:
             InputError (a ValueError): input_ids that are not integer token ids of one
                 sequence, none, or an id outside the vocabulary [0, vocab_size);
                 positions that are not integers, not one per id, not consecutive, or
-                outside [0, max_model_len).
+                outside [0, max_model_len); a slot that is not an int in [0, max_batch);
+                more ids than the slot's cache holds from the start position.
         """
         ids = _token_ids(input_ids, "forward: input_ids", allow_batch_of_one=True)
         vocab = self.runner.config.vocab_size
@@ -114,9 +115,18 @@ class CompiledModel:
             if not 0 <= t < vocab:
                 raise _ApiInputError(f"token id {t} is outside the vocabulary [0, {vocab}) of {self.build}")
         start = 0 if positions is None else self._start_position(positions, len(ids))
-        if len(ids) == 1:
-            return self.runner.decode([slot], ids, [start])
-        return self.runner.prefill(slot, ids, start, all_logits=True)
+        slots = self.runner.max_batch
+        if not _is_id(slot) or not 0 <= slot < slots:
+            raise _ApiInputError(f"forward: slot: expected an int in [0, {slots}) (the KV-cache slots of "
+                                 f"{self.build}), got {_describe(slot)}")
+        try:
+            if len(ids) == 1:
+                return self.runner.decode([int(slot)], ids, [start])
+            return self.runner.prefill(int(slot), ids, start, all_logits=True)
+        except _ApiInputError:
+            raise
+        except InputError as exc:  # the runner's (ids past max_model_len): a ValueError too, as documented
+            raise _ApiInputError(str(exc)) from None
 
     def _start_position(self, positions, n: int) -> int:
         """The first of `forward`'s `positions` for `n` ids, once they are checked (the
@@ -144,7 +154,11 @@ def _token_ids(p, what: str, allow_batch_of_one: bool = False, kind: str = "toke
     """A prompt's token ids (or other integers, `kind`: forward's positions): a list /
     tuple of ints or an integer tensor of shape [T] (or [1, T] when
     `allow_batch_of_one`). Raises InputError naming `what` otherwise."""
+    if isinstance(p, range):
+        p = list(p)
     if not isinstance(p, (torch.Tensor, list, tuple, str)) and hasattr(p, "__array__"):
+        if getattr(getattr(p, "dtype", None), "kind", "i") not in "iu":  # NumPy: object, float, bool, str
+            raise _ApiInputError(f"{what}: expected an integer array, got a NumPy array of {p.dtype}")
         p = torch.as_tensor(p)  # a NumPy array
     if isinstance(p, torch.Tensor):
         if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool \
@@ -204,7 +218,8 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     ("bf16" or "nvfp4") and `config` only with load_format="dummy", as the CLI's
     --format and --config. Raises InputError / CheckpointError / PassCheckError as
     `flintc compile`; InputError also for an empty `out` (`Path("")` is the current
-    folder), an unknown `load_format` (`flintc.checkpoint.loader.check_load_format`), a
+    folder), an unknown `load_format` (`flintc.checkpoint.loader.check_load_format`; None
+    is "auto"), a
     `fmt` or `config` that does not apply, and a malformed FLINTC_* variable
     (`flintc.runtime.compiled.check_environment`), before compiling.
     """
@@ -213,6 +228,7 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     from flintc.runtime.compiled import check_environment, load_build
     from flintc.runtime.device import prepare_device
 
+    load_format = "auto" if load_format is None else load_format  # as flintc.load takes None
     check_load_format(load_format)  # before the embedded default checkpoint is written
     if out is not None and str(out) == "":
         raise InputError("out must not be empty: expected the path of the BUILD folder to write (or None for "

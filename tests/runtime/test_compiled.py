@@ -564,6 +564,25 @@ def test_forward_checks_positions(builds):
     ):
         with pytest.raises(InputError, match=f"^forward: positions: {needle}"):
             m.forward(ids, positions=pos)
+    assert torch.equal(m.forward([1, 2, 3], positions=range(3)), want)
+    with pytest.raises(InputError, match="^forward: positions: expected an integer array, got a NumPy array of object"):
+        m.forward([1, 2, 3], positions=np.array([0, 1, 2], dtype=object))
+
+
+def test_forward_checks_slot_and_raises_value_errors(builds):
+    """forward's slot is an int in [0, max_batch) (True, 1.5, "0" or 99 were an
+    IndexError / TypeError from the runner's tensors), and the runner's own InputErrors
+    (ids past the cache) reach the caller as ValueErrors too, as documented."""
+    import flintc
+
+    m = flintc.load(builds["bf16"][0])
+    B = m.runner.max_batch
+    assert torch.equal(m.forward([1, 2], slot=B - 1), m.forward([1, 2], slot=0))
+    for slot, got in ((True, "bool"), (1.5, "float"), ("0", "str"), (B, "int"), (-1, "int")):
+        with pytest.raises(ValueError, match=f"^forward: slot: expected an int in \\[0, {B}\\) .*got {got}$"):
+            m.forward([1, 2], slot=slot)
+    with pytest.raises(ValueError):  # more ids than max_model_len: the runner's InputError
+        m.forward(list(range(1, m.runner.max_model_len + 2)))
 
 
 def test_python_api_generate_needs_a_prompt(builds):
@@ -717,6 +736,16 @@ def test_python_api_refuses_an_unknown_load_format(builds, tmp_path, monkeypatch
                                              "'dummy', got 'bogus'$"):
             flintc.compile(model, out=tmp_path / "b", load_format="bogus", check=False, dump=False, **kw)
     assert list(tmp_path.iterdir()) == []
+    seen = []
+
+    def record(path, **kw):
+        seen.append(kw["load_format"])
+        raise InputError("stop here")
+
+    monkeypatch.setattr(flintc.checkpoint.loader, "load_checkpoint", record)
+    with pytest.raises(InputError, match="^stop here$"):  # None is "auto", as flintc.load takes it
+        flintc.compile(tiny_bf16_dir, out=tmp_path / "b", load_format=None, check=False, dump=False)
+    assert seen == ["auto"]
     for bad in ("bogus", "gguf"):
         with pytest.raises(InputError, match=f"^load_format must be 'auto' or 'dummy' \\(or None\\) to load a "
                                              f"build, got {bad!r}"):
