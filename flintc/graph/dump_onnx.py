@@ -18,8 +18,10 @@ outputs, and `value_info` carries the dtype and shape of every intermediate from
 
 from __future__ import annotations
 
+import functools
 import operator
 import re
+from typing import NamedTuple
 
 import onnx
 import torch
@@ -56,25 +58,35 @@ def graph_to_onnx(gm: GraphModule, name: str = "flintc", doc: str = "") -> onnx.
     Args:
         name: the ONNX graph's name (the dump's stage prefix, say).
         doc: the model's doc string.
+
+    What a node's op contributes (schema argument names, the arguments it writes,
+    domain, op type, overload) is looked up once per op (`_op_info`), and the type
+    of a value once per dtype and shape; the protos are built in place in the
+    graph rather than built apart and copied in.
     """
     values = _value_names(gm)
-    nodes, inputs, outputs, infos, domains = [], [], [], [], {"aten", "flintc"}
+    graph = onnx.GraphProto()
+    types: dict = {}  # (dtype, shape) -> TypeProto
+    kv_writes, domains = [], {"aten", "flintc"}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            inputs.append(_value_info(node.name, node.meta.get("val")))
+            _value_info(graph.input.add(), node.name, node.meta.get("val"), types)
         elif node.op == "call_function" and node.target is not operator.getitem:
-            proto, outs = _node_proto(node, values)
-            domains.add(proto.domain)
-            nodes.append(proto)
+            info = _op_info(node.target, node)
+            domains.add(info.domain)
+            outs = _node_proto(graph.node.add(), node, info, values)
             for out_name, v in outs:
                 if isinstance(v, torch.Tensor):
-                    infos.append(_value_info(out_name, v))
-            if _mutated_args(node) and not node.users:  # a KV-cache write: keep it visible
-                outputs.append(_value_info(values[node], node.meta.get("val")))
+                    _value_info(graph.value_info.add(), out_name, v, types)
+            if info.writes and not node.users and _mutated_args(node):
+                kv_writes.append(node)  # a KV-cache write: keep it visible
         elif node.op == "output":
-            results = [n for n in _flatten(node.args[0]) if isinstance(n, Node)]
-            outputs[:0] = [_value_info(values[n], n.meta.get("val")) for n in results]
-    graph = helper.make_graph(nodes, name, inputs, outputs, value_info=infos)
+            for n in _flatten(node.args[0]):
+                if isinstance(n, Node):
+                    _value_info(graph.output.add(), values[n], n.meta.get("val"), types)
+    for node in kv_writes:  # graph outputs after the FX output
+        _value_info(graph.output.add(), values[node], node.meta.get("val"), types)
+    graph.name = name
     opsets = [helper.make_opsetid("", ONNX_OPSET)]
     opsets += [helper.make_opsetid(d, 1) for d in sorted(domains)]
     # IR version 10 (onnx 1.16): new enough for the float8 types, old enough for any Netron.
@@ -104,39 +116,76 @@ def _value_names(gm: GraphModule) -> dict[Node, str]:
     return values
 
 
-def _node_proto(node: Node, values: dict[Node, str]):
-    """(NodeProto, [(output name, FakeTensor)]) for one call_function node."""
-    ins, attrs = [], {}
-    target = node.target
+class _OpInfo(NamedTuple):
+    """What the export needs of one op, read from its schema once."""
+
+    args: tuple[tuple[str, bool], ...] | None  # (name, kwarg_only) per schema argument
+    writes: bool  # some argument is written in place (see spec._mutated_args)
+    overload: str
+    domain: str
+    op_type: str
+
+
+_OP_INFOS: dict = {}
+
+
+def _op_info(target, node: Node) -> _OpInfo:
+    """`target`'s _OpInfo, cached: walking `_schema.arguments` crosses into C++ on
+    every access, and a graph calls the same few dozen ops thousands of times."""
+    try:
+        return _OP_INFOS[target]
+    except (KeyError, TypeError):  # TypeError: an unhashable callable, never cached
+        pass
     schema = getattr(target, "_schema", None)
+    args = writes = None
     if schema is not None:
-        for i, arg in enumerate(schema.arguments):
-            if i < len(node.args) and not arg.kwarg_only:
-                _add_arg(arg.name, node.args[i], values, ins, attrs)
-            elif arg.name in node.kwargs:
-                _add_arg(arg.name, node.kwargs[arg.name], values, ins, attrs)
+        arguments = list(schema.arguments)
+        args = tuple((a.name, a.kwarg_only) for a in arguments)
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in arguments)
+    info = _OpInfo(args, bool(writes), getattr(target, "_overloadname", "default"),
+                   namespace(node) or "python", getattr(target, "_opname", None) or op_name(node))
+    if isinstance(target, torch._ops.OpOverload):  # long-lived and hashable; plain callables are not kept
+        _OP_INFOS[target] = info
+    return info
+
+
+def _node_proto(proto: onnx.NodeProto, node: Node, info: _OpInfo, values: dict[Node, str]):
+    """Fill `proto` for one call_function node; returns [(output name, FakeTensor)]."""
+    ins, attrs = [], {}
+    if info.args is not None:
+        args, kwargs = node.args, node.kwargs
+        for i, (arg_name, kwarg_only) in enumerate(info.args):
+            if i < len(args) and not kwarg_only:
+                _add_arg(arg_name, args[i], values, ins, attrs)
+            elif arg_name in kwargs:
+                _add_arg(arg_name, kwargs[arg_name], values, ins, attrs)
     else:  # a plain Python callable: positional names arg0, arg1, ...
         for i, a in enumerate(node.args):
             _add_arg(f"arg{i}", a, values, ins, attrs)
         for k, a in node.kwargs.items():
             _add_arg(k, a, values, ins, attrs)
-    overload = getattr(target, "_overloadname", "default")
-    if overload != "default":
-        attrs["overload"] = overload
-    domain = namespace(node) or "python"
-    op_type = getattr(target, "_opname", None) or op_name(node)
+    if info.overload != "default":
+        attrs["overload"] = info.overload
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
         readers = {u.args[1]: values[u] for u in node.users if u.target is operator.getitem}
         outs = [(readers.get(i, f"{node.name}.out{i}"), v) for i, v in enumerate(val)]
     else:
         outs = [(node.name, val)]
-    proto = helper.make_node(op_type, ins, [o for o, _ in outs], name=node.name, domain=domain,
-                             doc_string=_doc(node))
+    # The fields helper.make_node sets, in its order.
+    proto.op_type = info.op_type
+    proto.input.extend(ins)
+    proto.output.extend(o for o, _ in outs)
+    if node.name:
+        proto.name = node.name
+    doc = _doc(node)
+    if doc:
+        proto.doc_string = doc
+    proto.domain = info.domain
     for key, value in attrs.items():  # not make_node(**attrs): `overload` is a NodeProto field
         kind = AttributeProto.INTS if value == [] else None  # an empty list has no type
         proto.attribute.append(helper.make_attribute(key, value, attr_type=kind))
-    return proto, outs
+    return outs
 
 
 def _add_arg(name: str, value, values: dict[Node, str], ins: list[str], attrs: dict) -> None:
@@ -167,14 +216,20 @@ def _attribute_value(value):
     return str(value)
 
 
-def _value_info(name: str, val) -> onnx.ValueInfoProto:
+def _value_info(info: onnx.ValueInfoProto, name: str, val, types: dict) -> None:
+    """Fill `info` as helper.make_tensor_value_info would (make_empty_tensor_value_info
+    for a value that is not a tensor); `types` caches one TypeProto per dtype and shape."""
+    info.name = name
     if not isinstance(val, torch.Tensor):
-        return helper.make_empty_tensor_value_info(name)
-    shape = [d if isinstance(d, int) else str(d) for d in val.shape]
-    info = helper.make_tensor_value_info(name, elem_type(val.dtype), shape)
+        return
+    shape = tuple(d if isinstance(d, int) else str(d) for d in val.shape)
+    key = (val.dtype, shape)
+    tp = types.get(key)
+    if tp is None:
+        tp = types[key] = helper.make_tensor_type_proto(elem_type(val.dtype), shape)
     if val.dtype not in _DTYPES:
         info.doc_string = f"torch dtype {val.dtype}"
-    return info
+    info.type.CopyFrom(tp)
 
 
 def _doc(node: Node) -> str:
@@ -183,11 +238,22 @@ def _doc(node: Node) -> str:
     parts = ["shared" if layer is None else f"layer {layer}"]
     if node.meta.get("flintc_block"):
         parts.append(f"block {node.meta['flintc_block']}")
-    frames = _FRAME_RE.findall(node.meta.get("stack_trace") or "")
-    if frames:
-        path, line, code = frames[-1]
-        parts.append(f"{path.rsplit('/', 1)[-1]}:{line}: {code.strip()}")
+    frame = _last_frame(node.meta.get("stack_trace") or "")
+    if frame:
+        parts.append(frame)
     return "; ".join(parts)
+
+
+@functools.lru_cache(maxsize=16384)
+def _last_frame(stack_trace: str) -> str:
+    """`file.py:LINE: code` of the innermost frame of an FX stack trace ("" if none).
+    Cached: a node keeps its stack trace string from pass to pass, so every stage
+    after the first finds most of them here."""
+    frames = _FRAME_RE.findall(stack_trace)
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{path.rsplit('/', 1)[-1]}:{line}: {code.strip()}"
 
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in \S+\n(.*)')

@@ -24,6 +24,7 @@ from flintc.checkpoint.init import random_weights
 from flintc.config import FlintConfig
 from flintc.graph.dump_dot import CUSTOM
 from flintc.graph.match import clone_graph_module
+from flintc.graph.spec import _mutated_args
 from flintc.graph.trace import capture
 from flintc.model.reference import FlintModel
 from flintc.passes.base import GraphPass, PassContext, PassResult
@@ -141,6 +142,10 @@ def test_dump_of_capture(tiny_model, captures, tmp_path, step):
     assert ids.type.tensor_type.elem_type == onnx.TensorProto.INT64
     assert [d.dim_value for d in ids.type.tensor_type.shape.dim] == [2, g.tokens]
     assert model.graph.output[0].name == g.gm.graph.output_node().args[0].name  # logits first
+    # then every in-place cache write that nothing reads, in graph order
+    writes = [n.name for n in g.gm.graph.nodes
+              if n.op == "call_function" and _mutated_args(n) and not n.users]
+    assert writes and [o.name for o in model.graph.output][1:] == writes
     domains = {o.domain: o.version for o in model.opset_import}
     assert domains["aten"] == 1 and domains["flintc"] == 1 and domains[""] >= 1
     assert {n.domain for n in model.graph.node} == {"aten"}
