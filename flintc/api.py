@@ -76,12 +76,12 @@ class CompiledModel:
             try:
                 params = SamplingParams(**sampling)
             except TypeError:  # a keyword SamplingParams does not have
-                fields = ", ".join(f.name for f in dataclasses.fields(SamplingParams))
-                unknown = sorted(set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)})
+                fields = [f.name for f in dataclasses.fields(SamplingParams)]
+                unknown = sorted(set(sampling) - set(fields))
                 if not unknown:
                     raise
                 raise InputError(f"generate: unknown sampling keyword {', '.join(map(repr, unknown))}; "
-                                 f"SamplingParams takes {fields}") from None
+                                 f"SamplingParams takes {', '.join(fields)}") from None
         elif sampling:
             raise InputError(f"generate: pass params or sampling keywords ({', '.join(sorted(sampling))}), "
                              "not both")
@@ -219,8 +219,7 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     --format and --config. Raises InputError / CheckpointError / PassCheckError as
     `flintc compile`; InputError also for an empty `out` (`Path("")` is the current
     folder), an unknown `load_format` (`flintc.checkpoint.loader.check_load_format`; None
-    is "auto"), a
-    `fmt` or `config` that does not apply, and a malformed FLINTC_* variable
+    is "auto"), a `fmt` or `config` that does not apply, and a malformed FLINTC_* variable
     (`flintc.runtime.compiled.check_environment`), before compiling.
     """
     from flintc.checkpoint.loader import check_load_format, load_checkpoint

@@ -367,10 +367,13 @@ class FlintTokenizer:
     Flint's own tokenizers all are), plus the ``tokenizer_config.json`` dict.
     """
 
+    config_path: str | Path = "tokenizer_config.json"  # where `config` was read (from_dir sets it)
+
     def __init__(self, tokenizer: Tokenizer, config: dict):
         self._tok = tokenizer
         self.config = config
-        # name -> (Jinja source, where it was read); None: from config["chat_template"]
+        # name -> (Jinja source, where it was read); None: from config["chat_template"], once
+        # read (`_chat_template_sources`)
         self._template_sources: dict[str, tuple[str, str]] | None = None
         self._templates: dict[str, jinja2.Template] = {}
         self._token_bytes: dict[int, bytes] = {}
@@ -430,12 +433,11 @@ class FlintTokenizer:
         """
         if self._template_sources is not None:
             return self._template_sources
-        where = str(getattr(self, "config_path", "tokenizer_config.json"))
+        where = str(self.config_path)
         source = self.config.get("chat_template")
-        if source is None:
-            return {}
-        if isinstance(source, str):
-            return {"default": (source, where)}
+        if source is None or isinstance(source, str):
+            self._template_sources = {} if source is None else {"default": (source, where)}
+            return self._template_sources
         if isinstance(source, dict):  # {name: template}, as transformers holds several
             source = [{"name": k, "template": v} for k, v in source.items()]
         if not isinstance(source, list):
@@ -452,6 +454,7 @@ class FlintTokenizer:
                 raise CheckpointError(f"{where}: chat_template[{i}] must be an object with string \"name\" and "
                                       f"\"template\", got {json.dumps(entry)[:80]}")
             named[entry["name"]] = (entry["template"], where)
+        self._template_sources = named
         return named
 
     @property
@@ -470,7 +473,7 @@ class FlintTokenizer:
         """
         sources = self._chat_template_sources()
         if not sources:
-            raise CheckpointError(f"{getattr(self, 'config_path', 'tokenizer_config.json')}: no chat template "
+            raise CheckpointError(f"{self.config_path}: no chat template "
                                   f"(no chat_template in it, no {CHAT_TEMPLATE_FILE} beside it)")
         name = "tool_use" if tools is not None and "tool_use" in sources else "default"
         if name not in sources:

@@ -78,9 +78,9 @@ def chat_template_arg(value: str) -> tuple[str, str]:
 
     path = Path(value)
     try:
-        is_file = path.is_file()
+        is_file, is_dir = path.is_file(), path.is_dir()
     except OSError:  # a template too long for a file name
-        is_file = False
+        is_file = is_dir = False
     if is_file:
         try:
             return path.read_text("utf-8"), str(path)
@@ -88,7 +88,7 @@ def chat_template_arg(value: str) -> tuple[str, str]:
             raise InputError(f"--chat-template {value}: cannot read the file ({exc})") from None
     if any(mark in value for mark in ("{{", "{%", "{#")):
         return value, "--chat-template"
-    if path.is_dir():
+    if is_dir:
         raise InputError(f"--chat-template {value}: is a folder; expected a Jinja template file (or the "
                          f"template itself)")
     raise InputError(f"--chat-template {value}: no such file, and not a Jinja template either (no {{{{ or {{% "
