@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 from tqdm import tqdm
 
 from flintc.checkpoint.init import has_global_scale
-from flintc.checkpoint.safetensors_io import one_line, problems_message
+from flintc.checkpoint.safetensors_io import check_finite, one_line, problems_message
 from flintc.config import FlintConfig
 from flintc.errors import CheckpointError
 from flintc.model.weights import TensorSpec, Weight, WeightDict, check_weights, weight_specs
@@ -125,8 +125,8 @@ def load_gguf(
     Raises:
         CheckpointError: the file is missing, not GGUF, truncated or corrupt, not
             GGUF v3, of another architecture; a tensor is missing or unexpected, of
-            the wrong GGML type or dims; a global scale is not finite; an NVFP4 block
-            scale byte has its top bit set.
+            the wrong GGML type or dims; a global scale, or a value of a BF16 or F32
+            tensor, is not finite; an NVFP4 block scale byte has its top bit set.
     """
     path = Path(path)
     reader = open_gguf(path)
@@ -212,6 +212,8 @@ def _convert(
             weights[spec.name] = bits.view(torch.bfloat16).reshape(spec.shape).to(device)
         else:
             weights[spec.name] = torch.from_numpy(data).reshape(spec.shape).to(device)
+        if spec.kind != "linear":
+            check_finite(weights[spec.name], path, spec.gguf_name)
     return weights
 
 

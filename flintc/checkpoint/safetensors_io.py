@@ -165,7 +165,8 @@ def load_bf16(
         CheckpointError: no weights file in `folder`; an unreadable index or a shard
             it names that is missing; a file that is not safetensors, is truncated or
             corrupt; missing, unexpected, mis-shaped or mis-typed tensors (all
-            checked from the headers before any data is read).
+            checked from the headers before any data is read); a tensor holding NaN or
+            infinite values (`check_finite`).
     """
     folder = Path(folder)
     files, weight_map, source = _find_files(folder)
@@ -321,13 +322,38 @@ def _read_tensors(
         for spec in weight_specs(config):
             if not spec.is_stacked:
                 t = get(spec.hf_names[0]).to(device)
+                check_finite(t, located[spec.hf_names[0]], spec.hf_names[0])
                 weights[spec.name] = t.float() if spec.kind == "fp32" else t
                 continue
             stacked = torch.empty(spec.shape, dtype=torch.bfloat16, device=device)
             for e, hf_name in enumerate(spec.hf_names):
                 stacked[e].copy_(get(hf_name))
+                check_finite(stacked[e], located[hf_name], hf_name)
             weights[spec.name] = stacked
     return weights
+
+
+def check_finite(t: torch.Tensor, source: str | os.PathLike, name: str) -> None:
+    """Raise CheckpointError naming `source`, the tensor `name`, how many of its values
+    are NaN or infinite and where the first one is, unless every value of the
+    floating-point tensor `t` (any shape, on any device) is finite.
+
+    A NaN in a norm weight, a sink or the correction bias turns every later
+    activation into NaN (or the top-k into a fixed choice) with no other sign, so
+    the loaders refuse such a checkpoint at load time; the check runs on `t`'s own
+    device (on a GPU, about 1 ms per GB).
+    """
+    if not t.is_floating_point() or t.device.type == "meta":
+        return
+    finite = torch.isfinite(t)
+    if bool(finite.all()):
+        return
+    bad = ~finite
+    count = int(bad.sum())
+    first = [int(i) for i in bad.nonzero()[0]]
+    value = float(t[tuple(first)])
+    raise CheckpointError(f"{source}: {name}: {count} of {t.numel()} values are not finite "
+                          f"(the first, at {first}, is {value}); the checkpoint is corrupt")
 
 
 def problems_message(source: str | os.PathLike, problems: list[str]) -> str:

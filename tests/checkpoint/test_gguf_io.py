@@ -280,3 +280,22 @@ def test_random_bytes_and_empty_file(tmp_path):
 
 def test_missing_file(tmp_path):
     assert "not found" in load_error(tmp_path / "absent.gguf")
+
+
+@pytest.mark.parametrize("name", ["blk.1.attn_sinks.weight", "token_embd.weight"])
+def test_non_finite_values(tmp_path, good_arrays, name):
+    """A NaN in an F32 tensor (a sink) or an infinity in a BF16 one (the embedding)
+    is refused at load, naming the tensor, the count and the first index."""
+    arrays = dict(good_arrays)
+    array, qtype = arrays[name]
+    array = array.copy()
+    if qtype == T.BF16:
+        bits = array.view(np.uint16)
+        bits.reshape(-1)[[3, 7]] = 0x7F80  # +inf in bf16
+        want = "2 of"
+    else:
+        array.reshape(-1)[2] = np.nan
+        want = "1 of"
+    arrays[name] = (array, qtype)
+    msg = load_error(write_gguf(tmp_path / "m.gguf", arrays))
+    assert f"{name}: {want}" in msg and "not finite" in msg, msg

@@ -238,3 +238,19 @@ def test_save_refuses_nvfp4(weights, tmp_path):
     nv[name] = quantize(nv[name])
     with pytest.raises(TypeError, match="q_proj"):
         save_bf16(TINY, nv, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["model.layers.2.mlp.gate.e_score_correction_bias",
+                                  "model.layers.3.mlp.experts.5.down_proj.weight"])
+def test_non_finite_values(tmp_path, good_sd, name):
+    """NaN or infinite values in an fp32 tensor (the correction bias) or in one expert
+    of a stacked bf16 tensor are refused at load, naming that tensor and the file."""
+    sd = dict(good_sd)
+    t = sd[name].clone()
+    t.view(-1)[1] = float("nan")
+    t.view(-1)[-1] = float("-inf")
+    sd[name] = t
+    path = write_sd(tmp_path, sd)
+    msg = load_error(tmp_path, path)
+    assert f"{name}: 2 of {t.numel()} values are not finite (the first, at " in msg, msg
+    assert "is nan" in msg
