@@ -459,7 +459,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
         def render() -> tuple[str, list[int]]:  # on a worker thread: both scale with the request
             try:
-                text = tokenizer.apply_chat_template(messages, tools=prompt_tools or None,
+                text = tokenizer.apply_chat_template(messages, tools=prompt_tools,
                                                      add_generation_prompt=True, **kwargs)
             except jinja2.TemplateError as exc:
                 raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
@@ -632,9 +632,11 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
 
 def _check_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Validate OpenAI tool definitions. Raises APIError(400) naming the bad entry: not
+    """Validate OpenAI tool definitions; returns them as given (an empty list stays one:
+    the template sees `tools == []`, and of named templates "tool_use" renders the chat,
+    as vLLM passes it to transformers). Raises APIError(400) naming the bad entry: not
     a function tool with a name, or parameters that are not an object (a 500 before)."""
-    if not tools:
+    if tools is None:
         return None
     for i, t in enumerate(tools):
         fn = t.get("function")

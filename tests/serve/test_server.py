@@ -591,6 +591,26 @@ def test_template_errors_for_given_messages_are_400s(tiny_serving, serve_kit):
         serve_kit.stop_server(run)
 
 
+def test_named_templates_pick_tool_use_for_any_tools_list(tiny_serving, serve_kit):
+    """Of named templates, "tool_use" renders a chat whose request has "tools", an empty
+    list included (as vLLM hands the list to transformers), and "default" one without;
+    the template sees the list as sent (`tools == []`, not None)."""
+    model, tok = tiny_serving
+    template = [{"name": "default", "template": "{{ messages[0].content }}"},
+                {"name": "tool_use",
+                 "template": "{{ messages[0].content }} tools{{ tools | length if tools is not none else 'None' }}"}]
+    run = serve_kit.start_server(model, with_template(tok, template), ServeOptions(MODEL), max_batch=1)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    try:
+        for extra, rendered in (({}, "Hello"), ({"tools": None}, "Hello"), ({"tools": []}, "Hello tools0"),
+                                ({"tools": [tool], "tool_choice": "none"}, "Hello tools1")):
+            status, body = raw(run, "POST", "/v1/chat/completions", chat("Hello", max_tokens=1, **extra))
+            assert status == 200, (extra, body)
+            assert body["usage"]["prompt_tokens"] == len(tok.encode(rendered)), (extra, rendered, body)
+    finally:
+        serve_kit.stop_server(run)
+
+
 # ---- tokenizing off the event loop -----------------------------------------------------------
 
 MARK = "block-the-tokenizer"
