@@ -35,7 +35,6 @@ from flintc.kernels.gemv import (
     EPI_FP32,
     EPI_RESIDUAL,
     MAX_N,
-    TUNED,
     GemvConfig,
     _bf16_grid,
     _effective_split,
@@ -338,7 +337,7 @@ def _workspace(split: int, N: int, F: int, num_counters: int, like: torch.Tensor
 def qkv_config(N: int, H: int, D: int, num_heads: int, fmt: str,
                device: torch.device, *, kv_heads: int) -> GemvConfig:
     """Config of the fused QKV kernel: one head (D rows) per program, so only the
-    reduction kind, block_k, split-K, warps and stages are free. From `TUNED` under
+    reduction kind, block_k, split-K, warps and stages are free. From `gemv.TUNED` under
     ("qkv:" + fmt, Hq * D, H, N) (num_heads = Hq) when present, else: dot, block_k 128, 8
     warps (128-row tiles spill with 4), bf16 over flat 2-D tiles staged by Triton's
     pipeliner (3 stages; the session 9 sweep's winner at N = 1 and 8), NVFP4 3-D tiles
@@ -639,7 +638,7 @@ def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
 
 def gate_up_config(fmt: str, F: int, H: int, N: int, device: torch.device) -> GemvConfig:
     """`norm_gate_up_silu`'s default configuration for weights in `fmt` ("bf16" or
-    "nvfp4"), F output columns, H inputs, N tokens: the measured `TUNED` entry for N;
+    "nvfp4"), F output columns, H inputs, N tokens: the measured `gemv.TUNED` entry for N;
     bf16 without one, the tensor-core entry of the next larger tuned N (it serves any N up
     to 16); else `choose_config`'s pick for the 2F interleaved rows with block_f halved
     (block_f counts output columns). Raises ValueError for another format or N outside
