@@ -500,8 +500,10 @@ class FlintTokenizer:
                                       f"(template line {exc.lineno})") from None
         return self._templates[name]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it become their single ids.
+        ``add_special_tokens``: also those the tokenizer's post-processor adds (a BOS,
+        say; none for Flint's own tokenizer), as transformers' default does.
 
         Computed by ``tokenizers``' batch encoder (``encode_batch_fast``, which skips the
         offsets, where the installed version has it), which releases the GIL, unlike
@@ -519,7 +521,7 @@ class FlintTokenizer:
                 raise InputError(f"the text to encode is not valid Unicode: {e.reason} at character "
                                  f"{e.start} ({text[e.start]!r}); expected UTF-8 text") from None
         batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
-        return batch([text], add_special_tokens=False)[0].ids
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
         ids = list(ids)
@@ -535,6 +537,15 @@ class FlintTokenizer:
             InputError: an id is outside ``[0, vocab_size)``.
         """
         return self._tok.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        """The vocabulary strings of ``ids`` (byte-level: ``"Ġhello"``), as transformers'
+        method of that name.
+
+        Raises:
+            InputError: an id is outside ``[0, vocab_size)``.
+        """
+        return [self._tok.id_to_token(i) for i in self._check_ids(ids)]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes token ``token_id`` decodes to (what ``decoders.ByteLevel`` does)."""

@@ -3,7 +3,8 @@
 MODEL is a BF16 checkpoint folder or an NVFP4 `.gguf` file (default: the embedded
 tiny model), run on the reference backend; `--build BUILD` serves a compiled build
 instead. Answers /v1/models, /v1/completions, /v1/chat/completions (streaming
-or not) and /health. See docs/serve.md.
+or not), /health, and vLLM's /tokenize, /detokenize, /version and /metrics
+(Prometheus). See docs/serve.md.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def add_parser(sub) -> None:
                    help="put <think>...</think> text into reasoning_content")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave tool definitions out of the prompt when tool_choice is \"none\"")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="largest request body, in bytes: a larger one is answered 413 before it is parsed (0: no "
                         "cap; default: 32 MiB)")

@@ -1,11 +1,13 @@
 """The OpenAI-compatible HTTP front end of `flintc serve` (FastAPI on uvicorn).
 
-Routes: ``GET /health`` (no API key needed), ``GET /v1/models``,
-``POST /v1/completions``, ``POST /v1/chat/completions``; the last two stream
-server-sent events (``data: {json}`` lines, ending with ``data: [DONE]``) when
-``stream`` is true. Every error is answered in the OpenAI format
-(``{"error": {"message", "type", "param", "code"}}``) with a 4xx/5xx status, and the
-server keeps serving.
+Routes: ``GET /health``, ``GET /version`` and ``GET /metrics`` (no API key needed),
+``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (these two stream server-sent events, ``data: {json}``
+lines ending with ``data: [DONE]``, when ``stream`` is true), and vLLM's
+``POST /tokenize`` and ``POST /detokenize``. Every error is answered in the OpenAI
+format (``{"error": {"message", "type", "param", "code"}}``) with a 4xx/5xx status,
+and the server keeps serving. ``/metrics`` is vLLM's Prometheus metrics
+(:mod:`flintc.serve.metrics`).
 
 Each request is tokenized here (chat: the tokenizer folder's Jinja chat template,
 rendered as Hugging Face does, tools included), on a worker thread so that a huge
@@ -42,17 +44,22 @@ from dataclasses import dataclass
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import flintc
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams
 from flintc.serve.engine import Engine, GenRequest, Output, TokenLogprob
+from flintc.serve.metrics import ServeMetrics
 from flintc.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_body,
     unsupported,
 )
@@ -77,7 +84,8 @@ class ServeOptions:
     """Server settings (the `flintc serve` flags).
 
     model_name: the id served by /v1/models; requests naming another model get 404.
-    api_key: when set, /v1/* need ``Authorization: Bearer <api_key>`` (401 otherwise).
+    api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer
+        <api_key>`` (401 otherwise).
     enable_auto_tool_choice / tool_call_parser: parse tool calls for tool_choice "auto".
     reasoning_parser: split ``<think>`` text into reasoning_content.
     exclude_tools_when_tool_choice_none: leave tool definitions out of the prompt when
@@ -242,7 +250,9 @@ def _sse(obj) -> str:
 
 def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
     """Build the FastAPI app over a (started or not) engine. The app's lifespan starts
-    the engine and shuts it down when the server stops.
+    the engine and shuts it down when the server stops. The app's metrics
+    (``app.state.metrics``, a :class:`~flintc.serve.metrics.ServeMetrics` with its own
+    registry) observe the engine from here on.
 
     Raises:
         CheckpointError: the tokenizer's chat template is malformed
@@ -261,6 +271,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
     app = FastAPI(title="flintc serve", lifespan=lifespan)
     app.state.engine = engine
     app.state.options = options
+    app.state.metrics = metrics = ServeMetrics(engine, options.model_name)
     max_model_len = engine.max_model_len
     chat_stops = frozenset(tokenizer.special_token_ids[t] for t in CHAT_STOP_TOKENS
                            if t in tokenizer.special_token_ids) | {tokenizer.eos_token_id}
@@ -327,11 +338,15 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         return b"".join(chunks)
 
     async def parse(request: Request, cls):
+        """The body as request model ``cls``, or as the one ``cls(data)`` picks by the
+        parsed JSON when it is not a class. Raises APIError(400)."""
         body = await read_body(request)
         try:
-            json.loads(body)
+            data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from None
+        if not isinstance(cls, type):
+            cls = cls(data)
         try:
             return cls.model_validate_json(body)
         except ValidationError as exc:
@@ -392,6 +407,46 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                            f"{max_tokens} to generate)", param=param, code="context_length_exceeded")
         return max_tokens
 
+    def need_chat_template() -> None:
+        if not has_chat_template:
+            raise APIError(400, "this model has no chat template (its tokenizer_config.json has no "
+                           "chat_template and there is no chat_template.jinja beside it), so chat messages "
+                           "cannot be rendered; use /v1/completions with a prompt, or serve with a template "
+                           "(--chat-template FILE, or --tokenizer DIR of a tokenizer that has one)")
+
+    async def render_chat(messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
+                          add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """OpenAI ``messages`` and ``tools`` (checked by `_check_tools`) rendered with the
+        chat template, on a worker thread (both steps scale with the request). -> (the
+        text, its token ids). Raises APIError(400): ``template_kwargs`` setting a name
+        the renderer owns, bad messages (`_template_messages`), or the template
+        rejecting or failing on them."""
+        kwargs = dict(template_kwargs or {})
+        if _TEMPLATE_RESERVED & kwargs.keys():
+            raise APIError(400, f"chat_template_kwargs may not set {sorted(_TEMPLATE_RESERVED & kwargs.keys())}",
+                           param="chat_template_kwargs")
+        messages = _template_messages(messages)
+
+        def render() -> tuple[str, list[int]]:
+            try:
+                text = tokenizer.apply_chat_template(messages, tools=tools,
+                                                     add_generation_prompt=add_generation_prompt, **kwargs)
+            except jinja2.TemplateError as exc:
+                raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+            except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as exc:
+                # the template's own expression failing on these messages (`content + 1` on a
+                # string): the request's 400, as vLLM answers, not a 500
+                raise APIError(400, f"the chat template failed on the messages: {type(exc).__name__}: {exc}",
+                               param="messages") from None
+            return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        return await asyncio.to_thread(render)
+
+    def model_card() -> dict:
+        return {"id": options.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "flintc", "max_model_len": max_model_len}
+
     async def run(request: Request, gen: _Generation, on_output, stream_body):
         """Start ``gen``; stream (``stream_body`` is an async generator factory) or
         collect all outputs with ``on_output``, aborting if the client goes away."""
@@ -422,23 +477,81 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             return JSONResponse(error_body(engine.fatal_error, "server_error"), status_code=503)
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version():
+        """``{"version": flintc.__version__}``; needs no API key (as vLLM's)."""
+        return {"version": flintc.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics(request: Request):
+        """vLLM's Prometheus metrics (:mod:`flintc.serve.metrics`), in the text format
+        or, when the Accept header asks for it, OpenMetrics; needs no API key (as
+        vLLM's)."""
+        data, content_type = metrics.render(request.headers.get("accept"))
+        return Response(data, media_type=content_type)
+
     @app.get("/v1/models")
     async def models(request: Request):
         check_auth(request)
-        return {"object": "list", "data": [{
-            "id": options.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "flintc", "max_model_len": max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model_info(request: Request, model: str):
+        """The served model's object, as in /v1/models; another id is a 404
+        (``model_not_found``)."""
+        check_auth(request)
+        check_model(model)
+        return model_card()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: ``{"prompt": str}`` or ``{"messages": [...]}`` (see
+        :class:`~flintc.serve.protocol.TokenizeCompletionRequest` and
+        :class:`~flintc.serve.protocol.TokenizeChatRequest`) -> ``{"count", "max_model_len",
+        "tokens"}``, plus ``"token_strs"`` with ``return_token_strs``. Messages are
+        rendered as /v1/chat/completions renders them, and refused as it refuses them
+        (400); another model is a 404. A prompt over ``max_model_len`` is not an error
+        here (as in vLLM)."""
+        check_auth(request)
+        req = await parse(request, lambda data: TokenizeChatRequest if isinstance(data, dict) and "messages" in data
+                          else TokenizeCompletionRequest)
+        check_model(req.model)
+        unsupported(req)
+        if isinstance(req, TokenizeChatRequest):
+            need_chat_template()
+            _, ids = await render_chat(req.messages, _check_tools(req.tools), req.chat_template_kwargs,
+                                       req.add_generation_prompt, req.add_special_tokens)
+        else:
+            ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
+        body = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = await asyncio.to_thread(tokenizer.convert_ids_to_tokens, ids)
+        return body
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: ``{"tokens": [int, ...]}`` -> ``{"prompt": str}`` (special tokens kept;
+        invalid UTF-8 becomes U+FFFD). An id outside the vocabulary is a 400 (``param``
+        "tokens"); another model is a 404."""
+        check_auth(request)
+        req: DetokenizeRequest = await parse(request, DetokenizeRequest)
+        check_model(req.model)
+
+        def decode() -> str:  # on a worker thread: it scales with the request
+            bad = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise APIError(400, f"'tokens': token id {bad[0]} is outside the vocabulary "
+                               f"[0, {tokenizer.vocab_size})", param="tokens")
+            return tokenizer.decode(req.tokens)
+
+        return {"prompt": await asyncio.to_thread(decode)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         check_auth(request)
         req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         n, stop = common_checks(req)
-        if not has_chat_template:
-            raise APIError(400, "this model has no chat template (its tokenizer_config.json has no "
-                           "chat_template and there is no chat_template.jinja beside it), so chat messages "
-                           "cannot be rendered; use /v1/completions with a prompt, or serve with a template "
-                           "(--chat-template FILE, or --tokenizer DIR of a tokenizer that has one)")
+        need_chat_template()
         tools = _check_tools(req.tools)
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         if isinstance(choice, dict) or choice == "required":
@@ -451,26 +564,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                            "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
         parse_tools = tools if (tools and choice == "auto") else None
         prompt_tools = None if (choice == "none" and options.exclude_tools_when_tool_choice_none) else tools
-        kwargs = dict(req.chat_template_kwargs or {})
-        if _TEMPLATE_RESERVED & kwargs.keys():
-            raise APIError(400, f"chat_template_kwargs may not set {sorted(_TEMPLATE_RESERVED & kwargs.keys())}",
-                           param="chat_template_kwargs")
-        messages = _template_messages(req.messages)
-
-        def render() -> tuple[str, list[int]]:  # on a worker thread: both scale with the request
-            try:
-                text = tokenizer.apply_chat_template(messages, tools=prompt_tools,
-                                                     add_generation_prompt=True, **kwargs)
-            except jinja2.TemplateError as exc:
-                raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-            except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError) as exc:
-                # the template's own expression failing on these messages (`content + 1` on a
-                # string): the request's 400, as vLLM answers, not a 500
-                raise APIError(400, f"the chat template failed on the messages: {type(exc).__name__}: {exc}",
-                               param="messages") from None
-            return text, tokenizer.encode(text)
-
-        prompt_text, prompt_ids = await asyncio.to_thread(render)
+        prompt_text, prompt_ids = await render_chat(req.messages, prompt_tools, req.chat_template_kwargs)
         if not prompt_ids:  # the runner's prefill refuses it, failing every running request with it
             raise APIError(400, "the chat template rendered the messages to an empty prompt", param="messages")
         if req.max_tokens is not None and req.max_completion_tokens is not None \

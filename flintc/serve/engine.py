@@ -27,6 +27,13 @@ Stop tokens (end-of-text, and in chat also ``<|user|>`` / ``<|observation|>``) e
 a sequence with finish reason ``"stop"`` and add no text; they count as completion
 tokens (as in vLLM).
 
+Metrics: each request carries a :class:`RequestTimeline` (when it was queued,
+admitted to a slot, got its first and latest token; how many prompt tokens were
+prefilled and tokens generated), and the engine calls its observers
+(:class:`EngineObserver`) as it prefills, emits each token and finishes a request, on
+the engine thread (:mod:`flintc.serve.metrics` turns them into vLLM's Prometheus
+metrics).
+
 Test hook: ``Engine(..., forced_tokens=f)``: for a request whose
 ``GenRequest.forced`` is None, ``f(prompt_ids)`` may return a token list that
 *replaces sampling*: step k emits ``list[k]`` (the model still runs prefill and
@@ -83,6 +90,41 @@ class Output:
         return self.finish_reason is not None or self.error is not None
 
 
+@dataclass
+class RequestTimeline:
+    """What the engine did with one request: ``time.monotonic()`` stamps (None until
+    it happens) and token counts. ``queued``: :meth:`Engine.submit`; ``scheduled``:
+    admitted into a slot; ``first_token`` / ``last_token``: the first and the latest
+    generated token; ``prompt_tokens``: prefilled (0 until the prefill has run);
+    ``generated_tokens``: sampled so far, stop tokens included."""
+
+    queued: float | None = None
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+class EngineObserver:
+    """Callbacks from the engine thread, in each request's order: ``prefilled`` (its
+    prompt ran through the model), ``token`` for every generated token, then
+    ``finished`` once (also for a request that never ran: aborted while waiting, or
+    failed). Here they do nothing; they must be quick and must not raise (an exception
+    fails the running requests)."""
+
+    def prefilled(self, req: GenRequest) -> None:
+        """``req.timeline.prompt_tokens`` tokens were prefilled."""
+
+    def token(self, req: GenRequest, since_last: float | None) -> None:
+        """One more token (``req.timeline`` already counts it); ``since_last``: seconds
+        since the previous one, None for the first."""
+
+    def finished(self, req: GenRequest, reason: str | None, error: str | None) -> None:
+        """The request's last Output: ``reason`` "stop", "length" or "abort", or None
+        with ``error`` (the request failed)."""
+
+
 @dataclass(eq=False)
 class GenRequest:
     """One sequence to generate.
@@ -98,6 +140,8 @@ class GenRequest:
         stop: stop strings; the text ends before the first match (not included).
         logprobs: None for no logprobs, else how many top alternatives (0..20).
         forced: tokens that replace sampling (test hook, see module docstring).
+
+    The engine fills in ``timeline`` (:class:`RequestTimeline`).
     """
 
     prompt_ids: list[int]
@@ -110,6 +154,7 @@ class GenRequest:
     forced: list[int] | None = None
     cancelled: bool = False
     id: int = field(default_factory=itertools.count().__next__)
+    timeline: RequestTimeline = field(default_factory=RequestTimeline)
 
 
 class _Seq:
@@ -135,12 +180,15 @@ class Engine:
         runner: a :class:`~flintc.runtime.runner.ModelRunner`.
         tokenizer: a FlintTokenizer (vocab_size must match the runner's config).
         forced_tokens: test hook, see the module docstring.
+        observers: :class:`EngineObserver` objects to call (more may be appended to
+            ``engine.observers`` before :meth:`start`).
 
     Raises:
         ValueError: tokenizer and model vocabularies differ.
     """
 
-    def __init__(self, runner, tokenizer, forced_tokens: Callable[[list[int]], list[int] | None] | None = None):
+    def __init__(self, runner, tokenizer, forced_tokens: Callable[[list[int]], list[int] | None] | None = None,
+                 observers: list[EngineObserver] | None = None):
         if tokenizer.vocab_size != runner.config.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the model "
                              f"{runner.config.vocab_size}")
@@ -151,10 +199,13 @@ class Engine:
         self.max_model_len = int(runner.max_model_len)
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: collections.deque[GenRequest] = collections.deque()
+        self._lock = threading.Lock()
+        self._inbox_requests = 0  # GenRequests in the inbox (it also holds wake-ups)
         self._running: dict[int, _Seq] = {}  # slot -> sequence
         self._thread: threading.Thread | None = None
         self.stats = collections.Counter()  # steps, prefills, decode_tokens, finished, aborted, max_decode_batch
         self.fatal_error: str | None = None
+        self.observers: list[EngineObserver] = list(observers or [])
 
     # ---- called from any thread -------------------------------------------------------
     def start(self) -> Engine:
@@ -171,10 +222,14 @@ class Engine:
 
     def submit(self, req: GenRequest) -> None:
         """Queue ``req``; its Outputs arrive through ``req.emit``."""
+        req.timeline.queued = time.monotonic()
         if self.fatal_error is not None:
+            self._notify_finished(req, None, f"engine stopped: {self.fatal_error}")
             req.emit(Output(req.index, error=f"engine stopped: {self.fatal_error}"))
             return
-        self._inbox.put(req)
+        with self._lock:
+            self._inbox_requests += 1
+            self._inbox.put(req)
 
     def abort(self, req: GenRequest) -> None:
         """Cancel ``req`` (a client went away): its slot is freed at the next step and
@@ -188,7 +243,9 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting) + self._inbox.qsize()
+        """Requests submitted and not yet admitted into a slot."""
+        with self._lock:
+            return len(self._waiting) + self._inbox_requests
 
     # ---- the engine thread ------------------------------------------------------------
     def _loop(self) -> None:
@@ -203,7 +260,9 @@ class Engine:
                 if item is _STOP:
                     stop = True
                 elif isinstance(item, GenRequest):
-                    self._waiting.append(item)
+                    with self._lock:
+                        self._waiting.append(item)
+                        self._inbox_requests -= 1
                 try:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
@@ -225,6 +284,7 @@ class Engine:
             self._finish(seq, reason, error=None if reason else msg)
         while self._waiting:
             req = self._waiting.popleft()
+            self._notify_finished(req, reason, None if reason else msg)
             req.emit(Output(req.index, finish_reason=reason, error=None if reason else msg))
 
     def _step(self) -> None:
@@ -239,6 +299,7 @@ class Engine:
             slot = free.pop(0)
             seq = _Seq(req, slot, self.tokenizer.detokenizer(), self.runner.device)
             self._running[slot] = seq
+            req.timeline.scheduled = time.monotonic()
             if req.params.max_tokens < 1:
                 self._finish(seq, "length")
                 free.insert(0, slot)
@@ -247,6 +308,9 @@ class Engine:
                 req.forced = self.forced_tokens(list(req.prompt_ids))
             self.stats["prefills"] += 1
             logits = self.runner.prefill(slot, req.prompt_ids)  # [V]
+            req.timeline.prompt_tokens = len(req.prompt_ids)
+            for obs in self.observers:
+                obs.prefilled(req)
             self._sample_and_push([seq], logits[None])
         # decode: one token for every running sequence
         live = list(self._running.values())
@@ -263,6 +327,7 @@ class Engine:
     def _drop_cancelled(self, req: GenRequest) -> bool:
         if req.cancelled:
             self.stats["aborted"] += 1
+            self._notify_finished(req, "abort", None)
             req.emit(Output(req.index, finish_reason="abort"))
         return req.cancelled
 
@@ -297,6 +362,14 @@ class Engine:
         req, params = seq.req, seq.req.params
         seq.out_ids.append(tok)
         seq.pending_ids.append(tok)
+        tl, now = req.timeline, time.monotonic()
+        since_last = None if tl.last_token is None else now - tl.last_token
+        if tl.first_token is None:
+            tl.first_token = now
+        tl.last_token = now
+        tl.generated_tokens += 1
+        for obs in self.observers:
+            obs.token(req, since_last)
         if lp is not None:
             seq.pending_lp.append(lp)
         if tok in req.stop_token_ids and not params.ignore_eos:
@@ -338,7 +411,12 @@ class Engine:
         seq.text += seq.detok.flush()  # a dangling partial character becomes U+FFFD
         self._running.pop(seq.slot, None)
         self.stats["aborted" if reason == "abort" else "finished"] += 1
+        self._notify_finished(seq.req, reason, error)
         self._emit(seq, len(seq.text), reason, error)
+
+    def _notify_finished(self, req: GenRequest, reason: str | None, error: str | None) -> None:
+        for obs in self.observers:
+            obs.finished(req, reason, error)
 
 
 def _prefix_overlap(text: str, stop: str) -> int:

@@ -12,6 +12,9 @@ Extensions, as vLLM names them: ``top_k`` (FLINT_SPEC section 6: 20 by default;
 0 or -1 keeps all), ``ignore_eos``, ``return_token_ids`` (adds
 ``prompt_token_ids`` to the response and ``token_ids`` to each choice), and for
 chat ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``).
+
+vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest` /
+:class:`TokenizeChatRequest` and :class:`DetokenizeRequest`, with vLLM's fields.
 """
 
 from __future__ import annotations
@@ -88,6 +91,46 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
+class TokenizeCompletionRequest(BaseModel):
+    """POST /tokenize with a ``prompt``: its token ids, with the tokenizer's special
+    tokens (its post-processor's, e.g. a BOS) unless ``add_special_tokens`` is false."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """POST /tokenize with ``messages``: the ids of the chat as rendered for
+    /v1/chat/completions (``tools`` included), with the generation prompt unless
+    ``add_generation_prompt`` is false; ``add_special_tokens`` adds the tokenizer's own
+    on top of the template's (default: not). ``continue_final_message`` is accepted
+    only as false."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: the text of ``tokens`` (special tokens kept)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error"]
 
 
@@ -112,7 +155,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
     support (penalties, logit_bias, functions, audio, non-text modalities or response
-    formats, echo, best_of > 1, suffix)."""
+    formats, echo, best_of > 1, suffix, continue_final_message)."""
     checks = [
         ("frequency_penalty", lambda v: v not in (None, 0)),
         ("presence_penalty", lambda v: v not in (None, 0)),
@@ -127,6 +170,7 @@ def unsupported(req: BaseModel) -> None:
         ("echo", lambda v: bool(v)),
         ("best_of", lambda v: v not in (None, 1)),
         ("suffix", lambda v: v is not None),
+        ("continue_final_message", lambda v: bool(v)),
     ]
     for name, bad in checks:
         if name in type(req).model_fields and bad(getattr(req, name)):

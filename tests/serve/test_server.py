@@ -496,6 +496,243 @@ def test_over_length_error_names_the_prompt_field(server):
     assert status == 400 and body["error"]["param"] == "max_completion_tokens", body
 
 
+# ---- vLLM's other endpoints: /version, /v1/models/{model}, /tokenize, /detokenize, /metrics -----
+
+
+def test_version_and_model_by_id(server, client):
+    import flintc
+
+    assert flintc.__version__
+    assert raw(server, "GET", "/version", headers={"Authorization": ""}) == (200, {"version": flintc.__version__})
+    status, card = raw(server, "GET", f"/v1/models/{MODEL}")
+    assert status == 200, card
+    listed = raw(server, "GET", "/v1/models")[1]["data"][0]
+    assert {**card, "created": 0} == {**listed, "created": 0}
+    assert card["id"] == MODEL and card["max_model_len"] == 1024
+    assert client.models.retrieve(MODEL).id == MODEL
+    for other in ("gpt-9", "org/flint-tiny"):  # a model id may hold a slash
+        status, body = raw(server, "GET", f"/v1/models/{other}")
+        assert status == 404, body
+        assert body["error"] == {"message": f"the model '{other}' does not exist; this server serves '{MODEL}'",
+                                 "type": "not_found_error", "param": "model", "code": "model_not_found"}
+    status, body = raw(server, "GET", f"/v1/models/{MODEL}", headers={"Authorization": "Bearer wrong"})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key", body
+
+
+def test_tokenize_equals_what_chat_and_completions_feed_the_model(server, tiny_serving):
+    _, tok = tiny_serving
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Name a city."}]
+    as_template = [{"role": "system", "content": "Be brief."}, messages[1]]  # developer renders as system
+
+    def tokenize(**body):
+        status, got = raw(server, "POST", "/tokenize", {"model": MODEL, **body})
+        assert status == 200, got
+        assert got["count"] == len(got["tokens"]) and got["max_model_len"] == 1024, got
+        return got
+
+    got = tokenize(messages=messages)
+    want = tok.encode(tok.apply_chat_template(as_template, add_generation_prompt=True))
+    assert got == {"count": len(want), "max_model_len": 1024, "tokens": want}
+    status, r = raw(server, "POST", "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1,
+                                                              "return_token_ids": True})
+    assert status == 200 and r["prompt_token_ids"] == want, r
+    assert tokenize(messages=messages, add_generation_prompt=False)["tokens"] == \
+        tok.encode(tok.apply_chat_template(as_template, add_generation_prompt=False)) != want
+    assert tokenize(messages=messages, chat_template_kwargs={"enable_thinking": False})["tokens"] == \
+        tok.encode(tok.apply_chat_template(as_template, enable_thinking=False)) != want
+    assert tokenize(messages=messages, tools=TOOLS)["tokens"] == \
+        tok.encode(tok.apply_chat_template(as_template, tools=TOOLS)) != want
+    text = "Hello <|user|> wörld"
+    got = tokenize(prompt=text, return_token_strs=True)
+    assert got["tokens"] == tok.encode(text) == tokenize(prompt=text, add_special_tokens=False)["tokens"]
+    assert got["token_strs"] == [tok._tok.id_to_token(i) for i in got["tokens"]] and "<|user|>" in got["token_strs"]
+    status, r = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": text, "max_tokens": 1,
+                                                         "return_token_ids": True})
+    assert status == 200 and r["choices"][0]["prompt_token_ids"] == got["tokens"], r
+    assert raw(server, "POST", "/detokenize", {"model": MODEL, "tokens": got["tokens"]}) == (200, {"prompt": text})
+    assert raw(server, "POST", "/detokenize", {"tokens": []}) == (200, {"prompt": ""})
+    assert tokenize(prompt="") == {"count": 0, "max_model_len": 1024, "tokens": []}
+
+
+@pytest.mark.parametrize("path, body, status, param, needle", [
+    ("/detokenize", {"tokens": [1, 100000]}, 400, "tokens", "token id 100000 is outside the vocabulary"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "token id -1 is outside the vocabulary"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "invalid value for 'tokens'"),
+    ("/detokenize", {"tokens": [1.5]}, 400, "tokens.0", "invalid value for 'tokens.0'"),
+    ("/detokenize", {"tokens": [True]}, 400, "tokens.0", "invalid value for 'tokens.0'"),
+    ("/detokenize", {}, 400, "tokens", "invalid value for 'tokens'"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-9"}, 404, "model", "does not exist"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt", "invalid value for 'prompt'"),
+    ("/tokenize", {}, 400, "prompt", "invalid value for 'prompt'"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "add_special_tokens", "invalid value"),
+    ("/tokenize", {"prompt": "x", "bogus": 1}, 400, "bogus", "Unrecognized request argument supplied: bogus"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-9"}, 404, "model", "does not exist"),
+    ("/tokenize", {"messages": "hi"}, 400, "messages", "invalid value for 'messages'"),
+    ("/tokenize", {"messages": []}, 400, "messages", "'messages' must hold at least one message"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "wizard"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}}, 400,
+     "chat_template_kwargs", "may not set ['tools']"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "tools[0]", "tools[0] must be"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message", "is not supported"),
+])
+def test_tokenize_detokenize_errors(server, path, body, status, param, needle):
+    got_status, got = raw(server, "POST", path, body)
+    assert got_status == status, got
+    err = got["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    assert err["type"] == ("not_found_error" if status == 404 else "invalid_request_error"), err
+    assert needle in err["message"], err
+
+
+def test_tokenize_detokenize_need_the_key(server):
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        status, got = raw(server, "POST", path, body, headers={"Authorization": ""})
+        assert status == 401 and got["error"]["code"] == "invalid_api_key", got
+    status, got = raw(server, "POST", "/tokenize", b'{"prompt": ')
+    assert status == 400 and got["error"]["code"] == "invalid_json", got
+
+
+def test_tokenize_add_special_tokens_as_vllm(tiny_serving, serve_kit):
+    """With a tokenizer whose post-processor adds a token (a BOS), /tokenize adds it to
+    a prompt by default and to a chat only with add_special_tokens (vLLM's defaults);
+    a tokenizer with no chat template answers messages with the chat 400."""
+    from tokenizers import Tokenizer, processors
+
+    model, tok = tiny_serving
+    inner = Tokenizer.from_str(tok._tok.to_str())
+    bos = tok.eos_token_id
+    inner.post_processor = processors.TemplateProcessing(single=f"{tok.eos_token} $A",
+                                                         special_tokens=[(tok.eos_token, bos)])
+    with_bos = FlintTokenizer(inner, {k: v for k, v in tok.config.items() if k != "chat_template"})
+    with_bos._template_sources = {"default": (tok.config["chat_template"], "test")}
+    run = serve_kit.start_server(model, with_bos, ServeOptions(MODEL), max_batch=1)
+    try:
+        plain = tok.encode("Hello there")
+        assert raw(run, "POST", "/tokenize", {"prompt": "Hello there"})[1]["tokens"] == [bos, *plain]
+        assert raw(run, "POST", "/tokenize", {"prompt": "Hello there", "add_special_tokens": False})[1]["tokens"] \
+            == plain
+        messages = [{"role": "user", "content": "Hi"}]
+        chat_ids = tok.encode(tok.apply_chat_template(messages))
+        assert raw(run, "POST", "/tokenize", {"messages": messages})[1]["tokens"] == chat_ids
+        assert raw(run, "POST", "/tokenize", {"messages": messages, "add_special_tokens": True})[1]["tokens"] \
+            == [bos, *chat_ids]
+    finally:
+        serve_kit.stop_server(run)
+    run = serve_kit.start_server(model, with_template(tok, drop=True), ServeOptions(MODEL), max_batch=1)
+    try:
+        status, body = raw(run, "POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+        assert status == 400 and body["error"]["message"].startswith("this model has no chat template"), body
+        assert raw(run, "POST", "/tokenize", {"prompt": "Hi"})[1]["tokens"] == tok.encode("Hi")
+    finally:
+        serve_kit.stop_server(run)
+
+
+def scrape(server) -> dict:
+    """GET /metrics (no key), parsed. -> {(sample name, finished_reason or le): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("GET", "/metrics")
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    assert resp.status == 200 and resp.getheader("content-type").startswith("text/plain; version=0.0.4"), text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == MODEL and labels.pop("engine") == "0", sample
+            key = (sample.name, labels.pop("finished_reason", None) or labels.pop("le", None))
+            assert not labels and key not in out, sample
+            out[key] = sample.value
+    return out
+
+
+def test_metrics_count_what_the_engine_did(server, plain_server):
+    before, other_before = scrape(server), scrape(plain_server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count", "vllm:time_per_output_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+                 "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum",
+                 "vllm:request_params_max_tokens_sum"):
+        assert (name, None) in before, name
+    assert before[("vllm:time_to_first_token_seconds_bucket", "2560.0")] >= 0
+    assert before[("vllm:request_prompt_tokens_bucket", "1000.0")] >= 0  # 1-2-5 buckets up to max_model_len
+    status, r = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": [5, 6, 7, 8, 9, 10, 11],
+                                                         "max_tokens": 5, "ignore_eos": True})
+    assert status == 200 and r["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}, r
+    status, c = raw(server, "POST", "/v1/chat/completions", chat("Hi", max_tokens=3))
+    assert status == 200, c
+    after = scrape(server)
+
+    def delta(name, label=None):
+        return after[(name, label)] - before.get((name, label), 0)
+
+    assert delta("vllm:prompt_tokens_total") == 7 + c["usage"]["prompt_tokens"]
+    assert delta("vllm:generation_tokens_total") == 5 + c["usage"]["completion_tokens"]
+    assert delta("vllm:request_success_total", "length") + delta("vllm:request_success_total", "stop") == 2
+    assert delta("vllm:request_success_total", c["choices"][0]["finish_reason"]) >= 1
+    assert delta("vllm:request_success_total", "abort") == 0
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    gaps = 4 + c["usage"]["completion_tokens"] - 1
+    assert delta("vllm:inter_token_latency_seconds_count") == delta("vllm:time_per_output_token_seconds_count") \
+        == gaps
+    for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time",
+                 "request_inference_time"):
+        assert delta(f"vllm:{name}_seconds_count") == 2, name
+    assert delta("vllm:e2e_request_latency_seconds_sum") > 0
+    assert delta("vllm:request_prompt_tokens_sum") == 7 + c["usage"]["prompt_tokens"]
+    assert delta("vllm:request_generation_tokens_sum") == 5 + c["usage"]["completion_tokens"]
+    n_chat = c["usage"]["prompt_tokens"]
+    assert delta("vllm:request_prompt_tokens_bucket", "5.0") == (n_chat <= 5)
+    assert delta("vllm:request_prompt_tokens_bucket", "10.0") == 1 + (n_chat <= 10)  # 7 <= 10
+    assert after[("vllm:num_requests_running", None)] == after[("vllm:num_requests_waiting", None)] == 0
+    # each server has its own registry: the other one saw nothing
+    assert scrape(plain_server)[("vllm:generation_tokens_total", None)] == \
+        other_before[("vllm:generation_tokens_total", None)]
+
+
+def test_metrics_gauges_follow_the_queue(plain_server):
+    """plain_server has 2 slots: of three long streams, two run and one waits; hung up,
+    all three are aborted and the gauges go back to 0."""
+    before = scrape(plain_server)
+    conns = []
+    try:
+        for _ in range(3):
+            conn = http.client.HTTPConnection("127.0.0.1", plain_server.port, timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps(
+                {"model": MODEL, "prompt": "Go on.", "max_tokens": 1000, "ignore_eos": True, "stream": True}),
+                headers={"Content-Type": "application/json"})
+            conns.append(conn)
+        resp = conns[0].getresponse()
+        assert resp.readline().startswith(b"data: ")
+
+        def gauges():
+            m = scrape(plain_server)
+            return m[("vllm:num_requests_running", None)], m[("vllm:num_requests_waiting", None)]
+
+        assert _wait(lambda: gauges() == (2, 1)), gauges()
+    finally:
+        for conn in conns:
+            if conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+    assert _wait(lambda: gauges() == (0, 0)), gauges()
+    after = scrape(plain_server)
+    assert _wait(lambda: scrape(plain_server)[("vllm:request_success_total", "abort")]
+                 - before[("vllm:request_success_total", "abort")] == 3)
+    assert after[("vllm:request_success_total", "length")] == before[("vllm:request_success_total", "length")]
+    assert after[("vllm:e2e_request_latency_seconds_count", None)] == \
+        before[("vllm:e2e_request_latency_seconds_count", None)]  # latencies: finished requests only
+
+
 # ---- the chat template -------------------------------------------------------------------
 
 
