@@ -24,6 +24,23 @@ still do not depend on the batch; a batch of only such rows and greedy ones is o
 launch); the other rows, the CPU, and `FLINTC_SAMPLER=torch` take the path above.
 Written in session 24 without a GPU; session 25's H200 run (`scripts/gpu_sampler_ab.sh`)
 made it the default: 0.18 ms per token less at batch 1, 0.13 ms at batch 8.
+
+vLLM's other controls, with vLLM's semantics and order (all off by default; a row that
+uses none of them takes exactly the path above, at the same cost):
+- Before temperature, on a copy of the row's fp32 logits (`adjust_logits`, in torch):
+  `min_tokens` (while fewer tokens than that are generated, the sequence's stop tokens,
+  end-of-text included, get -inf), `logit_bias` (added), then the penalties
+  (`apply_penalties`, as vLLM's: `repetition_penalty` on every token of prompt or
+  output, positive logits divided by it and the others multiplied; then
+  `frequency_penalty` times each token's count in the output and `presence_penalty`
+  once for each token the output holds, subtracted). Greedy rows see them too. The
+  counts come from each row's `TokenHistory` (`sample(..., history=...)`), which the
+  callers keep per sequence (the serving engine, `generate_with_runner`).
+- After temperature, before top-k: `min_p` drops the tokens whose probability is below
+  min_p times the top token's (decided on exp(x - max x) >= min_p in fp64, so equal
+  logits are kept or dropped together). Rows with min_p > 0 take the torch path (the
+  one-launch kernel has no min_p); rows with only the logit adjustments above still
+  take the kernel, on the adjusted logits.
 """
 
 from __future__ import annotations
@@ -71,6 +88,23 @@ class SamplingParams:
     max_tokens: tokens to generate at most (>= 0); reasoning tokens count.
     seed: seeds this request's generator; None draws from a fresh random seed.
     ignore_eos: keep generating after the end-of-text token.
+
+    vLLM's further controls (the module docstring tells where each applies):
+    presence_penalty: in [-2, 2]; subtracted once from the logit of every token the
+        output so far holds (0: off).
+    frequency_penalty: in [-2, 2]; subtracted from each token's logit times its count
+        in the output so far (0: off).
+    repetition_penalty: > 0; for every token of the prompt or the output, a positive
+        logit is divided by it, any other multiplied (1: off).
+    min_p: in [0, 1]; drop the tokens whose probability (after temperature) is below
+        min_p times the most likely token's (0: off).
+    min_tokens: >= 0, at most max_tokens; the stop tokens (end-of-text included) cannot
+        be drawn, and stop strings are not looked for, until this many tokens are
+        generated.
+    logit_bias: {token_id: bias} with bias in [-100, 100], added to the logits; kept as
+        a tuple of (token_id, bias) pairs sorted by id (so that the params stay
+        hashable), None when empty. Ids are checked against the vocabulary by the
+        callers that know it (`sample` raises ValueError for one outside).
     """
 
     temperature: float = 1.0
@@ -79,8 +113,15 @@ class SamplingParams:
     max_tokens: int = 16
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         self.validate()
 
     def validate(self) -> "SamplingParams":
@@ -97,11 +138,43 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise InputError(f"sampling field 'seed' must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (_is_number(v) and -2 <= v <= 2):
+                raise InputError(f"sampling field '{name}' must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if not (_is_number(r) and math.isfinite(r) and r > 0):
+            raise InputError(f"sampling field 'repetition_penalty' must be a finite number > 0, got {r!r}")
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise InputError(f"sampling field 'min_p' must be a number in [0, 1], got {self.min_p!r}")
+        m = self.min_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise InputError(f"sampling field 'min_tokens' must be an integer >= 0, got {m!r}")
+        if isinstance(self.max_tokens, int) and m > self.max_tokens:
+            raise InputError(f"sampling field 'min_tokens' ({m}) must be at most max_tokens "
+                             f"({self.max_tokens})")
+        for tok, bias in self.logit_bias or ():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise InputError(f"sampling field 'logit_bias': token id {tok!r} is not an integer >= 0")
+            if not (_is_number(bias) and -100 <= bias <= 100):
+                raise InputError(f"sampling field 'logit_bias': the bias of token {tok} must be a number "
+                                 f"in [-100, 100], got {bias!r}")
         return self
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """presence, frequency or repetition penalty on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` has work for this row (penalties, logit_bias or
+        min_tokens): the rows whose sequences need a `TokenHistory`."""
+        return self.has_penalties or self.logit_bias is not None or self.min_tokens > 0
 
     def make_generator(self, device: torch.device | str) -> torch.Generator:
         g = torch.Generator(device=device)
@@ -110,6 +183,38 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed)
         return g
+
+
+def _is_number(v) -> bool:
+    """A real number (not a bool, not NaN, and within float range)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return not math.isnan(v)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def _normalise_logit_bias(bias):
+    """A {token_id: bias} mapping (or pairs) -> a tuple of (token_id, float(bias)) sorted
+    by id, or None when empty. Values that are not numbers are left for `validate`."""
+    if bias is None:
+        return None
+    try:
+        pairs = list(bias.items()) if hasattr(bias, "items") else [tuple(p) for p in bias]
+    except TypeError:
+        raise InputError(f"sampling field 'logit_bias' must be a dict {{token_id: bias}}, got "
+                         f"{type(bias).__name__}") from None
+    if any(len(p) != 2 for p in pairs):
+        raise InputError("sampling field 'logit_bias' must be a dict {token_id: bias}, or (token_id, bias) pairs")
+    if not pairs:
+        return None
+    ids = [t for t, _ in pairs]
+    if not all(isinstance(t, int) for t in ids):
+        return tuple(pairs)  # validate names the bad id
+    if len(set(ids)) != len(ids):
+        raise InputError("sampling field 'logit_bias' gives a token id twice")
+    return tuple(sorted((t, float(b) if _is_number(b) else b) for t, b in pairs))
 
 
 def params_per_prompt(params, n: int) -> list["SamplingParams"]:
@@ -134,7 +239,9 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """The distribution a request samples from (the definition; `sample` draws from it
     without building it). logits: fp32 (or bf16) [..., V]. Not for greedy.
 
-    x = logits / temperature; top-k keeps every token with x >= the k-th largest x (the
+    x = logits / temperature; min_p (when > 0) drops every token with exp(x - max x) <
+    min_p (its probability below min_p times the top token's, as vLLM's min-p; equal x
+    stay or go together); top-k keeps every token with x >= the k-th largest x (the
     k-th logit's ties all stay); softmax over the kept tokens; top-p drops a token when
     the mass of the tokens with a strictly larger x reaches top_p (tokens with equal x
     stay or go together; the most likely ones always stay); renormalise. The masses that
@@ -146,6 +253,8 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     """
     x = logits.float() / params.temperature
     vocab = x.shape[-1]
+    if params.min_p > 0:
+        x = _apply_min_p(x, params.min_p)
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -209,6 +318,16 @@ def _top_k_scores(x: torch.Tensor, k: int, top_p: float):
     return cand, scores, tied
 
 
+def _apply_min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """x (the logits over the temperature) with -inf where exp(x - max x) < min_p: vLLM's
+    min-p (probability < min_p times the largest probability), decided in fp64 on the
+    logits, so that equal logits are kept or dropped together and the top token(s) always
+    stay."""
+    xd = x.double()
+    drop = torch.exp(xd - xd.amax(dim=-1, keepdim=True)) < min_p
+    return x.masked_fill(drop, float("-inf"))
+
+
 def _gumbel(u: torch.Tensor) -> torch.Tensor:
     """Gumbel noise -log(-log(u)) in fp64 for uniforms u in [0, 1) (u = 0 gives -inf)."""
     return -torch.log(-torch.log(u.double()))
@@ -222,6 +341,8 @@ def _draw(x: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Ten
     from its request's generator). Returns int64 [R]."""
     V = x.shape[-1]
     k = params.top_k
+    if params.min_p > 0:
+        x = _apply_min_p(x, params.min_p)
     if 0 < k < V and k <= MAX_FAST_TOP_K:
         cand, scores, tied = _top_k_scores(x, k, params.top_p)
         win = torch.argmax(scores + _gumbel(u[:, :k + 1]), dim=-1)  # [R] in [0, k]
@@ -233,10 +354,13 @@ def _draw(x: torch.Tensor, params: SamplingParams, u: torch.Tensor) -> torch.Ten
     return torch.argmax(torch.log(probs.double()) + _gumbel(u[:, :V]), dim=-1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           history: list["TokenHistory | None"] | None = None):
     """Draw one token per row, rows with the same settings batched (one `_draw` per group
-    of rows with equal (temperature, top_k, top_p)). Greedy rows take the argmax (ties to
-    the lower token id). Each sampled row fills its own V + MAX_FAST_TOP_K + 1 uniforms
+    of rows with equal (temperature, top_k, top_p, min_p)). Greedy rows take the argmax
+    (ties to the lower token id). Rows with penalties, logit_bias or min_tokens draw
+    from their logits as `adjust_logits` leaves them (on a copy: `logits` is never
+    written). Each sampled row fills its own V + MAX_FAST_TOP_K + 1 uniforms
     from its own generator (one `uniform_` launch per row, the same count whatever the
     settings), so a seeded request's tokens do not depend on the rest of the batch, at
     any step. A row holding NaN logits gets an unspecified token of that row (no error;
@@ -249,12 +373,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         params: B `SamplingParams`, one per row.
         generators: B generators on logits' device (None: torch's default generator;
             greedy rows ignore theirs).
+        history: None, or B entries: each row's `TokenHistory` (None for a row that
+            needs none). Rows with penalties or min_tokens need theirs.
     Returns: int64 [B] on logits' device.
     Raises:
-        ValueError: logits not [B, V] or lists of another length than B.
+        ValueError: logits not [B, V] or lists of another length than B; a row with
+            penalties or min_tokens and no history; a logit_bias id outside [0, V).
     """
-    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
-        raise ValueError("sample() needs logits [B, V] and one params/generator per row")
+    if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators) \
+            or (history is not None and len(history) != len(params)):
+        raise ValueError("sample() needs logits [B, V] and one params/generator (and history, if given) per row")
+    if any(p.adjusts_logits for p in params):
+        logits = adjust_logits(logits, params, history)
     B, V = logits.shape
     if all(p.is_greedy for p in params):
         return torch.argmax(logits, dim=-1)  # first maximum: the lower token id
@@ -268,7 +398,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for b, p in enumerate(params):
         if b in fast_set:
             continue
-        key = ("greedy",) if p.is_greedy else (p.temperature, p.top_k, p.top_p)
+        key = ("greedy",) if p.is_greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
         groups.setdefault(key, []).append(b)
     # Every sampled row draws the same number of uniforms whatever its or the other rows'
     # settings, so a seeded request's generator advances alike in any batch.
@@ -299,7 +429,8 @@ def _triton_rows(logits: torch.Tensor, params: list[SamplingParams], generators)
     """The sampled rows `flintc.kernels.sampler` takes, each decided on its own settings
     alone: logits on CUDA (or any device under Triton's interpreter, for tests), the row
     with 1 <= top_k <= its MAX_TOP_K and < V, and a generator whose Philox state can be
-    read (CUDA: seed and offset; the CPU's draws an offset). CPU logits only under the
+    read (CUDA: seed and offset; the CPU's draws an offset), and no min_p (the kernel has
+    none; logit adjustments are already in the logits). CPU logits only under the
     interpreter with FLINTC_SAMPLER=triton set explicitly (the default keeps the CPU on
     the torch path)."""
     if not (logits.is_cuda or (os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -313,7 +444,7 @@ def _triton_rows(logits: torch.Tensor, params: list[SamplingParams], generators)
     if V >= 2**24 or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(-1) != 1:
         return []
     return [b for b, (p, g) in enumerate(zip(params, generators))
-            if not p.is_greedy and sampler.supports([p.top_k], V)
+            if not p.is_greedy and p.min_p == 0 and sampler.supports([p.top_k], V)
             and (g is None or g.device.type != "cuda" or hasattr(g, "get_offset"))]
 
 
@@ -364,3 +495,165 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(x.shape[0])):
         return x
     return torch.stack([x[b] for b in rows])
+
+
+# ---- vLLM's logit adjustments: min_tokens, logit_bias, penalties ------------------------
+
+
+class TokenHistory:
+    """One sequence's tokens, for the rows whose params adjust the logits (penalties,
+    min_tokens, logit_bias): what `sample(..., history=...)` reads. The caller keeps one
+    per sequence and appends each generated token to `output_ids` (the list given is
+    used as it is, not copied). The device tensors are made when first needed and kept:
+    the prompt's token mask and the stop ids (once), the logit bias (once per params),
+    and the output's token counts, brought up to date with the tokens appended since the
+    last call (one small in-place add per new token, no host-to-device copy for it).
+
+    Args:
+        prompt_ids: the prompt's token ids.
+        output_ids: the generated ids so far (a list the caller appends to).
+        stop_token_ids: ids that end the sequence (end-of-text included): masked while
+            fewer than `min_tokens` tokens are generated, as vLLM masks them.
+    """
+
+    def __init__(self, prompt_ids, output_ids: list[int] | None = None, stop_token_ids=()):
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids = output_ids if output_ids is not None else []
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        self._prompt_mask = self._counts = self._stops = None
+        self._counted = 0
+        self._bias_key = self._bias = None
+
+    def prompt_mask(self, vocab: int, device) -> torch.Tensor:
+        """bool [vocab]: the tokens the prompt holds."""
+        if self._prompt_mask is None:
+            ids = _checked_ids(self.prompt_ids, vocab, "prompt")
+            mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if ids:
+                mask[torch.tensor(ids, dtype=torch.long).to(device)] = True
+            self._prompt_mask = mask
+        return self._prompt_mask
+
+    def output_counts(self, vocab: int, device) -> torch.Tensor:
+        """fp32 [vocab]: how many times each token occurs in output_ids."""
+        out = self.output_ids
+        if self._counts is None or len(out) < self._counted:  # (a list cut short: count again)
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self._counted = 0
+        new = _checked_ids(out[self._counted:], vocab, "generated")
+        if len(new) <= 4:
+            for t in new:
+                self._counts[t:t + 1].add_(1.0)
+        else:
+            idx = torch.tensor(new, dtype=torch.long).to(device)
+            self._counts.index_put_((idx,), torch.ones(len(new), device=device), accumulate=True)
+        self._counted = len(out)
+        return self._counts
+
+    def stop_ids(self, vocab: int, device) -> torch.Tensor | None:
+        """int64 [n]: the stop ids inside the vocabulary, or None for none."""
+        if self._stops is None:
+            ids = sorted(t for t in self.stop_token_ids if 0 <= t < vocab)
+            self._stops = torch.tensor(ids, dtype=torch.long).to(device) if ids else False
+        return self._stops if self._stops is not False else None
+
+    def bias(self, params: SamplingParams, vocab: int, device):
+        """(int64 ids [n], fp32 biases [n]) of params.logit_bias on the device."""
+        if self._bias_key != params.logit_bias:
+            self._bias = _bias_tensors(params.logit_bias, vocab, device)
+            self._bias_key = params.logit_bias
+        return self._bias
+
+
+def _checked_ids(ids, vocab: int, what: str) -> list[int]:
+    ids = [int(t) for t in ids]
+    if ids and not (0 <= min(ids) and max(ids) < vocab):
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
+def _bias_tensors(logit_bias, vocab: int, device):
+    ids = [t for t, _ in logit_bias]
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return (_to_device(ids, torch.long, device),
+            _to_device([b for _, b in logit_bias], torch.float32, device))
+
+
+def _to_device(values, dtype, device) -> torch.Tensor:
+    """A small host list on `device`: from pinned memory, asynchronously, on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """vLLM's `apply_penalties` (the OpenAI definition for presence and frequency, the
+    CTRL paper's repetition penalty), out of place.
+
+    Args:
+        logits: fp32 [R, V]. prompt_mask: bool [R, V], the tokens of each row's prompt.
+        output_counts: fp32 [R, V], each token's count in the row's generated tokens.
+        presence, frequency, repetition: fp32 [R], each row's penalties.
+
+    Returns: fp32 [R, V]: for the tokens of prompt or output, logits > 0 divided by the
+    repetition penalty and the others multiplied by it; then minus frequency * count,
+    minus presence for the tokens the output holds.
+    """
+    in_output = output_counts > 0
+    rep = repetition[:, None]
+    x = torch.where(prompt_mask | in_output, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    x = x - frequency[:, None] * output_counts
+    return x - presence[:, None] * in_output
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
+                  history: list[TokenHistory | None] | None) -> torch.Tensor:
+    """The logits `sample` draws from for rows with min_tokens, logit_bias or penalties,
+    in vLLM's order: min_tokens (the row's stop ids to -inf while its output is shorter),
+    logit_bias (added), then `apply_penalties` (one batched call over the rows with
+    penalties). Rows without any are left as they are. -> fp32 [B, V], a new tensor.
+
+    Raises:
+        ValueError: a row with penalties or min_tokens and no history; an id outside the
+            vocabulary.
+    """
+    x = logits.float()
+    if x is logits:
+        x = x.clone()
+    B, V = x.shape
+    dev = x.device
+
+    def hist(b: int, why: str) -> TokenHistory:
+        h = history[b] if history is not None else None
+        if h is None:
+            raise ValueError(f"sample(): row {b} has {why}, which needs its TokenHistory (history=...)")
+        return h
+
+    for b, p in enumerate(params):
+        if p.min_tokens > 0:
+            h = hist(b, "min_tokens")
+            if len(h.output_ids) < p.min_tokens:
+                stops = h.stop_ids(V, dev)
+                if stops is not None:
+                    x[b].index_fill_(0, stops, float("-inf"))
+        if p.logit_bias is not None:
+            h = history[b] if history is not None else None
+            ids, vals = h.bias(p, V, dev) if h is not None else _bias_tensors(p.logit_bias, V, dev)
+            x[b].index_add_(0, ids, vals)
+    rows = [b for b, p in enumerate(params) if p.has_penalties]
+    if rows:
+        hs = [hist(b, "penalties") for b in rows]
+        pen = _to_device([[params[b].presence_penalty, params[b].frequency_penalty, params[b].repetition_penalty]
+                          for b in rows], torch.float32, dev)
+        out = apply_penalties(_rows(x, rows), torch.stack([h.prompt_mask(V, dev) for h in hs]),
+                              torch.stack([h.output_counts(V, dev) for h in hs]), pen[:, 0], pen[:, 1], pen[:, 2])
+        if len(rows) == B:
+            return out
+        for j, b in enumerate(rows):
+            x[b].copy_(out[j])
+    return x

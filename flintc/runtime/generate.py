@@ -1,10 +1,13 @@
 """Generation over any `ModelRunner`: prefill each prompt into its own slot, then
 decode the live sequences together, one token per sequence per step, sampling on
 the runner's device (FLINT_SPEC section 6: temperature, top-k then top-p, greedy at
-temperature 0, per-request seeds).
+temperature 0, per-request seeds; and vLLM's penalties, min_p, min_tokens and
+logit_bias, see `flintc.sampling`: a prompt whose params use penalties, logit_bias or
+min_tokens keeps a `TokenHistory` of its tokens for `sample`).
 
 Same result type and stopping rules as the reference loop (`flintc.model.generate`):
-a sequence stops at its end-of-text token (unless ignore_eos), at max_tokens, or when
+a sequence stops at its end-of-text token (unless ignore_eos; never before min_tokens,
+which masks it until then), at max_tokens, or when
 prompt + generated tokens reach the runner's max_model_len (vLLM's meaning: the last
 token needs no cache position, so a sequence uses max_model_len - 1 positions). The
 finish reason is "stop" for the first, "length" for both others (as vLLM and
@@ -20,7 +23,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.model.generate import GenerationResult, check_prompt
-from flintc.sampling import SamplingParams, params_per_prompt, sample
+from flintc.sampling import SamplingParams, TokenHistory, params_per_prompt, sample
 
 
 def _sync(device: torch.device) -> None:
@@ -47,7 +50,8 @@ def generate_with_runner(
 
     Raises:
         InputError: no prompts or more than runner.max_batch, an empty prompt, an id
-            outside the vocabulary, or a prompt of max_model_len tokens or more.
+            outside the vocabulary (in a prompt or a logit_bias), or a prompt of
+            max_model_len tokens or more.
     """
     cfg = runner.config
     B = len(prompts)
@@ -60,9 +64,17 @@ def generate_with_runner(
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, runner.max_model_len,
                      name=f"prompt {i}" if B > 1 else "prompt")
+    for i, q in enumerate(plist):
+        bad = [t for t, _ in q.logit_bias or () if t >= cfg.vocab_size]
+        if bad:
+            raise InputError(f"sampling field 'logit_bias'{f' of prompt {i}' if B > 1 else ''}: token id "
+                             f"{bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
     device = runner.device
     gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
     result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])
+    stops = () if eos_token_id is None else (eos_token_id,)
+    hist = [TokenHistory(prompts[b], result.output_ids[b], stops) if plist[b].adjusts_logits else None
+            for b in range(B)]
     result.prompt_logits = [] if return_prompt_logits else None
     result.finish_reasons = ["length"] * B
 
@@ -86,7 +98,8 @@ def generate_with_runner(
         live = [b for b in live if len(result.output_ids[b]) < plist[b].max_tokens]
         if not live:
             break
-        toks = sample(logits.float(), [plist[b] for b in live], [gens[b] for b in live]).tolist()
+        toks = sample(logits.float(), [plist[b] for b in live], [gens[b] for b in live],
+                      history=[hist[b] for b in live] if any(hist) else None).tolist()
         if keep_step_logits:
             result.step_logits.append(logits.float().cpu())
         still = []
@@ -94,7 +107,8 @@ def generate_with_runner(
             result.output_ids[b].append(t)
             if on_token is not None:
                 on_token(b, t)
-            if t == eos_token_id and not plist[b].ignore_eos:
+            if t == eos_token_id and not plist[b].ignore_eos \
+                    and len(result.output_ids[b]) >= plist[b].min_tokens:
                 result.finish_reasons[b] = "stop"
             elif len(result.output_ids[b]) >= plist[b].max_tokens \
                     or pos[b] + 1 >= runner.max_model_len:  # pos[b] + 1 tokens: prompt + generated

@@ -336,3 +336,32 @@ def test_greedy_row_takes_an_inf_logit_in_a_mixed_batch():
     params = _params([(0, 0, 1, 0.0, 1.0), (3, 0, 20, 1.0, 0.95)])
     toks = S.launch_sample(x.to(DEV), params, 20)
     assert int(toks[0]) == 30 and 0 <= int(toks[1]) < 200
+
+
+def test_adjusted_rows_take_the_kernel_and_min_p_rows_do_not(monkeypatch):
+    """With FLINTC_SAMPLER=triton: a row with penalties / logit_bias / min_tokens still
+    takes the kernel, drawing from its adjusted logits (the same token as a plain row
+    given `adjust_logits`' output, same seed); a min_p row goes the torch way (the kernel
+    has no min_p) and the seeded plain row beside them draws as it does alone."""
+    from flintc import sampling
+
+    calls = []
+    real = S.launch_sample
+    monkeypatch.setattr(S, "launch_sample", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setenv("FLINTC_SAMPLER", "triton")
+    gen = torch.Generator().manual_seed(12)
+    V = 300
+    x = torch.stack([logits_with_ties(V, gen) for _ in range(3)]).to(DEV)
+    plain = SamplingParams(seed=1)
+    pen = SamplingParams(seed=2, presence_penalty=2.0, repetition_penalty=1.5, logit_bias={3: 5.0}, min_tokens=2)
+    minp = SamplingParams(seed=3, min_p=0.3)
+    hist = [None, sampling.TokenHistory([1, 2, 3], [int(torch.argmax(x[1]))] * 2, {4}), None]
+    ps = [plain, pen, minp]
+    toks = sampling.sample(x, ps, [p.make_generator(DEV) for p in ps], history=hist)
+    assert calls == [2]  # plain and pen in one launch; min_p on the torch path
+    adjusted = sampling.adjust_logits(x, ps, hist)
+    again = sampling.sample(adjusted[1:2], [SamplingParams(seed=2)], [pen.make_generator(DEV)])
+    assert int(toks[1]) == int(again[0])
+    alone = sampling.sample(x[:1], [plain], [plain.make_generator(DEV)])
+    assert int(toks[0]) == int(alone[0])
+    assert sampling_probs(x[2:3].float(), minp)[0, int(toks[2])] > 0
