@@ -54,7 +54,9 @@ class CompiledModel:
             prompts: one prompt (a str, or token ids: a list / tuple of ints or an int64
                 [T] tensor) or a list of up to max_batch prompts.
             params: SamplingParams (one or one per prompt); or, instead, keyword
-                arguments of SamplingParams (temperature=0, max_tokens=16, seed=1, ...).
+                arguments of SamplingParams (temperature=0, max_tokens=16, seed=1, and
+                vLLM's presence_penalty, frequency_penalty, repetition_penalty, min_p,
+                min_tokens, logit_bias={token_id: bias}, ...).
             on_token: called as on_token(prompt_index, token_id).
 
         Raises:

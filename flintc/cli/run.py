@@ -43,6 +43,20 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=20, help="0 or -1 keeps every token")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: random)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted from the logit of each token already generated (vLLM's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted from each token's logit times its count in the generated "
+                        "tokens (vLLM's)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: for the tokens of the prompt and the generated ones, positive logits are "
+                        "divided by it, the others multiplied (vLLM's; 1 is off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="in [0, 1]: drop tokens less likely than this times the most likely one (vLLM's)")
+    p.add_argument("--min-tokens", type=int, default=0,
+                   help="generate at least this many tokens before <|endoftext|> may come")
+    p.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit; repeat for more tokens")
     add_model_source_args(p)
     p.add_argument("--build", default=None, help="run this BUILD (from flintc compile)")
     p.add_argument("--backend", choices=("reference", "auto", "triton", "torch"), default=None,
@@ -60,6 +74,27 @@ def add_parser(sub) -> None:
                    help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy "
                         "(one prompt only)")
     p.set_defaults(func=run_generate)
+
+
+def parse_logit_bias(items: list[str] | None) -> dict[int, float] | None:
+    """--logit-bias values ['ID=BIAS', ...] -> {id: bias}. Raises InputError naming the
+    flag: an item not ID=BIAS with an integer id and a number, or an id given twice."""
+    if not items:
+        return None
+    out: dict[int, float] = {}
+    for item in items:
+        tok, sep, bias = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            tok_id, value = int(tok.strip()), float(bias.strip())
+        except ValueError:
+            raise InputError(f"--logit-bias {item!r}: expected ID=BIAS, a token id and a number, "
+                             "e.g. --logit-bias 42=-100") from None
+        if tok_id in out:
+            raise InputError(f"--logit-bias: token id {tok_id} given twice")
+        out[tok_id] = value
+    return out
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -224,10 +259,15 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeat either for a batch)")
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+                                max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                                presence_penalty=args.presence_penalty,
+                                frequency_penalty=args.frequency_penalty,
+                                repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+                                min_tokens=args.min_tokens, logit_bias=parse_logit_bias(args.logit_bias))
     except InputError as exc:  # name the flag the user typed, not only the field
         field = str(exc).split("'")[1] if str(exc).count("'") >= 2 else None
-        if field in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+        if field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias"):
             raise InputError(f"--{field.replace('_', '-')}: {exc}") from None
         raise
     id_prompts = [parse_prompt_ids(t) for t in args.prompt_ids or []]

@@ -20,10 +20,13 @@ through an asyncio queue; for chat they go through the reasoning parser
 has its requests aborted, which frees their engine slots.
 
 Sampling defaults are FLINT_SPEC section 6 (temperature 1.0, top-p 0.95, top-k
-20). ``n`` > 1 with a ``seed`` gives choice i the seed ``seed + i`` (otherwise
-every choice would be the same). ``max_tokens`` (or ``max_completion_tokens``)
-counts every generated token, reasoning included; by default chat may use the
-rest of the context and completions 16 tokens (the OpenAI default).
+20); vLLM's ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+``min_p``, ``min_tokens`` and ``logit_bias`` (ids in the vocabulary, biases clamped
+to [-100, 100] as vLLM does) are honoured (:mod:`flintc.sampling`). ``n`` > 1
+with a ``seed`` gives choice i the seed ``seed + i`` (otherwise every choice would
+be the same). ``max_tokens`` (or ``max_completion_tokens``) counts every generated
+token, reasoning included; by default chat may use the rest of the context and
+completions 16 tokens (the OpenAI default).
 
 The chat template is compiled when the app is made (`FlintTokenizer.check_chat_template`):
 a malformed one stops the server at startup instead of failing every chat request.
@@ -37,6 +40,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -359,7 +363,29 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                    else f"invalid value for '{where}': {e['msg']}")
             raise APIError(400, msg, param=where) from None
 
+    def logit_bias(req) -> dict[int, float] | None:
+        """``logit_bias`` with integer ids (each in the vocabulary) and, as vLLM, each bias
+        clamped to [-100, 100]. Raises APIError(400) naming the field."""
+        if not req.logit_bias:
+            return None
+        out = {}
+        for key, bias in req.logit_bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise APIError(400, f"'logit_bias': the key {key!r} is not a token id (an integer)",
+                               param="logit_bias") from None
+            if not 0 <= tok < tokenizer.vocab_size:
+                raise APIError(400, f"'logit_bias': token id {tok} is outside the vocabulary "
+                               f"[0, {tokenizer.vocab_size})", param="logit_bias")
+            if not math.isfinite(bias):
+                raise APIError(400, f"'logit_bias': the bias of token {tok} must be a finite number, "
+                               f"got {bias!r}", param="logit_bias")
+            out[tok] = min(100.0, max(-100.0, bias))
+        return out
+
     def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
+        bias = logit_bias(req)
         out = []
         for j in range(n):
             # choice j > 0 gets seed + j (wrapping within [0, 2**63)); seed itself is validated
@@ -369,7 +395,13 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=0.95 if req.top_p is None else req.top_p,
                     top_k=20 if req.top_k is None else req.top_k,
-                    max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos))
+                    max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
+                    presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+                    frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    min_p=0.0 if req.min_p is None else req.min_p,
+                    min_tokens=0 if req.min_tokens is None else req.min_tokens,
+                    logit_bias=bias))
             except InputError as exc:
                 param = str(exc).split("'")[1] if "'" in str(exc) else None
                 raise APIError(400, str(exc), param=param) from None

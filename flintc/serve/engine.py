@@ -17,7 +17,11 @@ thread loops over *steps*:
 
 A request beyond the free slots waits in the queue. Sampling follows
 :mod:`flintc.sampling` (FLINT_SPEC section 6); each request has its own
-``torch.Generator`` so its tokens do not depend on its batch neighbours.
+``torch.Generator`` so its tokens do not depend on its batch neighbours. A request
+whose params adjust the logits (vLLM's penalties, ``logit_bias``, ``min_tokens``)
+keeps a :class:`~flintc.sampling.TokenHistory` of its prompt, its generated tokens
+(their counts, on the device) and its stop tokens, passed to ``sample(...,
+history=...)``; the others keep none and sample as before.
 
 Text is made here too, so that a stop string can end a sequence at once: each
 sequence has an :class:`~flintc.checkpoint.tokenizer.IncrementalDetokenizer`
@@ -25,7 +29,9 @@ sequence has an :class:`~flintc.checkpoint.tokenizer.IncrementalDetokenizer`
 text that might be the start of a stop string is held back until it is not.
 Stop tokens (end-of-text, and in chat also ``<|user|>`` / ``<|observation|>``) end
 a sequence with finish reason ``"stop"`` and add no text; they count as completion
-tokens (as in vLLM).
+tokens (as in vLLM). With ``min_tokens`` (as vLLM): the stop tokens cannot be sampled
+before that many tokens are generated (and do not stop the sequence before then), and
+stop strings are looked for only once more than ``min_tokens`` tokens are out.
 
 Metrics: each request carries a :class:`RequestTimeline` (when it was queued,
 admitted to a slot, got its first and latest token; how many prompt tokens were
@@ -54,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flintc.sampling import SamplingParams, sample
+from flintc.sampling import SamplingParams, TokenHistory, sample
 
 _WAKE = object()
 _STOP = object()
@@ -166,6 +172,9 @@ class _Seq:
         self.detok = detok
         self.generator = None if req.params.is_greedy else req.params.make_generator(device)
         self.out_ids: list[int] = []
+        # penalties / logit_bias / min_tokens: the token counts `sample` reads (out_ids itself)
+        self.history = (TokenHistory(req.prompt_ids, self.out_ids, req.stop_token_ids)
+                        if req.params.adjusts_logits else None)
         self.pos = len(req.prompt_ids)  # position of the next token fed to the model
         self.text = ""  # text so far (stop strings removed)
         self.sent = 0  # characters of text already emitted
@@ -334,7 +343,9 @@ class Engine:
     def _sample_and_push(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         """Pick one token per sequence from fp32 logits [B, V] and process it."""
         logits = logits.float()
-        toks = sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs]).tolist()
+        hist = [s.history for s in seqs]
+        toks = sample(logits, [s.req.params for s in seqs], [s.generator for s in seqs],
+                      history=hist if any(h is not None for h in hist) else None).tolist()
         for b, (seq, tok) in enumerate(zip(seqs, toks)):
             forced = seq.req.forced
             if forced is not None:
@@ -372,11 +383,13 @@ class Engine:
             obs.token(req, since_last)
         if lp is not None:
             seq.pending_lp.append(lp)
-        if tok in req.stop_token_ids and not params.ignore_eos:
+        n_out = len(seq.out_ids)
+        if tok in req.stop_token_ids and not params.ignore_eos and n_out >= params.min_tokens:
             self._finish(seq, "stop")
             return
         seq.text += seq.detok.push(tok)
-        if req.stop and self._cut_stop(seq):
+        # (vLLM looks for stop strings only past min_tokens)
+        if req.stop and n_out > params.min_tokens and self._cut_stop(seq):
             self._finish(seq, "stop")
             return
         # seq.pos + 1 tokens so far (prompt + generated): vLLM's max_model_len counts both

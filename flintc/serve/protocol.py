@@ -4,12 +4,13 @@ OpenAI error body.
 Requests are validated strictly from JSON (``model_validate_json``): a wrong type is
 a 400, and so is an unknown field (as the OpenAI API does: "Unrecognized request
 argument"). Fields that OpenAI defines but Flint cannot honour are accepted only
-at their neutral value (e.g. ``presence_penalty: 0``); any other value is a 400
-naming the field (:func:`unsupported`). Purely informational fields (``user``,
+at their neutral value (e.g. ``best_of: 1``); any other value is a 400 naming the
+field (:func:`unsupported`). ``presence_penalty``, ``frequency_penalty`` and
+``logit_bias`` are honoured, with vLLM's semantics (:mod:`flintc.sampling`). Purely informational fields (``user``,
 ``metadata``, ``store``, ...) are accepted and ignored.
 
 Extensions, as vLLM names them: ``top_k`` (FLINT_SPEC section 6: 20 by default;
-0 or -1 keeps all), ``ignore_eos``, ``return_token_ids`` (adds
+0 or -1 keeps all), ``repetition_penalty``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``return_token_ids`` (adds
 ``prompt_token_ids`` to the response and ``token_ids`` to each choice), and for
 chat ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``).
 
@@ -48,6 +49,9 @@ class _Common(BaseModel):
     user: str | None = None
     # vLLM-style extensions
     top_k: int | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
 
@@ -154,12 +158,9 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
-    support (penalties, logit_bias, functions, audio, non-text modalities or response
-    formats, echo, best_of > 1, suffix, continue_final_message)."""
+    support (functions, audio, non-text modalities or response formats, echo,
+    best_of > 1, suffix, continue_final_message)."""
     checks = [
-        ("frequency_penalty", lambda v: v not in (None, 0)),
-        ("presence_penalty", lambda v: v not in (None, 0)),
-        ("logit_bias", lambda v: bool(v)),
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
         ("audio", lambda v: v is not None),

@@ -39,6 +39,28 @@ def test_run_json_greedy_matches_python_api(capsys, which, tiny_bf16_dir, tiny_n
     assert obj["output_ids"] == ref.output_ids[0]
 
 
+def test_run_sampling_controls_match_python_api(capsys, tiny_bf16_dir):
+    """--presence-penalty, --frequency-penalty, --repetition-penalty, --min-p, --min-tokens
+    and --logit-bias reach SamplingParams: the tokens are the Python API's with the same
+    fields (greedy and seeded), and --logit-bias ID=100 makes greedy pick ID."""
+    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
+    model = FlintModel(ckpt.config, ckpt.weights)
+    flags = ["--presence-penalty", "1.5", "--frequency-penalty", "0.5", "--repetition-penalty", "1.2",
+             "--min-p", "0.05", "--min-tokens", "3", "--logit-bias", "9=2.5", "--logit-bias", "11=-1"]
+    fields = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2, min_p=0.05,
+                  min_tokens=3, logit_bias={9: 2.5, 11: -1.0})
+    for extra, kw in ((["--temperature", "0"], dict(temperature=0)), (["--seed", "4"], dict(seed=4))):
+        code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1,2,3", "--max-tokens", 6,
+                                 "--output", "json", "--ignore-eos", *flags, *extra)
+        assert code == 0, err
+        ref = generate(model, [[1, 2, 3]], SamplingParams(max_tokens=6, ignore_eos=True, **kw, **fields))
+        assert json.loads(out)["output_ids"] == ref.output_ids[0], extra
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1,2,3", "--max-tokens", 3,
+                             "--output", "json", "--temperature", "0", "--logit-bias", "77=100")
+    assert code == 0, err
+    assert json.loads(out)["output_ids"] == [77, 77, 77]
+
+
 def test_logits_out(capsys, tmp_path, tiny_bf16_dir):
     target = tmp_path / "logits.npy"
     code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "5,6,7,8", "--max-tokens", 1,
@@ -96,6 +118,15 @@ def test_summary_has_no_decode_rate_without_a_decode_step(capsys, tiny_bf16_dir,
     (["--prompt-ids", "1,x"], "'x'"),
     (["--prompt-ids", "1,600"], "token id 600"),
     (["--prompt-ids", ",".join(["1"] * 4097)], "4097 tokens"),
+    (["--presence-penalty", "3"], "--presence-penalty: sampling field 'presence_penalty'"),
+    (["--frequency-penalty", "-2.5"], "--frequency-penalty"),
+    (["--repetition-penalty", "0"], "--repetition-penalty"),
+    (["--min-p", "2"], "--min-p"),
+    (["--min-tokens", "3"], "--min-tokens: sampling field 'min_tokens' (3) must be at most max_tokens (2)"),
+    (["--logit-bias", "5"], "--logit-bias '5': expected ID=BIAS"),
+    (["--logit-bias", "5=1", "--logit-bias", "5=2"], "token id 5 given twice"),
+    (["--logit-bias", "5=200"], "--logit-bias: sampling field 'logit_bias'"),
+    (["--logit-bias", "600=1"], "token id 600 is outside the vocabulary [0, 512)"),
 ])
 def test_bad_run_arguments(capsys, tiny_bf16_dir, args, needle):
     base = ["run", tiny_bf16_dir, "--max-tokens", 2]

@@ -355,6 +355,17 @@ def test_python_api_generate_text(builds):
     m = flintc.load(builds["nvfp4"][0])
     r = m.generate(["Hello there", "The quick brown fox"], temperature=0, max_tokens=5, ignore_eos=True)
     assert len(r.texts) == 2 and all(len(o) == 5 for o in r.output_ids)
+    # vLLM's sampling controls as keywords: logit_bias +100 makes greedy pick the token, a
+    # presence penalty changes the greedy tokens, min_tokens holds back the end-of-text
+    r = m.generate([[1, 2, 3]], temperature=0, max_tokens=3, logit_bias={42: 100})
+    assert r.output_ids == [[42, 42, 42]]
+    eos = m.tokenizer.eos_token_id
+    r = m.generate([[1, 2, 3]], temperature=0, max_tokens=6, logit_bias={eos: 100}, min_tokens=2)
+    assert r.output_ids[0][2] == eos and eos not in r.output_ids[0][:2] and r.finish_reasons == ["stop"]
+    plain = m.generate([[1, 2, 3]], temperature=0, max_tokens=12, ignore_eos=True).output_ids[0]
+    pen = m.generate([[1, 2, 3]], temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=2.0,
+                     repetition_penalty=1.5).output_ids[0]
+    assert pen != plain and len(set(pen)) >= len(set(plain))
     logits = m.forward(torch.tensor([1, 2, 3]))
     assert logits.shape == (3, m.runner.config.vocab_size) and logits.dtype == torch.float32
 

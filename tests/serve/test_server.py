@@ -257,6 +257,58 @@ def test_stop_strings(client):
     assert content == "Hello worl"
 
 
+def test_penalties_min_p_and_logit_bias_match_reference(server, client, tiny_serving):
+    """vLLM's sampling fields (presence / frequency / repetition penalties, min_p,
+    logit_bias) give the reference generate's tokens with the same SamplingParams, greedy
+    and seeded, on completions and chat; logit_bias +100 makes greedy pick the token;
+    a bias beyond 100 is clamped (as vLLM)."""
+    model, tok = tiny_serving
+    prompt = [5, 77, 300, 12]
+    fields = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, min_p=0.05)
+    for kw in (dict(temperature=0), dict(temperature=0.8, seed=3)):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **kw,
+                                      presence_penalty=fields["presence_penalty"],
+                                      frequency_penalty=fields["frequency_penalty"],
+                                      extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                  "repetition_penalty": fields["repetition_penalty"],
+                                                  "min_p": fields["min_p"]})
+        want, _ = reference(model, prompt, max_tokens=8, ignore_eos=True, **kw, **fields)
+        plain, _ = reference(model, prompt, max_tokens=8, ignore_eos=True, **kw)
+        assert r.choices[0].token_ids == want and want != plain, kw
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                  logit_bias={"42": 100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [42] * 4
+    status, body = raw(server, "POST", "/v1/chat/completions",
+                       chat("Hi", model=MODEL, max_tokens=3, temperature=0, logit_bias={"43": 1e6},
+                            return_token_ids=True))
+    assert status == 200 and body["choices"][0]["token_ids"] == [43] * 3
+
+
+def test_min_tokens_masks_stop_tokens_and_defers_stop_strings(client, tiny_serving):
+    """min_tokens (vLLM's): with EOS made the likeliest token, a request ends at once
+    without min_tokens and after exactly min_tokens tokens plus the EOS with it (chat and
+    completions); a stop string inside the first min_tokens tokens is not looked for."""
+    model, tok = tiny_serving
+    eos = {str(tok.eos_token_id): 100}
+    r = client.chat.completions.create(**chat("Hi", model=MODEL, max_tokens=20, logit_bias=eos))
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(**chat("Hi", model=MODEL, max_tokens=20, logit_bias=eos,
+                                              extra_body={"min_tokens": 5, "return_token_ids": True}))
+    ids = r.choices[0].token_ids
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop", ids
+    assert ids[-1] == tok.eos_token_id and tok.eos_token_id not in ids[:5]
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, logit_bias=eos, seed=2,
+                                  extra_body={"min_tokens": 7})
+    assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "stop"
+    script = tok.encode(SCRIPTS["stop"])
+    n = next(i for i in range(1, len(script) + 1) if "world" in tok.decode(script[:i]))
+    r = client.chat.completions.create(**chat("#script:stop", model=MODEL, max_tokens=40, stop=["world"]))
+    assert r.choices[0].message.content == "Hello "
+    r = client.chat.completions.create(**chat("#script:stop", model=MODEL, max_tokens=40, stop=["world"],
+                                              extra_body={"min_tokens": n}))
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("Hello world. Goodbye ", "stop")
+
+
 def test_logprobs_match_reference(client, tiny_serving):
     model, tok = tiny_serving
     messages = [{"role": "user", "content": "Count."}]
@@ -377,7 +429,18 @@ def test_disconnect_frees_slot(server, client):
     ({"seed": -1}, "seed"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.5}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 3}, "min_tokens"),  # more than max_tokens (2)
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"512": 1}}, "logit_bias"),  # the tiny vocabulary is 512
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias.5"),
     ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
     ({"temperature": "hot"}, "temperature"),
     ({"unknown_field": 1}, "unknown_field"),
