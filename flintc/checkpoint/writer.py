@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from flintc.config import FlintConfig
-from flintc.errors import CheckpointError
+from flintc.errors import CheckpointError, ConfigError
 from flintc.fileio import set_public_mode
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,17 @@ def make_checkpoint(
     Raises:
         CheckpointError: `out_dir` exists and is a file or a folder that is not empty
             (nothing is written; the message says which), or the final rename fails.
-        ConfigError: an unknown preset or a bad config.json.
+        ConfigError: an unknown preset or a bad config.json, or a vocab_size below the
+            tokenizer's :data:`~flintc.checkpoint.tokenizer.MIN_VOCAB_SIZE` (nothing is written).
         ValueError: unknown `fmt`.
     """
+    from flintc.checkpoint.tokenizer import MIN_VOCAB_SIZE, NUM_BYTE_SYMBOLS, SPECIAL_TOKENS
+
     config = _resolve_config(config)
+    if config.vocab_size < MIN_VOCAB_SIZE:  # build_tokenizer's ValueError, before any file is written
+        raise ConfigError(f"{config.source}: field 'vocab_size' is {config.vocab_size}, too small for the "
+                          f"tokenizer a checkpoint gets: expected at least {MIN_VOCAB_SIZE} "
+                          f"({NUM_BYTE_SYMBOLS} byte symbols + {len(SPECIAL_TOKENS)} special tokens)")
     if fmt not in FORMATS:
         raise ValueError(f"checkpoint format must be one of {FORMATS}, found {fmt!r}")
     if max_shard_bytes is not None and max_shard_bytes < 1:

@@ -13,7 +13,7 @@ from flintc.checkpoint.init import random_weights
 from flintc.checkpoint.loader import load_checkpoint
 from flintc.checkpoint.writer import make_checkpoint
 from flintc.config import FlintConfig
-from flintc.errors import CheckpointError
+from flintc.errors import CheckpointError, ConfigError
 from flintc.model.weights import check_weights, weight_specs
 from flintc.quant.nvfp4 import NVFP4Tensor
 
@@ -106,6 +106,17 @@ def test_an_empty_folder_is_fine(tmp_path):
     out.mkdir()
     assert make_checkpoint("tiny", "bf16", out) == out
     assert (out / "model.safetensors").is_file()
+
+
+def test_a_vocab_too_small_for_the_tokenizer_is_a_config_error(tmp_path):
+    """A config.json with vocab_size below the tokenizer's 269 tokens: a ValueError from
+    deep in the tokenizer builder was raised (a traceback from flintc make-checkpoint);
+    now a ConfigError naming the file and the field, before anything is written."""
+    config_file = tmp_path / "config.json"
+    TINY.replace(vocab_size=7).save(config_file)
+    with pytest.raises(ConfigError, match=rf"^{config_file}: field 'vocab_size' is 7, .*at least 269"):
+        make_checkpoint(str(config_file), "bf16", tmp_path / "ckpt")
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
 def test_a_failure_leaves_nothing_half_written(tmp_path, monkeypatch):
