@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import numbers
 import os
 import shutil
 import time
@@ -94,9 +95,17 @@ class BuildOptions:
     extra: dict = field(default_factory=dict)
 
     def resolve(self, config: FlintConfig) -> "BuildOptions":
-        """Fill the defaults from `config` and validate. Raises InputError."""
+        """Fill the defaults from `config` and validate. Raises InputError, also for a
+        max_batch, max_model_len, prefill_chunk or decode bucket that is not an integer
+        (a bool, a float, a string: `flintc.compile(max_batch=2.0)`)."""
         o = BuildOptions(**{k: getattr(self, k) for k in self.__dataclass_fields__})
-        if not 1 <= int(o.max_batch) <= 8:
+        for flag, values in (("--max-batch", [o.max_batch]), ("--max-model-len", [o.max_model_len]),
+                             ("--prefill-chunk", [o.prefill_chunk]), ("--buckets", o.decode_buckets or [])):
+            for value in values:
+                if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                    raise InputError(f"{flag} must be an integer, got {value!r}")
+        o.max_batch = int(o.max_batch)  # a NumPy integer: a plain int in build.json
+        if not 1 <= o.max_batch <= 8:
             raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {o.max_batch}")
         limit = config.max_position_embeddings
         o.max_model_len = int(limit if o.max_model_len is None else o.max_model_len)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -725,6 +726,27 @@ def test_python_api_compile_refuses_an_empty_out(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(InputError, match="^out must not be empty: expected the path of the BUILD folder"):
         flintc.compile(out="", backend="torch", check=False, dump=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(max_batch="4"), "--max-batch must be an integer, got '4'"),
+    (dict(max_batch=2.0), "--max-batch must be an integer, got 2.0"),
+    (dict(max_batch=True), "--max-batch must be an integer, got True"),
+    (dict(max_model_len="8"), "--max-model-len must be an integer, got '8'"),
+    (dict(max_model_len=8.5), "--max-model-len must be an integer, got 8.5"),
+    (dict(prefill_chunk=4.0), "--prefill-chunk must be an integer, got 4.0"),
+])
+def test_python_api_compile_refuses_limits_that_are_not_integers(tmp_path, tiny_bf16_dir, kw, needle):
+    """`flintc.compile(max_batch="4")` raised a TypeError from deep in the bucket list;
+    `max_batch=2.0` wrote a build whose build.json then failed to load ("the file was
+    edited?"), and `max_model_len="8"` or 8.5 were taken as 8. Each is an InputError
+    naming the option, and nothing is written."""
+    import flintc
+
+    kw = dict(dict(max_batch=1, max_model_len=16), **kw)
+    with pytest.raises(InputError, match="^" + re.escape(needle) + "$"):
+        flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, backend="torch", **kw)
     assert list(tmp_path.iterdir()) == []
 
 
