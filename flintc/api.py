@@ -92,7 +92,7 @@ class CompiledModel:
                                  return_prompt_logits=return_prompt_logits)
         out = CompiledGeneration(**r.__dict__)
         if self.tokenizer is not None:
-            out.texts = [self.tokenizer.decode(o) for o in r.output_ids]
+            out.texts = [self.tokenizer.decode(r.text_ids(i)) for i in range(len(r.output_ids))]
         return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -302,7 +302,8 @@ def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
                          f"{config.vocab_size}")
 
     single = len(prompts) == 1
-    stream = _TextStream(tokenizer) if args.output == "text" and single else None
+    stream = (_TextStream(tokenizer, None if args.ignore_eos or tokenizer is None else tokenizer.eos_token_id)
+              if args.output == "text" and single else None)
     kwargs = dict(eos_token_id=tokenizer.eos_token_id if tokenizer else None,
                   return_prompt_logits=args.logits_out is not None,
                   on_token=(lambda b, t: stream.push(t)) if stream else None)
@@ -326,12 +327,12 @@ def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
             if not single:
                 obj = {"index": i, **obj}
             if tokenizer is not None:
-                obj["text"] = tokenizer.decode(out_ids)
+                obj["text"] = tokenizer.decode(result.text_ids(i))
             print(json.dumps(obj))
         elif stream is not None:
             stream.close()
         else:
-            text = tokenizer.decode(out_ids) if tokenizer else " ".join(map(str, out_ids))
+            text = tokenizer.decode(result.text_ids(i)) if tokenizer else " ".join(map(str, out_ids))
             print(f"[{i}] {one_line(text)}")
     print(f"prompt tokens: {sum(map(len, prompts))}, generated tokens: "
           f"{sum(map(len, result.output_ids))}, prefill: {result.prefill_seconds:.3f} s, "
@@ -364,13 +365,18 @@ def _decode_figure(result) -> str:
 
 
 class _TextStream:
-    """Prints generated text as it appears (token ids when there is no tokenizer)."""
+    """Prints generated text as it appears (token ids when there is no tokenizer); the
+    end-of-text token a sequence stops at (`stop_id`) is not printed, as `--output json`'s
+    text and vLLM's leave it out."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop_id: int | None = None):
         self.tokenizer = tokenizer
         self.decoder = tokenizer.detokenizer() if tokenizer is not None else None
+        self.stop_id = stop_id
 
     def push(self, token_id: int) -> None:
+        if token_id == self.stop_id:
+            return
         text = self.decoder.push(token_id) if self.decoder else f"{token_id} "
         sys.stdout.write(text)
         sys.stdout.flush()

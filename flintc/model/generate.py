@@ -38,6 +38,13 @@ class GenerationResult:
     # generated tokens reached max_model_len: vLLM's convention, as `flintc serve`'s).
     finish_reasons: list[str] = field(default_factory=list)
 
+    def text_ids(self, i: int) -> list[int]:
+        """The output ids of prompt `i` that its text is decoded from: without the
+        end-of-text token it stopped at (finish reason "stop"), which vLLM and `flintc
+        serve` leave out of the text too; output_ids keep it."""
+        ids = self.output_ids[i]
+        return ids[:-1] if i < len(self.finish_reasons) and self.finish_reasons[i] == "stop" else ids
+
 
 def check_prompt(ids: list[int], vocab_size: int, max_len: int, name: str = "prompt") -> None:
     """Raises InputError for an empty prompt, a token id outside [0, vocab_size), or a

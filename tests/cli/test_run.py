@@ -248,6 +248,34 @@ def test_finish_reason_reports_the_context_limit(capsys, tiny_bf16_dir):
     assert code == 0 and obj["finish_reason"] == "length" and len(obj["output_ids"]) == 2
 
 
+def test_text_leaves_out_the_end_of_text_token(capsys, monkeypatch, tiny_bf16_dir):
+    """A sequence that stops at <|endoftext|> (finish reason "stop"): its text, streamed,
+    in --output json and one line per prompt of a batch, ended in "<|endoftext|>"; vLLM
+    and `flintc serve` leave it out of the text. output_ids keep it, as vLLM's do."""
+    import flintc.runtime.generate as rg
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_bf16_dir)
+    eos, word = tok.eos_token_id, tok.encode("hi")[0]
+
+    def sample_word_then_eos():  # each step: every live sequence gets `word`, then `eos`
+        picks = iter([word, eos] * 4)
+        monkeypatch.setattr(rg, "sample", lambda logits, params, gens: torch.tensor([next(picks)] * len(params)))
+
+    for extra in (["--output", "json"], [], ["--prompt", "ho"]):
+        sample_word_then_eos()
+        code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt", "hi", "--max-tokens", 4, *extra)
+        assert code == 0, err
+        assert "<|endoftext|>" not in out and tok.decode([word]) in out, out
+        if extra[:1] == ["--output"]:
+            obj = json.loads(out)
+            assert obj["output_ids"] == [word, eos] and obj["finish_reason"] == "stop"
+            assert obj["text"] == tok.decode([word])
+    sample_word_then_eos()
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt", "hi", "--max-tokens", 2, "--ignore-eos")
+    assert code == 0 and out.endswith("<|endoftext|>\n"), out  # not a stop: the token is text
+
+
 @pytest.mark.parametrize("var, value, backend", [
     ("FLINTC_PREFILL_GRAPHS", "yes", "torch"), ("FLINTC_GEMV_TUNED", "/no/such/tuned.json", "triton"),
     ("FLINTC_MOE_TUNED", "/no/such/tuned.json", "triton"),
