@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -748,6 +749,20 @@ def test_python_api_compile_refuses_limits_that_are_not_integers(tmp_path, tiny_
     with pytest.raises(InputError, match="^" + re.escape(needle) + "$"):
         flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, backend="torch", **kw)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_path_with_a_line_break_gives_a_loadable_build(tmp_path, tiny_bf16_dir):
+    """runtime.py's header comment names the model path: a line break in it ended the
+    comment, and the build compiled fine but failed to load ("runtime.py, line 3: invalid
+    decimal literal: the build is corrupt"). Such a path is written escaped."""
+    import flintc
+
+    odd = tmp_path / "ckpt 'one'\nline two"
+    shutil.copytree(tiny_bf16_dir, odd)
+    flintc.compile(odd, out=tmp_path / "b", check=False, dump=False, backend="torch", max_batch=1, max_model_len=16)
+    assert repr(str(odd)) in (tmp_path / "b" / "runtime.py").read_text().splitlines()[1]
+    r = flintc.load(tmp_path / "b").generate([1, 2], max_tokens=2, ignore_eos=True)
+    assert len(r.output_ids[0]) == 2
 
 
 def test_python_api_refuses_an_unknown_load_format(builds, tmp_path, monkeypatch, tiny_bf16_dir):
