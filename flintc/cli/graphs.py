@@ -66,8 +66,9 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
     """One target normally; for `--config full` without MODEL two: all 49 layers on meta
     weights (kernel counts only) and a 4-layer full-width model with real weights.
 
-    Raises InputError for flags out of range, and for --config / --format next to a MODEL
-    (they shape the random weights only; MODEL's own files give both)."""
+    Raises InputError for flags out of range, for --config / --format next to a MODEL
+    (they shape the random weights only; MODEL's own files give both), and for
+    --hf-config-path without one (the random weights take their config from --config)."""
     from flintc.checkpoint.dummy import dummy_weights
     from flintc.checkpoint.init import random_weights
     from flintc.checkpoint.loader import load_checkpoint
@@ -95,6 +96,10 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
             raise InputError(f"--cache-len {args.cache_len} / --tokens {args.tokens}: more positions than "
                              f"the model's max_position_embeddings {cfg.max_position_embeddings}")
 
+    if args.model is None and args.hf_config_path is not None:
+        raise InputError(f"--hf-config-path {args.hf_config_path} applies only with a MODEL (the config of a .gguf "
+                         "file); without one, the random weights take their config from --config (a preset or a "
+                         "config.json path)")
     if args.model is not None:
         for flag, value in (("--config", args.config), ("--format", args.fmt)):
             if value is not None:

@@ -606,3 +606,17 @@ def test_graph_commands_refuse_random_weight_flags_with_a_model(capsys, tmp_path
     code, _, err = run_cli(capsys, command, str(tiny_bf16_dir), flag, value, *extra)
     assert_one_line_error(code, err, f"{flag} {value} applies only without MODEL", "config.json")
     assert not (tmp_path / "dump").exists()
+
+
+@pytest.mark.parametrize("command", ["verify", "dump"])
+def test_graph_commands_refuse_hf_config_path_without_a_model(capsys, tmp_path, command):
+    """Without MODEL, `--hf-config-path` was ignored silently: the tiny preset's random
+    weights were checked, not the config given. Refused naming the flag, pointing at
+    --config."""
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "config.json").write_text("{}")
+    extra = ["--out", str(tmp_path / "dump")] if command == "dump" else []
+    code, _, err = run_cli(capsys, command, "--hf-config-path", cfg, *extra)
+    assert_one_line_error(code, err, f"--hf-config-path {cfg} applies only with a MODEL", "from --config")
+    assert not (tmp_path / "dump").exists()
