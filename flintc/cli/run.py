@@ -32,10 +32,11 @@ def add_parser(sub) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model, "
                         "or the checkpoint a --build was compiled from)")
-    p.add_argument("--prompt", action="append", default=None,
+    p.add_argument("--prompt", action=_AppendPrompt, default=None,
                    help="prompt text (needs a tokenizer); repeat for a batch")
-    p.add_argument("--prompt-ids", action="append", default=None,
-                   help="prompt token ids, comma-separated, e.g. 1,2,3; repeat for a batch")
+    p.add_argument("--prompt-ids", action=_AppendPrompt, default=None,
+                   help="prompt token ids, comma-separated, e.g. 1,2,3; repeat for a batch (the batch keeps "
+                        "the order of --prompt and --prompt-ids on the command line)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most per prompt")
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=0.95,
@@ -95,6 +96,16 @@ def parse_logit_bias(items: list[str] | None) -> dict[int, float] | None:
             raise InputError(f"--logit-bias: token id {tok_id} given twice")
         out[tok_id] = value
     return out
+
+
+class _AppendPrompt(argparse._AppendAction):
+    """--prompt / --prompt-ids: each value appended to its own list, and (dest, index) to
+    `prompt_order`, so that a batch mixing the two keeps the command line's order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        order = list(getattr(namespace, "prompt_order", None) or [])  # a new list: never a shared default
+        namespace.prompt_order = order + [(self.dest, len(getattr(namespace, self.dest)) - 1)]
 
 
 def parse_prompt_ids(text: str) -> list[int]:
@@ -296,7 +307,9 @@ def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
         raise InputError(f"--prompt needs a tokenizer: {where}; pass --tokenizer DIR (a folder with "
                          "tokenizer.json and tokenizer_config.json), or give token ids with --prompt-ids")
     tokenizer = load_tokenizer(tok_dir) if (tok_dir or args.prompt) else None
-    prompts = [tokenizer.encode(t) for t in args.prompt or []] + id_prompts
+    given = {"prompt": [tokenizer.encode(t) for t in args.prompt or []], "prompt_ids": id_prompts}
+    order = getattr(args, "prompt_order", None) or [(d, i) for d in given for i in range(len(given[d]))]
+    prompts = [given[dest][i] for dest, i in order]  # as on the command line
     if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
         raise InputError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} tokens, the model "
                          f"{config.vocab_size}")

@@ -248,6 +248,19 @@ def test_finish_reason_reports_the_context_limit(capsys, tiny_bf16_dir):
     assert code == 0 and obj["finish_reason"] == "length" and len(obj["output_ids"]) == 2
 
 
+def test_a_batch_keeps_the_command_line_order_of_prompts(capsys, tiny_bf16_dir):
+    """--prompt and --prompt-ids mixed in one batch: every --prompt came first, then every
+    --prompt-ids, so the outputs (and their "index") did not follow the command line."""
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1,2", "--prompt", "hi",
+                             "--prompt-ids", "7", "--max-tokens", 1, "--output", "json")
+    assert code == 0, err
+    objs = [json.loads(line) for line in out.splitlines()]
+    assert [o["index"] for o in objs] == [0, 1, 2]
+    assert [o["prompt_ids"] for o in objs] == [[1, 2], load_tokenizer(tiny_bf16_dir).encode("hi"), [7]]
+
+
 def test_text_leaves_out_the_end_of_text_token(capsys, monkeypatch, tiny_bf16_dir):
     """A sequence that stops at <|endoftext|> (finish reason "stop"): its text, streamed,
     in --output json and one line per prompt of a batch, ended in "<|endoftext|>"; vLLM
