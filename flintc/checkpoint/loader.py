@@ -113,7 +113,8 @@ def check_load_format(load_format) -> None:
 
 
 def _detect(path: Path) -> str:
-    """The format of `path`: "safetensors" or "gguf"."""
+    """The format of `path`: "safetensors" or "gguf". Raises CheckpointError for neither
+    (saying so when `path` is a flintc BUILD), or a folder of several .gguf files."""
     from flintc.checkpoint.safetensors_io import INDEX_FILE, SINGLE_FILE
 
     if path.is_file():
@@ -126,11 +127,17 @@ def _detect(path: Path) -> str:
         )
     if (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file():
         return "safetensors"
-    if len(list(path.glob("*.gguf"))) == 1:
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
         return "gguf"
+    if ggufs:
+        raise CheckpointError(f"{path}: holds {len(ggufs)} GGUF files ({', '.join(ggufs)}), expected one; pass "
+                              "the .gguf file to load as MODEL")
+    build = " (it is a flintc BUILD: run it with --build, flintc.load in Python)" if (path / "build.json").is_file() \
+        else ""
     raise CheckpointError(
         f"{path}: neither a BF16 checkpoint folder (no {SINGLE_FILE} or {INDEX_FILE}) "
-        "nor a GGUF file"
+        f"nor a GGUF file{build}"
     )
 
 

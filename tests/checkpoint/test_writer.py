@@ -141,3 +141,19 @@ def test_loader_errors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(CheckpointError, match="no config found"):
         load_checkpoint(tmp_path)
+
+
+def test_loader_names_a_build_or_several_gguf_files(tmp_path):
+    """A BUILD given as MODEL, or a folder of two .gguf files: both were "neither a BF16
+    checkpoint folder ... nor a GGUF file"; now the error says what the folder is."""
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "build.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"nor a GGUF file \(it is a flintc BUILD: run it with --build"):
+        load_checkpoint(build)
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("b.gguf", "a.gguf"):
+        (two / name).write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match=r"two: holds 2 GGUF files \(a.gguf, b.gguf\), expected one; pass"):
+        load_checkpoint(two)
