@@ -9,20 +9,8 @@ package's version ("unknown" when flintc runs from a source tree not installed).
 
 from __future__ import annotations
 
-
-def compile(*args, **kwargs):  # noqa: A001 - the public name, like torch.compile
-    """See `flintc.api.compile`."""
-    from flintc.api import compile as _compile
-
-    return _compile(*args, **kwargs)
-
-
-def load(*args, **kwargs):
-    """See `flintc.api.load`."""
-    from flintc.api import load as _load
-
-    return _load(*args, **kwargs)
-
+import sys
+import types
 
 def __getattr__(name: str):
     if name == "__version__":  # read when asked: importlib.metadata is not free at import
@@ -36,3 +24,22 @@ def __getattr__(name: str):
 
 
 __all__ = ["compile", "load"]
+
+
+class _Package(types.ModuleType):
+    """`flintc.compile` and `flintc.load` are `flintc.api`'s own functions, with their
+    signatures and docstrings (`help(flintc)`, `help(flintc.compile)`), imported at first
+    use: `import flintc` alone does not import torch."""
+
+    def __getattr__(self, name: str):
+        if name in __all__:
+            from flintc import api
+
+            return getattr(api, name)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(__all__))
+
+
+sys.modules[__name__].__class__ = _Package

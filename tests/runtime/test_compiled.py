@@ -713,6 +713,30 @@ def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_pa
     assert Path(run.stdout.strip()).parent.parent == tmp_path and list(tmp_path.iterdir()) == []
 
 
+def test_help_shows_the_python_api_and_import_stays_light():
+    """`help(flintc)` and `help(flintc.compile)` showed `compile(*args, **kwargs)` and "See
+    `flintc.api.compile`." (thin wrappers): they show flintc.api's own signature and
+    docstring now, and `import flintc` alone still does not import torch."""
+    import inspect
+    import pydoc
+    import subprocess
+    import sys
+
+    import flintc
+    import flintc.api
+
+    assert flintc.compile is flintc.api.compile and flintc.load is flintc.api.load
+    assert "max_batch" in str(inspect.signature(flintc.compile))
+    text = pydoc.render_doc(flintc, renderer=pydoc.plaintext)
+    assert "compile(model=None, out=None, *" in text and "Load BUILD and the weights" in text
+    assert "*args" not in text
+    with pytest.raises(AttributeError, match="module 'flintc' has no attribute 'nope'"):
+        flintc.nope
+    code = "import sys, flintc; assert 'torch' not in sys.modules; from flintc import load; assert 'torch' in sys.modules"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+
+
 def test_python_api_compile_refuses_an_empty_out(tmp_path, monkeypatch):
     """`flintc.compile(model, out="")` took "" as the current folder (and would replace a
     build there), where `flintc compile --out ""` is refused: refused too, before any
