@@ -23,6 +23,15 @@ def test_verify_unknown_pass_is_a_clean_error(capsys):
     assert err.startswith("flintc: error:") and "no_such_pass" in err
 
 
+def test_verify_names_the_disabled_pass_a_later_stage_needs(capsys):
+    """`--disable fuse_silu_mul` failed a later stage's legality check ("op aten._to_copy
+    is not allowed at this stage") without saying that the disabled pass was why."""
+    assert main(["verify", "--disable", "fuse_silu_mul", "--step", "decode", "--batch", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flintc: error:") and err.count("\n") == 1, err
+    assert "is not allowed at this stage" in err and "(passes disabled: fuse_silu_mul; the later passes" in err, err
+
+
 def test_dump_writes_every_stage(capsys, tmp_path):
     out = tmp_path / "dump"
     assert main(["dump", "--out", str(out), "--step", "decode", "--batch", "1"]) == 0
