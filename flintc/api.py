@@ -120,7 +120,7 @@ class CompiledModel:
         slots = self.runner.max_batch
         if not _is_id(slot) or not 0 <= slot < slots:
             raise _ApiInputError(f"forward: slot: expected an int in [0, {slots}) (the KV-cache slots of "
-                                 f"{self.build}), got {_describe(slot)}")
+                                 f"{self.build}), got {slot if _is_id(slot) else _describe(slot)}")
         try:
             if len(ids) == 1:
                 return self.runner.decode([int(slot)], ids, [start])

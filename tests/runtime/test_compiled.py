@@ -584,14 +584,15 @@ def test_forward_checks_positions(builds):
 
 def test_forward_checks_slot_and_raises_value_errors(builds):
     """forward's slot is an int in [0, max_batch) (True, 1.5, "0" or 99 were an
-    IndexError / TypeError from the runner's tensors), and the runner's own InputErrors
-    (ids past the cache) reach the caller as ValueErrors too, as documented."""
+    IndexError / TypeError from the runner's tensors; an int out of range is named, not
+    "got int"), and the runner's own InputErrors (ids past the cache) reach the caller as
+    ValueErrors too, as documented."""
     import flintc
 
     m = flintc.load(builds["bf16"][0])
     B = m.runner.max_batch
     assert torch.equal(m.forward([1, 2], slot=B - 1), m.forward([1, 2], slot=0))
-    for slot, got in ((True, "bool"), (1.5, "float"), ("0", "str"), (B, "int"), (-1, "int")):
+    for slot, got in ((True, "bool"), (1.5, "float"), ("0", "str"), (B, str(B)), (-1, "-1")):
         with pytest.raises(ValueError, match=f"^forward: slot: expected an int in \\[0, {B}\\) .*got {got}$"):
             m.forward([1, 2], slot=slot)
     with pytest.raises(ValueError):  # more ids than max_model_len: the runner's InputError
