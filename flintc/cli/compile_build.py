@@ -149,7 +149,10 @@ def check_output_folder(path, flag: str = "--out") -> None:
 def check_output_parents(path, flag: str) -> None:
     """Fail before any work when `path` (a file or folder whose missing parent folders the
     command creates) cannot be written: it must not be empty, and its nearest existing
-    ancestor must be a folder one can write in. Raises InputError naming the flag and path."""
+    ancestor must be a folder one can write in; a file (any flag but --out) must not be an
+    existing folder, nor end in a slash (`Path` drops it: --json new/ wrote a file `new`).
+    Raises InputError naming the flag and path."""
+    import os
     from pathlib import Path
 
     from flintc.errors import InputError
@@ -159,6 +162,8 @@ def check_output_parents(path, flag: str) -> None:
     target = Path(path)
     if target.is_dir() and flag != "--out":
         raise InputError(f"{flag} {path}: is a directory, expected a file name")
+    if flag != "--out" and str(path).endswith(("/", os.sep)):
+        raise InputError(f"{flag} {path}: ends in a slash (a folder), expected a file name")
     anc = target.parent if str(target.parent) else Path(".")
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent

@@ -403,8 +403,8 @@ class _TextStream:
 
 def _check_output_path(path: str, flag: str) -> None:
     """Fail before any work if `path` cannot be written: it must not be empty, its
-    folder must exist and it must not be a folder itself. Raises InputError naming the
-    flag."""
+    folder must exist and it must not be a folder itself, nor end in a slash (`Path`
+    drops it: --logits-out new/ wrote a file `new`). Raises InputError naming the flag."""
     from flintc.cli.compile_build import check_not_empty
     from flintc.fileio import cannot_write_in
 
@@ -413,6 +413,8 @@ def _check_output_path(path: str, flag: str) -> None:
     parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
         raise InputError(f"{flag} {path}: is a directory, expected a file name")
+    if str(path).endswith(("/", os.sep)):
+        raise InputError(f"{flag} {path}: ends in a slash (a folder), expected a file name")
     if parent.exists() and not parent.is_dir():
         raise InputError(f"{flag} {path}: {parent} is not a folder")
     if not parent.is_dir():

@@ -165,6 +165,20 @@ def test_empty_output_path_is_refused(capsys, tmp_path, monkeypatch, tiny_bf16_d
     assert out == "" and list(tmp_path.iterdir()) == [] and time.perf_counter() - t0 < 5
 
 
+@pytest.mark.parametrize("args, flag", [
+    (["verify", "--step", "decode", "--json", "new/"], "--json"),
+    (["run", "{ckpt}", "--prompt-ids", "1", "--max-tokens", "1", "--logits-out", "new/"], "--logits-out"),
+])
+def test_output_file_ending_in_a_slash_is_refused(capsys, tmp_path, monkeypatch, tiny_bf16_dir, args, flag):
+    """`--json new/` and `--logits-out new/` wrote a file named `new` (Path drops the
+    slash); a name ending in a slash is a folder's: refused at once, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, *[a.format(ckpt=tiny_bf16_dir) for a in args])
+    assert_one_line_error(code, err, f"{flag} new/: ends in a slash (a folder), expected a file name")
+    assert out == "" and list(tmp_path.iterdir()) == [] and time.perf_counter() - t0 < 5
+
+
 @pytest.mark.parametrize("args", [
     ["dump", "--step", "decode", "--out", "."],
     ["compile", "--load-format", "dummy", "--config", "tiny", "--out", "."],
