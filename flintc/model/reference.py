@@ -224,7 +224,9 @@ class FlintModel(nn.Module):
         c, cdt = self.config, self.compute_dtype
         B, T = input_ids.shape
         x = self.embed.value[input_ids].to(self.act_dtype)  # [B, T, H]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
+        cos = sin = None  # RoPE is for the sliding layers only: none, no lookup (a dead node in a capture)
+        if "sliding_attention" in c.layer_types:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [B, T, D/2]
         full_visible, sliding_visible = self._visibility(positions, kv_cache)
         for i, layer in enumerate(self.layers):
             visible = sliding_visible if c.is_sliding_layer(i) else full_visible

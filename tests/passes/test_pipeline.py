@@ -68,6 +68,22 @@ def test_prefill_pipeline():
     assert "aten.mm" not in names and "aten._softmax" not in names
 
 
+@pytest.mark.parametrize("layer_types", [("full_attention",) * 4, ("sliding_attention",) * 4])
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_a_config_of_one_attention_kind_compiles(step, layer_types):
+    """FLINT_SPEC: "Code must read layer_types from config.json, never assume it". With no
+    sliding layer the model looked up the RoPE tables all the same (only sliding layers
+    use them): a dead node, and every compile failed at capture ("dead node (its value is
+    never used): index_1 = aten.index(rope_cos, positions)")."""
+    from flintc.checkpoint.init import random_weights
+
+    cfg = TINY.replace(layer_types=layer_types)
+    model = FlintModel(cfg, random_weights(cfg, 0))
+    tokens = None if step == "decode" else 12
+    _, report = compile_step(model, step, batch=1, tokens=tokens, cache_len=32, check_model=model)
+    assert report.passed and [s.name for s in report.stages[1:]] == [p.name for p in pipeline_for(step)]
+
+
 def test_disabling_a_pass_keeps_the_rest_checked():
     model = tiny_model()
     _, report = compile_step(model, "decode", batch=1, cache_len=32, check_model=model,
