@@ -9,11 +9,19 @@ package's version ("unknown" when flintc runs from a source tree not installed).
 
 from __future__ import annotations
 
-import sys
-import types
+__all__ = ["compile", "load"]
+
 
 def __getattr__(name: str):
-    if name == "__version__":  # read when asked: importlib.metadata is not free at import
+    """PEP 562: `flintc.compile` and `flintc.load` are `flintc.api`'s own functions, with
+    their signatures and docstrings (`help(flintc)`, `help(flintc.compile)`), imported at
+    first use, so that `import flintc` alone does not import torch; `__version__` is read
+    when asked (importlib.metadata is not free at import)."""
+    if name in __all__:
+        from flintc import api
+
+        return getattr(api, name)
+    if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
 
         try:
@@ -23,23 +31,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'flintc' has no attribute {name!r}")
 
 
-__all__ = ["compile", "load"]
-
-
-class _Package(types.ModuleType):
-    """`flintc.compile` and `flintc.load` are `flintc.api`'s own functions, with their
-    signatures and docstrings (`help(flintc)`, `help(flintc.compile)`), imported at first
-    use: `import flintc` alone does not import torch."""
-
-    def __getattr__(self, name: str):
-        if name in __all__:
-            from flintc import api
-
-            return getattr(api, name)
-        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(__all__))
-
-
-sys.modules[__name__].__class__ = _Package
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | {"__version__"})
