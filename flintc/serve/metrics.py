@@ -145,8 +145,8 @@ class ServeMetrics(EngineObserver):
         self.prefill.observe(first - tl.scheduled)
         self.decode.observe(last - first)
         self.inference.observe(last - tl.scheduled)
-        if tl.generated_tokens > 1:
-            self.tpot.observe((last - first) / (tl.generated_tokens - 1))
+        # (as vLLM: 0 for a request of one token, so that every finished request is observed)
+        self.tpot.observe((last - first) / (tl.generated_tokens - 1) if tl.generated_tokens > 1 else 0.0)
         self.req_prompt.observe(tl.prompt_tokens)
         self.req_generation.observe(tl.generated_tokens)
         self.req_max_tokens.observe(req.params.max_tokens)

@@ -762,6 +762,24 @@ def test_metrics_count_what_the_engine_did(server, plain_server):
         other_before[("vllm:generation_tokens_total", None)]
 
 
+def test_metrics_observe_every_finished_request_as_vllm(server):
+    """A request of one token is in vllm:request_time_per_output_token_seconds too (0, as
+    vLLM observes it), so every per-request histogram has the same count."""
+    before = scrape(server)
+    status, r = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert status == 200 and r["usage"]["completion_tokens"] == 1, r
+    after = scrape(server)
+
+    def delta(name, label=None):
+        return after[(name, label)] - before.get((name, label), 0)
+
+    for name in ("e2e_request_latency_seconds", "request_decode_time_seconds",
+                 "request_time_per_output_token_seconds", "request_generation_tokens"):
+        assert delta(f"vllm:{name}_count") == 1, name
+    assert delta("vllm:request_time_per_output_token_seconds_sum") == 0
+    assert delta("vllm:request_time_per_output_token_seconds_bucket", "0.01") == 1
+
+
 def test_metrics_gauges_follow_the_queue(plain_server):
     """plain_server has 2 slots: of three long streams, two run and one waits; hung up,
     all three are aborted and the gauges go back to 0."""
