@@ -2,8 +2,9 @@
 renormalised distribution; temperature 0 is greedy. Runs on the logits' device.
 
 Defaults are Flint's: temperature 1.0, top-p 0.95, top-k 20. Each request may carry
-a seed; a seeded request draws from its own `torch.Generator`, so its tokens do
-not depend on what else is in the batch.
+a seed; a seeded request draws from its own `torch.Generator`, so its draws do
+not depend on what else is in the batch (its logits may, in the last bits: the
+model's kernels reduce in an order that follows the batch size).
 
 Ties: tokens with equal logits are kept or dropped together. Top-k keeps every token
 whose logit is at least the k-th largest (as vLLM's top-k mask does); top-p drops a

@@ -17,7 +17,8 @@ thread loops over *steps*:
 
 A request beyond the free slots waits in the queue. Sampling follows
 :mod:`flintc.sampling` (FLINT_SPEC section 6); each request has its own
-``torch.Generator`` so its tokens do not depend on its batch neighbours. A request
+``torch.Generator`` so its random draws do not depend on its batch neighbours
+(its logits may differ in the last bits with the batch size: docs/serve.md, `seed`). A request
 whose params adjust the logits (vLLM's penalties, ``logit_bias``, ``min_tokens``)
 keeps a :class:`~flintc.sampling.TokenHistory` of its prompt, its generated tokens
 (their counts, on the device) and its stop tokens, passed to ``sample(...,
