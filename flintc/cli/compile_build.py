@@ -279,8 +279,8 @@ def run_compile(args: argparse.Namespace) -> int:
         from flintc.runtime.compiled import check_environment
 
         check_environment(getattr(args, "backend", None))
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise InputError(f"--max-model-len must be at least 1, got {args.max_model_len}")
+    if args.max_model_len is not None and args.max_model_len < 2:  # as flintc serve: a prompt needs < it
+        raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     if not 1 <= args.max_batch <= 8:

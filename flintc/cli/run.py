@@ -139,8 +139,8 @@ def _given(args, dest: str):
 def _check_backend_flags(args, backend: str, n_prompts: int) -> None:
     """Refuse flags the chosen backend would ignore; check the limits given. Raises
     InputError naming the flag (no flag is ever silently ignored)."""
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise InputError(f"--max-model-len must be at least 1, got {args.max_model_len}")
+    if args.max_model_len is not None and args.max_model_len < 2:  # as flintc serve: a prompt needs < it
+        raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.max_batch is not None and args.max_batch < 1:
         raise InputError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:

@@ -109,9 +109,9 @@ class BuildOptions:
             raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {o.max_batch}")
         limit = config.max_position_embeddings
         o.max_model_len = int(limit if o.max_model_len is None else o.max_model_len)
-        if not 1 <= o.max_model_len <= limit:
-            raise InputError(f"--max-model-len must be in 1..{limit} (max_position_embeddings), "
-                             f"got {o.max_model_len}")
+        if not 2 <= o.max_model_len <= limit:  # 1: no prompt fits (a prompt needs < max_model_len)
+            raise InputError(f"--max-model-len must be in 2..{limit} (a prompt token and one generated; "
+                             f"max_position_embeddings), got {o.max_model_len}")
         W = config.sliding_window if "sliding_attention" in config.layer_types else None
         if o.prefill_chunk is None:
             cap = min(W, 512) if W else 512

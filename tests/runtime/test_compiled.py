@@ -762,6 +762,9 @@ def test_python_api_compile_refuses_an_empty_out(tmp_path, monkeypatch):
     (dict(max_model_len="8"), "--max-model-len must be an integer, got '8'"),
     (dict(max_model_len=8.5), "--max-model-len must be an integer, got 8.5"),
     (dict(prefill_chunk=4.0), "--prefill-chunk must be an integer, got 4.0"),
+    # a build of max_model_len 1 compiled, and then refused every prompt (one needs < it)
+    (dict(max_model_len=1), "--max-model-len must be in 2..4096 (a prompt token and one generated; "
+                            "max_position_embeddings), got 1"),
 ])
 def test_python_api_compile_refuses_limits_that_are_not_integers(tmp_path, tiny_bf16_dir, kw, needle):
     """`flintc.compile(max_batch="4")` raised a TypeError from deep in the bucket list;
