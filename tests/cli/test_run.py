@@ -273,7 +273,7 @@ def test_text_leaves_out_the_end_of_text_token(capsys, monkeypatch, tiny_bf16_di
 
     def sample_word_then_eos():  # each step: every live sequence gets `word`, then `eos`
         picks = iter([word, eos] * 4)
-        monkeypatch.setattr(rg, "sample", lambda logits, params, gens: torch.tensor([next(picks)] * len(params)))
+        monkeypatch.setattr(rg, "sample", lambda logits, params, gens, **kw: torch.tensor([next(picks)] * len(params)))
 
     for extra in (["--output", "json"], [], ["--prompt", "ho"]):
         sample_word_then_eos()
