@@ -538,7 +538,11 @@ GPU_NUM_STAGES = 3
 # at 8 warps it does not (232 registers)
 GPU_PRELOAD_NUM_WARPS = 8
 GPU_CTAS_PER_SM = 2  # programs per SM the grid is sized for (one wave, all resident)
-GPU_MIN_ROWS = 128  # smallest run of rows per program in a full cache (short contexts)
+# Smallest run of rows per program in a full cache (short contexts). 256, from session 29's
+# H100 run (docs/gpu-runs.md): a full layer's attention + combine at 8K tokens, b1 18.7 ->
+# 13.4 us, b2 24.4 -> 14.5 us; 16K b1 24.4 -> 22.5 us; equal within 0.3 us at 4K-100K and
+# at b4-b8; NVFP4 forward b1/8K 1.92 -> 1.82 ms (128 before).
+GPU_MIN_ROWS = 256
 # A ring's programs each take one whole split (`ring_min_rows`): no in-kernel merge.
 GPU_MERGE_P = 8  # partials per load of the in-kernel merge ([8, G, D] fp32 tiles)
 # Chunks per round of the fused combine (FUSE_COMBINE): 16 covers a sliding layer's 9
