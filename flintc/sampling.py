@@ -47,6 +47,7 @@ uses none of them takes exactly the path above, at the same cost):
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -122,6 +123,16 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
+        # NumPy scalars (np.float32(0.7), np.int64(20)) as the Python numbers they stand for
+        for name, kind, cast in (("temperature", numbers.Real, float), ("top_p", numbers.Real, float),
+                                 ("presence_penalty", numbers.Real, float),
+                                 ("frequency_penalty", numbers.Real, float),
+                                 ("repetition_penalty", numbers.Real, float), ("min_p", numbers.Real, float),
+                                 ("top_k", numbers.Integral, int), ("max_tokens", numbers.Integral, int),
+                                 ("seed", numbers.Integral, int), ("min_tokens", numbers.Integral, int)):
+            v = getattr(self, name)
+            if isinstance(v, kind) and not isinstance(v, bool) and type(v) not in (int, float):
+                object.__setattr__(self, name, cast(v))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         self.validate()
 

@@ -313,3 +313,19 @@ def test_generate_with_penalties_bias_and_min_tokens(tiny_model):
     assert r.output_ids[1] == plain.output_ids[0][:8]  # the plain row beside it is unchanged
     with pytest.raises(InputError, match="'logit_bias'.*512"):
         generate(tiny_model, [prompt], SamplingParams(temperature=0, logit_bias={512: 1}))
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    """np.float32(1.2) or np.int64(5) were refused ("must be a number ..., got
+    np.float32(1.2)"): NumPy scalars stand for the numbers they hold; a float where an
+    integer is expected is still refused."""
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), max_tokens=np.int32(8),
+                       seed=np.uint64(3), presence_penalty=np.float64(0.5), repetition_penalty=np.float32(1.2),
+                       min_p=np.float16(0.25), min_tokens=np.int8(2))
+    assert (p.temperature, p.top_k, p.max_tokens, p.seed, p.min_tokens) == (0.5, 5, 8, 3, 2)
+    assert type(p.temperature) is float and type(p.top_k) is int and type(p.presence_penalty) is float
+    assert p.repetition_penalty == pytest.approx(1.2) and p.min_p == 0.25
+    with pytest.raises(InputError, match="'top_k' must be an integer"):
+        SamplingParams(top_k=np.float32(2.0))
+    with pytest.raises(InputError, match="'presence_penalty' must be a number in \\[-2, 2\\]"):
+        SamplingParams(presence_penalty=np.float32(3))
