@@ -80,6 +80,8 @@ MAX_STOP = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Chat turns end at any of these (GLM's generation_config lists the same three).
 CHAT_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_p", "min_tokens")
 _TEMPLATE_RESERVED = {"messages", "tools", "documents", "add_generation_prompt", "tokenize"}
 
 
@@ -386,22 +388,15 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
     def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
         bias = logit_bias(req)
+        # the fields the request sets; the others keep SamplingParams' defaults (Flint's)
+        given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         out = []
         for j in range(n):
             # choice j > 0 gets seed + j (wrapping within [0, 2**63)); seed itself is validated
             seed = req.seed if (req.seed is None or j == 0) else (req.seed + j) % 2**63
             try:
-                out.append(SamplingParams(
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=0.95 if req.top_p is None else req.top_p,
-                    top_k=20 if req.top_k is None else req.top_k,
-                    max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
-                    presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
-                    frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
-                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    min_p=0.0 if req.min_p is None else req.min_p,
-                    min_tokens=0 if req.min_tokens is None else req.min_tokens,
-                    logit_bias=bias))
+                out.append(SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
+                                          logit_bias=bias, **given))
             except InputError as exc:
                 param = str(exc).split("'")[1] if "'" in str(exc) else None
                 raise APIError(400, str(exc), param=param) from None
