@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from flintc.checkpoint.writer import make_checkpoint
@@ -17,3 +19,37 @@ def tiny_bf16_dir(tmp_path_factory):
 def tiny_nvfp4_gguf(tmp_path_factory):
     """A tiny NVFP4 GGUF file (seed 0), config.json and tokenizer beside it."""
     return make_checkpoint("tiny", "nvfp4", tmp_path_factory.mktemp("ckpt") / "nvfp4", seed=0)
+
+
+# ---------------------------------------------------------------- TRITON_INTERPRET leaks
+# A test module that needs Triton's interpreter sets TRITON_INTERPRET=1 at import, before
+# triton decorates any kernel, and must do so only where no GPU is visible: on a GPU the
+# variable would stay set for every module collected after it, so their kernels would be
+# interpreted (slow) and the CUDA kernels' dispatch, which reads it at each call
+# (`flintc.kernels.platform.interpreting`), would send the GPU tests to other code paths.
+_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+_INTERPRET_LEAK: list[str] = []
+
+
+def pytest_collectreport(report):
+    """Remember the first collected module after which TRITON_INTERPRET changed on a
+    machine with a CUDA GPU."""
+    if _INTERPRET_LEAK or os.environ.get("TRITON_INTERPRET") == _INTERPRET_AT_START:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        _INTERPRET_LEAK.append(report.nodeid or "(a conftest)")
+
+
+def pytest_collection_finish(session):
+    """Refuse to run GPU tests whose collection turned on Triton's interpreter.
+
+    Raises:
+        pytest.UsageError: naming the module that set TRITON_INTERPRET.
+    """
+    if _INTERPRET_LEAK:
+        raise pytest.UsageError(
+            f"{_INTERPRET_LEAK[0]} set TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} "
+            f"at import on a machine with a CUDA GPU (it was {_INTERPRET_AT_START!r}): set it "
+            "only when torch.cuda.is_available() is False, as the other kernel tests do")

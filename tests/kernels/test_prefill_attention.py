@@ -15,7 +15,11 @@ another order, Triton's exp; on the GPU p.v with p split into bf16 parts).
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+# The interpreter must be chosen before triton is imported, and only without a GPU: set
+# unconditionally, it leaked into every GPU test collected after this module (the CUDA
+# kernels' dispatch reads it at each call; tests/conftest.py now refuses such a leak).
+if not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
