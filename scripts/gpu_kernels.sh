@@ -10,6 +10,11 @@
 # timed-out step is recorded in kernels.md and the script goes on. Logs: $OUT/*.log.
 # Exit status: 0 when every step passed, 1 otherwise (kernels.md is written either way).
 #
+# The tests run in KERNELS_PYTEST_WORKERS pytest-xdist processes (default 6) when xdist
+# imports (carry its wheels in .whl/: pytest_xdist, execnet), else in one. Session 30 (an
+# H100, 80 GB): 6-10 workers ran the 547 GPU tests in about 6 min; 14 ran out of GPU
+# memory in the prefill MoE tests at the end. 1 runs them in one process.
+#
 # Narrower runs: KERNELS_TESTS (pytest arguments, default `tests/kernels`) and
 # KERNELS_BENCHES (`;`-separated benchmark invocations relative to benchmarks/, default
 # every bench_*.py with no options), e.g. a tuning call:
@@ -23,6 +28,7 @@ set -uo pipefail
 START=$(date +%s)
 BUDGET=${KERNELS_BUDGET_S:-530}
 PYTEST_CAP=${KERNELS_PYTEST_S:-240}
+WORKERS=${KERNELS_PYTEST_WORKERS:-6}
 BENCH_CAP=${KERNELS_BENCH_S:-200}
 MIN_BENCH_S=${KERNELS_MIN_BENCH_S:-45}
 RESERVE=10  # seconds kept for writing the report
@@ -92,10 +98,16 @@ if ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'
 fi
 cat "$REPORT.head"
 
-# 1. GPU kernel tests at full shapes.
+# 1. GPU kernel tests at full shapes (-v: a test's outcome is logged as it ends, so a run
+# cut by its cap still says which tests passed).
 T=$(left); (( T > PYTEST_CAP )) && T=$PYTEST_CAP
+XDIST=()
+if (( WORKERS > 1 )) && $PY -c 'import xdist' 2>/dev/null; then
+  XDIST=(-n "$WORKERS" -p no:benchmark)
+fi
 # shellcheck disable=SC2086  # KERNELS_TESTS is a list of pytest arguments
-run_step pytest_gpu "$T" $PY -m pytest -q -m gpu -rfE -p no:cacheprovider ${KERNELS_TESTS:-tests/kernels}
+run_step pytest_gpu "$T" $PY -m pytest -v -m gpu -rfE -p no:cacheprovider "${XDIST[@]}" \
+  ${KERNELS_TESTS:-tests/kernels}
 {
   echo
   echo "## pytest -m gpu ${KERNELS_TESTS:-tests/kernels}: $STATUS"
@@ -103,7 +115,14 @@ run_step pytest_gpu "$T" $PY -m pytest -q -m gpu -rfE -p no:cacheprovider ${KERN
   echo '```'
   # The short summary (failures, errors) and the final count line.
   sed -n '/short test summary info/,$p' "$OUT/pytest_gpu.log" | tail -n 60
-  grep -qs 'short test summary info' "$OUT/pytest_gpu.log" || tail -n 15 "$OUT/pytest_gpu.log"
+  if ! grep -qs 'short test summary info' "$OUT/pytest_gpu.log"; then
+    # Cut by the cap: count the outcomes logged so far, list the failures.
+    for o in PASSED FAILED ERROR SKIPPED; do
+      echo "$o so far: $(grep -cE "(^| )$o tests/" "$OUT/pytest_gpu.log")"
+    done
+    grep -E "(^| )(FAILED|ERROR) tests/" "$OUT/pytest_gpu.log" | head -n 40
+    tail -n 5 "$OUT/pytest_gpu.log"
+  fi
   echo '```'
 } >"$REPORT.pytest"
 
