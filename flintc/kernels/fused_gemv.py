@@ -154,15 +154,18 @@ def norm_qkv_rope_kv_kernel(
     y = _bf16_grid(acc)  # q / k / v rounded after the GEMV
     lo, hi = tl.split(tl.reshape(y, (BLOCK_N, D // 2, 2)))  # dims [0, D/2) and [D/2, D)
     if head < HQ + HKV:
+        # The head norm's weights, loaded in each branch as fp32: q_norm and k_norm may
+        # differ in dtype (fp32 / bf16), and a pointer chosen by the branch would not
+        # compile then (Triton needs one type per variable across an if).
         if head < HQ:
-            hn_ptr = qn_ptr
+            nw_lo = tl.load(qn_ptr + d2).to(tl.float32)
+            nw_hi = tl.load(qn_ptr + D // 2 + d2).to(tl.float32)
         else:
-            hn_ptr = kn_ptr
+            nw_lo = tl.load(kn_ptr + d2).to(tl.float32)
+            nw_hi = tl.load(kn_ptr + D // 2 + d2).to(tl.float32)
         # per-head RMSNorm over D (fp32, one rounding)
         ss = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)
         r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, D * 1.0) + eps))
-        nw_lo = tl.load(hn_ptr + d2).to(tl.float32)
-        nw_hi = tl.load(hn_ptr + D // 2 + d2).to(tl.float32)
         lo = _bf16_grid(lo * r[:, None] * nw_lo[None, :])
         hi = _bf16_grid(hi * r[:, None] * nw_hi[None, :])
         if ROPE:
