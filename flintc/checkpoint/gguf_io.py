@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 from tqdm import tqdm
 
 from flintc.checkpoint.init import has_global_scale
@@ -123,10 +123,12 @@ def load_gguf(
         [E]), embedding / LM head / router bf16, norms, sinks and bias fp32.
 
     Raises:
-        CheckpointError: the file is missing, not GGUF, truncated or corrupt, not
-            GGUF v3, of another architecture; a tensor is missing or unexpected, of
-            the wrong GGML type or dims; a global scale, or a value of a BF16 or F32
-            tensor, is not finite; an NVFP4 block scale byte has its top bit set.
+        CheckpointError: the file is missing, not GGUF, truncated (naming the first
+            tensor whose data runs past the end, its byte range and the file's size,
+            or the header's byte range) or corrupt, not GGUF v3, of another
+            architecture; a tensor is missing or unexpected, of the wrong GGML type or
+            dims; a global scale, or a value of a BF16 or F32 tensor, is not finite; an
+            NVFP4 block scale byte has its top bit set.
     """
     path = Path(path)
     reader = open_gguf(path)
@@ -148,7 +150,9 @@ def open_gguf(path: Path) -> GGUFReader:
     if magic != GGUF_MAGIC:
         raise CheckpointError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
-        reader = GGUFReader(path, "r")
+        reader = _RangeCheckedReader(path, "r")
+    except _PastEnd as exc:
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file: {exc}") from None
     except Exception as exc:  # the reader raises ValueError, IndexError, KeyError, ...
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({one_line(exc)})") from None
     version = reader.get_field("GGUF.version").contents()
@@ -161,6 +165,51 @@ def open_gguf(path: Path) -> GGUFReader:
             f"{path}: general.architecture is {arch!r}, expected {ARCHITECTURE!r}"
         )
     return reader
+
+
+class _PastEnd(ValueError):
+    """The header or a tensor's data runs past the end of the file; the message says
+    which and the byte ranges."""
+
+
+class _RangeCheckedReader(GGUFReader):
+    """GGUFReader that checks every read of the header, and every tensor's byte range,
+    against the file size before it slices the data.
+
+    HACK: GGUFReader (gguf 0.19) slices past the end of a truncated file and then fails
+    with an IndexError or a reshape error that names no tensor; this hooks its private
+    `_get` and `_build_tensors` to say what runs past the end. Remove when the reader
+    reports truncated files itself.
+    """
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        stop = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if stop > len(self.data):
+            raise _PastEnd(
+                f"the header needs bytes [{int(offset)}, {stop}), the file has {len(self.data)}"
+            )
+        return super()._get(offset, dtype, count, override_order)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        size = len(self.data)
+        past_end = []
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
+            try:
+                block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
+            except (ValueError, KeyError):
+                continue  # an unknown type: left to the reader's own error
+            start = int(start_offs + offset_tensor[0])
+            stop = start + int(np.prod(dims, dtype=np.uint64)) * type_size // block_size
+            if stop > size:
+                past_end.append((start, stop, bytes(name_data).decode("utf-8", "replace")))
+        if past_end:
+            start, stop, name = min(past_end)
+            more = f" (and {len(past_end) - 1} more tensors after it)" if len(past_end) > 1 else ""
+            raise _PastEnd(
+                f"tensor {name} needs bytes [{start}, {stop}), the file has {size}{more}"
+            )
+        super()._build_tensors(start_offs, fields)
 
 
 def _expected(config: FlintConfig):

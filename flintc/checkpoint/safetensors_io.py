@@ -216,7 +216,9 @@ def read_header(path: Path) -> Header:
 
     Raises:
         CheckpointError: not a safetensors file, a malformed header, or a file
-            shorter than the data its header describes (truncated).
+            shorter than the data its header describes (truncated: the message names
+            the first tensor whose data runs past the end, its byte range and the
+            file's size).
     """
 
     def bad(msg: str) -> CheckpointError:
@@ -243,7 +245,7 @@ def read_header(path: Path) -> Header:
         raise bad("not a safetensors file (its header is not a JSON object)")
     raw.pop("__metadata__", None)
     header: Header = {}
-    data_end = 0
+    past_end = []  # (start, stop, name) of each tensor whose data runs past the end
     for name, info in raw.items():
         try:
             dtype, shape = info["dtype"], tuple(int(d) for d in info["shape"])
@@ -256,9 +258,13 @@ def read_header(path: Path) -> Header:
         if dtype in _ITEM_BYTES and stop - start != numel * _ITEM_BYTES[dtype]:
             raise bad(f"{name}: header gives {stop - start} bytes for {dtype} {list(shape)}")
         header[name] = (dtype, shape)
-        data_end = max(data_end, stop)
-    if 8 + n + data_end > size:
-        raise bad(f"truncated: the header describes {8 + n + data_end} bytes, the file has {size}")
+        if 8 + n + stop > size:
+            past_end.append((8 + n + start, 8 + n + stop, name))
+    if past_end:
+        start, stop, name = min(past_end)
+        more = f" (and {len(past_end) - 1} more tensors after it)" if len(past_end) > 1 else ""
+        raise bad(f"truncated: tensor {name} needs bytes [{start}, {stop}), "
+                  f"the file has {size}{more}")
     return header
 
 

@@ -269,6 +269,32 @@ def test_truncated_file(written, tmp_path):
         assert "truncated or corrupt GGUF file" in load_error(bad)
 
 
+def test_truncated_file_names_the_tensor(written, tmp_path):
+    """Regression: a GGUF file cut inside its tensor data was refused with the reader's
+    reshape error ("cannot reshape array of size ..."), naming no tensor. The message
+    names the first tensor past the end, its byte range and the file's size; a file
+    cut inside its header gives the header's byte range."""
+    _, path = written
+    data = path.read_bytes()
+    good = sorted(GGUFReader(path).tensors, key=lambda t: t.data_offset)
+    last, middle = good[-1], good[len(good) // 2]
+    cases = {
+        len(data) - 1: f"tensor {last.name} needs bytes "
+                       f"[{last.data_offset}, {last.data_offset + last.n_bytes}), "
+                       f"the file has {len(data) - 1}",
+        middle.data_offset + 1: f"tensor {middle.name} needs bytes "
+                                f"[{middle.data_offset}, {middle.data_offset + middle.n_bytes}), "
+                                f"the file has {middle.data_offset + 1} (and "
+                                f"{len(good) - len(good) // 2 - 1} more tensors after it)",
+        200: "the header needs bytes [",
+    }
+    for cut, want in cases.items():
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        msg = load_error(bad)
+        assert "truncated or corrupt GGUF file: " + want in msg, msg
+
+
 def test_random_bytes_and_empty_file(tmp_path):
     bad = tmp_path / "noise.gguf"
     bad.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())

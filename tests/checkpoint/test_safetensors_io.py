@@ -205,6 +205,24 @@ def test_truncated_file(tmp_path, good_sd):
     assert "truncated" in load_error(tmp_path, path)
 
 
+def test_truncated_file_names_the_tensor(tmp_path, good_sd):
+    """Regression: a truncated file was refused as "the header describes N bytes",
+    naming no tensor. The message names the first tensor whose data runs past the
+    end, its byte range in the file and the file's size, as the GGUF loader does."""
+    path = write_sd(tmp_path, good_sd)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    name, info = max(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    start, stop = (8 + n + x for x in info["data_offsets"])
+    path.write_bytes(data[:-10])
+    msg = load_error(tmp_path, path)
+    want = f"truncated: tensor {name} needs bytes [{start}, {stop}), the file has {len(data) - 10}"
+    assert want in msg, msg
+    assert "more tensors" not in msg
+
+
 def test_random_bytes_file(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0))
