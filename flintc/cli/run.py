@@ -247,20 +247,48 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
 
 def _check_prompts_early(args, id_prompts: list[list[int]]) -> None:
     """What can be told of the prompts before the model loads (and a --backend
-    torch|triton compiles): an empty --prompt text, and --prompt-ids that do not fit a
-    --max-model-len given (they used to fail only after the load and compile, as "prompt
-    is empty" / "prompt has N tokens"). Raises InputError naming the flag. Token ids
-    beyond the vocabulary and text prompts that encode too long are checked once the
-    model and tokenizer are loaded (`flintc.model.generate.check_prompt`)."""
+    torch|triton compiles): a --prompt text that is empty or not valid Unicode
+    (`check_prompt_text`), and --prompt-ids that do not fit a --max-model-len given (they
+    used to fail only after the load and compile, as "prompt is empty" / "prompt has N
+    tokens"). Raises InputError naming the flag. Token ids beyond the vocabulary and text
+    prompts that encode too long are checked once the model and tokenizer are loaded
+    (`flintc.model.generate.check_prompt`)."""
     for text in args.prompt or []:
         if text == "":
             raise InputError("--prompt '': the prompt text is empty; a prompt needs at least one token")
+        check_prompt_text(text, "--prompt")
     if args.max_model_len is not None and args.max_model_len >= 1:
         for ids in id_prompts:
             if len(ids) >= args.max_model_len:
                 raise InputError(f"--prompt-ids: {len(ids)} tokens, more than the maximum of "
                                  f"{args.max_model_len - 1} (--max-model-len {args.max_model_len} counts the "
                                  "prompt and at least one generated token)")
+
+
+def check_prompt_text(text: str, flag: str) -> None:
+    """Refuse a prompt text that is not valid Unicode, naming `flag`. Python decodes the
+    command line with surrogateescape: bytes that are not valid in its encoding (Latin-1
+    text under a UTF-8 locale, say) arrive as lone surrogates U+DC80..U+DCFF, which no
+    tokenizer can encode (the tokenizer's own error named no flag, after the model had
+    loaded).
+
+    Raises:
+        InputError: `text` holds a lone surrogate; the message names the flag, the
+            character's position and the undecodable byte.
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        if 0xDC80 <= code <= 0xDCFF:  # surrogateescape's stand-in for an undecodable byte
+            what = (f"byte 0x{code - 0xDC00:02x} at character {e.start} is not valid "
+                    f"{sys.getfilesystemencoding()}")
+        else:
+            what = f"character {e.start} ({text[e.start]!r}) is a lone surrogate"
+        raise InputError(f"{flag}: the text is not valid Unicode: {what}; expected UTF-8 text "
+                         "(convert the prompt to UTF-8, or give token ids with --prompt-ids)") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -141,6 +141,10 @@ def test_bad_run_arguments(capsys, tiny_bf16_dir, args, needle):
 @pytest.mark.parametrize("args, needle", [
     (["--prompt", ""], "--prompt '': the prompt text is empty; a prompt needs at least one token"),
     (["--prompt", "hi", "--prompt", ""], "--prompt '': the prompt text is empty"),
+    (["--prompt", "h\udce9llo"], "--prompt: the text is not valid Unicode: byte 0xe9 at character 1 is "
+                                 "not valid"),
+    (["--prompt", "hi", "--prompt", "a\ud800"], "--prompt: the text is not valid Unicode: character 1 "
+                                                "('\\ud800') is a lone surrogate; expected UTF-8 text"),
     (["--prompt-ids", "1,2,3", "--max-model-len", "3"], "--prompt-ids: 3 tokens, more than the maximum of 2 "
                                                          "(--max-model-len 3 counts the prompt"),
 ])
@@ -366,6 +370,20 @@ def test_text_the_terminal_cannot_encode_is_escaped(tiny_bf16_dir):
                               timeout=600)
         assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode()
         assert proc.stdout.isascii() and b"\\ufffd" in proc.stdout, proc.stdout  # this seed's text has one
+
+
+def test_prompt_bytes_that_are_not_utf8_name_the_flag(tiny_bf16_dir):
+    """Regression: a --prompt whose command-line bytes are not UTF-8 (Latin-1 "h\\xe9llo";
+    Python hands them on as lone surrogates) was refused only after the model loaded, by
+    the tokenizer, in a message naming no flag. Now one line naming --prompt and the
+    byte, exit 2, before any load."""
+    proc = subprocess.run([sys.executable, "-m", "flintc", "run", str(tiny_bf16_dir).encode(),
+                           b"--prompt", b"h\xe9llo"], capture_output=True, timeout=120,
+                          env={**os.environ, "PYTHONUTF8": "1"})
+    err = proc.stderr.decode("utf-8", "backslashreplace")
+    assert proc.returncode == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("flintc: error: --prompt: the text is not valid Unicode: byte 0xe9 at "
+                          "character 1 is not valid utf-8; expected UTF-8 text"), err
 
 
 def test_text_with_a_lone_surrogate_is_an_input_error(tiny_bf16_dir):
