@@ -13,6 +13,7 @@ it is used, so that a dummy load needs neither `gguf` nor `safetensors`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def load_checkpoint(
     config: FlintConfig | None = None,
     fmt: str = "bf16",
     progress: bool = True,
+    check_config: Callable[[FlintConfig], None] | None = None,
 ) -> LoadedCheckpoint:
     """Load the checkpoint at `path` onto `device`.
 
@@ -68,6 +70,9 @@ def load_checkpoint(
         config: use this config (a FlintConfig, or a preset name: "tiny", "full")
             instead of reading one.
         fmt: for dummy weights only: "bf16" or "nvfp4".
+        check_config: called with the config once it is known, before any weight is
+            read or made: a caller's checks against it (`flintc run` refuses a
+            --logit-bias id outside vocab_size there); what it raises propagates.
 
     Raises:
         CheckpointError: `path` does not exist, is neither kind of checkpoint, has no
@@ -85,7 +90,7 @@ def load_checkpoint(
         raise CheckpointError(f"--hf-config-path (hf_config_path=) {hf_config_path}: no such file or folder")
     hf_dir = _config_dir(Path(hf_config_path)) if hf_config_path is not None else None
     if load_format == "dummy":
-        return _load_dummy(path, hf_dir, hf_config_path, device, config, fmt)
+        return _load_dummy(path, hf_dir, hf_config_path, device, config, fmt, check_config)
     if path is None:
         raise CheckpointError("no checkpoint path given (only --load-format dummy, load_format='dummy' in "
                               "Python, needs none)")
@@ -95,10 +100,12 @@ def load_checkpoint(
     if kind == "gguf":
         gguf_path = path if path.is_file() else _single_gguf(path)
         return _load_gguf(gguf_path, hf_dir or gguf_path.parent, hf_config_path, device, config,
-                          progress)
+                          progress, check_config)
     from flintc.checkpoint.safetensors_io import load_bf16
 
     config = config or _read_config(hf_config_path or path, path)
+    if check_config is not None:
+        check_config(config)
     check_weights_fit(config, "bf16", device)
     weights = load_bf16(path, config, device, progress)
     tok = _tokenizer_dir(path, hf_dir)
@@ -148,18 +155,20 @@ def _single_gguf(folder: Path) -> Path:
     return found[0]
 
 
-def _load_gguf(path, config_dir, hf_config_path, device, config, progress) -> LoadedCheckpoint:
+def _load_gguf(path, config_dir, hf_config_path, device, config, progress, check_config) -> LoadedCheckpoint:
     from flintc.checkpoint.gguf_io import load_gguf
 
     if config is None:
         hint = " (a GGUF file takes its config from the BF16 folder: pass --hf-config-path, hf_config_path= in Python)"
         config = _read_config(hf_config_path or config_dir, path, hint)
+    if check_config is not None:
+        check_config(config)
     check_weights_fit(config, "nvfp4", device)
     weights = load_gguf(path, config, device, progress)
     return LoadedCheckpoint(config, weights, "nvfp4", str(path), _tokenizer_dir(config_dir, None))
 
 
-def _load_dummy(path, hf_dir, hf_config_path, device, config, fmt) -> LoadedCheckpoint:
+def _load_dummy(path, hf_dir, hf_config_path, device, config, fmt, check_config) -> LoadedCheckpoint:
     from flintc.checkpoint.dummy import dummy_weights
 
     if config is None:
@@ -170,6 +179,8 @@ def _load_dummy(path, hf_dir, hf_config_path, device, config, fmt) -> LoadedChec
                               "hf_config_path= in Python)")
         config = _read_config(where, Path(where))
     folder = hf_dir or (_config_dir(path) if path is not None and path.exists() else None)
+    if check_config is not None:
+        check_config(config)
     check_weights_fit(config, fmt, device)
     weights = dummy_weights(config, fmt, device)
     tok = _tokenizer_dir(folder, None) if folder is not None else None

@@ -235,7 +235,9 @@ def prepare_device(name: str) -> None:
     _prepare(name)
 
 
-def load_model_checkpoint(args, device: str):
+def load_model_checkpoint(args, device: str, check_config=None):
+    """The checkpoint MODEL (or the default one, or dummy weights) names; `check_config`
+    as :func:`flintc.checkpoint.loader.load_checkpoint`'s, before any weight is read."""
     from flintc.checkpoint.loader import load_checkpoint
 
     model_path = args.model
@@ -245,7 +247,7 @@ def load_model_checkpoint(args, device: str):
         model_path = default_checkpoint()
     return load_checkpoint(model_path, hf_config_path=args.hf_config_path, device=device,
                            load_format=args.load_format, config=args.config, fmt=args.fmt,
-                           progress=sys.stderr.isatty())
+                           progress=sys.stderr.isatty(), check_config=check_config)
 
 
 def build_options(args):

@@ -111,7 +111,7 @@ class _AppendPrompt(argparse._AppendAction):
 def parse_prompt_ids(text: str) -> list[int]:
     """'1,2,3' -> [1, 2, 3]: one --prompt-ids value. Raises InputError naming the flag: an
     item that is not an integer, or a negative one (token ids are in [0, vocab_size);
-    the upper bound is checked against the model's vocabulary when it is loaded)."""
+    the upper bound is checked once the model's config is read, `_check_ids_in_vocab`)."""
     ids = []
     for piece in text.split(","):
         piece = piece.strip()
@@ -174,9 +174,30 @@ def _temporary_build_dumps(opts, no_dump: bool) -> None:
     opts.dump_dir = dump_dir if opts.dump else None
 
 
-def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
+def _check_ids_in_vocab(params, id_prompts: list[list[int]], vocab_size, source: str) -> None:
+    """The token ids of --logit-bias and --prompt-ids against the model's vocabulary, as
+    soon as its size is known (config.json, or a --build's build.json): before any weight
+    loads and a --backend torch|triton compiles (an id past the end was refused only
+    after both, naming no flag). Raises InputError naming the flag, the id, the valid
+    range and `source`."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        return  # a malformed build.json: load_build names the field
+    for tok, bias in params.logit_bias or ():
+        if tok >= vocab_size:
+            raise InputError(f"--logit-bias {tok}={bias:g}: token id {tok} is outside the vocabulary "
+                             f"[0, {vocab_size}) of {source}")
+    for ids in id_prompts:
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise InputError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size}) "
+                             f"of {source}")
+
+
+def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, params, id_prompts):
     """(runner or FlintModel, tokenizer dir, config) for the chosen backend. A temporary
-    BUILD (--backend torch|triton) is removed when `cleanup` closes."""
+    BUILD (--backend torch|triton) is removed when `cleanup` closes. The prompts' and
+    --logit-bias's token ids are checked against the vocabulary before any weight loads
+    (`_check_ids_in_vocab`)."""
     from flintc.cli.compile_build import (build_options, check_model_source_args, load_model_checkpoint,
                                           prepare_device)
 
@@ -191,6 +212,8 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
 
         manifest = read_manifest(args.build)
         check_model_source_args(args, build_manifest=manifest)
+        vocab_size = manifest["config"].get("vocab_size") if isinstance(manifest["config"], dict) else None
+        _check_ids_in_vocab(params, id_prompts, vocab_size, str(Path(args.build) / "build.json"))
         device = args.device or manifest.get("device", "cpu")
         if args.device is None and device.startswith("cuda"):
             import torch
@@ -217,7 +240,9 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int):
         from flintc.runtime.compiled import check_environment
 
         check_environment("torch" if backend == "auto" and args.device == "cpu" else backend)
-    ckpt = load_model_checkpoint(args, args.device)
+    ckpt = load_model_checkpoint(
+        args, args.device,
+        check_config=lambda config: _check_ids_in_vocab(params, id_prompts, config.vocab_size, config.source))
     limit = ckpt.config.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > limit:
         # the reference backend cut it to max_position_embeddings silently (as flintc compile
@@ -250,9 +275,9 @@ def _check_prompts_early(args, id_prompts: list[list[int]]) -> None:
     torch|triton compiles): a --prompt text that is empty or not valid Unicode
     (`check_prompt_text`), and --prompt-ids that do not fit a --max-model-len given (they
     used to fail only after the load and compile, as "prompt is empty" / "prompt has N
-    tokens"). Raises InputError naming the flag. Token ids beyond the vocabulary and text
-    prompts that encode too long are checked once the model and tokenizer are loaded
-    (`flintc.model.generate.check_prompt`)."""
+    tokens"). Raises InputError naming the flag. Token ids beyond the vocabulary are
+    checked once its size is known (`_check_ids_in_vocab`), text prompts that encode too
+    long once the tokenizer is loaded (`flintc.model.generate.check_prompt`)."""
     for text in args.prompt or []:
         if text == "":
             raise InputError("--prompt '': the prompt text is empty; a prompt needs at least one token")
@@ -323,7 +348,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
     from flintc.checkpoint.tokenizer import load_tokenizer
 
-    engine, tok_dir, config = _runner_and_tokenizer(args, cleanup, n_prompts)
+    engine, tok_dir, config = _runner_and_tokenizer(args, cleanup, n_prompts, params, id_prompts)
     tok_dir = args.tokenizer or tok_dir
     if args.prompt and tok_dir is None:  # MODEL (or dummy weights) without a tokenizer, no --build
         where = (f"no tokenizer.json beside MODEL {args.model}" if args.model is not None else

@@ -165,6 +165,39 @@ def test_bad_prompts_fail_before_compiling(capsys, monkeypatch, tiny_bf16_dir, a
     assert out == ""
 
 
+@pytest.mark.parametrize("source, extra", [
+    ("bf16", []), ("nvfp4", []), ("bf16", ["--backend", "torch"]), ("bf16", ["--load-format", "dummy"]),
+])
+def test_token_ids_outside_the_vocabulary_fail_before_loading(capsys, monkeypatch, tiny_bf16_dir,
+                                                              tiny_nvfp4_gguf, source, extra):
+    """Regression: --logit-bias 600=1 (the tiny vocabulary has 512 tokens) was refused only
+    after the weights loaded (and a --backend torch BUILD compiled), as "prompt: token id
+    600 is outside the vocabulary" naming no flag. It is refused once config.json is read,
+    before any weight is read or made, naming the flag, the id, the range and the file;
+    so is a --prompt-ids id."""
+    import flintc.checkpoint.dummy
+    import flintc.checkpoint.gguf_io
+    import flintc.checkpoint.safetensors_io
+    import flintc.runtime.build
+
+    def never(*a, **k):
+        raise AssertionError("weights loaded or compiled before the token ids were checked")
+
+    for module, name in ((flintc.checkpoint.safetensors_io, "load_bf16"), (flintc.checkpoint.gguf_io, "load_gguf"),
+                         (flintc.checkpoint.dummy, "dummy_weights"), (flintc.runtime.build, "compile_model")):
+        monkeypatch.setattr(module, name, never)
+    model = tiny_bf16_dir if source == "bf16" else tiny_nvfp4_gguf
+    config_json = (model if source == "bf16" else model.parent) / "config.json"
+    for args, want in ((["--prompt-ids", "1,2", "--logit-bias", "3=1", "--logit-bias", "600=-2.5"],
+                        "--logit-bias 600=-2.5: token id 600 is outside the vocabulary [0, 512) of "
+                        f"{config_json}"),
+                       (["--prompt-ids", "1,512"],
+                        f"--prompt-ids: token id 512 is outside the vocabulary [0, 512) of {config_json}")):
+        code, out, err = run_cli(capsys, "run", model, "--max-tokens", 1, *extra, *args)
+        assert code == 2 and err == f"flintc: error: {want}\n", err
+        assert out == ""
+
+
 def test_bad_config_names_file_and_field(capsys, tmp_path, tiny_bf16_dir):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_bf16_dir, bad)

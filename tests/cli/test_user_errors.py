@@ -74,6 +74,19 @@ def test_build_with_a_moved_checkpoint_names_build_json(capsys, tmp_path, comman
     assert out == "" and time.perf_counter() - t0 < 5
 
 
+def test_logit_bias_outside_the_build_vocabulary_fails_before_loading(capsys, tmp_path):
+    """Regression: `flintc run --build B --logit-bias 600=1` (a vocabulary of 512) loaded
+    the weights before refusing the id, naming no flag. The build's build.json gives
+    vocab_size: the id is refused before anything loads (the checkpoint recorded here
+    does not even exist), naming --logit-bias, the id, the range and build.json."""
+    build = _fake_build(tmp_path / "build", str(tmp_path / "no-such-ckpt"))
+    code, out, err = run_cli(capsys, "run", "--build", build, "--prompt-ids", "1,2", "--max-tokens", 1,
+                             "--logit-bias", "600=1")
+    assert_one_line_error(code, err, "--logit-bias 600=1: token id 600 is outside the vocabulary [0, 512) "
+                          f"of {build / 'build.json'}")
+    assert out == ""
+
+
 def test_build_with_a_broken_checkpoint_names_build_json(capsys, tmp_path, tiny_bf16_dir):
     """The recorded checkpoint folder is still there but its weights are gone: the
     loader's error is kept, and build.json named; a MODEL given explicitly is loaded
