@@ -212,7 +212,8 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
 
         manifest = read_manifest(args.build)
         check_model_source_args(args, build_manifest=manifest)
-        vocab_size = manifest["config"].get("vocab_size") if isinstance(manifest["config"], dict) else None
+        build_config = manifest.get("config")
+        vocab_size = build_config.get("vocab_size") if isinstance(build_config, dict) else None
         _check_ids_in_vocab(params, id_prompts, vocab_size, str(Path(args.build) / "build.json"))
         device = args.device or manifest.get("device", "cpu")
         if args.device is None and device.startswith("cuda"):
