@@ -125,11 +125,18 @@ def dump_dir_from_env() -> str | None:
     """$FLINTC_DUMP_DIR (where `compile_step`, `flintc verify` and the temporary BUILD of
     `flintc run` write their pass-by-pass dumps), or None when it is unset or empty.
 
+    `flintc compile` never reads it: a BUILD keeps its own dumps in BUILD/dumps. So
+    the variable must not point into a BUILD (a folder holding build.json, what `flintc
+    compile` takes for one), the BUILD itself included: the dumps would mix with the
+    build's files or replace its BUILD/dumps/<function>/ with another compile's, and the
+    next `flintc compile` into that BUILD would replace the folder, dumps and all.
+
     Raises:
         InputError: naming the variable and its value, when the folder could not be
             made or written: it, or the nearest existing folder above it, is a file,
-            or cannot be written in. Checked before any work (it used to fail after
-            the capture or a whole compile as "<path>/decode_b1: Not a directory").
+            or cannot be written in; or it is, or is inside, a BUILD (naming the
+            BUILD). Checked before any work (it used to fail after the capture or a
+            whole compile as "<path>/decode_b1: Not a directory").
     """
     from flintc.errors import InputError
 
@@ -146,4 +153,10 @@ def dump_dir_from_env() -> str | None:
     why = cannot_write_in(anc)
     if why:
         raise InputError(f"{DUMP_DIR_ENV}={value}: cannot write the dumps there ({anc}: {why}); {fix}")
+    for folder in (anc.resolve(), *anc.resolve().parents):
+        if (folder / "build.json").is_file():
+            raise InputError(f"{DUMP_DIR_ENV}={value}: inside the flintc BUILD {folder} (it holds build.json), "
+                             "whose own dumps are in BUILD/dumps and which the next flintc compile into it "
+                             f"replaces whole; set {DUMP_DIR_ENV} to a folder outside any BUILD, or unset it "
+                             "for no dumps")
     return value

@@ -177,6 +177,35 @@ def test_unwritable_flintc_dump_dir_names_the_variable(capsys, tmp_path, monkeyp
     assert out == ""
 
 
+@pytest.mark.parametrize("command", [
+    ["run", "{ckpt}", "--backend", "torch", "--max-batch", "1", "--no-check", "--prompt-ids", "1,2",
+     "--max-tokens", "1"],
+    ["verify", "--step", "decode"],
+])
+@pytest.mark.parametrize("value", ["build", "build/dumps", "build/dumps/new/sub"])
+def test_flintc_dump_dir_inside_a_build_is_refused(capsys, tmp_path, monkeypatch, tiny_bf16_dir, command, value):
+    """Regression: $FLINTC_DUMP_DIR pointing at a BUILD of `flintc compile` (or into it)
+    was taken: a temporary BUILD's or verify's dumps went into the build folder, mixed
+    with its files or replacing its own BUILD/dumps/<function>/ with another compile's,
+    and the next `flintc compile` into it deleted them. Now one line naming the
+    variable and the BUILD, before any work."""
+    import flintc.passes.pipeline as pipeline
+
+    def never(*a, **k):
+        raise AssertionError("compile_step ran before $FLINTC_DUMP_DIR was checked")
+
+    monkeypatch.setattr(pipeline, "compile_step", never)
+    (tmp_path / "build" / "dumps").mkdir(parents=True)
+    (tmp_path / "build" / "build.json").write_text("{}")
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / value))
+    code, out, err = run_cli(capsys, *[a.format(ckpt=tiny_bf16_dir) for a in command])
+    assert_one_line_error(code, err, f"FLINTC_DUMP_DIR={tmp_path / value}: inside the flintc BUILD "
+                          f"{(tmp_path / 'build').resolve()} (it holds build.json)",
+                          "set FLINTC_DUMP_DIR to a folder outside any BUILD, or unset it for no dumps")
+    assert out == "" and sorted(p.name for p in (tmp_path / "build").iterdir()) == ["build.json", "dumps"]
+    assert not any((tmp_path / "build" / "dumps").iterdir())
+
+
 def test_compile_step_checks_flintc_dump_dir(monkeypatch, tmp_path):
     """The Python API refuses it too (before the capture), unless dump_dir=False."""
     from harness import tiny_model
