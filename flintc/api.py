@@ -11,16 +11,20 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import numbers
+import os
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from flintc.errors import InputError
+from flintc.errors import InputError, Terminated
 from flintc.model.generate import GenerationResult
 from flintc.sampling import SamplingParams
 
@@ -223,6 +227,14 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     folder), an unknown `load_format` (`flintc.checkpoint.loader.check_load_format`; None
     is "auto"), a `fmt` or `config` that does not apply, and a malformed FLINTC_* variable
     (`flintc.runtime.compiled.check_environment`), before compiling.
+
+    A compile that fails removes what it wrote (BUILD is written beside `out` and renamed
+    into place at the end; the temporary folder of out=None is removed at once). SIGTERM
+    during the compile does the same: where the process has SIGTERM's default action
+    (no handler of its own; main thread), the compile and load run with a handler that
+    raises :class:`~flintc.errors.Terminated`, and once the clean-up has run the
+    signal is delivered again with the default action, so the process still ends as
+    killed by SIGTERM (exit status 143 in a shell, -15 as a subprocess returncode).
     """
     from flintc.checkpoint.loader import check_load_format, load_checkpoint
     from flintc.runtime.build import BuildOptions, compile_model
@@ -246,18 +258,62 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
         from flintc.checkpoint.default import default_checkpoint
 
         model = default_checkpoint()
-    ckpt = load_checkpoint(model, hf_config_path=hf_config_path, device=device, load_format=load_format,
-                           config=config, fmt=fmt, progress=progress)
-    if out is None:
-        tmp = tempfile.mkdtemp(prefix="flintc-build-")
+    with _sigterm_after_cleanup() as cleanups:
+        ckpt = load_checkpoint(model, hf_config_path=hf_config_path, device=device, load_format=load_format,
+                               config=config, fmt=fmt, progress=progress)
+        tmp = None
+        if out is None:
+            tmp = tempfile.mkdtemp(prefix="flintc-build-")
+            cleanups.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
+            out = Path(tmp) / "build"
+        out = Path(out)
+        opts = BuildOptions(max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
+                            backend=backend, device=device, check=check, dump=dump)
+        compile_model(ckpt, out, opts, progress=progress, log=lambda *a: None)
+        runner = load_build(out, ckpt=ckpt, device=device, progress=progress)
+    if tmp is not None:
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-        out = Path(tmp) / "build"
-    out = Path(out)
-    opts = BuildOptions(max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                        backend=backend, device=device, check=check, dump=dump)
-    compile_model(ckpt, out, opts, progress=progress, log=lambda *a: None)
-    runner = load_build(out, ckpt=ckpt, device=device, progress=progress)
     return CompiledModel(runner, given_tokenizer or _tokenizer(None, ckpt.tokenizer_dir))
+
+
+@contextlib.contextmanager
+def _sigterm_after_cleanup():
+    """A block whose clean-up runs on SIGTERM too: yields a list of clean-up callables,
+    run (last first) when the block raises. Where SIGTERM has its default action and
+    this is the main thread, SIGTERM raises Terminated during the block; after the
+    clean-ups the default action is restored and the signal sent again, so the process
+    ends as it would have without flintc (killed by SIGTERM), never by Terminated's
+    KeyboardInterrupt. A SIGTERM whose Terminated Python dropped (raised inside a
+    __del__ or a weakref callback) is delivered the same way when the block ends.
+    Elsewhere (a handler of the caller's own, SIG_IGN, another thread) SIGTERM is left
+    alone and the block only runs its clean-ups on an exception."""
+    cleanups: list = []
+    received = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise Terminated()
+
+    installed = (threading.current_thread() is threading.main_thread()
+                 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+    if installed:
+        signal.signal(signal.SIGTERM, handler)
+    failed = False
+    try:
+        yield cleanups
+    except BaseException:
+        failed = True
+        for cleanup in reversed(cleanups):
+            cleanup()
+        raise
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if received:
+                if not failed:  # its Terminated was dropped: the block ran to its end
+                    for cleanup in reversed(cleanups):
+                        cleanup()
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
 def load(build, model=None, *, device: str | None = None, load_format: str | None = None,

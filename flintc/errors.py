@@ -38,3 +38,9 @@ class StaleBuildWarning(FlintcWarning):
     """A BUILD was compiled by other compiler code (passes, ops, graph capture, model or
     code generator) than the flintc loading it: its schedule is still valid but may
     lack fusions or kernel arguments added since; recompile to get them."""
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread when the process gets SIGTERM while flintc has its
+    handler installed (the `flintc` command line, and `flintc.compile`), so that the
+    clean-up that runs on Ctrl-C (temporary BUILD folders) runs on `kill` too."""

@@ -18,7 +18,7 @@ import re
 import signal
 import sys
 
-from flintc.errors import EXIT_USER_ERROR, FlintcError
+from flintc.errors import EXIT_USER_ERROR, FlintcError, Terminated
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -48,10 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (run, compile_build, make_checkpoint, verify, dump, serve, bench):
         module.add_parser(sub)
     return parser
-
-
-class Terminated(KeyboardInterrupt):
-    """Raised in the main thread when the process gets SIGTERM (see `main`)."""
 
 
 def _raise_terminated(signum, frame):

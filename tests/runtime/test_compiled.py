@@ -714,6 +714,40 @@ def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_pa
     assert Path(run.stdout.strip()).parent.parent == tmp_path and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("out", [None, "o/b"])
+def test_python_api_compile_cleans_up_on_sigterm(tmp_path, tmp_path_factory, tiny_bf16_dir, out):
+    """Regression: SIGTERM during `flintc.compile(..., out=None)` killed the process
+    before its atexit clean-up, leaving TMPDIR/flintc-build-XXXX (and, with an `out`, the
+    hidden `.b.<pid>.xxxxxxxx` folder beside it). Now both are removed, and the process
+    still ends as killed by SIGTERM (returncode -15; 143 in a shell), with no traceback."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "o").mkdir()
+    target = "None" if out is None else repr(str(tmp_path / out))
+    code = f"import flintc, sys; flintc.compile(sys.argv[1], out={target}, max_batch=1); print('done')"
+    env = {**os.environ, "TMPDIR": str(tmp_path),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor_cache"))}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tiny_bf16_dir)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def compiling() -> bool:  # the hidden folder compile_model writes BUILD in exists
+        where = [tmp_path / "o"] if out else [p for p in tmp_path.glob("flintc-build-*") if p.is_dir()]
+        return any(q.name.startswith((".b.", ".build.")) for w in where for q in w.iterdir())
+
+    deadline = time.monotonic() + 120
+    while not compiling():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and "done" not in stdout, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"] and list((tmp_path / "o").iterdir()) == []
+
+
 def test_help_shows_the_python_api_and_import_stays_light():
     """`help(flintc)` and `help(flintc.compile)` showed `compile(*args, **kwargs)` and "See
     `flintc.api.compile`." (thin wrappers): they show flintc.api's own signature and
