@@ -182,23 +182,28 @@ class _RangeCheckedReader(GGUFReader):
     reports truncated files itself.
     """
 
-    def _get(self, offset, dtype, count=1, override_order=None):
-        stop = int(offset) + np.dtype(dtype).itemsize * int(count)
+    # Both hooks pass every argument on unchanged, and leave a layout they do not
+    # recognise (another gguf version) to the reader's own checks and errors.
+    def _get(self, offset, dtype, count=1, *args, **kwargs):
+        try:
+            stop = int(offset) + np.dtype(dtype).itemsize * int(count)
+        except (TypeError, ValueError):
+            stop = 0
         if stop > len(self.data):
             raise _PastEnd(
                 f"the header needs bytes [{int(offset)}, {stop}), the file has {len(self.data)}"
             )
-        return super()._get(offset, dtype, count, override_order)
+        return super()._get(offset, dtype, count, *args, **kwargs)
 
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
+    def _build_tensors(self, start_offs, fields, *args, **kwargs):
         size = len(self.data)
         past_end = []
         for field in fields:
-            _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
             try:
+                _, name_data, _, dims, raw_dtype, offset_tensor = field.parts
                 block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
-            except (ValueError, KeyError):
-                continue  # an unknown type: left to the reader's own error
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+                continue  # a type or layout this check does not know: the reader's own error
             start = int(start_offs + offset_tensor[0])
             stop = start + int(np.prod(dims, dtype=np.uint64)) * type_size // block_size
             if stop > size:
@@ -209,7 +214,7 @@ class _RangeCheckedReader(GGUFReader):
             raise _PastEnd(
                 f"tensor {name} needs bytes [{start}, {stop}), the file has {size}{more}"
             )
-        super()._build_tensors(start_offs, fields)
+        super()._build_tensors(start_offs, fields, *args, **kwargs)
 
 
 def _expected(config: FlintConfig):
