@@ -37,6 +37,7 @@ get a 400.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hmac
 import json
@@ -164,11 +165,54 @@ async def _abort_on_disconnect(request: Request, gen: _Generation) -> None:
 # Per-choice chat state: parsers and accumulated results
 
 
+class _SpecialStripper:
+    """Removes the tokenizer's special-token strings from streamed text (chat with
+    ``skip_special_tokens``: the parsers read the text with them, the client gets it
+    without). A suffix that may be the start of one is held until the next chunk, so
+    the pieces join to what one call on the whole text gives."""
+
+    def __init__(self, specials: tuple[list[str], set[str], list[int]]):
+        self.sorted, self.set, self.lengths = specials
+        self.held = ""
+
+    def _could_start(self, frag: str) -> bool:
+        i = bisect.bisect_left(self.sorted, frag)
+        return i < len(self.sorted) and self.sorted[i].startswith(frag)
+
+    def feed(self, text: str, final: bool = False) -> str:
+        buf, self.held = self.held + text, ""
+        out, i = [], 0
+        while i < len(buf):
+            hit = next((buf[i:i + n] for n in self.lengths if buf[i:i + n] in self.set), "")
+            if hit:
+                i += len(hit)
+                continue
+            if not final and len(buf) - i < self.lengths[0] and self._could_start(buf[i:]):  # a partial special
+                self.held = buf[i:]
+                break
+            out.append(buf[i])
+            i += 1
+        return "".join(out)
+
+    def finish(self) -> str:
+        return self.feed("", final=True)
+
+
+def _special_strings(tokenizer) -> tuple[list[str], set[str], list[int]]:
+    """The special tokens' texts (sorted, as a set, and their lengths, longest first)."""
+    texts = {tokenizer.token_bytes(i).decode("utf-8", errors="replace") for i in tokenizer.all_special_ids}
+    texts.discard("")
+    return sorted(texts), texts, sorted({len(t) for t in texts}, reverse=True)
+
+
 class _ChatChoice:
-    def __init__(self, tokenizer, reasoning_initial: str | None, tools: list[dict] | None):
+    def __init__(self, tokenizer, reasoning_initial: str | None, tools: list[dict] | None,
+                 specials: tuple[list[str], set[str], list[int]] | None = None):
         self.tokenizer = tokenizer
         self.reasoning = ReasoningParser(reasoning_initial) if reasoning_initial else None
         self.tools = ToolCallParser(tools) if tools is not None else None
+        # skip_special_tokens: strip them from reasoning and content after parsing
+        self.strip = (_SpecialStripper(specials), _SpecialStripper(specials)) if specials else None
         self.reasoning_text: list[str] = []
         self.content_text: list[str] = []
         self.token_ids: list[int] = []
@@ -187,6 +231,10 @@ class _ChatChoice:
             if out.finished:
                 c2, _ = self.tools.finish()
                 c += c2
+        if self.strip is not None:
+            r, c = self.strip[0].feed(r), self.strip[1].feed(c)
+            if out.finished:
+                r, c = r + self.strip[0].finish(), c + self.strip[1].finish()
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
         self.reasoning_text.append(r)
@@ -232,12 +280,15 @@ def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
 
 
 def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
+    """OpenAI's completions logprobs. Each ``top_logprobs`` entry holds the sampled token
+    first, then the top alternatives (as OpenAI and vLLM: up to logprobs + 1 items, the
+    sampled token alone for ``logprobs: 0``)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for t in lps:
         text, _ = _token_str(tokenizer, t.token_id)
         tokens.append(text)
         token_lps.append(t.logprob)
-        top = {}
+        top = {text: t.logprob}
         for i, v in t.top:
             top.setdefault(_token_str(tokenizer, i)[0], v)
         tops.append(top)
@@ -281,6 +332,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
     max_model_len = engine.max_model_len
     chat_stops = frozenset(tokenizer.special_token_ids[t] for t in CHAT_STOP_TOKENS
                            if t in tokenizer.special_token_ids) | {tokenizer.eos_token_id}
+    specials = _special_strings(tokenizer)
+    if not specials[1]:
+        specials = None
 
     # ---- errors ----------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -358,6 +412,12 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         except ValidationError as exc:
             e = exc.errors()[0]
             if e["type"] == "json_invalid":  # JSON that json.loads takes and pydantic not: a lone surrogate
+                where = _lone_surrogate(data)
+                if where is not None:
+                    where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold it
+                    raise APIError(400, f"malformed JSON in the request body: the string at '{where}' holds an "
+                                   f"invalid Unicode escape, a lone UTF-16 surrogate (\\ud800-\\udfff not "
+                                   f"in a high-low pair)", param=where, code="invalid_json") from None
                 why = (e.get("ctx") or {}).get("error", e["msg"])
                 raise APIError(400, f"malformed JSON in the request body: {why}", code="invalid_json") from None
             where = ".".join(str(p) for p in e["loc"]) or "body"
@@ -413,6 +473,23 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             raise APIError(400, f"'stop' takes at most {MAX_STOP} non-empty strings", param="stop")
         return n, tuple(stop)
 
+    def stop_token_ids(req) -> frozenset[int]:
+        """vLLM's ``stop_token_ids``, each checked to be in the vocabulary (400 naming it)."""
+        ids = req.stop_token_ids or []
+        for k, t in enumerate(ids):
+            if not 0 <= t < tokenizer.vocab_size:
+                raise APIError(400, f"'stop_token_ids[{k}]': token id {t} is outside the vocabulary "
+                               f"[0, {tokenizer.vocab_size})", param="stop_token_ids")
+        return frozenset(ids)
+
+    def generation_prompt_flags(req) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message); both true is a 400, as in vLLM."""
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                           "(set 'add_generation_prompt': false to continue the last message)",
+                           param="continue_final_message")
+        return req.add_generation_prompt, req.continue_final_message
+
     def check_length(n_prompt: int, max_tokens: int | None, param: str, prompt_param: str) -> int:
         """`param`: the request field that set max_tokens; `prompt_param`: the one holding
         the prompt ("messages" for chat, "prompt" for completions)."""
@@ -442,18 +519,28 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                            "(--chat-template FILE, or --tokenizer DIR of a tokenizer that has one)")
 
     async def render_chat(messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
-                          add_generation_prompt: bool = True,
-                          add_special_tokens: bool = False) -> tuple[str, list[int]]:
+                          add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                          continue_final_message: bool = False) -> tuple[str, list[int]]:
         """OpenAI ``messages`` and ``tools`` (checked by `_check_tools`) rendered with the
         chat template, on a worker thread (both steps scale with the request). -> (the
-        text, its token ids). Raises APIError(400): ``template_kwargs`` setting a name
-        the renderer owns, bad messages (`_template_messages`), or the template
-        rejecting or failing on them."""
+        text, its token ids). ``continue_final_message``: the text ends where the last
+        message's content ends (transformers' rule), so the model continues it. Raises
+        APIError(400): ``template_kwargs`` setting a name the renderer owns, bad messages
+        (`_template_messages`), the template rejecting or failing on them, or a last
+        message to continue that has no text."""
         kwargs = dict(template_kwargs or {})
         if _TEMPLATE_RESERVED & kwargs.keys():
             raise APIError(400, f"chat_template_kwargs may not set {sorted(_TEMPLATE_RESERVED & kwargs.keys())}",
                            param="chat_template_kwargs")
         messages = _template_messages(messages)
+        final = None
+        if continue_final_message:
+            final = messages[-1].get("content")
+            if isinstance(final, list):
+                final = final[-1]["text"] if final else None
+            if not final:
+                raise APIError(400, f"'continue_final_message': the last message (messages[{len(messages) - 1}]) "
+                               f"has no text to continue", param=f"messages[{len(messages) - 1}].content")
 
         def render() -> tuple[str, list[int]]:
             try:
@@ -466,6 +553,15 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 # string): the request's 400, as vLLM answers, not a 500
                 raise APIError(400, f"the chat template failed on the messages: {type(exc).__name__}: {exc}",
                                param="messages") from None
+            if final is not None:  # transformers' continue_final_message
+                for piece in (final, final.strip()):
+                    at = text.rfind(piece)
+                    if at >= 0:
+                        text = text[:at + len(piece)]
+                        break
+                else:
+                    raise APIError(400, "'continue_final_message': the chat template does not render the "
+                                   "last message's content as given", param="continue_final_message")
             return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         return await asyncio.to_thread(render)
@@ -546,8 +642,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         unsupported(req)
         if isinstance(req, TokenizeChatRequest):
             need_chat_template()
+            add_gen, cont = generation_prompt_flags(req)
             _, ids = await render_chat(req.messages, _check_tools(req.tools), req.chat_template_kwargs,
-                                       req.add_generation_prompt, req.add_special_tokens)
+                                       add_gen, req.add_special_tokens, cont)
         else:
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
@@ -591,7 +688,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                            "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
         parse_tools = tools if (tools and choice == "auto") else None
         prompt_tools = None if (choice == "none" and options.exclude_tools_when_tool_choice_none) else tools
-        prompt_text, prompt_ids = await render_chat(req.messages, prompt_tools, req.chat_template_kwargs)
+        add_gen, cont = generation_prompt_flags(req)
+        user_stops = stop_token_ids(req)
+        prompt_text, prompt_ids = await render_chat(req.messages, prompt_tools, req.chat_template_kwargs,
+                                                    add_gen, False, cont)
         if not prompt_ids:  # the runner's prefill refuses it, failing every running request with it
             raise APIError(400, "the chat template rendered the messages to an empty prompt", param="messages")
         if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -610,9 +710,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 raise APIError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                                param="top_logprobs")
         reasoning_initial = initial_state_for_prompt(prompt_text) if options.reasoning_parser else None
-        gen = _Generation(engine, [dict(prompt_ids=prompt_ids, params=p, stop_token_ids=chat_stops,
-                                        stop=stop, logprobs=top) for p in params])
-        choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools) for _ in range(n)]
+        # the parsers read the text with special tokens; they are stripped after parsing. With
+        # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
+        strip = specials if req.skip_special_tokens and parse_tools is None else None
+        gen = _Generation(engine, [dict(prompt_ids=prompt_ids, params=p, stop_token_ids=chat_stops | user_stops,
+                                        user_stop_token_ids=user_stops, stop=stop, logprobs=top,
+                                        include_stop_str_in_output=req.include_stop_str_in_output)
+                                   for p in params])
+        choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip) for _ in range(n)]
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -679,8 +784,11 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
                            param="logprobs")
-        stops = frozenset({tokenizer.eos_token_id})
-        specs = [dict(prompt_ids=ids, params=p, stop_token_ids=stops, stop=stop, logprobs=req.logprobs)
+        user_stops = stop_token_ids(req)
+        stops = frozenset({tokenizer.eos_token_id}) | user_stops
+        specs = [dict(prompt_ids=ids, params=p, stop_token_ids=stops, stop=stop, logprobs=req.logprobs,
+                      user_stop_token_ids=user_stops, skip_special_tokens=req.skip_special_tokens,
+                      include_stop_str_in_output=req.include_stop_str_in_output)
                  for ids in prompts for p in params]
         gen = _Generation(engine, specs)
         total = len(specs)
@@ -776,7 +884,8 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     """OpenAI messages -> what the chat template takes: ``developer`` becomes
     ``system``, assistant tool-call arguments (JSON strings in OpenAI's format) become
     mappings, fields sent as null (other than content) are left out. Raises
-    APIError(400) for an unknown role, a non-text content part,
+    APIError(400) for an unknown role, a missing (or null) content (allowed only for
+    an assistant message with tool_calls), a non-text content part,
     tool_calls that are not a list (a 500 before), or arguments that are not a JSON
     object."""
     if not messages:
@@ -792,6 +901,11 @@ def _template_messages(messages: list[dict]) -> list[dict]:
         m = {k: v for k, v in m.items() if v is not None or k == "content"}
         m["role"] = "system" if role == "developer" else role
         content = m.get("content")
+        if content is None and (role != "assistant" or not m.get("tool_calls")):
+            # OpenAI and vLLM: required for every role but an assistant turn of tool calls
+            raise APIError(400, f"messages[{i}].content is required for a {role} message"
+                           + (" without tool_calls" if role == "assistant" else ""),
+                           param=f"messages[{i}].content")
         if isinstance(content, list):
             for part in content:
                 if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
@@ -821,6 +935,30 @@ def _template_messages(messages: list[dict]) -> list[dict]:
             m["tool_calls"] = calls
         out.append(m)
     return out
+
+
+def _lone_surrogate(data, where: str = "") -> str | None:
+    """The path (``messages[0].content``) of the first string, or key, in parsed JSON
+    holding a lone surrogate (which json.loads lets through from an escape), else None."""
+    def bad(text: str) -> bool:
+        return any("\ud800" <= ch <= "\udfff" for ch in text)
+
+    if isinstance(data, str):
+        return (where or "body") if bad(data) else None
+    if isinstance(data, dict):
+        for k, v in data.items():
+            path = f"{where}.{k}" if where else str(k)
+            if bad(k):
+                return path
+            found = _lone_surrogate(v, path)
+            if found is not None:
+                return found
+    elif isinstance(data, list):
+        for k, v in enumerate(data):
+            found = _lone_surrogate(v, f"{where}[{k}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _completion_prompts(prompt, tokenizer) -> list[list[int]]:

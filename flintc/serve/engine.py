@@ -26,10 +26,12 @@ history=...)``; the others keep none and sample as before.
 
 Text is made here too, so that a stop string can end a sequence at once: each
 sequence has an :class:`~flintc.checkpoint.tokenizer.IncrementalDetokenizer`
-(special tokens kept, so ``<think>`` and ``<tool_call>`` reach the parsers), and
+(special tokens kept unless the request sets ``skip_special_tokens``: chat keeps
+them, so ``<think>`` and ``<tool_call>`` reach the parsers), and
 text that might be the start of a stop string is held back until it is not.
-Stop tokens (end-of-text, and in chat also ``<|user|>`` / ``<|observation|>``) end
-a sequence with finish reason ``"stop"`` and add no text; they count as completion
+Stop tokens (end-of-text, and in chat also ``<|user|>`` / ``<|observation|>``, plus a
+request's ``stop_token_ids``) end a sequence with finish reason ``"stop"`` and add no
+text (unless ``include_stop_str_in_output``); they count as completion
 tokens (as in vLLM). With ``min_tokens`` (as vLLM): the stop tokens cannot be sampled
 before that many tokens are generated (and do not stop the sequence before then), and
 stop strings are looked for only once more than ``min_tokens`` tokens are out.
@@ -146,6 +148,11 @@ class GenRequest:
         stop_token_ids: ids that end the sequence (unless ``params.ignore_eos``).
         stop: stop strings; the text ends before the first match (not included).
         logprobs: None for no logprobs, else how many top alternatives (0..20).
+        user_stop_token_ids: ids (also in ``stop_token_ids``) that end the sequence even
+            with ``params.ignore_eos`` (vLLM's ``stop_token_ids``: ignore_eos ignores EOS only).
+        skip_special_tokens: leave the tokenizer's special tokens out of the text.
+        include_stop_str_in_output: keep the stop string that ended the sequence, or the
+            text of the stop token, in the text (vLLM's option).
         forced: tokens that replace sampling (test hook, see module docstring).
 
     The engine fills in ``timeline`` (:class:`RequestTimeline`).
@@ -159,6 +166,9 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     forced: list[int] | None = None
+    user_stop_token_ids: frozenset[int] = frozenset()
+    skip_special_tokens: bool = False
+    include_stop_str_in_output: bool = False
     cancelled: bool = False
     id: int = field(default_factory=itertools.count().__next__)
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
@@ -307,7 +317,7 @@ class Engine:
         while free and self._waiting:
             req = self._waiting.popleft()
             slot = free.pop(0)
-            seq = _Seq(req, slot, self.tokenizer.detokenizer(), self.runner.device)
+            seq = _Seq(req, slot, self.tokenizer.detokenizer(req.skip_special_tokens), self.runner.device)
             self._running[slot] = seq
             req.timeline.scheduled = time.monotonic()
             if req.params.max_tokens < 1:
@@ -385,7 +395,10 @@ class Engine:
         if lp is not None:
             seq.pending_lp.append(lp)
         n_out = len(seq.out_ids)
-        if tok in req.stop_token_ids and not params.ignore_eos and n_out >= params.min_tokens:
+        if tok in req.stop_token_ids and n_out >= params.min_tokens \
+                and (not params.ignore_eos or tok in req.user_stop_token_ids):
+            if req.include_stop_str_in_output:
+                seq.text += seq.detok.push(tok)
             self._finish(seq, "stop")
             return
         seq.text += seq.detok.push(tok)
@@ -401,13 +414,15 @@ class Engine:
         self._emit(seq, len(seq.text) - hold)
 
     def _cut_stop(self, seq: _Seq) -> bool:
-        """Truncate seq.text at the first stop string found in text not yet emitted."""
+        """Truncate seq.text at the first stop string found in text not yet emitted (after
+        it with ``include_stop_str_in_output``)."""
         longest = max(len(s) for s in seq.req.stop)
         begin = max(0, seq.sent - longest + 1)
-        hits = [i for i in (seq.text.find(s, begin) for s in seq.req.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((seq.text.find(s, begin), s) for s in seq.req.stop) if i >= 0]
         if not hits:
             return False
-        seq.text = seq.text[:min(hits)]
+        at, size = min(hits, key=lambda h: h[0])
+        seq.text = seq.text[:at + size if seq.req.include_stop_str_in_output else at]
         seq.detok.flush()
         return True
 

@@ -11,8 +11,12 @@ field (:func:`unsupported`). ``presence_penalty``, ``frequency_penalty`` and
 
 Extensions, as vLLM names them: ``top_k`` (FLINT_SPEC section 6: 20 by default;
 0 or -1 keeps all), ``repetition_penalty``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``return_token_ids`` (adds
-``prompt_token_ids`` to the response and ``token_ids`` to each choice), and for
-chat ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``).
+``prompt_token_ids`` to the response and ``token_ids`` to each choice),
+``skip_special_tokens``, ``spaces_between_special_tokens`` (accepted; no effect, as in vLLM
+with a fast tokenizer), ``stop_token_ids``, ``include_stop_str_in_output``, and for
+chat ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``),
+``add_generation_prompt`` and ``continue_final_message``. vLLM's ``prompt_logprobs`` is
+refused with a 400 naming it (the runner keeps no prompt logits).
 
 vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest` /
 :class:`TokenizeChatRequest` and :class:`DetokenizeRequest`, with vLLM's fields.
@@ -54,6 +58,11 @@ class _Common(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # vLLM's; refused (see `unsupported`)
 
 
 class ChatCompletionRequest(_Common):
@@ -68,6 +77,8 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # informational: accepted, ignored
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -159,7 +170,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
     support (functions, audio, non-text modalities or response formats, echo,
-    best_of > 1, suffix, continue_final_message)."""
+    best_of > 1, suffix, prompt_logprobs)."""
     checks = [
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
@@ -171,9 +182,10 @@ def unsupported(req: BaseModel) -> None:
         ("echo", lambda v: bool(v)),
         ("best_of", lambda v: v not in (None, 1)),
         ("suffix", lambda v: v is not None),
-        ("continue_final_message", lambda v: bool(v)),
+        ("prompt_logprobs", lambda v: v is not None),
     ]
+    why = {"prompt_logprobs": " (the runner computes no logits for prompt positions)"}
     for name, bad in checks:
         if name in type(req).model_fields and bad(getattr(req, name)):
-            raise APIError(400, f"'{name}' = {getattr(req, name)!r} is not supported by flintc serve",
-                           param=name, code="unsupported_parameter")
+            raise APIError(400, f"'{name}' = {getattr(req, name)!r} is not supported by flintc serve"
+                           + why.get(name, ""), param=name, code="unsupported_parameter")

@@ -185,9 +185,13 @@ def test_reasoning_split(client, tiny_serving):
     assert r.choices[0].message.content is None
     reasoning, content, _, _ = stream_chat(client, **chat("#script:think_long", model=MODEL, max_tokens=5))
     assert (reasoning, content) == (tok.decode(ids[1:5]), "")
-    # thinking disabled by the template: the reply is all content, tags included
+    # thinking disabled by the template: the reply is all content; the tags (special tokens)
+    # are left out by default (skip_special_tokens, as vLLM), kept with it false
     r = client.chat.completions.create(**chat("#script:think", model=MODEL, max_tokens=40,
                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
+    assert r.choices[0].message.content == "The user wants a number.The answer is 4."
+    r = client.chat.completions.create(**chat("#script:think", model=MODEL, max_tokens=40, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}, "skip_special_tokens": False}))
     assert r.choices[0].message.content == SCRIPTS["think"]
 
 
@@ -237,7 +241,10 @@ def test_tool_choice_none_with_and_without_exclude(server, plain_server, client,
     prompt = tok.decode(r.prompt_token_ids)
     assert "# Tools" in prompt and '"name": "get_weather"' in prompt
     assert r.choices[0].message.tool_calls is None  # not parsed with tool_choice none
-    assert r.choices[0].message.content == SCRIPTS["tool"]
+    # the tags are special tokens: left out by default (vLLM's skip_special_tokens), kept without it
+    assert r.choices[0].message.content == tok.decode(tok.encode(SCRIPTS["tool"]), skip_special_tokens=True)
+    raw_kw = {**kw, "extra_body": {**kw["extra_body"], "skip_special_tokens": False}}
+    assert client.chat.completions.create(**raw_kw).choices[0].message.content == SCRIPTS["tool"]
     plain = openai.OpenAI(base_url=plain_server.base_url, api_key="unused", max_retries=0, timeout=120)
     r = plain.chat.completions.create(**kw)
     prompt = tok.decode(r.prompt_token_ids)
@@ -336,7 +343,7 @@ def test_completions_n_seed_logprobs(client, tiny_serving):
     for j, c in enumerate(r.choices):
         want, _ = reference(model, prompt, max_tokens=5, seed=11 + j, ignore_eos=True)
         assert c.token_ids == want and c.text == tok.decode(want)
-        assert len(c.logprobs.tokens) == 5 and all(len(t) <= 2 for t in c.logprobs.top_logprobs)
+        assert len(c.logprobs.tokens) == 5 and all(len(t) <= 3 for t in c.logprobs.top_logprobs)
     # streaming completions with a text prompt
     parts = list(client.completions.create(model=MODEL, prompt="The model", max_tokens=4, seed=1, stream=True,
                                            extra_body={"ignore_eos": True}))
@@ -486,20 +493,28 @@ def test_error_cases(server, client):
     assert r.usage.completion_tokens >= 1
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", rb'{"model": "flint-tiny", "prompt": "\ud800", "max_tokens": 1}'),
-    ("/v1/completions", rb'{"model": "flint-tiny", "prompt": "a\udc00b", "max_tokens": 1}'),
-    ("/v1/chat/completions", rb'{"model": "flint-tiny", "messages": [{"role": "user", "content": "\ud800"}]}'),
-    ("/v1/chat/completions", b'{"model": "flint-tiny", "messages": ['),
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", rb'{"model": "flint-tiny", "prompt": "\ud800", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", rb'{"model": "flint-tiny", "prompt": "a\udc00b", "max_tokens": 1}', "prompt"),
+    ("/v1/completions", rb'{"model": "flint-tiny", "prompt": ["ok", "\ud800abc"]}', "prompt[1]"),
+    ("/v1/chat/completions", rb'{"model": "flint-tiny", "messages": [{"role": "user", "content": "\ud800"}]}',
+     "messages[0].content"),
+    ("/v1/chat/completions", rb'{"model": "flint-tiny", "messages": [], "\udc00": 1}', "\\udc00"),
+    ("/v1/chat/completions", b'{"model": "flint-tiny", "messages": [', None),
 ])
-def test_malformed_json_has_code_invalid_json(server, path, body):
+def test_malformed_json_has_code_invalid_json(server, path, body, param):
     """A lone-surrogate escape (which json.loads takes, pydantic not) was a 400 "invalid
-    value for 'body'" with code null; any malformed body is code invalid_json."""
+    value for 'body'" with code null, then "malformed JSON: unexpected end of hex escape";
+    any malformed body is code invalid_json, and a lone surrogate is named as one, with
+    the field that holds it."""
     status, got = raw(server, "POST", path, body)
     assert status == 400, got
     err = got["error"]
-    assert err["code"] == "invalid_json" and err["param"] is None, err
+    assert err["code"] == "invalid_json" and err["param"] == param, err
     assert err["message"].startswith("malformed JSON in the request body: "), err
+    if param is not None:
+        assert "lone UTF-16 surrogate" in err["message"] and f"'{param}'" in err["message"], err
+        assert "hex escape" not in err["message"], err
 
 
 def test_request_body_over_max_request_bytes_is_a_413(capped_server):
@@ -638,7 +653,7 @@ def test_tokenize_equals_what_chat_and_completions_feed_the_model(server, tiny_s
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
      "tools[0]", "tools[0] must be"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
-     "continue_final_message", "is not supported"),
+     "continue_final_message", "cannot both be true"),
 ])
 def test_tokenize_detokenize_errors(server, path, body, status, param, needle):
     got_status, got = raw(server, "POST", path, body)
@@ -1011,3 +1026,211 @@ def test_an_input_error_below_the_handlers_is_a_400(server, tiny_serving, monkey
     assert status == 400 and body["error"]["type"] == "invalid_request_error", body
     assert body["error"]["message"] == "the text to encode is not valid Unicode"
     assert raw(server, "GET", "/health") == (200, {"status": "ok"})
+
+
+# ---- logprobs: the sampled token (OpenAI / vLLM) -----------------------------------------
+
+
+def _forced_pick(tok):
+    """A logit_bias forcing a token that greedy decoding would not pick (its raw logprob,
+    the one reported, is before the bias)."""
+    return tok.encode(" zebra")[0]
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(client, tiny_serving):
+    """top_logprobs entries missed the sampled token when it was not among the top N; as
+    OpenAI and vLLM, each holds it (first), so up to logprobs + 1 items, and with
+    logprobs 0 exactly {sampled: logprob} (was {})."""
+    _, tok = tiny_serving
+    forced = _forced_pick(tok)
+    text = tok.token_bytes(forced).decode("utf-8", "replace")
+    kw = dict(model=MODEL, prompt="The model", max_tokens=3, temperature=0, logit_bias={str(forced): 100},
+              extra_body={"ignore_eos": True})
+    for n_top in (0, 1, 2):
+        r = client.completions.create(logprobs=n_top, **kw)
+        lp = r.choices[0].logprobs
+        assert lp.tokens == [text] * 3
+        for t, t_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert list(top)[0] == t and top[t] == t_lp
+            assert len(top) == n_top + 1, top  # the forced token is never in the raw top N here
+            assert all(v >= t_lp for k, v in top.items() if k != t)
+        # streamed: the same entries
+        parts = list(client.completions.create(logprobs=n_top, stream=True, **kw))
+        assert [d for p in parts if p.choices and p.choices[0].logprobs
+                for d in p.choices[0].logprobs.top_logprobs] == lp.top_logprobs
+    # a greedy pick is the top token: no extra entry
+    r = client.completions.create(model=MODEL, prompt="The model", max_tokens=3, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    assert all(len(top) == 2 and list(top)[0] == t
+               for t, top in zip(r.choices[0].logprobs.tokens, r.choices[0].logprobs.top_logprobs))
+
+
+def test_chat_top_logprobs_are_the_top_n(client, tiny_serving):
+    """Chat's top_logprobs is the N most likely tokens (OpenAI; vLLM's list is N long too,
+    never N + 1): the chosen token is in content[i].token / logprob, not added to the list."""
+    _, tok = tiny_serving
+    forced = _forced_pick(tok)
+    text = tok.token_bytes(forced).decode("utf-8", "replace")
+    kw = chat("Count.", model=MODEL, max_tokens=3, temperature=0, logit_bias={str(forced): 100},
+              logprobs=True, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    for n_top in (0, 2):
+        r = client.chat.completions.create(top_logprobs=n_top, **kw)
+        for e in r.choices[0].logprobs.content:
+            assert e.token == text
+            assert len(e.top_logprobs) == n_top and text not in [t.token for t in e.top_logprobs]
+            assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+
+
+# ---- vLLM's sampling / output fields ------------------------------------------------------
+
+
+def test_skip_special_tokens_completions(client, tiny_serving):
+    """skip_special_tokens (vLLM's, default true) leaves special tokens out of the text;
+    false keeps them. Streamed text joins to the same."""
+    _, tok = tiny_serving
+    ids = tok.encode(SCRIPTS["think"])
+    for skip, want in ((None, tok.decode(ids, skip_special_tokens=True)), (True, "The user wants a number.The answer is 4."),
+                       (False, SCRIPTS["think"])):
+        extra = {} if skip is None else {"skip_special_tokens": skip}
+        r = client.completions.create(model=MODEL, prompt="#script:think", max_tokens=40, extra_body=extra)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+        parts = list(client.completions.create(model=MODEL, prompt="#script:think", max_tokens=40, stream=True,
+                                               extra_body=extra))
+        assert "".join(p.choices[0].text for p in parts if p.choices) == want
+    # spaces_between_special_tokens is accepted (no effect with this fast tokenizer, as in vLLM)
+    r = client.completions.create(model=MODEL, prompt="#script:think", max_tokens=40,
+                                  extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": False})
+    assert r.choices[0].text == SCRIPTS["think"]
+
+
+def test_skip_special_tokens_chat_keeps_parsing(client, plain_server, tiny_serving):
+    """Chat parses reasoning and tool calls on the text with special tokens, then leaves
+    them out of what the client sees; streamed == non-streamed."""
+    _, tok = tiny_serving
+    kw = chat("#script:think", model=MODEL, max_tokens=40)
+    r = client.chat.completions.create(**kw)
+    assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (
+        "The user wants a number.", "The answer is 4.")
+    plain = openai.OpenAI(base_url=plain_server.base_url, api_key="unused", max_retries=0, timeout=120)
+    for extra, want in (({}, "The user wants a number.The answer is 4."),
+                        ({"skip_special_tokens": False}, SCRIPTS["think"])):
+        r = plain.chat.completions.create(**kw, extra_body=extra)
+        assert r.choices[0].message.content == want
+        _, content, _, _ = stream_chat(plain, **kw, extra_body=extra)
+        assert content == want
+    # tool parsing on: tags are parsed; a malformed block keeps its tags (vLLM's tool parsers
+    # turn skip_special_tokens off)
+    r = client.chat.completions.create(**chat("#script:bad_tool", model=MODEL, max_tokens=80, tools=TOOLS,
+                                              extra_body={"skip_special_tokens": True}))
+    assert r.choices[0].message.content == SCRIPTS["bad_tool"]
+
+
+def test_special_stripper_split_anywhere(tiny_serving):
+    from flintc.serve.app import _special_strings, _SpecialStripper
+
+    _, tok = tiny_serving
+    specials = _special_strings(tok)
+    text = "a<think>b</think>c<tool_call><|user|>d<|us" + "<notspecial>e<"
+    want = "abcd<|us<notspecial>e<"
+    for cut in range(len(text) + 1):
+        for cut2 in range(cut, len(text) + 1):
+            s = _SpecialStripper(specials)
+            got = s.feed(text[:cut]) + s.feed(text[cut:cut2]) + s.feed(text[cut2:]) + s.finish()
+            assert got == want, (cut, cut2)
+
+
+def test_stop_token_ids_and_include_stop_str_in_output(client, tiny_serving):
+    _, tok = tiny_serving
+    ids = tok.encode(SCRIPTS["stop"])
+    k = ids.index(ids[3])
+    base = dict(model=MODEL, prompt="#script:stop", max_tokens=40)
+    r = client.completions.create(**base, extra_body={"stop_token_ids": [ids[3]], "return_token_ids": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (tok.decode(ids[:k]), "stop")
+    assert r.choices[0].token_ids == ids[:k + 1]  # the stop token counts, as in vLLM
+    # ignore_eos ignores the end-of-text token only, as in vLLM
+    r = client.completions.create(**base, extra_body={"stop_token_ids": [ids[3]], "ignore_eos": True})
+    assert r.choices[0].text == tok.decode(ids[:k])
+    r = client.completions.create(**base, extra_body={"stop_token_ids": [ids[3]], "include_stop_str_in_output": True})
+    assert r.choices[0].text == tok.decode(ids[:k + 1])
+    # stop strings
+    for stream in (False, True):
+        for inc, want in ((False, "Hello "), (True, "Hello world")):
+            got = client.completions.create(**base, stop=["world"], stream=stream,
+                                            extra_body={"include_stop_str_in_output": inc})
+            text = "".join(p.choices[0].text for p in got if p.choices) if stream else got.choices[0].text
+            assert text == want, (stream, inc)
+    r = client.chat.completions.create(**chat("#script:stop", model=MODEL, max_tokens=40, stop=["world"],
+                                              extra_body={"include_stop_str_in_output": True}))
+    assert r.choices[0].message.content == "Hello world"
+    r = client.chat.completions.create(**chat("#script:stop", model=MODEL, max_tokens=40,
+                                              extra_body={"stop_token_ids": [ids[3]]}))
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (tok.decode(ids[:k]), "stop")
+
+
+def test_add_generation_prompt_and_continue_final_message(client, server, tiny_serving):
+    _, tok = tiny_serving
+    msgs = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Well, hi"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=2, extra_body={"return_token_ids": True})
+    r = client.chat.completions.create(**kw)
+    assert tok.decode(r.prompt_token_ids) == tok.apply_chat_template(msgs, add_generation_prompt=True)
+    r = client.chat.completions.create(**{**kw, "extra_body": {"return_token_ids": True, "add_generation_prompt": False}})
+    assert tok.decode(r.prompt_token_ids) == tok.apply_chat_template(msgs, add_generation_prompt=False)
+    r = client.chat.completions.create(**{**kw, "extra_body": {
+        "return_token_ids": True, "add_generation_prompt": False, "continue_final_message": True}})
+    prompt = tok.decode(r.prompt_token_ids)
+    assert prompt.endswith("Well, hi") and tok.apply_chat_template(msgs, add_generation_prompt=False).startswith(prompt)
+    status, got = raw(server, "POST", "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                                   "continue_final_message": True})
+    assert status == 200 and got["tokens"] == r.prompt_token_ids
+    status, got = raw(server, "POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs,
+                                                               "continue_final_message": True})
+    assert status == 400 and got["error"]["param"] == "continue_final_message", got
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("patch, param, needle", [
+    ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs", "not supported"),
+    ({"stop_token_ids": "x"}, "stop_token_ids", "invalid value"),
+    ({"stop_token_ids": [1, 512]}, "stop_token_ids", "outside the vocabulary"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens", "invalid value"),
+    ({"spaces_between_special_tokens": 1}, "spaces_between_special_tokens", "invalid value"),
+    ({"include_stop_str_in_output": None}, "include_stop_str_in_output", "invalid value"),
+])
+def test_vllm_fields_checked(server, path, patch, param, needle):
+    body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions"
+            else chat("hi", model=MODEL, max_tokens=2))
+    status, got = raw(server, "POST", path, {**body, **patch})
+    assert status == 400, got
+    err = got["error"]
+    assert err["param"] == param and needle in err["message"] and "Unrecognized" not in err["message"], err
+
+
+def test_vllm_fields_accepted(server):
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", chat("hi", model=MODEL, max_tokens=2))):
+        status, got = raw(server, "POST", path, {**body, "skip_special_tokens": True,
+                                                 "spaces_between_special_tokens": True, "stop_token_ids": [],
+                                                 "include_stop_str_in_output": False, "prompt_logprobs": None})
+        assert status == 200, got
+
+
+# ---- messages ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "system"}, {"role": "user", "content": "x"}], "messages[0].content"),
+    ([{"role": "developer", "content": None}, {"role": "user", "content": "x"}], "messages[0].content"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant"}], "messages[1].content"),
+    ([{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c"}], "messages[1].content"),
+])
+def test_message_content_required(server, messages, param):
+    """A user message without content was answered 200; OpenAI and vLLM require it (an
+    assistant message may leave it out when it has tool_calls)."""
+    for path in ("/v1/chat/completions", "/tokenize"):
+        status, got = raw(server, "POST", path, {"model": MODEL, "messages": messages, "max_tokens": 2}
+                          if path != "/tokenize" else {"model": MODEL, "messages": messages})
+        assert status == 400, got
+        assert got["error"]["param"] == param and "required" in got["error"]["message"], got
