@@ -465,7 +465,8 @@ def test_serve_a_build(builds):
             threading.Event().wait(0.05)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x")
         r = client.completions.create(model="flint", prompt="Hello", max_tokens=6, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+                                      extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                  "skip_special_tokens": False})  # decode() keeps them
         ids = tok.encode("Hello")
         ref = generate(reference(source), [ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         assert r.choices[0].text == tok.decode(ref.output_ids[0])
