@@ -60,13 +60,31 @@ def write_json_atomic(path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
+def follow_out_link(out: str | os.PathLike) -> Path:
+    """`out`, or, when `out` is a symbolic link, the path it points to (all links
+    resolved): an output folder published with `move_into_place` replaces the folder a
+    link points to and keeps the link (renaming over the link itself replaced the link
+    with a real folder and left `.{name}.old-{pid} -> target` behind). A dangling link
+    gives the path it would point to. Raises InputError for a link loop."""
+    out = Path(out)
+    if not out.is_symlink():
+        return out
+    target = Path(os.path.realpath(out))
+    if target.is_symlink():  # realpath stops at a loop
+        from flintc.errors import InputError
+
+        raise InputError(f"{out}: a symbolic link that loops; expected a folder, or a link to one")
+    return target
+
+
 def temp_dir_beside(out: str | os.PathLike) -> Path:
     """A new owner-only folder beside `out` to build it in, `.{name}.{pid}.XXXXXXXX`, to
     be published with `move_into_place`. First removes the folders of that form (and
     `move_into_place`'s `.{name}.old-{pid}`) that a flintc process which no longer runs
     left there: a SIGKILL or a power cut skips every cleanup. Folders of live processes,
-    of other users and of other names are left alone."""
-    out = Path(out)
+    of other users and of other names are left alone. A link `out` is followed
+    (`follow_out_link`): the folder is made beside its target."""
+    out = follow_out_link(out)
     remove_stale_temp_dirs(out)
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", dir=out.parent))
 
@@ -106,8 +124,9 @@ def _process_alive(pid: int) -> bool:
 def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
     """Publish the finished folder `tmp` as `out` (same parent): set its public mode, then
     rename it over `out`, replacing an earlier `out` whole (the old one is renamed aside
-    first and removed after), so readers never see a half-written folder."""
-    tmp, out = Path(tmp), Path(out)
+    first and removed after), so readers never see a half-written folder. A link `out`
+    is followed (`follow_out_link`): its target is replaced and the link kept."""
+    tmp, out = Path(tmp), follow_out_link(out)
     set_public_mode(tmp)
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -133,7 +133,9 @@ def check_output_folder(path, flag: str = "--out") -> None:
 
     check_not_empty(path, flag, "the path of a folder to write")
     check_folder_named(path, flag)
-    target = Path(path)
+    from flintc.fileio import follow_out_link
+
+    target = follow_out_link(path)  # a link: its target is written (`flintc.fileio.move_into_place`)
     parent = target.parent if str(target.parent) else Path(".")
     if not parent.exists():
         raise InputError(f"{flag} {path}: the parent folder {parent} does not exist")
@@ -262,8 +264,6 @@ def build_options(args):
 
 
 def run_compile(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     import torch
 
     from flintc.errors import InputError
@@ -287,9 +287,10 @@ def run_compile(args: argparse.Namespace) -> int:
         raise InputError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     if not 1 <= args.max_batch <= 8:
         raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {args.max_batch}")
-    out = Path(args.out)
-    if out.exists() and not (out / "build.json").is_file():
-        raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
+    from flintc.fileio import follow_out_link
+    from flintc.runtime.build import check_out_replaceable
+
+    check_out_replaceable(follow_out_link(args.out))
     args.device = args.device or "cpu"
     weights_on = args.device
     if args.device.startswith("cuda") and not torch.cuda.is_available() and args.load_format == "dummy" \

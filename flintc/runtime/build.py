@@ -35,7 +35,7 @@ import torch
 
 from flintc.config import FlintConfig
 from flintc.errors import InputError
-from flintc.fileio import temp_dir_beside
+from flintc.fileio import follow_out_link, temp_dir_beside
 from flintc.runtime.codegen import generate_step, module_source
 
 BUILD_VERSION = 1
@@ -279,9 +279,8 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     if on_meta and opts.check:
         raise InputError("weights on the meta device (a cross-compile) cannot be checked numerically; "
                          "pass --no-check")
-    out = Path(out)
-    if out.exists() and not (out / "build.json").is_file():
-        raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
+    out = follow_out_link(out)  # a link to a build: that build is replaced, the link kept
+    check_out_replaceable(out)
     _check_parent(out)
     t_start = time.perf_counter()
     model = FlintModel(config, ckpt.weights, max_positions=opts.cache_rows)
@@ -354,6 +353,17 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def check_out_replaceable(out: Path) -> None:
+    """`out` may be written: it does not exist, is an empty folder (taken as a fresh one,
+    as make-checkpoint does), or holds an earlier build (build.json). Raises InputError
+    naming `out` otherwise (a file, or a folder of other files)."""
+    if not out.exists() or (out / "build.json").is_file():
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
 
 
 def _check_parent(out: Path) -> None:

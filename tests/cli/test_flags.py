@@ -294,6 +294,44 @@ def test_compile_checks_the_output_parent_first(capsys, tmp_path, tiny_bf16_dir)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+_FAST_COMPILE = ("--backend", "torch", "--no-check", "--no-dump", "--max-batch", 1, "--max-model-len", 32)
+
+
+def test_compile_into_a_link_replaces_its_target(capsys, tmp_path, tiny_bf16_dir):
+    """`--out LINK`, LINK a symbolic link to a build: the build it points to is replaced
+    and the link kept (it used to be replaced by a real folder, leaving a hidden
+    `.LINK.old-PID -> target` link behind and the old build untouched)."""
+    real = tmp_path / "builds" / "v1"
+    real.parent.mkdir()
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", real, *_FAST_COMPILE)
+    assert code == 0, err
+    (real / "marker").write_text("old build")
+    link = tmp_path / "current"
+    link.symlink_to(real)
+    code, out, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", link, *_FAST_COMPILE)
+    assert code == 0, err
+    assert link.is_symlink() and link.resolve() == real.resolve()
+    assert (real / "build.json").is_file() and not (real / "marker").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["builds", "current"]
+    assert sorted(p.name for p in real.parent.iterdir()) == ["v1"]
+
+
+def test_compile_into_an_empty_folder(capsys, tmp_path, tiny_bf16_dir):
+    """An existing empty --out folder is taken as a fresh one (as make-checkpoint does);
+    a folder holding other files is still refused."""
+    out = tmp_path / "b"
+    out.mkdir()
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
+    assert code == 0, err
+    assert (out / "build.json").is_file()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", other, *_FAST_COMPILE)
+    assert_one_line_error(code, err, "exists and is not a flintc build")
+    assert [p.name for p in other.iterdir()] == ["keep.txt"]
+
+
 def test_build_options_zero_is_not_unset():
     from flintc.config import FlintConfig
     from flintc.errors import InputError
