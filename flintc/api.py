@@ -254,13 +254,17 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
                          "a checkpoint has its own format and config.json")
     prepare_device(device)  # a CPU run uses Triton's interpreter: set before triton loads
     check_environment("torch" if backend == "auto" and device == "cpu" else backend)  # before the compile
-    if model is None and load_format != "dummy":
-        from flintc.checkpoint.default import default_checkpoint
-
-        model = default_checkpoint()
-    with _sigterm_after_cleanup() as cleanups:
-        ckpt = load_checkpoint(model, hf_config_path=hf_config_path, device=device, load_format=load_format,
+    def load_ckpt(model):
+        return load_checkpoint(model, hf_config_path=hf_config_path, device=device, load_format=load_format,
                                config=config, fmt=fmt, progress=progress)
+
+    with _sigterm_after_cleanup() as cleanups:
+        if model is None and load_format != "dummy":
+            from flintc.checkpoint.default import load_default
+
+            ckpt = load_default(load_ckpt)  # a damaged cached default is written again
+        else:
+            ckpt = load_ckpt(model)
         tmp = None
         if out is None:
             tmp = tempfile.mkdtemp(prefix="flintc-build-")

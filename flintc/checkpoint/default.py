@@ -4,13 +4,15 @@
 `$XDG_CACHE_HOME/flintc`, else `~/.cache/flintc`) under `default-tiny-nvfp4-s0/`; a
 cache folder that cannot be written is an InputError naming FLINTC_CACHE_DIR.
 It is written to a temporary folder and renamed into place, so a crash or two
-processes racing never leave a half-written default behind.
+processes racing never leave a half-written default behind. One that was damaged
+later (truncated, edited) is written again once by `load_default`, with a notice.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -78,3 +80,48 @@ def default_checkpoint() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final / GGUF_NAME
+
+
+def load_default(load):
+    """`load(default_checkpoint())`. When that raises a CheckpointError naming the cached
+    default (its file truncated or corrupt), the default is written again (it is
+    deterministic from its seed; the damaged folder is renamed aside and removed, the new
+    one written as `default_checkpoint` writes it) with a one-line notice on stderr, and
+    loaded once more; should that fail too, the error says to delete the folder.
+    CheckpointErrors about other files (an --hf-config-path) are raised as they are."""
+    from flintc.errors import CheckpointError
+
+    path = default_checkpoint()
+    folder = path.parent
+    try:
+        return load(path)
+    except CheckpointError as exc:
+        if str(folder) not in str(exc):
+            raise
+        print(f"flintc: the cached default model does not load ({exc}); writing it again", file=sys.stderr)
+    _discard(folder)
+    path = default_checkpoint()
+    try:
+        return load(path)
+    except CheckpointError as exc:
+        if str(folder) not in str(exc):
+            raise
+        raise CheckpointError(f"{exc} (the cached default model, written again just now); delete {folder} "
+                              "to have flintc write it again") from None
+
+
+def _discard(folder: Path) -> None:
+    """Remove the cached default `folder`: renamed aside first (a reader never sees half
+    of it), then removed. One another process already moved is left to it."""
+    try:
+        aside = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-bad-", dir=folder.parent))
+    except OSError as exc:
+        raise cache_error(folder.parent, exc) from None
+    try:
+        os.rename(folder, aside / "ckpt")
+    except FileNotFoundError:  # gone already
+        pass
+    except OSError as exc:
+        raise cache_error(folder.parent, exc) from None
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)

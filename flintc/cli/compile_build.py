@@ -242,14 +242,16 @@ def load_model_checkpoint(args, device: str, check_config=None):
     as :func:`flintc.checkpoint.loader.load_checkpoint`'s, before any weight is read."""
     from flintc.checkpoint.loader import load_checkpoint
 
-    model_path = args.model
-    if model_path is None and args.load_format != "dummy":
-        from flintc.checkpoint.default import default_checkpoint
+    def load(model_path):
+        return load_checkpoint(model_path, hf_config_path=args.hf_config_path, device=device,
+                               load_format=args.load_format, config=args.config, fmt=args.fmt,
+                               progress=sys.stderr.isatty(), check_config=check_config)
 
-        model_path = default_checkpoint()
-    return load_checkpoint(model_path, hf_config_path=args.hf_config_path, device=device,
-                           load_format=args.load_format, config=args.config, fmt=args.fmt,
-                           progress=sys.stderr.isatty(), check_config=check_config)
+    if args.model is None and args.load_format != "dummy":
+        from flintc.checkpoint.default import load_default
+
+        return load_default(load)  # a damaged cached default is written again
+    return load(args.model)
 
 
 def build_options(args):

@@ -56,8 +56,16 @@ def make_runner(args: argparse.Namespace):
     from flintc.model.reference import FlintModel
     from flintc.runtime.runner import ReferenceRunner
 
-    ckpt = load_checkpoint(model_path(args), hf_config_path=args.hf_config_path, device=device,
-                           progress=sys.stderr.isatty())
+    def load(path):
+        return load_checkpoint(path, hf_config_path=args.hf_config_path, device=device,
+                               progress=sys.stderr.isatty())
+
+    if args.model is None:
+        from flintc.checkpoint.default import load_default
+
+        ckpt = load_default(load)  # a damaged cached default is written again
+    else:
+        ckpt = load(Path(args.model))
     model = FlintModel(ckpt.config, ckpt.weights)
     max_batch = args.max_batch or 8
     if args.max_model_len is not None and args.max_model_len > model.max_positions:

@@ -94,6 +94,43 @@ def test_default_model_is_generated_once(capsys, tmp_path, monkeypatch):
     assert os.path.getmtime(tmp_path / made[0] / "model-nvfp4.gguf") == stamp
 
 
+def test_damaged_default_model_is_written_again(capsys, tmp_path, monkeypatch):
+    """A cached default model truncated later gave "...model-nvfp4.gguf: truncated or
+    corrupt GGUF file" with no way out: it is written again (deterministic from its
+    seed), with a one-line notice, and the run gives the same tokens."""
+    monkeypatch.setenv("FLINTC_CACHE_DIR", str(tmp_path))
+    args = ("run", "--prompt-ids", "1,2,3", "--max-tokens", 3, "--temperature", 0, "--ignore-eos",
+            "--output", "json")
+    code, first, err = run_cli(capsys, *args)
+    assert code == 0, err
+    gguf = tmp_path / "default-tiny-nvfp4-s0" / "model-nvfp4.gguf"
+    size = gguf.stat().st_size
+    with open(gguf, "r+b") as f:
+        f.truncate(size // 2)
+    code, again, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert err.count("the cached default model does not load") == 1 and "writing it again" in err, err
+    assert again == first and gguf.stat().st_size == size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["default-tiny-nvfp4-s0"]
+
+
+def test_default_model_error_says_to_delete_it_when_rewriting_fails(tmp_path, monkeypatch):
+    """Should the default, written again, still not load, the error says to delete it."""
+    from flintc.checkpoint import default
+    from flintc.errors import CheckpointError
+
+    monkeypatch.setenv("FLINTC_CACHE_DIR", str(tmp_path))
+    folder = tmp_path / "default-tiny-nvfp4-s0"
+
+    def broken(path):
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file")
+
+    with pytest.raises(CheckpointError, match=f"delete {folder} to have flintc write it again"):
+        default.load_default(broken)
+    with pytest.raises(CheckpointError, match="^other: bad$"):  # not about the default: as it is
+        default.load_default(lambda path: (_ for _ in ()).throw(CheckpointError("other: bad")))
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_summary_has_no_decode_rate_without_a_decode_step(capsys, tiny_bf16_dir, max_tokens):
     """--max-tokens 0 decodes nothing, 1 takes its token from the prefill: the summary
