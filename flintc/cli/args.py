@@ -73,18 +73,18 @@ def torch_device(text: str, flag: str = "--device"):
     return device
 
 
-# Options whose value is a list of integers: a value that starts with "-" and a digit but
-# is not one plain number ("-1,2") is taken by argparse for an option, and the option is
-# said to be "expected one argument".
-INT_LIST_OPTIONS = ("--prompt-ids",)
+# Options whose value may start with "-" and a digit and not be one plain number: a list
+# of integers ("--prompt-ids -1,2") or a token id and a bias ("--logit-bias -1=1"), which
+# argparse takes for an option, saying the option "expected one argument".
+INT_LIST_OPTIONS = ("--prompt-ids", "--logit-bias")
 _NEGATIVE_VALUE = re.compile(r"-\d")
 
 
 def join_int_list_values(argv: list[str]) -> list[str]:
-    """`argv` with `OPTION -1,2` written `OPTION=-1,2` for the INT_LIST_OPTIONS (up to a
-    `--`), so that such a value reaches the option's own check, which names the option
-    and says what is wrong (a negative token id), instead of argparse's "expected one
-    argument"."""
+    """`argv` with `OPTION -1,2` written `OPTION=-1,2` (`--logit-bias -1=1` written
+    `--logit-bias=-1=1`) for the INT_LIST_OPTIONS (up to a `--`), so that such a value
+    reaches the option's own check, which names the option and says what is wrong (a
+    negative token id), instead of argparse's "expected one argument"."""
     out, i = [], 0
     while i < len(argv):
         if argv[i] == "--":

@@ -92,6 +92,9 @@ def parse_logit_bias(items: list[str] | None) -> dict[int, float] | None:
         except ValueError:
             raise InputError(f"--logit-bias {item!r}: expected ID=BIAS, a token id and a number, "
                              "e.g. --logit-bias 42=-100") from None
+        if tok_id < 0:  # as --prompt-ids
+            raise InputError(f"--logit-bias {item!r}: token id {tok_id} is negative; token ids are in "
+                             "[0, vocab_size)")
         if tok_id in out:
             raise InputError(f"--logit-bias: token id {tok_id} given twice")
         out[tok_id] = value

@@ -122,3 +122,16 @@ def test_negative_prompt_ids_are_refused_naming_the_flag(capsys, tiny_bf16_dir, 
     assert_one_line_error(code, err, f"--prompt-ids {ids!r}: token id {bad} is negative; token ids are in "
                           "[0, vocab_size)")
     assert out == ""
+
+
+@pytest.mark.parametrize("item, bad", [("-1=1", -1), ("-20=-100", -20)])
+@pytest.mark.parametrize("joined", [False, True])
+def test_negative_logit_bias_ids_are_refused_naming_the_flag(capsys, tiny_bf16_dir, item, bad, joined):
+    """`--logit-bias -1=1` said "argument --logit-bias: expected one argument" (argparse
+    took -1=1 for an option), `--logit-bias=-1=1` "sampling field 'logit_bias': token id -1
+    is not an integer >= 0": both now say it as `--prompt-ids -1` does."""
+    args = [f"--logit-bias={item}"] if joined else ["--logit-bias", item]
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "1,2", *args, "--max-tokens", 1)
+    assert_one_line_error(code, err, f"--logit-bias {item!r}: token id {bad} is negative; token ids are in "
+                          "[0, vocab_size)")
+    assert out == ""
