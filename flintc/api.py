@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import numbers
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -70,6 +71,9 @@ class CompiledModel:
         """
         from flintc.runtime.generate import generate_with_runner
 
+        if on_token is not None and not callable(on_token):  # it failed mid-generation
+            raise InputError(f"generate: on_token: expected a callable on_token(prompt_index, token_id) or None, "
+                             f"got {_describe(on_token)}")
         ids = []
         for p in _prompt_list(prompts):
             if isinstance(p, str):
@@ -211,6 +215,50 @@ def _prompt_list(prompts) -> list:
                          f"got {_describe(prompts)}")
 
 
+# The CLI flags the messages of the shared code name, and the keyword of `flintc.compile`
+# / `flintc.load` each stands for: an API error names both, "--max-batch (max_batch=)",
+# as the loader's "--hf-config-path (hf_config_path=)" does.
+_KEYWORDS = {"--max-batch": "max_batch", "--max-model-len": "max_model_len", "--prefill-chunk": "prefill_chunk",
+             "--backend": "backend", "--device": "device", "--out": "out", "--load-format": "load_format",
+             "--hf-config-path": "hf_config_path", "--tokenizer": "tokenizer", "--build": "build",
+             "--format": "fmt", "--config": "config", "--no-check": "check=False"}
+_FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z-]*)(?![\w-])(?! \()")
+
+
+@contextlib.contextmanager
+def _keyword_wording():
+    """Errors raised in the block (InputError, CheckpointError) name the keyword beside
+    the CLI flag their message names: "--max-batch must be ..." becomes "--max-batch
+    (max_batch=) must be ...". The exception itself is re-raised (its type kept)."""
+    from flintc.errors import FlintcError
+
+    def name(m):
+        kw = _KEYWORDS.get(m[1])
+        return m[1] if kw is None else f"{m[1]} ({kw}{'' if '=' in kw else '='})"
+
+    try:
+        yield
+    except FlintcError as exc:
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (_FLAG.sub(name, exc.args[0]), *exc.args[1:])
+        raise
+
+
+def _check_path(value, name: str, what: str, none_ok: bool = True) -> None:
+    """`value` (argument `name`) is a path: a str or os.PathLike (or None when
+    `none_ok`). Raises InputError naming the argument otherwise (a raw TypeError of
+    os.fspath or Path(), or an AttributeError, came later)."""
+    if (value is None and none_ok) or isinstance(value, (str, os.PathLike)):
+        return
+    raise InputError(f"{name}: expected {what} (a str or os.PathLike{', or None' if none_ok else ''}), "
+                     f"got {_describe(value)}")
+
+
+def _check_str(value, name: str, what: str) -> None:
+    if not isinstance(value, str):
+        raise InputError(f"{name}: expected {what}, got {_describe(value)}")
+
+
 def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_format: str = "auto",
             config: str | None = None, fmt: str = "bf16", max_batch: int = 8,
             max_model_len: int | None = None, prefill_chunk: int | None = None,
@@ -236,6 +284,19 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     signal is delivered again with the default action, so the process still ends as
     killed by SIGTERM (exit status 143 in a shell, -15 as a subprocess returncode).
     """
+    _check_path(model, "model", "the path of a checkpoint (a BF16 folder or an NVFP4 .gguf)")
+    _check_path(out, "out", "the path of the BUILD folder to write")
+    _check_path(hf_config_path, "hf_config_path", "the path of a config.json or its folder")
+    _check_path(tokenizer, "tokenizer", "the path of a tokenizer folder or tokenizer.json")
+    _check_str(device, "--device (device=)", "cpu or cuda[:N]")
+    _check_str(backend, "--backend (backend=)", "auto, torch or triton")
+    with _keyword_wording():
+        return _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, max_batch, max_model_len,
+                        prefill_chunk, backend, device, check, dump, progress)
+
+
+def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, max_batch, max_model_len,
+             prefill_chunk, backend, device, check, dump, progress) -> CompiledModel:
     from flintc.checkpoint.loader import check_load_format, load_checkpoint
     from flintc.runtime.build import BuildOptions, compile_model
     from flintc.runtime.compiled import check_environment, load_build
@@ -331,6 +392,17 @@ def load(build, model=None, *, device: str | None = None, load_format: str | Non
         InputError / CheckpointError: as `load_build` (a `load_format` other than "auto",
             "dummy" or None first); a tokenizer that does not load (its file named).
     """
+    _check_path(build, "build", "the path of a BUILD folder", none_ok=False)
+    _check_path(model, "model", "the path of a checkpoint (a BF16 folder or an NVFP4 .gguf)")
+    _check_path(hf_config_path, "hf_config_path", "the path of a config.json or its folder")
+    _check_path(tokenizer, "tokenizer", "the path of a tokenizer folder or tokenizer.json")
+    if device is not None:
+        _check_str(device, "--device (device=)", "cpu or cuda[:N], or None for the build's")
+    with _keyword_wording():
+        return _load(build, model, device, load_format, hf_config_path, tokenizer, progress)
+
+
+def _load(build, model, device, load_format, hf_config_path, tokenizer, progress) -> CompiledModel:
     from types import SimpleNamespace
 
     from flintc.runtime.compiled import check_build_load_format, load_build, read_manifest

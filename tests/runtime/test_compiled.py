@@ -791,27 +791,88 @@ def test_python_api_compile_refuses_an_empty_out(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kw, needle", [
-    (dict(max_batch="4"), "--max-batch must be an integer, got '4'"),
-    (dict(max_batch=2.0), "--max-batch must be an integer, got 2.0"),
-    (dict(max_batch=True), "--max-batch must be an integer, got True"),
-    (dict(max_model_len="8"), "--max-model-len must be an integer, got '8'"),
-    (dict(max_model_len=8.5), "--max-model-len must be an integer, got 8.5"),
-    (dict(prefill_chunk=4.0), "--prefill-chunk must be an integer, got 4.0"),
+    (dict(max_batch="4"), "--max-batch (max_batch=) must be an integer, got '4'"),
+    (dict(max_batch=2.0), "--max-batch (max_batch=) must be an integer, got 2.0"),
+    (dict(max_batch=True), "--max-batch (max_batch=) must be an integer, got True"),
+    (dict(max_model_len="8"), "--max-model-len (max_model_len=) must be an integer, got '8'"),
+    (dict(max_model_len=8.5), "--max-model-len (max_model_len=) must be an integer, got 8.5"),
+    (dict(prefill_chunk=4.0), "--prefill-chunk (prefill_chunk=) must be an integer, got 4.0"),
     # a build of max_model_len 1 compiled, and then refused every prompt (one needs < it)
-    (dict(max_model_len=1), "--max-model-len must be in 2..4096 (a prompt token and one generated; "
+    (dict(max_model_len=1), "--max-model-len (max_model_len=) must be in 2..4096 (a prompt token and one generated; "
                             "max_position_embeddings), got 1"),
 ])
 def test_python_api_compile_refuses_limits_that_are_not_integers(tmp_path, tiny_bf16_dir, kw, needle):
     """`flintc.compile(max_batch="4")` raised a TypeError from deep in the bucket list;
     `max_batch=2.0` wrote a build whose build.json then failed to load ("the file was
     edited?"), and `max_model_len="8"` or 8.5 were taken as 8. Each is an InputError
-    naming the option, and nothing is written."""
+    naming the option (its CLI flag and keyword), and nothing is written."""
     import flintc
 
     kw = dict(dict(max_batch=1, max_model_len=16), **kw)
     with pytest.raises(InputError, match="^" + re.escape(needle) + "$"):
         flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, backend="torch", **kw)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda b, out: flintc_api().compile(5, out=out), "model: expected the path of a checkpoint"),
+    (lambda b, out: flintc_api().compile(None, out=5), "out: expected the path of the BUILD folder to write"),
+    (lambda b, out: flintc_api().compile(None, out=out, tokenizer=5), "tokenizer: expected the path"),
+    (lambda b, out: flintc_api().compile(None, out=out, hf_config_path=[b]), "hf_config_path: expected the path"),
+    (lambda b, out: flintc_api().compile(None, out=out, device=5), "--device (device=): expected cpu or cuda"),
+    (lambda b, out: flintc_api().compile(None, out=out, device="tpu"), "--device (device=): unknown device 'tpu'"),
+    (lambda b, out: flintc_api().load(5), "build: expected the path of a BUILD folder (a str or os.PathLike), "
+                                          "got int"),
+    (lambda b, out: flintc_api().load(None), "build: expected the path of a BUILD folder"),
+    (lambda b, out: flintc_api().load(b, tokenizer=5), "tokenizer: expected the path of a tokenizer folder"),
+    (lambda b, out: flintc_api().load(b, model=5), "model: expected the path of a checkpoint"),
+])
+def test_python_api_names_its_arguments(builds, tmp_path, monkeypatch, call, needle):
+    """Arguments that are not paths raised a raw TypeError (`flintc.compile(5, out=...)`,
+    `flintc.load(5)`, `tokenizer=5`), and `device="tpu"` said "--device: unknown device",
+    a flag the API has not: each is an InputError naming the keyword, before any work."""
+    import flintc.checkpoint.loader
+
+    def never(*a, **k):
+        raise AssertionError("loaded a checkpoint before the arguments were checked")
+
+    monkeypatch.setattr(flintc.checkpoint.loader, "load_checkpoint", never)
+    with pytest.raises(InputError) as info:
+        call(builds["bf16"][0], tmp_path / "b")
+    assert str(info.value).startswith(needle), str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_python_api_out_error_names_the_keyword(tmp_path, tiny_bf16_dir):
+    """"choose another --out" named a flag of the CLI: the API names out= beside it."""
+    import flintc
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep.txt").write_text("mine")
+    with pytest.raises(InputError, match=re.escape("is not a flintc build (no build.json); choose another "
+                                                   "--out (out=)")):
+        flintc.compile(tiny_bf16_dir, out=tmp_path / "x", check=False, dump=False, backend="torch", max_batch=1,
+                       max_model_len=16)
+
+
+def test_python_api_generate_checks_on_token_first(builds):
+    """`generate(..., on_token=5)` failed mid-generation with "'int' object is not
+    callable": refused before generating, naming on_token."""
+    import flintc
+
+    m = flintc.load(builds["bf16"][0])
+    with pytest.raises(InputError, match="^generate: on_token: expected a callable on_token\\(prompt_index, "
+                                         "token_id\\) or None, got int$"):
+        m.generate([1, 2], max_tokens=2, on_token=5)
+    seen = []
+    m.generate([1, 2], max_tokens=2, ignore_eos=True, on_token=lambda i, t: seen.append((i, t)))
+    assert len(seen) == 2
+
+
+def flintc_api():
+    import flintc
+
+    return flintc
 
 
 def test_a_model_path_with_a_line_break_gives_a_loadable_build(tmp_path, tiny_bf16_dir):
