@@ -35,7 +35,7 @@ def device_name(text: str) -> str:
 def buckets(text: str) -> tuple[int, ...]:
     """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8). An empty value is
     refused (it used to mean the default buckets), and so is an item that is not an
-    integer; the sizes themselves (each >= 1, the largest --max-batch) are checked with
+    integer, and a size given twice; the sizes themselves (each >= 1, the largest --max-batch) are checked with
     --max-batch (`flintc.runtime.build.BuildOptions.resolve`). Raises
     argparse.ArgumentTypeError."""
     expected = "comma-separated decode batch sizes, e.g. 1,8"
@@ -43,9 +43,14 @@ def buckets(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"must not be empty: expected {expected}; leave --buckets out for "
                                          "1,2,4,8 up to --max-batch")
     try:
-        return tuple(int(b) for b in text.split(","))
+        sizes = tuple(int(b) for b in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    twice = sorted({b for b in sizes if sizes.count(b) > 1})
+    if twice:  # they were dropped silently
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(map(str, twice))} given twice; expected {expected}, "
+                                         "each size once")
+    return sizes
 
 
 def torch_device(text: str, flag: str = "--device"):

@@ -192,6 +192,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from flintc.cli.compile_build import check_not_empty, check_output_parents
 
     check_output_parents(args.out, "--out")
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # it failed after the measurements
+        raise InputError(f"--out {args.out}: exists and is a file, expected a folder (for bench.json, bench.md "
+                         "and the plots)")
     if args.builds is not None:
         check_not_empty(args.builds, "--builds", "a folder path (or leave --builds out for OUT/builds)")
     out = Path(args.out)

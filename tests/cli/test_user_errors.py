@@ -290,6 +290,25 @@ def test_bench_refuses_values_outside_their_domain(capsys, tmp_path, args, needl
     assert out == "" and list(tmp_path.iterdir()) == [] and time.perf_counter() - t0 < 5
 
 
+def test_bench_refuses_a_file_as_out(capsys, tmp_path):
+    """`flintc bench --out FILE`, FILE an existing regular file: one line naming --out,
+    before anything is measured."""
+    (tmp_path / "f").write_text("mine")
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, *_BENCH_QUICK, "--out", tmp_path / "f")
+    assert_one_line_error(code, err, f"--out {tmp_path / 'f'}: exists and is a file, expected a folder")
+    assert (tmp_path / "f").read_text() == "mine" and time.perf_counter() - t0 < 5
+
+
+def test_compile_refuses_a_bucket_given_twice(capsys, tmp_path, tiny_bf16_dir):
+    """`--buckets 1,1` was taken as 1, silently: refused, naming what was typed."""
+    with pytest.raises(SystemExit) as exit_info:  # argparse's error: usage, then one line
+        run_cli(capsys, "compile", tiny_bf16_dir, "--out", tmp_path / "b", "--max-batch", 1, "--buckets", "1,1")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --buckets: '1,1': 1 given twice" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_options_check_the_same_values(tmp_path):
     """The Python API (`BenchOptions.resolved`) refuses them too; the default breakdown
     points and points among those measured are accepted."""
