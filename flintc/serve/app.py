@@ -824,7 +824,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 if out.finish_reason == "abort":
                     continue
                 take(out)
-                if not (out.text or out.finished or out.logprobs):
+                # one chunk per step that made tokens, as vLLM, even when its text is empty (a
+                # special token left out by skip_special_tokens, half a UTF-8 character):
+                # a run of such tokens must not silence the stream
+                if not (out.text or out.token_ids or out.finished or out.logprobs):
                     continue
                 i = out.index
                 entry = {"index": i, "text": out.text, "finish_reason": out.finish_reason,

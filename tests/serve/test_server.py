@@ -1103,6 +1103,22 @@ def test_skip_special_tokens_completions(client, tiny_serving):
     assert r.choices[0].text == SCRIPTS["think"]
 
 
+def test_stream_sends_a_chunk_per_token_of_empty_text(client, tiny_serving):
+    """A completion stream sends one chunk for each step that made a token, even when the
+    token adds no text (a special token left out by skip_special_tokens), as vLLM: a run of
+    them used to silence the stream until the end (and made
+    test_metrics_gauges_follow_the_queue flaky, its first line coming only then)."""
+    _, tok = tiny_serving
+    special = tok.special_token_ids["</think>"]
+    parts = list(client.completions.create(model=MODEL, prompt="Go on.", max_tokens=6, stream=True,
+                                           logit_bias={str(special): 100}, temperature=0,
+                                           extra_body={"return_token_ids": True}))
+    chunks = [p for p in parts if p.choices]
+    assert [p.choices[0].text for p in chunks] == [""] * 6
+    assert [t for p in chunks for t in p.choices[0].token_ids] == [special] * 6
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_skip_special_tokens_chat_keeps_parsing(client, plain_server, tiny_serving):
     """Chat parses reasoning and tool calls on the text with special tokens, then leaves
     them out of what the client sees; streamed == non-streamed."""
