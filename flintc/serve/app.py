@@ -254,6 +254,15 @@ class _ChatChoice:
             delta["tool_calls"] = [tc.to_openai(first + k) for k, tc in enumerate(calls)]
         return delta
 
+    def empty_delta(self) -> dict:
+        """The delta of a step whose tokens added no text: ``{"reasoning_content": ""}``
+        inside a thinking block, else ``{"content": ""}`` (what vLLM sends for such a step:
+        its glm45 reasoning parser's ``DeltaMessage(reasoning_content=delta_text)`` or
+        ``DeltaMessage(content=delta_text)`` with an empty ``delta_text``)."""
+        if self.reasoning is not None and self.reasoning.state == "reasoning":
+            return {"reasoning_content": ""}
+        return {"content": ""}
+
     def message(self) -> dict:
         content = "".join(self.content_text)
         calls = self.tools.calls if self.tools is not None else []
@@ -742,8 +751,12 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                     continue
                 c = choices[out.index]
                 delta = c.feed(out)
-                if not delta and not out.finished and not out.logprobs:
+                if not (delta or out.token_ids or out.finished or out.logprobs):
                     continue
+                if not delta and out.token_ids:
+                    # one chunk per step that made tokens, as vLLM, even when they add no text
+                    # (a special token left out, half a UTF-8 character, text a parser holds)
+                    delta = c.empty_delta()
                 entry = {"index": out.index, "delta": delta,
                          "logprobs": _chat_logprobs(tokenizer, out.logprobs) if out.logprobs else None,
                          "finish_reason": c.finish_reason}

@@ -1119,6 +1119,37 @@ def test_stream_sends_a_chunk_per_token_of_empty_text(client, tiny_serving):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_chat_stream_sends_a_chunk_per_token_of_empty_text(client, plain_server, tiny_serving):
+    """A chat stream sends one chunk for each step that made a token, as vLLM, even when the
+    token adds no text: its delta is {"content": ""} (vLLM's DeltaMessage(content=delta_text)
+    with empty text), {"reasoning_content": ""} inside a thinking block. Such steps were
+    skipped, so a run of special tokens left out by skip_special_tokens silenced the stream."""
+    _, tok = tiny_serving
+    special = tok.special_token_ids["</think>"]
+    plain = openai.OpenAI(base_url=plain_server.base_url, api_key="unused", max_retries=0, timeout=120)
+    parts = list(plain.chat.completions.create(**chat("Go on.", model=MODEL, max_tokens=6, stream=True,
+                                                      logit_bias={str(special): 100}, temperature=0,
+                                                      extra_body={"return_token_ids": True})))
+    chunks = [p for p in parts if p.choices][1:]  # after the role chunk
+    assert [p.choices[0].delta.content for p in chunks] == [""] * 6
+    assert [p.choices[0].token_ids for p in chunks] == [[special]] * 6
+    assert [p.choices[0].finish_reason for p in chunks] == [None] * 5 + ["length"]
+    # with the reasoning parser: the <think> step is an empty reasoning delta, </think> and
+    # the end-of-text token empty content deltas; one chunk per token, text unchanged
+    ids = tok.encode(SCRIPTS["think"])
+    parts = list(client.chat.completions.create(**chat("#script:think", model=MODEL, max_tokens=40, stream=True,
+                                                       extra_body={"return_token_ids": True})))
+    chunks = [p for p in parts if p.choices][1:]
+    assert [t for p in chunks for t in p.choices[0].token_ids] == ids + [tok.eos_token_id]
+    assert all(len(p.choices[0].token_ids) == 1 for p in chunks)
+    deltas = [p.choices[0].delta.model_dump(exclude_none=True) for p in chunks]
+    assert deltas[ids.index(tok.special_token_ids["<think>"])] == {"reasoning_content": ""}
+    assert deltas[ids.index(special)] == {"content": ""}
+    assert deltas[-1] == {"content": ""} and chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants a number."
+    assert "".join(d.get("content", "") for d in deltas) == "The answer is 4."
+
+
 def test_skip_special_tokens_chat_keeps_parsing(client, plain_server, tiny_serving):
     """Chat parses reasoning and tool calls on the text with special tokens, then leaves
     them out of what the client sees; streamed == non-streamed."""
