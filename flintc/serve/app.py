@@ -274,15 +274,42 @@ class _ChatChoice:
         return msg
 
 
+LOGPROB_FLOOR = -9999.0  # vLLM's JSON value for a logprob of -inf
+
+
+def _json_logprob(value: float, floor_all: bool = True) -> float | None:
+    """A log-probability as vLLM writes it in JSON, never -Infinity or NaN (invalid JSON:
+    Starlette refuses it with a 500, ``json.dumps`` writes it into a stream as is).
+
+    Args:
+        value: a log-probability (a Python float; -inf for a token the model rules out).
+        floor_all: True (generated tokens' logprobs, vLLM's ``max(logprob, -9999.0)`` in
+            serving_chat.py / serving_completion.py): every value below -9999.0 becomes
+            -9999.0. False (``prompt_logprobs``, vLLM's ``clamp_prompt_logprobs``): only
+            -inf does.
+
+    Returns:
+        the value, floored as above; None (JSON null, as pydantic writes a NaN in vLLM's
+        responses) for NaN or +inf, which only logits holding NaN or inf can give.
+    """
+    if math.isnan(value) or value == math.inf:
+        return None
+    if floor_all or value == -math.inf:
+        return max(value, LOGPROB_FLOOR)
+    return value
+
+
 def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
     raw = tokenizer.token_bytes(token_id)
     return raw.decode("utf-8", errors="replace"), list(raw)
 
 
 def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
+    """OpenAI's chat logprobs (``{"content": [...]}``); each logprob floored at -9999.0
+    (`_json_logprob`)."""
     def entry(tid, lp):
         text, raw = _token_str(tokenizer, tid)
-        return {"token": text, "logprob": lp, "bytes": raw}
+        return {"token": text, "logprob": _json_logprob(lp), "bytes": raw}
 
     return {"content": [{**entry(t.token_id, t.logprob),
                          "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps]}
@@ -291,15 +318,16 @@ def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
 def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
     """OpenAI's completions logprobs. Each ``top_logprobs`` entry holds the sampled token
     first, then the top alternatives (as OpenAI and vLLM: up to logprobs + 1 items, the
-    sampled token alone for ``logprobs: 0``)."""
+    sampled token alone for ``logprobs: 0``). Each logprob is floored at -9999.0
+    (`_json_logprob`, as vLLM)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for t in lps:
         text, _ = _token_str(tokenizer, t.token_id)
         tokens.append(text)
-        token_lps.append(t.logprob)
-        top = {text: t.logprob}
+        token_lps.append(_json_logprob(t.logprob))
+        top = {text: token_lps[-1]}
         for i, v in t.top:
-            top.setdefault(_token_str(tokenizer, i)[0], v)
+            top.setdefault(_token_str(tokenizer, i)[0], _json_logprob(v))
         tops.append(top)
         offsets.append(offset)
         offset += len(text)

@@ -61,8 +61,9 @@ def scripted(tokenizer):
     return hook
 
 
-def start_server(model, tokenizer, options, max_batch=4, max_model_len=256) -> Running:
-    """A uvicorn server for create_app(...) on 127.0.0.1 (a free port), in a thread."""
+def start_server(model, tokenizer, options, max_batch=4, max_model_len=256, wrap=None) -> Running:
+    """A uvicorn server for create_app(...) on 127.0.0.1 (a free port), in a thread.
+    ``wrap``: called with the ReferenceRunner, returns the runner the engine uses."""
     import uvicorn
 
     from flintc.runtime.runner import ReferenceRunner
@@ -71,6 +72,8 @@ def start_server(model, tokenizer, options, max_batch=4, max_model_len=256) -> R
     from flintc.serve.server import bind
 
     runner = ReferenceRunner(model, max_batch=max_batch, max_model_len=max_model_len)
+    if wrap is not None:
+        runner = wrap(runner)
     engine = Engine(runner, tokenizer, forced_tokens=scripted(tokenizer))
     app = create_app(engine, tokenizer, options)
     sock = bind("127.0.0.1", 0)

@@ -1081,6 +1081,115 @@ def test_chat_top_logprobs_are_the_top_n(client, tiny_serving):
             assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
 
 
+class OnlyOneToken:
+    """A runner whose logits rule out (-inf) every token but ``keep``, as a model may: every
+    other token's log-probability is -inf."""
+
+    def __init__(self, runner, keep: int):
+        self.runner, self.keep = runner, keep
+        self.config, self.device = runner.config, runner.device
+        self.max_batch, self.max_model_len = runner.max_batch, runner.max_model_len
+        self.prefill_chunk = runner.prefill_chunk
+
+    def _mask(self, logits):
+        out = torch.full_like(logits, float("-inf"))
+        out[..., self.keep] = logits[..., self.keep]
+        return out
+
+    def prefill(self, slot, token_ids, start=0, all_logits=False):
+        return self._mask(self.runner.prefill(slot, token_ids, start, all_logits))
+
+    def decode(self, slots, token_ids, positions):
+        return self._mask(self.runner.decode(slots, token_ids, positions))
+
+
+def strict_json(text: str):
+    """json.loads refusing -Infinity, Infinity and NaN (Python's json takes them; JSON does not)."""
+    def refuse(name):
+        raise AssertionError(f"{name} in JSON: {text[:200]}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def masked_server(tiny_serving, serve_kit):
+    """The tiny model behind `OnlyOneToken` (token 'a' kept): logprobs of -inf everywhere else."""
+    model, tok = tiny_serving
+    SCRIPTS.update(serve_kit.SCRIPTS)
+    keep = tok.encode("a")[0]
+    run = serve_kit.start_server(model, tok, ServeOptions(MODEL), max_batch=2, max_model_len=256,
+                                 wrap=lambda runner: OnlyOneToken(runner, keep))
+    run.keep = keep
+    yield run
+    serve_kit.stop_server(run)
+
+
+def _post(server, path, body):
+    """-> (status, body text) or, for a stream, (status, [data payloads])."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    if body.get("stream"):
+        return resp.status, [e[6:] for e in text.split("\n\n") if e and e != "data: [DONE]"]
+    return resp.status, text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_minus_infinity_are_minus_9999(masked_server, tiny_serving, stream):
+    """A log-probability of -inf is written -9999.0, as vLLM does (max(logprob, -9999.0) in
+    serving_chat.py and serving_completion.py), in the sampled token's logprob and in
+    top_logprobs, chat and completions, streamed or not. It was -Infinity in a stream
+    (invalid JSON) and a 500 without one."""
+    _, tok = tiny_serving
+    a = tok.token_bytes(masked_server.keep).decode()
+    forced = tok.encode(SCRIPTS["stop"])[:3]  # tokens the masked model rules out
+    for prompt, want_tokens, want_lp in (("Count.", [a] * 3, 0.0),
+                                         ("#script:stop", [tok.decode([t]) for t in forced], -9999.0)):
+        status, got = _post(masked_server, "/v1/chat/completions", chat(
+            prompt, model=MODEL, max_tokens=3, logprobs=True, top_logprobs=3, ignore_eos=True, stream=stream))
+        assert status == 200, got
+        if stream:
+            content = [e for x in got for c in strict_json(x)["choices"] if c["logprobs"]
+                       for e in c["logprobs"]["content"]]
+        else:
+            content = strict_json(got)["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in content] == want_tokens
+        assert [e["logprob"] for e in content] == [want_lp] * 3
+        for e in content:  # 'a' (0.0) first, then two of the ruled-out tokens
+            assert [t["logprob"] for t in e["top_logprobs"]] == [0.0, -9999.0, -9999.0]
+            assert e["top_logprobs"][0]["token"] == a
+        status, got = _post(masked_server, "/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 3, "logprobs": 2, "ignore_eos": True, "stream": stream})
+        assert status == 200, got
+        lps = [strict_json(x)["choices"][0]["logprobs"] for x in got] if stream else \
+            [strict_json(got)["choices"][0]["logprobs"]]
+        tokens = [t for lp in lps for t in lp["tokens"]]
+        assert tokens == want_tokens
+        assert [v for lp in lps for v in lp["token_logprobs"]] == [want_lp] * 3
+        for top in (t for lp in lps for t in lp["top_logprobs"]):
+            assert top[a] == 0.0 and sorted(top.values()) == [-9999.0] * (len(top) - 1) + [0.0]
+
+
+def test_json_logprob_never_infinite_or_nan(tiny_serving):
+    """The helpers behind every logprob in a response: -inf -> -9999.0 (vLLM), NaN -> null
+    (as pydantic writes a NaN in vLLM's responses); prompt logprobs floor -inf only
+    (vLLM's clamp_prompt_logprobs)."""
+    from flintc.serve.app import _chat_logprobs, _completion_logprobs, _json_logprob
+    from flintc.serve.engine import TokenLogprob
+
+    _, tok = tiny_serving
+    inf, nan = float("inf"), float("nan")
+    assert [_json_logprob(v) for v in (-inf, -12345.0, -1.5, 0.0, nan, inf)] == [-9999.0, -9999.0, -1.5, 0.0, None, None]
+    assert [_json_logprob(v, floor_all=False) for v in (-inf, -12345.0, nan)] == [-9999.0, -12345.0, None]
+    lps = [TokenLogprob(5, -inf, [(7, nan), (5, -inf)]), TokenLogprob(6, nan, [])]
+    body = {"chat": _chat_logprobs(tok, lps), "completion": _completion_logprobs(tok, lps, 0)}
+    strict_json(json.dumps(body))
+    assert [e["logprob"] for e in body["chat"]["content"]] == [-9999.0, None]
+    assert [t["logprob"] for t in body["chat"]["content"][0]["top_logprobs"]] == [None, -9999.0]
+    assert body["completion"]["token_logprobs"] == [-9999.0, None]
+
+
 # ---- vLLM's sampling / output fields ------------------------------------------------------
 
 
