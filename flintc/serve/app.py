@@ -26,7 +26,10 @@ to [-100, 100] as vLLM does) are honoured (:mod:`flintc.sampling`). ``n`` > 1
 with a ``seed`` gives choice i the seed ``seed + i`` (otherwise every choice would
 be the same). ``max_tokens`` (or ``max_completion_tokens``) counts every generated
 token, reasoning included; by default chat may use the rest of the context and
-completions 16 tokens (the OpenAI default).
+completions 16 tokens (the OpenAI default). vLLM's ``prompt_logprobs`` (0..20, not with
+``stream``) adds each prompt token's log-probability, rank and most likely alternatives
+in vLLM's shape (`_prompt_logprobs_json`): per choice in /v1/completions, once per
+response in /v1/chat/completions.
 
 The chat template is compiled when the app is made (`FlintTokenizer.check_chat_template`):
 a malformed one stops the server at startup instead of failing every chat request.
@@ -56,7 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import flintc
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams
-from flintc.serve.engine import Engine, GenRequest, Output, TokenLogprob
+from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob
 from flintc.serve.metrics import ServeMetrics
 from flintc.serve.protocol import (
     APIError,
@@ -77,6 +80,7 @@ REASONING_PARSERS = ("glm47",)
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions (OpenAI's limit)
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_STOP = 4
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Chat turns end at any of these (GLM's generation_config lists the same three).
@@ -217,6 +221,7 @@ class _ChatChoice:
         self.content_text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[PromptLogprob | None] | None = None
         self.finish_reason: str | None = None
 
     def feed(self, out: Output) -> dict:
@@ -237,6 +242,8 @@ class _ChatChoice:
                 r, c = r + self.strip[0].finish(), c + self.strip[1].finish()
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.reasoning_text.append(r)
         self.content_text.append(c)
         if out.finished:
@@ -332,6 +339,46 @@ def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dic
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_logprobs_json(tokenizer, plps: list[PromptLogprob | None]) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: one item per prompt token, None for the first, else
+    ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt token
+    first, then the k most likely tokens (rank 1..k; a prompt token among them is listed
+    once, with its place's rank, as vLLM's dict keeps it), so k or k + 1 entries.
+    ``decoded_token`` is the token's text alone (vLLM's ``tokenizer.decode([id])``); a
+    logprob of -inf is -9999.0 (vLLM's ``clamp_prompt_logprobs``), NaN null."""
+    out: list[dict | None] = []
+    for p in plps:
+        if p is None:
+            out.append(None)
+            continue
+        entry = {}
+        for tid, lp, rank in [(p.token_id, p.logprob, p.rank)] + [(i, v, r + 1) for r, (i, v) in enumerate(p.top)]:
+            entry[str(tid)] = {"logprob": _json_logprob(lp, floor_all=False), "rank": rank,
+                               "decoded_token": _token_str(tokenizer, tid)[0]}
+        out.append(entry)
+    return out
+
+
+def _prompt_logprobs_asked(req) -> int | None:
+    """The request's ``prompt_logprobs`` for the engine: None when absent, or when
+    ``stream`` is on with 0 (vLLM accepts it there and a stream carries none). Raises
+    APIError(400): outside [0, MAX_PROMPT_LOGPROBS] (vLLM's -1, the whole vocabulary, is
+    over its default --max-logprobs 20 too), or above 0 with ``stream`` (vLLM's
+    "`prompt_logprobs` are not available when `stream=True`")."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if not 0 <= k <= MAX_PROMPT_LOGPROBS:
+        raise APIError(400, f"'prompt_logprobs' must be in [0, {MAX_PROMPT_LOGPROBS}] (vLLM's default "
+                       f"--max-logprobs; -1, the whole vocabulary, is over it), got {k}", param="prompt_logprobs")
+    if req.stream:
+        if k > 0:
+            raise APIError(400, "'prompt_logprobs' are not available when 'stream' is true (as in vLLM); "
+                           "ask without stream", param="prompt_logprobs")
+        return None
+    return k
 
 
 def _sse(obj) -> str:
@@ -746,14 +793,17 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             if not 0 <= top <= MAX_TOP_LOGPROBS:
                 raise APIError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                                param="top_logprobs")
+        want_plp = _prompt_logprobs_asked(req)
         reasoning_initial = initial_state_for_prompt(prompt_text) if options.reasoning_parser else None
         # the parsers read the text with special tokens; they are stripped after parsing. With
         # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
         strip = specials if req.skip_special_tokens and parse_tools is None else None
+        # the choices share the prompt: the first computes its logprobs
         gen = _Generation(engine, [dict(prompt_ids=prompt_ids, params=p, stop_token_ids=chat_stops | user_stops,
                                         user_stop_token_ids=user_stops, stop=stop, logprobs=top,
+                                        prompt_logprobs=want_plp if j == 0 else None,
                                         include_stop_str_in_output=req.include_stop_str_in_output)
-                                   for p in params])
+                                   for j, p in enumerate(params)])
         choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip) for _ in range(n)]
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -803,6 +853,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 "choices": [], "usage": usage()}
         if req.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
+        if want_plp is not None:  # vLLM: on the response, not on a choice
+            body["prompt_logprobs"] = await asyncio.to_thread(_prompt_logprobs_json, tokenizer,
+                                                              choices[0].prompt_logprobs)
         for i, c in enumerate(choices):
             entry = {"index": i, "message": c.message(),
                      "logprobs": _chat_logprobs(tokenizer, c.logprobs) if top is not None else None,
@@ -825,16 +878,20 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
                            param="logprobs")
+        want_plp = _prompt_logprobs_asked(req)
         user_stops = stop_token_ids(req)
         stops = frozenset({tokenizer.eos_token_id}) | user_stops
+        # the choices of a prompt share it: the first computes its logprobs
         specs = [dict(prompt_ids=ids, params=p, stop_token_ids=stops, stop=stop, logprobs=req.logprobs,
+                      prompt_logprobs=want_plp if j == 0 else None,
                       user_stop_token_ids=user_stops, skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output)
-                 for ids in prompts for p in params]
+                 for ids in prompts for j, p in enumerate(params)]
         gen = _Generation(engine, specs)
         total = len(specs)
         texts = [[] for _ in range(total)]
         lps: list[list[TokenLogprob]] = [[] for _ in range(total)]
+        plps: list[list[PromptLogprob | None] | None] = [None] * total
         ids_out = [[] for _ in range(total)]
         reasons = [None] * total
         offsets = [0] * total
@@ -845,6 +902,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             texts[out.index].append(out.text)
             ids_out[out.index] += out.token_ids
             lps[out.index] += out.logprobs or []
+            if out.prompt_logprobs is not None:
+                plps[out.index] = out.prompt_logprobs
             if out.finished:
                 reasons[out.index] = out.finish_reason
 
@@ -886,11 +945,17 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         if req.stream:
             return await run(request, gen, None, stream_body)
         await run(request, gen, take, None)
+        prompt_lps = None
+        if want_plp is not None:  # per prompt, from its first choice
+            prompt_lps = await asyncio.to_thread(lambda: [_prompt_logprobs_json(tokenizer, plps[k * n])
+                                                          for k in range(len(prompts))])
         choices = []
         for i in range(total):
             entry = {"index": i, "text": "".join(texts[i]), "finish_reason": reasons[i],
                      "logprobs": (_completion_logprobs(tokenizer, lps[i], 0)
                                   if req.logprobs is not None else None)}
+            if prompt_lps is not None:  # vLLM: on each choice
+                entry["prompt_logprobs"] = prompt_lps[i // n]
             if req.return_token_ids:
                 entry["prompt_token_ids"] = prompts[i // n]
                 entry["token_ids"] = ids_out[i]

@@ -36,6 +36,14 @@ tokens (as in vLLM). With ``min_tokens`` (as vLLM): the stop tokens cannot be sa
 before that many tokens are generated (and do not stop the sequence before then), and
 stop strings are looked for only once more than ``min_tokens`` tokens are out.
 
+Prompt logprobs (vLLM's ``prompt_logprobs``): for a request that asks, the prefill keeps
+the logits of every prompt position (``runner.prefill(..., all_logits=True)``, which both
+runners support: the prefill computes the LM head for every position anyway), one
+``prefill_chunk`` of the runner at a time so that the fp32 ``[chunk, V]`` rows are the
+most held at once (the calls are those one whole-prompt prefill makes, so the first
+token's logits are the same), and turns them into :class:`PromptLogprob` entries, sent
+with the request's first Output.
+
 Metrics: each request carries a :class:`RequestTimeline` (when it was queued,
 admitted to a slot, got its first and latest token; how many prompt tokens were
 prefilled and tokens generated), and the engine calls its observers
@@ -81,11 +89,30 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptLogprob:
+    """Prompt token ``i`` (i >= 1) under the model's raw distribution after tokens 0..i-1
+    (log_softmax of the fp32 logits of position i-1, as vLLM's prompt_logprobs).
+
+    ``token_id``: the prompt token; ``logprob`` its log-probability; ``rank`` the number
+    of vocabulary tokens whose log-probability is at least its own, itself included (1:
+    the most likely; tied tokens share the larger rank; vLLM's ``(logprobs >=
+    logprob).sum()``); ``top``: the k most likely tokens as (id, logprob), most likely
+    first (rank = position + 1)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Output:
     """An event for one request (choice ``index``): new ``text`` (may be empty),
     the ``token_ids`` produced since the last event, their logprobs when asked for,
     and, on the last event, ``finish_reason`` ("stop", "length", "abort") or
-    ``error`` (a message; the request failed)."""
+    ``error`` (a message; the request failed). ``prompt_logprobs`` (on the first event
+    of a request that asked for them, else None): one entry per prompt token, None for
+    the first (nothing precedes it), a :class:`PromptLogprob` for each other."""
 
     index: int
     text: str = ""
@@ -93,6 +120,7 @@ class Output:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     error: str | None = None
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -148,6 +176,9 @@ class GenRequest:
         stop_token_ids: ids that end the sequence (unless ``params.ignore_eos``).
         stop: stop strings; the text ends before the first match (not included).
         logprobs: None for no logprobs, else how many top alternatives (0..20).
+        prompt_logprobs: None, or how many top alternatives (0..20) each prompt token's
+            :class:`PromptLogprob` lists (vLLM's ``prompt_logprobs``); sent with the
+            first Output.
         user_stop_token_ids: ids (also in ``stop_token_ids``) that end the sequence even
             with ``params.ignore_eos`` (vLLM's ``stop_token_ids``: ignore_eos ignores EOS only).
         skip_special_tokens: leave the tokenizer's special tokens out of the text.
@@ -165,6 +196,7 @@ class GenRequest:
     stop_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     forced: list[int] | None = None
     user_stop_token_ids: frozenset[int] = frozenset()
     skip_special_tokens: bool = False
@@ -191,6 +223,7 @@ class _Seq:
         self.sent = 0  # characters of text already emitted
         self.pending_ids: list[int] = []
         self.pending_lp: list[TokenLogprob] = []
+        self.prompt_lp: list[PromptLogprob | None] | None = None  # sent with the first Output
 
 
 class Engine:
@@ -327,7 +360,10 @@ class Engine:
             if req.forced is None and self.forced_tokens is not None:
                 req.forced = self.forced_tokens(list(req.prompt_ids))
             self.stats["prefills"] += 1
-            logits = self.runner.prefill(slot, req.prompt_ids)  # [V]
+            if req.prompt_logprobs is None:
+                logits = self.runner.prefill(slot, req.prompt_ids)  # [V]
+            else:
+                logits, seq.prompt_lp = self._prefill_prompt_logprobs(slot, req.prompt_ids, req.prompt_logprobs)
             req.timeline.prompt_tokens = len(req.prompt_ids)
             for obs in self.observers:
                 obs.prefilled(req)
@@ -366,6 +402,22 @@ class Engine:
             if seq.req.logprobs is not None:
                 lp = self._logprob(logits[b], tok, seq.req.logprobs)
             self._push(seq, int(tok), lp)
+
+    def _prefill_prompt_logprobs(self, slot: int, ids: list[int], k: int
+                                 ) -> tuple[torch.Tensor, list[PromptLogprob | None]]:
+        """Prefill ``ids`` into ``slot`` keeping every position's logits, one runner
+        ``prefill_chunk`` per call (the calls one whole-prompt prefill makes inside the
+        runner, so the last position's logits are the same). -> (fp32 logits [V] of the
+        last position, [None] + one PromptLogprob per prompt token after the first)."""
+        chunk = int(getattr(self.runner, "prefill_chunk", 0) or len(ids))
+        out: list[PromptLogprob | None] = [None]
+        last = None
+        for s in range(0, len(ids), chunk):
+            logits = self.runner.prefill(slot, ids[s:s + chunk], s, all_logits=True)  # [c, V]
+            targets = ids[s + 1:s + 1 + logits.shape[0]]  # the prompt tokens rows 0.. predict
+            out += prompt_logprobs(logits[:len(targets)], targets, k)
+            last = logits[-1].clone()  # not a view: frees the chunk's rows
+        return last, out
 
     def _forced_end(self, seq: _Seq) -> int:
         stops = sorted(seq.req.stop_token_ids)
@@ -434,6 +486,7 @@ class Engine:
         out = Output(seq.req.index, text, seq.pending_ids,
                      seq.pending_lp if seq.req.logprobs is not None else None, finish, error)
         seq.pending_ids, seq.pending_lp = [], []
+        out.prompt_logprobs, seq.prompt_lp = seq.prompt_lp, None
         seq.req.emit(out)
 
     def _finish(self, seq: _Seq, reason: str | None, error: str | None = None) -> None:
@@ -446,6 +499,41 @@ class Engine:
     def _notify_finished(self, req: GenRequest, reason: str | None, error: str | None) -> None:
         for obs in self.observers:
             obs.finished(req, reason, error)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int, rows: int = 256) -> list[PromptLogprob]:
+    """Each row's target token under the row's raw distribution.
+
+    Args:
+        logits: [n, V] logits (any float dtype; read as fp32), row i the distribution of
+            the token after position i.
+        targets: n token ids, each in [0, V).
+        k: how many most likely tokens each entry lists (0..V).
+        rows: rows per log_softmax (bounds the [rows, V] temporaries).
+
+    Returns:
+        n :class:`PromptLogprob` (log_softmax, vLLM's rank: the number of tokens whose
+        log-probability is >= the target's).
+
+    Raises:
+        ValueError: ``logits`` is not [len(targets), V].
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(targets):
+        raise ValueError(f"logits must be [{len(targets)}, V], got {list(logits.shape)}")
+    out = []
+    for r in range(0, len(targets), rows):
+        lsm = torch.log_softmax(logits[r:r + rows].float(), dim=-1)  # [m, V]
+        tgt = torch.tensor(targets[r:r + rows], device=lsm.device)[:, None]  # [m, 1]
+        tok_lp = lsm.gather(1, tgt)  # [m, 1]
+        ranks = (lsm >= tok_lp).sum(-1).tolist()
+        if k > 0:
+            vals, idx = torch.topk(lsm, k, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        else:
+            tops = [[] for _ in ranks]
+        out += [PromptLogprob(t, lp, rank, top) for t, lp, rank, top
+                in zip(targets[r:r + rows], tok_lp[:, 0].tolist(), ranks, tops)]
+    return out
 
 
 def _prefix_overlap(text: str, stop: str) -> int:

@@ -15,8 +15,9 @@ Extensions, as vLLM names them: ``top_k`` (FLINT_SPEC section 6: 20 by default;
 ``skip_special_tokens``, ``spaces_between_special_tokens`` (accepted; no effect, as in vLLM
 with a fast tokenizer), ``stop_token_ids``, ``include_stop_str_in_output``, and for
 chat ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``),
-``add_generation_prompt`` and ``continue_final_message``. vLLM's ``prompt_logprobs`` is
-refused with a 400 naming it (the runner keeps no prompt logits).
+``add_generation_prompt`` and ``continue_final_message``, and ``prompt_logprobs`` (0..20:
+the log-probability of each prompt token and of the most likely tokens at its place,
+answered in vLLM's shape, not with ``stream``; checked in :mod:`flintc.serve.app`).
 
 vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest` /
 :class:`TokenizeChatRequest` and :class:`DetokenizeRequest`, with vLLM's fields.
@@ -62,7 +63,7 @@ class _Common(BaseModel):
     spaces_between_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None  # vLLM's; refused (see `unsupported`)
+    prompt_logprobs: int | None = None  # vLLM's: 0..20 alternatives per prompt token
 
 
 class ChatCompletionRequest(_Common):
@@ -170,7 +171,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
     support (functions, audio, non-text modalities or response formats, echo,
-    best_of > 1, suffix, prompt_logprobs)."""
+    best_of > 1, suffix)."""
     checks = [
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
@@ -182,10 +183,8 @@ def unsupported(req: BaseModel) -> None:
         ("echo", lambda v: bool(v)),
         ("best_of", lambda v: v not in (None, 1)),
         ("suffix", lambda v: v is not None),
-        ("prompt_logprobs", lambda v: v is not None),
     ]
-    why = {"prompt_logprobs": " (the runner computes no logits for prompt positions)"}
     for name, bad in checks:
         if name in type(req).model_fields and bad(getattr(req, name)):
-            raise APIError(400, f"'{name}' = {getattr(req, name)!r} is not supported by flintc serve"
-                           + why.get(name, ""), param=name, code="unsupported_parameter")
+            raise APIError(400, f"'{name}' = {getattr(req, name)!r} is not supported by flintc serve",
+                           param=name, code="unsupported_parameter")

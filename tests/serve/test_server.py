@@ -1126,7 +1126,8 @@ def masked_server(tiny_serving, serve_kit):
 def _post(server, path, body):
     """-> (status, body text) or, for a stream, (status, [data payloads])."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {KEY}"})
     resp = conn.getresponse()
     text = resp.read().decode()
     conn.close()
@@ -1345,8 +1346,10 @@ def test_add_generation_prompt_and_continue_final_message(client, server, tiny_s
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("patch, param, needle", [
-    ({"prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
-    ({"prompt_logprobs": 0}, "prompt_logprobs", "not supported"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "must be in [0, 20]"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs", "must be in [0, 20]"),
+    ({"prompt_logprobs": True}, "prompt_logprobs", "invalid value"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "not available when 'stream' is true"),
     ({"stop_token_ids": "x"}, "stop_token_ids", "invalid value"),
     ({"stop_token_ids": [1, 512]}, "stop_token_ids", "outside the vocabulary"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens", "invalid value"),
@@ -1360,6 +1363,85 @@ def test_vllm_fields_checked(server, path, patch, param, needle):
     assert status == 400, got
     err = got["error"]
     assert err["param"] == param and needle in err["message"] and "Unrecognized" not in err["message"], err
+
+
+def _model_prompt_logprobs(model, ids):
+    """log_softmax of the reference model's logits for every position of `ids` [T, V]."""
+    from flintc.runtime.runner import ReferenceRunner
+
+    return torch.log_softmax(ReferenceRunner(model, max_batch=1, max_model_len=64).prefill(0, ids, all_logits=True), -1)
+
+
+def _check_prompt_logprobs(plp, ids, lsm, k, tok):
+    """vLLM's shape: [None, {"<id>": {"logprob", "rank", "decoded_token"}}, ...], the
+    prompt token first, then the k most likely (ranks 1..k), values of `lsm`."""
+    assert len(plp) == len(ids) and plp[0] is None
+    for i, entry in enumerate(plp[1:], start=1):
+        row = lsm[i - 1]
+        keys = list(entry)
+        assert keys[0] == str(ids[i]) and len(entry) in (k, k + 1)
+        first = entry[keys[0]]
+        assert first["logprob"] == pytest.approx(float(row[ids[i]]), abs=1e-5)
+        assert first["rank"] == int((row >= row[ids[i]]).sum())
+        assert sorted(v["rank"] for v in entry.values() if v["rank"] <= k) == list(range(1, k + 1))
+        for key, v in entry.items():
+            assert v["decoded_token"] == tok.decode([int(key)])
+            assert v["logprob"] == pytest.approx(float(row[int(key)]), abs=1e-5)
+        want_top = sorted(row.tolist(), reverse=True)[:k]
+        assert sorted((v["logprob"] for v in entry.values() if v["rank"] <= k), reverse=True) == \
+            pytest.approx(want_top, abs=1e-5)
+
+
+def test_prompt_logprobs_completions(server, tiny_serving):
+    """vLLM's prompt_logprobs on /v1/completions: on each choice, for each prompt of a
+    batch (the choices of one prompt share its list); generation is unchanged."""
+    model, tok = tiny_serving
+    prompts = [tok.encode("The quick brown fox"), [5, 300, 12, 7, 99, 41]]
+    base = {"model": MODEL, "prompt": prompts, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "n": 2}
+    status, got = raw(server, "POST", "/v1/completions", {**base, "prompt_logprobs": 2})
+    assert status == 200, got
+    status, plain = raw(server, "POST", "/v1/completions", base)
+    assert status == 200 and all("prompt_logprobs" not in c for c in plain["choices"])
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in plain["choices"]]
+    for i, c in enumerate(got["choices"]):
+        ids = prompts[i // 2]
+        _check_prompt_logprobs(c["prompt_logprobs"], ids, _model_prompt_logprobs(model, ids), 2, tok)
+        assert c["prompt_logprobs"] == got["choices"][i // 2 * 2]["prompt_logprobs"]
+    # 0: the prompt token alone
+    status, got = raw(server, "POST", "/v1/completions", {**base, "n": 1, "prompt": prompts[1], "prompt_logprobs": 0})
+    plp = got["choices"][0]["prompt_logprobs"]
+    assert status == 200 and plp[0] is None and [list(e) for e in plp[1:]] == [[str(t)] for t in prompts[1][1:]]
+
+
+def test_prompt_logprobs_chat(server, client, tiny_serving):
+    """On /v1/chat/completions, prompt_logprobs is on the response (vLLM), over the rendered
+    prompt; with stream, 0 is accepted and sends none (as vLLM), more is a 400."""
+    model, tok = tiny_serving
+    r = client.chat.completions.create(**chat("Hi there", model=MODEL, max_tokens=2, n=2,
+                                              extra_body={"prompt_logprobs": 1, "return_token_ids": True}))
+    ids = r.prompt_token_ids
+    assert len(ids) == r.usage.prompt_tokens
+    _check_prompt_logprobs(r.prompt_logprobs, ids, _model_prompt_logprobs(model, ids), 1, tok)
+    assert all(getattr(c, "prompt_logprobs", None) is None for c in r.choices)
+    status, events = _post(server, "/v1/chat/completions", chat("Hi there", model=MODEL, max_tokens=2, stream=True,
+                                                               prompt_logprobs=0))
+    assert status == 200 and "prompt_logprobs" not in "".join(events)
+
+
+def test_prompt_logprobs_of_minus_infinity(masked_server, tiny_serving):
+    """A prompt token the logits rule out has logprob -9999.0 (vLLM's clamp_prompt_logprobs)
+    and rank V (every token ties at -inf with it)."""
+    _, tok = tiny_serving
+    ids = tok.encode("Count to ten.")
+    status, got = _post(masked_server, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1,
+                                                          "prompt_logprobs": 2})
+    assert status == 200, got
+    plp = strict_json(got)["choices"][0]["prompt_logprobs"]
+    a = str(masked_server.keep)
+    for i, entry in enumerate(plp[1:], start=1):
+        assert entry[str(ids[i])] == {"logprob": -9999.0, "rank": tok.vocab_size, "decoded_token": tok.decode([ids[i]])}
+        assert entry[a] == {"logprob": 0.0, "rank": 1, "decoded_token": "a"}
+        assert sorted(v["rank"] for k, v in entry.items() if k not in (a, str(ids[i]))) == [2]
 
 
 def test_vllm_fields_accepted(server):
