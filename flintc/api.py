@@ -297,7 +297,8 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
 
 def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, max_batch, max_model_len,
              prefill_chunk, backend, device, check, dump, progress) -> CompiledModel:
-    from flintc.checkpoint.loader import check_load_format, load_checkpoint
+    from flintc.checkpoint.default import load_checkpoint_or_default
+    from flintc.checkpoint.loader import check_load_format
     from flintc.runtime.build import BuildOptions, compile_model
     from flintc.runtime.compiled import check_environment, load_build
     from flintc.runtime.device import prepare_device
@@ -315,17 +316,9 @@ def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, ma
                          "a checkpoint has its own format and config.json")
     prepare_device(device)  # a CPU run uses Triton's interpreter: set before triton loads
     check_environment("torch" if backend == "auto" and device == "cpu" else backend)  # before the compile
-    def load_ckpt(model):
-        return load_checkpoint(model, hf_config_path=hf_config_path, device=device, load_format=load_format,
-                               config=config, fmt=fmt, progress=progress)
-
     with _sigterm_after_cleanup() as cleanups:
-        if model is None and load_format != "dummy":
-            from flintc.checkpoint.default import load_default
-
-            ckpt = load_default(load_ckpt)  # a damaged cached default is written again
-        else:
-            ckpt = load_ckpt(model)
+        ckpt = load_checkpoint_or_default(model, hf_config_path=hf_config_path, device=device,
+                                          load_format=load_format, config=config, fmt=fmt, progress=progress)
         tmp = None
         if out is None:
             tmp = tempfile.mkdtemp(prefix="flintc-build-")

@@ -5,7 +5,11 @@
 cache folder that cannot be written is an InputError naming FLINTC_CACHE_DIR.
 It is written to a temporary folder and renamed into place, so a crash or two
 processes racing never leave a half-written default behind. One that was damaged
-later (truncated, edited) is written again once by `load_default`, with a notice.
+later (truncated, edited) is written again once by `load_default`, with a notice;
+so is one a build of it records that is gone (`is_cached_default`,
+`flintc.runtime.compiled.recorded_weight_source`). `load_checkpoint_or_default` is how
+`flintc run`, `compile`, `serve` and `flintc.compile` load MODEL or, when none is
+given, this default.
 """
 
 from __future__ import annotations
@@ -80,6 +84,28 @@ def default_checkpoint() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final / GGUF_NAME
+
+
+def is_cached_default(path) -> bool:
+    """True when `path` is the cached default model's GGUF file, where
+    `default_checkpoint` writes it in the cache folder `cache_dir` names now: what
+    build.json records as weight_source for a build of the default model (resolved)."""
+    return Path(path).resolve() == (cache_dir() / DEFAULT_NAME / GGUF_NAME).resolve()
+
+
+def load_checkpoint_or_default(model, **kwargs):
+    """`flintc.checkpoint.loader.load_checkpoint(model, **kwargs)`, or with no `model` (and
+    `load_format` not "dummy": random weights need no checkpoint) the embedded default,
+    a damaged cached copy of which is written again once (`load_default`). The one way
+    `flintc run`, `compile` and `serve` and `flintc.compile` load MODEL, and
+    `flintc.runtime.compiled.load_build` the default a build was compiled from; raises
+    what `load_checkpoint` raises (and `default_checkpoint`'s InputError for a cache
+    folder that cannot be written)."""
+    from flintc.checkpoint.loader import load_checkpoint
+
+    if model is None and kwargs.get("load_format", "auto") != "dummy":
+        return load_default(lambda path: load_checkpoint(path, **kwargs))
+    return load_checkpoint(model, **kwargs)
 
 
 def load_default(load):

@@ -240,18 +240,11 @@ def prepare_device(name: str) -> None:
 def load_model_checkpoint(args, device: str, check_config=None):
     """The checkpoint MODEL (or the default one, or dummy weights) names; `check_config`
     as :func:`flintc.checkpoint.loader.load_checkpoint`'s, before any weight is read."""
-    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.checkpoint.default import load_checkpoint_or_default
 
-    def load(model_path):
-        return load_checkpoint(model_path, hf_config_path=args.hf_config_path, device=device,
-                               load_format=args.load_format, config=args.config, fmt=args.fmt,
-                               progress=sys.stderr.isatty(), check_config=check_config)
-
-    if args.model is None and args.load_format != "dummy":
-        from flintc.checkpoint.default import load_default
-
-        return load_default(load)  # a damaged cached default is written again
-    return load(args.model)
+    return load_checkpoint_or_default(args.model, hf_config_path=args.hf_config_path, device=device,
+                                      load_format=args.load_format, config=args.config, fmt=args.fmt,
+                                      progress=sys.stderr.isatty(), check_config=check_config)
 
 
 def build_options(args):

@@ -225,10 +225,14 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
             if not torch.cuda.is_available():
                 raise InputError(f"{args.build} was compiled for {device} but no CUDA GPU is available; "
                                  "pass --device cpu to run it on the CPU")
-        from flintc.runtime.compiled import check_weight_kind
+        from flintc.runtime.compiled import check_weight_kind, recorded_weight_source
         from flintc.serve.server import tokenizer_dir
 
         check_weight_kind(args.build, manifest, args.load_format, args.model)
+        if args.model is None and args.load_format != "dummy":
+            # as flintc serve --build: the checkpoint build.json records must be there (the
+            # tokenizer is looked for beside it; a cached default model is written again)
+            recorded_weight_source(args.build, manifest)
         # as flintc serve --build: beside MODEL, then where build.json says; needed for --prompt
         tok_dir = tokenizer_dir(args, required=bool(args.prompt))
         prepare_device(device)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
@@ -205,8 +206,11 @@ def _pass_model_or_recompile(build: Path) -> str:
 def recorded_weight_source(build: str | Path, manifest: dict) -> str:
     """The weights BUILD/build.json records (`weight_source`): "dummy:<fmt>", or the
     absolute path of the checkpoint the build was compiled from, which must still exist.
-    `load_build` calls it when no checkpoint is given; `flintc serve --build` too, before
-    it looks for the tokenizer beside that checkpoint.
+    `load_build` calls it when no checkpoint is given; `flintc run --build` and `flintc
+    serve --build` too, before they look for the tokenizer beside that checkpoint. A
+    build of the embedded default model whose cached copy is gone (the cache was
+    cleared) gets it written again (`flintc.checkpoint.default.default_checkpoint`; it
+    is deterministic, so the build's fingerprint still matches), with a one-line notice.
 
     Raises:
         InputError: build.json records no weight_source, or a path that no longer exists
@@ -220,6 +224,13 @@ def recorded_weight_source(build: str | Path, manifest: dict) -> str:
     if not isinstance(source, str) or not source:
         raise InputError(f"{where} records no weight_source (the checkpoint it was compiled from): {retry}")
     if not source.startswith("dummy:") and not Path(source).exists():
+        from flintc.checkpoint.default import default_checkpoint, is_cached_default
+
+        if is_cached_default(source):
+            print(f"flintc: the cached default model {Path(source).parent}, which {where} records, is gone; "
+                  "writing it again", file=sys.stderr)
+            default_checkpoint()
+            return source
         raise InputError(f"{where} records the checkpoint {source} (weight_source), which no longer exists "
                          f"(moved or deleted since the compile): {retry}")
     return source
@@ -339,8 +350,12 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
             flintc's kernels imported before it was set (`use_triton_interpreter`; else
             TRITON_INTERPRET=1 is set here, as the CLI does for --device cpu).
         CheckpointError: the weights cannot be loaded (from the checkpoint build.json
-            records, when no `model` is given: the message then names build.json).
+            records, when no `model` is given: the message then names build.json). A
+            build of the embedded default model (no `model` given) whose cached copy is
+            damaged or gone gets it written again (`load_checkpoint_or_default`,
+            `recorded_weight_source`).
     """
+    from flintc.checkpoint.default import is_cached_default, load_checkpoint_or_default
     from flintc.checkpoint.loader import load_checkpoint
     from flintc.config import FlintConfig
     from flintc.runtime.build import config_fingerprint, weight_fingerprint
@@ -366,6 +381,10 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
         if load_format == "dummy":
             ckpt = load_checkpoint(None, device=device, load_format="dummy", config=config,
                                    fmt=manifest["weight_format"], progress=progress)
+        elif model is None and is_cached_default(recorded_weight_source(build, manifest)):
+            # a build of the embedded default model: a damaged cached copy is written again
+            ckpt = load_checkpoint_or_default(None, hf_config_path=hf_config_path, device=device,
+                                              progress=progress)
         else:
             source = model or recorded_weight_source(build, manifest)
             try:

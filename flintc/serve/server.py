@@ -52,20 +52,12 @@ def make_runner(args: argparse.Namespace):
         # the scheduler, a larger one cannot be met.
         compiled.limit_build(runner, args.build, max_model_len=args.max_model_len, max_batch=args.max_batch)
         return runner
-    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.checkpoint.default import load_checkpoint_or_default
     from flintc.model.reference import FlintModel
     from flintc.runtime.runner import ReferenceRunner
 
-    def load(path):
-        return load_checkpoint(path, hf_config_path=args.hf_config_path, device=device,
-                               progress=sys.stderr.isatty())
-
-    if args.model is None:
-        from flintc.checkpoint.default import load_default
-
-        ckpt = load_default(load)  # a damaged cached default is written again
-    else:
-        ckpt = load(Path(args.model))
+    ckpt = load_checkpoint_or_default(args.model, hf_config_path=args.hf_config_path, device=device,
+                                      progress=sys.stderr.isatty())
     model = FlintModel(ckpt.config, ckpt.weights)
     max_batch = args.max_batch or 8
     if args.max_model_len is not None and args.max_model_len > model.max_positions:
