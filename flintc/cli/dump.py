@@ -11,7 +11,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from flintc.cli.graphs import add_model_args, build_targets, format_table, pass_options
+from flintc.cli.graphs import add_model_args, build_targets, check_pass_flags, format_table, pass_options
 from flintc.errors import InputError
 
 # What makes a folder a checkpoint or a build: never written over by a dump.
@@ -66,6 +66,7 @@ def run_dump(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     check_dump_out(args.out)
+    disabled = check_pass_flags(args, (args.step,))[args.step]  # before the model is built
     targets = build_targets(args)
     tmp = temp_dir_beside(out)
     try:
@@ -74,7 +75,7 @@ def run_dump(args: argparse.Namespace) -> int:
             sub = "" if len(targets) == 1 else ("counts" if i == 0 else "numerics")
             batch, tokens = (args.batch, None) if args.step == "decode" else (1, args.tokens)
             _, report = compile_step(target.model, args.step, batch=batch, tokens=tokens,
-                                     cache_len=args.cache_len, disabled=args.disable,
+                                     cache_len=args.cache_len, disabled=disabled,
                                      check_model=target.check_model, seed=args.seed,
                                      dump_dir=tmp / sub if sub else tmp,
                                      options=pass_options(args))

@@ -42,6 +42,39 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(decode_attention_combine; as flintc compile)")
 
 
+def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Check the flags that name passes or pass options against the pipelines of `steps`
+    ("decode", "prefill"), before any output or work (a bad --disable name was refused
+    only when its pipeline was built: after the header, or after the whole decode table
+    of `--step both`). -> the --disable names of each step's pipeline: a pass of one
+    pipeline only (mark_pdl is decode's) is skipped there, and the other runs in full.
+
+    Raises:
+        InputError: a --disable name that is a pass of none of the pipelines (the message
+            names them and their passes, and the --step whose pipeline has it, if any);
+            --attention-splits or --fold-attention-combine with the prefill pipeline
+            only (they are options of decode passes).
+    """
+    from flintc.passes.pipeline import pipeline_for
+
+    names = {step: [p.name for p in pipeline_for(step)] for step in ("decode", "prefill")}
+    for name in args.disable:
+        if any(name in names[step] for step in steps):
+            continue
+        known = list(dict.fromkeys(n for step in steps for n in names[step]))
+        other = [step for step in names if step not in steps and name in names[step]]
+        hint = f" ({name} is a pass of the {other[0]} pipeline: --step {other[0]})" if other else ""
+        raise InputError(f"--disable {name}: not a pass of the {' or '.join(steps)} pipeline; "
+                         f"{'its' if len(steps) == 1 else 'their'} passes are {', '.join(known)}{hint}")
+    if "decode" not in steps:
+        for flag, given in (("--attention-splits", args.attention_splits is not None),
+                            ("--fold-attention-combine", getattr(args, "fold_attention_combine", False))):
+            if given:
+                raise InputError(f"{flag} applies only to the decode pipeline (its attention); drop it, or pass "
+                                 "--step decode")
+    return {step: tuple(n for n in args.disable if n in names[step]) for step in steps}
+
+
 def pass_options(args: argparse.Namespace) -> dict:
     """compile_step's per-pass options from --attention-splits / --fold-attention-combine."""
     options = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from flintc.cli.graphs import add_model_args, build_targets, format_table
+from flintc.cli.graphs import add_model_args, build_targets, check_pass_flags, format_table
 
 
 def add_parser(sub) -> None:
@@ -32,6 +32,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     dump_dir_from_env()  # $FLINTC_DUMP_DIR that cannot be written: refused before the first pass
     steps = ("decode", "prefill") if args.step == "both" else (args.step,)
+    disabled = check_pass_flags(args, steps)  # before the first header
     ok, reports = True, []
     for target in build_targets(args):
         for step in steps:
@@ -39,7 +40,7 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"\n== {step} (B={batch}{'' if tokens is None else f', T={tokens}'}) -- {target.note}")
             try:
                 _, report = compile_step(target.model, step, batch=batch, tokens=tokens,
-                                         cache_len=args.cache_len, disabled=args.disable,
+                                         cache_len=args.cache_len, disabled=disabled[step],
                                          check_model=target.check_model, seed=args.seed,
                                          options=_options(args))
             except PassCheckError as exc:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import time
+
+import pytest
 
 from flintc.cli import main
 
@@ -17,10 +20,53 @@ def test_verify_prints_table_and_passes(capsys, tiny_nvfp4_gguf, tmp_path):
     assert report["passed"] and report["reports"][0]["stages"][-1]["kernels_per_layer"] == {"dense": 6, "moe": 7}
 
 
-def test_verify_unknown_pass_is_a_clean_error(capsys):
-    assert main(["verify", "--disable", "no_such_pass", "--step", "decode"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("flintc: error:") and "no_such_pass" in err
+_DECODE = ("canonicalize, fuse_rms_norm, fuse_silu_mul, fuse_qk_norm_rope_kv, fuse_moe, fuse_decode_attention, "
+           "lower_gemv, group_low_latency, mark_pdl")
+_PREFILL = ("canonicalize, fuse_rms_norm, fuse_silu_mul, fuse_qk_norm_rope_kv, fuse_moe, fuse_prefill_attention, "
+            "lower_gemm, fuse_add_rms_norm")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["verify", "--disable", "no_such_pass"],
+     f"--disable no_such_pass: not a pass of the decode or prefill pipeline; their passes are {_DECODE}, "
+     "fuse_prefill_attention, lower_gemm, fuse_add_rms_norm"),
+    (["verify", "--step", "decode", "--disable", "canonicalize", "--disable", "no_such_pass"],
+     f"--disable no_such_pass: not a pass of the decode pipeline; its passes are {_DECODE}"),
+    (["verify", "--step", "prefill", "--disable", "mark_pdl"],
+     f"--disable mark_pdl: not a pass of the prefill pipeline; its passes are {_PREFILL} (mark_pdl is a pass of "
+     "the decode pipeline: --step decode)"),
+    (["dump", "--out", "{tmp}/d", "--disable", "no_such_pass"],
+     f"--disable no_such_pass: not a pass of the decode pipeline; its passes are {_DECODE}"),
+    (["dump", "--out", "{tmp}/d", "--step", "prefill", "--disable", "fuse_decode_attention"],
+     f"--disable fuse_decode_attention: not a pass of the prefill pipeline; its passes are {_PREFILL} "
+     "(fuse_decode_attention is a pass of the decode pipeline: --step decode)"),
+    (["verify", "--step", "prefill", "--fold-attention-combine"],
+     "--fold-attention-combine applies only to the decode pipeline (its attention); drop it, or pass --step decode"),
+    (["dump", "--out", "{tmp}/d", "--step", "prefill", "--attention-splits", "2"],
+     "--attention-splits applies only to the decode pipeline (its attention); drop it, or pass --step decode"),
+])
+def test_pass_flags_are_checked_before_any_output(capsys, tmp_path, args, message):
+    """A --disable name that is no pass of the pipeline was refused only when the pipeline
+    was built: `flintc verify` had printed its header first (with --step both, a decode pass
+    such as mark_pdl after the whole decode table), `flintc dump` had built the model. Now
+    the one error line comes first, before any output or work; so it does for the decode
+    pass options with --step prefill, which were ignored silently."""
+    t0 = time.perf_counter()
+    code = main([a.format(tmp=tmp_path) for a in args])
+    out, err = capsys.readouterr()
+    assert (code, out, err) == (2, "", f"flintc: error: {message}\n")
+    assert list(tmp_path.iterdir()) == [] and time.perf_counter() - t0 < 3
+
+
+def test_verify_both_steps_disable_a_pass_of_one_pipeline(capsys):
+    """`--step both --disable mark_pdl`: mark_pdl is skipped in the decode pipeline, which
+    has it, and the prefill pipeline runs in full (it failed after the decode table)."""
+    code = main(["verify", "--disable", "mark_pdl", "--batch", "1", "--tokens", "4", "--cache-len", "8"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "", err
+    decode, prefill = out.split("\n== prefill")
+    assert " mark_pdl " not in decode and " group_low_latency " in decode
+    assert " fuse_add_rms_norm " in prefill and out.rstrip().endswith("all passes met their expectations")
 
 
 def test_verify_names_the_disabled_pass_a_later_stage_needs(capsys):
