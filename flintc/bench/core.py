@@ -84,9 +84,10 @@ class BenchOptions:
         --time-budget or --step-timeout that is not a positive number of seconds, a
         --time-budget not above the seconds kept for writing the outputs (`_Clock.RESERVE_S`), a
         --breakdown point that is not one of the decode points measured, an unknown
-        name, a missing MODEL or --hf-config-path, an unknown --config preset, or
-        dummy weights of --config that the CPU has not the memory for
-        (`flintc.runtime.device.check_weights_fit`)."""
+        name, a missing MODEL or --hf-config-path, --hf-config-path without MODEL, an
+        unknown --config preset, or weights (of --config or MODEL) that the CPU has not
+        the memory for (`flintc.runtime.device.check_weights_fit`); MODEL is checked by
+        `_check_model` (CheckpointError / ConfigError for one that is no checkpoint)."""
         o = BenchOptions(**{k: getattr(self, k) for k in self.__dataclass_fields__})
         cuda = o.device.startswith("cuda")
         o.warmup = 10 if o.warmup is None and cuda else (1 if o.warmup is None else o.warmup)
@@ -134,6 +135,11 @@ class BenchOptions:
             raise InputError("--load-format auto needs a MODEL (a BF16 folder or an NVFP4 .gguf)")
         if o.hf_config_path is not None and not Path(o.hf_config_path).exists():
             raise InputError(f"--hf-config-path {o.hf_config_path}: no such file or folder")
+        if o.model is None and o.hf_config_path is not None:  # it was ignored silently (as verify refuses it)
+            raise InputError(f"--hf-config-path {o.hf_config_path} applies only with a MODEL (the config of a .gguf "
+                             "file); without one, the random weights take their config from --config")
+        if o.model is not None:
+            _check_model(o)
         if o.model is None and o.config is not None:
             from flintc.config import FlintConfig
             from flintc.errors import ConfigError
@@ -164,6 +170,46 @@ class BenchOptions:
         if o.builds is None:
             o.builds = Path(o.out) / "builds"
         return o
+
+
+class _ConfigRead(Exception):
+    """Raised by `_check_model`'s check_config once the loader has read MODEL's config."""
+
+
+def _check_model(o: BenchOptions) -> None:
+    """MODEL's config read (from it, or --hf-config-path) and, with --load-format auto, its
+    weight format told, before anything is measured: a MODEL that is no checkpoint, or
+    whose format is not every one of --formats, failed each format's "load weights" after
+    the ceilings had been measured and written (exit 1); so did weights the CPU has not
+    the memory for (`check_weights_fit`, as for --config). No weight is read.
+
+    Raises:
+        CheckpointError, ConfigError: as `load_checkpoint` (no config found, a folder that
+            is neither kind of checkpoint, an invalid config.json).
+        InputError: --load-format auto and --formats other than MODEL's own format; on a
+            CPU, weights larger than the memory available.
+    """
+    from flintc.checkpoint.loader import checkpoint_weight_format, load_checkpoint
+
+    def stop(config):
+        if o.device.startswith("cpu"):  # as for --config: refused now, not after the ceilings
+            from flintc.runtime.device import check_weights_fit
+
+            for fmt in o.formats:
+                check_weights_fit(config, fmt, o.device)
+        raise _ConfigRead()
+
+    try:
+        load_checkpoint(o.model, hf_config_path=o.hf_config_path, device="cpu", load_format=o.load_format,
+                        fmt=(o.formats or ["bf16"])[0], progress=False, check_config=stop)
+    except _ConfigRead:
+        pass
+    if o.load_format == "auto":
+        held = checkpoint_weight_format(o.model)
+        if set(o.formats) != {held}:
+            raise InputError(f"--formats {','.join(o.formats)}: MODEL {o.model} holds {held} weights, which "
+                             f"--load-format auto measures; pass --formats {held} (or --load-format dummy for "
+                             "random weights of each format with its config)")
 
 
 class _Clock:

@@ -112,6 +112,19 @@ def load_checkpoint(
     return LoadedCheckpoint(config, weights, "bf16", str(path), tok)
 
 
+def checkpoint_weight_format(path: str | os.PathLike) -> str:
+    """The weight format `load_checkpoint(path)` loads, without reading any weight:
+    "nvfp4" for a GGUF file (or a folder holding one), "bf16" for a safetensors folder.
+
+    Raises:
+        CheckpointError: `path` is neither kind of checkpoint (`_detect`).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    return "nvfp4" if _detect(path) == "gguf" else "bf16"
+
+
 def check_load_format(load_format) -> None:
     """Raises InputError naming load_format and the accepted values (`LOAD_FORMATS`)
     unless it is one of them: a plain ValueError before (a traceback)."""

@@ -184,6 +184,29 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_bench_cli)
 
 
+def _check_builds_folder(args: argparse.Namespace) -> None:
+    """--builds must be a folder, or one bench can make when it compiles a missing build
+    (not --no-compile): checked before anything is measured (a file given failed after
+    the ceilings, as "<path>: File exists"). Raises InputError naming --builds."""
+    from flintc.fileio import cannot_write_in
+
+    builds = Path(args.builds)
+    if builds.exists() and not builds.is_dir():
+        raise InputError(f"--builds {args.builds}: exists and is a file, expected a folder (of builds)")
+    if builds.exists() or args.no_compile or args.no_flintc:
+        return  # read only, or not at all
+    anc = builds.parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise InputError(f"--builds {args.builds}: {anc} is a file, not a folder: cannot make the folder to compile "
+                         "missing builds into")
+    why = cannot_write_in(anc)
+    if why:
+        raise InputError(f"--builds {args.builds}: cannot make the folder to compile missing builds into ({anc}: "
+                         f"{why}); pass --no-compile to use only the builds there are")
+
+
 def run_bench_cli(args: argparse.Namespace) -> int:
     """Exit code: 0, or 1 when a measurement failed (one line each on stderr, as they
     happen; bench.json's `failures` keeps their tracebacks). Bad options raise
@@ -197,6 +220,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                          "and the plots)")
     if args.builds is not None:
         check_not_empty(args.builds, "--builds", "a folder path (or leave --builds out for OUT/builds)")
+        _check_builds_folder(args)
     out = Path(args.out)
     if args.from_json:
         from flintc.bench.report import merge_results, write_outputs

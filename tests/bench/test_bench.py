@@ -496,6 +496,47 @@ def test_bad_options_write_nothing(tmp_path, capsys, args, needle):
     assert not (tmp_path / "o").exists()
 
 
+_GIVEN_TO_FORMATS = "which --load-format auto measures; pass --formats {fmt} (or --load-format dummy for random " \
+                    "weights of each format with its config)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{tmp}/empty"], "{tmp}/empty: no config found (looked for {tmp}/empty/config.json)"),
+    (["{bf16}", "--load-format", "auto", "--formats", "bf16,nvfp4"],
+     "--formats bf16,nvfp4: MODEL {bf16} holds bf16 weights, " + _GIVEN_TO_FORMATS.format(fmt="bf16")),
+    (["{gguf}", "--load-format", "auto"],
+     "--formats bf16: MODEL {gguf} holds nvfp4 weights, " + _GIVEN_TO_FORMATS.format(fmt="nvfp4")),
+    (["{bf16}", "--device", "cpu", "small memory"], "the config {bf16}/config.json: its bf16 weights take about"),
+    (["--hf-config-path", "{bf16}"], "--hf-config-path {bf16} applies only with a MODEL (the config of a .gguf file); "
+                                     "without one, the random weights take their config from --config"),
+    (["--builds", "{tmp}/file"], "--builds {tmp}/file: exists and is a file, expected a folder (of builds)"),
+    (["--builds", "{tmp}/file/sub"], "--builds {tmp}/file/sub: {tmp}/file is a file, not a folder: cannot make the "
+                                     "folder to compile missing builds into"),
+])
+def test_model_and_builds_are_checked_before_measuring(tmp_path, capsys, monkeypatch, tiny_bf16_dir,
+                                                       tiny_nvfp4_gguf, args, message):
+    """A MODEL that is no checkpoint, or holds another format than --formats with
+    --load-format auto (the default --formats bf16,nvfp4 with a BF16 MODEL), or is too
+    large for the CPU's memory, and a --builds that is a file, failed only after the
+    ceilings had been measured and bench.json / bench.md written (exit 1, or 2 for
+    --builds); --hf-config-path without MODEL was ignored. Now one line, exit 2, before
+    any output, nothing written."""
+    import flintc.runtime.device as device
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("not a folder")
+    if "small memory" in args:
+        args = [a for a in args if a != "small memory"]
+        monkeypatch.setattr(device, "available_memory_bytes", lambda: 2**20)
+    given = {"tmp": tmp_path, "bf16": tiny_bf16_dir, "gguf": tiny_nvfp4_gguf}
+    quick = [a for a in _QUICK if a != "--no-flintc"]  # the builds would be used
+    t0 = time.perf_counter()
+    code = main(["bench", *quick, *[a.format(**given) for a in args], "--out", str(tmp_path / "o")])
+    out, err = capsys.readouterr()
+    assert err.startswith(f"flintc: error: {message.format(**given)}") and err.count("\n") == 1, err
+    assert (code, out) == (2, "") and not (tmp_path / "o").exists() and time.perf_counter() - t0 < 5
+
+
 @pytest.mark.parametrize("var, value, backend", [
     ("FLINTC_PREFILL_GRAPHS", "x", "torch"), ("FLINTC_GEMV_TUNED", "/no/such/file.json", "triton"),
     ("FLINTC_PDL_TRIGGER", "soon", None),
