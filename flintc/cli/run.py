@@ -197,10 +197,11 @@ def _check_ids_in_vocab(params, id_prompts: list[list[int]], vocab_size, source:
 
 
 def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, params, id_prompts):
-    """(runner or FlintModel, tokenizer dir, config) for the chosen backend. A temporary
-    BUILD (--backend torch|triton) is removed when `cleanup` closes. The prompts' and
-    --logit-bias's token ids are checked against the vocabulary before any weight loads
-    (`_check_ids_in_vocab`)."""
+    """(runner or FlintModel, tokenizer or None, the --prompt texts' token ids) for
+    the chosen backend. A temporary BUILD (--backend torch|triton) is removed when `cleanup`
+    closes. The prompts' and --logit-bias's token ids are checked against the vocabulary
+    before any weight loads (`_check_ids_in_vocab`), the tokenizer and the texts before a
+    build loads or a temporary one compiles (`_tokenizer_and_texts`)."""
     from flintc.cli.compile_build import (build_options, check_model_source_args, load_model_checkpoint,
                                           prepare_device)
 
@@ -235,12 +236,13 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
             recorded_weight_source(args.build, manifest)
         # as flintc serve --build: beside MODEL, then where build.json says; needed for --prompt
         tok_dir = tokenizer_dir(args, required=bool(args.prompt))
+        tokenizer, texts = _tokenizer_and_texts(args, tok_dir, vocab_size)
         prepare_device(device)
         runner = load_build(args.build, model=args.model, device=device,
                             load_format=args.load_format if args.load_format == "dummy" else None,
                             hf_config_path=args.hf_config_path, progress=sys.stderr.isatty())
         limit_build(runner, args.build, max_model_len=args.max_model_len, max_batch=args.max_batch)
-        return runner, tok_dir, runner.config
+        return runner, tokenizer, texts
     check_model_source_args(args)
     args.device = args.device or "cpu"
     prepare_device(args.device)
@@ -257,10 +259,13 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
         # and flintc serve refuse it)
         raise InputError(f"--max-model-len {args.max_model_len}: more than the model's max_position_embeddings "
                          f"({limit}); drop the flag for {limit}, or give a smaller one")
+    # before the compile (and its "pass-by-pass dumps" line): a --prompt without a tokenizer
+    # was refused after it
+    tokenizer, texts = _tokenizer_and_texts(args, ckpt.tokenizer_dir, ckpt.config.vocab_size)
     if backend == "reference":
         from flintc.model.reference import FlintModel
 
-        return FlintModel(ckpt.config, ckpt.weights, mode=args.mode or "bf16"), ckpt.tokenizer_dir, ckpt.config
+        return FlintModel(ckpt.config, ckpt.weights, mode=args.mode or "bf16"), tokenizer, texts
     from flintc.runtime.build import compile_model
     from flintc.runtime.compiled import load_build
 
@@ -275,7 +280,44 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
     if opts.dump:
         print(f"pass-by-pass dumps: {opts.dump_dir}/<function>/", file=sys.stderr)
     runner = load_build(out, ckpt=ckpt, device=args.device)
-    return runner, ckpt.tokenizer_dir, ckpt.config
+    return runner, tokenizer, texts
+
+
+def _tokenizer_and_texts(args, found, vocab_size):
+    """(tokenizer, token ids of each --prompt text): the tokenizer of --tokenizer, else the
+    one `found` (beside MODEL, or where a --build records it), None when there is none
+    and no --prompt needs one. Called once the model's vocabulary size is known and before
+    a build loads or a temporary one compiles, so that what is wrong with them is the
+    only output.
+
+    Raises:
+        InputError: --prompt with no tokenizer (naming where it was looked for); a
+            tokenizer whose vocabulary is not the model's `vocab_size`; a --prompt text
+            of --max-model-len tokens or more (as --prompt-ids, `_check_prompts_early`).
+    """
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    tok_dir = args.tokenizer or found
+    if args.prompt and tok_dir is None:  # MODEL (or dummy weights) without a tokenizer, no --build
+        where = (f"no tokenizer.json beside MODEL {args.model}" if args.model is not None else
+                 "dummy weights" + (f" of --config {args.config}" if args.config else "") + " come without one"
+                 if args.load_format == "dummy"
+                 else "none beside the default model")
+        if args.hf_config_path is not None:
+            where += f" nor in --hf-config-path {args.hf_config_path}"
+        raise InputError(f"--prompt needs a tokenizer: {where}; pass --tokenizer DIR (a folder with "
+                         "tokenizer.json and tokenizer_config.json), or give token ids with --prompt-ids")
+    tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+    if tokenizer is not None and isinstance(vocab_size, int) and tokenizer.vocab_size != vocab_size:
+        raise InputError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} tokens, the model {vocab_size}")
+    texts = [tokenizer.encode(t) for t in args.prompt or []]
+    if args.max_model_len is not None:
+        for ids in texts:
+            if len(ids) >= args.max_model_len:
+                raise InputError(f"--prompt: {len(ids)} tokens, more than the maximum of {args.max_model_len - 1} "
+                                 f"(--max-model-len {args.max_model_len} counts the prompt and at least one "
+                                 "generated token)")
+    return tokenizer, texts
 
 
 def _check_prompts_early(args, id_prompts: list[list[int]]) -> None:
@@ -354,27 +396,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
-    from flintc.checkpoint.tokenizer import load_tokenizer
-
-    engine, tok_dir, config = _runner_and_tokenizer(args, cleanup, n_prompts, params, id_prompts)
-    tok_dir = args.tokenizer or tok_dir
-    if args.prompt and tok_dir is None:  # MODEL (or dummy weights) without a tokenizer, no --build
-        where = (f"no tokenizer.json beside MODEL {args.model}" if args.model is not None else
-                 "dummy weights" + (f" of --config {args.config}" if args.config else "") + " come without one"
-                 if args.load_format == "dummy"
-                 else "none beside the default model")
-        if args.hf_config_path is not None:
-            where += f" nor in --hf-config-path {args.hf_config_path}"
-        raise InputError(f"--prompt needs a tokenizer: {where}; pass --tokenizer DIR (a folder with "
-                         "tokenizer.json and tokenizer_config.json), or give token ids with --prompt-ids")
-    tokenizer = load_tokenizer(tok_dir) if (tok_dir or args.prompt) else None
-    given = {"prompt": [tokenizer.encode(t) for t in args.prompt or []], "prompt_ids": id_prompts}
+    engine, tokenizer, texts = _runner_and_tokenizer(args, cleanup, n_prompts, params, id_prompts)
+    given = {"prompt": texts, "prompt_ids": id_prompts}
     order = getattr(args, "prompt_order", None) or [(d, i) for d in given for i in range(len(given[d]))]
     prompts = [given[dest][i] for dest, i in order]  # as on the command line
-    if tokenizer is not None and tokenizer.vocab_size != config.vocab_size:
-        raise InputError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} tokens, the model "
-                         f"{config.vocab_size}")
-
     single = len(prompts) == 1
     stream = (_TextStream(tokenizer, None if args.ignore_eos or tokenizer is None else tokenizer.eos_token_id)
               if args.output == "text" and single else None)

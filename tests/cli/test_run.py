@@ -202,6 +202,44 @@ def test_bad_prompts_fail_before_compiling(capsys, monkeypatch, tiny_bf16_dir, a
     assert out == ""
 
 
+@pytest.mark.parametrize("case", ["no tokenizer", "other vocabulary", "text too long"])
+def test_prompt_text_is_checked_before_compiling(capsys, monkeypatch, tmp_path, tiny_bf16_dir, case):
+    """`--prompt` with no tokenizer beside MODEL, a --tokenizer of another vocabulary than
+    the model's, and a --prompt text of --max-model-len tokens or more were refused only
+    after the temporary BUILD had compiled, with FLINTC_DUMP_DIR set after its "pass-by-pass
+    dumps" line. Now once the checkpoint is read, before the compile: the one line only."""
+    import json
+    import shutil
+
+    import flintc.runtime.build
+
+    def never(*a, **k):
+        raise AssertionError("compiled before the prompt text was checked")
+
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", never)
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "dumps"))
+    model = tmp_path / "model"
+    args = ["--prompt", "hi"]
+    if case == "no tokenizer":
+        shutil.copytree(tiny_bf16_dir, model, ignore=shutil.ignore_patterns("tokenizer*"))
+        message = (f"--prompt needs a tokenizer: no tokenizer.json beside MODEL {model}; pass --tokenizer DIR (a "
+                   "folder with tokenizer.json and tokenizer_config.json), or give token ids with --prompt-ids")
+    elif case == "other vocabulary":
+        model.mkdir()
+        config = json.loads((tiny_bf16_dir / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+        args += ["--load-format", "dummy", "--tokenizer", tiny_bf16_dir]
+        message = f"tokenizer in {tiny_bf16_dir} has 512 tokens, the model 1024"
+    else:
+        model = tiny_bf16_dir
+        args = ["--prompt", "hi", "--prompt", "a longer text", "--max-model-len", 4]
+        message = ("--prompt: 9 tokens, more than the maximum of 3 (--max-model-len 4 counts the prompt and at "
+                   "least one generated token)")
+    code, out, err = run_cli(capsys, "run", model, "--backend", "torch", "--max-tokens", 1, *args)
+    assert (code, out, err) == (2, "", f"flintc: error: {message}\n")
+    assert not (tmp_path / "dumps").exists()
+
+
 @pytest.mark.parametrize("source, extra", [
     ("bf16", []), ("nvfp4", []), ("bf16", ["--backend", "torch"]), ("bf16", ["--load-format", "dummy"]),
 ])
