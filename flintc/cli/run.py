@@ -212,9 +212,10 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
         raise InputError("--build runs the build's own backend; drop --backend reference (or --build)")
     _check_backend_flags(args, backend, n_prompts)
     if args.build:
-        from flintc.runtime.compiled import limit_build, load_build, read_manifest
+        from flintc.runtime.compiled import check_build_limits, limit_build, load_build, read_manifest
 
         manifest = read_manifest(args.build)
+        check_build_limits(args.build, manifest, max_model_len=args.max_model_len, max_batch=args.max_batch)
         check_model_source_args(args, build_manifest=manifest)
         build_config = manifest.get("config")
         vocab_size = build_config.get("vocab_size") if isinstance(build_config, dict) else None

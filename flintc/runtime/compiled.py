@@ -417,12 +417,12 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     return runner
 
 
-def limit_build(runner: "CompiledRunner", build: str | Path, max_model_len: int | None = None,
-                max_batch: int | None = None) -> None:
-    """Apply --max-model-len / --max-batch to a runner loaded from `build` (shared by
-    `flintc run --build` and `flintc serve --build`). None leaves the build's value; one
-    up to it limits the run; a larger one cannot be met: the build fixes its caches and
-    decode buckets at compile time.
+def check_build_limits(build: str | Path, manifest: dict, max_model_len: int | None = None,
+                       max_batch: int | None = None) -> None:
+    """Check --max-model-len / --max-batch against BUILD/build.json (`manifest`, from
+    `read_manifest`) before the weights load: None leaves the build's value; one up to it
+    limits the run; a larger one cannot be met (the build fixes its caches and decode
+    buckets at compile time). `limit_build` applies them after the load.
 
     Raises:
         InputError: a value below 1 or above the build's, naming the flag and the
@@ -431,17 +431,30 @@ def limit_build(runner: "CompiledRunner", build: str | Path, max_model_len: int 
     for flag, value in (("--max-model-len", max_model_len), ("--max-batch", max_batch)):
         if value is not None and value < 1:
             raise InputError(f"{flag} must be at least 1, got {value}")
+    if max_model_len is not None and max_model_len > int(manifest["max_model_len"]):
+        raise InputError(f"--max-model-len {max_model_len}: {build} was compiled for "
+                         f"{manifest['max_model_len']} positions (a build fixes its max model length at "
+                         "compile time); drop the flag, or recompile with a larger --max-model-len")
+    if max_batch is not None and max_batch > int(manifest["max_batch"]):
+        raise InputError(f"--max-batch {max_batch}: {build} was compiled for at most "
+                         f"{manifest['max_batch']} sequences (a build fixes its decode buckets at compile "
+                         "time); drop the flag, or recompile with a larger --max-batch")
+
+
+def limit_build(runner: "CompiledRunner", build: str | Path, max_model_len: int | None = None,
+                max_batch: int | None = None) -> None:
+    """Apply --max-model-len / --max-batch to a runner loaded from `build` (shared by
+    `flintc run --build` and `flintc serve --build`, which call `check_build_limits`
+    before the load). None leaves the build's value; one up to it limits the run.
+
+    Raises:
+        InputError: as `check_build_limits` (against the runner's values).
+    """
+    check_build_limits(build, {"max_model_len": runner.max_model_len, "max_batch": runner.max_batch},
+                       max_model_len, max_batch)
     if max_model_len is not None:
-        if max_model_len > runner.max_model_len:
-            raise InputError(f"--max-model-len {max_model_len}: {build} was compiled for "
-                             f"{runner.max_model_len} positions (a build fixes its max model length at "
-                             "compile time); drop the flag, or recompile with a larger --max-model-len")
         runner.max_model_len = int(max_model_len)
     if max_batch is not None:
-        if max_batch > runner.max_batch:
-            raise InputError(f"--max-batch {max_batch}: {build} was compiled for at most "
-                             f"{runner.max_batch} sequences (a build fixes its decode buckets at compile "
-                             "time); drop the flag, or recompile with a larger --max-batch")
         runner.max_batch = int(max_batch)
 
 

@@ -44,6 +44,9 @@ def make_runner(args: argparse.Namespace):
             raise FlintcError(f"--build {args.build}: the compiled runtime is not available yet "
                               f"(cannot import flintc.runtime.compiled: {exc}); serve a checkpoint "
                               f"(MODEL) on the reference backend instead") from None
+        # a --max-model-len / --max-batch the build cannot meet: before the weights load
+        compiled.check_build_limits(args.build, compiled.read_manifest(args.build),
+                                    max_model_len=args.max_model_len, max_batch=args.max_batch)
         dummy = getattr(args, "load_format", None) == "dummy"
         runner = compiled.load_build(args.build, model=args.model, hf_config_path=args.hf_config_path,
                                      device=getattr(args, "device", None), load_format="dummy" if dummy else None,

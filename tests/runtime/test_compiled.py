@@ -515,6 +515,21 @@ def test_run_build_refuses_flags_the_build_fixes(builds, capsys, flags, needles)
         assert n in err, (n, err)
 
 
+@pytest.mark.parametrize("flags", [["--max-model-len", str(MAX_LEN + 1)], ["--max-batch", "8"]])
+def test_run_build_limits_refused_before_the_weights_load(builds, capsys, monkeypatch, flags):
+    """A --max-model-len / --max-batch above the build's is refused from build.json,
+    before the weights load (it was refused after them)."""
+    from flintc.runtime import compiled
+
+    def no_load(*a, **kw):
+        raise AssertionError("load_build called")
+
+    monkeypatch.setattr(compiled, "load_build", no_load)
+    build, _ = builds["bf16"]
+    code, out, err = run_cli(capsys, "run", "--build", build, "--prompt-ids", "1,2", "--max-tokens", 2, *flags)
+    assert code == 2 and out == "" and "compile time" in err and "load_build" not in err, err
+
+
 def test_corrupt_runtime_is_a_clean_error(builds, capsys, tmp_path):
     import shutil
 

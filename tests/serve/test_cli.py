@@ -160,7 +160,8 @@ def test_max_request_bytes_flag(tiny_bf16_dir, capsys, monkeypatch):
 
 
 def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
-    """`flintc serve --build`: --max-model-len / --max-batch go through
+    """`flintc serve --build`: --max-model-len / --max-batch are checked against build.json
+    before the weights load (compiled.check_build_limits) and applied through
     compiled.limit_build, as for `flintc run --build` (a stand-in build: no weights)."""
     import argparse
     from types import SimpleNamespace
@@ -169,9 +170,11 @@ def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
     from flintc.runtime import compiled
     from flintc.serve.server import make_runner
 
-    calls = []
+    calls, loads = [], []
     real = compiled.limit_build
-    monkeypatch.setattr(compiled, "load_build", lambda *a, **kw: SimpleNamespace(max_batch=4, max_model_len=64))
+    monkeypatch.setattr(compiled, "read_manifest", lambda build: {"max_batch": 4, "max_model_len": 64})
+    monkeypatch.setattr(compiled, "load_build",
+                        lambda *a, **kw: loads.append(a) or SimpleNamespace(max_batch=4, max_model_len=64))
     monkeypatch.setattr(compiled, "limit_build", lambda *a, **kw: calls.append(a) or real(*a, **kw))
 
     def ns(**kw):
@@ -182,11 +185,14 @@ def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
     assert (runner.max_batch, runner.max_model_len) == (4, 64)
     runner = make_runner(ns(max_batch=2, max_model_len=32))
     assert (runner.max_batch, runner.max_model_len) == (2, 32)
+    assert len(calls) == len(loads) == 2
     with pytest.raises(InputError, match="--max-model-len 65: b was compiled for 64 positions"):
         make_runner(ns(max_model_len=65))
     with pytest.raises(InputError, match="--max-batch 8: b was compiled for at most 4 sequences"):
         make_runner(ns(max_batch=8))
-    assert len(calls) == 4
+    with pytest.raises(InputError, match="--max-batch must be at least 1, got 0"):
+        make_runner(ns(max_batch=0))
+    assert len(calls) == len(loads) == 2  # refused before the weights load
 
 
 def test_reference_runner_limits_are_checked(tiny_bf16_dir, monkeypatch):
