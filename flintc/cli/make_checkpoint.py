@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> int:
-    from flintc.checkpoint.writer import make_checkpoint
+    from flintc.checkpoint.writer import MAX_RANDOM_PARAMS, make_checkpoint
     from flintc.config import FlintConfig
     from flintc.cli.compile_build import check_folder_named, check_output_parents
     from flintc.errors import InputError
@@ -43,6 +43,9 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
             raise InputError("--max-shard-bytes applies only to --format bf16 (an NVFP4 checkpoint is one "
                              ".gguf file)")
     config = FlintConfig.from_preset_or_path(args.config, "--config")
+    if args.max_shard_bytes is not None and config.num_parameters()["total"] > MAX_RANDOM_PARAMS:
+        raise InputError(f"--max-shard-bytes: --config {args.config} is too large for random weights "
+                         "(config.json and the tokenizer only are written, nothing to shard); drop the flag")
     path = make_checkpoint(config, args.fmt, args.out, seed=args.seed, max_shard_bytes=args.max_shard_bytes)
     print(path)
     return 0

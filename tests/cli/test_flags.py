@@ -523,6 +523,7 @@ def test_capture_zero_tokens_is_not_the_default():
     (["--max-shard-bytes", "0"], ["--max-shard-bytes", "got 0"]),
     (["--max-shard-bytes", "-1"], ["--max-shard-bytes", "got -1"]),
     (["--format", "nvfp4", "--max-shard-bytes", "1000"], ["--max-shard-bytes", "--format bf16"]),
+    (["--config", "full", "--max-shard-bytes", "1000"], ["--max-shard-bytes", "--config full", "nothing to shard"]),
 ])
 def test_make_checkpoint_bad_shard_size(capsys, tmp_path, args, needles):
     code, _, err = run_cli(capsys, "make-checkpoint", "--out", tmp_path / "c", *args)
