@@ -1,8 +1,9 @@
 """Numerical equivalence of two graphs of the same step (before and after a pass).
 
 `compare_graphs` runs both graphs on the same inputs (fresh copies of the KV
-cache each) and compares every output: the logits and each KV-cache input the
-graph writes. For every output it records the largest absolute difference, the
+cache each) and compares every output: the logits (a prefill step: the logits of its
+`logits_rows` and the final-normed hidden states of every token) and each KV-cache
+input the graph writes. For every output it records the largest absolute difference, the
 largest difference relative to the reference's largest magnitude (`max_rel`),
 the share of elements that differ at all, and bit-exactness; for MoE layers it
 compares the selected experts token by token (FLINT_SPEC section 3). When the
@@ -94,18 +95,32 @@ class _Recorder(Interpreter):
 
 
 def run_graph(gm: GraphModule, weights, inputs, record_all: bool = False):
-    """Run `gm` on weights + (input_ids, positions, slots, kv). The KV cache is cloned
-    first. Returns (logits, kv after, recorded node values): the selected-experts
-    nodes always, every node with `record_all` (slow: an fx Interpreter)."""
-    ids, positions, slots, kv = inputs
-    kv = [t.clone() for t in kv]
+    """Run `gm` on weights + (input_ids, positions, slots, kv[, logits_rows]) (a prefill
+    graph without logits_rows gets each sequence's last token, `graph_args`). The KV
+    cache is cloned first. Returns (output, kv after, recorded node values): the output
+    is the logits (decode) or the tuple (logits of the rows, hidden states) (prefill);
+    the recorded values are the selected-experts nodes always, every node with
+    `record_all` (slow: an fx Interpreter)."""
+    from flintc.graph.trace import graph_args
+
+    kv = [t.clone() for t in inputs[3]]
+    args = graph_args(gm, weights, (*inputs[:3], kv, *inputs[4:]))
     if record_all:
         rec = _Recorder(gm, True)
-        logits = rec.run(*weights, ids, positions, slots, *kv)
-        return logits, kv, rec.values
+        out = rec.run(*args)
+        return out, kv, rec.values
     probe, names = _probe(gm)
-    out = probe(*weights, ids, positions, slots, *kv)
+    out = probe(*args)
     return out[0], kv, dict(zip(names, out[1:]))
+
+
+def named_outputs(out) -> list[tuple[str, torch.Tensor]]:
+    """A step graph's output as (name, tensor) pairs: [("logits", ...)] for a decode
+    step, [("logits", rows' logits), ("hidden", final-normed hidden states)] for a
+    prefill step."""
+    if isinstance(out, (tuple, list)):
+        return list(zip(("logits", "hidden"), out))
+    return [("logits", out)]
 
 
 def _probe(gm: GraphModule):
@@ -170,8 +185,8 @@ def compare_graphs(new: GraphModule, old: GraphModule, weights, inputs, exp: Exp
         cache_names: the KV-cache placeholder names, in input order.
         old_run, new_run: cached `run_graph` results, to skip re-running a graph.
     """
-    old_logits, old_kv, old_vals = old_run or run_graph(old, weights, inputs)
-    new_logits, new_kv, new_vals = new_run or run_graph(new, weights, inputs)
+    old_out, old_kv, old_vals = old_run or run_graph(old, weights, inputs)
+    new_out, new_kv, new_vals = new_run or run_graph(new, weights, inputs)
     experts_agree, rows = _selection_agreement(_selections(new, new_vals), _selections(old, old_vals))
     B, T = inputs[0].shape
     token_rows = rows.view(B, T) if rows is not None else None
@@ -179,7 +194,15 @@ def compare_graphs(new: GraphModule, old: GraphModule, weights, inputs, exp: Exp
         # Once a token's selection flips, its K/V differ and every later token of the same
         # sequence attends to them: judge those with the flipped token, not as agreeing.
         token_rows = token_rows.int().cumprod(-1).bool()
-    diffs = [_diff("logits", new_logits, old_logits, exp, token_rows)]
+    diffs = []
+    for (name, a), (_, b) in zip(named_outputs(new_out), named_outputs(old_out)):
+        mask = token_rows
+        if mask is not None and name == "logits" and a.dim() == 2:  # [M, V]: the logits of logits_rows
+            from flintc.graph.trace import last_rows
+
+            picked = inputs[4] if len(inputs) > 4 else last_rows(B, T, device=mask.device)
+            mask = mask.reshape(-1)[picked]
+        diffs.append(_diff(name, a, b, exp, mask))
     seq_rows = token_rows.all(-1) if token_rows is not None else None  # [B]
     for name, a, b in zip(cache_names, new_kv, old_kv):
         if seq_rows is not None and exp.kind == "tolerance":

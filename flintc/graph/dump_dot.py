@@ -28,7 +28,7 @@ from torch.fx.graph import dtype_abbrs
 from flintc.config import FlintConfig
 from flintc.graph.accounting import KernelCount, kernels_of
 from flintc.graph.match import namespace, op_name
-from flintc.graph.trace import ACTIVATION_INPUTS
+from flintc.graph.trace import activation_inputs
 
 # Hex colours only: they mean the same in Graphviz and in SVG.
 WEIGHT, INPUT, FLINTC, CUSTOM, OP = "#ffe9a8", "#d5e8d4", "#ff9f43", "#f7b6d2", "#dae8fc"
@@ -65,7 +65,7 @@ def node_attrs(node: Node) -> dict[str, str]:
     """Graphviz attributes of one FX node (label and style, see the module doc)."""
     shape = describe_value(node.meta.get("val"))
     if node.op == "placeholder":
-        is_weight = node.name not in ACTIVATION_INPUTS and "_cache_" not in node.name
+        is_weight = node.name not in activation_inputs("prefill") and "_cache_" not in node.name
         return {"label": f"{node.name}\n{shape}", "style": "filled",
                 "fillcolor": WEIGHT if is_weight else INPUT}
     label = f"{node.name}\n{op_name(node)}\n{shape}"

@@ -168,10 +168,13 @@ def _names_reproduce(traced: GraphModule) -> bool:
     return True
 
 
-def replay(traced: GraphModule, spans: list, plan: ReplayPlan, names: list[str], num_layers: int):
+def replay(traced: GraphModule, spans: list, plan: ReplayPlan, names: list[str], num_layers: int,
+           n_act: int = 3):
     """The whole step's graph from the reduced trace `traced` (with `spans`, the
-    reduced model's `_ModuleSpans` records). Returns (GraphModule, spans as a trace of
-    the whole model records them), or None (see the module doc)."""
+    reduced model's `_ModuleSpans` records; `n_act` activation inputs between the
+    weights and the KV cache: 3, or 4 for a prefill's logits_rows). Returns
+    (GraphModule, spans as a trace of the whole model records them), or None (see the
+    module doc)."""
     nodes = list(traced.graph.nodes)
     pos = {n.name: k for k, n in enumerate(nodes)}
     R = len(plan.reps)
@@ -192,7 +195,7 @@ def replay(traced: GraphModule, spans: list, plan: ReplayPlan, names: list[str],
         bounds.append((pos[after] + 1, pos[last] + 1))
     if any(bounds[j][0] != bounds[j - 1][1] for j in range(1, R)):
         return None  # a node between two layers
-    n_inputs = len(names) + 3 + 2 * num_layers
+    n_inputs = len(names) + n_act + 2 * num_layers
     prefix = nodes[:bounds[0][0]]
     if len(prefix) < n_inputs or any(n.op != "placeholder" for n in prefix[:n_inputs]) \
             or any(n.op == "placeholder" for n in nodes[n_inputs:]):
@@ -234,10 +237,10 @@ def replay(traced: GraphModule, spans: list, plan: ReplayPlan, names: list[str],
             if int(layer) != r:
                 return None
             return index.get(f"layers.{i}.{rest}")
-        if k < n_w + 3:
+        if k < n_w + n_act:
             return k
-        layer, kv = divmod(k - n_w - 3, 2)
-        return n_w + 3 + 2 * i + kv if layer == r else None
+        layer, kv = divmod(k - n_w - n_act, 2)
+        return n_w + n_act + 2 * i + kv if layer == r else None
 
     graph = _new_graph(traced.graph)
     env: dict[Node, Node] = {}

@@ -114,8 +114,11 @@ def _check_output(gm: GraphModule, ctx: str) -> None:
     if len(out) != 1:
         raise GraphLegalityError(f"{ctx}: expected one output node, found {len(out)}")
     value = out[0].args[0]
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, Node) for v in value):
+        value = value[0]  # a prefill step: (logits of logits_rows, final-normed hidden states)
     if not isinstance(value, Node):
-        raise GraphLegalityError(f"{ctx}: the output must be the logits node, found {type(value).__name__}")
+        raise GraphLegalityError(f"{ctx}: the output must be the logits node (or, for a prefill step, the "
+                                 f"logits and hidden states nodes), found {type(value).__name__}")
     fake = value.meta.get("val")
     if isinstance(fake, torch.Tensor) and fake.dtype not in (torch.float32, torch.float64):
         raise GraphLegalityError(f"{ctx}: the logits ({value.name}) must be fp32, found {fake.dtype}")

@@ -11,10 +11,17 @@ Graph inputs, in order (placeholder names in brackets):
   1. every weight buffer of the model [`w_<name>`], NVFP4 weights as three
      placeholders (`..._codes`, `..._scales`, `..._global_scale`), then the RoPE
      tables [`rope_cos`, `rope_sin`];
-  2. `input_ids` int64 [B, T], `positions` int64 [B, T], `slots` int64 [B];
+  2. `input_ids` int64 [B, T], `positions` int64 [B, T], `slots` int64 [B]; a
+     prefill step also `logits_rows` int64 [B]: the row of the step's B*T tokens
+     whose logits each sequence wants (b*T + t for sequence b's token t; the runtime
+     passes each sequence's last real token);
   3. the KV cache [`k_cache_<i>`, `v_cache_<i>` per layer], written in place by
      `aten.index_put_` nodes (the graph's only side effects).
-The output is the logits, fp32 [B, T, V].
+The output of a decode step is the logits, fp32 [B, 1, V]; of a prefill step the
+tuple (logits of the `logits_rows` rows, fp32 [B, V]; the final-normed hidden states
+[B, T, H], bf16, from which the runtime computes every position's logits when asked:
+`FlintModel.logits_from_hidden`). The LM head, the largest GEMM of a prefill chunk
+(2.5 TFLOP at 4,096 tokens of the full model), runs on B rows instead of B*T.
 
 After tracing, every node gets `meta["flintc_layer"]`: the decoder layer whose
 forward produced it (recorded with module hooks during tracing), -1 for the
@@ -41,6 +48,31 @@ from flintc.model.reference import FlintModel
 
 STEPS = ("decode", "prefill")
 ACTIVATION_INPUTS = ("input_ids", "positions", "slots")
+LOGITS_ROWS = "logits_rows"  # the prefill step's fourth activation input
+
+
+def activation_inputs(step: str) -> tuple[str, ...]:
+    """The activation placeholders of `step`, in order (after the weights, before the
+    KV cache)."""
+    return ACTIVATION_INPUTS + ((LOGITS_ROWS,) if step == "prefill" else ())
+
+
+def last_rows(batch: int, tokens: int, device=None) -> torch.Tensor:
+    """`logits_rows` of each sequence's last token: int64 [B], b*T + T - 1."""
+    return torch.arange(1, batch + 1, device=device) * tokens - 1
+
+
+def graph_args(gm: GraphModule, weights, inputs) -> list:
+    """The positional arguments of a captured (or compiled) step graph: the weights,
+    input_ids, positions, slots, `logits_rows` when the graph takes it, the KV cache.
+    `inputs` is (input_ids, positions, slots, kv) or (..., kv, logits_rows); without
+    logits_rows a prefill graph gets each sequence's last token (`last_rows`)."""
+    ids, positions, slots, kv = inputs[:4]
+    args = [*weights, ids, positions, slots]
+    if any(n.op == "placeholder" and n.name == LOGITS_ROWS for n in gm.graph.nodes):
+        rows = inputs[4] if len(inputs) > 4 else None
+        args.append(last_rows(*ids.shape, device=ids.device) if rows is None else rows)
+    return args + list(kv)
 
 
 @dataclass
@@ -48,7 +80,9 @@ class CapturedGraph:
     """A traced step and how to call it.
 
     Attributes:
-        gm: the GraphModule; call as `gm(*weights, input_ids, positions, slots, *kv)`.
+        gm: the GraphModule; call as `gm(*weights, input_ids, positions, slots, *kv)`
+            (decode) or `gm(*weights, input_ids, positions, slots, logits_rows, *kv)`
+            (prefill); `graph_args` builds either.
         step: "decode" (T = 1) or "prefill".
         config: the model config it was traced for.
         batch, tokens, cache_len: B, T and the full-attention cache length S_max.
@@ -132,40 +166,44 @@ def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int
     ids = torch.zeros(batch, T, dtype=torch.long, device=device)
     positions = torch.zeros(batch, T, dtype=torch.long, device=device)
     slots = torch.arange(batch, device=device)
+    act = [ids, positions, slots] + ([last_rows(batch, T, device)] if step == "prefill" else [])
     kv = model.new_kv_cache(batch, cache_len, device)
-    flat = (*buffers, ids, positions, slots, *kv)
+    flat = (*buffers, *act, *kv)
     built = None
     if replay_layers:
         plan = replay_plan(model, names)
         if plan is not None:
-            traced, spans = _trace(plan.model, plan.params, plan.kv_index, flat, len(names), stack_traces)
-            built = replay(traced, spans.spans, plan, names, model.config.num_hidden_layers)
+            traced, spans = _trace(plan.model, plan.params, plan.kv_index, flat, len(names), len(act),
+                                   stack_traces)
+            built = replay(traced, spans.spans, plan, names, model.config.num_hidden_layers, len(act))
     if built is None:
         gm, spans = _trace(model, list(zip(names, range(len(names)))), range(len(kv)), flat, len(names),
-                           stack_traces)
+                           len(act), stack_traces)
     else:
         gm, spans = built[0], _ModuleSpans(model)
         spans.spans = built[1]
     captured = CapturedGraph(gm, step, model.config, batch, T, cache_len, names)
-    _name_placeholders(gm, model, names)
+    _name_placeholders(gm, model, names, activation_inputs(step))
     spans.tag(gm, model.config)
     tag_moe_selection(gm)
     mark_meta_current(gm)  # make_fx's values are current: refresh_meta need not redo them
     return captured
 
 
-def _trace(model, params: list[tuple[str, int]], kv_index, flat: tuple, n: int, stack_traces: bool):
-    """make_fx of one step of `model` over the inputs `flat` (weights, input_ids,
-    positions, slots, KV cache); `model`'s buffer `name` is `flat[k]` for each (name, k)
-    in `params`, and its KV cache `flat[n + 3 + k]` for k in `kv_index`. Returns the
-    GraphModule (lazy, see `capture`) and the `_ModuleSpans` of its layers."""
+def _trace(model, params: list[tuple[str, int]], kv_index, flat: tuple, n: int, n_act: int,
+           stack_traces: bool):
+    """make_fx of one step of `model` over the inputs `flat` (weights, the `n_act`
+    activation inputs: input_ids, positions, slots and for prefill logits_rows, KV
+    cache); `model`'s buffer `name` is `flat[k]` for each (name, k) in `params`, and its
+    KV cache `flat[n + n_act + k]` for k in `kv_index`. Returns the GraphModule (lazy,
+    see `capture`) and the `_ModuleSpans` of its layers."""
     kv_index = list(kv_index)
 
     def step_fn(*flat):
         weights = {name: flat[k] for name, k in params}
-        ids, positions, slots = flat[n:n + 3]
-        kv = [flat[n + 3 + k] for k in kv_index]
-        return torch.func.functional_call(model, weights, (ids, positions, slots, kv))
+        act = flat[n:n + n_act]
+        kv = [flat[n + n_act + k] for k in kv_index]
+        return torch.func.functional_call(model, weights, (*act[:3], kv, *act[3:]))
 
     with _ModuleSpans(model) as spans, _use_lazy_graph_module(True):
         gm = make_fx(step_fn, tracing_mode="fake", record_stack_traces=stack_traces)(*flat)
@@ -253,11 +291,12 @@ def placeholder_name(buffer_name: str, holders: dict[str, str]) -> str:
     return f"w_{short}" if part == "weight" else f"w_{short}_{part}"
 
 
-def _name_placeholders(gm: GraphModule, model: FlintModel, names: list[str]) -> None:
+def _name_placeholders(gm: GraphModule, model: FlintModel, names: list[str],
+                       activations: tuple[str, ...] = ACTIVATION_INPUTS) -> None:
     from flintc.model.reference import WeightHolder
 
     holders = {n: m.name for n, m in model.named_modules() if isinstance(m, WeightHolder)}
-    wanted = [placeholder_name(b, holders) for b in names] + list(ACTIVATION_INPUTS)
+    wanted = [placeholder_name(b, holders) for b in names] + list(activations)
     for i in range(model.config.num_hidden_layers):
         wanted += [f"k_cache_{i}", f"v_cache_{i}"]
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]

@@ -208,7 +208,7 @@ class FlintModel(nn.Module):
         return cache
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                kv_cache: list[torch.Tensor]) -> torch.Tensor:
+                kv_cache: list[torch.Tensor], logits_rows: torch.Tensor | None = None):
         """One step over T new tokens per sequence.
 
         Args:
@@ -217,9 +217,16 @@ class FlintModel(nn.Module):
                 below `max_positions` and below the full layers' cache length.
             slots: int64 [B], the cache row of each sequence.
             kv_cache: from `new_kv_cache`; updated in place.
+            logits_rows: None (every position's logits), or int64 [M]: the rows of the
+                step's B*T tokens (row b*T + t is sequence b's token t) whose logits are
+                wanted, as vLLM's logits_indices: the LM head runs on those rows only
+                (a prefill samples one token per sequence: its last real row).
 
         Returns:
-            logits [B, T, V], fp32 (float64 in float64 mode).
+            logits [B, T, V], fp32 (float64 in float64 mode); with `logits_rows`, the
+            tuple (logits [M, V] of those rows, the final-normed hidden states [B, T, H]
+            in the activation dtype: `lm_head` of their rows gives the other positions'
+            logits, as `logits_from_hidden` does).
         """
         c, cdt = self.config, self.compute_dtype
         B, T = input_ids.shape
@@ -231,8 +238,19 @@ class FlintModel(nn.Module):
         for i, layer in enumerate(self.layers):
             visible = sliding_visible if c.is_sliding_layer(i) else full_visible
             x = layer(x, positions, slots, cos, sin, visible, kv_cache[2 * i], kv_cache[2 * i + 1], cdt)
+        if logits_rows is not None:
+            h = ops.rms_norm(x, self.norm.value, c.rms_norm_eps, cdt)  # [B, T, H]
+            picked = h.reshape(B * T, -1).index_select(0, logits_rows)  # [M, H]
+            return ops.lm_head(picked, self.lm_head.value, cdt), h  # [M, V], [B, T, H]
         h = ops.rms_norm(x, self.norm.value, c.rms_norm_eps, cdt).reshape(B * T, -1)  # [N, H]
         return ops.lm_head(h, self.lm_head.value, cdt).view(B, T, -1)  # [B, T, V]
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed hidden states [..., H] (the second output of
+        `forward` with `logits_rows`): fp32 logits [..., V], the same op and dtypes as
+        `forward` applies to every position without `logits_rows`."""
+        h = hidden.reshape(-1, hidden.shape[-1])
+        return ops.lm_head(h, self.lm_head.value, self.compute_dtype).view(*hidden.shape[:-1], -1)
 
     def _visibility(self, positions: torch.Tensor, kv_cache: list[torch.Tensor]):
         """Masks of the keys each query sees: causal (j <= i) for full layers over

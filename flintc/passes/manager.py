@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 
 from flintc.errors import FlintcError
 from flintc.graph.accounting import KernelCount, count_kernels
@@ -90,7 +91,9 @@ class NumericChecker:
     """Real weights and one set of random inputs for checking a captured graph.
 
     model: a FlintModel with real weights, the one `graph` was captured from (or one
-    of the same config and format). Inputs are drawn once per checker (`seed`).
+    of the same config and format). Inputs are drawn once per checker (`seed`); a
+    prefill step's `logits_rows` too (a random token of each sequence), so its logits
+    are checked on those rows and its hidden states on every token.
     The manager checks passes in sequence, so the run of the graph after one pass
     is the run of the graph before the next: it is kept and each graph runs once.
     """
@@ -98,6 +101,12 @@ class NumericChecker:
     def __init__(self, model, graph: CapturedGraph, seed: int = 0):
         self.weights = graph.weight_args(model)
         self.inputs = graph.example_inputs(model, seed=seed)
+        if graph.step == "prefill":  # the rows whose logits the graph computes: one per sequence, drawn
+            ids = self.inputs[0]
+            B, T = ids.shape
+            g = torch.Generator().manual_seed(seed + 1)
+            rows = torch.arange(B) * T + torch.randint(0, T, (B,), generator=g)
+            self.inputs = (*self.inputs, rows.to(ids.device))
         self.cache_names = [f"{kv}_cache_{i}" for i in range(graph.config.num_hidden_layers) for kv in "kv"]
         self._prev_run = None  # run_graph() of the graph as it was before the pass now checked
 

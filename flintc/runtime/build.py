@@ -38,13 +38,19 @@ from flintc.errors import InputError
 from flintc.fileio import follow_out_link, temp_dir_beside
 from flintc.runtime.codegen import generate_step, module_source
 
-BUILD_VERSION = 1
+# The format of a build's generated functions, which the runtime calls. A build of another
+# version is refused at load (`read_manifest`, naming what changed: `BUILD_VERSION_CHANGES`).
+BUILD_VERSION = 2
+BUILD_VERSION_CHANGES = {
+    2: "prefill functions take logits_rows and compute the LM head for one row per sequence, "
+       "returning (logits [B, V], hidden states [B, T, H]) instead of fp32 logits [B, T, V]",
+}
 DECODE_BUCKETS = (1, 2, 4, 8)
 # default tokens per prefill call on CUDA: 8,192-token prefill of the full model on the
 # H200 714 / 418 / 373 ms (NVFP4) and 676 / 390 / 339 ms (BF16) with chunks of 512 /
 # 2,048 / 4,096 (docs/gpu-runs.md session 17)
 CUDA_PREFILL_CHUNK = 4096
-MAX_PREFILL_CHUNK = 16384  # tokens per prefill call (the fp32 logits [C, V] alone: 9.9 GB at full size)
+MAX_PREFILL_CHUNK = 16384  # tokens per prefill call (its hidden states [C, H]: 64 MiB at full size)
 
 
 @dataclass
@@ -315,9 +321,16 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
                                         cache_len=opts.cache_rows, dump_dir=False, options=opts_step)
                 rows = opts.cache_rows
             table = KernelTable(opts.backend, step)
-            doc = (f"{step}, batch {batch}, {tokens} token(s) per sequence: input_ids, positions int64 "
-                   f"[{batch}, {tokens}]; slots int64 [{batch}]. Returns fp32 logits [{batch}, {tokens}, "
-                   f"{config.vocab_size}]. Cache rows traced: {rows}.")
+            if step == "prefill":
+                doc = (f"prefill, batch {batch}, {tokens} token(s) per sequence: input_ids, positions int64 "
+                       f"[{batch}, {tokens}]; slots int64 [{batch}]; logits_rows int64 [{batch}] (rows of the "
+                       f"{batch * tokens} tokens, b*{tokens} + t). Returns (fp32 logits [{batch}, "
+                       f"{config.vocab_size}] of logits_rows, final-normed hidden states bf16 [{batch}, {tokens}, "
+                       f"{config.hidden_size}]). Cache rows traced: {rows}.")
+            else:
+                doc = (f"{step}, batch {batch}, {tokens} token(s) per sequence: input_ids, positions int64 "
+                       f"[{batch}, {tokens}]; slots int64 [{batch}]. Returns fp32 logits [{batch}, {tokens}, "
+                       f"{config.vocab_size}]. Cache rows traced: {rows}.")
             src = generate_step(graph.gm, name, graph.buffer_names, doc, pdl=(step == "decode"),
                                 free=(step == "prefill"))
             sources.append(src)

@@ -14,16 +14,19 @@ MB per token at full size (a 2,048-token chunk: 12 GB, in the CUDA graph's pool 
 Decode functions keep theirs (a few MB at batch 8), so that no kernel launched with
 PDL ever gets memory that an earlier, possibly still running kernel reads.
 
-Signature of every generated function:
+Signature of a generated decode function, and of a prefill function:
 
     def <name>(K, w, input_ids, positions, slots, kv, device):
+    def <name>(K, w, input_ids, positions, slots, logits_rows, kv, device):
 
 K: the kernel table (`flintc.runtime.kernels.KernelTable`); w: the weights and RoPE
 tables as attributes named like the graph's placeholders without the `w_` prefix
 (`w.layers_0_self_attn_q_proj_codes`, `w.rope_cos`); input_ids, positions: int64
-[B, T]; slots: int64 [B]; kv: the list of KV caches, K and V per layer
-(`[k_0, v_0, k_1, ...]`, mutated in place); device: the torch.device the step runs
-on. Returns the graph's output (fp32 logits [B, T, V]).
+[B, T]; slots: int64 [B]; logits_rows (prefill): int64 [B], the row of the B*T tokens
+whose logits each sequence wants (b*T + t); kv: the list of KV caches, K and V per
+layer (`[k_0, v_0, k_1, ...]`, mutated in place); device: the torch.device the step
+runs on. Returns the graph's output: decode fp32 logits [B, 1, V]; prefill the tuple
+(fp32 logits [B, V] of logits_rows, final-normed hidden states bf16 [B, T, H]).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from torch.fx import GraphModule, Node
 
 from flintc.graph.accounting import kernels_of
 
-INPUTS = ("input_ids", "positions", "slots")
+INPUTS = ("input_ids", "positions", "slots", "logits_rows")
 
 
 @dataclass
@@ -177,7 +180,8 @@ def generate_step(gm: GraphModule, name: str, buffer_names: list[str], doc: str,
                                       "bytes": t.numel() * t.element_size()})
         if free:
             _free(body, node, freed_by)
-    header = f"def {name}(K, w, input_ids, positions, slots, kv, device):"
+    rows = "logits_rows, " if any(n.name == "logits_rows" for n in placeholders) else ""
+    header = f"def {name}(K, w, input_ids, positions, slots, {rows}kv, device):"
     lines = [header, f'    """{doc}"""'] + [f"    {b}" for b in body]
     out.source = "\n".join(lines) + "\n"
     return out

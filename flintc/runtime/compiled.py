@@ -28,6 +28,13 @@ the generated step functions of `BUILD/runtime.py`.
   eagerly it is bound by the host (Python and launch overhead). The save/restore of
   the sliding rows stays eager around the replay. `FLINTC_PREFILL_GRAPHS=0` (or
   `load_build(..., prefill_graphs=False)`) runs prefill eagerly, for A/B measurements.
+  A prefill function computes the LM head only for the row its `logits_rows` input
+  names (the chunk's last real token, vLLM's logits_indices) and also returns the
+  final-normed hidden states of the chunk: `prefill(..., all_logits=True)` applies the
+  prefill kernel table's LM head to them (`logits_from_hidden`) for the other rows, as
+  the function itself did for every row before build_version 2; each chunk's last row
+  is the function's own, so it equals what a prefill without all_logits returns (the
+  M = 1 GEMM may differ from the row of an M = C GEMM in the last fp32 bits).
 """
 
 from __future__ import annotations
@@ -149,11 +156,15 @@ def read_manifest(build: str | Path) -> dict:
     for key in ("build_version", "config", "weight_sha256", "functions", "max_batch"):
         if key not in manifest:
             raise InputError(f"{path} has no field {key!r}; rebuild with flintc compile")
-    from flintc.runtime.build import BUILD_VERSION
+    from flintc.runtime.build import BUILD_VERSION, BUILD_VERSION_CHANGES
 
-    if manifest["build_version"] != BUILD_VERSION:
-        raise InputError(f"{path}: build_version {manifest['build_version']!r}, this flintc "
-                         f"reads {BUILD_VERSION}; rebuild with flintc compile")
+    got = manifest["build_version"]
+    if got != BUILD_VERSION:
+        changed = [why for v, why in sorted(BUILD_VERSION_CHANGES.items())
+                   if isinstance(got, int) and not isinstance(got, bool) and got < v <= BUILD_VERSION]
+        since = f" (since then: {'; '.join(changed)})" if changed else ""
+        raise InputError(f"{path}: build_version {got!r}, this flintc reads {BUILD_VERSION}{since}; "
+                         "recompile it with flintc compile")
     for key in _MANIFEST_COUNTS:
         value = manifest.get(key)
         if key in manifest and not (key == "prefill_tail_chunk" and value is None) and not (
@@ -538,6 +549,7 @@ class CompiledRunner:
                 raise InputError(f"{self.build}/plan.json names weight {missing[0]!r}, which the "
                                  "model does not have; recompile")
             self._weights[name] = SimpleNamespace(**{a: buffers[b] for a, b in step["weights"].items()})
+        self._weights_lm_head = self.model.lm_head.value  # bf16 [V, H] in every format
         if self.backend == "triton":  # a bad FLINTC_* tuning variable: one error now, not mid-run
             if importlib.util.find_spec("triton") is None:
                 raise InputError(f"{self.build}: a triton build; {TRITON_MISSING}")
@@ -566,23 +578,47 @@ class CompiledRunner:
         self._prefill_workspaces: list[torch.Tensor] = []
 
     # -- the generated functions -------------------------------------------------------
-    def _call(self, name: str, ids, positions, slots):
+    def _call(self, name: str, ids, positions, slots, logits_rows=None):
+        """Call generated function `name`. A prefill function also takes logits_rows
+        (int64 [B]: the row of its B*T tokens whose logits each sequence wants; None:
+        each sequence's last token) and returns (fp32 logits [B, V] of those rows,
+        final-normed hidden states [B, T, H]); a decode function returns logits [B, 1, V]."""
         step = self.plan[name]["step"]
         fn = self._module.STEPS[name]
-        return fn(self._tables[step], self._weights[name], ids, positions, slots, self.kv, self.device)
+        if step != "prefill":
+            return fn(self._tables[step], self._weights[name], ids, positions, slots, self.kv, self.device)
+        if logits_rows is None:  # each sequence's last token (flintc.graph.trace.last_rows)
+            B, T = ids.shape
+            logits_rows = torch.arange(1, B + 1, device=ids.device) * T - 1
+        return fn(self._tables[step], self._weights[name], ids, positions, slots, logits_rows, self.kv,
+                  self.device)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed hidden states [N, H] (a prefill function's second
+        output): fp32 logits [N, V], through the prefill kernel table's `lm_head`, the
+        kernel (and on the CPU the expression) a prefill function ran over all its rows
+        before it computed only the rows it returns."""
+        return self._tables["prefill"].lm_head(hidden, self._weights_lm_head)
 
     def forward(self, name: str, input_ids: torch.Tensor, positions: torch.Tensor,
-                slots: torch.Tensor) -> torch.Tensor:
+                slots: torch.Tensor, logits_rows: torch.Tensor | None = None):
         """Run one generated function directly (no padding, no CUDA graph): input_ids,
-        positions int64 [B, T] and slots int64 [B] of the function's shapes. -> fp32
-        logits [B, T, V]. Raises InputError for shapes the function was not built for."""
+        positions int64 [B, T] and slots int64 [B] of the function's shapes. A decode
+        function -> fp32 logits [B, 1, V]. A prefill function -> (fp32 logits [B, V] of
+        `logits_rows`, int64 [B] rows of the B*T tokens, b*T + t; default each sequence's
+        last token; final-normed hidden states [B, T, H]; `logits_from_hidden` turns them
+        into every position's logits). Raises InputError for shapes the function was not
+        built for."""
         if name not in self.plan:
             raise InputError(f"no function {name!r} in {self.build}; it has {sorted(self.plan)}")
         B, T = self.plan[name]["batch"], self.plan[name]["tokens"]
         if tuple(input_ids.shape) != (B, T) or tuple(positions.shape) != (B, T) or tuple(slots.shape) != (B,):
             raise InputError(f"{name} takes input_ids and positions [{B}, {T}] and slots [{B}]")
+        if logits_rows is not None and (self.plan[name]["step"] != "prefill" or tuple(logits_rows.shape) != (B,)):
+            raise InputError(f"{name} takes no logits_rows" if self.plan[name]["step"] != "prefill"
+                             else f"{name} takes logits_rows [{B}]")
         with torch.inference_mode():
-            return self._call(name, input_ids, positions, slots)
+            return self._call(name, input_ids, positions, slots, logits_rows)
 
     # -- ModelRunner -----------------------------------------------------------------
     def prefill_pieces(self, num_tokens: int) -> list[tuple[int, int, int]]:
@@ -630,22 +666,28 @@ class CompiledRunner:
                 rows = torch.arange(p0 + n, p0 + C, device=self.device) % W
                 saved = [(t, rows, t[slot, rows].clone()) for t in self.sliding_caches]
             if graphed:
-                graph, s_ids, s_pos, _, s_out = entries[C]
+                graph, s_ids, s_pos, _, s_rows, (s_logits, s_hidden) = entries[C]
                 s_ids.copy_(all_ids[s:s + C][None])
                 torch.arange(p0, p0 + C, out=s_pos[0])
+                s_rows.fill_(n - 1)  # the last real token (a device fill: no host sync)
                 graph.replay()
-                logits = s_out[0, :n]  # [n, V], a view of the static output: cloned below
+                last, hidden = s_logits, s_hidden  # static outputs: copied below
             else:
                 tok = torch.tensor([piece + [0] * pad], device=self.device)
                 pos = torch.arange(p0, p0 + C, device=self.device)[None]
-                logits = self._call(f"prefill_t{C}", tok, pos, slots)[0, :n]  # [n, V]
+                rows_in = torch.tensor([n - 1], device=self.device)
+                last, hidden = self._call(f"prefill_t{C}", tok, pos, slots, rows_in)  # [1, V], [1, C, H]
             if saved:
                 for t, rows, keep in saved:
                     t[slot, rows] = keep
             if all_logits:
-                out.append(logits.clone() if graphed else logits)  # the next replay rewrites s_out
+                # every position's logits: the LM head over all C rows, as the function ran it
+                # before it computed only the last (the same kernel and shapes: the same
+                # numbers); the last row is the function's own, the one a prefill without
+                # all_logits returns, so the two agree on it
+                out.append(torch.cat([self.logits_from_hidden(hidden[0])[:n - 1], last]))
             else:
-                out.append(logits[-1:].clone())  # not a view: frees [C, V] (eager), survives replays
+                out.append(last.clone())  # not a view: survives the next replay
         logits = torch.cat(out).float()
         return logits if all_logits else logits[-1]
 
@@ -766,10 +808,11 @@ class CompiledRunner:
             s_ids = torch.zeros(1, C, dtype=torch.long, device=dev)
             s_pos = torch.arange(C, dtype=torch.long, device=dev)[None].clone()
             s_sl = torch.zeros(1, dtype=torch.long, device=dev)
+            s_rows = torch.full((1,), C - 1, dtype=torch.long, device=dev)
         keep = [t[0, :C].clone() for t in self.kv]  # the rows the warm-up writes
         try:
             with torch.inference_mode():
-                graph, out = self._graph_of(lambda: self._call(name, s_ids, s_pos, s_sl))
+                graph, out = self._graph_of(lambda: self._call(name, s_ids, s_pos, s_sl, s_rows))
         except RuntimeError as e:
             raise RuntimeError(f"capturing {name} into a CUDA graph failed: {e} (set "
                                f"{PREFILL_GRAPHS_ENV}=0 to run prefill eagerly)") from e
@@ -783,18 +826,22 @@ class CompiledRunner:
         from flintc.kernels import gemm as gemm_kernels
 
         self._prefill_workspaces += list(gemm_kernels._WORKSPACE.values())
-        self._prefill_entries[C] = (graph, s_ids, s_pos, s_sl, out)
+        self._prefill_entries[C] = (graph, s_ids, s_pos, s_sl, s_rows, tuple(out))
         return self._prefill_entries[C]
 
     def prefill_graph(self, tokens: int | None = None):
         """The CUDA graph of a prefill function (captured on first use) and its static
         buffers: (graph, input_ids int64 [1, C], positions int64 [1, C], slots int64 [1],
-        logits fp32 [1, C, V]) with C = `tokens` (one of `prefill_sizes`), default
-        prefill_chunk. Fill the inputs (positions p0..p0+C-1,
-        a slot in [0, max_batch)), `graph.replay()`, read the logits before the next replay.
-        A replay writes the chunk's K/V rows like the eager function (padding included:
+        logits_rows int64 [1], (logits fp32 [1, V], hidden states bf16 [1, C, H])) with C =
+        `tokens` (one of `prefill_sizes`), default prefill_chunk. Fill the inputs
+        (positions p0..p0+C-1, a slot in [0, max_batch), the row 0..C-1 whose logits are
+        wanted: the last real token), `graph.replay()`, read the outputs before the next
+        replay (`logits_from_hidden` gives every row's logits from the hidden states). A
+        replay writes the chunk's K/V rows like the eager function (padding included:
         `prefill` saves and restores the sliding rows of a padded last chunk). Memory: the
-        graph's private pool holds one chunk's intermediates and the logits.
+        graph's private pool holds one chunk's intermediates and the outputs (the hidden
+        states: 16 MiB at full size with 4,096 tokens; the fp32 logits of every row were
+        2.5 GB).
 
         Raises:
             InputError: prefill graphs are off (no CUDA, use_cuda_graphs=False, the torch

@@ -141,11 +141,14 @@ def test_dump_of_capture(tiny_model, captures, tmp_path, step):
     ids = next(i for i in model.graph.input if i.name == "input_ids")
     assert ids.type.tensor_type.elem_type == onnx.TensorProto.INT64
     assert [d.dim_value for d in ids.type.tensor_type.shape.dim] == [2, g.tokens]
-    assert model.graph.output[0].name == g.gm.graph.output_node().args[0].name  # logits first
+    outs = g.gm.graph.output_node().args[0]
+    outs = list(outs) if isinstance(outs, tuple) else [outs]  # prefill: logits of logits_rows, hidden states
+    assert len(outs) == (2 if step == "prefill" else 1)
+    assert [o.name for o in model.graph.output][:len(outs)] == [o.name for o in outs]  # logits first
     # then every in-place cache write that nothing reads, in graph order
     writes = [n.name for n in g.gm.graph.nodes
               if n.op == "call_function" and _mutated_args(n) and not n.users]
-    assert writes and [o.name for o in model.graph.output][1:] == writes
+    assert writes and [o.name for o in model.graph.output][len(outs):] == writes
     domains = {o.domain: o.version for o in model.opset_import}
     assert domains["aten"] == 1 and domains["flintc"] == 1 and domains[""] >= 1
     assert {n.domain for n in model.graph.node} == {"aten"}

@@ -36,9 +36,18 @@ def test_capture_reproduces_reference(fmt, step, batch, tokens):
     check_graph(g.gm, "captured")
     ids, positions, slots, kv = g.example_inputs(model, seed=3)
     kv_ref = [t.clone() for t in kv]
-    out = g.gm(*g.weight_args(model), ids, positions, slots, *kv)
-    ref = model(ids, positions, slots, kv_ref)
-    assert torch.equal(out, ref)
+    if step == "prefill":  # logits of one row per sequence (not the last: any row), and the hidden states
+        rows = torch.arange(batch) * tokens + torch.tensor([5, 11][:batch])
+        out = g.gm(*g.weight_args(model), ids, positions, slots, rows, *kv)
+        ref = model(ids, positions, slots, kv_ref, logits_rows=rows)
+        assert out[0].shape == (batch, TINY.vocab_size) and out[1].shape == (batch, tokens, TINY.hidden_size)
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+        every = model(ids, positions, slots, [t.clone() for t in g.example_inputs(model, seed=3)[3]])
+        assert torch.equal(model.logits_from_hidden(out[1]), every)  # the other rows, as one forward gives them
+    else:
+        out = g.gm(*g.weight_args(model), ids, positions, slots, *kv)
+        ref = model(ids, positions, slots, kv_ref)
+        assert torch.equal(out, ref)
     for a, b in zip(kv, kv_ref):
         assert torch.equal(a, b)
 

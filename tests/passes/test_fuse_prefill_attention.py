@@ -165,8 +165,8 @@ def test_wrong_variants_fail_the_same_tolerance():
     for p in (RMSNormFusionPass, QKNormRopeKVWriteFusionPass):  # checked bit-exact above
         p(ctx).run(g.gm)
     checker = NumericChecker(tiny_model(), g, seed=0)
-    ids, positions, slots, kv = checker.inputs
-    inputs = (ids, positions + 13, slots, kv)
+    ids, positions, slots, kv, rows = checker.inputs  # rows: the logits_rows the checker drew
+    inputs = (ids, positions + 13, slots, kv, rows)
     old_run = run_graph(g.gm, checker.weights, inputs)
     checks = {}
     for variant in (PrefillAttentionFusionPass, SinkTwicePass, OnePositionLatePass):

@@ -91,10 +91,12 @@ def test_generated_prefill_has_no_host_sync(builds, fmt, moe_impl, monkeypatch):
     name = f"prefill_t{C}"
     ids = torch.randint(0, runner.config.vocab_size, (1, C), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(5, 5 + C)[None]
-    slots = torch.tensor([0])
+    slots, rows = torch.tensor([0]), torch.tensor([C - 3])
     with forbid_host_sync():
-        logits = runner.forward(name, ids, pos, slots)
-    assert logits.shape == (1, C, runner.config.vocab_size) and bool(torch.isfinite(logits).all())
+        logits, hidden = runner.forward(name, ids, pos, slots, rows)
+        every = runner.logits_from_hidden(hidden[0])  # what all_logits computes
+    assert logits.shape == (1, runner.config.vocab_size) and bool(torch.isfinite(logits).all())
+    assert hidden.shape == (1, C, runner.config.hidden_size) and every.shape == (C, runner.config.vocab_size)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
@@ -114,28 +116,35 @@ def test_prefill_norm_kernels_match_the_cpu_path(builds, fmt, monkeypatch):
     pos, slots = torch.arange(5, 5 + C)[None], torch.tensor([0])
     fill(runner, 3)  # an earlier chunk's keys and values
     before = [t.clone() for t in runner.kv]
-    want = runner.forward(name, ids, pos, slots).clone()
+    want, want_h = (t.clone() for t in runner.forward(name, ids, pos, slots))
     want_kv = [t.clone() for t in runner.kv]
     for t, b in zip(runner.kv, before):
         t.copy_(b)
     monkeypatch.setattr(P, "_use_triton", lambda t: True)
-    got = runner.forward(name, ids, pos, slots)
+    got, got_h = runner.forward(name, ids, pos, slots)
     print(f"{fmt}: logits max abs diff {(got - want).abs().max().item():.3g}, "
           f"{(got != want).float().mean().item():.2%} differ")
     assert torch.allclose(got, want, atol=0.06, rtol=0.02)
+    assert torch.allclose(got_h.float(), want_h.float(), atol=0.06, rtol=0.02)
     for a, b in zip(runner.kv, want_kv):
         assert torch.allclose(a.float(), b.float(), atol=0.06, rtol=0.02)
 
 
 class StandInGraph:
     """torch.cuda.CUDAGraph's part the runner uses, on the CPU: `replay()` runs the
-    captured function again and copies its output into the static output tensor."""
+    captured function again and copies its output into the static output tensor (each
+    of them: a prefill function returns logits and hidden states)."""
 
     def __init__(self, fn, out):
         self.fn, self.out = fn, out
 
     def replay(self):
-        self.out.copy_(self.fn())
+        new = self.fn()
+        if isinstance(self.out, tuple):
+            for a, b in zip(self.out, new):
+                a.copy_(b)
+        else:
+            self.out.copy_(new)
 
 
 def stand_in_graph_of(fn):
@@ -177,7 +186,10 @@ def test_graph_path_equals_eager_path(builds, monkeypatch, build, pieces):
 
     a_g, b_g, kv_g = run(True)
     assert sorted(runner._prefill_entries) == sorted(set(pieces))
-    assert runner.prefill_graph()[1].shape == (1, runner.prefill_chunk)
+    entry = runner.prefill_graph()
+    C, V, H = runner.prefill_chunk, runner.config.vocab_size, runner.config.hidden_size
+    assert entry[1].shape == (1, C) and entry[4].shape == (1,)  # input_ids, logits_rows
+    assert entry[5][0].shape == (1, V) and entry[5][1].shape == (1, C, H)  # no [1, C, V] static output
     with pytest.raises(InputError, match="no prefill function of 12 tokens"):
         runner.prefill_graph(12)
     a_e, b_e, kv_e = run(False)
@@ -261,7 +273,12 @@ def test_gpu_prefill_graph_script_logic(builds, monkeypatch, capsys):
 
     def off_by_a_bit(fn):
         g, out = stand_in_graph_of(fn)
-        g.replay = lambda: out.copy_(fn() * 1.0001)
+
+        def replay():  # the logits and hidden states a rounding off
+            for a, b in zip(out, fn()):
+                a.copy_(b * 1.0001)
+
+        g.replay = replay
         return g, out
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
