@@ -38,7 +38,9 @@ stop strings are looked for only once more than ``min_tokens`` tokens are out.
 
 Prompt logprobs (vLLM's ``prompt_logprobs``): for a request that asks, the prefill keeps
 the logits of every prompt position (``runner.prefill(..., all_logits=True)``, which both
-runners support: the prefill computes the LM head for every position anyway), one
+runners support: the compiled runner's prefill functions compute the LM head for each
+chunk's last token only, and it applies the LM head to the other rows' hidden states,
+keeping each chunk's last row as the function computed it), one
 ``prefill_chunk`` of the runner at a time so that the fp32 ``[chunk, V]`` rows are the
 most held at once (the calls are those one whole-prompt prefill makes, so the first
 token's logits are the same), and turns them into :class:`PromptLogprob` entries, sent
