@@ -217,3 +217,26 @@ def test_split_layout_plan_dry_run(tmp_path):
     assert "ARG[--launch-sweep]" in (work / "sampler.log").read_text()
     assert "ARG[full4d]" in (work / "check.log").read_text()
     assert (tmp_path / "out" / "split_layout.tgz").is_file()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_prefill_logits_rows_plan_dry_run(tmp_path):
+    """`scripts/gpu_prefill_logits_rows.sh` (session 31) with a stand-in Python: the new
+    code's steps import the working tree, the old code's steps gpu_builds/old-src (its
+    own copy of the script, on the old builds), then the 4-layer check."""
+    env = _dry_run_env(tmp_path, "PYTHONPATH")
+    r = run_script("gpu_prefill_logits_rows.sh", tmp_path, env, 120)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out"
+    repo = SCRIPTS[0].parent.parent
+    logs = {name: (out / f"{name}.log").read_text() for name in
+            ("new_graph", "new_peak", "old_graph", "old_peak", "runtime4")}
+    for name, log in logs.items():
+        path = next(x for x in log.splitlines() if x.startswith("VAR["))[4:-1].split(":")
+        old = str(repo / "gpu_builds" / "old-src")
+        assert (old in path) == name.startswith("old_") and (str(repo) in path) != name.startswith("old_"), \
+            (name, path)
+    assert f"ARG[{repo / 'gpu_builds' / 'old-src' / 'scripts' / 'gpu_prefill_graph.py'}]" not in logs["old_graph"]
+    assert "ARG[gpu_builds/old-src/scripts/gpu_prefill_graph.py]" in logs["old_graph"]
+    assert "ARG[gpu_builds/old]" in logs["old_graph"] and "ARG[gpu_builds/old/full-nvfp4-b1]" in logs["old_peak"]
+    assert "ARG[scripts/gpu_runtime.py]" in logs["runtime4"]
