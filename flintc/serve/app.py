@@ -667,14 +667,26 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                     gen.abort()  # no-op for finished choices; frees the slot on disconnect
             return StreamingResponse(body(), media_type="text/event-stream")
         watcher = asyncio.create_task(_abort_on_disconnect(request, gen))
+        aborted = False
         try:
             async for out in gen.outputs():
                 if out.error is not None:
                     raise APIError(500, f"generation failed: {out.error}", "server_error")
+                if out.finish_reason == "abort":  # its results are partial (prompt_logprobs may be missing)
+                    aborted = True
+                    continue
                 on_output(out)
         finally:
+            disconnected = watcher.done() and not watcher.cancelled()
             watcher.cancel()
             gen.abort()
+        if aborted:
+            # the client is gone (vLLM: "Client disconnected"), or the engine stopped:
+            # no response is built from the partial results
+            if disconnected:
+                raise APIError(400, "client disconnected", code="client_disconnected")
+            raise APIError(503, "the request was aborted: the server is shutting down", "server_error",
+                           code="server_shutting_down")
         return None
 
     # ---- routes ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -1472,3 +1473,57 @@ def test_message_content_required(server, messages, param):
                           if path != "/tokenize" else {"model": MODEL, "messages": messages})
         assert status == 400, got
         assert got["error"]["param"] == param and "required" in got["error"]["message"], got
+
+
+# ---- aborted requests ----------------------------------------------------------------------
+
+
+class _Errors(logging.Handler):
+    """Collects the ERROR records of uvicorn's logger ("Exception in ASGI application")."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def _send_raw(server, path, body: dict) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                 + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, path):
+    """A non-streamed request with prompt_logprobs whose client hangs up while it waits for
+    a slot was aborted with no prompt logprobs, and the handler failed building the
+    response from them (TypeError: 'NoneType' object is not iterable, logged as
+    'Exception in ASGI application')."""
+    engine = plain_server.engine
+    errors = _Errors()
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    busy = []
+    try:
+        long = chat("Go on.", model=MODEL, max_tokens=900, ignore_eos=True, stream=True)
+        busy = [_send_raw(plain_server, "/v1/chat/completions", long) for _ in range(engine.max_batch)]
+        assert _wait(lambda: engine.num_running == engine.max_batch)
+        body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}
+                if path == "/v1/completions" else chat("hi", model=MODEL, max_tokens=2, prompt_logprobs=1))
+        sock = _send_raw(plain_server, path, body)
+        assert _wait(lambda: engine.num_waiting == 1)
+        aborted = engine.stats["aborted"]
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        assert _wait(lambda: engine.num_waiting == 0 and engine.stats["aborted"] == aborted + 1)
+        time.sleep(0.3)  # the handler builds its response after the abort
+    finally:
+        for s in busy:
+            s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+    assert _wait(lambda: engine.num_running == 0)
+    assert not errors.records, [r.getMessage() for r in errors.records]
