@@ -381,6 +381,15 @@ def _prompt_logprobs_asked(req) -> int | None:
     return k
 
 
+def _usage_flags(req) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of a streamed request, as vLLM reads
+    ``stream_options``: the usage chunk at the end, and a usage object (the counts so
+    far) on every chunk, which needs include_usage too."""
+    so = req.stream_options
+    include = bool(so and so.include_usage)
+    return include, include and bool(so.continuous_usage_stats)
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -552,6 +561,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n")
+        if req.stream_options is not None and not req.stream:  # vLLM's check, and message
+            raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
         stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
         if len(stop) > MAX_STOP or any(not s for s in stop):
             raise APIError(400, f"'stop' takes at most {MAX_STOP} non-empty strings", param="stop")
@@ -818,7 +829,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                    for j, p in enumerate(params)])
         choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip) for _ in range(n)]
         rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = _usage_flags(req)
+
+        def usage_so_far(done: int) -> dict | None:
+            """vLLM's continuous_usage_stats: the prompt and one choice's tokens so far."""
+            if not continuous_usage:
+                return None
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": done,
+                    "total_tokens": len(prompt_ids) + done}
 
         def usage():
             done = sum(len(c.token_ids) for c in choices)
@@ -831,6 +849,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
         async def stream_body():
             first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
+            if continuous_usage:
+                first["usage"] = usage_so_far(0)
             yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None} for i in range(n)], **first))
             async for out in gen.outputs():
@@ -852,7 +872,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                          "finish_reason": c.finish_reason}
                 if req.return_token_ids:
                     entry["token_ids"] = out.token_ids
-                yield _sse(chunk([entry]))
+                extra = {"usage": usage_so_far(len(c.token_ids))} if continuous_usage else {}
+                yield _sse(chunk([entry], **extra))
             else:
                 if include_usage:
                     yield _sse(chunk([], usage=usage()))
@@ -908,7 +929,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         reasons = [None] * total
         offsets = [0] * total
         rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous_usage = _usage_flags(req)
 
         def take(out: Output):
             texts[out.index].append(out.text)
@@ -948,7 +969,11 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 if req.return_token_ids:
                     entry["token_ids"] = out.token_ids
                 offsets[i] += len(out.text)
-                yield _sse(wrap([entry]))
+                extra = {}
+                if continuous_usage:  # vLLM's continuous_usage_stats: this choice's prompt and tokens so far
+                    p, c = len(prompts[i // n]), len(ids_out[i])
+                    extra["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+                yield _sse(wrap([entry], **extra))
             else:
                 if include_usage:
                     yield _sse(wrap([], usage=usage()))

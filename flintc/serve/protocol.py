@@ -32,7 +32,9 @@ from pydantic import BaseModel, ConfigDict
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    include_usage: bool = False
+    include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool | None = False
     include_obfuscation: bool | None = None  # OpenAI's option; nothing to obfuscate here
 
 

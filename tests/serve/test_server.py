@@ -1527,3 +1527,46 @@ def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, p
         logging.getLogger("uvicorn.error").removeHandler(errors)
     assert _wait(lambda: engine.num_running == 0)
     assert not errors.records, [r.getMessage() for r in errors.records]
+
+
+# ---- stream_options ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [None, False])
+def test_stream_options_need_stream(server, path, stream):
+    """vLLM refuses stream_options without stream: true ("Stream options can only be
+    defined when `stream=True`."); flintc accepted them."""
+    body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions"
+            else chat("hi", model=MODEL, max_tokens=2))
+    if stream is not None:
+        body["stream"] = stream
+    status, got = raw(server, "POST", path, {**body, "stream_options": {"include_usage": True}})
+    assert status == 400 and got["error"]["param"] == "stream_options", got
+    assert "only be defined when `stream=True`" in got["error"]["message"]
+    status, got = raw(server, "POST", path, {**body, "stream_options": None})
+    assert status == 200, got
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats(server, path):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk
+    carries the usage so far (the chat role chunk 0 completion tokens), then the usage
+    chunk; without include_usage it does nothing (as vLLM)."""
+    body = ({"model": MODEL, "prompt": "hi", "max_tokens": 5, "ignore_eos": True, "stream": True}
+            if path == "/v1/completions" else chat("hi", model=MODEL, max_tokens=5, ignore_eos=True, stream=True))
+    status, events = _post(server, path, {**body, "stream_options": {"include_usage": True,
+                                                                     "continuous_usage_stats": True}})
+    assert status == 200, events
+    chunks = [json.loads(e) for e in events]
+    assert all("usage" in c for c in chunks), chunks
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    done = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
+    assert done == sorted(done) and done[-1] == 5 and chunks[-1]["usage"]["completion_tokens"] == 5
+    if path == "/v1/chat/completions":
+        assert done[0] == 0
+    for c in chunks:
+        assert c["usage"]["prompt_tokens"] == prompt
+        assert c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"]
+    status, events = _post(server, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert status == 200 and all("usage" not in json.loads(e) for e in events), events
