@@ -596,11 +596,11 @@ class FlintTokenizer:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, tokenize: bool = False,
-                            **kwargs) -> str | list[int]:
+                            documents: list[dict] | None = None, **kwargs) -> str | list[int]:
         """Render ``messages`` with the config's ``chat_template`` as transformers does.
 
-        Extra ``kwargs`` (e.g. ``enable_thinking=False``) reach the template, as do the
-        config's ``eos_token``/``pad_token``/``bos_token``. Returns the text, or its ids
+        Extra ``kwargs`` (e.g. ``enable_thinking=False``) reach the template, as do
+        ``documents`` (transformers' RAG documents; None by default) and the config's ``eos_token``/``pad_token``/``bos_token``. Returns the text, or its ids
         when ``tokenize``.
 
         With several named templates, a chat with ``tools`` renders with "tool_use" if
@@ -613,7 +613,7 @@ class FlintTokenizer:
         template = self._chat_template(tools)
         special = {k: self.config.get(k) for k in ("bos_token", "eos_token", "pad_token")
                    if self.config.get(k) is not None}
-        text = template.render(messages=messages, tools=tools, documents=None,
+        text = template.render(messages=messages, tools=tools, documents=documents,
                                      add_generation_prompt=add_generation_prompt,
                                      **{**special, **kwargs})
         return self.encode(text) if tokenize else text

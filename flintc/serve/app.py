@@ -577,6 +577,29 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                f"[0, {tokenizer.vocab_size})", param="stop_token_ids")
         return frozenset(ids)
 
+    def response_id(request: Request, req, prefix: str) -> str:
+        """vLLM's response id: ``prefix`` + the X-Request-Id header, else the request's
+        ``request_id``, else a random hex id (vLLM's ``_base_request_id``)."""
+        return prefix + (request.headers.get("x-request-id") or req.request_id or uuid.uuid4().hex)
+
+    def truncate(req, ids: list[int]) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last k tokens of the prompt (-1: of
+        --max-model-len). Raises APIError(400) for 0 or below -1, or over
+        --max-model-len (vLLM's message)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = max_model_len
+        if k < 1:
+            raise APIError(400, f"'truncate_prompt_tokens' must be at least 1 (or -1: --max-model-len), "
+                           f"got {k}", param="truncate_prompt_tokens")
+        if k > max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                           f"({max_model_len}). Please, select a smaller truncation size.",
+                           param="truncate_prompt_tokens")
+        return ids[-k:]
+
     def generation_prompt_flags(req) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message); both true is a 400, as in vLLM."""
         if req.continue_final_message and req.add_generation_prompt:
@@ -615,7 +638,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
     async def render_chat(messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None,
                           add_generation_prompt: bool = True, add_special_tokens: bool = False,
-                          continue_final_message: bool = False) -> tuple[str, list[int]]:
+                          continue_final_message: bool = False,
+                          documents: list[dict] | None = None) -> tuple[str, list[int]]:
         """OpenAI ``messages`` and ``tools`` (checked by `_check_tools`) rendered with the
         chat template, on a worker thread (both steps scale with the request). -> (the
         text, its token ids). ``continue_final_message``: the text ends where the last
@@ -639,7 +663,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
         def render() -> tuple[str, list[int]]:
             try:
-                text = tokenizer.apply_chat_template(messages, tools=tools,
+                text = tokenizer.apply_chat_template(messages, tools=tools, documents=documents,
                                                      add_generation_prompt=add_generation_prompt, **kwargs)
             except jinja2.TemplateError as exc:
                 raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
@@ -798,7 +822,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         add_gen, cont = generation_prompt_flags(req)
         user_stops = stop_token_ids(req)
         prompt_text, prompt_ids = await render_chat(req.messages, prompt_tools, req.chat_template_kwargs,
-                                                    add_gen, False, cont)
+                                                    add_gen, req.add_special_tokens, cont, req.documents)
+        prompt_ids = truncate(req, prompt_ids)
         if not prompt_ids:  # the runner's prefill refuses it, failing every running request with it
             raise APIError(400, "the chat template rendered the messages to an empty prompt", param="messages")
         if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -828,7 +853,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                         include_stop_str_in_output=req.include_stop_str_in_output)
                                    for j, p in enumerate(params)])
         choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip) for _ in range(n)]
-        rid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+        rid, created = response_id(request, req, "chatcmpl-"), int(time.time())
         include_usage, continuous_usage = _usage_flags(req)
 
         def usage_so_far(done: int) -> dict | None:
@@ -903,7 +928,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         check_auth(request)
         req: CompletionRequest = await parse(request, CompletionRequest)
         n, stop = common_checks(req)
-        prompts = await asyncio.to_thread(_completion_prompts, req.prompt, tokenizer)
+        prompts = await asyncio.to_thread(_completion_prompts, req.prompt, tokenizer, req.add_special_tokens)
+        prompts = [truncate(req, ids) for ids in prompts]
         asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for ids in prompts:
             check_length(len(ids), asked, "max_tokens", "prompt")
@@ -928,7 +954,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         ids_out = [[] for _ in range(total)]
         reasons = [None] * total
         offsets = [0] * total
-        rid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
+        rid, created = response_id(request, req, "cmpl-"), int(time.time())
         include_usage, continuous_usage = _usage_flags(req)
 
         def take(out: Output):
@@ -1107,14 +1133,15 @@ def _lone_surrogate(data, where: str = "") -> str | None:
     return None
 
 
-def _completion_prompts(prompt, tokenizer) -> list[list[int]]:
+def _completion_prompts(prompt, tokenizer, add_special_tokens: bool = True) -> list[list[int]]:
     """The four OpenAI prompt forms -> token id lists (run it off the event loop: encoding
-    a long text takes seconds, with the GIL released). Raises APIError(400) for an empty prompt or a token id
+    a long text takes seconds, with the GIL released); a text gets the tokenizer's own
+    special tokens (a BOS) with ``add_special_tokens``, vLLM's default. Raises APIError(400) for an empty prompt or a token id
     outside the vocabulary."""
     if isinstance(prompt, str):
-        prompts = [tokenizer.encode(prompt)]
+        prompts = [tokenizer.encode(prompt, add_special_tokens)]
     elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [tokenizer.encode(p) for p in prompt]
+        prompts = [tokenizer.encode(p, add_special_tokens) for p in prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
         prompts = [list(prompt)]
     else:

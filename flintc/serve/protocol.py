@@ -18,6 +18,9 @@ chat ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``),
 ``add_generation_prompt`` and ``continue_final_message``, and ``prompt_logprobs`` (0..20:
 the log-probability of each prompt token and of the most likely tokens at its place,
 answered in vLLM's shape, not with ``stream``; checked in :mod:`flintc.serve.app`).
+vLLM's other request fields are accepted: ``request_id``, ``truncate_prompt_tokens``,
+``add_special_tokens`` and chat ``documents`` are honoured, ``length_penalty`` and
+``cache_salt`` have no effect here, the rest only at their no-op value (`unsupported`).
 
 vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest` /
 :class:`TokenizeChatRequest` and :class:`DetokenizeRequest`, with vLLM's fields.
@@ -66,6 +69,31 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # vLLM's: 0..20 alternatives per prompt token
+    # vLLM's other request fields (its protocol.py), which clients send at their defaults:
+    # honoured: request_id (the response id), truncate_prompt_tokens, add_special_tokens
+    # (per route, below); no effect here: length_penalty (beam search only, as in vLLM
+    # without use_beam_search), cache_salt (no prefix cache to salt); accepted only at
+    # their no-op value (`unsupported`): the others
+    request_id: str | None = None
+    truncate_prompt_tokens: int | None = None
+    length_penalty: float = 1.0
+    cache_salt: str | None = None
+    use_beam_search: bool = False
+    priority: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
 
 class ChatCompletionRequest(_Common):
@@ -82,6 +110,16 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's (chat): add_special_tokens (the tokenizer's own on top of the template's) and
+    # documents (passed to the template) honoured; the others only at their no-op value
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    echo: bool | None = None
+    include_reasoning: bool = True
+    best_of: int | None = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
     # informational: accepted, ignored
     metadata: dict[str, Any] | None = None
     store: bool | None = None
@@ -107,6 +145,11 @@ class CompletionRequest(_Common):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's (completions): add_special_tokens honoured (vLLM's default: true, a BOS
+    # the tokenizer's post-processor adds to a text prompt); the others only when null
+    add_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
+    prompt_embeds: Any = None
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -170,10 +213,18 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# vLLM's fields accepted only as null ({} too for the first)
+_VLLM_NULL_OR_EMPTY = ("logits_processors", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
+                       "media_io_kwargs")
+_VLLM_NULL_ONLY = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                   "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern")
+
+
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
     support (functions, audio, non-text modalities or response formats, echo,
-    best_of > 1, suffix)."""
+    best_of > 1, suffix), or vLLM field away from its no-op value (use_beam_search,
+    priority, bad_words, allowed_token_ids, guided decoding, ...)."""
     checks = [
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
@@ -185,6 +236,17 @@ def unsupported(req: BaseModel) -> None:
         ("echo", lambda v: bool(v)),
         ("best_of", lambda v: v not in (None, 1)),
         ("suffix", lambda v: v is not None),
+        # vLLM's
+        ("use_beam_search", lambda v: v),
+        ("priority", lambda v: v != 0),
+        ("bad_words", lambda v: bool(v)),
+        ("allowed_token_ids", lambda v: v is not None),
+        ("return_tokens_as_token_ids", lambda v: bool(v)),
+        ("include_reasoning", lambda v: not v),
+        ("prompt_embeds", lambda v: v is not None),
+        ("chat_template", lambda v: v is not None),
+        *((name, lambda v: bool(v)) for name in _VLLM_NULL_OR_EMPTY),
+        *((name, lambda v: v is not None) for name in _VLLM_NULL_ONLY),
     ]
     for name, bad in checks:
         if name in type(req).model_fields and bad(getattr(req, name)):

@@ -697,6 +697,16 @@ def test_tokenize_add_special_tokens_as_vllm(tiny_serving, serve_kit):
         assert raw(run, "POST", "/tokenize", {"messages": messages})[1]["tokens"] == chat_ids
         assert raw(run, "POST", "/tokenize", {"messages": messages, "add_special_tokens": True})[1]["tokens"] \
             == [bos, *chat_ids]
+        # what the completion routes feed the model: the same defaults (vLLM's; completions
+        # added no BOS before)
+        for extra, want in (({}, [bos, *plain]), ({"add_special_tokens": False}, plain)):
+            status, got = raw(run, "POST", "/v1/completions", {"prompt": "Hello there", "max_tokens": 1,
+                                                               "return_token_ids": True, **extra})
+            assert status == 200 and got["choices"][0]["prompt_token_ids"] == want, got
+        for extra, want in (({}, chat_ids), ({"add_special_tokens": True}, [bos, *chat_ids])):
+            status, got = raw(run, "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                                                    "return_token_ids": True, **extra})
+            assert status == 200 and got["prompt_token_ids"] == want, got
     finally:
         serve_kit.stop_server(run)
     run = serve_kit.start_server(model, with_template(tok, drop=True), ServeOptions(MODEL), max_batch=1)
@@ -1019,7 +1029,7 @@ def test_an_input_error_below_the_handlers_is_a_400(server, tiny_serving, monkey
 
     _, tok = tiny_serving
 
-    def refuse(text):
+    def refuse(text, *args):
         raise InputError("the text to encode is not valid Unicode")
 
     monkeypatch.setattr(tok, "encode", refuse)
@@ -1570,3 +1580,101 @@ def test_continuous_usage_stats(server, path):
         assert c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"]
     status, events = _post(server, path, {**body, "stream_options": {"continuous_usage_stats": True}})
     assert status == 200 and all("usage" not in json.loads(e) for e in events), events
+
+
+# ---- vLLM's other request fields -------------------------------------------------------------
+
+
+VLLM_DEFAULTS = {"truncate_prompt_tokens": None, "priority": 0, "bad_words": [], "length_penalty": 1.0,
+                 "use_beam_search": False, "allowed_token_ids": None, "cache_salt": None,
+                 "return_tokens_as_token_ids": False, "logits_processors": None, "kv_transfer_params": None,
+                 "vllm_xargs": None, "structured_outputs": None, "guided_json": None, "guided_regex": None,
+                 "guided_choice": None, "guided_grammar": None, "structural_tag": None,
+                 "guided_decoding_backend": None, "guided_whitespace_pattern": None, "request_id": "r-1"}
+VLLM_CHAT_DEFAULTS = {"echo": False, "add_special_tokens": False, "include_reasoning": True, "documents": None,
+                      "chat_template": None, "mm_processor_kwargs": None, "media_io_kwargs": None, "best_of": 1}
+VLLM_COMPLETION_DEFAULTS = {"add_special_tokens": True, "response_format": None, "prompt_embeds": None}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_vllm_request_fields_at_their_defaults_are_accepted(server, path):
+    """vLLM's request models declare these fields, and clients built for it send them at
+    their defaults; flintc answered 'Unrecognized request argument supplied'."""
+    if path == "/v1/completions":
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **VLLM_DEFAULTS, **VLLM_COMPLETION_DEFAULTS}
+    else:
+        body = chat("hi", model=MODEL, max_tokens=2, **VLLM_DEFAULTS, **VLLM_CHAT_DEFAULTS)
+    status, got = raw(server, "POST", path, body)
+    assert status == 200, got
+    status, got = raw(server, "POST", path, {**body, "vllm_xargs": {}, "cache_salt": "salt", "length_penalty": 0.5,
+                                             **({"documents": [{"title": "t", "text": "x"}]}
+                                                if path != "/v1/completions" else {})})
+    assert status == 200, got
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("patch", [
+    {"use_beam_search": True}, {"priority": 1}, {"bad_words": ["x"]}, {"allowed_token_ids": [1, 2]},
+    {"return_tokens_as_token_ids": True}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}},
+    {"kv_transfer_params": {"a": 1}}, {"guided_json": {"type": "object"}}, {"guided_regex": "a+"},
+    {"guided_choice": ["a"]}, {"structured_outputs": {"json": {}}}, {"guided_decoding_backend": "xgrammar"},
+])
+def test_vllm_request_fields_away_from_their_defaults_are_refused(server, path, patch):
+    body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions"
+            else chat("hi", model=MODEL, max_tokens=2))
+    status, got = raw(server, "POST", path, {**body, **patch})
+    (name,) = patch
+    assert status == 400 and got["error"]["param"] == name and got["error"]["code"] == "unsupported_parameter", got
+    assert "is not supported by flintc serve" in got["error"]["message"]
+
+
+@pytest.mark.parametrize("patch", [{"echo": True}, {"include_reasoning": False}, {"chat_template": "{{ x }}"},
+                                   {"mm_processor_kwargs": {"a": 1}}, {"best_of": 2}])
+def test_vllm_chat_fields_away_from_their_defaults_are_refused(server, patch):
+    status, got = raw(server, "POST", "/v1/chat/completions", {**chat("hi", model=MODEL, max_tokens=2), **patch})
+    (name,) = patch
+    assert status == 400 and got["error"]["param"] == name and got["error"]["code"] == "unsupported_parameter", got
+
+
+def test_vllm_completion_fields_away_from_their_defaults_are_refused(server):
+    for patch in ({"prompt_embeds": "AAAA"}, {"response_format": {"type": "json_object"}}):
+        status, got = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                              **patch})
+        (name,) = patch
+        assert status == 400 and got["error"]["param"] == name, got
+
+
+@pytest.mark.parametrize("path, prefix", [("/v1/completions", "cmpl-"), ("/v1/chat/completions", "chatcmpl-")])
+def test_request_id_is_the_response_id(server, path, prefix):
+    """vLLM's request_id: the response id is the route's prefix + the X-Request-Id header,
+    else request_id, else a random id; streamed chunks carry it too."""
+    body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions"
+            else chat("hi", model=MODEL, max_tokens=2))
+    assert raw(server, "POST", path, {**body, "request_id": "abc"})[1]["id"] == prefix + "abc"
+    assert raw(server, "POST", path, {**body, "request_id": "abc"}, headers={"X-Request-Id": "hdr"})[1]["id"] \
+        == prefix + "hdr"
+    ids = {raw(server, "POST", path, body)[1]["id"] for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith(prefix) and len(i) > len(prefix) + 8 for i in ids)
+    status, events = _post(server, path, {**body, "request_id": "s1", "stream": True})
+    assert status == 200 and {json.loads(e)["id"] for e in events} == {prefix + "s1"}
+
+
+def test_truncate_prompt_tokens(server, tiny_serving):
+    """vLLM's truncate_prompt_tokens: the model sees the prompt's last k tokens (-1: the
+    last --max-model-len); 0, below -1 or over --max-model-len is a 400."""
+    _, tok = tiny_serving
+    ids = [(5 * i + 7) % 400 + 1 for i in range(12)]
+    base = {"model": MODEL, "max_tokens": 2, "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    status, got = raw(server, "POST", "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": 5})
+    assert status == 200 and got["choices"][0]["prompt_token_ids"] == ids[-5:], got
+    assert got["usage"]["prompt_tokens"] == 5
+    status, want = raw(server, "POST", "/v1/completions", {**base, "prompt": ids[-5:]})
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+    status, got = raw(server, "POST", "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": -1})
+    assert status == 200 and got["choices"][0]["prompt_token_ids"] == ids, got
+    status, got = raw(server, "POST", "/v1/chat/completions", {**chat("Hello there, how are you?", **base),
+                                                               "truncate_prompt_tokens": 4})
+    assert status == 200 and len(got["prompt_token_ids"]) == 4 == got["usage"]["prompt_tokens"], got
+    for k in (0, -2, 1025):
+        status, got = raw(server, "POST", "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": k})
+        assert status == 400 and got["error"]["param"] == "truncate_prompt_tokens", got
