@@ -561,7 +561,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         n = 1 if req.n is None else req.n
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n")
-        if req.stream_options is not None and not req.stream:  # vLLM's check, and message
+        # vLLM's check (`data.get("stream_options") and not data.get("stream")`: {} passes), and message
+        if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
         stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
         if len(stop) > MAX_STOP or any(not s for s in stop):
