@@ -513,7 +513,15 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                    f"in a high-low pair)", param=where, code="invalid_json") from None
                 why = (e.get("ctx") or {}).get("error", e["msg"])
                 raise APIError(400, f"malformed JSON in the request body: {why}", code="invalid_json") from None
-            where = ".".join(str(p) for p in e["loc"]) or "body"
+            loc = e["loc"]
+            if cls is CompletionRequest and loc[:1] == ("prompt",) and e["type"] != "missing":
+                # pydantic names the last union member tried ('prompt.str')
+                raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids "
+                               "(integers) or a list of such lists", param="prompt") from None
+            if loc[:1] == ("stop_token_ids",) and e["type"] != "extra_forbidden":  # as its range errors
+                where = "stop_token_ids" + "".join(f"[{p}]" for p in loc[1:])
+                raise APIError(400, f"invalid value for '{where}': {e['msg']}", param="stop_token_ids") from None
+            where = ".".join(str(p) for p in loc) or "body"
             msg = ("Unrecognized request argument supplied: " + where if e["type"] == "extra_forbidden"
                    else f"invalid value for '{where}': {e['msg']}")
             raise APIError(400, msg, param=where) from None
@@ -565,8 +573,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
         stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
-        if len(stop) > MAX_STOP or any(not s for s in stop):
-            raise APIError(400, f"'stop' takes at most {MAX_STOP} non-empty strings", param="stop")
+        if any(not s for s in stop):  # vLLM: "stop cannot contain an empty string"
+            raise APIError(400, "'stop' cannot contain an empty string", param="stop")
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"'stop' takes at most {MAX_STOP} strings, got {len(stop)}", param="stop")
         return n, tuple(stop)
 
     def stop_token_ids(req) -> frozenset[int]:
@@ -1080,9 +1090,12 @@ def _template_messages(messages: list[dict]) -> list[dict]:
                            + (" without tool_calls" if role == "assistant" else ""),
                            param=f"messages[{i}].content")
         if isinstance(content, list):
-            for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"):
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported "
+                                   f"({{\"type\": \"text\", \"text\": ...}})", param=f"messages[{i}].content")
+                if not isinstance(part.get("text"), str):
+                    raise APIError(400, f"messages[{i}].content[{j}]: a text part needs 'text' (a string)",
                                    param=f"messages[{i}].content")
         elif content is not None and not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string, a list of text parts, or null",

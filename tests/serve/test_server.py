@@ -1679,3 +1679,42 @@ def test_truncate_prompt_tokens(server, tiny_serving):
     for k in (0, -2, 1025):
         status, got = raw(server, "POST", "/v1/completions", {**base, "prompt": ids, "truncate_prompt_tokens": k})
         assert status == 400 and got["error"]["param"] == "truncate_prompt_tokens", got
+
+
+# ---- validation messages -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", [[1, "a"], [[1, 2], "a"], [1.0, 2], [True], [[1, "a"]], 5, {"a": 1}])
+def test_bad_prompt_type_names_prompt(server, prompt):
+    """pydantic's union error named 'prompt.str' ('Input should be a valid string')."""
+    status, got = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert status == 400 and got["error"]["param"] == "prompt", got
+    assert got["error"]["message"] == ("'prompt' must be a string, a list of strings, a list of token ids "
+                                       "(integers) or a list of such lists")
+
+
+@pytest.mark.parametrize("stop", ["", ["a", ""]])
+def test_empty_stop_string_message(server, stop):
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}),
+                       ("/v1/chat/completions", chat("hi", model=MODEL, max_tokens=1))):
+        status, got = raw(server, "POST", path, {**body, "stop": stop})
+        assert status == 400 and got["error"]["param"] == "stop", got
+        assert "cannot contain an empty string" in got["error"]["message"], got
+
+
+def test_text_part_without_text_message(server):
+    for part, needle in (({"type": "text"}, "needs 'text'"), ({"type": "text", "text": 5}, "needs 'text'"),
+                         ({"type": "image_url", "image_url": {"url": "x"}}, "only text parts")):
+        msgs = [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
+        status, got = raw(server, "POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1})
+        assert status == 400 and got["error"]["param"] == "messages[0].content", got
+        assert got["error"]["message"].startswith("messages[0].content[1]: ") and needle in got["error"]["message"]
+
+
+@pytest.mark.parametrize("value, where", [([1, "a"], "stop_token_ids[1]"), ([True], "stop_token_ids[0]"),
+                                          ("x", "stop_token_ids"), ([[1]], "stop_token_ids[0]")])
+def test_stop_token_ids_type_errors_name_the_field(server, value, where):
+    status, got = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1,
+                                                          "stop_token_ids": value})
+    assert status == 400 and got["error"]["param"] == "stop_token_ids", got
+    assert got["error"]["message"].startswith(f"invalid value for '{where}': "), got
