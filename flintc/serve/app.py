@@ -17,7 +17,10 @@ prompt does not stall the event loop and every other client, checked against
 through an asyncio queue; for chat they go through the reasoning parser
 (:mod:`flintc.serve.reasoning`) and, when tools are in play, the tool-call parser
 (:mod:`flintc.serve.tool_calls`). A client that disconnects (streaming or not)
-has its requests aborted, which frees their engine slots.
+has its requests aborted, which frees their engine slots. When the server shuts down
+(``app.state.abort_in_flight``, called by :func:`flintc.serve.server.uvicorn_server`),
+the requests in flight are aborted and answered with a 503 (a stream: an error event,
+then ``[DONE]``).
 
 Sampling defaults are FLINT_SPEC section 6 (temperature 1.0, top-p 0.95, top-k
 20); vLLM's ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
@@ -47,6 +50,7 @@ import json
 import math
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 
 import jinja2
@@ -700,9 +704,36 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         return {"id": options.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "flintc", "max_model_len": max_model_len}
 
+    # requests in flight, aborted when the server shuts down (`abort_in_flight`)
+    in_flight: weakref.WeakSet[_Generation] = weakref.WeakSet()
+    closing = False
+
+    def abort_in_flight() -> None:
+        """The server is shutting down (called on the event loop by
+        `flintc.serve.server.uvicorn_server` before uvicorn waits for the connections):
+        abort every request in flight, and refuse new ones (503)."""
+        nonlocal closing
+        closing = True
+        for g in list(in_flight):
+            g.abort()
+
+    app.state.abort_in_flight = abort_in_flight
+
+    def shutting_down() -> APIError:
+        return APIError(503, "the server is shutting down; the request was not completed", "server_error",
+                        code="server_shutting_down")
+
+    def stream_aborted() -> str:
+        """The event a stream ends with when the server aborts it (shutting down), before [DONE]."""
+        e = shutting_down()
+        return _sse(error_body(e.message, e.type, code=e.code))
+
     async def run(request: Request, gen: _Generation, on_output, stream_body):
         """Start ``gen``; stream (``stream_body`` is an async generator factory) or
         collect all outputs with ``on_output``, aborting if the client goes away."""
+        if closing:
+            raise shutting_down()
+        in_flight.add(gen)
         gen.start()
         if stream_body is not None:
             async def body():
@@ -710,6 +741,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                     async for chunk in stream_body():
                         yield chunk
                 finally:
+                    in_flight.discard(gen)
                     gen.abort()  # no-op for finished choices; frees the slot on disconnect
             return StreamingResponse(body(), media_type="text/event-stream")
         watcher = asyncio.create_task(_abort_on_disconnect(request, gen))
@@ -725,14 +757,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         finally:
             disconnected = watcher.done() and not watcher.cancelled()
             watcher.cancel()
+            in_flight.discard(gen)
             gen.abort()
         if aborted:
-            # the client is gone (vLLM: "Client disconnected"), or the engine stopped:
-            # no response is built from the partial results
-            if disconnected:
+            # the client is gone (vLLM: "Client disconnected"), or the server is shutting
+            # down: no response is built from the partial results
+            if disconnected and not closing:
                 raise APIError(400, "client disconnected", code="client_disconnected")
-            raise APIError(503, "the request was aborted: the server is shutting down", "server_error",
-                           code="server_shutting_down")
+            raise shutting_down()
         return None
 
     # ---- routes ----------------------------------------------------------------------
@@ -894,6 +926,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                     yield _sse(error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if out.finish_reason == "abort":
+                    if closing:  # the server aborted it (a client gone no longer reads)
+                        yield stream_aborted()
+                        break
                     continue
                 c = choices[out.index]
                 delta = c.feed(out)
@@ -992,6 +1027,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                     yield _sse(error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if out.finish_reason == "abort":
+                    if closing:  # the server aborted it (a client gone no longer reads)
+                        yield stream_aborted()
+                        break
                     continue
                 take(out)
                 # one chunk per step that made tokens, as vLLM, even when its text is empty (a

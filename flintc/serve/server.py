@@ -191,9 +191,29 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_server(config):
+    """A ``uvicorn.Server`` for ``config`` whose shutdown (Ctrl-C, SIGTERM) first calls
+    the app's ``app.state.abort_in_flight()`` (:func:`flintc.serve.app.create_app`):
+    in-flight requests are aborted in the engine and answered (a non-streamed one a
+    JSON 503, a stream an error event and ``[DONE]``), so uvicorn's graceful shutdown
+    finds them done instead of cancelling them after its timeout (a CancelledError
+    traceback, a text/plain 500, streams cut)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state = getattr(config.app, "state", None)
+            abort = getattr(state, "abort_in_flight", None) if state is not None else None
+            if abort is not None:
+                abort()
+            await super().shutdown(sockets)
+
+    return _Server(config)
+
+
 def serve(app, sock: socket.socket, log_level: str = "info") -> None:
     """Run uvicorn with ``app`` on the bound ``sock`` until interrupted."""
     import uvicorn
 
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn_server(config).run(sockets=[sock])

@@ -69,7 +69,7 @@ def start_server(model, tokenizer, options, max_batch=4, max_model_len=256, wrap
     from flintc.runtime.runner import ReferenceRunner
     from flintc.serve.app import create_app
     from flintc.serve.engine import Engine
-    from flintc.serve.server import bind
+    from flintc.serve.server import bind, uvicorn_server
 
     runner = ReferenceRunner(model, max_batch=max_batch, max_model_len=max_model_len)
     if wrap is not None:
@@ -78,7 +78,7 @@ def start_server(model, tokenizer, options, max_batch=4, max_model_len=256, wrap
     app = create_app(engine, tokenizer, options)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn_server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     end = time.monotonic() + 30

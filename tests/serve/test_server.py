@@ -1718,3 +1718,54 @@ def test_stop_token_ids_type_errors_name_the_field(server, value, where):
                                                           "stop_token_ids": value})
     assert status == 400 and got["error"]["param"] == "stop_token_ids", got
     assert got["error"]["message"].startswith(f"invalid value for '{where}': "), got
+
+
+# ---- shutdown -------------------------------------------------------------------------------
+
+
+def test_shutdown_answers_in_flight_requests(tiny_serving, serve_kit):
+    """Ctrl-C (uvicorn's should_exit) with requests in flight: they are aborted in the
+    engine and answered, a non-streamed one with a JSON 503, a stream with an error event
+    and [DONE]; nothing is logged as an error. uvicorn cancelled them after its graceful
+    timeout (a CancelledError traceback, a text/plain 500, a stream cut short)."""
+    model, tok = tiny_serving
+    run = serve_kit.start_server(model, tok, ServeOptions(MODEL), max_batch=2, max_model_len=1024)
+    errors = _Errors()
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    results = {}
+    try:
+        long = {"model": MODEL, "prompt": "Go on.", "max_tokens": 1000, "ignore_eos": True}
+        conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({**long, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.readline().startswith(b"data: ")
+
+        def plain():
+            c = http.client.HTTPConnection("127.0.0.1", run.port, timeout=60)
+            body = chat("Go on.", model=MODEL, max_tokens=1000, ignore_eos=True)
+            c.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                      headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            results["plain"] = (r.status, r.getheader("content-type"), r.read().decode())
+
+        t = threading.Thread(target=plain)
+        t.start()
+        assert _wait(lambda: run.engine.num_running == 2)
+        run.server.should_exit = True
+        rest = resp.read().decode()
+        t.join(30)
+        run.thread.join(30)
+        assert not run.thread.is_alive()
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+        if run.thread.is_alive():
+            serve_kit.stop_server(run)
+    status, ctype, text = results["plain"]
+    assert status == 503 and ctype == "application/json", (status, ctype, text)
+    err = json.loads(text)["error"]
+    assert err["type"] == "server_error" and err["code"] == "server_shutting_down", err
+    events = [e for e in rest.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert json.loads(events[-2][6:])["error"]["code"] == "server_shutting_down", events[-3:]
+    assert not errors.records, [r.getMessage() for r in errors.records]
