@@ -19,7 +19,10 @@
 # carry: .whl gpu_builds/full-nvfp4-b1 gpu_builds/full4d-nvfp4-b1 gpu_builds/full4d-bf16-b1
 #        gpu_builds/full4-config gpu_builds/old gpu_builds/old-src
 #
-#   OUT=/some/dir bash scripts/gpu_prefill_logits_rows.sh   # repository root
+# STEPS (default "new_graph new_peak old_graph old_peak runtime4") picks the steps;
+# RUNTIME_FORMATS (default nvfp4,bf16) the 4-layer check's formats.
+#
+#   OUT=/some/dir [STEPS="new_graph runtime4"] bash scripts/gpu_prefill_logits_rows.sh   # repo root
 set -uo pipefail
 START=$(date +%s)
 OUT=${OUT:-$PWD/logits_rows_out}
@@ -34,8 +37,10 @@ NEW_PATH=$PYTHONPATH
 OLD_PATH=${PYTHONPATH/$PWD/$PWD/gpu_builds/old-src}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 
-step() {  # step NAME LIMIT_S CMD...
+STEPS=" ${STEPS:-new_graph new_peak old_graph old_peak runtime4} "
+step() {  # step NAME LIMIT_S CMD...: only the steps STEPS names
   local name=$1 limit=$2; shift 2
+  [[ $STEPS == *" $name "* ]] || return 0
   echo "== $name ($(( $(date +%s) - START )) s in, cap $limit s)"
   timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   echo "   exit $? after $(( $(date +%s) - START )) s"
@@ -62,6 +67,6 @@ PYTHONPATH=$OLD_PATH step old_graph 150 $PY gpu_builds/old-src/scripts/gpu_prefi
 PYTHONPATH=$OLD_PATH step old_peak 70 $PY -c "$PEAK" gpu_builds/old/full-nvfp4-b1
 LEFT=$(( 520 - ($(date +%s) - START) ))
 (( LEFT > 30 )) && PYTHONPATH=$NEW_PATH step runtime4 "$LEFT" $PY scripts/gpu_runtime.py --builds gpu_builds \
-  --build-prefix full4d --config gpu_builds/full4-config --formats nvfp4,bf16 --prompt-len 2600 \
+  --build-prefix full4d --config gpu_builds/full4-config --formats "${RUNTIME_FORMATS:-nvfp4,bf16}" --prompt-len 2600 \
   --steps 8 --out "$OUT/runtime4.md"
 echo "done after $(( $(date +%s) - START )) s"
