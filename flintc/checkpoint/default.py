@@ -4,16 +4,23 @@
 `$XDG_CACHE_HOME/flintc`, else `~/.cache/flintc`) under `default-tiny-nvfp4-s0/`; a
 cache folder that cannot be written is an InputError naming FLINTC_CACHE_DIR.
 It is written to a temporary folder and renamed into place, so a crash or two
-processes racing never leave a half-written default behind. One that was damaged
-later (truncated, edited) is written again once by `load_default`, with a notice;
-so is one a build of it records that is gone (`is_cached_default`,
-`flintc.runtime.compiled.recorded_weight_source`). `load_checkpoint_or_default` is how
+processes racing never leave a half-written default behind; the sha256 of each of its
+files is recorded in the folder's MANIFEST_NAME, written last. Before each use the
+whole folder is checked against it (`check_default_folder`: the GGUF, config.json, the
+tokenizer files); one that was damaged later (a file truncated, edited, deleted) is
+written again once by `default_checkpoint`, with a one-line notice; so is one a build
+of it records that is gone (`is_cached_default`,
+`flintc.runtime.compiled.recorded_weight_source`). A copy is replaced only when it
+still fails the check just then, so a process never removes the good copy another one
+has just written. `load_checkpoint_or_default` is how
 `flintc run`, `compile`, `serve` and `flintc.compile` load MODEL or, when none is
 given, this default.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -24,6 +31,7 @@ from flintc.errors import InputError
 
 DEFAULT_NAME = "default-tiny-nvfp4-s0"
 GGUF_NAME = "model-nvfp4.gguf"
+MANIFEST_NAME = "flintc-files.json"  # the sha256 of each file, written last
 
 
 def cache_dir() -> Path:
@@ -53,19 +61,79 @@ def cache_error(folder: Path, exc: OSError) -> InputError:
                       "writable folder, or pass MODEL")
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    """Record the sha256 of every file in `folder` in its MANIFEST_NAME, written last and
+    atomically (a temporary file renamed into place)."""
+    files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
+    tmp = folder / f".{MANIFEST_NAME}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, folder / MANIFEST_NAME)
+
+
+def check_default_folder(folder: Path) -> str | None:
+    """What is wrong with the cached default `folder`: None when every file its manifest
+    (MANIFEST_NAME, written last by `default_checkpoint`) records is there with the
+    sha256 recorded; else one phrase naming the file (missing, changed since it was
+    written, or the manifest itself missing or unreadable). The whole folder is checked
+    (the GGUF, config.json, the tokenizer files), every byte: the default is about 1 MB."""
+    manifest = folder / MANIFEST_NAME
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        if not isinstance(files, dict) or GGUF_NAME not in files:
+            raise ValueError
+    except FileNotFoundError:
+        return f"{manifest}: missing"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{manifest}: not a readable manifest"
+    for name, digest in files.items():
+        path = folder / str(name)
+        try:
+            if _sha256(path) != digest:
+                return f"{path}: changed since it was written (its sha256 differs from the one recorded)"
+        except FileNotFoundError:
+            return f"{path}: missing"
+        except OSError as exc:
+            return f"{path}: {exc.strerror or exc}"
+    return None
+
+
 def default_checkpoint() -> Path:
     """Path of the default tiny NVFP4 GGUF file, generating it on first use.
+
+    The cached folder is checked whole before use (`check_default_folder`: every file
+    against the sha256 recorded when it was written); one that was damaged since (a file
+    truncated, edited, deleted) is written again, with a one-line notice on stderr.
 
     Raises:
         InputError: the cache folder (`cache_dir`) cannot be created or written: it is
             a file, under one, or not writable (`cache_error`: the message names
             FLINTC_CACHE_DIR and its value when it is set).
     """
+    final = cache_dir() / DEFAULT_NAME
+    if final.is_dir():
+        problem = check_default_folder(final)
+        if problem is None:
+            return final / GGUF_NAME
+        print(f"flintc: the cached default model is damaged ({problem}); writing it again", file=sys.stderr)
+    _write_default(final)
+    return final / GGUF_NAME
+
+
+def _write_default(final: Path, replace_good: bool = False) -> None:
+    """Write the default into a temporary folder, record its manifest last, and rename it
+    to `final`. A folder already at `final` is moved aside (and removed) only when it
+    still fails `check_default_folder` just then (or `replace_good`): a copy another
+    process has written meanwhile is kept, never deleted under its readers."""
     from flintc.checkpoint.writer import make_checkpoint
 
-    final = cache_dir() / DEFAULT_NAME
-    if (final / GGUF_NAME).is_file():
-        return final / GGUF_NAME
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-", dir=final.parent))
@@ -73,17 +141,25 @@ def default_checkpoint() -> Path:
         raise cache_error(final.parent, exc) from None
     try:
         made = make_checkpoint("tiny", "nvfp4", tmp / "ckpt", seed=0)
-        try:
-            os.rename(made.parent, final)
-        except OSError:  # another process won the race, or a stale folder is in the way
-            if not (final / GGUF_NAME).is_file():
-                shutil.rmtree(final, ignore_errors=True)
+        _write_manifest(made.parent)
+        for _ in range(5):
+            try:
                 os.rename(made.parent, final)
+                return
+            except OSError:  # a folder is in the way: another process's copy, or a damaged one
+                if not final.exists():
+                    continue
+                if not final.is_dir():
+                    raise
+                if not replace_good and check_default_folder(final) is None:
+                    return  # another process wrote it meanwhile: keep theirs
+                replace_good = False
+                _discard(final)
+        os.rename(made.parent, final)
     except OSError as exc:  # the disk full, a file named like the default in the way
         raise cache_error(final.parent, exc) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final / GGUF_NAME
 
 
 def is_cached_default(path) -> bool:
@@ -111,8 +187,9 @@ def load_checkpoint_or_default(model, **kwargs):
 def load_default(load):
     """`load(default_checkpoint())`. When that raises a CheckpointError naming the cached
     default (its file truncated or corrupt), the default is written again (it is
-    deterministic from its seed; the damaged folder is renamed aside and removed, the new
-    one written as `default_checkpoint` writes it) with a one-line notice on stderr, and
+    deterministic from its seed; the new one written as `default_checkpoint` writes it,
+    then swapped in for the damaged folder, which is renamed aside and removed) with a
+    one-line notice on stderr, and
     loaded once more; should that fail too, the error says to delete the folder.
     CheckpointErrors about other files (an --hf-config-path) are raised as they are."""
     from flintc.errors import CheckpointError
@@ -125,8 +202,7 @@ def load_default(load):
         if str(folder) not in str(exc):
             raise
         print(f"flintc: the cached default model does not load ({exc}); writing it again", file=sys.stderr)
-    _discard(folder)
-    path = default_checkpoint()
+    _write_default(folder, replace_good=True)
     try:
         return load(path)
     except CheckpointError as exc:

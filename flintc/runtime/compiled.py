@@ -220,8 +220,9 @@ def recorded_weight_source(build: str | Path, manifest: dict) -> str:
     `load_build` calls it when no checkpoint is given; `flintc run --build` and `flintc
     serve --build` too, before they look for the tokenizer beside that checkpoint. A
     build of the embedded default model whose cached copy is gone (the cache was
-    cleared) gets it written again (`flintc.checkpoint.default.default_checkpoint`; it
-    is deterministic, so the build's fingerprint still matches), with a one-line notice.
+    cleared) or damaged (any file of it: `flintc.checkpoint.default.check_default_folder`)
+    gets it written again (`flintc.checkpoint.default.default_checkpoint`; it is
+    deterministic, so the build's fingerprint still matches), with a one-line notice.
 
     Raises:
         InputError: build.json records no weight_source, or a path that no longer exists
@@ -234,14 +235,17 @@ def recorded_weight_source(build: str | Path, manifest: dict) -> str:
     source = manifest.get("weight_source")
     if not isinstance(source, str) or not source:
         raise InputError(f"{where} records no weight_source (the checkpoint it was compiled from): {retry}")
-    if not source.startswith("dummy:") and not Path(source).exists():
-        from flintc.checkpoint.default import default_checkpoint, is_cached_default
+    if source.startswith("dummy:"):
+        return source
+    from flintc.checkpoint.default import default_checkpoint, is_cached_default
 
-        if is_cached_default(source):
+    if is_cached_default(source):
+        if not Path(source).parent.exists():
             print(f"flintc: the cached default model {Path(source).parent}, which {where} records, is gone; "
                   "writing it again", file=sys.stderr)
-            default_checkpoint()
-            return source
+        default_checkpoint()  # checked whole; a damaged one (any file of it) is written again
+        return source
+    if not Path(source).exists():
         raise InputError(f"{where} records the checkpoint {source} (weight_source), which no longer exists "
                          f"(moved or deleted since the compile): {retry}")
     return source

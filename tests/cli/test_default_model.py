@@ -17,8 +17,8 @@ import pytest
 from harness import run_cli
 
 DEFAULT = "default-tiny-nvfp4-s0"
-DAMAGED = re.compile(r"flintc: the cached default model does not load \(.*model-nvfp4\.gguf: truncated or corrupt "
-                     r"GGUF file: .*\); writing it again")
+DAMAGED = re.compile(r"flintc: the cached default model is damaged \(.*model-nvfp4\.gguf: changed since it was "
+                     r"written \(its sha256 differs from the one recorded\)\); writing it again")
 RUN = ("--prompt-ids", "1,2,3", "--max-tokens", 3, "--temperature", 0, "--ignore-eos", "--output", "json")
 
 
@@ -156,3 +156,104 @@ def test_is_cached_default(cache, tmp_path):
     assert is_cached_default(_gguf(cache_dir))
     assert not is_cached_default(tmp_path / DEFAULT / "model-nvfp4.gguf")
     assert not is_cached_default(cache_dir / DEFAULT / "other.gguf")
+
+
+def _flip_byte(path, offset=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _edit_config(path):
+    config = json.loads(path.read_text())
+    config["rms_norm_eps"] = 0.5
+    path.write_text(json.dumps(config))
+
+
+# (file, how it is damaged, what the notice names)
+DAMAGES = {
+    "config-garbage": ("config.json", lambda p: p.write_text("garbage {"), "config.json: changed since"),
+    "config-edited": ("config.json", _edit_config, "config.json: changed since"),
+    "tokenizer-deleted": ("tokenizer.json", lambda p: p.unlink(), "tokenizer.json: missing"),
+    "tokenizer-invalid": ("tokenizer.json", lambda p: p.write_text("{}"), "tokenizer.json: changed since"),
+    "gguf-byte-flip": ("model-nvfp4.gguf", _flip_byte, "model-nvfp4.gguf: changed since"),
+    "manifest-deleted": ("flintc-files.json", lambda p: p.unlink(), "flintc-files.json: missing"),
+}
+
+
+def _snapshot(cache_dir) -> dict:
+    folder = cache_dir / DEFAULT
+    return {p.name: p.read_bytes() for p in folder.iterdir()}
+
+
+def _assert_rewritten(cache_dir, err, before, names) -> list[str]:
+    lines = err.splitlines()
+    assert lines and lines[0].startswith("flintc: the cached default model is damaged (") and names in lines[0], err
+    assert lines[0].endswith("; writing it again"), err
+    assert not any("cached default" in line or "error" in line for line in lines[1:]), err
+    assert "Traceback" not in err
+    assert _snapshot(cache_dir) == before
+    assert sorted(p.name for p in cache_dir.iterdir()) == [DEFAULT]
+    return lines[1:]
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
+def test_run_build_writes_a_default_damaged_anywhere_again(cache, capsys, damage):
+    """Any file of the cached default damaged (config.json garbage or edited, tokenizer.json
+    deleted or invalid, a byte flipped inside the GGUF the build fingerprint does not see,
+    the manifest gone): `flintc run --build` (with --prompt text, so the tokenizer is
+    needed) wrote nothing again ("config.json: not a readable JSON file", "pass
+    --tokenizer DIR", "recompile"); it is written again once, with the notice."""
+    cache_dir, build = cache
+    code, first, err = run_cli(capsys, "run", "--build", build, *RUN)
+    assert code == 0 and "cached default" not in err, err
+    before = _snapshot(cache_dir)
+    name, how, names = DAMAGES[damage]
+    how(cache_dir / DEFAULT / name)
+    code, again, err = run_cli(capsys, "run", "--build", build, *RUN)
+    assert code == 0, err
+    _assert_rewritten(cache_dir, err, before, names)
+    assert _json_line(again) == _json_line(first)
+    how(cache_dir / DEFAULT / name)
+    code, out, err = run_cli(capsys, "run", "--build", build, "--prompt", "Hi", "--max-tokens", 2, "--output", "json")
+    assert code == 0, err
+    _assert_rewritten(cache_dir, err, before, names)
+
+
+@pytest.mark.parametrize("damage", ["config-garbage", "config-edited", "tokenizer-deleted", "tokenizer-invalid"])
+def test_run_and_load_write_a_default_damaged_anywhere_again(cache, capsys, damage):
+    """`flintc run` without MODEL (--prompt text and --prompt-ids) and `flintc.load(BUILD)`."""
+    import flintc
+
+    cache_dir, build = cache
+    run_cli(capsys, "run", "--prompt-ids", "1", "--max-tokens", 1)
+    before = _snapshot(cache_dir)
+    name, how, names = DAMAGES[damage]
+    for args in (("--prompt", "Hi"), ("--prompt-ids", "1")):
+        how(cache_dir / DEFAULT / name)
+        code, out, err = run_cli(capsys, "run", *args, "--max-tokens", 2, "--output", "json")
+        assert code == 0, err
+        _assert_rewritten(cache_dir, err, before, names)
+    how(cache_dir / DEFAULT / name)
+    model = flintc.load(build)
+    _assert_rewritten(cache_dir, capsys.readouterr().err, before, names)
+    assert len(model.generate([1, 2, 3], max_tokens=2, ignore_eos=True).output_ids[0]) == 2
+
+
+def test_a_good_default_written_meanwhile_is_kept(cache, capsys, monkeypatch):
+    """Processes racing: one that found the default damaged, wrote a new copy and finds a
+    good one in place (another process's, written meanwhile) keeps that one and discards
+    its own; a copy still damaged just then is replaced."""
+    from flintc.checkpoint import default
+
+    cache_dir, _ = cache
+    folder = cache_dir / DEFAULT
+    assert default.check_default_folder(folder) is None
+    inode = folder.stat().st_ino
+    default._write_default(folder)
+    assert folder.stat().st_ino == inode and default.check_default_folder(folder) is None
+    (folder / "config.json").write_text("garbage")
+    default._write_default(folder)
+    assert folder.stat().st_ino != inode and default.check_default_folder(folder) is None
+    assert sorted(p.name for p in cache_dir.iterdir()) == [DEFAULT]

@@ -109,7 +109,7 @@ def test_damaged_default_model_is_written_again(capsys, tmp_path, monkeypatch):
         f.truncate(size // 2)
     code, again, err = run_cli(capsys, *args)
     assert code == 0, err
-    assert err.count("the cached default model does not load") == 1 and "writing it again" in err, err
+    assert err.count("the cached default model is damaged") == 1 and "writing it again" in err, err
     assert again == first and gguf.stat().st_size == size
     assert sorted(p.name for p in tmp_path.iterdir()) == ["default-tiny-nvfp4-s0"]
 
