@@ -142,8 +142,6 @@ def _given(args, dest: str):
 def _check_backend_flags(args, backend: str, n_prompts: int) -> None:
     """Refuse flags the chosen backend would ignore; check the limits given. Raises
     InputError naming the flag (no flag is ever silently ignored)."""
-    if args.max_model_len is not None and args.max_model_len < 2:  # as flintc serve: a prompt needs < it
-        raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     if args.max_batch is not None and args.max_batch < 1:
         raise InputError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
@@ -315,7 +313,7 @@ def _tokenizer_and_texts(args, found, vocab_size):
     if args.max_model_len is not None:
         for ids in texts:
             if len(ids) >= args.max_model_len:
-                raise InputError(f"--prompt: {len(ids)} tokens, more than the maximum of {args.max_model_len - 1} "
+                raise InputError(f"--prompt: {_n_tokens(len(ids))}, more than the maximum of {args.max_model_len - 1} "
                                  f"(--max-model-len {args.max_model_len} counts the prompt and at least one "
                                  "generated token)")
     return tokenizer, texts
@@ -329,16 +327,23 @@ def _check_prompts_early(args, id_prompts: list[list[int]]) -> None:
     tokens"). Raises InputError naming the flag. Token ids beyond the vocabulary are
     checked once its size is known (`_check_ids_in_vocab`), text prompts that encode too
     long once the tokenizer is loaded (`flintc.model.generate.check_prompt`)."""
+    if args.max_model_len is not None and args.max_model_len < 2:  # as flintc serve: a prompt needs < it
+        # before the prompts are measured against it: 1 was "more than the maximum of 0"
+        raise InputError(f"--max-model-len must be at least 2, got {args.max_model_len}")
     for text in args.prompt or []:
         if text == "":
             raise InputError("--prompt '': the prompt text is empty; a prompt needs at least one token")
         check_prompt_text(text, "--prompt")
-    if args.max_model_len is not None and args.max_model_len >= 1:
+    if args.max_model_len is not None:
         for ids in id_prompts:
             if len(ids) >= args.max_model_len:
-                raise InputError(f"--prompt-ids: {len(ids)} tokens, more than the maximum of "
+                raise InputError(f"--prompt-ids: {_n_tokens(len(ids))}, more than the maximum of "
                                  f"{args.max_model_len - 1} (--max-model-len {args.max_model_len} counts the "
                                  "prompt and at least one generated token)")
+
+
+def _n_tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def check_prompt_text(text: str, flag: str) -> None:

@@ -56,7 +56,7 @@ def check_prompt(ids: list[int], vocab_size: int, max_len: int, name: str = "pro
     if bad:
         raise InputError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
     if len(ids) >= max_len:
-        raise InputError(f"{name} has {len(ids)} tokens, more than the maximum of {max_len - 1} "
+        raise InputError(f"{name} has {len(ids)} token{'' if len(ids) == 1 else 's'}, more than the maximum of {max_len - 1} "
                          f"(the maximum model length {max_len} counts the prompt and at least "
                          "one generated token)")
 

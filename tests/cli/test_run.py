@@ -184,6 +184,10 @@ def test_bad_run_arguments(capsys, tiny_bf16_dir, args, needle):
                                                 "('\\ud800') is a lone surrogate; expected UTF-8 text"),
     (["--prompt-ids", "1,2,3", "--max-model-len", "3"], "--prompt-ids: 3 tokens, more than the maximum of 2 "
                                                          "(--max-model-len 3 counts the prompt"),
+    # 1 was "--prompt-ids: 1 tokens, more than the maximum of 0", unlike 0 and -5 (and serve)
+    (["--prompt-ids", "1", "--max-model-len", "1"], "--max-model-len must be at least 2, got 1"),
+    (["--prompt", "hi", "--max-model-len", "1"], "--max-model-len must be at least 2, got 1"),
+    (["--prompt-ids", "1,2,3", "--max-model-len", "-5"], "--max-model-len must be at least 2, got -5"),
 ])
 def test_bad_prompts_fail_before_compiling(capsys, monkeypatch, tiny_bf16_dir, args, needle):
     """An empty --prompt, or --prompt-ids longer than --max-model-len allows, used to fail
@@ -200,6 +204,15 @@ def test_bad_prompts_fail_before_compiling(capsys, monkeypatch, tiny_bf16_dir, a
     code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--backend", "torch", "--max-tokens", 1, *args)
     assert code == 2 and err.startswith("flintc: error: ") and needle in err and err.count("\n") == 1, err
     assert out == ""
+
+
+def test_one_token_is_singular():
+    """"1 tokens" where the prompt is one token long."""
+    from flintc.errors import InputError
+    from flintc.model.generate import check_prompt
+
+    with pytest.raises(InputError, match=r"^prompt has 1 token, more than the maximum of 0 "):
+        check_prompt([1], 10, 1, "prompt")
 
 
 @pytest.mark.parametrize("case", ["no tokenizer", "other vocabulary", "text too long"])
