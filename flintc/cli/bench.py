@@ -32,10 +32,19 @@ def _items(text: str, flag: str, expected: str) -> list[str]:
     return items
 
 
+def _once(values: list, text: str, flag: str, show=str) -> list:
+    """`values` (parsed from `text`, given for `flag`) when each is there once. Raises
+    InputError naming `flag` and the repeated values: they were measured twice."""
+    twice = [v for i, v in enumerate(values) if v in values[:i] and v not in values[values.index(v) + 1:i]]
+    if twice:
+        raise InputError(f"{flag} {text!r}: {', '.join(map(show, twice))} given twice; give each value once")
+    return values
+
+
 def _ints(text: str, flag: str) -> list[int]:
     """'1,2,4,8' -> [1, 2, 4, 8] for `flag`; `_` separators and 1e5 are accepted. Raises
     InputError naming `flag` and the bad item: an empty one (`1,,2`), one that is not a
-    whole number, or one below 1."""
+    whole number, one below 1, or one given twice (`_once`)."""
     vals = []
     for item in _items(text, flag, "comma-separated positive integers, e.g. 1,2,4"):
         x = item.replace("_", "")
@@ -49,7 +58,7 @@ def _ints(text: str, flag: str) -> list[int]:
         if v < 1:
             raise InputError(f"{flag} {text!r}: {item.strip()} is not a positive integer; each must be >= 1")
         vals.append(int(v))
-    return vals
+    return _once(vals, text, flag)
 
 
 def _points(text: str | None, what: str) -> list[tuple[int, int]] | None:
@@ -69,7 +78,7 @@ def _points(text: str | None, what: str) -> list[tuple[int, int]] | None:
             raise InputError(f"{what}: expected BATCHxCONTEXT items of positive integers like 1x1024, "
                              f"got {piece!r}")
         pts.append((b, c))
-    return pts
+    return _once(pts, text, what, lambda p: f"{p[0]}x{p[1]}")
 
 
 def _none_or(text: str, flag: str, expected: str, parse) -> list:
@@ -83,12 +92,12 @@ def _none_or(text: str, flag: str, expected: str, parse) -> list:
 
 def _names(text: str, flag: str, choices: tuple[str, ...]) -> list[str]:
     """'bf16,nvfp4' -> ['bf16', 'nvfp4'] for `flag`. Raises InputError naming `flag`: an
-    empty item, or a name not in `choices`."""
+    empty item, a name not in `choices`, or one given twice (`_once`)."""
     names = _items(text, flag, f"comma-separated names out of {', '.join(choices)}")
     for name in names:
         if name not in choices:
             raise InputError(f"{flag}: unknown value {name!r} (expected {', '.join(choices)})")
-    return names
+    return _once(names, text, flag)
 
 
 def _load_report(path: str) -> dict:

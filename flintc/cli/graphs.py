@@ -30,8 +30,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_name, default="cpu",
                    help="cpu or cuda: where the weights and the checks run")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random weights and the check inputs")
-    p.add_argument("--batch", type=int, default=2, help="decode batch B (1..8)")
-    p.add_argument("--tokens", type=int, default=16, help="prefill tokens per sequence")
+    # None when not given: a flag of the pipeline --step leaves out is refused (check_pass_flags)
+    p.add_argument("--batch", type=int, default=None, help="decode batch B (1..8; default: 2; decode only)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="prefill tokens per sequence (default: 16; prefill only: the prefill runs at B=1)")
     p.add_argument("--cache-len", type=int, default=64, help="full-attention cache length S_max")
     p.add_argument("--disable", action="append", default=[], metavar="PASS",
                    help="skip a pass by name (repeatable)")
@@ -52,8 +54,10 @@ def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[s
     Raises:
         InputError: a --disable name that is a pass of none of the pipelines (the message
             names them and their passes, and the --step whose pipeline has it, if any);
-            --attention-splits or --fold-attention-combine with the prefill pipeline
-            only (they are options of decode passes).
+            --attention-splits, --fold-attention-combine or --batch with the prefill
+            pipeline only (they are options of decode passes; the prefill runs at B=1),
+            --tokens with the decode pipeline only: each only when given (a default
+            is no choice). Their defaults (--batch 2, --tokens 16) are set here.
     """
     from flintc.passes.pipeline import pipeline_for
 
@@ -72,6 +76,16 @@ def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[s
             if given:
                 raise InputError(f"{flag} applies only to the decode pipeline (its attention); drop it, or pass "
                                  "--step decode")
+        if args.batch is not None:  # it was ignored: the prefill ran at B=1
+            raise InputError(f"--batch {args.batch} applies only to the decode pipeline (the prefill runs at B=1); "
+                             "drop it, or pass --step decode")
+    if "prefill" not in steps and args.tokens is not None:  # it was ignored
+        raise InputError(f"--tokens {args.tokens} applies only to the prefill pipeline (tokens per sequence); "
+                         "drop it, or pass --step prefill")
+    if args.batch is None:
+        args.batch = 2
+    if args.tokens is None:
+        args.tokens = 16
     return {step: tuple(n for n in args.disable if n in names[step]) for step in steps}
 
 

@@ -403,6 +403,13 @@ _SIZE_FLAGS = ("--contexts", "--batches", "--prefill")
     ("--batches", "-1", ["-1 is not a positive integer"]),
     ("--contexts", ",", ["empty item"]),
     ("--batches", " ", ["at least one value"]),
+    # a value given twice was measured twice
+    ("--batches", "1,1", ["'1,1': 1 given twice"]),
+    ("--contexts", "16,64,16", ["'16,64,16': 16 given twice"]),
+    ("--prefill", "16,1.6e1", ["16 given twice"]),
+    ("--formats", "bf16,bf16", ["'bf16,bf16': bf16 given twice"]),
+    ("--baselines", "eager,eager", ["eager given twice"]),
+    ("--breakdown", "1x64,1x64", ["1x64 given twice"]),
 ])
 def test_bad_sizes_name_only_their_flag(tmp_path, capsys, flag, value, needles):
     """A bad --contexts / --batches / --prefill value: one line naming that flag and the

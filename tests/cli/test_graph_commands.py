@@ -44,6 +44,15 @@ _PREFILL = ("canonicalize, fuse_rms_norm, fuse_silu_mul, fuse_qk_norm_rope_kv, f
      "--fold-attention-combine applies only to the decode pipeline (its attention); drop it, or pass --step decode"),
     (["dump", "--out", "{tmp}/d", "--step", "prefill", "--attention-splits", "2"],
      "--attention-splits applies only to the decode pipeline (its attention); drop it, or pass --step decode"),
+    # the prefill ran at B=1 with --batch 4, the decode ignored --tokens: silently
+    (["verify", "--step", "prefill", "--batch", "4"],
+     "--batch 4 applies only to the decode pipeline (the prefill runs at B=1); drop it, or pass --step decode"),
+    (["verify", "--step", "decode", "--tokens", "32"],
+     "--tokens 32 applies only to the prefill pipeline (tokens per sequence); drop it, or pass --step prefill"),
+    (["dump", "--out", "{tmp}/d", "--step", "prefill", "--batch", "2"],
+     "--batch 2 applies only to the decode pipeline (the prefill runs at B=1); drop it, or pass --step decode"),
+    (["dump", "--out", "{tmp}/d", "--tokens", "8"],
+     "--tokens 8 applies only to the prefill pipeline (tokens per sequence); drop it, or pass --step prefill"),
 ])
 def test_pass_flags_are_checked_before_any_output(capsys, tmp_path, args, message):
     """A --disable name that is no pass of the pipeline was refused only when the pipeline
