@@ -136,10 +136,12 @@ def _install_warning_format():
 
 
 def _run(args) -> int:
+    from flintc.cli.args import check_option_values
     from flintc.cli.compile_build import check_input_paths
 
     try:
         check_input_paths(args)  # an empty MODEL, --build, --tokenizer, ...: before any work
+        check_option_values(args)  # --seed's range, an empty --device, --buckets 1,1: one line
         return int(args.func(args) or 0)
     except Terminated:
         print("flintc: terminated", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""Argument types and checks shared by the CLI commands (argparse `type=` callables raise
-`argparse.ArgumentTypeError`, which argparse prints as one line with exit code 2)."""
+"""Argument types and checks shared by the CLI commands. The argparse `type=` callables
+only parse (text that is no number is argparse's error, after its usage block); what
+is checked beyond that is `check_option_values`'s, one line `flintc: error: ...`."""
 
 from __future__ import annotations
 
@@ -10,47 +11,69 @@ SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a 64-bit integer
 
 
 def seed(text: str) -> int:
-    """A random seed: an integer in [0, 2**63) (`torch.Generator.manual_seed`'s range, the
-    one `flintc run --seed` checks too). Raises argparse.ArgumentTypeError otherwise."""
+    """A random seed as an integer; its range, [0, 2**63) (`torch.Generator.manual_seed`'s,
+    the one `flintc run --seed` checks too), is checked by `check_option_values`. Raises
+    argparse.ArgumentTypeError for text that is not an integer."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text!r}") from None
-    if not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {text}")
-    return value
 
 
 def device_name(text: str) -> str:
     """A --device value as given (cpu, cuda or cuda:N; checked where it is used:
-    `torch_device`, `flintc.runtime.device.prepare_device`). An empty one is refused: it
-    used to mean the default device (an unset shell variable, most often). Raises
-    argparse.ArgumentTypeError."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("must not be empty: expected cpu or cuda (or cuda:N); leave --device "
-                                         "out for the default")
+    `torch_device`, `flintc.runtime.device.prepare_device`); an empty one is refused by
+    `check_option_values` (it used to mean the default device: an unset shell variable,
+    most often)."""
     return text
 
 
+BUCKETS_EXPECTED = "comma-separated decode batch sizes, e.g. 1,8"
+
+
 def buckets(text: str) -> tuple[int, ...]:
-    """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8). An empty value is
-    refused (it used to mean the default buckets), and so is an item that is not an
-    integer, and a size given twice; the sizes themselves (each >= 1, the largest --max-batch) are checked with
-    --max-batch (`flintc.runtime.build.BuildOptions.resolve`). Raises
-    argparse.ArgumentTypeError."""
-    expected = "comma-separated decode batch sizes, e.g. 1,8"
+    """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8); '' -> (). An empty
+    value and a size given twice are refused by `check_option_values`; the sizes
+    themselves (each >= 1, the largest --max-batch) are checked with --max-batch
+    (`flintc.runtime.build.BuildOptions.resolve`). Raises argparse.ArgumentTypeError for
+    an item that is not an integer."""
     if not text.strip():
-        raise argparse.ArgumentTypeError(f"must not be empty: expected {expected}; leave --buckets out for "
-                                         "1,2,4,8 up to --max-batch")
+        return ()
     try:
-        sizes = tuple(int(b) for b in text.split(","))
+        return tuple(int(b) for b in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-    twice = sorted({b for b in sizes if sizes.count(b) > 1})
-    if twice:  # they were dropped silently
-        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join(map(str, twice))} given twice; expected {expected}, "
-                                         "each size once")
-    return sizes
+        raise argparse.ArgumentTypeError(f"expected {BUCKETS_EXPECTED}, got {text!r}") from None
+
+
+def check_option_values(args: argparse.Namespace) -> None:
+    """The checks of values argparse parsed (`seed`, `device_name`, `buckets`) beyond
+    their parsing, for any sub-command that has the option, before any work: argparse
+    would print its usage block before a `type=` function's message; these are one line,
+    `flintc: error: ...`, as every other flintc value check. `flintc.cli.main` calls it.
+
+    Raises:
+        InputError: a --seed outside [0, 2**63); an empty --device or --buckets (they used
+            to mean the default); a --buckets size given twice (it was dropped silently).
+    """
+    from flintc.errors import InputError
+
+    value = getattr(args, "seed", None)
+    if isinstance(value, int) and not 0 <= value < SEED_LIMIT:
+        raise InputError(f"--seed {value}: expected an integer in [0, 2**63)")
+    value = getattr(args, "device", None)
+    if isinstance(value, str) and not value.strip():
+        raise InputError(f"--device {value!r}: must not be empty: expected cpu or cuda (or cuda:N); leave --device "
+                         "out for the default")
+    value = getattr(args, "buckets", None)
+    if value is not None:
+        text = ",".join(map(str, value))
+        if not value:
+            raise InputError(f"--buckets '': must not be empty: expected {BUCKETS_EXPECTED}; leave --buckets out "
+                             "for 1,2,4,8 up to --max-batch")
+        twice = sorted({b for b in value if value.count(b) > 1})
+        if twice:  # they were dropped silently
+            raise InputError(f"--buckets {text!r}: {', '.join(map(str, twice))} given twice; expected "
+                             f"{BUCKETS_EXPECTED}, each size once")
 
 
 def torch_device(text: str, flag: str = "--device"):
