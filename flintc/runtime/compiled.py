@@ -229,6 +229,11 @@ def recorded_weight_source(build: str | Path, manifest: dict) -> str:
             (the checkpoint was moved or deleted since the compile); the message names
             build.json and the path, and says to pass the checkpoint as MODEL or to
             recompile.
+        CheckpointError: the path is there but is no checkpoint any more (a folder whose
+            safetensors files were deleted: `flintc.checkpoint.loader.checkpoint_weight_format`,
+            the check `load_checkpoint` makes first); so `flintc run --build` and
+            `flintc serve --build` say so before they look for the tokenizer beside it
+            (they said "no tokenizer found ... pass --tokenizer DIR"). Named as above.
     """
     build = Path(build)
     where, retry = build / "build.json", _pass_model_or_recompile(build)
@@ -248,6 +253,12 @@ def recorded_weight_source(build: str | Path, manifest: dict) -> str:
     if not Path(source).exists():
         raise InputError(f"{where} records the checkpoint {source} (weight_source), which no longer exists "
                          f"(moved or deleted since the compile): {retry}")
+    from flintc.checkpoint.loader import checkpoint_weight_format
+
+    try:  # what load_checkpoint checks first: a GGUF file, or a folder with the safetensors files
+        checkpoint_weight_format(source)
+    except CheckpointError as e:  # its weights deleted since the compile (only config.json left)
+        raise CheckpointError(f"{e} (the checkpoint {where} records: {retry})") from None
     return source
 
 

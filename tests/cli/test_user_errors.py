@@ -74,6 +74,24 @@ def test_build_with_a_moved_checkpoint_names_build_json(capsys, tmp_path, comman
     assert out == "" and time.perf_counter() - t0 < 5
 
 
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_build_whose_checkpoint_lost_its_weights_says_so(capsys, tmp_path, tiny_bf16_dir, command):
+    """The BF16 checkpoint a build records lost its safetensors files (config.json left):
+    `flintc run --build B --prompt Hi` and `flintc serve --build B` said "no tokenizer
+    found ... pass --tokenizer DIR", and only with --tokenizer the real error. Now the real
+    error first, naming build.json."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(tiny_bf16_dir / "config.json", ckpt / "config.json")
+    build = _fake_build(tmp_path / "build", str(ckpt))
+    args = (["run", "--build", build, "--prompt", "Hi", "--max-tokens", 1] if command == "run"
+            else ["serve", "--build", build, "--port", 0])
+    code, out, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, f"{ckpt}: neither a BF16 checkpoint folder", build / "build.json",
+                          "pass the checkpoint as MODEL", "recompile with flintc compile")
+    assert "tokenizer" not in err and out == ""
+
+
 def test_logit_bias_outside_the_build_vocabulary_fails_before_loading(capsys, tmp_path):
     """Regression: `flintc run --build B --logit-bias 600=1` (a vocabulary of 512) loaded
     the weights before refusing the id, naming no flag. The build's build.json gives
@@ -104,13 +122,16 @@ def test_build_with_a_broken_checkpoint_names_build_json(capsys, tmp_path, tiny_
     assert "build.json" not in err
 
 
-def test_recorded_weight_source():
-    from flintc.errors import InputError
+def test_recorded_weight_source(tiny_bf16_dir):
+    from flintc.errors import CheckpointError, InputError
     from flintc.runtime.compiled import recorded_weight_source
 
     assert recorded_weight_source("b", {"weight_source": "dummy:bf16"}) == "dummy:bf16"
-    here = str(Path(__file__).resolve().parent)
-    assert recorded_weight_source("b", {"weight_source": here}) == here
+    there = str(tiny_bf16_dir)
+    assert recorded_weight_source("b", {"weight_source": there}) == there
+    here = str(Path(__file__).resolve().parent)  # a folder, but no checkpoint
+    with pytest.raises(CheckpointError, match=r"neither a BF16 checkpoint folder .*b/build.json records.*recompile"):
+        recorded_weight_source("b", {"weight_source": here})
     with pytest.raises(InputError, match=r"b/build.json records no weight_source .*recompile"):
         recorded_weight_source("b", {})
 
