@@ -250,20 +250,21 @@ def test_limit_build_limits_or_refuses():
     (["--max-model-len", "65"], ["--max-model-len 65", "compiled for 64 positions"]),
 ])
 def test_run_build_limits_use_the_shared_function(capsys, monkeypatch, tiny_bf16_dir, flags, needles):
-    """`flintc run --build` applies its limits with compiled.limit_build (a stand-in
-    build: no compile, no weights loaded; the checkpoint it records is the tiny one)."""
+    """`flintc run --build` checks its limits against build.json with
+    compiled.check_build_limits before the weights load (a stand-in build: no compile,
+    no weights loaded; the checkpoint it records is the tiny one)."""
     from flintc.runtime import compiled
 
-    calls = []
-    real = compiled.limit_build
+    loads = []
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(compiled, "read_manifest", lambda build: {"device": "cpu", "weight_format": "bf16",
-                                                                  "weight_source": str(tiny_bf16_dir)})
-    monkeypatch.setattr(compiled, "load_build", lambda *a, **kw: SimpleNamespace(max_batch=4, max_model_len=64))
-    monkeypatch.setattr(compiled, "limit_build", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+                                                                  "weight_source": str(tiny_bf16_dir),
+                                                                  "max_batch": 4, "max_model_len": 64})
+    monkeypatch.setattr(compiled, "load_build",
+                        lambda *a, **kw: loads.append(a) or SimpleNamespace(max_batch=4, max_model_len=64))
     code, out, err = run_cli(capsys, "run", "--build", "fake-build", "--prompt-ids", "1,2", *flags)
     assert_one_line_error(code, err, *needles, "fake-build")
-    assert out == "" and len(calls) == 1
+    assert out == "" and loads == []
 
 
 # ---- flintc compile: bad values are refused before any work ----------------------------
