@@ -310,12 +310,7 @@ def _tokenizer_and_texts(args, found, vocab_size):
     if tokenizer is not None and isinstance(vocab_size, int) and tokenizer.vocab_size != vocab_size:
         raise InputError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} tokens, the model {vocab_size}")
     texts = [tokenizer.encode(t) for t in args.prompt or []]
-    if args.max_model_len is not None:
-        for ids in texts:
-            if len(ids) >= args.max_model_len:
-                raise InputError(f"--prompt: {_n_tokens(len(ids))}, more than the maximum of {args.max_model_len - 1} "
-                                 f"(--max-model-len {args.max_model_len} counts the prompt and at least one "
-                                 "generated token)")
+    _check_prompt_lengths("--prompt", texts, args.max_model_len)
     return tokenizer, texts
 
 
@@ -334,12 +329,19 @@ def _check_prompts_early(args, id_prompts: list[list[int]]) -> None:
         if text == "":
             raise InputError("--prompt '': the prompt text is empty; a prompt needs at least one token")
         check_prompt_text(text, "--prompt")
-    if args.max_model_len is not None:
-        for ids in id_prompts:
-            if len(ids) >= args.max_model_len:
-                raise InputError(f"--prompt-ids: {_n_tokens(len(ids))}, more than the maximum of "
-                                 f"{args.max_model_len - 1} (--max-model-len {args.max_model_len} counts the "
-                                 "prompt and at least one generated token)")
+    _check_prompt_lengths("--prompt-ids", id_prompts, args.max_model_len)
+
+
+def _check_prompt_lengths(flag: str, prompts: list[list[int]], max_model_len: int | None) -> None:
+    """Raise InputError naming `flag` for a prompt of `max_model_len` tokens or more (None:
+    no limit given): --max-model-len counts the prompt and at least one generated token."""
+    if max_model_len is None:
+        return
+    for ids in prompts:
+        if len(ids) >= max_model_len:
+            raise InputError(f"{flag}: {_n_tokens(len(ids))}, more than the maximum of {max_model_len - 1} "
+                             f"(--max-model-len {max_model_len} counts the prompt and at least one "
+                             "generated token)")
 
 
 def _n_tokens(n: int) -> str:
