@@ -657,11 +657,14 @@ def test_gpu_run_tiny(tmp_path):
     assert ("compile", 1, 64) in engines or failures, "a compile failure must be recorded"
 
 
-def test_cpu_compile_baseline_tiny(tmp_path):
+def test_cpu_compile_baseline_tiny(tmp_path, monkeypatch):
     """The torch.compile baseline's own path (`_standalone_baseline` with `CompiledStep`,
     mode max-autotune) on the tiny model on the CPU, ~40 s: on the H200 (session 4) it
     compiled the full model and then crashed on `step.model`, which only `EagerStep` has;
-    the GPU twin above allows a recorded compile failure, this one does not."""
+    the GPU twin above allows a recorded compile failure, this one does not. Inductor
+    gets a cache folder of its own: a truncated .so left in the machine's shared
+    /tmp/torchinductor_<user> by a killed process failed it ("file too short")."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     out = tmp_path / "bench"
     code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--no-flintc",
                  "--contexts", "64", "--batches", "1", "--prefill", "none", "--baselines", "compile",
