@@ -35,7 +35,7 @@ def _items(text: str, flag: str, expected: str) -> list[str]:
 def _once(values: list, text: str, flag: str, show=str) -> list:
     """`values` (parsed from `text`, given for `flag`) when each is there once. Raises
     InputError naming `flag` and the repeated values: they were measured twice."""
-    twice = [v for i, v in enumerate(values) if v in values[:i] and v not in values[values.index(v) + 1:i]]
+    twice = list(dict.fromkeys(v for i, v in enumerate(values) if v in values[:i]))  # each repeated value once
     if twice:
         raise InputError(f"{flag} {text!r}: {', '.join(map(show, twice))} given twice; give each value once")
     return values

@@ -602,9 +602,10 @@ class CompiledRunner:
         fn = self._module.STEPS[name]
         if step != "prefill":
             return fn(self._tables[step], self._weights[name], ids, positions, slots, self.kv, self.device)
-        if logits_rows is None:  # each sequence's last token (flintc.graph.trace.last_rows)
-            B, T = ids.shape
-            logits_rows = torch.arange(1, B + 1, device=ids.device) * T - 1
+        if logits_rows is None:  # each sequence's last token
+            from flintc.graph.trace import last_rows
+
+            logits_rows = last_rows(*ids.shape, device=ids.device)
         return fn(self._tables[step], self._weights[name], ids, positions, slots, logits_rows, self.kv,
                   self.device)
 
