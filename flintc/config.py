@@ -278,7 +278,11 @@ def _coerce(source: str, name: str, value: Any, annotation: Any) -> Any:
     if ann == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer literal past the float range (JSON allows any)
+            raise ConfigError(f"{source}: field '{name}' is too large for a float (an integer of "
+                              f"{len(str(abs(value)))} digits)") from None
     if ann == "str":
         if not isinstance(value, str):
             raise bad
