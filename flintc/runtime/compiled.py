@@ -657,7 +657,7 @@ class CompiledRunner:
     def prefill(self, slot: int, token_ids: Sequence[int], start: int = 0,
                 all_logits: bool = False) -> torch.Tensor:
         ids = [int(t) for t in token_ids]
-        check_request(self, slot, start, len(ids))
+        check_request(self, slot, start, ids)
         W = self.config.sliding_window
         graphed = self.use_cuda_graphs and self.prefill_graphs
         pieces = self.prefill_pieces(len(ids))
@@ -715,8 +715,8 @@ class CompiledRunner:
             raise InputError(f"decode needs 1..{self.max_batch} distinct slots (--max-batch), got {list(slots)}")
         if len(token_ids) != n or len(positions) != n:
             raise InputError("decode needs one token id and one position per slot")
-        for s, p in zip(slots, positions):
-            check_request(self, int(s), int(p), 1)
+        for s, t, p in zip(slots, token_ids, positions):
+            check_request(self, int(s), int(p), [int(t)])
         B = next(b for b in self.buckets if b >= n)
         pad = B - n
         rows = ([int(t) for t in token_ids] + [0] * pad, [int(p) for p in positions] + [0] * pad,

@@ -34,19 +34,29 @@ class ModelRunner(Protocol):
                 all_logits: bool = False) -> torch.Tensor:
         """Run `token_ids` at positions start, start+1, ... of `slot` and write their
         K/V into its cache. -> fp32 logits [V] of the last token, or [T, V] with
-        `all_logits`. Raises InputError for an empty or too long sequence."""
+        `all_logits`. Raises InputError for an empty or too long sequence, or a token
+        id outside [0, vocab_size)."""
         ...
 
     def decode(self, slots: Sequence[int], token_ids: Sequence[int],
                positions: Sequence[int]) -> torch.Tensor:
         """One token per slot (distinct slots, 1 <= len <= max_batch). -> fp32 logits
-        [B, V] in the order given. With CUDA graphs they may be a view of the graph's
+        [B, V] in the order given. Raises InputError as `prefill` does, and for slots
+        that are not distinct. With CUDA graphs they may be a view of the graph's
         output, which the next decode call rewrites: read (or copy) them before then."""
         ...
 
 
-def check_request(runner, slot: int, start: int, n: int) -> None:
-    """The checks every runner makes before prefill/decode of `n` tokens at `start`."""
+def check_request(runner, slot: int, start: int, token_ids: Sequence[int]) -> None:
+    """The checks every runner makes before prefill/decode of `token_ids` at `start`.
+
+    Raises:
+        InputError: a slot outside [0, max_batch), no token, positions past
+            max_model_len, or a token id outside [0, vocab_size) (the embedding lookup
+            would fail on the CPU, wrap a negative id around, or read past the table on
+            a GPU).
+    """
+    n = len(token_ids)
     if not 0 <= slot < runner.max_batch:
         raise InputError(f"slot {slot} is outside [0, {runner.max_batch})")
     if n < 1:
@@ -54,6 +64,10 @@ def check_request(runner, slot: int, start: int, n: int) -> None:
     if start < 0 or start + n > runner.max_model_len:
         raise InputError(f"positions {start}..{start + n - 1} exceed max_model_len "
                          f"{runner.max_model_len}")
+    vocab = runner.config.vocab_size
+    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise InputError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 class ReferenceRunner:
@@ -80,7 +94,7 @@ class ReferenceRunner:
     @torch.inference_mode()
     def prefill(self, slot, token_ids, start=0, all_logits=False):
         ids = [int(t) for t in token_ids]
-        check_request(self, slot, start, len(ids))
+        check_request(self, slot, start, ids)
         slots = torch.tensor([slot], device=self.device)
         out = []
         for s in range(0, len(ids), self.prefill_chunk):
@@ -98,8 +112,8 @@ class ReferenceRunner:
             raise InputError(f"decode needs 1..{self.max_batch} distinct slots, got {list(slots)}")
         if len(token_ids) != n or len(positions) != n:
             raise InputError("decode needs one token id and one position per slot")
-        for s, p in zip(slots, positions):
-            check_request(self, s, p, 1)
+        for s, t, p in zip(slots, token_ids, positions):
+            check_request(self, s, p, [int(t)])
         ids = torch.tensor([[int(t)] for t in token_ids], device=self.device)
         pos = torch.tensor([[int(p)] for p in positions], device=self.device)
         sl = torch.tensor([int(s) for s in slots], device=self.device)

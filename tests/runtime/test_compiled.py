@@ -559,6 +559,28 @@ def test_forward_refuses_ids_outside_the_vocabulary(builds):
     assert m.forward([V - 1]).shape == (1, V)
 
 
+def test_runners_refuse_ids_outside_the_vocabulary(builds):
+    """The runners' own prefill and decode took any token id: a negative one indexed the
+    embedding table from its end (other logits, no error), and one past it was a bare
+    IndexError on the CPU (a read past the table on a GPU). Both runners now raise the
+    InputError that `forward` and `generate` raise."""
+    import flintc
+    from flintc.runtime.runner import ReferenceRunner
+
+    compiled = flintc.load(builds["bf16"][0]).runner
+    ref = ReferenceRunner(reference(builds["bf16"][1]), max_batch=2, max_model_len=16)
+    for runner in (compiled, ref):
+        V = runner.config.vocab_size
+        for bad in (-1, V, 99999):
+            needle = f"^token id {bad} is outside the vocabulary \\[0, {V}\\)$"
+            with pytest.raises(InputError, match=needle):
+                runner.prefill(0, [1, bad])
+            with pytest.raises(InputError, match=needle):
+                runner.decode([0, 1], [1, bad], [0, 0])
+        assert runner.prefill(0, [1, V - 1]).shape == (V,)
+        assert runner.decode([0], [V - 1], [2]).shape == (1, V)
+
+
 def test_forward_checks_positions(builds):
     """forward(positions=...) read only the first position: positions of another length or
     shape than the ids, floats, bools, a gap (all taken as start, start + 1, ...), or a
