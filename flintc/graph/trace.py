@@ -149,7 +149,8 @@ def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int
     is first called or its `code` read, not after every edit.
 
     Raises:
-        ValueError: unknown step, or a decode step with tokens != 1.
+        ValueError: unknown step, a decode step with tokens != 1, a batch or cache_len
+            below 1, or a prefill step with more tokens than cache_len.
     """
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; expected one of {STEPS}")
@@ -158,6 +159,11 @@ def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int
         raise ValueError(f"a prefill step needs at least one token per sequence, got tokens={tokens}")
     if cache_len < 1:
         raise ValueError(f"cache_len must be at least 1, got {cache_len}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    if step == "prefill" and T > cache_len:
+        raise ValueError(f"a prefill step of {T} tokens needs cache_len >= {T} (it writes every token "
+                         f"into the full-attention cache), got cache_len={cache_len}")
     if step == "decode" and tokens not in (None, 1):
         raise ValueError("a decode step has exactly one new token per sequence")
     names = [n for n, _ in model.named_buffers()]

@@ -13,6 +13,7 @@ from flintc.graph.match import find_nodes
 from flintc.graph.spec import check_graph
 from flintc.graph.trace import capture
 from flintc.model.reference import FlintModel
+from flintc.passes.pipeline import compile_step
 from flintc.quant.nvfp4 import quantize
 
 TINY = FlintConfig.preset("tiny")
@@ -72,6 +73,22 @@ def test_capture_shows_unfused_structure():
 def test_decode_rejects_several_tokens():
     with pytest.raises(ValueError):
         capture(tiny_model(), "decode", batch=1, tokens=4)
+
+
+@pytest.mark.parametrize("step,kw,needle", [
+    ("decode", dict(batch=0), "batch must be at least 1, got 0"),
+    ("prefill", dict(batch=-1, tokens=4), "batch must be at least 1, got -1"),
+    ("prefill", dict(tokens=65, cache_len=64), "a prefill step of 65 tokens needs cache_len >= 65"),
+])
+def test_capture_rejects_shapes_it_cannot_check(step, kw, needle):
+    """`compile_step(model, ..., batch=0)` failed deep inside tracing ("cannot reshape
+    tensor of 0 elements"), and a prefill step of more tokens than cache_len was traced
+    and then failed in the first numeric check with an IndexError from the KV-cache
+    write (the CLI checked both, the Python API neither)."""
+    with pytest.raises(ValueError, match=needle):
+        capture(tiny_model(), step, **kw)
+    with pytest.raises(ValueError, match=needle):
+        compile_step(tiny_model(), step, check_model=tiny_model(), dump_dir=False, **kw)
 
 
 def test_full_config_kernel_count_on_meta_weights():
