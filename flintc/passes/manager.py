@@ -148,7 +148,8 @@ class PassManager:
             GraphLegalityError / PassVerifyError: a pass left an illegal graph (the message
                 names the passes disabled, when some were: a later pass or stage needs
                 their output).
-            PassCheckError: a pass missed its numerical expectation.
+            PassCheckError: a pass missed its numerical expectation, or the captured graph
+                fails its check against itself before any pass runs (NaN in its outputs).
         """
         gm, cfg = graph.gm, graph.config
         report = PipelineReport(graph.step, graph.batch, graph.tokens, skipped=list(self.skipped))
@@ -159,6 +160,12 @@ class PassManager:
             base_check = self.checker.check(gm, gm, BIT_EXACT)  # the capture against itself: runs it once
         report.stages.append(StageReport(0, "captured", "captured", _num_nodes(gm), count_kernels(gm, cfg), base_check))
         self._dump(gm, report)
+        if base_check is not None and not base_check.passed:  # else the first pass took the blame
+            raise PassCheckError(
+                f"the captured graph does not reproduce itself before any pass ({base_check.message}; first "
+                f"differing node: {base_check.first_differing_node or 'none found'}): the check model's outputs "
+                "hold NaN (from NaN or inf in its weights, or activations past the bf16 range) or are not "
+                "deterministic, so no pass can be checked on them", report)
         for i, pass_cls in enumerate(self.passes, start=1):
             before = clone_graph_module(gm) if self.checker is not None else None
             t0 = time.perf_counter()

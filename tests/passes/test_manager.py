@@ -7,12 +7,14 @@ import json
 import pytest
 import torch
 
+from flintc.checkpoint.init import random_weights
 from flintc.graph.compare import Expectation
 from flintc.graph.match import find_nodes, placeholder
 from flintc.graph.rewrite import refresh_meta
+from flintc.model.reference import FlintModel
 from flintc.passes.base import GraphPass, PassResult
 from flintc.passes.manager import NumericChecker, PassCheckError, PassManager
-from harness import context, fresh_graph, tiny_model
+from harness import TINY, context, fresh_graph, tiny_model
 
 aten = torch.ops.aten
 
@@ -100,6 +102,23 @@ def test_swapped_experts_are_caught():
     g = fresh_graph(batch=4)
     with pytest.raises(PassCheckError, match="swap_experts"):
         manager([SwapExpertsPass], g).run(g)
+
+
+def test_nan_outputs_are_blamed_on_the_model_not_the_first_pass():
+    """A check model whose logits hold NaN (here from a NaN weight) made the first pass
+    fail its bit-exact check ("pass 'identity' missed its expectation", max abs nan): the
+    captured graph already fails its check against itself, and the error now says so
+    before any pass runs."""
+    weights = dict(random_weights(TINY, 0))
+    weights["model.norm.weight"] = weights["model.norm.weight"].clone()
+    weights["model.norm.weight"][0] = float("nan")  # the final norm: every logit
+    model = FlintModel(TINY, weights)
+    g = fresh_graph(model=model)
+    with pytest.raises(PassCheckError, match="captured graph does not reproduce itself before any pass .*"
+                                             "outputs hold NaN") as info:
+        PassManager([IdentityCopyPass], context(g), checker=NumericChecker(model, g)).run(g)
+    assert "identity" not in str(info.value)
+    assert [s.name for s in info.value.report.stages] == ["captured"]
 
 
 def test_tolerance_is_honoured():
