@@ -61,7 +61,10 @@ class CompiledModel:
             params: SamplingParams (one or one per prompt); or, instead, keyword
                 arguments of SamplingParams (temperature=0, max_tokens=16, seed=1, and
                 vLLM's presence_penalty, frequency_penalty, repetition_penalty, min_p,
-                min_tokens, logit_bias={token_id: bias}, ...).
+                min_tokens, logit_bias={token_id: bias}, allowed_token_ids,
+                bad_words, ...). bad_words become token ids with this model's
+                tokenizer (`SamplingParams.with_tokenizer`, vLLM's
+                update_from_tokenizer); without a tokenizer, give bad_words_token_ids.
             on_token: called as on_token(prompt_index, token_id).
 
         Raises:
@@ -95,6 +98,10 @@ class CompiledModel:
         elif sampling:
             raise InputError(f"generate: pass params or sampling keywords ({', '.join(sorted(sampling))}), "
                              "not both")
+        if self.tokenizer is not None:
+            params = ([p.with_tokenizer(self.tokenizer) if isinstance(p, SamplingParams) else p for p in params]
+                      if isinstance(params, (list, tuple)) else
+                      params.with_tokenizer(self.tokenizer) if isinstance(params, SamplingParams) else params)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         r = generate_with_runner(self.runner, ids, params, eos_token_id=eos, on_token=on_token,
                                  return_prompt_logits=return_prompt_logits)

@@ -28,15 +28,28 @@ made it the default: 0.18 ms per token less at batch 1, 0.13 ms at batch 8.
 
 vLLM's other controls, with vLLM's semantics and order (all off by default; a row that
 uses none of them takes exactly the path above, at the same cost):
-- Before temperature, on a copy of the row's fp32 logits (`adjust_logits`, in torch):
-  `min_tokens` (while fewer tokens than that are generated, the sequence's stop tokens,
-  end-of-text included, get -inf), `logit_bias` (added), then the penalties
-  (`apply_penalties`, as vLLM's: `repetition_penalty` on every token of prompt or
-  output, positive logits divided by it and the others multiplied; then
-  `frequency_penalty` times each token's count in the output and `presence_penalty`
-  once for each token the output holds, subtracted). Greedy rows see them too. The
-  counts come from each row's `TokenHistory` (`sample(..., history=...)`), which the
-  callers keep per sequence (the serving engine, `generate_with_runner`).
+- Before temperature, on a copy of the row's fp32 logits (`adjust_logits`, in torch),
+  in vLLM v1's order: the masks first, `allowed_token_ids` (every other token gets
+  -inf), then `bad_words` (at each step, a bad word's last token gets -inf when the
+  sequence's generated tokens end with the word's other tokens; a one-token word is
+  always banned; the prompt does not count, as in vLLM v1); then `min_tokens` (while
+  fewer tokens than that are generated, the sequence's stop tokens, end-of-text
+  included, get -inf), `logit_bias` (added), then the penalties (`apply_penalties`, as
+  vLLM's: `repetition_penalty` on every token of prompt or output, positive logits
+  divided by it and the others multiplied; then `frequency_penalty` times each token's
+  count in the output and `presence_penalty` once for each token the output holds,
+  subtracted). Greedy rows see them too. The counts and output ids come from each
+  row's `TokenHistory` (`sample(..., history=...)`), which the callers keep per
+  sequence (the serving engine, `generate_with_runner`); the bad-word match is made on
+  the host, on that Python list (no device sync).
+- Bad words are text; they become token ids with the tokenizer, as vLLM's
+  `SamplingParams.update_from_tokenizer` makes them in its engine's input processor
+  (`bad_words_token_ids`: each word with and without a leading space).
+  `SamplingParams.with_tokenizer` does that, and the callers that hold a tokenizer call
+  it: `flintc.api.CompiledModel.generate`, the server (a 400 for a word that makes no
+  tokens) and `flintc.serve.engine.Engine.submit`. Without a tokenizer (the reference
+  `generate`, `generate_with_runner`), give `bad_words_token_ids` instead; `bad_words`
+  left unconverted there is an InputError.
 - After temperature, before top-k: `min_p` drops the tokens whose probability is below
   min_p times the top token's (decided on exp(x - max x) >= min_p in fp64, so equal
   logits are kept or dropped together). Rows with min_p > 0 take the torch path (the
@@ -46,6 +59,7 @@ uses none of them takes exactly the path above, at the same cost):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -107,6 +121,18 @@ class SamplingParams:
         a tuple of (token_id, bias) pairs sorted by id (so that the params stay
         hashable), None when empty. Ids are checked against the vocabulary by the
         callers that know it (`sample` raises ValueError for one outside).
+    allowed_token_ids: the only token ids that may be drawn (every other logit -inf);
+        kept as a sorted tuple without repeats. None: all; an empty list is refused (as
+        vLLM's "allowed_token_ids is not None and empty!"). Ids are checked against the
+        vocabulary by the callers that know it, as logit_bias's.
+    bad_words: words (strings) the output must not hold; kept as a tuple, None when
+        empty. They act through `bad_words_token_ids`, which `with_tokenizer` fills.
+    bad_words_token_ids: the bad words as token id sequences (a tuple of non-empty
+        tuples, None when empty): a sequence's last id gets -inf whenever the generated
+        tokens end with its other ids (a one-id sequence always). `with_tokenizer`
+        makes them from `bad_words`; give them directly only without a tokenizer.
+    A row whose masks leave no token (say allowed_token_ids all bad words) draws an
+    unspecified token, as a row of NaN logits does.
     """
 
     temperature: float = 1.0
@@ -121,6 +147,9 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         # NumPy scalars (np.float32(0.7), np.int64(20)) as the Python numbers they stand for
@@ -134,6 +163,9 @@ class SamplingParams:
             if isinstance(v, kind) and not isinstance(v, bool) and type(v) not in (int, float):
                 object.__setattr__(self, name, cast(v))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", _normalise_allowed(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
+        object.__setattr__(self, "bad_words_token_ids", _normalise_bad_ids(self.bad_words_token_ids))
         self.validate()
 
     def validate(self) -> "SamplingParams":
@@ -171,6 +203,16 @@ class SamplingParams:
             if not (_is_number(bias) and -100 <= bias <= 100):
                 raise InputError(f"sampling field 'logit_bias': the bias of token {tok} must be a number "
                                  f"in [-100, 100], got {bias!r}")
+        for tok in self.allowed_token_ids or ():
+            if not _is_token_id(tok):
+                raise InputError(f"sampling field 'allowed_token_ids': token id {tok!r} is not an integer >= 0")
+        for word in self.bad_words or ():
+            if not isinstance(word, str):
+                raise InputError(f"sampling field 'bad_words': expected strings, got {word!r}")
+        for ids in self.bad_words_token_ids or ():
+            if not ids or not all(_is_token_id(t) for t in ids):
+                raise InputError(f"sampling field 'bad_words_token_ids': each entry must be a non-empty "
+                                 f"sequence of token ids (integers >= 0), got {ids!r}")
         return self
 
     @property
@@ -184,9 +226,25 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether `adjust_logits` has work for this row (penalties, logit_bias or
-        min_tokens): the rows whose sequences need a `TokenHistory`."""
-        return self.has_penalties or self.logit_bias is not None or self.min_tokens > 0
+        """Whether `adjust_logits` has work for this row (allowed_token_ids, bad words,
+        min_tokens, logit_bias or penalties): the rows whose sequences need a
+        `TokenHistory`."""
+        return (self.has_penalties or self.logit_bias is not None or self.min_tokens > 0
+                or self.allowed_token_ids is not None or self.bad_words is not None
+                or self.bad_words_token_ids is not None)
+
+    def with_tokenizer(self, tokenizer) -> "SamplingParams":
+        """These params with `bad_words_token_ids` made from `bad_words` by `tokenizer`
+        (`bad_words_to_token_ids`; vLLM's `update_from_tokenizer`); self when there are
+        no bad words or their ids are already there.
+
+        Raises:
+            InputError: a word that makes no tokens, or an id outside the tokenizer's
+                vocabulary, naming 'bad_words'.
+        """
+        if self.bad_words is None or self.bad_words_token_ids is not None:
+            return self
+        return dataclasses.replace(self, bad_words_token_ids=bad_words_to_token_ids(self.bad_words, tokenizer))
 
     def make_generator(self, device: torch.device | str) -> torch.Generator:
         g = torch.Generator(device=device)
@@ -205,6 +263,88 @@ def _is_number(v) -> bool:
         return not math.isnan(v)
     except OverflowError:  # an int beyond any float
         return False
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _int_or_self(t):
+    """A NumPy integer as the Python int it stands for; anything else as it is."""
+    if isinstance(t, numbers.Integral) and not isinstance(t, bool) and type(t) is not int:
+        return int(t)
+    return t
+
+
+def _id_sequence(value, name: str) -> list:
+    """`value` (a list, tuple or other iterable of ids, not a string) as a list."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise InputError(f"sampling field '{name}' must be a list of token ids, got {type(value).__name__}")
+    return [_int_or_self(t) for t in value]
+
+
+def _normalise_allowed(ids):
+    """allowed_token_ids -> a sorted tuple without repeats (None stays None); an empty
+    one is refused (vLLM: it would mask every token). Entries that are not ids are left
+    for `validate`."""
+    if ids is None:
+        return None
+    ids = _id_sequence(ids, "allowed_token_ids")
+    if not ids:
+        raise InputError("sampling field 'allowed_token_ids' must not be empty (None allows every token)")
+    if not all(_is_token_id(t) for t in ids):
+        return tuple(ids)  # validate names the bad id
+    return tuple(sorted(set(ids)))
+
+
+def _normalise_bad_words(words):
+    """bad_words -> a tuple of strings, None when empty (vLLM's default, [])."""
+    if words is None:
+        return None
+    if isinstance(words, (str, bytes)) or not hasattr(words, "__iter__"):
+        raise InputError(f"sampling field 'bad_words' must be a list of strings, got {type(words).__name__}")
+    return tuple(words) or None
+
+
+def _normalise_bad_ids(seqs):
+    """bad_words_token_ids -> a tuple of id tuples, None when empty."""
+    if seqs is None:
+        return None
+    if isinstance(seqs, (str, bytes)) or not hasattr(seqs, "__iter__"):
+        raise InputError(f"sampling field 'bad_words_token_ids' must be a list of token id lists, got "
+                         f"{type(seqs).__name__}")
+    return tuple(tuple(_id_sequence(ids, "bad_words_token_ids")) for ids in seqs) or None
+
+
+def bad_words_to_token_ids(words, tokenizer) -> tuple[tuple[int, ...], ...] | None:
+    """vLLM's `SamplingParams.update_from_tokenizer`: each word, with its leading
+    whitespace removed, is encoded without special tokens (`tokenizer.encode(text,
+    add_special_tokens=False)`), then again after a space; the second is kept too when
+    its first token differs from the first's and it has the same length (the word in the
+    middle of a text, for a tokenizer that marks a preceding space in the token).
+
+    Returns: the id sequences in that order (None for no words).
+    Raises:
+        InputError: a word that makes no tokens (vLLM: "bad_words entries must tokenize
+            to at least one token"), or an id outside [0, tokenizer.vocab_size).
+    """
+    out: list[tuple[int, ...]] = []
+    for word in words or ():
+        if not isinstance(word, str):
+            raise InputError(f"sampling field 'bad_words': expected strings, got {word!r}")
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise InputError(f"sampling field 'bad_words': {word!r} makes no tokens; each entry must tokenize "
+                             f"to at least one token")
+        out.append(plain)
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    vocab = tokenizer.vocab_size
+    bad = [t for ids in out for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InputError(f"sampling field 'bad_words': token ids {bad} are outside the vocabulary [0, {vocab})")
+    return tuple(out) or None
 
 
 def _normalise_logit_bias(bias):
@@ -370,15 +510,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            history: list["TokenHistory | None"] | None = None):
     """Draw one token per row, rows with the same settings batched (one `_draw` per group
     of rows with equal (temperature, top_k, top_p, min_p)). Greedy rows take the argmax
-    (ties to the lower token id). Rows with penalties, logit_bias or min_tokens draw
-    from their logits as `adjust_logits` leaves them (on a copy: `logits` is never
-    written). Each sampled row fills its own V + MAX_FAST_TOP_K + 1 uniforms
-    from its own generator (one `uniform_` launch per row, the same count whatever the
-    settings), so a seeded request's tokens do not depend on the rest of the batch, at
-    any step. A row holding NaN logits gets an unspecified token of that row (no error;
-    the other rows are unaffected). No host sync and no host-to-device copy (with
-    FLINTC_SAMPLER=triton, the kernel's rows: one asynchronous copy of their settings from
-    pinned memory): the launches queue behind the forward pass.
+    (ties to the lower token id). Rows with allowed_token_ids, bad words, min_tokens,
+    logit_bias or penalties draw from their logits as `adjust_logits` leaves them (on a
+    copy: `logits` is never written), on either path (the kernel's rows too). Each
+    sampled row fills its own V + MAX_FAST_TOP_K + 1 uniforms from its own generator
+    (one `uniform_` launch per row, the same count whatever the settings), so a seeded
+    request's tokens do not depend on the rest of the batch, at any step. A row holding
+    NaN logits gets an unspecified token of that row (no error; the other rows are
+    unaffected). No host sync and no host-to-device copy (with FLINTC_SAMPLER=triton,
+    the kernel's rows: one asynchronous copy of their settings from pinned memory; the
+    logit adjustments: small asynchronous copies of their ids from pinned memory, kept
+    per sequence where they do not change): the launches queue behind the forward pass.
 
     Args:
         logits: fp32 (or bf16) [B, V].
@@ -386,11 +528,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         generators: B generators on logits' device (None: torch's default generator;
             greedy rows ignore theirs).
         history: None, or B entries: each row's `TokenHistory` (None for a row that
-            needs none). Rows with penalties or min_tokens need theirs.
+            needs none). Rows with penalties, min_tokens or bad words of several tokens
+            need theirs.
     Returns: int64 [B] on logits' device.
     Raises:
         ValueError: logits not [B, V] or lists of another length than B; a row with
-            penalties or min_tokens and no history; a logit_bias id outside [0, V).
+            penalties, min_tokens or bad words of several tokens and no history;
+            bad_words without bad_words_token_ids; a logit_bias, allowed_token_ids or
+            bad-word id outside [0, V).
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators) \
             or (history is not None and len(history) != len(params)):
@@ -514,12 +659,14 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 class TokenHistory:
     """One sequence's tokens, for the rows whose params adjust the logits (penalties,
-    min_tokens, logit_bias): what `sample(..., history=...)` reads. The caller keeps one
-    per sequence and appends each generated token to `output_ids` (the list given is
-    used as it is, not copied). The device tensors are made when first needed and kept:
-    the prompt's token mask and the stop ids (once), the logit bias (once per params),
-    and the output's token counts, brought up to date with the tokens appended since the
-    last call (one small in-place add per new token, no host-to-device copy for it).
+    min_tokens, logit_bias, allowed_token_ids, bad words): what `sample(...,
+    history=...)` reads. The caller keeps one per sequence and appends each generated
+    token to `output_ids` (the list given is used as it is, not copied; the bad-word
+    match reads it on the host). The device tensors are made when first needed and
+    kept: the prompt's token mask and the stop ids (once), the logit bias, the allowed
+    ids and the one-token bad words (once per params), and the output's token counts,
+    brought up to date with the tokens appended since the last call (one small in-place
+    add per new token, no host-to-device copy for it).
 
     Args:
         prompt_ids: the prompt's token ids.
@@ -535,6 +682,8 @@ class TokenHistory:
         self._prompt_mask = self._counts = self._stops = None
         self._counted = 0
         self._bias_key = self._bias = None
+        self._allowed_key = self._allowed = None
+        self._bad_key = self._bad = None
 
     def prompt_mask(self, vocab: int, device) -> torch.Tensor:
         """bool [vocab]: the tokens the prompt holds."""
@@ -576,6 +725,21 @@ class TokenHistory:
             self._bias_key = params.logit_bias
         return self._bias
 
+    def allowed(self, params: SamplingParams, vocab: int, device) -> torch.Tensor:
+        """int64 [n]: params.allowed_token_ids on the device."""
+        if self._allowed_key != params.allowed_token_ids:
+            self._allowed = _allowed_tensor(params.allowed_token_ids, vocab, device)
+            self._allowed_key = params.allowed_token_ids
+        return self._allowed
+
+    def bad_words(self, params: SamplingParams, vocab: int, device):
+        """`_split_bad_words` of params.bad_words_token_ids: (the one-token words' ids
+        on the device or None, the longer words)."""
+        if self._bad_key != params.bad_words_token_ids:
+            self._bad = _split_bad_words(params.bad_words_token_ids, vocab, device)
+            self._bad_key = params.bad_words_token_ids
+        return self._bad
+
 
 def _checked_ids(ids, vocab: int, what: str) -> list[int]:
     ids = [int(t) for t in ids]
@@ -592,6 +756,41 @@ def _bias_tensors(logit_bias, vocab: int, device):
         raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
     return (_to_device(ids, torch.long, device),
             _to_device([b for _, b in logit_bias], torch.float32, device))
+
+
+def _allowed_tensor(allowed, vocab: int, device) -> torch.Tensor:
+    bad = [t for t in allowed if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return _to_device(list(allowed), torch.long, device)
+
+
+def _split_bad_words(words, vocab: int, device):
+    """(int64 [n] ids of the one-token bad words on the device, or None; the bad words
+    of two or more tokens by their last-but-one id, {id: [word ids, ...]}: a word can
+    match only when the output ends with that id, so a step looks at those alone)."""
+    bad = [t for ids in words for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"bad_words: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    single = sorted({ids[0] for ids in words if len(ids) == 1})
+    longer: dict[int, list[tuple[int, ...]]] = {}
+    for ids in words:
+        if len(ids) > 1:
+            longer.setdefault(ids[-2], []).append(ids)
+    return _to_device(single, torch.long, device) if single else None, longer
+
+
+def bad_word_bans(words, output_ids: list[int]) -> list[int]:
+    """vLLM v1's `apply_bad_words` for one row: the last id of each bad word (a tuple
+    of ids) whose other ids the output ends with (every one-token word's). Host work
+    only: O(total length of the words) per call."""
+    n = len(output_ids)
+    bans = []
+    for ids in words:
+        k = len(ids) - 1
+        if k <= n and (k == 0 or tuple(output_ids[n - k:]) == ids[:-1]):
+            bans.append(ids[-1])
+    return bans
 
 
 def _to_device(values, dtype, device) -> torch.Tensor:
@@ -625,14 +824,17 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
                   history: list[TokenHistory | None] | None) -> torch.Tensor:
-    """The logits `sample` draws from for rows with min_tokens, logit_bias or penalties,
-    in vLLM's order: min_tokens (the row's stop ids to -inf while its output is shorter),
-    logit_bias (added), then `apply_penalties` (one batched call over the rows with
-    penalties). Rows without any are left as they are. -> fp32 [B, V], a new tensor.
+    """The logits `sample` draws from for rows with allowed_token_ids, bad words,
+    min_tokens, logit_bias or penalties, in vLLM v1's order: allowed_token_ids (every
+    other token to -inf), bad words (`bad_word_bans` to -inf), min_tokens (the row's
+    stop ids to -inf while its output is shorter), logit_bias (added), then
+    `apply_penalties` (one batched call over the rows with penalties). Rows without any
+    are left as they are. -> fp32 [B, V], a new tensor.
 
     Raises:
-        ValueError: a row with penalties or min_tokens and no history; an id outside the
-            vocabulary.
+        ValueError: a row with penalties, min_tokens or bad words of two or more tokens
+            and no history; bad_words without their token ids (`with_tokenizer` not
+            called); an id outside the vocabulary.
     """
     x = logits.float()
     if x is logits:
@@ -646,7 +848,16 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
             raise ValueError(f"sample(): row {b} has {why}, which needs its TokenHistory (history=...)")
         return h
 
+    ninf = float("-inf")
     for b, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            h = history[b] if history is not None else None
+            ids = h.allowed(p, V, dev) if h is not None else _allowed_tensor(p.allowed_token_ids, V, dev)
+            kept = x[b].index_select(0, ids)
+            x[b].fill_(ninf)
+            x[b].index_copy_(0, ids, kept)
+        if p.bad_words is not None or p.bad_words_token_ids is not None:
+            _mask_bad_words(x[b], p, history[b] if history is not None else None, b)
         if p.min_tokens > 0:
             h = hist(b, "min_tokens")
             if len(h.output_ids) < p.min_tokens:
@@ -669,3 +880,29 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
         for j, b in enumerate(rows):
             x[b].copy_(out[j])
     return x
+
+
+def _mask_bad_words(row: torch.Tensor, p: SamplingParams, h: TokenHistory | None, b: int) -> None:
+    """-inf in `row` (fp32 [V], in place) for the bad-word tokens that the row's output
+    so far calls for (`bad_word_bans`)."""
+    if p.bad_words_token_ids is None:
+        raise ValueError(f"sample(): row {b} has bad_words without bad_words_token_ids: "
+                         f"SamplingParams.with_tokenizer(tokenizer) makes them")
+    V = row.shape[0]
+    single, longer = h.bad_words(p, V, row.device) if h is not None \
+        else _split_bad_words(p.bad_words_token_ids, V, row.device)
+    ninf = float("-inf")
+    if single is not None:
+        row.index_fill_(0, single, ninf)
+    if not longer:
+        return
+    if h is None:
+        raise ValueError(f"sample(): row {b} has bad words of several tokens, which need its TokenHistory "
+                         f"(history=...)")
+    out = h.output_ids
+    bans = sorted(set(bad_word_bans(longer.get(out[-1], ()), out))) if out else []
+    if len(bans) <= 4:  # a few in-place fills: no host-to-device copy
+        for t in bans:
+            row[t:t + 1].fill_(ninf)
+    elif bans:
+        row.index_fill_(0, _to_device(bans, torch.long, row.device), ninf)

@@ -1,9 +1,11 @@
 """Generation over any `ModelRunner`: prefill each prompt into its own slot, then
 decode the live sequences together, one token per sequence per step, sampling on
 the runner's device (FLINT_SPEC section 6: temperature, top-k then top-p, greedy at
-temperature 0, per-request seeds; and vLLM's penalties, min_p, min_tokens and
-logit_bias, see `flintc.sampling`: a prompt whose params use penalties, logit_bias or
-min_tokens keeps a `TokenHistory` of its tokens for `sample`).
+temperature 0, per-request seeds; and vLLM's penalties, min_p, min_tokens,
+logit_bias, allowed_token_ids and bad words, see `flintc.sampling`: a prompt whose
+params adjust the logits keeps a `TokenHistory` of its tokens for `sample`). There is
+no tokenizer here: bad words must come as token ids (`bad_words_token_ids`, or
+`SamplingParams.with_tokenizer` called before, as `flintc.api` does).
 
 Same result type and stopping rules as the reference loop (`flintc.model.generate`):
 a sequence stops at its end-of-text token (unless ignore_eos; never before min_tokens,
@@ -31,6 +33,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _check_sampling_ids(q: SamplingParams, vocab: int, where: str) -> None:
+    """InputError for an id of q's logit_bias, allowed_token_ids or bad_words_token_ids
+    outside [0, vocab), or bad_words not made into ids (no tokenizer here)."""
+    fields = (("logit_bias", [t for t, _ in q.logit_bias or ()]), ("allowed_token_ids", q.allowed_token_ids),
+              ("bad_words_token_ids", [t for ids in q.bad_words_token_ids or () for t in ids]))
+    for name, ids in fields:
+        bad = [t for t in ids or () if t >= vocab]
+        if bad:
+            raise InputError(f"sampling field '{name}'{where}: token id {bad[0]} is outside the vocabulary "
+                             f"[0, {vocab})")
+    if q.bad_words is not None and q.bad_words_token_ids is None:
+        raise InputError(f"sampling field 'bad_words'{where}: the words need a tokenizer to become token ids "
+                         f"(SamplingParams.with_tokenizer(tokenizer), or flintc.load with a tokenizer); "
+                         f"or give bad_words_token_ids")
+
+
 @torch.inference_mode()
 def generate_with_runner(
     runner,
@@ -50,7 +68,8 @@ def generate_with_runner(
 
     Raises:
         InputError: no prompts or more than runner.max_batch, an empty prompt, an id
-            outside the vocabulary (in a prompt or a logit_bias), or a prompt of
+            outside the vocabulary (in a prompt, a logit_bias, allowed_token_ids or
+            bad_words_token_ids), bad_words without their token ids, or a prompt of
             max_model_len tokens or more.
     """
     cfg = runner.config
@@ -65,10 +84,7 @@ def generate_with_runner(
         check_prompt(ids, cfg.vocab_size, runner.max_model_len,
                      name=f"prompt {i}" if B > 1 else "prompt")
     for i, q in enumerate(plist):
-        bad = [t for t, _ in q.logit_bias or () if t >= cfg.vocab_size]
-        if bad:
-            raise InputError(f"sampling field 'logit_bias'{f' of prompt {i}' if B > 1 else ''}: token id "
-                             f"{bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        _check_sampling_ids(q, cfg.vocab_size, f" of prompt {i}" if B > 1 else "")
     device = runner.device
     gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
     result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])

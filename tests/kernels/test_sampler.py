@@ -365,3 +365,32 @@ def test_adjusted_rows_take_the_kernel_and_min_p_rows_do_not(monkeypatch):
     alone = sampling.sample(x[:1], [plain], [plain.make_generator(DEV)])
     assert int(toks[0]) == int(alone[0])
     assert sampling_probs(x[2:3].float(), minp)[0, int(toks[2])] > 0
+
+
+def test_masked_rows_take_the_kernel_and_stay_in_the_mask(monkeypatch):
+    """With FLINTC_SAMPLER=triton: rows with allowed_token_ids (fewer tokens than top_k,
+    so the k-th value is -inf) and bad words take the kernel, on the masked logits, and
+    draw only tokens the masks leave, over many seeds."""
+    from flintc import sampling
+
+    calls = []
+    real = S.launch_sample
+    monkeypatch.setattr(S, "launch_sample", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setenv("FLINTC_SAMPLER", "triton")
+    V = 300
+    x = logits_with_ties(V, torch.Generator().manual_seed(13))[None].repeat(2, 1)
+    x[:, :40] += 20  # the likeliest tokens are all masked
+    allowed = [50, 51, 52, 250]
+    x[:, allowed] = 0.0  # ties: all kept
+    out = [51]
+    seen = [set(), set()]
+    for seed in range(24):
+        ps = [SamplingParams(seed=seed, allowed_token_ids=allowed, bad_words_token_ids=[[250]]),
+              SamplingParams(seed=seed, top_k=5, bad_words_token_ids=[[51, 3]] + [[t] for t in range(40)])]
+        hist = [sampling.TokenHistory([1], out), sampling.TokenHistory([1], out)]
+        toks = sampling.sample(x.to(DEV), ps, [p.make_generator(DEV) for p in ps], history=hist)
+        seen[0].add(int(toks[0]))
+        seen[1].add(int(toks[1]))
+    assert calls == [2] * 24
+    assert seen[0] <= {50, 51, 52} and len(seen[0]) >= 2, seen
+    assert not seen[1] & (set(range(40)) | {3}), seen
