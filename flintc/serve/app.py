@@ -24,15 +24,19 @@ then ``[DONE]``).
 
 Sampling defaults are FLINT_SPEC section 6 (temperature 1.0, top-p 0.95, top-k
 20); vLLM's ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
-``min_p``, ``min_tokens`` and ``logit_bias`` (ids in the vocabulary, biases clamped
-to [-100, 100] as vLLM does) are honoured (:mod:`flintc.sampling`). ``n`` > 1
+``min_p``, ``min_tokens``, ``logit_bias`` (ids in the vocabulary, biases clamped
+to [-100, 100] as vLLM does), ``allowed_token_ids`` (not empty, ids in the vocabulary)
+and ``bad_words`` (made into token ids here, once per request, as vLLM's
+``update_from_tokenizer``) are honoured (:mod:`flintc.sampling`). ``n`` > 1
 with a ``seed`` gives choice i the seed ``seed + i`` (otherwise every choice would
 be the same). ``max_tokens`` (or ``max_completion_tokens``) counts every generated
 token, reasoning included; by default chat may use the rest of the context and
 completions 16 tokens (the OpenAI default). vLLM's ``prompt_logprobs`` (0..20, not with
 ``stream``) adds each prompt token's log-probability, rank and most likely alternatives
 in vLLM's shape (`_prompt_logprobs_json`): per choice in /v1/completions, once per
-response in /v1/chat/completions.
+response in /v1/chat/completions. vLLM's ``return_tokens_as_token_ids`` writes the
+tokens of ``logprobs`` (top ones included) as ``"token_id:{id}"``; ``prompt_logprobs``
+keep their ``decoded_token`` text (they are keyed by id already), as in vLLM.
 
 The chat template is compiled when the app is made (`FlintTokenizer.check_chat_template`):
 a malformed one stops the server at startup instead of failing every chat request.
@@ -62,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flintc
 from flintc.errors import InputError
-from flintc.sampling import SamplingParams
+from flintc.sampling import SamplingParams, bad_words_to_token_ids
 from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob
 from flintc.serve.metrics import ServeMetrics
 from flintc.serve.protocol import (
@@ -310,35 +314,43 @@ def _json_logprob(value: float, floor_all: bool = True) -> float | None:
     return value
 
 
-def _token_str(tokenizer, token_id: int) -> tuple[str, list[int]]:
+def _token_str(tokenizer, token_id: int, as_id: bool = False) -> tuple[str, list[int]]:
+    """(the token's text, its raw bytes); with ``as_id`` (vLLM's
+    ``return_tokens_as_token_ids``) the text is ``"token_id:{id}"``, the bytes still the
+    token's own."""
     raw = tokenizer.token_bytes(token_id)
-    return raw.decode("utf-8", errors="replace"), list(raw)
+    return (f"token_id:{token_id}" if as_id else raw.decode("utf-8", errors="replace")), list(raw)
 
 
-def _chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> dict:
+def _chat_logprobs(tokenizer, lps: list[TokenLogprob], as_ids: bool = False) -> dict:
     """OpenAI's chat logprobs (``{"content": [...]}``); each logprob floored at -9999.0
-    (`_json_logprob`)."""
-    def entry(tid, lp):
-        text, raw = _token_str(tokenizer, tid)
-        return {"token": text, "logprob": _json_logprob(lp), "bytes": raw}
+    (`_json_logprob`). ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): every
+    ``token`` is ``"token_id:{id}"``; as in vLLM, the chosen token's ``bytes`` stay its
+    text's and a top_logprobs entry's are those of the ``"token_id:{id}"`` string."""
+    def entry(tid, lp, top: bool):
+        text, raw = _token_str(tokenizer, tid, as_ids)
+        return {"token": text, "logprob": _json_logprob(lp),
+                "bytes": list(text.encode("utf-8")) if as_ids and top else raw}
 
-    return {"content": [{**entry(t.token_id, t.logprob),
-                         "top_logprobs": [entry(i, v) for i, v in t.top]} for t in lps]}
+    return {"content": [{**entry(t.token_id, t.logprob, False),
+                         "top_logprobs": [entry(i, v, True) for i, v in t.top]} for t in lps]}
 
 
-def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int) -> dict:
+def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int, as_ids: bool = False) -> dict:
     """OpenAI's completions logprobs. Each ``top_logprobs`` entry holds the sampled token
     first, then the top alternatives (as OpenAI and vLLM: up to logprobs + 1 items, the
     sampled token alone for ``logprobs: 0``). Each logprob is floored at -9999.0
-    (`_json_logprob`, as vLLM)."""
+    (`_json_logprob`, as vLLM). ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): the
+    tokens and the top_logprobs keys are ``"token_id:{id}"``, and ``text_offset``
+    advances by those strings' lengths, as vLLM's does."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for t in lps:
-        text, _ = _token_str(tokenizer, t.token_id)
+        text, _ = _token_str(tokenizer, t.token_id, as_ids)
         tokens.append(text)
         token_lps.append(_json_logprob(t.logprob))
         top = {text: token_lps[-1]}
         for i, v in t.top:
-            top.setdefault(_token_str(tokenizer, i)[0], _json_logprob(v))
+            top.setdefault(_token_str(tokenizer, i, as_ids)[0], _json_logprob(v))
         tops.append(top)
         offsets.append(offset)
         offset += len(text)
@@ -551,20 +563,41 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             out[tok] = min(100.0, max(-100.0, bias))
         return out
 
-    def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
-        bias = logit_bias(req)
+    def allowed_token_ids(req) -> list[int] | None:
+        """vLLM's ``allowed_token_ids``: not empty, each id in the vocabulary (vLLM's
+        checks, 400 naming the field)."""
+        ids = req.allowed_token_ids
+        if ids is None:
+            return None
+        if not ids:
+            raise APIError(400, "'allowed_token_ids' must not be empty (vLLM: \"allowed_token_ids is not None "
+                           "and empty!\"); leave it out to allow every token", param="allowed_token_ids")
+        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"'allowed_token_ids' contains out-of-vocab token id {bad[0]} (the vocabulary "
+                           f"is [0, {tokenizer.vocab_size}))", param="allowed_token_ids")
+        return ids
+
+    async def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
+        """One SamplingParams per choice. ``bad_words`` become token ids here (vLLM's
+        update_from_tokenizer), once, on a worker thread. Raises APIError(400) naming
+        the field."""
         # the fields the request sets; the others keep SamplingParams' defaults (Flint's)
         given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
+        given.update(logit_bias=logit_bias(req), allowed_token_ids=allowed_token_ids(req))
         out = []
-        for j in range(n):
-            # choice j > 0 gets seed + j (wrapping within [0, 2**63)); seed itself is validated
-            seed = req.seed if (req.seed is None or j == 0) else (req.seed + j) % 2**63
-            try:
-                out.append(SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos,
-                                          logit_bias=bias, **given))
-            except InputError as exc:
-                param = str(exc).split("'")[1] if "'" in str(exc) else None
-                raise APIError(400, str(exc), param=param) from None
+        try:
+            if req.bad_words:
+                given["bad_words"] = req.bad_words
+                given["bad_words_token_ids"] = await asyncio.to_thread(bad_words_to_token_ids, req.bad_words,
+                                                                       tokenizer)
+            for j in range(n):
+                # choice j > 0 gets seed + j (wrapping within [0, 2**63)); seed itself is validated
+                seed = req.seed if (req.seed is None or j == 0) else (req.seed + j) % 2**63
+                out.append(SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos, **given))
+        except InputError as exc:
+            param = str(exc).split("'")[1] if "'" in str(exc) else None
+            raise APIError(400, str(exc), param=param) from None
         return out
 
     def common_checks(req) -> tuple[int, tuple[str, ...]]:
@@ -875,7 +908,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(len(prompt_ids), asked, "max_completion_tokens"
                                   if req.max_completion_tokens is not None else "max_tokens", "messages")
-        params = sampling(req, max_tokens, n)
+        params = await sampling(req, max_tokens, n)
         top = None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -885,6 +918,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 raise APIError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                                param="top_logprobs")
         want_plp = _prompt_logprobs_asked(req)
+        as_ids = bool(req.return_tokens_as_token_ids)
         reasoning_initial = initial_state_for_prompt(prompt_text) if options.reasoning_parser else None
         # the parsers read the text with special tokens; they are stripped after parsing. With
         # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
@@ -939,7 +973,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                     # (a special token left out, half a UTF-8 character, text a parser holds)
                     delta = c.empty_delta()
                 entry = {"index": out.index, "delta": delta,
-                         "logprobs": _chat_logprobs(tokenizer, out.logprobs) if out.logprobs else None,
+                         "logprobs": (_chat_logprobs(tokenizer, out.logprobs, as_ids)
+                                      if out.logprobs else None),
                          "finish_reason": c.finish_reason}
                 if req.return_token_ids:
                     entry["token_ids"] = out.token_ids
@@ -962,7 +997,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                                               choices[0].prompt_logprobs)
         for i, c in enumerate(choices):
             entry = {"index": i, "message": c.message(),
-                     "logprobs": _chat_logprobs(tokenizer, c.logprobs) if top is not None else None,
+                     "logprobs": _chat_logprobs(tokenizer, c.logprobs, as_ids) if top is not None else None,
                      "finish_reason": c.finish_reason}
             if req.return_token_ids:
                 entry["token_ids"] = c.token_ids
@@ -979,11 +1014,12 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         for ids in prompts:
             check_length(len(ids), asked, "max_tokens", "prompt")
-        params = sampling(req, asked, n)
+        params = await sampling(req, asked, n)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
                            param="logprobs")
         want_plp = _prompt_logprobs_asked(req)
+        as_ids = bool(req.return_tokens_as_token_ids)
         user_stops = stop_token_ids(req)
         stops = frozenset({tokenizer.eos_token_id}) | user_stops
         # the choices of a prompt share it: the first computes its logprobs
@@ -1039,7 +1075,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                     continue
                 i = out.index
                 entry = {"index": i, "text": out.text, "finish_reason": out.finish_reason,
-                         "logprobs": (_completion_logprobs(tokenizer, out.logprobs, offsets[i])
+                         "logprobs": (_completion_logprobs(tokenizer, out.logprobs, offsets[i], as_ids)
                                       if req.logprobs is not None else None)}
                 if req.return_token_ids:
                     entry["token_ids"] = out.token_ids
@@ -1064,7 +1100,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         choices = []
         for i in range(total):
             entry = {"index": i, "text": "".join(texts[i]), "finish_reason": reasons[i],
-                     "logprobs": (_completion_logprobs(tokenizer, lps[i], 0)
+                     "logprobs": (_completion_logprobs(tokenizer, lps[i], 0, as_ids)
                                   if req.logprobs is not None else None)}
             if prompt_lps is not None:  # vLLM: on each choice
                 entry["prompt_logprobs"] = prompt_lps[i // n]

@@ -19,7 +19,8 @@ A request beyond the free slots waits in the queue. Sampling follows
 :mod:`flintc.sampling` (FLINT_SPEC section 6); each request has its own
 ``torch.Generator`` so its random draws do not depend on its batch neighbours
 (its logits may differ in the last bits with the batch size: docs/serve.md, `seed`). A request
-whose params adjust the logits (vLLM's penalties, ``logit_bias``, ``min_tokens``)
+whose params adjust the logits (vLLM's penalties, ``logit_bias``, ``min_tokens``,
+``allowed_token_ids``, ``bad_words``)
 keeps a :class:`~flintc.sampling.TokenHistory` of its prompt, its generated tokens
 (their counts, on the device) and its stop tokens, passed to ``sample(...,
 history=...)``; the others keep none and sample as before.
@@ -217,7 +218,7 @@ class _Seq:
         self.detok = detok
         self.generator = None if req.params.is_greedy else req.params.make_generator(device)
         self.out_ids: list[int] = []
-        # penalties / logit_bias / min_tokens: the token counts `sample` reads (out_ids itself)
+        # params that adjust the logits: the tokens `sample` reads (out_ids itself)
         self.history = (TokenHistory(req.prompt_ids, self.out_ids, req.stop_token_ids)
                         if req.params.adjusts_logits else None)
         self.pos = len(req.prompt_ids)  # position of the next token fed to the model
@@ -276,7 +277,14 @@ class Engine:
             self._thread = None
 
     def submit(self, req: GenRequest) -> None:
-        """Queue ``req``; its Outputs arrive through ``req.emit``."""
+        """Queue ``req``; its Outputs arrive through ``req.emit``. Its params' bad words
+        become token ids here, as vLLM's input processor makes them
+        (`SamplingParams.with_tokenizer`; the server has made them already).
+
+        Raises:
+            InputError: a bad word that makes no tokens.
+        """
+        req.params = req.params.with_tokenizer(self.tokenizer)
         req.timeline.queued = time.monotonic()
         if self.fatal_error is not None:
             self._notify_finished(req, None, f"engine stopped: {self.fatal_error}")

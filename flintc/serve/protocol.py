@@ -6,8 +6,8 @@ a 400, and so is an unknown field (as the OpenAI API does: "Unrecognized request
 argument"). Fields that OpenAI defines but Flint cannot honour are accepted only
 at their neutral value (e.g. ``best_of: 1``); any other value is a 400 naming the
 field (:func:`unsupported`). ``presence_penalty``, ``frequency_penalty`` and
-``logit_bias`` are honoured, with vLLM's semantics (:mod:`flintc.sampling`). Purely informational fields (``user``,
-``metadata``, ``store``, ...) are accepted and ignored.
+``logit_bias`` are honoured, with vLLM's semantics (:mod:`flintc.sampling`). Purely
+informational fields (``user``, ``metadata``, ``store``, ...) are accepted and ignored.
 
 Extensions, as vLLM names them: ``top_k`` (FLINT_SPEC section 6: 20 by default;
 0 or -1 keeps all), ``repetition_penalty``, ``min_p``, ``min_tokens``, ``ignore_eos``, ``return_token_ids`` (adds
@@ -19,7 +19,9 @@ chat ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``),
 the log-probability of each prompt token and of the most likely tokens at its place,
 answered in vLLM's shape, not with ``stream``; checked in :mod:`flintc.serve.app`).
 vLLM's other request fields are accepted: ``request_id``, ``truncate_prompt_tokens``,
-``add_special_tokens`` and chat ``documents`` are honoured, ``length_penalty`` and
+``add_special_tokens``, chat ``documents``, ``bad_words``, ``allowed_token_ids`` (both
+in :mod:`flintc.sampling`) and ``return_tokens_as_token_ids`` (logprobs' tokens as
+``"token_id:{id}"``) are honoured, ``length_penalty`` and
 ``cache_salt`` have no effect here, the rest only at their no-op value (`unsupported`).
 
 vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest` /
@@ -71,7 +73,8 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None  # vLLM's: 0..20 alternatives per prompt token
     # vLLM's other request fields (its protocol.py), which clients send at their defaults:
     # honoured: request_id (the response id), truncate_prompt_tokens, add_special_tokens
-    # (per route, below); no effect here: length_penalty (beam search only, as in vLLM
+    # (per route, below), bad_words, allowed_token_ids, return_tokens_as_token_ids; no
+    # effect here: length_penalty (beam search only, as in vLLM
     # without use_beam_search), cache_salt (no prefix cache to salt); accepted only at
     # their no-op value (`unsupported`): the others
     request_id: str | None = None
@@ -224,7 +227,7 @@ def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
     support (functions, audio, non-text modalities or response formats, echo,
     best_of > 1, suffix), or vLLM field away from its no-op value (use_beam_search,
-    priority, bad_words, allowed_token_ids, guided decoding, ...)."""
+    priority, guided decoding, ...)."""
     checks = [
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
@@ -239,9 +242,6 @@ def unsupported(req: BaseModel) -> None:
         # vLLM's
         ("use_beam_search", lambda v: v),
         ("priority", lambda v: v != 0),
-        ("bad_words", lambda v: bool(v)),
-        ("allowed_token_ids", lambda v: v is not None),
-        ("return_tokens_as_token_ids", lambda v: bool(v)),
         ("include_reasoning", lambda v: not v),
         ("prompt_embeds", lambda v: v is not None),
         ("chat_template", lambda v: v is not None),

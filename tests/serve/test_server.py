@@ -1615,8 +1615,7 @@ def test_vllm_request_fields_at_their_defaults_are_accepted(server, path):
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("patch", [
-    {"use_beam_search": True}, {"priority": 1}, {"bad_words": ["x"]}, {"allowed_token_ids": [1, 2]},
-    {"return_tokens_as_token_ids": True}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}},
+    {"use_beam_search": True}, {"priority": 1}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}},
     {"kv_transfer_params": {"a": 1}}, {"guided_json": {"type": "object"}}, {"guided_regex": "a+"},
     {"guided_choice": ["a"]}, {"structured_outputs": {"json": {}}}, {"guided_decoding_backend": "xgrammar"},
 ])
