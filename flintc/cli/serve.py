@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
                    help="put <think>...</think> text into reasoning_content")
     p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help="leave tool definitions out of the prompt when tool_choice is \"none\"")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs' tokens as \"token_id:{id}\" unless a request sets return_tokens_as_token_ids "
+                        "(vLLM's flag)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="largest request body, in bytes: a larger one is answered 413 before it is parsed (0: no "
@@ -150,7 +153,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            enable_auto_tool_choice=args.enable_auto_tool_choice,
                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                           max_request_bytes=args.max_request_bytes)
+                           max_request_bytes=args.max_request_bytes,
+                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     tokenizer = load_tokenizer(tokenizer_dir(args))
     if args.chat_template is not None:
         tokenizer.set_chat_template(*chat_template_arg(args.chat_template))

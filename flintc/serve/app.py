@@ -110,6 +110,8 @@ class ServeOptions:
     exclude_tools_when_tool_choice_none: leave tool definitions out of the prompt when
         tool_choice is "none".
     max_request_bytes: the largest request body read (a 413 beyond it); 0: no cap.
+    return_tokens_as_token_ids: logprobs' tokens as "token_id:{id}" for the requests that
+        leave vLLM's field of that name out (vLLM's `--return-tokens-as-token-ids`).
     """
 
     model_name: str
@@ -119,6 +121,7 @@ class ServeOptions:
     reasoning_parser: str | None = None
     exclude_tools_when_tool_choice_none: bool = False
     max_request_bytes: int = MAX_REQUEST_BYTES
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -412,6 +415,13 @@ def _sse(obj) -> str:
 
 # --------------------------------------------------------------------------------------
 # The app
+
+
+def _tokens_as_ids(req, options: ServeOptions) -> bool:
+    """vLLM's choice: the request's ``return_tokens_as_token_ids``, or the server's
+    default (`--return-tokens-as-token-ids`) when the request leaves it out."""
+    field = req.return_tokens_as_token_ids
+    return options.return_tokens_as_token_ids if field is None else bool(field)
 
 
 def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
@@ -918,7 +928,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 raise APIError(400, f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
                                param="top_logprobs")
         want_plp = _prompt_logprobs_asked(req)
-        as_ids = bool(req.return_tokens_as_token_ids)
+        as_ids = _tokens_as_ids(req, options)
         reasoning_initial = initial_state_for_prompt(prompt_text) if options.reasoning_parser else None
         # the parsers read the text with special tokens; they are stripped after parsing. With
         # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
@@ -1019,7 +1029,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
                            param="logprobs")
         want_plp = _prompt_logprobs_asked(req)
-        as_ids = bool(req.return_tokens_as_token_ids)
+        as_ids = _tokens_as_ids(req, options)
         user_stops = stop_token_ids(req)
         stops = frozenset({tokenizer.eos_token_id}) | user_stops
         # the choices of a prompt share it: the first computes its logprobs

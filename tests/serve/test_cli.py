@@ -159,6 +159,23 @@ def test_max_request_bytes_flag(tiny_bf16_dir, capsys, monkeypatch):
     assert seen == [32 * 2**20, 0, 1000]
 
 
+def test_return_tokens_as_token_ids_flag(tiny_bf16_dir, monkeypatch):
+    """--return-tokens-as-token-ids (vLLM's) reaches the app's options; off by default."""
+    import flintc.serve.app
+    from flintc.errors import InputError
+
+    seen = []
+
+    def create_app(engine, tokenizer, options):
+        seen.append(options.return_tokens_as_token_ids)
+        raise InputError("stop before serving")
+
+    monkeypatch.setattr(flintc.serve.app, "create_app", create_app)
+    for flags in ([], ["--return-tokens-as-token-ids"]):
+        assert main(["serve", str(tiny_bf16_dir), "--port", "0", "--max-model-len", "64", *flags]) == 2
+    assert seen == [False, True]
+
+
 def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
     """`flintc serve --build`: --max-model-len / --max-batch are checked against build.json
     before the weights load (compiled.check_build_limits) and applied through

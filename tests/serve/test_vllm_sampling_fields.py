@@ -215,3 +215,23 @@ def test_engine_submit_makes_bad_words_into_ids(server, tiny_serving):
     assert out.error is None and ids == want
     with pytest.raises(InputError, match="'bad_words'"):
         server.engine.submit(GenRequest(prompt_ids=PROMPT, params=SamplingParams(bad_words=[" "]), emit=got.put))
+
+
+def test_server_flag_makes_token_ids_the_default(tiny_serving, serve_kit):
+    """`--return-tokens-as-token-ids` (ServeOptions.return_tokens_as_token_ids): a request
+    that leaves the field out gets "token_id:{id}" tokens; one that sets it false gets text
+    (vLLM: the request's value, else the server's)."""
+    model, tok = tiny_serving
+    run = serve_kit.start_server(model, tok, ServeOptions(MODEL, return_tokens_as_token_ids=True),
+                                 max_batch=1, max_model_len=64)
+    try:
+        status, got = post(run, "/v1/completions", completion(logprobs=0))
+        assert status == 200, got
+        ids = got["choices"][0]["token_ids"]
+        assert got["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+        status, got = post(run, "/v1/chat/completions", chat(logprobs=True, return_tokens_as_token_ids=False))
+        assert status == 200, got
+        content = got["choices"][0]["logprobs"]["content"]
+        assert [e["token"] for e in content] == [tok.decode([t]) for t in got["choices"][0]["token_ids"]]
+    finally:
+        serve_kit.stop_server(run)
