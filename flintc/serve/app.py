@@ -575,40 +575,48 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
     def allowed_token_ids(req) -> list[int] | None:
         """vLLM's ``allowed_token_ids``: not empty, each id in the vocabulary (vLLM's
-        checks, 400 naming the field)."""
+        checks, 400 naming the field). -> the ids sorted, without repeats (at most the
+        vocabulary: each choice's SamplingParams then normalises that, not the list
+        sent, which may repeat ids a million times)."""
         ids = req.allowed_token_ids
         if ids is None:
             return None
         if not ids:
             raise APIError(400, "'allowed_token_ids' must not be empty (vLLM: \"allowed_token_ids is not None "
                            "and empty!\"); leave it out to allow every token", param="allowed_token_ids")
-        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise APIError(400, f"'allowed_token_ids' contains out-of-vocab token id {bad[0]} (the vocabulary "
+        uniq = sorted(set(ids))
+        if not (0 <= uniq[0] and uniq[-1] < tokenizer.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < tokenizer.vocab_size)
+            raise APIError(400, f"'allowed_token_ids' contains out-of-vocab token id {bad} (the vocabulary "
                            f"is [0, {tokenizer.vocab_size}))", param="allowed_token_ids")
-        return ids
+        return uniq
 
     async def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
         """One SamplingParams per choice. ``bad_words`` become token ids here (vLLM's
-        update_from_tokenizer), once, on a worker thread. Raises APIError(400) naming
-        the field."""
+        update_from_tokenizer), once, and with them the choices' SamplingParams (each
+        walks every word's ids), on a worker thread: a request of 200,000 words held
+        the event loop, and every other client, for seconds per choice. Raises
+        APIError(400) naming the field."""
         # the fields the request sets; the others keep SamplingParams' defaults (Flint's)
         given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         given.update(logit_bias=logit_bias(req), allowed_token_ids=allowed_token_ids(req))
-        out = []
-        try:
+
+        def make() -> list[SamplingParams]:
             if req.bad_words:
                 given["bad_words"] = req.bad_words
-                given["bad_words_token_ids"] = await asyncio.to_thread(bad_words_to_token_ids, req.bad_words,
-                                                                       tokenizer)
+                given["bad_words_token_ids"] = bad_words_to_token_ids(req.bad_words, tokenizer)
+            out = []
             for j in range(n):
                 # choice j > 0 gets seed + j (wrapping within [0, 2**63)); seed itself is validated
                 seed = req.seed if (req.seed is None or j == 0) else (req.seed + j) % 2**63
                 out.append(SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos, **given))
+            return out
+
+        try:
+            return await asyncio.to_thread(make) if req.bad_words else make()
         except InputError as exc:
             param = str(exc).split("'")[1] if "'" in str(exc) else None
             raise APIError(400, str(exc), param=param) from None
-        return out
 
     def common_checks(req) -> tuple[int, tuple[str, ...]]:
         check_model(req.model)

@@ -116,6 +116,42 @@ def test_bad_words_errors(server, path, value, needle):
     assert status == 400 and got["error"]["param"] == "bad_words", got
 
 
+def test_huge_lists_are_not_walked_per_choice_on_the_event_loop(server, monkeypatch):
+    """A repeated allowed_token_ids list is made unique once (each choice's
+    SamplingParams gets at most the vocabulary, not the 20,000 ids sent: 2M ids with
+    n 16 held the event loop 24 s), and with bad_words the choices' SamplingParams are
+    built on a worker thread, as their ids (200,000 words: ~1 s a choice there); the
+    tokens stay in the set, and a bad id anywhere is still named."""
+    import asyncio
+
+    from flintc import sampling
+
+    seen = []  # (ids given, whether an event loop runs in this thread)
+    real_allowed, real_bad = sampling._normalise_allowed, sampling._normalise_bad_ids
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    monkeypatch.setattr(sampling, "_normalise_allowed", lambda ids: seen.append(("allowed", ids and len(ids), on_loop()))
+                        or real_allowed(ids))
+    monkeypatch.setattr(sampling, "_normalise_bad_ids", lambda ids: seen.append(("bad", ids is not None, on_loop()))
+                        or real_bad(ids))
+    status, body = post(server, "/v1/completions", completion(allowed_token_ids=[41, 40] * 10_000, n=3,
+                                                              temperature=1.0, seed=2))
+    assert status == 200 and all(set(c["token_ids"]) <= {40, 41} for c in body["choices"]), body
+    assert [s for s in seen if s[:1] == ("allowed",) and s[1]] == [("allowed", 2, True)] * 3, seen
+    seen.clear()
+    status, body = post(server, "/v1/chat/completions", chat(bad_words=["x"], n=2))
+    assert status == 200, body
+    assert [s for s in seen if s[:2] == ("bad", True)] == [("bad", True, False)] * 2, seen
+    status, got = post(server, "/v1/completions", completion(allowed_token_ids=[5] * 1000 + [512, -1]))
+    assert status == 400 and "out-of-vocab token id 512" in got["error"]["message"], got
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_return_tokens_as_token_ids_completions(server, tiny_serving, stream):
     """Completions logprobs: tokens and top_logprobs keys are "token_id:{id}" (vLLM's
