@@ -282,7 +282,11 @@ def _id_sequence(value, name: str) -> list:
     """`value` (a list, tuple or other iterable of ids, not a string) as a list."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise InputError(f"sampling field '{name}' must be a list of token ids, got {type(value).__name__}")
-    return [_int_or_self(t) for t in value]
+    try:
+        return [_int_or_self(t) for t in value]
+    except TypeError:  # has __iter__ but no items: a 0-d tensor or array
+        raise InputError(f"sampling field '{name}' must be a list of token ids, got {type(value).__name__} "
+                         f"{value!r}") from None
 
 
 def _normalise_allowed(ids):

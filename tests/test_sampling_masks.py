@@ -168,6 +168,10 @@ def test_rows_without_masks_keep_their_path(monkeypatch):
     ({"allowed_token_ids": [1.0]}, "'allowed_token_ids': token id 1.0"),
     ({"allowed_token_ids": "12"}, "'allowed_token_ids' must be a list"),
     ({"allowed_token_ids": 3}, "'allowed_token_ids' must be a list"),
+    # iterable types with no items (a TypeError from torch / NumPy before)
+    ({"allowed_token_ids": torch.tensor(3)}, "'allowed_token_ids' must be a list of token ids, got Tensor"),
+    ({"allowed_token_ids": np.array(3)}, "'allowed_token_ids' must be a list of token ids, got ndarray"),
+    ({"bad_words_token_ids": [torch.tensor(3)]}, "'bad_words_token_ids' must be a list of token ids"),
     ({"bad_words": "word"}, "'bad_words' must be a list of strings"),
     ({"bad_words": [3]}, "'bad_words': expected strings"),
     ({"bad_words_token_ids": [[]]}, "'bad_words_token_ids': each entry"),
