@@ -20,7 +20,8 @@
 #        gpu_builds/full4-config gpu_builds/old gpu_builds/old-src
 #
 # STEPS (default "new_graph new_peak old_graph old_peak runtime4") picks the steps;
-# RUNTIME_FORMATS (default nvfp4,bf16) the 4-layer check's formats.
+# RUNTIME_FORMATS (default nvfp4,bf16) the 4-layer check's formats; TOTAL_S (default 520)
+# the seconds from the start by which the last step (runtime4) must end.
 #
 #   OUT=/some/dir [STEPS="new_graph runtime4"] bash scripts/gpu_prefill_logits_rows.sh   # repo root
 set -uo pipefail
@@ -65,7 +66,7 @@ PYTHONPATH=$NEW_PATH step new_peak 70 $PY -c "$PEAK" gpu_builds/full-nvfp4-b1
 PYTHONPATH=$OLD_PATH step old_graph 150 $PY gpu_builds/old-src/scripts/gpu_prefill_graph.py \
   --builds gpu_builds/old --formats nvfp4 --out "$OUT/old_graph.md"
 PYTHONPATH=$OLD_PATH step old_peak 70 $PY -c "$PEAK" gpu_builds/old/full-nvfp4-b1
-LEFT=$(( 520 - ($(date +%s) - START) ))
+LEFT=$(( ${TOTAL_S:-520} - ($(date +%s) - START) ))
 (( LEFT > 30 )) && PYTHONPATH=$NEW_PATH step runtime4 "$LEFT" $PY scripts/gpu_runtime.py --builds gpu_builds \
   --build-prefix full4d --config gpu_builds/full4-config --formats "${RUNTIME_FORMATS:-nvfp4,bf16}" --prompt-len 2600 \
   --steps 8 --out "$OUT/runtime4.md"
