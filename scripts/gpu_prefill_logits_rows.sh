@@ -60,12 +60,15 @@ print(f"| {sys.argv[1]} | sizes {sorted(r.prefill_sizes)} | after capture + 8K p
       f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB, "
       f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB |")'
 
+# a file, not `python -c`: -c puts the working directory (this checkout's flintc) first on
+# sys.path, ahead of PYTHONPATH's old tree
+printf '%s\n' "$PEAK" >"$OUT/peak.py"
 PYTHONPATH=$NEW_PATH step new_graph 150 $PY scripts/gpu_prefill_graph.py --builds gpu_builds \
   --formats nvfp4 --out "$OUT/new_graph.md"
-PYTHONPATH=$NEW_PATH step new_peak 70 $PY -c "$PEAK" gpu_builds/full-nvfp4-b1
+PYTHONPATH=$NEW_PATH step new_peak 70 $PY "$OUT/peak.py" gpu_builds/full-nvfp4-b1
 PYTHONPATH=$OLD_PATH step old_graph 150 $PY gpu_builds/old-src/scripts/gpu_prefill_graph.py \
   --builds gpu_builds/old --formats nvfp4 --out "$OUT/old_graph.md"
-PYTHONPATH=$OLD_PATH step old_peak 70 $PY -c "$PEAK" gpu_builds/old/full-nvfp4-b1
+PYTHONPATH=$OLD_PATH step old_peak 70 $PY "$OUT/peak.py" gpu_builds/old/full-nvfp4-b1
 LEFT=$(( ${TOTAL_S:-520} - ($(date +%s) - START) ))
 (( LEFT > 30 )) && PYTHONPATH=$NEW_PATH step runtime4 "$LEFT" $PY scripts/gpu_runtime.py --builds gpu_builds \
   --build-prefix full4d --config gpu_builds/full4-config --formats "${RUNTIME_FORMATS:-nvfp4,bf16}" --prompt-len 2600 \
