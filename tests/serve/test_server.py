@@ -806,9 +806,18 @@ def test_metrics_observe_every_finished_request_as_vllm(server):
     assert delta("vllm:request_time_per_output_token_seconds_bucket", "0.01") == 1
 
 
-def test_metrics_gauges_follow_the_queue(plain_server):
+def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
     """plain_server has 2 slots: of three long streams, two run and one waits; hung up,
-    all three are aborted and the gauges go back to 0."""
+    all three are aborted and the gauges go back to 0. Each decode step is held 20 ms, so
+    that the two running streams last about 20 s: the tiny model runs 1,000 steps in
+    about a second, a window a loaded machine's scrapes could miss (CI did, once)."""
+    decode = plain_server.engine.runner.decode
+
+    def slow_decode(*args, **kwargs):
+        time.sleep(0.02)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(plain_server.engine.runner, "decode", slow_decode)
     before = scrape(plain_server)
     conns = []
     try:
