@@ -747,37 +747,39 @@ class TokenHistory:
         return self._bad
 
 
+def first_outside_vocab(ids, vocab: int) -> int | None:
+    """The first of `ids` (a sequence of ints) outside [0, vocab), or None when every
+    one is inside. min/max first (C loops); the Python scan for the culprit runs only
+    when one is outside. The one check behind the server's, `generate`'s, the
+    runners' and the sampler's vocabulary errors."""
+    if len(ids) == 0 or (0 <= min(ids) and max(ids) < vocab):
+        return None
+    return next(t for t in ids if not 0 <= t < vocab)
+
+
 def _checked_ids(ids, vocab: int, what: str) -> list[int]:
     ids = [int(t) for t in ids]
-    if ids and not (0 <= min(ids) and max(ids) < vocab):
-        bad = next(t for t in ids if not 0 <= t < vocab)
+    bad = first_outside_vocab(ids, vocab)
+    if bad is not None:
         raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {vocab})")
     return ids
 
 
 def _bias_tensors(logit_bias, vocab: int, device):
-    ids = [t for t, _ in logit_bias]
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    ids = _checked_ids([t for t, _ in logit_bias], vocab, "logit_bias:")
     return (_to_device(ids, torch.long, device),
             _to_device([b for _, b in logit_bias], torch.float32, device))
 
 
 def _allowed_tensor(allowed, vocab: int, device) -> torch.Tensor:
-    bad = [t for t in allowed if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
-    return _to_device(list(allowed), torch.long, device)
+    return _to_device(_checked_ids(allowed, vocab, "allowed_token_ids:"), torch.long, device)
 
 
 def _split_bad_words(words, vocab: int, device):
     """(int64 [n] ids of the one-token bad words on the device, or None; the bad words
     of two or more tokens by their last-but-one id, {id: [word ids, ...]}: a word can
     match only when the output ends with that id, so a step looks at those alone)."""
-    bad = [t for ids in words for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"bad_words: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    _checked_ids([t for ids in words for t in ids], vocab, "bad_words:")
     single = sorted({ids[0] for ids in words if len(ids) == 1})
     longer: dict[int, list[tuple[int, ...]]] = {}
     for ids in words:

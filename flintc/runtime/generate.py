@@ -25,7 +25,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.model.generate import GenerationResult, check_prompt
-from flintc.sampling import SamplingParams, TokenHistory, params_per_prompt, sample
+from flintc.sampling import SamplingParams, TokenHistory, first_outside_vocab, params_per_prompt, sample
 
 
 def _sync(device: torch.device) -> None:
@@ -39,9 +39,9 @@ def _check_sampling_ids(q: SamplingParams, vocab: int, where: str) -> None:
     fields = (("logit_bias", [t for t, _ in q.logit_bias or ()]), ("allowed_token_ids", q.allowed_token_ids),
               ("bad_words_token_ids", [t for ids in q.bad_words_token_ids or () for t in ids]))
     for name, ids in fields:
-        bad = [t for t in ids or () if t >= vocab]
-        if bad:
-            raise InputError(f"sampling field '{name}'{where}: token id {bad[0]} is outside the vocabulary "
+        bad = first_outside_vocab(ids or (), vocab)
+        if bad is not None:
+            raise InputError(f"sampling field '{name}'{where}: token id {bad} is outside the vocabulary "
                              f"[0, {vocab})")
     if q.bad_words is not None and q.bad_words_token_ids is None:
         raise InputError(f"sampling field 'bad_words'{where}: the words need a tokenizer to become token ids "

@@ -21,6 +21,7 @@ import torch
 
 from flintc.config import FlintConfig
 from flintc.errors import InputError
+from flintc.sampling import first_outside_vocab
 
 
 @runtime_checkable
@@ -65,7 +66,7 @@ def check_request(runner, slot: int, start: int, token_ids: Sequence[int]) -> No
         raise InputError(f"positions {start}..{start + n - 1} exceed max_model_len "
                          f"{runner.max_model_len}")
     vocab = runner.config.vocab_size
-    bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+    bad = first_outside_vocab(token_ids, vocab)
     if bad is not None:
         raise InputError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 

@@ -66,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flintc
 from flintc.errors import InputError
-from flintc.sampling import SamplingParams, bad_words_to_token_ids
+from flintc.sampling import SamplingParams, bad_words_to_token_ids, first_outside_vocab
 from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob
 from flintc.serve.metrics import ServeMetrics
 from flintc.serve.protocol import (
@@ -584,12 +584,11 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         if not ids:
             raise APIError(400, "'allowed_token_ids' must not be empty (vLLM: \"allowed_token_ids is not None "
                            "and empty!\"); leave it out to allow every token", param="allowed_token_ids")
-        uniq = sorted(set(ids))
-        if not (0 <= uniq[0] and uniq[-1] < tokenizer.vocab_size):
-            bad = next(t for t in ids if not 0 <= t < tokenizer.vocab_size)
+        bad = first_outside_vocab(ids, tokenizer.vocab_size)
+        if bad is not None:
             raise APIError(400, f"'allowed_token_ids' contains out-of-vocab token id {bad} (the vocabulary "
                            f"is [0, {tokenizer.vocab_size}))", param="allowed_token_ids")
-        return uniq
+        return sorted(set(ids))
 
     async def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
         """One SamplingParams per choice. ``bad_words`` become token ids here (vLLM's
