@@ -42,6 +42,22 @@ def pytest_collectreport(report):
         _INTERPRET_LEAK.append(report.nodeid or "(a conftest)")
 
 
+@pytest.fixture(autouse=True)
+def _restore_triton_interpret():
+    """Put TRITON_INTERPRET back as it was before each test. A test that runs flintc on
+    the CPU in this process (`flintc run --device cpu`, `load_build` of a CPU triton
+    build) selects Triton's interpreter by setting it (`use_triton_interpreter`), and
+    `flintc.kernels.platform.interpreting` reads it at each call: left set on a GPU
+    machine, it would send every later GPU test's kernels down the interpreter paths."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    if os.environ.get("TRITON_INTERPRET") != before:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
 def pytest_collection_finish(session):
     """Refuse to run GPU tests whose collection turned on Triton's interpreter.
 

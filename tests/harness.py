@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 
+import pytest
 import torch
 
 from flintc.checkpoint.init import random_weights
@@ -13,6 +15,18 @@ from flintc.model.reference import FlintModel
 from flintc.passes.base import PassContext
 
 TINY = FlintConfig.preset("tiny")
+
+
+def cpu_interpreter_only(gpu_check: str):
+    """Mark a test that runs flintc's Triton kernels on CPU tensors in the pytest process,
+    in Triton's interpreter. On a machine with a CUDA GPU the kernel modules are imported
+    with Triton's JIT (the test modules set TRITON_INTERPRET=1 only where no GPU is
+    visible, tests/conftest.py), so such a test cannot run there: it is skipped, naming
+    `gpu_check`, the check that covers the same code on the GPU. With TRITON_INTERPRET=1
+    set for the whole run it runs on a GPU machine too."""
+    return pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                              reason=f"runs Triton kernels on CPU tensors (the interpreter), which a GPU "
+                                     f"machine's JIT-compiled kernels cannot; on the GPU: {gpu_check}")
 
 
 @functools.lru_cache(maxsize=None)

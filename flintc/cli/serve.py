@@ -99,13 +99,27 @@ def chat_template_arg(value: str) -> tuple[str, str]:
                      f"in it)")
 
 
+def _import_serving_stack() -> None:
+    """Import what `flintc serve` needs beyond flintc's core (FastAPI, uvicorn,
+    prometheus_client: dependencies in pyproject.toml, missing from an install made
+    with --no-deps or a hand-assembled environment).
+
+    Raises:
+        InputError: naming the missing module and the pip command.
+    """
+    import importlib
+
+    for name in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise InputError(f"flintc serve needs {name}, which does not import ({exc}); it is one of "
+                             f"flintc's dependencies: pip install fastapi uvicorn prometheus_client (or "
+                             f"reinstall flintc without --no-deps)") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import torch
-
-    from flintc.checkpoint.tokenizer import load_tokenizer
-    from flintc.serve.app import ServeOptions, create_app
-    from flintc.serve.engine import Engine
-    from flintc.serve.server import bind, make_runner, serve, served_model_name, tokenizer_dir
 
     from pathlib import Path
 
@@ -149,6 +163,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InputError("--enable-auto-tool-choice needs --tool-call-parser glm47")
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"--device {args.device}: no CUDA GPU is available (--device cpu runs on the CPU)")
+    _import_serving_stack()  # after the argument checks, which need none of it
+    from flintc.checkpoint.tokenizer import load_tokenizer
+    from flintc.serve.app import ServeOptions, create_app
+    from flintc.serve.engine import Engine
+    from flintc.serve.server import bind, make_runner, serve, served_model_name, tokenizer_dir
+
     options = ServeOptions(model_name=served_model_name(args), api_key=args.api_key,
                            enable_auto_tool_choice=args.enable_auto_tool_choice,
                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,

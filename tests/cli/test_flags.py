@@ -544,6 +544,19 @@ def test_serve_bad_arguments(capsys, args, needles):
     assert_one_line_error(code, err, *needles)
 
 
+@pytest.mark.parametrize("missing", ["fastapi", "uvicorn", "prometheus_client"])
+def test_serve_without_its_serving_stack_is_one_line(capsys, monkeypatch, tiny_bf16_dir, missing):
+    """An install without FastAPI / uvicorn / prometheus_client (pip --no-deps, a
+    hand-assembled GPU environment): the argument checks still come first (a bad --port
+    is named as such), then one line naming the module and the pip command, not
+    ModuleNotFoundError's traceback from inside flintc.serve.app."""
+    monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
+    code, _, err = run_cli(capsys, "serve", "--port", "70000")
+    assert_one_line_error(code, err, "--port", "70000")
+    code, _, err = run_cli(capsys, "serve", tiny_bf16_dir, "--port", "0")
+    assert_one_line_error(code, err, f"flintc serve needs {missing}", "pip install fastapi uvicorn prometheus_client")
+
+
 def test_load_checkpoint_names_a_missing_hf_config_path(tiny_nvfp4_gguf):
     from flintc.checkpoint.loader import load_checkpoint
     from flintc.errors import CheckpointError

@@ -18,6 +18,7 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 
 from flintc.checkpoint.loader import load_checkpoint
 from flintc.runtime.compiled import CompiledRunner, load_build, read_manifest
+from harness import cpu_interpreter_only
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,7 @@ def test_generated_decode_calls_the_folded_kernel(build):
     assert manifest["functions"]["decode_b2"]["kernels"] == 6 * moe + 5 * (layers - moe) + 2
 
 
+@cpu_interpreter_only("scripts/gpu_attn_fold.sh (the fused kernel's GPU tests, the fold4d 4-layer check)")
 def test_decode_step_matches_the_reference_ops(build):
     """Same caches (random), a batch of 2 at positions 30 (full cache rows 0..30; the
     W = 9 ring wrapped) and 4: the Triton kernels' logits within the pipelines'

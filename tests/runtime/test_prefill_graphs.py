@@ -36,6 +36,7 @@ pytest.importorskip("triton", reason="the triton backend needs triton")
 from flintc.checkpoint.loader import load_checkpoint
 from flintc.errors import InputError
 from flintc.runtime.compiled import CompiledRunner, load_build
+from harness import cpu_interpreter_only
 
 MAX_LEN = 48
 
@@ -71,6 +72,7 @@ def runner_for(builds, fmt, backend=None, **kw):
     return CompiledRunner(path, dict(read_manifest(path), backend=backend), ckpt, torch.device("cpu"), **kw)
 
 
+@cpu_interpreter_only("scripts/gpu_prefill_graph.py captures the prefill graphs (a host sync fails the capture)")
 @pytest.mark.parametrize("fmt,moe_impl", [("nvfp4", "triton"), ("bf16", "triton"),
                                            ("bf16", "grouped_mm")])
 def test_generated_prefill_has_no_host_sync(builds, fmt, moe_impl, monkeypatch):
@@ -99,6 +101,7 @@ def test_generated_prefill_has_no_host_sync(builds, fmt, moe_impl, monkeypatch):
     assert hidden.shape == (1, C, runner.config.hidden_size) and every.shape == (C, runner.config.vocab_size)
 
 
+@cpu_interpreter_only("tests/kernels/test_prefill_norm.py, and the 4-layer prefill check of scripts/gpu_runtime.py")
 @pytest.mark.parametrize("fmt", ["nvfp4", "bf16"])
 def test_prefill_norm_kernels_match_the_cpu_path(builds, fmt, monkeypatch):
     """The generated prefill with the Triton norms and elementwise kernels a GPU runs
@@ -230,6 +233,7 @@ def test_decode_graph_path_equals_eager_path(builds, monkeypatch):
         assert torch.equal(g, e), f"KV cache {i} differs between graph and eager decode"
 
 
+@cpu_interpreter_only("scripts/gpu_prefill_graph.py (exits 2 when a build cannot use prefill graphs)")
 def test_who_gets_prefill_graphs(builds, monkeypatch):
     on_cpu = runner_for(builds, "nvfp4")
     assert on_cpu.prefill_graphs and not on_cpu.use_cuda_graphs

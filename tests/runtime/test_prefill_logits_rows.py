@@ -30,6 +30,7 @@ from flintc.errors import InputError
 from flintc.model.reference import FlintModel
 from flintc.runtime.compiled import CompiledRunner, load_build, read_manifest
 from flintc.runtime.runner import ReferenceRunner
+from harness import cpu_interpreter_only
 
 ATOL, RTOL = 0.09, 0.02  # fuse_prefill_attention's stated tolerance (tests/runtime/test_compiled.py)
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(21)]  # 16 + 5 (padded to the 8-token tail)
@@ -114,7 +115,8 @@ def test_generated_prefill_function_and_plan(build):
     assert "logits_rows" not in decode[:decode.index("\ndef ")]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=cpu_interpreter_only(
+    "scripts/gpu_prefill_logits_rows.sh (graph against eager prefill, the 4-layer check)"))])
 def test_last_row_logits_and_all_logits(build, ckpt, backend):
     """The compiled prefill of a 21-token prompt (16 + 5 padded to 8): its last-row
     logits agree with the reference's (ReferenceRunner, one forward over the prompt)

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from flintc.checkpoint.tokenizer import SPECIAL_TOKENS, FlintTokenizer
 from flintc.errors import CheckpointError
-from flintc.model.generate import generate
+from flintc.runtime.generate import generate_with_runner
+from flintc.runtime.runner import ReferenceRunner
 from flintc.sampling import SamplingParams
 from flintc.serve.app import ServeOptions
 from flintc.serve.reasoning import split_reasoning
@@ -31,6 +32,7 @@ SCRIPTS: dict = {}  # filled from conftest.SCRIPTS by the server fixture
 
 MODEL = "flint-tiny"
 KEY = "sk-test-key"
+SERVER_MAX_LEN = 1024  # the `server` fixture's max_model_len (its cache rows per slot)
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -46,7 +48,7 @@ def server(tiny_serving, serve_kit):
     SCRIPTS.update(serve_kit.SCRIPTS)
     run = serve_kit.start_server(model, tok, ServeOptions(MODEL, api_key=KEY, enable_auto_tool_choice=True,
                                                 tool_call_parser="glm47", reasoning_parser="glm47"),
-                                 max_model_len=1024)
+                                 max_model_len=SERVER_MAX_LEN)
     yield run
     serve_kit.stop_server(run)
 
@@ -77,8 +79,13 @@ def client(server):
 
 
 def reference(model, prompt_ids, **kw):
-    """Tokens (and per-step logits) of the reference generate() on this prompt alone."""
-    res = generate(model, [prompt_ids], SamplingParams(**kw), keep_step_logits=True)
+    """Tokens (and per-step logits) of the reference model's generate on this prompt
+    alone, with the `server` fixture's cache length: `generate(model, ...)` sizes its
+    caches to the request (12 rows for 4 + 8 tokens), and on some CPUs (an AVX512-BF16
+    EPYC) attention over 12 rows and over 1,024 masked rows round differently (logits
+    0.02 apart), which a seeded draw at temperature 0.8 turned into another token."""
+    runner = ReferenceRunner(model, max_batch=1, max_model_len=SERVER_MAX_LEN)
+    res = generate_with_runner(runner, [prompt_ids], SamplingParams(**kw), keep_step_logits=True)
     return res.output_ids[0], res.step_logits
 
 

@@ -11,18 +11,20 @@ import json
 
 import pytest
 
-from flintc.model.generate import generate
+from flintc.runtime.generate import generate_with_runner
+from flintc.runtime.runner import ReferenceRunner
 from flintc.sampling import SamplingParams, bad_words_to_token_ids
 from flintc.serve.app import ServeOptions
 
 MODEL = "flint-tiny"
+SERVER_MAX_LEN = 256  # the `server` fixture's max_model_len (its cache rows per slot)
 PROMPT = [5, 77, 300, 12]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_serving, serve_kit):
     model, tok = tiny_serving
-    run = serve_kit.start_server(model, tok, ServeOptions(MODEL), max_batch=2, max_model_len=256)
+    run = serve_kit.start_server(model, tok, ServeOptions(MODEL), max_batch=2, max_model_len=SERVER_MAX_LEN)
     yield run
     serve_kit.stop_server(run)
 
@@ -50,7 +52,11 @@ def chat(**kw):
 
 
 def reference(model, **kw):
-    return generate(model, [PROMPT], SamplingParams(max_tokens=6, ignore_eos=True, **kw)).output_ids[0]
+    """The reference model's tokens with the `server` fixture's cache length (not
+    generate()'s request-sized caches: attention over other cache lengths may round
+    differently on some CPUs; tests/serve/test_server.py `reference`)."""
+    runner = ReferenceRunner(model, max_batch=1, max_model_len=SERVER_MAX_LEN)
+    return generate_with_runner(runner, [PROMPT], SamplingParams(max_tokens=6, ignore_eos=True, **kw)).output_ids[0]
 
 
 def test_allowed_token_ids(server, tiny_serving):
