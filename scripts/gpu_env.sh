@@ -3,7 +3,7 @@
 #
 #   PY          the Python to use: $PYTHON, else /opt/torch/.venv/bin/python3 when it
 #               exists, else python3;
-#   /tmp/site   the wheels carried in .whl/ (matplotlib and its dependencies, gguf,
+#   /tmp/site   the wheels carried in .whl/ (or in $GPU_WHEELS; matplotlib and its dependencies, gguf,
 #               pyyaml, pydot, ...), installed with pip --no-index --no-deps, or, when
 #               pip is missing or fails, unpacked with zipfile (a wheel is a zip of the
 #               package folders; enough for imports);
@@ -19,11 +19,12 @@ else
   PY=python3
 fi
 SITE=${GPU_SITE:-/tmp/site}
-if ls .whl/*.whl >/dev/null 2>&1; then
+WHEELS=${GPU_WHEELS:-.whl}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   if ! $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      .whl/*.whl >"${LOG:-/dev/null}" 2>&1; then
-    echo "pip install of .whl/*.whl failed (see ${LOG:-the log}); unpacking the wheels instead"
-    $PY - "$SITE" .whl/*.whl <<'EOF' || echo "unpacking the wheels failed too; going on without them"
+      "$WHEELS"/*.whl >"${LOG:-/dev/null}" 2>&1; then
+    echo "pip install of $WHEELS/*.whl failed (see ${LOG:-the log}); unpacking the wheels instead"
+    $PY - "$SITE" "$WHEELS"/*.whl <<'EOF' || echo "unpacking the wheels failed too; going on without them"
 import sys, zipfile
 from pathlib import Path
 site = Path(sys.argv[1])
