@@ -99,6 +99,10 @@ def chat_template_arg(value: str) -> tuple[str, str]:
                      f"in it)")
 
 
+# what `flintc serve` imports beyond flintc's core, in this order
+SERVING_STACK = ("fastapi", "uvicorn", "prometheus_client")
+
+
 def _import_serving_stack() -> None:
     """Import what `flintc serve` needs beyond flintc's core (FastAPI, uvicorn,
     prometheus_client: dependencies in pyproject.toml, missing from an install made
@@ -109,12 +113,12 @@ def _import_serving_stack() -> None:
     """
     import importlib
 
-    for name in ("fastapi", "uvicorn", "prometheus_client"):
+    for name in SERVING_STACK:
         try:
             importlib.import_module(name)
         except ImportError as exc:
             raise InputError(f"flintc serve needs {name}, which does not import ({exc}); it is one of "
-                             f"flintc's dependencies: pip install fastapi uvicorn prometheus_client (or "
+                             f"flintc's dependencies: pip install {' '.join(SERVING_STACK)} (or "
                              f"reinstall flintc without --no-deps)") from None
 
 

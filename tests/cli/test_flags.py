@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from flintc.cli import main
+from flintc.cli.serve import SERVING_STACK
 from harness import assert_one_line_error, run_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -544,7 +545,7 @@ def test_serve_bad_arguments(capsys, args, needles):
     assert_one_line_error(code, err, *needles)
 
 
-@pytest.mark.parametrize("missing", ["fastapi", "uvicorn", "prometheus_client"])
+@pytest.mark.parametrize("missing", SERVING_STACK)
 def test_serve_without_its_serving_stack_is_one_line(capsys, monkeypatch, tiny_bf16_dir, missing):
     """An install without FastAPI / uvicorn / prometheus_client (pip --no-deps, a
     hand-assembled GPU environment): the argument checks still come first (a bad --port
@@ -552,11 +553,10 @@ def test_serve_without_its_serving_stack_is_one_line(capsys, monkeypatch, tiny_b
     ModuleNotFoundError's traceback from inside flintc.serve.app."""
     import importlib.util
 
-    stack = ("fastapi", "uvicorn", "prometheus_client")  # the order flintc serve imports them in
     monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
     # the first one that does not import is named: `missing`, or one before it that this
     # machine lacks (a bare GPU machine has no FastAPI)
-    named = next(m for m in stack if m == missing or importlib.util.find_spec(m) is None)
+    named = next(m for m in SERVING_STACK if m == missing or importlib.util.find_spec(m) is None)
     code, _, err = run_cli(capsys, "serve", "--port", "70000")
     assert_one_line_error(code, err, "--port", "70000")
     code, _, err = run_cli(capsys, "serve", tiny_bf16_dir, "--port", "0")
