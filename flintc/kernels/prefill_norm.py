@@ -58,8 +58,11 @@ def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
 
 
 def _warps(elements: int) -> int:
-    """Warps for a program of `elements` (~8 per thread, 1 to 16 warps)."""
-    return max(1, min(16, elements // 256))
+    """Warps for a program of `elements` (~8 per thread, 1 to 16 warps), a power of two:
+    compiled Triton refuses any other num_warps (the interpreter does not check; 8 heads
+    of D = 96 gave 3 and failed on an H100 in session 34)."""
+    n = max(1, min(16, elements // 256))
+    return 1 << (n.bit_length() - 1)
 
 
 # ---------------------------------------------------------------------------- kernels

@@ -63,10 +63,22 @@ def test_write_kv_skips_padding_rows(window, T):
     assert torch.equal(bits(kc1[0]), bits(kc[0])) and torch.equal(bits(kc1[1]), bits(kc[1]))
 
 
+def same_rows(a: torch.Tensor, b: torch.Tensor, name: str) -> bool:
+    """The live rows of a padded call against a call without the padding row: bit for bit,
+    except the torch op on CUDA, whose cuBLAS batched matmuls may take another reduction
+    order for another batch size (session 34, on an H100: the ring case's fp32 outputs
+    differed in their last bits). There: within fp32 rounding (rtol 1e-5) for fp32
+    tensors, one bf16 ulp (rtol 2^-8) for bf16 ones; -inf entries must match exactly."""
+    if name == "kernel" or a.device.type != "cuda":
+        return torch.equal(a, b)
+    rtol = 2.0 ** -8 if a.dtype == torch.bfloat16 else 1e-5
+    return torch.allclose(a.float(), b.float(), rtol=rtol, atol=1e-6, equal_nan=False)
+
+
 @pytest.mark.parametrize("window,S,splits", [(0, 48, 3), (9, 9, 2)])
 def test_decode_attention_padding_rows(window, S, splits):
     """Kernel and torch op: a padding row reads nothing (every split empty, combined
-    output 0, finite); the live rows equal a call without the padding row."""
+    output 0, finite); the live rows equal a call without the padding row (`same_rows`)."""
     g = torch.Generator(device=DEV).manual_seed(2)
     Hq, Hkv, D = 8, 2, 32
     q = torch.randn(3, 1, Hq, D, generator=g, device=DEV).to(torch.bfloat16)
@@ -82,7 +94,7 @@ def test_decode_attention_padding_rows(window, S, splits):
     ):
         o, lse = attn(q, kc, vc, slots, pos, window, splits)
         o_l, lse_l = attn(q[live], kc, vc, slots[live], pos[live], window, splits)
-        assert torch.equal(o[live], o_l) and torch.equal(lse[live], lse_l), name
+        assert same_rows(o[live], o_l, name) and same_rows(lse[live], lse_l, name), name
         assert torch.equal(o[1], torch.zeros_like(o[1])), name
         assert bool((lse[1] == float("-inf")).all()), name
         out = comb(o, lse, sinks)
@@ -92,7 +104,7 @@ def test_decode_attention_padding_rows(window, S, splits):
                         ("torch op", torch.ops.flintc.decode_attention_combine)):
         out = fused(q, kc, vc, slots, pos, sinks, window, splits)
         out_l = fused(q[live], kc, vc, slots[live], pos[live], sinks, window, splits)
-        assert torch.equal(out[live], out_l), name
+        assert same_rows(out[live], out_l, name), name
         assert torch.isfinite(out.float()).all() and not out[1].float().abs().any(), name
 
 

@@ -185,6 +185,14 @@ def test_silu_mul_into_a_strided_slot():
     assert bool(torch.isnan(h[:, :3]).all())
 
 
+def test_warps_are_powers_of_two():
+    """Compiled Triton takes only a power of two for num_warps (the interpreter takes any):
+    8 heads of D = 96 (768 elements) gave 3 warps before session 34."""
+    got = {e: PN._warps(e) for e in range(9000)}
+    assert all(w & (w - 1) == 0 and 1 <= w <= 16 for w in got.values()), got
+    assert got[768] == 2 and got[1024] == 4 and got[8192] == 16
+
+
 def test_empty_inputs_launch_nothing():
     w = norm_weight(16, 0)
     assert PN.rms_norm(torch.empty(0, 16, dtype=BF16, device=DEV), w, EPS).shape == (0, 16)

@@ -49,12 +49,19 @@ def test_decode_kernels_compile_for_sm90(quick_run):
 def test_code_tile_copies_are_conflict_free(quick_run):
     """The NVFP4 code tiles' cp.async copies need no more shared-memory wavefronts than
     their bytes (`flintc.kernels.tiles.load_code_tile`; 15x in session 10 before the fix),
-    in every decode kernel of the quick set, from the probe's layout-based estimate."""
+    in every decode kernel of the quick set, from the probe's layout-based estimate.
+
+    Every NVFP4 GEMV, fused and MoE kernel loads a code tile, through cp.async or, where
+    Triton's pipeliner leaves it out, as a synchronous load (triton 3.6 on the H100 machine,
+    session 34: the MoE down swap kernel's 64x64xi8 tile; triton 3.9 pipelines it): at
+    least 6 tiles in all, and only the cp.async ones have wavefronts to check."""
     import re
 
     proc = quick_run
     copies = re.findall(r"(\d+(?:x\d+)+xi8) (\d+)/(\d+)", proc.stdout)
-    assert len(copies) >= 6, proc.stdout  # the NVFP4 GEMV, fused and MoE kernels
+    sync = [t for line in re.findall(r"sync tile loads \[([^\]]*)\]", proc.stdout)
+            for t in line.split(", ") if t.endswith("xi8")]
+    assert len(copies) + len(sync) >= 6, proc.stdout  # the NVFP4 GEMV, fused and MoE kernels
     bad = [c for c in copies if int(c[1]) > int(c[2])]
     assert not bad, f"bank-conflicted code tile copies (tile, wavefronts, ideal): {bad}"
 
