@@ -13,7 +13,9 @@
 # The tests run in KERNELS_PYTEST_WORKERS pytest-xdist processes (default 6) when xdist
 # imports (carry its wheels in .whl/: pytest_xdist, execnet), else in one. Session 30 (an
 # H100, 80 GB): 6-10 workers ran the 547 GPU tests in about 6 min; 14 ran out of GPU
-# memory in the prefill MoE tests at the end. 1 runs them in one process.
+# memory in the prefill MoE tests at the end, and so did 8 in session 34 (9 of the prefill
+# GEMM / norm tests, which then passed in 2 workers): keep 6 on an 80 GB card. 1 runs
+# them in one process.
 #
 # Narrower runs: KERNELS_TESTS (pytest arguments, default `tests/kernels`) and
 # KERNELS_BENCHES (`;`-separated benchmark invocations relative to benchmarks/, default
