@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One call on a bare GPU machine: README's test suite there, as a user with a GPU runs it.
-# pytest over tests/ with the GPU kernel tests deselected (`-m "not gpu"`:
-# scripts/gpu_kernels.sh runs those at full shapes), so the same tests as the CPU CI but
-# with torch.cuda.is_available() true: the tests that take the GPU path when one is
-# visible, the interpreter-only tests' skips (tests/harness.cpu_interpreter_only) and the
-# TRITON_INTERPRET handling (tests/conftest.py). Session 33 found eight tests/runtime
+# pytest over tests/ with the GPU kernel tests deselected (`-m "not gpu or gpu_suite"`:
+# scripts/gpu_kernels.sh runs those at full shapes; the `gpu_suite` ones, such as the
+# tiny model compiled for CUDA in tests/runtime/test_compiled.py, run here), so the same
+# tests as the CPU CI but with torch.cuda.is_available() true: the tests that take the
+# GPU path when one is visible, the interpreter-only tests' skips
+# (tests/harness.cpu_interpreter_only) and the TRITON_INTERPRET handling (tests/conftest.py). Session 33 found eight tests/runtime
 # failures and a bare traceback of `flintc serve` this way (docs/gpu-runs.md).
 #
 # The tests run in SUITE_WORKERS pytest-xdist processes (default 14) with
@@ -38,7 +39,7 @@ XDIST=(-n "$WORKERS")
 $PY -c "import xdist" 2>/dev/null || { echo "pytest-xdist does not import: one process"; XDIST=(); }
 CAP=$(( BUDGET - ($(date +%s) - START) - 15 ))
 # shellcheck disable=SC2086
-timeout --signal=TERM --kill-after=10 "$CAP" $PY -m pytest ${SUITE_ARGS:-tests} -m "not gpu" -v -rfs \
+timeout --signal=TERM --kill-after=10 "$CAP" $PY -m pytest ${SUITE_ARGS:-tests} -m "not gpu or gpu_suite" -v -rfs \
   "${XDIST[@]}" -p no:cacheprovider >"$OUT/suite.log" 2>&1
 RC=$?
 echo "pytest exit status $RC after $(( $(date +%s) - START )) s (cap $CAP s)"

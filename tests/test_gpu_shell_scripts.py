@@ -245,9 +245,9 @@ def test_prefill_logits_rows_plan_dry_run(tmp_path):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_suite_runs_pytest_and_summarises(tmp_path):
     """`scripts/gpu_suite.sh` (README's suite on a GPU machine) with this machine's Python
-    on a small test file: the GPU tests deselected (`-m "not gpu"`), one torch thread per
-    worker, and suite.md naming the failed test, the skip reason and the counts; the exit
-    status is pytest's."""
+    on a small test file: the GPU tests deselected but the `gpu_suite` ones (`-m "not gpu or
+    gpu_suite"`), one torch thread per worker, and suite.md naming the failed test, the skip
+    reason and the counts; the exit status is pytest's."""
     import sys
 
     probe = tmp_path / "test_probe.py"
@@ -256,15 +256,16 @@ def test_gpu_suite_runs_pytest_and_summarises(tmp_path):
         "def test_ok():\n    assert os.environ['OMP_NUM_THREADS'] == '1'\n\n"
         "def test_broken():\n    assert 1 == 2\n\n"
         "@pytest.mark.skip(reason='a stated reason')\ndef test_skipped():\n    pass\n\n"
-        "@pytest.mark.gpu\ndef test_on_the_gpu():\n    raise AssertionError('deselected')\n")
+        "@pytest.mark.gpu\ndef test_on_the_gpu():\n    raise AssertionError('deselected')\n\n"
+        "@pytest.mark.gpu\n@pytest.mark.gpu_suite\ndef test_in_the_suite():\n    pass\n")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
            "GPU_WHEELS": str(tmp_path / "no-wheels"), "SUITE_ARGS": str(probe), "SUITE_WORKERS": "2",
            "SUITE_BUDGET_S": "300", "FLINTC_CACHE_DIR": str(tmp_path / "cache")}
     r = run_script("gpu_suite.sh", tmp_path, env, 320)
     assert r.returncode == 1, r.stdout + r.stderr
     md = (tmp_path / "out" / "suite.md").read_text()
-    assert "finished: 1 failed, 1 passed, 1 skipped" in md, md
-    assert "pytest summary: 1 failed, 1 passed, 1 skipped" in md, md  # test_on_the_gpu deselected
+    assert "finished: 1 failed, 2 passed, 1 skipped" in md, md
+    assert "pytest summary: 1 failed, 2 passed, 1 skipped" in md, md  # test_on_the_gpu deselected
     assert "test_on_the_gpu" not in (tmp_path / "out" / "suite.log").read_text()
     assert "test_probe.py::test_broken" in md and "a stated reason" in md, md
     assert "## started, never finished (0)" in md, md
