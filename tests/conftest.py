@@ -69,3 +69,14 @@ def pytest_collection_finish(session):
             f"{_INTERPRET_LEAK[0]} set TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} "
             f"at import on a machine with a CUDA GPU (it was {_INTERPRET_AT_START!r}): set it "
             "only when torch.cuda.is_available() is False, as the other kernel tests do")
+
+
+# ------------------------------------------------- launch options the interpreter lets by
+@pytest.fixture(autouse=True)
+def _interpreted_launches_checked():
+    """`interpreter_checks.check_interpreted_launches` before each test: an interpreted
+    launch with a num_warps compiled Triton refuses fails (a no-op until triton is imported)."""
+    from interpreter_checks import check_interpreted_launches
+
+    check_interpreted_launches()
+    yield
