@@ -41,6 +41,8 @@ import torch
 from flintc.errors import InputError
 
 TARGET_COMPILE_POINTS = ((1, 1024), (1, 100000), (8, 1024))
+DEFAULT_CONTEXTS = (1024, 8192, 32768, 100000, 262144)
+DEFAULT_PREFILL = (1024, 8192)
 
 
 @dataclass
@@ -53,9 +55,9 @@ class BenchOptions:
     config: str | None = "full"
     hf_config_path: str | None = None
     formats: list[str] = field(default_factory=lambda: ["bf16", "nvfp4"])
-    contexts: list[int] = field(default_factory=lambda: [1024, 8192, 32768, 100000, 262144])
+    contexts: list[int] | None = None  # None: DEFAULT_CONTEXTS up to the config's max_position_embeddings
     batches: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    prefill: list[int] = field(default_factory=lambda: [1024, 8192])
+    prefill: list[int] | None = None  # None: DEFAULT_PREFILL, likewise
     baselines: list[str] = field(default_factory=lambda: ["eager", "compile"])
     baseline_points: list[tuple[int, int]] | None = None
     builds: Path | None = None
@@ -86,9 +88,14 @@ class BenchOptions:
         --breakdown point that is not one of the decode points measured, an unknown
         name, a missing MODEL or --hf-config-path, --hf-config-path without MODEL, an
         unknown --config preset, or weights (of --config or MODEL) that the CPU has not
-        the memory for (`flintc.runtime.device.check_weights_fit`); MODEL is checked by
-        `_check_model` (CheckpointError / ConfigError for one that is no checkpoint)."""
+        the memory for (`flintc.runtime.device.check_weights_fit`), a --contexts or --prefill
+        value over the config's max_position_embeddings (the defaults, DEFAULT_CONTEXTS and
+        DEFAULT_PREFILL, are cut there instead); MODEL is checked by `_check_model`
+        (CheckpointError / ConfigError for one that is no checkpoint)."""
         o = BenchOptions(**{k: getattr(self, k) for k in self.__dataclass_fields__})
+        defaults = {name for name in ("contexts", "prefill") if getattr(o, name) is None}
+        o.contexts = list(DEFAULT_CONTEXTS) if o.contexts is None else o.contexts
+        o.prefill = list(DEFAULT_PREFILL) if o.prefill is None else o.prefill
         cuda = o.device.startswith("cuda")
         o.warmup = 10 if o.warmup is None and cuda else (1 if o.warmup is None else o.warmup)
         o.iters = 100 if o.iters is None and cuda else (2 if o.iters is None else o.iters)
@@ -138,16 +145,29 @@ class BenchOptions:
         if o.model is None and o.hf_config_path is not None:  # it was ignored silently (as verify refuses it)
             raise InputError(f"--hf-config-path {o.hf_config_path} applies only with a MODEL (the config of a .gguf "
                              "file); without one, the random weights take their config from --config")
+        config = None
         if o.model is not None:
-            _check_model(o)
+            config = _check_model(o)
         if o.model is None and o.config is not None:
             from flintc.config import FlintConfig
             from flintc.errors import ConfigError
 
             try:
-                FlintConfig.preset(o.config)
+                config = FlintConfig.preset(o.config)
             except ConfigError as e:
                 raise InputError(f"--config {o.config}: {e}") from None
+        if config is not None:  # no build serves a longer context: each point was skipped, after minutes
+            longest = config.max_position_embeddings
+            for name in defaults:
+                kept = [v for v in getattr(o, name) if v <= longest]
+                setattr(o, name, kept if kept or name == "prefill" else [longest])
+            for flag, values in (("--contexts", o.contexts), ("--prefill", o.prefill)):
+                over = [v for v in values if v > longest]
+                if over:
+                    source = f"MODEL {o.model}'s config" if o.model is not None else f"the {o.config} config"
+                    raise InputError(f"{flag}: {max(over)} tokens is more than the model serves "
+                                     f"(max_position_embeddings {longest} in {source}); pass values up to "
+                                     f"{longest}")
         o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
         if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
             if not o.run_flintc:
@@ -176,12 +196,13 @@ class _ConfigRead(Exception):
     """Raised by `_check_model`'s check_config once the loader has read MODEL's config."""
 
 
-def _check_model(o: BenchOptions) -> None:
+def _check_model(o: BenchOptions):
     """MODEL's config read (from it, or --hf-config-path) and, with --load-format auto, its
     weight format told, before anything is measured: a MODEL that is no checkpoint, or
     whose format is not every one of --formats, failed each format's "load weights" after
     the ceilings had been measured and written (exit 1); so did weights the CPU has not
-    the memory for (`check_weights_fit`, as for --config). No weight is read.
+    the memory for (`check_weights_fit`, as for --config). No weight is read. Returns
+    the config (FlintConfig).
 
     Raises:
         CheckpointError, ConfigError: as `load_checkpoint` (no config found, a folder that
@@ -191,7 +212,10 @@ def _check_model(o: BenchOptions) -> None:
     """
     from flintc.checkpoint.loader import checkpoint_weight_format, load_checkpoint
 
+    read = []
+
     def stop(config):
+        read.append(config)
         if o.device.startswith("cpu"):  # as for --config: refused now, not after the ceilings
             from flintc.runtime.device import check_weights_fit
 
@@ -210,6 +234,7 @@ def _check_model(o: BenchOptions) -> None:
             raise InputError(f"--formats {','.join(o.formats)}: MODEL {o.model} holds {held} weights, which "
                              f"--load-format auto measures; pass --formats {held} (or --load-format dummy for "
                              "random weights of each format with its config)")
+    return read[0] if read else None
 
 
 class _Clock:

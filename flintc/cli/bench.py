@@ -107,9 +107,12 @@ def _load_report(path: str) -> dict:
     from flintc.bench.report import LIST_KEYS
 
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise InputError(f"--from-json {path}: not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:  # e.g. a .npy from --logits-out, or UTF-16 text
+        raise InputError(f"--from-json {path}: not valid JSON: not UTF-8 text (byte {e.start}: "
+                         f"0x{e.object[e.start]:02x}); expected a bench.json written by flintc bench") from None
     what = "a bench.json written by flintc bench (a JSON object with \"meta\" and \"ceilings\" objects)"
     if not isinstance(data, dict):
         raise InputError(f"--from-json {path}: expected {what}; got a JSON {type(data).__name__}")
@@ -141,10 +144,13 @@ def add_parser(sub) -> None:
     p.add_argument("--config", default="full", help="with dummy weights and no MODEL: preset tiny or full")
     p.add_argument("--hf-config-path", default=None, help="config folder for a .gguf MODEL")
     p.add_argument("--formats", default="bf16,nvfp4", help="weight formats to measure (comma-separated)")
-    p.add_argument("--contexts", default="1024,8192,32768,100000,262144",
-                   help="decode context lengths (tokens in the sequence, the new one included)")
+    p.add_argument("--contexts", default=None,
+                   help="decode context lengths (tokens in the sequence, the new one included); at most the "
+                        "model's max_position_embeddings (default: 1024,8192,32768,100000,262144, those of them "
+                        "the model serves)")
     p.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (sequences per step)")
-    p.add_argument("--prefill", default="1024,8192", help="prefill lengths (tokens), or none")
+    p.add_argument("--prefill", default=None, help="prefill lengths (tokens), or none; at most the model's "
+                   "max_position_embeddings (default: 1024,8192, those of them the model serves)")
     p.add_argument("--baselines", default="eager,compile",
                    help="eager and/or compile (torch.compile max-autotune), or none")
     p.add_argument("--baseline-points", default=None,
@@ -245,9 +251,11 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         out=out, model=args.model, load_format=args.load_format,
         config=args.config if args.model is None else None, hf_config_path=args.hf_config_path,
         formats=_names(args.formats, "--formats", ("bf16", "nvfp4")),
-        contexts=_ints(args.contexts, "--contexts"), batches=_ints(args.batches, "--batches"),
-        prefill=_none_or(args.prefill, "--prefill", "comma-separated positive integers, e.g. 1024,8192",
-                         lambda t: _ints(t, "--prefill")),
+        contexts=None if args.contexts is None else _ints(args.contexts, "--contexts"),
+        batches=_ints(args.batches, "--batches"),
+        prefill=None if args.prefill is None else _none_or(
+            args.prefill, "--prefill", "comma-separated positive integers, e.g. 1024,8192",
+            lambda t: _ints(t, "--prefill")),
         baselines=baselines, baseline_points=_points(args.baseline_points, "--baseline-points"),
         breakdown=_points(args.breakdown, "--breakdown"),
         builds=Path(args.builds) if args.builds else None,

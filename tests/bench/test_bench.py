@@ -594,6 +594,45 @@ def test_dummy_weights_are_announced(tmp_path, capsys, tiny_bf16_dir):
     assert "the weights are random" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.parametrize("content", [b"\x93NUMPY\x01\x00", b"\xff\xfe{\x00}\x00"])
+def test_from_json_refuses_bytes_that_are_not_utf8_in_one_line(tmp_path, capsys, content):
+    """A .npy from --logits-out or UTF-16 text: one line (it was UnicodeDecodeError's
+    traceback and exit status 1, session 34's new-user test)."""
+    f = tmp_path / "x.json"
+    f.write_bytes(content)
+    assert main(["bench", "--from-json", str(f), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: --from-json {f}: not valid JSON: not UTF-8 text (byte 0"), err
+    assert err.count("\n") == 1 and "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--contexts", "64,100000"), ("--prefill", "5000")])
+def test_points_past_the_models_longest_context_are_refused_up_front(tmp_path, capsys, flag, value):
+    """A context or prefill longer than max_position_embeddings (4096 for tiny): one line
+    before anything is compiled. It used to compile both builds, skip every point with a
+    note to compile with a --max-model-len that `flintc compile` refuses, and run on."""
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", flag, value,
+                 "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"flintc: error: {flag}: {value.split(',')[-1]} tokens is more than the model serves " \
+           "(max_position_embeddings 4096 in the tiny config); pass values up to 4096" in err, err
+    assert "Traceback" not in err and not (tmp_path / "o").exists()
+
+
+def test_default_points_are_cut_at_the_models_longest_context(tmp_path):
+    """Without --contexts / --prefill, the defaults the model serves: for tiny (4,096
+    tokens) the 1,024-token points only; for full (262,144) all of them."""
+    from flintc.bench.core import DEFAULT_CONTEXTS, DEFAULT_PREFILL, BenchOptions
+
+    o = BenchOptions(out=tmp_path, device="cpu", config="tiny", formats=["bf16"]).resolved()
+    assert (o.contexts, o.prefill) == ([1024], [1024])
+    o = BenchOptions(out=tmp_path, device="cpu", config="tiny", contexts=[64], prefill=[]).resolved()
+    assert (o.contexts, o.prefill) == ([64], [])
+    o = BenchOptions(out=tmp_path, device="cuda", config="full").resolved()  # no weight-size check off the CPU
+    assert (o.contexts, o.prefill) == (list(DEFAULT_CONTEXTS), list(DEFAULT_PREFILL))
+
+
 @pytest.mark.parametrize("content, needle", [
     ("{}", "no 'meta' object"), ("[1, 2]", "got a JSON list"),
     ('{"build_version": 3, "config": {}}', "(it is a build's build.json)"),
