@@ -29,7 +29,8 @@ to [-100, 100] as vLLM does), ``allowed_token_ids`` (not empty, ids in the vocab
 and ``bad_words`` (made into token ids here, once per request, as vLLM's
 ``update_from_tokenizer``) are honoured (:mod:`flintc.sampling`). ``n`` > 1
 with a ``seed`` gives choice i the seed ``seed + i`` (otherwise every choice would
-be the same). ``max_tokens`` (or ``max_completion_tokens``) counts every generated
+be the same); a seed may be any 64-bit integer, as in vLLM, a negative one taken modulo
+2**63. ``max_tokens`` (or ``max_completion_tokens``) counts every generated
 token, reasoning included; by default chat may use the rest of the context and
 completions 16 tokens (the OpenAI default). vLLM's ``prompt_logprobs`` (0..20, not with
 ``stream``) adds each prompt token's log-probability, rank and most likely alternatives
@@ -590,6 +591,18 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                            f"is [0, {tokenizer.vocab_size}))", param="allowed_token_ids")
         return sorted(set(ids))
 
+    def request_seed(seed) -> int | None:
+        """A request's ``seed`` as SamplingParams takes it, in [0, 2**63): vLLM takes any
+        64-bit integer, [-2**63, 2**63), and clients send -1 (some to mean "random"); a
+        negative seed is taken modulo 2**63, so -1 draws as 2**63 - 1 does, reproducibly.
+        Raises APIError(400) for another value."""
+        if seed is None:
+            return None
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
+            raise APIError(400, f"'seed' must be an integer in [-2**63, 2**63) (vLLM's range; a negative one "
+                           f"is taken modulo 2**63), got {seed!r}", param="seed")
+        return seed % 2**63
+
     async def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
         """One SamplingParams per choice. ``bad_words`` become token ids here (vLLM's
         update_from_tokenizer), once, and with them the choices' SamplingParams (each
@@ -599,6 +612,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         # the fields the request sets; the others keep SamplingParams' defaults (Flint's)
         given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         given.update(logit_bias=logit_bias(req), allowed_token_ids=allowed_token_ids(req))
+        base = request_seed(req.seed)
 
         def make() -> list[SamplingParams]:
             if req.bad_words:
@@ -606,8 +620,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 given["bad_words_token_ids"] = bad_words_to_token_ids(req.bad_words, tokenizer)
             out = []
             for j in range(n):
-                # choice j > 0 gets seed + j (wrapping within [0, 2**63)); seed itself is validated
-                seed = req.seed if (req.seed is None or j == 0) else (req.seed + j) % 2**63
+                # choice j > 0 gets seed + j (wrapping within [0, 2**63))
+                seed = base if base is None else (base + j) % 2**63
                 out.append(SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos, **given))
             return out
 

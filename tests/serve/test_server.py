@@ -361,6 +361,19 @@ def test_completions_n_seed_logprobs(client, tiny_serving):
     assert parts[-1].choices[0].finish_reason == "length"
 
 
+def test_negative_seed_is_taken_modulo_2_63(client, tiny_serving):
+    """vLLM takes any 64-bit seed and clients send -1: seed -1 (and -1 with n = 2, choice 1
+    wrapping to 0) draws as 2**63 - 1 does, reproducibly (it was a 400)."""
+    model, _ = tiny_serving
+    prompt = [5, 77, 300, 12]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(seed=-1, n=2, **kw)
+    want = [reference(model, prompt, max_tokens=5, seed=s, ignore_eos=True)[0] for s in (2**63 - 1, 0)]
+    assert [c.token_ids for c in r.choices] == want
+    assert client.completions.create(seed=-2**63, **kw).choices[0].token_ids == \
+        reference(model, prompt, max_tokens=5, seed=0, ignore_eos=True)[0]
+
+
 # ---- batching, queueing, disconnects -----------------------------------------------------
 
 
@@ -441,7 +454,8 @@ def test_disconnect_frees_slot(server, client):
     ({"top_k": -3}, "top_k"),
     ({"n": 0}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"seed": -1}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
+    ({"seed": 2**63}, "seed"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
