@@ -14,7 +14,8 @@ import sys
 
 def check_interpreted_launches() -> None:
     """Wrap `InterpretedFunction.run` (once) to refuse a num_warps that is not a power of
-    two, naming the kernel (AssertionError). Only once triton is imported: importing it
+    two, naming the kernel (AssertionError), and give tl.dot NVIDIA's shape bounds
+    (`_nvidia_dot_bounds`). Only once triton is imported: importing it
     here, before a test module sets TRITON_INTERPRET=1, would make triton.language's own
     functions (tl.zeros, ...) JIT functions that an interpreted device function cannot
     call."""
@@ -34,3 +35,22 @@ def check_interpreted_launches() -> None:
 
     run._flintc_checked = True
     cls.run = run
+    _nvidia_dot_bounds(interpreter)
+
+
+def _nvidia_dot_bounds(interpreter) -> None:
+    """The interpreter's tl.dot takes any shape (its builder's min_dot_size is (1, 1, 1));
+    compiled for NVIDIA, K must be at least 16 for 16-bit operands (8 for fp32, 32 for
+    8-bit): the NVIDIA backend's bounds (`triton.backends.nvidia.compiler.min_dot_size`, sm_90)
+    go into the interpreter's builder, so a CPU twin with a smaller tile fails as the GPU
+    compile would. Without that backend (a triton build for another target), nothing."""
+    builder = getattr(interpreter, "interpreter_builder", None)
+    fns = getattr(builder, "codegen_fns", None)
+    if not isinstance(fns, dict):
+        return
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import min_dot_size
+    except Exception:
+        return
+    fns["min_dot_size"] = min_dot_size(GPUTarget("cuda", 90, 32))
