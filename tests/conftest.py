@@ -75,7 +75,8 @@ def pytest_collection_finish(session):
 @pytest.fixture(autouse=True)
 def _interpreted_launches_checked():
     """`interpreter_checks.check_interpreted_launches` before each test: an interpreted
-    launch with a num_warps compiled Triton refuses fails (a no-op until triton is imported)."""
+    launch with a num_warps compiled Triton refuses fails (a no-op until the first
+    @triton.jit under TRITON_INTERPRET=1 imports Triton's interpreter)."""
     from interpreter_checks import check_interpreted_launches
 
     check_interpreted_launches()

@@ -15,10 +15,11 @@ import sys
 def check_interpreted_launches() -> None:
     """Wrap `InterpretedFunction.run` (once) to refuse a num_warps that is not a power of
     two, naming the kernel (AssertionError), and give tl.dot NVIDIA's shape bounds
-    (`_nvidia_dot_bounds`). Only once triton is imported: importing it
-    here, before a test module sets TRITON_INTERPRET=1, would make triton.language's own
-    functions (tl.zeros, ...) JIT functions that an interpreted device function cannot
-    call."""
+    (`_nvidia_dot_bounds`). Only once `triton.runtime.interpreter` is imported (by the
+    first @triton.jit under TRITON_INTERPRET=1): importing it here, before a test module
+    sets TRITON_INTERPRET=1, would make triton.language's own functions (tl.zeros, ...)
+    JIT functions that an interpreted device function cannot call. So a test that imports
+    the first kernel module itself runs unchecked, and so do subprocesses."""
     interpreter = sys.modules.get("triton.runtime.interpreter")
     cls = getattr(interpreter, "InterpretedFunction", None)
     real = getattr(cls, "run", None)
@@ -51,6 +52,7 @@ def _nvidia_dot_bounds(interpreter) -> None:
     try:
         from triton.backends.compiler import GPUTarget
         from triton.backends.nvidia.compiler import min_dot_size
-    except Exception:
+
+        fns["min_dot_size"] = min_dot_size(GPUTarget("cuda", 90, 32))
+    except Exception:  # another triton's backend API: the interpreter keeps its own bounds
         return
-    fns["min_dot_size"] = min_dot_size(GPUTarget("cuda", 90, 32))

@@ -79,6 +79,7 @@ class BenchOptions:
     size_caches: bool = True
     plots: bool = True
     command: str = ""
+    cut_defaults: list[str] = field(default_factory=list)  # set by resolved(): notes for the report
 
     def resolved(self) -> "BenchOptions":
         """Defaults that depend on the device; validation. Raises InputError naming the
@@ -90,7 +91,8 @@ class BenchOptions:
         unknown --config preset, or weights (of --config or MODEL) that the CPU has not
         the memory for (`flintc.runtime.device.check_weights_fit`), a --contexts or --prefill
         value over the config's max_position_embeddings (the defaults, DEFAULT_CONTEXTS and
-        DEFAULT_PREFILL, are cut there instead); MODEL is checked by `_check_model`
+        DEFAULT_PREFILL, are cut there instead, with a note in `cut_defaults`; contexts to
+        [max_position_embeddings] when it is below them all); MODEL is checked by `_check_model`
         (CheckpointError / ConfigError for one that is no checkpoint)."""
         o = BenchOptions(**{k: getattr(self, k) for k in self.__dataclass_fields__})
         defaults = {name for name in ("contexts", "prefill") if getattr(o, name) is None}
@@ -158,13 +160,21 @@ class BenchOptions:
                 raise InputError(f"--config {o.config}: {e}") from None
         if config is not None:  # no build serves a longer context: each point was skipped, after minutes
             longest = config.max_position_embeddings
-            for name in defaults:
-                kept = [v for v in getattr(o, name) if v <= longest]
-                setattr(o, name, kept if kept or name == "prefill" else [longest])
+            for name in sorted(defaults):
+                values = getattr(o, name)
+                kept = [v for v in values if v <= longest]
+                kept = kept if kept or name == "prefill" else [longest]
+                if kept != values:
+                    o.cut_defaults.append(
+                        f"--{name}: the default {','.join(map(str, values))} cut to "
+                        f"{','.join(map(str, kept)) or 'none'}, what the model serves (max_position_embeddings "
+                        f"{longest})")
+                setattr(o, name, kept)
             for flag, values in (("--contexts", o.contexts), ("--prefill", o.prefill)):
                 over = [v for v in values if v > longest]
                 if over:
-                    source = f"MODEL {o.model}'s config" if o.model is not None else f"the {o.config} config"
+                    source = (f"--hf-config-path {o.hf_config_path}" if o.hf_config_path is not None else
+                              f"MODEL {o.model}'s config" if o.model is not None else f"the {o.config} config")
                     raise InputError(f"{flag}: {max(over)} tokens is more than the model serves "
                                      f"(max_position_embeddings {longest} in {source}); pass values up to "
                                      f"{longest}")
@@ -291,6 +301,8 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
     clock = _Clock(o.time_budget)
     results = _new_results(o, device)
     bench = _Bench(o, device, clock, results, log)
+    for msg in o.cut_defaults:
+        bench.note(msg)
 
     def save():
         tmp = out / "bench.json.tmp"

@@ -107,10 +107,10 @@ def _load_report(path: str) -> dict:
     from flintc.bench.report import LIST_KEYS
 
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_bytes())  # UTF-8, -16 or -32, as json detects
     except json.JSONDecodeError as e:
         raise InputError(f"--from-json {path}: not valid JSON: {e}") from None
-    except UnicodeDecodeError as e:  # e.g. a .npy from --logits-out, or UTF-16 text
+    except UnicodeDecodeError as e:  # e.g. a .npy from --logits-out
         raise InputError(f"--from-json {path}: not valid JSON: not UTF-8 text (byte {e.start}: "
                          f"0x{e.object[e.start]:02x}); expected a bench.json written by flintc bench") from None
     what = "a bench.json written by flintc bench (a JSON object with \"meta\" and \"ceilings\" objects)"
@@ -147,7 +147,7 @@ def add_parser(sub) -> None:
     p.add_argument("--contexts", default=None,
                    help="decode context lengths (tokens in the sequence, the new one included); at most the "
                         "model's max_position_embeddings (default: 1024,8192,32768,100000,262144, those of them "
-                        "the model serves)")
+                        "the model serves, or its max_position_embeddings when it serves none)")
     p.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (sequences per step)")
     p.add_argument("--prefill", default=None, help="prefill lengths (tokens), or none; at most the model's "
                    "max_position_embeddings (default: 1024,8192, those of them the model serves)")

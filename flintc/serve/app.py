@@ -29,8 +29,8 @@ to [-100, 100] as vLLM does), ``allowed_token_ids`` (not empty, ids in the vocab
 and ``bad_words`` (made into token ids here, once per request, as vLLM's
 ``update_from_tokenizer``) are honoured (:mod:`flintc.sampling`). ``n`` > 1
 with a ``seed`` gives choice i the seed ``seed + i`` (otherwise every choice would
-be the same); a seed may be any 64-bit integer, as in vLLM, a negative one taken modulo
-2**63. ``max_tokens`` (or ``max_completion_tokens``) counts every generated
+be the same); a seed may be any 64-bit integer, as in vLLM: -1 means no seed (vLLM's
+reading), another negative one is taken modulo 2**63. ``max_tokens`` (or ``max_completion_tokens``) counts every generated
 token, reasoning included; by default chat may use the rest of the context and
 completions 16 tokens (the OpenAI default). vLLM's ``prompt_logprobs`` (0..20, not with
 ``stream``) adds each prompt token's log-probability, rank and most likely alternatives
@@ -592,11 +592,12 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         return sorted(set(ids))
 
     def request_seed(seed) -> int | None:
-        """A request's ``seed`` as SamplingParams takes it, in [0, 2**63): vLLM takes any
-        64-bit integer, [-2**63, 2**63), and clients send -1 (some to mean "random"); a
-        negative seed is taken modulo 2**63, so -1 draws as 2**63 - 1 does, reproducibly.
-        Raises APIError(400) for another value."""
-        if seed is None:
+        """A request's ``seed`` as SamplingParams takes it, in [0, 2**63), or None for
+        random draws. vLLM takes any 64-bit integer, [-2**63, 2**63), and -1 there means
+        no seed (its SamplingParams sets seed -1 to None), as clients that send it mean;
+        another negative seed is taken modulo 2**63 here. Raises APIError(400) for a value
+        outside that range or not an integer."""
+        if seed is None or (seed == -1 and not isinstance(seed, bool)):
             return None
         if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
             raise APIError(400, f"'seed' must be an integer in [-2**63, 2**63) (vLLM's range; a negative one "

@@ -594,16 +594,19 @@ def test_dummy_weights_are_announced(tmp_path, capsys, tiny_bf16_dir):
     assert "the weights are random" in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.mark.parametrize("content", [b"\x93NUMPY\x01\x00", b"\xff\xfe{\x00}\x00"])
-def test_from_json_refuses_bytes_that_are_not_utf8_in_one_line(tmp_path, capsys, content):
-    """A .npy from --logits-out or UTF-16 text: one line (it was UnicodeDecodeError's
-    traceback and exit status 1, session 34's new-user test)."""
+def test_from_json_refuses_bytes_that_are_not_text_in_one_line(tmp_path, capsys):
+    """A .npy from --logits-out: one line (it was UnicodeDecodeError's traceback and exit
+    status 1, session 34's new-user test). JSON in UTF-16 (as PowerShell's `>` saves it) is
+    read: "{}" there is refused for what it holds, not for its encoding."""
     f = tmp_path / "x.json"
-    f.write_bytes(content)
+    f.write_bytes(b"\x93NUMPY\x01\x00")
     assert main(["bench", "--from-json", str(f), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"flintc: error: --from-json {f}: not valid JSON: not UTF-8 text (byte 0"), err
     assert err.count("\n") == 1 and "Traceback" not in err and not (tmp_path / "o").exists()
+    f.write_bytes("{}".encode("utf-16"))
+    assert main(["bench", "--from-json", str(f), "--out", str(tmp_path / "o")]) == 2
+    assert "no 'meta' object" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value", [("--contexts", "64,100000"), ("--prefill", "5000")])
@@ -627,10 +630,37 @@ def test_default_points_are_cut_at_the_models_longest_context(tmp_path):
 
     o = BenchOptions(out=tmp_path, device="cpu", config="tiny", formats=["bf16"]).resolved()
     assert (o.contexts, o.prefill) == ([1024], [1024])
+    assert o.cut_defaults == ["--contexts: the default 1024,8192,32768,100000,262144 cut to 1024, what the "
+                              "model serves (max_position_embeddings 4096)",
+                              "--prefill: the default 1024,8192 cut to 1024, what the model serves "
+                              "(max_position_embeddings 4096)"]
     o = BenchOptions(out=tmp_path, device="cpu", config="tiny", contexts=[64], prefill=[]).resolved()
-    assert (o.contexts, o.prefill) == ([64], [])
+    assert (o.contexts, o.prefill, o.cut_defaults) == ([64], [], [])
     o = BenchOptions(out=tmp_path, device="cuda", config="full").resolved()  # no weight-size check off the CPU
-    assert (o.contexts, o.prefill) == (list(DEFAULT_CONTEXTS), list(DEFAULT_PREFILL))
+    assert (o.contexts, o.prefill, o.cut_defaults) == (list(DEFAULT_CONTEXTS), list(DEFAULT_PREFILL), [])
+
+
+def test_default_points_of_a_model_shorter_than_every_default(tmp_path, tiny_bf16_dir):
+    """A MODEL whose max_position_embeddings (512) is below every default point: decode at
+    512, no prefill point, both said in the notes; an explicit --prefill 1024 is refused
+    naming the MODEL's config."""
+    import json
+    import shutil
+
+    from flintc.bench.core import BenchOptions
+    from flintc.errors import InputError
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_bf16_dir, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 512}))
+    o = BenchOptions(out=tmp_path / "o", model=str(short), device="cpu", formats=["bf16"]).resolved()
+    assert (o.contexts, o.prefill) == ([512], [])
+    assert [n.split(":")[0] for n in o.cut_defaults] == ["--contexts", "--prefill"]
+    assert "cut to 512, what" in o.cut_defaults[0] and "cut to none, what" in o.cut_defaults[1]
+    with pytest.raises(InputError, match=f"--prefill: 1024 tokens is more than the model serves "
+                                         f"\\(max_position_embeddings 512 in MODEL {short}'s config\\)"):
+        BenchOptions(out=tmp_path / "o", model=str(short), device="cpu", formats=["bf16"], prefill=[1024]).resolved()
 
 
 @pytest.mark.parametrize("content, needle", [

@@ -1121,8 +1121,10 @@ def test_cuda_triton_build_of_the_tiny_model(fmt, tmp_path, monkeypatch, tiny_bf
     (triton backend; the tiny shapes compiled by Triton's JIT, e.g. head dim 32, 9-row
     rings, 16 experts). Teacher forced without CUDA graphs (so the expert log sees every
     call), 40-token prompt and 24 steps, then three prompts in the 4-bucket for 8 steps,
-    against the reference model on the CPU within the CPU test's tolerance; then the
-    free-running greedy tokens with CUDA graphs, as `flintc run` replays them."""
+    against the reference model on the CPU within the CPU test's tolerance; then 33
+    free-running greedy tokens with CUDA graphs, as `flintc run` replays them, and without:
+    each may leave the reference's path (and the two each other's) only at a near tie
+    (`assert_near_tie`), before token 16 for the reference's, as the CPU test allows."""
     import time
 
     from flintc.runtime.build import BuildOptions, compile_model
@@ -1146,12 +1148,16 @@ def test_cuda_triton_build_of_the_tiny_model(fmt, tmp_path, monkeypatch, tiny_bf
     ours = generate_with_runner(load_build(tmp_path / fmt, progress=False), [prompt], params).output_ids[0]
     no_graphs = generate_with_runner(eager, [prompt], params).output_ids[0]
     ref = generate(model, [prompt], params, prefill_chunk=eager.prefill_chunk).output_ids[0]
-    assert ours == no_graphs, "CUDA-graph replay and eager decoding give different tokens"
     same = next((i for i, (x, y) in enumerate(zip(ours, ref)) if x != y), None)
+    apart = next((i for i, (x, y) in enumerate(zip(ours, no_graphs)) if x != y), None)
     print(f"\n{fmt}: compile {t1 - t0:.1f} s, teacher forced {t2 - t1:.1f} s, graphs "
-          f"{time.perf_counter() - t2:.1f} s; greedy tokens first differ at {same}")
+          f"{time.perf_counter() - t2:.1f} s; greedy tokens first differ from the reference's at {same}, "
+          f"graphs from eager at {apart}")
     if same is not None and same < 16:
         assert_near_tie(model, prompt, ref[:same], ours[same])
+    if apart is not None:  # bit-identical in session 34; atomics may part them only at a near tie
+        assert_near_tie(model, prompt, ours[:apart], ours[apart])
+        assert_near_tie(model, prompt, ours[:apart], no_graphs[apart])
 
 
 def assert_near_tie(model, prompt, path, token):

@@ -361,17 +361,21 @@ def test_completions_n_seed_logprobs(client, tiny_serving):
     assert parts[-1].choices[0].finish_reason == "length"
 
 
-def test_negative_seed_is_taken_modulo_2_63(client, tiny_serving):
-    """vLLM takes any 64-bit seed and clients send -1: seed -1 (and -1 with n = 2, choice 1
-    wrapping to 0) draws as 2**63 - 1 does, reproducibly (it was a 400)."""
+def test_negative_seeds_as_vllm_takes_them(client, tiny_serving):
+    """vLLM takes any 64-bit seed (it was a 400 here): -1 means no seed, as in vLLM (three
+    requests do not all draw alike), another negative one is taken modulo 2**63 (-2 with
+    n = 2: choices seeded 2**63 - 2 and 2**63 - 1; -2**63: 0)."""
     model, _ = tiny_serving
     prompt = [5, 77, 300, 12]
     kw = dict(model=MODEL, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True, "return_token_ids": True})
-    r = client.completions.create(seed=-1, n=2, **kw)
-    want = [reference(model, prompt, max_tokens=5, seed=s, ignore_eos=True)[0] for s in (2**63 - 1, 0)]
+    r = client.completions.create(seed=-2, n=2, **kw)
+    want = [reference(model, prompt, max_tokens=5, seed=s, ignore_eos=True)[0] for s in (2**63 - 2, 2**63 - 1)]
     assert [c.token_ids for c in r.choices] == want
     assert client.completions.create(seed=-2**63, **kw).choices[0].token_ids == \
         reference(model, prompt, max_tokens=5, seed=0, ignore_eos=True)[0]
+    kw.update(max_tokens=16, extra_body={"ignore_eos": True, "return_token_ids": True, "top_k": 0})
+    drawn = {tuple(client.completions.create(seed=-1, **kw).choices[0].token_ids) for _ in range(3)}
+    assert len(drawn) > 1, "seed -1 drew the same 16 tokens three times: seeded, not random"
 
 
 # ---- batching, queueing, disconnects -----------------------------------------------------
