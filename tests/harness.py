@@ -134,3 +134,17 @@ def assert_one_line_error(code, err, *needles):
     assert err.startswith("flintc: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     for n in needles:
         assert str(n) in err, (n, err)
+
+
+def reference_at_cache_length(model: FlintModel, prompt_ids: list[int], params, max_model_len: int,
+                              keep_step_logits: bool = False):
+    """The reference model's generation of one prompt alone, with caches of `max_model_len`
+    rows per slot (a server fixture's), not `generate()`'s request-sized ones: on some CPUs
+    (an AVX512-BF16 EPYC, session 33) attention over 12 rows and over 1,024 masked rows
+    rounds differently (logits 0.02 apart), which a seeded draw turned into another
+    token. -> flintc.runtime.generate's result (output_ids, step_logits if kept)."""
+    from flintc.runtime.generate import generate_with_runner
+    from flintc.runtime.runner import ReferenceRunner
+
+    runner = ReferenceRunner(model, max_batch=1, max_model_len=max_model_len)
+    return generate_with_runner(runner, [prompt_ids], params, keep_step_logits=keep_step_logits)

@@ -595,11 +595,11 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         """A request's ``seed`` as SamplingParams takes it, in [0, 2**63), or None for
         random draws. vLLM takes any 64-bit integer, [-2**63, 2**63), and -1 there means
         no seed (its SamplingParams sets seed -1 to None), as clients that send it mean;
-        another negative seed is taken modulo 2**63 here. Raises APIError(400) for a value
-        outside that range or not an integer."""
-        if seed is None or (seed == -1 and not isinstance(seed, bool)):
+        another negative seed is taken modulo 2**63 here. `seed` is an int (the request
+        model is strict). Raises APIError(400) for a value outside that range."""
+        if seed is None or seed == -1:
             return None
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63:
+        if not -2**63 <= seed < 2**63:
             raise APIError(400, f"'seed' must be an integer in [-2**63, 2**63) (vLLM's range; a negative one "
                            f"is taken modulo 2**63), got {seed!r}", param="seed")
         return seed % 2**63

@@ -22,11 +22,10 @@ from hypothesis import strategies as st
 
 from flintc.checkpoint.tokenizer import SPECIAL_TOKENS, FlintTokenizer
 from flintc.errors import CheckpointError
-from flintc.runtime.generate import generate_with_runner
-from flintc.runtime.runner import ReferenceRunner
 from flintc.sampling import SamplingParams
 from flintc.serve.app import ServeOptions
 from flintc.serve.reasoning import split_reasoning
+from harness import reference_at_cache_length
 
 SCRIPTS: dict = {}  # filled from conftest.SCRIPTS by the server fixture
 
@@ -79,13 +78,9 @@ def client(server):
 
 
 def reference(model, prompt_ids, **kw):
-    """Tokens (and per-step logits) of the reference model's generate on this prompt
-    alone, with the `server` fixture's cache length: `generate(model, ...)` sizes its
-    caches to the request (12 rows for 4 + 8 tokens), and on some CPUs (an AVX512-BF16
-    EPYC) attention over 12 rows and over 1,024 masked rows round differently (logits
-    0.02 apart), which a seeded draw at temperature 0.8 turned into another token."""
-    runner = ReferenceRunner(model, max_batch=1, max_model_len=SERVER_MAX_LEN)
-    res = generate_with_runner(runner, [prompt_ids], SamplingParams(**kw), keep_step_logits=True)
+    """Tokens and per-step logits of the reference model on this prompt alone, with the
+    `server` fixture's cache length (`harness.reference_at_cache_length`)."""
+    res = reference_at_cache_length(model, prompt_ids, SamplingParams(**kw), SERVER_MAX_LEN, keep_step_logits=True)
     return res.output_ids[0], res.step_logits
 
 

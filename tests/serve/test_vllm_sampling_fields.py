@@ -11,10 +11,9 @@ import json
 
 import pytest
 
-from flintc.runtime.generate import generate_with_runner
-from flintc.runtime.runner import ReferenceRunner
 from flintc.sampling import SamplingParams, bad_words_to_token_ids
 from flintc.serve.app import ServeOptions
+from harness import reference_at_cache_length
 
 MODEL = "flint-tiny"
 SERVER_MAX_LEN = 256  # the `server` fixture's max_model_len (its cache rows per slot)
@@ -52,11 +51,10 @@ def chat(**kw):
 
 
 def reference(model, **kw):
-    """The reference model's tokens with the `server` fixture's cache length (not
-    generate()'s request-sized caches: attention over other cache lengths may round
-    differently on some CPUs; tests/serve/test_server.py `reference`)."""
-    runner = ReferenceRunner(model, max_batch=1, max_model_len=SERVER_MAX_LEN)
-    return generate_with_runner(runner, [PROMPT], SamplingParams(max_tokens=6, ignore_eos=True, **kw)).output_ids[0]
+    """The reference model's tokens with the `server` fixture's cache length
+    (`harness.reference_at_cache_length`)."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, **kw)
+    return reference_at_cache_length(model, PROMPT, params, SERVER_MAX_LEN).output_ids[0]
 
 
 def test_allowed_token_ids(server, tiny_serving):
