@@ -42,20 +42,28 @@ def pytest_collectreport(report):
         _INTERPRET_LEAK.append(report.nodeid or "(a conftest)")
 
 
-@pytest.fixture(autouse=True)
-def _restore_triton_interpret():
-    """Put TRITON_INTERPRET back as it was before each test. A test that runs flintc on
-    the CPU in this process (`flintc run --device cpu`, `load_build` of a CPU triton
-    build) selects Triton's interpreter by setting it (`use_triton_interpreter`), and
-    `flintc.kernels.platform.interpreting` reads it at each call: left set on a GPU
-    machine, it would send every later GPU test's kernels down the interpreter paths."""
-    before = os.environ.get("TRITON_INTERPRET")
-    yield
-    if os.environ.get("TRITON_INTERPRET") != before:
-        if before is None:
+def _set_interpret(value: str | None) -> None:
+    if os.environ.get("TRITON_INTERPRET") != value:
+        if value is None:
             del os.environ["TRITON_INTERPRET"]
         else:
-            os.environ["TRITON_INTERPRET"] = before
+            os.environ["TRITON_INTERPRET"] = value
+
+
+@pytest.fixture(autouse=True)
+def _restore_triton_interpret():
+    """Start each test with TRITON_INTERPRET as `interpreter_checks.interpret_for_a_test` says, and put it
+    back as it was after. A test that runs flintc on the CPU in this process (`flintc run
+    --device cpu`, `load_build` of a CPU triton build) selects Triton's interpreter by
+    setting it (`use_triton_interpreter`), and `flintc.kernels.platform.interpreting`
+    reads it at each call: left set on a GPU machine, it would send every later GPU
+    test's kernels down the interpreter paths."""
+    from interpreter_checks import interpret_for_a_test
+
+    before = interpret_for_a_test(os.environ.get("TRITON_INTERPRET"))
+    _set_interpret(before)
+    yield
+    _set_interpret(before)
 
 
 def pytest_collection_finish(session):
@@ -64,6 +72,9 @@ def pytest_collection_finish(session):
     Raises:
         pytest.UsageError: naming the module that set TRITON_INTERPRET.
     """
+    from interpreter_checks import INTERPRET_COLLECTED
+
+    INTERPRET_COLLECTED[:] = [os.environ.get("TRITON_INTERPRET")]
     if _INTERPRET_LEAK:
         raise pytest.UsageError(
             f"{_INTERPRET_LEAK[0]} set TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} "

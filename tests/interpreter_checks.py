@@ -1,5 +1,6 @@
-"""A check of interpreted Triton launches for the test process (`tests/conftest.py` runs it
-before each test).
+"""Checks of the test process's Triton state, which `tests/conftest.py` runs around each
+test: interpreted launches (below), and TRITON_INTERPRET between tests
+(`interpret_for_a_test`).
 
 Triton's interpreter runs a launch with any num_warps; compiled Triton asserts a power of
 two (CUDAOptions: "num_warps must be a power of 2"). prefill_norm.qk_norm_rope gave 3 at
@@ -56,3 +57,25 @@ def _nvidia_dot_bounds(interpreter) -> None:
         fns["min_dot_size"] = min_dot_size(GPUTarget("cuda", 90, 32))
     except Exception:  # another triton's backend API: the interpreter keeps its own bounds
         return
+
+
+# ------------------------------------------------ TRITON_INTERPRET between tests
+INTERPRET_COLLECTED: list[str | None] = []  # the value once collection finished
+
+
+def interpret_for_a_test(current: str | None) -> str | None:
+    """TRITON_INTERPRET as a test should start: the value collection left
+    (`INTERPRET_COLLECTED`) when a fixture of a wider scope changed it, e.g. a
+    module-scoped `flintc compile` with the default `--device cpu`, which sets it
+    (`prepare_device`) for the rest of the process: on a GPU machine every later GPU
+    test's launches then took the interpreter's paths, and the CUDA kernels refused the
+    weights `prepack` had converted (session 35, `docs/gpu-runs.md`). Kept: "1" on a
+    machine without a CUDA GPU, where the kernels can only run interpreted."""
+    if not INTERPRET_COLLECTED or current == INTERPRET_COLLECTED[0]:
+        return current
+    if current == "1":
+        import torch
+
+        if not torch.cuda.is_available():
+            return current
+    return INTERPRET_COLLECTED[0]

@@ -127,7 +127,7 @@ __all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "G
            "kernel_source", "mma_gemv", "mma_norm_router", "mma_operands", "mma_qkv",
            "moe_down", "moe_smem_bytes", "moe_topk_gate_up", "pack_mma_layout",
            "pack_mma_stack", "packed_weight", "prepack", "qkv_applies", "qkv_launch_config",
-           "qkv_smem_bytes", "qkv_source", "router_launch_config", "scale_code_to_bf16_bits",
+           "qkv_smem_bytes", "qkv_source", "refusal_reason", "router_launch_config", "scale_code_to_bf16_bits",
            "supported", "unpack_mma_layout", "warps_for", "weight_dims"]
 
 SCALE_CODE_BIAS = 9  # ue5m3: E' = unbiased exponent + 9, so 2^-9 (the smallest E4M3) has E' = 0
@@ -1955,6 +1955,30 @@ def supported(device: torch.device) -> bool:
     return _compiles(index)
 
 
+def refusal_reason(device: torch.device) -> str:
+    """Why weights in the mma layout cannot run on `device` here, for the launchers'
+    errors: TRITON_INTERPRET=1 set in this process (the launchers then run Triton's
+    kernels, which do not read the mma layout), not a CUDA device, one below sm_90, a
+    torch without `torch.cuda._compile_kernel`, or NVRTC failing its probe (`_compiles`).
+    "" when `supported(device)` and no interpreter: the launch's shapes or arguments are
+    then the reason, which the caller names."""
+    from flintc.kernels.platform import interpreting
+
+    if interpreting():
+        return "TRITON_INTERPRET=1 is set in this process (Triton's interpreter runs the kernels)"
+    if device.type != "cuda":
+        return f"the tensors are on {device}, not a CUDA device"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = torch.cuda.get_device_capability(index)
+    if cap < (9, 0):
+        return f"cuda:{index} is sm_{cap[0]}{cap[1]}, below sm_90"
+    if not _compiles(index):
+        return f"NVRTC cannot compile the CUDA kernels on cuda:{index} (see the warning above)"
+    return ""
+
+
 _PROBE = 'extern "C" __global__ void flintc_probe(int* p) { if (p) *p = 1; }'
 _COMPILES: dict[int, bool] = {}
 
@@ -3168,7 +3192,9 @@ def prepack(weights: dict, config) -> int:
     batch (`norm_gate_up_applies`).
 
     Returns the bytes converted (0 when nothing applies: another device, shapes the
-    kernels do not take, FLINTC_NVFP4_MMA=0, or already converted).
+    kernels do not take, FLINTC_NVFP4_MMA=0, TRITON_INTERPRET=1 in this process (the
+    launchers then run Triton's kernels, which read only the packed layout), or already
+    converted).
     The weights' fingerprints (`flintc.runtime.build.weight_fingerprint`) are kept
     (`NVFP4Tensor.origin`). Raises ValueError, before converting anything, for a
     negative or NaN block scale.
@@ -3176,6 +3202,10 @@ def prepack(weights: dict, config) -> int:
     from flintc.quant.nvfp4 import NVFP4Tensor
     from flintc.runtime.build import fingerprint_parts
 
+    from flintc.kernels.platform import interpreting
+
+    if interpreting():  # every launcher's condition for the CUDA kernels (`refusal_reason`)
+        return 0
     moe = _moe_kernels_apply(config)
     qkv = qkv_applies(config.hidden_size, config.head_dim)
     todo = []

@@ -374,7 +374,8 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
             with the torch backend; a FLINTC_* variable is malformed (`check_environment`);
             a triton build on the CPU with TRITON_INTERPRET set to other than 1, or with
             flintc's kernels imported before it was set (`use_triton_interpreter`; else
-            TRITON_INTERPRET=1 is set here, as the CLI does for --device cpu).
+            TRITON_INTERPRET=1 is set here, as the CLI does for --device cpu). A triton
+            build on CUDA with TRITON_INTERPRET=1 set gets a UserWarning (slow paths).
         CheckpointError: the weights cannot be loaded (from the checkpoint build.json
             records, when no `model` is given: the message then names build.json). A
             build of the embedded default model (no `model` given) whose cached copy is
@@ -397,6 +398,14 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
         from flintc.runtime.device import use_triton_interpreter
 
         use_triton_interpreter(build)  # as `flintc run --device cpu`: before the kernels are imported
+    elif manifest.get("backend") == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        import warnings
+
+        warnings.warn(f"{build}: TRITON_INTERPRET=1 is set in this process (by the environment, or "
+                      "by an earlier CPU run here: flintc.compile / flintc.load with device='cpu'), "
+                      f"so on {device} the Triton kernels take the interpreter's paths and the CUDA "
+                      "kernels stay off: slow. Run CPU and GPU work in separate processes, or unset "
+                      "TRITON_INTERPRET before flintc's kernels are imported", stacklevel=2)
     check_environment(manifest.get("backend"))  # before the weights load
     config = FlintConfig.from_dict(manifest["config"], source=str(build / "build.json"))
     if config_fingerprint(config) != manifest.get("config_sha256"):

@@ -786,6 +786,24 @@ def test_unpack_inverts_pack_and_layout_checks():
         M.mma_operands(wq, sq[..., :1], "shared_up")
 
 
+def test_refusal_reason_names_what_keeps_the_cuda_kernels_off(monkeypatch):
+    """The launchers' errors for mma-layout weights say why the CUDA kernels do not run
+    here: the interpreter first (it sends every launch to Triton), then the device."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "TRITON_INTERPRET=1" in M.refusal_reason(torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert M.refusal_reason(torch.device("cpu")) == "the tensors are on cpu, not a CUDA device"
+    monkeypatch.setattr(M, "_COMPILES", {0: False})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a: None, raising=False)
+    assert "NVRTC cannot compile" in M.refusal_reason(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    assert M.refusal_reason(torch.device("cuda", 0)) == "cuda:0 is sm_80, below sm_90"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(M, "_COMPILES", {0: True})
+    assert M.refusal_reason(torch.device("cuda", 0)) == ""
+
+
 def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
     """Converted weights on a device without the CUDA kernels (here the CPU): a clear
     ValueError from every decode op that takes them, and from the ops that never read the
@@ -797,7 +815,8 @@ def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
     wq, sq = M.pack_mma_layout(codes, scales)
     w = [wq, sq, gs.reshape(())]
     x = torch.randn(2, 128).to(torch.bfloat16)
-    with pytest.raises(ValueError, match="gemv: w must be in the packed NVFP4 layout here"):
+    here = r"; here: (TRITON_INTERPRET=1 is set|the tensors are on cpu, not a CUDA device)"
+    with pytest.raises(ValueError, match="gemv: w must be in the packed NVFP4 layout here.*" + here):
         gemv.gemv(x, w)
     with pytest.raises(ValueError, match="gemv_residual: w must be in the packed NVFP4 layout"):
         fused_gemv.gemv_residual(x, w, torch.zeros(2, 64, dtype=torch.bfloat16))
@@ -809,7 +828,7 @@ def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
     cos = torch.zeros(16, 8)
     cache = torch.zeros(2, 16, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="norm_qkv_rope_kv: wq must be in the packed NVFP4 "
-                                         "layout here"):
+                                         "layout here.*" + here):
         fused_gemv.norm_qkv_rope_kv(x.view(2, 1, 128), torch.ones(128), w, wk, wk,
                                     torch.ones(16), torch.ones(16), cos, cos, cache,
                                     cache.clone(), torch.arange(2), torch.zeros(2, 1,
@@ -842,7 +861,8 @@ def test_flintc_nvfp4_mma_variable(monkeypatch):
 
 
 def test_prepack_off_with_the_variable(monkeypatch):
-    """FLINTC_NVFP4_MMA=0: nothing is converted (every kernel stays on Triton)."""
+    """FLINTC_NVFP4_MMA=0, or TRITON_INTERPRET=1 in the process: nothing is converted
+    (every kernel stays on Triton, which reads only the packed layout)."""
     from flintc.checkpoint.loader import load_checkpoint
 
     ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4",
@@ -852,6 +872,9 @@ def test_prepack_off_with_the_variable(monkeypatch):
     assert M.prepack(ckpt.weights, ckpt.config) == 0
     assert all(w.layout == "packed" for w in ckpt.weights.values() if hasattr(w, "codes"))
     monkeypatch.setenv("FLINTC_NVFP4_MMA", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the launchers would run Triton's kernels
+    assert M.prepack(ckpt.weights, ckpt.config) == 0
+    monkeypatch.delenv("TRITON_INTERPRET")
     assert M.prepack(ckpt.weights, ckpt.config) > 0
 
 

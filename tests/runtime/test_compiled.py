@@ -1073,6 +1073,35 @@ def test_build_json_fields_of_the_wrong_kind_are_refused(builds, tmp_path, field
         load_build(copy, ckpt_dir, progress=False)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fakes a CUDA device on a machine without one")
+def test_a_cuda_triton_load_warns_when_the_interpreter_is_selected(builds, tmp_path, monkeypatch):
+    """A triton build loaded for CUDA in a process where TRITON_INTERPRET=1 is set (e.g.
+    by an earlier `flintc.compile(..., device="cpu")` there) warns: its launches would take
+    the interpreter's paths with the CUDA kernels off (session 35 found a GPU test run
+    that way). Checked on the CPU with a CUDA device faked up to the warning; the load
+    itself then fails (no GPU)."""
+    import shutil
+
+    build, ckpt_dir = builds["bf16"]
+    copy = tmp_path / "triton"
+    shutil.copytree(build, copy)
+    manifest = json.loads((copy / "build.json").read_text())
+    (copy / "build.json").write_text(json.dumps({**manifest, "backend": "triton", "device": "cuda"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.warns(UserWarning, match="TRITON_INTERPRET=1 is set in this process"), \
+            pytest.raises(Exception):  # noqa: B017  (past the warning: weights to a missing GPU)
+        load_build(copy, ckpt_dir, progress=False)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(Exception) as exc:  # noqa: B017
+            load_build(copy, ckpt_dir, progress=False)
+    assert "TRITON_INTERPRET" not in str(exc.value)
+
+
 def test_build_without_its_plan_or_a_field_is_refused(builds, tmp_path):
     """A build folder without plan.json said only "plan.json: No such file or directory";
     a build.json without cache_rows (or another field the runtime reads) was a KeyError."""
