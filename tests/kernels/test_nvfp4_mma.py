@@ -724,6 +724,7 @@ def test_prepack_converts_in_place(monkeypatch, moe_applies):
     dense = M.norm_gate_up_applies(128, 256)
     assert dense == moe_applies
     monkeypatch.setattr(M, "available", lambda device: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # prepack: no CUDA kernels under it
     monkeypatch.setattr(M, "_PACKED", {})
     before = {n: w.dequantize() for n, w in ckpt.weights.items() if hasattr(w, "codes")}
     sha = weight_fingerprint(ckpt.weights, "nvfp4", "file.gguf")
@@ -761,6 +762,7 @@ def test_reference_model_runs_on_converted_weights(monkeypatch):
 
     ref = logits()
     monkeypatch.setattr(M, "available", lambda device: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # prepack: no CUDA kernels under it
     assert M.prepack(ckpt.weights, _moe_config()) > 0
     assert torch.equal(logits(), ref)
 
@@ -1363,6 +1365,7 @@ def test_layout_checks_found_by_review(monkeypatch):
     # prepack: a NaN scale in a later weight leaves every weight packed
     ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="nvfp4", progress=False)
     monkeypatch.setattr(M, "available", lambda device: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # prepack: no CUDA kernels under it
     names = [n for n, w in ckpt.weights.items() if n.endswith("o_proj.weight")]
     w = ckpt.weights[names[-1]]
     s = w.scales.clone()
