@@ -31,6 +31,34 @@ _INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
 _INTERPRET_LEAK: list[str] = []
 
 
+def pytest_configure(config):
+    """On a machine with a CUDA GPU (TRITON_INTERPRET not 1), import every flintc.kernels
+    module now, so that Triton JIT-compiles their kernels whatever runs first: a fixture's
+    in-process CPU run (`flintc compile` without --device sets TRITON_INTERPRET=1) would
+    otherwise import the ones no collected module had imported as interpreted functions,
+    for the rest of the process (session 35: "Cannot call @triton.jit'd outside of the
+    scope of a kernel" in the tiny CUDA tests of a partial run). Without a GPU, nothing:
+    the kernel test modules select the interpreter at import."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    import importlib
+    import pkgutil
+
+    try:
+        import flintc.kernels
+    except ImportError:
+        return
+    for module in pkgutil.iter_modules(flintc.kernels.__path__):
+        try:
+            importlib.import_module(f"flintc.kernels.{module.name}")
+        except ImportError:  # no triton: the kernel tests skip
+            pass
+
+
 def pytest_collectreport(report):
     """Remember the first collected module after which TRITON_INTERPRET changed on a
     machine with a CUDA GPU."""
@@ -52,8 +80,8 @@ def _set_interpret(value: str | None) -> None:
 
 @pytest.fixture(autouse=True)
 def _restore_triton_interpret():
-    """Start each test with TRITON_INTERPRET as `interpreter_checks.interpret_for_a_test` says, and put it
-    back as it was after. A test that runs flintc on the CPU in this process (`flintc run
+    """Start each test with TRITON_INTERPRET as `interpreter_checks.interpret_for_a_test` says, and
+    set that starting value again after the test. A test that runs flintc on the CPU in this process (`flintc run
     --device cpu`, `load_build` of a CPU triton build) selects Triton's interpreter by
     setting it (`use_triton_interpreter`), and `flintc.kernels.platform.interpreting`
     reads it at each call: left set on a GPU machine, it would send every later GPU

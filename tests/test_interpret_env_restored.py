@@ -11,31 +11,23 @@ import os
 import pytest
 
 _SENTINEL = "leaked-by-a-module-fixture"
+_INSIDE = "set-inside-a-test"
 
 
 @pytest.fixture(scope="module")
 def leaky_fixture():
+    """Sets TRITON_INTERPRET for the module, as a module-scoped CPU `flintc compile` does;
+    at teardown (after the last test of the module and its autouse teardown) checks that
+    that test's own setting was undone."""
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = _SENTINEL
-    yield before
+    yield
+    seen = os.environ.get("TRITON_INTERPRET")
     if before is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
         os.environ["TRITON_INTERPRET"] = before
-
-
-def test_a_wider_fixtures_change_is_undone_before_the_test(leaky_fixture):
-    assert os.environ.get("TRITON_INTERPRET") == leaky_fixture
-
-
-def test_a_tests_own_change_is_undone_after_it(leaky_fixture, request):
-    """Runs after the one above in this module: its own setting does not outlive it
-    (checked in the next test), as before session 35."""
-    os.environ["TRITON_INTERPRET"] = "set-inside-a-test"
-
-
-def test_the_previous_tests_change_did_not_outlive_it(leaky_fixture):
-    assert os.environ.get("TRITON_INTERPRET") == leaky_fixture
+    assert seen != _INSIDE, "a test's own TRITON_INTERPRET outlived it"
 
 
 def test_on_a_cpu_machine_a_fixtures_interpreter_is_kept(monkeypatch):
@@ -49,3 +41,15 @@ def test_on_a_cpu_machine_a_fixtures_interpreter_is_kept(monkeypatch):
     assert interpreter_checks.interpret_for_a_test("0") is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert interpreter_checks.interpret_for_a_test("1") is None
+
+
+def test_a_wider_fixtures_change_is_undone_before_the_test(leaky_fixture):
+    import interpreter_checks
+
+    assert os.environ.get("TRITON_INTERPRET") == interpreter_checks.INTERPRET_COLLECTED[0]
+
+
+def test_a_tests_own_change_is_undone_after_it(leaky_fixture):
+    """The module's last test (keep it last): `leaky_fixture`'s teardown, right after this
+    test's, checks that this setting did not outlive the test."""
+    os.environ["TRITON_INTERPRET"] = _INSIDE

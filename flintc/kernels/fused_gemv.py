@@ -450,7 +450,7 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
         return q
     if fmt == "nvfp4-mma":
         fail(op, "wq", "in the packed NVFP4 layout here: the mma layout runs on the CUDA kernel "
-             "only (sm_90+, NVRTC, outside the Triton interpreter, no config; H % 64 == 0, "
+             "only (sm_90+, NVRTC, no config; H % 64 == 0, "
              "D % 16 == 0 and D <= 256)" + _mma_why(dev, config))
     cfg = config or qkv_config(B, H, D, Hq, fmt, dev, kv_heads=Hkv)
     gpu, pdl, extra = _launch_opts(dev, use_pdl, cfg)
@@ -487,7 +487,7 @@ def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache
     """The fused QKV on the CUDA `mma.sync` kernel (`nvfp4_mma.mma_qkv`; NVFP4 or bf16
     weights) where it applies: a CUDA sm_90+ device (`nvfp4_mma.supported` for converted
     weights, else `nvfp4_mma.available`, which FLINTC_NVFP4_MMA=0 turns off), outside the
-    interpreter, H % 64 == 0, D % 16 == 0 and D <= 256, bf16 weights 16-byte aligned (x
+    interpreter (converted weights: even inside it, having no Triton path), H % 64 == 0, D % 16 == 0 and D <= 256, bf16 weights 16-byte aligned (x
     is copied when it is not). Returns False (the caller runs the Triton kernel) otherwise, or
     when packed weights are first seen during CUDA-graph capture (their repack cannot be
     captured)."""
@@ -495,8 +495,9 @@ def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache
 
     B, H = x2.shape
     D = q.shape[-1]
-    if interpreting() or not nvfp4_mma.qkv_applies(H, D, "bf16" if len(wq) == 1 else "nvfp4"):
-        return False
+    if (interpreting() and not converted) \
+            or not nvfp4_mma.qkv_applies(H, D, "bf16" if len(wq) == 1 else "nvfp4"):
+        return False  # converted weights: no Triton path, so the CUDA kernel even then
     if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
         return False
     if x2.data_ptr() % 16:
@@ -585,7 +586,7 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
             return h
     if fmt == "nvfp4-mma":
         fail(op, "gate", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
-             "kernel only (sm_90+, NVRTC, outside the Triton interpreter, no config, and a "
+             "kernel only (sm_90+, NVRTC, no config, and a "
              "launch that fits H and F: nvfp4_mma.norm_gate_up_fits)" + _mma_why(dev, config))
     out = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
     cfg = config or gate_up_config(fmt, F, H, N, dev)
@@ -614,7 +615,7 @@ def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
     it applies: weights in the mma layout (`nvfp4_mma.supported`), or a format of
     `nvfp4_mma.norm_gate_up_formats()` (`nvfp4_mma.available`, which FLINTC_NVFP4_MMA=0
     turns off), bf16 at the batches of `nvfp4_mma.NORM_GATE_UP_BF16_N` only; outside the
-    interpreter; a launch (`norm_gate_up_launch`) that fits H, F and N
+    interpreter unless converted (no Triton path reads them); a launch (`norm_gate_up_launch`) that fits H, F and N
     (`norm_gate_up_fits`); bf16 weights 16-byte aligned (x is copied when it is not).
     Returns h bf16 [N, F], or None (the caller runs the Triton kernel) otherwise, or when
     packed weights are first seen during CUDA-graph capture (their repack cannot be
@@ -623,8 +624,8 @@ def _mma_norm_gate_up(x2, norm, gate, up, eps, fmt: str, use_pdl: bool):
 
     converted = fmt == "nvfp4-mma"
     base = "nvfp4" if converted else fmt
-    if interpreting() or not (converted or base in nvfp4_mma.norm_gate_up_formats()):
-        return None
+    if (interpreting() and not converted) or not (converted or base in nvfp4_mma.norm_gate_up_formats()):
+        return None  # converted weights: no Triton path, so the CUDA kernel even then
     if base == "bf16" and x2.shape[0] not in nvfp4_mma.NORM_GATE_UP_BF16_N:
         return None
     if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):

@@ -891,7 +891,7 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
 
             why = refusal_reason(dev)
             fail(op, "w", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
-                 "kernel only (sm_90+, NVRTC, outside the Triton interpreter, F % 16 == 0, "
+                 "kernel only (sm_90+, NVRTC, F % 16 == 0, "
                  "K % 64 == 0)" + (f"; here: {why}" if why else ""))
         return out
     if (fmt in ("nvfp4", "bf16") and config is None and norm is None and epilogue != EPI_FP32
@@ -938,7 +938,8 @@ def _mma_gemv(x2: torch.Tensor, wargs, F: int, out: torch.Tensor,
               residual: torch.Tensor | None, use_pdl: bool) -> bool:
     """The NVFP4 or bf16 GEMV on the CUDA `mma.sync` kernel (`flintc.kernels.nvfp4_mma`)
     where it applies: a CUDA sm_90+ device (`nvfp4_mma.available`), F % 16 == 0, K % 64
-    == 0, x2 contiguous and 16-byte aligned (bf16 weights too), outside the interpreter.
+    == 0, x2 contiguous and 16-byte aligned (bf16 weights too), outside the interpreter
+    (weights in the mma layout: even inside it, having no Triton path).
     Returns False (the caller runs the Triton kernel) otherwise, or when an NVFP4 weight
     is first seen during CUDA-graph capture (its repack cannot be captured). Same numerics
     as the Triton kernel: exact products, fp32 sums, one rounding (plus the residual
@@ -957,7 +958,7 @@ def _mma_gemv(x2: torch.Tensor, wargs, F: int, out: torch.Tensor,
                            use_pdl=use_pdl)
         return True
     converted = nvfp4_mma.is_mma_layout(codes)
-    if interpreting() or F % 16 or K % 64:
+    if (interpreting() and not converted) or F % 16 or K % 64:  # converted: no Triton path
         return False
     if not (nvfp4_mma.supported(x2.device) if converted else nvfp4_mma.available(x2.device)):
         return False

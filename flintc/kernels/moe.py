@@ -1482,7 +1482,7 @@ def _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k, s
     if not _mma_gate_up_applies(x, logits, E, top_k, H, F, dev, converted=True):
         raise _err(op, "gate", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
                    "kernel only (sm_90+ with NVRTC, E % 32 == 0, E <= 1024, top_k <= 8, H % 1024 "
-                   "== 0, contiguous 16-byte aligned x and logits, outside the interpreter)"
+                   "== 0, contiguous 16-byte aligned x and logits)"
                    + _mma_why(dev))
     return nvfp4_mma.moe_topk_gate_up(x, logits, bias, list(gate), list(up), list(shared_gate),
                                       list(shared_up), top_k, scaling,
@@ -1730,7 +1730,7 @@ def _mma_down(op, h, ids, weights, down, shared_down, residual, use_pdl, config)
     if not _mma_down_applies(h, H, F, K, dev, converted=True):
         raise _err(op, "down", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
                    "kernel only (sm_90+ with NVRTC, F % 64 == 0, H % 16 == 0, top-k <= 16, "
-                   "16-byte aligned h, outside the interpreter)" + _mma_why(dev))
+                   "16-byte aligned h)" + _mma_why(dev))
     return nvfp4_mma.moe_down(h, ids, weights, list(down), list(shared_down), residual,
                               use_pdl=use_pdl and _native(dev))
 
@@ -1762,11 +1762,11 @@ def _mma_gate_up_applies(x, logits, E: int, top_k: int, H: int, F: int,
     sm_90+ device, E % 32 == 0 and E <= 1024, top_k <= 8, H % 1024 == 0, F % 16 == 0,
     contiguous x (16-byte aligned) and logits, outside the interpreter. FLINTC_NVFP4_MMA=0
     keeps the Triton kernel for packed NVFP4 and bf16 weights; `converted` (weights in the
-    mma layout) ignores it."""
+    mma layout, which only the CUDA kernel reads) ignores both."""
     from flintc.kernels import nvfp4_mma
 
     ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)
-    return (not interpreting() and E % 32 == 0 and 32 <= E <= 1024 and top_k <= 8
+    return ((converted or not interpreting()) and E % 32 == 0 and 32 <= E <= 1024 and top_k <= 8
             and H % 1024 == 0 and F % 16 == 0 and x.is_contiguous() and logits.is_contiguous()
             and x.data_ptr() % 16 == 0 and ok_dev)
 
@@ -1778,11 +1778,12 @@ def _mma_down_applies(h, H: int, F: int, K: int, dev: torch.device,
     expert, no explicit config, `mma_moe_applies`): a CUDA sm_90+ device, F % 64 == 0,
     H % 16 == 0, K <= 16, h 16-byte aligned, outside the interpreter (ids and weights:
     the callers pass contiguous copies). FLINTC_NVFP4_MMA=0 keeps the Triton kernel for
-    packed NVFP4 and bf16 weights; `converted` (the mma layout) ignores it."""
+    packed NVFP4 and bf16 weights; `converted` (the mma layout, which only the CUDA
+    kernel reads) ignores both."""
     from flintc.kernels import nvfp4_mma
 
     ok_dev = nvfp4_mma.supported(dev) if converted else nvfp4_mma.available(dev)
-    return (not interpreting() and F % 64 == 0 and H % 16 == 0 and K <= 16
+    return ((converted or not interpreting()) and F % 64 == 0 and H % 16 == 0 and K <= 16
             and h.data_ptr() % 16 == 0 and ok_dev)
 
 

@@ -1956,16 +1956,12 @@ def supported(device: torch.device) -> bool:
 
 
 def refusal_reason(device: torch.device) -> str:
-    """Why weights in the mma layout cannot run on `device` here, for the launchers'
-    errors: TRITON_INTERPRET=1 set in this process (the launchers then run Triton's
-    kernels, which do not read the mma layout), not a CUDA device, one below sm_90, a
-    torch without `torch.cuda._compile_kernel`, or NVRTC failing its probe (`_compiles`).
-    "" when `supported(device)` and no interpreter: the launch's shapes or arguments are
-    then the reason, which the caller names."""
-    from flintc.kernels.platform import interpreting
-
-    if interpreting():
-        return "TRITON_INTERPRET=1 is set in this process (Triton's interpreter runs the kernels)"
+    """Why weights in the mma layout cannot run on `device`, for the launchers' errors:
+    not a CUDA device, one below sm_90, a torch without `torch.cuda._compile_kernel`, or
+    NVRTC failing its probe (`_compiles`, whose error it quotes). "" when
+    `supported(device)`: the launch's shapes or arguments are then the reason, which the
+    caller names. (Converted weights run on the CUDA kernels under TRITON_INTERPRET=1 too:
+    Triton's kernels cannot read them, and NVRTC's do not depend on the interpreter.)"""
     if device.type != "cuda":
         return f"the tensors are on {device}, not a CUDA device"
     if not hasattr(torch.cuda, "_compile_kernel"):
@@ -1975,12 +1971,14 @@ def refusal_reason(device: torch.device) -> str:
     if cap < (9, 0):
         return f"cuda:{index} is sm_{cap[0]}{cap[1]}, below sm_90"
     if not _compiles(index):
-        return f"NVRTC cannot compile the CUDA kernels on cuda:{index} (see the warning above)"
+        return (f"NVRTC cannot compile the CUDA kernels on cuda:{index} "
+                f"({_COMPILE_ERRORS.get(index, 'see the first warning')})")
     return ""
 
 
 _PROBE = 'extern "C" __global__ void flintc_probe(int* p) { if (p) *p = 1; }'
 _COMPILES: dict[int, bool] = {}
+_COMPILE_ERRORS: dict[int, str] = {}  # the probe's failure, for `refusal_reason`
 
 
 def _compiles(index: int) -> bool:
@@ -2000,6 +1998,7 @@ def _compiles(index: int) -> bool:
                           f"cannot compile the CUDA kernels ({type(e).__name__}: {e})",
                           stacklevel=3)
             ok = False
+            _COMPILE_ERRORS[index] = f"{type(e).__name__}: {e}"
         _COMPILES[index] = ok
     return ok
 

@@ -374,8 +374,10 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
             with the torch backend; a FLINTC_* variable is malformed (`check_environment`);
             a triton build on the CPU with TRITON_INTERPRET set to other than 1, or with
             flintc's kernels imported before it was set (`use_triton_interpreter`; else
-            TRITON_INTERPRET=1 is set here, as the CLI does for --device cpu). A triton
-            build on CUDA with TRITON_INTERPRET=1 set gets a UserWarning (slow paths).
+            TRITON_INTERPRET=1 is set here, as the CLI does for --device cpu); a triton
+            build on CUDA when flintc's kernels were imported under TRITON_INTERPRET=1
+            (`interpreted_kernel_modules`). With only the variable set, a UserWarning (slow
+            paths).
         CheckpointError: the weights cannot be loaded (from the checkpoint build.json
             records, when no `model` is given: the message then names build.json). A
             build of the embedded default model (no `model` given) whose cached copy is
@@ -398,7 +400,18 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
         from flintc.runtime.device import use_triton_interpreter
 
         use_triton_interpreter(build)  # as `flintc run --device cpu`: before the kernels are imported
-    elif manifest.get("backend") == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+    elif manifest.get("backend") == "triton":
+        from flintc.runtime.device import interpreted_kernel_modules
+
+        interpreted = interpreted_kernel_modules()
+        if interpreted:
+            raise InputError(f"{build} runs Triton kernels on {device}, but {interpreted[0]} was imported "
+                             "while TRITON_INTERPRET=1 was set (by the environment, or by an earlier CPU run "
+                             "here: flintc.compile / flintc.load with device='cpu'), so its kernels run only in "
+                             "Triton's interpreter in this process; load GPU builds in a process that has not "
+                             "run flintc on the CPU")
+    if manifest.get("backend") == "triton" and torch.device(device).type != "cpu" \
+            and os.environ.get("TRITON_INTERPRET") == "1":
         import warnings
 
         warnings.warn(f"{build}: TRITON_INTERPRET=1 is set in this process (by the environment, or "

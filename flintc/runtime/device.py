@@ -104,6 +104,19 @@ def _compiled_kernel_modules() -> list[str]:
                   and any(isinstance(v, JITFunction) for v in vars(mod).values()))
 
 
+def interpreted_kernel_modules() -> list[str]:
+    """flintc kernel modules already imported whose kernels `@triton.jit` made interpreted
+    functions (imported while TRITON_INTERPRET was 1): they run only in Triton's
+    interpreter, on any device, for the rest of the process."""
+    if "triton.runtime.interpreter" not in sys.modules:
+        return []
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return sorted(name for name, mod in list(sys.modules.items())
+                  if name.startswith("flintc.kernels.") and mod is not None
+                  and any(isinstance(v, InterpretedFunction) for v in vars(mod).values()))
+
+
 def use_triton_interpreter(what) -> None:
     """Make the Triton kernels of `what` (a build, named in errors) run on the CPU, in
     Triton's interpreter, as `flintc run --device cpu` does: sets TRITON_INTERPRET=1
@@ -128,5 +141,6 @@ def use_triton_interpreter(what) -> None:
                          "flintc.kernels")
 
 
-__all__ = ["INTERPRET_ENV", "available_memory_bytes", "check_weights_fit", "prepare_device",
+__all__ = ["INTERPRET_ENV", "available_memory_bytes", "check_weights_fit", "interpreted_kernel_modules",
+           "prepare_device",
            "use_triton_interpreter"]

@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import email.message
 import hmac
 import json
 import math
@@ -519,7 +520,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
     async def parse(request: Request, cls):
         """The body as request model ``cls``, or as the one ``cls(data)`` picks by the
-        parsed JSON when it is not a class. Raises APIError(400)."""
+        parsed JSON when it is not a class. Raises APIError(400), also for a Content-Type
+        other than JSON (`json_content_type`)."""
+        json_content_type(request.headers.get("content-type"))
         body = await read_body(request)
         try:
             data = json.loads(body)
@@ -1227,6 +1230,24 @@ def _template_messages(messages: list[dict]) -> list[dict]:
             m["tool_calls"] = calls
         out.append(m)
     return out
+
+
+def json_content_type(value: str | None) -> None:
+    """Refuse a request body declared as anything but JSON, as FastAPI's body parsing (and
+    so vLLM's server) does: no Content-Type, ``application/json`` or
+    ``application/<x>+json`` (any parameters, e.g. charset) are taken. A ``text/plain`` or
+    form body needs no CORS preflight, so without this check any web page could make a
+    browser post completions to a server on localhost (FastAPI's fix of
+    CVE-2021-32677). Raises APIError(400) naming the type."""
+    if not value:
+        return
+    message = email.message.Message()
+    message["content-type"] = value
+    subtype = message.get_content_subtype()
+    if message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json")):
+        return
+    raise APIError(400, f"the request body must be JSON: Content-Type is {value!r}, expected "
+                   "'application/json'", code="invalid_content_type")
 
 
 def _lone_surrogate(data, where: str = "") -> str | None:

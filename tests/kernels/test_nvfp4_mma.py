@@ -790,20 +790,42 @@ def test_unpack_inverts_pack_and_layout_checks():
 
 def test_refusal_reason_names_what_keeps_the_cuda_kernels_off(monkeypatch):
     """The launchers' errors for mma-layout weights say why the CUDA kernels do not run
-    here: the interpreter first (it sends every launch to Triton), then the device."""
+    here: the device, its capability, or NVRTC's probe (its error quoted); never the
+    interpreter, under which converted weights run on the CUDA kernels too."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert "TRITON_INTERPRET=1" in M.refusal_reason(torch.device("cpu"))
-    monkeypatch.delenv("TRITON_INTERPRET")
     assert M.refusal_reason(torch.device("cpu")) == "the tensors are on cpu, not a CUDA device"
     monkeypatch.setattr(M, "_COMPILES", {0: False})
+    monkeypatch.setattr(M, "_COMPILE_ERRORS", {0: "OSError: CUDA_HOME is not set"})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a: None, raising=False)
-    assert "NVRTC cannot compile" in M.refusal_reason(torch.device("cuda", 0))
+    assert M.refusal_reason(torch.device("cuda", 0)) == (
+        "NVRTC cannot compile the CUDA kernels on cuda:0 (OSError: CUDA_HOME is not set)")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
     assert M.refusal_reason(torch.device("cuda", 0)) == "cuda:0 is sm_80, below sm_90"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(M, "_COMPILES", {0: True})
     assert M.refusal_reason(torch.device("cuda", 0)) == ""
+
+
+def test_converted_weights_take_the_cuda_kernel_under_the_interpreter(monkeypatch):
+    """Weights in the mma layout have no Triton path, so the GEMV launcher sends them to
+    the CUDA kernel even with TRITON_INTERPRET=1 set (an earlier CPU run in the process
+    sets it); packed weights then take Triton's. The CUDA kernel is a spy here."""
+    from flintc.kernels import gemv
+
+    calls = []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(M, "supported", lambda device: True)
+    monkeypatch.setattr(M, "available", lambda device: True)
+    monkeypatch.setattr(M, "mma_gemv", lambda *a, **k: calls.append("mma"))
+    gen = torch.Generator().manual_seed(0)
+    codes, scales, gs = _nvfp4((), 64, 128, gen)
+    wq, sq = M.pack_mma_layout(codes, scales)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    out = torch.empty(2, 64, dtype=torch.bfloat16)
+    assert gemv._mma_gemv(x, (wq, sq, gs.reshape(())), 64, out, None, False)
+    assert not gemv._mma_gemv(x, (codes, scales, gs.reshape(())), 64, out, None, False)
+    assert calls == ["mma"]
 
 
 def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
@@ -817,7 +839,7 @@ def test_decode_ops_refuse_converted_weights_off_the_cuda_path():
     wq, sq = M.pack_mma_layout(codes, scales)
     w = [wq, sq, gs.reshape(())]
     x = torch.randn(2, 128).to(torch.bfloat16)
-    here = r"; here: (TRITON_INTERPRET=1 is set|the tensors are on cpu, not a CUDA device)"
+    here = r"; here: the tensors are on cpu, not a CUDA device"
     with pytest.raises(ValueError, match="gemv: w must be in the packed NVFP4 layout here.*" + here):
         gemv.gemv(x, w)
     with pytest.raises(ValueError, match="gemv_residual: w must be in the packed NVFP4 layout"):

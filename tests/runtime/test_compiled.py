@@ -1075,10 +1075,11 @@ def test_build_json_fields_of_the_wrong_kind_are_refused(builds, tmp_path, field
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes a CUDA device on a machine without one")
 def test_a_cuda_triton_load_warns_when_the_interpreter_is_selected(builds, tmp_path, monkeypatch):
-    """A triton build loaded for CUDA in a process where TRITON_INTERPRET=1 is set (e.g.
-    by an earlier `flintc.compile(..., device="cpu")` there) warns: its launches would take
-    the interpreter's paths with the CUDA kernels off (session 35 found a GPU test run
-    that way). Checked on the CPU with a CUDA device faked up to the warning; the load
+    """A triton build loaded for CUDA in a process where flintc's kernels were imported
+    under TRITON_INTERPRET=1 (e.g. by an earlier `flintc.compile(..., device="cpu")` there)
+    is refused: they run only interpreted. With the variable set but the kernels compiled,
+    a warning: the launches take the interpreter's paths with the CUDA kernels off
+    (session 35 found a GPU test run that way). Checked on the CPU with a CUDA device faked up to the warning; the load
     itself then fails (no GPU)."""
     import shutil
 
@@ -1087,8 +1088,16 @@ def test_a_cuda_triton_load_warns_when_the_interpreter_is_selected(builds, tmp_p
     shutil.copytree(build, copy)
     manifest = json.loads((copy / "build.json").read_text())
     (copy / "build.json").write_text(json.dumps({**manifest, "backend": "triton", "device": "cuda"}))
+    import flintc.runtime.device as device_mod
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # kernels imported under the interpreter run only there: refused
+    monkeypatch.setattr(device_mod, "interpreted_kernel_modules", lambda: ["flintc.kernels.gemv"])
+    with pytest.raises(InputError, match=r"flintc.kernels.gemv was imported while TRITON_INTERPRET=1 "
+                                         r"was set .* load GPU builds in a process that has not run"):
+        load_build(copy, ckpt_dir, progress=False)
+    monkeypatch.setattr(device_mod, "interpreted_kernel_modules", lambda: [])
     with pytest.warns(UserWarning, match="TRITON_INTERPRET=1 is set in this process"), \
             pytest.raises(Exception):  # noqa: B017  (past the warning: weights to a missing GPU)
         load_build(copy, ckpt_dir, progress=False)
@@ -1156,8 +1165,13 @@ def test_cuda_triton_build_of_the_tiny_model(fmt, tmp_path, monkeypatch, tiny_bf
     (`assert_near_tie`), before token 16 for the reference's, as the CPU test allows."""
     import time
 
+    from flintc.kernels import nvfp4_mma
+    from flintc.kernels.platform import interpreting
     from flintc.runtime.build import BuildOptions, compile_model
 
+    # a TRITON_INTERPRET=1 leaked from another test sends the launches down the
+    # interpreter's paths, with the CUDA kernels off (session 35)
+    assert not interpreting(), "TRITON_INTERPRET=1 is set in this GPU test's process"
     source = tiny_bf16_dir if fmt == "bf16" else default_checkpoint()
     t0 = time.perf_counter()
     compile_model(load_checkpoint(source, progress=False), tmp_path / fmt,
@@ -1166,6 +1180,10 @@ def test_cuda_triton_build_of_the_tiny_model(fmt, tmp_path, monkeypatch, tiny_bf
     t1 = time.perf_counter()
     model = reference(source)
     eager = load_build(tmp_path / fmt, progress=False, use_cuda_graphs=False)
+    if fmt == "nvfp4" and nvfp4_mma.available(torch.device("cuda")):
+        mma = [a for ns in eager._weights.values() for a, t in vars(ns).items()
+               if a.endswith("_codes") and nvfp4_mma.is_mma_layout(t)]
+        assert mma, "no NVFP4 weight in the CUDA kernels' mma layout: the decode runs on Triton"
     log = ExpertLog(monkeypatch, eager)
     prompt = [(7 * i + 3) % 500 + 1 for i in range(40)]
     assert_agree_with_flips(teacher_forced(_OnCpu(eager), model, [prompt], 24, log))
