@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import contextlib
 import re
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -124,17 +126,61 @@ def _process_alive(pid: int) -> bool:
 def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
     """Publish the finished folder `tmp` as `out` (same parent): set its public mode, then
     rename it over `out`, replacing an earlier `out` whole (the old one is renamed aside
-    first and removed after), so readers never see a half-written folder. A link `out`
-    is followed (`follow_out_link`): its target is replaced and the link kept."""
+    to `.{name}.old-{pid}` first and removed after), so readers never see a half-written
+    folder. A link `out` is followed (`follow_out_link`): its target is replaced and the
+    link kept.
+
+    All or nothing, SIGINT (Ctrl-C) and SIGTERM included: both renames and the removal
+    of the old folder run with those signals deferred (`signals_deferred`), so an
+    interrupt there is raised (KeyboardInterrupt, or the SIGTERM handler's exception)
+    only once `out` is the complete new folder and no `.old-` folder remains; a failed
+    second rename puts the old `out` back. Raised from here, such an exception means
+    `out` was written; before the renames, `out` is untouched (`tmp` is the caller's to
+    remove)."""
     tmp, out = Path(tmp), follow_out_link(out)
     set_public_mode(tmp)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    with signals_deferred():
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+
+
+@contextlib.contextmanager
+def signals_deferred(signums=(signal.SIGINT, signal.SIGTERM)):
+    """Defer SIGINT and SIGTERM (`signums`) for the block: their handlers are replaced by
+    one that only records the signal, and when the block ends (normally or not) the
+    previous handlers are restored and each recorded signal is sent again, so it acts
+    right after the block as it would have inside (KeyboardInterrupt, flintc's
+    Terminated, or the default action). Handlers, not `pthread_sigmask`: a signal sent
+    to the process may be taken by any thread whose mask lets it through (torch's,
+    tqdm's), and Python would still run its handler in the block. Only the main thread
+    may set handlers: elsewhere (and for a signal whose handler was not set from
+    Python) the block runs unprotected."""
+    import threading
+
+    received: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in signums:
+            handler = signal.getsignal(signum)
+            if handler is not None:  # None: set outside Python, cannot be put back
+                previous[signum] = handler
+                signal.signal(signum, lambda num, frame: received.append(num))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(received):  # each once, in the order they came
+            signal.raise_signal(signum)
 
 
 DUMP_DIR_ENV = "FLINTC_DUMP_DIR"

@@ -274,6 +274,10 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     Raises:
         InputError: bad options, or `out` exists and is not a flintc build.
         PassCheckError: a pass missed its numeric expectation (nothing is written).
+        KeyboardInterrupt / Terminated: SIGINT or SIGTERM. `out` is then either the
+            earlier build untouched or, when the signal came while the new build was
+            being moved into place (`flintc.fileio.move_into_place` defers it), the
+            complete new build (logged); never a mix, never none.
     """
     from flintc.model.reference import FlintModel
     from flintc.passes.pipeline import compile_step
@@ -361,9 +365,14 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
         (tmp / "build.json").write_text(json.dumps(manifest, indent=1))
         from flintc.fileio import move_into_place
 
-        move_into_place(tmp, out)
+        try:
+            move_into_place(tmp, out)  # SIGINT/SIGTERM deferred until `out` is whole
+        except BaseException:
+            if not tmp.exists():  # renamed into place: the signal came during the swap
+                log(f"wrote {out} (complete) before the interrupt")
+            raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # only the temporary folder, never `out`
         raise
     return manifest
 

@@ -436,6 +436,82 @@ def test_sigkill_leftovers_are_removed_by_the_next_compile(tmp_path, tiny_bf16_d
     assert remove_stale_temp_dirs(tmp_path / "b") == []  # its own process's is not stale
 
 
+def _signal_on_rename_of(monkeypatch, path, signum):
+    """Path.rename sends `signum` to this process right after renaming `path` (the first
+    of move_into_place's renames: the old folder aside)."""
+    rename = Path.rename
+
+    def renamed(self, target):
+        result = rename(self, target)
+        if Path(self) == Path(path):
+            os.kill(os.getpid(), signum)
+        return result
+
+    monkeypatch.setattr(Path, "rename", renamed)
+
+
+@pytest.fixture
+def sigterm_raises():
+    """SIGTERM raises Terminated, as under the CLI (pytest leaves it at its default)."""
+    from flintc.cli import _raise_terminated
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("where", ["between the renames", "removing the old folder"])
+def test_move_into_place_is_all_or_nothing_under_signals(tmp_path, monkeypatch, sigterm_raises, signum, where):
+    """SIGINT or SIGTERM during move_into_place's swap is deferred to its end: raised
+    only once `out` is the complete new folder and no `.out.old-PID` remains (it used
+    to leave the old build aside and none at `out`, or a half-removed `.old-` folder)."""
+    import shutil
+
+    from flintc.errors import Terminated
+    from flintc.fileio import move_into_place
+
+    out, tmp = tmp_path / "b", tmp_path / ".b.new"
+    for folder, text in ((out, "old"), (tmp, "new")):
+        (folder / "sub").mkdir(parents=True)
+        for i in range(20):
+            (folder / "sub" / f"{i}.txt").write_text(text)
+        (folder / "build.json").write_text(text)
+    if where == "between the renames":
+        _signal_on_rename_of(monkeypatch, out, signum)
+    else:
+        rmtree = shutil.rmtree
+
+        def interrupted_rmtree(path, *a, **kw):
+            os.kill(os.getpid(), signum)
+            return rmtree(path, *a, **kw)
+
+        monkeypatch.setattr(shutil, "rmtree", interrupted_rmtree)
+    with pytest.raises(KeyboardInterrupt if signum == signal.SIGINT else Terminated):
+        move_into_place(tmp, out)
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+    assert (out / "build.json").read_text() == "new"
+    assert sorted(p.read_text() for p in (out / "sub").iterdir()) == ["new"] * 20
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_compile_interrupted_during_the_swap_keeps_the_new_build(capsys, tmp_path, monkeypatch, tiny_bf16_dir):
+    """Ctrl-C while `flintc compile --out B` moves the new build over an earlier one:
+    exit 130, B is the complete new build and no hidden folder is left. compile's
+    clean-up used to delete the new build (still in its temporary folder) with the old
+    one renamed aside, which the next compile removed: no build at all."""
+    out = tmp_path / "b"
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
+    assert code == 0, err
+    (out / "marker").write_text("old build")
+    _signal_on_rename_of(monkeypatch, out, signal.SIGINT)
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
+    assert code == 130, err
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+    assert (out / "build.json").is_file() and (out / "runtime.py").is_file() and not (out / "marker").exists()
+    assert f"wrote {out} (complete) before the interrupt" in err and "flintc: interrupted" in err
+
+
 # ---- --help: each default said once -----------------------------------------------------
 
 # A help text that tells an option's default: "(default: X)", "(default 10; cpu 1)",
