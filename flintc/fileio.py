@@ -5,9 +5,9 @@ owner-only files (0600 / 0700); a finished output gets the permissions an ordina
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import contextlib
 import re
 import shutil
 import signal

@@ -488,6 +488,33 @@ def test_bad_request_values(server, patch, param):
     assert body["error"]["param"] == param and body["error"]["message"]
 
 
+@pytest.mark.parametrize("content_type, ok", [
+    ("text/plain", False),  # needs no CORS preflight: any web page could post it to localhost
+    ("application/x-www-form-urlencoded", False),  # curl -d's default
+    ("multipart/form-data; boundary=x", False),
+    ("application/json; charset=utf-8", True),
+    ("application/vnd.api+json", True),
+    (None, True),  # no Content-Type: parsed as JSON, as FastAPI does
+])
+def test_only_json_bodies_are_parsed(server, content_type, ok):
+    """A body declared as anything but JSON is a 400 naming the type (FastAPI's, and so
+    vLLM's, rule since CVE-2021-32677); before, `text/plain` got a completion."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}),
+                 headers=headers)
+    resp = conn.getresponse()
+    body = json.loads(resp.read().decode())
+    conn.close()
+    if ok:
+        assert resp.status == 200 and body["choices"][0]["text"] is not None, body
+    else:
+        assert resp.status == 400 and body["error"]["code"] == "invalid_content_type", body
+        assert repr(content_type) in body["error"]["message"]
+
+
 def test_error_cases(server, client):
     status, body = raw(server, "POST", "/v1/chat/completions", b'{"model": "flint-tiny", "messages": [')
     assert status == 400 and "malformed JSON" in body["error"]["message"]
