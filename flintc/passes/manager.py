@@ -81,9 +81,15 @@ class PipelineReport:
     def passed(self) -> bool:
         return all(s.check is None or s.check.passed for s in self.stages)
 
+    @property
+    def checked(self) -> bool:
+        """Whether any pass was checked numerically (False with --no-check: `passed` is
+        then vacuously true)."""
+        return any(s.check is not None for s in self.stages)
+
     def as_dict(self) -> dict:
         return {"step": self.step, "batch": self.batch, "tokens": self.tokens,
-                "passed": self.passed, "skipped": self.skipped,
+                "checked": self.checked, "passed": self.passed, "skipped": self.skipped,
                 "stages": [s.as_dict() for s in self.stages]}
 
 

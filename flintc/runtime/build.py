@@ -479,11 +479,14 @@ def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dic
 
 def _report_md(reports: list[dict], plan_steps: dict) -> str:
     lines = ["# Compile report", ""]
+    if not any(s.get("check") for r in reports for s in r["stages"]):
+        lines += ["Numeric checks: **off** (`--no-check` / `check=False`): no pass was checked "
+                  "against the graph before it.", ""]
     lines += ["| function | kernels per call | passes checked | all passed |", "|---|---|---|---|"]
     for r in reports:
         checked = sum(1 for s in r["stages"] if s.get("check"))
-        lines.append(f"| {r['function']} | {plan_steps[r['function']]['kernels']} | {checked} | "
-                     f"{'yes' if r['passed'] else 'NO'} |")
+        verdict = ("yes" if r["passed"] else "NO") if checked else "not checked"
+        lines.append(f"| {r['function']} | {plan_steps[r['function']]['kernels']} | {checked} | {verdict} |")
     for r in reports:
         lines += ["", f"## {r['function']}", "",
                   "| # | pass | kernels/fwd | expected | ok | max_abs | differing |", "|---|---|---|---|---|---|---|"]

@@ -304,7 +304,13 @@ def test_generated_runtime_is_readable(builds):
     assert all("K." in line or "aten." in line for line in launches)
     assert "layer 3" in launches[-2] and "moe_down_combine_residual" in launches[-2]
     assert all(l["pdl"] for l in plan["steps"]["decode_b1"]["launches"])
-    assert (build / "report.md").is_file() and json.loads((build / "report.json").read_text())[0]["passed"]
+    report = json.loads((build / "report.json").read_text())
+    assert report[0]["passed"] and report[0]["checked"] and "not checked" not in (build / "report.md").read_text()
+    # `flintc compile --no-check` (the module's NVFP4 build): the report says so, not "all passed yes"
+    unchecked, _ = builds["nvfp4"]
+    md = (unchecked / "report.md").read_text()
+    assert "Numeric checks: **off**" in md and "| yes |" not in md and "| not checked |" in md
+    assert not any(r["checked"] for r in json.loads((unchecked / "report.json").read_text()))
 
 
 def test_prefill_drops_intermediates_after_their_last_use(builds):
