@@ -31,19 +31,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_dump)
 
 
-def _is_dump_output(folder: Path) -> bool:
-    """True for a folder an earlier `flintc dump` wrote: report.json and index.md at its
-    top, or in counts/ and numerics/ (the two targets of `--config full`)."""
-    def one(d: Path) -> bool:
-        return (d / "report.json").is_file() and (d / "index.md").is_file()
-
-    return one(folder) or (one(folder / "counts") and one(folder / "numerics"))
-
-
 def check_dump_out(out: str | Path) -> None:
     """Refuse an --out the dump would clobber, or an empty one (as given: `Path("")` is
     the current folder). Raises InputError naming the path."""
     from flintc.cli.compile_build import check_output_folder
+    from flintc.graph.dump import is_dump_output
 
     check_output_folder(out, "--out")
     out = Path(out)
@@ -55,7 +47,7 @@ def check_dump_out(out: str | Path) -> None:
     if foreign:
         raise InputError(f"--out {out}: holds {', '.join(foreign[:3])} (a checkpoint or a build); "
                          "refusing to write dumps into it, choose another --out")
-    if any(out.iterdir()) and not _is_dump_output(out):
+    if any(out.iterdir()) and not is_dump_output(out):
         raise InputError(f"--out {out}: not empty and not the output of an earlier flintc dump "
                          "(no report.json and index.md); choose another --out")
 

@@ -28,11 +28,12 @@ def run_verify(args: argparse.Namespace) -> int:
         from flintc.cli.compile_build import check_output_parents
 
         check_output_parents(args.json_out, "--json")
-    from flintc.fileio import dump_dir_from_env
+    from flintc.passes.pipeline import env_dump_dir
 
-    dump_dir_from_env()  # $FLINTC_DUMP_DIR that cannot be written: refused before the first pass
     steps = ("decode", "prefill") if args.step == "both" else (args.step,)
     disabled = check_pass_flags(args, steps)  # before the first header
+    for step in steps:  # $FLINTC_DUMP_DIR (each step's subfolder) refused before the first pass
+        env_dump_dir(step, *((args.batch, None) if step == "decode" else (1, args.tokens)))
     ok, reports = True, []
     for target in build_targets(args):
         for step in steps:

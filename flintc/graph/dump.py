@@ -17,7 +17,9 @@ then rewrites `index.md` (a table of all stages so far, linking their files) and
 `report.json` (the config, the step and every stage's `StageReport.as_dict()`
 plus its `files`). Every file is written atomically (a temporary name, then a
 rename), so a reader never sees half a file. Stage 0 starts a new pipeline: it
-removes the previous run's stage files (`NN-*.py|onnx|dot|svg`) from `out_dir`.
+removes the previous run's stage files (`NN-*.py|onnx|dot|svg`) from `out_dir`, which
+must be empty or an earlier dump (`check_dump_dir`): files flintc did not write are
+never deleted.
 """
 
 from __future__ import annotations
@@ -43,6 +45,29 @@ def stage_prefix(stage) -> str:
     return f"{stage.index:02d}-{re.sub(r'[^A-Za-z0-9_-]+', '_', stage.name)}"
 
 
+def is_dump_output(folder: Path) -> bool:
+    """True for a folder an earlier dump wrote: report.json and index.md at its top, or
+    in counts/ and numerics/ (the two targets of `flintc dump --config full`)."""
+    def one(d: Path) -> bool:
+        return (d / "report.json").is_file() and (d / "index.md").is_file()
+
+    return one(folder) or (one(folder / "counts") and one(folder / "numerics"))
+
+
+def check_dump_dir(out: str | Path, what: str, fix: str) -> None:
+    """Refuse a dump folder whose stage files would be cleared although flintc did not
+    write them: one that exists and is neither empty nor an earlier dump.
+
+    Raises:
+        InputError: "{what}: not empty and not the output of an earlier flintc dump ...; {fix}"."""
+    from flintc.errors import InputError
+
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) and not is_dump_output(out):
+        raise InputError(f"{what}: not empty and not the output of an earlier flintc dump (no report.json "
+                         f"and index.md), whose files flintc would replace; {fix}")
+
+
 def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
     """Write the dumps of `report.stages[-1]` (the graph `gm`) and refresh the index.
 
@@ -55,8 +80,10 @@ def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
         The paths written for this stage, index.md and report.json last.
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stage = report.stages[-1]
+    if stage.index == 0:
+        check_dump_dir(out, f"dump folder {out}", "choose another dump folder")
+    out.mkdir(parents=True, exist_ok=True)
     if stage.index == 0:
         _clear_stage_files(out)
     prefix = stage_prefix(stage)

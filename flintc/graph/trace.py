@@ -57,6 +57,9 @@ def activation_inputs(step: str) -> tuple[str, ...]:
     return ACTIVATION_INPUTS + ((LOGITS_ROWS,) if step == "prefill" else ())
 
 
+DEFAULT_PREFILL_TOKENS = 16  # T of a prefill capture given no tokens
+
+
 def last_rows(batch: int, tokens: int, device=None) -> torch.Tensor:
     """`logits_rows` of each sequence's last token: int64 [B], b*T + T - 1."""
     return torch.arange(1, batch + 1, device=device) * tokens - 1
@@ -154,7 +157,7 @@ def capture(model: FlintModel, step: str = "decode", batch: int = 1, tokens: int
     """
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; expected one of {STEPS}")
-    T = 1 if step == "decode" else (16 if tokens is None else int(tokens))
+    T = 1 if step == "decode" else (DEFAULT_PREFILL_TOKENS if tokens is None else int(tokens))
     if T < 1:
         raise ValueError(f"a prefill step needs at least one token per sequence, got tokens={tokens}")
     if cache_len < 1:

@@ -27,7 +27,9 @@ residual adds into the GEMVs (8); prefill folds them into the norm that follows 
 
 from __future__ import annotations
 
-from flintc.graph.trace import CapturedGraph, capture
+from pathlib import Path
+
+from flintc.graph.trace import DEFAULT_PREFILL_TOKENS, CapturedGraph, capture
 from flintc.passes.base import GraphPass, PassContext
 from flintc.passes.canonicalize import CanonicalizationPass
 from flintc.passes.fuse_add_rms_norm import AddRMSNormFusionPass
@@ -60,6 +62,36 @@ def pipeline_for(step: str) -> list[type[GraphPass]]:
     raise ValueError(f"unknown step {step!r}; expected 'decode' or 'prefill'")
 
 
+def step_name(step: str, batch: int = 1, tokens: int | None = None) -> str:
+    """`decode_b2`, `prefill_t16`: the function a BUILD compiles the step into, and the
+    subfolder of `$FLINTC_DUMP_DIR` (or of BUILD/dumps) its dumps go to."""
+    if step == "decode":
+        return f"decode_b{batch}"
+    return f"prefill_t{DEFAULT_PREFILL_TOKENS if tokens is None else int(tokens)}"
+
+
+def env_dump_dir(step: str, batch: int = 1, tokens: int | None = None) -> Path | None:
+    """`$FLINTC_DUMP_DIR/<step_name>/`, where `compile_step` given no dump_dir writes the
+    step's dumps (one subfolder per step, so several steps' dumps survive side by side);
+    None when the variable is unset.
+
+    Raises:
+        InputError: naming the variable: its folder cannot be written or is in a BUILD
+            (`flintc.fileio.dump_dir_from_env`), or the step's subfolder holds files
+            that are not an earlier dump (they would be deleted).
+    """
+    from flintc.fileio import DUMP_DIR_ENV, dump_dir_from_env
+    from flintc.graph.dump import check_dump_dir
+
+    value = dump_dir_from_env()
+    if value is None:
+        return None
+    out = Path(value) / step_name(step, batch, tokens)
+    check_dump_dir(out, f"{DUMP_DIR_ENV}={value}: {out}",
+                   f"move those files away, or set {DUMP_DIR_ENV} to another folder (unset: no dumps)")
+    return out
+
+
 def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None = None,
                  cache_len: int = 64, weight_format: str | None = None, disabled=(),
                  check_model=None, seed: int = 0, dump_dir=None, options: dict | None = None,
@@ -70,8 +102,10 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
         model: the FlintModel to capture (real weights, or meta weights for counting).
         check_model: a FlintModel with real weights of the same config and format to
             check every pass numerically on (often `model` itself); None: no numeric checks.
-        dump_dir: write pass-by-pass dumps here; None: into `$FLINTC_DUMP_DIR` if set;
-            False: no dumps, whatever the environment says.
+        dump_dir: write pass-by-pass dumps here (a new or empty folder, or an earlier
+            dump, which is replaced); None: into `$FLINTC_DUMP_DIR/<step_name>/` if the
+            variable is set (`env_dump_dir`: decode_b1, prefill_t16, ...); False: no
+            dumps, whatever the environment says.
         options: per-pass knobs: {"attention_splits": N} (split-KV chunks of decode
             attention), {"fold_attention_combine": True} (group_low_latency folds the
             combine into the attention kernel), {"full_attention_rows": S}.
@@ -82,14 +116,17 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
         GraphLegalityError, PassVerifyError, PassCheckError: a pass broke the graph
         or missed its expectation (the message names the pass).
         InputError: `$FLINTC_DUMP_DIR` (read when dump_dir is None) names a folder that
-        cannot be written (`flintc.fileio.dump_dir_from_env`), before the capture.
+        cannot be written (`flintc.fileio.dump_dir_from_env`), or the dump folder holds
+        files that are not an earlier dump; before the capture.
     """
     if dump_dir is None:
-        from flintc.fileio import dump_dir_from_env
-
-        dump_dir = dump_dir_from_env()
+        dump_dir = env_dump_dir(step, batch, tokens)
     elif not dump_dir:  # False (or ""): no dumps
         dump_dir = None
+    else:
+        from flintc.graph.dump import check_dump_dir
+
+        check_dump_dir(dump_dir, f"dump_dir {dump_dir}", "choose another dump_dir")
     # Source lines on the nodes are for the dumps only; recording them slows tracing.
     graph = capture(model, step, batch=batch, tokens=tokens, cache_len=cache_len,
                     stack_traces=dump_dir is not None)

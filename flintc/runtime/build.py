@@ -280,7 +280,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
             complete new build (logged); never a mix, never none.
     """
     from flintc.model.reference import FlintModel
-    from flintc.passes.pipeline import compile_step
+    from flintc.passes.pipeline import compile_step, step_name
     from flintc.runtime.kernels import KernelTable
 
     config = ckpt.config
@@ -301,7 +301,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     try:
         bar = _progress(steps, progress)
         for step, batch, tokens in bar:
-            name = f"decode_b{batch}" if step == "decode" else f"prefill_t{tokens}"
+            name = step_name(step, batch, tokens)
             if hasattr(bar, "set_description"):
                 bar.set_description(f"compile {name}")
             opts_step = {"full_attention_rows": opts.cache_rows}

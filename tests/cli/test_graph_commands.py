@@ -110,4 +110,80 @@ def test_dump_dir_from_environment(monkeypatch, tmp_path):
 
     monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path))
     compile_step(tiny_model(), "prefill", batch=1, tokens=8, cache_len=16, disabled=["fuse_moe"])
-    assert (tmp_path / "report.json").is_file() and (tmp_path / "index.md").is_file()
+    out = tmp_path / "prefill_t8"
+    assert (out / "report.json").is_file() and (out / "index.md").is_file()
+
+
+def test_flintc_dump_dir_keeps_every_step(monkeypatch, tmp_path):
+    """Regression: every pipeline dumped into $FLINTC_DUMP_DIR itself, each clearing the
+    previous one's stage files and index.md, so only the last step's dumps were left.
+    Now one subfolder per step, named as a BUILD's functions; a step run again replaces
+    its own subfolder only."""
+    from harness import tiny_model
+
+    from flintc.passes.pipeline import compile_step
+
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path))
+    model = tiny_model()
+    for batch in (1, 2):
+        compile_step(model, "decode", batch=batch, cache_len=16)
+    compile_step(model, "prefill", batch=1, tokens=8, cache_len=16, disabled=["fuse_moe"])
+    (tmp_path / "decode_b1" / "01-stale.py").write_text("")  # as if an earlier run wrote it
+    compile_step(model, "decode", batch=1, cache_len=16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode_b1", "decode_b2", "prefill_t8"]
+    for name, title in (("decode_b1", "decode"), ("decode_b2", "decode"), ("prefill_t8", "prefill")):
+        index = (tmp_path / name / "index.md").read_text()
+        assert index.startswith(f"# flintc pipeline: {title} step")
+        assert json.loads((tmp_path / name / "report.json").read_text())["step"] == title
+    assert "mark_pdl" in (tmp_path / "decode_b2" / "index.md").read_text()
+    assert not (tmp_path / "decode_b1" / "01-stale.py").exists()
+
+
+def test_verify_flintc_dump_dir_keeps_both_steps_and_user_files(capsys, monkeypatch, tmp_path):
+    """Regression: `flintc verify` (both steps) left only prefill's dumps, and deleted
+    the user's own files named like stage files (01-preprocess.py) in the folder."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "01-preprocess.py").write_text("print(1)\n")
+    (proj / "99-final-figure.svg").write_text("x\n")
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(proj))
+    code = main(["verify", "--batch", "1", "--tokens", "4", "--cache-len", "8"])
+    capsys.readouterr()
+    assert code == 0
+    assert sorted(p.name for p in proj.iterdir()) == ["01-preprocess.py", "99-final-figure.svg", "decode_b1",
+                                                      "prefill_t4"]
+    assert (proj / "01-preprocess.py").read_text() == "print(1)\n"
+    assert (proj / "decode_b1" / "index.md").read_text().startswith("# flintc pipeline: decode step")
+    assert (proj / "prefill_t4" / "index.md").read_text().startswith("# flintc pipeline: prefill step")
+
+
+@pytest.mark.parametrize("api", ["verify", "compile_step", "dump_dir"])
+def test_dump_folder_with_foreign_files_is_refused(capsys, monkeypatch, tmp_path, api):
+    """A dump folder that holds files and is not an earlier dump (no report.json and
+    index.md) is refused before any work, naming it: its files matching NN-*.py|svg were
+    deleted before."""
+    from harness import assert_one_line_error, run_cli, tiny_model
+
+    from flintc.errors import InputError
+    from flintc.passes.pipeline import compile_step
+
+    def never(*a, **k):
+        raise AssertionError("captured before the dump folder was checked")
+
+    sub = tmp_path / "proj" / "decode_b1"
+    sub.mkdir(parents=True)
+    (sub / "01-preprocess.py").write_text("print(1)\n")
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "proj"))
+    needle = (f"{sub}: not empty and not the output of an earlier flintc dump (no report.json and index.md)")
+    if api == "verify":
+        monkeypatch.setattr("flintc.passes.pipeline.compile_step", never)
+        code, out, err = run_cli(capsys, "verify", "--step", "decode", "--batch", 1)
+        assert_one_line_error(code, err, f"FLINTC_DUMP_DIR={tmp_path / 'proj'}: {needle}",
+                              "set FLINTC_DUMP_DIR to another folder")
+        assert out == ""
+    else:
+        monkeypatch.setattr("flintc.passes.pipeline.capture", never)
+        kw = {} if api == "compile_step" else {"dump_dir": sub}
+        with pytest.raises(InputError, match="not the output of an earlier flintc dump"):
+            compile_step(tiny_model(), "decode", batch=1, cache_len=16, **kw)
+    assert [p.name for p in sub.iterdir()] == ["01-preprocess.py"]
