@@ -297,6 +297,9 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     _check_path(tokenizer, "tokenizer", "the path of a tokenizer folder or tokenizer.json")
     _check_str(device, "--device (device=)", "cpu or cuda[:N]")
     _check_str(backend, "--backend (backend=)", "auto, torch or triton")
+    for name, value in (("check", check), ("dump", dump), ("progress", progress)):
+        if not isinstance(value, bool):  # "no" is truthy: check="no" ran the checks
+            raise InputError(f"{name}: expected True or False, got {_describe(value)} {value!r}")
     with _keyword_wording():
         return _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, max_batch, max_model_len,
                         prefill_chunk, backend, device, check, dump, progress)

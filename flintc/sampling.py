@@ -162,6 +162,8 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, kind) and not isinstance(v, bool) and type(v) not in (int, float):
                 object.__setattr__(self, name, cast(v))
+        if type(self.ignore_eos).__module__ == "numpy" and type(self.ignore_eos).__name__ in ("bool", "bool_"):
+            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", _normalise_allowed(self.allowed_token_ids))
         object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
@@ -171,10 +173,12 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         """Raises InputError naming the field when a value is out of range."""
         t, p, k = self.temperature, self.top_p, self.top_k
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+        if not (_is_number(t) and math.isfinite(t) and t >= 0):
             raise InputError(f"sampling field 'temperature' must be a finite number >= 0, got {t!r}")
-        if not (isinstance(p, (int, float)) and 0 < p <= 1):
+        if not (_is_number(p) and 0 < p <= 1):
             raise InputError(f"sampling field 'top_p' must be in (0, 1], got {p!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InputError(f"sampling field 'ignore_eos' must be True or False, got {self.ignore_eos!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < -1:
             raise InputError(f"sampling field 'top_k' must be an integer >= 1, or 0 / -1 for all, got {k!r}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:

@@ -10,6 +10,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from flintc.errors import InputError
 from flintc.sampling import SamplingParams, _top_k_scores, sample, sampling_probs
 
 V = 257
@@ -221,3 +222,20 @@ def test_draws_only_kept_tokens():
 def test_bad_input_is_a_clear_error(shape, n):
     with pytest.raises(ValueError, match="logits"):
         sample(torch.zeros(shape), [SamplingParams()] * n, [None] * n)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("ignore_eos", "false", "'ignore_eos' must be True or False, got 'false'"),  # truthy: it was on
+    ("ignore_eos", 1, "'ignore_eos' must be True or False, got 1"),
+    ("temperature", True, "'temperature' must be a finite number >= 0, got True"),
+    ("top_p", True, "'top_p' must be in (0, 1], got True"),
+])
+def test_bools_and_numbers_are_not_confused(field, value, needle):
+    """A bool is not a number here (as min_p and max_tokens already refused), and
+    ignore_eos takes only a bool: the string "false" turned it on."""
+    with pytest.raises(InputError) as exc:
+        SamplingParams(**{field: value})
+    assert needle in str(exc.value)
+    import numpy as np
+
+    assert SamplingParams(ignore_eos=np.True_).ignore_eos is True

@@ -236,14 +236,23 @@ def test_limit_build_limits_or_refuses():
     assert (runner.max_batch, runner.max_model_len) == (2, 32)
     runner = SimpleNamespace(max_batch=4, max_model_len=64)
     for kw, needles in (({"max_model_len": 65}, ["--max-model-len 65: b was compiled for 64 positions",
-                                                 "recompile with a larger --max-model-len"]),
+                                                 "recompile with --max-model-len 65"]),
                         ({"max_batch": 8}, ["--max-batch 8: b was compiled for at most 4 sequences",
-                                            "recompile with a larger --max-batch"]),
+                                            "recompile with --max-batch 8"]),
+                        # beyond what any build takes: no hint to recompile (compile refuses it)
+                        ({"max_batch": 16}, ["a build takes at most 8 sequences", "so none takes 16"]),
                         ({"max_batch": 0}, ["--max-batch must be at least 1, got 0"])):
         with pytest.raises(InputError) as exc:
             limit_build(runner, "b", **kw)
         assert all(n in str(exc.value) for n in needles), str(exc.value)
+        assert "recompile" not in str(exc.value) or kw.get("max_batch", 0) <= 8, str(exc.value)
     assert (runner.max_batch, runner.max_model_len) == (4, 64)
+    from flintc.runtime.compiled import check_build_limits
+
+    manifest = {"max_model_len": 64, "max_batch": 4, "config": {"max_position_embeddings": 4096}}
+    with pytest.raises(InputError, match=r"the model serves at most 4096 positions \(max_position_embeddings\), "
+                                         r"so no build takes 5000"):
+        check_build_limits("b", manifest, max_model_len=5000)
 
 
 @pytest.mark.parametrize("flags, needles", [

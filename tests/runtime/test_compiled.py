@@ -741,9 +741,12 @@ def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_pa
     from flintc.errors import CheckpointError
 
     for kw, needle in ((dict(fmt="int8"), "fmt must be 'bf16' or 'nvfp4'"),
-                       (dict(fmt="nvfp4"), "load_format='dummy'"), (dict(config="tiny"), "load_format='dummy'")):
+                       (dict(fmt="nvfp4"), "load_format='dummy'"), (dict(config="tiny"), "load_format='dummy'"),
+                       # a truthy string ran the checks: refused, as the other arguments' types
+                       (dict(check="no"), "check: expected True or False, got str 'no'"),
+                       (dict(dump=None), "dump: expected True or False, got NoneType None")):
         with pytest.raises(InputError, match=needle):
-            flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, **kw)
+            flintc.compile(tiny_bf16_dir, out=tmp_path / "b", **{"check": False, "dump": False, **kw})
     with pytest.raises(CheckpointError, match="tokenizer folder not found"):  # before the compile writes out
         flintc.compile(tiny_bf16_dir, out=tmp_path / "b", tokenizer=tmp_path / "nope", check=False, dump=False)
     assert list(tmp_path.iterdir()) == []
