@@ -937,9 +937,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         prompt_ids = truncate(req, prompt_ids)
         if not prompt_ids:  # the runner's prefill refuses it, failing every running request with it
             raise APIError(400, "the chat template rendered the messages to an empty prompt", param="messages")
-        if req.max_tokens is not None and req.max_completion_tokens is not None \
-                and req.max_tokens != req.max_completion_tokens:
-            raise APIError(400, "'max_tokens' and 'max_completion_tokens' disagree", param="max_tokens")
+        # both given: max_completion_tokens (OpenAI's newer name), as vLLM's
+        # `max_completion_tokens or max_tokens`
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(len(prompt_ids), asked, "max_completion_tokens"
                                   if req.max_completion_tokens is not None else "max_tokens", "messages")

@@ -622,6 +622,14 @@ def test_over_length_error_names_the_prompt_field(server):
     assert status == 400 and body["error"]["param"] == "max_completion_tokens", body
 
 
+def test_max_completion_tokens_wins_over_max_tokens(server):
+    """Both given (and different): max_completion_tokens counts, as vLLM's
+    `max_completion_tokens or max_tokens`; it was a 400 ("disagree")."""
+    status, body = raw(server, "POST", "/v1/chat/completions",
+                       chat("hi", max_tokens=2, max_completion_tokens=3, ignore_eos=True))
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+
+
 # ---- vLLM's other endpoints: /version, /v1/models/{model}, /tokenize, /detokenize, /metrics -----
 
 
