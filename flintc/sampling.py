@@ -274,10 +274,14 @@ def _is_token_id(t) -> bool:
 
 
 def _int_or_self(t):
-    """A NumPy integer as the Python int it stands for; anything else as it is."""
+    """A NumPy integer, or a 0-d integer tensor (an item of `torch.tensor([5, 6])`), as the
+    Python int it stands for; anything else as it is."""
     if type(t) is int:  # the common case, first: the ABC check below costs ~1 us an id
         return t
     if isinstance(t, numbers.Integral) and not isinstance(t, bool) and type(t) is not int:
+        return int(t)
+    if isinstance(t, torch.Tensor) and t.dim() == 0 and t.dtype in (
+            torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
         return int(t)
     return t
 

@@ -239,3 +239,11 @@ def test_bools_and_numbers_are_not_confused(field, value, needle):
     import numpy as np
 
     assert SamplingParams(ignore_eos=np.True_).ignore_eos is True
+
+
+def test_token_id_lists_may_be_integer_tensors():
+    """allowed_token_ids=torch.tensor([5, 6]) is the ids 5 and 6 (it was refused as "token
+    id tensor(5) is not an integer"); a float tensor's items are still refused."""
+    assert SamplingParams(allowed_token_ids=torch.tensor([6, 5, 6])).allowed_token_ids == (5, 6)
+    with pytest.raises(InputError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=torch.tensor([5.0]))
