@@ -32,7 +32,10 @@ from flintc.sampling import SamplingParams
 
 @dataclass
 class CompiledGeneration(GenerationResult):
-    """GenerationResult plus the decoded texts (None without a tokenizer)."""
+    """GenerationResult plus the decoded texts (None without a tokenizer). The texts keep
+    the tokenizer's special tokens (`tokenizer.decode`'s default, as `flintc run` prints
+    them: the ids are the output); `flintc serve` leaves them out by default, as vLLM's
+    `skip_special_tokens=True` (docs/serve.md)."""
 
     texts: list[str] | None = None
     extra: dict = field(default_factory=dict)
