@@ -214,16 +214,21 @@ def load_default(load):
 
 def _discard(folder: Path) -> None:
     """Remove the cached default `folder`: renamed aside first (a reader never sees half
-    of it), then removed. One another process already moved is left to it."""
-    try:
-        aside = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-bad-", dir=folder.parent))
-    except OSError as exc:
-        raise cache_error(folder.parent, exc) from None
-    try:
-        os.rename(folder, aside / "ckpt")
-    except FileNotFoundError:  # gone already
-        pass
-    except OSError as exc:
-        raise cache_error(folder.parent, exc) from None
-    finally:
-        shutil.rmtree(aside, ignore_errors=True)
+    of it), then removed, with SIGINT / SIGTERM deferred until it is gone
+    (`flintc.fileio.signals_deferred`: a Ctrl-C there left a `.flintc-default-bad-*`
+    folder in the cache). One another process already moved is left to it."""
+    from flintc.fileio import signals_deferred
+
+    with signals_deferred():
+        try:
+            aside = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_NAME}-bad-", dir=folder.parent))
+        except OSError as exc:
+            raise cache_error(folder.parent, exc) from None
+        try:
+            os.rename(folder, aside / "ckpt")
+        except FileNotFoundError:  # gone already
+            pass
+        except OSError as exc:
+            raise cache_error(folder.parent, exc) from None
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)

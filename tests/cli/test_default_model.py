@@ -257,3 +257,27 @@ def test_a_good_default_written_meanwhile_is_kept(cache, capsys, monkeypatch):
     default._write_default(folder)
     assert folder.stat().st_ino != inode and default.check_default_folder(folder) is None
     assert sorted(p.name for p in cache_dir.iterdir()) == [DEFAULT]
+
+
+def test_discarding_a_damaged_default_is_not_cut_by_ctrl_c(tmp_path, monkeypatch):
+    """Ctrl-C while a damaged cached default is removed left a `.flintc-default-bad-*`
+    folder in the cache: it is raised only once the folder is gone."""
+    import os
+    import shutil
+    import signal
+
+    import flintc.checkpoint.default as default
+
+    folder = tmp_path / default.DEFAULT_NAME
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "f").write_text("x")
+    real = shutil.rmtree
+
+    def interrupted(path, *a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        real(path, *a, **k)
+
+    monkeypatch.setattr(default.shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        default._discard(folder)
+    assert list(tmp_path.iterdir()) == []
