@@ -78,7 +78,7 @@ def generate_with_runner(
         raise InputError("no prompts: give at least one")
     if B > runner.max_batch:
         raise InputError(f"{B} prompts, but the runtime takes at most {runner.max_batch} at once "
-                         "(--max-batch)")
+                         "(the build's max_batch: flintc compile --max-batch, flintc.compile(max_batch=...))")
     plist = params_per_prompt(params, B)
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, runner.max_model_len,
