@@ -134,9 +134,10 @@ def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
     of the old folder run with those signals deferred (`signals_deferred`), so an
     interrupt there is raised (KeyboardInterrupt, or the SIGTERM handler's exception)
     only once `out` is the complete new folder and no `.old-` folder remains; a failed
-    second rename puts the old `out` back. Raised from here, such an exception means
-    `out` was written; before the renames, `out` is untouched (`tmp` is the caller's to
-    remove)."""
+    second rename puts the old `out` back (its error is raised, under a deferred signal's
+    exception if one came). A signal's exception raised from here, with no other error
+    in its context, means `out` was written; before the renames, `out` is untouched
+    (`tmp` is the caller's to remove)."""
     tmp, out = Path(tmp), follow_out_link(out)
     set_public_mode(tmp)
     with signals_deferred():
@@ -159,28 +160,57 @@ def signals_deferred(signums=(signal.SIGINT, signal.SIGTERM)):
     one that only records the signal, and when the block ends (normally or not) the
     previous handlers are restored and each recorded signal is sent again, so it acts
     right after the block as it would have inside (KeyboardInterrupt, flintc's
-    Terminated, or the default action). Handlers, not `pthread_sigmask`: a signal sent
-    to the process may be taken by any thread whose mask lets it through (torch's,
-    tqdm's), and Python would still run its handler in the block. Only the main thread
-    may set handlers: elsewhere (and for a signal whose handler was not set from
-    Python) the block runs unprotected."""
+    Terminated, or the default action). Every recorded signal is delivered, SIGTERM last
+    (its exception, raised over KeyboardInterrupt's, is the one that propagates), and
+    every handler is put back even when one of them raises while the others are
+    restored. If the block raises too, the signal's exception is raised over it (the
+    block's is its `__context__`). The wake-up fd (`signal.set_wakeup_fd`, asyncio's) is
+    off for the block, so an event loop sees each signal once, when it is sent again.
+    Handlers, not `pthread_sigmask`: a signal sent to the process may be taken by any
+    thread whose mask lets it through (torch's, tqdm's), and Python would still run its
+    handler in the block. Only the main thread may set handlers: elsewhere (and for a
+    signal whose handler was not set from Python) the block runs unprotected."""
     import threading
 
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     received: list[int] = []
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
+    previous: list[tuple[int, object]] = []
+
+    def record(num, frame):
+        received.append(num)
+
+    wakeup = signal.set_wakeup_fd(-1)
+    try:
         for signum in signums:
             handler = signal.getsignal(signum)
             if handler is not None:  # None: set outside Python, cannot be put back
-                previous[signum] = handler
-                signal.signal(signum, lambda num, frame: received.append(num))
-    try:
+                signal.signal(signum, record)
+                previous.append((signum, handler))
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for signum in dict.fromkeys(received):  # each once, in the order they came
-            signal.raise_signal(signum)
+        _chain([lambda s=s, h=h: signal.signal(s, h) for s, h in previous]
+               + [lambda: _set_wakeup_fd(wakeup)]
+               + [lambda s=s: signal.raise_signal(s)
+                  for s in sorted(dict.fromkeys(received), key=lambda s: s == signal.SIGTERM)])
+
+
+def _chain(steps) -> None:
+    """Run every step, each in the `finally` of the one before: one that raises (a
+    signal's handler) does not keep the later ones from running."""
+    if steps:
+        try:
+            steps[0]()
+        finally:
+            _chain(steps[1:])
+
+
+def _set_wakeup_fd(fd: int) -> None:
+    try:
+        signal.set_wakeup_fd(fd)
+    except (ValueError, OSError):  # closed meanwhile: leave it off
+        pass
 
 
 DUMP_DIR_ENV = "FLINTC_DUMP_DIR"

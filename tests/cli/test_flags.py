@@ -504,6 +504,52 @@ def test_move_into_place_is_all_or_nothing_under_signals(tmp_path, monkeypatch, 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_signals_deferred_delivers_every_signal_and_restores_every_handler(sigterm_raises):
+    """Both SIGINT and SIGTERM in the block: both are delivered after it, SIGTERM's
+    Terminated last (over KeyboardInterrupt), and both handlers are back; the asyncio
+    wake-up fd sees each signal once, not twice. A review found the SIGTERM dropped and
+    a handler left replaced when a signal came while the handlers were swapped."""
+    import socket
+
+    from flintc.errors import Terminated
+    from flintc.fileio import _chain, signals_deferred
+
+    handlers = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    with pytest.raises(Terminated) as exc:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert isinstance(exc.value.__context__, KeyboardInterrupt)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    seen = []
+    previous_int = signal.signal(signal.SIGINT, lambda num, frame: seen.append(num))
+    previous_fd = signal.set_wakeup_fd(writer.fileno())
+    try:
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+        assert seen == [signal.SIGINT]
+        assert reader.recv(16) == bytes([signal.SIGINT])  # once
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        signal.signal(signal.SIGINT, previous_int)
+        reader.close()
+        writer.close()
+
+    ran = []
+
+    def boom():
+        ran.append("boom")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # a step that raises does not stop the later ones
+        _chain([boom, lambda: ran.append("next"), lambda: ran.append("last")])
+    assert ran == ["boom", "next", "last"]
+
+
 def test_compile_interrupted_during_the_swap_keeps_the_new_build(capsys, tmp_path, monkeypatch, tiny_bf16_dir):
     """Ctrl-C while `flintc compile --out B` moves the new build over an earlier one:
     exit 130, B is the complete new build and no hidden folder is left. compile's
