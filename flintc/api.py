@@ -404,6 +404,8 @@ def load(build, model=None, *, device: str | None = None, load_format: str | Non
     _check_path(tokenizer, "tokenizer", "the path of a tokenizer folder or tokenizer.json")
     if device is not None:
         _check_str(device, "--device (device=)", "cpu or cuda[:N], or None for the build's")
+    if not isinstance(progress, bool):
+        raise InputError(f"progress: expected True or False, got {_describe(progress)} {progress!r}")
     with _keyword_wording():
         return _load(build, model, device, load_format, hf_config_path, tokenizer, progress)
 

@@ -375,6 +375,7 @@ def _normalise_logit_bias(bias):
         raise InputError("sampling field 'logit_bias' must be a dict {token_id: bias}, or (token_id, bias) pairs")
     if not pairs:
         return None
+    pairs = [(_int_or_self(t), b) for t, b in pairs]  # NumPy / 0-d tensor ids as ints
     ids = [t for t, _ in pairs]
     if not all(isinstance(t, int) for t in ids):
         return tuple(pairs)  # validate names the bad id

@@ -245,5 +245,9 @@ def test_token_id_lists_may_be_integer_tensors():
     """allowed_token_ids=torch.tensor([5, 6]) is the ids 5 and 6 (it was refused as "token
     id tensor(5) is not an integer"); a float tensor's items are still refused."""
     assert SamplingParams(allowed_token_ids=torch.tensor([6, 5, 6])).allowed_token_ids == (5, 6)
+    import numpy as np
+
+    ids = torch.tensor([7, 3])
+    assert SamplingParams(logit_bias={ids[0]: 1.0, np.int64(3): -2}).logit_bias == ((3, -2.0), (7, 1.0))
     with pytest.raises(InputError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=torch.tensor([5.0]))
