@@ -11,7 +11,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from flintc.cli.graphs import add_model_args, build_targets, check_pass_flags, format_table, pass_options
+from flintc.cli.graphs import (add_model_args, build_targets, check_pass_flags, format_table, pass_options,
+                               target_subfolder)
 from flintc.errors import InputError
 
 # What makes a folder a checkpoint or a build: never written over by a dump.
@@ -64,7 +65,7 @@ def run_dump(args: argparse.Namespace) -> int:
     try:
         tables = []
         for i, target in enumerate(targets):
-            sub = "" if len(targets) == 1 else ("counts" if i == 0 else "numerics")
+            sub = target_subfolder(i, len(targets))
             batch, tokens = (args.batch, None) if args.step == "decode" else (1, args.tokens)
             _, report = compile_step(target.model, args.step, batch=batch, tokens=tokens,
                                      cache_len=args.cache_len, disabled=disabled,

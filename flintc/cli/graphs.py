@@ -109,6 +109,30 @@ class Target:
     note: str = ""
 
 
+def target_subfolder(index: int, count: int) -> str:
+    """The subfolder of the dump folder that target `index` of `count` (`build_targets`)
+    writes its dumps to: "" (the folder itself) for a single target; "counts" and
+    "numerics" for the two of `--config full`, so that neither replaces the other's."""
+    if count == 1:
+        return ""
+    return "counts" if index == 0 else "numerics"
+
+
+def _split_targets(config) -> bool:
+    """True for a config too large for real random weights: `build_targets` then makes
+    two targets (kernel counts on meta weights, numerics on a few layers)."""
+    return config.num_parameters()["total"] >= 2e9
+
+
+def target_count(args: argparse.Namespace) -> int:
+    """How many targets `build_targets(args)` makes, without building them (reads only
+    the --config preset or file): where the dump folders are checked before any work."""
+    if args.model is not None:
+        return 1
+    config = FlintConfig.from_preset_or_path("tiny" if args.config is None else args.config, "--config")
+    return 2 if _split_targets(config) else 1
+
+
 def build_targets(args: argparse.Namespace) -> list[Target]:
     """One target normally; for `--config full` without MODEL two: all 49 layers on meta
     weights (kernel counts only) and a 4-layer full-width model with real weights.
@@ -168,7 +192,7 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
             w = {k: quantize(v).to(device) if "proj" in k and v.dim() >= 2 else v for k, v in w.items()}
         return FlintModel(cfg, w, max_positions=max_pos)
 
-    if config.num_parameters()["total"] < 2e9:
+    if not _split_targets(config):
         model = real(config)
         return [Target(model, model, f"random weights ({args.fmt}, seed {args.seed})")]
     meta = FlintModel(config, dummy_weights(config, args.fmt, "meta"), max_positions=max_pos)

@@ -164,15 +164,25 @@ def _check_backend_flags(args, backend: str, n_prompts: int) -> None:
                                  "with flintc compile")
 
 
-def _temporary_build_dumps(opts, no_dump: bool) -> None:
+def _temporary_build_dumps(opts, no_dump: bool, config) -> None:
     """Where a temporary BUILD's pass-by-pass dumps go: the BUILD is removed at exit, so
     they are written only where they outlive the run, into `$FLINTC_DUMP_DIR/<function>/`
-    when it is set (as for any compile), else nowhere; --no-dump always means none."""
+    when it is set (as for any compile), else nowhere; --no-dump always means none.
+
+    Raises:
+        InputError: naming the variable, before any compile: its folder cannot be
+            written, or one of the functions' subfolders holds files that are not an
+            earlier dump (`flintc.passes.pipeline.check_env_dump_subdir`)."""
     from flintc.fileio import dump_dir_from_env
+    from flintc.passes.pipeline import check_env_dump_subdir
+    from flintc.runtime.build import function_names
 
     dump_dir = None if no_dump else dump_dir_from_env()  # an unwritable one: an InputError now
     opts.dump = dump_dir is not None
     opts.dump_dir = dump_dir if opts.dump else None
+    if opts.dump:
+        for name in function_names(opts, config):
+            check_env_dump_subdir(dump_dir, name)
 
 
 def _check_ids_in_vocab(params, id_prompts: list[list[int]], vocab_size, source: str) -> None:
@@ -274,7 +284,7 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
     tmp = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="flintc-build-"))
     out = Path(tmp) / "build"
     opts = build_options(args)
-    _temporary_build_dumps(opts, args.no_dump)
+    _temporary_build_dumps(opts, args.no_dump, ckpt.config)
     compile_model(ckpt, out, opts, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))
     if opts.dump:
         print(f"pass-by-pass dumps: {opts.dump_dir}/<function>/", file=sys.stderr)

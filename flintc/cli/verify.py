@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from flintc.cli.graphs import add_model_args, build_targets, check_pass_flags, format_table
+from flintc.cli.graphs import (add_model_args, build_targets, check_pass_flags, format_table, target_count,
+                               target_subfolder)
 
 
 def add_parser(sub) -> None:
@@ -32,18 +33,24 @@ def run_verify(args: argparse.Namespace) -> int:
 
     steps = ("decode", "prefill") if args.step == "both" else (args.step,)
     disabled = check_pass_flags(args, steps)  # before the first header
-    for step in steps:  # $FLINTC_DUMP_DIR (each step's subfolder) refused before the first pass
-        env_dump_dir(step, *((args.batch, None) if step == "decode" else (1, args.tokens)))
+    # $FLINTC_DUMP_DIR: each step's subfolder (and, for the two targets of --config full,
+    # its counts/ and numerics/, as `flintc dump` names them: one would clear the other's
+    # dumps) refused before the models are built and the first pass
+    n = target_count(args)
+    dump_dirs = {(i, step): env_dump_dir(step, *_shape(args, step), target=target_subfolder(i, n))
+                 for i in range(n) for step in steps}
+    targets = build_targets(args)
     ok, reports = True, []
-    for target in build_targets(args):
+    for i, target in enumerate(targets):
         for step in steps:
-            batch, tokens = (args.batch, None) if step == "decode" else (1, args.tokens)
+            batch, tokens = _shape(args, step)
             print(f"\n== {step} (B={batch}{'' if tokens is None else f', T={tokens}'}) -- {target.note}")
             try:
                 _, report = compile_step(target.model, step, batch=batch, tokens=tokens,
                                          cache_len=args.cache_len, disabled=disabled[step],
                                          check_model=target.check_model, seed=args.seed,
-                                         options=_options(args))
+                                         options=_options(args),
+                                         dump_dir=False if dump_dirs[i, step] is None else dump_dirs[i, step])
             except PassCheckError as exc:
                 report = exc.report
                 print(format_table(report))
@@ -60,6 +67,11 @@ def run_verify(args: argparse.Namespace) -> int:
         write_json_atomic(args.json_out, {"passed": ok, "reports": reports})
     print("\nall passes met their expectations" if ok else "\nsome pass missed its expectation")
     return 0 if ok else 1
+
+
+def _shape(args, step: str) -> tuple[int, int | None]:
+    """(batch, tokens) of `step`: decode at --batch, prefill of one sequence of --tokens."""
+    return (args.batch, None) if step == "decode" else (1, args.tokens)
 
 
 def _options(args) -> dict:

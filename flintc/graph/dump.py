@@ -15,7 +15,8 @@ writes files named `{index:02d}-{name}` so they sort in pipeline order:
 
 then rewrites `index.md` (a table of all stages so far, linking their files) and
 `report.json` (the config, the step and every stage's `StageReport.as_dict()`
-plus its `files`). Every file is written atomically (a temporary name, then a
+plus its `files`); stage 0 writes those two first too, so an interrupted first dump
+is still recognised as an earlier dump. Every file is written atomically (a temporary name, then a
 rename), so a reader never sees half a file. Stage 0 starts a new pipeline: it
 removes the previous run's stage files (`NN-*.py|onnx|dot|svg`) from `out_dir`, which
 must be empty or an earlier dump (`check_dump_dir`): files flintc did not write are
@@ -86,6 +87,10 @@ def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     if stage.index == 0:
         _clear_stage_files(out)
+        # index.md and report.json first (no files listed yet), so that a dump interrupted
+        # or failing while stage 0's files are written is still an earlier dump
+        # (`is_dump_output`), which the next run replaces, not a folder it refuses
+        _write_index(report, ctx, out)
     prefix = stage_prefix(stage)
     title = (f"{prefix} ({stage.stage}): {ctx.step} B={ctx.batch} T={ctx.tokens}, "
              f"{stage.kernels.per_forward} kernels per forward")
@@ -98,10 +103,15 @@ def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
         written.append(_write(out / f"{prefix}.{view}.svg", to_svg(g)))
     model = graph_to_onnx(gm, name=prefix, doc=title)
     written.append(_write(out / f"{prefix}.onnx", model.SerializeToString()))
-    written.append(_write(out / "index.md", index_markdown(report, ctx, out)))
-    report_json = json.dumps(report_dict(report, ctx, out), indent=2) + "\n"
-    written.append(_write(out / "report.json", report_json))
+    written.extend(_write_index(report, ctx, out))
     return written
+
+
+def _write_index(report, ctx, out: Path) -> list[Path]:
+    """(Re)write index.md and report.json for the stages so far and the files in `out`."""
+    index = _write(out / "index.md", index_markdown(report, ctx, out))
+    report_json = json.dumps(report_dict(report, ctx, out), indent=2) + "\n"
+    return [index, _write(out / "report.json", report_json)]
 
 
 def readable_code(gm: GraphModule, stage, ctx) -> str:

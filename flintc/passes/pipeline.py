@@ -64,29 +64,49 @@ def pipeline_for(step: str) -> list[type[GraphPass]]:
 
 def step_name(step: str, batch: int = 1, tokens: int | None = None) -> str:
     """`decode_b2`, `prefill_t16`: the function a BUILD compiles the step into, and the
-    subfolder of `$FLINTC_DUMP_DIR` (or of BUILD/dumps) its dumps go to."""
+    subfolder of `$FLINTC_DUMP_DIR` (or of BUILD/dumps) its dumps go to. A prefill of
+    more than one sequence (a BUILD has none) is `prefill_b2_t16`, so that its dumps do
+    not replace the batch-1 step's."""
     if step == "decode":
         return f"decode_b{batch}"
-    return f"prefill_t{DEFAULT_PREFILL_TOKENS if tokens is None else int(tokens)}"
+    t = DEFAULT_PREFILL_TOKENS if tokens is None else int(tokens)
+    return f"prefill_t{t}" if int(batch) == 1 else f"prefill_b{int(batch)}_t{t}"
 
 
-def env_dump_dir(step: str, batch: int = 1, tokens: int | None = None) -> Path | None:
+def env_dump_dir(step: str, batch: int = 1, tokens: int | None = None,
+                 target: str | None = None) -> Path | None:
     """`$FLINTC_DUMP_DIR/<step_name>/`, where `compile_step` given no dump_dir writes the
     step's dumps (one subfolder per step, so several steps' dumps survive side by side);
-    None when the variable is unset.
+    None when the variable is unset. `target` ("counts", "numerics": the two targets of
+    `--config full`, `flintc.cli.graphs.target_subfolder`) adds a subfolder below it.
 
     Raises:
         InputError: naming the variable: its folder cannot be written or is in a BUILD
             (`flintc.fileio.dump_dir_from_env`), or the step's subfolder holds files
             that are not an earlier dump (they would be deleted).
     """
-    from flintc.fileio import DUMP_DIR_ENV, dump_dir_from_env
-    from flintc.graph.dump import check_dump_dir
+    from flintc.fileio import dump_dir_from_env
 
     value = dump_dir_from_env()
     if value is None:
         return None
-    out = Path(value) / step_name(step, batch, tokens)
+    name = step_name(step, batch, tokens)
+    return check_env_dump_subdir(value, f"{name}/{target}" if target else name)
+
+
+def check_env_dump_subdir(value: str | Path, name: str) -> Path:
+    """`value/name` (value: `$FLINTC_DUMP_DIR`'s, name: a step's subfolder such as
+    `decode_b1`), checked to be new, empty or an earlier dump (`check_dump_dir`).
+
+    Raises:
+        InputError: "FLINTC_DUMP_DIR=<value>: <value>/<name>: not empty and not the
+            output of an earlier flintc dump ...; move those files away, or set
+            FLINTC_DUMP_DIR to another folder (unset: no dumps)".
+    """
+    from flintc.fileio import DUMP_DIR_ENV
+    from flintc.graph.dump import check_dump_dir
+
+    out = Path(value) / name
     check_dump_dir(out, f"{DUMP_DIR_ENV}={value}: {out}",
                    f"move those files away, or set {DUMP_DIR_ENV} to another folder (unset: no dumps)")
     return out

@@ -257,6 +257,25 @@ def _depends_on_rows(gm, rows: int) -> bool:
     return False
 
 
+def build_steps(options: "BuildOptions", config) -> list[tuple[str, int, int]]:
+    """(step, batch, tokens) of every function `compile_model` compiles, in its order:
+    the decode buckets, then the prefill sizes (batch 1). `options` is resolved against
+    `config` here (InputError for bad options)."""
+    return _steps(options.resolve(config), config)
+
+
+def _steps(opts, config) -> list[tuple[str, int, int]]:
+    return [("decode", b, 1) for b in opts.buckets] + [("prefill", 1, c) for c in opts.prefill_sizes(config)]
+
+
+def function_names(options: "BuildOptions", config) -> list[str]:
+    """The names of a BUILD's functions (`decode_b1`, ..., `prefill_t512`), which are also
+    the subfolders its pass-by-pass dumps go to."""
+    from flintc.passes.pipeline import step_name
+
+    return [step_name(*s) for s in build_steps(options, config)]
+
+
 def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress: bool = True,
                   log=print) -> dict:
     """Compile the decode buckets and the prefill step of `ckpt` into the BUILD folder `out`.
@@ -272,7 +291,9 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     Returns the manifest (build.json's content).
 
     Raises:
-        InputError: bad options, or `out` exists and is not a flintc build.
+        InputError: bad options, or `out` exists and is not a flintc build, or a
+            function's subfolder of `options.dump_dir` holds files that are not an
+            earlier dump; before the first compile.
         PassCheckError: a pass missed its numeric expectation (nothing is written).
         KeyboardInterrupt / Terminated: SIGINT or SIGTERM. `out` is then either the
             earlier build untouched or, when the signal came while the new build was
@@ -292,10 +313,16 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     out = follow_out_link(out)  # a link to a build: that build is replaced, the link kept
     check_out_replaceable(out)
     _check_parent(out)
+    steps = _steps(opts, config)
+    if opts.dump and opts.dump_dir:  # every step's subfolder refused before the first compile
+        from flintc.graph.dump import check_dump_dir
+
+        for step, batch, tokens in steps:
+            sub = Path(opts.dump_dir) / step_name(step, batch, tokens)
+            check_dump_dir(sub, f"dump_dir {sub}", "choose another dump_dir")
     t_start = time.perf_counter()
     model = FlintModel(config, ckpt.weights, max_positions=opts.cache_rows)
     check_len = _check_len(opts, config)
-    steps = [("decode", b, 1) for b in opts.buckets] + [("prefill", 1, c) for c in opts.prefill_sizes(config)]
     sources, reports, plan_steps = [], [], {}
     tmp = temp_dir_beside(out)  # (and removes those a killed compile left)
     try:

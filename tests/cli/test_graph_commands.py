@@ -157,11 +157,12 @@ def test_verify_flintc_dump_dir_keeps_both_steps_and_user_files(capsys, monkeypa
     assert (proj / "prefill_t4" / "index.md").read_text().startswith("# flintc pipeline: prefill step")
 
 
-@pytest.mark.parametrize("api", ["verify", "compile_step", "dump_dir"])
-def test_dump_folder_with_foreign_files_is_refused(capsys, monkeypatch, tmp_path, api):
+@pytest.mark.parametrize("api", ["verify", "run", "compile_step", "dump_dir"])
+def test_dump_folder_with_foreign_files_is_refused(capsys, monkeypatch, tmp_path, request, api):
     """A dump folder that holds files and is not an earlier dump (no report.json and
     index.md) is refused before any work, naming it: its files matching NN-*.py|svg were
-    deleted before."""
+    deleted before. `flintc run` refused a later function's folder (prefill_t8) only after
+    compiling and dumping the decode steps, naming `dump_dir`, no option of it."""
     from harness import assert_one_line_error, run_cli, tiny_model
 
     from flintc.errors import InputError
@@ -170,7 +171,7 @@ def test_dump_folder_with_foreign_files_is_refused(capsys, monkeypatch, tmp_path
     def never(*a, **k):
         raise AssertionError("captured before the dump folder was checked")
 
-    sub = tmp_path / "proj" / "decode_b1"
+    sub = tmp_path / "proj" / ("prefill_t8" if api == "run" else "decode_b1")
     sub.mkdir(parents=True)
     (sub / "01-preprocess.py").write_text("print(1)\n")
     monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "proj"))
@@ -181,9 +182,78 @@ def test_dump_folder_with_foreign_files_is_refused(capsys, monkeypatch, tmp_path
         assert_one_line_error(code, err, f"FLINTC_DUMP_DIR={tmp_path / 'proj'}: {needle}",
                               "set FLINTC_DUMP_DIR to another folder")
         assert out == ""
+    elif api == "run":
+        monkeypatch.setattr("flintc.runtime.build.compile_model", never)
+        code, out, err = run_cli(capsys, "run", request.getfixturevalue("tiny_bf16_dir"), "--backend", "torch",
+                                 "--max-batch", 1, "--max-tokens", 1, "--prompt", "hi")
+        assert_one_line_error(code, err, f"FLINTC_DUMP_DIR={tmp_path / 'proj'}: {needle}",
+                              "set FLINTC_DUMP_DIR to another folder")
+        assert out == ""
+        assert sorted(p.name for p in (tmp_path / "proj").iterdir()) == ["prefill_t8"]
     else:
         monkeypatch.setattr("flintc.passes.pipeline.capture", never)
         kw = {} if api == "compile_step" else {"dump_dir": sub}
         with pytest.raises(InputError, match="not the output of an earlier flintc dump"):
             compile_step(tiny_model(), "decode", batch=1, cache_len=16, **kw)
     assert [p.name for p in sub.iterdir()] == ["01-preprocess.py"]
+
+
+def test_step_names_tell_prefill_batches_apart():
+    """A prefill of two sequences went to the batch-1 step's prefill_t8; a BUILD's
+    functions (batch-1 prefills) keep their names."""
+    from flintc.passes.pipeline import step_name
+
+    assert step_name("prefill", 1, 8) == "prefill_t8"
+    assert step_name("prefill", 2, 8) == "prefill_b2_t8"
+    assert step_name("decode", 2) == "decode_b2"
+
+
+def test_verify_two_targets_keep_both_dumps(capsys, monkeypatch, tmp_path):
+    """Regression: `flintc verify --config full` has two targets per step (kernel counts on
+    meta weights, numerics on a few layers); both dumped into $FLINTC_DUMP_DIR/decode_b1/,
+    the second clearing the first. Now counts/ and numerics/ below it, as `flintc dump`
+    names them (`target_subfolder`); two tiny targets stand in for the full config's."""
+    from harness import tiny_model
+
+    import flintc.cli.verify as verify
+    from flintc.cli.graphs import Target, target_subfolder
+
+    assert [target_subfolder(i, 1) for i in range(1)] == [""]
+    assert [target_subfolder(i, 2) for i in range(2)] == ["counts", "numerics"]
+    model = tiny_model()
+    monkeypatch.setattr(verify, "target_count", lambda args: 2)
+    monkeypatch.setattr(verify, "build_targets", lambda args: [Target(model, None, "counts"),
+                                                               Target(model, model, "numerics")])
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path))
+    assert main(["verify", "--step", "decode", "--batch", "1", "--cache-len", "16"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp_path / "decode_b1").iterdir()) == ["counts", "numerics"]
+    for sub in ("counts", "numerics"):
+        assert (tmp_path / "decode_b1" / sub / "index.md").read_text().startswith("# flintc pipeline: decode")
+    assert json.loads((tmp_path / "decode_b1" / "counts" / "report.json").read_text())["stages"][0]["check"] is None
+
+
+def test_interrupted_first_dump_is_replaced_next_time(monkeypatch, tmp_path):
+    """Regression: a first dump that failed (or was interrupted) while stage 0's files were
+    written left .py/.dot/.svg files without index.md and report.json, a folder every
+    later run refused as not an earlier dump. Stage 0 now writes those two first."""
+    from harness import tiny_model
+
+    import flintc.graph.dump as dump
+    from flintc.passes.pipeline import compile_step
+
+    def broken(*a, **k):
+        raise RuntimeError("interrupted")
+
+    real = dump.graph_to_onnx
+    monkeypatch.setattr(dump, "graph_to_onnx", broken)
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path))
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        compile_step(model, "decode", batch=1, cache_len=16)
+    out = tmp_path / "decode_b1"
+    names = sorted(p.name for p in out.iterdir())
+    assert "00-captured.py" in names and "index.md" in names and "report.json" in names
+    monkeypatch.setattr(dump, "graph_to_onnx", real)
+    compile_step(model, "decode", batch=1, cache_len=16)
+    assert "mark_pdl" in (out / "index.md").read_text()
