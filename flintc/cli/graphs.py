@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-import torch
-
 from flintc.config import FlintConfig
 from flintc.errors import InputError
 
