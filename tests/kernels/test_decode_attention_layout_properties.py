@@ -237,11 +237,19 @@ def test_kernel_reference_and_oracle_agree_on_random_layouts(c):
     ref = torch.ops.flintc.attention_combine(o_ref, lse_ref, sinks)
     out = kernels.attention_combine(o, lse, sinks)
     reorder = S * 2.0**-24 * v_cache.float().abs().max().item()  # an output that cancels
+    # the combines read the kernel's partials, the reference's combine its own: their
+    # measured difference (within the tolerance above) carries into an output that
+    # cancels, where one bf16 ulp is far below it (seed 1486756172: 4.8e-6 at -1.0e-4)
+    live = ~empty
+    carried = 0.0
+    if live.any():
+        carried = ((o - o_ref)[live].abs().max()
+                   + (lse - lse_ref)[live].abs().max() * o_ref[live].abs().max()).item()
     for name, got in (("combine", out), ("fused combine", fused)):
         assert not torch.isnan(got).any(), f"NaN in the {name} output"
         diff = (got.float() - ref.float()).abs()
-        assert (diff <= bf16_ulp(ref.float()).clamp_min(reorder)).all(), \
-            f"{name}: {describe(got, ref)}"
+        assert (diff <= bf16_ulp(ref.float()).clamp_min(reorder) + carried).all(), \
+            f"{name}: {describe(got, ref)} (carried from the partials: {carried:.3g})"
     assert (ref[slots < 0] == 0).all() and (fused[slots < 0] == 0).all(), "padding rows give 0"
     if c["kind"] != "ring-longer-than-window":
         exact = oracle(q, k_cache, v_cache, slots, pos, window, sinks)
