@@ -45,18 +45,12 @@ def pytest_configure(config):
 
     if not torch.cuda.is_available():
         return
-    import importlib
-    import pkgutil
+    from interpreter_checks import import_kernel_modules
 
     try:
-        import flintc.kernels
-    except ImportError:
-        return
-    for module in pkgutil.iter_modules(flintc.kernels.__path__):
-        try:
-            importlib.import_module(f"flintc.kernels.{module.name}")
-        except ImportError:  # no triton: the kernel tests skip
-            pass
+        import_kernel_modules()
+    except ImportError:  # no triton: the kernel tests skip
+        pass
 
 
 def pytest_collectreport(report):

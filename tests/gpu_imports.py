@@ -19,9 +19,7 @@ since code that then believes in a GPU takes CUDA paths.
 
 from __future__ import annotations
 
-import importlib
 import os
-import pkgutil
 
 os.environ.pop("TRITON_INTERPRET", None)
 if os.environ.get("FLINTC_TEST_FAKE_CUDA") == "1":
@@ -29,7 +27,6 @@ if os.environ.get("FLINTC_TEST_FAKE_CUDA") == "1":
 
     torch.cuda.is_available = lambda: True
 
-import flintc.kernels  # noqa: E402  (after TRITON_INTERPRET is unset)
+from interpreter_checks import import_kernel_modules  # noqa: E402
 
-for _module in pkgutil.iter_modules(flintc.kernels.__path__):
-    importlib.import_module(f"flintc.kernels.{_module.name}")
+import_kernel_modules()  # after TRITON_INTERPRET is unset

@@ -79,3 +79,16 @@ def interpret_for_a_test(current: str | None) -> str | None:
         if not torch.cuda.is_available():
             return current
     return INTERPRET_COLLECTED[0]
+
+
+def import_kernel_modules() -> None:
+    """Import every `flintc.kernels` module now (with whatever TRITON_INTERPRET is set:
+    Triton decorates their kernels for it, for the rest of the process). Used by
+    tests/conftest.py on a GPU machine and by the gpu_imports plugin."""
+    import importlib
+    import pkgutil
+
+    import flintc.kernels
+
+    for module in pkgutil.iter_modules(flintc.kernels.__path__):
+        importlib.import_module(f"flintc.kernels.{module.name}")

@@ -50,7 +50,7 @@ def run_verify(args: argparse.Namespace) -> int:
                                          cache_len=args.cache_len, disabled=disabled[step],
                                          check_model=target.check_model, seed=args.seed,
                                          options=_options(args),
-                                         dump_dir=False if dump_dirs[i, step] is None else dump_dirs[i, step])
+                                         dump_dir=dump_dirs[i, step] or False)
             except PassCheckError as exc:
                 report = exc.report
                 print(format_table(report))

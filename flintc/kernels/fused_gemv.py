@@ -449,9 +449,11 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
             use_pdl):
         return q
     if fmt == "nvfp4-mma":
+        from flintc.kernels.nvfp4_mma import refusal_note
+
         fail(op, "wq", "in the packed NVFP4 layout here: the mma layout runs on the CUDA kernel "
              "only (sm_90+, NVRTC, no config; H % 64 == 0, "
-             "D % 16 == 0 and D <= 256)" + _mma_why(dev, config))
+             "D % 16 == 0 and D <= 256)" + refusal_note(dev, config))
     cfg = config or qkv_config(B, H, D, Hq, fmt, dev, kv_heads=Hkv)
     gpu, pdl, extra = _launch_opts(dev, use_pdl, cfg)
     split, k_per_split = _effective_split(H, cfg.block_k, cfg.split_k)
@@ -470,15 +472,6 @@ def norm_qkv_rope_kv(x, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, 
         NORM_H=triton.next_power_of_2(H), num_warps=cfg.num_warps, **extra,
     )
     return q
-
-
-def _mma_why(dev: torch.device, config) -> str:
-    """"; here: <reason>" for a refusal of mma-layout weights: a config given, or
-    `nvfp4_mma.refusal_reason`; "" when neither (the shapes are the reason)."""
-    from flintc.kernels import nvfp4_mma
-
-    why = "a config is given" if config is not None else nvfp4_mma.refusal_reason(dev)
-    return f"; here: {why}" if why else ""
 
 
 def _mma_qkv(x2, norm, wq, wk, wv, q_norm, k_norm, cos_table, sin_table, k_cache, v_cache,
@@ -585,9 +578,11 @@ def norm_gate_up_silu(x, norm, gate, up, eps, *, use_pdl: bool = False,
         if h is not None:
             return h
     if fmt == "nvfp4-mma":
+        from flintc.kernels.nvfp4_mma import refusal_note
+
         fail(op, "gate", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
              "kernel only (sm_90+, NVRTC, no config, and a "
-             "launch that fits H and F: nvfp4_mma.norm_gate_up_fits)" + _mma_why(dev, config))
+             "launch that fits H and F: nvfp4_mma.norm_gate_up_fits)" + refusal_note(dev, config))
     out = torch.empty((N, F), dtype=torch.bfloat16, device=dev)
     cfg = config or gate_up_config(fmt, F, H, N, dev)
     gpu, pdl, extra = _launch_opts(dev, use_pdl, cfg)

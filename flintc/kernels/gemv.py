@@ -887,12 +887,10 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
             fail(op, "w", "in the packed NVFP4 layout for a config, a norm prologue or an fp32 "
                  "output (the mma layout runs on the CUDA kernel only)")
         if not _mma_gemv(x2, wargs, F, out, residual, use_pdl):
-            from flintc.kernels.nvfp4_mma import refusal_reason
+            from flintc.kernels.nvfp4_mma import refusal_note
 
-            why = refusal_reason(dev)
             fail(op, "w", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
-                 "kernel only (sm_90+, NVRTC, F % 16 == 0, "
-                 "K % 64 == 0)" + (f"; here: {why}" if why else ""))
+                 "kernel only (sm_90+, NVRTC, F % 16 == 0, K % 64 == 0)" + refusal_note(dev))
         return out
     if (fmt in ("nvfp4", "bf16") and config is None and norm is None and epilogue != EPI_FP32
             and _mma_gemv(x2, wargs, F, out, residual, use_pdl)):

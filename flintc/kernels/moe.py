@@ -1440,15 +1440,6 @@ def _check_mma(op: str, name: str, w, lead: tuple, F: int, K: int, dev) -> None:
                    f"{dev}", gs)
 
 
-def _mma_why(dev: torch.device) -> str:
-    """"; here: <reason>" from `nvfp4_mma.refusal_reason` for a refusal of mma-layout
-    experts; "" when the device is not the reason (the shapes are)."""
-    from flintc.kernels.nvfp4_mma import refusal_reason
-
-    why = refusal_reason(dev)
-    return f"; here: {why}" if why else ""
-
-
 def _require_mma_stack(op: str, name: str, w, dims: str) -> None:
     """ValueError (`_err`) unless `w` is a stacked NVFP4 weight in the mma layout: a list of
     3 tensors whose codes are int32 of 5 dims (`dims` names them in the message)."""
@@ -1483,7 +1474,7 @@ def _mma_gate_up(op, x, logits, bias, gate, up, shared_gate, shared_up, top_k, s
         raise _err(op, "gate", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
                    "kernel only (sm_90+ with NVRTC, E % 32 == 0, E <= 1024, top_k <= 8, H % 1024 "
                    "== 0, contiguous 16-byte aligned x and logits)"
-                   + _mma_why(dev))
+                   + nvfp4_mma.refusal_note(dev))
     return nvfp4_mma.moe_topk_gate_up(x, logits, bias, list(gate), list(up), list(shared_gate),
                                       list(shared_up), top_k, scaling,
                                       use_pdl=use_pdl and _native(dev),
@@ -1730,7 +1721,7 @@ def _mma_down(op, h, ids, weights, down, shared_down, residual, use_pdl, config)
     if not _mma_down_applies(h, H, F, K, dev, converted=True):
         raise _err(op, "down", "in the packed NVFP4 layout here: the mma layout runs on the CUDA "
                    "kernel only (sm_90+ with NVRTC, F % 64 == 0, H % 16 == 0, top-k <= 16, "
-                   "16-byte aligned h)" + _mma_why(dev))
+                   "16-byte aligned h)" + nvfp4_mma.refusal_note(dev))
     return nvfp4_mma.moe_down(h, ids, weights, list(down), list(shared_down), residual,
                               use_pdl=use_pdl and _native(dev))
 

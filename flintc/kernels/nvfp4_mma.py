@@ -127,7 +127,7 @@ __all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "G
            "kernel_source", "mma_gemv", "mma_norm_router", "mma_operands", "mma_qkv",
            "moe_down", "moe_smem_bytes", "moe_topk_gate_up", "pack_mma_layout",
            "pack_mma_stack", "packed_weight", "prepack", "qkv_applies", "qkv_launch_config",
-           "qkv_smem_bytes", "qkv_source", "refusal_reason", "router_launch_config", "scale_code_to_bf16_bits",
+           "qkv_smem_bytes", "qkv_source", "refusal_note", "refusal_reason", "router_launch_config", "scale_code_to_bf16_bits",
            "supported", "unpack_mma_layout", "warps_for", "weight_dims"]
 
 SCALE_CODE_BIAS = 9  # ue5m3: E' = unbiased exponent + 9, so 2^-9 (the smallest E4M3) has E' = 0
@@ -1946,13 +1946,9 @@ def supported(device: torch.device) -> bool:
     """Whether the CUDA kernels can run on `device`: a CUDA device of compute capability
     9.0 or newer (`mul.rn.bf16x2`, `griddepcontrol`), torch with
     `torch.cuda._compile_kernel`, and NVRTC able to compile there (`_compiles`, probed
-    once). Weights already in the mma layout run on them whenever this holds."""
-    if device.type != "cuda" or not hasattr(torch.cuda, "_compile_kernel"):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(index) < (9, 0):
-        return False
-    return _compiles(index)
+    once). Weights already in the mma layout run on them whenever this holds
+    (`refusal_reason` says why not)."""
+    return not refusal_reason(device)
 
 
 def refusal_reason(device: torch.device) -> str:
@@ -1974,6 +1970,14 @@ def refusal_reason(device: torch.device) -> str:
         return (f"NVRTC cannot compile the CUDA kernels on cuda:{index} "
                 f"({_COMPILE_ERRORS.get(index, 'see the first warning')})")
     return ""
+
+
+def refusal_note(device: torch.device, config=None) -> str:
+    """"; here: <reason>" for a launcher's error refusing mma-layout weights: a config
+    given (the CUDA kernels take none), else `refusal_reason`; "" when neither (the
+    shapes are the reason, which the message names)."""
+    why = "a config is given" if config is not None else refusal_reason(device)
+    return f"; here: {why}" if why else ""
 
 
 _PROBE = 'extern "C" __global__ void flintc_probe(int* p) { if (p) *p = 1; }'

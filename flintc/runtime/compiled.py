@@ -396,29 +396,25 @@ def load_build(build: str | Path, model: str | Path | None = None, device: str |
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise InputError(f"{build} was compiled for {device} but no CUDA GPU is available "
                          "(pass --device cpu to run it on the CPU)")
-    if manifest.get("backend") == "triton" and torch.device(device).type == "cpu":
-        from flintc.runtime.device import use_triton_interpreter
+    if manifest.get("backend") == "triton":
+        from flintc.runtime.device import interpreted_kernel_modules, use_triton_interpreter
 
-        use_triton_interpreter(build)  # as `flintc run --device cpu`: before the kernels are imported
-    elif manifest.get("backend") == "triton":
-        from flintc.runtime.device import interpreted_kernel_modules
-
-        interpreted = interpreted_kernel_modules()
-        if interpreted:
-            raise InputError(f"{build} runs Triton kernels on {device}, but {interpreted[0]} was imported "
-                             "while TRITON_INTERPRET=1 was set (by the environment, or by an earlier CPU run "
-                             "here: flintc.compile / flintc.load with device='cpu'), so its kernels run only in "
-                             "Triton's interpreter in this process; load GPU builds in a process that has not "
+        if torch.device(device).type == "cpu":
+            use_triton_interpreter(build)  # as `flintc run --device cpu`: before the kernels are imported
+        elif interpreted := interpreted_kernel_modules():
+            raise InputError(f"{build} runs Triton kernels on {device}, but {interpreted[0]} was "
+                             "imported while TRITON_INTERPRET=1 was set (by the environment, or by an earlier CPU "
+                             "run here: flintc.compile / flintc.load with device='cpu'), so its kernels run only "
+                             "in Triton's interpreter in this process; load GPU builds in a process that has not "
                              "run flintc on the CPU")
-    if manifest.get("backend") == "triton" and torch.device(device).type != "cpu" \
-            and os.environ.get("TRITON_INTERPRET") == "1":
-        import warnings
+        elif os.environ.get("TRITON_INTERPRET") == "1":
+            import warnings
 
-        warnings.warn(f"{build}: TRITON_INTERPRET=1 is set in this process (by the environment, or "
-                      "by an earlier CPU run here: flintc.compile / flintc.load with device='cpu'), "
-                      f"so on {device} the Triton kernels take the interpreter's paths and the CUDA "
-                      "kernels stay off: slow. Run CPU and GPU work in separate processes, or unset "
-                      "TRITON_INTERPRET before flintc's kernels are imported", stacklevel=2)
+            warnings.warn(f"{build}: TRITON_INTERPRET=1 is set in this process (by the environment, or "
+                          "by an earlier CPU run here: flintc.compile / flintc.load with device='cpu'), "
+                          f"so on {device} the Triton kernels take the interpreter's paths and the CUDA "
+                          "kernels stay off: slow. Run CPU and GPU work in separate processes, or unset "
+                          "TRITON_INTERPRET before flintc's kernels are imported", stacklevel=2)
     check_environment(manifest.get("backend"))  # before the weights load
     config = FlintConfig.from_dict(manifest["config"], source=str(build / "build.json"))
     if config_fingerprint(config) != manifest.get("config_sha256"):
