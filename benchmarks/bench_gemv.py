@@ -9,8 +9,13 @@ weight format (bf16 / NVFP4) and batch N in {1, 2, 4, 8}:
   there, as in the model (FLINTC_NVFP4_MMA=0: Triton; `--sweep` times Triton configs);
 - eager: the reference op `torch.ops.flintc.<op>` (plain torch: fp32 upcast / dequantize,
   not a fast path, a sanity line);
-- compile: `torch.compile` of the op's plain torch expression (bf16 matmul for bf16
-  weights; dequantize + matmul for NVFP4), also graph-replayed;
+- torch bf16: the op's fast plain-torch expression (`torch_baselines.py`: bf16 GEMMs on
+  cuBLAS, NVFP4 dequantized to bf16 on every call, norms and RoPE in fp32), what a
+  PyTorch user gets without custom kernels; graph-replayed over the same rotated weights;
+- compile: `torch.compile` of that expression (default mode, compiled afresh for each row:
+  `torch_baselines.compile_fresh`; before session 36 this column compiled the fp32
+  expression, and rows past Dynamo's limit of 8 variants timed it eagerly), graph-replayed;
+  "vs compile" = compile us / flintc us;
 and prints the achieved GB/s (bytes = weights + activations in and out + cache rows) and
 its share of the copy bandwidth.
 
@@ -108,15 +113,6 @@ class Rotation:
         return g
 
 
-def plain_linear(x, w):
-    """The op's plain torch expression (fp32 accumulation, one rounding)."""
-    if len(w) == 1:
-        return (x.float() @ w[0].float().T).to(torch.bfloat16)
-    from flintc.quant.nvfp4 import dequantize_packed
-
-    return ((x.float() @ dequantize_packed(w[0], w[1], None).T) * w[2]).to(torch.bfloat16)
-
-
 class Case:
     """One benchmark row family: builds inputs for (fmt, N) and returns the callables."""
 
@@ -124,9 +120,16 @@ class Case:
         self.name, self.F, self.K, self.fmts, self.kind = name, F, K, fmts, kind
 
     def build(self, fmt: str, N: int):
+        """-> (ours(cfg=None), eager(), fast, fast_args(), bytes moved, TUNED key, rows
+        fixed): flintc's launcher on the next rotated weights, the reference op, the fast
+        plain-torch expression of `torch_baselines` and a callable giving its arguments
+        (the next rotated weights: the torch columns read DRAM as flintc's does)."""
         from flintc.kernels import fused_gemv as fg
         from flintc.model import ops
         import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
+        import torch_baselines as TB
+
+        F32 = torch.float32
 
         F, K = self.F, self.K
         x = torch.randn(N, K, device="cuda").to(torch.bfloat16)
@@ -136,16 +139,16 @@ class Case:
             rot = self.rot = Rotation(w)
             ours = lambda cfg=None: fg.gemv(x, rot.next(), use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.gemv(x, w)  # noqa: E731
-            plain = lambda x, w: plain_linear(x, w)  # noqa: E731
-            return ours, eager, plain, (x, w), nbytes(w, x) + 2 * N * F, (fmt, F, K, N), None
+            return (ours, eager, TB.linear, lambda: (x, rot.next()), nbytes(w, x) + 2 * N * F,
+                    (fmt, F, K, N), None)
         if self.kind == "gemv_residual":
             w = make_weight(F, K, fmt)
             res = torch.randn(N, F, device="cuda").to(torch.bfloat16)
             rot = self.rot = Rotation(w)
             ours = lambda cfg=None: fg.gemv_residual(x, rot.next(), res, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.gemv_residual(x, w, res)  # noqa: E731
-            plain = lambda x, w, r: (r.float() + plain_linear(x, w).float()).to(torch.bfloat16)  # noqa: E731
-            return (ours, eager, plain, (x, w, res), nbytes(w, x, res) + 2 * N * F,
+            fast = lambda x, w, r: ops.residual_add(r, TB.linear(x, w), F32)  # noqa: E731
+            return (ours, eager, fast, lambda: (x, rot.next(), res), nbytes(w, x, res) + 2 * N * F,
                     (fmt, F, K, N), None)
         norm = torch.rand(K, device="cuda") + 0.5
         if self.kind == "gate_up":
@@ -154,18 +157,18 @@ class Case:
             ours = lambda cfg=None: fg.norm_gate_up_silu(x, norm, *rot.next(), 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.norm_gate_up_silu(x, norm, g, u, 1e-5)  # noqa: E731
 
-            def plain(x, norm, g, u):
-                h = ops.rms_norm(x, norm, 1e-5, torch.float32)
-                return ops.silu_mul(plain_linear(h, g), plain_linear(h, u), torch.float32)
-            return (ours, eager, plain, (x, norm, g, u), nbytes(g, u, x, norm) + 2 * N * F,
+            def fast(x, norm, gu):
+                h = ops.rms_norm(x, norm, 1e-5, F32)
+                return ops.silu_mul(TB.linear(h, gu[0]), TB.linear(h, gu[1]), F32)
+            return (ours, eager, fast, lambda: (x, norm, rot.next()), nbytes(g, u, x, norm) + 2 * N * F,
                     ("gate_up:" + fmt, F, K, N), None)
         if self.kind == "lm_head_plain":  # the LM head without the final RMSNorm
             w = make_weight(F, K, "bf16")[0]
             rot = self.rot = Rotation([w])
             ours = lambda cfg=None: fg.lm_head(x, rot.next()[0], use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.lm_head(x, w)  # noqa: E731
-            plain = lambda x, w: x.float() @ w.float().T  # noqa: E731
-            return ours, eager, plain, (x, w), nbytes(w, x) + 4 * N * F, (fmt, F, K, N), None
+            return (ours, eager, TB.logits, lambda: (x, rot.next()[0]), nbytes(w, x) + 4 * N * F,
+                    (fmt, F, K, N), None)
         if self.kind == "lm_head":
             w = make_weight(F, K, "bf16")[0]
             x3 = x.view(N, 1, K)
@@ -173,11 +176,10 @@ class Case:
             ours = lambda cfg=None: fg.norm_lm_head(x3, norm, rot.next()[0], 1e-5, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.norm_lm_head(x3, norm, w, 1e-5)  # noqa: E731
 
-            def plain(x, norm, w):
-                h = ops.rms_norm(x, norm, 1e-5, torch.float32)
-                return h.float() @ w.float().T
-            return (ours, eager, plain, (x3, norm, w), nbytes(w, x, norm) + 4 * N * F,
-                    (fmt, F, K, N), None)
+            def fast(x3, norm, w):
+                return TB.logits(ops.rms_norm(x3, norm, 1e-5, F32).view(-1, K), w)
+            return (ours, eager, fast, lambda: (x3, norm, rot.next()[0]),
+                    nbytes(w, x, norm) + 4 * N * F, (fmt, F, K, N), None)
         assert self.kind == "qkv"
         wq, wk, wv = make_weight(HQ * D, K, fmt), make_weight(HKV * D, K, fmt), make_weight(HKV * D, K, fmt)
         qn, kn = torch.rand(D, device="cuda") + 0.5, torch.rand(D, device="cuda") + 0.5
@@ -196,20 +198,22 @@ class Case:
             return fg.norm_qkv_rope_kv(x3, norm, q_, k_, v_, *args[5:], use_pdl=PDL, config=cfg)
         eager = lambda: torch.ops.flintc.norm_qkv_rope_kv(*args)  # noqa: E731
 
-        def plain(x3, norm, wq, wk, wv, qn, kn, cos, sin, kc, vc, slots, pos):
+        def fast(x3, norm, wqkv, qn, kn, cos, sin, kc, vc, slots, pos):
+            wq, wk, wv = wqkv
             B = x3.shape[0]
-            h = ops.rms_norm(x3, norm, 1e-5, torch.float32).view(B, -1)
-            q = ops.rms_norm(plain_linear(h, wq).view(B, 1, HQ, D), qn, 1e-5, torch.float32)
-            k = ops.rms_norm(plain_linear(h, wk).view(B, 1, HKV, D), kn, 1e-5, torch.float32)
-            v = plain_linear(h, wv).view(B, 1, HKV, D)
+            h = ops.rms_norm(x3, norm, 1e-5, F32).view(B, -1)
+            q = ops.rms_norm(TB.linear(h, wq).view(B, 1, HQ, D), qn, 1e-5, F32)
+            k = ops.rms_norm(TB.linear(h, wk).view(B, 1, HKV, D), kn, 1e-5, F32)
+            v = TB.linear(h, wv).view(B, 1, HKV, D)
             c, s = cos[pos], sin[pos]
-            q, k = ops.apply_rope(q, c, s, torch.float32), ops.apply_rope(k, c, s, torch.float32)
+            q, k = ops.apply_rope(q, c, s, F32), ops.apply_rope(k, c, s, F32)
             ring = pos % WINDOW
             kc[slots[:, None], ring] = k
             vc[slots[:, None], ring] = v
             return q
         moved = nbytes(wq, wk, wv, x, norm) + 2 * N * HQ * D + 2 * 2 * N * HKV * D + 2 * 4 * N * D
-        return ours, eager, plain, args[:13], moved, ("qkv:" + fmt, HQ * D, K, N), D
+        return (ours, eager, fast, lambda: (x3, norm, rot.next(), *args[5:13]), moved,
+                ("qkv:" + fmt, HQ * D, K, N), D)
 
 
 CASES = [
@@ -291,7 +295,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()
-    from common import choice_list, int_list
+    from common import choice_list, int_list, write_out
+    from torch_baselines import compile_fresh
 
     # bad arguments are reported (exit 2) before the GPU check
     BATCHES[:] = int_list(parser, "--batches", args.batches, 1, 8)
@@ -315,12 +320,17 @@ def main() -> None:
             f"(graph-replayed 1 GiB copy, same run); PDL {'on' if PDL else 'off'}; "
             "CUDA-graph replay, median; bytes = weights + activations + outputs (+ cache rows); "
             + (f"flintc's weights rotate over copies of >= {ROTATE_BYTES >> 20} MiB (read from DRAM; "
-               "the eager and compile columns read one copy, L2-resident where it fits)" if ROTATE
-               else "weights NOT rotated (--l2-resident): small shapes are timed from L2"), "",
-            "| case | F x K | fmt | N | flintc us | GB/s | % copy | config | eager us | compile us "
-            "| compile % copy |" + (" best us | best % copy | best config |" if args.sweep else "")
+               "so do the torch bf16 and compile columns; the eager reference op reads one copy, "
+               "L2-resident where it fits)" if ROTATE
+               else "weights NOT rotated (--l2-resident): small shapes are timed from L2")
+            + "; torch bf16 = the fast plain-torch expression (benchmarks/torch_baselines.py: bf16 "
+            "GEMMs, NVFP4 dequantized to bf16 per call), compile = torch.compile of it (default "
+            "mode, compiled afresh per row)", "",
+            "| case | F x K | fmt | N | flintc us | GB/s | % copy | config | eager us | torch bf16 us "
+            "| compile us | compile % copy | vs compile |"
+            + (" best us | best % copy | best config |" if args.sweep else "")
             + (" floor us | floor % copy | floor launch |" if args.floor else ""),
-            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.sweep else "")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.sweep else "")
             + ("---|---|---|" if args.floor else "")]
     lines = list(head)
     print("\n".join(lines), flush=True)
@@ -335,7 +345,7 @@ def main() -> None:
         for fmt in [f for f in case.fmts if f in FORMATS]:
             floor = None  # (ms, launch) of the case's read floor: the same for every N
             for N in BATCHES:
-                ours, eager, plain, plain_args, moved, key, rows_fixed = case.build(fmt, N)
+                ours, eager, fast, fast_args, moved, key, rows_fixed = case.build(fmt, N)
                 if case.kind == "qkv":
                     cfg0 = qkv_config(N, case.K, D, HQ, fmt, torch.device("cuda"), kv_heads=HKV)
                 elif case.kind == "gate_up":
@@ -348,18 +358,20 @@ def main() -> None:
                     # run the Triton fallback; session 15 found bench_moe timing that mix)
                 ms = kernel_ms(lambda: ours(), args.reps)
                 ms_e = kernel_ms(eager, args.reps)
+                ms_t = kernel_ms(lambda: fast(*fast_args()), args.reps)
                 ms_c = math.nan
                 if not args.no_compile:
                     try:
-                        comp = torch.compile(plain, dynamic=False)
-                        comp(*plain_args)
-                        ms_c = kernel_ms(lambda: comp(*plain_args), args.reps)
+                        comp = compile_fresh(fast)
+                        comp(*fast_args())
+                        ms_c = kernel_ms(lambda: comp(*fast_args()), args.reps)
                     except Exception as e:  # noqa: BLE001  (a comparison column only)
                         print(f"  torch.compile failed for {case.name}: {type(e).__name__}: {e}")
                 gbs = moved / ms / 1e6
                 row = (f"| {case.name} | {case.F}x{case.K} | {fmt} | {N} | {ms * 1e3:.1f} | {gbs:.0f} | "
                        f"{100 * gbs / copy_bw:.0f}% | {cfg0.short() if cfg0 else 'default'} | "
-                       f"{ms_e * 1e3:.1f} | {ms_c * 1e3:.1f} | {100 * moved / ms_c / 1e6 / copy_bw:.0f}% |")
+                       f"{ms_e * 1e3:.1f} | {ms_t * 1e3:.1f} | {ms_c * 1e3:.1f} | "
+                       f"{100 * moved / ms_c / 1e6 / copy_bw:.0f}% | {ms_c / ms:.1f}x |")
                 if args.sweep:
                     # all rows the kernel's programs cover (for QKV: the q, k and v heads, not
                     # the q rows of its TUNED key)
@@ -397,6 +409,8 @@ def main() -> None:
                             f"{floor[1]} |" if floor else " - | - | - |")
                 lines.append(row)
                 print(row, flush=True)
+                if args.out:  # the rows so far: a run cut by a timeout keeps them
+                    write_out(args.out, "\n".join(lines))
                 torch.cuda.empty_cache()
     if skipped:
         note = f"Sweep: {skipped} candidates not tried (--sweep-seconds {args.sweep_seconds:g} spent)."
@@ -409,9 +423,7 @@ def main() -> None:
         import json
         with open(args.tuned_json, "w") as f:
             json.dump({"entries": tuned_json}, f, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_out(args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":

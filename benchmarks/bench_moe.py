@@ -4,8 +4,14 @@ For BF16 and NVFP4 weights and N in {1, 2, 4, 8} decode tokens, times each kerne
 (`norm_router`, `moe_topk_gate_up`, `moe_down_combine_residual`) and the three chained as
 one MoE layer, from a CUDA graph of CALLS back-to-back calls (median of REPS replays,
 divided by CALLS), and prints a Markdown table: bytes that must be read, achieved GB/s,
-share of the device-to-device copy bandwidth measured in the same run, and the reference
-op (`torch.ops.flintc.<op>`, eager, CUDA events, median) for comparison.
+share of the device-to-device copy bandwidth measured in the same run, and for comparison:
+the reference op (`torch.ops.flintc.<op>`, eager, CUDA events, median; fp32, a sanity
+line), the fast plain-torch expression of `torch_baselines.py` ("torch bf16": bf16 GEMMs,
+the selected experts' matrices gathered per token, NVFP4 dequantized to bf16 on every
+call; what a PyTorch user gets without custom kernels) and `torch.compile` of it (default
+mode, compiled afresh per row), both timed as flintc's kernels are (the same CUDA graph of
+CALLS calls over the same input sets and weight copies). `--no-compile` skips the compile
+column.
 
 Keeping the weights out of L2 (60 MB): the CALLS calls of a graph cycle through ROT = 16
 input sets, each with its own random router logits (so each call selects fresh random
@@ -23,6 +29,7 @@ sets; tokens that share an expert read it once, as the kernels do), the shared e
 the router's, and every activation read or written. NVFP4 bytes include block scales.
 
     python benchmarks/bench_moe.py [--out moe.md] [--pdl] [--check] [--no-sweep] [--no-floor]
+        [--no-compile]
 
 Each (format, N) ends with read-floor rows (`--no-floor` skips them): `read_floor.py`'s
 kernel, which only reads the op's weight bytes (ids read after the PDL wait, as the op
@@ -51,6 +58,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 
 import torch
@@ -180,31 +188,36 @@ class Setup:
 
 
 def run_bench(args) -> list[str]:
+    from common import write_out
     copy_bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
     title = (f"Device: {torch.cuda.get_device_name()}; copy bandwidth {copy_bw:.0f} GB/s; "
              f"PDL {'on' if args.pdl else 'off'}; {CALLS} calls per CUDA graph cycling through "
-             f"{ROT} input sets / weight copies, median of {args.reps} replays; torch = the "
-             f"reference op, eager")
+             f"{ROT} input sets / weight copies, median of {args.reps} replays; reference = the "
+             f"reference op, eager; torch bf16 = benchmarks/torch_baselines.py's expression, "
+             f"compile = torch.compile of it, both in the same CUDA graph as flintc's")
     header = ("| op | fmt | N | distinct experts | MB read | flintc us | GB/s | % copy | "
-              "torch us | speed-up |")
-    lines = [title, "", header, "|---|---|---|---|---|---|---|---|---|---|"]
+              "reference us | torch bf16 us | compile us | vs compile |")
+    lines = [title, "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines[2:]), flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for fmt in [f for f in ("bf16", "nvfp4") if f in FORMATS]:
         for N in BATCHES:
             for row in bench_one(Setup(fmt, N, gen), args.pdl, args.reps, copy_bw,
-                                 not args.no_floor):
+                                 not args.no_floor, not args.no_compile):
                 lines.append(row)
                 print(row, flush=True)
+                write_out(args.out, "\n".join(lines))  # a run cut by a timeout keeps its rows
             torch.cuda.empty_cache()
     return lines
 
 
-def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float, floor: bool = False) -> list[str]:
+def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float, floor: bool = False,
+              compiled: bool = True) -> list[str]:
     """Rows of the table for one format and batch (with `floor`, then the read floors'
-    rows of `floor_rows`)."""
+    rows of `floor_rows`; without `compiled`, the compile column is nan)."""
     from flintc.kernels import moe as K
+    import torch_baselines as TB
 
     ref = torch.ops.flintc
 
@@ -234,18 +247,40 @@ def bench_one(s: Setup, pdl: bool, reps: int, copy_bw: float, floor: bool = Fals
                                           TOP_K, SCALING, s.down, **kw(impl))
         return impl.moe_down_combine_residual(h, ids, w, s.down, s.sd[j], s.x[j], **kw(impl))
 
-    cases = [("norm_router", s.bytes_norm_router(), norm_router),
-             ("moe_topk_gate_up", s.bytes_gate_up(), gate_up),
-             ("moe_down_combine_residual", s.bytes_down(), down),
+    # the fast plain-torch expressions and their arguments for input set i
+    def fast_args(op, i):
+        j = r(i)
+        if op == "norm_router":
+            return s.x[j], s.norm[j], s.router[j], EPS
+        if op == "moe_topk_gate_up":
+            return s.xn[j], s.logits[j], s.bias[j], s.gate, s.up, s.sg[j], s.su[j], TOP_K, SCALING
+        if op == "moe_down_combine_residual":
+            return s.h[j], s.ids[j], s.w[j], s.down, s.sd[j], s.x[j]
+        return (s.x[j], s.norm[j], s.router[j], s.bias[j], s.gate, s.up, s.down, s.sg[j],
+                s.su[j], s.sd[j], TOP_K, SCALING, EPS)
+
+    cases = [("norm_router", s.bytes_norm_router(), norm_router, TB.norm_router),
+             ("moe_topk_gate_up", s.bytes_gate_up(), gate_up, TB.moe_topk_gate_up),
+             ("moe_down_combine_residual", s.bytes_down(), down, TB.moe_down_combine_residual),
              ("MoE layer (3 kernels)",
-              s.bytes_norm_router() + s.bytes_gate_up() + s.bytes_down(), layer)]
+              s.bytes_norm_router() + s.bytes_gate_up() + s.bytes_down(), layer, TB.moe_layer)]
     rows = []
-    for name, nb, fn in cases:
+    for name, nb, fn, fast in cases:
         us = graph_us(fn, reps)
-        us_t = eager_us(lambda i, fn=fn: fn(i, ref), 10)
+        us_r = eager_us(lambda i, fn=fn: fn(i, ref), 10)
+        us_t = graph_us(lambda i, fast=fast, name=name: fast(*fast_args(name, i)), reps)
+        us_c = math.nan
+        if compiled:
+            try:
+                comp = TB.compile_fresh(fast)
+                us_c = graph_us(lambda i, name=name: comp(*fast_args(name, i)), reps)
+            except Exception as e:  # noqa: BLE001  (a comparison column only)
+                print(f"  torch.compile failed for {name}: {type(e).__name__}: {str(e)[:200]}",
+                      flush=True)
         gbs = nb / us / 1e3
         rows.append(f"| {name} | {s.fmt} | {s.N} | {s.distinct:.1f} | {nb / 1e6:.2f} | {us:.1f} | "
-                    f"{gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {us_t:.0f} | {us_t / us:.0f}x |")
+                    f"{gbs:.0f} | {100 * gbs / copy_bw:.0f}% | {us_r:.0f} | {us_t:.1f} | "
+                    f"{us_c:.1f} | {us_c / us:.1f}x |")
     if floor:
         rows += floor_rows(s, pdl, reps, copy_bw,
                            {"moe_topk_gate_up": s.bytes_gate_up(),
@@ -417,6 +452,8 @@ def main() -> None:
                         "at full shapes instead of timing")
     parser.add_argument("--reps", type=int, default=10, help="graph replays per timing")
     parser.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile "
+                        "column (compiling the plain-torch expressions takes a few s a row)")
     parser.add_argument("--no-floor", action="store_true", help="skip the read-floor rows "
                         "(benchmarks/read_floor.py: a kernel that only reads the op's weights)")
     parser.add_argument("--sweep-seconds", type=float, default=60.0,
@@ -430,7 +467,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8",
                         help="comma-separated decode batch sizes N (default 1,2,4,8)")
     args = parser.parse_args()
-    from common import choice_list, int_list
+    from common import choice_list, int_list, write_out
 
     # bad arguments are reported (exit 2) before the GPU check
     BATCHES[:] = int_list(parser, "--batches", args.batches, 1, 8)
@@ -449,9 +486,7 @@ def main() -> None:
         lines = run_bench(args)
         if not args.no_sweep:
             lines += run_sweep(args, copy_bandwidth_gbs())
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    write_out(args.out, "\n".join(lines))
 
 
 if __name__ == "__main__":
