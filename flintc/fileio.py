@@ -123,7 +123,7 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
+def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike, log=None) -> None:
     """Publish the finished folder `tmp` as `out` (same parent): set its public mode, then
     rename it over `out`, replacing an earlier `out` whole (the old one is renamed aside
     to `.{name}.old-{pid}` first and removed after), so readers never see a half-written
@@ -136,22 +136,30 @@ def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike) -> None:
     only once `out` is the complete new folder and no `.old-` folder remains; a failed
     second rename puts the old `out` back (its error is raised, under a deferred signal's
     exception if one came). A signal's exception raised from here, with no other error
-    in its context, means `out` was written; before the renames, `out` is untouched
-    (`tmp` is the caller's to remove)."""
+    in its context, means `out` was written, and `log` (a callable taking one line, or
+    None) is then told "wrote OUT (complete) before the interrupt" before it propagates;
+    before the renames, `out` is untouched (`tmp` is the caller's to remove)."""
     tmp, out = Path(tmp), follow_out_link(out)
     set_public_mode(tmp)
-    with signals_deferred():
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            try:
+    written = False
+    try:
+        with signals_deferred():
+            if out.exists():
+                old = out.with_name(f".{out.name}.old-{os.getpid()}")
+                out.rename(old)
+                try:
+                    tmp.rename(out)
+                except BaseException:
+                    old.rename(out)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
                 tmp.rename(out)
-            except BaseException:
-                old.rename(out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+            written = True
+    except BaseException:
+        if written and log is not None:  # only a deferred signal raises once `out` is written
+            log(f"wrote {out} (complete) before the interrupt")
+        raise
 
 
 @contextlib.contextmanager

@@ -2,13 +2,15 @@
 SVG per layer, ONNX, index.md, report.json) into --out.
 
 The dumps are written into a temporary folder beside --out and renamed into place at
-the end, so an interrupted dump (Ctrl-C, SIGTERM, an error) leaves nothing behind. An
+the end, so an interrupted dump (Ctrl-C, SIGTERM, an error) leaves nothing behind, or,
+when the signal came during that final swap, the complete dumps (said on stderr). An
 existing --out is replaced only when it is empty or a previous dump output."""
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 from pathlib import Path
 
 from flintc.cli.graphs import (add_model_args, build_targets, check_pass_flags, format_table, pass_options,
@@ -73,7 +75,7 @@ def run_dump(args: argparse.Namespace) -> int:
                                      dump_dir=tmp / sub if sub else tmp,
                                      options=pass_options(args))
             tables.append((target.note, out / sub if sub else out, format_table(report)))
-        move_into_place(tmp, out)
+        move_into_place(tmp, out, log=lambda msg: print(msg, file=sys.stderr))  # an interrupt in it: said
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -392,12 +392,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
         (tmp / "build.json").write_text(json.dumps(manifest, indent=1))
         from flintc.fileio import move_into_place
 
-        try:
-            move_into_place(tmp, out)  # SIGINT/SIGTERM deferred until `out` is whole
-        except BaseException:
-            if not tmp.exists():  # renamed into place: the signal came during the swap
-                log(f"wrote {out} (complete) before the interrupt")
-            raise
+        move_into_place(tmp, out, log=log)  # SIGINT/SIGTERM deferred until `out` is whole (logged)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # only the temporary folder, never `out`
         raise

@@ -469,6 +469,31 @@ def sigterm_raises():
     signal.signal(signal.SIGTERM, previous)
 
 
+def test_move_into_place_says_nothing_written_when_the_swap_fails(tmp_path, monkeypatch):
+    """A failed second rename puts the old folder back and raises its error, under a
+    SIGINT that came meanwhile: `log` is not told the new folder was written."""
+    from flintc.fileio import move_into_place
+
+    out, tmp = tmp_path / "b", tmp_path / ".b.new"
+    for folder, text in ((out, "old"), (tmp, "new")):
+        folder.mkdir()
+        (folder / "build.json").write_text(text)
+    rename = Path.rename
+
+    def failing(self, target):
+        if Path(self) == tmp:
+            os.kill(os.getpid(), signal.SIGINT)
+            raise OSError(28, "No space left on device")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing)
+    said = []
+    with pytest.raises(KeyboardInterrupt) as exc:
+        move_into_place(tmp, out, log=said.append)
+    assert isinstance(exc.value.__context__, OSError) and said == []
+    assert (out / "build.json").read_text() == "old"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("where", ["between the renames", "removing the old folder"])
 def test_move_into_place_is_all_or_nothing_under_signals(tmp_path, monkeypatch, sigterm_raises, signum, where):
@@ -496,8 +521,10 @@ def test_move_into_place_is_all_or_nothing_under_signals(tmp_path, monkeypatch, 
             return rmtree(path, *a, **kw)
 
         monkeypatch.setattr(shutil, "rmtree", interrupted_rmtree)
+    said = []
     with pytest.raises(KeyboardInterrupt if signum == signal.SIGINT else Terminated):
-        move_into_place(tmp, out)
+        move_into_place(tmp, out, log=said.append)
+    assert said == [f"wrote {out} (complete) before the interrupt"]
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
     assert (out / "build.json").read_text() == "new"
     assert sorted(p.read_text() for p in (out / "sub").iterdir()) == ["new"] * 20
@@ -564,6 +591,31 @@ def test_compile_interrupted_during_the_swap_keeps_the_new_build(capsys, tmp_pat
     assert code == 130, err
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
     assert (out / "build.json").is_file() and (out / "runtime.py").is_file() and not (out / "marker").exists()
+    assert f"wrote {out} (complete) before the interrupt" in err and "flintc: interrupted" in err
+
+
+def test_dump_interrupted_during_the_swap_says_the_dump_was_written(capsys, tmp_path, monkeypatch):
+    """Ctrl-C while `flintc dump --out D` moves the new dump over an earlier one: exit 130,
+    D is the complete new dump, and stderr says so, as compile does (`move_into_place`'s
+    log); it used to say only "interrupted"."""
+    import flintc.passes.pipeline as pipeline
+
+    def quick(model, step, dump_dir=None, **kw):  # stands in for the pipeline: two dump files
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        (Path(dump_dir) / "index.md").write_text("# dump\n")
+        (Path(dump_dir) / "report.json").write_text(json.dumps({"step": step, "stages": ["captured"]}))
+        return None, SimpleNamespace(stages=[])
+
+    monkeypatch.setattr(pipeline, "compile_step", quick)
+    out = tmp_path / "dumps"
+    out.mkdir()
+    for name in ("index.md", "report.json", "99-stale.py"):
+        (out / name).write_text("{}")
+    _signal_on_rename_of(monkeypatch, out, signal.SIGINT)
+    code, stdout, err = run_cli(capsys, "dump", "--out", out, "--batch", "1")
+    assert code == 130, err
+    assert [p.name for p in tmp_path.iterdir()] == ["dumps"]
+    assert not (out / "99-stale.py").exists() and (out / "index.md").read_text() == "# dump\n"
     assert f"wrote {out} (complete) before the interrupt" in err and "flintc: interrupted" in err
 
 
