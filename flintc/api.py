@@ -27,7 +27,7 @@ import torch
 
 from flintc.errors import InputError, Terminated
 from flintc.model.generate import GenerationResult
-from flintc.sampling import SamplingParams
+from flintc.sampling import SamplingParams, bool_or_self
 
 
 @dataclass
@@ -264,6 +264,16 @@ def _check_path(value, name: str, what: str, none_ok: bool = True) -> None:
                      f"got {_describe(value)}")
 
 
+def _check_flag(value, name: str) -> bool:
+    """`value` (argument `name`) as a bool: True or False, or a NumPy bool (as the Python
+    bool it stands for, `flintc.sampling.bool_or_self`). Raises InputError naming the
+    argument for anything else ("no" is truthy: check="no" ran the checks)."""
+    value = bool_or_self(value)
+    if not isinstance(value, bool):
+        raise InputError(f"{name}: expected True or False, got {_describe(value)} {value!r}")
+    return value
+
+
 def _check_str(value, name: str, what: str) -> None:
     if not isinstance(value, str):
         raise InputError(f"{name}: expected {what}, got {_describe(value)}")
@@ -283,7 +293,8 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     --format and --config. Raises InputError / CheckpointError / PassCheckError as
     `flintc compile`; InputError also for an empty `out` (`Path("")` is the current
     folder), an unknown `load_format` (`flintc.checkpoint.loader.check_load_format`; None
-    is "auto"), a `fmt` or `config` that does not apply, and a malformed FLINTC_* variable
+    is "auto"), a `fmt` or `config` that does not apply, a `check`, `dump` or `progress`
+    that is not True or False (a NumPy bool is taken), and a malformed FLINTC_* variable
     (`flintc.runtime.compiled.check_environment`), before compiling.
 
     A compile that fails removes what it wrote (BUILD is written beside `out` and renamed
@@ -300,9 +311,8 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     _check_path(tokenizer, "tokenizer", "the path of a tokenizer folder or tokenizer.json")
     _check_str(device, "--device (device=)", "cpu or cuda[:N]")
     _check_str(backend, "--backend (backend=)", "auto, torch or triton")
-    for name, value in (("check", check), ("dump", dump), ("progress", progress)):
-        if not isinstance(value, bool):  # "no" is truthy: check="no" ran the checks
-            raise InputError(f"{name}: expected True or False, got {_describe(value)} {value!r}")
+    check, dump = _check_flag(check, "check"), _check_flag(dump, "dump")
+    progress = _check_flag(progress, "progress")
     with _keyword_wording():
         return _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, max_batch, max_model_len,
                         prefill_chunk, backend, device, check, dump, progress)
@@ -397,6 +407,7 @@ def load(build, model=None, *, device: str | None = None, load_format: str | Non
     Raises:
         InputError / CheckpointError: as `load_build` (a `load_format` other than "auto",
             "dummy" or None first); a tokenizer that does not load (its file named).
+        InputError: `progress` not True or False (a NumPy bool is taken), first.
     """
     _check_path(build, "build", "the path of a BUILD folder", none_ok=False)
     _check_path(model, "model", "the path of a checkpoint (a BF16 folder or an NVFP4 .gguf)")
@@ -404,8 +415,7 @@ def load(build, model=None, *, device: str | None = None, load_format: str | Non
     _check_path(tokenizer, "tokenizer", "the path of a tokenizer folder or tokenizer.json")
     if device is not None:
         _check_str(device, "--device (device=)", "cpu or cuda[:N], or None for the build's")
-    if not isinstance(progress, bool):
-        raise InputError(f"progress: expected True or False, got {_describe(progress)} {progress!r}")
+    progress = _check_flag(progress, "progress")
     with _keyword_wording():
         return _load(build, model, device, load_format, hf_config_path, tokenizer, progress)
 

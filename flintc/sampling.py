@@ -162,8 +162,7 @@ class SamplingParams:
             v = getattr(self, name)
             if isinstance(v, kind) and not isinstance(v, bool) and type(v) not in (int, float):
                 object.__setattr__(self, name, cast(v))
-        if type(self.ignore_eos).__module__ == "numpy" and type(self.ignore_eos).__name__ in ("bool", "bool_"):
-            object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        object.__setattr__(self, "ignore_eos", bool_or_self(self.ignore_eos))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", _normalise_allowed(self.allowed_token_ids))
         object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
@@ -267,6 +266,15 @@ def _is_number(v) -> bool:
         return not math.isnan(v)
     except OverflowError:  # an int beyond any float
         return False
+
+
+def bool_or_self(value):
+    """A NumPy bool (`numpy.True_`, `numpy.bool_(x)`) as the Python bool it stands for;
+    anything else as it is (for the caller's `isinstance(value, bool)` check to refuse a
+    string, an int or None). NumPy is not imported: a value of its type means it is."""
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    return value
 
 
 def _is_token_id(t) -> bool:

@@ -762,6 +762,32 @@ def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_pa
     assert Path(run.stdout.strip()).parent.parent == tmp_path and list(tmp_path.iterdir()) == []
 
 
+def test_python_api_flags_take_numpy_bools(monkeypatch, tmp_path):
+    """compile's check, dump and progress and load's progress take a NumPy bool, as
+    SamplingParams(ignore_eos=) does, passed on as the Python bool (they were refused:
+    "check: expected True or False, got bool np.True_"); other types are still refused,
+    NumPy integers included."""
+    import numpy as np
+
+    import flintc
+    import flintc.api as api
+
+    seen = []
+    monkeypatch.setattr(api, "_compile", lambda *a: seen.append(a[-3:]))
+    monkeypatch.setattr(api, "_load", lambda *a: seen.append(a[-1:]))
+    flintc.compile(out=tmp_path / "b", check=np.True_, dump=np.bool_(False), progress=np.False_)
+    flintc.load(tmp_path / "b", progress=np.bool_(True))
+    assert [[type(v).__name__ for v in got] for got in seen] == [["bool"] * 3, ["bool"]]
+    assert seen == [(True, False, False), (True,)]
+    for value, got in (("yes", "str 'yes'"), (1, "int 1"), (np.int64(1), "int64 "), (None, "NoneType None")):
+        for name in ("check", "dump", "progress"):
+            with pytest.raises(InputError, match=f"^{name}: expected True or False, got {got}"):
+                flintc.compile(out=tmp_path / "b", **{name: value})
+        with pytest.raises(InputError, match=f"^progress: expected True or False, got {got}"):
+            flintc.load(tmp_path / "b", progress=value)
+    assert len(seen) == 2
+
+
 @pytest.mark.parametrize("out", [None, "o/b"])
 def test_python_api_compile_cleans_up_on_sigterm(tmp_path, tmp_path_factory, tiny_bf16_dir, out):
     """Regression: SIGTERM during `flintc.compile(..., out=None)` killed the process
