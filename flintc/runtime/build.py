@@ -291,7 +291,8 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     Returns the manifest (build.json's content).
 
     Raises:
-        InputError: bad options, or `out` exists and is not a flintc build, or a
+        InputError: bad options, or `out` exists and is not a flintc build, or its
+            parent is missing, not a folder or one where no file can be created, or a
             function's subfolder of `options.dump_dir` holds files that are not an
             earlier dump; before the first compile.
         PassCheckError: a pass missed its numeric expectation (nothing is written).
@@ -412,13 +413,22 @@ def check_out_replaceable(out: Path) -> None:
 
 def _check_parent(out: Path) -> None:
     """The BUILD folder is written beside `out` and renamed into place: its parent must
-    exist and be a writable folder. Checked before any compile work."""
+    exist and be a folder a file can be created in (`flintc.fileio.cannot_write_in`'s
+    probe, which also sees what permission bits do not tell root: /proc, a read-only
+    file system; the temporary folder's creation failed there as a bare "[Errno 2] No
+    such file or directory: '/proc/.x.PID.XXXXXXXX'"). Checked before any compile work.
+    Raises InputError naming `out`, the parent and why."""
+    from flintc.fileio import cannot_write_in
+
     parent = out.parent
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
         raise InputError(f"--out {out}: the parent folder {parent} {what}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InputError(f"--out {out}: the parent folder {parent} is not writable")
+    why = cannot_write_in(parent)
+    if why:
+        raise InputError(f"--out {out}: cannot create the build folder in the parent folder {parent} ({why})")
 
 
 def _progress(steps, enabled: bool):

@@ -231,6 +231,21 @@ def test_output_folder_needs_a_name(capsys, tmp_path, monkeypatch, args):
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["compile", "dump"])
+@pytest.mark.parametrize("parent, needle", [("file", "{parent} is not a folder"),
+                                            ("missing", "the parent folder {parent} does not exist")])
+def test_output_folder_that_cannot_be_created(capsys, tmp_path, command, parent, needle):
+    """`--out P/x` under a plain file, or under a folder that does not exist: one line
+    naming --out, the path and the parent, exit 2, before any work; nothing written."""
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / parent / "x"
+    args = ["--load-format", "dummy", "--config", "tiny"] if command == "compile" else []
+    t0 = time.perf_counter()
+    code, stdout, err = run_cli(capsys, command, *args, "--out", out)
+    assert_one_line_error(code, err, f"--out {out}: ", needle.format(parent=tmp_path / parent))
+    assert stdout == "" and [p.name for p in tmp_path.iterdir()] == ["file"] and time.perf_counter() - t0 < 5
+
+
 # ---- empty input paths ---------------------------------------------------------------------
 
 

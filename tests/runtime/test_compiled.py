@@ -762,6 +762,27 @@ def test_python_api_checks_fmt_and_config_and_removes_its_temporary_build(tmp_pa
     assert Path(run.stdout.strip()).parent.parent == tmp_path and list(tmp_path.iterdir()) == []
 
 
+def test_python_api_compile_names_an_out_it_cannot_create(tmp_path, monkeypatch, tiny_bf16_dir):
+    """flintc.compile(out=P/x) where no file can be created in P (the write probe of
+    `flintc.fileio`, which sees what permission bits do not tell root: /proc, a read-only
+    file system) is refused before the compile, naming out, P and why; it failed after
+    loading as a bare "[Errno 2] No such file or directory: '/proc/.x.PID.XXXXXXXX'".
+    A P that is a file is refused too."""
+    import flintc
+    import flintc.fileio as fileio
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match=re.escape(f"out=) {tmp_path}/file/x: the parent folder {tmp_path}/file "
+                                                   "is not a folder")):
+        flintc.compile(tiny_bf16_dir, out=tmp_path / "file" / "x", check=False, dump=False)
+    monkeypatch.setattr(fileio, "cannot_write_in", lambda folder: "Read-only file system")
+    with pytest.raises(InputError, match=re.escape(f"out=) {tmp_path}/x: cannot create the build folder in the "
+                                                   f"parent folder {tmp_path} (Read-only file system)")):
+        flintc.compile(tiny_bf16_dir, out=tmp_path / "x", check=False, dump=False, backend="torch", max_batch=1,
+                       max_model_len=32)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
+
+
 def test_python_api_flags_take_numpy_bools(monkeypatch, tmp_path):
     """compile's check, dump and progress and load's progress take a NumPy bool, as
     SamplingParams(ignore_eos=) does, passed on as the Python bool (they were refused:
