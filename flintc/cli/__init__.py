@@ -64,23 +64,25 @@ def _install_sigterm_handler():
 
 
 def _install_unraisable_hook():
-    """Deliver SIGTERM again when its `Terminated` was dropped: a signal handler's
-    exception raised while Python runs a weakref callback, a __del__ or importlib's
-    module-lock callback cannot propagate, and Python reports it through
-    `sys.unraisablehook` ("Exception ignored in ...") and goes on, so the command would
-    run to completion and exit 0. The hook sends the signal again, whose handler then raises
-    at the next ordinary bytecode. Other unraisable exceptions go to the previous hook,
-    which is returned."""
+    """Deliver SIGTERM or SIGINT again when its `Terminated` or KeyboardInterrupt was
+    dropped: a signal handler's exception raised while Python runs a weakref callback
+    (torch's WeakIdKeyDictionary, for a Ctrl-C as `flintc dump` printed its tables), a
+    __del__ or importlib's module-lock callback cannot propagate, and Python reports it
+    through `sys.unraisablehook` ("Exception ignored in ...") and goes on, so the command
+    would run to completion and exit 0. The hook sends the signal again, whose handler then
+    raises at the next ordinary bytecode. Other unraisable exceptions go to the previous
+    hook, which is returned."""
     import threading
 
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if isinstance(unraisable.exc_value, Terminated):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):  # Terminated is one too
+            signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
             # From another thread, 50 ms on: raised here, the handler would run inside
             # this hook, whose exceptions are dropped too; the main thread handles the
             # new signal once the hook has returned.
-            timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM))
+            timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
             timer.daemon = True
             timer.start()
             return
@@ -107,12 +109,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     finally:
+        if argv is None:  # the process's entry (the console script, python -m flintc)
+            _default_sigint_for_exit()
         import warnings
 
         warnings.showwarning = show
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         sys.unraisablehook = unraisable
+
+
+def _default_sigint_for_exit() -> None:
+    """Give SIGINT its default action once the command is done, for the interpreter's exit:
+    a Ctrl-C then raised KeyboardInterrupt inside an atexit callback (torch's weakref
+    finalizers, filelock's lock release), which Python reports as "Exception ignored in
+    atexit callback ... KeyboardInterrupt" before it exits 0. Now the process ends as
+    interrupted (status 130, no message), as it already did a moment later, once Python's
+    finalization had put the default action back. Only for `main()` run as the process's
+    entry (no argv): a caller that runs `main(argv)` in its own process keeps its
+    Ctrl-C."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    except (ValueError, OSError):  # not the main thread of the main interpreter
+        pass
 
 
 def _install_warning_format():

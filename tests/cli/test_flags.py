@@ -417,6 +417,24 @@ def test_sigterm_during_compile_leaves_no_temporary_folder(tmp_path, tiny_bf16_d
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ctrl_c_after_the_command_ends_the_process_quietly(tmp_path):
+    """A Ctrl-C once the command is done, during the interpreter's exit (here: an atexit
+    callback that sends it; torch's weakref finalizers and filelock's lock release run
+    there): the process ends as interrupted (SIGINT's default action), with no
+    "Exception ignored in atexit callback ... KeyboardInterrupt" (the command had exited
+    0 with that message). `main(argv)` in a caller's process keeps its SIGINT handler."""
+    code = ("import atexit, os, signal, sys; from flintc.cli import main; code = main(); "
+            "atexit.register(os.kill, os.getpid(), signal.SIGINT); sys.exit(code)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code, "dump", "--out", tmp_path / "file" / "x"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGINT, proc.stderr
+    assert proc.stderr == f"flintc: error: --out {tmp_path}/file/x: the parent folder {tmp_path}/file does not exist\n"
+    handler = signal.getsignal(signal.SIGINT)
+    assert main(["dump", "--out", str(tmp_path / "file" / "x")]) == 2
+    assert signal.getsignal(signal.SIGINT) is handler
+
+
 def test_sigkill_leftovers_are_removed_by_the_next_compile(tmp_path, tiny_bf16_dir):
     """SIGKILL skips every clean-up: a killed compile leaves its `.b.<pid>.xxxxxxxx`
     folder. The next compile into the same --out removes the folders of processes that
@@ -875,6 +893,30 @@ def test_sigterm_dropped_in_a_callback_is_delivered_again():
         assert seen == [RuntimeError]
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        sys.unraisablehook = hook
+
+
+def test_ctrl_c_dropped_in_a_callback_is_delivered_again():
+    """Ctrl-C's KeyboardInterrupt raised in a weakref callback (torch's
+    WeakIdKeyDictionary, while `flintc dump` printed its tables) is dropped by Python
+    ("Exception ignored in ..." and the command exited 0): `main`'s unraisable hook sends
+    SIGINT again, so the command stops as interrupted."""
+    from flintc import cli
+
+    hook = cli._install_unraisable_hook()
+    try:
+        class Dropped:
+            def __del__(self):
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt) as exc:
+            obj = Dropped()
+            del obj  # the exception is dropped here, the signal sent again
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # its handler raises in this loop
+                time.sleep(0.01)
+        assert not isinstance(exc.value, cli.Terminated)
+    finally:
         sys.unraisablehook = hook
 
 
