@@ -351,7 +351,8 @@ def main() -> None:
                 elif case.kind == "gate_up":
                     cfg0 = None
                 else:
-                    cfg0 = choose_config(N, case.F, case.K, fmt, torch.device("cuda"))
+                    cfg0 = choose_config(N, case.F, case.K, fmt, torch.device("cuda"),
+                                         norm=case.kind == "lm_head")
                 for _ in range(64):  # every rotated copy (at most 64) once before capture:
                     ours()           # compiles, allocates split-K counters, and repacks
                     # NVFP4 copies for the CUDA kernels (one first seen during capture would

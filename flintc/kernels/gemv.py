@@ -589,11 +589,12 @@ def auto_split_k(num_f_blocks: int, K: int, block_k: int, device: torch.device,
 
 
 def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
-                  flat_ok: bool = True) -> GemvConfig:
+                  flat_ok: bool = True, norm: bool = False) -> GemvConfig:
     """The launch configuration for a [N, K] x [F, K]^T GEMV: `tuned_config((fmt, F, K, N))`
     (FLINTC_GEMV_TUNED's file, then `TUNED`) if the sweep measured this shape, on any
     device; else the rule below. fmt is "bf16" or "nvfp4"; `flat_ok=False` (kernels
-    without the flat loop) keeps the rule to 3-D tiles.
+    without the flat loop) keeps the rule to 3-D tiles; `norm`: the kernel runs the
+    RMSNorm prologue (`norm_lm_head`).
 
     Rule (shapes the sweep has not measured; DRAM-resident sweeps of sessions 6-8), first
     match wins:
@@ -601,7 +602,10 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
       CPU time down;
     - bf16 (flat_ok) with >= 2 programs per SM in F alone (the LM head): 128 x 128
       tensor-core 2-D tiles staged by the pipeliner (`flat`, 3 stages: 200.6 us against
-      403.5 for the 3-D tiles at N = 8, session 7 run 2);
+      403.5 for the 3-D tiles at N = 8, session 7 run 2); with the RMSNorm prologue
+      (`norm`), 256 x 128 on 8 warps: each program norms x before its first weight load,
+      and half as many programs do (H100, session 36, `scripts/gpu_lm_head_configs.py`:
+      209.2 / 229.0 us at N = 1 / 8 against 222.5 / 241.5, the same logits bit for bit);
     - bf16 (flat_ok) with K % 256 == 0: flat 64 x 256 tiles, 3 stages, ~2 programs per SM,
       at every N: the O projection's and the dense down projection's winner at N = 1, 2
       and 8 (O projection 7.6-7.9 us against 10.0-14.9; dense down + residual 13.6-14.3
@@ -617,9 +621,10 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
     if device.type != "cuda":  # interpreter: small tiles keep the CPU time down
         return GemvConfig(use_dot=True, block_f=16, block_k=64, split_k=1)
     if flat_ok and fmt == "bf16" and triton.cdiv(F, 128) >= 2 * sm_count(device):  # LM head
-        split = auto_split_k(triton.cdiv(F, 128), K, 128, device)
-        return GemvConfig(use_dot=True, block_f=128, block_k=128, split_k=split, num_warps=4,
-                          num_stages=3, prefetch=False, flat=True)
+        block_f, warps = (256, 8) if norm else (128, 4)
+        split = auto_split_k(triton.cdiv(F, block_f), K, 128, device)
+        return GemvConfig(use_dot=True, block_f=block_f, block_k=128, split_k=split,
+                          num_warps=warps, num_stages=3, prefetch=False, flat=True)
     if flat_ok and fmt == "bf16" and K % 256 == 0:  # flat 2-D tiles, every N (see above)
         split = auto_split_k(triton.cdiv(F, 64), K, 256, device, programs_per_sm=2)
         return GemvConfig(use_dot=True, block_f=64, block_k=256, split_k=split, num_warps=4,
@@ -895,7 +900,7 @@ def launch_gemv(op: str, x2: torch.Tensor, wargs, fmt: str, F: int, out: torch.T
     if (fmt in ("nvfp4", "bf16") and config is None and norm is None and epilogue != EPI_FP32
             and _mma_gemv(x2, wargs, F, out, residual, use_pdl)):
         return out
-    cfg = config or choose_config(N, F, K, fmt, dev)
+    cfg = config or choose_config(N, F, K, fmt, dev, norm=norm is not None)
     gpu = dev.type == "cuda" and not interpreting()
     if cfg.block_k % (32 if fmt == "nvfp4" or cfg.use_dot else 8) or cfg.block_f < 16 \
             and cfg.use_dot:

@@ -350,6 +350,50 @@ def test_norm_lm_head_flat_tiles(N, norm_once, poison_empty):
             tight=2 * reorder_tol(h, [w]).view(ref.shape))
 
 
+def test_lm_head_config_with_the_norm_prologue(monkeypatch):
+    """The LM head's default on a GPU (132 SMs, no TUNED entry): 128 x 128 flat tiles on 4
+    warps without the norm; with the RMSNorm prologue (`norm_lm_head`) 256 x 128 on 8 warps,
+    half the programs each norming x (H100, session 36: 209 / 229 us at N = 1 / 8 against
+    223 / 242)."""
+    from flintc.kernels import gemv as G
+
+    monkeypatch.setattr(G, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    for n in (1, 8):
+        assert G.tuned_config(("bf16", 151552, 2048, n)) is None
+        plain = G.choose_config(n, 151552, 2048, "bf16", cuda)
+        normed = G.choose_config(n, 151552, 2048, "bf16", cuda, norm=True)
+        assert (plain.block_f, plain.num_warps) == (128, 4)
+        assert (normed.block_f, normed.num_warps) == (256, 8)
+        assert dataclasses.replace(normed, block_f=128, num_warps=4) == plain
+        assert normed.flat and normed.use_dot and normed.split_k == 1
+    # other shapes: the norm changes nothing
+    assert (G.choose_config(1, 2048, 4096, "bf16", cuda, norm=True)
+            == G.choose_config(1, 2048, 4096, "bf16", cuda))
+
+
+@pytest.mark.parametrize("N", [1, 8])
+def test_norm_lm_head_default_gpu_tiles(N, poison_empty):
+    """The GPU default of `norm_lm_head` (256 x 128 flat tiles, 8 warps, norm once per
+    program) at a small shape: 3 F blocks (the last one short), 2 K steps; equal to the
+    128 x 128 / 4-warp tiles within the fp32 reordering bound and to the reference within
+    the GEMV bound."""
+    H, V = 256, 600
+    x = torch.randn(N, 1, H).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(H) + 0.5).to(DEV)
+    w = (torch.randn(V, H) * 0.05).to(torch.bfloat16).to(DEV)
+    base = dict(use_dot=True, block_k=128, split_k=1, num_stages=3, prefetch=False, flat=True,
+                norm_once=True)
+    wide = FG.norm_lm_head(x, norm, w, EPS, config=GemvConfig(**base, block_f=256, num_warps=8))
+    narrow = FG.norm_lm_head(x, norm, w, EPS, config=GemvConfig(**base, block_f=128, num_warps=4))
+    h = ops.rms_norm(x, norm, EPS, F32).view(N, -1)
+    compare("norm_lm_head[f256]", wide, narrow, 2 * reorder_tol(h, [w]).view(wide.shape),
+            min_identical=0.5)
+    ref = grouped.norm_lm_head(x, norm, w, EPS)
+    compare("norm_lm_head[f256]", wide, ref, gemv_tol(h, [w]).view(ref.shape), min_identical=0.0,
+            tight=2 * reorder_tol(h, [w]).view(ref.shape))
+
+
 def test_lm_head_and_gemv_entries(poison_empty):
     x = torch.randn(3, 128).to(torch.bfloat16).to(DEV)
     w = (torch.randn(512, 128) * 0.05).to(torch.bfloat16).to(DEV)
