@@ -296,7 +296,9 @@ def _validate(
                     f"found {list(shape)} {dtype}"
                 )
             elif sharded and weight_map.get(name) != path.name:
-                bad_entries.append(f"{name}: index maps it to {weight_map.get(name)}")
+                mapped = weight_map.get(name)
+                bad_entries.append(f"{where}{name}: not in the index's weight_map" if mapped is None else
+                                   f"{where}{name}: the index maps it to {mapped}")
     missing = [f"missing {name}" for name in expected if name not in located]
     problems = bad_entries + missing + sorted(unexpected)
     if problems:

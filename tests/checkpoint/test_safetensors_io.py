@@ -237,6 +237,23 @@ def test_missing_shard(weights, tmp_path):
     assert f"shard {paths[2].name}" in msg and "not found" in msg
 
 
+def test_index_that_leaves_out_or_misplaces_a_tensor(weights, tmp_path):
+    """A tensor a shard holds but model.safetensors.index.json leaves out was reported as
+    "NAME: index maps it to None"; it names the shard and says the index lacks it."""
+    paths = save_bf16(TINY, weights, tmp_path, max_shard_bytes=150_000)
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    gone = "model.embed_tokens.weight"
+    moved = "model.norm.weight"
+    holder, elsewhere = index["weight_map"].pop(gone), index["weight_map"][moved]
+    index["weight_map"][moved] = next(p.name for p in paths if p.name != elsewhere)
+    index_path.write_text(json.dumps(index))
+    msg = load_error(tmp_path, index_path)
+    assert f"{holder}: {gone}: not in the index's weight_map" in msg, msg
+    assert "None" not in msg, msg
+    assert f"{elsewhere}: {moved}: the index maps it to {index['weight_map'][moved]}" in msg, msg
+
+
 def test_bad_index(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
     load_error(tmp_path, "model.safetensors.index.json")
