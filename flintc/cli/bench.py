@@ -108,6 +108,9 @@ def _load_report(path: str) -> dict:
 
     try:
         data = json.loads(Path(path).read_bytes())  # UTF-8, -16 or -32, as json detects
+    except OSError as e:  # missing, a folder, unreadable: the flag named, as its other errors
+        raise InputError(f"--from-json {path}: cannot read it ({e.strerror or e}); expected a bench.json "
+                         "written by flintc bench") from None
     except json.JSONDecodeError as e:
         raise InputError(f"--from-json {path}: not valid JSON: {e}") from None
     except UnicodeDecodeError as e:  # e.g. a .npy from --logits-out

@@ -745,3 +745,18 @@ def test_cpu_compile_baseline_tiny(tmp_path, monkeypatch):
     [rec] = res["baselines"]
     assert (rec["engine"], rec["batch"], rec["context"], rec["mode"]) == ("compile", 1, 64, "max-autotune")
     assert 0 < rec["fwd_ms"] and 0 < rec["e2e_ms"] and rec["compile_s"] > 0
+
+
+@pytest.mark.parametrize("kind", ["missing", "folder"])
+def test_from_json_names_the_flag_for_a_file_it_cannot_read(tmp_path, capsys, kind):
+    """A --from-json path that does not exist, or is a folder, printed the bare OSError
+    ("flintc: error: x.json: No such file or directory", "...: Is a directory") without
+    the flag or what was expected, unlike its other errors; nothing is written."""
+    f = tmp_path / "x.json"
+    if kind == "folder":
+        f.mkdir()
+    assert main(["bench", "--from-json", str(f), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: --from-json {f}: cannot read it ("), err
+    assert "expected a bench.json written by flintc bench" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
