@@ -137,8 +137,12 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
         or missed its expectation (the message names the pass).
         InputError: `$FLINTC_DUMP_DIR` (read when dump_dir is None) names a folder that
         cannot be written (`flintc.fileio.dump_dir_from_env`), or the dump folder holds
-        files that are not an earlier dump; before the capture.
+        files that are not an earlier dump; `model` or `check_model` is not a
+        mode="bf16" FlintModel (the pipelines lower the bf16 numerics; the float64
+        oracle has no such graph: it failed inside a pass), or `check_model` has
+        another config than `model`; before the capture.
     """
+    _check_step_models(model, check_model)
     if dump_dir is None:
         dump_dir = env_dump_dir(step, batch, tokens)
     elif not dump_dir:  # False (or ""): no dumps
@@ -156,3 +160,27 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
     manager = PassManager(pipeline_for(step), ctx, disabled=disabled, checker=checker, dump_dir=dump_dir)
     report = manager.run(graph)
     return graph, report
+
+
+def _check_step_models(model, check_model) -> None:
+    """InputError unless `model` (and `check_model`, when given) are FlintModels in the
+    bf16 numerics, of one config. A float64 oracle (README's `mode="float64"`) failed
+    inside the first fusion pass ("fuse_rms_norm: unfused RMSNorm left at rsqrt"), and as
+    check_model inside the numeric check ("Index put requires the source and destination
+    dtypes match")."""
+    from flintc.errors import InputError
+
+    for name, m in (("model", model), ("check_model", check_model)):
+        if m is None and name == "check_model":
+            continue
+        mode = getattr(m, "mode", None)
+        if mode is None or not hasattr(m, "config"):
+            raise InputError(f"compile_step: {name}: expected a flintc.model.reference.FlintModel, "
+                             f"got {type(m).__name__}")
+        if mode != "bf16":
+            raise InputError(f"compile_step: {name} is a FlintModel in mode={mode!r}; the pass pipelines "
+                             f"compile (and check against) the bf16 numerics: build it with mode='bf16' "
+                             f"(the float64 oracle runs eagerly only, FlintModel(...)(...))")
+    if check_model is not None and check_model.config != model.config:
+        raise InputError("compile_step: check_model has another config than model; give a FlintModel of the "
+                         "same config and weight format (often model itself)")

@@ -129,3 +129,30 @@ def test_fold_attention_combine_six_and_five_kernels(fmt):
     node = next(n for n in g.gm.graph.nodes if op_name(n) == "flintc.decode_attention_combine")
     assert any(name.startswith("w_") and "sinks" in name for name in node.meta["pdl"]["before_wait"])
     assert all(not name.startswith("w_") for name in node.meta["pdl"]["after_wait"])
+
+
+@pytest.mark.parametrize("which", ["model", "check_model"])
+def test_compile_step_refuses_a_float64_model_up_front(which):
+    """README's `FlintModel(config, weights, mode="float64")` handed to compile_step (as
+    the model, or as the check model) failed deep inside a pass with an internal error
+    ("fuse_rms_norm: unfused RMSNorm left at rsqrt", or a dtype mismatch in the numeric
+    check); it is an InputError naming the argument and the mode, before the capture."""
+    from flintc.errors import InputError
+
+    from harness import random_weights
+
+    bf16 = tiny_model()
+    f64 = FlintModel(TINY, random_weights(TINY, 0), mode="float64")
+    kwargs = {"model": f64, "check_model": None} if which == "model" else {"model": bf16, "check_model": f64}
+    with pytest.raises(InputError, match=f"compile_step: {which} is a FlintModel in mode='float64'"):
+        compile_step(kwargs["model"], "decode", batch=1, check_model=kwargs["check_model"], dump_dir=False)
+
+
+def test_compile_step_refuses_a_check_model_of_another_config():
+    from flintc.errors import InputError
+
+    model = tiny_model()
+    small = TINY.replace(num_hidden_layers=2, layer_types=TINY.layer_types[:2])
+    other = FlintModel(small, dummy_weights(small, "bf16", "cpu"))
+    with pytest.raises(InputError, match="check_model has another config"):
+        compile_step(model, "decode", batch=1, check_model=other, dump_dir=False)
