@@ -127,9 +127,12 @@ def _default_sigint_for_exit() -> None:
     interrupted (status 130, no message), as it already did a moment later, once Python's
     finalization had put the default action back. Only for `main()` run as the process's
     entry (no argv): a caller that runs `main(argv)` in its own process keeps its
-    Ctrl-C."""
+    Ctrl-C. Only where SIGINT still has Python's own handler: a process started with
+    SIGINT ignored (`cmd &` in a non-interactive shell, a supervisor) keeps ignoring it,
+    as Python's finalization would (it was killed by a Ctrl-C during its exit)."""
     try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
     except (ValueError, OSError):  # not the main thread of the main interpreter
         pass
 

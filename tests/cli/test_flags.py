@@ -435,6 +435,23 @@ def test_ctrl_c_after_the_command_ends_the_process_quietly(tmp_path):
     assert signal.getsignal(signal.SIGINT) is handler
 
 
+def test_ignored_sigint_stays_ignored_after_the_command(tmp_path):
+    """A process started with SIGINT ignored (`flintc compile ... &` in a non-interactive
+    shell, a supervisor) keeps ignoring it once the command is done: a SIGINT during the
+    interpreter's exit (here from an atexit callback) neither kills it nor is reported,
+    and it exits with the command's status (the default action put back by main() had
+    killed it)."""
+    code = ("import atexit, os, signal, sys; from flintc.cli import main; code = main(); "
+            "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN; "
+            "atexit.register(os.kill, os.getpid(), signal.SIGINT); sys.exit(code)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code, "dump", "--out", tmp_path / "file" / "x"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"flintc: error: --out {tmp_path}/file/x: the parent folder {tmp_path}/file does not exist\n"
+
+
 def test_sigkill_leftovers_are_removed_by_the_next_compile(tmp_path, tiny_bf16_dir):
     """SIGKILL skips every clean-up: a killed compile leaves its `.b.<pid>.xxxxxxxx`
     folder. The next compile into the same --out removes the folders of processes that
