@@ -140,7 +140,8 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
         files that are not an earlier dump; `model` or `check_model` is not a
         mode="bf16" FlintModel (the pipelines lower the bf16 numerics; the float64
         oracle has no such graph: it failed inside a pass), or `check_model` has
-        another config than `model`; before the capture.
+        another config (`max_position_embeddings` aside) or weight format than
+        `model`; before the capture.
     """
     _check_step_models(model, check_model)
     if dump_dir is None:
@@ -154,7 +155,7 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
     # Source lines on the nodes are for the dumps only; recording them slows tracing.
     graph = capture(model, step, batch=batch, tokens=tokens, cache_len=cache_len,
                     stack_traces=dump_dir is not None)
-    fmt = weight_format or ("nvfp4" if any(n.endswith(".codes") for n, _ in model.named_buffers()) else "bf16")
+    fmt = weight_format or _weight_format(model)
     ctx = PassContext(model.config, step, batch, graph.tokens, cache_len, fmt, dict(options or {}))
     checker = NumericChecker(check_model, graph, seed=seed) if check_model is not None else None
     manager = PassManager(pipeline_for(step), ctx, disabled=disabled, checker=checker, dump_dir=dump_dir)
@@ -164,10 +165,15 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
 
 def _check_step_models(model, check_model) -> None:
     """InputError unless `model` (and `check_model`, when given) are FlintModels in the
-    bf16 numerics, of one config. A float64 oracle (README's `mode="float64"`) failed
-    inside the first fusion pass ("fuse_rms_norm: unfused RMSNorm left at rsqrt"), and as
-    check_model inside the numeric check ("Index put requires the source and destination
-    dtypes match")."""
+    bf16 numerics, of one config and one weight format. A float64 oracle (README's
+    `mode="float64"`) failed inside the first fusion pass ("fuse_rms_norm: unfused RMSNorm
+    left at rsqrt"), and as check_model inside the numeric check ("Index put requires the
+    source and destination dtypes match"); a check_model in the other weight format as a
+    bare KeyError of a buffer name. The configs are compared without
+    `max_position_embeddings`, which shapes no weight the graph reads (a check_model of a
+    longer-context config checks every pass as the model itself does)."""
+    import dataclasses
+
     from flintc.errors import InputError
 
     for name, m in (("model", model), ("check_model", check_model)):
@@ -181,6 +187,18 @@ def _check_step_models(model, check_model) -> None:
             raise InputError(f"compile_step: {name} is a FlintModel in mode={mode!r}; the pass pipelines "
                              f"compile (and check against) the bf16 numerics: build it with mode='bf16' "
                              f"(the float64 oracle runs eagerly only, FlintModel(...)(...))")
-    if check_model is not None and check_model.config != model.config:
+    if check_model is None:
+        return
+    if dataclasses.replace(check_model.config, max_position_embeddings=model.config.max_position_embeddings) \
+            != model.config:
         raise InputError("compile_step: check_model has another config than model; give a FlintModel of the "
                          "same config and weight format (often model itself)")
+    formats = [_weight_format(m) for m in (model, check_model)]
+    if formats[0] != formats[1]:
+        raise InputError(f"compile_step: check_model holds {formats[1]} weights, model {formats[0]}; give a "
+                         "FlintModel of the same config and weight format (often model itself)")
+
+
+def _weight_format(model) -> str:
+    """"nvfp4" when `model` holds packed NVFP4 linears (buffers named *.codes), else "bf16"."""
+    return "nvfp4" if any(n.endswith(".codes") for n, _ in model.named_buffers()) else "bf16"

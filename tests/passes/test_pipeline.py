@@ -156,3 +156,24 @@ def test_compile_step_refuses_a_check_model_of_another_config():
     other = FlintModel(small, dummy_weights(small, "bf16", "cpu"))
     with pytest.raises(InputError, match="check_model has another config"):
         compile_step(model, "decode", batch=1, check_model=other, dump_dir=False)
+
+
+def test_compile_step_refuses_a_check_model_in_the_other_weight_format():
+    """A check_model of the same config in the other weight format failed inside the
+    numeric check as a bare KeyError of a buffer name; it is an InputError naming both."""
+    from flintc.errors import InputError
+
+    with pytest.raises(InputError, match="check_model holds nvfp4 weights, model bf16"):
+        compile_step(tiny_model(), "decode", batch=1, check_model=tiny_nvfp4_model(), dump_dir=False)
+
+
+def test_compile_step_checks_against_a_longer_context_config():
+    """A check_model whose config differs only in max_position_embeddings (no weight the
+    graph reads depends on it) checks every pass, as before the config check came."""
+    from harness import random_weights
+
+    w = random_weights(TINY, 0)
+    model = FlintModel(TINY, w)
+    longer = FlintModel(TINY.replace(max_position_embeddings=2 * TINY.max_position_embeddings), w)
+    _, report = compile_step(model, "decode", batch=1, cache_len=32, check_model=longer, dump_dir=False)
+    assert report.passed and all(s.check is not None and s.check.passed for s in report.stages)
