@@ -67,7 +67,7 @@ def main() -> None:
     for N in batches:
         x = torch.randn(N, 1, H, device="cuda", generator=g).to(torch.bfloat16)
         nbytes = V * H * 2 + N * H * 2 + N * V * 4
-        default = choose_config(N, V, H, "bf16", dev)
+        default = choose_config(N, V, H, "bf16", dev, norm=True)  # what norm_lm_head launches
         ref = fg.norm_lm_head(x, norm, ws[0], EPS, use_pdl=True)
         variants = [("norm_lm_head (default)", default.short(),
                      lambda w, c=default: fg.norm_lm_head(x, norm, w, EPS, use_pdl=True, config=c))]
