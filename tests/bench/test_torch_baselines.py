@@ -110,10 +110,15 @@ def test_experts_reads_only_the_selected_experts():
     assert y.shape == (2, 2, Fi) and torch.isfinite(y.float()).all()
 
 
-def test_compile_fresh_compiles_past_the_variant_limit():
+def test_compile_fresh_compiles_past_the_variant_limit(monkeypatch):
     """Ten shapes of one function (Dynamo keeps 8 variants per code object, then runs it
-    eagerly): with `compile_fresh` each is compiled, none falls back."""
+    eagerly): with `compile_fresh` each is compiled, none falls back. The global Dynamo
+    flag it sets is put back afterwards (it would make a later test's 9th variant raise)."""
     import torch._dynamo as dynamo
+
+    if hasattr(dynamo.config, "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(dynamo.config, "fail_on_recompile_limit_hit",
+                            dynamo.config.fail_on_recompile_limit_hit)
 
     def f(x):
         return x * 2 + 1
