@@ -38,8 +38,9 @@ BF16 = torch.bfloat16
 
 
 def nvfp4_to_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Packed NVFP4 -> bf16 [..., F, K] of `e2m1 * block scale` (no global scale), exact
-    (at most 5 significant bits). codes: uint8 [..., F, K/2], element 2j in the low
+    """Packed NVFP4 -> bf16 [..., F, K] of `e2m1 * block scale` (no global scale), exact:
+    a product has at most 6 significant bits (2 of e2m1 times 4 of E4M3, e.g. 1.5 x 1.875
+    = 2.8125), bf16 holds 8, and its exponent range holds every product. codes: uint8 [..., F, K/2], element 2j in the low
     nibble; scales: float8_e4m3fn [..., F, K/16]. Raises ValueError on mismatched shapes."""
     if codes.shape[:-1] != scales.shape[:-1] or codes.shape[-1] * 2 != scales.shape[-1] * BLOCK:
         raise ValueError(f"nvfp4_to_bf16: codes {tuple(codes.shape)} and scales "
