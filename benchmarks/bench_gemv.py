@@ -179,7 +179,7 @@ class Case:
             def fast(x3, norm, w):
                 return TB.logits(ops.rms_norm(x3, norm, 1e-5, F32).view(-1, K), w)
             return (ours, eager, fast, lambda: (x3, norm, rot.next()[0]),
-                    nbytes(w, x, norm) + 4 * N * F, (fmt, F, K, N), None)
+                    nbytes(w, x, norm) + 4 * N * F, ("norm:" + fmt, F, K, N), None)
         assert self.kind == "qkv"
         wq, wk, wv = make_weight(HQ * D, K, fmt), make_weight(HKV * D, K, fmt), make_weight(HKV * D, K, fmt)
         qn, kn = torch.rand(D, device="cuda") + 0.5, torch.rand(D, device="cuda") + 0.5

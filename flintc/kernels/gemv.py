@@ -503,7 +503,9 @@ class GemvConfig:
 
 
 # Measured winners -> GemvConfig. Keys: (fmt, F, K, N) for the plain GEMV kernel (gemv,
-# gemv_residual, lm_head, norm_lm_head); ("qkv:" + fmt, Hq * D, H, N) for the fused QKV
+# gemv_residual, lm_head); ("norm:" + fmt, F, K, N) for it with the RMSNorm prologue
+# (norm_lm_head: its programs norm x first, so its best tiles differ, session 36);
+# ("qkv:" + fmt, Hq * D, H, N) for the fused QKV
 # kernel; ("gate_up:" + fmt, F, H, N) for norm_gate_up_silu (block_f = output columns).
 # Paste the lines that `python benchmarks/bench_gemv.py --sweep` prints at the end here;
 # shapes not listed use the rules in `choose_config` / `qkv_config`. Entries: the sweep
@@ -591,7 +593,8 @@ def auto_split_k(num_f_blocks: int, K: int, block_k: int, device: torch.device,
 def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
                   flat_ok: bool = True, norm: bool = False) -> GemvConfig:
     """The launch configuration for a [N, K] x [F, K]^T GEMV: `tuned_config((fmt, F, K, N))`
-    (FLINTC_GEMV_TUNED's file, then `TUNED`) if the sweep measured this shape, on any
+    (`("norm:" + fmt, F, K, N)` with `norm`; FLINTC_GEMV_TUNED's file, then `TUNED`) if
+    the sweep measured this shape, on any
     device; else the rule below. fmt is "bf16" or "nvfp4"; `flat_ok=False` (kernels
     without the flat loop) keeps the rule to 3-D tiles; `norm`: the kernel runs the
     RMSNorm prologue (`norm_lm_head`).
@@ -615,7 +618,7 @@ def choose_config(N: int, F: int, K: int, fmt: str, device: torch.device,
       tiles, session 6; bf16 reaches it only with flat_ok=False: 16 x 256 on 2 warps);
     - else tensor-core 64 x 128 3-D tiles with the register prefetch.
     The non-flat rules split K up to ~4 programs per SM (the winners' split)."""
-    hit = tuned_config((fmt, F, K, N))
+    hit = tuned_config(("norm:" + fmt if norm else fmt, F, K, N))
     if hit is not None:
         return hit
     if device.type != "cuda":  # interpreter: small tiles keep the CPU time down

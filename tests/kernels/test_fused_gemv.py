@@ -370,6 +370,15 @@ def test_lm_head_config_with_the_norm_prologue(monkeypatch):
     # other shapes: the norm changes nothing
     assert (G.choose_config(1, 2048, 4096, "bf16", cuda, norm=True)
             == G.choose_config(1, 2048, 4096, "bf16", cuda))
+    # a measured entry of the plain LM head does not reach the normed one, nor the reverse
+    tuned_plain = G.GemvConfig(use_dot=True, block_f=64, block_k=128, num_warps=4)
+    tuned_norm = G.GemvConfig(use_dot=True, block_f=512, block_k=64, num_warps=8)
+    monkeypatch.setitem(G.TUNED, ("bf16", 151552, 2048, 1), tuned_plain)
+    assert G.choose_config(1, 151552, 2048, "bf16", cuda) == tuned_plain
+    assert G.choose_config(1, 151552, 2048, "bf16", cuda, norm=True) == normed
+    monkeypatch.setitem(G.TUNED, ("norm:bf16", 151552, 2048, 1), tuned_norm)
+    assert G.choose_config(1, 151552, 2048, "bf16", cuda, norm=True) == tuned_norm
+    assert G.choose_config(1, 151552, 2048, "bf16", cuda) == tuned_plain
 
 
 @pytest.mark.parametrize("N", [1, 8])
