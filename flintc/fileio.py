@@ -44,6 +44,22 @@ def cannot_write_in(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def output_parent_problem(parent: str | os.PathLike) -> str | None:
+    """Why an output (a file, or a folder written beside it and renamed into place) cannot
+    be created in `parent`, as the end of an error message, or None when it can: the
+    folder is missing, is not a folder, is not writable, or `cannot_write_in`'s probe
+    fails there. The CLI's --out checks and `flintc.compile(out=)` share it."""
+    parent = Path(parent)
+    if not parent.exists():
+        return f"the parent folder {parent} does not exist"
+    if not parent.is_dir():
+        return f"the parent folder {parent} is not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the parent folder {parent} is not writable"
+    why = cannot_write_in(parent)
+    return f"cannot write in the parent folder {parent} ({why})" if why else None
+
+
 def write_text_atomic(path, text: str) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -125,27 +125,19 @@ def check_output_folder(path, flag: str = "--out") -> None:
     """Fail before any work when the folder `path` cannot be created: it must not be
     empty (`check_not_empty`), nor `.` or `..` (`check_folder_named`); its parent must
     exist, be a folder and be writable. Raises InputError naming the flag and path."""
-    import os
     from pathlib import Path
 
     from flintc.errors import InputError
-    from flintc.fileio import cannot_write_in
+    from flintc.fileio import output_parent_problem
 
     check_not_empty(path, flag, "the path of a folder to write")
     check_folder_named(path, flag)
     from flintc.fileio import follow_out_link
 
     target = follow_out_link(path)  # a link: its target is written (`flintc.fileio.move_into_place`)
-    parent = target.parent if str(target.parent) else Path(".")
-    if not parent.exists():
-        raise InputError(f"{flag} {path}: the parent folder {parent} does not exist")
-    if not parent.is_dir():
-        raise InputError(f"{flag} {path}: {parent} is not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"{flag} {path}: the parent folder {parent} is not writable")
-    why = cannot_write_in(parent)
-    if why:
-        raise InputError(f"{flag} {path}: cannot write in the parent folder {parent} ({why})")
+    problem = output_parent_problem(target.parent if str(target.parent) else Path("."))
+    if problem:
+        raise InputError(f"{flag} {path}: {problem}")
 
 
 def check_output_parents(path, flag: str) -> None:

@@ -417,18 +417,12 @@ def _check_parent(out: Path) -> None:
     probe, which also sees what permission bits do not tell root: /proc, a read-only
     file system; the temporary folder's creation failed there as a bare "[Errno 2] No
     such file or directory: '/proc/.x.PID.XXXXXXXX'"). Checked before any compile work.
-    Raises InputError naming `out`, the parent and why."""
-    from flintc.fileio import cannot_write_in
+    Raises InputError naming `out`, the parent and why (`flintc.fileio.output_parent_problem`)."""
+    from flintc import fileio
 
-    parent = out.parent
-    if not parent.is_dir():
-        what = "is not a folder" if parent.exists() else "does not exist"
-        raise InputError(f"--out {out}: the parent folder {parent} {what}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise InputError(f"--out {out}: the parent folder {parent} is not writable")
-    why = cannot_write_in(parent)
-    if why:
-        raise InputError(f"--out {out}: cannot create the build folder in the parent folder {parent} ({why})")
+    problem = fileio.output_parent_problem(out.parent)
+    if problem:
+        raise InputError(f"--out {out}: {problem}")
 
 
 def _progress(steps, enabled: bool):

@@ -776,7 +776,7 @@ def test_python_api_compile_names_an_out_it_cannot_create(tmp_path, monkeypatch,
                                                    "is not a folder")):
         flintc.compile(tiny_bf16_dir, out=tmp_path / "file" / "x", check=False, dump=False)
     monkeypatch.setattr(fileio, "cannot_write_in", lambda folder: "Read-only file system")
-    with pytest.raises(InputError, match=re.escape(f"out=) {tmp_path}/x: cannot create the build folder in the "
+    with pytest.raises(InputError, match=re.escape(f"out=) {tmp_path}/x: cannot write in the "
                                                    f"parent folder {tmp_path} (Read-only file system)")):
         flintc.compile(tiny_bf16_dir, out=tmp_path / "x", check=False, dump=False, backend="torch", max_batch=1,
                        max_model_len=32)
