@@ -24,56 +24,21 @@ tolerances).
 Weights are passed as lists, as the benchmarks hold them: `[w]` (bf16 [..., F, K]) or
 `[codes, scales, global_scale]` (NVFP4: uint8 [..., F, K/2], float8_e4m3fn [..., F, K/16],
 fp32 [] or [E]; the loader's packed layout, FLINT_SPEC section 4).
+
+`nvfp4_to_bf16`, `linear`, `logits` and `experts` live in `flintc.bench.fast_model`
+(the whole-model fast baseline of `flintc bench --baselines fast` is built from them)
+and are imported here under the same names.
 """
 
 from __future__ import annotations
 
 import torch
 
+from flintc.bench.fast_model import experts, linear, logits, nvfp4_to_bf16  # noqa: F401  (this module's API)
 from flintc.model import ops
-from flintc.quant.nvfp4 import BLOCK, decode_e2m1
 
 F32 = torch.float32
 BF16 = torch.bfloat16
-
-
-def nvfp4_to_bf16(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Packed NVFP4 -> bf16 [..., F, K] of `e2m1 * block scale` (no global scale), exact:
-    a product has at most 6 significant bits (2 of e2m1 times 4 of E4M3, e.g. 1.5 x 1.875
-    = 2.8125), bf16 holds 8, and its exponent range holds every product. codes: uint8 [..., F, K/2], element 2j in the low
-    nibble; scales: float8_e4m3fn [..., F, K/16]. Raises ValueError on mismatched shapes."""
-    if codes.shape[:-1] != scales.shape[:-1] or codes.shape[-1] * 2 != scales.shape[-1] * BLOCK:
-        raise ValueError(f"nvfp4_to_bf16: codes {tuple(codes.shape)} and scales "
-                         f"{tuple(scales.shape)} do not describe one [..., F, K] matrix "
-                         f"(codes [..., F, K/2], scales [..., F, K/{BLOCK}])")
-    v = torch.stack([decode_e2m1(codes & 0x0F, BF16), decode_e2m1(codes >> 4, BF16)], dim=-1)
-    v = v.flatten(-2).unflatten(-1, (-1, BLOCK))  # [..., F, K/16, 16]
-    return (v * scales.to(BF16)[..., None]).flatten(-2)
-
-
-def linear(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
-    """bf16 `x @ W^T`. x: bf16 [N, K]; w: `[W]` or `[codes, scales, global_scale]` for a
-    [F, K] matrix. -> bf16 [N, F]."""
-    if len(w) == 1:
-        return x @ w[0].T
-    return ((x @ nvfp4_to_bf16(w[0], w[1]).T).to(F32) * w[2].to(F32)).to(BF16)
-
-
-def logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """LM head: bf16 GEMM, logits then widened to fp32. h: bf16 [N, H]; w: bf16 [V, H]."""
-    return (h @ w.T).to(F32)
-
-
-def experts(x: torch.Tensor, ids: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
-    """Each token's selected experts' GEMVs. x: bf16 [N, In] (every expert of a token
-    reads it) or [N, K, In] (one row per selected expert); ids: int64 [N, K]; w: stacked
-    [E, Out, In] as `[W]` or `[codes, scales, global_scale [E]]`. Gathers the N x K
-    selected matrices (`w[ids]`), never all E. -> bf16 [N, K, Out]."""
-    xk = x[:, None, :, None] if x.dim() == 2 else x[..., None]  # [N, 1 | K, In, 1]
-    if len(w) == 1:
-        return (w[0][ids] @ xk)[..., 0]
-    y = (nvfp4_to_bf16(w[0][ids], w[1][ids]) @ xk)[..., 0]  # [N, K, Out]
-    return (y.to(F32) * w[2][ids].to(F32)[..., None]).to(BF16)
 
 
 def norm_router(x: torch.Tensor, norm: torch.Tensor, router: torch.Tensor,
