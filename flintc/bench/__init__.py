@@ -7,7 +7,9 @@ Modules:
 - `roofline`: bytes and FLOPs a step must move / do (from the weight table);
 - `timing`: copy bandwidth, matmul rate, CUDA-event and host timers, step timeout;
 - `instrument`: a step's selected experts, kernel counts, the per-kernel breakdown;
-- `baselines`: the eager reference step and its `torch.compile` (max-autotune);
+- `baselines`: the eager reference step and its `torch.compile` (max-autotune), and
+  the "fast" baseline: `torch.compile` of `fast_model.FastFlintModel`;
+- `fast_model`: the Flint decoder in plain PyTorch written for speed (bf16 GEMMs);
 - `report`: targets of issue 8, JSON, Markdown, plots, merging runs.
 
 See docs/benchmarks.md for how to run it on the GPU.

@@ -11,6 +11,11 @@
   best case for its shapes. Whether CUDA graphs were used (Inductor may skip them and
   say why) and the compile time are part of the result; a failure to compile is
   caught and reported, never raised.
+- "fast": the same `torch.compile` (`CompiledStep`, same static inputs, mode and
+  reporting) of the decode step of `flintc.bench.fast_model.FastFlintModel`, the model
+  a PyTorch user would write for speed (bf16 GEMMs, NVFP4 dequantized to bf16 per call,
+  fp32 norms and softmax) where the reference computes every op in fp32: the stronger
+  baseline. Same weights (its buffers are the reference's tensors), same cache layout.
 
 The KV cache a baseline reads holds exactly `context` rows per full layer (a view of
 the first rows of flintc's caches when given, else its own), so its attention reads
@@ -60,7 +65,8 @@ class EagerStep:
 
 
 class _StaticDecode(torch.nn.Module):
-    """The reference model's decode step with the KV cache held as attributes."""
+    """A model's decode step (the reference's or `FastFlintModel`'s) with the KV cache
+    held as attributes."""
 
     def __init__(self, model: FlintModel, kv: list[torch.Tensor]):
         super().__init__()
@@ -85,7 +91,9 @@ class _CudagraphLog(logging.Handler):
 
 
 class CompiledStep:
-    """`torch.compile(mode="max-autotune")` of the reference decode step (module doc).
+    """`torch.compile(mode="max-autotune")` of `model`'s decode step (module doc): the
+    "compile" baseline with the reference `FlintModel`, "fast" with `FastFlintModel`
+    (`name` says which; it is the results' `engine`).
 
     After construction `error` is None, or the compile failure (type and message);
     `compile_s` the seconds of the first call (tracing, autotuning, compiling);
@@ -94,7 +102,9 @@ class CompiledStep:
 
     name = "compile"
 
-    def __init__(self, model: FlintModel, kv: list[torch.Tensor], example, mode: str = "max-autotune"):
+    def __init__(self, model: FlintModel, kv: list[torch.Tensor], example, mode: str = "max-autotune",
+                 name: str = "compile"):
+        self.name = name
         self.error = None
         self.compile_s = None
         self.cudagraphs = None
@@ -149,7 +159,7 @@ class CompiledStep:
 
     def __call__(self, ids, positions, slots):
         if self.error is not None:
-            raise RuntimeError(f"the compile baseline did not compile: {self.error}")
+            raise RuntimeError(f"the {self.name} baseline did not compile: {self.error}")
         self._mark_step()
         with torch.inference_mode():
             return self.fn(ids, positions, slots)
@@ -173,4 +183,6 @@ def _cudagraph_skips():
         return None
 
 
-__all__ = ["CompiledStep", "EagerStep", "kv_view"]
+BASELINES = ("eager", "compile", "fast")
+
+__all__ = ["BASELINES", "CompiledStep", "EagerStep", "kv_view"]

@@ -13,7 +13,9 @@ run cut short by a time limit still leaves its numbers:
    on the host), the distinct experts the step selected (`record_step`), the roofline,
    the kernel count and peak memory; prefill at each length; the per-kernel breakdown;
    the eager baseline on views of the same caches;
-3. the compile baseline (and the eager one when flintc is not run), on caches of its own.
+3. the compile baselines ("compile", and "fast" when asked: torch.compile of the fast
+   plain-PyTorch model, `flintc.bench.fast_model`) and the eager one when flintc is not
+   run, each on caches of its own.
 
 Decode at context C means the step of the token at position C - 1 over a cache holding
 C - 1 earlier tokens (C keys read per full layer): the KV rows hold random values, not
@@ -41,6 +43,7 @@ import torch
 from flintc.errors import InputError
 
 TARGET_COMPILE_POINTS = ((1, 1024), (1, 100000), (8, 1024))
+COMPILED_BASELINES = ("compile", "fast")  # torch.compile of the reference model / of FastFlintModel
 DEFAULT_CONTEXTS = (1024, 8192, 32768, 100000, 262144)
 DEFAULT_PREFILL = (1024, 8192)
 
@@ -126,8 +129,8 @@ class BenchOptions:
             if f not in ("bf16", "nvfp4"):
                 raise InputError(f"--formats: unknown format {f!r} (expected bf16, nvfp4)")
         for b in o.baselines:
-            if b not in ("eager", "compile"):
-                raise InputError(f"--baselines: unknown baseline {b!r} (expected eager, compile)")
+            if b not in ("eager", "compile", "fast"):
+                raise InputError(f"--baselines: unknown baseline {b!r} (expected eager, compile, fast)")
         for flag, values in (("--contexts", o.contexts), ("--batches", o.batches), ("--prefill", o.prefill)):
             bad = [v for v in values if v < 1]
             if bad:
@@ -449,7 +452,7 @@ class _Bench:
         try:
             if self.o.run_flintc:
                 self._flintc(fmt, ckpt)
-            standalone = [b for b in self.o.baselines if b == "compile" or not self.o.run_flintc]
+            standalone = [b for b in self.o.baselines if b in COMPILED_BASELINES or not self.o.run_flintc]
             for name in standalone:
                 self._standalone_baseline(name, fmt, ckpt)
         finally:
@@ -989,8 +992,8 @@ class _Bench:
         return pts or [(o.batches[0], o.contexts[-1])]
 
     def _baseline_point(self, step, cfg, fmt, batch: int, context: int, slots: int) -> dict:
-        """Time one baseline step (`EagerStep` or `CompiledStep`, which wraps the model
-        and has no `.model`) for the model config `cfg`."""
+        """Time one baseline step (`EagerStep` or `CompiledStep` (compile, fast), which
+        wraps the model and has no `.model`) for the model config `cfg`."""
         from flintc.bench.timing import time_host, time_replays
         from flintc.sampling import sample
 
@@ -1007,7 +1010,7 @@ class _Bench:
         # the eager model takes 0.1-0.4 s per step at full size (more at batch 8, NVFP4
         # weights dequantized on every call), and runs the same work every step: a few
         # runs suffice (6 steps in all on CUDA; the e2e steps come warm after the forward ones)
-        compiled = step.name == "compile"
+        compiled = step.name in COMPILED_BASELINES
         iters = min(self.o.iters, (20 if compiled else 3) if self.cuda else self.o.iters)
         fwd = time_replays(fwd_call, prepare, self.device, min(self.o.warmup, 2 if compiled else 1), iters)
         params, gens = self._sampler(batch)
@@ -1028,11 +1031,13 @@ class _Bench:
 
     def _standalone_baseline(self, name: str, fmt: str, ckpt) -> None:
         from flintc.bench.baselines import CompiledStep, EagerStep
+        from flintc.bench.fast_model import FastFlintModel
         from flintc.model.reference import FlintModel
 
         points = self._baseline_points(name)
         cfg = ckpt.config
-        model = FlintModel(cfg, ckpt.weights, max_positions=max(c for _, c in points))
+        model = (FastFlintModel if name == "fast" else FlintModel)(cfg, ckpt.weights,
+                                                                   max_positions=max(c for _, c in points))
         for batch, context in points:
             def run(batch=batch, context=context):
                 if self.cuda:
@@ -1044,24 +1049,25 @@ class _Bench:
                         step = EagerStep(model, kv)
                     else:
                         sets = self._inputs(cfg, batch, batch, context, batch, None)
-                        self.log(f"{fmt} compile baseline batch {batch} context {context}: compiling "
+                        self.log(f"{fmt} {name} baseline batch {batch} context {context}: compiling "
                                  "(mode max-autotune; minutes at full size)")
-                        step = CompiledStep(model, kv, (sets[0]["t_ids"], sets[0]["t_pos"], sets[0]["t_slots"]))
+                        step = CompiledStep(model, kv, (sets[0]["t_ids"], sets[0]["t_pos"], sets[0]["t_slots"]),
+                                            name=name)
                         if step.error is not None:
                             self.r["baseline_failures"].append({
-                                "engine": "compile", "fmt": fmt, "batch": batch, "context": context,
+                                "engine": name, "fmt": fmt, "batch": batch, "context": context,
                                 "error": step.error, "traceback": getattr(step, "traceback", None)})
-                            self.note(f"{fmt} compile baseline batch {batch} context {context}: did not compile: "
+                            self.note(f"{fmt} {name} baseline batch {batch} context {context}: did not compile: "
                                       f"{step.error}")
                             return None
                     rec = self._baseline_point(step, cfg, fmt, batch, context, slots=batch)
-                    if name == "compile":
+                    if name in COMPILED_BASELINES:
                         step.release()
                     return rec
                 finally:
                     del kv
             need = 0.0
-            if name == "compile" and self.cuda:  # a full-size max-autotune compile takes minutes
+            if name in COMPILED_BASELINES and self.cuda:  # a full-size max-autotune compile takes minutes
                 need = self._last_compile_s or (240.0 if cfg.num_hidden_layers > 8 else 0.0)
             rec = self.guarded(f"{fmt} {name} baseline batch {batch} context {context}", run, need_s=need)
             if rec is not None:

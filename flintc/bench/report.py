@@ -139,7 +139,7 @@ def evaluate_targets(results: dict) -> list[dict]:
     if not all(r.get("full_model") and str(r.get("device", "")).startswith("cuda") for r in runs):
         return out
     for key, desc, kind, fmt, batch, context, fld, op, limit, unit in TARGETS:
-        measured, extra = None, ""
+        measured, extra, vs_fast = None, "", {}
         if kind == "decode":
             r = find(results.get("decode", []), engine="flintc", fmt=fmt, batch=batch, context=context)
             measured = r.get(fld) if r else None
@@ -160,6 +160,9 @@ def evaluate_targets(results: dict) -> list[dict]:
             if ours and base and ours.get(fld) and base.get(fld):
                 measured = base[fld] / ours[fld]
                 extra = f"torch.compile {base[fld]:.2f} ms, flintc {ours[fld]:.3f} ms"
+            fast = find(results.get("baselines", []), engine="fast", fmt=fmt, batch=batch, context=context)
+            if ours and fast and ours.get(fld) and fast.get(fld):
+                vs_fast = {"vs_fast": fast[fld] / ours[fld], "fast_ms": fast[fld], "flintc_ms": ours[fld]}
         met = None
         by = "not measured"
         if measured is not None:
@@ -178,7 +181,7 @@ def evaluate_targets(results: dict) -> list[dict]:
         elif met is False:
             points_to = extra
         out.append({"key": key, "target": desc, "op": op, "limit": limit, "unit": unit, "measured": measured,
-                    "met": met, "by": by, "points_to": points_to, "detail": extra})
+                    "met": met, "by": by, "points_to": points_to, "detail": extra, **vs_fast})
     return out
 
 
@@ -269,19 +272,24 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
               "(active weights with the distinct experts the batch selected, plus the KV cache read) / copy "
               "bandwidth; % = roofline / measured.", ""]
         rows = []
+        has_fast = any(b["engine"] == "fast" for b in base)  # its columns only when the run measured it
         for r in dec:
             e = find(base, engine="eager", fmt=r["fmt"], batch=r["batch"], context=r["context"])
             k = find(base, engine="compile", fmt=r["fmt"], batch=r["batch"], context=r["context"])
+            f = find(base, engine="fast", fmt=r["fmt"], batch=r["batch"], context=r["context"])
             rows.append([r["fmt"], r["batch"], _ctx(r["context"]), r["fwd_ms"], r["e2e_ms"], r["roofline_ms"],
                          f"{r['fwd_roofline_share']:.0%}", f"{r['e2e_roofline_share']:.0%}",
                          r["distinct_experts"]["mean"], r["roofline"]["bytes"] / 1e9,
                          f"{_fmt(r.get('kernels_measured'))}/{_fmt(r.get('kernels_plan'))}", r.get("peak_gib"),
                          e["e2e_ms"] if e else None, k["e2e_ms"] if k else None,
                          f"{k['e2e_ms'] / r['e2e_ms']:.2f}x" if k and r["e2e_ms"] else "-"]
+                        + ([f["e2e_ms"] if f else None, f"{f['e2e_ms'] / r['e2e_ms']:.2f}x" if f and r["e2e_ms"]
+                            else "-"] if has_fast else [])
                         + ([r.get("run", "-")] if len(runs) > 1 else []))
         L += _table(["format", "batch", "context", "fwd ms", "e2e ms", "roofline ms", "fwd % roof", "e2e % roof",
                      "experts/layer", "GB read", "kernels graph/plan", "peak GiB", "eager e2e ms",
-                     "compile e2e ms", "vs compile"] + (["run"] if len(runs) > 1 else []), rows)
+                     "compile e2e ms", "vs compile"] + (["fast e2e ms", "vs fast"] if has_fast else [])
+                    + (["run"] if len(runs) > 1 else []), rows)
         L.append("")
     pre = sorted(results.get("prefill", []), key=lambda r: (r["fmt"], r["tokens"]))
     if pre:
@@ -296,14 +304,18 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
                      + ([r.get("run", "-")] if merged else []) for r in pre])
         L.append("")
     if base or results.get("baseline_failures"):
+        fast_text = ("fast = the same `torch.compile` of the decode step of `flintc.bench.fast_model.FastFlintModel` "
+                     "(bf16 activations and GEMMs, NVFP4 dequantized to bf16 per call, fp32 norms and softmax; "
+                     "what a PyTorch user would write for speed). "
+                     if any(b["engine"] == "fast" for b in base + results.get("baseline_failures", [])) else "")
         L += ["## Baselines", "", "Same weights. eager = the reference model (`flintc.model.reference`); compile = "
               "`torch.compile(mode=\"max-autotune\")` of its decode step with the KV cache as static inputs. "
-              "Their KV caches hold exactly `context` rows.", ""]
+              + fast_text + "Their KV caches hold exactly `context` rows.", ""]
         rows = []
         for r in sorted(base, key=lambda r: (r["engine"], r["fmt"], r["batch"], r["context"])):
             ours = find(dec, engine="flintc", fmt=r["fmt"], batch=r["batch"], context=r["context"])
             rows.append([r["engine"], r["fmt"], r["batch"], _ctx(r["context"]), r["fwd_ms"], r["e2e_ms"],
-                         r.get("compile_s"), r.get("cudagraphs") if r["engine"] == "compile" else "-",
+                         r.get("compile_s"), r.get("cudagraphs") if r["engine"] in ("compile", "fast") else "-",
                          f"{r['e2e_ms'] / ours['e2e_ms']:.2f}x" if ours else "-"])
         L += _table(["engine", "format", "batch", "context", "fwd ms", "e2e ms", "compile s", "CUDA graphs",
                      "flintc speedup (e2e)"], rows)
@@ -320,6 +332,13 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
         L += _table(["target", "limit", "measured", "met", "by how much", "the breakdown points to"],
                     [[t["target"], f"{t['op']} {t['limit']} {t['unit']}", t["measured"], t["met"], t["by"],
                       t["points_to"] or "-"] for t in targets])
+        vs_fast = [t for t in targets if t.get("vs_fast") is not None]
+        if vs_fast:
+            L += ["", "The same end-to-end points against the fast baseline (torch.compile of "
+                  "`FastFlintModel`; no target of its own): "
+                  + "; ".join(f"{t['target'].replace('vs torch.compile', 'vs fast')} {t['vs_fast']:.2f}x "
+                              f"(fast {t['fast_ms']:.2f} ms, flintc {t['flintc_ms']:.3f} ms)" for t in vs_fast)
+                  + "."]
     else:
         L.append("Not evaluated: the targets are for the full model on a GPU (this run: "
                  f"{m.get('layers', '?')} layers on {m.get('device')}).")
@@ -396,12 +415,13 @@ def write_plots(results: dict, out: Path) -> list[str]:
                 ax.plot(x, [r["e2e_ms"] for r in pts], "s--", label="flintc end to end")
                 ax.plot(x, [r["roofline_ms"] for r in pts], "k:", marker="_", markersize=12,
                         label="roofline (bytes / copy BW)")
-            for eng, style in (("eager", "^-"), ("compile", "v-")):
+            for eng, style in (("eager", "^-"), ("compile", "v-"), ("fast", "d-")):
                 bp = sorted((r for r in base if r["fmt"] == fmt and r["engine"] == eng and r["batch"] == 1),
                             key=lambda r: r["context"])
                 if bp:
                     ax.plot([r["context"] for r in bp], [r["e2e_ms"] for r in bp], style,
-                            label=f"{eng} end to end" if eng == "eager" else "torch.compile end to end")
+                            label={"eager": "eager end to end", "compile": "torch.compile end to end",
+                                   "fast": "torch.compile (fast model) end to end"}[eng])
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("context length (tokens)")
@@ -423,7 +443,7 @@ def write_plots(results: dict, out: Path) -> list[str]:
                                 label=f"flintc fwd, ctx {_ctx(ctx)}")
                 ax.plot([r["batch"] for r in pts], [r["roofline_ms"] for r in pts], ":", marker="_",
                         markersize=12, color=line.get_color())
-            for eng, style in (("eager", "^--"), ("compile", "v--")):
+            for eng, style in (("eager", "^--"), ("compile", "v--"), ("fast", "d--")):
                 ctx0 = min((r["context"] for r in base if r["fmt"] == fmt and r["engine"] == eng), default=None)
                 bp = sorted((r for r in base if r["fmt"] == fmt and r["engine"] == eng and r["context"] == ctx0),
                             key=lambda r: r["batch"])

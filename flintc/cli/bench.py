@@ -2,7 +2,8 @@
 bandwidth and bf16 matmul rate (the ceilings), flintc's decode step (forward only and
 end to end, at each context and batch) and prefill (at each length) for each weight
 format, the same steps of the baselines on the same weights (the eager reference model,
-and torch.compile max-autotune of it), kernels per forward from the captured CUDA graph,
+torch.compile max-autotune of it, and, asked for, of the fast plain-PyTorch model of
+flintc.bench.fast_model), kernels per forward from the captured CUDA graph,
 each figure as a share of its roofline, and where one decode step's time goes kernel by
 kernel. Writes bench.json, bench.md and PNG plots into --out and prints the table.
 `--from-json` re-renders (and merges) earlier runs without measuring."""
@@ -155,10 +156,11 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill", default=None, help="prefill lengths (tokens), or none; at most the model's "
                    "max_position_embeddings (default: 1024,8192, those of them the model serves)")
     p.add_argument("--baselines", default="eager,compile",
-                   help="eager and/or compile (torch.compile max-autotune), or none")
+                   help="eager, compile (torch.compile max-autotune of the reference model) and/or fast "
+                        "(torch.compile max-autotune of the fast bf16 model, flintc.bench.fast_model), or none")
     p.add_argument("--baseline-points", default=None,
                    help="BATCHxCONTEXT points for the baselines (default: eager at batch 1 at every context "
-                        "and at every batch at the first context; compile at 1x1024, 1x100000, 8x1024)")
+                        "and at every batch at the first context; compile and fast at 1x1024, 1x100000, 8x1024)")
     p.add_argument("--breakdown", default=None,
                    help="BATCHxCONTEXT points for the per-kernel breakdown, among the decode points measured "
                         "(BATCH in --batches, CONTEXT in --contexts) (default 1x100000,8x8192 where measured)")
@@ -248,8 +250,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         return 0
     from flintc.bench.core import BenchOptions, run_bench
 
-    baselines = _none_or(args.baselines, "--baselines", "comma-separated names out of eager, compile",
-                         lambda t: _names(t, "--baselines", ("eager", "compile")))
+    baselines = _none_or(args.baselines, "--baselines", "comma-separated names out of eager, compile, fast",
+                         lambda t: _names(t, "--baselines", ("eager", "compile", "fast")))
     opts = BenchOptions(
         out=out, model=args.model, load_format=args.load_format,
         config=args.config if args.model is None else None, hf_config_path=args.hf_config_path,

@@ -747,6 +747,53 @@ def test_cpu_compile_baseline_tiny(tmp_path, monkeypatch):
     assert 0 < rec["fwd_ms"] and 0 < rec["e2e_ms"] and rec["compile_s"] > 0
 
 
+def test_cpu_fast_baseline_tiny(tmp_path, monkeypatch):
+    """`--baselines fast`: torch.compile (max-autotune) of `FastFlintModel`'s decode step
+    through the same `_standalone_baseline` / `CompiledStep` path as the compile baseline,
+    on the CPU tiny model (no CUDA graphs there), NVFP4 weights (dequantized to bf16 in
+    the step); the record's engine is "fast" and the report gets its columns."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    out = tmp_path / "bench"
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "nvfp4", "--no-flintc",
+                 "--contexts", "64", "--batches", "1", "--prefill", "none", "--baselines", "fast",
+                 "--baseline-points", "1x64", "--iters", "3", "--e2e-iters", "2", "--no-plots",
+                 "--out", str(out)])
+    assert code == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert res["baseline_failures"] == [], res["baseline_failures"]
+    [rec] = res["baselines"]
+    assert (rec["engine"], rec["fmt"], rec["batch"], rec["context"], rec["mode"]) == (
+        "fast", "nvfp4", 1, 64, "max-autotune")
+    assert 0 < rec["fwd_ms"] and 0 < rec["e2e_ms"] and rec["compile_s"] > 0
+    md = (out / "bench.md").read_text()
+    assert "fast = the same `torch.compile`" in md and "| fast | nvfp4 | 1 |" in md
+
+
+def test_fast_baseline_columns_only_when_measured():
+    """The decode table gets "fast e2e ms" / "vs fast" and the targets a vs-fast line only
+    when a fast record exists; a report without one renders as before."""
+    full = {"roofline_ms": 1.0, "fwd_roofline_share": 0.5, "e2e_roofline_share": 0.4,
+            "distinct_experts": {"mean": 6}, "roofline": {"bytes": 1e9}, "kernels_measured": 343,
+            "kernels_plan": 343, "peak_gib": 30.0}
+    res = _fake_results()
+    res["decode"] = [dict(d, **full) for d in res["decode"]]
+    res["breakdown"], res["ceilings"]["matmul_tflops"] = [], 790.0
+    md = report.render_markdown(res)
+    assert "vs fast" not in md and "fast e2e ms" not in md and "fast =" not in md
+    res["baselines"].append({"engine": "fast", "fmt": "bf16", "batch": 1, "context": 1024, "fwd_ms": 2.5,
+                             "e2e_ms": 2.8, "compile_s": 60.0, "cudagraphs": True})
+    t = {x["key"]: x for x in report.evaluate_targets(res)}
+    assert t["bf16_vs_compile_b1_1k"]["measured"] == pytest.approx(4.9 / 1.4), "the target stays vs compile"
+    assert t["bf16_vs_compile_b1_1k"]["vs_fast"] == pytest.approx(2.8 / 1.4)
+    assert "vs_fast" not in t["bf16_vs_compile_b1_100k"]
+    md = report.render_markdown(res)
+    header = md.split("## Decode step")[1].split("\n\n")[2].splitlines()[0]
+    assert header.endswith("| compile e2e ms | vs compile | fast e2e ms | vs fast |"), header
+    assert "| 4.9 | 3.50x | 2.8 | 2.00x |" in md
+    assert "BF16 end to end vs fast, b1/1K 2.00x (fast 2.80 ms, flintc 1.400 ms)" in md
+    assert "| fast | bf16 | 1 | 1K | 2.5 | 2.8 | 60 | yes |" in md
+
+
 @pytest.mark.parametrize("kind", ["missing", "folder"])
 def test_from_json_names_the_flag_for_a_file_it_cannot_read(tmp_path, capsys, kind):
     """A --from-json path that does not exist, or is a folder, printed the bare OSError
