@@ -726,36 +726,20 @@ def test_gpu_run_tiny(tmp_path):
     assert ("compile", 1, 64) in engines or failures, "a compile failure must be recorded"
 
 
-def test_cpu_compile_baseline_tiny(tmp_path, monkeypatch):
-    """The torch.compile baseline's own path (`_standalone_baseline` with `CompiledStep`,
-    mode max-autotune) on the tiny model on the CPU, ~40 s: on the H200 (session 4) it
-    compiled the full model and then crashed on `step.model`, which only `EagerStep` has;
-    the GPU twin above allows a recorded compile failure, this one does not. Inductor
-    gets a cache folder of its own: a truncated .so left in the machine's shared
+@pytest.mark.parametrize("engine,fmt", [("compile", "bf16"), ("fast", "nvfp4")])
+def test_cpu_compiled_baselines_tiny(tmp_path, monkeypatch, engine, fmt):
+    """The torch.compile baselines' own path (`_standalone_baseline` with `CompiledStep`,
+    mode max-autotune) on the tiny model on the CPU, ~40 s each: "compile" of the
+    reference model (on the H200, session 4, it compiled the full model and then crashed
+    on `step.model`, which only `EagerStep` has; the GPU twin above allows a recorded
+    compile failure, this one does not) and "fast" of `FastFlintModel` (NVFP4 weights,
+    dequantized to bf16 in the step; the report gets its columns). Inductor gets a cache
+    folder of its own: a truncated .so left in the machine's shared
     /tmp/torchinductor_<user> by a killed process failed it ("file too short")."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     out = tmp_path / "bench"
-    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--no-flintc",
-                 "--contexts", "64", "--batches", "1", "--prefill", "none", "--baselines", "compile",
-                 "--baseline-points", "1x64", "--iters", "3", "--e2e-iters", "2", "--no-plots",
-                 "--out", str(out)])
-    assert code == 0
-    res = json.loads((out / "bench.json").read_text())
-    assert res["baseline_failures"] == [], res["baseline_failures"]
-    [rec] = res["baselines"]
-    assert (rec["engine"], rec["batch"], rec["context"], rec["mode"]) == ("compile", 1, 64, "max-autotune")
-    assert 0 < rec["fwd_ms"] and 0 < rec["e2e_ms"] and rec["compile_s"] > 0
-
-
-def test_cpu_fast_baseline_tiny(tmp_path, monkeypatch):
-    """`--baselines fast`: torch.compile (max-autotune) of `FastFlintModel`'s decode step
-    through the same `_standalone_baseline` / `CompiledStep` path as the compile baseline,
-    on the CPU tiny model (no CUDA graphs there), NVFP4 weights (dequantized to bf16 in
-    the step); the record's engine is "fast" and the report gets its columns."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
-    out = tmp_path / "bench"
-    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "nvfp4", "--no-flintc",
-                 "--contexts", "64", "--batches", "1", "--prefill", "none", "--baselines", "fast",
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", fmt, "--no-flintc",
+                 "--contexts", "64", "--batches", "1", "--prefill", "none", "--baselines", engine,
                  "--baseline-points", "1x64", "--iters", "3", "--e2e-iters", "2", "--no-plots",
                  "--out", str(out)])
     assert code == 0
@@ -763,10 +747,11 @@ def test_cpu_fast_baseline_tiny(tmp_path, monkeypatch):
     assert res["baseline_failures"] == [], res["baseline_failures"]
     [rec] = res["baselines"]
     assert (rec["engine"], rec["fmt"], rec["batch"], rec["context"], rec["mode"]) == (
-        "fast", "nvfp4", 1, 64, "max-autotune")
+        engine, fmt, 1, 64, "max-autotune")
     assert 0 < rec["fwd_ms"] and 0 < rec["e2e_ms"] and rec["compile_s"] > 0
-    md = (out / "bench.md").read_text()
-    assert "fast = the same `torch.compile`" in md and "| fast | nvfp4 | 1 |" in md
+    if engine == "fast":
+        md = (out / "bench.md").read_text()
+        assert "fast = the same `torch.compile`" in md and "| fast | nvfp4 | 1 |" in md
 
 
 def test_fast_baseline_columns_only_when_measured():
