@@ -347,9 +347,19 @@ def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int, as_ids
     sampled token alone for ``logprobs: 0``). Each logprob is floored at -9999.0
     (`_json_logprob`, as vLLM). ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): the
     tokens and the top_logprobs keys are ``"token_id:{id}"``, and ``text_offset``
-    advances by those strings' lengths, as vLLM's does."""
+    advances by those strings' lengths, as vLLM's does. An item of ``lps`` may be a bare
+    token id (the first token of a prompt echoed with ``echo``): its logprob and
+    top_logprobs are null, as in vLLM."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for t in lps:
+        if isinstance(t, int):  # an echoed prompt's first token: no logprob (vLLM: null, null)
+            text, _ = _token_str(tokenizer, t, as_ids)
+            tokens.append(text)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            offset += len(text)
+            continue
         text, _ = _token_str(tokenizer, t.token_id, as_ids)
         tokens.append(text)
         token_lps.append(_json_logprob(t.logprob))
@@ -362,7 +372,16 @@ def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int, as_ids
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _prompt_logprobs_json(tokenizer, plps: list[PromptLogprob | None]) -> list[dict | None]:
+def _echo_logprobs(prompt_ids: list[int], plps: list[PromptLogprob | None] | None, k: int) -> list:
+    """The logprobs entries of an echoed prompt (completions' ``echo`` with ``logprobs``
+    k, as vLLM's): its first token as a bare id (no logprob), then each prompt token's
+    PromptLogprob as a TokenLogprob with its k most likely alternatives."""
+    plps = plps or [None] * len(prompt_ids)
+    return [tid if p is None else TokenLogprob(p.token_id, p.logprob, p.top[:k])
+            for tid, p in zip(prompt_ids, plps)]
+
+
+def _prompt_logprobs_json(tokenizer, plps: list[PromptLogprob | None], k: int | None = None) -> list[dict | None]:
     """vLLM's ``prompt_logprobs``: one item per prompt token, None for the first, else
     ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` holding the prompt token
     first, then the k most likely tokens (rank 1..k; a prompt token among them is listed
@@ -375,7 +394,8 @@ def _prompt_logprobs_json(tokenizer, plps: list[PromptLogprob | None]) -> list[d
             out.append(None)
             continue
         entry = {}
-        for tid, lp, rank in [(p.token_id, p.logprob, p.rank)] + [(i, v, r + 1) for r, (i, v) in enumerate(p.top)]:
+        top = p.top if k is None else p.top[:k]
+        for tid, lp, rank in [(p.token_id, p.logprob, p.rank)] + [(i, v, r + 1) for r, (i, v) in enumerate(top)]:
             entry[str(tid)] = {"logprob": _json_logprob(lp, floor_all=False), "rank": rank,
                                "decoded_token": _token_str(tokenizer, tid)[0]}
         out.append(entry)
@@ -1044,8 +1064,22 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         req: CompletionRequest = await parse(request, CompletionRequest)
         n, stop = common_checks(req)
         prompts = await asyncio.to_thread(_completion_prompts, req.prompt, tokenizer, req.add_special_tokens)
-        prompts = [truncate(req, ids) for ids in prompts]
-        asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        truncated = [truncate(req, ids) for ids in prompts]
+        # vLLM's echo: each choice's text (and logprobs) start with its prompt's; with
+        # max_tokens 0 they are the prompt's alone (one token is generated and dropped, as
+        # vLLM's `echo_without_generation`), e.g. for lm-eval's loglikelihood requests
+        echo = bool(req.echo)
+        echo_only = echo and req.max_tokens == 0
+        prompt_texts = None
+        if echo:
+            # a text prompt as sent (vLLM's `res.prompt`); token ids, or a truncated prompt, decoded
+            sent = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+            sent = sent if all(isinstance(t, str) for t in sent) else [None] * len(prompts)
+            prompt_texts = await asyncio.to_thread(
+                lambda: [t if t is not None and len(ids) == len(full) else tokenizer.decode(ids)
+                         for t, ids, full in zip(sent, truncated, prompts)])
+        prompts = truncated
+        asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else 1 if echo_only else req.max_tokens
         for ids in prompts:
             check_length(len(ids), asked, "max_tokens", "prompt")
         params = await sampling(req, asked, n)
@@ -1053,12 +1087,16 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
                            param="logprobs")
         want_plp = _prompt_logprobs_asked(req)
+        # echo with logprobs: every choice's logprobs start with the prompt's (vLLM asks
+        # prompt_logprobs = logprobs then), so every choice computes them
+        echo_lps = echo and req.logprobs is not None
+        engine_plp = max(want_plp or 0, req.logprobs) if echo_lps else want_plp
         as_ids = _tokens_as_ids(req, options)
         user_stops = stop_token_ids(req)
         stops = frozenset({tokenizer.eos_token_id}) | user_stops
         # the choices of a prompt share it: the first computes its logprobs
         specs = [dict(prompt_ids=ids, params=p, stop_token_ids=stops, stop=stop, logprobs=req.logprobs,
-                      prompt_logprobs=want_plp if j == 0 else None,
+                      prompt_logprobs=engine_plp if j == 0 or echo_lps else None,
                       user_stop_token_ids=user_stops, skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output)
                  for ids in prompts for j, p in enumerate(params)]
@@ -1091,6 +1129,21 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             return {"id": rid, "object": "text_completion", "created": created,
                     "model": options.model_name, "choices": choice_list, **extra}
 
+        def echoed(i: int, text: str, out_lps: list, prompt_lps, first: bool) -> tuple[str, list]:
+            """A choice's text and logprobs with ``echo``: the prompt's before the first
+            generated ones (vLLM's order), or the prompt's alone with max_tokens 0."""
+            if not echo:
+                return text, out_lps
+            if echo_only:
+                text, out_lps = "", []
+            if not first:
+                return text, out_lps
+            k = i // n
+            head = _echo_logprobs(prompts[k], prompt_lps, req.logprobs) if echo_lps else []
+            return prompt_texts[k] + text, head + out_lps
+
+        echo_sent = set()
+
         async def stream_body():
             async for out in gen.outputs():
                 if out.error is not None:
@@ -1108,12 +1161,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 if not (out.text or out.token_ids or out.finished or out.logprobs):
                     continue
                 i = out.index
-                entry = {"index": i, "text": out.text, "finish_reason": out.finish_reason,
-                         "logprobs": (_completion_logprobs(tokenizer, out.logprobs, offsets[i], as_ids)
+                text, out_lps = echoed(i, out.text, out.logprobs or [], out.prompt_logprobs, i not in echo_sent)
+                echo_sent.add(i)
+                entry = {"index": i, "text": text, "finish_reason": out.finish_reason,
+                         "logprobs": (_completion_logprobs(tokenizer, out_lps, offsets[i], as_ids)
                                       if req.logprobs is not None else None)}
                 if req.return_token_ids:
                     entry["token_ids"] = out.token_ids
-                offsets[i] += len(out.text)
+                offsets[i] += len(text)
                 extra = {}
                 if continuous_usage:  # vLLM's continuous_usage_stats: this choice's prompt and tokens so far
                     p, c = len(prompts[i // n]), len(ids_out[i])
@@ -1129,12 +1184,13 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         await run(request, gen, take, None)
         prompt_lps = None
         if want_plp is not None:  # per prompt, from its first choice
-            prompt_lps = await asyncio.to_thread(lambda: [_prompt_logprobs_json(tokenizer, plps[k * n])
+            prompt_lps = await asyncio.to_thread(lambda: [_prompt_logprobs_json(tokenizer, plps[k * n], want_plp)
                                                           for k in range(len(prompts))])
         choices = []
         for i in range(total):
-            entry = {"index": i, "text": "".join(texts[i]), "finish_reason": reasons[i],
-                     "logprobs": (_completion_logprobs(tokenizer, lps[i], 0, as_ids)
+            text, choice_lps = echoed(i, "".join(texts[i]), lps[i], plps[i], True)
+            entry = {"index": i, "text": text, "finish_reason": reasons[i],
+                     "logprobs": (_completion_logprobs(tokenizer, choice_lps, 0, as_ids)
                                   if req.logprobs is not None else None)}
             if prompt_lps is not None:  # vLLM: on each choice
                 entry["prompt_logprobs"] = prompt_lps[i // n]

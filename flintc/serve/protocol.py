@@ -225,7 +225,7 @@ _VLLM_NULL_ONLY = ("structured_outputs", "guided_json", "guided_regex", "guided_
 
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
-    support (functions, audio, non-text modalities or response formats, echo,
+    support (functions, audio, non-text modalities or response formats, chat's echo,
     best_of > 1, suffix), or vLLM field away from its no-op value (use_beam_search,
     priority, guided decoding, ...)."""
     checks = [
@@ -236,7 +236,7 @@ def unsupported(req: BaseModel) -> None:
         ("prediction", lambda v: v is not None),
         ("web_search_options", lambda v: v is not None),
         ("response_format", lambda v: v is not None and v.get("type") != "text"),
-        ("echo", lambda v: bool(v)),
+        *((("echo", lambda v: bool(v)),) if isinstance(req, ChatCompletionRequest) else ()),  # completions: honoured
         ("best_of", lambda v: v not in (None, 1)),
         ("suffix", lambda v: v is not None),
         # vLLM's

@@ -356,6 +356,44 @@ def test_completions_n_seed_logprobs(client, tiny_serving):
     assert parts[-1].choices[0].finish_reason == "length"
 
 
+def test_completions_echo_as_vllm(client, tiny_serving):
+    """`echo` on /v1/completions (a 400 before): each choice's text starts with its prompt,
+    and with `logprobs` its logprobs with the prompt's (the first token's null), as vLLM;
+    `max_tokens` 0 gives the prompt alone (lm-eval's loglikelihood requests:
+    echo, max_tokens 0, logprobs 1, temperature 0). Streamed, the first chunk holds the
+    prompt."""
+    model, tok = tiny_serving
+    prompt = [5, 77, 300, 12]
+    plp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 1}).choices[0].prompt_logprobs
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    c = r.choices[0]
+    assert c.text == tok.decode(prompt) and r.usage.prompt_tokens == 4
+    lp = c.logprobs
+    assert lp.tokens == [tok.token_bytes(t).decode("utf-8", "replace") for t in prompt]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    for k in range(1, 4):
+        want = plp[k][str(prompt[k])]["logprob"]
+        assert abs(lp.token_logprobs[k] - want) < 1e-5
+        assert lp.top_logprobs[k][lp.tokens[k]] == lp.token_logprobs[k] and 1 <= len(lp.top_logprobs[k]) <= 2
+    # with generation: the prompt, then the generated tokens (as without echo)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=3, seed=3, logprobs=2, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0]
+    both = client.completions.create(echo=True, n=2, **kw).choices
+    assert both[0].text == tok.decode(prompt) + plain.text
+    assert both[0].logprobs.tokens == lp.tokens + plain.logprobs.tokens
+    assert both[0].logprobs.token_logprobs[4:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    assert both[1].text.startswith(tok.decode(prompt)) and len(both[1].logprobs.tokens) == 7
+    # a text prompt is echoed as sent; streamed, the first chunk starts with it
+    r = client.completions.create(model=MODEL, prompt=["The model", "A b"], max_tokens=2, seed=1, echo=True,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text[:len(p)] for c, p in zip(r.choices, ["The model", "A b"])] == ["The model", "A b"]
+    parts = list(client.completions.create(model=MODEL, prompt="The model", max_tokens=2, seed=1, echo=True,
+                                           stream=True, extra_body={"ignore_eos": True}))
+    assert parts[0].choices[0].text.startswith("The model")
+    assert "".join(p.choices[0].text for p in parts) == r.choices[0].text
+
+
 def test_negative_seeds_as_vllm_takes_them(client, tiny_serving):
     """vLLM takes any 64-bit seed (it was a 400 here): -1 means no seed, as in vLLM (three
     requests do not all draw alike), another negative one is taken modulo 2**63 (-2 with
