@@ -629,19 +629,21 @@ def test_compile_interrupted_during_the_swap_keeps_the_new_build(capsys, tmp_pat
     assert f"wrote {out} (complete) before the interrupt" in err and "flintc: interrupted" in err
 
 
+def _quick_dump(model, step, dump_dir=None, **kw):
+    """Stands in for `compile_step` in the dump tests: writes two dump files."""
+    Path(dump_dir).mkdir(parents=True, exist_ok=True)
+    (Path(dump_dir) / "index.md").write_text("# dump\n")
+    (Path(dump_dir) / "report.json").write_text(json.dumps({"step": step, "stages": ["captured"]}))
+    return None, SimpleNamespace(stages=[])
+
+
 def test_dump_interrupted_during_the_swap_says_the_dump_was_written(capsys, tmp_path, monkeypatch):
     """Ctrl-C while `flintc dump --out D` moves the new dump over an earlier one: exit 130,
     D is the complete new dump, and stderr says so, as compile does (`move_into_place`'s
     log); it used to say only "interrupted"."""
     import flintc.passes.pipeline as pipeline
 
-    def quick(model, step, dump_dir=None, **kw):  # stands in for the pipeline: two dump files
-        Path(dump_dir).mkdir(parents=True, exist_ok=True)
-        (Path(dump_dir) / "index.md").write_text("# dump\n")
-        (Path(dump_dir) / "report.json").write_text(json.dumps({"step": step, "stages": ["captured"]}))
-        return None, SimpleNamespace(stages=[])
-
-    monkeypatch.setattr(pipeline, "compile_step", quick)
+    monkeypatch.setattr(pipeline, "compile_step", _quick_dump)
     out = tmp_path / "dumps"
     out.mkdir()
     for name in ("index.md", "report.json", "99-stale.py"):
@@ -810,12 +812,6 @@ def test_interrupted_dump_leaves_nothing_and_a_dump_replaces_an_earlier_one(caps
         (Path(dump_dir) / "00-captured.py").write_text("# half")
         raise KeyboardInterrupt
 
-    def quick(model, step, dump_dir=None, **kw):  # stands in for the pipeline: two dump files
-        Path(dump_dir).mkdir(parents=True, exist_ok=True)
-        (Path(dump_dir) / "index.md").write_text("# dump\n")
-        (Path(dump_dir) / "report.json").write_text(json.dumps({"step": step, "stages": ["captured"]}))
-        return None, SimpleNamespace(stages=[])
-
     monkeypatch.setattr(pipeline, "compile_step", interrupted)
     out = tmp_path / "dumps"
     assert main(["dump", "--out", str(out), "--batch", "1"]) == 130
@@ -824,7 +820,7 @@ def test_interrupted_dump_leaves_nothing_and_a_dump_replaces_an_earlier_one(caps
     out.mkdir()
     for name in ("index.md", "report.json", "99-stale.py"):
         (out / name).write_text("{}")
-    monkeypatch.setattr(pipeline, "compile_step", quick)
+    monkeypatch.setattr(pipeline, "compile_step", _quick_dump)
     code, stdout, err = run_cli(capsys, "dump", "--out", out, "--batch", "1")
     assert code == 0, err
     assert not (out / "99-stale.py").exists() and json.loads((out / "report.json").read_text())["stages"]

@@ -218,13 +218,19 @@ def test_bf16_mode_against_float64_oracle():
     assert 0 < rel < 0.1
 
 
-def test_decode_reads_only_selected_experts():
-    """A decode step's FLOPs grow with E only through the router (E x H), not the experts."""
+@pytest.mark.parametrize("model_cls", ["FlintModel", "FastFlintModel"])
+def test_decode_reads_only_selected_experts(model_cls):
+    """A decode step's FLOPs grow with E only through the router (E x H), not the experts:
+    the reference model, and the fast baseline of `flintc bench --baselines fast`."""
     from torch.utils.flop_counter import FlopCounterMode
+
+    from flintc.bench.fast_model import FastFlintModel
+
+    cls = {"FlintModel": FlintModel, "FastFlintModel": FastFlintModel}[model_cls]
 
     def decode_flops(num_experts):
         cfg = TINY.replace(n_routed_experts=num_experts)
-        model = FlintModel(cfg, random_weights(cfg, seed=8))
+        model = cls(cfg, random_weights(cfg, seed=8))
         kv = model.new_kv_cache(1, 16)
         with FlopCounterMode(display=False) as counter:
             model(torch.tensor([[1]]), torch.tensor([[0]]), torch.tensor([0]), kv)
