@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -365,7 +366,10 @@ def _sigterm_after_cleanup():
     clean-ups the default action is restored and the signal sent again, so the process
     ends as it would have without flintc (killed by SIGTERM), never by Terminated's
     KeyboardInterrupt. A SIGTERM whose Terminated Python dropped (raised inside a
-    __del__ or a weakref callback) is delivered the same way when the block ends.
+    __del__ or a weakref callback) is sent again (`flintc.errors.install_signal_redelivery`,
+    for the block), so the block still stops at the next bytecode and cleans up; a
+    compile ran to its end there and left a complete BUILD (most likely what a CI run of
+    session 36 saw); should the block end first, the clean-ups and the signal follow then.
     Elsewhere (a handler of the caller's own, SIG_IGN, another thread) SIGTERM is left
     alone and the block only runs its clean-ups on an exception."""
     cleanups: list = []
@@ -379,6 +383,9 @@ def _sigterm_after_cleanup():
                  and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
     if installed:
         signal.signal(signal.SIGTERM, handler)
+        from flintc.errors import install_signal_redelivery
+
+        previous_hook = install_signal_redelivery()
     failed = False
     try:
         yield cleanups
@@ -390,6 +397,7 @@ def _sigterm_after_cleanup():
     finally:
         if installed:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            sys.unraisablehook = previous_hook
             if received:
                 if not failed:  # its Terminated was dropped: the block ran to its end
                     for cleanup in reversed(cleanups):

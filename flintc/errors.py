@@ -44,3 +44,36 @@ class Terminated(KeyboardInterrupt):
     """Raised in the main thread when the process gets SIGTERM while flintc has its
     handler installed (the `flintc` command line, and `flintc.compile`), so that the
     clean-up that runs on Ctrl-C (temporary BUILD folders) runs on `kill` too."""
+
+
+def install_signal_redelivery():
+    """Deliver SIGTERM or SIGINT again when its `Terminated` or KeyboardInterrupt was
+    dropped: a signal handler's exception raised while Python runs a weakref callback
+    (torch's WeakIdKeyDictionary, for a Ctrl-C as `flintc dump` printed its tables), a
+    __del__ or importlib's module-lock callback cannot propagate, and Python reports it
+    through `sys.unraisablehook` ("Exception ignored in ...") and goes on, so a command
+    (or `flintc.compile`) would run to completion. The hook sends the signal again, 50 ms
+    later from another thread, whose handler then raises at the next ordinary bytecode of
+    the main thread. Other unraisable exceptions go to the previous hook, which is
+    returned (put it back as `sys.unraisablehook` to undo)."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):  # Terminated is one too
+            signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
+            # From another thread, 50 ms on: raised here, the handler would run inside
+            # this hook, whose exceptions are dropped too; the main thread handles the
+            # new signal once the hook has returned.
+            timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    return previous

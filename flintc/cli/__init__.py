@@ -64,32 +64,11 @@ def _install_sigterm_handler():
 
 
 def _install_unraisable_hook():
-    """Deliver SIGTERM or SIGINT again when its `Terminated` or KeyboardInterrupt was
-    dropped: a signal handler's exception raised while Python runs a weakref callback
-    (torch's WeakIdKeyDictionary, for a Ctrl-C as `flintc dump` printed its tables), a
-    __del__ or importlib's module-lock callback cannot propagate, and Python reports it
-    through `sys.unraisablehook` ("Exception ignored in ...") and goes on, so the command
-    would run to completion and exit 0. The hook sends the signal again, whose handler then
-    raises at the next ordinary bytecode. Other unraisable exceptions go to the previous
-    hook, which is returned."""
-    import threading
+    """`flintc.errors.install_signal_redelivery`: a SIGTERM / SIGINT whose exception Python
+    dropped is sent again; returns the previous `sys.unraisablehook`."""
+    from flintc.errors import install_signal_redelivery
 
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):  # Terminated is one too
-            signum = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
-            # From another thread, 50 ms on: raised here, the handler would run inside
-            # this hook, whose exceptions are dropped too; the main thread handles the
-            # new signal once the hook has returned.
-            timer = threading.Timer(0.05, os.kill, (os.getpid(), signum))
-            timer.daemon = True
-            timer.start()
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
-    return previous
+    return install_signal_redelivery()
 
 
 def main(argv: list[str] | None = None) -> int:

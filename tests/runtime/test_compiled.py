@@ -809,6 +809,32 @@ def test_python_api_flags_take_numpy_bools(monkeypatch, tmp_path):
     assert len(seen) == 2
 
 
+def test_python_api_sigterm_dropped_in_a_callback_still_stops_the_block():
+    """SIGTERM whose Terminated Python dropped (raised in a __del__ or a weakref callback,
+    e.g. torch's) is sent again while `flintc.compile`'s block runs, so the block stops and
+    cleans up at once; it ran to its end before (a compile then finished its BUILD), and
+    only then cleaned up and re-sent the signal."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "from flintc.api import _sigterm_after_cleanup\n"
+            "class Dropped:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        time.sleep(0.5)  # the handler's Terminated is raised, and dropped, here\n"
+            "with _sigterm_after_cleanup() as cleanups:\n"
+            "    cleanups.append(lambda: print('cleaned', flush=True))\n"
+            "    d = Dropped()\n"
+            "    del d\n"
+            "    time.sleep(5)\n"
+            "    print('finished', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM, (proc.returncode, proc.stderr)
+    assert proc.stdout == "cleaned\n", (proc.stdout, proc.stderr)
+
+
 @pytest.mark.parametrize("out", [None, "o/b"])
 def test_python_api_compile_cleans_up_on_sigterm(tmp_path, tmp_path_factory, tiny_bf16_dir, out):
     """Regression: SIGTERM during `flintc.compile(..., out=None)` killed the process
