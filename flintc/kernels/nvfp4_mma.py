@@ -123,7 +123,7 @@ __all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "G
            "GEMV_LAUNCH", "gemv_launch",
            "MAX_SMEM", "MMA_KERNELS", "QKV_LAUNCH_ORDER", "gate_up_launch", "mma_trigger_early",
            "ROUTER_LAUNCH_ORDER", "SCALE_CODE_BIAS", "STATIC_SMEM", "available",
-           "decode_mma_layout", "e4m3_to_scale_code", "enabled_from_env", "is_mma_layout",
+           "decode_mma_layout", "down_launch", "e4m3_to_scale_code", "enabled_from_env", "is_mma_layout",
            "kernel_source", "mma_gemv", "mma_norm_router", "mma_operands", "mma_qkv",
            "moe_down", "moe_smem_bytes", "moe_topk_gate_up", "pack_mma_layout",
            "pack_mma_stack", "packed_weight", "prepack", "qkv_applies", "qkv_launch_config",
@@ -2313,10 +2313,45 @@ def mma_l2_prefetch(kernel: str) -> bool:
 
 
 # (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
-# prefetch depth is DOWN_PREFETCH's (docs/gpu-runs.md session 15)
+# prefetch depth is DOWN_PREFETCH's (docs/gpu-runs.md session 15); FLINTC_MMA_DOWN_LAUNCH
+# overrides both (`down_launch`)
 DOWN_LAUNCH = {"nvfp4": {n: (32, 4 if n == 1 else 2 if n <= 3 else 1) for n in range(1, 9)},
                "bf16": {n: (32, 4) for n in range(1, 9)}}
 DOWN_PREFETCH = {"nvfp4": 2, "bf16": 2}
+
+
+def down_launch(fmt: str, n: int) -> tuple[int, int, int]:
+    """(warps, K slices per item, prefetch) of the MoE down kernel for weight format `fmt`
+    and batch `n`: `DOWN_LAUNCH` and `DOWN_PREFETCH`, with the entries of
+    FLINTC_MMA_DOWN_LAUNCH, when set, in their place: `/`-separated
+    `fmt:N=warps,splits[,prefetch]` (prefetch `DOWN_PREFETCH`'s when left out; e.g.
+    "nvfp4:2=32,4/nvfp4:1=32,4,3"), for tuning runs. The launcher cuts the slices to a
+    divisor of I / 64.
+
+    Raises:
+        ValueError: `fmt` other than "nvfp4" or "bf16", or `n` not an int in 1..8.
+        TuningEnvError (a ValueError): an entry that is not `fmt:N=w,s[,p]` with fmt nvfp4
+            or bf16, 1 <= N <= 8, 1 <= w <= 32, 1 <= s <= 64 and 0 <= p <= 16, whose shared
+            memory fits at top-k 8 (`moe_smem_bytes`).
+    """
+    if fmt not in DOWN_LAUNCH or type(n) is not int or not 1 <= n <= 8:
+        raise ValueError(f"down_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
+                         f"1..8; got {fmt!r}, {n!r}")
+
+    def parse(entry: str) -> tuple:
+        fields = 3 if entry.count(",") == 2 else 2
+        key, vals = _fmt_n_entry(entry, fields)
+        w, sp, p = vals if fields == 3 else (*vals, DOWN_PREFETCH[key[0]])
+        if not 1 <= w <= 32 or not 1 <= sp <= 64 or not 0 <= p <= 16 \
+                or moe_smem_bytes(0, w, sp, 8) > STATIC_SMEM:
+            raise ValueError
+        return key, (w, sp, p)
+
+    entries = dict(env_entries("FLINTC_MMA_DOWN_LAUNCH", parse,
+                                "fmt:N=warps,splits[,prefetch] (fmt nvfp4 or bf16, N 1-8, warps "
+                                "1-32, splits 1-64 within the static shared memory, prefetch "
+                                "0-16)"))
+    return entries.get((fmt, n), (*DOWN_LAUNCH[fmt][n], DOWN_PREFETCH[fmt]))
 
 
 def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: list,
@@ -2340,8 +2375,7 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
         warps, splits, prefetch: the kernel's warps per block (each takes work units in
             turn: (item, K slice), the items the shared expert and one per (token,
             slot)), K slices per item (dividing I / 64) and chunks loaded ahead; None:
-            `DOWN_LAUNCH` / `DOWN_PREFETCH` for the format and N (the slices cut to a
-            divisor of I / 64).
+            `down_launch`'s for the format and N (the slices cut to a divisor of I / 64).
         use_pdl: programmatic dependent launch (the shared expert's first weights load
             before `griddepcontrol.wait`; routed experts need the ids).
 
@@ -2370,10 +2404,10 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
                          f"the weights, H % 16 == 0, K <= 16; got h {tuple(h.shape)}, K = {K}, "
                          f"weights [{H}, {I_w}]")
     fmt = "bf16" if bf16 else "nvfp4"
-    d_warps, d_splits = DOWN_LAUNCH[fmt][N]
+    d_warps, d_splits, d_prefetch = down_launch(fmt, N)
     warps = d_warps if warps is None else warps
     splits = math.gcd(d_splits, I // 64) if splits is None else splits
-    prefetch = DOWN_PREFETCH[fmt] if prefetch is None else prefetch
+    prefetch = d_prefetch if prefetch is None else prefetch
     _check_moe_launch("moe_down", warps, splits, prefetch, "splits",
                       moe_smem_bytes(0, warps, splits if isinstance(splits, int) else 1, K))
     if (I // 64) % splits:

@@ -101,6 +101,7 @@ def check_environment() -> None:
     """Validate every kernel-tuning environment variable at once (FLINTC_PDL_TRIGGER,
     FLINTC_GEMV_TUNED, FLINTC_MOE_TUNED, FLINTC_NVFP4_MMA, and the CUDA kernels' launch
     knobs FLINTC_MMA_TRIGGER, FLINTC_MMA_GEMV_LAUNCH, FLINTC_MMA_GATE_UP_LAUNCH,
+    FLINTC_MMA_DOWN_LAUNCH,
     FLINTC_MMA_NORM_GATE_UP_LAUNCH, FLINTC_MMA_NORM_GATE_UP_FORMATS,
     FLINTC_MMA_GATE_UP_ROUTE, FLINTC_MMA_L2_PREFETCH; FLINTC_DECODE_ATTN_PRELOAD,
     FLINTC_DECODE_ATTN_RING_LAUNCH, FLINTC_DECODE_ATTN_MIN_ROWS;
@@ -131,6 +132,7 @@ def check_environment() -> None:
     nvfp4_mma.mma_l2_prefetch("gemv")
     nvfp4_mma.gemv_launch("nvfp4", 16, 64)
     nvfp4_mma.gate_up_launch("nvfp4", 1)
+    nvfp4_mma.down_launch("nvfp4", 1)
     nvfp4_mma.norm_gate_up_launch("nvfp4", 1)
     nvfp4_mma.norm_gate_up_formats()
     nvfp4_mma.gate_up_route()

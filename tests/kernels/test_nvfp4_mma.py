@@ -1142,6 +1142,49 @@ def test_gate_up_launch_env(monkeypatch):
             M.gate_up_launch(fmt, n)
 
 
+def test_down_launch_env(monkeypatch):
+    """`down_launch` is (DOWN_LAUNCH's warps and K slices, DOWN_PREFETCH);
+    FLINTC_MMA_DOWN_LAUNCH replaces entries (prefetch optional) and `moe_down` takes them;
+    bad entries are a TuningEnvError naming the variable and the entry."""
+    from flintc.kernels.tuning import TuningEnvError
+
+    monkeypatch.delenv("FLINTC_MMA_DOWN_LAUNCH", raising=False)
+    for fmt in ("nvfp4", "bf16"):
+        for n in range(1, 9):
+            assert M.down_launch(fmt, n) == (*M.DOWN_LAUNCH[fmt][n], M.DOWN_PREFETCH[fmt])
+    monkeypatch.setenv("FLINTC_MMA_DOWN_LAUNCH", "nvfp4:2=16,8 / bf16:1=8,2,5")
+    assert M.down_launch("nvfp4", 2) == (16, 8, M.DOWN_PREFETCH["nvfp4"])
+    assert M.down_launch("nvfp4", 2) != (*M.DOWN_LAUNCH["nvfp4"][2], M.DOWN_PREFETCH["nvfp4"])
+    assert M.down_launch("bf16", 1) == (8, 2, 5)  # the optional prefetch field
+    assert M.down_launch("nvfp4", 1) == (*M.DOWN_LAUNCH["nvfp4"][1], M.DOWN_PREFETCH["nvfp4"])
+    for bad in ("nvfp4:9=32,2", "fp8:1=32,2", "nvfp4:1=32", "nvfp4:1=0,2", "nvfp4:1=33,2",
+                "nvfp4:1=32,0", "nvfp4:1=32,2,17", "nvfp4:1=32,2,2,1", "nvfp4=32,2",
+                "nvfp4:1=32,64"):  # the last: shared memory
+        monkeypatch.setenv("FLINTC_MMA_DOWN_LAUNCH", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_DOWN_LAUNCH.*" + bad[:5]):
+            M.down_launch("nvfp4", 1)
+    monkeypatch.delenv("FLINTC_MMA_DOWN_LAUNCH")
+    for fmt, n in (("fp8", 1), ("NVFP4", 8), ("nvfp4", 0), ("nvfp4", 9), ("bf16", 8.0)):
+        with pytest.raises(ValueError, match="down_launch: fmt must be"):
+            M.down_launch(fmt, n)
+    # the launcher's defaults are down_launch's (its checks run before any launch, on CPU)
+    E, H, I, K, N = 4, 32, 128, 2, 1
+    seen = []
+
+    def launch(fmt, n):
+        seen.append((fmt, n))
+        return (0, 1, 2)  # 0 warps: refused by moe_down's own check
+
+    monkeypatch.setattr(M, "down_launch", launch)
+    with pytest.raises(ValueError, match="warps must be an int in \\[1, 32\\], got 0"):
+        M.moe_down(torch.zeros(N, K + 1, I, dtype=torch.bfloat16),
+                   torch.zeros(N, K, dtype=torch.int64), torch.ones(N, K),
+                   [torch.zeros(E, H, I, dtype=torch.bfloat16)],
+                   [torch.zeros(H, I, dtype=torch.bfloat16)],
+                   torch.zeros(N, H, dtype=torch.bfloat16))
+    assert seen == [("bf16", N)]
+
+
 def test_gemv_launch_env(monkeypatch):
     """`gemv_launch`: `GEMV_LAUNCH`'s entry or (`warps_for(K)`, 2); FLINTC_MMA_GEMV_LAUNCH
     entries take precedence for their format and shape; bad entries are a TuningEnvError

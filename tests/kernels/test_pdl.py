@@ -51,6 +51,7 @@ def test_pdl_mode_rejects_unknown(monkeypatch, tmp_path):
     for var, bad in (("FLINTC_MMA_TRIGGER", "qkv,sometimes"),
                      ("FLINTC_MMA_GEMV_LAUNCH", "nvfp4:2048x4096=3,2"),
                      ("FLINTC_MMA_GATE_UP_LAUNCH", "nvfp4:1=4,1"),
+                     ("FLINTC_MMA_DOWN_LAUNCH", "nvfp4:1=32"),
                      ("FLINTC_MMA_NORM_GATE_UP_LAUNCH", "nvfp4:1=4,1,2"),
                      ("FLINTC_MMA_NORM_GATE_UP_FORMATS", "fp8"),
                      ("FLINTC_MMA_L2_PREFETCH", "gate_up,qkv")):
