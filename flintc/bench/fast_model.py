@@ -20,9 +20,12 @@ gpt-oss reference code are, where the reference computes every op in fp32:
   masked and, with the learned sink logit concatenated (gpt-oss), softmaxed in fp32;
   the sink's column dropped, probabilities rounded to bf16, then the bf16 GEMM with V;
 - MoE: router bf16 GEMM -> fp32 logits, the spec's sigmoid + bias top-k
-  (`flintc.model.ops.select_topk`), the selected experts' matrices gathered per token
-  (`w[ids]`, never all E) and multiplied in bf16, the shared expert, the weighted
-  combine in fp32 rounded once; residual adds in bf16 (`x + y`);
+  (`flintc.model.ops.select_topk`); bf16 experts as one grouped GEMM per projection
+  (`torch._grouped_mm` over the (token, expert) rows sorted by expert: each distinct
+  selected expert read once, in place; sm_90 / sm_100 and CPU), NVFP4 experts (and bf16
+  where grouped_mm cannot run without a host sync) gathered per token (`w[ids]`, never
+  all E) and multiplied in bf16; the shared expert, the weighted combine in fp32
+  rounded once; residual adds in bf16 (`x + y`);
 - LM head: bf16 GEMM, the logits then widened to fp32.
 
 A speed baseline, not a reference: it rounds where bf16 GEMMs round (every GEMM's
@@ -80,11 +83,53 @@ def logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(h, w).to(F32)
 
 
+def _grouped_mm_fn():
+    """torch's grouped GEMM (`torch.nn.functional.grouped_mm`, torch >= 2.9; else
+    `torch._grouped_mm`), or None."""
+    fn = getattr(F, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+def grouped_experts_apply(device: torch.device) -> bool:
+    """Whether `experts` runs bf16 experts as one grouped GEMM on `device`: torch has
+    grouped_mm and, on CUDA, its CUTLASS path reads the group offsets on the device
+    (sm_90 / sm_100; elsewhere torch copies them to the host, which CUDA-graph capture
+    forbids). CPU: torch's own fallback."""
+    if _grouped_mm_fn() is None:
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """bf16 experts as one grouped GEMM: the N x K (token, expert) rows sorted by expert,
+    group offsets counted on the device (no host sync, fixed shapes), each distinct
+    expert's matrix read once, in place. x: bf16 [N, In] or [N, K, In]; ids: int64
+    [N, K]; W: bf16 [E, Out, In]. -> bf16 [N, K, Out]."""
+    N, K = ids.shape
+    E, Out, In = W.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = (x[:, None, :].expand(N, K, In) if x.dim() == 2 else x).reshape(N * K, In)
+    counts = torch.zeros(E, dtype=torch.int32, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    y = _grouped_mm_fn()(rows[order].contiguous(), W.transpose(1, 2), offs=offs)  # sorted rows
+    return y[torch.argsort(order)].view(N, K, Out)
+
+
 def experts(x: torch.Tensor, ids: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
     """Each token's selected experts' GEMVs. x: bf16 [N, In] (every expert of a token
     reads it) or [N, K, In] (one row per selected expert); ids: int64 [N, K]; w: stacked
-    [E, Out, In] as `[W]` or `[codes, scales, global_scale ([E] or [])]`. Gathers the
-    N x K selected matrices (`w[ids]`), never all E. -> bf16 [N, K, Out]."""
+    [E, Out, In] as `[W]` or `[codes, scales, global_scale ([E] or [])]`. bf16 where
+    `grouped_experts_apply`: one grouped GEMM over the rows sorted by expert, reading each
+    distinct selected expert once, in place (what prefill MoE code does with
+    `torch._grouped_mm`); otherwise, and for NVFP4 (grouped_mm takes no FP4 operand),
+    the N x K selected matrices gathered (`w[ids]`; NVFP4: the packed codes and scales,
+    dequantized after the gather), never all E. -> bf16 [N, K, Out]."""
+    if len(w) == 1 and grouped_experts_apply(ids.device):
+        return _experts_grouped(x, ids, w[0])
     xk = x[:, None, :, None] if x.dim() == 2 else x[..., None]  # [N, 1 | K, In, 1]
     if len(w) == 1:
         return (w[0][ids] @ xk)[..., 0]

@@ -156,3 +156,29 @@ def test_nvfp4_ops_apply_the_global_scale_after_the_gemm():
     m = quantize((torch.randn(16, 64, generator=g) * 0.05).to(torch.bfloat16))
     got = linear(x, [m.codes, m.scales, m.global_scale])
     torch.testing.assert_close(got.double(), x.double() @ m.dequantize().double().T, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("xdim", [2, 3])
+def test_bf16_experts_grouped_gemm_matches_the_gather(xdim, monkeypatch):
+    """bf16 `experts` on the CPU runs one grouped GEMM (`grouped_experts_apply`): the
+    same values as the gathered-matrices form (`w[ids] @ x`, forced by turning the
+    grouped path off), tokens sharing an expert (each distinct one read once) and an
+    expert picked twice by one token included; each output row is one bf16-rounded dot
+    product in both forms, so they agree within one bf16 rounding."""
+    from flintc.bench import fast_model
+
+    if not fast_model.grouped_experts_apply(torch.device("cpu")):
+        pytest.skip("this torch has no grouped_mm (torch.nn.functional.grouped_mm / torch._grouped_mm)")
+    g = torch.Generator().manual_seed(4)
+    W = (torch.randn(6, 32, 64, generator=g) * 0.05).to(torch.bfloat16)
+    ids = torch.tensor([[5, 0, 2], [2, 2, 4], [0, 5, 1], [3, 3, 3]])
+    shape = (4, 64) if xdim == 2 else (4, 3, 64)
+    x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    got = experts(x, ids, [W])
+    monkeypatch.setattr(fast_model, "grouped_experts_apply", lambda device: False)
+    gathered = experts(x, ids, [W])
+    xk = x[:, None, :] if xdim == 2 else x
+    want = torch.einsum("nkoi,nki->nko", W[ids].double(), xk.expand(4, 3, 64).double())
+    assert got.dtype == torch.bfloat16 and got.shape == (4, 3, 32)
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(got, gathered, rtol=2 ** -7, atol=1e-6)
