@@ -356,7 +356,8 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": ver("triton"),
-        "flintc": ver("flintc"),
+        "flintc": ver("flintc") or "source tree (not installed)",
+        "flintc_commit": _source_commit(),
         "driver": _driver_version() if device.type == "cuda" else None,
         # the interpreter runs only the triton backend's kernels (the torch backend: none)
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1"
@@ -369,6 +370,25 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
     return {"meta": meta, "ceilings": {}, "loads": [], "builds": [], "decode": [], "prefill": [],
             "baselines": [], "baseline_failures": [], "breakdown": [], "prefill_breakdown": [], "kernels": [],
             "failures": [], "notes": []}
+
+
+def _source_commit() -> str | None:
+    """The git commit of the flintc source that runs (short hash, "+modified" when the
+    tracked files differ from it), or None outside a git checkout (an installed wheel, a
+    copied tree) or without git. Informational: a benchmark record names its code."""
+    try:
+        import subprocess
+
+        root = Path(__file__).resolve().parents[2]
+        run = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True,  # noqa: E731
+                                        text=True, timeout=10, check=False)
+        head = run("rev-parse", "--short=12", "HEAD")
+        if head.returncode != 0 or not head.stdout.strip():
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no", "--", "flintc")
+        return head.stdout.strip() + ("+modified" if dirty.stdout.strip() else "")
+    except Exception:  # noqa: BLE001 - informational only
+        return None
 
 
 def _driver_version() -> str | None:

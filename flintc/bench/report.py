@@ -232,6 +232,7 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
     L.append(f"- Device: {m.get('device_name')} ({m.get('device')}{mem}); driver {m.get('driver') or '-'}")
     L.append(f"- Software: Python {m.get('python')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), "
              f"triton {m.get('triton')}, flintc {m.get('flintc')}"
+             + (f" (commit {m['flintc_commit']})" if m.get("flintc_commit") else "")
              + ("; Triton interpreter (TRITON_INTERPRET=1)" if m.get("triton_interpret") else ""))
     runs = m.get("runs") or [m]
     if len(runs) == 1:

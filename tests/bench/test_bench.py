@@ -253,6 +253,27 @@ def test_cpu_run_writes_its_files(cpu_run):
     assert (out / "builds").is_dir() and any("compiling" in n for n in res["notes"])
 
 
+def test_the_record_names_its_code(cpu_run, monkeypatch, tmp_path):
+    """bench.json's meta names flintc's version (or the source tree) and, in a git
+    checkout (this one, or CI's clone), its commit, which the report's Software line
+    shows; outside a git checkout the commit is None and the line leaves it out."""
+    import re
+    from pathlib import Path
+
+    from flintc.bench import core
+
+    out, res = cpu_run
+    m = res["meta"]
+    assert m["flintc"]
+    if (Path(core.__file__).resolve().parents[2] / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{12}(\+modified)?", m["flintc_commit"] or ""), m["flintc_commit"]
+        assert f"flintc {m['flintc']} (commit {m['flintc_commit']})" in (out / "bench.md").read_text()
+    monkeypatch.setattr(core, "__file__", str(tmp_path / "a" / "b" / "core.py"))  # no git here
+    assert core._source_commit() is None
+    md = report.render_markdown({"meta": dict(m, flintc_commit=None), "ceilings": {}})
+    assert f"flintc {m['flintc']}" in md and "(commit" not in md
+
+
 def test_cpu_run_figures_are_positive_and_consistent(cpu_run):
     out, res = cpu_run
     assert res["ceilings"]["copy_gbs"] > 0 and res["ceilings"]["matmul_tflops"] > 0
