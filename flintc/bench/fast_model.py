@@ -102,6 +102,21 @@ def grouped_experts_apply(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
+@torch.library.custom_op("flintc_fast::grouped_mm", mutates_args=())
+def _grouped_mm_op(rows: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """torch's grouped_mm behind an opaque op: torch.compile(mode="max-autotune")
+    otherwise autotunes Inductor's grouped-GEMM templates and the aten kernel on made-up
+    group offsets, which trip the aten kernel's device-side bounds assert and kill the
+    CUDA context (torch 2.11 on an H100, docs/gpu-runs.md session 37). Inductor runs
+    this op as it is (cuBLAS-style extern call), inside its CUDA graphs."""
+    return _grouped_mm_fn()(rows, w_t, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _(rows: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], w_t.shape[-1])
+
+
 def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
     """bf16 experts as one grouped GEMM: the N x K (token, expert) rows sorted by expert,
     group offsets counted on the device (no host sync, fixed shapes), each distinct
@@ -115,7 +130,7 @@ def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, W: torch.Tensor) -> tor
     counts = torch.zeros(E, dtype=torch.int32, device=ids.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    y = _grouped_mm_fn()(rows[order].contiguous(), W.transpose(1, 2), offs=offs)  # sorted rows
+    y = _grouped_mm_op(rows[order].contiguous(), W.transpose(1, 2), offs)  # sorted rows
     return y[torch.argsort(order)].view(N, K, Out)
 
 
