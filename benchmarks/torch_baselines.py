@@ -9,8 +9,12 @@ gives for the same op").
   fp32 global scale. Hopper has no FP4 tensor cores (`torch._scaled_mm`'s FP4 path needs
   sm_100), so this dequantize-then-GEMM is the plain-torch W4A16 path there.
 - MoE: the reference's routing (`flintc.model.ops.select_topk`: sigmoid, stable sort of
-  scores + bias, normalised weights), then the selected experts' matrices gathered per
-  token (`w[ids]`, only the selected experts are read) and multiplied in bf16.
+  scores + bias, normalised weights), then the selected experts only: bf16 experts as one
+  grouped GEMM per projection over the (token, expert) rows sorted by expert
+  (`torch.nn.functional.grouped_mm`, where it runs without a host sync: sm_90 / sm_100,
+  and the CPU; each distinct expert read once, in place), NVFP4 experts (and bf16 on
+  other GPUs) gathered per token (`w[ids]`) and multiplied in bf16
+  (`flintc.bench.fast_model.experts`).
 - Norms, SiLU-and-mul, the combine and residual adds: `flintc.model.ops` in fp32, each
   result rounded once to bf16 (elementwise; `torch.compile` fuses them).
 
