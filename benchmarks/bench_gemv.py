@@ -15,7 +15,11 @@ weight format (bf16 / NVFP4) and batch N in {1, 2, 4, 8}:
 - compile: `torch.compile` of that expression (default mode, compiled afresh for each row:
   `torch_baselines.compile_fresh`; before session 36 this column compiled the fp32
   expression, and rows past Dynamo's limit of 8 variants timed it eagerly), graph-replayed;
-  "vs compile" = compile us / flintc us;
+- mul-sum (plain GEMVs, `gemv` / `gemv_residual` cases): `torch.compile` of the GEMV
+  written as a multiply-and-sum over K (`torch_baselines.linear_mulsum`: fp32 products,
+  the NVFP4 decode inside the expression), which Inductor fuses into one reduction
+  kernel over the packed weight instead of writing a bf16 copy before a GEMM;
+  "vs compile" = the faster compiled form's us / flintc us;
 and prints the achieved GB/s (bytes = weights + activations in and out + cache rows) and
 its share of the copy bandwidth.
 
@@ -29,7 +33,8 @@ With `--sweep` each flintc case also times every candidate of `sweep_configs` an
 the best; at the end it prints `TUNED` entries to paste into `flintc/kernels/gemv.py`
 (keys as documented at `TUNED`).
 
-    python benchmarks/bench_gemv.py [--sweep] [--pdl] [--floor] [--out gemv.md] [--cases q_proj,qkv]
+    python benchmarks/bench_gemv.py [--sweep] [--pdl] [--floor] [--no-compile] [--out gemv.md]
+        [--cases q_proj,qkv]
 """
 
 from __future__ import annotations
@@ -134,11 +139,13 @@ class Case:
         F, K = self.F, self.K
         x = torch.randn(N, K, device="cuda").to(torch.bfloat16)
         self.rot = None  # the weights' Rotation, for `--floor` (1-2 equal-size matrices)
+        self.mulsum = None  # (expression, arguments) of the multiply-and-sum form, plain GEMVs
         if self.kind == "gemv":
             w = make_weight(F, K, fmt)
             rot = self.rot = Rotation(w)
             ours = lambda cfg=None: fg.gemv(x, rot.next(), use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.gemv(x, w)  # noqa: E731
+            self.mulsum = (TB.linear_mulsum, lambda: (x, rot.next()))
             return (ours, eager, TB.linear, lambda: (x, rot.next()), nbytes(w, x) + 2 * N * F,
                     (fmt, F, K, N), None)
         if self.kind == "gemv_residual":
@@ -148,6 +155,8 @@ class Case:
             ours = lambda cfg=None: fg.gemv_residual(x, rot.next(), res, use_pdl=PDL, config=cfg)  # noqa: E731
             eager = lambda: torch.ops.flintc.gemv_residual(x, w, res)  # noqa: E731
             fast = lambda x, w, r: ops.residual_add(r, TB.linear(x, w), F32)  # noqa: E731
+            self.mulsum = (lambda x, w, r: ops.residual_add(r, TB.linear_mulsum(x, w), F32),
+                           lambda: (x, rot.next(), res))
             return (ours, eager, fast, lambda: (x, rot.next(), res), nbytes(w, x, res) + 2 * N * F,
                     (fmt, F, K, N), None)
         norm = torch.rand(K, device="cuda") + 0.5
@@ -272,7 +281,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every sweep_configs candidate")
     parser.add_argument("--reps", type=int, default=50, help="ms of graph replays per timing")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     parser.add_argument("--family", default="all", choices=("all", "classic", "one-step", "flat", "swap"),
                         help="sweep candidates: all, the classic tiles (with their bf16 flat "
                              "twins), the one-step configs (whole weight slice issued before the "
@@ -325,12 +334,14 @@ def main() -> None:
                else "weights NOT rotated (--l2-resident): small shapes are timed from L2")
             + "; torch bf16 = the fast plain-torch expression (benchmarks/torch_baselines.py: bf16 "
             "GEMMs, NVFP4 dequantized to bf16 per call), compile = torch.compile of it (default "
-            "mode, compiled afresh per row)", "",
+            "mode, compiled afresh per row), mul-sum = torch.compile of the GEMV as a multiply-and-sum "
+            "over K (torch_baselines.linear_mulsum; plain GEMVs); compile % copy and vs compile: the "
+            "faster compiled form", "",
             "| case | F x K | fmt | N | flintc us | GB/s | % copy | config | eager us | torch bf16 us "
-            "| compile us | compile % copy | vs compile |"
+            "| compile us | mul-sum us | compile % copy | vs compile |"
             + (" best us | best % copy | best config |" if args.sweep else "")
             + (" floor us | floor % copy | floor launch |" if args.floor else ""),
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.sweep else "")
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.sweep else "")
             + ("---|---|---|" if args.floor else "")]
     lines = list(head)
     print("\n".join(lines), flush=True)
@@ -368,11 +379,23 @@ def main() -> None:
                         ms_c = kernel_ms(lambda: comp(*fast_args()), args.reps)
                     except Exception as e:  # noqa: BLE001  (a comparison column only)
                         print(f"  torch.compile failed for {case.name}: {type(e).__name__}: {e}")
+                ms_m = math.nan
+                if not args.no_compile and case.mulsum is not None:
+                    expr, expr_args = case.mulsum
+                    try:
+                        comp_m = compile_fresh(expr)
+                        comp_m(*expr_args())
+                        ms_m = kernel_ms(lambda: comp_m(*expr_args()), args.reps)
+                    except Exception as e:  # noqa: BLE001  (a comparison column only)
+                        print(f"  torch.compile (mul-sum) failed for {case.name}: "
+                              f"{type(e).__name__}: {e}")
+                ms_best = min((t for t in (ms_c, ms_m) if not math.isnan(t)), default=math.nan)
                 gbs = moved / ms / 1e6
                 row = (f"| {case.name} | {case.F}x{case.K} | {fmt} | {N} | {ms * 1e3:.1f} | {gbs:.0f} | "
                        f"{100 * gbs / copy_bw:.0f}% | {cfg0.short() if cfg0 else 'default'} | "
                        f"{ms_e * 1e3:.1f} | {ms_t * 1e3:.1f} | {ms_c * 1e3:.1f} | "
-                       f"{100 * moved / ms_c / 1e6 / copy_bw:.0f}% | {ms_c / ms:.1f}x |")
+                       + (f"{ms_m * 1e3:.1f} | " if case.mulsum is not None else "- | ")
+                       + f"{100 * moved / ms_best / 1e6 / copy_bw:.0f}% | {ms_best / ms:.1f}x |")
                 if args.sweep:
                     # all rows the kernel's programs cover (for QKV: the q, k and v heads, not
                     # the q rows of its TUNED key)

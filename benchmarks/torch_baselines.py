@@ -17,6 +17,10 @@ gives for the same op").
   (`flintc.bench.fast_model.experts`).
 - Norms, SiLU-and-mul, the combine and residual adds: `flintc.model.ops` in fp32, each
   result rounded once to bf16 (elementwise; `torch.compile` fuses them).
+- GEMVs also in the multiply-and-sum form (`linear_mulsum`: fp32 products summed over
+  K, the NVFP4 decode inside the expression), which `torch.compile` fuses into one
+  reduction kernel over the packed weight: the other way a PyTorch user can write a
+  decode GEMV, compiled only.
 
 These are speed baselines, not references: they round where cuBLAS and bf16 arithmetic
 round (e.g. a GEMM's output to bf16 before the NVFP4 global scale, the router logits to
@@ -29,7 +33,7 @@ Weights are passed as lists, as the benchmarks hold them: `[w]` (bf16 [..., F, K
 `[codes, scales, global_scale]` (NVFP4: uint8 [..., F, K/2], float8_e4m3fn [..., F, K/16],
 fp32 [] or [E]; the loader's packed layout, FLINT_SPEC section 4).
 
-`nvfp4_to_bf16`, `linear`, `logits` and `experts` live in `flintc.bench.fast_model`
+`nvfp4_to_bf16`, `linear`, `linear_mulsum`, `logits` and `experts` live in `flintc.bench.fast_model`
 (the whole-model fast baseline of `flintc bench --baselines fast` is built from them)
 and are imported here under the same names.
 """
@@ -38,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from flintc.bench.fast_model import experts, linear, logits, nvfp4_to_bf16  # noqa: F401  (this module's API)
+from flintc.bench.fast_model import experts, linear, linear_mulsum, logits, nvfp4_to_bf16  # noqa: F401  (this module's API)
 from flintc.model import ops
 
 F32 = torch.float32

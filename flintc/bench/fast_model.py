@@ -33,7 +33,8 @@ output, the router logits, the attention scores and probabilities), not at
 FLINT_SPEC section 3's rounding points. tests/bench/test_fast_model.py bounds its
 distance to the reference model on the CPU.
 
-The helpers `nvfp4_to_bf16`, `linear`, `logits` and `experts` are the plain-torch ops
+The helpers `nvfp4_to_bf16`, `linear` (and its multiply-and-sum form `linear_mulsum`),
+`logits` and `experts` are the plain-torch ops
 `benchmarks/torch_baselines.py` (the kernel benchmarks' baselines) uses too; weights go
 to them as lists, `[w]` (bf16 [..., F, K]) or `[codes, scales, global_scale]` (NVFP4:
 uint8 [..., F, K/2], float8_e4m3fn [..., F, K/16], fp32 [] or [E]; the packed layout).
@@ -76,6 +77,20 @@ def linear(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
     if len(w) == 1:
         return F.linear(x, w[0])
     return (F.linear(x, nvfp4_to_bf16(w[0], w[1])).to(F32) * w[2].to(F32)).to(BF16)
+
+
+def linear_mulsum(x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    """`x @ W^T` written as a multiply-and-sum over K, for `torch.compile` of decode
+    GEMVs: `sum_k x[n, k] * W[f, k]` in fp32 (NVFP4: `e2m1 * block scale` decoded inside
+    the expression), times the global scale, rounded to bf16 once. Inductor fuses the
+    decode, the product and the sum into one reduction kernel that reads the packed weight
+    in place (one generated kernel on the CPU backend; `tests/bench/test_torch_baselines.py`),
+    where `linear`'s dequantize-then-GEMM writes a bf16 copy of W first. Eager, it
+    materialises [N, F, K] fp32 products: only meant to be compiled. x: bf16 [N, K]; w as
+    `linear`'s. -> bf16 [N, F]."""
+    wf = w[0].to(F32) if len(w) == 1 else nvfp4_to_bf16(w[0], w[1]).to(F32)
+    y = (x.to(F32)[:, None, :] * wf[None]).sum(-1)  # [N, F]
+    return y.to(BF16) if len(w) == 1 else (y * w[2].to(F32)).to(BF16)
 
 
 def logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,31 @@ def test_linear_matches_the_reference_gemv(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_linear_mulsum_is_one_fused_reduction(fmt):
+    """`linear_mulsum` (the multiply-and-sum GEMV) matches the reference GEMV (fp32 sums
+    of the exact products: within one bf16 rounding), and `torch.compile` makes it one
+    generated kernel (decode, product and sum fused; Inductor's CPU backend here) with
+    the same values."""
+    from torch._inductor.utils import run_and_get_code
+
+    g = torch.Generator().manual_seed(3)
+    w = _weight((48, 64), fmt, g)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    got = TB.linear_mulsum(x, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 48)
+    want = torch.ops.flintc.gemv(x, w)
+    torch.testing.assert_close(got.double(), want.double(), rtol=2 ** -8, atol=1e-6)
+    torch._dynamo.reset()
+    try:
+        compiled, (code, *_) = run_and_get_code(torch.compile(TB.linear_mulsum), x, w)
+    finally:
+        torch._dynamo.reset()
+    kernels = code.count('extern "C"')  # the CPU backend's generated C++ kernels
+    assert kernels == 1, f"{kernels} generated kernels:\n{code[:3000]}"
+    torch.testing.assert_close(compiled.double(), want.double(), rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
 def test_moe_ops_match_the_reference_ops(fmt):
     E, Fi, H, K, N, scaling, eps = 16, 64, 128, 3, 4, 2.5, 1e-5
     g = torch.Generator().manual_seed(3)
