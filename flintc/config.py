@@ -143,7 +143,12 @@ class FlintConfig:
         return out
 
     def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """Write the config.json content (`to_dict`) to `path`. Raises OSError naming
+        `path` when the write fails (a full disk: `fileio.naming_write_errors`)."""
+        from flintc.fileio import naming_write_errors
+
+        with naming_write_errors(path):
+            Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "FlintConfig":

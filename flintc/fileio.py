@@ -6,6 +6,7 @@ owner-only files (0600 / 0700); a finished output gets the permissions an ordina
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -60,12 +61,79 @@ def output_parent_problem(parent: str | os.PathLike) -> str | None:
     return f"cannot write in the parent folder {parent} ({why})" if why else None
 
 
+def _write_failure(exc: BaseException) -> tuple[int, str]:
+    """(errno, reason) of a failed write, readable: an OSError's own; numpy's short write
+    ("N requested and M written", no errno: the disk or a quota filled up mid-write) and
+    safetensors' SafetensorError (not an OSError; "No space left on device (os error 28)"
+    inside its text) put in words."""
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno, exc.strerror or text
+    if "No space left on device" in text:
+        return errno.ENOSPC, "No space left on device"
+    short = re.fullmatch(r"(\d+) requested and (\d+) written", text.strip())
+    if short:
+        return errno.EIO, (f"short write ({short[1]} bytes requested, {short[2]} written): "
+                           "the disk or a quota is probably full")
+    return errno.EIO, text
+
+
+@contextlib.contextmanager
+def naming_write_errors(path, writing: str | None = None):
+    """Re-raise an error raised while writing `path` as an OSError whose filename is
+    `path` (what the CLI prints: "flintc: error: PATH: reason"): a write that fails on a
+    full disk raises OSError without a filename; numpy's short write and safetensors'
+    SafetensorError carry no errno. `writing`: the file being written, when `path` is the
+    output the user named (a build folder) and the file a temporary one inside it.
+    OSErrors that already name a file pass unchanged."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        code, reason = _write_failure(exc)
+        raise OSError(code, reason + (f" (writing {writing})" if writing else ""), str(path)) from exc
+    except Exception as exc:
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        code, reason = _write_failure(exc)
+        raise OSError(code, reason + (f" (writing {writing})" if writing else ""), str(path)) from exc
+
+
+def final_output_error(exc: BaseException, tmp, out) -> OSError | None:
+    """`exc`, an OSError about a file inside the temporary folder `tmp` (an output being
+    assembled before its rename to `out`), as one naming `out`, the path the user gave,
+    with the file: "OUT: reason (writing NAME)"; None for any other error."""
+    if not isinstance(exc, OSError) or exc.filename is None:
+        return None
+    try:
+        rel = Path(exc.filename).relative_to(tmp)
+    except (TypeError, ValueError):  # a bytes path, or a file outside tmp
+        return None
+    return OSError(exc.errno, f"{exc.strerror or exc} (writing {rel})", str(out))
+
+
+@contextlib.contextmanager
+def naming_final_output(tmp, out):
+    """Re-raise an OSError about a file inside `tmp` as `final_output_error` words it."""
+    try:
+        yield
+    except OSError as exc:
+        renamed = final_output_error(exc, tmp, out)
+        if renamed is None:
+            raise
+        raise renamed from exc
+
+
 def write_text_atomic(path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically (module doc), creating its folder; on
+    failure the temporary file is removed and `path` is untouched. Raises OSError naming
+    `path` (`naming_write_errors`)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with naming_write_errors(target), os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         set_public_mode(tmp)
         os.replace(tmp, target)

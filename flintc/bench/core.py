@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from flintc.errors import InputError
+from flintc.fileio import write_text_atomic
 
 TARGET_COMPILE_POINTS = ((1, 1024), (1, 100000), (8, 1024))
 COMPILED_BASELINES = ("compile", "fast")  # torch.compile of the reference model / of FastFlintModel
@@ -307,10 +308,8 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
     for msg in o.cut_defaults:
         bench.note(msg)
 
-    def save():
-        tmp = out / "bench.json.tmp"
-        tmp.write_text(json.dumps(results, indent=1, default=str))
-        tmp.replace(out / "bench.json")  # never half-written
+    def save():  # never half-written; a failed write leaves no temporary file
+        write_text_atomic(out / "bench.json", json.dumps(results, indent=1, default=str))
 
     bench.save = save
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flintc.fileio import write_text_atomic
+
 # Issue 8's targets on the H200: (key, description, kind, fmt, batch, context, field, op, limit, unit)
 TARGETS = [
     ("nvfp4_fwd_b1_100k", "NVFP4 forward b1/100K", "decode", "nvfp4", 1, 100000, "fwd_ms", "<=", 1.35, "ms"),
@@ -489,7 +491,7 @@ def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> di
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results["targets"] = evaluate_targets(results)
-    (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    write_text_atomic(out / "bench.json", json.dumps(results, indent=1, default=str))
     pngs = []
     if plots:
         try:
@@ -502,8 +504,8 @@ def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> di
                 results.setdefault("notes", []).append(
                     f"plots not written: matplotlib {_matplotlib_problem()} (pip install 'flintc[bench]')")
     md = render_markdown(results, pngs)
-    (out / "bench.md").write_text(md)
-    (out / "bench.json").write_text(json.dumps(results, indent=1, default=str))
+    write_text_atomic(out / "bench.md", md)  # each file whole or as it was, never half-written
+    write_text_atomic(out / "bench.json", json.dumps(results, indent=1, default=str))
     print(md, flush=True)
     return {"json": str(out / "bench.json"), "markdown": str(out / "bench.md"), "plots": pngs}
 

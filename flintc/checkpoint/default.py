@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from flintc.errors import InputError
+from flintc.fileio import write_text_atomic
 
 DEFAULT_NAME = "default-tiny-nvfp4-s0"
 GGUF_NAME = "model-nvfp4.gguf"
@@ -73,9 +74,7 @@ def _write_manifest(folder: Path) -> None:
     """Record the sha256 of every file in `folder` in its MANIFEST_NAME, written last and
     atomically (a temporary file renamed into place)."""
     files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
-    tmp = folder / f".{MANIFEST_NAME}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, folder / MANIFEST_NAME)
+    write_text_atomic(folder / MANIFEST_NAME, json.dumps({"files": files}, indent=1, sort_keys=True) + "\n")
 
 
 def check_default_folder(folder: Path) -> str | None:

@@ -30,6 +30,7 @@ from flintc.checkpoint.init import has_global_scale
 from flintc.checkpoint.safetensors_io import check_finite, one_line, problems_message
 from flintc.config import FlintConfig
 from flintc.errors import CheckpointError
+from flintc.fileio import naming_write_errors
 from flintc.model.weights import TensorSpec, Weight, WeightDict, check_weights, weight_specs
 from flintc.quant.nvfp4 import NVFP4FormatError, NVFP4Tensor, ggml_to_packed, packed_to_ggml
 from flintc.quant.nvfp4 import quantize
@@ -73,23 +74,29 @@ def save_gguf(config: FlintConfig, weights: WeightDict, path: str | os.PathLike)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer = GGUFWriter(tmp, ARCHITECTURE)
     try:
-        writer.add_name("flint")
-        writer.add_file_type(LlamaFileType.MOSTLY_NVFP4)
-        writer.add_block_count(config.num_hidden_layers)
-        writer.add_embedding_length(config.hidden_size)
-        writer.add_expert_count(config.n_routed_experts)
-        for spec in weight_specs(config):
-            _add_tensor(writer, spec, weights[spec.name])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=False)
-        writer.close()
+        with naming_write_errors(path):  # a full disk: numpy's short write, no file named
+            _write_gguf(writer, config, weights)
         os.replace(tmp, path)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _write_gguf(writer: GGUFWriter, config: FlintConfig, weights: WeightDict) -> None:
+    """The header, metadata and tensors of `save_gguf`'s file, through `writer`."""
+    writer.add_name("flint")
+    writer.add_file_type(LlamaFileType.MOSTLY_NVFP4)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_expert_count(config.n_routed_experts)
+    for spec in weight_specs(config):
+        _add_tensor(writer, spec, weights[spec.name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file(progress=False)
+    writer.close()
 
 
 def _add_tensor(writer: GGUFWriter, spec: TensorSpec, w: Weight) -> None:

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from flintc.fileio import naming_write_errors
 from tqdm import tqdm
 
 from flintc.config import FlintConfig
@@ -101,18 +103,21 @@ def save_bf16(
     out_dir.mkdir(parents=True, exist_ok=True)
     if max_shard_bytes is None:
         path = out_dir / SINGLE_FILE
-        save_file(dict(tensors), str(path), metadata={"format": "pt"})
+        with naming_write_errors(path):  # a full disk: SafetensorError, not an OSError
+            save_file(dict(tensors), str(path), metadata={"format": "pt"})
         return [path]
     shards = _plan_shards(tensors, max_shard_bytes)
     paths, weight_map = [], {}
     for i, shard in enumerate(shards, start=1):
         path = out_dir / shard_name(i, len(shards))
-        save_file(dict(shard), str(path), metadata={"format": "pt"})
+        with naming_write_errors(path):
+            save_file(dict(shard), str(path), metadata={"format": "pt"})
         weight_map.update({name: path.name for name, _ in shard})
         paths.append(path)
     total = sum(t.numel() * t.element_size() for _, t in tensors)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    with naming_write_errors(out_dir / INDEX_FILE):
+        (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return paths
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from flintc.config import FlintConfig
 from flintc.errors import CheckpointError, ConfigError
-from flintc.fileio import set_public_mode
+from flintc.fileio import naming_final_output, set_public_mode
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,8 @@ def make_checkpoint(
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        wrote_weights = _write_contents(config, fmt, tmp, seed, max_shard_bytes, out_dir)
+        with naming_final_output(tmp, out_dir):  # a full disk names --out, not the hidden folder
+            wrote_weights = _write_contents(config, fmt, tmp, seed, max_shard_bytes, out_dir)
         try:
             set_public_mode(tmp)  # mkdir'd files may be owner-only
             os.replace(tmp, out_dir)  # replaces an empty folder on POSIX

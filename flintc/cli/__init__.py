@@ -44,10 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flintc",
         description="Compiler and runtime for the Flint MoE language model.",
     )
+    parser.add_argument("--version", action="version", version=f"flintc {_version()}",
+                        help="print flintc's version and exit (as the server's /version)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (run, compile_build, make_checkpoint, verify, dump, serve, bench):
         module.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    import flintc
+
+    return flintc.__version__
 
 
 def _raise_terminated(signum, frame):

@@ -238,6 +238,14 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():  # it failed after the measurements
         raise InputError(f"--out {args.out}: exists and is a file, expected a folder (for bench.json, bench.md "
                          "and the plots)")
+    if Path(args.out).is_dir():
+        from flintc.cli.dump import foreign_files
+
+        foreign = foreign_files(Path(args.out))
+        if foreign:
+            raise InputError(f"--out {args.out}: holds {', '.join(foreign[:3])} (a checkpoint or a build); "
+                             "refusing to write bench.json, bench.md and the plots into it, choose "
+                             "another --out")
     if args.builds is not None:
         check_not_empty(args.builds, "--builds", "a folder path (or leave --builds out for OUT/builds)")
         _check_builds_folder(args)

@@ -34,6 +34,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_dump)
 
 
+def foreign_files(folder: Path) -> list[str]:
+    """The names of the files in `folder` that make it a checkpoint or a build (config.json,
+    build.json, tokenizer.json, safetensors, GGUF), which an output written into it would
+    mix with (dump's and bench's --out refuse such a folder)."""
+    return sorted({p.name for pattern in _FOREIGN for p in folder.glob(pattern)})
+
+
 def check_dump_out(out: str | Path) -> None:
     """Refuse an --out the dump would clobber, or an empty one (as given: `Path("")` is
     the current folder). Raises InputError naming the path."""
@@ -46,7 +53,7 @@ def check_dump_out(out: str | Path) -> None:
         return
     if not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder")
-    foreign = sorted({p.name for pattern in _FOREIGN for p in out.glob(pattern)})
+    foreign = foreign_files(out)
     if foreign:
         raise InputError(f"--out {out}: holds {', '.join(foreign[:3])} (a checkpoint or a build); "
                          "refusing to write dumps into it, choose another --out")
@@ -56,7 +63,7 @@ def check_dump_out(out: str | Path) -> None:
 
 
 def run_dump(args: argparse.Namespace) -> int:
-    from flintc.fileio import move_into_place, temp_dir_beside
+    from flintc.fileio import final_output_error, move_into_place, temp_dir_beside
     from flintc.passes.pipeline import compile_step
 
     out = Path(args.out)
@@ -76,8 +83,11 @@ def run_dump(args: argparse.Namespace) -> int:
                                      options=pass_options(args))
             tables.append((target.note, out / sub if sub else out, format_table(report)))
         move_into_place(tmp, out, log=lambda msg: print(msg, file=sys.stderr))  # an interrupt in it: said
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        renamed = final_output_error(exc, tmp, out)  # a full disk names --out, not the hidden folder
+        if renamed is not None:
+            raise renamed from exc
         raise
     for note, where, table in tables:
         print(f"== {args.step} -- {note} -> {where}")

@@ -531,12 +531,12 @@ def _check_output_path(path: str, flag: str) -> None:
 def _save_npy_atomic(path: str, array) -> None:
     import numpy as np
 
-    from flintc.fileio import set_public_mode
+    from flintc.fileio import naming_write_errors, set_public_mode
 
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with naming_write_errors(target), os.fdopen(fd, "wb") as f:
             np.save(f, array)
         set_public_mode(tmp)
         os.replace(tmp, target)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from torch.fx import GraphModule
 
+from flintc.fileio import naming_write_errors
 from flintc.graph.dump_dot import layer_graph, layer_views, summary_graph, to_dot, to_svg
 from flintc.graph.dump_onnx import graph_to_onnx
 
@@ -215,7 +216,7 @@ def _write(path: Path, content: str | bytes) -> Path:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     data = content.encode() if isinstance(content, str) else content
     try:
-        with open(tmp, "wb") as f:
+        with naming_write_errors(path), open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     finally:

@@ -386,16 +386,24 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
                   f"# Model: {source} ({ckpt.fmt}), config sha256 {manifest['config_sha256'][:16]}.\n"
                   f"# Backend {opts.backend}, device {opts.device}; kernel implementations in plan.json.\n"
                   "# One function per step and batch bucket; one line per kernel launch.\n")
-        (tmp / "runtime.py").write_text(module_source(sources, header))
-        (tmp / "plan.json").write_text(json.dumps(plan, indent=1))
-        (tmp / "report.json").write_text(json.dumps(reports, indent=1))
-        (tmp / "report.md").write_text(_report_md(reports, plan_steps))
-        (tmp / "build.json").write_text(json.dumps(manifest, indent=1))
-        from flintc.fileio import move_into_place
+        from flintc.fileio import move_into_place, naming_write_errors
+
+        for name, text in (("runtime.py", module_source(sources, header)),
+                           ("plan.json", json.dumps(plan, indent=1)),
+                           ("report.json", json.dumps(reports, indent=1)),
+                           ("report.md", _report_md(reports, plan_steps)),
+                           ("build.json", json.dumps(manifest, indent=1))):
+            with naming_write_errors(out, writing=name):  # a full disk names the build
+                (tmp / name).write_text(text)
 
         move_into_place(tmp, out, log=log)  # SIGINT/SIGTERM deferred until `out` is whole (logged)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # only the temporary folder, never `out`
+        from flintc.fileio import final_output_error
+
+        renamed = final_output_error(exc, tmp, out)  # a full disk names --out, not the hidden folder
+        if renamed is not None:
+            raise renamed from exc
         raise
     return manifest
 

@@ -548,6 +548,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from None
+        except RecursionError:  # arrays / objects nested past Python's recursion limit
+            raise APIError(400, "malformed JSON in the request body: nested too deeply",
+                           code="invalid_json") from None
         if not isinstance(cls, type):
             cls = cls(data)
         try:

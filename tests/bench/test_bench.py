@@ -524,6 +524,20 @@ def test_bad_options_write_nothing(tmp_path, capsys, args, needle):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("name", ["build.json", "config.json", "model.safetensors", "model-nvfp4.gguf"])
+def test_out_holding_a_checkpoint_or_build_is_refused(tmp_path, capsys, name):
+    """`flintc bench --out CKPT` wrote bench.json and the plots into a checkpoint folder,
+    which dump and compile refuse; now it is refused too, before any work, nothing
+    written."""
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / name).write_text("{}")
+    assert main(["bench", *_QUICK, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: --out {out}: holds {name} (a checkpoint or a build)"), err
+    assert err.count("\n") == 1 and sorted(p.name for p in out.iterdir()) == [name]
+
+
 _GIVEN_TO_FORMATS = "which --load-format auto measures; pass --formats {fmt} (or --load-format dummy for random " \
                     "weights of each format with its config)"
 

@@ -139,3 +139,14 @@ def test_negative_logit_bias_ids_are_refused_naming_the_flag(capsys, tiny_bf16_d
     assert_one_line_error(code, err, f"--logit-bias {item!r}: token id {bad} is negative; token ids are in "
                           "[0, vocab_size)")
     assert out == ""
+
+
+def test_version_flag_prints_the_server_s_version(capsys):
+    """`flintc --version` (as `vllm --version`): the version `/version` serves, exit 0;
+    before, argparse said "the following arguments are required: COMMAND"."""
+    import flintc
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flintc {flintc.__version__}"

@@ -587,6 +587,12 @@ def test_error_cases(server, client):
      "messages[0].content"),
     ("/v1/chat/completions", rb'{"model": "flint-tiny", "messages": [], "\udc00": 1}', "\\udc00"),
     ("/v1/chat/completions", b'{"model": "flint-tiny", "messages": [', None),
+    # nested past Python's recursion limit: json.loads raised RecursionError, a 500 with a
+    # traceback in the server's log
+    pytest.param("/v1/completions", b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}", None,
+                 id="completions-nested-5000"),
+    pytest.param("/tokenize", b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}", None,
+                 id="tokenize-nested-5000"),
 ])
 def test_malformed_json_has_code_invalid_json(server, path, body, param):
     """A lone-surrogate escape (which json.loads takes, pydantic not) was a 400 "invalid

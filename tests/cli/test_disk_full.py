@@ -1,0 +1,118 @@
+"""A full disk (or a quota) while writing an output: one line that names the output the
+user gave and the file being written, no traceback, no partial output and no temporary
+file left (`flintc.fileio.naming_write_errors` / `final_output_error`).
+
+Before (a new-user test on a 200 KB tmpfs, session 37): `make-checkpoint` printed a bare
+safetensors traceback (SafetensorError is not an OSError); compile, dump and bench said
+"No space left on device" without a path; `run --logits-out` and an NVFP4 checkpoint said
+numpy's "18432 requested and 10784 written"; bench left a truncated bench.json.tmp. The
+full disk is simulated here by the error each writer raises on one."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from harness import assert_one_line_error, run_cli
+
+
+class SafetensorError(Exception):
+    """What safetensors' Rust writer raises on a full disk (matched by class name)."""
+
+
+def _left_in(folder) -> list[str]:
+    return sorted(os.listdir(folder))
+
+
+def test_bf16_checkpoint_on_a_full_disk(capsys, tmp_path, monkeypatch):
+    from flintc.checkpoint import safetensors_io
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors_io, "save_file", full)
+    code, _, err = run_cli(capsys, "make-checkpoint", "--out", tmp_path / "ck")
+    assert_one_line_error(code, err, f"{tmp_path / 'ck'}: No space left on device (writing model.safetensors)")
+    assert _left_in(tmp_path) == []
+
+
+def test_nvfp4_checkpoint_short_write(capsys, tmp_path, monkeypatch):
+    from gguf import GGUFWriter
+
+    def short(self, *args, **kwargs):
+        raise OSError("18432 requested and 10784 written")  # numpy's tofile on a full disk
+
+    monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", short)
+    code, _, err = run_cli(capsys, "make-checkpoint", "--format", "nvfp4", "--out", tmp_path / "ck")
+    assert_one_line_error(code, err, f"{tmp_path / 'ck'}: short write (18432 bytes requested, 10784 "
+                          "written): the disk or a quota is probably full (writing model-nvfp4.gguf)")
+    assert _left_in(tmp_path) == []
+
+
+def test_logits_file_short_write_names_it_and_leaves_nothing(tmp_path, monkeypatch):
+    from flintc.cli import run
+
+    target = tmp_path / "l.npy"
+    target.write_bytes(b"before")
+
+    def short(f, array):
+        f.write(b"x" * 10)
+        raise OSError("204288 requested and 51168 written")
+
+    monkeypatch.setattr(np, "save", short)
+    with pytest.raises(OSError) as e:
+        run._save_npy_atomic(str(target), np.zeros(3))
+    assert e.value.filename == str(target) and "short write" in e.value.strerror
+    assert target.read_bytes() == b"before" and _left_in(tmp_path) == ["l.npy"]
+
+
+def test_atomic_text_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypatch):
+    """`write_text_atomic` (bench.json, bench.md, manifests, tokenizer files): a write
+    that fails leaves the previous file whole and no temporary file; the OSError names
+    the file. Before, flintc bench left a truncated bench.json.tmp."""
+    from flintc import fileio
+
+    target = tmp_path / "bench.json"
+    target.write_text('{"old": 1}')
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def write(self, text):
+            self.f.write(text[:5])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(fileio.os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
+    with pytest.raises(OSError) as e:
+        fileio.write_text_atomic(target, '{"new": 2}')
+    assert e.value.filename == str(target) and e.value.errno == errno.ENOSPC
+    assert target.read_text() == '{"old": 1}' and _left_in(tmp_path) == ["bench.json"]
+
+
+def test_final_output_error_names_the_output_not_the_hidden_folder(tmp_path):
+    from flintc.fileio import final_output_error, naming_write_errors
+
+    tmp, out = tmp_path / ".b.123.tmp", tmp_path / "b"
+    exc = OSError(errno.ENOSPC, "No space left on device", str(tmp / "dumps" / "x.py"))
+    got = final_output_error(exc, tmp, out)
+    assert (got.filename, got.errno) == (str(out), errno.ENOSPC)
+    assert got.strerror == f"No space left on device (writing {os.path.join('dumps', 'x.py')})"
+    assert final_output_error(OSError(errno.ENOSPC, "full", str(tmp_path / "other")), tmp, out) is None
+    assert final_output_error(ValueError("x"), tmp, out) is None
+    named = OSError(errno.EACCES, "Permission denied", "/elsewhere")  # already names a file: kept
+    with pytest.raises(OSError) as e, naming_write_errors(tmp_path / "f"):
+        raise named
+    assert e.value is named
+    with pytest.raises(RuntimeError), naming_write_errors(tmp_path / "f"):  # not a write error
+        raise RuntimeError("other")
