@@ -16,7 +16,9 @@ gpt-oss reference code are, where the reference computes every op in fp32:
 - RMSNorm (hidden, per-head Q/K, final) in fp32, rounded to bf16 once (HF style);
   RoPE from the reference's fp32 tables, in fp32, rounded once; SiLU-and-mul likewise;
 - attention: q @ k^T as a bf16 GEMM per KV head (the G query heads of a KV head are
-  folded into the GEMM's rows, so K is never repeated), the scores then scaled,
+  folded into the GEMM's rows, so K is never repeated); full layers whose caches hold a
+  slot per sequence (the benchmark's baselines) read them in place, the queries put in
+  slot order, else the sequences' cache rows are gathered (`k_cache[slots]`); the scores then scaled,
   masked and, with the learned sink logit concatenated (gpt-oss), softmaxed in fp32;
   the sink's column dropped, probabilities rounded to bf16, then the bf16 GEMM with V;
 - MoE: router bf16 GEMM -> fp32 logits, the spec's sigmoid + bias top-k
@@ -258,6 +260,12 @@ class FastFlintModel(FlintModel):
         else:
             k_cache[slots[:, None], positions] = k
             v_cache[slots[:, None], positions] = v
+            if k_cache.shape[0] == B:  # a slot per sequence (slots a permutation of 0..B-1):
+                # the caches read in place, the queries (and masks) put in slot order and
+                # the outputs back, instead of a gathered copy of every key and value
+                inv = torch.argsort(slots)  # inv[s]: the batch row in slot s
+                o = attention(q[inv], k_cache, v_cache, visible[inv], w["sinks"].weight)[slots]
+                return linear(o.reshape(B * T, -1), _w(w["o"])).view(B, T, -1)
             keys, values = k_cache[slots], v_cache[slots]  # [B, S_max, Hkv, D]
         o = attention(q, keys, values, visible, w["sinks"].weight)  # [B, T, Hq*D]
         return linear(o.reshape(B * T, -1), _w(w["o"])).view(B, T, -1)
@@ -277,4 +285,5 @@ class FastFlintModel(FlintModel):
         return ops.expert_combine(y, weights, shared, F32)
 
 
-__all__ = ["FastFlintModel", "attention", "experts", "linear", "logits", "nvfp4_to_bf16"]
+__all__ = ["FastFlintModel", "attention", "experts", "grouped_experts_apply", "linear", "linear_mulsum",
+           "logits", "nvfp4_to_bf16"]
