@@ -394,7 +394,7 @@ def main() -> None:
                 row = (f"| {case.name} | {case.F}x{case.K} | {fmt} | {N} | {ms * 1e3:.1f} | {gbs:.0f} | "
                        f"{100 * gbs / copy_bw:.0f}% | {cfg0.short() if cfg0 else 'default'} | "
                        f"{ms_e * 1e3:.1f} | {ms_t * 1e3:.1f} | {ms_c * 1e3:.1f} | "
-                       + (f"{ms_m * 1e3:.1f} | " if case.mulsum is not None else "- | ")
+                       + (f"{ms_m * 1e3:.1f} | " if not math.isnan(ms_m) else "- | ")
                        + f"{100 * moved / ms_best / 1e6 / copy_bw:.0f}% | {ms_best / ms:.1f}x |")
                 if args.sweep:
                     # all rows the kernel's programs cover (for QKV: the q, k and v heads, not

@@ -110,7 +110,8 @@ def final_output_error(exc: BaseException, tmp, out) -> OSError | None:
         rel = Path(exc.filename).relative_to(tmp)
     except (TypeError, ValueError):  # a bytes path, or a file outside tmp
         return None
-    return OSError(exc.errno, f"{exc.strerror or exc} (writing {rel})", str(out))
+    doing = "moving the new output into place" if rel == Path(".") else f"writing {rel}"
+    return OSError(exc.errno, f"{exc.strerror or exc} ({doing})", str(out))
 
 
 @contextlib.contextmanager

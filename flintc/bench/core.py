@@ -355,7 +355,7 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": ver("triton"),
-        "flintc": ver("flintc") or "source tree (not installed)",
+        "flintc": _flintc_version(),
         "flintc_commit": _source_commit(),
         "driver": _driver_version() if device.type == "cuda" else None,
         # the interpreter runs only the triton backend's kernels (the torch backend: none)
@@ -371,6 +371,13 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
             "failures": [], "notes": []}
 
 
+def _flintc_version() -> str:
+    """`flintc.__version__`: the installed package's, "unknown" from a source tree."""
+    import flintc
+
+    return flintc.__version__
+
+
 def _source_commit() -> str | None:
     """The git commit of the flintc source that runs (short hash, "+modified" when the
     tracked files differ from it), or None outside a git checkout (an installed wheel, a
@@ -379,8 +386,11 @@ def _source_commit() -> str | None:
         import subprocess
 
         root = Path(__file__).resolve().parents[2]
-        run = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True,  # noqa: E731
-                                        text=True, timeout=10, check=False)
+        run = lambda *a: subprocess.run(["git", "--no-optional-locks", "-C", str(root), *a],  # noqa: E731
+                                        capture_output=True, text=True, timeout=10, check=False)
+        top = run("rev-parse", "--show-toplevel")  # flintc's own checkout, not a repository
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root:  # around site-packages
+            return None
         head = run("rev-parse", "--short=12", "HEAD")
         if head.returncode != 0 or not head.stdout.strip():
             return None

@@ -114,8 +114,8 @@ def grouped_experts_apply(device: torch.device) -> bool:
     forbids). CPU: torch's own fallback."""
     if _grouped_mm_fn() is None:
         return False
-    if device.type == "cpu":
-        return True
+    if device.type == "cpu":  # torch's CPU grouped_mm came with the public API (torch 2.9)
+        return getattr(F, "grouped_mm", None) is not None
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
@@ -125,7 +125,8 @@ def _grouped_mm_op(rows: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) ->
     otherwise autotunes Inductor's grouped-GEMM templates and the aten kernel on made-up
     group offsets, which trip the aten kernel's device-side bounds assert and kill the
     CUDA context (torch 2.11 on an H100, docs/gpu-runs.md session 37). Inductor runs
-    this op as it is (cuBLAS-style extern call), inside its CUDA graphs."""
+    this op as it is (cuBLAS-style extern call), inside its CUDA graphs. Inference only:
+    it has no autograd formula (the baseline never differentiates)."""
     return _grouped_mm_fn()(rows, w_t, offs=offs)
 
 

@@ -18,6 +18,7 @@ a one-line :class:`CheckpointError` naming the file and the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -78,7 +79,8 @@ def save_gguf(config: FlintConfig, weights: WeightDict, path: str | os.PathLike)
             _write_gguf(writer, config, weights)
         os.replace(tmp, path)
     except BaseException:
-        writer.close()
+        with contextlib.suppress(OSError):  # its flush on a full disk: the error above stands
+            writer.close()
         tmp.unlink(missing_ok=True)
         raise
     return path

@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flintc",
         description="Compiler and runtime for the Flint MoE language model.",
     )
-    parser.add_argument("--version", action="version", version=f"flintc {_version()}",
+    parser.add_argument("--version", action=_VersionAction,
                         help="print flintc's version and exit (as the server's /version)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in (run, compile_build, make_checkpoint, verify, dump, serve, bench):
@@ -52,10 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
-    import flintc
+class _VersionAction(argparse.Action):
+    """`--version`: the version is read (importlib.metadata, ~30 ms) only when asked."""
 
-    return flintc.__version__
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import flintc
+
+        print(f"flintc {flintc.__version__}")  # stdout, as argparse's own version action
+        parser.exit()
 
 
 def _raise_terminated(signum, frame):

@@ -270,6 +270,14 @@ def test_the_record_names_its_code(cpu_run, monkeypatch, tmp_path):
         assert f"flintc {m['flintc']} (commit {m['flintc_commit']})" in (out / "bench.md").read_text()
     monkeypatch.setattr(core, "__file__", str(tmp_path / "a" / "b" / "core.py"))  # no git here
     assert core._source_commit() is None
+    # flintc copied into another project's repository (site-packages of a venv inside it):
+    # not flintc's commit, so none
+    import subprocess
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    site = tmp_path / "venv" / "site-packages"
+    monkeypatch.setattr(core, "__file__", str(site / "flintc" / "bench" / "core.py"))
+    assert core._source_commit() is None
     md = report.render_markdown({"meta": dict(m, flintc_commit=None), "ceilings": {}})
     assert f"flintc {m['flintc']}" in md and "(commit" not in md
 

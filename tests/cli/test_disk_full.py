@@ -52,6 +52,28 @@ def test_nvfp4_checkpoint_short_write(capsys, tmp_path, monkeypatch):
     assert _left_in(tmp_path) == []
 
 
+def test_gguf_header_write_error_is_not_hidden_by_the_close(tmp_path, monkeypatch):
+    """A full disk while the GGUF header and metadata sit in the writer's buffer: the
+    cleanup's `close()` flushes and fails again; that second error used to replace the
+    named one (a bare "No space left on device") and skip the temporary file's removal."""
+    from gguf import GGUFWriter
+
+    from flintc.checkpoint.gguf_io import save_gguf
+    from flintc.checkpoint.init import random_weights
+    from flintc.config import FlintConfig
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(GGUFWriter, "write_kv_data_to_file", full)
+    monkeypatch.setattr(GGUFWriter, "close", full)
+    cfg = FlintConfig.preset("tiny")
+    with pytest.raises(OSError) as e:
+        save_gguf(cfg, random_weights(cfg, seed=0), tmp_path / "m.gguf")
+    assert (e.value.filename, e.value.errno) == (str(tmp_path / "m.gguf"), errno.ENOSPC)
+    assert _left_in(tmp_path) == []
+
+
 def test_logits_file_short_write_names_it_and_leaves_nothing(tmp_path, monkeypatch):
     from flintc.cli import run
 
@@ -109,6 +131,8 @@ def test_final_output_error_names_the_output_not_the_hidden_folder(tmp_path):
     assert (got.filename, got.errno) == (str(out), errno.ENOSPC)
     assert got.strerror == f"No space left on device (writing {os.path.join('dumps', 'x.py')})"
     assert final_output_error(OSError(errno.ENOSPC, "full", str(tmp_path / "other")), tmp, out) is None
+    moved = final_output_error(OSError(errno.ENOTEMPTY, "Directory not empty", str(tmp)), tmp, out)
+    assert moved.strerror == "Directory not empty (moving the new output into place)"  # not "writing ."
     assert final_output_error(ValueError("x"), tmp, out) is None
     named = OSError(errno.EACCES, "Permission denied", "/elsewhere")  # already names a file: kept
     with pytest.raises(OSError) as e, naming_write_errors(tmp_path / "f"):
