@@ -2014,6 +2014,13 @@ def warps_for(k: int) -> int:
     return next(w for w in (16, 14, 8, 4, 2, 1) if (k // 64) % w == 0)
 
 
+def _check_fmt_n(op: str, table: dict, fmt, n) -> None:
+    """ValueError unless `fmt` is a format of the launch `table` and `n` an int batch in
+    1..8 (the launch tables' keys), naming `op`."""
+    if fmt not in table or type(n) is not int or not 1 <= n <= 8:
+        raise ValueError(f"{op}: fmt must be 'nvfp4' or 'bf16' and n an int in 1..8; got {fmt!r}, {n!r}")
+
+
 def _fmt_n_entry(entry: str, fields: int) -> tuple[tuple[str, int], tuple[int, ...]]:
     """One `fmt:N=v1,v2,...` tuning entry: ((fmt, N), the `fields` ints), fmt "nvfp4" or
     "bf16" (any case), 1 <= N <= 8. Raises ValueError for any other form (the caller
@@ -2334,9 +2341,7 @@ def down_launch(fmt: str, n: int) -> tuple[int, int, int]:
             or bf16, 1 <= N <= 8, 1 <= w <= 32, 1 <= s <= 64 and 0 <= p <= 16, whose shared
             memory fits at top-k 8 (`moe_smem_bytes`).
     """
-    if fmt not in DOWN_LAUNCH or type(n) is not int or not 1 <= n <= 8:
-        raise ValueError(f"down_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
-                         f"1..8; got {fmt!r}, {n!r}")
+    _check_fmt_n("down_launch", DOWN_LAUNCH, fmt, n)
 
     def parse(entry: str) -> tuple:
         fields = 3 if entry.count(",") == 2 else 2
@@ -2487,9 +2492,7 @@ def gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
             and 0 <= p <= 8, whose shared memory fits at top-k 8 (`moe_smem_bytes`; what
             depends on H and I, H % (64 w) and I % (16 r), is the launcher's check).
     """
-    if fmt not in GATE_UP_LAUNCH or type(n) is not int or not 1 <= n <= 8:
-        raise ValueError(f"gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
-                         f"1..8; got {fmt!r}, {n!r}")
+    _check_fmt_n("gate_up_launch", GATE_UP_LAUNCH, fmt, n)
     def parse(entry: str) -> tuple:
         fields = 4 if entry.count(",") == 3 else 3
         key, vals = _fmt_n_entry(entry, fields)
@@ -3028,9 +3031,7 @@ def norm_gate_up_launch(fmt: str, n: int) -> tuple[int, int, int, int]:
         TuningEnvError (a ValueError): an entry that is not `fmt:N=w,r,p,b` with fmt nvfp4
             or bf16, 1 <= N <= 8, 1 <= w <= 32, 1 <= r <= 8, 0 <= p <= 16 and 0 <= b <= 32.
     """
-    if fmt not in NORM_GATE_UP_LAUNCH or type(n) is not int or not 1 <= n <= 8:
-        raise ValueError(f"norm_gate_up_launch: fmt must be 'nvfp4' or 'bf16' and n an int in "
-                         f"1..8; got {fmt!r}, {n!r}")
+    _check_fmt_n("norm_gate_up_launch", NORM_GATE_UP_LAUNCH, fmt, n)
 
     def parse(entry: str) -> tuple:
         key, (w, r, pf, b) = _fmt_n_entry(entry, 4)
