@@ -251,7 +251,10 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
                     f"TFLOP/s**" if "copy_gbs" in rc and "matmul_tflops" in rc else "no ceilings recorded")
             L.append(f"  - Run {i}" + (f" ({run['source']})" if run.get("source") else "")
                      + f": {run.get('date', '-')}, {run.get('device_name') or run.get('device') or '-'}; "
-                     f"{ceil}; `{run.get('command') or '(python API)'}` ({run.get('wall_s', '-')} s)")
+                     + (f"flintc {run['flintc']}" + (f" (commit {run['flintc_commit']})"
+                                                     if run.get("flintc_commit") else "") + "; "
+                        if run.get("flintc") else "")
+                     + f"{ceil}; `{run.get('command') or '(python API)'}` ({run.get('wall_s', '-')} s)")
         if c.get("method"):
             L.append(f"- Ceilings measured as: {c['method']}")
     for ld in results.get("loads", []):

@@ -220,6 +220,10 @@ def test_merged_rows_name_their_run():
     assert runs[(a["decode"][1]["fmt"], a["decode"][1]["batch"])] == 3
     md = report.render_markdown(m)
     assert "| run |" in md.split("## Decode step")[1].split("\n\n")[2]
+    # each run's line names its flintc and commit (the header holds the first run's only)
+    m["meta"]["runs"][2] = dict(m["meta"]["runs"][2], flintc="0.1.0", flintc_commit="abcdef012345")
+    assert "  - Run 3: " in report.render_markdown(m)
+    assert "flintc 0.1.0 (commit abcdef012345); " in report.render_markdown(m).split("  - Run 3: ")[1]
     assert "| 2 x 2048 + 2 x 512 |" in md and "| 2 x 512 |" in md
     a["ceilings"]["matmul_tflops"] = 790.0
     assert "| run |" not in report.render_markdown(a)
