@@ -574,7 +574,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             if loc[:1] == ("stop_token_ids",) and e["type"] != "extra_forbidden":  # as its range errors
                 where = "stop_token_ids" + "".join(f"[{p}]" for p in loc[1:])
                 raise APIError(400, f"invalid value for '{where}': {e['msg']}", param="stop_token_ids") from None
-            where = ".".join(str(p) for p in loc) or "body"
+            where = _json_path(data, loc, missing=e["type"] == "missing")
             msg = ("Unrecognized request argument supplied: " + where if e["type"] == "extra_forbidden"
                    else f"invalid value for '{where}': {e['msg']}")
             raise APIError(400, msg, param=where) from None
@@ -1306,6 +1306,21 @@ def json_content_type(value: str | None) -> None:
         return
     raise APIError(400, f"the request body must be JSON: Content-Type is {value!r}, expected "
                    "'application/json'", code="invalid_content_type")
+
+
+def _json_path(data, loc: tuple, missing: bool = False) -> str:
+    """A pydantic error location as a path into the request's parsed JSON `data`, written
+    as the other errors write it (``messages[0].content``, ``tokens[0]``), without the
+    union members' names pydantic puts in it (``stop.str`` -> ``stop``): the parts that
+    index into `data` are kept, the others dropped, except a missing field's own name
+    (`missing`: the last part, which `data` cannot hold). "body" for an empty path."""
+    path, node = "", data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and (part in node or (missing and i == len(loc) - 1)):
+            path, node = (f"{path}.{part}" if path else part), node.get(part)
+        elif isinstance(node, list) and type(part) is int and 0 <= part < len(node):
+            path, node = f"{path}[{part}]", node[part]
+    return path or "body"
 
 
 def _lone_surrogate(data, where: str = "") -> str | None:

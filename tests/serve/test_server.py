@@ -736,8 +736,8 @@ def test_tokenize_equals_what_chat_and_completions_feed_the_model(server, tiny_s
     ("/detokenize", {"tokens": [1, 100000]}, 400, "tokens", "token id 100000 is outside the vocabulary"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "token id -1 is outside the vocabulary"),
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "invalid value for 'tokens'"),
-    ("/detokenize", {"tokens": [1.5]}, 400, "tokens.0", "invalid value for 'tokens.0'"),
-    ("/detokenize", {"tokens": [True]}, 400, "tokens.0", "invalid value for 'tokens.0'"),
+    ("/detokenize", {"tokens": [1.5]}, 400, "tokens[0]", "invalid value for 'tokens[0]'"),  # was 'tokens.0'
+    ("/detokenize", {"tokens": [True]}, 400, "tokens[0]", "invalid value for 'tokens[0]'"),
     ("/detokenize", {}, 400, "tokens", "invalid value for 'tokens'"),
     ("/detokenize", {"tokens": [1], "model": "gpt-9"}, 404, "model", "does not exist"),
     ("/tokenize", {"prompt": 5}, 400, "prompt", "invalid value for 'prompt'"),
@@ -1816,6 +1816,22 @@ def test_text_part_without_text_message(server):
         status, got = raw(server, "POST", "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1})
         assert status == 400 and got["error"]["param"] == "messages[0].content", got
         assert got["error"]["message"].startswith("messages[0].content[1]: ") and needle in got["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, "stop"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [5]}, "messages[0]"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "user"}]},
+     "messages[1].content"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": "x"}}, "logit_bias.1"),
+])
+def test_validation_errors_name_the_field_as_a_json_path(server, path, body, where):
+    """pydantic's error locations hold the union member it tried last ('stop.str') and
+    list indices as fields ('messages.0'); the error's param and message give the path
+    into the request's JSON instead, as the server's own checks write it."""
+    status, got = raw(server, "POST", path, body)
+    err = got["error"]
+    assert status == 400 and err["param"] == where and err["param"] in err["message"], got
 
 
 @pytest.mark.parametrize("value, where", [([1, "a"], "stop_token_ids[1]"), ([True], "stop_token_ids[0]"),
