@@ -79,25 +79,21 @@ def _write_failure(exc: BaseException) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def naming_write_errors(path, writing: str | None = None):
+def naming_write_errors(path):
     """Re-raise an error raised while writing `path` as an OSError whose filename is
     `path` (what the CLI prints: "flintc: error: PATH: reason"): a write that fails on a
     full disk raises OSError without a filename; numpy's short write and safetensors'
-    SafetensorError carry no errno. `writing`: the file being written, when `path` is the
-    output the user named (a build folder) and the file a temporary one inside it.
-    OSErrors that already name a file pass unchanged."""
+    SafetensorError carry no errno. OSErrors that already name a file, and errors that
+    are no write errors, pass unchanged. A file in an output's temporary folder is then
+    named as the output by `final_output_error`."""
     try:
         yield
-    except OSError as exc:
-        if exc.filename is not None:
-            raise
-        code, reason = _write_failure(exc)
-        raise OSError(code, reason + (f" (writing {writing})" if writing else ""), str(path)) from exc
     except Exception as exc:
-        if type(exc).__name__ != "SafetensorError":
+        if isinstance(exc, OSError) and exc.filename is not None:
             raise
-        code, reason = _write_failure(exc)
-        raise OSError(code, reason + (f" (writing {writing})" if writing else ""), str(path)) from exc
+        if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+            raise
+        raise OSError(*_write_failure(exc), str(path)) from exc
 
 
 def final_output_error(exc: BaseException, tmp, out) -> OSError | None:

@@ -337,6 +337,8 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
 def _new_results(o: BenchOptions, device: torch.device) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
+    import flintc
+
     def ver(pkg):
         try:
             return version(pkg)
@@ -355,7 +357,7 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": ver("triton"),
-        "flintc": _flintc_version(),
+        "flintc": flintc.__version__,  # "unknown" from a source tree
         "flintc_commit": _source_commit(),
         "driver": _driver_version() if device.type == "cuda" else None,
         # the interpreter runs only the triton backend's kernels (the torch backend: none)
@@ -369,13 +371,6 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
     return {"meta": meta, "ceilings": {}, "loads": [], "builds": [], "decode": [], "prefill": [],
             "baselines": [], "baseline_failures": [], "breakdown": [], "prefill_breakdown": [], "kernels": [],
             "failures": [], "notes": []}
-
-
-def _flintc_version() -> str:
-    """`flintc.__version__`: the installed package's, "unknown" from a source tree."""
-    import flintc
-
-    return flintc.__version__
 
 
 def _source_commit() -> str | None:

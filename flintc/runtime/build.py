@@ -393,7 +393,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
                            ("report.json", json.dumps(reports, indent=1)),
                            ("report.md", _report_md(reports, plan_steps)),
                            ("build.json", json.dumps(manifest, indent=1))):
-            with naming_write_errors(out, writing=name):  # a full disk names the build
+            with naming_write_errors(tmp / name):  # named as --out below (final_output_error)
                 (tmp / name).write_text(text)
 
         move_into_place(tmp, out, log=log)  # SIGINT/SIGTERM deferred until `out` is whole (logged)
