@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from flintc.config import FlintConfig
+from flintc.kernels.platform import grouped_mm_fn, grouped_mm_sync_free
 from flintc.model import ops
 from flintc.model.reference import FlintModel, WeightHolder
 from flintc.model.weights import WeightDict
@@ -100,23 +101,16 @@ def logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(h, w).to(F32)
 
 
-def _grouped_mm_fn():
-    """torch's grouped GEMM (`torch.nn.functional.grouped_mm`, torch >= 2.9; else
-    `torch._grouped_mm`), or None."""
-    fn = getattr(F, "grouped_mm", None)
-    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
-
-
 def grouped_experts_apply(device: torch.device) -> bool:
     """Whether `experts` runs bf16 experts as one grouped GEMM on `device`: torch has
     grouped_mm and, on CUDA, its CUTLASS path reads the group offsets on the device
     (sm_90 / sm_100; elsewhere torch copies them to the host, which CUDA-graph capture
     forbids). CPU: torch's own fallback."""
-    if _grouped_mm_fn() is None:
+    if grouped_mm_fn() is None:
         return False
     if device.type == "cpu":  # torch's CPU grouped_mm came with the public API (torch 2.9)
         return getattr(F, "grouped_mm", None) is not None
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    return grouped_mm_sync_free(device)
 
 
 @torch.library.custom_op("flintc_fast::grouped_mm", mutates_args=())
@@ -127,7 +121,7 @@ def _grouped_mm_op(rows: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor) ->
     CUDA context (torch 2.11 on an H100, docs/gpu-runs.md session 37). Inductor runs
     this op as it is (cuBLAS-style extern call), inside its CUDA graphs. Inference only:
     it has no autograd formula (the baseline never differentiates)."""
-    return _grouped_mm_fn()(rows, w_t, offs=offs)
+    return grouped_mm_fn()(rows, w_t, offs=offs)
 
 
 @_grouped_mm_op.register_fake

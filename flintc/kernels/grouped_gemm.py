@@ -74,7 +74,6 @@ capture `_pick_impl` refuses it with a clear error.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -94,7 +93,7 @@ from flintc.kernels.gemm import (
 from flintc.kernels.gemm import gemm as dense_gemm
 from flintc.kernels.nvfp4_mma import is_mma_layout
 from flintc.kernels.pdl import pdl_mode
-from flintc.kernels.platform import interpreting
+from flintc.kernels.platform import grouped_mm_fn, grouped_mm_sync_free, interpreting
 from flintc.kernels.prefill_ops import expert_combine, silu_mul
 from flintc.kernels.tiles import (
     DEQUANT_UNSCALE,
@@ -113,12 +112,6 @@ IMPLS = ("auto", "triton", "grouped_mm", "loop")
 def _alloc(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Output allocation (torch.empty); a seam for tests, which poison it with NaN."""
     return torch.empty(*shape, dtype=dtype, device=device)
-
-
-def _grouped_mm_fn():
-    """torch's grouped GEMM (`torch.nn.functional.grouped_mm`, else `torch._grouped_mm`), or None."""
-    fn = getattr(torch.nn.functional, "grouped_mm", None)
-    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
 # ---------------------------------------------------------------------------- Triton kernel
@@ -631,19 +624,6 @@ def _check_ids(op: str, ids, N: int, device):
         _fail(op, "ids", f"an int64 tensor [{N}, K] on {device}", ids)
 
 
-@functools.cache
-def _capability_major(index: int | None) -> int:
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def _grouped_mm_sync_free(device) -> bool:
-    """Whether torch's grouped_mm runs on `device` without a host sync: its CUTLASS path
-    (bf16, sm_90 / sm_100, `_grouped_mm_cuda`'s fast path) reads the offsets on the
-    device; on other GPUs it takes `_grouped_mm_fallback`, which copies them to the host
-    (no CUDA-graph capture, a stall per call)."""
-    return device.type == "cuda" and _capability_major(device.index) in (9, 10)
-
-
 def _pick_impl(op: str, impl: str, is_nvfp4: bool, device) -> str:
     """The implementation `impl` names ("auto": module docstring; triton on CUDA).
 
@@ -657,13 +637,13 @@ def _pick_impl(op: str, impl: str, is_nvfp4: bool, device) -> str:
     if impl == "auto":
         if device.type == "cuda":
             return "triton"
-        return "grouped_mm" if not is_nvfp4 and _grouped_mm_fn() is not None else "loop"
-    if impl == "grouped_mm" and (is_nvfp4 or _grouped_mm_fn() is None):
+        return "grouped_mm" if not is_nvfp4 and grouped_mm_fn() is not None else "loop"
+    if impl == "grouped_mm" and (is_nvfp4 or grouped_mm_fn() is None):
         raise ValueError(f"{op}: impl='grouped_mm' needs bf16 weights and a torch with grouped_mm")
     if impl == "triton" and device.type != "cuda" and not interpreting():
         raise ValueError(f"{op}: impl='triton' on CPU tensors needs TRITON_INTERPRET=1")
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        if impl == "loop" or (impl == "grouped_mm" and not _grouped_mm_sync_free(device)):
+        if impl == "loop" or (impl == "grouped_mm" and not grouped_mm_sync_free(device)):
             raise ValueError(f"{op}: impl={impl!r} reads the expert counts on the host here, which "
                              "CUDA-graph capture forbids; use impl='triton' (or 'auto')")
     return impl
@@ -741,7 +721,7 @@ def _routed_gemm_bf16(rows, w, plan: ExpertPlan, impl) -> torch.Tensor:
     """bf16 [M, F]: each sorted row times its expert's W^T, fp32 accumulation, one rounding."""
     ends = plan.ends()
     if impl == "grouped_mm":
-        return _grouped_mm_fn()(rows, w[0].transpose(1, 2), offs=ends)
+        return grouped_mm_fn()(rows, w[0].transpose(1, 2), offs=ends)
     ends = ends.to(torch.int64)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     return _loop_expert_mm(rows, w, counts, ends).to(torch.bfloat16)

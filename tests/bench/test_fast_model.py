@@ -158,6 +158,23 @@ def test_nvfp4_ops_apply_the_global_scale_after_the_gemm():
     torch.testing.assert_close(got.double(), x.double() @ m.dequantize().double().T, rtol=2e-2, atol=1e-3)
 
 
+def test_grouped_experts_only_where_grouped_mm_needs_no_host_sync(monkeypatch):
+    """On CUDA the grouped path is taken on sm_90 / sm_100 only (elsewhere torch's
+    grouped_mm copies the offsets to the host, which CUDA-graph capture forbids): the
+    same test as the Triton MoE's `_pick_impl` (one shared `grouped_mm_sync_free`)."""
+    from flintc.bench import fast_model
+    from flintc.kernels import platform
+
+    cuda = torch.device("cuda", 0)
+    if platform.grouped_mm_fn() is None:
+        assert not fast_model.grouped_experts_apply(cuda)
+        return
+    for major, want in ((8, False), (9, True), (10, True), (12, False)):
+        monkeypatch.setattr(platform, "capability_major", lambda index, m=major: m)
+        assert fast_model.grouped_experts_apply(cuda) is want, major
+    assert not fast_model.grouped_experts_apply(torch.device("meta"))
+
+
 @pytest.mark.parametrize("xdim", [2, 3])
 def test_bf16_experts_grouped_gemm_matches_the_gather(xdim, monkeypatch):
     """bf16 `experts` on the CPU runs one grouped GEMM (`grouped_experts_apply`): the

@@ -33,6 +33,7 @@ import flintc.ops  # noqa: F401  (registers torch.ops.flintc.*)
 from flintc.config import FlintConfig
 from flintc.kernels import gemm as G
 from flintc.kernels import grouped_gemm as GG
+from flintc.kernels import platform
 from flintc.ops.common import as_weight
 from flintc.quant.nvfp4 import NVFP4Tensor, dequantize_packed, quantize
 
@@ -220,7 +221,7 @@ def moe_impls(fmt: str) -> list[str]:
     """Every implementation that can run here: triton (the interpreter on CPU), loop, and
     grouped_mm for bf16 weights when torch has it."""
     impls = ["triton", "loop"]
-    if fmt == "bf16" and GG._grouped_mm_fn() is not None:
+    if fmt == "bf16" and GG.grouped_mm_fn() is not None:
         impls.append("grouped_mm")
     return impls
 
@@ -577,14 +578,14 @@ def test_auto_impl_is_sync_free_on_cuda(monkeypatch):
     off sm_90 / sm_100)."""
     cuda = torch.device("cuda", 0)
     for major in (8, 9, 10, 12):
-        monkeypatch.setattr(GG, "_capability_major", lambda index, m=major: m)
+        monkeypatch.setattr(platform, "capability_major", lambda index, m=major: m)
         assert GG._pick_impl("op", "auto", False, cuda) == "triton"
         assert GG._pick_impl("op", "auto", True, cuda) == "triton"
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    if GG._grouped_mm_fn() is not None:
-        monkeypatch.setattr(GG, "_capability_major", lambda index: 9)
+    if GG.grouped_mm_fn() is not None:
+        monkeypatch.setattr(platform, "capability_major", lambda index: 9)
         assert GG._pick_impl("op", "grouped_mm", False, cuda) == "grouped_mm"  # sync-free here
-        monkeypatch.setattr(GG, "_capability_major", lambda index: 12)
+        monkeypatch.setattr(platform, "capability_major", lambda index: 12)
     with pytest.raises(ValueError, match="impl='loop' reads the expert counts on the host"):
         GG._pick_impl("moe_gate_up", "loop", False, cuda)
     with pytest.raises(ValueError, match="impl='grouped_mm' reads the expert counts on the host"):
@@ -598,7 +599,7 @@ def test_moe_launchers_have_no_host_sync(fmt, impl):
     (CUDA-graph capture of the prefill function); the loop fallback is caught."""
     from flintc.runtime.hostsync import HostSyncError, forbid_host_sync
 
-    if impl == "grouped_mm" and GG._grouped_mm_fn() is None:
+    if impl == "grouped_mm" and GG.grouped_mm_fn() is None:
         pytest.skip("this torch has no grouped_mm")
     c = moe_case(7, fmt, seed=3)
     with forbid_host_sync():
