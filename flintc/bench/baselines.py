@@ -97,7 +97,10 @@ class CompiledStep:
 
     After construction `error` is None, or the compile failure (type and message);
     `compile_s` the seconds of the first call (tracing, autotuning, compiling);
-    `cudagraphs` True/False/None (unknown) and `cudagraph_notes` Inductor's reasons.
+    `cudagraphs` True/False/None (unknown) and `cudagraph_notes` Inductor's reasons;
+    `graph_breaks` how many times Dynamo broke the step's graph (0: one graph, one
+    CUDA graph; each break adds a graph, a CUDA-graph replay and Python between them;
+    None: unknown) and `cudagraph_notes` gets the first breaks' reasons.
     """
 
     name = "compile"
@@ -109,6 +112,7 @@ class CompiledStep:
         self.compile_s = None
         self.cudagraphs = None
         self.cudagraph_notes: list[str] = []
+        self.graph_breaks = None
         self.mode = mode
         import torch._dynamo as dynamo
 
@@ -128,6 +132,7 @@ class CompiledStep:
         for lg in loggers:
             lg.addHandler(handler)
         skips_before = _cudagraph_skips()
+        breaks_before = _graph_breaks()
         try:
             self.fn = torch.compile(self.module, mode=mode, dynamic=False, fullgraph=False)
             t0 = time.perf_counter()
@@ -145,6 +150,11 @@ class CompiledStep:
             for lg in loggers:
                 lg.removeHandler(handler)
         self.cudagraph_notes = handler.messages[:5]
+        breaks = _graph_breaks()
+        if self.error is None and breaks is not None and breaks_before is not None:
+            self.graph_breaks = sum((breaks - breaks_before).values())
+            self.cudagraph_notes += [f"Dynamo graph break ({n}x): {_first_line(r)}"
+                                     for r, n in (breaks - breaks_before).most_common(3)]
         skips = _cudagraph_skips()
         if self.error is None and skips is not None and skips_before is not None:
             self.cudagraphs = skips == skips_before and torch.device(example[0].device).type == "cuda"
@@ -181,6 +191,23 @@ def _cudagraph_skips():
         return int(counters["inductor"].get("cudagraph_skips", 0))
     except Exception:  # noqa: BLE001 - a private counter; unknown when it moves
         return None
+
+
+def _graph_breaks():
+    """Dynamo's graph breaks so far, a Counter of reason -> count (None where this torch
+    keeps no such counter)."""
+    try:
+        from collections import Counter
+
+        from torch._dynamo.utils import counters
+
+        return Counter(counters["graph_break"])
+    except Exception:  # noqa: BLE001 - a private counter; unknown when it moves
+        return None
+
+
+def _first_line(reason: str) -> str:
+    return str(reason).strip().splitlines()[0][:200] if str(reason).strip() else "?"
 
 
 BASELINES = ("eager", "compile", "fast")

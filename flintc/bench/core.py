@@ -1051,6 +1051,7 @@ class _Bench:
                 "e2e_iters": e2e["iters"], "compile_s": getattr(step, "compile_s", None),
                 "cudagraphs": getattr(step, "cudagraphs", None), "mode": getattr(step, "mode", None),
                 "cudagraph_notes": getattr(step, "cudagraph_notes", None),
+                "graph_breaks": getattr(step, "graph_breaks", None),
                 "peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else None}
 
     def _standalone_baseline(self, name: str, fmt: str, ckpt) -> None:

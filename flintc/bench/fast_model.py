@@ -146,16 +146,20 @@ def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, W: torch.Tensor) -> tor
     return y[torch.argsort(order)].view(N, K, Out)
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+def experts(x: torch.Tensor, ids: torch.Tensor, w: list[torch.Tensor],
+            grouped: bool | None = None) -> torch.Tensor:
     """Each token's selected experts' GEMVs. x: bf16 [N, In] (every expert of a token
     reads it) or [N, K, In] (one row per selected expert); ids: int64 [N, K]; w: stacked
-    [E, Out, In] as `[W]` or `[codes, scales, global_scale ([E] or [])]`. bf16 where
-    `grouped_experts_apply`: one grouped GEMM over the rows sorted by expert, reading each
-    distinct selected expert once, in place (what prefill MoE code does with
-    `torch._grouped_mm`); otherwise, and for NVFP4 (grouped_mm takes no FP4 operand),
-    the N x K selected matrices gathered (`w[ids]`; NVFP4: the packed codes and scales,
-    dequantized after the gather), never all E. -> bf16 [N, K, Out]."""
-    if len(w) == 1 and grouped_experts_apply(ids.device):
+    [E, Out, In] as `[W]` or `[codes, scales, global_scale ([E] or [])]`. bf16 with
+    `grouped` (None: `grouped_experts_apply(ids.device)`, a device query that a compiled
+    caller should make once, outside the traced code): one grouped GEMM over the rows
+    sorted by expert, reading each distinct selected expert once, in place (what prefill
+    MoE code does with `torch._grouped_mm`); otherwise, and for NVFP4 (grouped_mm takes
+    no FP4 operand), the N x K selected matrices gathered (`w[ids]`; NVFP4: the packed
+    codes and scales, dequantized after the gather), never all E. -> bf16 [N, K, Out]."""
+    if grouped is None:
+        grouped = grouped_experts_apply(ids.device)
+    if len(w) == 1 and grouped:
         return _experts_grouped(x, ids, w[0])
     xk = x[:, None, :, None] if x.dim() == 2 else x[..., None]  # [N, 1 | K, In, 1]
     if len(w) == 1:
@@ -205,6 +209,11 @@ class FastFlintModel(FlintModel):
     and `new_kv_cache` are `FlintModel`'s (bf16 caches); logits fp32 [B, T, V] (with
     `logits_rows`: fp32 [M, V] and the final-normed bf16 hidden states [B, T, H]).
 
+    `grouped_experts`: whether bf16 experts run as one grouped GEMM
+    (`grouped_experts_apply` of the weights' device, set at construction and after
+    `.to()`, so that `forward` queries no device property: under `torch.compile` such
+    a query may break the graph, and each break splits the CUDA graph).
+
     Raises:
         CheckpointError: `weights` does not match `config`.
     """
@@ -212,6 +221,13 @@ class FastFlintModel(FlintModel):
     def __init__(self, config: FlintConfig, weights: WeightDict, max_positions: int | None = None):
         weights = {k: v.packed() if isinstance(v, NVFP4Tensor) else v for k, v in weights.items()}
         super().__init__(config, weights, mode="bf16", max_positions=max_positions)
+        self.grouped_experts = grouped_experts_apply(self.embed.weight.device)
+
+    def _apply(self, fn, *args, **kwargs):  # .to() / .cuda(): the device may change
+        out = super()._apply(fn, *args, **kwargs)
+        if hasattr(self, "grouped_experts"):
+            self.grouped_experts = grouped_experts_apply(self.embed.weight.device)
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 kv_cache: list[torch.Tensor], logits_rows: torch.Tensor | None = None):
@@ -274,8 +290,9 @@ class FastFlintModel(FlintModel):
         c, w = self.config, moe.w
         weights, ids = ops.select_topk(logits(x, w["router"].weight), w["bias"].weight,
                                        c.num_experts_per_tok, c.routed_scaling_factor)  # fp32, int64 [N, K]
-        a = ops.silu_mul(experts(x, ids, _w(w["gate"])), experts(x, ids, _w(w["up"])), F32)  # [N, K, F]
-        y = experts(a, ids, _w(w["down"]))  # [N, K, H]
+        g = self.grouped_experts
+        a = ops.silu_mul(experts(x, ids, _w(w["gate"]), g), experts(x, ids, _w(w["up"]), g), F32)  # [N, K, F]
+        y = experts(a, ids, _w(w["down"]), g)  # [N, K, H]
         shared = self._dense(moe.shared.w, x) if moe.shared is not None else None
         return ops.expert_combine(y, weights, shared, F32)
 

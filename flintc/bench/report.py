@@ -322,15 +322,16 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
             ours = find(dec, engine="flintc", fmt=r["fmt"], batch=r["batch"], context=r["context"])
             rows.append([r["engine"], r["fmt"], r["batch"], _ctx(r["context"]), r["fwd_ms"], r["e2e_ms"],
                          r.get("compile_s"), r.get("cudagraphs") if r["engine"] in ("compile", "fast") else "-",
+                         r.get("graph_breaks") if r["engine"] in ("compile", "fast") else "-",
                          f"{r['e2e_ms'] / ours['e2e_ms']:.2f}x" if ours else "-"])
         L += _table(["engine", "format", "batch", "context", "fwd ms", "e2e ms", "compile s", "CUDA graphs",
-                     "flintc speedup (e2e)"], rows)
+                     "graph breaks", "flintc speedup (e2e)"], rows)
         for f in results.get("baseline_failures", []):
             L.append(f"- {f['engine']} {f['fmt']} b{f['batch']}/{_ctx(f['context'])} failed to compile: "
                      f"`{f['error']}`")
         notes = {n for r in base for n in (r.get("cudagraph_notes") or [])}
         for n in sorted(notes):
-            L.append(f"- Inductor: {n}")
+            L.append(f"- {n}" if n.startswith("Dynamo") else f"- Inductor: {n}")
         L.append("")
     targets = results.get("targets") or evaluate_targets(results)
     L += ["## Targets (issue 8, H200)", ""]

@@ -796,7 +796,9 @@ def test_cpu_compiled_baselines_tiny(tmp_path, monkeypatch, engine, fmt):
     assert (rec["engine"], rec["fmt"], rec["batch"], rec["context"], rec["mode"]) == (
         engine, fmt, 1, 64, "max-autotune")
     assert 0 < rec["fwd_ms"] and 0 < rec["e2e_ms"] and rec["compile_s"] > 0
+    assert isinstance(rec["graph_breaks"], int)
     if engine == "fast":
+        assert rec["graph_breaks"] == 0, rec["cudagraph_notes"]  # one graph: the baseline's best case
         md = (out / "bench.md").read_text()
         assert "fast = the same `torch.compile`" in md and "| fast | nvfp4 | 1 |" in md
 
@@ -813,7 +815,7 @@ def test_fast_baseline_columns_only_when_measured():
     md = report.render_markdown(res)
     assert "vs fast" not in md and "fast e2e ms" not in md and "fast =" not in md
     res["baselines"].append({"engine": "fast", "fmt": "bf16", "batch": 1, "context": 1024, "fwd_ms": 2.5,
-                             "e2e_ms": 2.8, "compile_s": 60.0, "cudagraphs": True})
+                             "e2e_ms": 2.8, "compile_s": 60.0, "cudagraphs": True, "graph_breaks": 0})
     t = {x["key"]: x for x in report.evaluate_targets(res)}
     assert t["bf16_vs_compile_b1_1k"]["measured"] == pytest.approx(4.9 / 1.4), "the target stays vs compile"
     assert t["bf16_vs_compile_b1_1k"]["vs_fast"] == pytest.approx(2.8 / 1.4)
@@ -823,7 +825,38 @@ def test_fast_baseline_columns_only_when_measured():
     assert header.endswith("| compile e2e ms | vs compile | fast e2e ms | vs fast |"), header
     assert "| 4.9 | 3.50x | 2.8 | 2.00x |" in md
     assert "BF16 end to end vs fast, b1/1K 2.00x (fast 2.80 ms, flintc 1.400 ms)" in md
-    assert "| fast | bf16 | 1 | 1K | 2.5 | 2.8 | 60 | yes |" in md
+    assert "| fast | bf16 | 1 | 1K | 2.5 | 2.8 | 60 | yes | 0 |" in md
+
+
+def test_compiled_step_counts_graph_breaks(monkeypatch):
+    """`CompiledStep.graph_breaks`: 0 for a step Dynamo traces whole, the count and the
+    first reason (in `cudagraph_notes`, shown under the baselines table) for one it
+    breaks; a break splits the step's CUDA graph, so a baseline with breaks is not the
+    compiler's best case and the report must say so."""
+    from flintc.bench import baselines
+
+    class Step(torch.nn.Module):
+        def __init__(self, model, kv):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, positions, slots):
+            y = ids.float() * 2
+            if self.model.broken:
+                torch._dynamo.graph_break()
+            return y + positions
+
+    monkeypatch.setattr(baselines, "_StaticDecode", Step)
+    example = (torch.ones(2, 1), torch.zeros(2, 1), torch.zeros(2, dtype=torch.long))
+    for broken, want in ((False, 0), (True, 1)):
+        model = torch.nn.Module()
+        model.broken = broken
+        step = baselines.CompiledStep(model, [], example, mode="default")
+        assert step.error is None, step.error
+        assert step.graph_breaks == want, step.cudagraph_notes
+        torch.testing.assert_close(step(*example), example[0] * 2)
+        notes = [n for n in step.cudagraph_notes if n.startswith("Dynamo graph break")]
+        assert len(notes) == want and all("graph_break()" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("kind", ["missing", "folder"])

@@ -175,6 +175,29 @@ def test_grouped_experts_only_where_grouped_mm_needs_no_host_sync(monkeypatch):
     assert not fast_model.grouped_experts_apply(torch.device("meta"))
 
 
+def test_forward_queries_no_device_property(monkeypatch):
+    """Whether the experts run grouped is decided at construction (and after `.to()`),
+    never in `forward`: under torch.compile a device query in the traced code may break
+    the graph, and each break splits the step's CUDA graph (session 38's H100 run of the
+    fast baseline: 4.31 -> 6.94 ms at b1/1K after the grouped experts came in with a
+    capability query in `experts`)."""
+    from flintc.bench import fast_model
+
+    fast = FastFlintModel(TINY, _weights("bf16", 3, decisive=True))
+    assert fast.grouped_experts == fast_model.grouped_experts_apply(torch.device("cpu"))
+    seen = []
+    monkeypatch.setattr(fast_model, "grouped_experts_apply", lambda device: seen.append(device) or False)
+    fast = fast.to("cpu")
+    assert seen == [torch.device("cpu")] and fast.grouped_experts is False, "refreshed by .to()"
+
+    def refuse(device):
+        raise AssertionError("forward queried the device")
+
+    monkeypatch.setattr(fast_model, "grouped_experts_apply", refuse)
+    out = fast(torch.tensor([[3]]), torch.tensor([[0]]), torch.tensor([0]), fast.new_kv_cache(1, 8))
+    assert out.shape == (1, 1, TINY.vocab_size) and torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("xdim", [2, 3])
 def test_bf16_experts_grouped_gemm_matches_the_gather(xdim, monkeypatch):
     """bf16 `experts` on the CPU runs one grouped GEMM (`grouped_experts_apply`): the
