@@ -211,7 +211,7 @@ def format_table(report) -> str:
         rows.append((
             str(s.index), s.name, s.stage, str(s.nodes), str(s.kernels.per_forward),
             str(s.kernels.per_kind.get("dense", "-")), str(s.kernels.per_kind.get("moe", "-")),
-            c.expected if c else "-", ("yes" if c.passed else "NO") if c else "-",
+            c.expected if c else "-", ("yes" if c.passed else "NO") if c else ("NO" if s.error else "-"),
             f"{c.max_abs:.3g}" if c else "-", f"{c.max_rel:.3g}" if c else "-",
             f"{c.share_differing:.2%}" if c else "-",
             f"{c.experts_agree:.1%}" if c and c.experts_agree is not None else "-",

@@ -15,7 +15,10 @@ writes files named `{index:02d}-{name}` so they sort in pipeline order:
 
 then rewrites `index.md` (a table of all stages so far, linking their files) and
 `report.json` (the config, the step and every stage's `StageReport.as_dict()`
-plus its `files`); stage 0 writes those two first too, so an interrupted first dump
+plus its `files`). A pass whose graph fails its legality check or its own verify is
+dumped too, as a failed stage with its error (`StageReport.error`): listed in index.md
+under the table and in report.json, Overall FAILED, as a missed numeric expectation
+is. Stage 0 writes index.md and report.json first too, so an interrupted first dump
 is still recognised as an earlier dump. Every file is written atomically (a temporary name, then a
 rename), so a reader never sees half a file. Stage 0 starts a new pipeline: it
 removes the previous run's stage files (`NN-*.py|onnx|dot|svg`) from `out_dir`, which
@@ -125,6 +128,7 @@ def readable_code(gm: GraphModule, stage, ctx) -> str:
         f"# {stage.nodes} op nodes; {k.per_forward} kernels per forward; per layer kind: "
         + (", ".join(f"{kind} {n}" for kind, n in k.per_kind.items()) or "none"),
         f"# check: {_check_line(stage.check)}",
+        *([f"# FAILED: {stage.error}"] if stage.error else []),
         "",
     ]
     code = gm.print_readable(print_output=False, additional_meta=["flintc_layer", "flintc_block"])
@@ -191,7 +195,7 @@ def index_markdown(report, ctx, out: Path) -> str:
     ]
     for s in report.stages:
         ch = s.check
-        check_cells = ["-"] * 6 if ch is None else [
+        check_cells = ["-", "**NO**" if s.error else "-", *["-"] * 4] if ch is None else [
             ch.expected, "yes" if ch.passed else "**NO**", f"{ch.max_abs:.3g}", f"{ch.max_rel:.3g}",
             f"{ch.share_differing:.3g}",
             "-" if ch.experts_agree is None else f"{ch.experts_agree:.1%}"]
@@ -201,6 +205,10 @@ def index_markdown(report, ctx, out: Path) -> str:
                *check_cells, links]
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
     lines.append("")
+    for s in report.stages:
+        if s.error:  # a legality or verify failure: the pipeline stopped there
+            lines.append(f"Pass {s.index} '{s.name}' failed: {s.error}")
+            lines.append("")
     lines.append(f"Overall: {'passed' if report.passed else '**FAILED**'}.")
     if report.skipped:
         lines.append(f"Skipped passes: {', '.join(report.skipped)}.")

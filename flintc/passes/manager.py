@@ -55,6 +55,13 @@ class StageReport:
     check: CheckResult | None = None
     result: PassResult | None = None
     seconds: float = 0.0
+    # why the pass failed before its numeric check: "legality check failed: ..." or
+    # "verify failed: ..." (the pipeline stopped at this stage; None: it did not fail so)
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and (self.check is None or self.check.passed)
 
     def as_dict(self) -> dict:
         check = self.check.as_dict() if self.check else None
@@ -65,7 +72,7 @@ class StageReport:
             "kernels": self.kernels.as_dict(),
             "matches": self.result.matches if self.result else None,
             "notes": self.result.notes if self.result else [],
-            "check": check, "seconds": round(self.seconds, 3),
+            "check": check, "error": self.error, "seconds": round(self.seconds, 3),
         }
 
 
@@ -79,7 +86,7 @@ class PipelineReport:
 
     @property
     def passed(self) -> bool:
-        return all(s.check is None or s.check.passed for s in self.stages)
+        return all(s.passed for s in self.stages)
 
     @property
     def checked(self) -> bool:
@@ -153,7 +160,8 @@ class PassManager:
         Raises:
             GraphLegalityError / PassVerifyError: a pass left an illegal graph (the message
                 names the passes disabled, when some were: a later pass or stage needs
-                their output).
+                their output). The pass's stage is in the dumps first, failed, with the
+                error (`StageReport.error`).
             PassCheckError: a pass missed its numerical expectation, or the captured graph
                 fails its check against itself before any pass runs (NaN in its outputs).
         """
@@ -185,10 +193,22 @@ class PassManager:
                 check_graph(gm, p.stage, placeholders, where=where)
                 p.verify(gm)
             except (GraphLegalityError, PassVerifyError) as exc:
-                if not self.disabled:
+                error = exc
+                if self.disabled:
+                    error = type(exc)(f"{exc} (passes disabled: {', '.join(self.disabled)}; the later passes and "
+                                      "stages expect their output)")
+                # recorded as a failed stage (the dump's table and report.json), as a missed
+                # numeric expectation is: the dump said "Overall: passed" up to the stage before
+                what = "legality check failed" if isinstance(exc, GraphLegalityError) else "verify failed"
+                report.stages.append(StageReport(i, p.name, p.stage, _num_nodes(gm), count_kernels(gm, cfg),
+                                                 None, result, time.perf_counter() - t0, error=f"{what}: {error}"))
+                try:
+                    self._dump(gm, report)
+                except Exception as dump_exc:  # the pass's error is the one to tell
+                    raise error from dump_exc
+                if error is exc:
                     raise
-                raise type(exc)(f"{exc} (passes disabled: {', '.join(self.disabled)}; the later passes and stages "
-                                "expect their output)") from None
+                raise error from None
             check = None
             if self.checker is not None:
                 check = self.checker.check(gm, before, p.expectation)

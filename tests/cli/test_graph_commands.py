@@ -87,6 +87,37 @@ def test_verify_names_the_disabled_pass_a_later_stage_needs(capsys):
     assert "is not allowed at this stage" in err and "(passes disabled: fuse_silu_mul; the later passes" in err, err
 
 
+def test_failed_legality_check_is_recorded_in_the_dumps(capsys, monkeypatch, tmp_path):
+    """Regression: `FLINTC_DUMP_DIR=d flintc verify --disable lower_gemv` failed the
+    legality check after group_low_latency (exit 2), yet d/decode_b1/index.md ended in
+    "Overall: passed." and report.json said "passed": true, the table stopping at pass 6.
+    Now the failing pass is listed with its error, Overall FAILED, as a numeric failure.
+    `flintc dump` writes its dumps into a temporary folder removed on any failure (a
+    legality check's or a numeric one's): nothing is left, no dump that says passed."""
+    from harness import assert_one_line_error
+
+    monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "env"))
+    args = ["--batch", "1", "--cache-len", "8", "--disable", "lower_gemv"]
+    code = main(["verify", "--step", "decode", *args])
+    _, err = capsys.readouterr()
+    message = "lowered graph after pass 'group_low_latency': op aten.index is not allowed at this stage"
+    assert_one_line_error(code, err, message)
+    out = tmp_path / "env" / "decode_b1"
+    report = json.loads((out / "report.json").read_text())
+    assert report["passed"] is False and report["skipped"] == ["lower_gemv"]
+    last = report["stages"][-1]
+    assert last["name"] == "group_low_latency" and last["error"].startswith(f"legality check failed: {message}")
+    index = (out / "index.md").read_text()
+    assert f"Pass 7 'group_low_latency' failed: legality check failed: {message}" in index
+    assert "Overall: **FAILED**." in index and "Overall: passed" not in index
+
+    monkeypatch.delenv("FLINTC_DUMP_DIR")
+    code = main(["dump", "--out", str(tmp_path / "d"), *args])
+    _, err = capsys.readouterr()
+    assert_one_line_error(code, err, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["env"]
+
+
 def test_dump_writes_every_stage(capsys, tmp_path):
     out = tmp_path / "dump"
     assert main(["dump", "--out", str(out), "--step", "decode", "--batch", "1"]) == 0

@@ -27,7 +27,8 @@ from flintc.graph.match import clone_graph_module
 from flintc.graph.spec import _mutated_args
 from flintc.graph.trace import capture
 from flintc.model.reference import FlintModel
-from flintc.passes.base import GraphPass, PassContext, PassResult
+from flintc.graph.spec import GraphLegalityError
+from flintc.passes.base import GraphPass, PassContext, PassResult, PassVerifyError
 from flintc.passes.manager import NumericChecker, PassManager
 
 aten = torch.ops.aten
@@ -196,3 +197,45 @@ def test_dump_of_custom_ops(tiny_model, captures, tmp_path, monkeypatch):
     run_pipeline(tiny_model, captures["decode"], tmp_path, check=False)
     assert not list(tmp_path.glob("01-*"))
     assert "swap_test_ops" not in (tmp_path / "index.md").read_text()
+
+
+class FailsItsVerifyPass(GraphPass):
+    """Changes nothing, and says its post-condition does not hold."""
+
+    name = "fails_its_verify"
+
+    def run(self, gm):
+        return PassResult()
+
+    def verify(self, gm):
+        raise PassVerifyError("fails_its_verify: the test's post-condition does not hold")
+
+
+@pytest.mark.parametrize("failing, error, what", [
+    (SwapToTestOpsPass, GraphLegalityError, "legality check failed: fused graph after pass 'swap_test_ops': "),
+    (FailsItsVerifyPass, PassVerifyError, "verify failed: fails_its_verify: the test's post-condition"),
+])
+def test_dump_records_a_pass_that_fails_its_legality_check_or_verify(tiny_model, captures, tmp_path, failing,
+                                                                      error, what):
+    """Regression: a pass whose graph failed its legality check (or its own verify) raised
+    before its stage was dumped: index.md ended in "Overall: passed." and report.json said
+    "passed": true, its table stopping at the stage before. Now the failing pass is a
+    stage of the dumps with its error, Overall FAILED, as a missed numeric expectation."""
+    class Identity(GraphPass):
+        name = "identity"
+
+        def run(self, gm):
+            return PassResult()
+
+    with pytest.raises(error):
+        run_pipeline(tiny_model, captures["decode"], tmp_path, [Identity, failing], check=False)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["passed"] is False
+    assert [s["name"] for s in data["stages"]] == ["captured", "identity", failing.name]
+    assert [s["error"] is None for s in data["stages"]] == [True, True, False]
+    assert data["stages"][2]["error"].startswith(what), data["stages"][2]["error"]
+    index = (tmp_path / "index.md").read_text()
+    assert f"| 2 | {failing.name} | fused |" in index and "| **NO** |" in index
+    assert f"\nPass 2 '{failing.name}' failed: {what}" in index
+    assert index.rstrip().endswith("Overall: **FAILED**.")
+    assert f"# FAILED: {what}" in (tmp_path / f"02-{failing.name}.py").read_text()
