@@ -239,7 +239,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         raise InputError(f"--out {args.out}: exists and is a file, expected a folder (for bench.json, bench.md "
                          "and the plots)")
     if Path(args.out).is_dir():
-        from flintc.cli.dump import foreign_files
+        from flintc.fileio import foreign_files
 
         foreign = foreign_files(Path(args.out))
         if foreign:

@@ -17,10 +17,6 @@ from flintc.cli.graphs import (add_model_args, build_targets, check_pass_flags, 
                                target_subfolder)
 from flintc.errors import InputError
 
-# What makes a folder a checkpoint or a build: never written over by a dump.
-_FOREIGN = ("config.json", "build.json", "tokenizer.json", "*.safetensors", "*.safetensors.index.json",
-            "*.gguf")
-
 
 def add_parser(sub) -> None:
     from flintc.cli import HelpFormatter
@@ -29,31 +25,33 @@ def add_parser(sub) -> None:
                        formatter_class=HelpFormatter)
     add_model_args(p)
     p.add_argument("--out", required=True,
-                   help="output folder (new, empty, or the output of an earlier flintc dump, which is replaced)")
+                   help="output folder (new, empty, or the output of an earlier flintc dump, which is replaced; "
+                   "not in a BUILD or a checkpoint folder)")
     p.add_argument("--step", choices=("decode", "prefill"), default="decode", help="the pipeline to dump")
     p.set_defaults(func=run_dump)
 
 
-def foreign_files(folder: Path) -> list[str]:
-    """The names of the files in `folder` that make it a checkpoint or a build (config.json,
-    build.json, tokenizer.json, safetensors, GGUF), which an output written into it would
-    mix with (dump's and bench's --out refuse such a folder)."""
-    return sorted({p.name for pattern in _FOREIGN for p in folder.glob(pattern)})
-
-
 def check_dump_out(out: str | Path) -> None:
     """Refuse an --out the dump would clobber, or an empty one (as given: `Path("")` is
-    the current folder). Raises InputError naming the path."""
+    the current folder): one that is, or is inside at any depth, a BUILD or a checkpoint
+    folder (`flintc.fileio.checkpoint_or_build_problem`, as `$FLINTC_DUMP_DIR`), or that
+    holds a checkpoint's or a build's files, or other files and is no earlier dump.
+    Raises InputError naming the path."""
     from flintc.cli.compile_build import check_output_folder
+    from flintc.fileio import checkpoint_or_build_problem, follow_out_link, foreign_files
     from flintc.graph.dump import is_dump_output
 
     check_output_folder(out, "--out")
+    problem = checkpoint_or_build_problem(follow_out_link(out))  # a link: its target is replaced
+    if problem:
+        raise InputError(f"--out {out}: {problem}; refusing to write dumps there, choose an --out outside any "
+                         "BUILD or checkpoint")
     out = Path(out)
     if not out.exists():
         return
     if not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a folder")
-    foreign = foreign_files(out)
+    foreign = foreign_files(out)  # a lone config.json or .gguf, no checkpoint: still not to be replaced
     if foreign:
         raise InputError(f"--out {out}: holds {', '.join(foreign[:3])} (a checkpoint or a build); "
                          "refusing to write dumps into it, choose another --out")

@@ -183,13 +183,16 @@ def test_unwritable_flintc_dump_dir_names_the_variable(capsys, tmp_path, monkeyp
      "--max-tokens", "1"],
     ["verify", "--step", "decode"],
 ])
-@pytest.mark.parametrize("value", ["build", "build/dumps", "build/dumps/new/sub"])
-def test_flintc_dump_dir_inside_a_build_is_refused(capsys, tmp_path, monkeypatch, tiny_bf16_dir, command, value):
+@pytest.mark.parametrize("value", ["build", "build/dumps", "build/dumps/new/sub", "ckpt", "ckpt/new/sub"])
+def test_flintc_dump_dir_inside_a_build_or_checkpoint_is_refused(capsys, tmp_path, monkeypatch, tiny_bf16_dir,
+                                                                command, value):
     """Regression: $FLINTC_DUMP_DIR pointing at a BUILD of `flintc compile` (or into it)
     was taken: a temporary BUILD's or verify's dumps went into the build folder, mixed
     with its files or replacing its own BUILD/dumps/<function>/ with another compile's,
-    and the next `flintc compile` into it deleted them. Now one line naming the
-    variable and the BUILD, before any work."""
+    and the next `flintc compile` into it deleted them. So it was for a checkpoint folder
+    (FLINTC_DUMP_DIR=ckpt wrote ckpt/decode_b1/), which `flintc dump --out` refuses. Now
+    one line naming the variable and the BUILD or checkpoint, before any work, the same
+    check as `flintc dump --out`'s (`flintc.fileio.checkpoint_or_build_problem`)."""
     import flintc.passes.pipeline as pipeline
 
     def never(*a, **k):
@@ -198,13 +201,69 @@ def test_flintc_dump_dir_inside_a_build_is_refused(capsys, tmp_path, monkeypatch
     monkeypatch.setattr(pipeline, "compile_step", never)
     (tmp_path / "build" / "dumps").mkdir(parents=True)
     (tmp_path / "build" / "build.json").write_text("{}")
+    (tmp_path / "ckpt").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "ckpt" / name).write_text("{}")
     monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / value))
     code, out, err = run_cli(capsys, *[a.format(ckpt=tiny_bf16_dir) for a in command])
-    assert_one_line_error(code, err, f"FLINTC_DUMP_DIR={tmp_path / value}: inside the flintc BUILD "
-                          f"{(tmp_path / 'build').resolve()} (it holds build.json)",
-                          "set FLINTC_DUMP_DIR to a folder outside any BUILD, or unset it for no dumps")
+    top = value.split("/")[0]
+    what = ("the flintc BUILD {} (it holds build.json)" if top == "build" else
+            "the checkpoint folder {} (it holds config.json, model.safetensors)").format((tmp_path / top).resolve())
+    assert_one_line_error(code, err, f"FLINTC_DUMP_DIR={tmp_path / value}: {'is' if value == top else 'inside'} "
+                          f"{what}", "set FLINTC_DUMP_DIR to a folder outside any BUILD or checkpoint, or unset it "
+                          "for no dumps")
     assert out == "" and sorted(p.name for p in (tmp_path / "build").iterdir()) == ["build.json", "dumps"]
     assert not any((tmp_path / "build" / "dumps").iterdir())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("out, message", [
+    ("build/dumps/decode_b1", "inside the flintc BUILD {tmp}/build (it holds build.json)"),
+    ("build", "is the flintc BUILD {tmp}/build (it holds build.json)"),
+    ("ckpt", "is the checkpoint folder {tmp}/ckpt (it holds config.json, model-nvfp4.gguf, tokenizer.json)"),
+    ("ckpt/dumps", "inside the checkpoint folder {tmp}/ckpt (it holds config.json, model-nvfp4.gguf, "
+                   "tokenizer.json)"),
+])
+def test_dump_out_inside_a_build_or_checkpoint_is_refused(capsys, tmp_path, out, message):
+    """Regression: `flintc dump --out BUILD/dumps/decode_b1` (an earlier dump, in a BUILD)
+    exited 0 and replaced the build's own dumps with unrelated ones; `--out BUILD` was
+    refused, only for build.json at its top. Now any --out inside a BUILD or a
+    checkpoint, at any depth, is refused as $FLINTC_DUMP_DIR is, before any work."""
+    dumps = tmp_path / "build" / "dumps" / "decode_b1"
+    dumps.mkdir(parents=True)
+    (tmp_path / "build" / "build.json").write_text("{}")
+    for name in ("index.md", "report.json"):
+        (dumps / name).write_text("{}")  # an earlier dump: `flintc dump` replaces one
+    (tmp_path / "ckpt").mkdir()
+    for name in ("config.json", "model-nvfp4.gguf", "tokenizer.json"):
+        (tmp_path / "ckpt" / name).write_text("{}")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    t0 = time.perf_counter()
+    code, stdout, err = run_cli(capsys, "dump", "--out", tmp_path / out, "--batch", 1)
+    assert_one_line_error(code, err, f"--out {tmp_path / out}: {message.format(tmp=tmp_path.resolve())}",
+                          "refusing to write dumps there, choose an --out outside any BUILD or checkpoint")
+    assert stdout == "" and time.perf_counter() - t0 < 3
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_lone_config_json_above_is_no_checkpoint(tmp_path):
+    """A folder holding only config.json (or only a .gguf), as a home or project folder
+    may, is no checkpoint: dumps below it are taken. A BUILD or a checkpoint is found at
+    any depth above, the nearest named."""
+    from flintc.fileio import checkpoint_or_build_problem
+
+    for folder, name in (("proj", "config.json"), ("downloads", "stray.gguf"), ("tok", "tokenizer.json")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / name).write_text("{}")
+        assert checkpoint_or_build_problem(tmp_path / folder / "dumps") is None
+    (tmp_path / "ckpt" / "build").mkdir(parents=True)
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
+    assert checkpoint_or_build_problem(tmp_path / "ckpt" / "a" / "b").startswith(
+        f"inside the checkpoint folder {(tmp_path / 'ckpt').resolve()} (it holds config.json, tokenizer.json)")
+    (tmp_path / "ckpt" / "build" / "build.json").write_text("{}")
+    assert checkpoint_or_build_problem(tmp_path / "ckpt" / "build" / "dumps").startswith(
+        f"inside the flintc BUILD {(tmp_path / 'ckpt' / 'build').resolve()} (it holds build.json)")
 
 
 def test_compile_step_checks_flintc_dump_dir(monkeypatch, tmp_path):
