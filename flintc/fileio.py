@@ -35,11 +35,18 @@ def set_public_mode(path: str | os.PathLike) -> None:
 def cannot_write_in(folder: str | os.PathLike) -> str | None:
     """Why a file cannot be created in the existing folder `folder` (the OS error's text),
     or None when it can: creates and removes an empty temporary file there, which also
-    catches what permission bits do not tell root (a read-only or virtual file system)."""
+    catches what permission bits do not tell root (a read-only or virtual file system).
+    A virtual file system that takes no new files (/proc) answers "No such file or
+    directory" about the file being created, although the folder is there: that is said
+    in words ("--json /proc/version: cannot write in the folder /proc (No such file or
+    directory)" read as if /proc were missing)."""
     try:
         fd, tmp = tempfile.mkstemp(prefix=".flintc-probe-", dir=folder)
     except OSError as e:
-        return e.strerror or str(e)
+        why = e.strerror or str(e)
+        if e.errno == errno.ENOENT and Path(folder).is_dir():
+            return f"its file system takes no new files: creating one there fails with '{why}'"
+        return why
     os.close(fd)
     os.unlink(tmp)
     return None

@@ -917,6 +917,34 @@ def test_output_paths_are_checked_before_any_work(capsys, tmp_path, monkeypatch,
     assert real(tmp_path) is None and real(tmp_path / "missing") is not None
 
 
+def test_a_folder_that_takes_no_new_files_is_said_so(capsys, tmp_path, monkeypatch):
+    """`verify --json /proc/version` said "cannot write in the folder /proc (No such file or
+    directory)", as if /proc were missing: a file system that takes no new files (/proc)
+    answers ENOENT about the file being created. Now said in words, naming the flag and
+    the file; /proc itself where it is there, and a folder whose probe fails so."""
+    import errno
+    import tempfile
+
+    if Path("/proc/version").is_file():
+        code, out, err = run_cli(capsys, "verify", "--json", "/proc/version", "--step", "decode")
+        assert_one_line_error(code, err, "--json /proc/version: cannot write in the folder /proc (its file system "
+                              "takes no new files: creating one there fails with 'No such file or directory')")
+        assert out == ""
+
+    def no_new_files(*args, dir=None, **kwargs):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", f"{dir}/.flintc-probe-x")
+
+    monkeypatch.setattr(tempfile, "mkstemp", no_new_files)
+    code, out, err = run_cli(capsys, "verify", "--json", tmp_path / "r.json", "--step", "decode")
+    assert_one_line_error(code, err, f"--json {tmp_path / 'r.json'}: cannot write in the folder {tmp_path} (its "
+                          "file system takes no new files: creating one there fails with 'No such file or directory')")
+    assert out == "" and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    import flintc.fileio as fileio
+
+    assert fileio.cannot_write_in(tmp_path / "missing") == "No such file or directory"  # a missing folder: as is
+
+
 def test_compile_checks_the_kernel_environment_first(capsys, tmp_path, monkeypatch, tiny_bf16_dir):
     """A malformed kernel variable is refused by `flintc compile` (the build's runtime would
     refuse it at load), before any compile work, naming the variable."""
