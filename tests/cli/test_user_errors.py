@@ -673,6 +673,72 @@ def test_load_format_dummy_must_match_the_build(capsys, command, dummy_build, mo
         assert out == "" and time.perf_counter() - t0 < 5
 
 
+# ---- a tokenizer of another model -----------------------------------------------------------
+
+
+def _tokenizer_copy(src: Path, dst: Path, edit) -> Path:
+    """A copy of the checkpoint `src` whose tokenizer.json is `edit`ed (a dict, in place)."""
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "tokenizer.json").read_text("utf-8"))
+    edit(data)
+    (dst / "tokenizer.json").write_text(json.dumps(data), "utf-8")
+    return dst
+
+
+def _shift_ids(data: dict) -> None:
+    """Every id of tokenizer.json + 1000: as many tokens (512), ids from 1000."""
+    data["model"]["vocab"] = {k: v + 1000 for k, v in data["model"]["vocab"].items()}
+    for t in data["added_tokens"]:
+        t["id"] += 1000
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_tokenizer_with_ids_beyond_the_vocabulary(capsys, served, tmp_path, tiny_bf16_dir, command):
+    """A tokenizer.json whose ids run past config.json's vocab_size (as many tokens as the
+    model's, so the count check passed it): `flintc run --prompt hi` blamed the prompt
+    ("prompt: token id 1071 is outside the vocabulary [0, 512)"), `flintc serve` started.
+    Both refuse it as the tokenizer is paired with the model, naming the tokenizer file
+    and config.json's vocab_size."""
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", _shift_ids)
+    args = ["run", bad, "--prompt", "hi", "--max-tokens", 1] if command == "run" else ["serve", bad, "--port", 0]
+    code, out, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, f"{bad / 'tokenizer.json'}: token ids up to 1",
+                          f", but {bad / 'config.json'} has vocab_size 512: expected every id below it")
+    assert out == "" and "outside the vocabulary" not in err
+
+
+def test_build_tokenizer_with_ids_beyond_the_vocabulary(capsys, served, tmp_path, dummy_build, tiny_bf16_dir):
+    """The same through a build (`run --build`, `serve --build`, `flintc.load`): the
+    model's vocab_size is named from the build's build.json."""
+    from flintc.api import load
+    from flintc.errors import CheckpointError
+
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", _shift_ids)
+    needles = (f"{bad / 'tokenizer.json'}: token ids up to 1", f", but {dummy_build / 'build.json'} has vocab_size 512")
+    for tail in (["run", "--prompt", "hi", "--max-tokens", 1], ["serve", "--port", 0]):
+        code, out, err = run_cli(capsys, tail[0], "--build", dummy_build, "--load-format", "dummy",
+                                 "--tokenizer", bad, *tail[1:])
+        assert_one_line_error(code, err, *needles)
+        assert out == ""
+    with pytest.raises(CheckpointError) as exc:
+        load(dummy_build, load_format="dummy", tokenizer=bad)
+    assert all(n in str(exc.value) for n in needles), exc.value
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_tokenizer_without_its_eos_token_names_the_file(capsys, served, tmp_path, tiny_bf16_dir, command):
+    """tokenizer.json with an empty `added_tokens` said "tokenizer has no token for
+    eos_token '<|endoftext|>'", naming no file: now the tokenizer file, and
+    tokenizer_config.json, where the eos_token comes from."""
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", lambda data: data.update(added_tokens=[]))
+    args = ["run", bad, "--prompt", "hi"] if command == "run" else ["serve", bad, "--port", 0]
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, f"{bad / 'tokenizer.json'}: no token for eos_token '<|endoftext|>' (the "
+                          f"eos_token of {bad / 'tokenizer_config.json'})")
+    assert out == "" and time.perf_counter() - t0 < 5
+
+
 # ---- verify / dump: --config and --format shape random weights only --------------------------
 
 
