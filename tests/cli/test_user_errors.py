@@ -471,6 +471,33 @@ def test_memory_check_passes_the_tiny_model(capsys, tmp_path, small_memory, monk
                           f"but only 0.0 {_NO_ROOM}")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_checkpoint_of_another_config_is_named_before_the_memory_check(capsys, tmp_path, small_memory, monkeypatch,
+                                                                       tiny_bf16_dir, tiny_nvfp4_gguf, fmt):
+    """`flintc run lone/model-nvfp4.gguf --hf-config-path FULL` (a tiny GGUF file, the
+    full config.json) was refused for memory ("its nvfp4 weights take about 21.7 GiB"),
+    as if the file held the full model: the file's headers are checked against the
+    config first, so the mismatch is what is named. A checkpoint that matches its
+    config is still refused for memory, before any weight is read."""
+    import flintc.runtime.device as device
+    from flintc.config import FlintConfig
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text(json.dumps(FlintConfig.preset("full").to_dict()))
+    model = Path(tiny_bf16_dir if fmt == "bf16" else tiny_nvfp4_gguf)
+    first = ("model.layers.0.self_attn.sinks: expected [32] F32, found [8] F32" if fmt == "bf16" else
+             "token_embd.weight: expected ne [2048, 151552], found [128, 512]")
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, "run", model, "--hf-config-path", tmp_path / "full", "--prompt-ids", "1",
+                             "--max-tokens", 1)
+    assert_one_line_error(code, err, f"flintc: error: {model}", first, "more)")
+    assert "GiB" not in err and out == "" and time.perf_counter() - t0 < 5
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: 2**20)
+    code, out, err = run_cli(capsys, "run", model, "--prompt-ids", "1", "--max-tokens", 1)
+    config_json = (model if fmt == "bf16" else model.parent) / "config.json"
+    assert_one_line_error(code, err, f"the config {config_json}: its {fmt} weights take", f"but only 0.0 {_NO_ROOM}")
+
+
 def test_check_weights_fit(monkeypatch):
     from flintc.config import FlintConfig
     from flintc.errors import InputError
