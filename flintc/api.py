@@ -415,6 +415,8 @@ def load(build, model=None, *, device: str | None = None, load_format: str | Non
     Raises:
         InputError / CheckpointError: as `load_build` (a `load_format` other than "auto",
             "dummy" or None first); a tokenizer that does not load (its file named).
+        CheckpointError: a tokenizer with ids the model has no row for (ids of its
+            vocab_size or more), naming its file and the build's build.json.
         InputError: `progress` not True or False (a NumPy bool is taken), first.
     """
     _check_path(build, "build", "the path of a BUILD folder", none_ok=False)
@@ -440,10 +442,13 @@ def _load(build, model, device, load_format, hf_config_path, tokenizer, progress
     prepare_device(device or read_manifest(build).get("device", "cpu"))
     runner = load_build(build, model=model, device=device, load_format=load_format,
                         hf_config_path=hf_config_path, progress=progress)
-    if given_tokenizer is not None:
-        return CompiledModel(runner, given_tokenizer)
-    where = SimpleNamespace(tokenizer=None, hf_config_path=hf_config_path, model=model, build=build)
-    return CompiledModel(runner, _tokenizer(None, tokenizer_dir(where, required=False)))
+    tokenizer = given_tokenizer
+    if tokenizer is None:
+        where = SimpleNamespace(tokenizer=None, hf_config_path=hf_config_path, model=model, build=build)
+        tokenizer = _tokenizer(None, tokenizer_dir(where, required=False))
+    if tokenizer is not None:  # ids the model has no row for: named now, not as a prompt's id later
+        tokenizer.check_fits_model(runner.config.vocab_size, runner.config.source)
+    return CompiledModel(runner, tokenizer)
 
 
 def _tokenizer(given, recorded):

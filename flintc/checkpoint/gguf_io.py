@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -123,8 +124,12 @@ def load_gguf(
     config: FlintConfig,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    before_read: Callable[[], None] | None = None,
 ) -> WeightDict:
-    """Load an NVFP4 GGUF file into the canonical weight dict.
+    """Load an NVFP4 GGUF file into the canonical weight dict. `before_read` is called
+    once the header has been checked against `config`, before any tensor data is read
+    (the loader's memory check: a file of another config is refused for that, not for
+    the memory the config's weights would take); what it raises propagates.
 
     Returns:
         name -> weight on `device`: `linear` weights as NVFP4Tensor (codes uint8
@@ -143,6 +148,8 @@ def load_gguf(
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
     _validate(config, tensors, path)
+    if before_read is not None:
+        before_read()
     return _convert(config, tensors, path, torch.device(device), progress)
 
 

@@ -106,8 +106,9 @@ def load_checkpoint(
     config = config or _read_config(hf_config_path or path, path)
     if check_config is not None:
         check_config(config)
-    check_weights_fit(config, "bf16", device)
-    weights = load_bf16(path, config, device, progress)
+    # the memory check once the headers match the config: a folder of another config is
+    # named for that, not refused for the memory the config's weights would take
+    weights = load_bf16(path, config, device, progress, before_read=lambda: check_weights_fit(config, "bf16", device))
     tok = _tokenizer_dir(path, hf_dir)
     return LoadedCheckpoint(config, weights, "bf16", str(path), tok)
 
@@ -176,8 +177,9 @@ def _load_gguf(path, config_dir, hf_config_path, device, config, progress, check
         config = _read_config(hf_config_path or config_dir, path, hint)
     if check_config is not None:
         check_config(config)
-    check_weights_fit(config, "nvfp4", device)
-    weights = load_gguf(path, config, device, progress)
+    # as load_bf16: the memory check once the header matches the config (a tiny GGUF file
+    # with the full config.json was refused for the full model's memory)
+    weights = load_gguf(path, config, device, progress, before_read=lambda: check_weights_fit(config, "nvfp4", device))
     return LoadedCheckpoint(config, weights, "nvfp4", str(path), _tokenizer_dir(config_dir, None))
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -158,8 +159,12 @@ def load_bf16(
     config: FlintConfig,
     device: torch.device | str = "cpu",
     progress: bool = True,
+    before_read: Callable[[], None] | None = None,
 ) -> WeightDict:
-    """Load a BF16 safetensors folder into the canonical weight dict.
+    """Load a BF16 safetensors folder into the canonical weight dict. `before_read` is
+    called once the headers have been checked against `config`, before any tensor data
+    is read (the loader's memory check: a folder of another config is refused for that,
+    not for the memory the config's weights would take); what it raises propagates.
 
     Returns:
         name -> tensor on `device`: matrices, embedding, LM head and router bf16,
@@ -177,6 +182,8 @@ def load_bf16(
     files, weight_map, source = _find_files(folder)
     headers = {path: read_header(path) for path in files}
     located = _validate(config, headers, weight_map, source)
+    if before_read is not None:
+        before_read()
     return _read_tensors(config, located, torch.device(device), progress)
 
 

@@ -368,10 +368,23 @@ class FlintTokenizer:
     """
 
     config_path: str | Path = "tokenizer_config.json"  # where `config` was read (from_dir sets it)
+    tokenizer_path: str | Path = "tokenizer.json"  # where `tokenizer` was read (from_dir sets it)
 
-    def __init__(self, tokenizer: Tokenizer, config: dict):
+    def __init__(self, tokenizer: Tokenizer, config: dict, *, tokenizer_path: str | Path | None = None,
+                 config_path: str | Path | None = None):
+        """`tokenizer_path` / `config_path`: the files `tokenizer` and `config` were read
+        from, named in error messages (`from_dir` passes them).
+
+        Raises:
+            CheckpointError: the vocabulary has no token for the eos_token, naming the
+                tokenizer file and where the eos_token came from.
+        """
         self._tok = tokenizer
         self.config = config
+        if tokenizer_path is not None:
+            self.tokenizer_path = tokenizer_path
+        if config_path is not None:
+            self.config_path = config_path
         # name -> (Jinja source, where it was read); None: from config["chat_template"], once
         # read (`_chat_template_sources`)
         self._template_sources: dict[str, tuple[str, str]] | None = None
@@ -382,7 +395,10 @@ class FlintTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = tokenizer.token_to_id(self.eos_token)
         if self.eos_token_id is None:
-            raise CheckpointError(f"tokenizer has no token for eos_token {self.eos_token!r}")
+            where = (f"the eos_token of {self.config_path}" if "eos_token" in config else
+                     f"the default: {self.config_path} names no eos_token")
+            raise CheckpointError(f"{self.tokenizer_path}: no token for eos_token {self.eos_token!r} ({where}); "
+                                  f"expected it in the vocabulary (model.vocab or added_tokens)")
         added = tokenizer.get_added_tokens_decoder()
         self.all_special_ids = frozenset(i for i, t in added.items() if t.special)
         self.special_token_ids = {
@@ -409,12 +425,28 @@ class FlintTokenizer:
         if not isinstance(tok.decoder, decoders.ByteLevel):
             raise CheckpointError(f"{tok_path}: decoder must be ByteLevel (byte-level BPE), "
                                   f"got {type(tok.decoder).__name__}")
-        out = cls(tok, _read_json(config_path))
-        out.config_path = config_path
+        out = cls(tok, _read_json(config_path), tokenizer_path=tok_path, config_path=config_path)
         files = _chat_template_files(folder)
         if files:  # as transformers: the files replace tokenizer_config.json's chat_template
             out._template_sources = files
         return out
+
+    def check_fits_model(self, vocab_size: int, config_where: str) -> None:
+        """Refuse a tokenizer whose token ids do not all fit the model: the largest id
+        (of the vocabulary and the added tokens) must be below the model's `vocab_size`,
+        read from `config_where` (its config.json, or a build's build.json). Called where
+        a tokenizer is paired with a model (`flintc run`, `flintc serve`, `flintc.load`),
+        before any prompt is encoded: such a tokenizer.json used to surface as the
+        prompt's "token id N is outside the vocabulary".
+
+        Raises:
+            CheckpointError: naming the tokenizer file, its largest id and `config_where`'s
+                vocab_size.
+        """
+        top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= vocab_size:
+            raise CheckpointError(f"{self.tokenizer_path}: token ids up to {top}, but {config_where} has vocab_size "
+                                  f"{vocab_size}: expected every id below it (a tokenizer of another model?)")
 
     def set_chat_template(self, source: str, where: str) -> None:
         """Render chats with `source` (a Jinja template) instead of the tokenizer's

@@ -31,16 +31,17 @@ def device_name(text: str) -> str:
 BUCKETS_EXPECTED = "comma-separated decode batch sizes, e.g. 1,8"
 
 
-def buckets(text: str) -> tuple[int, ...]:
-    """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8); '' -> (). An empty
-    value and a size given twice are refused by `check_option_values`; the sizes
-    themselves (each >= 1, the largest --max-batch) are checked with --max-batch
-    (`flintc.runtime.build.BuildOptions.resolve`). Raises argparse.ArgumentTypeError for
-    an item that is not an integer."""
+def buckets(text: str) -> tuple[int | None, ...]:
+    """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8); '' -> (); an empty
+    item is None ('1,,2' -> (1, None, 2)). An empty value, an empty item and a size given
+    twice are refused by `check_option_values` (one line, not argparse's usage block);
+    the sizes themselves (each >= 1, the largest --max-batch) are checked with
+    --max-batch (`flintc.runtime.build.BuildOptions.resolve`). Raises
+    argparse.ArgumentTypeError for an item that is not an integer."""
     if not text.strip():
         return ()
     try:
-        return tuple(int(b) for b in text.split(","))
+        return tuple(int(b) if b.strip() else None for b in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {BUCKETS_EXPECTED}, got {text!r}") from None
 
@@ -53,7 +54,8 @@ def check_option_values(args: argparse.Namespace) -> None:
 
     Raises:
         InputError: a --seed outside [0, 2**63); an empty --device or --buckets (they used
-            to mean the default); a --buckets size given twice (it was dropped silently).
+            to mean the default); an empty --buckets item ('1,,2': argparse's usage
+            block); a --buckets size given twice (it was dropped silently).
     """
     from flintc.errors import InputError
 
@@ -66,10 +68,13 @@ def check_option_values(args: argparse.Namespace) -> None:
                          "out for the default")
     value = getattr(args, "buckets", None)
     if value is not None:
-        text = ",".join(map(str, value))
+        text = ",".join("" if b is None else str(b) for b in value)
         if not value:
             raise InputError(f"--buckets '': must not be empty: expected {BUCKETS_EXPECTED}; leave --buckets out "
                              "for 1,2,4,8 up to --max-batch")
+        if None in value:  # '1,,2', '1,': a typo, not a size
+            raise InputError(f"--buckets {text!r}: item {value.index(None) + 1} is empty; expected "
+                             f"{BUCKETS_EXPECTED}")
         twice = sorted({b for b in value if value.count(b) > 1})
         if twice:  # they were dropped silently
             raise InputError(f"--buckets {text!r}: {', '.join(map(str, twice))} given twice; expected "

@@ -92,12 +92,13 @@ INPUT_PATHS = (
     ("tokenizer", "--tokenizer", "the path of a folder holding tokenizer.json"),
     ("hf_config_path", "--hf-config-path", "the path of a folder holding config.json, or of a config.json file"),
     ("from_json", "--from-json", "the path of a bench.json file written by flintc bench"),
+    ("chat_template", "--chat-template", "the path of a Jinja chat template file, or the template itself"),
 )
 
 
 def check_input_paths(args) -> None:
     """Refuse an empty input path (MODEL, --build, --tokenizer, --hf-config-path,
-    --from-json: `INPUT_PATHS`) of any sub-command, before any work: `Path("")` would be
+    --from-json, --chat-template: `INPUT_PATHS`) of any sub-command, before any work: `Path("")` would be
     taken as the current folder, or an empty --build or --tokenizer as none given.
     `flintc.cli.main` calls it before every sub-command. Raises InputError naming the
     option (`check_not_empty`)."""

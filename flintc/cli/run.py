@@ -245,7 +245,7 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
             recorded_weight_source(args.build, manifest)
         # as flintc serve --build: beside MODEL, then where build.json says; needed for --prompt
         tok_dir = tokenizer_dir(args, required=bool(args.prompt))
-        tokenizer, texts = _tokenizer_and_texts(args, tok_dir, vocab_size)
+        tokenizer, texts = _tokenizer_and_texts(args, tok_dir, vocab_size, str(Path(args.build) / "build.json"))
         prepare_device(device)
         runner = load_build(args.build, model=args.model, device=device,
                             load_format=args.load_format if args.load_format == "dummy" else None,
@@ -270,7 +270,7 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
                          f"({limit}); drop the flag for {limit}, or give a smaller one")
     # before the compile (and its "pass-by-pass dumps" line): a --prompt without a tokenizer
     # was refused after it
-    tokenizer, texts = _tokenizer_and_texts(args, ckpt.tokenizer_dir, ckpt.config.vocab_size)
+    tokenizer, texts = _tokenizer_and_texts(args, ckpt.tokenizer_dir, ckpt.config.vocab_size, ckpt.config.source)
     if backend == "reference":
         from flintc.model.reference import FlintModel
 
@@ -292,17 +292,19 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
     return runner, tokenizer, texts
 
 
-def _tokenizer_and_texts(args, found, vocab_size):
+def _tokenizer_and_texts(args, found, vocab_size, config_where):
     """(tokenizer, token ids of each --prompt text): the tokenizer of --tokenizer, else the
     one `found` (beside MODEL, or where a --build records it), None when there is none
-    and no --prompt needs one. Called once the model's vocabulary size is known and before
-    a build loads or a temporary one compiles, so that what is wrong with them is the
-    only output.
+    and no --prompt needs one. Called once the model's vocabulary size is known (from
+    `config_where`: config.json, or the build's build.json) and before a build loads or
+    a temporary one compiles, so that what is wrong with them is the only output.
 
     Raises:
         InputError: --prompt with no tokenizer (naming where it was looked for); a
             tokenizer whose vocabulary is not the model's `vocab_size`; a --prompt text
             of --max-model-len tokens or more (as --prompt-ids, `_check_prompts_early`).
+        CheckpointError: a tokenizer with ids of `vocab_size` or more
+            (`FlintTokenizer.check_fits_model`, naming its file and `config_where`).
     """
     from flintc.checkpoint.tokenizer import load_tokenizer
 
@@ -317,6 +319,8 @@ def _tokenizer_and_texts(args, found, vocab_size):
         raise InputError(f"--prompt needs a tokenizer: {where}; pass --tokenizer DIR (a folder with "
                          "tokenizer.json and tokenizer_config.json), or give token ids with --prompt-ids")
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
+    if tokenizer is not None and isinstance(vocab_size, int):
+        tokenizer.check_fits_model(vocab_size, config_where)
     if tokenizer is not None and isinstance(vocab_size, int) and tokenizer.vocab_size != vocab_size:
         raise InputError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} tokens, the model {vocab_size}")
     texts = [tokenizer.encode(t) for t in args.prompt or []]

@@ -185,6 +185,7 @@ def run_serve(args: argparse.Namespace) -> int:
     tokenizer.check_chat_template()  # a malformed one: before the port is bound and the weights load
     sock = bind(args.host, args.port)  # fail fast on a busy port, before loading weights
     runner = make_runner(args)
+    tokenizer.check_fits_model(runner.config.vocab_size, runner.config.source)  # ids the model has no row for
     if tokenizer.vocab_size != runner.config.vocab_size:
         raise InputError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
                          f"{runner.config.vocab_size}")

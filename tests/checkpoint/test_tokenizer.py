@@ -422,3 +422,46 @@ def test_load_tokenizer_accepts_folder_or_file_and_rejects_none(tiny_dir, tmp_pa
         load_tokenizer(None)
     with pytest.raises(CheckpointError, match="nowhere"):
         load_tokenizer(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("config_eos", [True, False])
+def test_missing_eos_token_names_the_files(tiny_dir, tmp_path, config_eos):
+    """tokenizer.json with empty `added_tokens` said only "tokenizer has no token for
+    eos_token '<|endoftext|>'": the message names the tokenizer file and where the
+    eos_token came from (tokenizer_config.json's, or the default when it names none)."""
+    data = json.loads((tiny_dir / "tokenizer.json").read_text("utf-8"))
+    data["added_tokens"] = []
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data), "utf-8")
+    config = json.loads((tiny_dir / "tokenizer_config.json").read_text("utf-8"))
+    if not config_eos:
+        del config["eos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), "utf-8")
+    where = (f"the eos_token of {tmp_path / 'tokenizer_config.json'}" if config_eos else
+             f"the default: {tmp_path / 'tokenizer_config.json'} names no eos_token")
+    with pytest.raises(CheckpointError) as err:
+        load_tokenizer(tmp_path)
+    assert str(err.value) == (f"{tmp_path / 'tokenizer.json'}: no token for eos_token '<|endoftext|>' ({where}); "
+                              "expected it in the vocabulary (model.vocab or added_tokens)")
+
+
+def test_check_fits_model(tiny_dir, tmp_path):
+    """The largest token id must be below the model's vocab_size, else the tokenizer file,
+    the id and the config are named (it used to surface as a prompt's id "outside the
+    vocabulary"). A tokenizer smaller than the model fits."""
+    tok = load_tokenizer(tiny_dir)
+    tok.check_fits_model(TINY_VOCAB, "config.json")
+    tok.check_fits_model(TINY_VOCAB + 64, "config.json")
+    with pytest.raises(CheckpointError) as err:
+        tok.check_fits_model(TINY_VOCAB - 1, "m/config.json")
+    assert str(err.value).startswith(f"{tiny_dir / 'tokenizer.json'}: token ids up to {TINY_VOCAB - 1}, but "
+                                     f"m/config.json has vocab_size {TINY_VOCAB - 1}: expected every id below it")
+    for f in tiny_dir.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    data = json.loads((tiny_dir / "tokenizer.json").read_text("utf-8"))
+    data["model"]["vocab"] = {k: v + 1000 for k, v in data["model"]["vocab"].items()}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data), "utf-8")
+    shifted = load_tokenizer(tmp_path)
+    assert shifted.vocab_size == TINY_VOCAB  # the count: the size check alone passed it
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: token ids up to 1\d{3}, but m/config.json has "
+                                              f"vocab_size {TINY_VOCAB}"):
+        shifted.check_fits_model(TINY_VOCAB, "m/config.json")

@@ -58,6 +58,9 @@ def test_device_name_and_buckets():
             cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets(text)))
     with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated decode batch sizes"):
         cli_args.buckets("1,x")  # not an integer: argparse's own error
+    assert cli_args.buckets("1,,2") == (1, None, 2) and cli_args.buckets("1, ") == (1, None)
+    with pytest.raises(InputError, match="^--buckets '1,,2': item 2 is empty; expected comma-separated"):
+        cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets("1,,2")))
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -76,6 +79,21 @@ def test_empty_device_or_buckets_is_refused(argv, flag, tmp_path, capsys):
     flag, before any work (not argparse's usage block)."""
     code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in argv])
     assert_one_line_error(code, err, f"{flag} ", ": must not be empty: expected ")
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--buckets", "1,,2"],
+     "--buckets '1,,2': item 2 is empty"),
+    (["run", "--prompt-ids", "1", "--backend", "torch", "--buckets", "1,"], "--buckets '1,': item 2 is empty"),
+    (["run", "--prompt-ids", "1", "--backend", "torch", "--buckets", ",4"], "--buckets ',4': item 1 is empty"),
+])
+def test_empty_bucket_item_is_one_line(argv, needle, tmp_path, capsys):
+    """`--buckets 1,,2` (a typo) printed argparse's usage block, where `--buckets ''`
+    is one line: now one line too, naming the flag, what was typed and the empty item,
+    before any work."""
+    code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    assert_one_line_error(code, err, needle, "expected comma-separated decode batch sizes, e.g. 1,8")
     assert out == "" and list(tmp_path.iterdir()) == []
 
 

@@ -261,6 +261,7 @@ def test_output_folder_that_cannot_be_created(capsys, tmp_path, command, parent,
     (["serve", "--build", "", "--port", "0"], "--build"),
     (["serve", "{ckpt}", "--tokenizer", "", "--port", "0"], "--tokenizer"),
     (["serve", "{ckpt}", "--hf-config-path", "", "--port", "0"], "--hf-config-path"),
+    (["serve", "{ckpt}", "--chat-template", "", "--port", "0"], "--chat-template"),
     (["bench", "--from-json", "", "--out", "{tmp}/o"], "--from-json"),
     (["bench", "--from-json", "{tmp}/bench.json", "--from-json", "", "--out", "{tmp}/o"], "--from-json"),
     (["bench", "", "--device", "cpu", "--config", "tiny", "--out", "{tmp}/o"], "MODEL"),
@@ -470,6 +471,33 @@ def test_memory_check_passes_the_tiny_model(capsys, tmp_path, small_memory, monk
                           f"but only 0.0 {_NO_ROOM}")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_checkpoint_of_another_config_is_named_before_the_memory_check(capsys, tmp_path, small_memory, monkeypatch,
+                                                                       tiny_bf16_dir, tiny_nvfp4_gguf, fmt):
+    """`flintc run lone/model-nvfp4.gguf --hf-config-path FULL` (a tiny GGUF file, the
+    full config.json) was refused for memory ("its nvfp4 weights take about 21.7 GiB"),
+    as if the file held the full model: the file's headers are checked against the
+    config first, so the mismatch is what is named. A checkpoint that matches its
+    config is still refused for memory, before any weight is read."""
+    import flintc.runtime.device as device
+    from flintc.config import FlintConfig
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text(json.dumps(FlintConfig.preset("full").to_dict()))
+    model = Path(tiny_bf16_dir if fmt == "bf16" else tiny_nvfp4_gguf)
+    first = ("model.layers.0.self_attn.sinks: expected [32] F32, found [8] F32" if fmt == "bf16" else
+             "token_embd.weight: expected ne [2048, 151552], found [128, 512]")
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, "run", model, "--hf-config-path", tmp_path / "full", "--prompt-ids", "1",
+                             "--max-tokens", 1)
+    assert_one_line_error(code, err, f"flintc: error: {model}", first, "more)")
+    assert "GiB" not in err and out == "" and time.perf_counter() - t0 < 5
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: 2**20)
+    code, out, err = run_cli(capsys, "run", model, "--prompt-ids", "1", "--max-tokens", 1)
+    config_json = (model if fmt == "bf16" else model.parent) / "config.json"
+    assert_one_line_error(code, err, f"the config {config_json}: its {fmt} weights take", f"but only 0.0 {_NO_ROOM}")
+
+
 def test_check_weights_fit(monkeypatch):
     from flintc.config import FlintConfig
     from flintc.errors import InputError
@@ -671,6 +699,72 @@ def test_load_format_dummy_must_match_the_build(capsys, command, dummy_build, mo
         code, out, err = run_cli(capsys, *args)
         assert_one_line_error(code, err, *needles)
         assert out == "" and time.perf_counter() - t0 < 5
+
+
+# ---- a tokenizer of another model -----------------------------------------------------------
+
+
+def _tokenizer_copy(src: Path, dst: Path, edit) -> Path:
+    """A copy of the checkpoint `src` whose tokenizer.json is `edit`ed (a dict, in place)."""
+    shutil.copytree(src, dst)
+    data = json.loads((dst / "tokenizer.json").read_text("utf-8"))
+    edit(data)
+    (dst / "tokenizer.json").write_text(json.dumps(data), "utf-8")
+    return dst
+
+
+def _shift_ids(data: dict) -> None:
+    """Every id of tokenizer.json + 1000: as many tokens (512), ids from 1000."""
+    data["model"]["vocab"] = {k: v + 1000 for k, v in data["model"]["vocab"].items()}
+    for t in data["added_tokens"]:
+        t["id"] += 1000
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_tokenizer_with_ids_beyond_the_vocabulary(capsys, served, tmp_path, tiny_bf16_dir, command):
+    """A tokenizer.json whose ids run past config.json's vocab_size (as many tokens as the
+    model's, so the count check passed it): `flintc run --prompt hi` blamed the prompt
+    ("prompt: token id 1071 is outside the vocabulary [0, 512)"), `flintc serve` started.
+    Both refuse it as the tokenizer is paired with the model, naming the tokenizer file
+    and config.json's vocab_size."""
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", _shift_ids)
+    args = ["run", bad, "--prompt", "hi", "--max-tokens", 1] if command == "run" else ["serve", bad, "--port", 0]
+    code, out, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, f"{bad / 'tokenizer.json'}: token ids up to 1",
+                          f", but {bad / 'config.json'} has vocab_size 512: expected every id below it")
+    assert out == "" and "outside the vocabulary" not in err
+
+
+def test_build_tokenizer_with_ids_beyond_the_vocabulary(capsys, served, tmp_path, dummy_build, tiny_bf16_dir):
+    """The same through a build (`run --build`, `serve --build`, `flintc.load`): the
+    model's vocab_size is named from the build's build.json."""
+    from flintc.api import load
+    from flintc.errors import CheckpointError
+
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", _shift_ids)
+    needles = (f"{bad / 'tokenizer.json'}: token ids up to 1", f", but {dummy_build / 'build.json'} has vocab_size 512")
+    for tail in (["run", "--prompt", "hi", "--max-tokens", 1], ["serve", "--port", 0]):
+        code, out, err = run_cli(capsys, tail[0], "--build", dummy_build, "--load-format", "dummy",
+                                 "--tokenizer", bad, *tail[1:])
+        assert_one_line_error(code, err, *needles)
+        assert out == ""
+    with pytest.raises(CheckpointError) as exc:
+        load(dummy_build, load_format="dummy", tokenizer=bad)
+    assert all(n in str(exc.value) for n in needles), exc.value
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_tokenizer_without_its_eos_token_names_the_file(capsys, served, tmp_path, tiny_bf16_dir, command):
+    """tokenizer.json with an empty `added_tokens` said "tokenizer has no token for
+    eos_token '<|endoftext|>'", naming no file: now the tokenizer file, and
+    tokenizer_config.json, where the eos_token comes from."""
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", lambda data: data.update(added_tokens=[]))
+    args = ["run", bad, "--prompt", "hi"] if command == "run" else ["serve", bad, "--port", 0]
+    t0 = time.perf_counter()
+    code, out, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, f"{bad / 'tokenizer.json'}: no token for eos_token '<|endoftext|>' (the "
+                          f"eos_token of {bad / 'tokenizer_config.json'})")
+    assert out == "" and time.perf_counter() - t0 < 5
 
 
 # ---- verify / dump: --config and --format shape random weights only --------------------------
