@@ -104,8 +104,10 @@ def _names(text: str, flag: str, choices: tuple[str, ...]) -> list[str]:
 def _load_report(path: str) -> dict:
     """A bench.json given to --from-json. Raises InputError naming the file when it is
     not JSON or not a bench report (an object with a "meta" object, and lists of
-    records where a report has them), e.g. a build.json."""
-    from flintc.bench.report import LIST_KEYS
+    records where a report has them), e.g. a build.json, or when a record lacks a field
+    the report reads or holds one of another kind (`flintc.bench.report.check_records`:
+    the message names the record, e.g. decode[0], the field and what was expected)."""
+    from flintc.bench.report import LIST_KEYS, RecordError, check_records
 
     try:
         data = json.loads(Path(path).read_bytes())  # UTF-8, -16 or -32, as json detects
@@ -126,9 +128,15 @@ def _load_report(path: str) -> dict:
                              + (" (it is a build's build.json)" if "build_version" in data else ""))
     for key in (*LIST_KEYS, "notes", "failures"):
         value = data.get(key, [])
-        if not isinstance(value, list) or (key != "notes" and not all(isinstance(r, dict) for r in value)):
+        item = (lambda r: isinstance(r, str)) if key == "notes" else (lambda r: isinstance(r, dict))
+        if not isinstance(value, list) or not all(map(item, value)):
             raise InputError(f"--from-json {path}: expected {what}; its {key!r} is not a list of "
                              f"{'strings' if key == 'notes' else 'records (objects)'}")
+    try:
+        check_records(data)
+    except RecordError as e:
+        raise InputError(f"--from-json {path}: {e}; not a bench.json as flintc bench writes it (was it "
+                         "edited?)") from None
     return data
 
 

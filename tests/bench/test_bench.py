@@ -872,3 +872,187 @@ def test_from_json_names_the_flag_for_a_file_it_cannot_read(tmp_path, capsys, ki
     assert err.startswith(f"flintc: error: --from-json {f}: cannot read it ("), err
     assert "expected a bench.json written by flintc bench" in err, err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+# -- --from-json: records checked before anything is written (session 38's new-user test) ------
+_REAL_JSON = "docs/benchmarks/bench-2026-12-06-s37-h100-bf16-b1.json"
+
+
+def _docs_benchmarks():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+
+
+def _mutate(path: str, edit):
+    data = json.loads((_docs_benchmarks().parent.parent / path).read_text())
+    edit(data)
+    return data
+
+
+def _delete(section, i, field):
+    def edit(d):
+        del d[section][i][field]
+    return edit
+
+
+def _set(value, *keys):
+    def edit(d):
+        t = d
+        for k in keys[:-1]:
+            t = t[k]
+        t[keys[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_delete("decode", 0, "batch"), "decode[0] has no 'batch' field (expected an integer)"),
+    (_set([{"engine": "flintc"}], "prefill"), "prefill[0] has no 'fmt' field (expected a string)"),
+    (_set("x", "breakdown", 0, "ops"), 'breakdown[0].ops: expected a list of objects, got "x"'),
+    (_delete("breakdown", 0, "step_us"), "breakdown[0] has no 'step_us' field (expected a number)"),
+    (_set("x", "kernels", 0, "measured"), 'kernels[0].measured: expected an integer or null, got "x"'),
+    (_set("x", "loads", 0, "weight_bytes"), 'loads[0].weight_bytes: expected a number, got "x"'),
+    (_set("fast", "ceilings", "copy_gbs"), 'ceilings.copy_gbs: expected a number, got "fast"'),
+    (_set("x", "decode", 0, "fwd_ms"), 'decode[0].fwd_ms: expected a number, got "x"'),
+    (_set(True, "decode", 0, "context"), "decode[0].context: expected an integer, got true"),
+    (_set({"x": 1.0}, "breakdown", 0, "ops", 0, "per_layer"), "breakdown[0].ops[0].per_layer: expected an object"),
+    (_set(7, "meta", "timing"), "meta.timing: expected a string or null, got 7"),
+    (_set([{"ceilings": []}], "meta", "runs"), "meta.runs[0].ceilings: expected an object, got []"),
+    (_set([1], "notes"), "its 'notes' is not a list of strings"),
+])
+def test_from_json_names_the_record_and_field_it_cannot_read(tmp_path, capsys, edit, needle):
+    """A bench.json record without a field the report reads, or with one of another kind:
+    it was a traceback (KeyError, TypeError in report.py, exit 1) after bench.json was
+    written into --out without bench.md (over an earlier --out: a new bench.json beside
+    the old bench.md), or it rendered silently ("copy bandwidth **fast GB/s**"). Now one
+    line naming the file, the record and the field, exit 2, and --out untouched."""
+    f = tmp_path / "x.json"
+    f.write_text(json.dumps(_mutate(_REAL_JSON, edit)))
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "bench.json").write_text("old json")
+    (out / "bench.md").write_text("old md")
+    code = main(["bench", "--from-json", str(f), "--no-plots", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: --from-json {f}: "), err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
+    assert (out / "bench.json").read_text() == "old json" and (out / "bench.md").read_text() == "old md"
+    assert main(["bench", "--from-json", str(f), "--no-plots", "--out", str(tmp_path / "new")]) == 2
+    assert not (tmp_path / "new").exists()
+
+
+def test_every_bench_json_in_the_docs_still_renders(tmp_path, capsys):
+    """The records check accepts every run in docs/benchmarks (older runs lack fields newer
+    ones have: kv_slots, pieces, loaded_max_model_len, ...), one by one and merged."""
+    from flintc.cli.bench import _load_report
+
+    files = sorted(str(f) for f in _docs_benchmarks().glob("bench*.json"))
+    assert len(files) >= 40
+    for f in files:
+        report.render_markdown(report.merge_results([_load_report(f)], sources=[f]))
+    args = [a for f in files for a in ("--from-json", f)]
+    assert main(["bench", *args, "--no-plots", "--out", str(tmp_path / "m")]) == 0
+    merged = tmp_path / "m" / "bench.json"
+    assert main(["bench", "--from-json", str(merged), "--from-json", files[0], "--no-plots",
+                 "--out", str(tmp_path / "m2")]) == 0
+    assert f"Merged from {len(files) + 1} runs" in (tmp_path / "m2" / "bench.md").read_text()
+    capsys.readouterr()
+
+
+def test_a_record_the_check_passes_renders(tmp_path):
+    """Every field of a real report (its first record of each section, also merged, with
+    meta.runs), deleted or replaced by a value of another kind: `check_records` refuses
+    it, or the report renders (no KeyError / TypeError / ValueError from the renderer,
+    the targets or the merge)."""
+    import copy
+
+    def load():
+        res = json.loads((_docs_benchmarks() / "bench-2026-12-05-s29-h100-new.json").read_text())
+        fast = json.loads((_docs_benchmarks() / "bench-fast-2026-12-06-s37-h100-bf16.json").read_text())
+        res["baselines"] = fast["baselines"]
+        res["baseline_failures"] = [{"engine": "compile", "fmt": "bf16", "batch": 1, "context": 1024,
+                                     "error": "boom"}]
+        for key, value in res.items():
+            if isinstance(value, list):
+                res[key] = value[:1]
+        return res
+
+    def paths(obj, prefix=()):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj[:1]) if isinstance(obj, list) else []
+        for k, v in items:
+            yield prefix + (k,)
+            yield from paths(v, prefix + (k,))
+
+    single = load()
+    merged = json.loads(json.dumps(report.merge_results([load(), load()], sources=["a", "b"])))
+    tried = 0
+    for base, only in ((single, None), (merged, "meta")):
+        for path in paths(base):
+            if len(path) < 2 or path[0] in ("targets", "failures", "notes") or only and path[0] != only:
+                continue
+            for value in (KeyError, "x", True, None, {}):
+                res = copy.deepcopy(base)
+                parent = res
+                for k in path[:-1]:
+                    parent = parent[k]
+                if value is KeyError:
+                    del parent[path[-1]]
+                else:
+                    parent[path[-1]] = value
+                tried += 1
+                try:
+                    report.check_records(res)
+                except report.RecordError:
+                    continue
+                res = report.merge_results([res])
+                res["targets"] = report.evaluate_targets(res)
+                report.render_markdown(res, [])
+    assert tried > 500
+
+
+def test_the_report_is_rendered_before_anything_is_written(tmp_path):
+    """`write_outputs` renders the Markdown first: a results dict it cannot render raises
+    with no folder made and an earlier pair left as it was (bench.json used to be written
+    first, then the render failed)."""
+    bad = {"meta": {"device": "cpu"}, "ceilings": {}, "decode": [{"engine": "flintc", "fmt": "bf16"}]}
+    with pytest.raises(KeyError):
+        report.write_outputs(bad, tmp_path / "o", plots=False)
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "bench.json").write_text("old")
+    with pytest.raises(KeyError):
+        report.write_outputs(bad, tmp_path / "o", plots=False)
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["bench.json"]
+    assert (tmp_path / "o" / "bench.json").read_text() == "old"
+
+
+def test_a_failed_write_keeps_the_previous_pair(tmp_path, monkeypatch, capsys):
+    """bench.json and bench.md are written as a pair: a full disk while bench.md is written
+    leaves both as they were (bench.json used to be replaced already), no temporary file."""
+    import errno
+
+    from flintc import fileio
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "bench.json").write_text("old json")
+    (out / "bench.md").write_text("old md")
+    real = fileio.set_public_mode
+
+    def full(path):
+        if ".bench.md." in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path)
+
+    monkeypatch.setattr(fileio, "set_public_mode", full)
+    res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}}
+    with pytest.raises(OSError):
+        report.write_outputs(res, out, plots=False)
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
+    assert (out / "bench.json").read_text() == "old json" and (out / "bench.md").read_text() == "old md"
+    monkeypatch.setattr(fileio, "set_public_mode", real)
+    report.write_outputs(res, out, plots=False)
+    assert json.loads((out / "bench.json").read_text())["meta"]["date"] == "d"
+    assert "# flintc bench" in (out / "bench.md").read_text()
+    capsys.readouterr()
