@@ -87,12 +87,13 @@ class BenchOptions:
 
     def resolved(self) -> "BenchOptions":
         """Defaults that depend on the device; validation. Raises InputError naming the
-        option: a count or size out of range (--max-model-len, --iters, ... below 1), a
-        --time-budget or --step-timeout that is not a positive number of seconds, a
-        --time-budget not above the seconds kept for writing the outputs (`_Clock.RESERVE_S`), a
-        --breakdown point that is not one of the decode points measured, an unknown
-        name, a missing MODEL or --hf-config-path, --hf-config-path without MODEL, an
-        unknown --config preset, or weights (of --config or MODEL) that the CPU has not
+        option: a count or size out of range (--iters, ... below 1; --max-model-len below
+        2, above the config's max_position_embeddings or below the longest --contexts /
+        --prefill point), a --time-budget or --step-timeout that is not a positive number
+        of seconds, a --time-budget not above the seconds kept for writing the outputs
+        (`_Clock.RESERVE_S`), a --breakdown point that is not one of the decode points
+        measured, an unknown name, a missing MODEL or --hf-config-path, --hf-config-path
+        without MODEL, an unknown --config preset, or weights (of --config or MODEL) that the CPU has not
         the memory for (`flintc.runtime.device.check_weights_fit`), a --contexts or --prefill
         value over the config's max_position_embeddings (the defaults, DEFAULT_CONTEXTS and
         DEFAULT_PREFILL, are cut there instead, with a note in `cut_defaults`; contexts to
@@ -113,9 +114,11 @@ class BenchOptions:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
         if o.warmup < 0:
             raise InputError(f"--warmup must be >= 0, got {o.warmup}")
-        if o.max_model_len is not None and o.max_model_len < 1:  # 0 used to mean the default
-            raise InputError(f"--max-model-len must be >= 1, got {o.max_model_len} (leave it out for the largest "
-                             "context)")
+        if o.max_model_len is not None and o.max_model_len < 2:  # 0 used to mean the default
+            # flintc compile's bound (a prompt token and one generated): 1 passed here and
+            # failed in the compile, after the ceilings and the report were written
+            raise InputError(f"--max-model-len must be >= 2 (a prompt token and one generated), got "
+                             f"{o.max_model_len} (leave it out for the longest --contexts / --prefill point)")
         for flag, seconds in (("--time-budget", o.time_budget), ("--step-timeout", o.step_timeout)):
             # 0 used to mean no limit, a negative budget skipped every point
             if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
@@ -174,15 +177,27 @@ class BenchOptions:
                         f"{','.join(map(str, kept)) or 'none'}, what the model serves (max_position_embeddings "
                         f"{longest})")
                 setattr(o, name, kept)
+            source = (f"--hf-config-path {o.hf_config_path}" if o.hf_config_path is not None else
+                      f"MODEL {o.model}'s config" if o.model is not None else f"the {o.config} config")
             for flag, values in (("--contexts", o.contexts), ("--prefill", o.prefill)):
                 over = [v for v in values if v > longest]
                 if over:
-                    source = (f"--hf-config-path {o.hf_config_path}" if o.hf_config_path is not None else
-                              f"MODEL {o.model}'s config" if o.model is not None else f"the {o.config} config")
                     raise InputError(f"{flag}: {max(over)} tokens is more than the model serves "
                                      f"(max_position_embeddings {longest} in {source}); pass values up to "
                                      f"{longest}")
+            if o.max_model_len is not None and o.max_model_len > longest:  # flintc compile refuses it
+                raise InputError(f"--max-model-len {o.max_model_len} is more than the model serves "
+                                 f"(max_position_embeddings {longest} in {source}); pass at most {longest}")
         o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
+        points = o.contexts + o.prefill
+        if o.max_model_len is not None and points and o.max_model_len < max(points):
+            # a build compiled here must hold the longest point (it used to compile one that
+            # did not, then fail or skip the point after the measurements began)
+            flag = "--contexts" if max(points) in o.contexts else "--prefill"
+            given = ", the default" if flag[2:] in defaults else ""
+            raise InputError(f"--max-model-len {o.max_model_len} is shorter than the longest point measured "
+                             f"({flag} {max(points)}{given}); pass --max-model-len >= {max(points)}, or leave it "
+                             "out (the longest point)")
         if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
             if not o.run_flintc:
                 raise InputError("--breakdown applies only when flintc is measured; drop --no-flintc (or "
@@ -578,8 +593,10 @@ class _Bench:
             self.note(f"{fmt}: no build for these weights{which} in {root} and --no-compile given; flintc not "
                       "measured")
             return []
-        max_len = self.o.max_model_len or min(cfg.max_position_embeddings,
-                                              max(self.o.contexts + self.o.prefill))
+        # the longest point, at least 2 (flintc compile's least: --contexts 1 --prefill none
+        # asked for 1, which the compile refused after the ceilings were measured)
+        max_len = self.o.max_model_len or max(2, min(cfg.max_position_embeddings,
+                                                     max(self.o.contexts + self.o.prefill)))
         backend = self.o.backend or ("triton" if self.cuda else "torch")
         opts = BuildOptions(max_batch=max(self.o.batches), max_model_len=max_len, backend=backend,
                             device=self.o.device, check=False, dump=False)

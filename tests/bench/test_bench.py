@@ -1056,3 +1056,54 @@ def test_a_failed_write_keeps_the_previous_pair(tmp_path, monkeypatch, capsys):
     assert json.loads((out / "bench.json").read_text())["meta"]["date"] == "d"
     assert "# flintc bench" in (out / "bench.md").read_text()
     capsys.readouterr()
+
+
+# -- --max-model-len and --contexts agree with flintc compile's bounds -------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--max-model-len", "1"], "--max-model-len must be >= 2 (a prompt token and one generated), got 1"),
+    (["--max-model-len", "1", "--contexts", "64"], "--max-model-len must be >= 2"),
+    (["--max-model-len", "32", "--contexts", "16,64", "--prefill", "16"],
+     "--max-model-len 32 is shorter than the longest point measured (--contexts 64); pass --max-model-len >= 64"),
+    (["--max-model-len", "32", "--contexts", "16"],
+     "--max-model-len 32 is shorter than the longest point measured (--prefill 1024, the default)"),
+    (["--max-model-len", "5000", "--contexts", "64", "--prefill", "none"],
+     "--max-model-len 5000 is more than the model serves (max_position_embeddings 4096 in the tiny config); "
+     "pass at most 4096"),
+])
+def test_max_model_len_out_of_bounds_is_refused_up_front(tmp_path, capsys, args, message):
+    """bench's --max-model-len took 1 (its help said >= 1), and more than the model serves,
+    which `flintc compile` refuses: the run measured the ceilings, printed the report and
+    failed in the compile, leaving bench.json and bench.md; one shorter than the longest
+    point compiled a build that did not hold it. Now one line before any work."""
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
+                 "--no-plots", *args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: {message}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_max_model_len_help_states_the_real_bounds(capsys):
+    from flintc.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(>= 1)" not in text
+    assert ("max model length of a build compiled here: at least 2 and the longest --contexts / --prefill point, "
+            "at most the model's max_position_embeddings") in text
+
+
+def test_context_1_compiles_a_build_of_length_2(tmp_path, capsys):
+    """--contexts 1 --prefill none compiled a build of max model len 1 (the longest point),
+    which `flintc compile` refuses: after the ceilings and the whole report, "--max-model-len
+    must be in 2..4096 ... got 1" although no --max-model-len was given. Now the build gets
+    2, flintc's least, and the point is measured."""
+    out = tmp_path / "o"
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
+                 "--no-plots", "--contexts", "1", "--batches", "1", "--prefill", "none", "--iters", "1",
+                 "--e2e-iters", "1", "--warmup", "0", "--rotations", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0 and "error" not in err, err
+    res = json.loads((out / "bench.json").read_text())
+    assert [(r["batch"], r["context"]) for r in res["decode"]] == [(1, 1)]
+    assert json.loads((out / "builds" / "tiny-bf16" / "build.json").read_text())["max_model_len"] == 2
