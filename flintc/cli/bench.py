@@ -177,7 +177,9 @@ def add_parser(sub) -> None:
                         "one is compiled there (default: OUT/builds)")
     p.add_argument("--build-glob", default=None,
                    help="comma-separated shell patterns: only builds in --builds whose folder name matches "
-                        "one are used (e.g. 'full-nvfp4*,full-bf16*'; default: every build for these weights)")
+                        "one are used (e.g. 'full-nvfp4*,full-bf16*'; default: every build for these weights). "
+                        "A missing build is compiled only when its name, CONFIG-FORMAT (e.g. full-bf16), matches "
+                        "a pattern; patterns that match no build there and no such name are an error")
     p.add_argument("--no-compile", action="store_true",
                    help="never compile a missing build (report it instead): compiling the full model takes minutes")
     p.add_argument("--backend", choices=("triton", "torch"), default=None,
@@ -282,7 +284,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         baselines=baselines, baseline_points=_points(args.baseline_points, "--baseline-points"),
         breakdown=_points(args.breakdown, "--breakdown"),
         builds=Path(args.builds) if args.builds else None,
-        build_globs=[g.strip() for g in args.build_glob.split(",") if g.strip()] if args.build_glob else None,
+        build_globs=None if args.build_glob is None else _items(
+            args.build_glob, "--build-glob", "comma-separated shell patterns, e.g. 'full-nvfp4*,full-bf16*'"),
         backend=args.backend, device=args.device,
         warmup=args.warmup, iters=args.iters, e2e_iters=args.e2e_iters, prefill_iters=args.prefill_iters,
         rotations=args.rotations, time_budget=args.time_budget, step_timeout=args.step_timeout,

@@ -357,7 +357,7 @@ def test_caches_are_sized_to_the_points(cpu_run, tmp_path):
 def test_build_glob_picks_the_builds(cpu_run, tmp_path):
     """--build-glob: only builds whose folder name matches a pattern are used (two copies
     of the fixture's build: the point runs on the named one); none matching with
-    --no-compile is a note naming the patterns."""
+    --no-compile is refused up front (test_build_glob_that_names_no_build_is_refused)."""
     import shutil
 
     out, _ = cpu_run
@@ -374,9 +374,10 @@ def test_build_glob_picks_the_builds(cpu_run, tmp_path):
         assert [r["build"] for r in res["decode"]] == [want], (glob, res["notes"])
         assert {b["path"] for b in res["builds"]} == (
             {str(builds / want)} if glob else {str(builds / n) for n in ("a-tiny-bf16", "b-tiny-bf16")})
-    assert main(args + ["--build-glob", "zz*", "--out", str(tmp_path / "none")]) == 0
-    res = json.loads((tmp_path / "none" / "bench.json").read_text())
-    assert res["decode"] == [] and any("matching --build-glob zz*" in n for n in res["notes"])
+    # none matching with --no-compile: refused before anything is measured (it measured
+    # no flintc point, with a note at the end, exit 0)
+    assert main(args + ["--build-glob", "zz*", "--out", str(tmp_path / "none")]) == 2
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", "{}", None])
@@ -1107,3 +1108,76 @@ def test_context_1_compiles_a_build_of_length_2(tmp_path, capsys):
     res = json.loads((out / "bench.json").read_text())
     assert [(r["batch"], r["context"]) for r in res["decode"]] == [(1, 1)]
     assert json.loads((out / "builds" / "tiny-bf16" / "build.json").read_text())["max_model_len"] == 2
+
+
+# -- --builds and --build-glob -----------------------------------------------------------------
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe\x00", b'{"build_version": 1}'])
+def test_a_build_with_an_unreadable_manifest_is_skipped_with_a_note(cpu_run, tmp_path, content):
+    """A subfolder of --builds whose build.json is not JSON (or not UTF-8 text), not an
+    object, or of another build_version was skipped silently (a build for other weights
+    gets a note): now a note naming the file, once for all formats."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    shutil.copytree(out / "builds" / "tiny-bf16", builds / "tiny-bf16")
+    manifest = builds / "tiny-bf16" / "build.json"
+    manifest.write_bytes(content)
+    args = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16,nvfp4", "--contexts", "64",
+            "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
+            "--builds", str(builds), "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    res = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert res["decode"] == []
+    notes = [n for n in res["notes"] if str(manifest) in n]
+    assert len(notes) == 1 and notes[0].endswith("; not used"), res["notes"]
+
+
+@pytest.mark.parametrize("glob, extra, message", [
+    ("[", [], "--build-glob '[': a '[' that no ']' closes; expected shell patterns"),
+    ("a-[bc", [], "--build-glob 'a-[bc': a '[' that no ']' closes"),
+    ("zz*", [], "--build-glob zz*: matches no build in {builds} (builds there: a-tiny-bf16) and a missing build "
+                "is compiled only under a name a pattern matches (tiny-bf16); pass patterns that match a build's "
+                "folder name, or leave --build-glob out"),
+    ("zz*", ["--no-compile"], "--build-glob zz*: matches no build in {builds} (builds there: a-tiny-bf16) and "
+                              "--no-compile is given"),
+    ("", [], "--build-glob: expected at least one value: comma-separated shell patterns"),
+    ("a-*,", [], "--build-glob 'a-*,': empty item"),
+])
+def test_build_glob_that_names_no_build_is_refused(cpu_run, tmp_path, capsys, glob, extra, message):
+    """--build-glob '[' (an unclosed set, matching only a literal '[') or one matching no
+    build: bench compiled a new build into --builds under a name the patterns did not
+    match (or, with --no-compile, measured no flintc point and exited 0). Now one line
+    before anything is measured; an empty pattern is refused as every list option's."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    shutil.copytree(out / "builds" / "tiny-bf16", builds / "a-tiny-bf16")
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64",
+                 "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-plots", *extra,
+                 "--builds", str(builds), "--build-glob", glob, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("flintc: error: " + message.format(builds=builds)), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    assert sorted(p.name for p in builds.iterdir()) == ["a-tiny-bf16"]
+
+
+def test_build_glob_compiles_only_a_build_it_names(cpu_run, tmp_path):
+    """With --build-glob, a format without a matching build is compiled only when the name
+    it gets (CONFIG-FORMAT) matches a pattern; otherwise a note says why it was not
+    (nvfp4 here: tiny-nvfp4 does not match 'tiny-bf16'), and bf16 runs on its build."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    shutil.copytree(out / "builds" / "tiny-bf16", builds / "tiny-bf16")
+    assert main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16,nvfp4", "--contexts", "64",
+                 "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-plots",
+                 "--builds", str(builds), "--build-glob", "tiny-bf16", "--out", str(tmp_path / "o")]) == 0
+    res = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [(r["fmt"], r["build"]) for r in res["decode"]] == [("bf16", "tiny-bf16")]
+    assert sorted(p.name for p in builds.iterdir()) == ["tiny-bf16"]
+    want = (f"nvfp4: no build for these weights matching --build-glob tiny-bf16 in {builds}; not compiling "
+            f"{builds / 'tiny-nvfp4'}: its name matches no pattern")
+    assert any(n.startswith(want) for n in res["notes"]), res["notes"]
