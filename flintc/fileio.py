@@ -146,6 +146,37 @@ def write_text_atomic(path, text: str) -> None:
         raise
 
 
+def write_texts_atomic(files: dict) -> None:
+    """Write several text files (UTF-8) as one: {path: text}, each to a temporary file
+    beside it first, then all renamed into place together with SIGINT and SIGTERM
+    deferred (`signals_deferred`), so a failed write (a full disk) leaves every file as
+    it was and never a new file beside an old one (a bench.md that does not match its
+    bench.json). Creates the folders. Raises OSError naming the file whose write failed
+    (`naming_write_errors`), or IsADirectoryError for a path that is a folder (before any
+    rename); the temporary files are removed."""
+    temps: list[tuple[str, Path]] = []
+    try:
+        for path, text in files.items():
+            target = Path(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+            temps.append((tmp, target))
+            with naming_write_errors(target), os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            set_public_mode(tmp)
+        for _, target in temps:  # os.replace would fail there, after the files before it were renamed
+            if target.is_dir():
+                raise IsADirectoryError(errno.EISDIR, "Is a directory (expected a file)", str(target))
+        with signals_deferred():
+            for tmp, target in temps:
+                os.replace(tmp, target)
+    except BaseException:
+        for tmp, _ in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
+
+
 def write_json_atomic(path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
 

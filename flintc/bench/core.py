@@ -87,12 +87,14 @@ class BenchOptions:
 
     def resolved(self) -> "BenchOptions":
         """Defaults that depend on the device; validation. Raises InputError naming the
-        option: a count or size out of range (--max-model-len, --iters, ... below 1), a
-        --time-budget or --step-timeout that is not a positive number of seconds, a
-        --time-budget not above the seconds kept for writing the outputs (`_Clock.RESERVE_S`), a
-        --breakdown point that is not one of the decode points measured, an unknown
-        name, a missing MODEL or --hf-config-path, --hf-config-path without MODEL, an
-        unknown --config preset, or weights (of --config or MODEL) that the CPU has not
+        option: a count or size out of range (--iters, ... below 1; --max-model-len below
+        2, above the config's max_position_embeddings or below the longest --contexts /
+        --prefill point), a --time-budget or --step-timeout that is not a positive number
+        of seconds, a --time-budget not above the seconds kept for writing the outputs
+        (`_Clock.RESERVE_S`), a --build-glob that is malformed or names no build
+        (`_check_build_globs`), a --breakdown point that is not one of the decode points
+        measured, an unknown name, a missing MODEL or --hf-config-path, --hf-config-path
+        without MODEL, an unknown --config preset, or weights (of --config or MODEL) that the CPU has not
         the memory for (`flintc.runtime.device.check_weights_fit`), a --contexts or --prefill
         value over the config's max_position_embeddings (the defaults, DEFAULT_CONTEXTS and
         DEFAULT_PREFILL, are cut there instead, with a note in `cut_defaults`; contexts to
@@ -113,9 +115,11 @@ class BenchOptions:
                 raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(o, name)}")
         if o.warmup < 0:
             raise InputError(f"--warmup must be >= 0, got {o.warmup}")
-        if o.max_model_len is not None and o.max_model_len < 1:  # 0 used to mean the default
-            raise InputError(f"--max-model-len must be >= 1, got {o.max_model_len} (leave it out for the largest "
-                             "context)")
+        if o.max_model_len is not None and o.max_model_len < 2:  # 0 used to mean the default
+            # flintc compile's bound (a prompt token and one generated): 1 passed here and
+            # failed in the compile, after the ceilings and the report were written
+            raise InputError(f"--max-model-len must be >= 2 (a prompt token and one generated), got "
+                             f"{o.max_model_len} (leave it out for the longest --contexts / --prefill point)")
         for flag, seconds in (("--time-budget", o.time_budget), ("--step-timeout", o.step_timeout)):
             # 0 used to mean no limit, a negative budget skipped every point
             if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
@@ -174,15 +178,27 @@ class BenchOptions:
                         f"{','.join(map(str, kept)) or 'none'}, what the model serves (max_position_embeddings "
                         f"{longest})")
                 setattr(o, name, kept)
+            source = (f"--hf-config-path {o.hf_config_path}" if o.hf_config_path is not None else
+                      f"MODEL {o.model}'s config" if o.model is not None else f"the {o.config} config")
             for flag, values in (("--contexts", o.contexts), ("--prefill", o.prefill)):
                 over = [v for v in values if v > longest]
                 if over:
-                    source = (f"--hf-config-path {o.hf_config_path}" if o.hf_config_path is not None else
-                              f"MODEL {o.model}'s config" if o.model is not None else f"the {o.config} config")
                     raise InputError(f"{flag}: {max(over)} tokens is more than the model serves "
                                      f"(max_position_embeddings {longest} in {source}); pass values up to "
                                      f"{longest}")
+            if o.max_model_len is not None and o.max_model_len > longest:  # flintc compile refuses it
+                raise InputError(f"--max-model-len {o.max_model_len} is more than the model serves "
+                                 f"(max_position_embeddings {longest} in {source}); pass at most {longest}")
         o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
+        points = o.contexts + o.prefill
+        if o.max_model_len is not None and points and o.max_model_len < max(points):
+            # a build compiled here must hold the longest point (it used to compile one that
+            # did not, then fail or skip the point after the measurements began)
+            flag = "--contexts" if max(points) in o.contexts else "--prefill"
+            given = ", the default" if flag[2:] in defaults else ""
+            raise InputError(f"--max-model-len {o.max_model_len} is shorter than the longest point measured "
+                             f"({flag} {max(points)}{given}); pass --max-model-len >= {max(points)}, or leave it "
+                             "out (the longest point)")
         if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
             if not o.run_flintc:
                 raise InputError("--breakdown applies only when flintc is measured; drop --no-flintc (or "
@@ -203,7 +219,64 @@ class BenchOptions:
                 check_weights_fit(FlintConfig.preset(o.config), fmt, o.device)
         if o.builds is None:
             o.builds = Path(o.out) / "builds"
+        if o.build_globs is not None:
+            _check_build_globs(o)
         return o
+
+
+def compiled_build_name(o: BenchOptions, fmt: str) -> str:
+    """The folder name (in --builds) of the build bench compiles when none covers `fmt`:
+    CONFIG-FORMAT (full-bf16), model-FORMAT for a MODEL."""
+    return f"{o.config or 'model'}-{fmt}"
+
+
+def _unclosed_bracket(pattern: str) -> bool:
+    """Whether a '[' of the shell pattern opens a set that no ']' closes (fnmatch then
+    matches it as a literal '[': a typo, not a set)."""
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] == "[":
+            j = i + 1
+            if j < n and pattern[j] == "!":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:
+                return True
+            i = j
+        i += 1
+    return False
+
+
+def _check_build_globs(o: BenchOptions) -> None:
+    """--build-glob, before anything is measured. Raises InputError naming it: an empty
+    pattern, one with an unclosed '[', or (when flintc is measured) patterns that match
+    no build folder in --builds while bench would not compile one under a matching name
+    (--no-compile, or CONFIG-FORMAT matching no pattern): that run measured no flintc
+    point, with a note at the end, or compiled a build the patterns did not name."""
+    for g in o.build_globs:
+        if not g:
+            raise InputError("--build-glob: empty pattern; expected comma-separated shell patterns, e.g. "
+                             "'full-nvfp4*,full-bf16*'")
+        if _unclosed_bracket(g):
+            raise InputError(f"--build-glob {g!r}: a '[' that no ']' closes; expected shell patterns (* any "
+                             "text, ? one character, [abc] one of a set, [[] a literal [)")
+    if not o.run_flintc:
+        return
+    root = Path(o.builds)
+    names = sorted(p.name for p in root.iterdir() if (p / "build.json").is_file()) if root.is_dir() else []
+    if any(fnmatch.fnmatchcase(n, g) for n in names for g in o.build_globs):
+        return
+    compiled = [compiled_build_name(o, fmt) for fmt in o.formats]
+    if o.compile_missing and any(fnmatch.fnmatchcase(n, g) for n in compiled for g in o.build_globs):
+        return  # none yet: bench compiles it under a name the patterns match
+    there = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
+    why = ("--no-compile is given" if not o.compile_missing else
+           f"a missing build is compiled only under a name a pattern matches ({', '.join(compiled)})")
+    raise InputError(f"--build-glob {','.join(o.build_globs)}: matches no build in {root} (builds there: {there}) "
+                     f"and {why}; pass patterns that match a build's folder name, or leave --build-glob out")
 
 
 class _ConfigRead(Exception):
@@ -419,6 +492,11 @@ class _Bench:
         self.log(msg)
         self.r["notes"].append(msg)
 
+    def note_once(self, msg: str) -> None:
+        """`note`, unless the same note was made before (a build every format skips)."""
+        if msg not in self.r["notes"]:
+            self.note(msg)
+
     def fail(self, what: str, msg: str) -> None:
         """A measurement that failed: a one-line note, and a record in `failures` with
         the traceback of the exception being handled (bench.json only)."""
@@ -533,7 +611,8 @@ class _Bench:
                     continue  # --build-glob: only the named builds
                 try:
                     m = read_manifest(path)
-                except InputError:
+                except (InputError, OSError) as e:  # not JSON, not an object, another build_version
+                    self.note_once(f"{e}; not used")
                     continue
                 if m.get("weight_format") != fmt or m.get("config_sha256") != cfg_sha:
                     continue
@@ -571,15 +650,24 @@ class _Bench:
         from flintc.runtime.build import BuildOptions, compile_model
 
         cfg = ckpt.config
-        name = f"{self.o.config or 'model'}-{fmt}"
+        name = compiled_build_name(self.o, fmt)
         path = root / name
+        globs = self.o.build_globs
+        which = f" matching --build-glob {','.join(globs)}" if globs else ""
         if not self.o.compile_missing:
-            which = f" matching --build-glob {','.join(self.o.build_globs)}" if self.o.build_globs else ""
             self.note(f"{fmt}: no build for these weights{which} in {root} and --no-compile given; flintc not "
                       "measured")
             return []
-        max_len = self.o.max_model_len or min(cfg.max_position_embeddings,
-                                              max(self.o.contexts + self.o.prefill))
+        if globs and not any(fnmatch.fnmatchcase(name, g) for g in globs):
+            # a build the patterns do not name: the next run with them would not use it either
+            self.note(f"{fmt}: no build for these weights{which} in {root}; not compiling {path}: its name "
+                      f"matches no pattern (compile one with flintc compile --out {root}/NAME, NAME matching a "
+                      "pattern, or leave --build-glob out); flintc not measured")
+            return []
+        # the longest point, at least 2 (flintc compile's least: --contexts 1 --prefill none
+        # asked for 1, which the compile refused after the ceilings were measured)
+        max_len = self.o.max_model_len or max(2, min(cfg.max_position_embeddings,
+                                                     max(self.o.contexts + self.o.prefill)))
         backend = self.o.backend or ("triton" if self.cuda else "torch")
         opts = BuildOptions(max_batch=max(self.o.batches), max_model_len=max_len, backend=backend,
                             device=self.o.device, check=False, dump=False)

@@ -15,7 +15,8 @@ Files written into the output folder by `write_outputs`:
 `merge_results([a, b, ...])` joins the results of several runs (the flintc run and the
 compile-baseline run happen in separate GPU calls): later records replace earlier ones
 with the same key (engine, format, batch, context / tokens); the report's header lists
-each run with its own ceilings.
+each run with its own ceilings. `check_records` checks a results dict read back from a
+bench.json (`--from-json`) against `RECORD_FIELDS`, the fields the report reads.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flintc.fileio import write_text_atomic
+from flintc.fileio import write_texts_atomic
 
 # Issue 8's targets on the H200: (key, description, kind, fmt, batch, context, field, op, limit, unit)
 TARGETS = [
@@ -57,6 +58,138 @@ LIST_KEYS = {"decode": ("engine", "fmt", "batch", "context"), "prefill": ("engin
              "baselines": ("engine", "fmt", "batch", "context"), "breakdown": ("fmt", "batch", "context"),
              "kernels": ("fmt", "function"), "baseline_failures": ("engine", "fmt", "batch", "context"),
              "builds": ("fmt", "path"), "loads": ("fmt",), "prefill_breakdown": ("fmt", "tokens")}
+
+
+# -- the fields the report reads, checked when a bench.json is read back (`check_records`) -------
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_integer(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_layer_key(k: str) -> bool:
+    try:
+        int(k)
+    except ValueError:
+        return False
+    return True
+
+
+# a kind: (what it must be, in words; the test)
+NUMBER = ("a number", _is_number)
+INTEGER = ("an integer", _is_integer)
+STRING = ("a string", lambda v: isinstance(v, str))
+BOOLEAN = ("true or false", lambda v: isinstance(v, bool))
+INTEGERS = ("a list of integers", lambda v: isinstance(v, list) and all(map(_is_integer, v)))
+STRINGS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
+PER_LAYER = ("an object of layer index (a whole number) -> microseconds",
+             lambda v: isinstance(v, dict) and all(_is_layer_key(k) and _is_number(x) for k, x in v.items()))
+
+
+def _or_null(kind: tuple) -> tuple:
+    return (f"{kind[0]} or null", lambda v: v is None or kind[1](v))
+
+
+# What `render_markdown`, `evaluate_targets`, `merge_results` and `write_plots` read of a
+# results dict, section by section: field -> kind, a nested object (a dict of its own
+# fields) or a list of such objects ([dict]). "name?": the field may be missing (runs of
+# older code lack it; the report reads it with .get); otherwise it must be there.
+# Sections and fields not named here are kept as they are but never read.
+_META = {"date?": _or_null(STRING), "command?": _or_null(STRING), "device?": _or_null(STRING),
+         "device_name?": _or_null(STRING), "device_memory_gib?": _or_null(NUMBER), "driver?": _or_null(STRING),
+         "python?": _or_null(STRING), "torch?": _or_null(STRING), "cuda?": _or_null(STRING),
+         "triton?": _or_null(STRING), "flintc?": _or_null(STRING), "flintc_commit?": _or_null(STRING),
+         "triton_interpret?": _or_null(BOOLEAN), "timing?": _or_null(STRING), "full_model?": _or_null(BOOLEAN),
+         "layers?": _or_null(INTEGER), "wall_s?": _or_null(NUMBER)}
+_CEILINGS = {"copy_gbs?": NUMBER, "matmul_tflops?": NUMBER, "method?": STRING}
+_RUN = {"run?": INTEGER}  # the run a merged record comes from
+_OPS = {"op": STRING, "calls": INTEGER, "us": NUMBER, "us_per_call": NUMBER, "share": NUMBER}
+RECORD_FIELDS = {
+    "meta": {**_META, "runs?": [{**_META, "ceilings?": _CEILINGS, "source?": _or_null(STRING)}]},
+    "ceilings": _CEILINGS,
+    "loads": {"fmt": STRING, "source": STRING, "weight_bytes": NUMBER, "seconds": NUMBER, **_RUN},
+    "builds": {"fmt": STRING, "path": STRING, "backend": STRING, "max_batch": INTEGER, "max_model_len": INTEGER,
+               "kv_cache_bytes": NUMBER, "loaded_max_model_len?": _or_null(INTEGER),
+               "loaded_kv_cache_bytes?": _or_null(NUMBER), **_RUN},
+    "decode": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER, "fwd_ms": NUMBER,
+               "e2e_ms": NUMBER, "roofline_ms": NUMBER, "fwd_roofline_share": NUMBER,
+               "e2e_roofline_share": NUMBER, "distinct_experts": {"mean": NUMBER}, "roofline": {"bytes": NUMBER},
+               "kernels_measured?": _or_null(INTEGER), "kernels_plan?": _or_null(INTEGER),
+               "peak_gib?": _or_null(NUMBER), "sampling?": _or_null(STRING), "build?": _or_null(STRING),
+               "kv_cache_bytes_allocated?": _or_null(NUMBER), "kv_slots?": _or_null(INTEGER),
+               "build_max_batch?": _or_null(INTEGER), "build_max_model_len?": _or_null(INTEGER), **_RUN},
+    "prefill": {"engine": STRING, "fmt": STRING, "tokens": INTEGER, "ms": NUMBER, "tokens_per_s": NUMBER,
+                "roofline_ms": NUMBER, "roofline": {"bound": STRING}, "roofline_share": NUMBER,
+                "chunk?": _or_null(INTEGER), "pieces?": _or_null(INTEGERS), "peak_gib?": _or_null(NUMBER),
+                **_RUN},
+    "baselines": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER, "fwd_ms": NUMBER,
+                  "e2e_ms": NUMBER, "compile_s?": _or_null(NUMBER), "cudagraphs?": _or_null(BOOLEAN),
+                  "graph_breaks?": _or_null(INTEGER), "cudagraph_notes?": _or_null(STRINGS), **_RUN},
+    "baseline_failures": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER,
+                          "error": STRING, **_RUN},
+    "breakdown": {"fmt": STRING, "batch": INTEGER, "context": INTEGER, "method": STRING, "step_us": NUMBER,
+                  "kernel_us": NUMBER, "gap_us": NUMBER, "kernels": INTEGER, "matched_to_plan?": BOOLEAN,
+                  "ops": [{**_OPS, "per_layer": PER_LAYER}], **_RUN},
+    "prefill_breakdown": {"fmt": STRING, "tokens": INTEGER, "method": STRING, "step_us": NUMBER,
+                          "kernel_us": NUMBER, "gap_us": NUMBER, "kernels": INTEGER, "ops": [_OPS], **_RUN},
+    "kernels": {"fmt": STRING, "function": STRING, "measured?": _or_null(INTEGER), **_RUN},
+}
+
+
+class RecordError(ValueError):
+    """A results dict with a record the report cannot read. `where` is the path of the
+    bad field (`decode[0].batch`, `breakdown[1].ops[2].us`), `expected` what it must be,
+    `got` the value found and `missing` whether it is not there at all."""
+
+    def __init__(self, where: str, expected: str, got=None, missing: bool = False):
+        self.where, self.expected, self.got, self.missing = where, expected, got, missing
+        if missing:
+            record, _, name = where.rpartition(".")
+            text = f"{record} has no {name!r} field (expected {expected})"
+        else:
+            shown = json.dumps(got, default=str)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            text = f"{where}: expected {expected}, got {shown}"
+        super().__init__(text)
+
+
+def _what(kind) -> str:
+    return "an object" if isinstance(kind, dict) else "a list of objects" if isinstance(kind, list) else kind[0]
+
+
+def _check(value, kind, where: str) -> None:
+    """`value` at `where` against `kind` (a kind, a dict of fields, or [dict of fields])."""
+    if isinstance(kind, dict):
+        if not isinstance(value, dict):
+            raise RecordError(where, "an object", value)
+        for name, sub in kind.items():
+            optional, name = name.endswith("?"), name.rstrip("?")
+            if name in value:
+                _check(value[name], sub, f"{where}.{name}")
+            elif not optional:
+                raise RecordError(f"{where}.{name}", _what(sub), missing=True)
+    elif isinstance(kind, list):
+        if not isinstance(value, list):
+            raise RecordError(where, "a list of objects", value)
+        for i, item in enumerate(value):
+            _check(item, kind[0], f"{where}[{i}]")
+    elif not kind[1](value):
+        raise RecordError(where, kind[0], value)
+
+
+def check_records(results: dict) -> None:
+    """Check that `results` (a results dict read back from a bench.json: an object whose
+    sections are the objects and lists of objects a report has) holds every field the
+    report reads, of the kind it reads (`RECORD_FIELDS`): numbers are JSON numbers (not
+    strings, not true/false), counts integers, names strings. Fields that runs of older
+    code lack are optional; a section that is missing or null is not checked. Raises
+    RecordError naming the first bad field by its path (`decode[0].batch`) and what was
+    expected."""
+    for section, fields in RECORD_FIELDS.items():
+        if results.get(section) is not None:
+            _check(results[section], fields if section in ("meta", "ceilings") else [fields], section)
 
 
 def find(records: list[dict], **key) -> dict | None:
@@ -146,10 +279,10 @@ def evaluate_targets(results: dict) -> list[dict]:
             r = find(results.get("decode", []), engine="flintc", fmt=fmt, batch=batch, context=context)
             measured = r.get(fld) if r else None
             if r and fld == "peak_gib":
+                slots = r.get("kv_slots") or (r.get("build_max_batch") or 0) + 1  # runs before kv_slots
                 extra = (f"weights + KV caches of {r.get('build')} "
-                         f"({r.get('kv_cache_bytes_allocated', 0) / 2**30:.1f} GiB for "
-                         f"{r.get('kv_slots', r.get('build_max_batch', 0) + 1)} slots x "
-                         f"{r.get('build_max_model_len')} rows)")
+                         f"({(r.get('kv_cache_bytes_allocated') or 0) / 2**30:.1f} GiB for "
+                         f"{slots} slots x {r.get('build_max_model_len')} rows)")
         elif kind == "prefill":
             r = find(results.get("prefill", []), engine="flintc", fmt=fmt, tokens=context)
             measured = r.get(fld) if r else None
@@ -239,9 +372,9 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
     runs = m.get("runs") or [m]
     if len(runs) == 1:
         L.append(f"- Command: `{runs[0].get('command') or '(python API)'}` ({runs[0].get('wall_s', '-')} s)")
-        if c:
-            L.append(f"- Ceilings: copy bandwidth **{_fmt(c['copy_gbs'])} GB/s**, bf16 matmul "
-                     f"**{_fmt(c['matmul_tflops'])} TFLOP/s** ({c.get('method', '')})")
+        if c:  # a run stopped while they were measured may lack one
+            L.append(f"- Ceilings: copy bandwidth **{_fmt(c.get('copy_gbs'))} GB/s**, bf16 matmul "
+                     f"**{_fmt(c.get('matmul_tflops'))} TFLOP/s** ({c.get('method', '')})")
     else:  # a merge: date, device and software above are the first run's; each run's own here
         L.append(f"- Merged from {len(runs)} runs; each row's roofline uses the ceilings of the run that "
                  "measured it:")
@@ -264,8 +397,8 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
         L.append(f"- Build {Path(b['path']).name} ({b['fmt']}, backend {b['backend']}): batch <= {b['max_batch']}, "
                  f"context <= {b['max_model_len']}, KV caches {b['kv_cache_bytes'] / 2**30:.1f} GiB"
                  + (f"; loaded here with caches of {b['loaded_max_model_len']} positions "
-                    f"({b['loaded_kv_cache_bytes'] / 2**30:.1f} GiB; its functions do not depend on the "
-                    "cache length)" if b.get("loaded_max_model_len") not in (None, b["max_model_len"]) else ""))
+                    f"({(b.get('loaded_kv_cache_bytes') or 0) / 2**30:.1f} GiB; its functions do not depend on "
+                    "the cache length)" if b.get("loaded_max_model_len") not in (None, b["max_model_len"]) else ""))
     L.append("")
 
     dec = sorted(results.get("decode", []), key=lambda r: (r["fmt"], r["batch"], r["context"]))
@@ -323,7 +456,7 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
             rows.append([r["engine"], r["fmt"], r["batch"], _ctx(r["context"]), r["fwd_ms"], r["e2e_ms"],
                          r.get("compile_s"), r.get("cudagraphs") if r["engine"] in ("compile", "fast") else "-",
                          r.get("graph_breaks") if r["engine"] in ("compile", "fast") else "-",
-                         f"{r['e2e_ms'] / ours['e2e_ms']:.2f}x" if ours else "-"])
+                         f"{r['e2e_ms'] / ours['e2e_ms']:.2f}x" if ours and ours["e2e_ms"] else "-"])
         L += _table(["engine", "format", "batch", "context", "fwd ms", "e2e ms", "compile s", "CUDA graphs",
                      "graph breaks", "flintc speedup (e2e)"], rows)
         for f in results.get("baseline_failures", []):
@@ -490,12 +623,19 @@ def write_plots(results: dict, out: Path) -> list[str]:
 
 
 def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> dict:
-    """Evaluate the targets, write bench.json, the plots and bench.md into `out`, print
-    the Markdown. Returns {"json", "markdown", "plots"} paths."""
+    """Evaluate the targets, write the plots, then bench.json and bench.md into `out`
+    (made if missing), print the Markdown. Returns {"json", "markdown", "plots"} paths.
+
+    The report is rendered before any file is written: a results dict it cannot render
+    raises (KeyError, TypeError: `check_records` catches such dicts read back from a
+    file) with nothing written. bench.json and bench.md are written as a pair
+    (`flintc.fileio.write_texts_atomic`): a failed write (OSError naming the file, e.g.
+    a full disk) leaves the previous pair as it was, never a new bench.json beside an
+    old bench.md. A plotting failure is a note, not an error."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     results["targets"] = evaluate_targets(results)
-    write_text_atomic(out / "bench.json", json.dumps(results, indent=1, default=str))
+    render_markdown(results, [])  # raises now, before any file is written
+    out.mkdir(parents=True, exist_ok=True)
     pngs = []
     if plots:
         try:
@@ -508,11 +648,10 @@ def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> di
                 results.setdefault("notes", []).append(
                     f"plots not written: matplotlib {_matplotlib_problem()} (pip install 'flintc[bench]')")
     md = render_markdown(results, pngs)
-    write_text_atomic(out / "bench.md", md)  # each file whole or as it was, never half-written
-    write_text_atomic(out / "bench.json", json.dumps(results, indent=1, default=str))
+    write_texts_atomic({out / "bench.json": json.dumps(results, indent=1, default=str), out / "bench.md": md})
     print(md, flush=True)
     return {"json": str(out / "bench.json"), "markdown": str(out / "bench.md"), "plots": pngs}
 
 
-__all__ = ["TARGETS", "evaluate_targets", "find", "merge_results", "render_markdown", "write_outputs",
-           "write_plots"]
+__all__ = ["RECORD_FIELDS", "TARGETS", "RecordError", "check_records", "evaluate_targets", "find",
+           "merge_results", "render_markdown", "write_outputs", "write_plots"]

@@ -104,8 +104,10 @@ def _names(text: str, flag: str, choices: tuple[str, ...]) -> list[str]:
 def _load_report(path: str) -> dict:
     """A bench.json given to --from-json. Raises InputError naming the file when it is
     not JSON or not a bench report (an object with a "meta" object, and lists of
-    records where a report has them), e.g. a build.json."""
-    from flintc.bench.report import LIST_KEYS
+    records where a report has them), e.g. a build.json, or when a record lacks a field
+    the report reads or holds one of another kind (`flintc.bench.report.check_records`:
+    the message names the record, e.g. decode[0], the field and what was expected)."""
+    from flintc.bench.report import LIST_KEYS, RecordError, check_records
 
     try:
         data = json.loads(Path(path).read_bytes())  # UTF-8, -16 or -32, as json detects
@@ -126,9 +128,15 @@ def _load_report(path: str) -> dict:
                              + (" (it is a build's build.json)" if "build_version" in data else ""))
     for key in (*LIST_KEYS, "notes", "failures"):
         value = data.get(key, [])
-        if not isinstance(value, list) or (key != "notes" and not all(isinstance(r, dict) for r in value)):
+        item = (lambda r: isinstance(r, str)) if key == "notes" else (lambda r: isinstance(r, dict))
+        if not isinstance(value, list) or not all(map(item, value)):
             raise InputError(f"--from-json {path}: expected {what}; its {key!r} is not a list of "
                              f"{'strings' if key == 'notes' else 'records (objects)'}")
+    try:
+        check_records(data)
+    except RecordError as e:
+        raise InputError(f"--from-json {path}: {e}; not a bench.json as flintc bench writes it (was it "
+                         "edited?)") from None
     return data
 
 
@@ -169,7 +177,9 @@ def add_parser(sub) -> None:
                         "one is compiled there (default: OUT/builds)")
     p.add_argument("--build-glob", default=None,
                    help="comma-separated shell patterns: only builds in --builds whose folder name matches "
-                        "one are used (e.g. 'full-nvfp4*,full-bf16*'; default: every build for these weights)")
+                        "one are used (e.g. 'full-nvfp4*,full-bf16*'; default: every build for these weights). "
+                        "A missing build is compiled only when its name, CONFIG-FORMAT (e.g. full-bf16), matches "
+                        "a pattern; patterns that match no build there and no such name are an error")
     p.add_argument("--no-compile", action="store_true",
                    help="never compile a missing build (report it instead): compiling the full model takes minutes")
     p.add_argument("--backend", choices=("triton", "torch"), default=None,
@@ -180,7 +190,9 @@ def add_parser(sub) -> None:
                         "caches sized to the longest context it serves here (as long as they fit in the free "
                         "device memory), so it can also serve contexts beyond its max model len")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="max model length (>= 1) of a build compiled here (default: the largest context)")
+                   help="max model length of a build compiled here: at least 2 and the longest --contexts / "
+                        "--prefill point, at most the model's max_position_embeddings (default: the longest "
+                        "point, at least 2)")
     p.add_argument("--device", type=device_name, default="cuda", help="cuda or cpu")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per point (default 10; cpu 1)")
     p.add_argument("--iters", type=int, default=None, help="timed graph replays per point (default 100; cpu 2)")
@@ -272,7 +284,8 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         baselines=baselines, baseline_points=_points(args.baseline_points, "--baseline-points"),
         breakdown=_points(args.breakdown, "--breakdown"),
         builds=Path(args.builds) if args.builds else None,
-        build_globs=[g.strip() for g in args.build_glob.split(",") if g.strip()] if args.build_glob else None,
+        build_globs=None if args.build_glob is None else _items(
+            args.build_glob, "--build-glob", "comma-separated shell patterns, e.g. 'full-nvfp4*,full-bf16*'"),
         backend=args.backend, device=args.device,
         warmup=args.warmup, iters=args.iters, e2e_iters=args.e2e_iters, prefill_iters=args.prefill_iters,
         rotations=args.rotations, time_budget=args.time_budget, step_timeout=args.step_timeout,

@@ -137,7 +137,8 @@ _MANIFEST_NAMES = {"backend": ("torch", "triton"), "weight_format": ("bf16", "nv
 
 def read_manifest(build: str | Path) -> dict:
     """BUILD/build.json. Raises InputError naming the file when BUILD is not a flintc
-    build, or its build.json is not a JSON object, lacks a field every build has, has
+    build, or its build.json is not JSON (bytes that are not UTF-8 included), not a JSON
+    object, lacks a field every build has, has
     another build_version, or a field the runtime reads of the wrong kind (a count such
     as max_batch that is not a positive integer, a backend or weight_format this flintc
     does not know, a device that is not a string, functions that are not an object):
@@ -148,7 +149,7 @@ def read_manifest(build: str | Path) -> dict:
         raise InputError(f"{build} is not a flintc build: {path} does not exist (run flintc compile)")
     try:
         manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # UnicodeDecodeError: bytes that are not UTF-8
         raise InputError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(manifest, dict):
         raise InputError(f"{path}: expected a JSON object (a build manifest), got a JSON "

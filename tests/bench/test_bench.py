@@ -357,7 +357,7 @@ def test_caches_are_sized_to_the_points(cpu_run, tmp_path):
 def test_build_glob_picks_the_builds(cpu_run, tmp_path):
     """--build-glob: only builds whose folder name matches a pattern are used (two copies
     of the fixture's build: the point runs on the named one); none matching with
-    --no-compile is a note naming the patterns."""
+    --no-compile is refused up front (test_build_glob_that_names_no_build_is_refused)."""
     import shutil
 
     out, _ = cpu_run
@@ -374,9 +374,10 @@ def test_build_glob_picks_the_builds(cpu_run, tmp_path):
         assert [r["build"] for r in res["decode"]] == [want], (glob, res["notes"])
         assert {b["path"] for b in res["builds"]} == (
             {str(builds / want)} if glob else {str(builds / n) for n in ("a-tiny-bf16", "b-tiny-bf16")})
-    assert main(args + ["--build-glob", "zz*", "--out", str(tmp_path / "none")]) == 0
-    res = json.loads((tmp_path / "none" / "bench.json").read_text())
-    assert res["decode"] == [] and any("matching --build-glob zz*" in n for n in res["notes"])
+    # none matching with --no-compile: refused before anything is measured (it measured
+    # no flintc point, with a note at the end, exit 0)
+    assert main(args + ["--build-glob", "zz*", "--out", str(tmp_path / "none")]) == 2
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", "{}", None])
@@ -872,3 +873,311 @@ def test_from_json_names_the_flag_for_a_file_it_cannot_read(tmp_path, capsys, ki
     assert err.startswith(f"flintc: error: --from-json {f}: cannot read it ("), err
     assert "expected a bench.json written by flintc bench" in err, err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+# -- --from-json: records checked before anything is written (session 38's new-user test) ------
+_REAL_JSON = "docs/benchmarks/bench-2026-12-06-s37-h100-bf16-b1.json"
+
+
+def _docs_benchmarks():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+
+
+def _mutate(path: str, edit):
+    data = json.loads((_docs_benchmarks().parent.parent / path).read_text())
+    edit(data)
+    return data
+
+
+def _delete(section, i, field):
+    def edit(d):
+        del d[section][i][field]
+    return edit
+
+
+def _set(value, *keys):
+    def edit(d):
+        t = d
+        for k in keys[:-1]:
+            t = t[k]
+        t[keys[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (_delete("decode", 0, "batch"), "decode[0] has no 'batch' field (expected an integer)"),
+    (_set([{"engine": "flintc"}], "prefill"), "prefill[0] has no 'fmt' field (expected a string)"),
+    (_set("x", "breakdown", 0, "ops"), 'breakdown[0].ops: expected a list of objects, got "x"'),
+    (_delete("breakdown", 0, "step_us"), "breakdown[0] has no 'step_us' field (expected a number)"),
+    (_set("x", "kernels", 0, "measured"), 'kernels[0].measured: expected an integer or null, got "x"'),
+    (_set("x", "loads", 0, "weight_bytes"), 'loads[0].weight_bytes: expected a number, got "x"'),
+    (_set("fast", "ceilings", "copy_gbs"), 'ceilings.copy_gbs: expected a number, got "fast"'),
+    (_set("x", "decode", 0, "fwd_ms"), 'decode[0].fwd_ms: expected a number, got "x"'),
+    (_set(True, "decode", 0, "context"), "decode[0].context: expected an integer, got true"),
+    (_set({"x": 1.0}, "breakdown", 0, "ops", 0, "per_layer"), "breakdown[0].ops[0].per_layer: expected an object"),
+    (_set(7, "meta", "timing"), "meta.timing: expected a string or null, got 7"),
+    (_set([{"ceilings": []}], "meta", "runs"), "meta.runs[0].ceilings: expected an object, got []"),
+    (_set([1], "notes"), "its 'notes' is not a list of strings"),
+])
+def test_from_json_names_the_record_and_field_it_cannot_read(tmp_path, capsys, edit, needle):
+    """A bench.json record without a field the report reads, or with one of another kind:
+    it was a traceback (KeyError, TypeError in report.py, exit 1) after bench.json was
+    written into --out without bench.md (over an earlier --out: a new bench.json beside
+    the old bench.md), or it rendered silently ("copy bandwidth **fast GB/s**"). Now one
+    line naming the file, the record and the field, exit 2, and --out untouched."""
+    f = tmp_path / "x.json"
+    f.write_text(json.dumps(_mutate(_REAL_JSON, edit)))
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "bench.json").write_text("old json")
+    (out / "bench.md").write_text("old md")
+    code = main(["bench", "--from-json", str(f), "--no-plots", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: --from-json {f}: "), err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
+    assert (out / "bench.json").read_text() == "old json" and (out / "bench.md").read_text() == "old md"
+    assert main(["bench", "--from-json", str(f), "--no-plots", "--out", str(tmp_path / "new")]) == 2
+    assert not (tmp_path / "new").exists()
+
+
+def test_every_bench_json_in_the_docs_still_renders(tmp_path, capsys):
+    """The records check accepts every run in docs/benchmarks (older runs lack fields newer
+    ones have: kv_slots, pieces, loaded_max_model_len, ...), one by one and merged."""
+    from flintc.cli.bench import _load_report
+
+    files = sorted(str(f) for f in _docs_benchmarks().glob("bench*.json"))
+    assert len(files) >= 40
+    for f in files:
+        report.render_markdown(report.merge_results([_load_report(f)], sources=[f]))
+    args = [a for f in files for a in ("--from-json", f)]
+    assert main(["bench", *args, "--no-plots", "--out", str(tmp_path / "m")]) == 0
+    merged = tmp_path / "m" / "bench.json"
+    assert main(["bench", "--from-json", str(merged), "--from-json", files[0], "--no-plots",
+                 "--out", str(tmp_path / "m2")]) == 0
+    assert f"Merged from {len(files) + 1} runs" in (tmp_path / "m2" / "bench.md").read_text()
+    capsys.readouterr()
+
+
+def test_a_record_the_check_passes_renders(tmp_path):
+    """Every field of a real report (its first record of each section, also merged, with
+    meta.runs), deleted or replaced by a value of another kind: `check_records` refuses
+    it, or the report renders (no KeyError / TypeError / ValueError from the renderer,
+    the targets or the merge)."""
+    import copy
+
+    def load():
+        res = json.loads((_docs_benchmarks() / "bench-2026-12-05-s29-h100-new.json").read_text())
+        fast = json.loads((_docs_benchmarks() / "bench-fast-2026-12-06-s37-h100-bf16.json").read_text())
+        res["baselines"] = fast["baselines"]
+        res["baseline_failures"] = [{"engine": "compile", "fmt": "bf16", "batch": 1, "context": 1024,
+                                     "error": "boom"}]
+        for key, value in res.items():
+            if isinstance(value, list):
+                res[key] = value[:1]
+        return res
+
+    def paths(obj, prefix=()):
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj[:1]) if isinstance(obj, list) else []
+        for k, v in items:
+            yield prefix + (k,)
+            yield from paths(v, prefix + (k,))
+
+    single = load()
+    merged = json.loads(json.dumps(report.merge_results([load(), load()], sources=["a", "b"])))
+    tried = 0
+    for base, only in ((single, None), (merged, "meta")):
+        for path in paths(base):
+            if len(path) < 2 or path[0] in ("targets", "failures", "notes") or only and path[0] != only:
+                continue
+            for value in (KeyError, "x", True, None, {}):
+                res = copy.deepcopy(base)
+                parent = res
+                for k in path[:-1]:
+                    parent = parent[k]
+                if value is KeyError:
+                    del parent[path[-1]]
+                else:
+                    parent[path[-1]] = value
+                tried += 1
+                try:
+                    report.check_records(res)
+                except report.RecordError:
+                    continue
+                res = report.merge_results([res])
+                res["targets"] = report.evaluate_targets(res)
+                report.render_markdown(res, [])
+    assert tried > 500
+
+
+def test_the_report_is_rendered_before_anything_is_written(tmp_path):
+    """`write_outputs` renders the Markdown first: a results dict it cannot render raises
+    with no folder made and an earlier pair left as it was (bench.json used to be written
+    first, then the render failed)."""
+    bad = {"meta": {"device": "cpu"}, "ceilings": {}, "decode": [{"engine": "flintc", "fmt": "bf16"}]}
+    with pytest.raises(KeyError):
+        report.write_outputs(bad, tmp_path / "o", plots=False)
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "bench.json").write_text("old")
+    with pytest.raises(KeyError):
+        report.write_outputs(bad, tmp_path / "o", plots=False)
+    assert [p.name for p in (tmp_path / "o").iterdir()] == ["bench.json"]
+    assert (tmp_path / "o" / "bench.json").read_text() == "old"
+
+
+def test_a_failed_write_keeps_the_previous_pair(tmp_path, monkeypatch, capsys):
+    """bench.json and bench.md are written as a pair: a full disk while bench.md is written
+    leaves both as they were (bench.json used to be replaced already), no temporary file."""
+    import errno
+
+    from flintc import fileio
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "bench.json").write_text("old json")
+    (out / "bench.md").write_text("old md")
+    real = fileio.set_public_mode
+
+    def full(path):
+        if ".bench.md." in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path)
+
+    monkeypatch.setattr(fileio, "set_public_mode", full)
+    res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}}
+    with pytest.raises(OSError):
+        report.write_outputs(res, out, plots=False)
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
+    assert (out / "bench.json").read_text() == "old json" and (out / "bench.md").read_text() == "old md"
+    monkeypatch.setattr(fileio, "set_public_mode", real)
+    report.write_outputs(res, out, plots=False)
+    assert json.loads((out / "bench.json").read_text())["meta"]["date"] == "d"
+    assert "# flintc bench" in (out / "bench.md").read_text()
+    capsys.readouterr()
+
+
+# -- --max-model-len and --contexts agree with flintc compile's bounds -------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--max-model-len", "1"], "--max-model-len must be >= 2 (a prompt token and one generated), got 1"),
+    (["--max-model-len", "1", "--contexts", "64"], "--max-model-len must be >= 2"),
+    (["--max-model-len", "32", "--contexts", "16,64", "--prefill", "16"],
+     "--max-model-len 32 is shorter than the longest point measured (--contexts 64); pass --max-model-len >= 64"),
+    (["--max-model-len", "32", "--contexts", "16"],
+     "--max-model-len 32 is shorter than the longest point measured (--prefill 1024, the default)"),
+    (["--max-model-len", "5000", "--contexts", "64", "--prefill", "none"],
+     "--max-model-len 5000 is more than the model serves (max_position_embeddings 4096 in the tiny config); "
+     "pass at most 4096"),
+])
+def test_max_model_len_out_of_bounds_is_refused_up_front(tmp_path, capsys, args, message):
+    """bench's --max-model-len took 1 (its help said >= 1), and more than the model serves,
+    which `flintc compile` refuses: the run measured the ceilings, printed the report and
+    failed in the compile, leaving bench.json and bench.md; one shorter than the longest
+    point compiled a build that did not hold it. Now one line before any work."""
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
+                 "--no-plots", *args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: {message}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_max_model_len_help_states_the_real_bounds(capsys):
+    from flintc.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(>= 1)" not in text
+    assert ("max model length of a build compiled here: at least 2 and the longest --contexts / --prefill point, "
+            "at most the model's max_position_embeddings") in text
+
+
+def test_context_1_compiles_a_build_of_length_2(tmp_path, capsys):
+    """--contexts 1 --prefill none compiled a build of max model len 1 (the longest point),
+    which `flintc compile` refuses: after the ceilings and the whole report, "--max-model-len
+    must be in 2..4096 ... got 1" although no --max-model-len was given. Now the build gets
+    2, flintc's least, and the point is measured."""
+    out = tmp_path / "o"
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
+                 "--no-plots", "--contexts", "1", "--batches", "1", "--prefill", "none", "--iters", "1",
+                 "--e2e-iters", "1", "--warmup", "0", "--rotations", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0 and "error" not in err, err
+    res = json.loads((out / "bench.json").read_text())
+    assert [(r["batch"], r["context"]) for r in res["decode"]] == [(1, 1)]
+    assert json.loads((out / "builds" / "tiny-bf16" / "build.json").read_text())["max_model_len"] == 2
+
+
+# -- --builds and --build-glob -----------------------------------------------------------------
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe\x00", b'{"build_version": 1}'])
+def test_a_build_with_an_unreadable_manifest_is_skipped_with_a_note(cpu_run, tmp_path, content):
+    """A subfolder of --builds whose build.json is not JSON (or not UTF-8 text), not an
+    object, or of another build_version was skipped silently (a build for other weights
+    gets a note): now a note naming the file, once for all formats."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    shutil.copytree(out / "builds" / "tiny-bf16", builds / "tiny-bf16")
+    manifest = builds / "tiny-bf16" / "build.json"
+    manifest.write_bytes(content)
+    args = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16,nvfp4", "--contexts", "64",
+            "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
+            "--builds", str(builds), "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    res = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert res["decode"] == []
+    notes = [n for n in res["notes"] if str(manifest) in n]
+    assert len(notes) == 1 and notes[0].endswith("; not used"), res["notes"]
+
+
+@pytest.mark.parametrize("glob, extra, message", [
+    ("[", [], "--build-glob '[': a '[' that no ']' closes; expected shell patterns"),
+    ("a-[bc", [], "--build-glob 'a-[bc': a '[' that no ']' closes"),
+    ("zz*", [], "--build-glob zz*: matches no build in {builds} (builds there: a-tiny-bf16) and a missing build "
+                "is compiled only under a name a pattern matches (tiny-bf16); pass patterns that match a build's "
+                "folder name, or leave --build-glob out"),
+    ("zz*", ["--no-compile"], "--build-glob zz*: matches no build in {builds} (builds there: a-tiny-bf16) and "
+                              "--no-compile is given"),
+    ("", [], "--build-glob: expected at least one value: comma-separated shell patterns"),
+    ("a-*,", [], "--build-glob 'a-*,': empty item"),
+])
+def test_build_glob_that_names_no_build_is_refused(cpu_run, tmp_path, capsys, glob, extra, message):
+    """--build-glob '[' (an unclosed set, matching only a literal '[') or one matching no
+    build: bench compiled a new build into --builds under a name the patterns did not
+    match (or, with --no-compile, measured no flintc point and exited 0). Now one line
+    before anything is measured; an empty pattern is refused as every list option's."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    shutil.copytree(out / "builds" / "tiny-bf16", builds / "a-tiny-bf16")
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64",
+                 "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-plots", *extra,
+                 "--builds", str(builds), "--build-glob", glob, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("flintc: error: " + message.format(builds=builds)), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    assert sorted(p.name for p in builds.iterdir()) == ["a-tiny-bf16"]
+
+
+def test_build_glob_compiles_only_a_build_it_names(cpu_run, tmp_path):
+    """With --build-glob, a format without a matching build is compiled only when the name
+    it gets (CONFIG-FORMAT) matches a pattern; otherwise a note says why it was not
+    (nvfp4 here: tiny-nvfp4 does not match 'tiny-bf16'), and bf16 runs on its build."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    shutil.copytree(out / "builds" / "tiny-bf16", builds / "tiny-bf16")
+    assert main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16,nvfp4", "--contexts", "64",
+                 "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-plots",
+                 "--builds", str(builds), "--build-glob", "tiny-bf16", "--out", str(tmp_path / "o")]) == 0
+    res = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [(r["fmt"], r["build"]) for r in res["decode"]] == [("bf16", "tiny-bf16")]
+    assert sorted(p.name for p in builds.iterdir()) == ["tiny-bf16"]
+    want = (f"nvfp4: no build for these weights matching --build-glob tiny-bf16 in {builds}; not compiling "
+            f"{builds / 'tiny-nvfp4'}: its name matches no pattern")
+    assert any(n.startswith(want) for n in res["notes"]), res["notes"]

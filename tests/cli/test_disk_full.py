@@ -122,6 +122,51 @@ def test_atomic_text_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypat
     assert target.read_text() == '{"old": 1}' and _left_in(tmp_path) == ["bench.json"]
 
 
+def test_atomic_pair_write_on_a_full_disk_keeps_both_old_files(tmp_path, monkeypatch):
+    """`write_texts_atomic` (bench.json with bench.md): the second file's write failing
+    leaves both files as they were (the first is not renamed into place alone) and no
+    temporary file; a path that is a folder is refused before any rename."""
+    from flintc import fileio
+
+    a, b = tmp_path / "bench.json", tmp_path / "bench.md"
+    a.write_text("old a")
+    b.write_text("old b")
+    real_fdopen = os.fdopen
+    calls = []
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fdopen(fd, *args, **kwargs):
+        calls.append(fd)
+        f = real_fdopen(fd, *args, **kwargs)
+        return f if len(calls) == 1 else Full(f)
+
+    monkeypatch.setattr(fileio.os, "fdopen", fdopen)
+    with pytest.raises(OSError) as e:
+        fileio.write_texts_atomic({a: "new a", b: "new b"})
+    assert e.value.filename == str(b) and e.value.errno == errno.ENOSPC
+    assert (a.read_text(), b.read_text()) == ("old a", "old b") and _left_in(tmp_path) == ["bench.json", "bench.md"]
+    monkeypatch.undo()
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError):
+        fileio.write_texts_atomic({a: "new a", tmp_path / "d": "x"})
+    assert a.read_text() == "old a" and _left_in(tmp_path) == ["bench.json", "bench.md", "d"]
+    fileio.write_texts_atomic({a: "new a", b: "new b"})
+    assert (a.read_text(), b.read_text()) == ("new a", "new b")
+    assert _left_in(tmp_path) == ["bench.json", "bench.md", "d"]
+
+
 def test_final_output_error_names_the_output_not_the_hidden_folder(tmp_path):
     from flintc.fileio import final_output_error, naming_write_errors
 

@@ -301,8 +301,8 @@ _BENCH_QUICK = ["bench", "--device", "cpu", "--config", "tiny", "--formats", "bf
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
-    (["--max-model-len", "-2"], "--max-model-len must be >= 1, got -2"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 2 (a prompt token and one generated), got 0"),
+    (["--max-model-len", "-2"], "--max-model-len must be >= 2 (a prompt token and one generated), got -2"),
     (["--time-budget", "-1"], "--time-budget must be a positive number of seconds, got -1"),
     (["--time-budget", "0"], "--time-budget must be a positive number of seconds, got 0"),
     (["--time-budget", "nan"], "--time-budget must be a positive number of seconds, got nan"),
@@ -352,10 +352,14 @@ def test_bench_options_check_the_same_values(tmp_path):
     from flintc.bench.core import BenchOptions
     from flintc.errors import InputError
 
-    base = dict(out=tmp_path, device="cpu", config="tiny", contexts=[64, 128], batches=[1, 2])
-    opts = BenchOptions(**base, breakdown=[(2, 128)], time_budget=15.5, max_model_len=1).resolved()
+    base = dict(out=tmp_path, device="cpu", config="tiny", contexts=[64, 128], batches=[1, 2], prefill=[16])
+    opts = BenchOptions(**base, breakdown=[(2, 128)], time_budget=15.5, max_model_len=128).resolved()
     assert opts.breakdown == [(2, 128)]
-    for bad, match in (({"max_model_len": 0}, "--max-model-len"), ({"time_budget": -1.0}, "--time-budget"),
+    for bad, match in (({"max_model_len": 0}, "--max-model-len"),
+                       ({"max_model_len": 1}, "--max-model-len must be >= 2"),
+                       ({"max_model_len": 64}, "--max-model-len 64 is shorter than the longest point measured "
+                                               "\\(--contexts 128\\)"),
+                       ({"time_budget": -1.0}, "--time-budget"),
                        ({"time_budget": 15.0}, "--time-budget must be more than 15 s"),
                        ({"step_timeout": 0.0}, "--step-timeout"), ({"breakdown": [(1, 256)]}, "--breakdown 1x256")):
         with pytest.raises(InputError, match=f"^{match}"):
