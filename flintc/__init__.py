@@ -4,7 +4,8 @@
 `flintc.api.CompiledModel` with `generate(...)` and `forward(...)`; `flintc.load(BUILD)`
 loads an earlier build. Everything else lives in the subpackages (`flintc.model`,
 `flintc.passes`, `flintc.runtime`, ...). `flintc.__version__` is the installed
-package's version ("unknown" when flintc runs from a source tree not installed).
+package's version, else (flintc run from a source tree not installed, as the GPU scripts
+do with PYTHONPATH) the version in that tree's pyproject.toml, else "unknown".
 """
 
 from __future__ import annotations
@@ -27,8 +28,24 @@ def __getattr__(name: str):
         try:
             return version("flintc")
         except PackageNotFoundError:
-            return "unknown"
+            return _source_tree_version()
     raise AttributeError(f"module 'flintc' has no attribute {name!r}")
+
+
+def _source_tree_version() -> str:
+    """[project] version of the pyproject.toml beside this package when it names flintc."""
+    from pathlib import Path
+
+    try:
+        import tomllib
+
+        with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+            project = tomllib.load(f).get("project", {})
+        if project.get("name") == "flintc" and isinstance(project.get("version"), str):
+            return project["version"]
+    except (ImportError, OSError, ValueError):
+        pass
+    return "unknown"
 
 
 def __dir__() -> list[str]:
