@@ -7,8 +7,8 @@ divided by CALLS), and prints a Markdown table: bytes that must be read, achieve
 share of the device-to-device copy bandwidth measured in the same run, and for comparison:
 the reference op (`torch.ops.flintc.<op>`, eager, CUDA events, median; fp32, a sanity
 line), the fast plain-torch expression of `torch_baselines.py` ("torch bf16": bf16 GEMMs,
-the selected experts only (bf16: one grouped GEMM over the rows sorted by expert; NVFP4:
-gathered per token), NVFP4 dequantized to bf16 on every
+the selected experts only (bf16: one grouped GEMM over the rows sorted by expert from
+`fast_model.GROUPED_MIN_ROWS` rows on, else and for NVFP4 gathered per token), NVFP4 dequantized to bf16 on every
 call; what a PyTorch user gets without custom kernels) and `torch.compile` of it (default
 mode, compiled afresh per row), both timed as flintc's kernels are (the same CUDA graph of
 CALLS calls over the same input sets and weight copies). `--no-compile` skips the compile

@@ -24,9 +24,10 @@ gpt-oss reference code are, where the reference computes every op in fp32:
 - MoE: router bf16 GEMM -> fp32 logits, the spec's sigmoid + bias top-k
   (`flintc.model.ops.select_topk`); bf16 experts as one grouped GEMM per projection
   (`torch._grouped_mm` over the (token, expert) rows sorted by expert: each distinct
-  selected expert read once, in place; sm_90 / sm_100 and CPU), NVFP4 experts (and bf16
-  where grouped_mm cannot run without a host sync) gathered per token (`w[ids]`, never
-  all E) and multiplied in bf16; the shared expert, the weighted combine in fp32
+  selected expert read once, in place; sm_90 / sm_100 and CPU) from `GROUPED_MIN_ROWS`
+  (token, expert) rows on, NVFP4 experts (and bf16 below that, or where grouped_mm
+  cannot run without a host sync) gathered per token (`w[ids]`, never all E) and
+  multiplied in bf16: the faster form at each size; the shared expert, the weighted combine in fp32
   rounded once; residual adds in bf16 (`x + y`);
 - LM head: bf16 GEMM, the logits then widened to fp32.
 
@@ -146,20 +147,30 @@ def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, W: torch.Tensor) -> tor
     return y[torch.argsort(order)].view(N, K, Out)
 
 
+# From how many (token, expert) rows bf16 experts run as one grouped GEMM rather than
+# gathered. Measured (H100, torch 2.11, docs/gpu-runs.md sessions 37-38): at 6 rows
+# (decode b1) the grouped form was slower: the MoE layer alone 96 us against 89 gathered
+# (bench_moe.py, default-mode compile), the fast model's b1/1K forward 7.9 ms against
+# 4.3 (max-autotune; the cause not yet profiled: scripts/gpu_fast_parts.py); at 48 rows
+# (b8) the layer alone 184 us against 373. The crossover between is unmeasured.
+GROUPED_MIN_ROWS = 24
+
+
 def experts(x: torch.Tensor, ids: torch.Tensor, w: list[torch.Tensor],
             grouped: bool | None = None) -> torch.Tensor:
     """Each token's selected experts' GEMVs. x: bf16 [N, In] (every expert of a token
     reads it) or [N, K, In] (one row per selected expert); ids: int64 [N, K]; w: stacked
     [E, Out, In] as `[W]` or `[codes, scales, global_scale ([E] or [])]`. bf16 with
     `grouped` (None: `grouped_experts_apply(ids.device)`, a device query that a compiled
-    caller should make once, outside the traced code): one grouped GEMM over the rows
+    caller should make once, outside the traced code) and at least `GROUPED_MIN_ROWS`
+    rows N x K (a shape, fixed at trace time): one grouped GEMM over the rows
     sorted by expert, reading each distinct selected expert once, in place (what prefill
     MoE code does with `torch._grouped_mm`); otherwise, and for NVFP4 (grouped_mm takes
     no FP4 operand), the N x K selected matrices gathered (`w[ids]`; NVFP4: the packed
     codes and scales, dequantized after the gather), never all E. -> bf16 [N, K, Out]."""
     if grouped is None:
         grouped = grouped_experts_apply(ids.device)
-    if len(w) == 1 and grouped:
+    if len(w) == 1 and grouped and ids.numel() >= GROUPED_MIN_ROWS:
         return _experts_grouped(x, ids, w[0])
     xk = x[:, None, :, None] if x.dim() == 2 else x[..., None]  # [N, 1 | K, In, 1]
     if len(w) == 1:
@@ -297,5 +308,5 @@ class FastFlintModel(FlintModel):
         return ops.expert_combine(y, weights, shared, F32)
 
 
-__all__ = ["FastFlintModel", "attention", "experts", "grouped_experts_apply", "linear", "linear_mulsum",
+__all__ = ["GROUPED_MIN_ROWS", "FastFlintModel", "attention", "experts", "grouped_experts_apply", "linear", "linear_mulsum",
            "logits", "nvfp4_to_bf16"]

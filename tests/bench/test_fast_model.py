@@ -209,14 +209,24 @@ def test_bf16_experts_grouped_gemm_matches_the_gather(xdim, monkeypatch):
 
     if not fast_model.grouped_experts_apply(torch.device("cpu")):
         pytest.skip("this torch has no grouped_mm (torch.nn.functional.grouped_mm / torch._grouped_mm)")
+    monkeypatch.setattr(fast_model, "GROUPED_MIN_ROWS", 12)  # these 4 x 3 rows: grouped
+    calls = []
+    grouped_fn = fast_model._experts_grouped
+    monkeypatch.setattr(fast_model, "_experts_grouped", lambda *a: calls.append(1) or grouped_fn(*a))
     g = torch.Generator().manual_seed(4)
     W = (torch.randn(6, 32, 64, generator=g) * 0.05).to(torch.bfloat16)
     ids = torch.tensor([[5, 0, 2], [2, 2, 4], [0, 5, 1], [3, 3, 3]])
     shape = (4, 64) if xdim == 2 else (4, 3, 64)
     x = torch.randn(*shape, generator=g).to(torch.bfloat16)
     got = experts(x, ids, [W])
+    assert calls == [1], "the grouped path ran"
+    monkeypatch.setattr(fast_model, "GROUPED_MIN_ROWS", 13)  # one row short: gathered
+    below = experts(x, ids, [W])
+    monkeypatch.setattr(fast_model, "GROUPED_MIN_ROWS", 12)
     monkeypatch.setattr(fast_model, "grouped_experts_apply", lambda device: False)
     gathered = experts(x, ids, [W])
+    assert calls == [1], "below GROUPED_MIN_ROWS and without grouped_mm: gathered"
+    torch.testing.assert_close(below, gathered, rtol=0, atol=0)
     xk = x[:, None, :] if xdim == 2 else x
     want = torch.einsum("nkoi,nki->nko", W[ids].double(), xk.expand(4, 3, 64).double())
     assert got.dtype == torch.bfloat16 and got.shape == (4, 3, 32)
