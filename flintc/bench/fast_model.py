@@ -150,9 +150,10 @@ def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, W: torch.Tensor) -> tor
 # From how many (token, expert) rows bf16 experts run as one grouped GEMM rather than
 # gathered. Measured (H100, torch 2.11, docs/gpu-runs.md sessions 37-38): at 6 rows
 # (decode b1) the grouped form was slower: the MoE layer alone 96 us against 89 gathered
-# (bench_moe.py, default-mode compile), the fast model's b1/1K forward 7.9 ms against
-# 4.3 (max-autotune; the cause not yet profiled: scripts/gpu_fast_parts.py); at 48 rows
-# (b8) the layer alone 184 us against 373. The crossover between is unmeasured.
+# (bench_moe.py, default-mode compile), and the fast model's b1/1K forward went from 4.3
+# to 7.9 ms (max-autotune) when the grouped experts and the in-place cache reads came in
+# together (which of the two costs it is not yet measured: scripts/gpu_fast_parts.py);
+# at 48 rows (b8) the layer alone 184 us against 373. The crossover between is unmeasured.
 GROUPED_MIN_ROWS = 24
 
 
