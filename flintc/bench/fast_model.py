@@ -221,10 +221,10 @@ class FastFlintModel(FlintModel):
     and `new_kv_cache` are `FlintModel`'s (bf16 caches); logits fp32 [B, T, V] (with
     `logits_rows`: fp32 [M, V] and the final-normed bf16 hidden states [B, T, H]).
 
-    `grouped_experts`: whether bf16 experts run as one grouped GEMM
+    `grouped_experts`: whether bf16 experts may run as one grouped GEMM
     (`grouped_experts_apply` of the weights' device, set at construction and after
-    `.to()`, so that `forward` queries no device property: under `torch.compile` such
-    a query may break the graph, and each break splits the CUDA graph).
+    `.to()`, so that `forward` queries no device property and Dynamo traces no device
+    query; `experts` also needs `GROUPED_MIN_ROWS` rows).
 
     Raises:
         CheckpointError: `weights` does not match `config`.
