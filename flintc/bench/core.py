@@ -88,8 +88,8 @@ class BenchOptions:
     def resolved(self) -> "BenchOptions":
         """Defaults that depend on the device; validation. Raises InputError naming the
         option: a count or size out of range (--iters, ... below 1; --max-model-len below
-        2, above the config's max_position_embeddings or below the longest --contexts /
-        --prefill point), a --time-budget or --step-timeout that is not a positive number
+        2, above the config's max_position_embeddings or, with --build-caches when flintc is
+        measured, below the longest --contexts / --prefill point), a --time-budget or --step-timeout that is not a positive number
         of seconds, a --time-budget not above the seconds kept for writing the outputs
         (`_Clock.RESERVE_S`), a --build-glob that is malformed or names no build
         (`_check_build_globs`), a --breakdown point that is not one of the decode points
@@ -191,14 +191,18 @@ class BenchOptions:
                                  f"(max_position_embeddings {longest} in {source}); pass at most {longest}")
         o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
         points = o.contexts + o.prefill
-        if o.max_model_len is not None and points and o.max_model_len < max(points):
-            # a build compiled here must hold the longest point (it used to compile one that
-            # did not, then fail or skip the point after the measurements began)
+        if (o.max_model_len is not None and points and o.max_model_len < max(points) and o.run_flintc
+                and not o.size_caches):
+            # with --build-caches a build compiled here keeps the caches it was compiled with,
+            # so it must hold the longest point (it used to compile one that did not, then skip
+            # the point after the measurements began); by default its caches are sized to the
+            # points it serves, and a shorter build still measures them
             flag = "--contexts" if max(points) in o.contexts else "--prefill"
             given = ", the default" if flag[2:] in defaults else ""
             raise InputError(f"--max-model-len {o.max_model_len} is shorter than the longest point measured "
-                             f"({flag} {max(points)}{given}); pass --max-model-len >= {max(points)}, or leave it "
-                             "out (the longest point)")
+                             f"({flag} {max(points)}{given}) and --build-caches keeps a build's caches at its "
+                             f"max model len; pass --max-model-len >= {max(points)}, leave it out (the longest "
+                             "point), or drop --build-caches")
         if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
             if not o.run_flintc:
                 raise InputError("--breakdown applies only when flintc is measured; drop --no-flintc (or "

@@ -190,9 +190,10 @@ def add_parser(sub) -> None:
                         "caches sized to the longest context it serves here (as long as they fit in the free "
                         "device memory), so it can also serve contexts beyond its max model len")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="max model length of a build compiled here: at least 2 and the longest --contexts / "
-                        "--prefill point, at most the model's max_position_embeddings (default: the longest "
-                        "point, at least 2)")
+                   help="max model length of a build compiled here: at least 2, at most the model's "
+                        "max_position_embeddings, and with --build-caches at least the longest --contexts / "
+                        "--prefill point (without it, a build's resizable caches are sized to the points it "
+                        "serves, longer ones included) (default: the longest point, at least 2)")
     p.add_argument("--device", type=device_name, default="cuda", help="cuda or cpu")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per point (default 10; cpu 1)")
     p.add_argument("--iters", type=int, default=None, help="timed graph replays per point (default 100; cpu 2)")

@@ -1063,9 +1063,10 @@ def test_a_failed_write_keeps_the_previous_pair(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--max-model-len", "1"], "--max-model-len must be >= 2 (a prompt token and one generated), got 1"),
     (["--max-model-len", "1", "--contexts", "64"], "--max-model-len must be >= 2"),
-    (["--max-model-len", "32", "--contexts", "16,64", "--prefill", "16"],
-     "--max-model-len 32 is shorter than the longest point measured (--contexts 64); pass --max-model-len >= 64"),
-    (["--max-model-len", "32", "--contexts", "16"],
+    (["--max-model-len", "32", "--contexts", "16,64", "--prefill", "16", "--build-caches"],
+     "--max-model-len 32 is shorter than the longest point measured (--contexts 64) and --build-caches keeps a "
+     "build's caches at its max model len; pass --max-model-len >= 64"),
+    (["--max-model-len", "32", "--contexts", "16", "--build-caches"],
      "--max-model-len 32 is shorter than the longest point measured (--prefill 1024, the default)"),
     (["--max-model-len", "5000", "--contexts", "64", "--prefill", "none"],
      "--max-model-len 5000 is more than the model serves (max_position_embeddings 4096 in the tiny config); "
@@ -1075,7 +1076,8 @@ def test_max_model_len_out_of_bounds_is_refused_up_front(tmp_path, capsys, args,
     """bench's --max-model-len took 1 (its help said >= 1), and more than the model serves,
     which `flintc compile` refuses: the run measured the ceilings, printed the report and
     failed in the compile, leaving bench.json and bench.md; one shorter than the longest
-    point compiled a build that did not hold it. Now one line before any work."""
+    point with --build-caches compiled a build that did not hold it. Now one line before any
+    work."""
     code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
                  "--no-plots", *args, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
@@ -1090,8 +1092,40 @@ def test_max_model_len_help_states_the_real_bounds(capsys):
         build_parser().parse_args(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(>= 1)" not in text
-    assert ("max model length of a build compiled here: at least 2 and the longest --contexts / --prefill point, "
-            "at most the model's max_position_embeddings") in text
+    assert ("max model length of a build compiled here: at least 2, at most the model's max_position_embeddings, "
+            "and with --build-caches at least the longest --contexts / --prefill point") in text
+
+
+@pytest.mark.parametrize("points, measured", [
+    (["--contexts", "64,128", "--prefill", "none"], ([(1, 64), (1, 128)], [])),
+    (["--contexts", "64", "--prefill", "128"], ([(1, 64)], [128])),
+])
+def test_max_model_len_shorter_than_a_point_runs_with_resizable_caches(tmp_path, capsys, points, measured):
+    """A --max-model-len shorter than the longest point was refused, although by default a
+    build's caches are resizable and sized to the points it serves (--build-caches is
+    what keeps them at the max model len): the build of length 64 measures context 128
+    (and the 128-token prefill), as it did before the check."""
+    out = tmp_path / "o"
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
+                 "--no-plots", *points, "--batches", "1", "--max-model-len", "64", "--iters", "1",
+                 "--e2e-iters", "1", "--prefill-iters", "1", "--warmup", "0", "--rotations", "1",
+                 "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0 and "error" not in err, err
+    res = json.loads((out / "bench.json").read_text())
+    assert ([(r["batch"], r["context"]) for r in res["decode"]],
+            [r["tokens"] for r in res["prefill"]]) == measured, res["notes"]
+    assert json.loads((out / "builds" / "tiny-bf16" / "build.json").read_text())["max_model_len"] == 64
+
+
+def test_max_model_len_shorter_than_a_point_is_not_checked_without_flintc(tmp_path):
+    """With --no-flintc no build is compiled or measured: --max-model-len is not refused
+    for being shorter than a point, even with --build-caches."""
+    from flintc.bench.core import BenchOptions
+
+    opts = BenchOptions(out=tmp_path, device="cpu", config="tiny", contexts=[64, 128], batches=[1], prefill=[],
+                        baselines=["eager"], run_flintc=False, size_caches=False, max_model_len=64).resolved()
+    assert opts.max_model_len == 64
 
 
 def test_context_1_compiles_a_build_of_length_2(tmp_path, capsys):
