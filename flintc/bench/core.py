@@ -406,6 +406,8 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
         raise
     finally:
         results["meta"]["wall_s"] = round(clock.elapsed(), 1)
+        # bench.json alone (beside the last run's bench.md, as after each step): kept even
+        # when the report below cannot be rendered; write_outputs then writes the pair
         save()
         report.write_outputs(results, out, plots=o.plots, log=log)
     return results
