@@ -254,12 +254,24 @@ def _unclosed_bracket(pattern: str) -> bool:
     return False
 
 
+def _manifest_format(path: Path) -> str | None:
+    """The weight_format of the build in `path` (its build.json); None when the manifest
+    cannot be read (bench then notes it, "not used")."""
+    try:
+        m = json.loads((path / "build.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return m.get("weight_format") if isinstance(m, dict) else None
+
+
 def _check_build_globs(o: BenchOptions) -> None:
     """--build-glob, before anything is measured. Raises InputError naming it: an empty
     pattern, one with an unclosed '[', or (when flintc is measured) patterns that match
-    no build folder in --builds while bench would not compile one under a matching name
-    (--no-compile, or CONFIG-FORMAT matching no pattern): that run measured no flintc
-    point, with a note at the end, or compiled a build the patterns did not name."""
+    no build folder in --builds of a format in --formats (its manifest's weight_format)
+    while bench would not compile one under a matching name (--no-compile, or no
+    CONFIG-FORMAT of those formats matching a pattern): that run measured no flintc
+    point, with a note at the end, or compiled a build the patterns did not name. An
+    --builds folder that cannot be read is an InputError naming it."""
     for g in o.build_globs:
         if not g:
             raise InputError("--build-glob: empty pattern; expected comma-separated shell patterns, e.g. "
@@ -270,17 +282,32 @@ def _check_build_globs(o: BenchOptions) -> None:
     if not o.run_flintc:
         return
     root = Path(o.builds)
-    names = sorted(p.name for p in root.iterdir() if (p / "build.json").is_file()) if root.is_dir() else []
-    if any(fnmatch.fnmatchcase(n, g) for n in names for g in o.build_globs):
+    try:
+        names = sorted(p.name for p in root.iterdir() if (p / "build.json").is_file()) if root.is_dir() else []
+    except OSError as e:
+        where = "" if e.filename in (None, str(root)) else f" ({e.filename})"
+        raise InputError(f"--builds {root}: cannot be read{where}: {e.strerror or e}; pass a folder of builds "
+                         "this user can read") from e
+
+    def matched(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, g) for g in o.build_globs)
+
+    formats = {n: _manifest_format(root / n) for n in names if matched(n)}
+    if any(f in o.formats for f in formats.values()):
         return
     compiled = [compiled_build_name(o, fmt) for fmt in o.formats]
-    if o.compile_missing and any(fnmatch.fnmatchcase(n, g) for n in compiled for g in o.build_globs):
+    if o.compile_missing and any(matched(n) for n in compiled):
         return  # none yet: bench compiles it under a name the patterns match
-    there = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
+    if formats:  # builds of another format (or unreadable): no point of --formats runs on them
+        found = ", ".join(f"{n} ({f or 'unreadable build.json'})" for n, f in formats.items())
+        what = f"matches no {' or '.join(o.formats)} build in {root} (it matches: {found})"
+    else:
+        there = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
+        what = f"matches no build in {root} (builds there: {there})"
     why = ("--no-compile is given" if not o.compile_missing else
            f"a missing build is compiled only under a name a pattern matches ({', '.join(compiled)})")
-    raise InputError(f"--build-glob {','.join(o.build_globs)}: matches no build in {root} (builds there: {there}) "
-                     f"and {why}; pass patterns that match a build's folder name, or leave --build-glob out")
+    raise InputError(f"--build-glob {','.join(o.build_globs)}: {what} and {why}; pass patterns that match a "
+                     "build's folder name, or leave --build-glob out")
 
 
 class _ConfigRead(Exception):

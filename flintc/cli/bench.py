@@ -179,7 +179,8 @@ def add_parser(sub) -> None:
                    help="comma-separated shell patterns: only builds in --builds whose folder name matches "
                         "one are used (e.g. 'full-nvfp4*,full-bf16*'; default: every build for these weights). "
                         "A missing build is compiled only when its name, CONFIG-FORMAT (e.g. full-bf16), matches "
-                        "a pattern; patterns that match no build there and no such name are an error")
+                        "a pattern; patterns that match no build there of --formats (its weight format) and no such name are "
+                        "an error")
     p.add_argument("--no-compile", action="store_true",
                    help="never compile a missing build (report it instead): compiling the full model takes minutes")
     p.add_argument("--backend", choices=("triton", "torch"), default=None,
