@@ -463,7 +463,7 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": ver("triton"),
-        "flintc": flintc.__version__,  # "unknown" from a source tree
+        "flintc": flintc.__version__,  # a source tree's: its pyproject.toml version ("unknown" without one)
         "flintc_commit": _source_commit(),
         "driver": _driver_version() if device.type == "cuda" else None,
         # the interpreter runs only the triton backend's kernels (the torch backend: none)
