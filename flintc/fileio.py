@@ -132,26 +132,22 @@ def naming_final_output(tmp, out):
 def write_text_atomic(path, text: str) -> None:
     """Write `text` (UTF-8) to `path` atomically (module doc), creating its folder; on
     failure the temporary file is removed and `path` is untouched. Raises OSError naming
-    `path` (`naming_write_errors`)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with naming_write_errors(target), os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        set_public_mode(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    `path` (`naming_write_errors`), IsADirectoryError for a path that is a folder
+    (`write_texts_atomic` with the one file)."""
+    write_texts_atomic({path: text})
 
 
 def write_texts_atomic(files: dict) -> None:
     """Write several text files (UTF-8) as one: {path: text}, each to a temporary file
     beside it first, then all renamed into place together with SIGINT and SIGTERM
-    deferred (`signals_deferred`), so a failed write (a full disk) leaves every file as
-    it was and never a new file beside an old one (a bench.md that does not match its
-    bench.json). Creates the folders. Raises OSError naming the file whose write failed
+    deferred (`signals_deferred`). A failed write of a temporary file (a full disk), or a
+    path that is a folder, leaves every file as it was: never a new file beside an old one
+    (a bench.md that does not match its bench.json). The renames are not one atomic step:
+    one that fails after an earlier one succeeded (rare: each stays in its own folder)
+    leaves the files renamed before it new and the others old. Only this call's writes are
+    paired: a caller that rewrites one of the files alone (a live `flintc bench` saves
+    bench.json after each step) leaves it newer than the others until the next pair is
+    written. Creates the folders. Raises OSError naming the file whose write failed
     (`naming_write_errors`), or IsADirectoryError for a path that is a folder (before any
     rename); the temporary files are removed."""
     temps: list[tuple[str, Path]] = []

@@ -15,7 +15,7 @@ kernels of one step of each b1 variant (top 12 by device time). Why (session 38)
 fast baseline became slower at b1/1K on an H100 (4.31 -> 7.93 ms forward, no graph break)
 after the grouped experts and in-place caches came in.
 
-    python scripts/gpu_fast_parts.py [--layers 4] [--batches 1,8] [--context 1024] [--profile]
+    python scripts/gpu_fast_parts.py [--layers 6] [--batches 1,8] [--context 1024] [--profile]
 """
 
 from __future__ import annotations

@@ -88,8 +88,8 @@ class BenchOptions:
     def resolved(self) -> "BenchOptions":
         """Defaults that depend on the device; validation. Raises InputError naming the
         option: a count or size out of range (--iters, ... below 1; --max-model-len below
-        2, above the config's max_position_embeddings or below the longest --contexts /
-        --prefill point), a --time-budget or --step-timeout that is not a positive number
+        2, above the config's max_position_embeddings or, with --build-caches when flintc is
+        measured, below the longest --contexts / --prefill point), a --time-budget or --step-timeout that is not a positive number
         of seconds, a --time-budget not above the seconds kept for writing the outputs
         (`_Clock.RESERVE_S`), a --build-glob that is malformed or names no build
         (`_check_build_globs`), a --breakdown point that is not one of the decode points
@@ -191,14 +191,18 @@ class BenchOptions:
                                  f"(max_position_embeddings {longest} in {source}); pass at most {longest}")
         o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
         points = o.contexts + o.prefill
-        if o.max_model_len is not None and points and o.max_model_len < max(points):
-            # a build compiled here must hold the longest point (it used to compile one that
-            # did not, then fail or skip the point after the measurements began)
+        if (o.max_model_len is not None and points and o.max_model_len < max(points) and o.run_flintc
+                and not o.size_caches):
+            # with --build-caches a build compiled here keeps the caches it was compiled with,
+            # so it must hold the longest point (it used to compile one that did not, then skip
+            # the point after the measurements began); by default its caches are sized to the
+            # points it serves, and a shorter build still measures them
             flag = "--contexts" if max(points) in o.contexts else "--prefill"
             given = ", the default" if flag[2:] in defaults else ""
             raise InputError(f"--max-model-len {o.max_model_len} is shorter than the longest point measured "
-                             f"({flag} {max(points)}{given}); pass --max-model-len >= {max(points)}, or leave it "
-                             "out (the longest point)")
+                             f"({flag} {max(points)}{given}) and --build-caches keeps a build's caches at its "
+                             f"max model len; pass --max-model-len >= {max(points)}, leave it out (the longest "
+                             "point), or drop --build-caches")
         if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
             if not o.run_flintc:
                 raise InputError("--breakdown applies only when flintc is measured; drop --no-flintc (or "
@@ -250,12 +254,24 @@ def _unclosed_bracket(pattern: str) -> bool:
     return False
 
 
+def _manifest_format(path: Path) -> str | None:
+    """The weight_format of the build in `path` (its build.json); None when the manifest
+    cannot be read (bench then notes it, "not used")."""
+    try:
+        m = json.loads((path / "build.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return m.get("weight_format") if isinstance(m, dict) else None
+
+
 def _check_build_globs(o: BenchOptions) -> None:
     """--build-glob, before anything is measured. Raises InputError naming it: an empty
     pattern, one with an unclosed '[', or (when flintc is measured) patterns that match
-    no build folder in --builds while bench would not compile one under a matching name
-    (--no-compile, or CONFIG-FORMAT matching no pattern): that run measured no flintc
-    point, with a note at the end, or compiled a build the patterns did not name."""
+    no build folder in --builds of a format in --formats (its manifest's weight_format)
+    while bench would not compile one under a matching name (--no-compile, or no
+    CONFIG-FORMAT of those formats matching a pattern): that run measured no flintc
+    point, with a note at the end, or compiled a build the patterns did not name. An
+    --builds folder that cannot be read is an InputError naming it."""
     for g in o.build_globs:
         if not g:
             raise InputError("--build-glob: empty pattern; expected comma-separated shell patterns, e.g. "
@@ -266,17 +282,32 @@ def _check_build_globs(o: BenchOptions) -> None:
     if not o.run_flintc:
         return
     root = Path(o.builds)
-    names = sorted(p.name for p in root.iterdir() if (p / "build.json").is_file()) if root.is_dir() else []
-    if any(fnmatch.fnmatchcase(n, g) for n in names for g in o.build_globs):
+    try:
+        names = sorted(p.name for p in root.iterdir() if (p / "build.json").is_file()) if root.is_dir() else []
+    except OSError as e:
+        where = "" if e.filename in (None, str(root)) else f" ({e.filename})"
+        raise InputError(f"--builds {root}: cannot be read{where}: {e.strerror or e}; pass a folder of builds "
+                         "this user can read") from e
+
+    def matched(name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, g) for g in o.build_globs)
+
+    formats = {n: _manifest_format(root / n) for n in names if matched(n)}
+    if any(f in o.formats for f in formats.values()):
         return
     compiled = [compiled_build_name(o, fmt) for fmt in o.formats]
-    if o.compile_missing and any(fnmatch.fnmatchcase(n, g) for n in compiled for g in o.build_globs):
+    if o.compile_missing and any(matched(n) for n in compiled):
         return  # none yet: bench compiles it under a name the patterns match
-    there = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
+    if formats:  # builds of another format (or unreadable): no point of --formats runs on them
+        found = ", ".join(f"{n} ({f or 'unreadable build.json'})" for n, f in formats.items())
+        what = f"matches no {' or '.join(o.formats)} build in {root} (it matches: {found})"
+    else:
+        there = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
+        what = f"matches no build in {root} (builds there: {there})"
     why = ("--no-compile is given" if not o.compile_missing else
            f"a missing build is compiled only under a name a pattern matches ({', '.join(compiled)})")
-    raise InputError(f"--build-glob {','.join(o.build_globs)}: matches no build in {root} (builds there: {there}) "
-                     f"and {why}; pass patterns that match a build's folder name, or leave --build-glob out")
+    raise InputError(f"--build-glob {','.join(o.build_globs)}: {what} and {why}; pass patterns that match a "
+                     "build's folder name, or leave --build-glob out")
 
 
 class _ConfigRead(Exception):
@@ -402,6 +433,8 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
         raise
     finally:
         results["meta"]["wall_s"] = round(clock.elapsed(), 1)
+        # bench.json alone (beside the last run's bench.md, as after each step): kept even
+        # when the report below cannot be rendered; write_outputs then writes the pair
         save()
         report.write_outputs(results, out, plots=o.plots, log=log)
     return results
@@ -430,7 +463,7 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": ver("triton"),
-        "flintc": flintc.__version__,  # "unknown" from a source tree
+        "flintc": flintc.__version__,  # a source tree's: its pyproject.toml version ("unknown" without one)
         "flintc_commit": _source_commit(),
         "driver": _driver_version() if device.type == "cuda" else None,
         # the interpreter runs only the triton backend's kernels (the torch backend: none)

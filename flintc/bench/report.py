@@ -629,9 +629,11 @@ def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> di
     The report is rendered before any file is written: a results dict it cannot render
     raises (KeyError, TypeError: `check_records` catches such dicts read back from a
     file) with nothing written. bench.json and bench.md are written as a pair
-    (`flintc.fileio.write_texts_atomic`): a failed write (OSError naming the file, e.g.
-    a full disk) leaves the previous pair as it was, never a new bench.json beside an
-    old bench.md. A plotting failure is a note, not an error."""
+    (`flintc.fileio.write_texts_atomic`): a failed write of their contents (OSError
+    naming the file, e.g. a full disk) leaves both files there as they were (a failed
+    rename, rare, can leave a new bench.json beside an old bench.md; so does a live
+    `flintc bench` run until this call, as it saves bench.json alone after each step).
+    A plotting failure is a note, not an error."""
     out = Path(out)
     results["targets"] = evaluate_targets(results)
     render_markdown(results, [])  # raises now, before any file is written

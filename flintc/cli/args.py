@@ -31,19 +31,25 @@ def device_name(text: str) -> str:
 BUCKETS_EXPECTED = "comma-separated decode batch sizes, e.g. 1,8"
 
 
-def buckets(text: str) -> tuple[int | None, ...]:
+class Buckets(tuple):
+    """The sizes `buckets` parsed, with `text`: what was typed, which the errors echo."""
+
+    text: str = ""
+
+
+def buckets(text: str) -> Buckets:
     """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8); '' -> (); an empty
     item is None ('1,,2' -> (1, None, 2)). An empty value, an empty item and a size given
     twice are refused by `check_option_values` (one line, not argparse's usage block);
     the sizes themselves (each >= 1, the largest --max-batch) are checked with
     --max-batch (`flintc.runtime.build.BuildOptions.resolve`). Raises
     argparse.ArgumentTypeError for an item that is not an integer."""
-    if not text.strip():
-        return ()
     try:
-        return tuple(int(b) if b.strip() else None for b in text.split(","))
+        sizes = Buckets(int(b) if b.strip() else None for b in text.split(",")) if text.strip() else Buckets()
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {BUCKETS_EXPECTED}, got {text!r}") from None
+    sizes.text = text
+    return sizes
 
 
 def check_option_values(args: argparse.Namespace) -> None:
@@ -68,7 +74,8 @@ def check_option_values(args: argparse.Namespace) -> None:
                          "out for the default")
     value = getattr(args, "buckets", None)
     if value is not None:
-        text = ",".join("" if b is None else str(b) for b in value)
+        # what was typed (' , ' was shown as ','); for a plain tuple (the Python API), its items
+        text = value.text if isinstance(value, Buckets) else ",".join("" if b is None else str(b) for b in value)
         if not value:
             raise InputError(f"--buckets '': must not be empty: expected {BUCKETS_EXPECTED}; leave --buckets out "
                              "for 1,2,4,8 up to --max-batch")

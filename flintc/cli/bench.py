@@ -179,7 +179,8 @@ def add_parser(sub) -> None:
                    help="comma-separated shell patterns: only builds in --builds whose folder name matches "
                         "one are used (e.g. 'full-nvfp4*,full-bf16*'; default: every build for these weights). "
                         "A missing build is compiled only when its name, CONFIG-FORMAT (e.g. full-bf16), matches "
-                        "a pattern; patterns that match no build there and no such name are an error")
+                        "a pattern; patterns that match no build there of --formats (its weight format) and no such name are "
+                        "an error")
     p.add_argument("--no-compile", action="store_true",
                    help="never compile a missing build (report it instead): compiling the full model takes minutes")
     p.add_argument("--backend", choices=("triton", "torch"), default=None,
@@ -190,9 +191,10 @@ def add_parser(sub) -> None:
                         "caches sized to the longest context it serves here (as long as they fit in the free "
                         "device memory), so it can also serve contexts beyond its max model len")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="max model length of a build compiled here: at least 2 and the longest --contexts / "
-                        "--prefill point, at most the model's max_position_embeddings (default: the longest "
-                        "point, at least 2)")
+                   help="max model length of a build compiled here: at least 2, at most the model's "
+                        "max_position_embeddings, and with --build-caches at least the longest --contexts / "
+                        "--prefill point (without it, a build's resizable caches are sized to the points it "
+                        "serves, longer ones included) (default: the longest point, at least 2)")
     p.add_argument("--device", type=device_name, default="cuda", help="cuda or cpu")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs per point (default 10; cpu 1)")
     p.add_argument("--iters", type=int, default=None, help="timed graph replays per point (default 100; cpu 2)")

@@ -8,7 +8,9 @@ files are written and its figures are positive and consistent with the build's p
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,6 +242,24 @@ def cpu_run(tmp_path_factory):
     return out, json.loads((out / "bench.json").read_text())
 
 
+def _copy_build(cpu_run, tmp_path, name: str = "tiny-bf16") -> Path:
+    """A --builds folder in tmp_path holding a copy of the fixture's build, named `name`."""
+    import shutil
+
+    out, _ = cpu_run
+    builds = tmp_path / "builds"
+    shutil.copytree(out / "builds" / "tiny-bf16", builds / name)
+    return builds
+
+
+def _bench_on_builds(builds, formats: str = "bf16") -> list[str]:
+    """bench arguments measuring batch 1 context 64 of `formats` on the builds there are
+    in `builds` (--no-compile), no baseline, no plots; --out to be added."""
+    return ["bench", "--config", "tiny", "--device", "cpu", "--formats", formats, "--contexts", "64",
+            "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
+            "--builds", str(builds)]
+
+
 def test_cpu_run_writes_its_files(cpu_run):
     out, res = cpu_run
     md = (out / "bench.md").read_text()
@@ -358,15 +378,9 @@ def test_build_glob_picks_the_builds(cpu_run, tmp_path):
     """--build-glob: only builds whose folder name matches a pattern are used (two copies
     of the fixture's build: the point runs on the named one); none matching with
     --no-compile is refused up front (test_build_glob_that_names_no_build_is_refused)."""
-    import shutil
-
-    out, _ = cpu_run
-    builds = tmp_path / "builds"
     for name in ("a-tiny-bf16", "b-tiny-bf16"):
-        shutil.copytree(out / "builds" / "tiny-bf16", builds / name)
-    args = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64",
-            "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
-            "--builds", str(builds)]
+        builds = _copy_build(cpu_run, tmp_path, name)
+    args = _bench_on_builds(builds)
     for glob, want in (("b-*", "b-tiny-bf16"), ("zz*, a-*", "a-tiny-bf16"), (None, "a-tiny-bf16")):
         run = tmp_path / f"out-{want}-{glob is None}"
         assert main(args + (["--build-glob", glob] if glob else []) + ["--out", str(run)]) == 0
@@ -384,20 +398,13 @@ def test_build_glob_picks_the_builds(cpu_run, tmp_path):
 def test_a_build_with_a_broken_plan_is_skipped_with_a_note(cpu_run, tmp_path, content):
     """A build in --builds whose plan.json is missing or unreadable is named in a note and
     not used (no traceback)."""
-    import shutil
-
-    out, _ = cpu_run
-    builds = tmp_path / "builds"
-    shutil.copytree(out / "builds" / "tiny-bf16", builds / "tiny-bf16")
+    builds = _copy_build(cpu_run, tmp_path)
     plan = builds / "tiny-bf16" / "plan.json"
     if content is None:
         plan.unlink()
     else:
         plan.write_text(content)
-    args = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64",
-            "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
-            "--builds", str(builds), "--out", str(tmp_path / "out")]
-    assert main(args) == 0
+    assert main(_bench_on_builds(builds) + ["--out", str(tmp_path / "out")]) == 0
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert res["decode"] == []
     assert any(str(plan) in n and "not used" in n for n in res["notes"]), res["notes"]
@@ -1063,9 +1070,10 @@ def test_a_failed_write_keeps_the_previous_pair(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--max-model-len", "1"], "--max-model-len must be >= 2 (a prompt token and one generated), got 1"),
     (["--max-model-len", "1", "--contexts", "64"], "--max-model-len must be >= 2"),
-    (["--max-model-len", "32", "--contexts", "16,64", "--prefill", "16"],
-     "--max-model-len 32 is shorter than the longest point measured (--contexts 64); pass --max-model-len >= 64"),
-    (["--max-model-len", "32", "--contexts", "16"],
+    (["--max-model-len", "32", "--contexts", "16,64", "--prefill", "16", "--build-caches"],
+     "--max-model-len 32 is shorter than the longest point measured (--contexts 64) and --build-caches keeps a "
+     "build's caches at its max model len; pass --max-model-len >= 64"),
+    (["--max-model-len", "32", "--contexts", "16", "--build-caches"],
      "--max-model-len 32 is shorter than the longest point measured (--prefill 1024, the default)"),
     (["--max-model-len", "5000", "--contexts", "64", "--prefill", "none"],
      "--max-model-len 5000 is more than the model serves (max_position_embeddings 4096 in the tiny config); "
@@ -1075,7 +1083,8 @@ def test_max_model_len_out_of_bounds_is_refused_up_front(tmp_path, capsys, args,
     """bench's --max-model-len took 1 (its help said >= 1), and more than the model serves,
     which `flintc compile` refuses: the run measured the ceilings, printed the report and
     failed in the compile, leaving bench.json and bench.md; one shorter than the longest
-    point compiled a build that did not hold it. Now one line before any work."""
+    point with --build-caches compiled a build that did not hold it. Now one line before any
+    work."""
     code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
                  "--no-plots", *args, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
@@ -1090,8 +1099,40 @@ def test_max_model_len_help_states_the_real_bounds(capsys):
         build_parser().parse_args(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(>= 1)" not in text
-    assert ("max model length of a build compiled here: at least 2 and the longest --contexts / --prefill point, "
-            "at most the model's max_position_embeddings") in text
+    assert ("max model length of a build compiled here: at least 2, at most the model's max_position_embeddings, "
+            "and with --build-caches at least the longest --contexts / --prefill point") in text
+
+
+@pytest.mark.parametrize("points, measured", [
+    (["--contexts", "64,128", "--prefill", "none"], ([(1, 64), (1, 128)], [])),
+    (["--contexts", "64", "--prefill", "128"], ([(1, 64)], [128])),
+])
+def test_max_model_len_shorter_than_a_point_runs_with_resizable_caches(tmp_path, capsys, points, measured):
+    """A --max-model-len shorter than the longest point was refused, although by default a
+    build's caches are resizable and sized to the points it serves (--build-caches is
+    what keeps them at the max model len): the build of length 64 measures context 128
+    (and the 128-token prefill), as it did before the check."""
+    out = tmp_path / "o"
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
+                 "--no-plots", *points, "--batches", "1", "--max-model-len", "64", "--iters", "1",
+                 "--e2e-iters", "1", "--prefill-iters", "1", "--warmup", "0", "--rotations", "1",
+                 "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0 and "error" not in err, err
+    res = json.loads((out / "bench.json").read_text())
+    assert ([(r["batch"], r["context"]) for r in res["decode"]],
+            [r["tokens"] for r in res["prefill"]]) == measured, res["notes"]
+    assert json.loads((out / "builds" / "tiny-bf16" / "build.json").read_text())["max_model_len"] == 64
+
+
+def test_max_model_len_shorter_than_a_point_is_not_checked_without_flintc(tmp_path):
+    """With --no-flintc no build is compiled or measured: --max-model-len is not refused
+    for being shorter than a point, even with --build-caches."""
+    from flintc.bench.core import BenchOptions
+
+    opts = BenchOptions(out=tmp_path, device="cpu", config="tiny", contexts=[64, 128], batches=[1], prefill=[],
+                        baselines=["eager"], run_flintc=False, size_caches=False, max_model_len=64).resolved()
+    assert opts.max_model_len == 64
 
 
 def test_context_1_compiles_a_build_of_length_2(tmp_path, capsys):
@@ -1116,17 +1157,10 @@ def test_a_build_with_an_unreadable_manifest_is_skipped_with_a_note(cpu_run, tmp
     """A subfolder of --builds whose build.json is not JSON (or not UTF-8 text), not an
     object, or of another build_version was skipped silently (a build for other weights
     gets a note): now a note naming the file, once for all formats."""
-    import shutil
-
-    out, _ = cpu_run
-    builds = tmp_path / "builds"
-    shutil.copytree(out / "builds" / "tiny-bf16", builds / "tiny-bf16")
+    builds = _copy_build(cpu_run, tmp_path)
     manifest = builds / "tiny-bf16" / "build.json"
     manifest.write_bytes(content)
-    args = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16,nvfp4", "--contexts", "64",
-            "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-compile", "--no-plots",
-            "--builds", str(builds), "--out", str(tmp_path / "out")]
-    assert main(args) == 0
+    assert main(_bench_on_builds(builds, "bf16,nvfp4") + ["--out", str(tmp_path / "out")]) == 0
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert res["decode"] == []
     notes = [n for n in res["notes"] if str(manifest) in n]
@@ -1141,6 +1175,12 @@ def test_a_build_with_an_unreadable_manifest_is_skipped_with_a_note(cpu_run, tmp
                 "folder name, or leave --build-glob out"),
     ("zz*", ["--no-compile"], "--build-glob zz*: matches no build in {builds} (builds there: a-tiny-bf16) and "
                               "--no-compile is given"),
+    # a build of another format matched: no nvfp4 point runs on it (a note at the end, exit 0)
+    ("a-*", ["--formats", "nvfp4"], "--build-glob a-*: matches no nvfp4 build in {builds} (it matches: a-tiny-bf16 "
+                                    "(bf16)) and a missing build is compiled only under a name a pattern matches "
+                                    "(tiny-nvfp4); pass patterns"),
+    ("a-*", ["--formats", "nvfp4", "--no-compile"], "--build-glob a-*: matches no nvfp4 build in {builds} (it "
+                                                    "matches: a-tiny-bf16 (bf16)) and --no-compile is given"),
     ("", [], "--build-glob: expected at least one value: comma-separated shell patterns"),
     ("a-*,", [], "--build-glob 'a-*,': empty item"),
 ])
@@ -1148,12 +1188,10 @@ def test_build_glob_that_names_no_build_is_refused(cpu_run, tmp_path, capsys, gl
     """--build-glob '[' (an unclosed set, matching only a literal '[') or one matching no
     build: bench compiled a new build into --builds under a name the patterns did not
     match (or, with --no-compile, measured no flintc point and exited 0). Now one line
-    before anything is measured; an empty pattern is refused as every list option's."""
-    import shutil
-
-    out, _ = cpu_run
-    builds = tmp_path / "builds"
-    shutil.copytree(out / "builds" / "tiny-bf16", builds / "a-tiny-bf16")
+    before anything is measured; an empty pattern is refused as every list option's. So
+    are patterns matching only builds of another format than --formats (they passed, and
+    no flintc point was measured)."""
+    builds = _copy_build(cpu_run, tmp_path, "a-tiny-bf16")
     code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64",
                  "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-plots", *extra,
                  "--builds", str(builds), "--build-glob", glob, "--out", str(tmp_path / "o")])
@@ -1163,15 +1201,40 @@ def test_build_glob_that_names_no_build_is_refused(cpu_run, tmp_path, capsys, gl
     assert sorted(p.name for p in builds.iterdir()) == ["a-tiny-bf16"]
 
 
+def test_an_unreadable_builds_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    """--build-glob with a --builds folder that cannot be listed: PermissionError's
+    traceback from the up-front check. Now one line naming --builds. (As root, chmod 000
+    does not stop the listing: Path.iterdir raises it instead.)"""
+    import errno
+
+    builds = tmp_path / "builds"
+    builds.mkdir()
+    if os.geteuid() == 0:
+        real = Path.iterdir
+
+        def iterdir(self):
+            if self == builds:
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real(self)
+
+        monkeypatch.setattr(Path, "iterdir", iterdir)
+    else:
+        builds.chmod(0)
+    try:
+        code = main(_bench_on_builds(builds) + ["--build-glob", "a-*", "--out", str(tmp_path / "o")])
+    finally:
+        builds.chmod(0o755)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: --builds {builds}: cannot be read: Permission denied; "
+                                        "pass a folder of builds this user can read"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
 def test_build_glob_compiles_only_a_build_it_names(cpu_run, tmp_path):
     """With --build-glob, a format without a matching build is compiled only when the name
     it gets (CONFIG-FORMAT) matches a pattern; otherwise a note says why it was not
     (nvfp4 here: tiny-nvfp4 does not match 'tiny-bf16'), and bf16 runs on its build."""
-    import shutil
-
-    out, _ = cpu_run
-    builds = tmp_path / "builds"
-    shutil.copytree(out / "builds" / "tiny-bf16", builds / "tiny-bf16")
+    builds = _copy_build(cpu_run, tmp_path)
     assert main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16,nvfp4", "--contexts", "64",
                  "--batches", "1", "--prefill", "none", "--baselines", "none", "--no-plots",
                  "--builds", str(builds), "--build-glob", "tiny-bf16", "--out", str(tmp_path / "o")]) == 0

@@ -61,6 +61,13 @@ def test_device_name_and_buckets():
     assert cli_args.buckets("1,,2") == (1, None, 2) and cli_args.buckets("1, ") == (1, None)
     with pytest.raises(InputError, match="^--buckets '1,,2': item 2 is empty; expected comma-separated"):
         cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets("1,,2")))
+    # what was typed, spaces included (it was shown re-joined: ' , ' as ',', '1, 1' as '1,1')
+    with pytest.raises(InputError, match="^--buckets ' , ': item 1 is empty; expected comma-separated"):
+        cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets(" , ")))
+    with pytest.raises(InputError, match="^--buckets '1, 1': 1 given twice"):
+        cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets("1, 1")))
+    with pytest.raises(InputError, match="^--buckets '1,,2': item 2 is empty"):  # a plain tuple (no text)
+        cli_args.check_option_values(argparse.Namespace(buckets=(1, None, 2)))
 
 
 @pytest.mark.parametrize("argv, flag", [

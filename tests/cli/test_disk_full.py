@@ -27,6 +27,24 @@ def _left_in(folder) -> list[str]:
     return sorted(os.listdir(folder))
 
 
+class _Full:
+    """A file opened by `os.fdopen` on a full disk: a write stores a few bytes, then
+    raises ENOSPC."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self
+
+    def write(self, text):
+        self.f.write(text[:5])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
 def test_bf16_checkpoint_on_a_full_disk(capsys, tmp_path, monkeypatch):
     from flintc.checkpoint import safetensors_io
 
@@ -100,26 +118,24 @@ def test_atomic_text_write_on_a_full_disk_keeps_the_old_file(tmp_path, monkeypat
     target = tmp_path / "bench.json"
     target.write_text('{"old": 1}')
     real_fdopen = os.fdopen
-
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def write(self, text):
-            self.f.write(text[:5])
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-    monkeypatch.setattr(fileio.os, "fdopen", lambda fd, *a, **k: Full(real_fdopen(fd, *a, **k)))
+    monkeypatch.setattr(fileio.os, "fdopen", lambda fd, *a, **k: _Full(real_fdopen(fd, *a, **k)))
     with pytest.raises(OSError) as e:
         fileio.write_text_atomic(target, '{"new": 2}')
     assert e.value.filename == str(target) and e.value.errno == errno.ENOSPC
     assert target.read_text() == '{"old": 1}' and _left_in(tmp_path) == ["bench.json"]
+
+
+def test_atomic_write_onto_a_folder_is_refused_naming_it(tmp_path):
+    """`write_text_atomic` is `write_texts_atomic` with one file: a path that is a folder
+    is refused naming it (os.replace's error named the temporary file too) and no
+    temporary file is left."""
+    from flintc import fileio
+
+    (tmp_path / "bench.json").mkdir()
+    with pytest.raises(IsADirectoryError) as e:
+        fileio.write_text_atomic(tmp_path / "bench.json", "{}")
+    assert e.value.filename == str(tmp_path / "bench.json") and e.value.filename2 is None
+    assert _left_in(tmp_path) == ["bench.json"]
 
 
 def test_atomic_pair_write_on_a_full_disk_keeps_both_old_files(tmp_path, monkeypatch):
@@ -134,23 +150,10 @@ def test_atomic_pair_write_on_a_full_disk_keeps_both_old_files(tmp_path, monkeyp
     real_fdopen = os.fdopen
     calls = []
 
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def write(self, text):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        def __exit__(self, *exc):
-            self.f.close()
-
     def fdopen(fd, *args, **kwargs):
         calls.append(fd)
         f = real_fdopen(fd, *args, **kwargs)
-        return f if len(calls) == 1 else Full(f)
+        return f if len(calls) == 1 else _Full(f)
 
     monkeypatch.setattr(fileio.os, "fdopen", fdopen)
     with pytest.raises(OSError) as e:

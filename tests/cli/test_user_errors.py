@@ -355,10 +355,12 @@ def test_bench_options_check_the_same_values(tmp_path):
     base = dict(out=tmp_path, device="cpu", config="tiny", contexts=[64, 128], batches=[1, 2], prefill=[16])
     opts = BenchOptions(**base, breakdown=[(2, 128)], time_budget=15.5, max_model_len=128).resolved()
     assert opts.breakdown == [(2, 128)]
+    # resizable caches (the default) serve points beyond a build's max model len
+    assert BenchOptions(**base, max_model_len=64).resolved().max_model_len == 64
     for bad, match in (({"max_model_len": 0}, "--max-model-len"),
                        ({"max_model_len": 1}, "--max-model-len must be >= 2"),
-                       ({"max_model_len": 64}, "--max-model-len 64 is shorter than the longest point measured "
-                                               "\\(--contexts 128\\)"),
+                       ({"max_model_len": 64, "size_caches": False},
+                        "--max-model-len 64 is shorter than the longest point measured \\(--contexts 128\\)"),
                        ({"time_budget": -1.0}, "--time-budget"),
                        ({"time_budget": 15.0}, "--time-budget must be more than 15 s"),
                        ({"step_timeout": 0.0}, "--step-timeout"), ({"breakdown": [(1, 256)]}, "--breakdown 1x256")):
