@@ -339,8 +339,9 @@ def _set_wakeup_fd(fd: int) -> None:
 DUMP_DIR_ENV = "FLINTC_DUMP_DIR"
 
 # What makes a folder a checkpoint or a build (`foreign_files`): an output folder holding
-# one is refused (dump's and bench's --out); dumps go into none, at any depth
-# (`checkpoint_or_build_problem`).
+# one is refused (dump's and bench's --out); dumps go into no BUILD at any depth, and
+# into no checkpoint folder itself (a new subfolder of one is fine:
+# `checkpoint_or_build_problem`).
 _FOREIGN = ("config.json", "build.json", "tokenizer.json", "*.safetensors", "*.safetensors.index.json",
             "*.gguf")
 
@@ -356,28 +357,29 @@ def foreign_files(folder: str | os.PathLike) -> list[str]:
 def checkpoint_or_build_problem(path: str | os.PathLike) -> str | None:
     """Why dumps may not be written at the folder `path` (new or existing), as the middle of
     an error message, or None when they may: it is, or is inside at any depth, a flintc
-    BUILD (a folder holding build.json, what `flintc compile` takes for one) or a
-    checkpoint folder (config.json with a tokenizer.json, safetensors or GGUF file beside
-    it: a lone config.json or .gguf, as a home folder may hold, makes no checkpoint). The
-    dumps would mix with its files, or replace a BUILD's own BUILD/dumps/<function>/
-    with another compile's, which the next `flintc compile` into it deletes. Names the
-    nearest such folder, resolved: "inside the flintc BUILD /abs/build (it holds
-    build.json), whose own dumps ...", "is the checkpoint folder /abs/ckpt (it holds
-    config.json, model.safetensors), ...". The one check of `flintc dump --out` and
-    `$FLINTC_DUMP_DIR` (`dump_dir_from_env`)."""
+    BUILD (a folder holding build.json, what `flintc compile` takes for one, and replaces
+    whole: the dumps would go with it, or replace its own BUILD/dumps/<function>/ with
+    another compile's); or it is itself a checkpoint folder (config.json with a
+    tokenizer.json, safetensors or GGUF file beside it: a lone config.json or .gguf, as a
+    home folder may hold, makes no checkpoint), whose files the dumps would mix with. A
+    subfolder of a checkpoint (ckpt/dumps) is taken: the layout flintc expects of a model
+    folder is a common project root, and nothing replaces a checkpoint folder whole. Names
+    the folder, resolved: "inside the flintc BUILD /abs/build (it holds build.json), whose
+    own dumps ...", "is the checkpoint folder /abs/ckpt (it holds config.json,
+    model.safetensors), ...". The one check of `flintc dump --out` and `$FLINTC_DUMP_DIR`
+    (`dump_dir_from_env`)."""
     given = Path(path).resolve()
+    found = foreign_files(given) if given.is_dir() else []
+    if "config.json" in found and "build.json" not in found and len(found) > 1:
+        return (f"is the checkpoint folder {given} (it holds {', '.join(found[:3])}), whose files the "
+                "dumps would mix with")
     start = given
     while not start.is_dir() and start != start.parent:  # new (or a file): from the nearest folder up
         start = start.parent
     for folder in (start, *start.parents):
-        found = foreign_files(folder)
-        where = "is" if folder == given else "inside"
-        if "build.json" in found:
-            return (f"{where} the flintc BUILD {folder} (it holds build.json), whose own dumps are in BUILD/dumps "
-                    "and which the next flintc compile into it replaces whole")
-        if "config.json" in found and len(found) > 1:
-            return (f"{where} the checkpoint folder {folder} (it holds {', '.join(found[:3])}), whose files the "
-                    "dumps would mix with")
+        if (folder / "build.json").is_file():
+            return (f"{'is' if folder == given else 'inside'} the flintc BUILD {folder} (it holds build.json), "
+                    "whose own dumps are in BUILD/dumps and which the next flintc compile into it replaces whole")
     return None
 
 
@@ -390,13 +392,14 @@ def dump_dir_from_env() -> str | None:
     compile` takes for one), the BUILD itself included: the dumps would mix with the
     build's files or replace its BUILD/dumps/<function>/ with another compile's, and the
     next `flintc compile` into that BUILD would replace the folder, dumps and all; nor
-    into a checkpoint folder (`checkpoint_or_build_problem`, `flintc dump --out`'s check).
+    be a checkpoint folder itself (a new subfolder of one is fine:
+    `checkpoint_or_build_problem`, `flintc dump --out`'s check).
 
     Raises:
         InputError: naming the variable and its value, when the folder could not be
             made or written: it, or the nearest existing folder above it, is a file,
-            or cannot be written in; or it is, or is inside, a BUILD or a checkpoint
-            folder (naming it). Checked before any work (it used to fail after the capture or a
+            or cannot be written in; or it is, or is inside, a BUILD, or it is a
+            checkpoint folder (naming it). Checked before any work (it used to fail after the capture or a
             whole compile as "<path>/decode_b1: Not a directory").
     """
     from flintc.errors import InputError
@@ -417,5 +420,6 @@ def dump_dir_from_env() -> str | None:
     problem = checkpoint_or_build_problem(value)
     if problem:
         raise InputError(f"{DUMP_DIR_ENV}={value}: {problem}; set {DUMP_DIR_ENV} to a folder outside any BUILD "
-                         "or checkpoint, or unset it for no dumps")
+                         "and other than a checkpoint folder (a new subfolder of one is fine), or unset it "
+                         "for no dumps")
     return value

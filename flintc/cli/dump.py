@@ -26,16 +26,17 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--out", required=True,
                    help="output folder (new, empty, or the output of an earlier flintc dump, which is replaced; "
-                   "not in a BUILD or a checkpoint folder)")
+                   "not in a BUILD, nor a checkpoint folder itself)")
     p.add_argument("--step", choices=("decode", "prefill"), default="decode", help="the pipeline to dump")
     p.set_defaults(func=run_dump)
 
 
 def check_dump_out(out: str | Path) -> None:
     """Refuse an --out the dump would clobber, or an empty one (as given: `Path("")` is
-    the current folder): one that is, or is inside at any depth, a BUILD or a checkpoint
-    folder (`flintc.fileio.checkpoint_or_build_problem`, as `$FLINTC_DUMP_DIR`), or that
-    holds a checkpoint's or a build's files, or other files and is no earlier dump.
+    the current folder): one that is, or is inside at any depth, a BUILD, or that is a
+    checkpoint folder (`flintc.fileio.checkpoint_or_build_problem`, as `$FLINTC_DUMP_DIR`;
+    a new subfolder of a checkpoint is taken), or that holds a checkpoint's or a build's
+    files, or other files and is no earlier dump.
     Raises InputError naming the path."""
     from flintc.cli.compile_build import check_output_folder
     from flintc.fileio import checkpoint_or_build_problem, follow_out_link, foreign_files
@@ -45,7 +46,7 @@ def check_dump_out(out: str | Path) -> None:
     problem = checkpoint_or_build_problem(follow_out_link(out))  # a link: its target is replaced
     if problem:
         raise InputError(f"--out {out}: {problem}; refusing to write dumps there, choose an --out outside any "
-                         "BUILD or checkpoint")
+                         "BUILD and other than a checkpoint folder (a new subfolder of one is fine)")
     out = Path(out)
     if not out.exists():
         return

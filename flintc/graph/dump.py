@@ -83,6 +83,11 @@ def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
 
     Returns:
         The paths written for this stage, index.md and report.json last.
+
+    A failed stage (`stage.error`: its graph failed its legality check or verify) gets
+    index.md and report.json written even when one of its views fails to write (an illegal
+    graph may not convert): the index records the failure, not "Overall: passed", and the
+    view's error goes on up (the pass manager raises the pass's own error from it).
     """
     out = Path(out_dir)
     stage = report.stages[-1]
@@ -95,6 +100,18 @@ def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
         # or failing while stage 0's files are written is still an earlier dump
         # (`is_dump_output`), which the next run replaces, not a folder it refuses
         _write_index(report, ctx, out)
+    try:
+        written = _write_stage_files(gm, stage, ctx, out)
+    except BaseException:
+        if stage.error:  # the failure is recorded even so (the index would say "Overall: passed")
+            _write_index(report, ctx, out)
+        raise
+    written.extend(_write_index(report, ctx, out))
+    return written
+
+
+def _write_stage_files(gm: GraphModule, stage, ctx, out: Path) -> list[Path]:
+    """Write `stage`'s .py, its dot/svg views and its ONNX into `out`; the paths."""
     prefix = stage_prefix(stage)
     title = (f"{prefix} ({stage.stage}): {ctx.step} B={ctx.batch} T={ctx.tokens}, "
              f"{stage.kernels.per_forward} kernels per forward")
@@ -107,7 +124,6 @@ def dump_stage(gm: GraphModule, report, ctx, out_dir: str | Path) -> list[Path]:
         written.append(_write(out / f"{prefix}.{view}.svg", to_svg(g)))
     model = graph_to_onnx(gm, name=prefix, doc=title)
     written.append(_write(out / f"{prefix}.onnx", model.SerializeToString()))
-    written.extend(_write_index(report, ctx, out))
     return written
 
 

@@ -183,7 +183,7 @@ def test_unwritable_flintc_dump_dir_names_the_variable(capsys, tmp_path, monkeyp
      "--max-tokens", "1"],
     ["verify", "--step", "decode"],
 ])
-@pytest.mark.parametrize("value", ["build", "build/dumps", "build/dumps/new/sub", "ckpt", "ckpt/new/sub"])
+@pytest.mark.parametrize("value", ["build", "build/dumps", "build/dumps/new/sub", "ckpt"])
 def test_flintc_dump_dir_inside_a_build_or_checkpoint_is_refused(capsys, tmp_path, monkeypatch, tiny_bf16_dir,
                                                                 command, value):
     """Regression: $FLINTC_DUMP_DIR pointing at a BUILD of `flintc compile` (or into it)
@@ -192,7 +192,9 @@ def test_flintc_dump_dir_inside_a_build_or_checkpoint_is_refused(capsys, tmp_pat
     and the next `flintc compile` into it deleted them. So it was for a checkpoint folder
     (FLINTC_DUMP_DIR=ckpt wrote ckpt/decode_b1/), which `flintc dump --out` refuses. Now
     one line naming the variable and the BUILD or checkpoint, before any work, the same
-    check as `flintc dump --out`'s (`flintc.fileio.checkpoint_or_build_problem`)."""
+    check as `flintc dump --out`'s (`flintc.fileio.checkpoint_or_build_problem`). A BUILD
+    is refused at any depth (`flintc compile` replaces it whole), a checkpoint folder only
+    itself (a new subfolder of one is taken: test_dumps_in_a_new_subfolder_of_a_checkpoint_are_taken)."""
     import flintc.passes.pipeline as pipeline
 
     def never(*a, **k):
@@ -210,8 +212,8 @@ def test_flintc_dump_dir_inside_a_build_or_checkpoint_is_refused(capsys, tmp_pat
     what = ("the flintc BUILD {} (it holds build.json)" if top == "build" else
             "the checkpoint folder {} (it holds config.json, model.safetensors)").format((tmp_path / top).resolve())
     assert_one_line_error(code, err, f"FLINTC_DUMP_DIR={tmp_path / value}: {'is' if value == top else 'inside'} "
-                          f"{what}", "set FLINTC_DUMP_DIR to a folder outside any BUILD or checkpoint, or unset it "
-                          "for no dumps")
+                          f"{what}", "set FLINTC_DUMP_DIR to a folder outside any BUILD and other than a checkpoint "
+                          "folder (a new subfolder of one is fine), or unset it for no dumps")
     assert out == "" and sorted(p.name for p in (tmp_path / "build").iterdir()) == ["build.json", "dumps"]
     assert not any((tmp_path / "build" / "dumps").iterdir())
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
@@ -221,14 +223,15 @@ def test_flintc_dump_dir_inside_a_build_or_checkpoint_is_refused(capsys, tmp_pat
     ("build/dumps/decode_b1", "inside the flintc BUILD {tmp}/build (it holds build.json)"),
     ("build", "is the flintc BUILD {tmp}/build (it holds build.json)"),
     ("ckpt", "is the checkpoint folder {tmp}/ckpt (it holds config.json, model-nvfp4.gguf, tokenizer.json)"),
-    ("ckpt/dumps", "inside the checkpoint folder {tmp}/ckpt (it holds config.json, model-nvfp4.gguf, "
-                   "tokenizer.json)"),
+    ("ckpt/build/dumps", "inside the flintc BUILD {tmp}/ckpt/build (it holds build.json)"),
 ])
 def test_dump_out_inside_a_build_or_checkpoint_is_refused(capsys, tmp_path, out, message):
     """Regression: `flintc dump --out BUILD/dumps/decode_b1` (an earlier dump, in a BUILD)
     exited 0 and replaced the build's own dumps with unrelated ones; `--out BUILD` was
-    refused, only for build.json at its top. Now any --out inside a BUILD or a
-    checkpoint, at any depth, is refused as $FLINTC_DUMP_DIR is, before any work."""
+    refused, only for build.json at its top. Now any --out inside a BUILD, at any depth,
+    or that is a checkpoint folder, is refused as $FLINTC_DUMP_DIR is, before any work,
+    writing nothing (a new subfolder of a checkpoint is taken:
+    test_dumps_in_a_new_subfolder_of_a_checkpoint_are_taken)."""
     dumps = tmp_path / "build" / "dumps" / "decode_b1"
     dumps.mkdir(parents=True)
     (tmp_path / "build" / "build.json").write_text("{}")
@@ -237,19 +240,22 @@ def test_dump_out_inside_a_build_or_checkpoint_is_refused(capsys, tmp_path, out,
     (tmp_path / "ckpt").mkdir()
     for name in ("config.json", "model-nvfp4.gguf", "tokenizer.json"):
         (tmp_path / "ckpt" / name).write_text("{}")
+    (tmp_path / "ckpt" / "build").mkdir()
+    (tmp_path / "ckpt" / "build" / "build.json").write_text("{}")  # a BUILD inside a checkpoint
     before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
-    t0 = time.perf_counter()
     code, stdout, err = run_cli(capsys, "dump", "--out", tmp_path / out, "--batch", 1)
     assert_one_line_error(code, err, f"--out {tmp_path / out}: {message.format(tmp=tmp_path.resolve())}",
-                          "refusing to write dumps there, choose an --out outside any BUILD or checkpoint")
-    assert stdout == "" and time.perf_counter() - t0 < 3
+                          "refusing to write dumps there, choose an --out outside any BUILD and other than a "
+                          "checkpoint folder (a new subfolder of one is fine)")
+    assert stdout == ""
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
 def test_a_lone_config_json_above_is_no_checkpoint(tmp_path):
     """A folder holding only config.json (or only a .gguf), as a home or project folder
-    may, is no checkpoint: dumps below it are taken. A BUILD or a checkpoint is found at
-    any depth above, the nearest named."""
+    may, is no checkpoint: dumps below it, or in it, are taken. A checkpoint folder is
+    refused only itself (dumps in a new subfolder of one mix with none of its files), a
+    BUILD at any depth above (`flintc compile` replaces it whole)."""
     from flintc.fileio import checkpoint_or_build_problem
 
     for folder, name in (("proj", "config.json"), ("downloads", "stray.gguf"), ("tok", "tokenizer.json")):
@@ -259,11 +265,54 @@ def test_a_lone_config_json_above_is_no_checkpoint(tmp_path):
     (tmp_path / "ckpt" / "build").mkdir(parents=True)
     (tmp_path / "ckpt" / "config.json").write_text("{}")
     (tmp_path / "ckpt" / "tokenizer.json").write_text("{}")
-    assert checkpoint_or_build_problem(tmp_path / "ckpt" / "a" / "b").startswith(
-        f"inside the checkpoint folder {(tmp_path / 'ckpt').resolve()} (it holds config.json, tokenizer.json)")
+    assert checkpoint_or_build_problem(tmp_path / "proj") is None
+    assert checkpoint_or_build_problem(tmp_path / "ckpt").startswith(
+        f"is the checkpoint folder {(tmp_path / 'ckpt').resolve()} (it holds config.json, tokenizer.json)")
+    for below in ("a/b", "build", "build/dumps"):
+        assert checkpoint_or_build_problem(tmp_path / "ckpt" / below) is None, below
     (tmp_path / "ckpt" / "build" / "build.json").write_text("{}")
     assert checkpoint_or_build_problem(tmp_path / "ckpt" / "build" / "dumps").startswith(
         f"inside the flintc BUILD {(tmp_path / 'ckpt' / 'build').resolve()} (it holds build.json)")
+    assert checkpoint_or_build_problem(tmp_path / "ckpt" / "build").startswith(
+        f"is the flintc BUILD {(tmp_path / 'ckpt' / 'build').resolve()} (it holds build.json)")
+
+
+class _Reached(Exception):
+    """Raised by a stand-in compile_step: the command got past its output checks."""
+
+
+@pytest.mark.parametrize("how", ["dump --out", "FLINTC_DUMP_DIR"])
+def test_dumps_in_a_new_subfolder_of_a_checkpoint_are_taken(capsys, monkeypatch, tmp_path, how):
+    """Regression: `cd ws && flintc dump --out dumps`, ws holding config.json and a
+    .gguf (the layout flintc expects of a model folder, and a common project root), was
+    refused "inside the checkpoint folder ws", and so was FLINTC_DUMP_DIR=ws/sub for
+    `flintc verify`: every folder up to / was checked for a checkpoint. A new subfolder
+    cannot mix with a checkpoint's files: only the checkpoint folder itself is refused
+    (only a BUILD, which `flintc compile` replaces whole, at any depth)."""
+    import flintc.passes.pipeline as pipeline
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for name in ("config.json", "model.gguf"):
+        (ws / name).write_text("")  # names only: the check reads no file
+    seen = []
+
+    def reached(*a, dump_dir=None, **k):
+        seen.append(Path(dump_dir))
+        raise _Reached
+
+    monkeypatch.setattr(pipeline, "compile_step", reached)
+    monkeypatch.chdir(ws)
+    if how == "dump --out":
+        with pytest.raises(_Reached):
+            run_cli(capsys, "dump", "--out", "dumps", "--batch", 1)
+        assert seen and seen[0].resolve().parent == ws.resolve()  # its temporary folder beside ws/dumps
+    else:
+        monkeypatch.setenv("FLINTC_DUMP_DIR", str(ws / "sub"))
+        with pytest.raises(_Reached):
+            run_cli(capsys, "verify", "--step", "decode")
+        assert seen and seen[0].parent == ws / "sub"
+    assert "error" not in capsys.readouterr().err
 
 
 def test_compile_step_checks_flintc_dump_dir(monkeypatch, tmp_path):

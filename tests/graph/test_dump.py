@@ -239,3 +239,45 @@ def test_dump_records_a_pass_that_fails_its_legality_check_or_verify(tiny_model,
     assert f"\nPass 2 '{failing.name}' failed: {what}" in index
     assert index.rstrip().endswith("Overall: **FAILED**.")
     assert f"# FAILED: {what}" in (tmp_path / f"02-{failing.name}.py").read_text()
+
+
+@pytest.mark.parametrize("view", ["readable_code", "to_svg", "graph_to_onnx"])
+def test_a_failed_stage_is_recorded_even_when_one_of_its_views_fails(tiny_model, captures, tmp_path, monkeypatch,
+                                                                      view):
+    """Regression: `dump_stage` wrote a stage's .py, dot/svg and ONNX views first and
+    index.md/report.json last, so when a view of a pass's illegal graph failed to write,
+    the pass manager raised the pass's error but index.md still ended "Overall: passed."
+    (report.json "passed": true), the table stopping at the stage before. Now a failed
+    stage's index is written even so."""
+    import flintc.graph.dump as dump_module
+
+    real = getattr(dump_module, view)
+
+    def of_stage_2(a) -> bool:  # the stage (readable_code), a view's graph (its title), the ONNX name
+        title = a.graph.get("graph", {}).get("label", "") if hasattr(a, "graph") and isinstance(a.graph, dict) else ""
+        return getattr(a, "index", None) == 2 or str(a).startswith("02-") or title.startswith("02-")
+
+    def fails_for_the_failed_stage(*args, **kwargs):
+        if any(of_stage_2(a) for a in (*args, *kwargs.values())):
+            raise RuntimeError(f"{view}: cannot render this graph")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dump_module, view, fails_for_the_failed_stage)
+
+    class Identity(GraphPass):
+        name = "identity"
+
+        def run(self, gm):
+            return PassResult()
+
+    with pytest.raises(GraphLegalityError) as info:
+        run_pipeline(tiny_model, captures["decode"], tmp_path, [Identity, SwapToTestOpsPass], check=False)
+    assert "cannot render this graph" in str(info.value.__cause__)  # the view's error is its cause
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["passed"] is False
+    assert [s["name"] for s in data["stages"]] == ["captured", "identity", "swap_test_ops"]
+    assert data["stages"][2]["error"].startswith("legality check failed: ")
+    index = (tmp_path / "index.md").read_text()
+    assert "| 2 | swap_test_ops | fused |" in index and "\nPass 2 'swap_test_ops' failed: legality check" in index
+    assert index.rstrip().endswith("Overall: **FAILED**.")
+    assert (tmp_path / "01-identity.onnx").is_file()  # the stages before: dumped in full
