@@ -757,6 +757,29 @@ def test_build_tokenizer_with_ids_beyond_the_vocabulary(capsys, served, tmp_path
     assert all(n in str(exc.value) for n in needles), exc.value
 
 
+def test_compile_api_refuses_a_tokenizer_with_ids_beyond_the_vocabulary(monkeypatch, tmp_path, tiny_bf16_dir):
+    """`flintc.compile` skipped the check: it compiled, and `generate("hi")` then failed
+    with "prompt: token id 1071 is outside the vocabulary [0, 512)". Now refused before
+    the compile (nothing is written), naming the tokenizer file and config.json, for the
+    checkpoint's tokenizer and for one given as `tokenizer=`."""
+    import flintc.runtime.build
+    from flintc.api import compile as compile_model
+    from flintc.errors import CheckpointError
+
+    def never(*a, **k):
+        raise AssertionError("compiled with a tokenizer that does not fit the model")
+
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", never)
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", _shift_ids)
+    for model, kw in ((bad, {}), (tiny_bf16_dir, {"tokenizer": bad})):
+        out = tmp_path / f"build-{len(kw)}"
+        with pytest.raises(CheckpointError) as exc:
+            compile_model(model, out, device="cpu", backend="torch", check=False, dump=False, **kw)
+        assert str(exc.value).startswith(f"{bad / 'tokenizer.json'}: token ids up to 1"), exc.value
+        assert f", but {model / 'config.json'} has vocab_size 512: expected every id below it" in str(exc.value)
+        assert not out.exists()
+
+
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_tokenizer_without_its_eos_token_names_the_file(capsys, served, tmp_path, tiny_bf16_dir, command):
     """tokenizer.json with an empty `added_tokens` said "tokenizer has no token for
