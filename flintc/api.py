@@ -296,7 +296,10 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     folder), an unknown `load_format` (`flintc.checkpoint.loader.check_load_format`; None
     is "auto"), a `fmt` or `config` that does not apply, a `check`, `dump` or `progress`
     that is not True or False (a NumPy bool is taken), and a malformed FLINTC_* variable
-    (`flintc.runtime.compiled.check_environment`), before compiling.
+    (`flintc.runtime.compiled.check_environment`), before compiling; CheckpointError,
+    before compiling too, for a tokenizer (`tokenizer`, else the checkpoint's) with ids
+    the model has no row for (`FlintTokenizer.check_fits_model`, naming its file and
+    config.json; one with fewer tokens than the model fits).
 
     A compile that fails removes what it wrote (BUILD is written beside `out` and renamed
     into place at the end; the temporary folder of out=None is removed at once). SIGTERM
@@ -332,7 +335,8 @@ def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, ma
     if out is not None and str(out) == "":
         raise InputError("out must not be empty: expected the path of the BUILD folder to write (or None for "
                          "a temporary one)")
-    given_tokenizer = _tokenizer(tokenizer, None)  # a bad one: before the compile writes `out`
+    given_tokenizer = _tokenizer(tokenizer, None)  # a bad one: before the compile writes `out` (and
+    # one that does not fit the model, `check_fits_model`, once its config is read)
     if fmt not in ("bf16", "nvfp4"):
         raise InputError(f"compile: fmt must be 'bf16' or 'nvfp4', got {fmt!r}")
     if load_format != "dummy" and (fmt != "bf16" or config is not None):
@@ -351,11 +355,14 @@ def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, ma
         out = Path(out)
         opts = BuildOptions(max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                             backend=backend, device=device, check=check, dump=dump)
+        tokenizer = given_tokenizer or _tokenizer(None, ckpt.tokenizer_dir)
+        if tokenizer is not None:  # ids the model has no row for: before the compile, as flintc.load
+            tokenizer.check_fits_model(ckpt.config.vocab_size, ckpt.config.source)
         compile_model(ckpt, out, opts, progress=progress, log=lambda *a: None)
         runner = load_build(out, ckpt=ckpt, device=device, progress=progress)
     if tmp is not None:
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    return CompiledModel(runner, given_tokenizer or _tokenizer(None, ckpt.tokenizer_dir))
+    return CompiledModel(runner, tokenizer)
 
 
 @contextlib.contextmanager

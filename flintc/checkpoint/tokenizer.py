@@ -393,6 +393,9 @@ class FlintTokenizer:
         eos = config.get("eos_token", EOS_TOKEN)
         self.eos_token = eos["content"] if isinstance(eos, dict) else eos
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # ids `decode` and the rest take: the tokenizer's own, up to the model's vocab_size
+        # once paired with a model of more embedding rows (`check_fits_model`)
+        self._id_limit = self.vocab_size
         self.eos_token_id = tokenizer.token_to_id(self.eos_token)
         if self.eos_token_id is None:
             where = (f"the eos_token of {self.config_path}" if "eos_token" in config else
@@ -432,12 +435,16 @@ class FlintTokenizer:
         return out
 
     def check_fits_model(self, vocab_size: int, config_where: str) -> None:
-        """Refuse a tokenizer whose token ids do not all fit the model: the largest id
-        (of the vocabulary and the added tokens) must be below the model's `vocab_size`,
-        read from `config_where` (its config.json, or a build's build.json). Called where
-        a tokenizer is paired with a model (`flintc run`, `flintc serve`, `flintc.load`),
-        before any prompt is encoded: such a tokenizer.json used to surface as the
-        prompt's "token id N is outside the vocabulary".
+        """Pair this tokenizer with a model of `vocab_size` embedding rows, read from
+        `config_where` (its config.json, or a build's build.json): the one rule of every
+        entry point (`flintc run`, `flintc serve` and its Engine, `flintc.compile`,
+        `flintc.load`), before any prompt is encoded. Every token id (of the vocabulary
+        and the added tokens) must be below `vocab_size`: such a tokenizer.json used to
+        surface as a prompt's "token id N is outside the vocabulary". A tokenizer with
+        fewer tokens than the model fits, as vLLM takes a model whose vocabulary is padded
+        (FLINT_SPEC fixes only the model's vocab_size); the model's ids the tokenizer has
+        no token for then decode to nothing (as ``tokenizers``' decode drops them, and
+        vLLM detokenizes them as ""), so a model that samples one does not fail mid-text.
 
         Raises:
             CheckpointError: naming the tokenizer file, its largest id and `config_where`'s
@@ -447,6 +454,7 @@ class FlintTokenizer:
         if top >= vocab_size:
             raise CheckpointError(f"{self.tokenizer_path}: token ids up to {top}, but {config_where} has vocab_size "
                                   f"{vocab_size}: expected every id below it (a tokenizer of another model?)")
+        self._id_limit = max(self.vocab_size, vocab_size)
 
     def set_chat_template(self, source: str, where: str) -> None:
         """Render chats with `source` (a Jinja template) instead of the tokenizer's
@@ -558,15 +566,16 @@ class FlintTokenizer:
     def _check_ids(self, ids: Iterable[int]) -> list[int]:
         ids = list(ids)
         for i in ids:
-            if not 0 <= i < self.vocab_size:
-                raise InputError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+            if not 0 <= i < self._id_limit:
+                raise InputError(f"token id {i} is outside the vocabulary [0, {self._id_limit})")
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD.
 
         Raises:
-            InputError: an id is outside ``[0, vocab_size)``.
+            InputError: an id is outside ``[0, vocab_size)`` (the model's, once paired:
+                `check_fits_model`; its ids of no token decode to nothing).
         """
         return self._tok.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
@@ -575,15 +584,18 @@ class FlintTokenizer:
         method of that name.
 
         Raises:
-            InputError: an id is outside ``[0, vocab_size)``.
+            InputError: an id is outside ``[0, vocab_size)`` (the model's, once paired;
+                its ids of no token are "").
         """
-        return [self._tok.id_to_token(i) for i in self._check_ids(ids)]
+        return [self._tok.id_to_token(i) or "" for i in self._check_ids(ids)]  # "": a model's id of no token
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes token ``token_id`` decodes to (what ``decoders.ByteLevel`` does)."""
         cached = self._token_bytes.get(token_id)
         if cached is None:
             text = self._tok.id_to_token(self._check_ids([token_id])[0])
+            if text is None:  # a model's id the tokenizer has no token for (`check_fits_model`)
+                return b""
             try:
                 cached = bytes(_BYTE_DECODER[c] for c in text)
             except KeyError:  # like the Rust decoder: a non-byte-level token stays as UTF-8

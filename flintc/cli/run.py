@@ -301,10 +301,11 @@ def _tokenizer_and_texts(args, found, vocab_size, config_where):
 
     Raises:
         InputError: --prompt with no tokenizer (naming where it was looked for); a
-            tokenizer whose vocabulary is not the model's `vocab_size`; a --prompt text
-            of --max-model-len tokens or more (as --prompt-ids, `_check_prompts_early`).
+            --prompt text of --max-model-len tokens or more (as --prompt-ids,
+            `_check_prompts_early`).
         CheckpointError: a tokenizer with ids of `vocab_size` or more
-            (`FlintTokenizer.check_fits_model`, naming its file and `config_where`).
+            (`FlintTokenizer.check_fits_model`, naming its file and `config_where`; one
+            with fewer tokens than the model fits).
     """
     from flintc.checkpoint.tokenizer import load_tokenizer
 
@@ -321,8 +322,6 @@ def _tokenizer_and_texts(args, found, vocab_size, config_where):
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
     if tokenizer is not None and isinstance(vocab_size, int):
         tokenizer.check_fits_model(vocab_size, config_where)
-    if tokenizer is not None and isinstance(vocab_size, int) and tokenizer.vocab_size != vocab_size:
-        raise InputError(f"tokenizer in {tok_dir} has {tokenizer.vocab_size} tokens, the model {vocab_size}")
     texts = [tokenizer.encode(t) for t in args.prompt or []]
     _check_prompt_lengths("--prompt", texts, args.max_model_len)
     return tokenizer, texts

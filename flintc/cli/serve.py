@@ -184,11 +184,9 @@ def run_serve(args: argparse.Namespace) -> int:
         tokenizer.set_chat_template(*chat_template_arg(args.chat_template))
     tokenizer.check_chat_template()  # a malformed one: before the port is bound and the weights load
     sock = bind(args.host, args.port)  # fail fast on a busy port, before loading weights
-    runner = make_runner(args)
-    tokenizer.check_fits_model(runner.config.vocab_size, runner.config.source)  # ids the model has no row for
-    if tokenizer.vocab_size != runner.config.vocab_size:
-        raise InputError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model "
-                         f"{runner.config.vocab_size}")
+    # ids the model has no row for: from its config, before the weights load (and again
+    # by the Engine, against the config the runner loaded)
+    runner = make_runner(args, check_vocab=tokenizer.check_fits_model)
     engine = Engine(runner, tokenizer)
     app = create_app(engine, tokenizer, options)
     host, port = sock.getsockname()[:2]

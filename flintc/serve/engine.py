@@ -234,20 +234,20 @@ class Engine:
 
     Args:
         runner: a :class:`~flintc.runtime.runner.ModelRunner`.
-        tokenizer: a FlintTokenizer (vocab_size must match the runner's config).
+        tokenizer: a FlintTokenizer whose ids fit the runner's config's vocab_size
+            (`FlintTokenizer.check_fits_model`: it may have fewer tokens, never more).
         forced_tokens: test hook, see the module docstring.
         observers: :class:`EngineObserver` objects to call (more may be appended to
             ``engine.observers`` before :meth:`start`).
 
     Raises:
-        ValueError: tokenizer and model vocabularies differ.
+        CheckpointError: a tokenizer id of the model's vocab_size or more
+            (`FlintTokenizer.check_fits_model`, naming the tokenizer file and config).
     """
 
     def __init__(self, runner, tokenizer, forced_tokens: Callable[[list[int]], list[int] | None] | None = None,
                  observers: list[EngineObserver] | None = None):
-        if tokenizer.vocab_size != runner.config.vocab_size:
-            raise ValueError(f"tokenizer has {tokenizer.vocab_size} tokens, the model "
-                             f"{runner.config.vocab_size}")
+        tokenizer.check_fits_model(runner.config.vocab_size, runner.config.source)
         self.runner = runner
         self.tokenizer = tokenizer
         self.forced_tokens = forced_tokens

@@ -21,10 +21,13 @@ from flintc.errors import FlintcError, InputError
 MAX_REQUEST_BYTES = 32 * 2**20
 
 
-def make_runner(args: argparse.Namespace):
+def make_runner(args: argparse.Namespace, check_vocab=None):
     """-> a ModelRunner for the parsed `flintc serve` arguments (``model``, ``build``,
     ``hf_config_path``, ``max_batch``, ``max_model_len``, ``device``, ``load_format``:
-    "dummy" makes the dummy weights of a build compiled with them).
+    "dummy" makes the dummy weights of a build compiled with them). `check_vocab`, if
+    given, is called with the model's vocab_size and where it was read (the build's
+    build.json, or config.json) before any weight loads (`flintc serve` pairs the
+    tokenizer with it: `FlintTokenizer.check_fits_model`).
 
     Raises:
         FlintcError: ``--build`` given but the compiled runtime is not available.
@@ -45,8 +48,12 @@ def make_runner(args: argparse.Namespace):
                               f"(cannot import flintc.runtime.compiled: {exc}); serve a checkpoint "
                               f"(MODEL) on the reference backend instead") from None
         # a --max-model-len / --max-batch the build cannot meet: before the weights load
-        compiled.check_build_limits(args.build, compiled.read_manifest(args.build),
-                                    max_model_len=args.max_model_len, max_batch=args.max_batch)
+        manifest = compiled.read_manifest(args.build)
+        compiled.check_build_limits(args.build, manifest, max_model_len=args.max_model_len, max_batch=args.max_batch)
+        build_config = manifest.get("config")
+        vocab_size = build_config.get("vocab_size") if isinstance(build_config, dict) else None
+        if check_vocab is not None and isinstance(vocab_size, int):
+            check_vocab(vocab_size, str(Path(args.build) / "build.json"))
         dummy = getattr(args, "load_format", None) == "dummy"
         runner = compiled.load_build(args.build, model=args.model, hf_config_path=args.hf_config_path,
                                      device=getattr(args, "device", None), load_format="dummy" if dummy else None,
@@ -59,8 +66,9 @@ def make_runner(args: argparse.Namespace):
     from flintc.model.reference import FlintModel
     from flintc.runtime.runner import ReferenceRunner
 
+    check_config = None if check_vocab is None else lambda config: check_vocab(config.vocab_size, config.source)
     ckpt = load_checkpoint_or_default(args.model, hf_config_path=args.hf_config_path, device=device,
-                                      progress=sys.stderr.isatty())
+                                      progress=sys.stderr.isatty(), check_config=check_config)
     model = FlintModel(ckpt.config, ckpt.weights)
     max_batch = args.max_batch or 8
     if args.max_model_len is not None and args.max_model_len > model.max_positions:

@@ -465,3 +465,25 @@ def test_check_fits_model(tiny_dir, tmp_path):
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: token ids up to 1\d{3}, but m/config.json has "
                                               f"vocab_size {TINY_VOCAB}"):
         shifted.check_fits_model(TINY_VOCAB, "m/config.json")
+
+
+def test_tokenizer_of_a_padded_model_decodes_its_extra_ids_to_nothing(tiny_dir):
+    """A tokenizer smaller than the model fits it (`check_fits_model`, the one rule of
+    run, serve, the Engine, compile and load; as vLLM takes a padded vocabulary): once
+    paired, the model's ids the tokenizer has no token for decode to nothing, as
+    `tokenizers`' decode drops them and vLLM detokenizes them as "", where decode,
+    token_bytes and the incremental detokenizer raised "outside the vocabulary" (a
+    model that sampled one failed mid-text). Ids of the model's vocab_size or more are
+    still refused."""
+    tok = load_tokenizer(tiny_dir)
+    pad = TINY_VOCAB + 3
+    with pytest.raises(InputError, match=rf"token id {pad} is outside the vocabulary \[0, {TINY_VOCAB}\)"):
+        tok.decode([pad])  # not paired: its own vocabulary
+    tok.check_fits_model(TINY_VOCAB + 64, "config.json")
+    ids = tok.encode("hello world")
+    assert tok.decode([*ids[:1], pad, *ids[1:]]) == tok.decode(ids) == "hello world"
+    assert tok.token_bytes(pad) == b"" and tok.convert_ids_to_tokens([pad]) == [""]
+    assert "".join(tok.decode_stream([pad, *ids, pad])) == "hello world"
+    with pytest.raises(InputError, match=rf"token id {TINY_VOCAB + 64} is outside the vocabulary "
+                                         rf"\[0, {TINY_VOCAB + 64}\)"):
+        tok.decode([TINY_VOCAB + 64])

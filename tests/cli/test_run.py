@@ -217,8 +217,8 @@ def test_one_token_is_singular():
 
 @pytest.mark.parametrize("case", ["no tokenizer", "other vocabulary", "text too long"])
 def test_prompt_text_is_checked_before_compiling(capsys, monkeypatch, tmp_path, tiny_bf16_dir, case):
-    """`--prompt` with no tokenizer beside MODEL, a --tokenizer of another vocabulary than
-    the model's, and a --prompt text of --max-model-len tokens or more were refused only
+    """`--prompt` with no tokenizer beside MODEL, a --tokenizer with ids the model has no
+    row for, and a --prompt text of --max-model-len tokens or more were refused only
     after the temporary BUILD had compiled, with FLINTC_DUMP_DIR set after its "pass-by-pass
     dumps" line. Now once the checkpoint is read, before the compile: the one line only."""
     import json
@@ -240,9 +240,10 @@ def test_prompt_text_is_checked_before_compiling(capsys, monkeypatch, tmp_path, 
     elif case == "other vocabulary":
         model.mkdir()
         config = json.loads((tiny_bf16_dir / "config.json").read_text())
-        (model / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+        (model / "config.json").write_text(json.dumps({**config, "vocab_size": 500}))
         args += ["--load-format", "dummy", "--tokenizer", tiny_bf16_dir]
-        message = f"tokenizer in {tiny_bf16_dir} has 512 tokens, the model 1024"
+        message = (f"{tiny_bf16_dir / 'tokenizer.json'}: token ids up to 511, but {model / 'config.json'} has "
+                   "vocab_size 500: expected every id below it (a tokenizer of another model?)")
     else:
         model = tiny_bf16_dir
         args = ["--prompt", "hi", "--prompt", "a longer text", "--max-model-len", 4]
@@ -251,6 +252,22 @@ def test_prompt_text_is_checked_before_compiling(capsys, monkeypatch, tmp_path, 
     code, out, err = run_cli(capsys, "run", model, "--backend", "torch", "--max-tokens", 1, *args)
     assert (code, out, err) == (2, "", f"flintc: error: {message}\n")
     assert not (tmp_path / "dumps").exists()
+
+
+def test_tokenizer_smaller_than_the_model_runs(capsys, tmp_path, tiny_bf16_dir):
+    """A --tokenizer of 512 tokens with a model of 1024 embedding rows (a padded
+    vocabulary, as vLLM takes): run generates, where "tokenizer in ... has 512 tokens,
+    the model 1024" refused it (`flintc serve`, its Engine too; `flintc.load` took it).
+    The one rule is `FlintTokenizer.check_fits_model`."""
+    import json
+
+    model = tmp_path / "model"
+    model.mkdir()
+    config = json.loads((tiny_bf16_dir / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+    code, out, err = run_cli(capsys, "run", model, "--load-format", "dummy", "--tokenizer", tiny_bf16_dir,
+                             "--prompt", "hi", "--max-tokens", 8, "--temperature", 0)
+    assert code == 0 and "error" not in err, err
 
 
 @pytest.mark.parametrize("source, extra", [

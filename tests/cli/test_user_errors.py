@@ -759,6 +759,61 @@ def test_build_tokenizer_with_ids_beyond_the_vocabulary(capsys, served, tmp_path
     assert all(n in str(exc.value) for n in needles), exc.value
 
 
+def test_compile_api_refuses_a_tokenizer_with_ids_beyond_the_vocabulary(monkeypatch, tmp_path, tiny_bf16_dir):
+    """`flintc.compile` skipped the check: it compiled, and `generate("hi")` then failed
+    with "prompt: token id 1071 is outside the vocabulary [0, 512)". Now refused before
+    the compile (nothing is written), naming the tokenizer file and config.json, for the
+    checkpoint's tokenizer and for one given as `tokenizer=`."""
+    import flintc.runtime.build
+    from flintc.api import compile as compile_model
+    from flintc.errors import CheckpointError
+
+    def never(*a, **k):
+        raise AssertionError("compiled with a tokenizer that does not fit the model")
+
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", never)
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", _shift_ids)
+    for model, kw in ((bad, {}), (tiny_bf16_dir, {"tokenizer": bad})):
+        out = tmp_path / f"build-{len(kw)}"
+        with pytest.raises(CheckpointError) as exc:
+            compile_model(model, out, device="cpu", backend="torch", check=False, dump=False, **kw)
+        assert str(exc.value).startswith(f"{bad / 'tokenizer.json'}: token ids up to 1"), exc.value
+        assert f", but {model / 'config.json'} has vocab_size 512: expected every id below it" in str(exc.value)
+        assert not out.exists()
+
+
+def test_serve_checks_the_tokenizer_before_loading_the_weights(capsys, served, monkeypatch, tmp_path,
+                                                                tiny_bf16_dir):
+    """`flintc serve` paired the tokenizer with the model once the weights had loaded:
+    now from config.json, before any weight is read."""
+    import flintc.checkpoint.safetensors_io
+
+    def never(*a, **k):
+        raise AssertionError("weights loaded before the tokenizer was checked")
+
+    monkeypatch.setattr(flintc.checkpoint.safetensors_io, "load_bf16", never)
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", _shift_ids)
+    code, out, err = run_cli(capsys, "serve", bad, "--port", 0)
+    assert_one_line_error(code, err, f"{bad / 'tokenizer.json'}: token ids up to 1",
+                          f", but {bad / 'config.json'} has vocab_size 512: expected every id below it")
+
+
+def test_serve_takes_a_tokenizer_smaller_than_the_model(capsys, served, tmp_path, tiny_bf16_dir):
+    """A 512-token --tokenizer with a checkpoint of 1024 embedding rows (a padded
+    vocabulary, as vLLM serves): `flintc serve` said "the tokenizer has 512 tokens, the
+    model 1024", while `flintc.load` took it; one rule now (`check_fits_model`)."""
+    import dataclasses
+
+    from flintc.checkpoint.writer import make_checkpoint
+    from flintc.config import FlintConfig
+
+    model = make_checkpoint(dataclasses.replace(FlintConfig.preset("tiny"), vocab_size=1024), "bf16",
+                            tmp_path / "padded")
+    code, out, err = run_cli(capsys, "serve", model, "--tokenizer", tiny_bf16_dir, "--port", 0)
+    assert code == 0 and "flintc serve: " in err, err
+    assert served == [tiny_bf16_dir]
+
+
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_tokenizer_without_its_eos_token_names_the_file(capsys, served, tmp_path, tiny_bf16_dir, command):
     """tokenizer.json with an empty `added_tokens` said "tokenizer has no token for

@@ -1,0 +1,59 @@
+"""The Engine pairs its tokenizer with the model by `FlintTokenizer.check_fits_model`,
+the one tokenizer/vocabulary rule of every entry point (as vLLM): a tokenizer may have
+fewer tokens than the model's embedding rows (a padded vocabulary), never an id of the
+model's vocab_size or more. The Engine required equal sizes (a ValueError), while
+`flintc.load` took a smaller tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+
+import pytest
+
+from flintc.checkpoint.loader import load_checkpoint
+from flintc.checkpoint.tokenizer import load_tokenizer
+from flintc.config import FlintConfig
+from flintc.errors import CheckpointError
+from flintc.model.reference import FlintModel
+from flintc.runtime.runner import ReferenceRunner
+from flintc.sampling import SamplingParams
+from flintc.serve.engine import Engine, GenRequest
+
+
+def _runner(vocab_size: int) -> ReferenceRunner:
+    config = dataclasses.replace(FlintConfig.preset("tiny"), vocab_size=vocab_size, source="m/config.json")
+    ckpt = load_checkpoint(None, load_format="dummy", config=config, progress=False)
+    return ReferenceRunner(FlintModel(ckpt.config, ckpt.weights), max_batch=1, max_model_len=32)
+
+
+def test_engine_serves_a_model_with_more_rows_than_tokens(tiny_bf16_dir):
+    """A 512-token tokenizer with a model of 1024 rows: the Engine starts, and a token
+    of the padding (600, the tokenizer has none) adds no text, where it would have
+    raised "outside the vocabulary" mid-request."""
+    tok = load_tokenizer(tiny_bf16_dir)
+    assert tok.vocab_size == 512
+    ids = tok.encode("hello world")
+    engine = Engine(_runner(1024), tok).start()
+    try:
+        got: queue.Queue = queue.Queue()
+        engine.submit(GenRequest(prompt_ids=[1, 2, 3], emit=got.put, forced=[ids[0], 600, *ids[1:]],
+                                 params=SamplingParams(temperature=0, max_tokens=len(ids) + 1, ignore_eos=True)))
+        outs = []
+        while not outs or not outs[-1].finished:
+            outs.append(got.get(timeout=120))
+    finally:
+        engine.shutdown()
+    assert outs[-1].error is None, outs[-1].error
+    assert [t for o in outs for t in o.token_ids] == [ids[0], 600, *ids[1:]]
+    assert "".join(o.text for o in outs) == "hello world"
+
+
+def test_engine_refuses_a_tokenizer_with_ids_past_the_model(tiny_bf16_dir):
+    """A tokenizer with ids the model has no row for: CheckpointError naming the
+    tokenizer file and the model's config (a ValueError "tokenizer has 512 tokens, the
+    model 500" before)."""
+    with pytest.raises(CheckpointError) as err:
+        Engine(_runner(500), load_tokenizer(tiny_bf16_dir))
+    assert str(err.value).startswith(f"{tiny_bf16_dir / 'tokenizer.json'}: token ids up to 511, but m/config.json "
+                                     "has vocab_size 500: expected every id below it")
