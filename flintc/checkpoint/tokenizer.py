@@ -391,7 +391,11 @@ class FlintTokenizer:
         self._templates: dict[str, jinja2.Template] = {}
         self._token_bytes: dict[int, bytes] = {}
         eos = config.get("eos_token", EOS_TOKEN)
-        self.eos_token = eos["content"] if isinstance(eos, dict) else eos
+        eos = eos.get("content") if isinstance(eos, dict) else eos  # an AddedToken's fields, as HF writes it
+        if not isinstance(eos, str):
+            raise CheckpointError(f"{self.config_path}: eos_token is {json.dumps(config.get('eos_token'))}; "
+                                  "expected a token's text (a string, or an object with a \"content\" string)")
+        self.eos_token = eos
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         # ids `decode` and the rest take: the tokenizer's own, up to the model's vocab_size
         # once paired with a model of more embedding rows (`check_fits_model`)
@@ -433,6 +437,13 @@ class FlintTokenizer:
         if files:  # as transformers: the files replace tokenizer_config.json's chat_template
             out._template_sources = files
         return out
+
+    @property
+    def id_limit(self) -> int:
+        """The token ids this tokenizer takes, [0, id_limit): its own, and once paired with
+        a model of more embedding rows (`check_fits_model`) the model's vocab_size (the
+        ids it has no token for decode to nothing)."""
+        return self._id_limit
 
     def check_fits_model(self, vocab_size: int, config_where: str) -> None:
         """Pair this tokenizer with a model of `vocab_size` embedding rows, read from

@@ -119,6 +119,11 @@ def _load_report(path: str) -> dict:
     except UnicodeDecodeError as e:  # e.g. a .npy from --logits-out
         raise InputError(f"--from-json {path}: not valid JSON: not UTF-8 text (byte {e.start}: "
                          f"0x{e.object[e.start]:02x}); expected a bench.json written by flintc bench") from None
+    except (RecursionError, ValueError) as e:  # arrays nested past the recursion limit; an
+        # integer of more than sys.get_int_max_str_digits() digits
+        what = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+        raise InputError(f"--from-json {path}: not valid JSON for flintc bench ({what}); expected a "
+                         "bench.json written by flintc bench") from None
     what = "a bench.json written by flintc bench (a JSON object with \"meta\" and \"ceilings\" objects)"
     if not isinstance(data, dict):
         raise InputError(f"--from-json {path}: expected {what}; got a JSON {type(data).__name__}")

@@ -591,9 +591,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             except ValueError:
                 raise APIError(400, f"'logit_bias': the key {key!r} is not a token id (an integer)",
                                param="logit_bias") from None
-            if not 0 <= tok < tokenizer.vocab_size:
+            if not 0 <= tok < tokenizer.id_limit:
                 raise APIError(400, f"'logit_bias': token id {tok} is outside the vocabulary "
-                               f"[0, {tokenizer.vocab_size})", param="logit_bias")
+                               f"[0, {tokenizer.id_limit})", param="logit_bias")
             if not math.isfinite(bias):
                 raise APIError(400, f"'logit_bias': the bias of token {tok} must be a finite number, "
                                f"got {bias!r}", param="logit_bias")
@@ -611,10 +611,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         if not ids:
             raise APIError(400, "'allowed_token_ids' must not be empty (vLLM: \"allowed_token_ids is not None "
                            "and empty!\"); leave it out to allow every token", param="allowed_token_ids")
-        bad = first_outside_vocab(ids, tokenizer.vocab_size)
+        bad = first_outside_vocab(ids, tokenizer.id_limit)
         if bad is not None:
             raise APIError(400, f"'allowed_token_ids' contains out-of-vocab token id {bad} (the vocabulary "
-                           f"is [0, {tokenizer.vocab_size}))", param="allowed_token_ids")
+                           f"is [0, {tokenizer.id_limit}))", param="allowed_token_ids")
         return sorted(set(ids))
 
     def request_seed(seed) -> int | None:
@@ -678,9 +678,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         """vLLM's ``stop_token_ids``, each checked to be in the vocabulary (400 naming it)."""
         ids = req.stop_token_ids or []
         for k, t in enumerate(ids):
-            if not 0 <= t < tokenizer.vocab_size:
+            if not 0 <= t < tokenizer.id_limit:
                 raise APIError(400, f"'stop_token_ids[{k}]': token id {t} is outside the vocabulary "
-                               f"[0, {tokenizer.vocab_size})", param="stop_token_ids")
+                               f"[0, {tokenizer.id_limit})", param="stop_token_ids")
         return frozenset(ids)
 
     def response_id(request: Request, req, prefix: str) -> str:
@@ -927,10 +927,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         check_model(req.model)
 
         def decode() -> str:  # on a worker thread: it scales with the request
-            bad = [t for t in req.tokens if not 0 <= t < tokenizer.vocab_size]
+            bad = [t for t in req.tokens if not 0 <= t < tokenizer.id_limit]
             if bad:
                 raise APIError(400, f"'tokens': token id {bad[0]} is outside the vocabulary "
-                               f"[0, {tokenizer.vocab_size})", param="tokens")
+                               f"[0, {tokenizer.id_limit})", param="tokens")
             return tokenizer.decode(req.tokens)
 
         return {"prompt": await asyncio.to_thread(decode)}
@@ -1366,8 +1366,8 @@ def _completion_prompts(prompt, tokenizer, add_special_tokens: bool = True) -> l
         if not ids:
             raise APIError(400, "'prompt' is empty" + (f" (prompt {k})" if len(prompts) > 1 else ""),
                            param="prompt")
-        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        bad = [t for t in ids if not 0 <= t < tokenizer.id_limit]
         if bad:
             raise APIError(400, f"'prompt': token id {bad[0]} is outside the vocabulary "
-                           f"[0, {tokenizer.vocab_size})", param="prompt")
+                           f"[0, {tokenizer.id_limit})", param="prompt")
     return prompts

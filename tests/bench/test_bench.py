@@ -867,6 +867,19 @@ def test_compiled_step_counts_graph_breaks(monkeypatch):
         assert len(notes) == want and all("graph_break()" in n for n in notes), notes
 
 
+@pytest.mark.parametrize("text, what", [("[" * 100000 + "]" * 100000, "nested too deeply"),
+                                        ('{"meta": {"batch": 1' + "0" * 5000 + "}}", "Exceeds the limit")])
+def test_from_json_that_json_itself_cannot_take_is_one_line(tmp_path, capsys, text, what):
+    """Arrays nested past Python's recursion limit and an integer of more digits than
+    int() takes were bare RecursionError / ValueError tracebacks: one line, exit 2."""
+    f = tmp_path / "x.json"
+    f.write_text(text)
+    assert main(["bench", "--from-json", str(f), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flintc: error: --from-json {f}: not valid JSON for flintc bench (") and what in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("kind", ["missing", "folder"])
 def test_from_json_names_the_flag_for_a_file_it_cannot_read(tmp_path, capsys, kind):
     """A --from-json path that does not exist, or is a folder, printed the bare OSError

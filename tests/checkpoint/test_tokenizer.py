@@ -444,6 +444,23 @@ def test_missing_eos_token_names_the_files(tiny_dir, tmp_path, config_eos):
                               "expected it in the vocabulary (model.vocab or added_tokens)")
 
 
+@pytest.mark.parametrize("eos", [None, 5, ["a"], {"x": 1}])
+def test_eos_token_of_another_type_names_the_file(tiny_dir, tmp_path, eos):
+    """tokenizer_config.json's eos_token null, a number, a list or an object without
+    "content" gave a bare TypeError / KeyError from the tokenizers library: one line
+    naming the file, the field and what was expected."""
+    import shutil
+
+    shutil.copy(tiny_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((tiny_dir / "tokenizer_config.json").read_text("utf-8"))
+    config["eos_token"] = eos
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), "utf-8")
+    with pytest.raises(CheckpointError) as err:
+        load_tokenizer(tmp_path)
+    assert str(err.value) == (f"{tmp_path / 'tokenizer_config.json'}: eos_token is {json.dumps(eos)}; expected a "
+                              "token's text (a string, or an object with a \"content\" string)")
+
+
 def test_check_fits_model(tiny_dir, tmp_path):
     """The largest token id must be below the model's vocab_size, else the tokenizer file,
     the id and the config are named (it used to surface as a prompt's id "outside the

@@ -782,6 +782,26 @@ def test_compile_api_refuses_a_tokenizer_with_ids_beyond_the_vocabulary(monkeypa
         assert not out.exists()
 
 
+def test_compile_cli_refuses_a_tokenizer_with_ids_beyond_the_vocabulary(capsys, monkeypatch, tmp_path,
+                                                                        tiny_bf16_dir):
+    """`flintc compile` (the command) wrote the build, and `flintc run --build` refused it
+    afterwards: refused before the compile, as flintc.compile, for the checkpoint's
+    tokenizer and a --tokenizer."""
+    import flintc.runtime.build
+
+    def never(*a, **k):
+        raise AssertionError("compiled with a tokenizer that does not fit the model")
+
+    monkeypatch.setattr(flintc.runtime.build, "compile_model", never)
+    bad = _tokenizer_copy(tiny_bf16_dir, tmp_path / "bad", _shift_ids)
+    for model, extra in ((bad, ()), (tiny_bf16_dir, ("--tokenizer", bad))):
+        out = tmp_path / f"build-{len(extra)}"
+        code, _, err = run_cli(capsys, "compile", model, "--out", out, "--no-check", "--no-dump", *extra)
+        assert_one_line_error(code, err, f"{bad / 'tokenizer.json'}: token ids up to 1",
+                              f", but {model / 'config.json'} has vocab_size 512: expected every id below it")
+        assert not out.exists()
+
+
 def test_serve_checks_the_tokenizer_before_loading_the_weights(capsys, served, monkeypatch, tmp_path,
                                                                 tiny_bf16_dir):
     """`flintc serve` paired the tokenizer with the model once the weights had loaded:

@@ -57,3 +57,42 @@ def test_engine_refuses_a_tokenizer_with_ids_past_the_model(tiny_bf16_dir):
         Engine(_runner(500), load_tokenizer(tiny_bf16_dir))
     assert str(err.value).startswith(f"{tiny_bf16_dir / 'tokenizer.json'}: token ids up to 511, but m/config.json "
                                      "has vocab_size 500: expected every id below it")
+
+
+def test_server_takes_the_padded_models_ids(tiny_bf16_dir, serve_kit):
+    """A 512-token tokenizer served with a 1024-row model: the ids the model may sample
+    beyond the tokenizer (512..1023) are ids of the API too (/detokenize gives "" for
+    them, logit_bias / allowed_token_ids / prompt ids take them), as the sampled ones
+    come back in responses; ids of 1024 and more are still refused, naming the range."""
+    import http.client
+    import json
+
+    from flintc.serve.app import ServeOptions
+
+    ckpt = load_checkpoint(None, load_format="dummy", progress=False,
+                           config=dataclasses.replace(FlintConfig.preset("tiny"), vocab_size=1024))
+    tok = load_tokenizer(tiny_bf16_dir)
+    run = serve_kit.start_server(FlintModel(ckpt.config, ckpt.weights), tok, ServeOptions("m"),
+                                 max_batch=1, max_model_len=64)
+
+    def post(path, body):
+        conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=120)
+        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        out = resp.status, json.loads(resp.read().decode())
+        conn.close()
+        return out
+
+    try:
+        assert post("/detokenize", {"model": "m", "tokens": [tok.encode("hi")[0], 600]})[0] == 200
+        status, body = post("/detokenize", {"model": "m", "tokens": [600]})
+        assert (status, body["prompt"]) == (200, "")
+        status, body = post("/v1/completions", {"model": "m", "prompt": [1, 2, 700], "max_tokens": 1,
+                                                "temperature": 0, "allowed_token_ids": [900],
+                                                "logit_bias": {"900": 5}})
+        assert status == 200, body
+        assert body["choices"][0]["text"] == "", "the only allowed id, 900, has no token: no text"
+        status, body = post("/detokenize", {"model": "m", "tokens": [1024]})
+        assert status == 400 and "[0, 1024)" in json.dumps(body), body
+    finally:
+        serve_kit.stop_server(run)
