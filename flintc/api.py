@@ -462,10 +462,6 @@ def _tokenizer(given, recorded):
     """The tokenizer `given` (its errors raised), else the one in the `recorded` folder
     (the checkpoint's; errors raised too, as the CLI does), else None when that folder
     holds no tokenizer.json: such a build runs on token ids."""
-    from flintc.checkpoint.tokenizer import load_tokenizer
+    from flintc.checkpoint.tokenizer import folder_tokenizer, load_tokenizer
 
-    if given:
-        return load_tokenizer(given)
-    if not recorded or not (Path(recorded) / "tokenizer.json").is_file():
-        return None
-    return load_tokenizer(recorded)
+    return load_tokenizer(given) if given else folder_tokenizer(recorded)

@@ -705,6 +705,18 @@ class IncrementalDetokenizer:
         return tail
 
 
+def folder_tokenizer(folder: str | os.PathLike | None) -> FlintTokenizer | None:
+    """The tokenizer of a checkpoint's `folder` (`load_tokenizer`, its errors raised), or
+    None when `folder` is None or holds no tokenizer.json (a checkpoint run on token ids).
+
+    Raises:
+        CheckpointError: as `load_tokenizer`, for a tokenizer.json that is there.
+    """
+    if not folder or not (Path(folder) / "tokenizer.json").is_file():
+        return None
+    return load_tokenizer(folder)
+
+
 def load_tokenizer(path: str | os.PathLike | None) -> FlintTokenizer:
     """Load a tokenizer from a folder, or from a ``tokenizer.json`` path (its config is read
     from the same folder).

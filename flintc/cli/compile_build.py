@@ -292,9 +292,9 @@ def run_compile(args: argparse.Namespace) -> int:
     ckpt = load_model_checkpoint(args, weights_on)
     if tokenizer is not None:
         ckpt.tokenizer_dir = tokenizer
-    from flintc.api import _tokenizer
+    from flintc.checkpoint.tokenizer import folder_tokenizer
 
-    paired = _tokenizer(None, ckpt.tokenizer_dir)  # the one the build will record, if any
+    paired = folder_tokenizer(ckpt.tokenizer_dir)  # the one the build will record, if any
     if paired is not None:  # ids the model has no row for: refused before the compile, as flintc.compile
         paired.check_fits_model(ckpt.config.vocab_size, ckpt.config.source)
     manifest = compile_model(ckpt, args.out, build_options(args), progress=sys.stderr.isatty(),
