@@ -905,35 +905,48 @@ def test_metrics_observe_every_finished_request_as_vllm(server):
     assert delta("vllm:request_time_per_output_token_seconds_bucket", "0.01") == 1
 
 
+def _peek(conn) -> str:
+    """What the server has sent on ``conn`` and the test has not read (up to 120 bytes;
+    "" when nothing): a failing test's message shows a refused request's status."""
+    import select
+
+    if conn.sock is None or not select.select([conn.sock], [], [], 0)[0]:
+        return ""
+    return conn.sock.recv(120, socket.MSG_PEEK).decode(errors="replace")
+
+
 def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
     """plain_server has 2 slots: of three long streams, two run and one waits; hung up,
-    all three are aborted and the gauges go back to 0. Each decode step is held 20 ms, so
-    that the two running streams last about 20 s: the tiny model runs 1,000 steps in
-    about a second, a window a loaded machine's scrapes could miss (CI did, once)."""
+    all three are aborted and the gauges go back to 0. The streams are sent one at a
+    time, each once the one before it is counted, and each decode step is held 50 ms, so
+    that a stream lasts about 50 s after its admission: the tiny model runs 1,000 steps
+    in about a second, a window a loaded machine's scrapes could miss (CI did, once, and
+    with 20 ms steps and the three streams sent at once saw (1, 0) for 20 s, once)."""
     decode = plain_server.engine.runner.decode
 
     def slow_decode(*args, **kwargs):
-        time.sleep(0.02)
+        time.sleep(0.05)
         return decode(*args, **kwargs)
 
+    def gauges():
+        m = scrape(plain_server)
+        return m[("vllm:num_requests_running", None)], m[("vllm:num_requests_waiting", None)]
+
+    assert _wait(lambda: gauges() == (0, 0)), gauges()  # nothing left from an earlier test
     monkeypatch.setattr(plain_server.engine.runner, "decode", slow_decode)
     before = scrape(plain_server)
     conns = []
     try:
-        for _ in range(3):
+        for want in ((1, 0), (2, 0), (2, 1)):
             conn = http.client.HTTPConnection("127.0.0.1", plain_server.port, timeout=60)
             conn.request("POST", "/v1/completions", body=json.dumps(
                 {"model": MODEL, "prompt": "Go on.", "max_tokens": 1000, "ignore_eos": True, "stream": True}),
                 headers={"Content-Type": "application/json"})
             conns.append(conn)
+            assert _wait(lambda: gauges() == want, timeout=30), \
+                (want, gauges(), dict(plain_server.engine.stats), [_peek(c) for c in conns])
         resp = conns[0].getresponse()
-        assert resp.readline().startswith(b"data: ")
-
-        def gauges():
-            m = scrape(plain_server)
-            return m[("vllm:num_requests_running", None)], m[("vllm:num_requests_waiting", None)]
-
-        assert _wait(lambda: gauges() == (2, 1)), gauges()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
     finally:
         for conn in conns:
             if conn.sock is not None:
