@@ -438,6 +438,7 @@ def test_serve_a_build(builds):
     completion's tokens equal the reference backend's."""
     import argparse
     import threading
+    import time
 
     openai = pytest.importorskip("openai")
     import uvicorn
@@ -466,10 +467,10 @@ def test_serve_a_build(builds):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        for _ in range(200):
-            if server.started:
-                break
+        end = time.monotonic() + 60  # 10 s, and no check, before: a loaded machine could miss it
+        while not server.started and thread.is_alive() and time.monotonic() < end:
             threading.Event().wait(0.05)
+        assert server.started, "the server did not start"
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x")
         r = client.completions.create(model="flint", prompt="Hello", max_tokens=6, temperature=0,
                                       extra_body={"ignore_eos": True, "return_token_ids": True,

@@ -78,7 +78,11 @@ def start_server(model, tokenizer, options, max_batch=4, max_model_len=256, wrap
     app = create_app(engine, tokenizer, options)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn_server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    # keep-alive 300 s, not uvicorn's 5: a module's openai client reuses its pooled
+    # connection, and one closed by the server as the client sends on it is a "Connection
+    # reset by peer" (max_retries=0): under load a test idle 5 s between requests met it
+    server = uvicorn_server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2,
+                                           timeout_keep_alive=300))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     end = time.monotonic() + 30

@@ -32,7 +32,7 @@ def test_serve_subprocess(tiny_nvfp4_gguf):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         port, lines = None, []
-        end = time.monotonic() + 90
+        end = time.monotonic() + 300  # it took 50 s, start to end, with the CPU loaded 3-fold
         while port is None and time.monotonic() < end:
             line = proc.stderr.readline()
             if not line:
@@ -54,7 +54,7 @@ def test_serve_subprocess(tiny_nvfp4_gguf):
     finally:
         proc.send_signal(signal.SIGINT)
         try:
-            rc = proc.wait(30)
+            rc = proc.wait(90)
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = proc.wait()

@@ -414,8 +414,21 @@ def test_negative_seeds_as_vllm_takes_them(client, tiny_serving):
 # ---- batching, queueing, disconnects -----------------------------------------------------
 
 
-def test_concurrent_requests_batched_and_not_mixed(server, client, tiny_serving):
+def test_concurrent_requests_batched_and_not_mixed(server, client, tiny_serving, monkeypatch):
     model, _ = tiny_serving
+    engine = server.engine
+    decode = engine.runner.decode
+    arrived = []  # [whether all 10 came before the first decode step]
+
+    def gated_decode(*args, **kwargs):
+        # the first decode step waits until all 10 requests are in the engine (running or
+        # queued): on a loaded machine the client threads could otherwise send them one
+        # after another, each done (6 steps, a few ms) before the next came, a batch of 1
+        if not arrived:
+            arrived.append(_wait(lambda: engine.num_running + engine.num_waiting == len(jobs), timeout=60))
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "decode", gated_decode)
     g = torch.Generator().manual_seed(1234)
     jobs = []
     for i in range(10):  # 10 requests, 4 slots: some wait in the queue
@@ -436,8 +449,8 @@ def test_concurrent_requests_batched_and_not_mixed(server, client, tiny_serving)
         assert r.choices[0].prompt_token_ids == prompt
         assert r.choices[0].token_ids == want
     stats = server.engine.stats
-    assert 2 <= stats["max_decode_batch"] <= 4, dict(stats)
-    assert stats["finished"] == 10 and stats["prefills"] == 10
+    assert arrived == [True] and 2 <= stats["max_decode_batch"] <= 4, (arrived, dict(stats))
+    assert stats["finished"] == 10 and stats["prefills"] == 10, dict(stats)
 
 
 def _wait(cond, timeout=20.0):
@@ -449,8 +462,23 @@ def _wait(cond, timeout=20.0):
     return False
 
 
-def test_disconnect_frees_slot(server, client):
+def _hold_decode(monkeypatch, runner, seconds=0.05):
+    """Hold each of ``runner``'s decode steps ``seconds``: the tiny model runs 1,000 steps
+    in about a second, so a request of 200-1,000 tokens can end inside a window the test
+    thread, descheduled on a loaded machine, misses (it must see the request running,
+    waiting, or hang up on it first); held 50 ms, 200 steps last 10 s."""
+    decode = runner.decode
+
+    def held_decode(*args, **kwargs):
+        time.sleep(seconds)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "decode", held_decode)
+
+
+def test_disconnect_frees_slot(server, client, monkeypatch):
     engine = server.engine
+    _hold_decode(monkeypatch, engine.runner)  # 200 steps: 10 s to see it running, hang up, see it aborted
     engine.stats.clear()
     body = json.dumps(chat("Go on.", model=MODEL, max_tokens=200, stream=True, ignore_eos=True))
     # streamed: read a few events, then hang up
@@ -461,21 +489,22 @@ def test_disconnect_frees_slot(server, client):
     for _ in range(4):
         assert resp.readline().startswith(b"data: ")
         assert resp.readline() == b"\n"
-    assert engine.num_running == 1
+    assert engine.num_running == 1, dict(engine.stats)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
     assert _wait(lambda: engine.num_running == 0), "the slot was not freed"
-    assert engine.stats["aborted"] == 1 and engine.stats["decode_tokens"] < 150
+    assert engine.stats["aborted"] == 1 and engine.stats["decode_tokens"] < 150, dict(engine.stats)
     # not streamed: hang up while it generates
     sock = socket.create_connection(("127.0.0.1", server.port))
     data = body.replace('"stream": true', '"stream": false').encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-    assert _wait(lambda: engine.num_running == 1)
+    assert _wait(lambda: engine.num_running == 1), dict(engine.stats)
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()
     assert _wait(lambda: engine.num_running == 0), "the slot was not freed"
-    assert engine.stats["aborted"] == 2
+    assert engine.stats["aborted"] == 2, dict(engine.stats)
+    monkeypatch.undo()
     # and the server keeps serving
     r = client.chat.completions.create(**chat("Hi", model=MODEL, max_tokens=2))
     assert r.choices[0].finish_reason in ("length", "stop")
@@ -922,18 +951,12 @@ def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
     that a stream lasts about 50 s after its admission: the tiny model runs 1,000 steps
     in about a second, a window a loaded machine's scrapes could miss (CI did, once, and
     with 20 ms steps and the three streams sent at once saw (1, 0) for 20 s, once)."""
-    decode = plain_server.engine.runner.decode
-
-    def slow_decode(*args, **kwargs):
-        time.sleep(0.05)
-        return decode(*args, **kwargs)
-
     def gauges():
         m = scrape(plain_server)
         return m[("vllm:num_requests_running", None)], m[("vllm:num_requests_waiting", None)]
 
     assert _wait(lambda: gauges() == (0, 0)), gauges()  # nothing left from an earlier test
-    monkeypatch.setattr(plain_server.engine.runner, "decode", slow_decode)
+    _hold_decode(monkeypatch, plain_server.engine.runner)
     before = scrape(plain_server)
     conns = []
     try:
@@ -1096,7 +1119,7 @@ class BlockingTokenizer:
         def encode(x, *args, **kw):
             if MARK in str(x):
                 self.entered.set()
-                assert self.release.wait(60), "never released"
+                assert self.release.wait(180), "never released"
             return attr(x, *args, **kw)
 
         return encode
@@ -1118,9 +1141,11 @@ def test_tokenizing_does_not_block_other_requests(server, tiny_serving, monkeypa
         try:
             held = pool.submit(raw, server, "POST", path, body)
             assert blocking.entered.wait(60), "the request never reached the tokenizer"
-            assert raw(server, "GET", "/health", timeout=10) == (200, {"status": "ok"})
+            # a blocked event loop answers only once released (after these): the timeouts
+            # only bound how long a loaded machine may take to answer
+            assert raw(server, "GET", "/health", timeout=60) == (200, {"status": "ok"})
             status, other = raw(server, "POST", "/v1/completions",
-                                {"model": MODEL, "prompt": "Hello", "max_tokens": 1}, timeout=30)
+                                {"model": MODEL, "prompt": "Hello", "max_tokens": 1}, timeout=60)
             assert status == 200 and other["choices"][0]["finish_reason"] in ("length", "stop"), other
             assert not held.done()
         finally:
@@ -1629,27 +1654,29 @@ def _send_raw(server, path, body: dict) -> socket.socket:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, path):
+def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, path, monkeypatch):
     """A non-streamed request with prompt_logprobs whose client hangs up while it waits for
     a slot was aborted with no prompt logprobs, and the handler failed building the
     response from them (TypeError: 'NoneType' object is not iterable, logged as
     'Exception in ASGI application')."""
     engine = plain_server.engine
+    _hold_decode(monkeypatch, engine.runner)  # the busy streams hold the slots 45 s, not 1 s
     errors = _Errors()
     logging.getLogger("uvicorn.error").addHandler(errors)
     busy = []
     try:
         long = chat("Go on.", model=MODEL, max_tokens=900, ignore_eos=True, stream=True)
         busy = [_send_raw(plain_server, "/v1/chat/completions", long) for _ in range(engine.max_batch)]
-        assert _wait(lambda: engine.num_running == engine.max_batch)
+        assert _wait(lambda: engine.num_running == engine.max_batch), dict(engine.stats)
         body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}
                 if path == "/v1/completions" else chat("hi", model=MODEL, max_tokens=2, prompt_logprobs=1))
         sock = _send_raw(plain_server, path, body)
-        assert _wait(lambda: engine.num_waiting == 1)
+        assert _wait(lambda: engine.num_waiting == 1), (engine.num_running, dict(engine.stats))
         aborted = engine.stats["aborted"]
         sock.shutdown(socket.SHUT_RDWR)
         sock.close()
-        assert _wait(lambda: engine.num_waiting == 0 and engine.stats["aborted"] == aborted + 1)
+        assert _wait(lambda: engine.num_waiting == 0 and engine.stats["aborted"] == aborted + 1), \
+            (engine.num_running, engine.num_waiting, dict(engine.stats))
         time.sleep(0.3)  # the handler builds its response after the abort
     finally:
         for s in busy:
@@ -1859,13 +1886,14 @@ def test_stop_token_ids_type_errors_name_the_field(server, value, where):
 # ---- shutdown -------------------------------------------------------------------------------
 
 
-def test_shutdown_answers_in_flight_requests(tiny_serving, serve_kit):
+def test_shutdown_answers_in_flight_requests(tiny_serving, serve_kit, monkeypatch):
     """Ctrl-C (uvicorn's should_exit) with requests in flight: they are aborted in the
     engine and answered, a non-streamed one with a JSON 503, a stream with an error event
     and [DONE]; nothing is logged as an error. uvicorn cancelled them after its graceful
     timeout (a CancelledError traceback, a text/plain 500, a stream cut short)."""
     model, tok = tiny_serving
     run = serve_kit.start_server(model, tok, ServeOptions(MODEL), max_batch=2, max_model_len=1024)
+    _hold_decode(monkeypatch, run.engine.runner)  # both requests in flight for 50 s, not 1 s
     errors = _Errors()
     logging.getLogger("uvicorn.error").addHandler(errors)
     results = {}
@@ -1887,7 +1915,7 @@ def test_shutdown_answers_in_flight_requests(tiny_serving, serve_kit):
 
         t = threading.Thread(target=plain)
         t.start()
-        assert _wait(lambda: run.engine.num_running == 2)
+        assert _wait(lambda: run.engine.num_running == 2), (run.engine.num_waiting, dict(run.engine.stats))
         run.server.should_exit = True
         rest = resp.read().decode()
         t.join(30)
