@@ -289,7 +289,8 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     model) into BUILD `out` (None: a new temporary folder, removed when the interpreter
     exits) and load it.
 
-    Other arguments as `flintc compile` (see `flintc.runtime.build.BuildOptions`); `fmt`
+    Other arguments as `flintc compile` (see `flintc.runtime.build.BuildOptions`; None for
+    max_batch, max_model_len or prefill_chunk is the flag's default); `fmt`
     ("bf16" or "nvfp4") and `config` only with load_format="dummy", as the CLI's
     --format and --config. Raises InputError / CheckpointError / PassCheckError as
     `flintc compile`; InputError also for an empty `out` (`Path("")` is the current

@@ -141,8 +141,8 @@ def load_gguf(
             tensor whose data runs past the end, its byte range and the file's size,
             or the header's byte range) or corrupt, not GGUF v3, of another
             architecture; a tensor is missing or unexpected, of the wrong GGML type or
-            dims; a global scale, or a value of a BF16 or F32 tensor, is not finite; an
-            NVFP4 block scale byte has its top bit set.
+            dims; a global scale, or a value of a BF16 or F32 tensor, is not finite; a
+            global scale is 0 or negative; an NVFP4 block scale byte has its top bit set.
     """
     path = Path(path)
     reader = open_gguf(path)
@@ -303,5 +303,12 @@ def _to_nvfp4(spec: TensorSpec, data: np.ndarray, tensors: dict, path: Path) -> 
             raise CheckpointError(
                 f"{path}: {companion.name}: global scale is not finite "
                 f"({global_scale.flatten()[:4].tolist()})"
+            )
+        if not bool((global_scale > 0).all()):  # 0 zeroes the weight, < 0 negates it
+            bad = global_scale.flatten()
+            i = int((bad <= 0).nonzero()[0])
+            raise CheckpointError(
+                f"{path}: {companion.name}: global scale {i} is {float(bad[i])}, expected a positive "
+                "number (an NVFP4 encoder writes amax / (6 * 448), or 1)"
             )
     return NVFP4Tensor(codes, scales, global_scale)

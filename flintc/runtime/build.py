@@ -58,6 +58,7 @@ class BuildOptions:
     """What to compile for.
 
     max_batch: the largest decode batch (buckets 1, 2, 4, 8 up to it, plus max_batch).
+        None: 8, as `flintc compile` without --max-batch.
     decode_buckets: the decode batch sizes to compile instead (the largest must be
         max_batch); a batch runs in the smallest bucket that holds it.
     max_model_len: positions per sequence (full-attention cache rows).
@@ -110,7 +111,7 @@ class BuildOptions:
             for value in values:
                 if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
                     raise InputError(f"{flag} must be an integer, got {value!r}")
-        o.max_batch = int(o.max_batch)  # a NumPy integer: a plain int in build.json
+        o.max_batch = int(DECODE_BUCKETS[-1] if o.max_batch is None else o.max_batch)  # NumPy's: a plain int
         if not 1 <= o.max_batch <= 8:
             raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {o.max_batch}")
         limit = config.max_position_embeddings

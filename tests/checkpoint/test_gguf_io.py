@@ -260,6 +260,18 @@ def test_non_finite_global_scale(tmp_path, good_arrays):
         write_gguf(tmp_path / "m.gguf", arrays))
 
 
+@pytest.mark.parametrize("value", [0.0, -0.5])
+def test_global_scale_not_positive(tmp_path, good_arrays, value):
+    # A zero scale loaded as an all-zero matrix, a negative one as the matrix negated:
+    # the model ran on wrong weights without a word.
+    arrays = dict(good_arrays)
+    g = np.full(16, 0.25, dtype=np.float32)
+    g[3] = value
+    arrays["blk.2.ffn_up_exps.scale"] = (g, None)
+    msg = load_error(write_gguf(tmp_path / "m.gguf", arrays))
+    assert f"blk.2.ffn_up_exps.scale: global scale 3 is {value}, expected a positive number" in msg, msg
+
+
 def test_truncated_file(written, tmp_path):
     _, path = written
     data = path.read_bytes()

@@ -935,6 +935,17 @@ def test_python_api_compile_refuses_limits_that_are_not_integers(tmp_path, tiny_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_build_options_take_none_for_the_default_max_batch():
+    """`flintc.compile(ckpt, max_batch=None)` (None as for max_model_len and prefill_chunk:
+    the default) failed with a bare "TypeError: int() argument must be ... not
+    'NoneType'"; it is now the default 8, as `flintc compile` without --max-batch."""
+    from flintc.config import FlintConfig
+    from flintc.runtime.build import BuildOptions
+
+    o = BuildOptions(max_batch=None, backend="torch").resolve(FlintConfig.preset("tiny"))
+    assert o.max_batch == 8 and o.buckets == [1, 2, 4, 8]
+
+
 @pytest.mark.parametrize("call, needle", [
     (lambda b, out: flintc_api().compile(5, out=out), "model: expected the path of a checkpoint"),
     (lambda b, out: flintc_api().compile(None, out=5), "out: expected the path of the BUILD folder to write"),
