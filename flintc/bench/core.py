@@ -412,8 +412,8 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
     for msg in o.cut_defaults:
         bench.note(msg)
 
-    def save():  # never half-written; a failed write leaves no temporary file
-        write_text_atomic(out / "bench.json", json.dumps(results, indent=1, default=str))
+    def save():  # never half-written; a failed write leaves no temporary file; strict JSON (no NaN)
+        write_text_atomic(out / "bench.json", report.dumps_results(results))
 
     bench.save = save
 
@@ -554,6 +554,12 @@ class _Bench:
         try:
             with step_timeout(self.o.step_timeout):
                 res = fn()
+            from flintc.bench.report import non_finite
+
+            bad = non_finite(res)
+            if bad:  # bench.json cannot hold it (JSON has no NaN), and no report should show it
+                raise ValueError(f"{bad[0].lstrip('.') or 'its result'} is {bad[1]!r}, not a finite number; "
+                                 "not recorded")
             self.log(f"{what}: done in {time.monotonic() - t0:.1f} s")
             return res
         except StepTimeout as e:
@@ -574,6 +580,13 @@ class _Bench:
         c = self.r["ceilings"]
         c["copy_gbs"] = copy_bandwidth_gbs(self.device)
         c["matmul_tflops"] = matmul_tflops(self.device)
+        for key in ("copy_gbs", "matmul_tflops"):
+            if not (math.isfinite(c[key]) and c[key] > 0):  # every roofline divides by them
+                from flintc.bench.report import NonFiniteError
+
+                value = c.pop(key)  # the report is still written, without it
+                raise NonFiniteError(f"ceilings: the measured {key} is {value!r}, not a finite number > 0; "
+                                     "nothing was measured against it")
         size, n = ("1 GiB", 8192) if self.cuda else ("64 MiB", 256)
         c["method"] = (f"copy: dst.copy_(src) of {size}, read + written bytes, median of 20; "
                        f"matmul: bf16 {n}x{n}x{n} torch.matmul, median of 20")

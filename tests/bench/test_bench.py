@@ -1257,3 +1257,49 @@ def test_build_glob_compiles_only_a_build_it_names(cpu_run, tmp_path):
     want = (f"nvfp4: no build for these weights matching --build-glob tiny-bf16 in {builds}; not compiling "
             f"{builds / 'tiny-nvfp4'}: its name matches no pattern")
     assert any(n.startswith(want) for n in res["notes"]), res["notes"]
+
+
+# -- timings that are no measurement: negative, NaN, Infinity (left39) ------------------------
+@pytest.mark.parametrize("edit, needle", [
+    (_set(-1.0, "decode", 0, "fwd_ms"), "decode[0].fwd_ms: expected a finite number > 0, got -1.0"),
+    (_set(0.0, "decode", 0, "e2e_ms"), "decode[0].e2e_ms: expected a finite number > 0, got 0.0"),
+    (_set(float("nan"), "decode", 0, "fwd_ms"), "decode[0].fwd_ms: expected a finite number > 0, got NaN"),
+    (_set(float("inf"), "ceilings", "copy_gbs"), "ceilings.copy_gbs: expected a finite number > 0, got Infinity"),
+    (_set(-3.0, "breakdown", 0, "gap_us"), "breakdown[0].gap_us: expected a finite number >= 0, got -3.0"),
+    (_set(float("nan"), "decode", 0, "min_ms"), "decode[0].min_ms: expected a finite number, got NaN"),
+    (_set({"0": -1.0}, "breakdown", 0, "ops", 0, "per_layer"), "breakdown[0].ops[0].per_layer: expected an object "
+     "of layer index -> microseconds, each a finite number >= 0"),
+    (_set(-2, "decode", 0, "batch"), "decode[0].batch: expected an integer >= 0, got -2"),
+])
+def test_from_json_refuses_timings_that_are_no_measurement(tmp_path, capsys, edit, needle):
+    """Negative, zero (where a time must pass), NaN and Infinity timings were rendered, and
+    NaN was written back into --out's bench.json as a bare NaN token (not JSON). Now one
+    line naming the file, the record, the field and the value; nothing written."""
+    f = tmp_path / "x.json"
+    f.write_text(json.dumps(_mutate(_REAL_JSON, edit)))  # Python writes NaN / Infinity tokens
+    code = main(["bench", "--from-json", str(f), "--no-plots", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: --from-json {f}: {needle}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_bench_json_is_never_written_with_nan(tmp_path):
+    """The writer refuses NaN (json.dumps(allow_nan=False)) with one line naming the field,
+    before anything is written; a live measurement giving NaN is a failed measurement,
+    not a record."""
+    res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}, "notes": [],
+           "decode": [], "extra": [{"x": float("nan")}]}
+    with pytest.raises(report.NonFiniteError, match=r"bench.json not written: extra\[0\].x is nan"):
+        report.write_outputs(res, tmp_path / "o", plots=False)
+    assert not (tmp_path / "o").exists()
+    assert report.non_finite({"a": [1.0, {"b": float("-inf")}]}) == (".a[1].b", float("-inf"))
+
+    from flintc.bench.core import BenchOptions, _Bench, _Clock
+
+    results = {"notes": [], "failures": []}
+    bench = _Bench(BenchOptions(out=tmp_path, device="cpu"), torch.device("cpu"), _Clock(None), results,
+                   lambda *a: None)
+    assert bench.guarded("bf16 flintc decode batch 1 context 64", lambda: {"fwd_ms": float("nan")}) is None
+    assert results["notes"] == ["bf16 flintc decode batch 1 context 64: failed: ValueError: fwd_ms is nan, not a "
+                                "finite number; not recorded"]
+    assert len(results["failures"]) == 1
