@@ -420,11 +420,13 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
     """The report (module doc) as Markdown."""
     m, c = results["meta"], results.get("ceilings", {})
     L = ["# flintc bench", ""]
-    L.append(f"- Date: {m.get('date')}")
+    known = lambda key: m.get(key) or "unknown"  # noqa: E731 - null in older (or edited) records
+    L.append(f"- Date: {known('date')}")
     mem = f", {m['device_memory_gib']} GiB" if m.get("device_memory_gib") else ""
-    L.append(f"- Device: {m.get('device_name')} ({m.get('device')}{mem}); driver {m.get('driver') or '-'}")
-    L.append(f"- Software: Python {m.get('python')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), "
-             f"triton {m.get('triton')}, flintc {m.get('flintc')}"
+    L.append(f"- Device: {known('device_name')} ({known('device')}{mem}); driver {m.get('driver') or '-'}")
+    L.append(f"- Software: Python {known('python')}, torch {known('torch')} ("
+             + (f"CUDA {m['cuda']}" if m.get("cuda") else "no CUDA") + f"), triton {known('triton')}, "
+             f"flintc {known('flintc')}"
              + (f" (commit {m['flintc_commit']})" if m.get("flintc_commit") else "")
              + ("; Triton interpreter (TRITON_INTERPRET=1)" if m.get("triton_interpret") else ""))
     runs = m.get("runs") or [m]
@@ -539,7 +541,7 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
                   + "."]
     else:
         L.append("Not evaluated: the targets are for the full model on a GPU (this run: "
-                 f"{m.get('layers', '?')} layers on {m.get('device')}).")
+                 f"{m.get('layers') or '?'} layers on {known('device')}).")
     L.append("")
     for bd in results.get("breakdown", []):
         L += [f"## Where the time goes: {bd['fmt']} decode b{bd['batch']}/{_ctx(bd['context'])}", "",

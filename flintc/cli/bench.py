@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from flintc.errors import InputError
+from flintc.errors import InputError, json_type
 
 
 def _items(text: str, flag: str, expected: str) -> list[str]:
@@ -126,7 +126,7 @@ def _load_report(path: str) -> dict:
                          "bench.json written by flintc bench") from None
     what = "a bench.json written by flintc bench (a JSON object with \"meta\" and \"ceilings\" objects)"
     if not isinstance(data, dict):
-        raise InputError(f"--from-json {path}: expected {what}; got a JSON {type(data).__name__}")
+        raise InputError(f"--from-json {path}: expected {what}; got a JSON {json_type(data)}")
     for key in ("meta", "ceilings"):
         if not isinstance(data.get(key), dict):
             raise InputError(f"--from-json {path}: expected {what}; it has no {key!r} object"

@@ -719,7 +719,7 @@ def test_default_points_of_a_model_shorter_than_every_default(tmp_path, tiny_bf1
 
 
 @pytest.mark.parametrize("content, needle", [
-    ("{}", "no 'meta' object"), ("[1, 2]", "got a JSON list"),
+    ("{}", "no 'meta' object"), ("[1, 2]", "got a JSON array"),
     ('{"build_version": 3, "config": {}}', "(it is a build's build.json)"),
     ('{"meta": {}, "ceilings": {}, "decode": 5}', "its 'decode' is not a list of records"),
 ])
@@ -1303,3 +1303,25 @@ def test_bench_json_is_never_written_with_nan(tmp_path):
     assert results["notes"] == ["bf16 flintc decode batch 1 context 64: failed: ValueError: fwd_ms is nan, not a "
                                 "finite number; not recorded"]
     assert len(results["failures"]) == 1
+
+
+def test_messages_name_json_types_and_null_versions_render_unknown(tmp_path, capsys):
+    """A --from-json file holding `null` said "got a JSON NoneType" (Python's name); JSON's
+    names now. A record with meta.flintc null rendered "flintc None"."""
+    f = tmp_path / "x.json"
+    for text, name in (("null", "null"), ('"x"', "string"), ("1.5", "number"), ("true", "boolean")):
+        f.write_text(text)
+        assert main(["bench", "--from-json", str(f), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.rstrip().endswith(f"; got a JSON {name}"), err
+    from flintc.config import FlintConfig
+    from flintc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^c.json: expected a JSON object, found a JSON array$"):
+        FlintConfig.from_dict([], source="c.json")
+    data = dict(TINY.to_dict(), hidden_size=None)
+    with pytest.raises(ConfigError, match=r"field 'hidden_size' has the wrong type \(a JSON null: null; expected "
+                                          r"an integer\)"):
+        FlintConfig.from_dict(data, source="c.json")
+    md = report.render_markdown({"meta": {"flintc": None, "torch": None, "cuda": None}, "ceilings": {}})
+    assert "flintc unknown" in md and "torch unknown (no CUDA)" in md and "None" not in md
