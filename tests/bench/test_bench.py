@@ -1325,3 +1325,21 @@ def test_messages_name_json_types_and_null_versions_render_unknown(tmp_path, cap
         FlintConfig.from_dict(data, source="c.json")
     md = report.render_markdown({"meta": {"flintc": None, "torch": None, "cuda": None}, "ceilings": {}})
     assert "flintc unknown" in md and "torch unknown (no CUDA)" in md and "None" not in md
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--formats", "bogus"], "--formats"), (["--contexts", "64"], "--contexts"), (["--no-compile"], "--no-compile"),
+    (["--device", "cpu", "--iters", "3"], "--device"), (["--max-model-len", "8"], "--max-model-len"),
+    (["some/model"], "MODEL (some/model)"),
+])
+def test_from_json_refuses_measurement_flags(tmp_path, capsys, extra, flag):
+    """--from-json renders saved runs: options of a measurement (even --formats bogus) were
+    accepted and ignored silently. Now one line naming the first such option; nothing
+    written. --no-plots and --out are the options it reads."""
+    f = str(_docs_benchmarks() / Path(_REAL_JSON).name)
+    code = main(["bench", "--from-json", f, *extra, "--no-plots", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: {flag} applies to a measurement, and --from-json "
+                                        "measures nothing"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    assert main(["bench", "--from-json", f, "--no-plots", "--out", str(tmp_path / "o")]) == 0
