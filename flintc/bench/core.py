@@ -203,6 +203,9 @@ class BenchOptions:
                              f"({flag} {max(points)}{given}) and --build-caches keeps a build's caches at its "
                              f"max model len; pass --max-model-len >= {max(points)}, leave it out (the longest "
                              "point), or drop --build-caches")
+        if (o.max_model_len is not None and points and o.max_model_len < max(points) and o.run_flintc
+                and o.size_caches and o.compile_missing and config is not None):
+            _check_resizable(o, config, points, defaults)
         if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
             if not o.run_flintc:
                 raise InputError("--breakdown applies only when flintc is measured; drop --no-flintc (or "
@@ -226,6 +229,53 @@ class BenchOptions:
         if o.build_globs is not None:
             _check_build_globs(o)
         return o
+
+
+def _build_options(o: BenchOptions, config, max_model_len: int):
+    """The resolved BuildOptions of the build bench compiles (`_compile_missing`) at
+    `max_model_len`."""
+    from flintc.runtime.build import BuildOptions
+
+    backend = o.backend or ("triton" if o.device.startswith("cuda") else "torch")
+    return BuildOptions(max_batch=max(o.batches), max_model_len=max_model_len, backend=backend, device=o.device,
+                        check=False, dump=False).resolve(config)
+
+
+def _traced_at_full_length(o: BenchOptions, config, max_model_len: int) -> bool:
+    """Whether a build compiled at `max_model_len` traces its functions at its full cache
+    length (max_model_len + a prefill chunk): `flintc compile` traces at a fixed shorter
+    length (`flintc.runtime.build._check_len`) only when the caches are longer, and only
+    then are its caches resizable (`_build_record`'s `resizable`)."""
+    from flintc.runtime.build import _check_len
+
+    bo = _build_options(o, config, max_model_len)
+    return _check_len(bo, config) >= bo.cache_rows
+
+
+def _check_resizable(o: BenchOptions, config, points: list[int], defaults: set) -> None:
+    """--max-model-len shorter than the longest point, without --build-caches: a build
+    compiled at it serves the longer points only with resizable caches, which a build
+    that short does not have (its functions are traced at its full cache length): it was
+    compiled, every longer point skipped with a note, exit 0. Raises InputError naming
+    both flags and a longer length whose build resizes (the least above it; not every
+    longer one does on CUDA, where the prefill chunk grows with the length)."""
+    if not _traced_at_full_length(o, config, o.max_model_len):
+        return
+    longest = max(points)
+    least = o.max_model_len + 1
+    while least < longest and _traced_at_full_length(o, config, least):
+        bo = _build_options(o, config, least)
+        from flintc.runtime.build import _check_len
+
+        least = max(least + 1, _check_len(bo, config) - bo.prefill_chunk + 1)
+    flag = "--contexts" if longest in o.contexts else "--prefill"
+    given = ", the default" if flag[2:] in defaults else ""
+    bo = _build_options(o, config, o.max_model_len)
+    resize = f", one whose build resizes its caches (e.g. {least})" if least < longest else ""
+    raise InputError(f"--max-model-len {o.max_model_len} is shorter than the longest point measured ({flag} "
+                     f"{longest}{given}), and a build that short cannot resize its KV caches to it (its "
+                     f"functions are traced at its full cache length, {bo.cache_rows} rows); pass --max-model-len "
+                     f">= {longest}{resize}, or leave it out (the longest point)")
 
 
 def compiled_build_name(o: BenchOptions, fmt: str) -> str:

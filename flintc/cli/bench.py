@@ -219,7 +219,8 @@ def add_parser(sub) -> None:
                    help="max model length of a build compiled here: at least 2, at most the model's "
                         "max_position_embeddings, and with --build-caches at least the longest --contexts / "
                         "--prefill point (without it, a build's resizable caches are sized to the points it "
-                        "serves, longer ones included) (default: the longest point, at least 2)")
+                        "serves, longer ones included; a length too short for resizable caches is refused) "
+                        "(default: the longest point, at least 2)")
     p.add_argument("--device", action=_Given, type=device_name, default="cuda", help="cuda or cpu")
     p.add_argument("--warmup", action=_Given, type=int, default=None, help="warm-up runs per point (default 10; cpu 1)")
     p.add_argument("--iters", action=_Given, type=int, default=None,

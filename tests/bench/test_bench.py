@@ -1343,3 +1343,24 @@ def test_from_json_refuses_measurement_flags(tmp_path, capsys, extra, flag):
                                         "measures nothing"), err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
     assert main(["bench", "--from-json", f, "--no-plots", "--out", str(tmp_path / "o")]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-model-len", "8", "--contexts", "200", "--prefill", "none"],
+     "--max-model-len 8 is shorter than the longest point measured (--contexts 200), and a build that short cannot "
+     "resize its KV caches to it (its functions are traced at its full cache length, 16 rows); pass --max-model-len "
+     ">= 200, one whose build resizes its caches (e.g. 22), or leave it out"),
+    (["--max-model-len", "21", "--contexts", "16"], "--max-model-len 21 is shorter than the longest point measured "
+                                                    "(--prefill 1024, the default), and a build that short"),
+])
+def test_max_model_len_too_short_to_resize_is_refused_up_front(tmp_path, capsys, args, message):
+    """--max-model-len 8 --contexts 200 (no --build-caches) compiled a build of length 8,
+    whose functions are traced at its full cache length (so its caches do not resize),
+    skipped the point with a note and exited 0. Now one line naming both flags, before
+    any work; a build of 22 resizes (test_max_model_len_shorter_than_a_point_runs_with_...
+    runs one of 64)."""
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
+                 "--no-plots", "--batches", "1", *args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: {message}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
