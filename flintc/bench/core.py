@@ -490,6 +490,24 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
     return results
 
 
+def flintc_unmeasured(o: BenchOptions, results: dict) -> str | None:
+    """Why no flintc point was measured, when flintc was to be measured at some point
+    (decode or prefill) and none was, one line: the builds of --builds that could not be
+    used and why (`unusable_builds`), else the run's notes that say what was skipped.
+    None when a point was measured (or none was asked for). Such a run measured the
+    ceilings and wrote its report, and exited 0 ("flintc not measured" in a note)."""
+    if not o.run_flintc or not (o.contexts and o.batches or o.prefill):
+        return None
+    if any(r.get("engine") == "flintc" for key in ("decode", "prefill") for r in results.get(key, [])):
+        return None
+    parts = [b["why"] if b["path"] in b["why"] else f"{b['path']}: {b['why']}"
+             for b in results.get("unusable_builds") or []]
+    parts = [f"not used: {p}" for p in parts]
+    skipped = [n for n in results.get("notes", []) if "not measured" in n or "skipped" in n]
+    parts += skipped[:3] + ([f"{len(skipped) - 3} more points skipped"] if len(skipped) > 3 else [])
+    return "; ".join(parts) or "see the notes"
+
+
 def _new_results(o: BenchOptions, device: torch.device) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -526,7 +544,7 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
     }
     return {"meta": meta, "ceilings": {}, "loads": [], "builds": [], "decode": [], "prefill": [],
             "baselines": [], "baseline_failures": [], "breakdown": [], "prefill_breakdown": [], "kernels": [],
-            "failures": [], "notes": []}
+            "failures": [], "notes": [], "unusable_builds": []}
 
 
 def _source_commit() -> str | None:
@@ -579,6 +597,13 @@ class _Bench:
         """`note`, unless the same note was made before (a build every format skips)."""
         if msg not in self.r["notes"]:
             self.note(msg)
+
+    def _unusable(self, path: Path, why: str) -> None:
+        """A build in --builds that bench could not use, and why (results'
+        `unusable_builds`, which `flintc bench` names when no flintc point was measured)."""
+        rec = {"path": str(path), "why": why}
+        if rec not in self.r["unusable_builds"]:
+            self.r["unusable_builds"].append(rec)
 
     def fail(self, what: str, msg: str) -> None:
         """A measurement that failed: a one-line note, and a record in `failures` with
@@ -709,11 +734,13 @@ class _Bench:
                     m = read_manifest(path)
                 except (InputError, OSError) as e:  # not JSON, not an object, another build_version
                     self.note_once(f"{e}; not used")
+                    self._unusable(path, str(e))
                     continue
                 if m.get("weight_format") != fmt or m.get("config_sha256") != cfg_sha:
                     continue
                 if m.get("weight_sha256") != w_sha:
                     self.note(f"{path}: compiled for other weights than these {fmt} weights; not used")
+                    self._unusable(path, f"compiled for other weights than these {fmt} weights")
                     continue
                 if self.o.backend and m.get("backend") != self.o.backend:
                     continue
@@ -721,6 +748,7 @@ class _Bench:
                     plan = read_plan(path)
                 except InputError as e:
                     self.note(f"{e}; not used")
+                    self._unusable(path, str(e))
                     continue
                 from flintc.runtime.compiled import stale_build_note
 

@@ -272,7 +272,9 @@ def _check_builds_folder(args: argparse.Namespace) -> None:
 
 def run_bench_cli(args: argparse.Namespace) -> int:
     """Exit code: 0, or 1 when a measurement failed (one line each on stderr, as they
-    happen; bench.json's `failures` keeps their tracebacks). Bad options raise
+    happen; bench.json's `failures` keeps their tracebacks) or flintc was to be measured
+    and no point of it was (`flintc_unmeasured`: one line naming the builds that could
+    not be used and why, or what was skipped). Bad options raise
     InputError before anything is written: an empty --out or --builds, an --out that
     cannot be written (`check_output_parents`)."""
     from flintc.cli.compile_build import check_not_empty, check_output_parents
@@ -345,6 +347,12 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             "the default); pass --load-format auto to measure them" if args.model is not None else
             f"random (dummy) weights of the {args.config} config (no MODEL given)"), file=sys.stderr)
     results = run_bench(opts)
+    from flintc.bench.core import flintc_unmeasured
+
+    why = flintc_unmeasured(opts.resolved(), results)
+    if why:  # the report is written, but what was asked for was not measured
+        print(f"flintc: error: no flintc point was measured: {why} (report: {out / 'bench.md'})", file=sys.stderr)
+        return 1
     failures = results.get("failures", [])
     if failures:
         print(f"flintc: error: {len(failures)} measurement{'s' if len(failures) > 1 else ''} failed (see "

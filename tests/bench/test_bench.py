@@ -369,7 +369,7 @@ def test_caches_are_sized_to_the_points(cpu_run, tmp_path):
     assert b["caches_resizable"] and b["loaded_max_model_len"] == 100
     assert b["loaded_kv_cache_bytes"] == rec["kv_cache_bytes_allocated"] > b["kv_cache_bytes"]
     assert "loaded here with caches of 100 positions" in (tmp_path / "sized" / "bench.md").read_text()
-    assert main(common + ["--build-caches", "--out", str(tmp_path / "fixed")]) == 0
+    assert main(common + ["--build-caches", "--out", str(tmp_path / "fixed")]) == 1  # nothing measured
     res = json.loads((tmp_path / "fixed" / "bench.json").read_text())
     assert res["decode"] == [] and any("no build covers it" in n for n in res["notes"])
 
@@ -404,7 +404,7 @@ def test_a_build_with_a_broken_plan_is_skipped_with_a_note(cpu_run, tmp_path, co
         plan.unlink()
     else:
         plan.write_text(content)
-    assert main(_bench_on_builds(builds) + ["--out", str(tmp_path / "out")]) == 0
+    assert main(_bench_on_builds(builds) + ["--out", str(tmp_path / "out")]) == 1  # no flintc point measured
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert res["decode"] == []
     assert any(str(plan) in n and "not used" in n for n in res["notes"]), res["notes"]
@@ -1173,7 +1173,7 @@ def test_a_build_with_an_unreadable_manifest_is_skipped_with_a_note(cpu_run, tmp
     builds = _copy_build(cpu_run, tmp_path)
     manifest = builds / "tiny-bf16" / "build.json"
     manifest.write_bytes(content)
-    assert main(_bench_on_builds(builds, "bf16,nvfp4") + ["--out", str(tmp_path / "out")]) == 0
+    assert main(_bench_on_builds(builds, "bf16,nvfp4") + ["--out", str(tmp_path / "out")]) == 1  # none measured
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert res["decode"] == []
     notes = [n for n in res["notes"] if str(manifest) in n]
@@ -1364,3 +1364,25 @@ def test_max_model_len_too_short_to_resize_is_refused_up_front(tmp_path, capsys,
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"flintc: error: {message}"), err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_only_unusable_builds_is_an_error_naming_each(cpu_run, tmp_path, capsys):
+    """--build-glob matching only builds bench cannot use (another build_version, a corrupt
+    plan.json) measured no flintc point and exited 0 ("flintc not measured" in a note).
+    Now exit 1 and one line naming each build and why; the report is still written."""
+    builds = _copy_build(cpu_run, tmp_path, "a-tiny-bf16")
+    _copy_build(cpu_run, tmp_path / "x", "b-tiny-bf16")
+    import shutil
+
+    shutil.move(str(tmp_path / "x" / "builds" / "b-tiny-bf16"), str(builds / "b-tiny-bf16"))
+    manifest = builds / "a-tiny-bf16" / "build.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), build_version=99)))
+    (builds / "b-tiny-bf16" / "plan.json").write_text("{corrupt")
+    capsys.readouterr()
+    code = main(_bench_on_builds(builds) + ["--build-glob", "*-tiny-bf16", "--out", str(tmp_path / "o")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flintc: error")]
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("flintc: error: no flintc point was measured: not used: "), err
+    assert f"{manifest}: build_version 99" in err[0] and f"{builds / 'b-tiny-bf16' / 'plan.json'} is not valid JSON" \
+        in err[0], err
+    assert (tmp_path / "o" / "bench.md").exists()
