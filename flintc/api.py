@@ -16,10 +16,8 @@ import dataclasses
 import numbers
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from pathlib import Path
 import torch
 
 from flintc.errors import InputError, Terminated
+from flintc.fileio import new_temp_build_dir, remove_temp_build_dir
 from flintc.model.generate import GenerationResult
 from flintc.sampling import SamplingParams, bool_or_self
 
@@ -350,9 +349,9 @@ def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, ma
                                           load_format=load_format, config=config, fmt=fmt, progress=progress)
         tmp = None
         if out is None:
-            tmp = tempfile.mkdtemp(prefix="flintc-build-")
-            cleanups.append(lambda: shutil.rmtree(tmp, ignore_errors=True))
-            out = Path(tmp) / "build"
+            tmp = new_temp_build_dir()  # (and removes those a killed process left)
+            cleanups.append(lambda: remove_temp_build_dir(tmp))
+            out = tmp / "build"
         out = Path(out)
         opts = BuildOptions(max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
                             backend=backend, device=device, check=check, dump=dump)
@@ -362,7 +361,7 @@ def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, ma
         compile_model(ckpt, out, opts, progress=progress, log=lambda *a: None)
         runner = load_build(out, ckpt=ckpt, device=device, progress=progress)
     if tmp is not None:
-        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+        atexit.register(remove_temp_build_dir, tmp)
     return CompiledModel(runner, tokenizer)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flintc.errors import ConfigError
+from flintc.errors import ConfigError, json_type
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -70,7 +70,7 @@ class FlintConfig:
                 validation; the message names `source` and the field.
         """
         if not isinstance(data, dict):
-            raise ConfigError(f"{source}: expected a JSON object, found {type(data).__name__}")
+            raise ConfigError(f"{source}: expected a JSON object, found a JSON {json_type(data)}")
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name == "source":
@@ -271,7 +271,11 @@ class FlintConfig:
 def _coerce(source: str, name: str, value: Any, annotation: Any) -> Any:
     """Check a config.json value's JSON type against the field's annotation."""
     ann = str(annotation)
-    bad = ConfigError(f"{source}: field '{name}' has the wrong type ({type(value).__name__}: {value!r})")
+    want = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}.get(ann)
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    bad = ConfigError(f"{source}: field '{name}' has the wrong type (a JSON {json_type(value)}: {shown}"
+                      + (f"; expected {want})" if want else ")"))
     if ann == "bool":
         if not isinstance(value, bool):
             raise bad

@@ -12,6 +12,20 @@ from __future__ import annotations
 EXIT_USER_ERROR = 2
 
 
+def json_type(value) -> str:
+    """The JSON name of a parsed JSON value's type, for messages about files and requests
+    (`null`, `boolean`, `number`, `string`, `array`, `object`; Python's names, NoneType or
+    dict, mean nothing to someone who wrote JSON). Other values: their Python type's name."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    names = {str: "string", list: "array", tuple: "array", dict: "object"}
+    return next((n for t, n in names.items() if isinstance(value, t)), type(value).__name__)
+
+
 class FlintcError(Exception):
     """A user-facing error: one line naming the file, tensor or field at fault."""
 

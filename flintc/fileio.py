@@ -238,6 +238,86 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+TEMP_BUILD_PREFIX = "flintc-build-"
+STALE_TEMP_BUILD_S = 600.0  # a temporary build's folder this old, of a dead process, is removed
+_TEMP_BUILD_LOCKS: dict[str, int] = {}  # folder -> the open descriptor holding its lock
+
+
+def new_temp_build_dir() -> Path:
+    """A new owner-only folder in the system's temporary folder for a temporary BUILD
+    (`flintc run` without --build, `flintc.compile()` without out), named
+    `flintc-build-{pid}-XXXXXXXX`, holding `.lock`, which this process keeps an
+    exclusive lock on (flock) until `remove_temp_build_dir`, or its end. First removes
+    the folders of that form that a process killed without its clean-up (SIGKILL, out
+    of memory) left (`remove_stale_temp_builds`): each was several MB to GB."""
+    remove_stale_temp_builds()
+    path = Path(tempfile.mkdtemp(prefix=f"{TEMP_BUILD_PREFIX}{os.getpid()}-"))
+    if os.name == "posix":
+        import fcntl
+
+        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _TEMP_BUILD_LOCKS[str(path)] = fd
+    return path
+
+
+def remove_temp_build_dir(path: str | os.PathLike) -> None:
+    """Remove a folder of `new_temp_build_dir` and release its lock."""
+    shutil.rmtree(path, ignore_errors=True)
+    fd = _TEMP_BUILD_LOCKS.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_stale_temp_builds(root: str | os.PathLike | None = None,
+                             older_than_s: float = STALE_TEMP_BUILD_S) -> list[Path]:
+    """Remove the folders of `new_temp_build_dir` in `root` (the system's temporary
+    folder) that no process uses any more: only folders of this user, not links, last
+    modified more than `older_than_s` seconds ago, whose process (the pid in the name)
+    is not alive and whose `.lock` no process holds (the lock tells a live process in
+    another pid namespace sharing /tmp apart from a dead one). POSIX only. Returns the
+    removed paths; a folder that cannot be checked or removed is left."""
+    import time
+
+    if os.name != "posix":
+        return []
+    import fcntl
+
+    root = Path(root if root is not None else tempfile.gettempdir())
+    pattern = re.compile(rf"{re.escape(TEMP_BUILD_PREFIX)}(\d+)-[a-z0-9_]{{8}}")
+    removed = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for p in entries:
+        m = pattern.fullmatch(p.name)
+        if not m:
+            continue
+        try:
+            st = p.lstat()
+            pid = int(m[1])
+            if (not p.is_dir() or p.is_symlink() or st.st_uid != os.getuid() or pid == os.getpid()
+                    or _process_alive(pid) or time.time() - st.st_mtime < older_than_s):
+                continue
+            fd = os.open(p / ".lock", os.O_RDONLY) if (p / ".lock").exists() else None
+        except OSError:
+            continue
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:  # held: a live process (of another pid namespace) uses it
+                    continue
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():
+                removed.append(p)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return removed
+
+
 def move_into_place(tmp: str | os.PathLike, out: str | os.PathLike, log=None) -> None:
     """Publish the finished folder `tmp` as `out` (same parent): set its public mode, then
     rename it over `out`, replacing an earlier `out` whole (the old one is renamed aside

@@ -203,6 +203,9 @@ class BenchOptions:
                              f"({flag} {max(points)}{given}) and --build-caches keeps a build's caches at its "
                              f"max model len; pass --max-model-len >= {max(points)}, leave it out (the longest "
                              "point), or drop --build-caches")
+        if (o.max_model_len is not None and points and o.max_model_len < max(points) and o.run_flintc
+                and o.size_caches and o.compile_missing and config is not None):
+            _check_resizable(o, config, points, defaults)
         if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
             if not o.run_flintc:
                 raise InputError("--breakdown applies only when flintc is measured; drop --no-flintc (or "
@@ -226,6 +229,53 @@ class BenchOptions:
         if o.build_globs is not None:
             _check_build_globs(o)
         return o
+
+
+def _build_options(o: BenchOptions, config, max_model_len: int):
+    """The resolved BuildOptions of the build bench compiles (`_compile_missing`) at
+    `max_model_len`."""
+    from flintc.runtime.build import BuildOptions
+
+    backend = o.backend or ("triton" if o.device.startswith("cuda") else "torch")
+    return BuildOptions(max_batch=max(o.batches), max_model_len=max_model_len, backend=backend, device=o.device,
+                        check=False, dump=False).resolve(config)
+
+
+def _traced_at_full_length(o: BenchOptions, config, max_model_len: int) -> bool:
+    """Whether a build compiled at `max_model_len` traces its functions at its full cache
+    length (max_model_len + a prefill chunk): `flintc compile` traces at a fixed shorter
+    length (`flintc.runtime.build._check_len`) only when the caches are longer, and only
+    then are its caches resizable (`_build_record`'s `resizable`)."""
+    from flintc.runtime.build import _check_len
+
+    bo = _build_options(o, config, max_model_len)
+    return _check_len(bo, config) >= bo.cache_rows
+
+
+def _check_resizable(o: BenchOptions, config, points: list[int], defaults: set) -> None:
+    """--max-model-len shorter than the longest point, without --build-caches: a build
+    compiled at it serves the longer points only with resizable caches, which a build
+    that short does not have (its functions are traced at its full cache length): it was
+    compiled, every longer point skipped with a note, exit 0. Raises InputError naming
+    both flags and a longer length whose build resizes (the least above it; not every
+    longer one does on CUDA, where the prefill chunk grows with the length)."""
+    if not _traced_at_full_length(o, config, o.max_model_len):
+        return
+    longest = max(points)
+    least = o.max_model_len + 1
+    while least < longest and _traced_at_full_length(o, config, least):
+        bo = _build_options(o, config, least)
+        from flintc.runtime.build import _check_len
+
+        least = max(least + 1, _check_len(bo, config) - bo.prefill_chunk + 1)
+    flag = "--contexts" if longest in o.contexts else "--prefill"
+    given = ", the default" if flag[2:] in defaults else ""
+    bo = _build_options(o, config, o.max_model_len)
+    resize = f", one whose build resizes its caches (e.g. {least})" if least < longest else ""
+    raise InputError(f"--max-model-len {o.max_model_len} is shorter than the longest point measured ({flag} "
+                     f"{longest}{given}), and a build that short cannot resize its KV caches to it (its "
+                     f"functions are traced at its full cache length, {bo.cache_rows} rows); pass --max-model-len "
+                     f">= {longest}{resize}, or leave it out (the longest point)")
 
 
 def compiled_build_name(o: BenchOptions, fmt: str) -> str:
@@ -412,8 +462,8 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
     for msg in o.cut_defaults:
         bench.note(msg)
 
-    def save():  # never half-written; a failed write leaves no temporary file
-        write_text_atomic(out / "bench.json", json.dumps(results, indent=1, default=str))
+    def save():  # never half-written; a failed write leaves no temporary file; strict JSON (no NaN)
+        write_text_atomic(out / "bench.json", report.dumps_results(results))
 
     bench.save = save
 
@@ -438,6 +488,24 @@ def run_bench(options: BenchOptions, log=_log) -> dict:
         save()
         report.write_outputs(results, out, plots=o.plots, log=log)
     return results
+
+
+def flintc_unmeasured(o: BenchOptions, results: dict) -> str | None:
+    """Why no flintc point was measured, when flintc was to be measured at some point
+    (decode or prefill) and none was, one line: the builds of --builds that could not be
+    used and why (`unusable_builds`), else the run's notes that say what was skipped.
+    None when a point was measured (or none was asked for). Such a run measured the
+    ceilings and wrote its report, and exited 0 ("flintc not measured" in a note)."""
+    if not o.run_flintc or not (o.contexts and o.batches or o.prefill):
+        return None
+    if any(r.get("engine") == "flintc" for key in ("decode", "prefill") for r in results.get(key, [])):
+        return None
+    parts = [b["why"] if b["path"] in b["why"] else f"{b['path']}: {b['why']}"
+             for b in results.get("unusable_builds") or []]
+    parts = [f"not used: {p}" for p in parts]
+    skipped = [n for n in results.get("notes", []) if "not measured" in n or "skipped" in n]
+    parts += skipped[:3] + ([f"{len(skipped) - 3} more points skipped"] if len(skipped) > 3 else [])
+    return "; ".join(parts) or "see the notes"
 
 
 def _new_results(o: BenchOptions, device: torch.device) -> dict:
@@ -476,7 +544,7 @@ def _new_results(o: BenchOptions, device: torch.device) -> dict:
     }
     return {"meta": meta, "ceilings": {}, "loads": [], "builds": [], "decode": [], "prefill": [],
             "baselines": [], "baseline_failures": [], "breakdown": [], "prefill_breakdown": [], "kernels": [],
-            "failures": [], "notes": []}
+            "failures": [], "notes": [], "unusable_builds": []}
 
 
 def _source_commit() -> str | None:
@@ -530,6 +598,13 @@ class _Bench:
         if msg not in self.r["notes"]:
             self.note(msg)
 
+    def _unusable(self, path: Path, why: str) -> None:
+        """A build in --builds that bench could not use, and why (results'
+        `unusable_builds`, which `flintc bench` names when no flintc point was measured)."""
+        rec = {"path": str(path), "why": why}
+        if rec not in self.r["unusable_builds"]:
+            self.r["unusable_builds"].append(rec)
+
     def fail(self, what: str, msg: str) -> None:
         """A measurement that failed: a one-line note, and a record in `failures` with
         the traceback of the exception being handled (bench.json only)."""
@@ -554,6 +629,12 @@ class _Bench:
         try:
             with step_timeout(self.o.step_timeout):
                 res = fn()
+            from flintc.bench.report import non_finite
+
+            bad = non_finite(res)
+            if bad:  # bench.json cannot hold it (JSON has no NaN), and no report should show it
+                raise ValueError(f"{bad[0].lstrip('.') or 'its result'} is {bad[1]!r}, not a finite number; "
+                                 "not recorded")
             self.log(f"{what}: done in {time.monotonic() - t0:.1f} s")
             return res
         except StepTimeout as e:
@@ -574,6 +655,13 @@ class _Bench:
         c = self.r["ceilings"]
         c["copy_gbs"] = copy_bandwidth_gbs(self.device)
         c["matmul_tflops"] = matmul_tflops(self.device)
+        for key in ("copy_gbs", "matmul_tflops"):
+            if not (math.isfinite(c[key]) and c[key] > 0):  # every roofline divides by them
+                from flintc.bench.report import NonFiniteError
+
+                value = c.pop(key)  # the report is still written, without it
+                raise NonFiniteError(f"ceilings: the measured {key} is {value!r}, not a finite number > 0; "
+                                     "nothing was measured against it")
         size, n = ("1 GiB", 8192) if self.cuda else ("64 MiB", 256)
         c["method"] = (f"copy: dst.copy_(src) of {size}, read + written bytes, median of 20; "
                        f"matmul: bf16 {n}x{n}x{n} torch.matmul, median of 20")
@@ -646,11 +734,13 @@ class _Bench:
                     m = read_manifest(path)
                 except (InputError, OSError) as e:  # not JSON, not an object, another build_version
                     self.note_once(f"{e}; not used")
+                    self._unusable(path, str(e))
                     continue
                 if m.get("weight_format") != fmt or m.get("config_sha256") != cfg_sha:
                     continue
                 if m.get("weight_sha256") != w_sha:
                     self.note(f"{path}: compiled for other weights than these {fmt} weights; not used")
+                    self._unusable(path, f"compiled for other weights than these {fmt} weights")
                     continue
                 if self.o.backend and m.get("backend") != self.o.backend:
                     continue
@@ -658,6 +748,7 @@ class _Bench:
                     plan = read_plan(path)
                 except InputError as e:
                     self.note(f"{e}; not used")
+                    self._unusable(path, str(e))
                     continue
                 from flintc.runtime.compiled import stale_build_note
 

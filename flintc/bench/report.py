@@ -22,8 +22,10 @@ bench.json (`--from-json`) against `RECORD_FIELDS`, the fields the report reads.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+from flintc.errors import FlintcError
 from flintc.fileio import write_texts_atomic
 
 # Issue 8's targets on the H200: (key, description, kind, fmt, batch, context, field, op, limit, unit)
@@ -77,19 +79,36 @@ def _is_layer_key(k: str) -> bool:
     return True
 
 
-# a kind: (what it must be, in words; the test)
-NUMBER = ("a number", _is_number)
-INTEGER = ("an integer", _is_integer)
+def _finite_at_least_0(v) -> bool:
+    return math.isfinite(v) and v >= 0
+
+
+def _finite_above_0(v) -> bool:
+    return math.isfinite(v) and v > 0
+
+
+# a kind: (what it must be, in words; the test), and for numbers a range: (what, test),
+# checked once the value is of the kind (so that "x" is "expected a number", -1 "expected
+# a finite number >= 0"). Every number the report reads is a measurement (a time, a rate,
+# bytes, a share): NaN, Infinity and negative values are refused, and 0 where it makes
+# no sense (a time a step took, a rate).
+_AT_LEAST_0 = ("a finite number >= 0", _finite_at_least_0)
+NUMBER = ("a number", _is_number, _AT_LEAST_0)
+POSITIVE = ("a number", _is_number, ("a finite number > 0", _finite_above_0))
+INTEGER = ("an integer", _is_integer, ("an integer >= 0", lambda v: v >= 0))
 STRING = ("a string", lambda v: isinstance(v, str))
 BOOLEAN = ("true or false", lambda v: isinstance(v, bool))
 INTEGERS = ("a list of integers", lambda v: isinstance(v, list) and all(map(_is_integer, v)))
 STRINGS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))
 PER_LAYER = ("an object of layer index (a whole number) -> microseconds",
-             lambda v: isinstance(v, dict) and all(_is_layer_key(k) and _is_number(x) for k, x in v.items()))
+             lambda v: isinstance(v, dict) and all(_is_layer_key(k) and _is_number(x) for k, x in v.items()),
+             ("an object of layer index -> microseconds, each a finite number >= 0",
+              lambda v: all(map(_finite_at_least_0, v.values()))))
 
 
 def _or_null(kind: tuple) -> tuple:
-    return (f"{kind[0]} or null", lambda v: v is None or kind[1](v))
+    rng = () if len(kind) < 3 else ((kind[2][0] + " or null", lambda v: v is None or kind[2][1](v)),)
+    return (f"{kind[0]} or null", lambda v: v is None or kind[1](v), *rng)
 
 
 # What `render_markdown`, `evaluate_targets`, `merge_results` and `write_plots` read of a
@@ -103,7 +122,7 @@ _META = {"date?": _or_null(STRING), "command?": _or_null(STRING), "device?": _or
          "triton?": _or_null(STRING), "flintc?": _or_null(STRING), "flintc_commit?": _or_null(STRING),
          "triton_interpret?": _or_null(BOOLEAN), "timing?": _or_null(STRING), "full_model?": _or_null(BOOLEAN),
          "layers?": _or_null(INTEGER), "wall_s?": _or_null(NUMBER)}
-_CEILINGS = {"copy_gbs?": NUMBER, "matmul_tflops?": NUMBER, "method?": STRING}
+_CEILINGS = {"copy_gbs?": POSITIVE, "matmul_tflops?": POSITIVE, "method?": STRING}
 _RUN = {"run?": INTEGER}  # the run a merged record comes from
 _OPS = {"op": STRING, "calls": INTEGER, "us": NUMBER, "us_per_call": NUMBER, "share": NUMBER}
 RECORD_FIELDS = {
@@ -113,19 +132,19 @@ RECORD_FIELDS = {
     "builds": {"fmt": STRING, "path": STRING, "backend": STRING, "max_batch": INTEGER, "max_model_len": INTEGER,
                "kv_cache_bytes": NUMBER, "loaded_max_model_len?": _or_null(INTEGER),
                "loaded_kv_cache_bytes?": _or_null(NUMBER), **_RUN},
-    "decode": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER, "fwd_ms": NUMBER,
-               "e2e_ms": NUMBER, "roofline_ms": NUMBER, "fwd_roofline_share": NUMBER,
+    "decode": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER, "fwd_ms": POSITIVE,
+               "e2e_ms": POSITIVE, "roofline_ms": NUMBER, "fwd_roofline_share": NUMBER,
                "e2e_roofline_share": NUMBER, "distinct_experts": {"mean": NUMBER}, "roofline": {"bytes": NUMBER},
                "kernels_measured?": _or_null(INTEGER), "kernels_plan?": _or_null(INTEGER),
                "peak_gib?": _or_null(NUMBER), "sampling?": _or_null(STRING), "build?": _or_null(STRING),
                "kv_cache_bytes_allocated?": _or_null(NUMBER), "kv_slots?": _or_null(INTEGER),
                "build_max_batch?": _or_null(INTEGER), "build_max_model_len?": _or_null(INTEGER), **_RUN},
-    "prefill": {"engine": STRING, "fmt": STRING, "tokens": INTEGER, "ms": NUMBER, "tokens_per_s": NUMBER,
+    "prefill": {"engine": STRING, "fmt": STRING, "tokens": INTEGER, "ms": POSITIVE, "tokens_per_s": POSITIVE,
                 "roofline_ms": NUMBER, "roofline": {"bound": STRING}, "roofline_share": NUMBER,
                 "chunk?": _or_null(INTEGER), "pieces?": _or_null(INTEGERS), "peak_gib?": _or_null(NUMBER),
                 **_RUN},
-    "baselines": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER, "fwd_ms": NUMBER,
-                  "e2e_ms": NUMBER, "compile_s?": _or_null(NUMBER), "cudagraphs?": _or_null(BOOLEAN),
+    "baselines": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER, "fwd_ms": POSITIVE,
+                  "e2e_ms": POSITIVE, "compile_s?": _or_null(NUMBER), "cudagraphs?": _or_null(BOOLEAN),
                   "graph_breaks?": _or_null(INTEGER), "cudagraph_notes?": _or_null(STRINGS), **_RUN},
     "baseline_failures": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER,
                           "error": STRING, **_RUN},
@@ -177,19 +196,58 @@ def _check(value, kind, where: str) -> None:
             _check(item, kind[0], f"{where}[{i}]")
     elif not kind[1](value):
         raise RecordError(where, kind[0], value)
+    elif len(kind) > 2 and not kind[2][1](value):  # of the kind, out of its range
+        raise RecordError(where, kind[2][0], value)
+
+
+def non_finite(value, where: str = "") -> tuple[str, float] | None:
+    """(path, value) of the first NaN or infinite number in `value` (dicts and lists
+    walked; the path as `RecordError`'s: `decode[0].min_ms`), or None when there is none.
+    JSON has no such numbers: json.dumps writes them as bare NaN / Infinity tokens, which
+    no JSON parser but Python's reads."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        hit = non_finite(v, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
+        if hit:
+            return hit
+    return None
+
+
+class NonFiniteError(FlintcError):
+    """A results dict holding NaN or an infinite number, which bench.json cannot hold."""
+
+
+def dumps_results(results: dict) -> str:
+    """`results` as bench.json's text: strict JSON (allow_nan=False: never a bare NaN or
+    Infinity token). Raises NonFiniteError naming the field (`decode[0].fwd_ms`) when a
+    value is NaN or infinite (a measurement gave no valid number)."""
+    try:
+        return json.dumps(results, indent=1, default=str, allow_nan=False)
+    except ValueError:
+        where, value = non_finite(results) or ("a field", float("nan"))
+        raise NonFiniteError(f"bench.json not written: {where.lstrip('.')} is {value!r}, not a finite number "
+                             "(a measurement gave no valid value)") from None
 
 
 def check_records(results: dict) -> None:
     """Check that `results` (a results dict read back from a bench.json: an object whose
     sections are the objects and lists of objects a report has) holds every field the
     report reads, of the kind it reads (`RECORD_FIELDS`): numbers are JSON numbers (not
-    strings, not true/false), counts integers, names strings. Fields that runs of older
+    strings, not true/false), finite and >= 0 (> 0 for times and rates: a negative,
+    NaN or Infinity timing used to render), counts integers, names strings; no number
+    anywhere is NaN or infinite (JSON has none: they were written back as bare NaN
+    tokens). Fields that runs of older
     code lack are optional; a section that is missing or null is not checked. Raises
     RecordError naming the first bad field by its path (`decode[0].batch`) and what was
     expected."""
     for section, fields in RECORD_FIELDS.items():
         if results.get(section) is not None:
             _check(results[section], fields if section in ("meta", "ceilings") else [fields], section)
+    hit = non_finite(results)  # in a field the report does not read: it would be written back as NaN
+    if hit:
+        raise RecordError(hit[0].lstrip("."), "a finite number", hit[1])
 
 
 def find(records: list[dict], **key) -> dict | None:
@@ -362,11 +420,13 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
     """The report (module doc) as Markdown."""
     m, c = results["meta"], results.get("ceilings", {})
     L = ["# flintc bench", ""]
-    L.append(f"- Date: {m.get('date')}")
+    known = lambda key: m.get(key) or "unknown"  # noqa: E731 - null in older (or edited) records
+    L.append(f"- Date: {known('date')}")
     mem = f", {m['device_memory_gib']} GiB" if m.get("device_memory_gib") else ""
-    L.append(f"- Device: {m.get('device_name')} ({m.get('device')}{mem}); driver {m.get('driver') or '-'}")
-    L.append(f"- Software: Python {m.get('python')}, torch {m.get('torch')} (CUDA {m.get('cuda')}), "
-             f"triton {m.get('triton')}, flintc {m.get('flintc')}"
+    L.append(f"- Device: {known('device_name')} ({known('device')}{mem}); driver {m.get('driver') or '-'}")
+    L.append(f"- Software: Python {known('python')}, torch {known('torch')} ("
+             + (f"CUDA {m['cuda']}" if m.get("cuda") else "no CUDA") + f"), triton {known('triton')}, "
+             f"flintc {known('flintc')}"
              + (f" (commit {m['flintc_commit']})" if m.get("flintc_commit") else "")
              + ("; Triton interpreter (TRITON_INTERPRET=1)" if m.get("triton_interpret") else ""))
     runs = m.get("runs") or [m]
@@ -481,7 +541,7 @@ def render_markdown(results: dict, plots: list[str] | None = None) -> str:
                   + "."]
     else:
         L.append("Not evaluated: the targets are for the full model on a GPU (this run: "
-                 f"{m.get('layers', '?')} layers on {m.get('device')}).")
+                 f"{m.get('layers') or '?'} layers on {known('device')}).")
     L.append("")
     for bd in results.get("breakdown", []):
         L += [f"## Where the time goes: {bd['fmt']} decode b{bd['batch']}/{_ctx(bd['context'])}", "",
@@ -637,6 +697,7 @@ def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> di
     out = Path(out)
     results["targets"] = evaluate_targets(results)
     render_markdown(results, [])  # raises now, before any file is written
+    dumps_results(results)  # likewise: NaN or Infinity (NonFiniteError)
     out.mkdir(parents=True, exist_ok=True)
     pngs = []
     if plots:
@@ -650,10 +711,10 @@ def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> di
                 results.setdefault("notes", []).append(
                     f"plots not written: matplotlib {_matplotlib_problem()} (pip install 'flintc[bench]')")
     md = render_markdown(results, pngs)
-    write_texts_atomic({out / "bench.json": json.dumps(results, indent=1, default=str), out / "bench.md": md})
+    write_texts_atomic({out / "bench.json": dumps_results(results), out / "bench.md": md})
     print(md, flush=True)
     return {"json": str(out / "bench.json"), "markdown": str(out / "bench.md"), "plots": pngs}
 
 
-__all__ = ["RECORD_FIELDS", "TARGETS", "RecordError", "check_records", "evaluate_targets", "find",
-           "merge_results", "render_markdown", "write_outputs", "write_plots"]
+__all__ = ["RECORD_FIELDS", "TARGETS", "NonFiniteError", "RecordError", "check_records", "dumps_results",
+           "evaluate_targets", "find", "merge_results", "non_finite", "render_markdown", "write_outputs", "write_plots"]

@@ -1,6 +1,7 @@
 """Argument types and checks shared by the CLI commands. The argparse `type=` callables
-only parse (text that is no number is argparse's error, after its usage block); what
-is checked beyond that is `check_option_values`'s, one line `flintc: error: ...`."""
+only parse (text that is no number is argparse's error, after its usage block, except
+--buckets's, which `check_option_values` reports); what is checked beyond that is
+`check_option_values`'s, one line `flintc: error: ...`."""
 
 from __future__ import annotations
 
@@ -32,22 +33,27 @@ BUCKETS_EXPECTED = "comma-separated decode batch sizes, e.g. 1,8"
 
 
 class Buckets(tuple):
-    """The sizes `buckets` parsed, with `text`: what was typed, which the errors echo."""
+    """The sizes `buckets` parsed, with `text`: what was typed, which the errors echo
+    (also `BuildOptions.resolve`'s, given this as decode_buckets)."""
 
     text: str = ""
 
 
 def buckets(text: str) -> Buckets:
     """--buckets: comma-separated decode batch sizes, '1,8' -> (1, 8); '' -> (); an empty
-    item is None ('1,,2' -> (1, None, 2)). An empty value, an empty item and a size given
-    twice are refused by `check_option_values` (one line, not argparse's usage block);
-    the sizes themselves (each >= 1, the largest --max-batch) are checked with
-    --max-batch (`flintc.runtime.build.BuildOptions.resolve`). Raises
-    argparse.ArgumentTypeError for an item that is not an integer."""
-    try:
-        sizes = Buckets(int(b) if b.strip() else None for b in text.split(",")) if text.strip() else Buckets()
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {BUCKETS_EXPECTED}, got {text!r}") from None
+    item is None ('1,,2' -> (1, None, 2)); an item that is not an integer is kept as its
+    text ('1,x' -> (1, 'x')). An empty value, an empty item, an item that is not an
+    integer and a size given twice are refused by `check_option_values` (one line
+    echoing what was typed, not argparse's usage block); the sizes themselves (each >= 1,
+    the largest --max-batch) are checked with --max-batch
+    (`flintc.runtime.build.BuildOptions.resolve`)."""
+    def item(b: str):
+        try:
+            return int(b) if b.strip() else None
+        except ValueError:
+            return b.strip()
+
+    sizes = Buckets(item(b) for b in text.split(",")) if text.strip() else Buckets()
     sizes.text = text
     return sizes
 
@@ -61,7 +67,8 @@ def check_option_values(args: argparse.Namespace) -> None:
     Raises:
         InputError: a --seed outside [0, 2**63); an empty --device or --buckets (they used
             to mean the default); an empty --buckets item ('1,,2': argparse's usage
-            block); a --buckets size given twice (it was dropped silently).
+            block), or one that is not an integer; a --buckets size given twice (it was
+            dropped silently).
     """
     from flintc.errors import InputError
 
@@ -82,6 +89,9 @@ def check_option_values(args: argparse.Namespace) -> None:
         if None in value:  # '1,,2', '1,': a typo, not a size
             raise InputError(f"--buckets {text!r}: item {value.index(None) + 1} is empty; expected "
                              f"{BUCKETS_EXPECTED}")
+        bad = next((b for b in value if isinstance(b, str)), None)
+        if bad is not None:  # it was argparse's usage block and "invalid buckets value"
+            raise InputError(f"--buckets {text!r}: {bad!r} is not an integer; expected {BUCKETS_EXPECTED}")
         twice = sorted({b for b in value if value.count(b) > 1})
         if twice:  # they were dropped silently
             raise InputError(f"--buckets {text!r}: {', '.join(map(str, twice))} given twice; expected "

@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from flintc.errors import InputError
+from flintc.errors import InputError, json_type
 
 
 def _items(text: str, flag: str, expected: str) -> list[str]:
@@ -126,7 +126,7 @@ def _load_report(path: str) -> dict:
                          "bench.json written by flintc bench") from None
     what = "a bench.json written by flintc bench (a JSON object with \"meta\" and \"ceilings\" objects)"
     if not isinstance(data, dict):
-        raise InputError(f"--from-json {path}: expected {what}; got a JSON {type(data).__name__}")
+        raise InputError(f"--from-json {path}: expected {what}; got a JSON {json_type(data)}")
     for key in ("meta", "ceilings"):
         if not isinstance(data.get(key), dict):
             raise InputError(f"--from-json {path}: expected {what}; it has no {key!r} object"
@@ -145,6 +145,24 @@ def _load_report(path: str) -> dict:
     return data
 
 
+class _Recorded:
+    """An action that also records its option in `measure_flags`: the options that only
+    a measurement reads, which `run_bench_cli` refuses with --from-json (they were
+    ignored silently there, --formats bogus included)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.measure_flags = (*getattr(namespace, "measure_flags", ()), option_string)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Given(_Recorded, argparse._StoreAction):
+    pass
+
+
+class _GivenTrue(_Recorded, argparse._StoreTrueAction):
+    pass
+
+
 def add_parser(sub) -> None:
     from flintc.cli import HelpFormatter
     from flintc.cli.args import device_name
@@ -155,72 +173,78 @@ def add_parser(sub) -> None:
                    help="BF16 checkpoint folder or NVFP4 .gguf. With --load-format dummy (the default) only "
                         "its config is used and the weights are random (a notice says so); --load-format auto "
                         "measures its own weights. Default: random weights of --config")
-    p.add_argument("--load-format", choices=("auto", "dummy"), default="dummy",
+    p.add_argument("--load-format", action=_Given, choices=("auto", "dummy"), default="dummy",
                    help="dummy: random weights made on the device (timings do not depend on weight values); "
                         "auto: MODEL's own weights")
-    p.add_argument("--config", default="full", help="with dummy weights and no MODEL: preset tiny or full")
-    p.add_argument("--hf-config-path", default=None, help="config folder for a .gguf MODEL")
-    p.add_argument("--formats", default="bf16,nvfp4", help="weight formats to measure (comma-separated)")
-    p.add_argument("--contexts", default=None,
+    p.add_argument("--config", action=_Given, default="full",
+                   help="with dummy weights and no MODEL: preset tiny or full")
+    p.add_argument("--hf-config-path", action=_Given, default=None, help="config folder for a .gguf MODEL")
+    p.add_argument("--formats", action=_Given, default="bf16,nvfp4", help="weight formats to measure (comma-separated)")
+    p.add_argument("--contexts", action=_Given, default=None,
                    help="decode context lengths (tokens in the sequence, the new one included); at most the "
                         "model's max_position_embeddings (default: 1024,8192,32768,100000,262144, those of them "
                         "the model serves, or its max_position_embeddings when it serves none)")
-    p.add_argument("--batches", default="1,2,4,8", help="decode batch sizes (sequences per step)")
-    p.add_argument("--prefill", default=None, help="prefill lengths (tokens), or none; at most the model's "
+    p.add_argument("--batches", action=_Given, default="1,2,4,8", help="decode batch sizes (sequences per step)")
+    p.add_argument("--prefill", action=_Given, default=None,
+                   help="prefill lengths (tokens), or none; at most the model's "
                    "max_position_embeddings (default: 1024,8192, those of them the model serves)")
-    p.add_argument("--baselines", default="eager,compile",
+    p.add_argument("--baselines", action=_Given, default="eager,compile",
                    help="eager, compile (torch.compile max-autotune of the reference model) and/or fast "
                         "(torch.compile max-autotune of the fast bf16 model, flintc.bench.fast_model), or none")
-    p.add_argument("--baseline-points", default=None,
+    p.add_argument("--baseline-points", action=_Given, default=None,
                    help="BATCHxCONTEXT points for the baselines (default: eager at batch 1 at every context "
                         "and at every batch at the first context; compile and fast at 1x1024, 1x100000, 8x1024)")
-    p.add_argument("--breakdown", default=None,
+    p.add_argument("--breakdown", action=_Given, default=None,
                    help="BATCHxCONTEXT points for the per-kernel breakdown, among the decode points measured "
                         "(BATCH in --batches, CONTEXT in --contexts) (default 1x100000,8x8192 where measured)")
-    p.add_argument("--builds", default=None,
+    p.add_argument("--builds", action=_Given, default=None,
                    help="folder holding builds (any subfolder with build.json for these weights); a missing "
                         "one is compiled there (default: OUT/builds)")
-    p.add_argument("--build-glob", default=None,
+    p.add_argument("--build-glob", action=_Given, default=None,
                    help="comma-separated shell patterns: only builds in --builds whose folder name matches "
                         "one are used (e.g. 'full-nvfp4*,full-bf16*'; default: every build for these weights). "
                         "A missing build is compiled only when its name, CONFIG-FORMAT (e.g. full-bf16), matches "
                         "a pattern; patterns that match no build there of --formats (its weight format) and no such name are "
                         "an error")
-    p.add_argument("--no-compile", action="store_true",
+    p.add_argument("--no-compile", action=_GivenTrue,
                    help="never compile a missing build (report it instead): compiling the full model takes minutes")
-    p.add_argument("--backend", choices=("triton", "torch"), default=None,
+    p.add_argument("--backend", action=_Given, choices=("triton", "torch"), default=None,
                    help="only use (and compile) builds of this backend (default: triton on cuda, torch on cpu)")
-    p.add_argument("--build-caches", action="store_true",
+    p.add_argument("--build-caches", action=_GivenTrue,
                    help="allocate each build's KV caches as compiled (max batch slots x max model len "
                         "positions); by default a build whose functions do not depend on the cache length gets "
                         "caches sized to the longest context it serves here (as long as they fit in the free "
                         "device memory), so it can also serve contexts beyond its max model len")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", action=_Given, type=int, default=None,
                    help="max model length of a build compiled here: at least 2, at most the model's "
                         "max_position_embeddings, and with --build-caches at least the longest --contexts / "
                         "--prefill point (without it, a build's resizable caches are sized to the points it "
-                        "serves, longer ones included) (default: the longest point, at least 2)")
-    p.add_argument("--device", type=device_name, default="cuda", help="cuda or cpu")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up runs per point (default 10; cpu 1)")
-    p.add_argument("--iters", type=int, default=None, help="timed graph replays per point (default 100; cpu 2)")
-    p.add_argument("--e2e-iters", type=int, default=None, help="timed end-to-end steps (default 50; cpu 2)")
-    p.add_argument("--prefill-iters", type=int, default=None, help="timed prefills per length (default 5; cpu 1)")
-    p.add_argument("--rotations", type=int, default=None,
+                        "serves, longer ones included; a length too short for resizable caches is refused) "
+                        "(default: the longest point, at least 2)")
+    p.add_argument("--device", action=_Given, type=device_name, default="cuda", help="cuda or cpu")
+    p.add_argument("--warmup", action=_Given, type=int, default=None, help="warm-up runs per point (default 10; cpu 1)")
+    p.add_argument("--iters", action=_Given, type=int, default=None,
+                   help="timed graph replays per point (default 100; cpu 2)")
+    p.add_argument("--e2e-iters", action=_Given, type=int, default=None,
+                   help="timed end-to-end steps (default 50; cpu 2)")
+    p.add_argument("--prefill-iters", action=_Given, type=int, default=None,
+                   help="timed prefills per length (default 5; cpu 1)")
+    p.add_argument("--rotations", action=_Given, type=int, default=None,
                    help="input sets rotated between runs (token ids, slots) (default 8; cpu 2)")
-    p.add_argument("--sampling", choices=("default", "greedy"), default="default",
+    p.add_argument("--sampling", action=_Given, choices=("default", "greedy"), default="default",
                    help="end-to-end sampling: Flint's defaults (temperature 1, top-k 20, top-p 0.95) or greedy")
-    p.add_argument("--time-budget", type=float, default=None,
+    p.add_argument("--time-budget", action=_Given, type=float, default=None,
                    help="seconds for the whole run (> 15: the last 15 s are kept for writing the outputs): "
                         "later points are skipped (with a note) when it is spent (default: no limit)")
-    p.add_argument("--step-timeout", type=float, default=None,
+    p.add_argument("--step-timeout", action=_Given, type=float, default=None,
                    help="seconds (> 0) one measurement may take before it is abandoned (with a note) "
                         "(default: no limit)")
-    p.add_argument("--no-flintc", action="store_true", help="measure only the ceilings and the baselines")
+    p.add_argument("--no-flintc", action=_GivenTrue, help="measure only the ceilings and the baselines")
     p.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     p.add_argument("--from-json", action="append", default=None, metavar="BENCH_JSON",
                    help="do not measure: merge these bench.json files (repeatable) and write the report")
     p.add_argument("--out", required=True, help="folder for bench.json, bench.md and the plots")
-    p.set_defaults(func=run_bench_cli)
+    p.set_defaults(func=run_bench_cli, measure_flags=())
 
 
 def _check_builds_folder(args: argparse.Namespace) -> None:
@@ -248,11 +272,20 @@ def _check_builds_folder(args: argparse.Namespace) -> None:
 
 def run_bench_cli(args: argparse.Namespace) -> int:
     """Exit code: 0, or 1 when a measurement failed (one line each on stderr, as they
-    happen; bench.json's `failures` keeps their tracebacks). Bad options raise
+    happen; bench.json's `failures` keeps their tracebacks) or flintc was to be measured
+    and no point of it was (`flintc_unmeasured`: one line naming the builds that could
+    not be used and why, or what was skipped). Bad options raise
     InputError before anything is written: an empty --out or --builds, an --out that
     cannot be written (`check_output_parents`)."""
     from flintc.cli.compile_build import check_not_empty, check_output_parents
 
+    if args.from_json:  # a saved run is rendered: an option of a measurement would do nothing
+        given = (["MODEL"] if args.model is not None else []) + list(getattr(args, "measure_flags", ()))
+        if given:
+            flag = given[0]
+            raise InputError(f"{flag} {'(' + args.model + ') ' if flag == 'MODEL' else ''}applies to a "
+                             "measurement, and --from-json measures nothing (it renders and merges saved "
+                             f"bench.json files); drop {flag}, or --from-json to measure")
     check_output_parents(args.out, "--out")
     if Path(args.out).exists() and not Path(args.out).is_dir():  # it failed after the measurements
         raise InputError(f"--out {args.out}: exists and is a file, expected a folder (for bench.json, bench.md "
@@ -314,6 +347,12 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             "the default); pass --load-format auto to measure them" if args.model is not None else
             f"random (dummy) weights of the {args.config} config (no MODEL given)"), file=sys.stderr)
     results = run_bench(opts)
+    from flintc.bench.core import flintc_unmeasured
+
+    why = flintc_unmeasured(opts.resolved(), results)
+    if why:  # the report is written, but what was asked for was not measured
+        print(f"flintc: error: no flintc point was measured: {why} (report: {out / 'bench.md'})", file=sys.stderr)
+        return 1
     failures = results.get("failures", [])
     if failures:
         print(f"flintc: error: {len(failures)} measurement{'s' if len(failures) > 1 else ''} failed (see "

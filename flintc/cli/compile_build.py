@@ -245,7 +245,7 @@ def build_options(args):
 
     buckets = getattr(args, "buckets", None)  # parsed by flintc.cli.args.buckets
     return BuildOptions(max_batch=args.max_batch, max_model_len=args.max_model_len,
-                        decode_buckets=tuple(buckets) if buckets else None,
+                        decode_buckets=buckets if buckets else None,  # its .text: what resolve's errors echo
                         prefill_chunk=args.prefill_chunk, backend=args.backend, device=args.device,
                         check=not args.no_check, dump=not args.no_dump,
                         fold_attention_combine=bool(getattr(args, "fold_attention_combine", False)))

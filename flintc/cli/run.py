@@ -281,8 +281,11 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
     args.backend = backend
     if args.max_batch is None:
         args.max_batch = 8
-    tmp = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="flintc-build-"))
-    out = Path(tmp) / "build"
+    from flintc.fileio import new_temp_build_dir, remove_temp_build_dir
+
+    tmp = new_temp_build_dir()  # (and removes those a killed run left)
+    cleanup.callback(remove_temp_build_dir, tmp)
+    out = tmp / "build"
     opts = build_options(args)
     _temporary_build_dumps(opts, args.no_dump, ckpt.config)
     compile_model(ckpt, out, opts, progress=sys.stderr.isatty(), log=lambda m: print(m, file=sys.stderr))

@@ -137,8 +137,10 @@ class BuildOptions:
         if o.decode_buckets:
             b = sorted(set(int(n) for n in o.decode_buckets))
             if b[0] < 1 or b[-1] != o.max_batch:
-                raise InputError(f"--buckets {','.join(map(str, b))}: each must be >= 1 and the largest "
-                                 f"must equal --max-batch ({o.max_batch})")
+                # what was typed (flintc.cli.args.Buckets.text), not the sorted sizes
+                text = getattr(o.decode_buckets, "text", None) or ",".join(map(str, o.decode_buckets))
+                raise InputError(f"--buckets {text!r}: each must be >= 1 and the largest must equal --max-batch "
+                                 f"({o.max_batch})")
         if o.backend == "auto":
             # Triton kernels on a GPU; on a CPU Triton only has its interpreter (seconds per
             # kernel launch), so the reference ops run instead.

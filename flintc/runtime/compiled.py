@@ -49,7 +49,7 @@ from typing import Sequence
 
 import torch
 
-from flintc.errors import CheckpointError, InputError
+from flintc.errors import CheckpointError, InputError, json_type
 from flintc.ops.attention import pad_slot
 from flintc.runtime.runner import check_request
 
@@ -153,7 +153,7 @@ def read_manifest(build: str | Path) -> dict:
         raise InputError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(manifest, dict):
         raise InputError(f"{path}: expected a JSON object (a build manifest), got a JSON "
-                         f"{type(manifest).__name__}; rebuild with flintc compile")
+                         f"{json_type(manifest)}; rebuild with flintc compile")
     for key in ("build_version", "config", "weight_sha256", "functions", "max_batch"):
         if key not in manifest:
             raise InputError(f"{path} has no field {key!r}; rebuild with flintc compile")
@@ -181,7 +181,7 @@ def read_manifest(build: str | Path) -> dict:
                          "(the file was edited?); rebuild with flintc compile")
     if not isinstance(manifest["functions"], dict):
         raise InputError(f"{path}: functions must be an object (function name -> its kernels), got a JSON "
-                         f"{type(manifest['functions']).__name__}; rebuild with flintc compile")
+                         f"{json_type(manifest['functions'])}; rebuild with flintc compile")
     _check_manifest_consistency(path, manifest)
     return manifest
 

@@ -67,7 +67,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flintc
-from flintc.errors import InputError
+from flintc.errors import InputError, json_type
 from flintc.sampling import SamplingParams, bad_words_to_token_ids, first_outside_vocab
 from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob
 from flintc.serve.metrics import ServeMetrics
@@ -1225,8 +1225,8 @@ def _check_tools(tools: list[dict] | None) -> list[dict] | None:
                            f"{{\"name\": ..., \"parameters\": ...}}}}", param=f"tools[{i}]")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):  # read as a schema by the parser and template
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object, got "
-                           f"{type(params).__name__}", param=f"tools[{i}].function.parameters")
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object, got a JSON "
+                           f"{json_type(params)}", param=f"tools[{i}].function.parameters")
     return tools
 
 

@@ -369,7 +369,7 @@ def test_caches_are_sized_to_the_points(cpu_run, tmp_path):
     assert b["caches_resizable"] and b["loaded_max_model_len"] == 100
     assert b["loaded_kv_cache_bytes"] == rec["kv_cache_bytes_allocated"] > b["kv_cache_bytes"]
     assert "loaded here with caches of 100 positions" in (tmp_path / "sized" / "bench.md").read_text()
-    assert main(common + ["--build-caches", "--out", str(tmp_path / "fixed")]) == 0
+    assert main(common + ["--build-caches", "--out", str(tmp_path / "fixed")]) == 1  # nothing measured
     res = json.loads((tmp_path / "fixed" / "bench.json").read_text())
     assert res["decode"] == [] and any("no build covers it" in n for n in res["notes"])
 
@@ -404,7 +404,7 @@ def test_a_build_with_a_broken_plan_is_skipped_with_a_note(cpu_run, tmp_path, co
         plan.unlink()
     else:
         plan.write_text(content)
-    assert main(_bench_on_builds(builds) + ["--out", str(tmp_path / "out")]) == 0
+    assert main(_bench_on_builds(builds) + ["--out", str(tmp_path / "out")]) == 1  # no flintc point measured
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert res["decode"] == []
     assert any(str(plan) in n and "not used" in n for n in res["notes"]), res["notes"]
@@ -720,7 +720,7 @@ def test_default_points_of_a_model_shorter_than_every_default(tmp_path, tiny_bf1
 
 
 @pytest.mark.parametrize("content, needle", [
-    ("{}", "no 'meta' object"), ("[1, 2]", "got a JSON list"),
+    ("{}", "no 'meta' object"), ("[1, 2]", "got a JSON array"),
     ('{"build_version": 3, "config": {}}', "(it is a build's build.json)"),
     ('{"meta": {}, "ceilings": {}, "decode": 5}', "its 'decode' is not a list of records"),
 ])
@@ -1174,7 +1174,7 @@ def test_a_build_with_an_unreadable_manifest_is_skipped_with_a_note(cpu_run, tmp
     builds = _copy_build(cpu_run, tmp_path)
     manifest = builds / "tiny-bf16" / "build.json"
     manifest.write_bytes(content)
-    assert main(_bench_on_builds(builds, "bf16,nvfp4") + ["--out", str(tmp_path / "out")]) == 0
+    assert main(_bench_on_builds(builds, "bf16,nvfp4") + ["--out", str(tmp_path / "out")]) == 1  # none measured
     res = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert res["decode"] == []
     notes = [n for n in res["notes"] if str(manifest) in n]
@@ -1258,3 +1258,132 @@ def test_build_glob_compiles_only_a_build_it_names(cpu_run, tmp_path):
     want = (f"nvfp4: no build for these weights matching --build-glob tiny-bf16 in {builds}; not compiling "
             f"{builds / 'tiny-nvfp4'}: its name matches no pattern")
     assert any(n.startswith(want) for n in res["notes"]), res["notes"]
+
+
+# -- timings that are no measurement: negative, NaN, Infinity (left39) ------------------------
+@pytest.mark.parametrize("edit, needle", [
+    (_set(-1.0, "decode", 0, "fwd_ms"), "decode[0].fwd_ms: expected a finite number > 0, got -1.0"),
+    (_set(0.0, "decode", 0, "e2e_ms"), "decode[0].e2e_ms: expected a finite number > 0, got 0.0"),
+    (_set(float("nan"), "decode", 0, "fwd_ms"), "decode[0].fwd_ms: expected a finite number > 0, got NaN"),
+    (_set(float("inf"), "ceilings", "copy_gbs"), "ceilings.copy_gbs: expected a finite number > 0, got Infinity"),
+    (_set(-3.0, "breakdown", 0, "gap_us"), "breakdown[0].gap_us: expected a finite number >= 0, got -3.0"),
+    (_set(float("nan"), "decode", 0, "min_ms"), "decode[0].min_ms: expected a finite number, got NaN"),
+    (_set({"0": -1.0}, "breakdown", 0, "ops", 0, "per_layer"), "breakdown[0].ops[0].per_layer: expected an object "
+     "of layer index -> microseconds, each a finite number >= 0"),
+    (_set(-2, "decode", 0, "batch"), "decode[0].batch: expected an integer >= 0, got -2"),
+])
+def test_from_json_refuses_timings_that_are_no_measurement(tmp_path, capsys, edit, needle):
+    """Negative, zero (where a time must pass), NaN and Infinity timings were rendered, and
+    NaN was written back into --out's bench.json as a bare NaN token (not JSON). Now one
+    line naming the file, the record, the field and the value; nothing written."""
+    f = tmp_path / "x.json"
+    f.write_text(json.dumps(_mutate(_REAL_JSON, edit)))  # Python writes NaN / Infinity tokens
+    code = main(["bench", "--from-json", str(f), "--no-plots", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: --from-json {f}: {needle}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_bench_json_is_never_written_with_nan(tmp_path):
+    """The writer refuses NaN (json.dumps(allow_nan=False)) with one line naming the field,
+    before anything is written; a live measurement giving NaN is a failed measurement,
+    not a record."""
+    res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}, "notes": [],
+           "decode": [], "extra": [{"x": float("nan")}]}
+    with pytest.raises(report.NonFiniteError, match=r"bench.json not written: extra\[0\].x is nan"):
+        report.write_outputs(res, tmp_path / "o", plots=False)
+    assert not (tmp_path / "o").exists()
+    assert report.non_finite({"a": [1.0, {"b": float("-inf")}]}) == (".a[1].b", float("-inf"))
+
+    from flintc.bench.core import BenchOptions, _Bench, _Clock
+
+    results = {"notes": [], "failures": []}
+    bench = _Bench(BenchOptions(out=tmp_path, device="cpu"), torch.device("cpu"), _Clock(None), results,
+                   lambda *a: None)
+    assert bench.guarded("bf16 flintc decode batch 1 context 64", lambda: {"fwd_ms": float("nan")}) is None
+    assert results["notes"] == ["bf16 flintc decode batch 1 context 64: failed: ValueError: fwd_ms is nan, not a "
+                                "finite number; not recorded"]
+    assert len(results["failures"]) == 1
+
+
+def test_messages_name_json_types_and_null_versions_render_unknown(tmp_path, capsys):
+    """A --from-json file holding `null` said "got a JSON NoneType" (Python's name); JSON's
+    names now. A record with meta.flintc null rendered "flintc None"."""
+    f = tmp_path / "x.json"
+    for text, name in (("null", "null"), ('"x"', "string"), ("1.5", "number"), ("true", "boolean")):
+        f.write_text(text)
+        assert main(["bench", "--from-json", str(f), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.rstrip().endswith(f"; got a JSON {name}"), err
+    from flintc.config import FlintConfig
+    from flintc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^c.json: expected a JSON object, found a JSON array$"):
+        FlintConfig.from_dict([], source="c.json")
+    data = dict(TINY.to_dict(), hidden_size=None)
+    with pytest.raises(ConfigError, match=r"field 'hidden_size' has the wrong type \(a JSON null: null; expected "
+                                          r"an integer\)"):
+        FlintConfig.from_dict(data, source="c.json")
+    md = report.render_markdown({"meta": {"flintc": None, "torch": None, "cuda": None}, "ceilings": {}})
+    assert "flintc unknown" in md and "torch unknown (no CUDA)" in md and "None" not in md
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--formats", "bogus"], "--formats"), (["--contexts", "64"], "--contexts"), (["--no-compile"], "--no-compile"),
+    (["--device", "cpu", "--iters", "3"], "--device"), (["--max-model-len", "8"], "--max-model-len"),
+    (["some/model"], "MODEL (some/model)"),
+])
+def test_from_json_refuses_measurement_flags(tmp_path, capsys, extra, flag):
+    """--from-json renders saved runs: options of a measurement (even --formats bogus) were
+    accepted and ignored silently. Now one line naming the first such option; nothing
+    written. --no-plots and --out are the options it reads."""
+    f = str(_docs_benchmarks() / Path(_REAL_JSON).name)
+    code = main(["bench", "--from-json", f, *extra, "--no-plots", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: {flag} applies to a measurement, and --from-json "
+                                        "measures nothing"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    assert main(["bench", "--from-json", f, "--no-plots", "--out", str(tmp_path / "o")]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-model-len", "8", "--contexts", "200", "--prefill", "none"],
+     "--max-model-len 8 is shorter than the longest point measured (--contexts 200), and a build that short cannot "
+     "resize its KV caches to it (its functions are traced at its full cache length, 16 rows); pass --max-model-len "
+     ">= 200, one whose build resizes its caches (e.g. 22), or leave it out"),
+    (["--max-model-len", "21", "--contexts", "16"], "--max-model-len 21 is shorter than the longest point measured "
+                                                    "(--prefill 1024, the default), and a build that short"),
+])
+def test_max_model_len_too_short_to_resize_is_refused_up_front(tmp_path, capsys, args, message):
+    """--max-model-len 8 --contexts 200 (no --build-caches) compiled a build of length 8,
+    whose functions are traced at its full cache length (so its caches do not resize),
+    skipped the point with a note and exited 0. Now one line naming both flags, before
+    any work; a build of 22 resizes (test_max_model_len_shorter_than_a_point_runs_with_...
+    runs one of 64)."""
+    code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
+                 "--no-plots", "--batches", "1", *args, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: {message}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def test_only_unusable_builds_is_an_error_naming_each(cpu_run, tmp_path, capsys):
+    """--build-glob matching only builds bench cannot use (another build_version, a corrupt
+    plan.json) measured no flintc point and exited 0 ("flintc not measured" in a note).
+    Now exit 1 and one line naming each build and why; the report is still written."""
+    builds = _copy_build(cpu_run, tmp_path, "a-tiny-bf16")
+    _copy_build(cpu_run, tmp_path / "x", "b-tiny-bf16")
+    import shutil
+
+    shutil.move(str(tmp_path / "x" / "builds" / "b-tiny-bf16"), str(builds / "b-tiny-bf16"))
+    manifest = builds / "a-tiny-bf16" / "build.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), build_version=99)))
+    (builds / "b-tiny-bf16" / "plan.json").write_text("{corrupt")
+    capsys.readouterr()
+    code = main(_bench_on_builds(builds) + ["--build-glob", "*-tiny-bf16", "--out", str(tmp_path / "o")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flintc: error")]
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("flintc: error: no flintc point was measured: not used: "), err
+    assert f"{manifest}: build_version 99" in err[0] and f"{builds / 'b-tiny-bf16' / 'plan.json'} is not valid JSON" \
+        in err[0], err
+    assert (tmp_path / "o" / "bench.md").exists()

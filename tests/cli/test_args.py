@@ -56,8 +56,9 @@ def test_device_name_and_buckets():
             cli_args.check_option_values(argparse.Namespace(device=cli_args.device_name(text)))
         with pytest.raises(InputError, match="^--buckets '': must not be empty: expected comma-separated"):
             cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets(text)))
-    with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated decode batch sizes"):
-        cli_args.buckets("1,x")  # not an integer: argparse's own error
+    assert cli_args.buckets("1, x") == (1, "x")  # refused by check_option_values, echoing the text
+    with pytest.raises(InputError, match="^--buckets '1, x': 'x' is not an integer; expected comma-separated"):
+        cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets("1, x")))
     assert cli_args.buckets("1,,2") == (1, None, 2) and cli_args.buckets("1, ") == (1, None)
     with pytest.raises(InputError, match="^--buckets '1,,2': item 2 is empty; expected comma-separated"):
         cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets("1,,2")))
@@ -102,6 +103,25 @@ def test_empty_bucket_item_is_one_line(argv, needle, tmp_path, capsys):
     code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in argv])
     assert_one_line_error(code, err, needle, "expected comma-separated decode batch sizes, e.g. 1,8")
     assert out == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--buckets", "abc"],
+     "--buckets 'abc': 'abc' is not an integer; expected comma-separated decode batch sizes, e.g. 1,8"),
+    (["run", "--prompt-ids", "1", "--backend", "torch", "--buckets", "1, 2.5"],
+     "--buckets '1, 2.5': '2.5' is not an integer; expected comma-separated decode batch sizes"),
+    (["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--buckets", "2,1"],
+     "--buckets '2,1': each must be >= 1 and the largest must equal --max-batch (8)"),
+    (["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--max-batch", "2",
+      "--buckets", "2, 0"], "--buckets '2, 0': each must be >= 1 and the largest must equal --max-batch (2)"),
+])
+def test_bucket_values_are_one_line_echoing_what_was_typed(argv, needle, tmp_path, capsys):
+    """`--buckets abc` printed argparse's usage block ("invalid buckets value: 'abc'"), and
+    `--buckets 2,1` was echoed as the sorted sizes ("--buckets 1,2: ..."): now one line
+    naming the flag and echoing what was typed, before any work."""
+    code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    assert_one_line_error(code, err, needle)
+    assert "usage:" not in err and out == "" and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -535,3 +535,56 @@ def test_text_with_a_lone_surrogate_is_an_input_error(tiny_bf16_dir):
     with pytest.raises(InputError, match="not valid Unicode: surrogates not allowed at character 1"):
         tok.encode("h\udce9llo")
     assert tok.encode("héllo") == tok._tok.encode("héllo", add_special_tokens=False).ids
+
+
+def test_a_killed_runs_temporary_build_is_removed_by_the_next(tmp_path, monkeypatch):
+    """A SIGKILLed `flintc run --backend torch` (or `flintc.compile()` without out) left its
+    TMPDIR/flintc-build-* folder behind for good. Temporary builds are now named with
+    their pid and hold a lock on their `.lock`; the next one removes the folders of dead
+    processes older than `STALE_TEMP_BUILD_S`, and no other: not a fresh one, not one of a
+    live process, not one whose lock is held (a live process of another pid namespace)."""
+    import fcntl
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from flintc import fileio
+
+    code = ("import time; from flintc.fileio import new_temp_build_dir; "
+            "d = new_temp_build_dir(); (d / 'build').mkdir(); print(d, flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)},
+                            stdout=subprocess.PIPE, text=True)
+    killed = Path(proc.stdout.readline().strip())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert killed.parent == tmp_path and killed.name.startswith(f"flintc-build-{proc.pid}-"), killed
+    old = time.time() - fileio.STALE_TEMP_BUILD_S - 60
+    dead = proc.pid
+
+    def folder(pid, age=old, suffix="abcdefgh"):
+        p = tmp_path / f"flintc-build-{pid}-{suffix}"
+        p.mkdir()
+        (p / ".lock").touch()
+        os.utime(p, (age, age))
+        return p
+
+    os.utime(killed, (old, old))
+    fresh = folder(dead, age=time.time(), suffix="fresh000")
+    live = folder(os.getppid(), suffix="live0000")
+    held = folder(dead, suffix="held0000")
+    other = tmp_path / "flintc-build-notapid"
+    other.mkdir()
+    fd = os.open(held / ".lock", os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a live process of another pid namespace would
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        new = fileio.new_temp_build_dir()
+    finally:
+        os.close(fd)
+    assert not killed.exists()
+    assert all(p.is_dir() for p in (fresh, live, held, other, new))
+    assert new.name.startswith(f"flintc-build-{os.getpid()}-")
+    assert fileio.remove_stale_temp_builds(tmp_path) == [held]  # its lock released: now it goes
+    fileio.remove_temp_build_dir(new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (fresh, live, other))

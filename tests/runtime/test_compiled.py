@@ -1144,7 +1144,7 @@ def test_build_compiled_by_other_compiler_code_warns(builds, tmp_path, capsys):
     ("weight_format", "int4", "weight_format must be one of bf16, nvfp4, got 'int4'"),
     ("device", 5, "device must be a device name such as cpu or cuda, got 5"),
     ("functions", [], "functions must be an object"),
-    (None, [1], "expected a JSON object (a build manifest), got a JSON list"),
+    (None, [1], "expected a JSON object (a build manifest), got a JSON array"),
 ])
 def test_build_json_fields_of_the_wrong_kind_are_refused(builds, tmp_path, field, value, needle):
     """A hand-edited build.json whose counts, backend, weight format or device are of the
