@@ -255,9 +255,17 @@ def new_temp_build_dir() -> Path:
     if os.name == "posix":
         import fcntl
 
-        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _TEMP_BUILD_LOCKS[str(path)] = fd
+        try:
+            fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without flock (ENOLCK, EOPNOTSUPP): used unlocked, as before
+            os.close(fd)
+        else:
+            _TEMP_BUILD_LOCKS[str(path)] = fd
     return path
 
 

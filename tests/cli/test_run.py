@@ -588,3 +588,26 @@ def test_a_killed_runs_temporary_build_is_removed_by_the_next(tmp_path, monkeypa
     assert fileio.remove_stale_temp_builds(tmp_path) == [held]  # its lock released: now it goes
     fileio.remove_temp_build_dir(new)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (fresh, live, other))
+
+
+def test_temporary_build_without_flock_support_still_works(tmp_path, monkeypatch):
+    """A TMPDIR on a file system that refuses flock (ENOLCK, EOPNOTSUPP: some NFS and FUSE
+    mounts) made every `flintc run` without --build and `flintc.compile()` without out fail
+    with a bare OSError, leaving the new folder behind; before temporary builds were
+    locked it worked. The folder is used unlocked (named with its pid, as before)."""
+    import errno
+    import fcntl
+    import tempfile
+
+    from flintc import fileio
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    new = fileio.new_temp_build_dir()
+    assert new.is_dir() and new.parent == tmp_path
+    fileio.remove_temp_build_dir(new)
+    assert list(tmp_path.iterdir()) == []
+
