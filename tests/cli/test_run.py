@@ -611,3 +611,21 @@ def test_temporary_build_without_flock_support_still_works(tmp_path, monkeypatch
     fileio.remove_temp_build_dir(new)
     assert list(tmp_path.iterdir()) == []
 
+
+def test_stale_temporary_build_with_a_fifo_lock_does_not_hang(tmp_path):
+    """The stale-folder sweep opened `.lock` with a blocking open that follows links: a
+    FIFO (or a link to one) there hung every later `flintc run` at start. It is opened
+    without blocking and without following a link."""
+    import time
+
+    from flintc import fileio
+
+    p = tmp_path / "flintc-build-999999999-abcdefgh"
+    p.mkdir()
+    os.mkfifo(p / ".lock")
+    old = time.time() - fileio.STALE_TEMP_BUILD_S - 60
+    os.utime(p, (old, old))
+    code = ("import sys; from flintc.fileio import remove_stale_temp_builds; "
+            "print(remove_stale_temp_builds(sys.argv[1]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0, proc.stderr
