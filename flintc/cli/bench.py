@@ -337,8 +337,10 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from flintc.runtime.compiled import check_environment
     from flintc.runtime.device import prepare_device
 
-    # every option and FLINTC_* variable checked (InputError) before the notice and any output
-    opts.resolved()
+    # every option and FLINTC_* variable checked (InputError) before the notice and any output;
+    # the exit status below reads these (resolving again after the run would check the
+    # machine's state anew, its free memory say, and could turn a measured run into exit 2)
+    resolved = opts.resolved()
     prepare_device(args.device)  # the Triton interpreter for cpu, before triton is imported
     check_environment(args.backend)
     if args.load_format == "dummy":
@@ -349,7 +351,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     results = run_bench(opts)
     from flintc.bench.core import flintc_unmeasured
 
-    why = flintc_unmeasured(opts.resolved(), results)
+    why = flintc_unmeasured(resolved, results)
     if why:  # the report is written, but what was asked for was not measured
         print(f"flintc: error: no flintc point was measured: {why} (report: {out / 'bench.md'})", file=sys.stderr)
         return 1

@@ -1387,3 +1387,29 @@ def test_only_unusable_builds_is_an_error_naming_each(cpu_run, tmp_path, capsys)
     assert f"{manifest}: build_version 99" in err[0] and f"{builds / 'b-tiny-bf16' / 'plan.json'} is not valid JSON" \
         in err[0], err
     assert (tmp_path / "o" / "bench.md").exists()
+
+
+def test_exit_status_does_not_resolve_the_options_again_after_the_run(cpu_run, tmp_path, capsys, monkeypatch):
+    """The exit status (`flintc_unmeasured`) resolved the options a second time after the
+    run: a check of the machine's state then (the free memory, a MODEL or --builds
+    folder) could turn a finished, measured run into exit 2 "flintc: error: ..." about an
+    option. The options resolved before the run are used."""
+    from flintc.bench import core
+    from flintc.errors import InputError
+
+    builds = _copy_build(cpu_run, tmp_path)
+    calls = []
+    real = core.BenchOptions.resolved
+
+    def resolved(self):
+        calls.append(1)
+        if len(calls) > 2:  # the CLI's check, run_bench's own: then the machine changed
+            raise InputError("resolved again after the run")
+        return real(self)
+
+    monkeypatch.setattr(core.BenchOptions, "resolved", resolved)
+    code = main(_bench_on_builds(builds) + ["--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 0 and "resolved again" not in err, err
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["decode"]
+
