@@ -352,13 +352,14 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from flintc.bench.core import flintc_unmeasured
 
     why = flintc_unmeasured(resolved, results)
-    if why:  # the report is written, but what was asked for was not measured
-        print(f"flintc: error: no flintc point was measured: {why} (report: {out / 'bench.md'})", file=sys.stderr)
-        return 1
     failures = results.get("failures", [])
+    failed = (f"{len(failures)} measurement{'s' if len(failures) > 1 else ''} failed (see the notes above and "
+              f"in {out / 'bench.md'}; their tracebacks are in {out / 'bench.json'})") if failures else ""
+    if why:  # the report is written, but what was asked for was not measured
+        print(f"flintc: error: no flintc point was measured: {why}"
+              + (f"; {failed}" if failed else f" (report: {out / 'bench.md'})"), file=sys.stderr)
+        return 1
     if failures:
-        print(f"flintc: error: {len(failures)} measurement{'s' if len(failures) > 1 else ''} failed (see "
-              f"the notes above and in {out / 'bench.md'}; their tracebacks are in {out / 'bench.json'})",
-              file=sys.stderr)
+        print(f"flintc: error: {failed}", file=sys.stderr)
         return 1
     return 0

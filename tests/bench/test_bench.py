@@ -1413,3 +1413,23 @@ def test_exit_status_does_not_resolve_the_options_again_after_the_run(cpu_run, t
     assert code == 0 and "resolved again" not in err, err
     assert json.loads((tmp_path / "o" / "bench.json").read_text())["decode"]
 
+
+def test_no_flintc_point_measured_still_counts_the_failures(cpu_run, tmp_path, capsys, monkeypatch):
+    """When every flintc point failed (an error each: a failure record with its
+    traceback), the exit line said only "no flintc point was measured: see the notes",
+    dropping the line that counts the failed measurements and points at their
+    tracebacks in bench.json."""
+    from flintc.bench import core
+
+    builds = _copy_build(cpu_run, tmp_path)
+
+    def boom(*a, **k):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(core._Bench, "_decode_point", boom)
+    code = main(_bench_on_builds(builds) + ["--out", str(tmp_path / "o")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flintc: error")]
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("flintc: error: no flintc point was measured: ") and "1 measurement failed" in err[0], err
+    assert str(tmp_path / "o" / "bench.json") in err[0], err
+
