@@ -145,22 +145,31 @@ def _load_report(path: str) -> dict:
     return data
 
 
-class _Recorded:
-    """An action that also records its option in `measure_flags`: the options that only
-    a measurement reads, which `run_bench_cli` refuses with --from-json (they were
-    ignored silently there, --formats bogus included)."""
+class _Given(argparse.Action):
+    """action="store" that also records its option in `measure_flags` whenever it is
+    typed (any spelling: --formats=x, an abbreviation, its default value): the options
+    that only a measurement reads, which `run_bench_cli` refuses with --from-json (they
+    were ignored silently there, --formats bogus included). Public argparse API only
+    (argparse.Action), not argparse's private _StoreAction classes."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        namespace.measure_flags = (*getattr(namespace, "measure_flags", ()), option_string)
-        super().__call__(parser, namespace, values, option_string)
+        namespace.measure_flags = (*getattr(namespace, "measure_flags", ()), self.option_strings[0])
+        setattr(namespace, self.dest, values)
 
 
-class _Given(_Recorded, argparse._StoreAction):
-    pass
+class _GivenTrue(_Given):
+    """action="store_true" that records its option as `_Given`."""
+
+    def __init__(self, option_strings, dest, default=False, required=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=True, default=default, required=required,
+                         help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, self.const, option_string)
 
 
-class _GivenTrue(_Recorded, argparse._StoreTrueAction):
-    pass
+# read by --from-json too; every other option of bench is a measurement's (`_Given`)
+FROM_JSON_OPTIONS = ("--from-json", "--out", "--no-plots", "-h")
 
 
 def add_parser(sub) -> None:
@@ -242,7 +251,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-flintc", action=_GivenTrue, help="measure only the ceilings and the baselines")
     p.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     p.add_argument("--from-json", action="append", default=None, metavar="BENCH_JSON",
-                   help="do not measure: merge these bench.json files (repeatable) and write the report")
+                   help="do not measure: merge these bench.json files (repeatable) and write the report; "
+                        "only --out and --no-plots go with it (an option of a measurement is refused)")
     p.add_argument("--out", required=True, help="folder for bench.json, bench.md and the plots")
     p.set_defaults(func=run_bench_cli, measure_flags=())
 

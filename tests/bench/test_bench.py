@@ -1433,3 +1433,29 @@ def test_no_flintc_point_measured_still_counts_the_failures(cpu_run, tmp_path, c
     assert err[0].startswith("flintc: error: no flintc point was measured: ") and "1 measurement failed" in err[0], err
     assert str(tmp_path / "o" / "bench.json") in err[0], err
 
+
+def test_from_json_knows_every_measurement_option():
+    """Every option of bench but those --from-json reads (`FROM_JSON_OPTIONS`) records
+    itself as a measurement's whenever typed (any spelling, its default value too), so
+    that --from-json refuses it: a new option added without `_Given` fails here, rather
+    than being ignored silently with --from-json."""
+    import argparse
+
+    from flintc.cli import build_parser
+    from flintc.cli.bench import FROM_JSON_OPTIONS
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    options = [a for a in sub._actions if a.option_strings]
+    assert {o for a in options for o in a.option_strings} >= {"--formats", "--no-flintc", "--out", "--no-plots"}
+    for a in options:
+        flag = a.option_strings[-1]
+        if flag in FROM_JSON_OPTIONS or set(a.option_strings) & set(FROM_JSON_OPTIONS):
+            continue
+        value = [] if a.nargs == 0 else [str(a.choices[0]) if a.choices else
+                                         str(a.default) if a.default is not None else "1"]
+        for typed in ([flag, *value], [f"{flag}={value[0]}"] if value else [flag[:-1]]):
+            ns = parser.parse_args(["bench", "--from-json", "x.json", "--out", "o", *typed])
+            assert ns.measure_flags == (flag,), (typed, ns.measure_flags)
+    ns = parser.parse_args(["bench", "--from-json", "x.json", "--no-plots", "--out", "o"])
+    assert ns.measure_flags == () and ns.no_plots
