@@ -255,9 +255,17 @@ def new_temp_build_dir() -> Path:
     if os.name == "posix":
         import fcntl
 
-        fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _TEMP_BUILD_LOCKS[str(path)] = fd
+        try:
+            fd = os.open(path / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a file system without flock (ENOLCK, EOPNOTSUPP): used unlocked, as before
+            os.close(fd)
+        else:
+            _TEMP_BUILD_LOCKS[str(path)] = fd
     return path
 
 
@@ -300,7 +308,9 @@ def remove_stale_temp_builds(root: str | os.PathLike | None = None,
             if (not p.is_dir() or p.is_symlink() or st.st_uid != os.getuid() or pid == os.getpid()
                     or _process_alive(pid) or time.time() - st.st_mtime < older_than_s):
                 continue
-            fd = os.open(p / ".lock", os.O_RDONLY) if (p / ".lock").exists() else None
+            # not blocking (a FIFO there hung every later run), not through a link
+            flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(p / ".lock", flags) if os.path.lexists(p / ".lock") else None
         except OSError:
             continue
         try:

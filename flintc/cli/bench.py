@@ -145,22 +145,31 @@ def _load_report(path: str) -> dict:
     return data
 
 
-class _Recorded:
-    """An action that also records its option in `measure_flags`: the options that only
-    a measurement reads, which `run_bench_cli` refuses with --from-json (they were
-    ignored silently there, --formats bogus included)."""
+class _Given(argparse.Action):
+    """action="store" that also records its option in `measure_flags` whenever it is
+    typed (any spelling: --formats=x, an abbreviation, its default value): the options
+    that only a measurement reads, which `run_bench_cli` refuses with --from-json (they
+    were ignored silently there, --formats bogus included). Public argparse API only
+    (argparse.Action), not argparse's private _StoreAction classes."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        namespace.measure_flags = (*getattr(namespace, "measure_flags", ()), option_string)
-        super().__call__(parser, namespace, values, option_string)
+        namespace.measure_flags = (*getattr(namespace, "measure_flags", ()), self.option_strings[0])
+        setattr(namespace, self.dest, values)
 
 
-class _Given(_Recorded, argparse._StoreAction):
-    pass
+class _GivenTrue(_Given):
+    """action="store_true" that records its option as `_Given`."""
+
+    def __init__(self, option_strings, dest, default=False, required=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=True, default=default, required=required,
+                         help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, self.const, option_string)
 
 
-class _GivenTrue(_Recorded, argparse._StoreTrueAction):
-    pass
+# read by --from-json too; every other option of bench is a measurement's (`_Given`)
+FROM_JSON_OPTIONS = ("--from-json", "--out", "--no-plots", "-h")
 
 
 def add_parser(sub) -> None:
@@ -242,7 +251,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-flintc", action=_GivenTrue, help="measure only the ceilings and the baselines")
     p.add_argument("--no-plots", action="store_true", help="do not write the PNG plots")
     p.add_argument("--from-json", action="append", default=None, metavar="BENCH_JSON",
-                   help="do not measure: merge these bench.json files (repeatable) and write the report")
+                   help="do not measure: merge these bench.json files (repeatable) and write the report; "
+                        "only --out and --no-plots go with it (an option of a measurement is refused)")
     p.add_argument("--out", required=True, help="folder for bench.json, bench.md and the plots")
     p.set_defaults(func=run_bench_cli, measure_flags=())
 
@@ -337,8 +347,10 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     from flintc.runtime.compiled import check_environment
     from flintc.runtime.device import prepare_device
 
-    # every option and FLINTC_* variable checked (InputError) before the notice and any output
-    opts.resolved()
+    # every option and FLINTC_* variable checked (InputError) before the notice and any output;
+    # the exit status below reads these (resolving again after the run would check the
+    # machine's state anew, its free memory say, and could turn a measured run into exit 2)
+    resolved = opts.resolved()
     prepare_device(args.device)  # the Triton interpreter for cpu, before triton is imported
     check_environment(args.backend)
     if args.load_format == "dummy":
@@ -349,14 +361,15 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     results = run_bench(opts)
     from flintc.bench.core import flintc_unmeasured
 
-    why = flintc_unmeasured(opts.resolved(), results)
-    if why:  # the report is written, but what was asked for was not measured
-        print(f"flintc: error: no flintc point was measured: {why} (report: {out / 'bench.md'})", file=sys.stderr)
-        return 1
+    why = flintc_unmeasured(resolved, results)
     failures = results.get("failures", [])
+    failed = (f"{len(failures)} measurement{'s' if len(failures) > 1 else ''} failed (see the notes above and "
+              f"in {out / 'bench.md'}; their tracebacks are in {out / 'bench.json'})") if failures else ""
+    if why:  # the report is written, but what was asked for was not measured
+        print(f"flintc: error: no flintc point was measured: {why}"
+              + (f"; {failed}" if failed else f" (report: {out / 'bench.md'})"), file=sys.stderr)
+        return 1
     if failures:
-        print(f"flintc: error: {len(failures)} measurement{'s' if len(failures) > 1 else ''} failed (see "
-              f"the notes above and in {out / 'bench.md'}; their tracebacks are in {out / 'bench.json'})",
-              file=sys.stderr)
+        print(f"flintc: error: {failed}", file=sys.stderr)
         return 1
     return 0

@@ -1387,3 +1387,75 @@ def test_only_unusable_builds_is_an_error_naming_each(cpu_run, tmp_path, capsys)
     assert f"{manifest}: build_version 99" in err[0] and f"{builds / 'b-tiny-bf16' / 'plan.json'} is not valid JSON" \
         in err[0], err
     assert (tmp_path / "o" / "bench.md").exists()
+
+
+def test_exit_status_does_not_resolve_the_options_again_after_the_run(cpu_run, tmp_path, capsys, monkeypatch):
+    """The exit status (`flintc_unmeasured`) resolved the options a second time after the
+    run: a check of the machine's state then (the free memory, a MODEL or --builds
+    folder) could turn a finished, measured run into exit 2 "flintc: error: ..." about an
+    option. The options resolved before the run are used."""
+    from flintc.bench import core
+    from flintc.errors import InputError
+
+    builds = _copy_build(cpu_run, tmp_path)
+    calls = []
+    real = core.BenchOptions.resolved
+
+    def resolved(self):
+        calls.append(1)
+        if len(calls) > 2:  # the CLI's check, run_bench's own: then the machine changed
+            raise InputError("resolved again after the run")
+        return real(self)
+
+    monkeypatch.setattr(core.BenchOptions, "resolved", resolved)
+    code = main(_bench_on_builds(builds) + ["--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 0 and "resolved again" not in err, err
+    assert json.loads((tmp_path / "o" / "bench.json").read_text())["decode"]
+
+
+def test_no_flintc_point_measured_still_counts_the_failures(cpu_run, tmp_path, capsys, monkeypatch):
+    """When every flintc point failed (an error each: a failure record with its
+    traceback), the exit line said only "no flintc point was measured: see the notes",
+    dropping the line that counts the failed measurements and points at their
+    tracebacks in bench.json."""
+    from flintc.bench import core
+
+    builds = _copy_build(cpu_run, tmp_path)
+
+    def boom(*a, **k):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(core._Bench, "_decode_point", boom)
+    code = main(_bench_on_builds(builds) + ["--out", str(tmp_path / "o")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("flintc: error")]
+    assert code == 1 and len(err) == 1, err
+    assert err[0].startswith("flintc: error: no flintc point was measured: ") and "1 measurement failed" in err[0], err
+    assert str(tmp_path / "o" / "bench.json") in err[0], err
+
+
+def test_from_json_knows_every_measurement_option():
+    """Every option of bench but those --from-json reads (`FROM_JSON_OPTIONS`) records
+    itself as a measurement's whenever typed (any spelling, its default value too), so
+    that --from-json refuses it: a new option added without `_Given` fails here, rather
+    than being ignored silently with --from-json."""
+    import argparse
+
+    from flintc.cli import build_parser
+    from flintc.cli.bench import FROM_JSON_OPTIONS
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    options = [a for a in sub._actions if a.option_strings]
+    assert {o for a in options for o in a.option_strings} >= {"--formats", "--no-flintc", "--out", "--no-plots"}
+    for a in options:
+        flag = a.option_strings[-1]
+        if flag in FROM_JSON_OPTIONS or set(a.option_strings) & set(FROM_JSON_OPTIONS):
+            continue
+        value = [] if a.nargs == 0 else [str(a.choices[0]) if a.choices else
+                                         str(a.default) if a.default is not None else "1"]
+        for typed in ([flag, *value], [f"{flag}={value[0]}"] if value else [flag[:-1]]):
+            ns = parser.parse_args(["bench", "--from-json", "x.json", "--out", "o", *typed])
+            assert ns.measure_flags == (flag,), (typed, ns.measure_flags)
+    ns = parser.parse_args(["bench", "--from-json", "x.json", "--no-plots", "--out", "o"])
+    assert ns.measure_flags == () and ns.no_plots

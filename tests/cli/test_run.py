@@ -588,3 +588,44 @@ def test_a_killed_runs_temporary_build_is_removed_by_the_next(tmp_path, monkeypa
     assert fileio.remove_stale_temp_builds(tmp_path) == [held]  # its lock released: now it goes
     fileio.remove_temp_build_dir(new)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (fresh, live, other))
+
+
+def test_temporary_build_without_flock_support_still_works(tmp_path, monkeypatch):
+    """A TMPDIR on a file system that refuses flock (ENOLCK, EOPNOTSUPP: some NFS and FUSE
+    mounts) made every `flintc run` without --build and `flintc.compile()` without out fail
+    with a bare OSError, leaving the new folder behind; before temporary builds were
+    locked it worked. The folder is used unlocked (named with its pid, as before)."""
+    import errno
+    import fcntl
+    import tempfile
+
+    from flintc import fileio
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    new = fileio.new_temp_build_dir()
+    assert new.is_dir() and new.parent == tmp_path
+    fileio.remove_temp_build_dir(new)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temporary_build_with_a_fifo_lock_does_not_hang(tmp_path):
+    """The stale-folder sweep opened `.lock` with a blocking open that follows links: a
+    FIFO (or a link to one) there hung every later `flintc run` at start. It is opened
+    without blocking and without following a link."""
+    import time
+
+    from flintc import fileio
+
+    p = tmp_path / "flintc-build-999999999-abcdefgh"
+    p.mkdir()
+    os.mkfifo(p / ".lock")
+    old = time.time() - fileio.STALE_TEMP_BUILD_S - 60
+    os.utime(p, (old, old))
+    code = ("import sys; from flintc.fileio import remove_stale_temp_builds; "
+            "print(remove_stale_temp_builds(sys.argv[1]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0, proc.stderr
