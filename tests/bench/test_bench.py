@@ -1270,7 +1270,13 @@ def test_build_glob_compiles_only_a_build_it_names(cpu_run, tmp_path):
     (_set(float("nan"), "decode", 0, "min_ms"), "decode[0].min_ms: expected a finite number, got NaN"),
     (_set({"0": -1.0}, "breakdown", 0, "ops", 0, "per_layer"), "breakdown[0].ops[0].per_layer: expected an object "
      "of layer index -> microseconds, each a finite number >= 0"),
-    (_set(-2, "decode", 0, "batch"), "decode[0].batch: expected an integer >= 0, got -2"),
+    (_set(-2, "decode", 0, "batch"), "decode[0].batch: expected an integer >= 1, got -2"),
+    # user39b: an integer too large for a float raised a bare OverflowError (math.isfinite)
+    (_set(10 ** 400, "decode", 0, "fwd_ms"), "decode[0].fwd_ms: expected a finite number > 0, got 1000"),
+    (_set(10 ** 400, "meta", "layers"), "meta.layers: expected an integer >= 0 or null, got 1000"),
+    # user39b: a batch, context or prompt length of 0 was rendered as a measured point
+    (_set(0, "decode", 0, "context"), "decode[0].context: expected an integer >= 1, got 0"),
+    (_set(0, "breakdown", 0, "batch"), "breakdown[0].batch: expected an integer >= 1, got 0"),
 ])
 def test_from_json_refuses_timings_that_are_no_measurement(tmp_path, capsys, edit, needle):
     """Negative, zero (where a time must pass), NaN and Infinity timings were rendered, and
