@@ -1465,3 +1465,23 @@ def test_from_json_knows_every_measurement_option():
             assert ns.measure_flags == (flag,), (typed, ns.measure_flags)
     ns = parser.parse_args(["bench", "--from-json", "x.json", "--no-plots", "--out", "o"])
     assert ns.measure_flags == () and ns.no_plots
+
+
+def test_a_build_not_used_is_never_compiled_over(cpu_run, tmp_path):
+    """user39b: OUT/builds/tiny-bf16 holding a build bench does not use (here: compiled for
+    other weights; also another backend, an unreadable plan) was replaced by the build
+    bench compiled for the missing format, under the same name: the user's build was
+    gone. It is kept (a note says so) and the new build goes to the next free name."""
+    builds = _copy_build(cpu_run, tmp_path)
+    manifest = builds / "tiny-bf16" / "build.json"
+    m = json.loads(manifest.read_text())
+    m["weight_sha256"] = "0" * 64
+    manifest.write_text(json.dumps(m))
+    before = {p.name: p.read_bytes() for p in (builds / "tiny-bf16").iterdir() if p.is_file()}
+    args = [a for a in _bench_on_builds(builds) if a != "--no-compile"]
+    assert main(args + ["--out", str(tmp_path / "o")]) == 0
+    assert {p.name: p.read_bytes() for p in (builds / "tiny-bf16").iterdir() if p.is_file()} == before
+    res = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [r["build"] for r in res["decode"]] == ["tiny-bf16-2"]
+    assert any(n.startswith(f"bf16: {builds / 'tiny-bf16'} exists and is not used here; it is kept")
+               for n in res["notes"]), res["notes"]
