@@ -15,6 +15,7 @@ import json
 import math
 import shlex
 import sys
+from glob import escape as glob_escape
 from pathlib import Path
 
 from flintc.errors import InputError, json_type
@@ -266,6 +267,12 @@ def _check_builds_folder(args: argparse.Namespace) -> None:
     builds = Path(args.builds)
     if builds.exists() and not builds.is_dir():
         raise InputError(f"--builds {args.builds}: exists and is a file, expected a folder (of builds)")
+    if (builds / "build.json").is_file():  # a build given for the folder of builds: its own build
+        # was never used, and the one compiled went inside it (BUILD/tiny-bf16)
+        parent = builds.resolve().parent
+        raise InputError(f"--builds {args.builds}: is a build (it holds build.json), expected the folder holding "
+                         f"builds; pass --builds {shlex.quote(str(parent))} --build-glob "
+                         f"{shlex.quote(glob_escape(builds.resolve().name))} to use it")
     if builds.exists() or args.no_compile or args.no_flintc:
         return  # read only, or not at all
     anc = builds.parent

@@ -1485,3 +1485,20 @@ def test_a_build_not_used_is_never_compiled_over(cpu_run, tmp_path):
     assert [r["build"] for r in res["decode"]] == ["tiny-bf16-2"]
     assert any(n.startswith(f"bf16: {builds / 'tiny-bf16'} exists and is not used here; it is kept")
                for n in res["notes"]), res["notes"]
+
+
+def test_builds_naming_a_build_is_refused(cpu_run, tmp_path, capsys):
+    """user39b: --builds BUILD (a build, not the folder holding builds) skipped the build
+    given (only subfolders are builds), compiled a new one inside it (BUILD/tiny-bf16)
+    and exited 0. Now one line saying it is a build and how to use it, before anything
+    is measured or written."""
+    build = _copy_build(cpu_run, tmp_path) / "tiny-bf16"
+    args = [a for a in _bench_on_builds(build) if a != "--no-compile"]
+    code = main(args + ["--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: --builds {build}: is a build (it holds build.json), "
+                                        f"expected the folder holding builds; pass --builds {build.parent} "
+                                        "--build-glob tiny-bf16 to use it"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    assert sorted(p.name for p in build.iterdir() if p.is_dir()) == sorted(
+        p.name for p in (cpu_run[0] / "builds" / "tiny-bf16").iterdir() if p.is_dir())
