@@ -287,6 +287,19 @@ def _check_builds_folder(args: argparse.Namespace) -> None:
                          f"{why}); pass --no-compile to use only the builds there are")
 
 
+def _check_not_inside_a_build(path: str, flag: str) -> None:
+    """Refuse `path` (--out, --builds) inside a BUILD at any depth (a folder above it holds
+    build.json): the next `flintc compile` into that BUILD replaces it whole, and the
+    report and builds written there went with it. Raises InputError naming `flag`."""
+    start = Path(path).resolve()
+    while not start.is_dir() and start != start.parent:  # new: from the nearest folder up
+        start = start.parent
+    for folder in start.parents if start == Path(path).resolve() else (start, *start.parents):
+        if (folder / "build.json").is_file():
+            raise InputError(f"{flag} {path}: inside the flintc BUILD {folder} (it holds build.json), which the "
+                             f"next flintc compile into it replaces whole; choose a {flag} outside any BUILD")
+
+
 def run_bench_cli(args: argparse.Namespace) -> int:
     """Exit code: 0, or 1 when a measurement failed (one line each on stderr, as they
     happen; bench.json's `failures` keeps their tracebacks) or flintc was to be measured
@@ -304,6 +317,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                              "measurement, and --from-json measures nothing (it renders and merges saved "
                              f"bench.json files); drop {flag}, or --from-json to measure")
     check_output_parents(args.out, "--out")
+    _check_not_inside_a_build(args.out, "--out")
     if Path(args.out).exists() and not Path(args.out).is_dir():  # it failed after the measurements
         raise InputError(f"--out {args.out}: exists and is a file, expected a folder (for bench.json, bench.md "
                          "and the plots)")
@@ -317,6 +331,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                              "another --out")
     if args.builds is not None:
         check_not_empty(args.builds, "--builds", "a folder path (or leave --builds out for OUT/builds)")
+        _check_not_inside_a_build(args.builds, "--builds")
         _check_builds_folder(args)
     out = Path(args.out)
     if args.from_json:

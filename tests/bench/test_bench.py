@@ -1502,3 +1502,24 @@ def test_builds_naming_a_build_is_refused(cpu_run, tmp_path, capsys):
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
     assert sorted(p.name for p in build.iterdir() if p.is_dir()) == sorted(
         p.name for p in (cpu_run[0] / "builds" / "tiny-bf16").iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("where", ["out", "builds", "from-json"])
+def test_out_or_builds_inside_a_build_is_refused(cpu_run, tmp_path, capsys, where):
+    """user39b: --out or --builds inside a BUILD (BUILD/x) wrote the report, and compiled
+    builds, into it: the next flintc compile into that BUILD replaced it whole, results
+    and all. Now one line naming the flag and the BUILD, before anything is written."""
+    build = _copy_build(cpu_run, tmp_path) / "tiny-bf16"
+    inside = build / "x"
+    if where == "from-json":
+        args = ["bench", "--from-json", str(cpu_run[0] / "bench.json"), "--no-plots", "--out", str(inside)]
+    elif where == "out":
+        args = _bench_on_builds(tmp_path / "builds") + ["--out", str(inside)]
+    else:
+        args = [a for a in _bench_on_builds(inside) if a != "--no-compile"] + ["--out", str(tmp_path / "o")]
+    code = main(args)
+    err = capsys.readouterr().err
+    flag = "--builds" if where == "builds" else "--out"
+    assert code == 2 and err.startswith(f"flintc: error: {flag} {inside}: inside the flintc BUILD {build} "
+                                        "(it holds build.json)"), err
+    assert err.count("\n") == 1 and not inside.exists() and not (tmp_path / "o").exists()
