@@ -782,6 +782,16 @@ class _Bench:
             self.note(f"{fmt}: no build for these weights{which} in {root} and --no-compile given; flintc not "
                       "measured")
             return []
+        if os.path.lexists(path):
+            # a build this run does not use (other weights, another backend, unreadable) or
+            # anything else: never replaced (compiling over it destroyed a user's build);
+            # the next free name NAME-2, NAME-3, ... is compiled instead
+            n = 2
+            while os.path.lexists(root / f"{name}-{n}"):
+                n += 1
+            self.note(f"{fmt}: {path} exists and is not used here; it is kept, not replaced")
+            name = f"{name}-{n}"
+            path = root / name
         if globs and not any(fnmatch.fnmatchcase(name, g) for g in globs):
             # a build the patterns do not name: the next run with them would not use it either
             self.note(f"{fmt}: no build for these weights{which} in {root}; not compiling {path}: its name "

@@ -79,12 +79,21 @@ def _is_layer_key(k: str) -> bool:
     return True
 
 
+def _finite(v) -> bool:
+    """A number a float holds: not NaN or infinite, nor an integer too large for a float
+    (10**400: the report's arithmetic raised OverflowError, a bare traceback)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
 def _finite_at_least_0(v) -> bool:
-    return math.isfinite(v) and v >= 0
+    return _finite(v) and v >= 0
 
 
 def _finite_above_0(v) -> bool:
-    return math.isfinite(v) and v > 0
+    return _finite(v) and v > 0
 
 
 # a kind: (what it must be, in words; the test), and for numbers a range: (what, test),
@@ -95,7 +104,8 @@ def _finite_above_0(v) -> bool:
 _AT_LEAST_0 = ("a finite number >= 0", _finite_at_least_0)
 NUMBER = ("a number", _is_number, _AT_LEAST_0)
 POSITIVE = ("a number", _is_number, ("a finite number > 0", _finite_above_0))
-INTEGER = ("an integer", _is_integer, ("an integer >= 0", lambda v: v >= 0))
+INTEGER = ("an integer", _is_integer, ("an integer >= 0", lambda v: _finite(v) and v >= 0))
+COUNT = ("an integer", _is_integer, ("an integer >= 1", lambda v: _finite(v) and v >= 1))  # a batch, context, length
 STRING = ("a string", lambda v: isinstance(v, str))
 BOOLEAN = ("true or false", lambda v: isinstance(v, bool))
 INTEGERS = ("a list of integers", lambda v: isinstance(v, list) and all(map(_is_integer, v)))
@@ -129,29 +139,29 @@ RECORD_FIELDS = {
     "meta": {**_META, "runs?": [{**_META, "ceilings?": _CEILINGS, "source?": _or_null(STRING)}]},
     "ceilings": _CEILINGS,
     "loads": {"fmt": STRING, "source": STRING, "weight_bytes": NUMBER, "seconds": NUMBER, **_RUN},
-    "builds": {"fmt": STRING, "path": STRING, "backend": STRING, "max_batch": INTEGER, "max_model_len": INTEGER,
+    "builds": {"fmt": STRING, "path": STRING, "backend": STRING, "max_batch": COUNT, "max_model_len": COUNT,
                "kv_cache_bytes": NUMBER, "loaded_max_model_len?": _or_null(INTEGER),
                "loaded_kv_cache_bytes?": _or_null(NUMBER), **_RUN},
-    "decode": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER, "fwd_ms": POSITIVE,
+    "decode": {"engine": STRING, "fmt": STRING, "batch": COUNT, "context": COUNT, "fwd_ms": POSITIVE,
                "e2e_ms": POSITIVE, "roofline_ms": NUMBER, "fwd_roofline_share": NUMBER,
                "e2e_roofline_share": NUMBER, "distinct_experts": {"mean": NUMBER}, "roofline": {"bytes": NUMBER},
                "kernels_measured?": _or_null(INTEGER), "kernels_plan?": _or_null(INTEGER),
                "peak_gib?": _or_null(NUMBER), "sampling?": _or_null(STRING), "build?": _or_null(STRING),
                "kv_cache_bytes_allocated?": _or_null(NUMBER), "kv_slots?": _or_null(INTEGER),
                "build_max_batch?": _or_null(INTEGER), "build_max_model_len?": _or_null(INTEGER), **_RUN},
-    "prefill": {"engine": STRING, "fmt": STRING, "tokens": INTEGER, "ms": POSITIVE, "tokens_per_s": POSITIVE,
+    "prefill": {"engine": STRING, "fmt": STRING, "tokens": COUNT, "ms": POSITIVE, "tokens_per_s": POSITIVE,
                 "roofline_ms": NUMBER, "roofline": {"bound": STRING}, "roofline_share": NUMBER,
                 "chunk?": _or_null(INTEGER), "pieces?": _or_null(INTEGERS), "peak_gib?": _or_null(NUMBER),
                 **_RUN},
-    "baselines": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER, "fwd_ms": POSITIVE,
+    "baselines": {"engine": STRING, "fmt": STRING, "batch": COUNT, "context": COUNT, "fwd_ms": POSITIVE,
                   "e2e_ms": POSITIVE, "compile_s?": _or_null(NUMBER), "cudagraphs?": _or_null(BOOLEAN),
                   "graph_breaks?": _or_null(INTEGER), "cudagraph_notes?": _or_null(STRINGS), **_RUN},
-    "baseline_failures": {"engine": STRING, "fmt": STRING, "batch": INTEGER, "context": INTEGER,
+    "baseline_failures": {"engine": STRING, "fmt": STRING, "batch": COUNT, "context": COUNT,
                           "error": STRING, **_RUN},
-    "breakdown": {"fmt": STRING, "batch": INTEGER, "context": INTEGER, "method": STRING, "step_us": NUMBER,
+    "breakdown": {"fmt": STRING, "batch": COUNT, "context": COUNT, "method": STRING, "step_us": NUMBER,
                   "kernel_us": NUMBER, "gap_us": NUMBER, "kernels": INTEGER, "matched_to_plan?": BOOLEAN,
                   "ops": [{**_OPS, "per_layer": PER_LAYER}], **_RUN},
-    "prefill_breakdown": {"fmt": STRING, "tokens": INTEGER, "method": STRING, "step_us": NUMBER,
+    "prefill_breakdown": {"fmt": STRING, "tokens": COUNT, "method": STRING, "step_us": NUMBER,
                           "kernel_us": NUMBER, "gap_us": NUMBER, "kernels": INTEGER, "ops": [_OPS], **_RUN},
     "kernels": {"fmt": STRING, "function": STRING, "measured?": _or_null(INTEGER), **_RUN},
 }

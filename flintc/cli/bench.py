@@ -15,6 +15,7 @@ import json
 import math
 import shlex
 import sys
+from glob import escape as glob_escape
 from pathlib import Path
 
 from flintc.errors import InputError, json_type
@@ -266,6 +267,12 @@ def _check_builds_folder(args: argparse.Namespace) -> None:
     builds = Path(args.builds)
     if builds.exists() and not builds.is_dir():
         raise InputError(f"--builds {args.builds}: exists and is a file, expected a folder (of builds)")
+    if (builds / "build.json").is_file():  # a build given for the folder of builds: its own build
+        # was never used, and the one compiled went inside it (BUILD/tiny-bf16)
+        parent = builds.resolve().parent
+        raise InputError(f"--builds {args.builds}: is a build (it holds build.json), expected the folder holding "
+                         f"builds; pass --builds {shlex.quote(str(parent))} --build-glob "
+                         f"{shlex.quote(glob_escape(builds.resolve().name))} to use it")
     if builds.exists() or args.no_compile or args.no_flintc:
         return  # read only, or not at all
     anc = builds.parent
@@ -278,6 +285,19 @@ def _check_builds_folder(args: argparse.Namespace) -> None:
     if why:
         raise InputError(f"--builds {args.builds}: cannot make the folder to compile missing builds into ({anc}: "
                          f"{why}); pass --no-compile to use only the builds there are")
+
+
+def _check_not_inside_a_build(path: str, flag: str) -> None:
+    """Refuse `path` (--out, --builds) inside a BUILD at any depth (a folder above it holds
+    build.json): the next `flintc compile` into that BUILD replaces it whole, and the
+    report and builds written there went with it. Raises InputError naming `flag`."""
+    start = Path(path).resolve()
+    while not start.is_dir() and start != start.parent:  # new: from the nearest folder up
+        start = start.parent
+    for folder in start.parents if start == Path(path).resolve() else (start, *start.parents):
+        if (folder / "build.json").is_file():
+            raise InputError(f"{flag} {path}: inside the flintc BUILD {folder} (it holds build.json), which the "
+                             f"next flintc compile into it replaces whole; choose a {flag} outside any BUILD")
 
 
 def run_bench_cli(args: argparse.Namespace) -> int:
@@ -297,6 +317,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                              "measurement, and --from-json measures nothing (it renders and merges saved "
                              f"bench.json files); drop {flag}, or --from-json to measure")
     check_output_parents(args.out, "--out")
+    _check_not_inside_a_build(args.out, "--out")
     if Path(args.out).exists() and not Path(args.out).is_dir():  # it failed after the measurements
         raise InputError(f"--out {args.out}: exists and is a file, expected a folder (for bench.json, bench.md "
                          "and the plots)")
@@ -310,6 +331,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
                              "another --out")
     if args.builds is not None:
         check_not_empty(args.builds, "--builds", "a folder path (or leave --builds out for OUT/builds)")
+        _check_not_inside_a_build(args.builds, "--builds")
         _check_builds_folder(args)
     out = Path(args.out)
     if args.from_json:

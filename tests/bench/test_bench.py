@@ -1270,7 +1270,13 @@ def test_build_glob_compiles_only_a_build_it_names(cpu_run, tmp_path):
     (_set(float("nan"), "decode", 0, "min_ms"), "decode[0].min_ms: expected a finite number, got NaN"),
     (_set({"0": -1.0}, "breakdown", 0, "ops", 0, "per_layer"), "breakdown[0].ops[0].per_layer: expected an object "
      "of layer index -> microseconds, each a finite number >= 0"),
-    (_set(-2, "decode", 0, "batch"), "decode[0].batch: expected an integer >= 0, got -2"),
+    (_set(-2, "decode", 0, "batch"), "decode[0].batch: expected an integer >= 1, got -2"),
+    # user39b: an integer too large for a float raised a bare OverflowError (math.isfinite)
+    (_set(10 ** 400, "decode", 0, "fwd_ms"), "decode[0].fwd_ms: expected a finite number > 0, got 1000"),
+    (_set(10 ** 400, "meta", "layers"), "meta.layers: expected an integer >= 0 or null, got 1000"),
+    # user39b: a batch, context or prompt length of 0 was rendered as a measured point
+    (_set(0, "decode", 0, "context"), "decode[0].context: expected an integer >= 1, got 0"),
+    (_set(0, "breakdown", 0, "batch"), "breakdown[0].batch: expected an integer >= 1, got 0"),
 ])
 def test_from_json_refuses_timings_that_are_no_measurement(tmp_path, capsys, edit, needle):
     """Negative, zero (where a time must pass), NaN and Infinity timings were rendered, and
@@ -1459,3 +1465,61 @@ def test_from_json_knows_every_measurement_option():
             assert ns.measure_flags == (flag,), (typed, ns.measure_flags)
     ns = parser.parse_args(["bench", "--from-json", "x.json", "--no-plots", "--out", "o"])
     assert ns.measure_flags == () and ns.no_plots
+
+
+def test_a_build_not_used_is_never_compiled_over(cpu_run, tmp_path):
+    """user39b: OUT/builds/tiny-bf16 holding a build bench does not use (here: compiled for
+    other weights; also another backend, an unreadable plan) was replaced by the build
+    bench compiled for the missing format, under the same name: the user's build was
+    gone. It is kept (a note says so) and the new build goes to the next free name."""
+    builds = _copy_build(cpu_run, tmp_path)
+    manifest = builds / "tiny-bf16" / "build.json"
+    m = json.loads(manifest.read_text())
+    m["weight_sha256"] = "0" * 64
+    manifest.write_text(json.dumps(m))
+    before = {p.name: p.read_bytes() for p in (builds / "tiny-bf16").iterdir() if p.is_file()}
+    args = [a for a in _bench_on_builds(builds) if a != "--no-compile"]
+    assert main(args + ["--out", str(tmp_path / "o")]) == 0
+    assert {p.name: p.read_bytes() for p in (builds / "tiny-bf16").iterdir() if p.is_file()} == before
+    res = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [r["build"] for r in res["decode"]] == ["tiny-bf16-2"]
+    assert any(n.startswith(f"bf16: {builds / 'tiny-bf16'} exists and is not used here; it is kept")
+               for n in res["notes"]), res["notes"]
+
+
+def test_builds_naming_a_build_is_refused(cpu_run, tmp_path, capsys):
+    """user39b: --builds BUILD (a build, not the folder holding builds) skipped the build
+    given (only subfolders are builds), compiled a new one inside it (BUILD/tiny-bf16)
+    and exited 0. Now one line saying it is a build and how to use it, before anything
+    is measured or written."""
+    build = _copy_build(cpu_run, tmp_path) / "tiny-bf16"
+    args = [a for a in _bench_on_builds(build) if a != "--no-compile"]
+    code = main(args + ["--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"flintc: error: --builds {build}: is a build (it holds build.json), "
+                                        f"expected the folder holding builds; pass --builds {build.parent} "
+                                        "--build-glob tiny-bf16 to use it"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    assert sorted(p.name for p in build.iterdir() if p.is_dir()) == sorted(
+        p.name for p in (cpu_run[0] / "builds" / "tiny-bf16").iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("where", ["out", "builds", "from-json"])
+def test_out_or_builds_inside_a_build_is_refused(cpu_run, tmp_path, capsys, where):
+    """user39b: --out or --builds inside a BUILD (BUILD/x) wrote the report, and compiled
+    builds, into it: the next flintc compile into that BUILD replaced it whole, results
+    and all. Now one line naming the flag and the BUILD, before anything is written."""
+    build = _copy_build(cpu_run, tmp_path) / "tiny-bf16"
+    inside = build / "x"
+    if where == "from-json":
+        args = ["bench", "--from-json", str(cpu_run[0] / "bench.json"), "--no-plots", "--out", str(inside)]
+    elif where == "out":
+        args = _bench_on_builds(tmp_path / "builds") + ["--out", str(inside)]
+    else:
+        args = [a for a in _bench_on_builds(inside) if a != "--no-compile"] + ["--out", str(tmp_path / "o")]
+    code = main(args)
+    err = capsys.readouterr().err
+    flag = "--builds" if where == "builds" else "--out"
+    assert code == 2 and err.startswith(f"flintc: error: {flag} {inside}: inside the flintc BUILD {build} "
+                                        "(it holds build.json)"), err
+    assert err.count("\n") == 1 and not inside.exists() and not (tmp_path / "o").exists()
