@@ -11,7 +11,8 @@ not the minutes of the bench's max-autotune) in four variants:
 
 Prints a table of forward ms per variant and batch (CUDA-graph replays timed with device
 events, median of `--reps` runs of `--iters` steps) and, with `--profile`, torch.profiler's
-kernels of one step of each b1 variant (top 12 by device time). Why (session 38): the bench's
+kernels of one step of each b1 variant (top 12 by device time); exits 1 when a variant
+failed to compile or run (its error is in the table). Why (session 38): the bench's
 fast baseline became slower at b1/1K on an H100 (4.31 -> 7.93 ms forward, no graph break)
 after the grouped experts and in-place caches came in.
 
@@ -103,7 +104,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for B, e, at, ms, cs, gb, err in rows:
         print(f"| {B} | {e} | {at} | {ms:.3f} | {cs or 0:.0f} | {gb} |" + (f" {err}" if err else ""))
-    return 0
+    return 1 if any(r[-1] for r in rows) else 0  # a variant that did not compile or run
 
 
 if __name__ == "__main__":
