@@ -463,13 +463,22 @@ def checkpoint_or_build_problem(path: str | os.PathLike) -> str | None:
     if "config.json" in found and "build.json" not in found and len(found) > 1:
         return (f"is the checkpoint folder {given} (it holds {', '.join(found[:3])}), whose files the "
                 "dumps would mix with")
-    start = given
-    while not start.is_dir() and start != start.parent:  # new (or a file): from the nearest folder up
-        start = start.parent
-    for folder in (start, *start.parents):
+    folder = enclosing_build(given)
+    if folder is not None:
+        return (f"{'is' if folder == given else 'inside'} the flintc BUILD {folder} (it holds build.json), "
+                "whose own dumps are in BUILD/dumps and which the next flintc compile into it replaces whole")
+    return None
+
+
+def enclosing_build(path: str | os.PathLike, *, itself: bool = True) -> Path | None:
+    """The nearest flintc BUILD (a folder holding build.json, what `flintc compile` takes
+    for one and replaces whole) that `path` (new or existing, resolved) is inside at any
+    depth, or is itself when `itself`; None when there is none. The walk of
+    `checkpoint_or_build_problem` and of `flintc bench`'s --out / --builds check."""
+    given = Path(path).resolve()
+    for folder in ((given,) if itself else ()) + tuple(given.parents):
         if (folder / "build.json").is_file():
-            return (f"{'is' if folder == given else 'inside'} the flintc BUILD {folder} (it holds build.json), "
-                    "whose own dumps are in BUILD/dumps and which the next flintc compile into it replaces whole")
+            return folder
     return None
 
 

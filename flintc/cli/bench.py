@@ -289,15 +289,15 @@ def _check_builds_folder(args: argparse.Namespace) -> None:
 
 def _check_not_inside_a_build(path: str, flag: str) -> None:
     """Refuse `path` (--out, --builds) inside a BUILD at any depth (a folder above it holds
-    build.json): the next `flintc compile` into that BUILD replaces it whole, and the
-    report and builds written there went with it. Raises InputError naming `flag`."""
-    start = Path(path).resolve()
-    while not start.is_dir() and start != start.parent:  # new: from the nearest folder up
-        start = start.parent
-    for folder in start.parents if start == Path(path).resolve() else (start, *start.parents):
-        if (folder / "build.json").is_file():
-            raise InputError(f"{flag} {path}: inside the flintc BUILD {folder} (it holds build.json), which the "
-                             f"next flintc compile into it replaces whole; choose a {flag} outside any BUILD")
+    build.json: `flintc.fileio.enclosing_build`): the next `flintc compile` into that BUILD
+    replaces it whole, and the report and builds written there went with it. Raises
+    InputError naming `flag`."""
+    from flintc.fileio import enclosing_build
+
+    folder = enclosing_build(path, itself=False)
+    if folder is not None:
+        raise InputError(f"{flag} {path}: inside the flintc BUILD {folder} (it holds build.json), which the "
+                         f"next flintc compile into it replaces whole; choose a {flag} outside any BUILD")
 
 
 def run_bench_cli(args: argparse.Namespace) -> int:
