@@ -1468,6 +1468,54 @@ def test_only_unusable_builds_is_an_error_naming_each(cpu_run, tmp_path, capsys)
     assert (tmp_path / "o" / "bench.md").exists()
 
 
+def test_from_json_keeps_the_unusable_builds(cpu_run, tmp_path, capsys):
+    """--from-json dropped `unusable_builds` from the bench.json it writes (merged or
+    not). Now a merge keeps each file's, tagged with its run (the header's "Run i", whose
+    line names the file), an entry that several runs name once; the report names each
+    build as the single file's does (its "not used" note)."""
+    runs = {}
+    for name, edit in (("a", {"weight_sha256": "0" * 64}), ("b", {"build_version": 99})):
+        builds = _copy_build(cpu_run, tmp_path / name)
+        manifest = builds / "tiny-bf16" / "build.json"
+        manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), **edit)))
+        assert main(_bench_on_builds(builds) + ["--out", str(tmp_path / name / "o")]) == 1  # nothing measured
+        runs[name] = tmp_path / name / "o" / "bench.json"
+        res = json.loads(runs[name].read_text())
+        assert [b["path"] for b in res["unusable_builds"]] == [str(builds / "tiny-bf16")], res["unusable_builds"]
+    capsys.readouterr()
+    a, b = (json.loads(runs[n].read_text())["unusable_builds"][0] for n in "ab")
+    assert main(["bench", "--from-json", str(runs["a"]), "--no-plots", "--out", str(tmp_path / "one")]) == 0
+    assert json.loads((tmp_path / "one" / "bench.json").read_text())["unusable_builds"] == [a]
+    single = (tmp_path / "one" / "bench.md").read_text()
+    assert f"{a['path']}: {a['why']}; not used" in single
+
+    assert main(["bench", "--from-json", str(runs["a"]), "--from-json", str(runs["b"]), "--from-json",
+                 str(runs["a"]), "--no-plots", "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / "bench.json").read_text())
+    assert merged["unusable_builds"] == [dict(a, run=3), dict(b, run=2)]  # a once, as its last run's
+    assert [r["source"] for r in merged["meta"]["runs"]] == [str(runs["a"]), str(runs["b"]), str(runs["a"])]
+    md = (tmp_path / "m" / "bench.md").read_text()
+    assert f"{a['path']}: {a['why']}; not used" in md and f"{b['why']}; not used" in md
+    again = report.merge_results([merged, json.loads(runs["b"].read_text())])  # a re-merge: runs renumbered
+    assert again["unusable_builds"] == [dict(a, run=3), dict(b, run=4)]
+    capsys.readouterr()
+
+
+def test_from_json_checks_the_unusable_builds(tmp_path, capsys):
+    """`unusable_builds` is read by the merge: a file whose entries are not records with
+    a path and a why is refused in one line naming the field, nothing written."""
+    f = tmp_path / "x.json"
+    base = {"meta": {"date": "d", "device": "cpu"}, "ceilings": {}}
+    for value, needle in (("x", "its 'unusable_builds' is not a list of records (objects)"),
+                          ([{"path": "p"}], "unusable_builds[0] has no 'why' field (expected a string)"),
+                          ([{"path": 3, "why": "w"}], "unusable_builds[0].path: expected a string, got 3")):
+        f.write_text(json.dumps(dict(base, unusable_builds=value)))
+        code = main(["bench", "--from-json", str(f), "--no-plots", "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"flintc: error: --from-json {f}: ") and needle in err, err
+        assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
 def test_exit_status_does_not_resolve_the_options_again_after_the_run(cpu_run, tmp_path, capsys, monkeypatch):
     """The exit status (`flintc_unmeasured`) resolved the options a second time after the
     run: a check of the machine's state then (the free memory, a MODEL or --builds
