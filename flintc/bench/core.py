@@ -88,8 +88,11 @@ class BenchOptions:
     def resolved(self) -> "BenchOptions":
         """Defaults that depend on the device; validation. Raises InputError naming the
         option: a count or size out of range (--iters, ... below 1; --max-model-len below
-        2, above the config's max_position_embeddings or, with --build-caches when flintc is
-        measured, below the longest --contexts / --prefill point), a --time-budget or --step-timeout that is not a positive number
+        2, above the config's max_position_embeddings or, when bench would compile a build
+        at it (flintc measured, no --no-compile, no build of a format in --builds that bench
+        can use: `_formats_to_compile`), below the longest --contexts / --prefill point with
+        --build-caches, or too short to resize its caches to that point without
+        (`_check_resizable`)), a --time-budget or --step-timeout that is not a positive number
         of seconds, a --time-budget not above the seconds kept for writing the outputs
         (`_Clock.RESERVE_S`), a --build-glob that is malformed or names no build
         (`_check_build_globs`), a --breakdown point that is not one of the decode points
@@ -190,9 +193,16 @@ class BenchOptions:
                 raise InputError(f"--max-model-len {o.max_model_len} is more than the model serves "
                                  f"(max_position_embeddings {longest} in {source}); pass at most {longest}")
         o.contexts, o.batches, o.prefill = sorted(set(o.contexts)), sorted(set(o.batches)), sorted(set(o.prefill))
+        if o.builds is None:
+            o.builds = Path(o.out) / "builds"
         points = o.contexts + o.prefill
-        if (o.max_model_len is not None and points and o.max_model_len < max(points) and o.run_flintc
-                and not o.size_caches):
+        # --max-model-len is the length of a build compiled here: the two checks below apply
+        # only when one would be compiled, not when --builds holds a build of every format that
+        # bench uses (it compiles none then; they refused such runs)
+        short = (o.max_model_len is not None and points and o.max_model_len < max(points) and o.run_flintc
+                 and o.compile_missing)
+        compiled = (list(o.formats) if config is None else _formats_to_compile(o, config)) if short else []
+        if compiled and not o.size_caches:
             # with --build-caches a build compiled here keeps the caches it was compiled with,
             # so it must hold the longest point (it used to compile one that did not, then skip
             # the point after the measurements began); by default its caches are sized to the
@@ -203,9 +213,8 @@ class BenchOptions:
                              f"({flag} {max(points)}{given}) and --build-caches keeps a build's caches at its "
                              f"max model len; pass --max-model-len >= {max(points)}, leave it out (the longest "
                              "point), or drop --build-caches")
-        if (o.max_model_len is not None and points and o.max_model_len < max(points) and o.run_flintc
-                and o.size_caches and o.compile_missing and config is not None):
-            _check_resizable(o, config, points, defaults)
+        if compiled and o.size_caches and config is not None:
+            _check_resizable(o, config, points, defaults, compiled)
         if o.breakdown:  # a breakdown is taken at a measured decode point: others were skipped silently
             if not o.run_flintc:
                 raise InputError("--breakdown applies only when flintc is measured; drop --no-flintc (or "
@@ -224,8 +233,6 @@ class BenchOptions:
 
             for fmt in o.formats:
                 check_weights_fit(FlintConfig.preset(o.config), fmt, o.device)
-        if o.builds is None:
-            o.builds = Path(o.out) / "builds"
         if o.build_globs is not None:
             _check_build_globs(o)
         return o
@@ -241,41 +248,103 @@ def _build_options(o: BenchOptions, config, max_model_len: int):
                         check=False, dump=False).resolve(config)
 
 
-def _traced_at_full_length(o: BenchOptions, config, max_model_len: int) -> bool:
-    """Whether a build compiled at `max_model_len` traces its functions at its full cache
-    length (max_model_len + a prefill chunk): `flintc compile` traces at a fixed shorter
-    length (`flintc.runtime.build._check_len`) only when the caches are longer, and only
+def _unresizable_rows(o: BenchOptions, config, max_model_len: int) -> int | None:
+    """The cache rows of the build bench compiles at `max_model_len` when it traces its
+    functions at its full cache length (max_model_len + a prefill chunk), else None:
+    `flintc compile` traces at a fixed shorter length
+    (`flintc.runtime.build.traced_cache_rows`) only when the caches are longer, and only
     then are its caches resizable (`_build_record`'s `resizable`)."""
-    from flintc.runtime.build import _check_len
+    from flintc.runtime.build import traced_cache_rows
 
     bo = _build_options(o, config, max_model_len)
-    return _check_len(bo, config) >= bo.cache_rows
+    return bo.cache_rows if traced_cache_rows(bo, config) >= bo.cache_rows else None
 
 
-def _check_resizable(o: BenchOptions, config, points: list[int], defaults: set) -> None:
-    """--max-model-len shorter than the longest point, without --build-caches: a build
+def _check_resizable(o: BenchOptions, config, points: list[int], defaults: set, compiled: list[str]) -> None:
+    """--max-model-len shorter than the longest point, without --build-caches, and bench
+    to compile a build of the formats `compiled` (`_formats_to_compile`): the build
     compiled at it serves the longer points only with resizable caches, which a build
     that short does not have (its functions are traced at its full cache length): it was
     compiled, every longer point skipped with a note, exit 0. Raises InputError naming
-    both flags and a longer length whose build resizes (the least above it; not every
-    longer one does on CUDA, where the prefill chunk grows with the length)."""
-    if not _traced_at_full_length(o, config, o.max_model_len):
+    both flags, the formats and a longer length whose build resizes (the least above it;
+    not every longer one does on CUDA, where the prefill chunk grows with the length)."""
+    rows = _unresizable_rows(o, config, o.max_model_len)
+    if rows is None:
         return
     longest = max(points)
     least = o.max_model_len + 1
-    while least < longest and _traced_at_full_length(o, config, least):
-        bo = _build_options(o, config, least)
-        from flintc.runtime.build import _check_len
-
-        least = max(least + 1, _check_len(bo, config) - bo.prefill_chunk + 1)
+    while least < longest and _unresizable_rows(o, config, least) is not None:
+        least += 1
     flag = "--contexts" if longest in o.contexts else "--prefill"
     given = ", the default" if flag[2:] in defaults else ""
-    bo = _build_options(o, config, o.max_model_len)
     resize = f", one whose build resizes its caches (e.g. {least})" if least < longest else ""
+    its, s = ("their", "s") if len(compiled) > 1 else ("its", "")
     raise InputError(f"--max-model-len {o.max_model_len} is shorter than the longest point measured ({flag} "
-                     f"{longest}{given}), and a build that short cannot resize its KV caches to it (its "
-                     f"functions are traced at its full cache length, {bo.cache_rows} rows); pass --max-model-len "
+                     f"{longest}{given}), and the {' and '.join(compiled)} build{s} bench would compile at it "
+                     f"(--builds {o.builds} holds none it can use) cannot resize {its} KV caches to it ({its} "
+                     f"functions are traced at {its} full cache length, {rows} rows); pass --max-model-len "
                      f">= {longest}{resize}, or leave it out (the longest point)")
+
+
+def _listed_build(o: BenchOptions, path: Path) -> bool:
+    """Whether bench considers the folder `path` in --builds: it holds build.json and
+    (with --build-glob) its name matches a pattern."""
+    if not (path / "build.json").is_file():
+        return False
+    return not o.build_globs or any(fnmatch.fnmatchcase(path.name, g) for g in o.build_globs)
+
+
+def _manifest_serves(o: BenchOptions, manifest: dict, fmt: str, config_sha: str) -> bool:
+    """Whether a build's manifest is of weight format `fmt`, the model config whose
+    fingerprint is `config_sha` and (when --backend is given) that backend; its weights
+    are checked apart (`_Bench._builds_for`, `_formats_to_compile`)."""
+    if manifest.get("weight_format") != fmt or manifest.get("config_sha256") != config_sha:
+        return False
+    return not o.backend or manifest.get("backend") == o.backend
+
+
+def _formats_to_compile(o: BenchOptions, config) -> list[str]:
+    """The formats of --formats for which bench would compile a build (`_compile_missing`),
+    read before any weight is: those --builds holds no usable build of, as
+    `_Bench._builds_for` finds them (listed by `_listed_build`, a readable build.json and
+    plan.json, `_manifest_serves`, the weights). Dummy weights are told by their
+    fingerprint (it names their recipe); a MODEL's real weights, whose fingerprint needs
+    them read, by the manifest's weight_source (MODEL, or a file in it): a build of other
+    weights at that path is found unusable only once they are loaded, and one is then
+    compiled. Every format (an empty --builds, or one that cannot be read) when none is
+    found; o.builds must be set."""
+    from flintc.runtime.build import config_fingerprint, weight_fingerprint
+    from flintc.runtime.compiled import read_manifest
+
+    if not o.compile_missing:
+        return []
+    root = Path(o.builds)
+    try:
+        paths = sorted(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        paths = []
+    cfg_sha = config_fingerprint(config)
+    model = Path(o.model).resolve() if o.model is not None and o.load_format != "dummy" else None
+    usable = set()
+    for path in paths:
+        if not _listed_build(o, path):
+            continue
+        try:
+            m = read_manifest(path)
+            read_plan(path)
+        except (InputError, OSError):
+            continue
+        fmt = m.get("weight_format")
+        if fmt not in o.formats or fmt in usable or not _manifest_serves(o, m, fmt, cfg_sha):
+            continue
+        if model is None:
+            same = m.get("weight_sha256") == weight_fingerprint({}, fmt, f"dummy:{fmt}")
+        else:
+            source = m.get("weight_source")
+            same = isinstance(source, str) and (Path(source) == model or model in Path(source).parents)
+        if same:
+            usable.add(fmt)
+    return [f for f in o.formats if f not in usable]
 
 
 def compiled_build_name(o: BenchOptions, fmt: str) -> str:
@@ -725,11 +794,8 @@ class _Bench:
         found = []
         if root.is_dir():
             for path in sorted(root.iterdir()):
-                if not (path / "build.json").is_file():
-                    continue
-                if self.o.build_globs and not any(fnmatch.fnmatchcase(path.name, g)
-                                                  for g in self.o.build_globs):
-                    continue  # --build-glob: only the named builds
+                if not _listed_build(self.o, path):
+                    continue  # not a build, or (--build-glob) not one of the named builds
                 try:
                     m = read_manifest(path)
                 except (InputError, OSError) as e:  # not JSON, not an object, another build_version
@@ -742,7 +808,7 @@ class _Bench:
                     self.note(f"{path}: compiled for other weights than these {fmt} weights; not used")
                     self._unusable(path, f"compiled for other weights than these {fmt} weights")
                     continue
-                if self.o.backend and m.get("backend") != self.o.backend:
+                if not _manifest_serves(self.o, m, fmt, cfg_sha):  # another --backend
                     continue
                 try:
                     plan = read_plan(path)

@@ -4,8 +4,9 @@ Files written into the output folder by `write_outputs`:
 
 - `bench.json`: the results dict (`meta`, `ceilings`, `loads`, `builds`, `decode`,
   `prefill`, `baselines`, `baseline_failures`, `breakdown`, `kernels`, `failures` (the
-  measurements that failed, with their tracebacks), `notes`) plus `targets` (each
-  target of issue 8 evaluated);
+  measurements that failed, with their tracebacks), `unusable_builds` (the builds of
+  --builds that could not be used: `path` and `why`, each also a note), `notes`) plus
+  `targets` (each target of issue 8 evaluated);
 - `bench.md`: the report (what `docs/benchmarks.md` holds), also printed;
 - `decode_vs_context.png` (ms per decode step against context length, per format, at
   batch 1: flintc forward and end to end, the roofline, the baselines) and
@@ -14,8 +15,8 @@ Files written into the output folder by `write_outputs`:
 
 `merge_results([a, b, ...])` joins the results of several runs (the flintc run and the
 compile-baseline run happen in separate GPU calls): later records replace earlier ones
-with the same key (engine, format, batch, context / tokens); the report's header lists
-each run with its own ceilings. `check_records` checks a results dict read back from a
+with the same key (engine, format, batch, context / tokens; an unusable build's path and
+why); the report's header lists each run with its own ceilings. `check_records` checks a results dict read back from a
 bench.json (`--from-json`) against `RECORD_FIELDS`, the fields the report reads.
 """
 
@@ -59,7 +60,8 @@ TARGETS = [
 LIST_KEYS = {"decode": ("engine", "fmt", "batch", "context"), "prefill": ("engine", "fmt", "tokens"),
              "baselines": ("engine", "fmt", "batch", "context"), "breakdown": ("fmt", "batch", "context"),
              "kernels": ("fmt", "function"), "baseline_failures": ("engine", "fmt", "batch", "context"),
-             "builds": ("fmt", "path"), "loads": ("fmt",), "prefill_breakdown": ("fmt", "tokens")}
+             "builds": ("fmt", "path"), "loads": ("fmt",), "prefill_breakdown": ("fmt", "tokens"),
+             "unusable_builds": ("path", "why")}
 
 
 # -- the fields the report reads, checked when a bench.json is read back (`check_records`) -------
@@ -164,6 +166,7 @@ RECORD_FIELDS = {
     "prefill_breakdown": {"fmt": STRING, "tokens": COUNT, "method": STRING, "step_us": NUMBER,
                           "kernel_us": NUMBER, "gap_us": NUMBER, "kernels": INTEGER, "ops": [_OPS], **_RUN},
     "kernels": {"fmt": STRING, "function": STRING, "measured?": _or_null(INTEGER), **_RUN},
+    "unusable_builds": {"path": STRING, "why": STRING, **_RUN},
 }
 
 
@@ -283,8 +286,9 @@ def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
     first run's; `meta["runs"]` lists every source run's meta with its own `ceilings`
     and `source` (the file names in `sources`, when given), which the report's header
     shows one line each, numbered from 1; with more than one run, every record gets
-    `run`, the number of the run it comes from (the report's "run" column). Raises ValueError for an empty
-    list."""
+    `run`, the number of the run it comes from (the report's "run" column; an unusable
+    build that several runs name is kept once, with the last of them). `notes` and
+    `failures` are each run's in turn. Raises ValueError for an empty list."""
     if not runs:
         raise ValueError("runs: expected at least one results dict")
     sources = list(sources) if sources is not None else [None] * len(runs)

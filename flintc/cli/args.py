@@ -66,7 +66,7 @@ def check_option_values(args: argparse.Namespace) -> None:
 
     Raises:
         InputError: a --seed outside [0, 2**63); an empty --device or --buckets (they used
-            to mean the default); an empty --buckets item ('1,,2': argparse's usage
+            to mean the default; --buckets ' ' is echoed as typed); an empty --buckets item ('1,,2': argparse's usage
             block), or one that is not an integer; a --buckets size given twice (it was
             dropped silently).
     """
@@ -84,8 +84,8 @@ def check_option_values(args: argparse.Namespace) -> None:
         # what was typed (' , ' was shown as ','); for a plain tuple (the Python API), its items
         text = value.text if isinstance(value, Buckets) else ",".join("" if b is None else str(b) for b in value)
         if not value:
-            raise InputError(f"--buckets '': must not be empty: expected {BUCKETS_EXPECTED}; leave --buckets out "
-                             "for 1,2,4,8 up to --max-batch")
+            raise InputError(f"--buckets {text!r}: must not be empty: expected {BUCKETS_EXPECTED}; leave --buckets "
+                             "out for 1,2,4,8 up to --max-batch")
         if None in value:  # '1,,2', '1,': a typo, not a size
             raise InputError(f"--buckets {text!r}: item {value.index(None) + 1} is empty; expected "
                              f"{BUCKETS_EXPECTED}")

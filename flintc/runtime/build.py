@@ -238,10 +238,14 @@ def config_fingerprint(config: FlintConfig) -> str:
     return hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()
 
 
-def _check_len(opts: BuildOptions, config: FlintConfig) -> int:
-    """Cache rows of the graphs traced for checking: long enough to wrap the ring and
-    hold a prefill chunk, and an odd number no model dimension equals, so a graph whose
-    tensors depend on the cache length can be recognised (`_depends_on_rows`)."""
+def traced_cache_rows(opts: BuildOptions, config: FlintConfig) -> int:
+    """Cache rows a build's functions are traced (and checked) at, `opts` resolved: long
+    enough to wrap the sliding ring and hold a prefill chunk, and an odd number no model
+    dimension equals, so a graph whose tensors depend on the cache length can be
+    recognised (`_depends_on_rows`; such a function is retraced at `opts.cache_rows`);
+    at most `opts.cache_rows`. When it equals `opts.cache_rows`, every function is traced
+    at the build's full cache length and the build's caches cannot be resized (`flintc
+    bench`'s resizable caches need it below)."""
     n = config.sliding_window + 2 * opts.prefill_chunk + 3
     n = n if n % 2 else n + 1
     return min(n, opts.cache_rows)
@@ -326,7 +330,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
             check_dump_dir(sub, f"dump_dir {sub}", "choose another dump_dir")
     t_start = time.perf_counter()
     model = FlintModel(config, ckpt.weights, max_positions=opts.cache_rows)
-    check_len = _check_len(opts, config)
+    check_len = traced_cache_rows(opts, config)
     sources, reports, plan_steps = [], [], {}
     tmp = temp_dir_beside(out)  # (and removes those a killed compile left)
     try:

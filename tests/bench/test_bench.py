@@ -1354,11 +1354,13 @@ def test_from_json_refuses_measurement_flags(tmp_path, capsys, extra, flag):
 
 @pytest.mark.parametrize("args, message", [
     (["--max-model-len", "8", "--contexts", "200", "--prefill", "none"],
-     "--max-model-len 8 is shorter than the longest point measured (--contexts 200), and a build that short cannot "
-     "resize its KV caches to it (its functions are traced at its full cache length, 16 rows); pass --max-model-len "
-     ">= 200, one whose build resizes its caches (e.g. 22), or leave it out"),
+     "--max-model-len 8 is shorter than the longest point measured (--contexts 200), and the bf16 build bench would "
+     "compile at it (--builds {tmp}/o/builds holds none it can use) cannot resize its KV caches to it (its "
+     "functions are traced at its full cache length, 16 rows); pass --max-model-len >= 200, one whose build "
+     "resizes its caches (e.g. 22), or leave it out"),
     (["--max-model-len", "21", "--contexts", "16"], "--max-model-len 21 is shorter than the longest point measured "
-                                                    "(--prefill 1024, the default), and a build that short"),
+                                                    "(--prefill 1024, the default), and the bf16 build bench would "
+                                                    "compile at it"),
 ])
 def test_max_model_len_too_short_to_resize_is_refused_up_front(tmp_path, capsys, args, message):
     """--max-model-len 8 --contexts 200 (no --build-caches) compiled a build of length 8,
@@ -1369,8 +1371,79 @@ def test_max_model_len_too_short_to_resize_is_refused_up_front(tmp_path, capsys,
     code = main(["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--baselines", "none",
                  "--no-plots", "--batches", "1", *args, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith(f"flintc: error: {message}"), err
+    assert code == 2 and err.startswith(f"flintc: error: {message.format(tmp=tmp_path)}"), err
     assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+
+
+def _short_len_args(builds, out, formats: str = "bf16") -> list[str]:
+    """bench arguments: --max-model-len 8 (too short for resizable caches) and context 200,
+    on the builds in `builds` (compiling what is missing)."""
+    return ["bench", "--config", "tiny", "--device", "cpu", "--formats", formats, "--baselines", "none",
+            "--no-plots", "--batches", "1", "--max-model-len", "8", "--contexts", "200", "--prefill", "none",
+            "--iters", "1", "--e2e-iters", "1", "--warmup", "0", "--rotations", "1", "--builds", str(builds),
+            "--out", str(out)]
+
+
+def test_max_model_len_too_short_is_not_refused_when_builds_has_a_build(cpu_run, tmp_path, capsys):
+    """--max-model-len 8 with context 200 was refused up front ("cannot resize its KV
+    caches") although --builds held a usable build (the fixture's, of length 64, whose
+    caches resize), so nothing would be compiled at 8. Now the run measures context 200
+    on it; the refusal stays for a format bench would compile (nvfp4: no build; bf16 with
+    a build of other weights, which bench does not use)."""
+    builds = _copy_build(cpu_run, tmp_path)
+    capsys.readouterr()
+    code = main(_short_len_args(builds, tmp_path / "o"))
+    err = capsys.readouterr().err
+    assert code == 0 and "error" not in err, err
+    res = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [(r["batch"], r["context"], r["build"]) for r in res["decode"]] == [(1, 200, "tiny-bf16")], res["notes"]
+    assert sorted(p.name for p in builds.iterdir()) == ["tiny-bf16"], "nothing compiled"
+
+    code = main(_short_len_args(builds, tmp_path / "o2", "bf16,nvfp4"))
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(
+        "flintc: error: --max-model-len 8 is shorter than the longest point measured (--contexts 200), and the "
+        f"nvfp4 build bench would compile at it (--builds {builds} holds none it can use) cannot resize its KV "
+        "caches to it (its functions are traced at its full cache length, 16 rows); pass --max-model-len >= 200, "
+        "one whose build resizes its caches (e.g. 22)"), err
+    assert err.count("\n") == 1 and not (tmp_path / "o2").exists()
+
+    manifest = builds / "tiny-bf16" / "build.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), weight_sha256="0" * 64)))
+    code = main(_short_len_args(builds, tmp_path / "o3"))
+    err = capsys.readouterr().err
+    assert code == 2 and "the bf16 build bench would compile at it" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "o3").exists()
+
+
+def test_formats_to_compile_reads_the_builds_as_the_run_does(cpu_run, tmp_path, tiny_bf16_dir):
+    """`_formats_to_compile` (before any weight is read) counts the builds `_builds_for`
+    uses: --build-glob, --backend, readable manifest and plan; dummy weights by their
+    recipe, a MODEL's by the manifest's weight_source; none with --no-compile."""
+    from flintc.bench.core import BenchOptions, _formats_to_compile
+
+    builds = _copy_build(cpu_run, tmp_path)
+    tiny = FlintConfig.preset("tiny")
+
+    def compile_for(**kw):
+        o = BenchOptions(out=tmp_path / "o", device="cpu", config="tiny", formats=["bf16", "nvfp4"],
+                         **{"builds": builds, **kw})
+        return _formats_to_compile(o, tiny)
+
+    assert compile_for() == ["nvfp4"]
+    assert compile_for(compile_missing=False) == []
+    assert compile_for(build_globs=["other*"]) == ["bf16", "nvfp4"]
+    assert compile_for(build_globs=["tiny-*"]) == ["nvfp4"]
+    assert compile_for(backend="triton") == ["bf16", "nvfp4"]
+    assert compile_for(model=str(tiny_bf16_dir), load_format="auto") == ["bf16", "nvfp4"], "built on dummy weights"
+    manifest = builds / "tiny-bf16" / "build.json"
+    m = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(dict(m, weight_source=str(Path(tiny_bf16_dir).resolve()))))
+    assert compile_for(model=str(tiny_bf16_dir), load_format="auto") == ["nvfp4"]
+    manifest.write_text(json.dumps(m))
+    (builds / "tiny-bf16" / "plan.json").write_text("{corrupt")
+    assert compile_for() == ["bf16", "nvfp4"]
+    assert compile_for(builds=tmp_path / "none") == ["bf16", "nvfp4"]
 
 
 def test_only_unusable_builds_is_an_error_naming_each(cpu_run, tmp_path, capsys):
@@ -1393,6 +1466,54 @@ def test_only_unusable_builds_is_an_error_naming_each(cpu_run, tmp_path, capsys)
     assert f"{manifest}: build_version 99" in err[0] and f"{builds / 'b-tiny-bf16' / 'plan.json'} is not valid JSON" \
         in err[0], err
     assert (tmp_path / "o" / "bench.md").exists()
+
+
+def test_from_json_keeps_the_unusable_builds(cpu_run, tmp_path, capsys):
+    """--from-json dropped `unusable_builds` from the bench.json it writes (merged or
+    not). Now a merge keeps each file's, tagged with its run (the header's "Run i", whose
+    line names the file), an entry that several runs name once; the report names each
+    build as the single file's does (its "not used" note)."""
+    runs = {}
+    for name, edit in (("a", {"weight_sha256": "0" * 64}), ("b", {"build_version": 99})):
+        builds = _copy_build(cpu_run, tmp_path / name)
+        manifest = builds / "tiny-bf16" / "build.json"
+        manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), **edit)))
+        assert main(_bench_on_builds(builds) + ["--out", str(tmp_path / name / "o")]) == 1  # nothing measured
+        runs[name] = tmp_path / name / "o" / "bench.json"
+        res = json.loads(runs[name].read_text())
+        assert [b["path"] for b in res["unusable_builds"]] == [str(builds / "tiny-bf16")], res["unusable_builds"]
+    capsys.readouterr()
+    a, b = (json.loads(runs[n].read_text())["unusable_builds"][0] for n in "ab")
+    assert main(["bench", "--from-json", str(runs["a"]), "--no-plots", "--out", str(tmp_path / "one")]) == 0
+    assert json.loads((tmp_path / "one" / "bench.json").read_text())["unusable_builds"] == [a]
+    single = (tmp_path / "one" / "bench.md").read_text()
+    assert f"{a['path']}: {a['why']}; not used" in single
+
+    assert main(["bench", "--from-json", str(runs["a"]), "--from-json", str(runs["b"]), "--from-json",
+                 str(runs["a"]), "--no-plots", "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / "bench.json").read_text())
+    assert merged["unusable_builds"] == [dict(a, run=3), dict(b, run=2)]  # a once, as its last run's
+    assert [r["source"] for r in merged["meta"]["runs"]] == [str(runs["a"]), str(runs["b"]), str(runs["a"])]
+    md = (tmp_path / "m" / "bench.md").read_text()
+    assert f"{a['path']}: {a['why']}; not used" in md and f"{b['why']}; not used" in md
+    again = report.merge_results([merged, json.loads(runs["b"].read_text())])  # a re-merge: runs renumbered
+    assert again["unusable_builds"] == [dict(a, run=3), dict(b, run=4)]
+    capsys.readouterr()
+
+
+def test_from_json_checks_the_unusable_builds(tmp_path, capsys):
+    """`unusable_builds` is read by the merge: a file whose entries are not records with
+    a path and a why is refused in one line naming the field, nothing written."""
+    f = tmp_path / "x.json"
+    base = {"meta": {"date": "d", "device": "cpu"}, "ceilings": {}}
+    for value, needle in (("x", "its 'unusable_builds' is not a list of records (objects)"),
+                          ([{"path": "p"}], "unusable_builds[0] has no 'why' field (expected a string)"),
+                          ([{"path": 3, "why": "w"}], "unusable_builds[0].path: expected a string, got 3")):
+        f.write_text(json.dumps(dict(base, unusable_builds=value)))
+        code = main(["bench", "--from-json", str(f), "--no-plots", "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"flintc: error: --from-json {f}: ") and needle in err, err
+        assert err.count("\n") == 1 and not (tmp_path / "o").exists()
 
 
 def test_exit_status_does_not_resolve_the_options_again_after_the_run(cpu_run, tmp_path, capsys, monkeypatch):

@@ -23,6 +23,8 @@ on its own caches of the same layout.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -231,3 +233,48 @@ def test_bf16_experts_grouped_gemm_matches_the_gather(xdim, monkeypatch):
     assert got.dtype == torch.bfloat16 and got.shape == (4, 3, 32)
     torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6)
     torch.testing.assert_close(got, gathered, rtol=2 ** -7, atol=1e-6)
+
+
+def test_the_plain_torch_baseline_needs_no_triton():
+    """Triton is an optional extra (the kernels' backend); the plain-PyTorch baselines are
+    not: `flintc.bench.fast_model` (and `baselines`, `core`, `benchmarks/torch_baselines.py`)
+    import and run a forward of the tiny model with every `triton` import refused. The
+    grouped_mm checks they share with the Triton MoE (`grouped_mm_fn`,
+    `grouped_mm_sync_free`) live in the torch-only `flintc.kernels.platform`, not in
+    `grouped_gemm` (which imports triton)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = """
+import importlib.abc, sys
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)", name=name)
+sys.meta_path.insert(0, NoTriton())
+for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
+    del sys.modules[name]
+import torch
+import flintc.bench.fast_model as fm
+import flintc.bench.baselines, flintc.bench.core
+sys.path.insert(0, sys.argv[1])
+import torch_baselines
+from flintc.checkpoint.dummy import dummy_weights
+from flintc.config import FlintConfig
+from flintc.kernels import platform
+assert fm.grouped_mm_fn is platform.grouped_mm_fn and fm.grouped_mm_sync_free is platform.grouped_mm_sync_free
+cfg = FlintConfig.preset("tiny")
+for fmt in ("bf16", "nvfp4"):
+    model = fm.FastFlintModel(cfg, dummy_weights(cfg, fmt, "cpu", seed=3))
+    out = model(torch.tensor([[3, 4]]), torch.tensor([[0, 1]]), torch.tensor([0]), model.new_kv_cache(1, 8))
+    assert out.shape == (1, 2, cfg.vocab_size) and torch.isfinite(out).all()
+bad = sorted(m for m in sys.modules if m == "triton" or m.startswith("triton.") or m == "flintc.kernels.grouped_gemm")
+assert not bad, bad
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code, str(root / "benchmarks")], capture_output=True, text=True,
+                       cwd=root, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

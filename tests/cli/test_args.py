@@ -9,6 +9,7 @@ option)."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -50,12 +51,16 @@ def test_torch_device():
 def test_device_name_and_buckets():
     assert cli_args.device_name("cuda:1") == "cuda:1"
     assert cli_args.buckets("1, 8") == (1, 8)
-    for text in ("", " "):
+    for text in ("", " ", " \t"):
         assert cli_args.buckets(text) == ()
         with pytest.raises(InputError, match="must not be empty: expected cpu or cuda"):
             cli_args.check_option_values(argparse.Namespace(device=cli_args.device_name(text)))
-        with pytest.raises(InputError, match="^--buckets '': must not be empty: expected comma-separated"):
+        # what was typed, whitespace visible (' ' was echoed as '')
+        with pytest.raises(InputError, match=f"^--buckets {re.escape(repr(text))}: must not be empty: expected "
+                                             "comma-separated"):
             cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets(text)))
+    with pytest.raises(InputError, match="^--buckets '': must not be empty"):  # a plain tuple (no text)
+        cli_args.check_option_values(argparse.Namespace(buckets=()))
     assert cli_args.buckets("1, x") == (1, "x")  # refused by check_option_values, echoing the text
     with pytest.raises(InputError, match="^--buckets '1, x': 'x' is not an integer; expected comma-separated"):
         cli_args.check_option_values(argparse.Namespace(buckets=cli_args.buckets("1, x")))
@@ -87,6 +92,18 @@ def test_empty_device_or_buckets_is_refused(argv, flag, tmp_path, capsys):
     flag, before any work (not argparse's usage block)."""
     code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in argv])
     assert_one_line_error(code, err, f"{flag} ", ": must not be empty: expected ")
+    assert out == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["compile", "--load-format", "dummy", "--config", "tiny", "--out", "{tmp}/b", "--buckets", " "],
+    ["run", "--prompt-ids", "1", "--backend", "torch", "--buckets", " "],
+])
+def test_whitespace_buckets_are_echoed_as_typed(argv, tmp_path, capsys):
+    """`--buckets ' '` (only whitespace) said "--buckets '': must not be empty", not what
+    was typed, where the other --buckets errors echo it: now `--buckets ' '`."""
+    code, out, err = run_cli(capsys, *[a.format(tmp=tmp_path) for a in argv])
+    assert_one_line_error(code, err, "--buckets ' ': must not be empty: expected comma-separated decode batch sizes")
     assert out == "" and list(tmp_path.iterdir()) == []
 
 
