@@ -60,7 +60,10 @@ class CompiledModel:
 
         Args:
             prompts: one prompt (a str, or token ids: a list / tuple of ints or an int64
-                [T] tensor) or a list of up to max_batch prompts.
+                [T] tensor) or a list of any number of them (at least one): more than
+                the build's max_batch run in consecutive batches of max_batch, results
+                in input order (as vLLM's LLM.generate; what a prompt's tokens depend
+                on: `flintc.runtime.generate.generate_with_runner`).
             params: SamplingParams (one or one per prompt); or, instead, keyword
                 arguments of SamplingParams (temperature=0, max_tokens=16, seed=1, and
                 vLLM's presence_penalty, frequency_penalty, repetition_penalty, min_p,
@@ -68,11 +71,12 @@ class CompiledModel:
                 bad_words, ...). bad_words become token ids with this model's
                 tokenizer (`SamplingParams.with_tokenizer`, vLLM's
                 update_from_tokenizer); without a tokenizer, give bad_words_token_ids.
-            on_token: called as on_token(prompt_index, token_id).
+            on_token: called as on_token(prompt_index, token_id) (the index into
+                prompts, whatever batch the prompt runs in).
 
         Raises:
             InputError: text prompts without a tokenizer, a prompt that is neither text
-                nor token ids, no prompts or too many, bad ids, invalid sampling
+                nor token ids, no prompts, bad ids, invalid sampling
                 values, or both `params` and sampling keywords.
         """
         from flintc.runtime.generate import generate_with_runner

@@ -171,13 +171,13 @@ def check_output_parents(path, flag: str) -> None:
 
 def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
     # `flintc run` leaves --max-batch unset (None) so that it can tell a flag the user
-    # gave from the default: a build fixes its max batch, the reference backend takes
-    # as many prompts as it is given.
+    # gave from the default: a build fixes its max batch, the reference backend decodes
+    # all the prompts at once unless given one.
     p.add_argument("--max-batch", type=int, default=8 if backend else None,
                    help="largest decode batch (1..8)" if backend else
-                   "largest decode batch (1..8); with --build at most the build's, with the "
-                   "reference backend the most prompts allowed (default: 8 when compiling, "
-                   "the build's with --build, any number on the reference backend)")
+                   "largest decode batch (1..8); with --build at most the build's; more prompts run "
+                   "in consecutive batches of it (default: 8 when compiling, the build's with --build, "
+                   "all the prompts at once on the reference backend)")
     from flintc.cli.args import buckets, device_name
 
     p.add_argument("--buckets", type=buckets, default=None,

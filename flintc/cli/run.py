@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model, "
                         "or the checkpoint a --build was compiled from)")
     p.add_argument("--prompt", action=_AppendPrompt, default=None,
-                   help="prompt text (needs a tokenizer); repeat for a batch")
+                   help="prompt text (needs a tokenizer); repeat for a batch (any number: more than "
+                        "--max-batch run in consecutive batches)")
     p.add_argument("--prompt-ids", action=_AppendPrompt, default=None,
                    help="prompt token ids, comma-separated, e.g. 1,2,3; repeat for a batch (the batch keeps "
                         "the order of --prompt and --prompt-ids on the command line)")
@@ -139,15 +140,13 @@ def _given(args, dest: str):
     return value not in (None, False)
 
 
-def _check_backend_flags(args, backend: str, n_prompts: int) -> None:
+def _check_backend_flags(args, backend: str) -> None:
     """Refuse flags the chosen backend would ignore; check the limits given. Raises
     InputError naming the flag (no flag is ever silently ignored)."""
     if args.max_batch is not None and args.max_batch < 1:
         raise InputError(f"--max-batch must be at least 1, got {args.max_batch}")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise InputError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
-    if args.max_batch is not None and n_prompts > args.max_batch:
-        raise InputError(f"{n_prompts} prompts, but --max-batch is {args.max_batch}")
     if backend == "reference":
         for flag, dest in _COMPILE_ONLY:
             if _given(args, dest):
@@ -204,7 +203,7 @@ def _check_ids_in_vocab(params, id_prompts: list[list[int]], vocab_size, source:
                              f"of {source}")
 
 
-def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, params, id_prompts):
+def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, params, id_prompts):
     """(runner or FlintModel, tokenizer or None, the --prompt texts' token ids) for
     the chosen backend. A temporary BUILD (--backend torch|triton) is removed when `cleanup`
     closes. The prompts' and --logit-bias's token ids are checked against the vocabulary
@@ -218,7 +217,7 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, n_prompts: int, p
         raise InputError("--build runs the build's own backend; drop --backend")
     if args.build and args.backend == "reference":
         raise InputError("--build runs the build's own backend; drop --backend reference (or --build)")
-    _check_backend_flags(args, backend, n_prompts)
+    _check_backend_flags(args, backend)
     if args.build:
         from flintc.runtime.compiled import check_build_limits, limit_build, load_build, read_manifest
 
@@ -416,11 +415,11 @@ def run_generate(args: argparse.Namespace) -> int:
             raise InputError("--logits-out takes one prompt")
         _check_output_path(args.logits_out, "--logits-out")
     with contextlib.ExitStack() as cleanup:
-        return _generate(args, params, id_prompts, n_prompts, cleanup)
+        return _generate(args, params, id_prompts, cleanup)
 
 
-def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
-    engine, tokenizer, texts = _runner_and_tokenizer(args, cleanup, n_prompts, params, id_prompts)
+def _generate(args, params, id_prompts, cleanup) -> int:
+    engine, tokenizer, texts = _runner_and_tokenizer(args, cleanup, params, id_prompts)
     given = {"prompt": texts, "prompt_ids": id_prompts}
     order = getattr(args, "prompt_order", None) or [(d, i) for d in given for i in range(len(given[d]))]
     prompts = [given[dest][i] for dest, i in order]  # as on the command line
@@ -437,7 +436,8 @@ def _generate(args, params, id_prompts, n_prompts, cleanup) -> int:
 
         if args.prefill_chunk is not None:
             kwargs["prefill_chunk"] = args.prefill_chunk
-        result = generate(engine, prompts, params, max_model_len=args.max_model_len, **kwargs)
+        result = generate(engine, prompts, params, max_model_len=args.max_model_len, max_batch=args.max_batch,
+                          **kwargs)
     else:
         from flintc.runtime.generate import generate_with_runner
 

@@ -2,7 +2,8 @@
 
 This is flintc's *reference backend*: the numbers every compiled backend is
 checked against. `generate` wraps the model in a `ReferenceRunner` (one KV-cache
-slot per prompt, caches as long as the request can grow) and runs the same loop as
+slot per prompt, or per prompt of a batch with `max_batch`; caches as long as the
+request can grow) and runs the same loop as
 every backend, `flintc.runtime.generate.generate_with_runner`: each prompt is
 prefilled on its own (in chunks of at most `prefill_chunk` tokens, so a long prompt
 needs bounded workspace), then all live sequences decode together, one token per
@@ -72,6 +73,7 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     prefill_chunk: int = 512,
     max_model_len: int | None = None,
+    max_batch: int | None = None,
 ) -> GenerationResult:
     """Generate up to `params.max_tokens` tokens after each prompt.
 
@@ -82,11 +84,14 @@ def generate(
         on_token: called as on_token(prompt_index, token_id) as tokens appear.
         max_model_len: the most tokens a sequence holds, prompt and generated (vLLM's
             meaning; default: the model's max_positions); generation stops there.
+        max_batch: the most sequences decoded together (default: all the prompts);
+            more prompts run in consecutive batches of max_batch, as
+            `flintc.runtime.generate.generate_with_runner` runs them.
 
     Raises:
         InputError: no prompts, a prompt is empty, holds an out-of-range id, or has
             max_model_len tokens or more; max_model_len below 1 or above the model's
-            max_positions.
+            max_positions; max_batch not an int of at least 1.
     """
     from flintc.runtime.generate import generate_with_runner
     from flintc.runtime.runner import ReferenceRunner
@@ -97,6 +102,8 @@ def generate(
     if max_model_len is not None and not 1 <= max_model_len <= model.max_positions:
         raise InputError(f"max_model_len {max_model_len}: expected 1..{model.max_positions} (the model's "
                          "max_positions)")
+    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+        raise InputError(f"max_batch: expected an int of at least 1 (or None for all the prompts), got {max_batch!r}")
     max_len = max_model_len or model.max_positions
     plist = params_per_prompt(params, len(prompts))
     for i, ids in enumerate(prompts):
@@ -104,7 +111,8 @@ def generate(
     # One slot per prompt; caches only as long as this request can grow (max_model_len
     # counts the prompt and at least one generated token, even at max_tokens 0)
     cache_len = min(max_len, max(len(p) + max(q.max_tokens, 1) for p, q in zip(prompts, plist)))
-    runner = ReferenceRunner(model, max_batch=len(prompts), max_model_len=cache_len, prefill_chunk=prefill_chunk)
+    runner = ReferenceRunner(model, max_batch=min(len(prompts), max_batch or len(prompts)), max_model_len=cache_len,
+                             prefill_chunk=prefill_chunk)
     return generate_with_runner(runner, prompts, plist, eos_token_id=eos_token_id,
                                 return_prompt_logits=return_prompt_logits,
                                 keep_step_logits=keep_step_logits, on_token=on_token)

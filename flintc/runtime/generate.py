@@ -1,5 +1,6 @@
-"""Generation over any `ModelRunner`: prefill each prompt into its own slot, then
-decode the live sequences together, one token per sequence per step, sampling on
+"""Generation over any `ModelRunner`: prompts in consecutive batches of at most the
+runner's max_batch; in each, prefill each prompt into its own slot, then decode the
+live sequences together, one token per sequence per step, sampling on
 the runner's device (FLINT_SPEC section 6: temperature, top-k then top-p, greedy at
 temperature 0, per-request seeds; and vLLM's penalties, min_p, min_tokens,
 logit_bias, allowed_token_ids and bad words, see `flintc.sampling`: a prompt whose
@@ -61,30 +62,69 @@ def generate_with_runner(
 ) -> GenerationResult:
     """Generate after each prompt with `runner` (a ModelRunner).
 
+    Any number of prompts: they run in consecutive batches of at most
+    `runner.max_batch` (prompts 0..max_batch-1 first, then the next max_batch, ...; each
+    batch prefilled into slots 0.. and decoded to its end before the next starts), as
+    vLLM's `LLM.generate` takes any number. The result holds every prompt in input
+    order. A prompt's sampling does not depend on the batch it falls in: it draws from
+    its own generator, made when its batch starts (seeded with its own `seed`, so the
+    same draws as alone; random without one; `flintc.sampling.sample`), and its stopping
+    rules are its own. Its logits are its own row of the batch's decode bucket (the
+    smallest that fits the live sequences), so a greedy or seeded prompt gets the tokens
+    it gets alone wherever the buckets round its row alike (the tiny CPU builds of
+    tests/runtime do). prefill_seconds, decode_seconds and decode_steps add up over the
+    batches; step_logits hold each batch's steps in turn.
+
     Args:
-        prompts: token ids per prompt; at most `runner.max_batch` prompts.
+        prompts: token ids per prompt (at least one).
         params: one SamplingParams for all, or one per prompt.
-        on_token: called as on_token(prompt_index, token_id) as tokens appear.
+        on_token: called as on_token(prompt_index, token_id) as tokens appear
+            (prompt_index into `prompts`, whatever batch it runs in).
 
     Raises:
-        InputError: no prompts or more than runner.max_batch, an empty prompt, an id
-            outside the vocabulary (in a prompt, a logit_bias, allowed_token_ids or
-            bad_words_token_ids), bad_words without their token ids, or a prompt of
-            max_model_len tokens or more.
+        InputError: no prompts, an empty prompt, an id outside the vocabulary (in a
+            prompt, a logit_bias, allowed_token_ids or bad_words_token_ids), bad_words
+            without their token ids, or a prompt of max_model_len tokens or more; all
+            checked before any prompt runs.
     """
     cfg = runner.config
     B = len(prompts)
     if B == 0:
         raise InputError("no prompts: give at least one")
-    if B > runner.max_batch:
-        raise InputError(f"{B} prompts, but the runtime takes at most {runner.max_batch} at once "
-                         "(the build's max_batch: flintc compile --max-batch, flintc.compile(max_batch=...))")
     plist = params_per_prompt(params, B)
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, runner.max_model_len,
                      name=f"prompt {i}" if B > 1 else "prompt")
     for i, q in enumerate(plist):
         _check_sampling_ids(q, cfg.vocab_size, f" of prompt {i}" if B > 1 else "")
+    step = int(runner.max_batch)
+    result = None
+    for start in range(0, B, step):
+        part = _generate_batch(runner, prompts[start:start + step], plist[start:start + step], eos_token_id,
+                               return_prompt_logits, keep_step_logits,
+                               None if on_token is None else (lambda b, t, _s=start: on_token(_s + b, t)))
+        if result is None:
+            result = part
+            continue
+        result.prompt_ids += part.prompt_ids
+        result.output_ids += part.output_ids
+        result.finish_reasons += part.finish_reasons
+        if return_prompt_logits:
+            result.prompt_logits += part.prompt_logits
+        result.step_logits += part.step_logits
+        result.prefill_seconds += part.prefill_seconds
+        result.decode_seconds += part.decode_seconds
+        result.decode_steps += part.decode_steps
+    return result
+
+
+def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams], eos_token_id: int | None,
+                    return_prompt_logits: bool, keep_step_logits: bool,
+                    on_token: Callable[[int, int], None] | None) -> GenerationResult:
+    """`generate_with_runner` for at most runner.max_batch prompts, checked already: prompt
+    b in slot b, one SamplingParams per prompt; on_token(b, token_id) with b into
+    `prompts`."""
+    B = len(prompts)
     device = runner.device
     gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
     result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])

@@ -2,11 +2,13 @@
 OpenAI error body.
 
 Requests are validated strictly from JSON (``model_validate_json``): a wrong type is
-a 400, and so is an unknown field (as the OpenAI API does: "Unrecognized request
-argument"). Fields that OpenAI defines but Flint cannot honour are accepted only
-at their neutral value (e.g. ``best_of: 1``); any other value is a 400 naming the
-field (:func:`unsupported`). ``presence_penalty``, ``frequency_penalty`` and
-``logit_bias`` are honoured, with vLLM's semantics (:mod:`flintc.sampling`). Purely
+a 400 (an integer field takes a number with a zero fraction, ``"n": 2.0``, as vLLM's lax
+models do, but not 2.5, a bool or a string: :data:`Int`), and so is an unknown field
+(as the OpenAI API does: "Unrecognized request argument"). Fields that OpenAI
+defines but Flint cannot honour are accepted only at their neutral value (e.g.
+``best_of: 1``); any other value is a 400 naming the field (:func:`unsupported`).
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` are honoured, with
+vLLM's semantics (:mod:`flintc.sampling`). Purely
 informational fields (``user``, ``metadata``, ``store``, ...) are accepted and ignored.
 
 Extensions, as vLLM names them: ``top_k`` (FLINT_SPEC section 6: 20 by default;
@@ -30,9 +32,24 @@ vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest`
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+
+def _integral_float_as_int(value):
+    """A JSON number with a zero fraction (2.0, 1e3, -0.0) as the int it equals; any
+    other value unchanged, for the strict int check to take or refuse (2.5, NaN, true,
+    "2": 400)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field: an int, or a float with a zero fraction (2.0), as vLLM's lax pydantic
+# models take it ("n": 2.0 was a 400 here); 2.5, a bool and a string stay 400s naming the
+# field, as the strict models answer any other wrong type.
+Int = Annotated[int, BeforeValidator(_integral_float_as_int)]
 
 
 class StreamOptions(BaseModel):
@@ -50,9 +67,9 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    max_tokens: int | None = None
-    n: int | None = None
-    seed: int | None = None
+    max_tokens: Int | None = None
+    n: Int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -60,17 +77,17 @@ class _Common(BaseModel):
     top_p: float | None = None
     user: str | None = None
     # vLLM-style extensions
-    top_k: int | None = None
+    top_k: Int | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None
-    min_tokens: int | None = None
+    min_tokens: Int | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None  # vLLM's: 0..20 alternatives per prompt token
+    prompt_logprobs: Int | None = None  # vLLM's: 0..20 alternatives per prompt token
     # vLLM's other request fields (its protocol.py), which clients send at their defaults:
     # honoured: request_id (the response id), truncate_prompt_tokens, add_special_tokens
     # (per route, below), bad_words, allowed_token_ids, return_tokens_as_token_ids; no
@@ -78,13 +95,13 @@ class _Common(BaseModel):
     # without use_beam_search), cache_salt (no prefix cache to salt); accepted only at
     # their no-op value (`unsupported`): the others
     request_id: str | None = None
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int | None = None
     length_penalty: float = 1.0
     cache_salt: str | None = None
     use_beam_search: bool = False
-    priority: int = 0
+    priority: Int = 0
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int] | None = None
     return_tokens_as_token_ids: bool | None = None
     logits_processors: Any = None
     kv_transfer_params: Any = None
@@ -103,9 +120,9 @@ class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions."""
 
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -119,7 +136,7 @@ class ChatCompletionRequest(_Common):
     documents: list[dict[str, Any]] | None = None
     echo: bool | None = None
     include_reasoning: bool = True
-    best_of: int | None = None
+    best_of: Int | None = None
     chat_template: Any = None
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
@@ -143,10 +160,10 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    logprobs: Int | None = None
     echo: bool | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
     # vLLM's (completions): add_special_tokens honoured (vLLM's default: true, a BOS
     # the tokenizer's post-processor adds to a text prompt); the others only when null
@@ -192,7 +209,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error", "server_error"]

@@ -379,15 +379,14 @@ def test_python_api_generate_text(builds):
     assert logits.shape == (3, m.runner.config.vocab_size) and logits.dtype == torch.float32
 
 
-@pytest.mark.parametrize("case", ["too_long", "too_many", "other_weights", "other_format", "no_gpu", "not_a_build"])
+# (five prompts on a build of max_batch 4, "too_many" here before, now run in batches:
+# test_run_build_honours_smaller_limits_and_refuses_larger)
+@pytest.mark.parametrize("case", ["too_long", "other_weights", "other_format", "no_gpu", "not_a_build"])
 def test_bad_input_is_one_line(builds, capsys, tmp_path, case, tiny_bf16_dir):
     build, _ = builds["bf16"]
     if case == "too_long":
         args = ["run", "--build", build, "--prompt-ids", ",".join(["1"] * (MAX_LEN + 1))]
         expect = "more than the maximum"
-    elif case == "too_many":
-        args = ["run", "--build", build] + sum([["--prompt-ids", "1,2"] for _ in range(5)], [])
-        expect = "at most 4"
     elif case == "other_weights":
         from flintc.checkpoint.writer import make_checkpoint
 
@@ -498,8 +497,16 @@ def test_run_build_honours_smaller_limits_and_refuses_larger(builds, capsys):
     full, short = json.loads(full), json.loads(short)
     # 3 prompt + 2 generated tokens = --max-model-len 5 (vLLM's meaning)
     assert short["finish_reason"] == "length" and short["output_ids"] == full["output_ids"][:2]  # as vLLM's
+    # more prompts than --max-batch: consecutive batches of it (it was "2 prompts, but
+    # --max-batch is 1"), each prompt's tokens those it gets alone, in command-line order
     code, out, err = run_cli(capsys, *args, "--max-batch", 1, "--prompt-ids", "4,5")
-    assert code == 2 and "--max-batch is 1" in err
+    assert code == 0, err
+    both = [json.loads(line) for line in out.splitlines()]
+    code, alone, err = run_cli(capsys, "run", "--build", build, "--prompt-ids", "4,5", "--max-tokens", 8,
+                               "--temperature", 0, "--ignore-eos", "--output", "json")
+    assert code == 0, err
+    assert [b["index"] for b in both] == [0, 1] and [b["prompt_ids"] for b in both] == [[1, 2, 3], [4, 5]]
+    assert both[0]["output_ids"] == full["output_ids"] and both[1]["output_ids"] == json.loads(alone)["output_ids"]
 
 
 @pytest.mark.parametrize("flags, needles", [
@@ -647,14 +654,109 @@ def test_forward_checks_slot_and_raises_value_errors(builds):
 
 def test_python_api_generate_needs_a_prompt(builds):
     """`m.generate([])` said "0 prompts, but the runtime takes at most 4 at once
-    (--max-batch)", as if there were too many."""
+    (--max-batch)", as if there were too many; it still needs one, now that any number
+    more is taken."""
     import flintc
 
     m = flintc.load(builds["bf16"][0])
+    for none in ([], ()):
+        with pytest.raises(InputError, match="^no prompts: give at least one$"):
+            m.generate(none, temperature=0, max_tokens=2)
+
+
+def _batch_prompts(n: int) -> list[list[int]]:
+    """n distinct prompts of 2..5 token ids."""
+    return [[(7 * i + 3 * j) % 60 + 1 for j in range(2 + i % 4)] for i in range(n)]
+
+
+@pytest.mark.parametrize("extra", [1, 5])  # max_batch + 1 and 2 * max_batch + 1 prompts (max_batch 4)
+def test_python_api_generate_runs_more_prompts_than_max_batch_in_batches(builds, extra):
+    """More prompts than the build's max_batch (refused before: "5 prompts, but the
+    runtime takes at most 4 at once") run in consecutive batches of max_batch, as vLLM's
+    LLM.generate: every prompt's result (tokens, finish reason, text, prompt logits) is
+    the one it gets alone, in input order, greedy or seeded (its own generator), each
+    with its own max_tokens; on_token's index is the prompt's in the list."""
+    import flintc
+
+    m = flintc.load(builds["bf16"][0])
+    B = m.runner.max_batch
+    assert B == 4
+    prompts = _batch_prompts(B + extra)
+    params = [SamplingParams(temperature=0, max_tokens=2 + i % 4, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=100 + i, max_tokens=2 + i % 4,
+                             ignore_eos=True)
+              for i in range(len(prompts))]
+    seen = [[] for _ in prompts]
+    r = m.generate(prompts, params=params, return_prompt_logits=True,
+                   on_token=lambda i, t: seen[i].append(t))
+    assert r.prompt_ids == prompts and len(r.output_ids) == len(r.finish_reasons) == len(prompts)
+    assert len(r.prompt_logits) == len(r.texts) == len(prompts)
+    assert seen == r.output_ids
+    for i, (p, q) in enumerate(zip(prompts, params)):
+        alone = m.generate([p], params=q, return_prompt_logits=True)
+        assert r.output_ids[i] == alone.output_ids[0] and len(r.output_ids[i]) == q.max_tokens, i
+        assert r.finish_reasons[i] == alone.finish_reasons[0] == "length", i
+        assert r.texts[i] == alone.texts[0], i
+        assert torch.equal(r.prompt_logits[i], alone.prompt_logits[0]), i
+    # the batches' decode steps add up: each batch decodes until its longest request ends
+    batches = [params[s:s + B] for s in range(0, len(params), B)]
+    assert r.decode_steps == sum(max(q.max_tokens for q in b) - 1 for b in batches)
+
+
+def test_runtime_generate_batches_keep_stop_and_length_per_prompt(builds):
+    """generate_with_runner on a runner of max_batch 2 (the bf16-c32 build, whose only
+    decode bucket is 2) with 5 prompts: three batches; a prompt stopping at the
+    end-of-text token, and one at max_model_len, finish as they do alone; step_logits
+    hold every batch's steps; bad input anywhere is refused before any prompt runs,
+    named by its index in the whole list."""
+    build, src = builds["bf16-c32"]
+    runner = load_build(build, model=src)
+    assert runner.max_batch == 2
+    prompts = _batch_prompts(5)
+    prompts[3] = list(range(1, runner.max_model_len - 2))  # 3 tokens from max_model_len
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = generate_with_runner(runner, prompts, greedy)
+    eos = plain.output_ids[1][2]  # prompt 1 stops at its third token when this is end-of-text
+    stopping = SamplingParams(temperature=0, max_tokens=6)
+    plist = [greedy, stopping, greedy, greedy, greedy]
+    r = generate_with_runner(runner, prompts, plist, eos_token_id=eos, keep_step_logits=True)
+    for i, p in enumerate(prompts):
+        alone = generate_with_runner(runner, [p], plist[i], eos_token_id=eos)
+        assert r.output_ids[i] == alone.output_ids[0] and r.finish_reasons[i] == alone.finish_reasons[0], i
+    assert r.finish_reasons[1] == "stop" and r.output_ids[1][-1] == eos
+    assert len(r.output_ids[3]) == 3 and r.finish_reasons[3] == "length"
+    assert len(r.step_logits) == r.decode_steps + 3  # one sampling step more than decode steps per batch
+    with pytest.raises(InputError, match="^prompt 4 is empty$"):
+        generate_with_runner(runner, prompts[:4] + [[]], greedy)
     with pytest.raises(InputError, match="^no prompts: give at least one$"):
-        m.generate([], temperature=0, max_tokens=2)
-    with pytest.raises(InputError, match="5 prompts, but the runtime takes at most 4"):
-        m.generate([[1, 2]] * 5, temperature=0, max_tokens=2)
+        generate_with_runner(runner, [], greedy)
+
+
+def test_reference_generate_takes_a_max_batch(tiny_bf16_dir):
+    """`flintc.model.generate.generate(..., max_batch=N)` decodes at most N sequences
+    together (what `flintc run --max-batch` means on the reference backend), each
+    prompt's tokens those it gets in one batch of all; max_batch must be an int >= 1."""
+    from flintc.runtime.runner import ReferenceRunner
+
+    model = reference(tiny_bf16_dir)
+    prompts = _batch_prompts(5)
+    q = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    together = generate(model, prompts, q)
+    sizes = []
+    real = ReferenceRunner.decode
+
+    def decode(self, slots, *a, **k):
+        sizes.append(len(slots))
+        return real(self, slots, *a, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ReferenceRunner, "decode", decode)
+        r = generate(model, prompts, q, max_batch=2)
+    assert r.output_ids == together.output_ids and r.prompt_ids == prompts
+    assert sizes and max(sizes) == 2
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(InputError, match="^max_batch: expected an int of at least 1"):
+            generate(model, prompts, q, max_batch=bad)
 
 
 def test_python_api_takes_prompts_of_every_documented_kind_and_refuses_others(builds):
