@@ -112,21 +112,27 @@ class CapturedGraph:
     def example_inputs(self, model: FlintModel, seed: int = 0, device=None):
         """Random (input_ids, positions, slots, kv_cache) of this graph's shapes.
 
-        Decode positions are drawn per sequence so sliding windows have wrapped;
-        prefill starts at position 0. The KV cache is filled with random values
-        (as if earlier steps had written it), in the model's activation dtype.
+        Decode positions are drawn per sequence so sliding windows have wrapped. A
+        prefill chunk starts at a position drawn per sequence from [W, cache_len - T]
+        (from cache_len - T when that is less than W): a chunk after earlier ones
+        (chunked prefill), so the checks read cached rows in the full layers and a
+        wrapped ring in the sliding layers (`prefill_attention_kv`'s cached-key path,
+        which a chunk at position 0 never reads). The KV cache is filled with random
+        values (as if earlier steps had written it), in the model's activation dtype.
         """
         c, B, T = self.config, self.batch, self.tokens
         device = device or model.rope_cos.device
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, c.vocab_size, (B, T), generator=g)
+        start = None
         if self.step == "decode":
             start = torch.randint(0, self.cache_len - T + 1, (B, 1), generator=g)
-        else:
-            start = torch.zeros(B, 1, dtype=torch.long)
-        positions = start + torch.arange(T)[None]  # [B, T]
         slots = torch.randperm(B, generator=g)
         kv = [torch.randn(t.shape, generator=g).to(t.dtype) for t in model.new_kv_cache(B, self.cache_len, "cpu")]
+        if start is None:  # drawn last: ids, slots and cache are those a chunk at 0 had
+            last = max(0, self.cache_len - T)
+            start = torch.randint(min(c.sliding_window, last), last + 1, (B, 1), generator=g)
+        positions = start + torch.arange(T)[None]  # [B, T]
         move = lambda t: t.to(device)  # noqa: E731
         return move(ids), move(positions), move(slots), [move(t) for t in kv]
 

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import math
 
+import pytest
 import torch
 
 from flintc.checkpoint.dummy import dummy_weights
@@ -51,7 +52,8 @@ def run(g, passes=PASSES, p0=0, seed=0):
     of all stages."""
     ctx = PassContext(g.config, "prefill", g.batch, g.tokens, g.cache_len)
     checker = NumericChecker(tiny_model(), g, seed=seed)
-    checker.inputs = (checker.inputs[0], checker.inputs[1] + p0, *checker.inputs[2:])
+    positions = checker.inputs[1]
+    checker.inputs = (checker.inputs[0], positions - positions[:, :1] + p0, *checker.inputs[2:])
     report = PassManager(passes, ctx, checker=checker).run(g)
     c = report.stages[-1].check
     print(f"\n{report.stages[-1].name} B={g.batch} T={g.tokens} p0={p0} seed={seed}: "
@@ -166,7 +168,7 @@ def test_wrong_variants_fail_the_same_tolerance():
         p(ctx).run(g.gm)
     checker = NumericChecker(tiny_model(), g, seed=0)
     ids, positions, slots, kv, rows = checker.inputs  # rows: the logits_rows the checker drew
-    inputs = (ids, positions + 13, slots, kv, rows)
+    inputs = (ids, positions - positions[:, :1] + 13, slots, kv, rows)
     old_run = run_graph(g.gm, checker.weights, inputs)
     checks = {}
     for variant in (PrefillAttentionFusionPass, SinkTwicePass, OnePositionLatePass):
@@ -181,6 +183,65 @@ def test_wrong_variants_fail_the_same_tolerance():
     right = checks.pop("fuse_prefill_attention")
     assert right.passed and not right.bit_exact
     assert not any(c.passed for c in checks.values())
+
+
+class ChunkAtZeroPass(PrefillAttentionFusionPass):
+    """Deliberately wrong only after position 0: the chunk renumbered to start at 0 (it
+    reads no cached key and writes rows 0..T-1); at p0 = 0 it is the right pass."""
+
+    name = "chunk_at_zero"
+
+    def run(self, gm):
+        result = super().run(gm)
+        for n in find_nodes(gm, fused.prefill_attention_kv):
+            with gm.graph.inserting_before(n):
+                first = gm.graph.call_function(aten.slice.Tensor, (n.args[6], 1, 0, 1))
+                zero = gm.graph.call_function(aten.sub.Tensor, (n.args[6], first))
+            first.meta["flintc_layer"] = zero.meta["flintc_layer"] = n.meta["flintc_layer"]
+            n.update_arg(6, zero)
+        refresh_meta(gm)
+        return result
+
+
+@functools.lru_cache(maxsize=None)
+def _model(fmt, kv_heads):
+    from flintc.checkpoint.init import random_weights
+    from flintc.quant.nvfp4 import quantize
+
+    cfg = tiny_model().config.replace(num_key_value_heads=kv_heads)
+    w = random_weights(cfg, 0)
+    if fmt == "nvfp4":
+        w = {k: quantize(v) if v.dim() >= 2 and "proj" in k else v for k, v in w.items()}
+    return FlintModel(cfg, w)
+
+
+@pytest.mark.parametrize("fmt,kv_heads", [("bf16", 2), ("nvfp4", 1)])
+def test_default_check_inputs_read_the_cache(fmt, kv_heads):
+    """The checks `flintc verify` and `flintc compile` run (NumericChecker's default
+    inputs) put the prefill chunk after earlier ones, past the W=9 ring (the build's
+    chunk of 8 tokens at p0 = 16 was where a 22-token MQA prompt met a one-ulp online-
+    softmax difference): a pass that ignores the cached keys fails them. With the chunk
+    at position 0 it was checked bit-exact."""
+    model = _model(fmt, kv_heads)
+    g = capture(model, "prefill", batch=1, tokens=8, cache_len=CACHE)
+    checker = NumericChecker(model, g)
+    p0 = int(checker.inputs[1][0, 0])
+    assert model.config.sliding_window <= p0 <= CACHE - 8
+    ctx = PassContext(g.config, "prefill", 1, 8, CACHE, fmt)
+    for p in (RMSNormFusionPass, QKNormRopeKVWriteFusionPass):
+        p(ctx).run(g.gm)
+    old_run = run_graph(g.gm, checker.weights, checker.inputs)
+    checks = {}
+    for variant in (PrefillAttentionFusionPass, ChunkAtZeroPass):
+        gm = clone_graph_module(g.gm)
+        variant(ctx).run(gm)
+        checks[variant.name] = compare_graphs(gm, g.gm, checker.weights, checker.inputs,
+                                              PrefillAttentionFusionPass.expectation,
+                                              checker.cache_names, old_run)
+    for name, c in checks.items():
+        print(f"\n{fmt} Hkv={kv_heads} p0={p0} {name}: passed={c.passed} max_abs={c.max_abs:.4g}")
+    assert checks["fuse_prefill_attention"].passed
+    assert not checks["chunk_at_zero"].passed
 
 
 def test_full_width_config_on_meta_weights():
