@@ -12,6 +12,9 @@
 #                formats, N = 1 and 8)
 #   KAB_MOE      bench_moe.py arguments (default: both formats, N = 1, 2, 8); empty skips it
 #   KAB_CAP_S    seconds per benchmark run (default 90)
+#   KAB_ENV_OLD, KAB_ENV_NEW  environment settings (`VAR=value` words) for the old / new
+#                runs: with AB_OLD=. both run this tree, so a knob's A/B is e.g.
+#                AB_OLD=. KAB_ENV_NEW="FLINTC_MMA_EARLY_EPILOGUE=all"
 #
 #   OUT=/some/dir AB_OLD=_ab_old bash scripts/gpu_kernel_ab.sh   # from the repository root
 set -uo pipefail
@@ -36,16 +39,17 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 status=0
 for r in $(seq 1 "${KAB_ROUNDS:-2}"); do
   for v in old new; do
-    tree=$ROOT; [ "$v" = old ] && tree=$OLD
+    tree=$ROOT; envs=${KAB_ENV_NEW:-}
+    [ "$v" = old ] && { tree=$OLD; envs=${KAB_ENV_OLD:-}; }
     if [ -n "$GEMV" ]; then
       # shellcheck disable=SC2086  # the arguments are words
-      (cd "$tree/benchmarks" && PYTHONPATH="$SITE:$tree" timeout "$CAP" $PY bench_gemv.py --pdl \
+      (cd "$tree/benchmarks" && env $envs PYTHONPATH="$SITE:$tree" timeout "$CAP" $PY bench_gemv.py --pdl \
         --no-compile $GEMV --out "$OUT/gemv-$v-$r.md" > "$OUT/gemv-$v-$r.log" 2>&1)
       rc=$?; echo "gemv $v round $r: exit $rc"; [ $rc -eq 0 ] || status=1
     fi
     if [ -n "$MOE" ]; then
       # shellcheck disable=SC2086
-      (cd "$tree/benchmarks" && PYTHONPATH="$SITE:$tree" timeout "$CAP" $PY bench_moe.py --pdl \
+      (cd "$tree/benchmarks" && env $envs PYTHONPATH="$SITE:$tree" timeout "$CAP" $PY bench_moe.py --pdl \
         --no-sweep --no-floor --no-compile $MOE --out "$OUT/moe-$v-$r.md" > "$OUT/moe-$v-$r.log" 2>&1)
       rc=$?; echo "moe $v round $r: exit $rc"; [ $rc -eq 0 ] || status=1
     fi

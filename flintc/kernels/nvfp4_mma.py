@@ -55,7 +55,8 @@ Kernels (one source, specialised per shape at compile time; `kernel_source`):
 * `nvfp4_mma_gemv` (`mma_gemv`): y = x @ W^T for N <= 8; grid F / 16 row tiles, the
   block's warps split K and add their sums in shared memory in warp order (no split-K
   workspace, no atomics unless an fp32 split output is asked for); epilogues fp32, bf16,
-  bf16 + residual. The model's `gemv` / `gemv_residual` (O projection, dense down
+  bf16 + residual (with `mma_early_epilogue`, the residual loads right after the PDL
+  wait, with x, instead of in the epilogue). The model's `gemv` / `gemv_residual` (O projection, dense down
   projection) run on it (`flintc.kernels.gemv`).
 * `nvfp4_mma_qkv` (`mma_qkv`): kernel 1 of the layer, `flintc::norm_qkv_rope_kv`: the
   input RMSNorm in the prologue (the block's K slice of the normed x in shared memory),
@@ -71,7 +72,9 @@ Kernels (one source, specialised per shape at compile time; `kernel_source`):
 * `nvfp4_mma_moe_down` (`moe_down`): kernel 7: per 16 rows of H, the warps take the work
   units (the shared expert, then each token's routed experts, each cut into K slices of
   the expert width) in turn, then the block adds the slices and combines its rows in the
-  reference's order and adds the residual.
+  reference's order and adds the residual (with `mma_early_epilogue`, the residual and
+  the routing weights are staged in shared memory before the block's barrier by the
+  warps that finish first).
 
 Unlike `flintc.kernels.moe`'s Triton kernels they do not deduplicate experts shared by
 several tokens at batch > 1 (each (token, expert) item streams its weights; duplicates
@@ -118,13 +121,13 @@ import torch
 
 from flintc.kernels.tuning import env_entries
 
-__all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
+__all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_EPILOGUE", "EARLY_EPILOGUE_KERNELS", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
            "GATE_UP_PREFETCH", "GATE_UP_ROUTE", "gate_up_route",
            "GEMV_LAUNCH", "gemv_launch",
            "MAX_SMEM", "MMA_KERNELS", "QKV_LAUNCH_ORDER", "gate_up_launch", "mma_trigger_early",
            "ROUTER_LAUNCH_ORDER", "SCALE_CODE_BIAS", "STATIC_SMEM", "available",
            "decode_mma_layout", "down_launch", "e4m3_to_scale_code", "enabled_from_env", "is_mma_layout",
-           "kernel_source", "mma_gemv", "mma_norm_router", "mma_operands", "mma_qkv",
+           "kernel_source", "mma_early_epilogue", "mma_gemv", "mma_norm_router", "mma_operands", "mma_qkv",
            "moe_down", "moe_smem_bytes", "moe_topk_gate_up", "pack_mma_layout",
            "pack_mma_stack", "packed_weight", "prepack", "qkv_applies", "qkv_launch_config",
            "qkv_smem_bytes", "qkv_source", "refusal_note", "refusal_reason", "router_launch_config", "scale_code_to_bf16_bits",
@@ -404,6 +407,10 @@ _COMMON = r"""
 #define TRIG_EARLY __TRIG__  // PDL: launch_dependents once a block's first loads are issued
                              // (after the wait), not after its main loop
 #define BF16W __BF16W__  // 1: bf16 weights, row-major [F, K] (ChunkB); 0: NVFP4 mma layout
+#define EARLY_EPI __EARLY_EPI__  // 1: the epilogue's inputs from earlier kernels (the GEMV's
+                                 // residual, the MoE down kernel's residual and routing
+                                 // weights) load early, off the critical path
+                                 // (`mma_early_epilogue`)
 #define L2PF __L2PF__    // 1: the chunks of a warp's slice past the first PF (which load into
                          // registers) are prefetched into L2 once their address is known
                          // (`l2_prefetch_tiles`), so that their register loads hit L2
@@ -628,6 +635,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
                const float* __restrict__ gscale, const u16* x, const u16* residual,
                void* __restrict__ out, int N, int F) {
+#define RPW ((RT + WARPS - 1) / WARPS)  // row tiles each warp finishes in the epilogue
   __shared__ float red[WARPS][RT][4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -655,6 +663,20 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 #endif
 #pragma unroll
   for (int c = 0; c < PF && c < CPW; ++c) load_x(buf[c], xp, c);
+#if EPI == 2 && EARLY_EPI
+  // the residual of this thread's outputs (row tiles warp, warp + WARPS, ...), loaded now,
+  // after the wait: in the epilogue each load would sit between the reduction and the
+  // store, one L2 round trip per output on the kernel's critical path
+  u16 res[RPW][4];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = warp + i * WARPS, n = 2 * t + (j & 1);
+      res[i][j] = r < RT && n < N
+          ? ld_act_u16(residual + (size_t)n * F + (ft0 + r) * 16 + g + (j >> 1) * 8) : 0;
+    }
+#endif
 #if PDL && TRIG_EARLY
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
@@ -675,7 +697,14 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
     for (int j = 0; j < 4; ++j) red[warp][r][j][lane] = acc[r][j];
   __syncthreads();
   // warp w finishes row tiles r = w, w + WARPS, ...
+#if EARLY_EPI
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {  // unrolled: res[i] stays in registers
+    const int r = warp + i * WARPS;
+    if (r >= RT) break;
+#else
   for (int r = warp; r < RT; r += WARPS) {
+#endif
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float v = 0.f;
@@ -692,8 +721,12 @@ nvfp4_mma_gemv(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 #elif EPI == 1
         static_cast<u16*>(out)[o] = to_bf16(v);
 #else
+#if EARLY_EPI
+        static_cast<u16*>(out)[o] = to_bf16(from_bf16(res[i][j]) + from_bf16(to_bf16(v)));
+#else
         static_cast<u16*>(out)[o] = to_bf16(from_bf16(ld_act_u16(residual + o)) +
                                            from_bf16(to_bf16(v)));
+#endif
 #endif
       }
     }
@@ -1270,10 +1303,10 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
 #endif
       scale = global_scale(sgs);
     }
-    first = false;
     const uint4* xp = x_at(xrow, c0, lane);
 #pragma unroll
     for (int c = 0; c < PF && c < CPS; ++c) load_x(buf[c], xp, c);
+    first = false;
 #if PDL && TRIG_EARLY
     if (u == warp) asm volatile("griddepcontrol.launch_dependents;");  // first unit's loads issued
 #endif
@@ -1304,6 +1337,18 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
   if (warp >= items * KSPLIT && N > 0) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (!TRIG_EARLY || warp >= items * KSPLIT) asm volatile("griddepcontrol.launch_dependents;");
 #endif
+  // the combine's inputs from the previous kernels (the residual, the routing weights),
+  // staged in shared memory before the barrier by the block's last threads (the warps
+  // with the fewest work units finish first): loaded in the combine, after the barrier,
+  // they would add an L2 round trip to the kernel's critical path
+#if EARLY_EPI
+  __shared__ u16 res[8][16];
+  __shared__ float wk[8][KTOP];
+  const int last = WARPS * 32 - 1 - threadIdx.x;
+  for (int i = last; i < N * 16; i += WARPS * 32)
+    res[i >> 4][i & 15] = ld_act_u16(residual + (size_t)(i >> 4) * H + ft * 16 + (i & 15));
+  for (int i = last; i < N * KTOP; i += WARPS * 32) wk[i / KTOP][i % KTOP] = ld_act_f32(wts + i);
+#endif
   __syncthreads();
   // combine, as flintc.model.ops.expert_combine: y = bf16(sum of the slices x scale); sum_k
   // (w_k * y_k) in k order (separate fp32 multiply and add), plus the shared expert, one
@@ -1320,10 +1365,22 @@ nvfp4_mma_moe_down(const uint4* __restrict__ wq, const u16* __restrict__ sq,
     }
     float m = 0.f;
 #pragma unroll
-    for (int k = 0; k < KTOP; ++k) m = __fadd_rn(m, __fmul_rn(ld_act_f32(wts + n * KTOP + k), y[k]));
+    for (int k = 0; k < KTOP; ++k) {
+#if EARLY_EPI
+      const float wt = wk[n][k];
+#else
+      const float wt = ld_act_f32(wts + n * KTOP + k);
+#endif
+      m = __fadd_rn(m, __fmul_rn(wt, y[k]));
+    }
     m = __fadd_rn(m, y[KTOP]);
     const size_t o = (size_t)n * H + ft * 16 + row;
-    out[o] = to_bf16(from_bf16(ld_act_u16(residual + o)) + from_bf16(to_bf16(m)));
+#if EARLY_EPI
+    const u16 rv = res[n][row];
+#else
+    const u16 rv = ld_act_u16(residual + o);
+#endif
+    out[o] = to_bf16(from_bf16(rv) + from_bf16(to_bf16(m)));
   }
 }
 """
@@ -1700,12 +1757,13 @@ _KERNELS: dict[tuple, object] = {}  # compiled variants, by (device index, _kern
 def _kernel(row_tiles: int, k: int, splits: int, prefetch: int, warps: int, epilogue: int,
             pdl: bool, moe_top_k: int = 0, experts: int = 0, bf16: bool = False,
             trigger_early: bool = False, min_blocks: int = 0, block_route: bool = True,
-            l2_prefetch: bool = False, *, device: torch.device):
+            l2_prefetch: bool = False, early_epilogue: bool = False, *,
+            device: torch.device):
     """The compiled variant for `device` (NVRTC through `torch.cuda._compile_kernel`, about
     a second the first time; cached for the process per device)."""
     args = (row_tiles, k, splits, prefetch, warps, epilogue, bool(pdl), moe_top_k, experts,
             bool(bf16), bool(trigger_early), int(min_blocks), bool(block_route),
-            bool(l2_prefetch))
+            bool(l2_prefetch), bool(early_epilogue))
     name = ("nvfp4_mma_moe_gate_up" if experts else "nvfp4_mma_moe_down") if moe_top_k \
         else "nvfp4_mma_gemv"
     return _compiled(name, args, lambda: kernel_source(*args), device)
@@ -1739,7 +1797,7 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
                   epilogue: int = EPI_FP32, pdl: bool = False, moe_top_k: int = 0,
                   experts: int = 0, bf16: bool = False, trigger_early: bool = False,
                   min_blocks: int = 0, block_route: bool = True,
-                  l2_prefetch: bool = False) -> str:
+                  l2_prefetch: bool = False, early_epilogue: bool = False) -> str:
     """The CUDA source of one kernel variant (every argument is compiled in): the GEMV
     (`nvfp4_mma_gemv`); with moe_top_k > 0 the MoE down kernel (`nvfp4_mma_moe_down`,
     row_tiles 1, k the expert width, splits the warps per work item, each a K / splits
@@ -1754,12 +1812,14 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     (`route_slot_block`), else warp 0 alone (`gate_up_route`); the other kernels take only
     the default. `l2_prefetch`: each warp
     prefetches the chunks of its slice past the first `prefetch` into L2 once their
-    address is known (`mma_l2_prefetch`). Raises ValueError for
+    address is known (`mma_l2_prefetch`). `early_epilogue` (the GEMV with the residual
+    epilogue, the MoE down kernel): the epilogue's inputs from earlier kernels load early
+    (`mma_early_epilogue`). Raises ValueError for
     sizes below 1, k not a multiple of 64, an MoE variant over `STATIC_SMEM`,
     down-kernel splits that do not divide k / 64, or a parameter of another kernel
     (experts without moe_top_k, gate/up splits other than 1, block_route False outside
-    the gate/up kernel, min_blocks outside it) so that no two argument sets name one
-    kernel."""
+    the gate/up kernel, min_blocks outside it, early_epilogue on another kernel or
+    epilogue) so that no two argument sets name one kernel."""
     if min(row_tiles, splits, warps) < 1 or prefetch < 0 or k < 64 or k % 64:
         raise ValueError(f"kernel_source: needs row_tiles, splits, warps >= 1, prefetch >= 0 "
                          f"and k a multiple of 64; got {row_tiles}, {splits}, {warps}, "
@@ -1776,7 +1836,8 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
             "__PF__": prefetch, "__WARPS__": warps, "__EPI__": epilogue, "__PDL__": int(pdl),
             "__KTOP__": moe_top_k, "__NE__": experts, "__BF16W__": int(bf16),
             "__KSPLIT__": splits, "__TRIG__": int(bool(trigger_early)),
-            "__BLOCK_ROUTE__": int(bool(block_route)), "__L2PF__": int(bool(l2_prefetch))}
+            "__BLOCK_ROUTE__": int(bool(block_route)), "__L2PF__": int(bool(l2_prefetch)),
+            "__EARLY_EPI__": int(bool(early_epilogue))}
     gate_up = bool(moe_top_k and experts)
     if experts and not moe_top_k or gate_up and splits != 1 or not block_route and not gate_up:
         raise ValueError(f"kernel_source: experts and block_route are for the MoE gate/up kernel "
@@ -1785,6 +1846,9 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     if min_blocks < 0 or (min_blocks and not experts) or min_blocks * warps * 32 > 2048:
         raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel, >= 0, with "
                          f"min_blocks x warps x 32 <= 2048; got {min_blocks} (warps {warps})")
+    if early_epilogue and (gate_up or not moe_top_k and epilogue != EPI_RESIDUAL):
+        raise ValueError("kernel_source: early_epilogue is for the GEMV with the residual "
+                         "epilogue and the MoE down kernel")
     body = (_GATE_UP_COMMON + _MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) \
         if moe_top_k else _GEMV_SOURCE
     body = body.replace("__MINB__", f", {min_blocks}" if min_blocks else "")
@@ -1795,7 +1859,7 @@ def _render(body: str, subs: dict) -> str:
     """`_COMMON` + body with the compile-time constants `subs` and the decode expressions
     (`_DECODE_EXPR`, `_SEL_G`, `_SEL_G8`, `_SCALE_ADD`) pasted in."""
     src = _COMMON + body
-    subs = {"__L2PF__": 0, **subs}
+    subs = {"__L2PF__": 0, "__EARLY_EPI__": 0, **subs}
     for key, value in subs.items():
         src = src.replace(key, str(int(value)))
     for r, expr in enumerate(_DECODE_EXPR):
@@ -2164,7 +2228,9 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
         raise RuntimeError(f"nvfp4_mma: needs a CUDA device, got {x.device}")
     kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl), bf16=bf16,
                      trigger_early=mma_trigger_early("gemv"),
-                     l2_prefetch=mma_l2_prefetch("gemv"), device=x.device)
+                     l2_prefetch=mma_l2_prefetch("gemv"),
+                     early_epilogue=epi == EPI_RESIDUAL and mma_early_epilogue("gemv"),
+                     device=x.device)
     _launch(kernel, (FT // row_tiles, splits), 32 * warps,
             [wq, sq, gscale, x, residual if residual is not None else x, out, N, F],
             bool(use_pdl))
@@ -2223,11 +2289,14 @@ STATIC_SMEM = 48 * 1024  # bytes of static __shared__ a kernel may declare
 def moe_smem_bytes(experts: int, warps: int, tiles: int, top_k: int) -> int:
     """Static shared memory of an MoE kernel variant (its __shared__ arrays): gate/up
     (experts > 0; tiles = 16-row tiles per block) the warps' fp32 sums, their routing
-    candidates (top_k keys each) and the routed expert; down (tiles = K slices per item) the slices' fp32 sums of 8 tokens x (top_k +
-    1) items x 16 rows and the items' scales."""
+    candidates (top_k keys each) and the routed expert; down (tiles = K slices per item)
+    the slices' fp32 sums of 8 tokens x (top_k + 1) items x 16 rows, the items' scales,
+    and the combine's staged inputs (8 tokens' 16 bf16 residual rows and top_k fp32
+    routing weights; counted whether the variant stages them or not,
+    `mma_early_epilogue`)."""
     if experts:
         return 4 * warps * 2 * tiles * 4 * 32 + 8 * warps * top_k + 4
-    return 4 * tiles * 8 * (top_k + 1) * 16 + 4 * 8 * (top_k + 1)
+    return 4 * tiles * 8 * (top_k + 1) * 16 + 4 * 8 * (top_k + 1) + 2 * 8 * 16 + 4 * 8 * top_k
 
 
 def _check_moe_launch(op: str, warps: int, tiles: int, prefetch: int, tiles_name: str,
@@ -2317,6 +2386,32 @@ def mma_l2_prefetch(kernel: str) -> bool:
         TuningEnvError (a ValueError): FLINTC_MMA_L2_PREFETCH names something else.
     """
     return kernel in _kernel_set("FLINTC_MMA_L2_PREFETCH", L2_PREFETCH, L2_PREFETCH_KERNELS)
+
+
+# The CUDA kernels whose epilogue inputs from earlier kernels load early (session 40): the
+# GEMV's residual right after the PDL wait, with x (in the epilogue each output's load sat
+# between the warps' reduction and its store: one L2 round trip per output on the
+# critical path, serialised by the stores), the MoE down kernel's residual and routing
+# weights staged in shared memory before the block's barrier by the warps that finish
+# first (loaded in the combine, after the barrier). The same results, bit for bit.
+# FLINTC_MMA_EARLY_EPILOGUE overrides it (`mma_early_epilogue`). Written on the CPU
+# (NVRTC compile, PTX order checked); not yet timed on a GPU, so off by default:
+# `scripts/gpu_env_ab.sh` with AB_VAR=FLINTC_MMA_EARLY_EPILOGUE, or
+# `scripts/gpu_kernel_ab.sh`, decides.
+EARLY_EPILOGUE_KERNELS = ("gemv", "down")
+EARLY_EPILOGUE: frozenset = frozenset()
+
+
+def mma_early_epilogue(kernel: str) -> bool:
+    """Whether the CUDA `kernel` (one of `EARLY_EPILOGUE_KERNELS`) loads its epilogue's
+    inputs early: FLINTC_MMA_EARLY_EPILOGUE, when set, is a comma-separated list of those
+    that do ("" or "none": none; "all": every one); otherwise `EARLY_EPILOGUE`. Changes
+    only when the loads are issued, never the results.
+
+    Raises:
+        TuningEnvError (a ValueError): FLINTC_MMA_EARLY_EPILOGUE names something else.
+    """
+    return kernel in _kernel_set("FLINTC_MMA_EARLY_EPILOGUE", EARLY_EPILOGUE, EARLY_EPILOGUE_KERNELS)
 
 
 # (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
@@ -2437,7 +2532,8 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
     out = torch.empty((N, H), dtype=torch.bfloat16, device=h.device)
     kernel = _kernel(1, I, splits, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, bf16=bf16,
                      trigger_early=mma_trigger_early("down"),
-                     l2_prefetch=mma_l2_prefetch("down"), device=h.device)
+                     l2_prefetch=mma_l2_prefetch("down"),
+                     early_epilogue=mma_early_epilogue("down"), device=h.device)
     _launch(kernel, (H // 16, 1), 32 * warps,
             [wq, sq, gs, 1 if gs.numel() > 1 else 0, swq, ssq, sgs, h, ids, weights,
              residual, out, N, H], bool(use_pdl))

@@ -103,7 +103,8 @@ def check_environment() -> None:
     knobs FLINTC_MMA_TRIGGER, FLINTC_MMA_GEMV_LAUNCH, FLINTC_MMA_GATE_UP_LAUNCH,
     FLINTC_MMA_DOWN_LAUNCH,
     FLINTC_MMA_NORM_GATE_UP_LAUNCH, FLINTC_MMA_NORM_GATE_UP_FORMATS,
-    FLINTC_MMA_GATE_UP_ROUTE, FLINTC_MMA_L2_PREFETCH; FLINTC_DECODE_ATTN_PRELOAD,
+    FLINTC_MMA_GATE_UP_ROUTE, FLINTC_MMA_L2_PREFETCH, FLINTC_MMA_EARLY_EPILOGUE;
+    FLINTC_DECODE_ATTN_PRELOAD,
     FLINTC_DECODE_ATTN_RING_LAUNCH, FLINTC_DECODE_ATTN_MIN_ROWS;
     FLINTC_SAMPLER), so a
     bad value is
@@ -130,6 +131,7 @@ def check_environment() -> None:
     nvfp4_mma.enabled_from_env()
     nvfp4_mma.mma_trigger_early("gemv")
     nvfp4_mma.mma_l2_prefetch("gemv")
+    nvfp4_mma.mma_early_epilogue("gemv")
     nvfp4_mma.gemv_launch("nvfp4", 16, 64)
     nvfp4_mma.gate_up_launch("nvfp4", 1)
     nvfp4_mma.down_launch("nvfp4", 1)

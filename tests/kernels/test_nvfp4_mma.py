@@ -1087,6 +1087,67 @@ def test_l2_prefetch_in_the_ptx(bf16):
     assert pf in on[:on.find(wait)] and pf not in off
 
 
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("nvidia.cuda_nvrtc"),
+                    reason="needs the nvidia-cuda-nvrtc wheel (pip install nvidia-cuda-nvrtc-cu12)")
+@pytest.mark.parametrize("bf16", [False, True])
+def test_early_epilogue_in_the_ptx(bf16):
+    """`early_epilogue` (`mma_early_epilogue`, session 40) loads the epilogues' inputs from
+    earlier kernels before the work they would wait behind: the GEMV's residual right
+    after `griddepcontrol.wait`, before the first mma (else between the warps' reduction
+    and each store); the MoE down kernel's residual and routing weights before the
+    block's barrier (else after it, in the combine). In the PTX: the GEMV's coherent
+    16-bit loads (the residual; x is read 16 bytes at a time) come before its first
+    `mma.sync` with the switch and after it without; the down kernel's coherent 16- and
+    32-bit loads (residual, routing weights) before its `bar.sync` with the switch and
+    after it without. Other kernels and epilogues refuse the switch."""
+    b = (0, 0, True) if bf16 else ()
+    for args in ((1, 4096, 1, 2, 16, M.EPI_RESIDUAL, True, *b),
+                 (1, 4096, 1, 2, 32, M.EPI_RESIDUAL, False, *b),
+                 (4, 2048, 1, 2, 2, M.EPI_RESIDUAL, True, *b)):  # 2 row tiles per warp
+        for early in (True, False):
+            ptx = _nvrtc_ptx(M.kernel_source(*args, early_epilogue=early)).decode()
+            loads = [m.start() for m in re.finditer(r"ld\.global\.u16", ptx)]
+            assert loads, args
+            if early:
+                assert max(loads) < ptx.find("mma.sync"), args
+                assert not args[6] or ptx.find("griddepcontrol.wait") < min(loads), args
+            else:
+                assert min(loads) > ptx.find("mma.sync"), args
+    for args in ((1, 512, 4, 2, 32, M.EPI_RESIDUAL, True, 6, 0, bf16),
+                 (1, 512, 1, 2, 2, M.EPI_RESIDUAL, True, 6, 0, bf16)):  # 2 warps: loops
+        for early in (True, False):
+            ptx = _nvrtc_ptx(M.kernel_source(*args, early_epilogue=early)).decode()
+            loads = [m.start() for m in re.finditer(r"ld\.global\.(u16|f32)", ptx)]
+            assert len(loads) >= 2, args
+            if early:
+                assert max(loads) < ptx.find("bar.sync"), args
+            else:
+                assert min(loads) > ptx.find("bar.sync"), args
+    for args in ((1, 4096, 1, 2, 16, M.EPI_BF16, True, *b),
+                 (2, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256, bf16)):  # gate/up
+        with pytest.raises(ValueError, match="early_epilogue is for"):
+            M.kernel_source(*args, early_epilogue=True)
+
+
+def test_early_epilogue_env(monkeypatch):
+    """`mma_early_epilogue`: EARLY_EPILOGUE when FLINTC_MMA_EARLY_EPILOGUE is unset, else
+    the kernels it lists ("all", "none" / empty); anything else is a TuningEnvError naming
+    the variable."""
+    from flintc.kernels.tuning import TuningEnvError
+
+    monkeypatch.delenv("FLINTC_MMA_EARLY_EPILOGUE", raising=False)
+    for k in M.EARLY_EPILOGUE_KERNELS:
+        assert M.mma_early_epilogue(k) == (k in M.EARLY_EPILOGUE)
+    for text, on in (("all", {"gemv", "down"}), ("none", set()), ("", set()), ("down", {"down"}),
+                     (" GEMV , down ", {"gemv", "down"})):
+        monkeypatch.setenv("FLINTC_MMA_EARLY_EPILOGUE", text)
+        assert {k for k in M.EARLY_EPILOGUE_KERNELS if M.mma_early_epilogue(k)} == on, text
+    for bad in ("qkv", "gemv,none"):
+        monkeypatch.setenv("FLINTC_MMA_EARLY_EPILOGUE", bad)
+        with pytest.raises(TuningEnvError, match="FLINTC_MMA_EARLY_EPILOGUE must list kernels"):
+            M.mma_early_epilogue("gemv")
+
+
 def test_gate_up_route_env(monkeypatch):
     """`gate_up_route`: GATE_UP_ROUTE (variable unset or empty), or FLINTC_MMA_GATE_UP_ROUTE
     ("block" / "warp", case and spaces ignored); another value is a TuningEnvError naming

@@ -54,7 +54,8 @@ def test_pdl_mode_rejects_unknown(monkeypatch, tmp_path):
                      ("FLINTC_MMA_DOWN_LAUNCH", "nvfp4:1=32"),
                      ("FLINTC_MMA_NORM_GATE_UP_LAUNCH", "nvfp4:1=4,1,2"),
                      ("FLINTC_MMA_NORM_GATE_UP_FORMATS", "fp8"),
-                     ("FLINTC_MMA_L2_PREFETCH", "gate_up,qkv")):
+                     ("FLINTC_MMA_L2_PREFETCH", "gate_up,qkv"),
+                     ("FLINTC_MMA_EARLY_EPILOGUE", "gemv,qkv")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(FlintcError, match=var):
             check_environment()
