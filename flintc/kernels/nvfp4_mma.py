@@ -1846,7 +1846,7 @@ def kernel_source(row_tiles: int, k: int, splits: int, prefetch: int, warps: int
     if min_blocks < 0 or (min_blocks and not experts) or min_blocks * warps * 32 > 2048:
         raise ValueError(f"kernel_source: min_blocks is for the MoE gate/up kernel, >= 0, with "
                          f"min_blocks x warps x 32 <= 2048; got {min_blocks} (warps {warps})")
-    if early_epilogue and (gate_up or not moe_top_k and epilogue != EPI_RESIDUAL):
+    if early_epilogue and (gate_up or epilogue != EPI_RESIDUAL):
         raise ValueError("kernel_source: early_epilogue is for the GEMV with the residual "
                          "epilogue and the MoE down kernel")
     body = (_GATE_UP_COMMON + _MOE_GATE_UP_SOURCE if experts else _MOE_DOWN_SOURCE) \

@@ -1124,7 +1124,8 @@ def test_early_epilogue_in_the_ptx(bf16):
             else:
                 assert min(loads) > ptx.find("bar.sync"), args
     for args in ((1, 4096, 1, 2, 16, M.EPI_BF16, True, *b),
-                 (2, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256, bf16)):  # gate/up
+                 (2, 2048, 1, 2, 16, M.EPI_BF16, True, 6, 256, bf16),  # gate/up
+                 (1, 512, 4, 2, 32, M.EPI_BF16, True, 6, 0, bf16)):  # down: residual only
         with pytest.raises(ValueError, match="early_epilogue is for"):
             M.kernel_source(*args, early_epilogue=True)
 
