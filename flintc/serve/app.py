@@ -349,7 +349,17 @@ def _completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int, as_ids
     tokens and the top_logprobs keys are ``"token_id:{id}"``, and ``text_offset``
     advances by those strings' lengths, as vLLM's does. An item of ``lps`` may be a bare
     token id (the first token of a prompt echoed with ``echo``): its logprob and
-    top_logprobs are null, as in vLLM."""
+    top_logprobs are null, as in vLLM.
+
+    ``text_offset``: `offset` for the first token, then each token's offset is the one
+    before plus the length of the token before (its string in ``tokens``), as vLLM's
+    unstreamed completions. A stream passes, for each chunk, the offset after the
+    tokens of the chunks before it (not the length of the text they carried), so it
+    gives the offsets the same request gets unstreamed: a token whose text was held
+    back (half a UTF-8 character, sent with the next chunk's text) still advances the
+    offset of the next one. (vLLM's stream starts each chunk at the length of the text
+    sent so far, so there the token after a held-back one gets the held-back one's
+    offset.)"""
     tokens, token_lps, tops, offsets = [], [], [], []
     for t in lps:
         if isinstance(t, int):  # an echoed prompt's first token: no logprob (vLLM: null, null)
@@ -1110,7 +1120,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         plps: list[list[PromptLogprob | None] | None] = [None] * total
         ids_out = [[] for _ in range(total)]
         reasons = [None] * total
-        offsets = [0] * total
+        offsets = [0] * total  # streamed: each choice's next text_offset (`_completion_logprobs`)
         rid, created = response_id(request, req, "cmpl-"), int(time.time())
         include_usage, continuous_usage = _usage_flags(req)
 
@@ -1166,12 +1176,13 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 i = out.index
                 text, out_lps = echoed(i, out.text, out.logprobs or [], out.prompt_logprobs, i not in echo_sent)
                 echo_sent.add(i)
-                entry = {"index": i, "text": text, "finish_reason": out.finish_reason,
-                         "logprobs": (_completion_logprobs(tokenizer, out_lps, offsets[i], as_ids)
-                                      if req.logprobs is not None else None)}
+                logprobs = (_completion_logprobs(tokenizer, out_lps, offsets[i], as_ids)
+                            if req.logprobs is not None else None)
+                entry = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": logprobs}
                 if req.return_token_ids:
                     entry["token_ids"] = out.token_ids
-                offsets[i] += len(text)
+                if logprobs is not None:  # the next token's offset: after this chunk's tokens, as unstreamed
+                    offsets[i] += sum(len(t) for t in logprobs["tokens"])
                 extra = {}
                 if continuous_usage:  # vLLM's continuous_usage_stats: this choice's prompt and tokens so far
                     p, c = len(prompts[i // n]), len(ids_out[i])

@@ -1222,6 +1222,33 @@ def test_completion_top_logprobs_hold_the_sampled_token(client, tiny_serving):
                for t, top in zip(r.choices[0].logprobs.tokens, r.choices[0].logprobs.top_logprobs))
 
 
+@pytest.mark.parametrize("echo", [False, True], ids=["plain", "echo"])
+def test_streamed_completion_logprobs_equal_unstreamed_with_a_held_back_byte(client, echo):
+    """A token that is half a UTF-8 character has its text held back (the chunk carries
+    ""; the next one carries it, here as U+FFFD since the next token does not complete
+    it). Streamed, the next token's text_offset was the held-back one's (the length of
+    the text sent so far: [0, 0, 3, ...], with echo [0, 1, 2, 2, ...]) instead of the
+    unstreamed [0, 1, 3, ...]; tokens, token_logprobs and the text were already equal."""
+    kw = dict(model=MODEL, prompt="Hi", max_tokens=6, temperature=0, logprobs=0, echo=echo,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    parts = [p.choices[0] for p in client.completions.create(stream=True, **kw) if p.choices]
+    # the case this test is about: a chunk whose last token's text it does not carry ("" or the prompt)
+    held = [p for p in parts if p.logprobs and p.logprobs.tokens and p.text != "".join(p.logprobs.tokens)]
+    assert held and held[0].logprobs.tokens[-1] == "\ufffd", [(p.text, p.logprobs and p.logprobs.tokens)
+                                                               for p in parts]
+    assert held[0].text == ("Hi" if echo else "")
+    streamed = {key: [x for p in parts if p.logprobs for x in getattr(p.logprobs, key)]
+                for key in ("tokens", "text_offset", "token_logprobs")}
+    assert "".join(p.text for p in parts) == whole.text
+    assert streamed["tokens"] == whole.logprobs.tokens
+    assert streamed["text_offset"] == whole.logprobs.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(whole.logprobs.token_logprobs, abs=1e-5)
+    tokens, offsets = whole.logprobs.tokens, whole.logprobs.text_offset
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert whole.text == "".join(tokens)  # here each token's text is its string in tokens
+
+
 def test_chat_top_logprobs_are_the_top_n(client, tiny_serving):
     """Chat's top_logprobs is the N most likely tokens (OpenAI; vLLM's list is N long too,
     never N + 1): the chosen token is in content[i].token / logprob, not added to the list."""
