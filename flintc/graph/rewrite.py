@@ -10,10 +10,14 @@ that replace them. `refresh_meta` re-runs fake-tensor propagation so every node'
 first time, then only over the nodes that changed since the last refresh and those
 whose inputs' shapes, strides or dtypes changed with them (the same values a whole
 -graph propagation gives, in time proportional to the rewrite, not to the model).
+Both, and every other entry into torch's fake-tensor and proxy modes in flintc (the
+capture's `make_fx`, fuse_moe's `with fake_mode`), run inside `fake_mode_section`,
+where SIGINT and SIGTERM wait for the section's end.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Sequence
 
 import torch
@@ -22,7 +26,45 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.subgraph_rewriter import replace_pattern_with_filters
 
+from flintc.fileio import signals_deferred
+
 TAGS = ("flintc_layer", "flintc_block")
+
+
+def fake_mode_section(tracing: bool = False):
+    """A block that enters and leaves torch's fake-tensor or proxy dispatch modes
+    (`make_fx(..., tracing_mode="fake")`, `FakeTensorProp`, `with fake_mode:`), with
+    SIGINT and SIGTERM deferred to its end (`flintc.fileio.signals_deferred`): a Ctrl-C
+    or `kill` in the block is raised, as KeyboardInterrupt or flintc's Terminated, right
+    after it, never inside it. Use as `with fake_mode_section():`; a section inside
+    another defers to the outer one's end. Only the main thread defers (elsewhere the
+    block runs as it is, and Python runs signal handlers in the main thread only).
+
+    Why: torch keeps the current fake and proxy modes in thread-local slots, set and
+    unset by Python code (`FakeTensorMode.__enter__`, `_push_mode`) that runs many times
+    per traced op, also nested inside the C++ dispatcher, which stashes the mode whose
+    `__torch_dispatch__` it calls and puts it back from a C++ destructor. A
+    KeyboardInterrupt raised just after a mode was set, before its `with` block began,
+    leaves the slot occupied; unwinding then reaches that destructor, whose "trying to
+    set the current FakeTensorMode, but one already exists" cannot propagate, and the
+    process aborts (std::terminate, exit 134) without the CLI's clean-up: about 1
+    interrupted `flintc compile` in 50 did, leaving its `.OUT.PID.*` folder. Nothing
+    in torch repairs the slots afterwards (the abort comes before any Python code runs
+    again), hence deferral rather than a reset while unwinding.
+
+    How long a signal may wait: one section is one capture, one pattern trace, one
+    `refresh_meta` or one fuse_moe propagation. A default `flintc compile` of the tiny
+    config spends 4.8 s of its 20 s in 131 sections: 5 captures of 0.5 to 0.95 s,
+    pattern traces of at most 60 ms, refreshes of at most 21 ms (a 2-core CPU). On the
+    full 40B config a capture (layer replay) and the first whole-graph `refresh_meta`
+    of a step take 1.2 to 1.9 s each on that CPU (twice that on a busy one), later
+    refreshes a fraction. `tracing=True` (a `make_fx` call in the block) first
+    imports, before deferring, what make_fx imports on its first call
+    (`torch._inductor.config`, and with it torch._dynamo: 2 to 3.5 s of a process's
+    first capture, which a Ctrl-C would otherwise have waited for)."""
+    if tracing:  # make_fx's own import, done where a signal may act
+        importlib.import_module("torch._inductor.config")
+    return signals_deferred()
 
 
 def trace_pattern(fn: Callable, example_inputs: Sequence) -> GraphModule:
@@ -31,7 +73,8 @@ def trace_pattern(fn: Callable, example_inputs: Sequence) -> GraphModule:
     maps one object passed twice to one placeholder."""
     if len({id(t) for t in example_inputs}) != len(example_inputs):
         raise ValueError("trace_pattern needs distinct example tensors (one object per input)")
-    return make_fx(fn, tracing_mode="fake")(*example_inputs)
+    with fake_mode_section(tracing=True):
+        return make_fx(fn, tracing_mode="fake")(*example_inputs)
 
 
 def replace_pattern(gm: GraphModule, pattern: GraphModule, replacement: GraphModule,
@@ -77,8 +120,9 @@ def refresh_meta(gm: GraphModule) -> None:
     mode = next((v.fake_mode for v in fakes if hasattr(v, "fake_mode")), None)
     gm.recompile()  # deferred to the first call for a captured (lazy) graph module
     record = getattr(gm.graph, _RECORD, None)
-    if mode is None or record is None or not _propagate_changed(gm, mode, record):
-        FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
+    with fake_mode_section():
+        if mode is None or record is None or not _propagate_changed(gm, mode, record):
+            FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*fakes)
     for node in gm.graph.nodes:
         if node.op == "call_function" and "flintc_layer" not in node.meta:
             found = [a.meta.get("flintc_layer") for a in node.all_input_nodes]

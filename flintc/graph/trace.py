@@ -43,7 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from flintc.config import FlintConfig
 from flintc.graph.layer_replay import replay, replay_plan
-from flintc.graph.rewrite import mark_meta_current
+from flintc.graph.rewrite import fake_mode_section, mark_meta_current
 from flintc.model.reference import FlintModel
 
 STEPS = ("decode", "prefill")
@@ -220,7 +220,8 @@ def _trace(model, params: list[tuple[str, int]], kv_index, flat: tuple, n: int, 
         kv = [flat[n + n_act + k] for k in kv_index]
         return torch.func.functional_call(model, weights, (*act[:3], kv, *act[3:]))
 
-    with _ModuleSpans(model) as spans, _use_lazy_graph_module(True):
+    # a Ctrl-C waits for the trace's end (`fake_mode_section`: one raised inside aborted the process)
+    with fake_mode_section(tracing=True), _ModuleSpans(model) as spans, _use_lazy_graph_module(True):
         gm = make_fx(step_fn, tracing_mode="fake", record_stack_traces=stack_traces)(*flat)
     return gm, spans
 

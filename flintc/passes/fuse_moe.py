@@ -58,7 +58,7 @@ from torch.fx.node import map_arg
 import flintc.ops  # noqa: F401  (registers torch.ops.flintc)
 from flintc.config import FlintConfig
 from flintc.graph.match import clone_graph_module, find_nodes, is_op
-from flintc.graph.rewrite import refresh_meta, replace_pattern, trace_pattern
+from flintc.graph.rewrite import fake_mode_section, refresh_meta, replace_pattern, trace_pattern
 from flintc.model import ops
 from flintc.ops.common import CDT, as_weight
 from flintc.passes.base import GraphPass, PassContext, PassResult, PassVerifyError
@@ -303,7 +303,7 @@ def _propagate_meta(gm: GraphModule, nodes: set[Node]) -> None:
     nodes keep their shapes, so this stands in for a whole-graph `refresh_meta`, which
     would be most of this pass's time on NVFP4 graphs."""
     placeholder = next(n for n in gm.graph.nodes if n.op == "placeholder")
-    with placeholder.meta["val"].fake_mode:
+    with fake_mode_section(), placeholder.meta["val"].fake_mode:
         for node in gm.graph.nodes:
             if node in nodes:
                 args, kwargs = map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
