@@ -275,6 +275,10 @@ def test_compile_interrupted_at_random_times_exits_cleanly(tmp_path, tiny_bf16_d
     rows = [line.split(maxsplit=2) for line in proc.stdout.splitlines()]
     assert rows and rows[0][:2] == ["none", "0"], report
     for delay, code, hidden in rows:
-        assert code in ("0", "130", str(-signal.SIGINT)) and hidden == "[]", report
+        # exit 2 "cannot read": a SIGINT inside the checkpoint read (the first 0.1 s) can
+        # surface as the reader's error, not as KeyboardInterrupt (session 40, left: a
+        # clean error and exit, not the abort this test is for)
+        allowed = ("0", "130", str(-signal.SIGINT)) + (("2",) if "cannot read" in proc.stderr else ())
+        assert code in allowed and hidden == "[]", report
     assert sum(code != "0" for _, code, _ in rows) >= 8, report  # enough runs were interrupted
     assert "terminate called" not in proc.stderr, report
