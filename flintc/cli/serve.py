@@ -60,6 +60,14 @@ def add_parser(sub) -> None:
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs' tokens as \"token_id:{id}\" unless a request sets return_tokens_as_token_ids "
                         "(vLLM's flag)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="reuse a finished request's KV cache for a prompt that starts with its tokens (vLLM's "
+                        "automatic prefix caching: multi-turn chat skips the earlier turns' prefill); off by "
+                        "default: results then differ from a whole-prompt prefill's in the last bits "
+                        "(docs/serve.md)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="add usage.prompt_tokens_details.cached_tokens (the prompt tokens prefix caching "
+                        "skipped) to responses (vLLM's flag)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="largest request body, in bytes: a larger one is answered 413 before it is parsed (0: no "
@@ -178,7 +186,8 @@ def run_serve(args: argparse.Namespace) -> int:
                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                            max_request_bytes=args.max_request_bytes,
-                           return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                           enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     tokenizer = load_tokenizer(tokenizer_dir(args))
     if args.chat_template is not None:
         tokenizer.set_chat_template(*chat_template_arg(args.chat_template))
@@ -187,7 +196,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # ids the model has no row for: from its config, before the weights load (and again
     # by the Engine, against the config the runner loaded)
     runner = make_runner(args, check_vocab=tokenizer.check_fits_model)
-    engine = Engine(runner, tokenizer)
+    engine = Engine(runner, tokenizer, enable_prefix_caching=args.enable_prefix_caching)
     app = create_app(engine, tokenizer, options)
     host, port = sock.getsockname()[:2]
     print(f"flintc serve: '{options.model_name}' on http://{host}:{port}/v1 "

@@ -114,6 +114,10 @@ class ServeOptions:
     max_request_bytes: the largest request body read (a 413 beyond it); 0: no cap.
     return_tokens_as_token_ids: logprobs' tokens as "token_id:{id}" for the requests that
         leave vLLM's field of that name out (vLLM's `--return-tokens-as-token-ids`).
+    enable_prompt_tokens_details: the final usage object gains ``prompt_tokens_details:
+        {"cached_tokens": N}``, the prompt tokens whose prefill prefix caching skipped
+        (summed over the prompts; one choice per prompt; vLLM's
+        `--enable-prompt-tokens-details`).
     """
 
     model_name: str
@@ -124,6 +128,7 @@ class ServeOptions:
     exclude_tools_when_tool_choice_none: bool = False
     max_request_bytes: int = MAX_REQUEST_BYTES
     return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -151,6 +156,16 @@ class _Generation:
         self.engine = engine
         self.reqs = [GenRequest(emit=emit, index=i, **kw) for i, kw in enumerate(reqs)]
         self.open = set(range(len(self.reqs)))
+
+    def prompt_tokens_details(self, options: ServeOptions, choices: int) -> dict:
+        """``{"prompt_tokens_details": {"cached_tokens": N}}`` with
+        ``options.enable_prompt_tokens_details`` (N: the prompt tokens prefix caching
+        skipped, the first of each prompt's ``choices`` requests), else ``{}``. Read
+        once the requests have finished."""
+        if not options.enable_prompt_tokens_details:
+            return {}
+        cached = sum(r.timeline.cached_tokens for r in self.reqs[::choices])
+        return {"prompt_tokens_details": {"cached_tokens": cached}}
 
     def start(self) -> None:
         for r in self.reqs:
@@ -994,7 +1009,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         gen = _Generation(engine, [dict(prompt_ids=prompt_ids, params=p, stop_token_ids=chat_stops | user_stops,
                                         user_stop_token_ids=user_stops, stop=stop, logprobs=top,
                                         prompt_logprobs=want_plp if j == 0 else None,
-                                        include_stop_str_in_output=req.include_stop_str_in_output)
+                                        include_stop_str_in_output=req.include_stop_str_in_output,
+                                        cache_salt=req.cache_salt)
                                    for j, p in enumerate(params)])
         choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip) for _ in range(n)]
         rid, created = response_id(request, req, "chatcmpl-"), int(time.time())
@@ -1010,7 +1026,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         def usage():
             done = sum(len(c.token_ids) for c in choices)
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": done,
-                    "total_tokens": len(prompt_ids) + done}
+                    "total_tokens": len(prompt_ids) + done, **gen.prompt_tokens_details(options, n)}
 
         def chunk(choice_list, **extra):
             return {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -1111,7 +1127,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         specs = [dict(prompt_ids=ids, params=p, stop_token_ids=stops, stop=stop, logprobs=req.logprobs,
                       prompt_logprobs=engine_plp if j == 0 or echo_lps else None,
                       user_stop_token_ids=user_stops, skip_special_tokens=req.skip_special_tokens,
-                      include_stop_str_in_output=req.include_stop_str_in_output)
+                      include_stop_str_in_output=req.include_stop_str_in_output,
+                      cache_salt=req.cache_salt)
                  for ids in prompts for j, p in enumerate(params)]
         gen = _Generation(engine, specs)
         total = len(specs)
@@ -1136,7 +1153,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         def usage():
             p = sum(len(ids) for ids in prompts)
             c = sum(len(x) for x in ids_out)
-            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                    **gen.prompt_tokens_details(options, len(params))}
 
         def wrap(choice_list, **extra):
             return {"id": rid, "object": "text_completion", "created": created,

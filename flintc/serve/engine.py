@@ -11,7 +11,8 @@ thread loops over *steps*:
    until the slot is reused, so a freed slot's cache is simply overwritten by the
    next prefill into it);
 3. admit waiting requests (FIFO) into free slots: one ``runner.prefill`` each, then
-   sample the first token from its logits;
+   sample the first token from its logits (with prefix caching, the prefill starts past
+   the prompt's leading tokens that a free slot's cache still holds, below);
 4. one ``runner.decode`` over every running sequence that still needs a token (up
    to ``runner.max_batch`` of them: the decode batch), sample one token each.
 
@@ -46,6 +47,33 @@ keeping each chunk's last row as the function computed it), one
 most held at once (the calls are those one whole-prompt prefill makes, so the first
 token's logits are the same), and turns them into :class:`PromptLogprob` entries, sent
 with the request's first Output.
+
+Prefix caching (vLLM's automatic prefix caching, ``enable_prefix_caching``; off by
+default, unlike vLLM V1, because it changes results, below): a finished sequence's slot keeps the K/V of every token it fed
+to the model (its prompt and its generated tokens but the last), and the engine
+remembers those token ids. A new request goes to the free slot whose remembered tokens
+share the longest prefix with its prompt, and its prefill starts at position L (the
+shared length, at most the prompt's length minus one: the last prompt token always runs,
+for the first token's logits): ``runner.prefill(slot, prompt[L:], start=L)``. Multi-turn
+chat is the case it serves: the next turn's prompt begins with the previous turn's
+prompt and answer. Sliding-window layers keep a ring of the last W positions, so a slot
+whose cache holds M tokens serves a prefix of L as it is only when no position
+L+1..M-1 overwrote a ring row that positions L-W+1..L-1 need: M <= L + 1 or M <= W (or
+the model has no sliding layer). The engine also saves a copy of the slot's ring rows
+right after each prompt's prefill (W rows per sliding layer, K and V: 2 x W x Hkv x D
+bf16 each), so a prompt that starts with the whole earlier prompt reuses that much
+even when the answer is not repeated token for token (GLM's chat template re-renders an
+earlier answer with ``<think></think>`` before it): the saved rows are copied back and
+the prefill starts at the earlier prompt's length. Without a usable prefix the request
+takes a free slot that remembers nothing, else the one freed longest ago (LRU). A request with
+``prompt_logprobs`` prefills its whole prompt (it needs every position's logits, as in
+vLLM). The skipped tokens' K/V are the ones the earlier request wrote and the prompt's
+rest runs as other prefill chunks, so the logits differ from a whole-prompt prefill's
+in the last bits, and the model amplifies that (on the tiny random checkpoint 5 of 20
+random prompts changed, the largest logit by up to 0.34); vLLM's prefix caching has the
+same property. Off, the server's results equal `flintc run`'s bit for bit.
+``RequestTimeline.cached_tokens`` counts the skipped tokens (the usage's
+``prompt_tokens_details.cached_tokens``, vLLM's ``vllm:prefix_cache_hits``).
 
 Metrics: each request carries a :class:`RequestTimeline` (when it was queued,
 admitted to a slot, got its first and latest token; how many prompt tokens were
@@ -136,7 +164,9 @@ class RequestTimeline:
     it happens) and token counts. ``queued``: :meth:`Engine.submit`; ``scheduled``:
     admitted into a slot; ``first_token`` / ``last_token``: the first and the latest
     generated token; ``prompt_tokens``: prefilled (0 until the prefill has run);
-    ``generated_tokens``: sampled so far, stop tokens included."""
+    ``generated_tokens``: sampled so far, stop tokens included; ``cached_tokens``: the
+    leading prompt tokens the prefill skipped because the slot's cache held them (prefix
+    caching; counted in ``prompt_tokens``)."""
 
     queued: float | None = None
     scheduled: float | None = None
@@ -144,6 +174,7 @@ class RequestTimeline:
     last_token: float | None = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    cached_tokens: int = 0
 
 
 class EngineObserver:
@@ -188,6 +219,8 @@ class GenRequest:
         include_stop_str_in_output: keep the stop string that ended the sequence, or the
             text of the stop token, in the text (vLLM's option).
         forced: tokens that replace sampling (test hook, see module docstring).
+        cache_salt: prefix caching reuses only K/V that a request with the same salt
+            cached (vLLM's ``cache_salt``: tenants share no cache).
 
     The engine fills in ``timeline`` (:class:`RequestTimeline`).
     """
@@ -204,6 +237,7 @@ class GenRequest:
     user_stop_token_ids: frozenset[int] = frozenset()
     skip_special_tokens: bool = False
     include_stop_str_in_output: bool = False
+    cache_salt: str | None = None
     cancelled: bool = False
     id: int = field(default_factory=itertools.count().__next__)
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
@@ -222,11 +256,29 @@ class _Seq:
         self.history = (TokenHistory(req.prompt_ids, self.out_ids, req.stop_token_ids)
                         if req.params.adjusts_logits else None)
         self.pos = len(req.prompt_ids)  # position of the next token fed to the model
+        self.prefilled = False  # the prompt's K/V are in the slot's cache (positions < pos hold its tokens)
         self.text = ""  # text so far (stop strings removed)
         self.sent = 0  # characters of text already emitted
         self.pending_ids: list[int] = []
         self.pending_lp: list[TokenLogprob] = []
         self.prompt_lp: list[PromptLogprob | None] | None = None  # sent with the first Output
+        self.ring: list[torch.Tensor] | None = None  # prefix caching: the ring rows after the prompt's prefill
+
+
+@dataclass
+class _SlotCache:
+    """What a free slot's KV cache holds (prefix caching): the K/V of ``tokens`` at
+    positions 0..len-1, written by a request freed at ``freed`` (a counter: the LRU order)
+    with ``salt`` (its cache_salt), whose prompt was ``prompt_len`` tokens; ``ring``: copies
+    of the slot's sliding-layer ring rows right after that prompt's prefill (None without
+    sliding layers), restored to reuse the prompt's K/V when the later tokens' writes
+    wrapped over the rows it needs."""
+
+    tokens: list[int]
+    freed: int
+    salt: str | None
+    prompt_len: int
+    ring: list[torch.Tensor] | None
 
 
 class Engine:
@@ -239,6 +291,9 @@ class Engine:
         forced_tokens: test hook, see the module docstring.
         observers: :class:`EngineObserver` objects to call (more may be appended to
             ``engine.observers`` before :meth:`start`).
+        enable_prefix_caching: reuse a free slot's cached K/V for a prompt that starts
+            with the tokens it holds (module docstring); False (the default): every
+            prefill starts at 0.
 
     Raises:
         CheckpointError: a tokenizer id of the model's vocab_size or more
@@ -246,7 +301,7 @@ class Engine:
     """
 
     def __init__(self, runner, tokenizer, forced_tokens: Callable[[list[int]], list[int] | None] | None = None,
-                 observers: list[EngineObserver] | None = None):
+                 observers: list[EngineObserver] | None = None, enable_prefix_caching: bool = False):
         tokenizer.check_fits_model(runner.config.vocab_size, runner.config.source)
         self.runner = runner
         self.tokenizer = tokenizer
@@ -259,9 +314,16 @@ class Engine:
         self._inbox_requests = 0  # GenRequests in the inbox (it also holds wake-ups)
         self._running: dict[int, _Seq] = {}  # slot -> sequence
         self._thread: threading.Thread | None = None
-        self.stats = collections.Counter()  # steps, prefills, decode_tokens, finished, aborted, max_decode_batch
+        self.stats = collections.Counter()  # steps, prefills, cached_prompt_tokens, decode_tokens, finished, aborted, max_decode_batch
         self.fatal_error: str | None = None
         self.observers: list[EngineObserver] = list(observers or [])
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        cfg = runner.config
+        # the sliding layers' ring rows (None: no sliding layer, a cache row per position)
+        self._ring = (int(cfg.sliding_window)
+                      if any(cfg.is_sliding_layer(i) for i in range(cfg.num_hidden_layers)) else None)
+        self._cached: dict[int, _SlotCache] = {}  # free slot -> what its cache holds
+        self._freed = itertools.count()
 
     # ---- called from any thread -------------------------------------------------------
     def start(self) -> Engine:
@@ -359,22 +421,33 @@ class Engine:
         free = [s for s in range(self.max_batch) if s not in self._running]
         while free and self._waiting:
             req = self._waiting.popleft()
-            slot = free.pop(0)
+            slot, reuse = self._pick_slot(free, req)
+            free.remove(slot)
             seq = _Seq(req, slot, self.tokenizer.detokenizer(req.skip_special_tokens), self.runner.device)
             self._running[slot] = seq
             req.timeline.scheduled = time.monotonic()
-            if req.params.max_tokens < 1:
+            if req.params.max_tokens < 1:  # no prefill: the slot's cache (and what it holds) unchanged
                 self._finish(seq, "length")
                 free.insert(0, slot)
                 continue
             if req.forced is None and self.forced_tokens is not None:
                 req.forced = self.forced_tokens(list(req.prompt_ids))
             self.stats["prefills"] += 1
+            held = self._cached.pop(slot, None)  # overwritten from position `reuse` on
+            if reuse and held.ring is not None and reuse == held.prompt_len \
+                    and not self._direct(held.tokens, reuse):
+                for rows, saved in zip(self._ring_rows(slot), held.ring):
+                    rows.copy_(saved)  # the ring as the earlier prompt's prefill left it
             if req.prompt_logprobs is None:
-                logits = self.runner.prefill(slot, req.prompt_ids)  # [V]
+                logits = self.runner.prefill(slot, req.prompt_ids[reuse:], reuse)  # [V]
             else:
                 logits, seq.prompt_lp = self._prefill_prompt_logprobs(slot, req.prompt_ids, req.prompt_logprobs)
+            seq.prefilled = True
+            if self.enable_prefix_caching and self._ring is not None and getattr(self.runner, "kv", None):
+                seq.ring = [rows.clone() for rows in self._ring_rows(slot)]
             req.timeline.prompt_tokens = len(req.prompt_ids)
+            req.timeline.cached_tokens = reuse
+            self.stats["cached_prompt_tokens"] += reuse
             for obs in self.observers:
                 obs.prefilled(req)
             self._sample_and_push([seq], logits[None])
@@ -389,6 +462,56 @@ class Engine:
         for s in live:
             s.pos += 1
         self._sample_and_push(live, logits)
+
+    def _pick_slot(self, free: list[int], req: GenRequest) -> tuple[int, int]:
+        """The free slot for ``req`` and how many leading prompt tokens its cache already
+        holds (0..len(prompt) - 1). The slot with the longest usable prefix; without one
+        (or with prefix caching off, or ``prompt_logprobs``), a slot that holds nothing,
+        else the one freed longest ago. Only a cache of the same ``cache_salt`` counts.
+        ``free``: the free slots, in order."""
+        best, reuse = None, 0
+        if self.enable_prefix_caching and req.prompt_logprobs is None:
+            for slot in free:
+                held = self._cached.get(slot)
+                if held is not None and held.salt == req.cache_salt:
+                    n = self.reusable_prefix(held.tokens, req.prompt_ids,
+                                             held.prompt_len if held.ring is not None else None)
+                    if n > reuse:
+                        best, reuse = slot, n
+        if best is None:
+            empty = [s for s in free if s not in self._cached]
+            best = empty[0] if empty else min(free, key=lambda s: self._cached[s].freed)
+        return best, reuse
+
+    def reusable_prefix(self, cached: list[int], prompt: list[int], ring_saved_at: int | None = None) -> int:
+        """How many leading tokens of ``prompt`` a prefill may skip in a slot whose cache
+        holds the K/V of ``cached`` (token ids at positions 0..M-1): their common prefix
+        L, at most len(prompt) - 1, when the sliding layers' ring rows that the prefix's
+        last W - 1 positions need are intact (M <= L + 1 or M <= W, module docstring);
+        else ``ring_saved_at`` (the earlier prompt's length, whose ring rows were saved
+        after its prefill) when the common prefix covers it; else 0."""
+        n = min(len(cached), len(prompt) - 1)
+        if n <= 0:
+            return 0
+        if cached[:n] == prompt[:n]:
+            common = n
+        else:
+            common = next(i for i, (a, b) in enumerate(zip(cached, prompt)) if a != b)
+        if self._direct(cached, common):
+            return common
+        return ring_saved_at if ring_saved_at is not None and 0 < ring_saved_at <= common else 0
+
+    def _direct(self, cached: list[int], L: int) -> bool:
+        """The cache of ``cached`` serves a prefix of L tokens as it is (no ring restored)."""
+        M, W = len(cached), self._ring
+        return W is None or M <= L + 1 or M <= W
+
+    def _ring_rows(self, slot: int) -> list[torch.Tensor]:
+        """Views of ``slot``'s rows in every sliding layer's K and V ring ([W, Hkv, D]
+        each; the runners' ``kv`` list: k_0, v_0, k_1, v_1, ...)."""
+        cfg, kv = self.runner.config, self.runner.kv
+        return [t[slot] for i in range(cfg.num_hidden_layers) if cfg.is_sliding_layer(i)
+                for t in kv[2 * i:2 * i + 2]]
 
     def _drop_cancelled(self, req: GenRequest) -> bool:
         if req.cancelled:
@@ -502,6 +625,11 @@ class Engine:
     def _finish(self, seq: _Seq, reason: str | None, error: str | None = None) -> None:
         seq.text += seq.detok.flush()  # a dangling partial character becomes U+FFFD
         self._running.pop(seq.slot, None)
+        if self.enable_prefix_caching and seq.prefilled and error is None:
+            # positions < pos hold the prompt and every generated token but the last (never fed)
+            self._cached[seq.slot] = _SlotCache((list(seq.req.prompt_ids) + seq.out_ids)[:seq.pos],
+                                                next(self._freed), seq.req.cache_salt,
+                                                len(seq.req.prompt_ids), seq.ring)
         self.stats["aborted" if reason == "abort" else "finished"] += 1
         self._notify_finished(seq.req, reason, error)
         self._emit(seq, len(seq.text), reason, error)

@@ -67,6 +67,7 @@ class ServeMetrics(EngineObserver):
 
     def __init__(self, engine: Engine, model_name: str):
         self.registry = CollectorRegistry()
+        self.engine = engine
         names = ("model_name", "engine")
         values = (model_name, "0")
         count_buckets = build_1_2_5_buckets(engine.max_model_len)
@@ -80,6 +81,10 @@ class ServeMetrics(EngineObserver):
             .set_function(lambda: engine.num_waiting)
         self.prompt_tokens = make(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = make(Counter, "vllm:generation_tokens", "Number of generation tokens processed.")
+        self.cache_queries = make(Counter, "vllm:prefix_cache_queries",
+                                  "Prefix cache queries, in terms of number of queried tokens.")
+        self.cache_hits = make(Counter, "vllm:prefix_cache_hits",
+                               "Prefix cache hits, in terms of number of cached tokens.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           (*names, "finished_reason"), registry=self.registry)
         self.success = {r: success.labels(*values, r) for r in FINISHED_REASONS}
@@ -121,6 +126,9 @@ class ServeMetrics(EngineObserver):
     # ---- EngineObserver (the engine thread) -------------------------------------------
     def prefilled(self, req: GenRequest) -> None:
         self.prompt_tokens.inc(req.timeline.prompt_tokens)
+        if self.engine.enable_prefix_caching and req.prompt_logprobs is None:  # vLLM: those skip the cache
+            self.cache_queries.inc(req.timeline.prompt_tokens)
+            self.cache_hits.inc(req.timeline.cached_tokens)
 
     def token(self, req: GenRequest, since_last: float | None) -> None:
         self.generation_tokens.inc()

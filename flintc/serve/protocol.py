@@ -23,8 +23,9 @@ answered in vLLM's shape, not with ``stream``; checked in :mod:`flintc.serve.app
 vLLM's other request fields are accepted: ``request_id``, ``truncate_prompt_tokens``,
 ``add_special_tokens``, chat ``documents``, ``bad_words``, ``allowed_token_ids`` (both
 in :mod:`flintc.sampling`) and ``return_tokens_as_token_ids`` (logprobs' tokens as
-``"token_id:{id}"``) are honoured, ``length_penalty`` and
-``cache_salt`` have no effect here, the rest only at their no-op value (`unsupported`).
+``"token_id:{id}"``) and ``cache_salt`` (requests share prefix-cached K/V only with the
+same salt) are honoured, ``length_penalty`` has no effect here, the rest only at their
+no-op value (`unsupported`).
 
 vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest` /
 :class:`TokenizeChatRequest` and :class:`DetokenizeRequest`, with vLLM's fields.
@@ -90,10 +91,10 @@ class _Common(BaseModel):
     prompt_logprobs: Int | None = None  # vLLM's: 0..20 alternatives per prompt token
     # vLLM's other request fields (its protocol.py), which clients send at their defaults:
     # honoured: request_id (the response id), truncate_prompt_tokens, add_special_tokens
-    # (per route, below), bad_words, allowed_token_ids, return_tokens_as_token_ids; no
-    # effect here: length_penalty (beam search only, as in vLLM
-    # without use_beam_search), cache_salt (no prefix cache to salt); accepted only at
-    # their no-op value (`unsupported`): the others
+    # (per route, below), bad_words, allowed_token_ids, return_tokens_as_token_ids,
+    # cache_salt (prefix caching); no effect here: length_penalty (beam search only, as in
+    # vLLM without use_beam_search); accepted only at their no-op value (`unsupported`):
+    # the others
     request_id: str | None = None
     truncate_prompt_tokens: Int | None = None
     length_penalty: float = 1.0
@@ -244,7 +245,7 @@ def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
     support (functions, audio, non-text modalities or response formats, chat's echo,
     best_of > 1, suffix), or vLLM field away from its no-op value (use_beam_search,
-    priority, guided decoding, ...)."""
+    priority, guided decoding, ...), or an empty ``cache_salt`` (as vLLM)."""
     checks = [
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
@@ -265,6 +266,8 @@ def unsupported(req: BaseModel) -> None:
         *((name, lambda v: bool(v)) for name in _VLLM_NULL_OR_EMPTY),
         *((name, lambda v: v is not None) for name in _VLLM_NULL_ONLY),
     ]
+    if getattr(req, "cache_salt", None) == "":  # vLLM's check, message and all
+        raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
     for name, bad in checks:
         if name in type(req).model_fields and bad(getattr(req, name)):
             raise APIError(400, f"'{name}' = {getattr(req, name)!r} is not supported by flintc serve",

@@ -235,6 +235,35 @@ def test_padding_never_touches_live_caches(builds):
             assert torch.equal(t[1, kept], b[1, kept]), f"cache {i}: padding overwrote live ring rows"
 
 
+@pytest.mark.parametrize("M, L, usable", [(30, 29, True), (30, 30, True), (8, 3, True), (30, 20, False),
+                                          (14, 4, False)])
+def test_prefix_caching_rule_holds_for_the_generated_runtime(builds, M, L, usable):
+    """The serving engine's prefix-caching rule (`Engine.reusable_prefix`, tested on the
+    reference runner in tests/serve/test_prefix_caching.py) on the generated runtime: a
+    slot whose cache holds M tokens, reused for a prompt sharing their first L, gives the
+    logits of a slot holding the same K/V of positions < L and nothing past them exactly
+    when the rule allows it (M <= L + 1 or M <= W): the runtime's attention ops ignore
+    rows past the prefix the way the reference does, and stale ring rows do change them."""
+    from flintc.serve.engine import Engine
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    build, ckpt = builds["bf16"]
+    runner = load_build(build, progress=False)
+    W, V = runner.config.sliding_window, runner.config.vocab_size
+    assert W == 9, "the cases are written for the tiny config's window"
+    g = torch.Generator().manual_seed(12)
+    cached = torch.randint(0, V, (M,), generator=g).tolist()
+    prompt = cached[:L] + torch.randint(0, V, (6,), generator=g).tolist()
+    engine = Engine(runner, load_tokenizer(ckpt), enable_prefix_caching=True)
+    assert engine.reusable_prefix(cached, prompt) == (L if usable else 0)
+    runner.prefill(0, cached[:L])
+    for t in runner.kv:
+        t[1] = t[0]
+    if M > L:
+        runner.prefill(0, cached[L:], L)
+    assert torch.equal(runner.prefill(0, prompt[L:], L), runner.prefill(1, prompt[L:], L)) == usable
+
+
 def test_prefill_chunk_longer_than_the_sliding_window(builds, monkeypatch):
     """--prefill-chunk 32 with W = 9: the build also has functions of 16 and 8 (the tail)
     tokens; a 40-token prompt runs as 32 + 8 tokens, a 21-token one as 16 + 5 (padded to

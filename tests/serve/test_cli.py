@@ -176,6 +176,25 @@ def test_return_tokens_as_token_ids_flag(tiny_bf16_dir, monkeypatch):
     assert seen == [False, True]
 
 
+def test_prefix_caching_flags(tiny_bf16_dir, monkeypatch):
+    """--enable-prefix-caching / --no-enable-prefix-caching reach the engine (off by
+    default) and --enable-prompt-tokens-details the app's options."""
+    import flintc.serve.app
+    from flintc.errors import InputError
+
+    seen = []
+
+    def create_app(engine, tokenizer, options):
+        seen.append((engine.enable_prefix_caching, options.enable_prompt_tokens_details))
+        raise InputError("stop before serving")
+
+    monkeypatch.setattr(flintc.serve.app, "create_app", create_app)
+    for flags in ([], ["--enable-prefix-caching"], ["--enable-prefix-caching", "--no-enable-prefix-caching"],
+                  ["--enable-prompt-tokens-details"]):
+        assert main(["serve", str(tiny_bf16_dir), "--port", "0", "--max-model-len", "64", *flags]) == 2
+    assert seen == [(False, False), (True, False), (False, False), (False, True)]
+
+
 def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
     """`flintc serve --build`: --max-model-len / --max-batch are checked against build.json
     before the weights load (compiled.check_build_limits) and applied through
