@@ -426,6 +426,79 @@ def _set_wakeup_fd(fd: int) -> None:
         pass
 
 
+class KeptSignals:
+    """What `signals_kept` yields: `check()` raises, at once, a signal's exception that
+    was raised and lost since the block began (see there)."""
+
+    def __init__(self):
+        self.raised: list[tuple[int, BaseException]] = []  # (signum, what its handler raised)
+
+    def check(self) -> None:
+        """Raise the lost exception of the signals seen so far, if any (SIGTERM's over
+        SIGINT's, as `signals_deferred` delivers them), once: a later check or the block's
+        end does not raise it again."""
+        if self.raised:
+            _, exc = max(self.raised, key=lambda r: r[0] == signal.SIGTERM)
+            self.raised.clear()
+            raise exc
+
+
+@contextlib.contextmanager
+def signals_kept(signums=(signal.SIGINT, signal.SIGTERM)):
+    """A block in which the exception of SIGINT or SIGTERM (KeyboardInterrupt, flintc's
+    Terminated) cannot be lost. The signals act at once, as without it (their handlers
+    run and raise), but each handler's exception is recorded; when the block then ends
+    in another way, normally or with an ordinary Exception, the recorded exception is
+    raised there, over the block's error (its `__context__`). `kept.check()` (the
+    `KeptSignals` yielded) raises it earlier, between the steps of a long block.
+
+    Why: torch and the libraries that call it can catch a KeyboardInterrupt raised in
+    Python code they call and go on, or raise their own error instead. safetensors'
+    `get_tensor` runs `torch.asarray` on a storage; a Ctrl-C landing in the attribute
+    probes asarray makes came out as "ValueError: could not determine the shape of
+    object type 'torch.storage.UntypedStorage'", which the checkpoint reader reported as
+    "cannot read" (exit 2) instead of the interrupt (exit 130). Unlike
+    `signals_deferred`, nothing waits: a long block (a checkpoint read of minutes) is
+    interrupted when the signal comes, as long as nothing swallows its exception, and
+    otherwise at the next `check()` or at the block's end.
+
+    Only handlers set from Python are wrapped (SIG_DFL ends the process, SIG_IGN drops
+    the signal, as they would); every handler is put back at the end. Only the main
+    thread may set handlers: elsewhere the block runs as it is (`check()` then never
+    raises)."""
+    import threading
+
+    kept = KeptSignals()
+    if threading.current_thread() is not threading.main_thread():
+        yield kept
+        return
+    previous: list[tuple[int, object]] = []
+
+    def recording(signum, handler):
+        def handle(num, frame):
+            try:
+                handler(num, frame)
+            except BaseException as exc:
+                kept.raised.append((num, exc))
+                raise
+        return handle
+
+    try:
+        for signum in signums:
+            handler = signal.getsignal(signum)
+            if callable(handler):
+                signal.signal(signum, recording(signum, handler))
+                previous.append((signum, handler))
+        try:
+            yield kept
+        except Exception:
+            kept.check()  # the signal's exception, over the error that replaced it
+            raise
+        kept.check()
+    finally:
+        _chain([lambda s=s, h=h: signal.signal(s, h) for s, h in previous])
+
+
 DUMP_DIR_ENV = "FLINTC_DUMP_DIR"
 
 # What makes a folder a checkpoint or a build (`foreign_files`): an output folder holding

@@ -32,7 +32,7 @@ from flintc.checkpoint.init import has_global_scale
 from flintc.checkpoint.safetensors_io import check_finite, one_line, problems_message
 from flintc.config import FlintConfig
 from flintc.errors import CheckpointError
-from flintc.fileio import naming_write_errors
+from flintc.fileio import naming_write_errors, signals_kept
 from flintc.model.weights import TensorSpec, Weight, WeightDict, check_weights, weight_specs
 from flintc.quant.nvfp4 import NVFP4FormatError, NVFP4Tensor, ggml_to_packed, packed_to_ggml
 from flintc.quant.nvfp4 import quantize
@@ -145,12 +145,15 @@ def load_gguf(
             global scale is 0 or negative; an NVFP4 block scale byte has its top bit set.
     """
     path = Path(path)
-    reader = open_gguf(path)
-    tensors = {t.name: t for t in reader.tensors}
-    _validate(config, tensors, path)
-    if before_read is not None:
-        before_read()
-    return _convert(config, tensors, path, torch.device(device), progress)
+    # a Ctrl-C that numpy or torch turned into another error (the reader's "truncated or
+    # corrupt"), or swallowed: raised as itself (`flintc.fileio.signals_kept`)
+    with signals_kept() as kept:
+        reader = open_gguf(path)
+        tensors = {t.name: t for t in reader.tensors}
+        _validate(config, tensors, path)
+        if before_read is not None:
+            before_read()
+        return _convert(config, tensors, path, torch.device(device), progress, kept.check)
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -267,12 +270,15 @@ def _validate(config: FlintConfig, tensors: dict, path: Path) -> None:
 
 
 def _convert(
-    config: FlintConfig, tensors: dict, path: Path, device: torch.device, progress: bool
+    config: FlintConfig, tensors: dict, path: Path, device: torch.device, progress: bool,
+    after_tensor: Callable[[], None] = lambda: None,
 ) -> WeightDict:
-    """Convert the validated tensors, one at a time, into the canonical dict."""
+    """Convert the validated tensors, one at a time, into the canonical dict, calling
+    `after_tensor()` before each (`KeptSignals.check`: a lost interrupt, at once)."""
     weights: WeightDict = {}
     specs = weight_specs(config)
     for spec in tqdm(specs, desc="Loading GGUF weights", unit="tensor", disable=not progress):
+        after_tensor()
         t = tensors[spec.gguf_name]
         data = np.array(t.data)  # a copy out of the memory map
         if spec.kind == "linear":

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from flintc.fileio import naming_write_errors
+from flintc.fileio import naming_write_errors, signals_kept
 from tqdm import tqdm
 
 from flintc.config import FlintConfig
@@ -321,9 +321,14 @@ def _validate(
 def _read_tensors(
     config: FlintConfig, located: dict[str, Path], device: torch.device, progress: bool
 ) -> WeightDict:
-    """Read the validated tensors, one at a time, into the canonical dict."""
+    """Read the validated tensors, one at a time, into the canonical dict.
+
+    A Ctrl-C or SIGTERM during the read is raised as itself (KeyboardInterrupt,
+    Terminated), never as a "cannot read" error: torch may catch the KeyboardInterrupt
+    inside `get_tensor` and raise its own error, or go on (`flintc.fileio.signals_kept`
+    raises it again, at the latest after the tensor being read)."""
     weights: WeightDict = {}
-    with ExitStack() as stack, tqdm(
+    with signals_kept() as kept, ExitStack() as stack, tqdm(
         total=len(located), desc="Loading BF16 weights", unit="tensor", disable=not progress
     ) as bar:
         handles = {}
@@ -335,7 +340,9 @@ def _read_tensors(
                     handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
                 tensor = handles[path].get_tensor(name)
             except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ...
+                kept.check()  # an interrupt that torch turned into this error: the interrupt
                 raise CheckpointError(f"{path}: {name}: cannot read ({one_line(exc)})") from None
+            kept.check()  # one torch swallowed: now, not after the rest of the checkpoint
             bar.update(1)
             return tensor
 

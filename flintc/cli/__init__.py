@@ -3,8 +3,9 @@
 `main()` builds the argparse parser from each sub-command's `add_parser`, runs the
 chosen one, and turns every user-facing error (:class:`~flintc.errors.FlintcError`,
 or an OSError on a file the user named) into one line on stderr and exit code 2,
-without a traceback; an empty input path (MODEL "", --build "", ...) is refused first
-(`compile_build.check_input_paths`). SIGTERM is turned into :class:`Terminated` (a
+without a traceback (a FlintcError's notes, `add_note`, follow it, one line each:
+`flintc dump` says where it kept the dumps up to a failed pass check); an empty input
+path (MODEL "", --build "", ...) is refused first (`compile_build.check_input_paths`). SIGTERM is turned into :class:`Terminated` (a
 KeyboardInterrupt), so the clean-up that runs on Ctrl-C (temporary BUILD, dump and checkpoint folders)
 runs on `kill` too; the exit code is then 143. Every sub-command's parser uses
 :class:`HelpFormatter`, so its --help says each default once.
@@ -164,6 +165,8 @@ def _run(args) -> int:
         return 128 + signal.SIGTERM
     except FlintcError as exc:
         print(f"flintc: error: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", ()):  # what the command did about it (`flintc dump`'s partial dumps)
+            print(f"flintc: {note}", file=sys.stderr)
         return EXIT_USER_ERROR
     except BrokenPipeError:  # `flintc run ... | head`: the reader left; stop quietly, as `yes | head`
         try:  # Python flushes stdout again at exit: point it at /dev/null (Python docs, "Note on SIGPIPE")

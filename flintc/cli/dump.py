@@ -2,9 +2,14 @@
 SVG per layer, ONNX, index.md, report.json) into --out.
 
 The dumps are written into a temporary folder beside --out and renamed into place at
-the end, so an interrupted dump (Ctrl-C, SIGTERM, an error) leaves nothing behind, or,
-when the signal came during that final swap, the complete dumps (said on stderr). An
-existing --out is replaced only when it is empty or a previous dump output."""
+the end, so an interrupted dump (Ctrl-C, SIGTERM, an unexpected error) leaves nothing
+behind, or, when the signal came during that final swap, the complete dumps (said on
+stderr). A pass that fails its checks (a missed numeric expectation, an illegal graph,
+its own verify: `check_failures`) is what the dumps are for: the dumps of the passes
+that ran, the failed pass's output graph last, are moved into --out, their index.md and
+report.json naming the failed pass and why, and the command exits 2 with its error line
+and one more saying where the dumps are. An existing --out is replaced only when it is
+empty or a previous dump output, a partial one included."""
 
 from __future__ import annotations
 
@@ -70,20 +75,24 @@ def run_dump(args: argparse.Namespace) -> int:
     disabled = check_pass_flags(args, (args.step,))[args.step]  # before the model is built
     targets = build_targets(args)
     tmp = temp_dir_beside(out)
+    tables = []
     try:
-        tables = []
-        for i, target in enumerate(targets):
-            sub = target_subfolder(i, len(targets))
-            batch, tokens = (args.batch, None) if args.step == "decode" else (1, args.tokens)
-            _, report = compile_step(target.model, args.step, batch=batch, tokens=tokens,
-                                     cache_len=args.cache_len, disabled=disabled,
-                                     check_model=target.check_model, seed=args.seed,
-                                     dump_dir=tmp / sub if sub else tmp,
-                                     options=pass_options(args))
-            tables.append((target.note, out / sub if sub else out, format_table(report)))
+        try:
+            for i, target in enumerate(targets):
+                sub = target_subfolder(i, len(targets))
+                batch, tokens = (args.batch, None) if args.step == "decode" else (1, args.tokens)
+                _, report = compile_step(target.model, args.step, batch=batch, tokens=tokens,
+                                         cache_len=args.cache_len, disabled=disabled,
+                                         check_model=target.check_model, seed=args.seed,
+                                         dump_dir=tmp / sub if sub else tmp,
+                                         options=pass_options(args))
+                tables.append((target.note, out / sub if sub else out, format_table(report)))
+        except check_failures() as exc:
+            _publish_partial(exc, tmp, out, args.step, [t.note for t in targets], failed=len(tables))
+            raise
         move_into_place(tmp, out, log=lambda msg: print(msg, file=sys.stderr))  # an interrupt in it: said
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became a partial --out
         renamed = final_output_error(exc, tmp, out)  # a full disk names --out, not the hidden folder
         if renamed is not None:
             raise renamed from exc
@@ -92,3 +101,75 @@ def run_dump(args: argparse.Namespace) -> int:
         print(f"== {args.step} -- {note} -> {where}")
         print(table)
     return 0
+
+
+def check_failures() -> tuple[type[BaseException], ...]:
+    """The errors of a pass's checks (`PassManager.run`): a missed numeric expectation
+    (PassCheckError, the captured graph's own check included), an illegal graph
+    (GraphLegalityError), a failed `verify` (PassVerifyError). On these `flintc dump`
+    keeps the dumps written so far; on any other error, or a signal, nothing."""
+    from flintc.graph.spec import GraphLegalityError
+    from flintc.passes.base import PassVerifyError
+    from flintc.passes.manager import PassCheckError
+
+    return PassCheckError, GraphLegalityError, PassVerifyError
+
+
+def _publish_partial(exc: BaseException, tmp: Path, out: Path, step: str, notes: list[str],
+                     failed: int) -> None:
+    """Move the dumps written before the check failure `exc` (target `failed` of `notes`)
+    from `tmp` into `out` and add a note to `exc` saying so. Every pipeline's own index.md
+    and report.json already name its failed pass and why (`flintc.graph.dump`); with two
+    targets (counts/, numerics/), index.md and report.json at the top say which one failed,
+    so that the folder is an earlier dump (`is_dump_output`) however far it got. Nothing
+    is published when no pipeline got to write its index (a capture that failed its
+    legality check), nor when the move fails with an OSError (a full disk): `exc` is what
+    to tell, and the note says the dumps were lost. An interrupt goes on up (`out`, when
+    the signal came during the swap, is the partial dumps, said on stderr)."""
+    from flintc.fileio import move_into_place, write_texts_atomic
+    from flintc.graph.dump import is_dump_output
+
+    subs = [target_subfolder(i, len(notes)) for i in range(len(notes))]
+    if not any(is_dump_output(tmp / sub) for sub in subs):
+        return
+    where = f"{out}/index.md"
+    try:
+        if len(notes) > 1:
+            index, report = _partial_summary(exc, tmp, step, subs, notes, failed)
+            write_texts_atomic({tmp / "index.md": index, tmp / "report.json": report})
+        move_into_place(tmp, out, log=lambda msg: print(
+            f"wrote {out} (the dumps up to the failed check) before the interrupt", file=sys.stderr))
+    except OSError as os_exc:
+        from flintc.fileio import final_output_error
+
+        os_exc = final_output_error(os_exc, tmp, out) or os_exc  # names --out, not the hidden folder
+        exc.add_note(f"the dumps up to the failed check could not be kept ({os_exc}); none written")
+        return
+    exc.add_note(f"the dumps of the passes that ran, the failed one last, are in {out} (see {where})")
+
+
+def _partial_summary(exc, tmp: Path, step: str, subs: list[str], notes: list[str],
+                     failed: int) -> tuple[str, str]:
+    """index.md and report.json at the top of a partial dump of several targets: which
+    target failed and why (its report.json's `failed`, or `exc` when it wrote none), and
+    a link to each target's own index."""
+    import json
+
+    from flintc.graph.dump import is_dump_output
+
+    reason = str(exc)
+    failed_report = tmp / subs[failed] / "report.json"
+    if failed_report.is_file():
+        stage = json.loads(failed_report.read_text()).get("failed")
+        if stage:
+            reason = f"pass {stage['index']} '{stage['name']}': {stage['reason']}"
+    lines = [f"# flintc dump: {step} step, FAILED", "",
+             f"Target `{subs[failed]}` ({notes[failed]}) stopped at a failed check: {reason}", ""]
+    for i, sub in enumerate(subs):
+        state = "complete" if i < failed else "up to the failed pass" if i == failed else "not run"
+        link = f"[{sub}/index.md]({sub}/index.md)" if is_dump_output(tmp / sub) else f"{sub}/ (no dumps)"
+        lines.append(f"- {link}: {notes[i]}, {state}")
+    lines += ["", "Overall: **FAILED**."]
+    report = {"step": step, "passed": False, "failed": {"target": subs[failed], "reason": reason},
+              "targets": {sub: f"{sub}/report.json" for sub in subs if is_dump_output(tmp / sub)}}
+    return "\n".join(lines) + "\n", json.dumps(report, indent=2) + "\n"

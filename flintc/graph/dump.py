@@ -16,9 +16,10 @@ writes files named `{index:02d}-{name}` so they sort in pipeline order:
 then rewrites `index.md` (a table of all stages so far, linking their files) and
 `report.json` (the config, the step and every stage's `StageReport.as_dict()`
 plus its `files`). A pass whose graph fails its legality check or its own verify is
-dumped too, as a failed stage with its error (`StageReport.error`): listed in index.md
-under the table and in report.json, Overall FAILED, as a missed numeric expectation
-is. Stage 0 writes index.md and report.json first too, so an interrupted first dump
+dumped too, as a failed stage with its error (`StageReport.error`), as one that missed
+its numeric expectation is: index.md says under the table which pass failed and why
+(`failure_reason`: the error, or the check's message, max errors and first differing
+node), Overall FAILED, and report.json's `failed` holds the same (null: none failed). Stage 0 writes index.md and report.json first too, so an interrupted first dump
 is still recognised as an earlier dump. Every file is written atomically (a temporary name, then a
 rename), so a reader never sees half a file. Stage 0 starts a new pipeline: it
 removes the previous run's stage files (`NN-*.py|onnx|dot|svg`) from `out_dir`, which
@@ -173,10 +174,27 @@ def report_dict(report, ctx, out: Path) -> dict:
     """report.json's content: the config, the step, and one dict per stage
     (`StageReport.as_dict()` plus `files`); infinities and NaNs as strings."""
     stages = [{**s.as_dict(), "files": stage_files(out, s)} for s in report.stages]
+    failed = next((s for s in report.stages if not s.passed), None)
     data = {"config": ctx.config.to_dict(), "step": report.step, "batch": report.batch,
             "tokens": report.tokens, "cache_len": ctx.cache_len, "weight_format": ctx.weight_format,
-            "passed": report.passed, "skipped": list(report.skipped), "stages": stages}
+            "passed": report.passed, "skipped": list(report.skipped),
+            "failed": None if failed is None else {"index": failed.index, "name": failed.name,
+                                                   "reason": failure_reason(failed)},
+            "stages": stages}
     return _json_safe(data)
+
+
+def failure_reason(stage) -> str | None:
+    """Why `stage` failed, in one line: its legality or verify error (`stage.error`), or
+    its missed numeric expectation (the check's message, max errors and first differing
+    node); None for a stage that passed. The pipeline stops at the first failed stage."""
+    if stage.error:
+        return stage.error
+    ch = stage.check
+    if ch is None or ch.passed:
+        return None
+    return (f"missed its expectation ({ch.expected}): {ch.message}; max_abs {ch.max_abs:.3g}, "
+            f"max_rel {ch.max_rel:.3g}; first differing node: {ch.first_differing_node or 'none found'}")
 
 
 def _json_safe(x):
@@ -222,9 +240,14 @@ def index_markdown(report, ctx, out: Path) -> str:
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
     lines.append("")
     for s in report.stages:
+        reason = failure_reason(s)
+        if reason is None:
+            continue
         if s.error:  # a legality or verify failure: the pipeline stopped there
-            lines.append(f"Pass {s.index} '{s.name}' failed: {s.error}")
-            lines.append("")
+            lines.append(f"Pass {s.index} '{s.name}' failed: {reason}")
+        else:  # a missed numeric expectation: so did it
+            lines.append(f"Pass {s.index} '{s.name}' {reason}")
+        lines.append("")
     lines.append(f"Overall: {'passed' if report.passed else '**FAILED**'}.")
     if report.skipped:
         lines.append(f"Skipped passes: {', '.join(report.skipped)}.")

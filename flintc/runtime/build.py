@@ -302,7 +302,9 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
             parent is missing, not a folder or one where no file can be created, or a
             function's subfolder of `options.dump_dir` holds files that are not an
             earlier dump; before the first compile.
-        PassCheckError: a pass missed its numeric expectation (nothing is written).
+        PassCheckError: a pass missed its numeric expectation (nothing is written, its
+            dumps neither: unlike `flintc dump`'s, they would have to go into `out`, which
+            is no BUILD then and may hold a working one; `flintc dump` shows the step).
         KeyboardInterrupt / Terminated: SIGINT or SIGTERM. `out` is then either the
             earlier build untouched or, when the signal came while the new build was
             being moved into place (`flintc.fileio.move_into_place` defers it), the

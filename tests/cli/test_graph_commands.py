@@ -93,8 +93,9 @@ def test_failed_legality_check_is_recorded_in_the_dumps(capsys, monkeypatch, tmp
     legality check after group_low_latency (exit 2), yet d/decode_b1/index.md ended in
     "Overall: passed." and report.json said "passed": true, the table stopping at pass 6.
     Now the failing pass is listed with its error, Overall FAILED, as a numeric failure.
-    `flintc dump` writes its dumps into a temporary folder removed on any failure (a
-    legality check's or a numeric one's): nothing is left, no dump that says passed."""
+    `flintc dump` removed its temporary folder on any failure, so its dumps were lost; now
+    a failed check (a legality check's or a numeric one's) moves the dumps up to the failed
+    pass into --out, which say so (tests/cli/test_dump_failed_check.py)."""
     from harness import assert_one_line_error
 
     monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "env"))
@@ -115,8 +116,13 @@ def test_failed_legality_check_is_recorded_in_the_dumps(capsys, monkeypatch, tmp
     monkeypatch.delenv("FLINTC_DUMP_DIR")
     code = main(["dump", "--out", str(tmp_path / "d"), *args])
     _, err = capsys.readouterr()
-    assert_one_line_error(code, err, message)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["env"]
+    error, note = err.splitlines(keepends=True)
+    assert_one_line_error(code, error, message)
+    assert note.startswith(f"flintc: the dumps of the passes that ran, the failed one last, are in {tmp_path / 'd'} ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "env"]
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert report["failed"]["name"] == "group_low_latency" and report["failed"]["reason"] == last["error"]
+    assert f"Pass 7 'group_low_latency' failed: legality check failed: {message}" in index
 
 
 def test_dump_writes_every_stage(capsys, tmp_path):
