@@ -90,8 +90,37 @@ def test_other_values_of_integer_fields_are_refused(tiny_server, path, fields, b
         assert err["message"].startswith(f"invalid value for '{where}': "), (name, err)
 
 
+@pytest.mark.parametrize("path, fields", [("/v1/completions", COMPLETION_INTS), ("/v1/chat/completions", CHAT_INTS)])
+@pytest.mark.parametrize("big, shown", [(1e308, "1e+308"), (-1e308, "-1e+308"), (2**63, str(2**63)),
+                                        (-2**63 - 1, str(-2**63 - 1)), (10**400, "an integer of 401 digits")],
+                         ids=["1e308", "-1e308", "2**63", "-2**63-1", "10**400"])
+def test_integers_outside_64_bits_are_refused_briefly(tiny_server, path, fields, big, shown):
+    """Every integer field takes [-2**63, 2**63) (vLLM's pydantic takes no float past it,
+    its 'seed' no int): outside it is a 400 naming the field that says the number briefly.
+    "seed": 1e308 was "'seed' must be an integer in [-2**63, 2**63) ..., got " and the
+    309 digits of int(1e308), as were the other fields' range checks."""
+    base = ({"model": MODEL, "prompt": PROMPT, "max_tokens": 1} if path == "/v1/completions" else
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+    for name, ok in fields.items():
+        value = [big] if isinstance(ok, list) else big
+        status, body = tiny_server.post(path, {**base, name: value})
+        where = f"{name}[0]" if isinstance(ok, list) else name
+        assert status == 400, (name, body)
+        err = body["error"]
+        assert err["param"] in (name, where), (name, err)
+        assert err["message"] == f"invalid value for '{where}': Input should be an integer in [-2**63, 2**63), " \
+                                 f"got {shown}", (name, err)
+    status, body = tiny_server.post(path, {**base, "seed": 2**63 - 1})  # the range's ends are taken
+    assert status == 200, body
+    status, body = tiny_server.post(path, {**base, "seed": -2**63})
+    assert status == 200, body
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"model": MODEL, "prompt": [1.5, 2]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 1e308]}, "prompt[1]"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [10**400]]}, "prompt[1][0]"),
+    ("/detokenize", {"tokens": [-1e308]}, "tokens[0]"),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [True]]}, "prompt"),
     ("/detokenize", {"tokens": [2.5]}, "tokens[0]"),
     ("/detokenize", {"tokens": [1, "2"]}, "tokens[1]"),
@@ -99,3 +128,4 @@ def test_other_values_of_integer_fields_are_refused(tiny_server, path, fields, b
 def test_token_ids_that_are_not_integral_are_refused(tiny_server, path, body, param):
     status, got = tiny_server.post(path, body)
     assert status == 400 and got["error"]["param"] == param, got
+    assert len(got["error"]["message"]) < 150, got
