@@ -59,6 +59,33 @@ def test_engine_refuses_a_tokenizer_with_ids_past_the_model(tiny_bf16_dir):
                                      "has vocab_size 500: expected every id below it")
 
 
+def test_pairing_again_does_not_walk_the_vocabulary_again(tiny_bf16_dir):
+    """`flintc serve` pairs its tokenizer twice: with the build's (or config.json's)
+    vocab_size before the weights load, then in its Engine with the config the runner
+    loaded. The largest id is found once (a walk of the vocabulary, ~0.2 s for 150k
+    tokens, was done at each pairing); each pairing still checks."""
+    tok = load_tokenizer(tiny_bf16_dir)
+    walks = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get_vocab(self, **kw):
+            walks.append(kw)
+            return self.inner.get_vocab(**kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    tok._tok = Counting(tok._tok)
+    tok.check_fits_model(1024, "BUILD/build.json")  # as flintc serve's make_runner(check_vocab=...)
+    Engine(_runner(1024), tok)
+    with pytest.raises(CheckpointError, match="token ids up to 511, but m/config.json has vocab_size 500"):
+        Engine(_runner(500), tok)
+    assert len(walks) == 1, walks
+
+
 def test_server_takes_the_padded_models_ids(tiny_bf16_dir, serve_kit):
     """A 512-token tokenizer served with a 1024-row model: the ids the model may sample
     beyond the tokenizer (512..1023) are ids of the API too (/detokenize gives "" for
