@@ -1662,6 +1662,13 @@ def _send_raw(server, path, body: dict) -> socket.socket:
     return sock
 
 
+def _handlers(running) -> set:
+    """The server's ASGI handlers in flight: uvicorn's tasks, one a request being answered
+    (one leaves the set when the app has returned, or failed and been logged). set()
+    copies the set in C, holding the GIL, so the event loop cannot change it meanwhile."""
+    return set(running.server.server_state.tasks)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, path, monkeypatch):
     """A non-streamed request with prompt_logprobs whose client hangs up while it waits for
@@ -1677,16 +1684,20 @@ def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, p
         long = chat("Go on.", model=MODEL, max_tokens=900, ignore_eos=True, stream=True)
         busy = [_send_raw(plain_server, "/v1/chat/completions", long) for _ in range(engine.max_batch)]
         assert _wait(lambda: engine.num_running == engine.max_batch), dict(engine.stats)
+        others = _handlers(plain_server)  # the busy streams' (and any an earlier test left finishing)
         body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}
                 if path == "/v1/completions" else chat("hi", model=MODEL, max_tokens=2, prompt_logprobs=1))
         sock = _send_raw(plain_server, path, body)
         assert _wait(lambda: engine.num_waiting == 1), (engine.num_running, dict(engine.stats))
+        handler = _handlers(plain_server) - others
+        assert len(handler) == 1, (handler, others)
         aborted = engine.stats["aborted"]
         sock.shutdown(socket.SHUT_RDWR)
         sock.close()
         assert _wait(lambda: engine.num_waiting == 0 and engine.stats["aborted"] == aborted + 1), \
             (engine.num_running, engine.num_waiting, dict(engine.stats))
-        time.sleep(0.3)  # the handler builds its response after the abort
+        # the handler builds its response after the abort: wait for it to return (or fail, logged)
+        assert _wait(lambda: all(t.done() for t in handler)), "the aborted request's handler did not return"
     finally:
         for s in busy:
             s.shutdown(socket.SHUT_RDWR)
