@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import queue
 import socket
 import threading
 import time
@@ -939,6 +940,55 @@ def _peek(conn) -> str:
     return conn.sock.recv(120, socket.MSG_PEEK).decode(errors="replace")
 
 
+def test_a_request_is_counted_before_it_leaves_the_gauges(tiny_serving, monkeypatch):
+    """The engine's observers (the metrics' counters) see a request finish while
+    num_running / num_waiting still count it: a request run to its length, one aborted
+    running and one aborted waiting. A finished or aborted running request left the slots
+    first, so a scrape once the gauges read (0, 0) could miss its count: after
+    test_aborted_request_with_prompt_logprobs_is_dropped_quietly (its last busy stream
+    aborted), test_metrics_gauges_follow_the_queue's first scrape could miss that abort,
+    and its own three aborts then read as 4."""
+    from flintc.runtime.runner import ReferenceRunner
+    from flintc.serve.engine import Engine, EngineObserver, GenRequest
+
+    model, tok = tiny_serving
+    engine = Engine(ReferenceRunner(model, max_batch=1, max_model_len=256), tok)
+    seen = []
+
+    class Watch(EngineObserver):
+        def finished(self, req, reason, error):
+            seen.append((reason, engine.num_running, engine.num_waiting))
+
+    engine.observers.append(Watch())
+    _hold_decode(monkeypatch, engine.runner)  # 200 tokens: 10 s to see the long one running
+    engine.start()
+    outs = {name: queue.Queue() for name in ("short", "long", "queued")}
+
+    def submit(name, max_tokens):
+        req = GenRequest(prompt_ids=[5, 6, 7], params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                     ignore_eos=True), emit=outs[name].put)
+        engine.submit(req)
+        return req
+
+    def last(name):
+        while not (out := outs[name].get(timeout=120)).finished:
+            pass
+        return out.finish_reason
+
+    try:
+        submit("short", 2)
+        assert last("short") == "length"
+        long, queued = submit("long", 200), submit("queued", 2)
+        assert _wait(lambda: (engine.num_running, engine.num_waiting) == (1, 1)), dict(engine.stats)
+        engine.abort(queued)
+        assert last("queued") == "abort"
+        engine.abort(long)
+        assert last("long") == "abort"
+    finally:
+        engine.shutdown()
+    assert seen == [("length", 1, 0), ("abort", 1, 1), ("abort", 1, 0)], seen
+
+
 def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
     """plain_server has 2 slots: of three long streams, two run and one waits; hung up,
     all three are aborted and the gauges go back to 0. The streams are sent one at a
@@ -972,8 +1022,14 @@ def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
             conn.close()
     assert _wait(lambda: gauges() == (0, 0)), gauges()
     after = scrape(plain_server)
-    assert _wait(lambda: scrape(plain_server)[("vllm:request_success_total", "abort")]
-                 - before[("vllm:request_success_total", "abort")] == 3)
+
+    def aborts():
+        return scrape(plain_server)[("vllm:request_success_total", "abort")] - \
+            before[("vllm:request_success_total", "abort")]
+
+    # exactly 3: `before` has every request of an earlier test, the engine counting a
+    # request before the gauges let it go (test_a_request_is_counted_before_it_leaves_the_gauges)
+    assert _wait(lambda: aborts() == 3), (aborts(), dict(plain_server.engine.stats))
     assert after[("vllm:request_success_total", "length")] == before[("vllm:request_success_total", "length")]
     assert after[("vllm:e2e_request_latency_seconds_count", None)] == \
         before[("vllm:e2e_request_latency_seconds_count", None)]  # latencies: finished requests only
