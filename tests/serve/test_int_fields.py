@@ -73,21 +73,32 @@ def test_integral_floats_meet_the_ints_range_checks(tiny_server, value):
     assert status == 400 and body["error"]["message"] == "'max_tokens' must be at least 1, got 0", body
 
 
+def base_request(path: str) -> dict:
+    return ({"model": MODEL, "prompt": PROMPT, "max_tokens": 1} if path == "/v1/completions" else
+            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
+
+
+def refusals(server, path: str, fields: dict, bad) -> list[tuple[str, str]]:
+    """Each of `fields` (its item, for a list) set to `bad` in a request to `path`, which
+    must be a 400 naming the field. -> [(the field's path, the error message)]."""
+    out = []
+    for name, ok in fields.items():
+        status, body = server.post(path, {**base_request(path), name: [bad] if isinstance(ok, list) else bad})
+        where = f"{name}[0]" if isinstance(ok, list) else name
+        assert status == 400, (name, body)
+        err = body["error"]
+        assert err["param"] in (name, where) and err["type"] == "invalid_request_error", (name, err)
+        out.append((where, err["message"]))
+    return out
+
+
 @pytest.mark.parametrize("path, fields", [("/v1/completions", COMPLETION_INTS), ("/v1/chat/completions", CHAT_INTS)])
 @pytest.mark.parametrize("bad", [2.5, True, False, "2"])
 def test_other_values_of_integer_fields_are_refused(tiny_server, path, fields, bad):
     """2.5, true / false (a bool is not an int in the API) and "2" are 400s naming the
     field (or its item, for a list), every integer field."""
-    base = ({"model": MODEL, "prompt": PROMPT} if path == "/v1/completions" else
-            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
-    for name, ok in fields.items():
-        value = [bad] if isinstance(ok, list) else bad
-        status, body = tiny_server.post(path, {**base, name: value})
-        where = f"{name}[0]" if isinstance(ok, list) else name
-        assert status == 400, (name, body)
-        err = body["error"]
-        assert err["param"] in (name, where) and err["type"] == "invalid_request_error", (name, err)
-        assert err["message"].startswith(f"invalid value for '{where}': "), (name, err)
+    for where, message in refusals(tiny_server, path, fields, bad):
+        assert message.startswith(f"invalid value for '{where}': "), (where, message)
 
 
 @pytest.mark.parametrize("path, fields", [("/v1/completions", COMPLETION_INTS), ("/v1/chat/completions", CHAT_INTS)])
@@ -99,21 +110,12 @@ def test_integers_outside_64_bits_are_refused_briefly(tiny_server, path, fields,
     its 'seed' no int): outside it is a 400 naming the field that says the number briefly.
     "seed": 1e308 was "'seed' must be an integer in [-2**63, 2**63) ..., got " and the
     309 digits of int(1e308), as were the other fields' range checks."""
-    base = ({"model": MODEL, "prompt": PROMPT, "max_tokens": 1} if path == "/v1/completions" else
-            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})
-    for name, ok in fields.items():
-        value = [big] if isinstance(ok, list) else big
-        status, body = tiny_server.post(path, {**base, name: value})
-        where = f"{name}[0]" if isinstance(ok, list) else name
-        assert status == 400, (name, body)
-        err = body["error"]
-        assert err["param"] in (name, where), (name, err)
-        assert err["message"] == f"invalid value for '{where}': Input should be an integer in [-2**63, 2**63), " \
-                                 f"got {shown}", (name, err)
-    status, body = tiny_server.post(path, {**base, "seed": 2**63 - 1})  # the range's ends are taken
-    assert status == 200, body
-    status, body = tiny_server.post(path, {**base, "seed": -2**63})
-    assert status == 200, body
+    for where, message in refusals(tiny_server, path, fields, big):
+        assert message == f"invalid value for '{where}': Input should be an integer in [-2**63, 2**63), " \
+                          f"got {shown}", (where, message)
+    for seed in (2**63 - 1, -2**63):  # the range's ends are taken
+        status, body = tiny_server.post(path, {**base_request(path), "seed": seed})
+        assert status == 200, body
 
 
 @pytest.mark.parametrize("path, body, param", [
