@@ -390,6 +390,7 @@ class FlintTokenizer:
         self._template_sources: dict[str, tuple[str, str]] | None = None
         self._templates: dict[str, jinja2.Template] = {}
         self._token_bytes: dict[int, bytes] = {}
+        self._top_id: int | None = None  # the largest token id, once `check_fits_model` looks
         eos = config.get("eos_token", EOS_TOKEN)
         eos = eos.get("content") if isinstance(eos, dict) else eos  # an AddedToken's fields, as HF writes it
         if not isinstance(eos, str):
@@ -457,11 +458,18 @@ class FlintTokenizer:
         no token for then decode to nothing (as ``tokenizers``' decode drops them, and
         vLLM detokenizes them as ""), so a model that samples one does not fail mid-text.
 
+        The largest id is found once (a walk of the whole vocabulary: about 0.2 s for
+        150k tokens), so pairing again is free: `flintc serve` pairs with the build's or
+        config.json's vocab_size before the weights load, and its Engine with the config
+        the runner loaded.
+
         Raises:
             CheckpointError: naming the tokenizer file, its largest id and `config_where`'s
                 vocab_size.
         """
-        top = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        if self._top_id is None:
+            self._top_id = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+        top = self._top_id
         if top >= vocab_size:
             raise CheckpointError(f"{self.tokenizer_path}: token ids up to {top}, but {config_where} has vocab_size "
                                   f"{vocab_size}: expected every id below it (a tokenizer of another model?)")

@@ -194,7 +194,8 @@ def run_serve(args: argparse.Namespace) -> int:
     tokenizer.check_chat_template()  # a malformed one: before the port is bound and the weights load
     sock = bind(args.host, args.port)  # fail fast on a busy port, before loading weights
     # ids the model has no row for: from its config, before the weights load (and again
-    # by the Engine, against the config the runner loaded)
+    # by the Engine, against the config the runner loaded: the same vocab_size, a check
+    # that no longer walks the vocabulary, `check_fits_model` having found its top id)
     runner = make_runner(args, check_vocab=tokenizer.check_fits_model)
     engine = Engine(runner, tokenizer, enable_prefix_caching=args.enable_prefix_caching)
     app = create_app(engine, tokenizer, options)

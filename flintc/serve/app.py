@@ -591,8 +591,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                    f"in a high-low pair)", param=where, code="invalid_json") from None
                 why = (e.get("ctx") or {}).get("error", e["msg"])
                 raise APIError(400, f"malformed JSON in the request body: {why}", code="invalid_json") from None
+            if e["loc"][:1] == ("prompt",):  # an Int's range error, not the union's first member's type error
+                e = next((x for x in exc.errors() if x["type"] == "int_range"), e)
             loc = e["loc"]
-            if cls is CompletionRequest and loc[:1] == ("prompt",) and e["type"] != "missing":
+            if cls is CompletionRequest and loc[:1] == ("prompt",) and e["type"] not in ("missing", "int_range"):
                 # pydantic names the last union member tried ('prompt.str')
                 raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids "
                                "(integers) or a list of such lists", param="prompt") from None
@@ -646,13 +648,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         """A request's ``seed`` as SamplingParams takes it, in [0, 2**63), or None for
         random draws. vLLM takes any 64-bit integer, [-2**63, 2**63), and -1 there means
         no seed (its SamplingParams sets seed -1 to None), as clients that send it mean;
-        another negative seed is taken modulo 2**63 here. `seed` is an int (the request
-        model is strict). Raises APIError(400) for a value outside that range."""
+        another negative seed is taken modulo 2**63 here. `seed` is an int in that range
+        (an `Int` of the request model: another is a 400 there)."""
         if seed is None or seed == -1:
             return None
-        if not -2**63 <= seed < 2**63:
-            raise APIError(400, f"'seed' must be an integer in [-2**63, 2**63) (vLLM's range; a negative one "
-                           f"is taken modulo 2**63), got {seed!r}", param="seed")
         return seed % 2**63
 
     async def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:

@@ -193,7 +193,9 @@ class EngineObserver:
 
     def finished(self, req: GenRequest, reason: str | None, error: str | None) -> None:
         """The request's last Output: ``reason`` "stop", "length" or "abort", or None
-        with ``error`` (the request failed)."""
+        with ``error`` (the request failed). Called while ``num_running`` /
+        ``num_waiting`` still count the request, so that what an observer counts is in
+        by the time they show it gone."""
 
 
 @dataclass(eq=False)
@@ -408,8 +410,9 @@ class Engine:
         for seq in list(self._running.values()):
             self._finish(seq, reason, error=None if reason else msg)
         while self._waiting:
-            req = self._waiting.popleft()
-            self._notify_finished(req, reason, None if reason else msg)
+            req = self._waiting[0]
+            self._notify_finished(req, reason, None if reason else msg)  # counted, then off the gauge
+            self._waiting.popleft()
             req.emit(Output(req.index, finish_reason=reason, error=None if reason else msg))
 
     def _step(self) -> None:
@@ -624,14 +627,19 @@ class Engine:
 
     def _finish(self, seq: _Seq, reason: str | None, error: str | None = None) -> None:
         seq.text += seq.detok.flush()  # a dangling partial character becomes U+FFFD
-        self._running.pop(seq.slot, None)
         if self.enable_prefix_caching and seq.prefilled and error is None:
             # positions < pos hold the prompt and every generated token but the last (never fed)
             self._cached[seq.slot] = _SlotCache((list(seq.req.prompt_ids) + seq.out_ids)[:seq.pos],
                                                 next(self._freed), seq.req.cache_salt,
                                                 len(seq.req.prompt_ids), seq.ring)
         self.stats["aborted" if reason == "abort" else "finished"] += 1
-        self._notify_finished(seq.req, reason, error)
+        try:
+            # the observers (the metrics' counters) first, then off num_running: once the
+            # gauges show a request gone, its count is in (a scrape between the two saw
+            # neither, and a test that waited for (0, 0) then read the counters missed it)
+            self._notify_finished(seq.req, reason, error)
+        finally:
+            self._running.pop(seq.slot, None)
         self._emit(seq, len(seq.text), reason, error)
 
     def _notify_finished(self, req: GenRequest, reason: str | None, error: str | None) -> None:

@@ -3,10 +3,10 @@ OpenAI error body.
 
 Requests are validated strictly from JSON (``model_validate_json``): a wrong type is
 a 400 (an integer field takes a number with a zero fraction, ``"n": 2.0``, as vLLM's lax
-models do, but not 2.5, a bool or a string: :data:`Int`), and so is an unknown field
-(as the OpenAI API does: "Unrecognized request argument"). Fields that OpenAI
-defines but Flint cannot honour are accepted only at their neutral value (e.g.
-``best_of: 1``); any other value is a 400 naming the field (:func:`unsupported`).
+models do, but not 2.5, a bool, a string or a number outside 64 bits: :data:`Int`), and
+so is an unknown field (as the OpenAI API does: "Unrecognized request argument").
+Fields that OpenAI defines but Flint cannot honour are accepted only at their neutral
+value (e.g. ``best_of: 1``); any other value is a 400 naming the field (:func:`unsupported`).
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` are honoured, with
 vLLM's semantics (:mod:`flintc.sampling`). Purely
 informational fields (``user``, ``metadata``, ``store``, ...) are accepted and ignored.
@@ -36,20 +36,41 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import PydanticCustomError
+
+
+INT_RANGE = "[-2**63, 2**63)"  # an Int's: 64 bits, as vLLM's pydantic parses an integer from a float
+
+
+def _brief(value: int | float) -> str:
+    """A number for an error message: a float as JSON gave it (1e+308), an int of up to
+    64 bits as it is, a longer one as its number of digits."""
+    if type(value) is float or value.bit_length() <= 64:
+        return repr(value)
+    try:
+        return f"an integer of {len(str(abs(value)))} digits"
+    except ValueError:  # past Python's int-to-str limit (4300 digits)
+        return "an integer of over 4300 digits"
 
 
 def _integral_float_as_int(value):
     """A JSON number with a zero fraction (2.0, 1e3, -0.0) as the int it equals; any
     other value unchanged, for the strict int check to take or refuse (2.5, NaN, true,
-    "2": 400)."""
-    if type(value) is float and value.is_integer():
+    "2": 400). An integer, or integral float, outside INT_RANGE is refused here, with
+    a short message (`_brief`): 1e308 as an int has 309 digits, which the fields' own
+    range checks ('seed', 'n', token ids, ...) printed in full."""
+    if (type(value) is float and value.is_integer()) or type(value) is int:
+        if not -2**63 <= value < 2**63:
+            raise PydanticCustomError("int_range", "Input should be an integer in {range}, got {given}",
+                                      {"range": INT_RANGE, "given": _brief(value)})
         return int(value)
     return value
 
 
 # An integer field: an int, or a float with a zero fraction (2.0), as vLLM's lax pydantic
 # models take it ("n": 2.0 was a 400 here); 2.5, a bool and a string stay 400s naming the
-# field, as the strict models answer any other wrong type.
+# field, as the strict models answer any other wrong type. Either is in INT_RANGE (vLLM's
+# pydantic refuses a float past it, and its 'seed' an int past it; nothing here needs more).
 Int = Annotated[int, BeforeValidator(_integral_float_as_int)]
 
 

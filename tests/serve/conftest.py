@@ -11,6 +11,8 @@ decode on them), then the end-of-text token.
 
 from __future__ import annotations
 
+import http.client
+import json
 import re
 import threading
 import time
@@ -38,6 +40,28 @@ class Running:
     engine: object
     server: object
     thread: threading.Thread
+    api_key: str | None = None
+
+    def request(self, method, path, body=None, headers=None, timeout=120) -> tuple[int, str]:
+        """One HTTP request without the openai client (`body`: bytes, str or JSON data),
+        with the server's API key unless ``headers`` overrides it. -> (status, body text)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **auth,
+                                                        **(headers or {})})
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        conn.close()
+        return resp.status, text
+
+    def post(self, path, body, loads=json.loads, headers=None):
+        """POST `body` as JSON. -> (status, loads(body text)) or, for a stream answered 200,
+        (status, [loads(payload) for each data event but [DONE]]). ``loads=str``: the text."""
+        status, text = self.request("POST", path, body, headers)
+        if body.get("stream") and status == 200:
+            return status, [loads(e[6:]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+        return status, loads(text)
 
 
 @pytest.fixture(scope="session")
@@ -90,12 +114,24 @@ def start_server(model, tokenizer, options, max_batch=4, max_model_len=256, wrap
         if time.monotonic() > end or not thread.is_alive():
             raise RuntimeError("the test server did not start")
         time.sleep(0.02)
-    return Running(f"http://127.0.0.1:{port}/v1", port, engine, server, thread)
+    return Running(f"http://127.0.0.1:{port}/v1", port, engine, server, thread, options.api_key)
 
 
 def stop_server(running: Running) -> None:
     running.server.should_exit = True
     running.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_serving):
+    """The tiny model served as "flint-tiny" with default options (no API key), 2 slots of
+    256 tokens, for a test module."""
+    from flintc.serve.app import ServeOptions
+
+    model, tok = tiny_serving
+    run = start_server(model, tok, ServeOptions("flint-tiny"), max_batch=2, max_model_len=256)
+    yield run
+    stop_server(run)
 
 
 @pytest.fixture(scope="session")

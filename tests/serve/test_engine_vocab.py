@@ -59,12 +59,38 @@ def test_engine_refuses_a_tokenizer_with_ids_past_the_model(tiny_bf16_dir):
                                      "has vocab_size 500: expected every id below it")
 
 
+def test_pairing_again_does_not_walk_the_vocabulary_again(tiny_bf16_dir):
+    """`flintc serve` pairs its tokenizer twice: with the build's (or config.json's)
+    vocab_size before the weights load, then in its Engine with the config the runner
+    loaded. The largest id is found once (a walk of the vocabulary, ~0.2 s for 150k
+    tokens, was done at each pairing); each pairing still checks."""
+    tok = load_tokenizer(tiny_bf16_dir)
+    walks = []
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get_vocab(self, **kw):
+            walks.append(kw)
+            return self.inner.get_vocab(**kw)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    tok._tok = Counting(tok._tok)
+    tok.check_fits_model(1024, "BUILD/build.json")  # as flintc serve's make_runner(check_vocab=...)
+    Engine(_runner(1024), tok)
+    with pytest.raises(CheckpointError, match="token ids up to 511, but m/config.json has vocab_size 500"):
+        Engine(_runner(500), tok)
+    assert len(walks) == 1, walks
+
+
 def test_server_takes_the_padded_models_ids(tiny_bf16_dir, serve_kit):
     """A 512-token tokenizer served with a 1024-row model: the ids the model may sample
     beyond the tokenizer (512..1023) are ids of the API too (/detokenize gives "" for
     them, logit_bias / allowed_token_ids / prompt ids take them), as the sampled ones
     come back in responses; ids of 1024 and more are still refused, naming the range."""
-    import http.client
     import json
 
     from flintc.serve.app import ServeOptions
@@ -74,25 +100,16 @@ def test_server_takes_the_padded_models_ids(tiny_bf16_dir, serve_kit):
     tok = load_tokenizer(tiny_bf16_dir)
     run = serve_kit.start_server(FlintModel(ckpt.config, ckpt.weights), tok, ServeOptions("m"),
                                  max_batch=1, max_model_len=64)
-
-    def post(path, body):
-        conn = http.client.HTTPConnection("127.0.0.1", run.port, timeout=120)
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        out = resp.status, json.loads(resp.read().decode())
-        conn.close()
-        return out
-
     try:
-        assert post("/detokenize", {"model": "m", "tokens": [tok.encode("hi")[0], 600]})[0] == 200
-        status, body = post("/detokenize", {"model": "m", "tokens": [600]})
+        assert run.post("/detokenize", {"model": "m", "tokens": [tok.encode("hi")[0], 600]})[0] == 200
+        status, body = run.post("/detokenize", {"model": "m", "tokens": [600]})
         assert (status, body["prompt"]) == (200, "")
-        status, body = post("/v1/completions", {"model": "m", "prompt": [1, 2, 700], "max_tokens": 1,
-                                                "temperature": 0, "allowed_token_ids": [900],
-                                                "logit_bias": {"900": 5}})
+        status, body = run.post("/v1/completions", {"model": "m", "prompt": [1, 2, 700], "max_tokens": 1,
+                                                    "temperature": 0, "allowed_token_ids": [900],
+                                                    "logit_bias": {"900": 5}})
         assert status == 200, body
         assert body["choices"][0]["text"] == "", "the only allowed id, 900, has no token: no text"
-        status, body = post("/detokenize", {"model": "m", "tokens": [1024]})
+        status, body = run.post("/detokenize", {"model": "m", "tokens": [1024]})
         assert status == 400 and "[0, 1024)" in json.dumps(body), body
     finally:
         serve_kit.stop_server(run)

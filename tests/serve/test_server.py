@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import queue
 import socket
 import threading
 import time
@@ -85,18 +86,13 @@ def reference(model, prompt_ids, **kw):
 
 
 def raw(server, method, path, body=None, headers=None, timeout=120):
-    """One HTTP request without the openai client. -> (status, parsed JSON or text)."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
-    data = body if isinstance(body, (bytes, str)) or body is None else json.dumps(body)
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
-                                                    "Authorization": f"Bearer {KEY}", **(headers or {})})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    conn.close()
+    """One HTTP request without the openai client (`Running.request`: with the server's
+    API key). -> (status, parsed JSON or text)."""
+    status, text = server.request(method, path, body, headers, timeout)
     try:
-        return resp.status, json.loads(text)
+        return status, json.loads(text)
     except ValueError:
-        return resp.status, text
+        return status, text
 
 
 def chat(messages_text, **kw):
@@ -944,6 +940,55 @@ def _peek(conn) -> str:
     return conn.sock.recv(120, socket.MSG_PEEK).decode(errors="replace")
 
 
+def test_a_request_is_counted_before_it_leaves_the_gauges(tiny_serving, monkeypatch):
+    """The engine's observers (the metrics' counters) see a request finish while
+    num_running / num_waiting still count it: a request run to its length, one aborted
+    running and one aborted waiting. A finished or aborted running request left the slots
+    first, so a scrape once the gauges read (0, 0) could miss its count: after
+    test_aborted_request_with_prompt_logprobs_is_dropped_quietly (its last busy stream
+    aborted), test_metrics_gauges_follow_the_queue's first scrape could miss that abort,
+    and its own three aborts then read as 4."""
+    from flintc.runtime.runner import ReferenceRunner
+    from flintc.serve.engine import Engine, EngineObserver, GenRequest
+
+    model, tok = tiny_serving
+    engine = Engine(ReferenceRunner(model, max_batch=1, max_model_len=256), tok)
+    seen = []
+
+    class Watch(EngineObserver):
+        def finished(self, req, reason, error):
+            seen.append((reason, engine.num_running, engine.num_waiting))
+
+    engine.observers.append(Watch())
+    _hold_decode(monkeypatch, engine.runner)  # 200 tokens: 10 s to see the long one running
+    engine.start()
+    outs = {name: queue.Queue() for name in ("short", "long", "queued")}
+
+    def submit(name, max_tokens):
+        req = GenRequest(prompt_ids=[5, 6, 7], params=SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                     ignore_eos=True), emit=outs[name].put)
+        engine.submit(req)
+        return req
+
+    def last(name):
+        while not (out := outs[name].get(timeout=120)).finished:
+            pass
+        return out.finish_reason
+
+    try:
+        submit("short", 2)
+        assert last("short") == "length"
+        long, queued = submit("long", 200), submit("queued", 2)
+        assert _wait(lambda: (engine.num_running, engine.num_waiting) == (1, 1)), dict(engine.stats)
+        engine.abort(queued)
+        assert last("queued") == "abort"
+        engine.abort(long)
+        assert last("long") == "abort"
+    finally:
+        engine.shutdown()
+    assert seen == [("length", 1, 0), ("abort", 1, 1), ("abort", 1, 0)], seen
+
+
 def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
     """plain_server has 2 slots: of three long streams, two run and one waits; hung up,
     all three are aborted and the gauges go back to 0. The streams are sent one at a
@@ -977,8 +1022,14 @@ def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
             conn.close()
     assert _wait(lambda: gauges() == (0, 0)), gauges()
     after = scrape(plain_server)
-    assert _wait(lambda: scrape(plain_server)[("vllm:request_success_total", "abort")]
-                 - before[("vllm:request_success_total", "abort")] == 3)
+
+    def aborts():
+        return scrape(plain_server)[("vllm:request_success_total", "abort")] - \
+            before[("vllm:request_success_total", "abort")]
+
+    # exactly 3: `before` has every request of an earlier test, the engine counting a
+    # request before the gauges let it go (test_a_request_is_counted_before_it_leaves_the_gauges)
+    assert _wait(lambda: aborts() == 3), (aborts(), dict(plain_server.engine.stats))
     assert after[("vllm:request_success_total", "length")] == before[("vllm:request_success_total", "length")]
     assert after[("vllm:e2e_request_latency_seconds_count", None)] == \
         before[("vllm:e2e_request_latency_seconds_count", None)]  # latencies: finished requests only
@@ -1307,19 +1358,6 @@ def masked_server(tiny_serving, serve_kit):
     serve_kit.stop_server(run)
 
 
-def _post(server, path, body):
-    """-> (status, body text) or, for a stream, (status, [data payloads])."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json",
-                                                              "Authorization": f"Bearer {KEY}"})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    conn.close()
-    if body.get("stream"):
-        return resp.status, [e[6:] for e in text.split("\n\n") if e and e != "data: [DONE]"]
-    return resp.status, text
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_logprobs_of_minus_infinity_are_minus_9999(masked_server, tiny_serving, stream):
     """A log-probability of -inf is written -9999.0, as vLLM does (max(logprob, -9999.0) in
@@ -1331,24 +1369,24 @@ def test_logprobs_of_minus_infinity_are_minus_9999(masked_server, tiny_serving, 
     forced = tok.encode(SCRIPTS["stop"])[:3]  # tokens the masked model rules out
     for prompt, want_tokens, want_lp in (("Count.", [a] * 3, 0.0),
                                          ("#script:stop", [tok.decode([t]) for t in forced], -9999.0)):
-        status, got = _post(masked_server, "/v1/chat/completions", chat(
-            prompt, model=MODEL, max_tokens=3, logprobs=True, top_logprobs=3, ignore_eos=True, stream=stream))
+        status, got = masked_server.post("/v1/chat/completions", chat(
+            prompt, model=MODEL, max_tokens=3, logprobs=True, top_logprobs=3, ignore_eos=True, stream=stream),
+            loads=strict_json)
         assert status == 200, got
         if stream:
-            content = [e for x in got for c in strict_json(x)["choices"] if c["logprobs"]
-                       for e in c["logprobs"]["content"]]
+            content = [e for x in got for c in x["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
         else:
-            content = strict_json(got)["choices"][0]["logprobs"]["content"]
+            content = got["choices"][0]["logprobs"]["content"]
         assert [e["token"] for e in content] == want_tokens
         assert [e["logprob"] for e in content] == [want_lp] * 3
         for e in content:  # 'a' (0.0) first, then two of the ruled-out tokens
             assert [t["logprob"] for t in e["top_logprobs"]] == [0.0, -9999.0, -9999.0]
             assert e["top_logprobs"][0]["token"] == a
-        status, got = _post(masked_server, "/v1/completions", {
-            "model": MODEL, "prompt": prompt, "max_tokens": 3, "logprobs": 2, "ignore_eos": True, "stream": stream})
+        status, got = masked_server.post("/v1/completions", {
+            "model": MODEL, "prompt": prompt, "max_tokens": 3, "logprobs": 2, "ignore_eos": True, "stream": stream},
+            loads=strict_json)
         assert status == 200, got
-        lps = [strict_json(x)["choices"][0]["logprobs"] for x in got] if stream else \
-            [strict_json(got)["choices"][0]["logprobs"]]
+        lps = [x["choices"][0]["logprobs"] for x in (got if stream else [got])]
         tokens = [t for lp in lps for t in lp["tokens"]]
         assert tokens == want_tokens
         assert [v for lp in lps for v in lp["token_logprobs"]] == [want_lp] * 3
@@ -1607,8 +1645,8 @@ def test_prompt_logprobs_chat(server, client, tiny_serving):
     assert len(ids) == r.usage.prompt_tokens
     _check_prompt_logprobs(r.prompt_logprobs, ids, _model_prompt_logprobs(model, ids), 1, tok)
     assert all(getattr(c, "prompt_logprobs", None) is None for c in r.choices)
-    status, events = _post(server, "/v1/chat/completions", chat("Hi there", model=MODEL, max_tokens=2, stream=True,
-                                                               prompt_logprobs=0))
+    status, events = server.post("/v1/chat/completions", chat("Hi there", model=MODEL, max_tokens=2, stream=True,
+                                                              prompt_logprobs=0), loads=str)
     assert status == 200 and "prompt_logprobs" not in "".join(events)
 
 
@@ -1617,10 +1655,10 @@ def test_prompt_logprobs_of_minus_infinity(masked_server, tiny_serving):
     and rank V (every token ties at -inf with it)."""
     _, tok = tiny_serving
     ids = tok.encode("Count to ten.")
-    status, got = _post(masked_server, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1,
-                                                          "prompt_logprobs": 2})
+    status, got = masked_server.post("/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1,
+                                                         "prompt_logprobs": 2}, loads=strict_json)
     assert status == 200, got
-    plp = strict_json(got)["choices"][0]["prompt_logprobs"]
+    plp = got["choices"][0]["prompt_logprobs"]
     a = str(masked_server.keep)
     for i, entry in enumerate(plp[1:], start=1):
         assert entry[str(ids[i])] == {"logprob": -9999.0, "rank": tok.vocab_size, "decoded_token": tok.decode([ids[i]])}
@@ -1680,6 +1718,13 @@ def _send_raw(server, path, body: dict) -> socket.socket:
     return sock
 
 
+def _handlers(running) -> set:
+    """The server's ASGI handlers in flight: uvicorn's tasks, one a request being answered
+    (one leaves the set when the app has returned, or failed and been logged). set()
+    copies the set in C, holding the GIL, so the event loop cannot change it meanwhile."""
+    return set(running.server.server_state.tasks)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, path, monkeypatch):
     """A non-streamed request with prompt_logprobs whose client hangs up while it waits for
@@ -1695,16 +1740,20 @@ def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, p
         long = chat("Go on.", model=MODEL, max_tokens=900, ignore_eos=True, stream=True)
         busy = [_send_raw(plain_server, "/v1/chat/completions", long) for _ in range(engine.max_batch)]
         assert _wait(lambda: engine.num_running == engine.max_batch), dict(engine.stats)
+        others = _handlers(plain_server)  # the busy streams' (and any an earlier test left finishing)
         body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}
                 if path == "/v1/completions" else chat("hi", model=MODEL, max_tokens=2, prompt_logprobs=1))
         sock = _send_raw(plain_server, path, body)
         assert _wait(lambda: engine.num_waiting == 1), (engine.num_running, dict(engine.stats))
+        handler = _handlers(plain_server) - others
+        assert len(handler) == 1, (handler, others)
         aborted = engine.stats["aborted"]
         sock.shutdown(socket.SHUT_RDWR)
         sock.close()
         assert _wait(lambda: engine.num_waiting == 0 and engine.stats["aborted"] == aborted + 1), \
             (engine.num_running, engine.num_waiting, dict(engine.stats))
-        time.sleep(0.3)  # the handler builds its response after the abort
+        # the handler builds its response after the abort: wait for it to return (or fail, logged)
+        assert _wait(lambda: all(t.done() for t in handler)), "the aborted request's handler did not return"
     finally:
         for s in busy:
             s.shutdown(socket.SHUT_RDWR)
@@ -1741,10 +1790,9 @@ def test_continuous_usage_stats(server, path):
     chunk; without include_usage it does nothing (as vLLM)."""
     body = ({"model": MODEL, "prompt": "hi", "max_tokens": 5, "ignore_eos": True, "stream": True}
             if path == "/v1/completions" else chat("hi", model=MODEL, max_tokens=5, ignore_eos=True, stream=True))
-    status, events = _post(server, path, {**body, "stream_options": {"include_usage": True,
-                                                                     "continuous_usage_stats": True}})
-    assert status == 200, events
-    chunks = [json.loads(e) for e in events]
+    status, chunks = server.post(path, {**body, "stream_options": {"include_usage": True,
+                                                                    "continuous_usage_stats": True}})
+    assert status == 200, chunks
     assert all("usage" in c for c in chunks), chunks
     prompt = chunks[-1]["usage"]["prompt_tokens"]
     done = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
@@ -1754,8 +1802,8 @@ def test_continuous_usage_stats(server, path):
     for c in chunks:
         assert c["usage"]["prompt_tokens"] == prompt
         assert c["usage"]["total_tokens"] == prompt + c["usage"]["completion_tokens"]
-    status, events = _post(server, path, {**body, "stream_options": {"continuous_usage_stats": True}})
-    assert status == 200 and all("usage" not in json.loads(e) for e in events), events
+    status, chunks = server.post(path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert status == 200 and all("usage" not in c for c in chunks), chunks
 
 
 # ---- vLLM's other request fields -------------------------------------------------------------
@@ -1830,8 +1878,8 @@ def test_request_id_is_the_response_id(server, path, prefix):
         == prefix + "hdr"
     ids = {raw(server, "POST", path, body)[1]["id"] for _ in range(2)}
     assert len(ids) == 2 and all(i.startswith(prefix) and len(i) > len(prefix) + 8 for i in ids)
-    status, events = _post(server, path, {**body, "request_id": "s1", "stream": True})
-    assert status == 200 and {json.loads(e)["id"] for e in events} == {prefix + "s1"}
+    status, chunks = server.post(path, {**body, "request_id": "s1", "stream": True})
+    assert status == 200 and {c["id"] for c in chunks} == {prefix + "s1"}
 
 
 def test_truncate_prompt_tokens(server, tiny_serving):

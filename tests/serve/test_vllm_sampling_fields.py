@@ -6,9 +6,6 @@ not. (They were refused as unsupported before.)"""
 
 from __future__ import annotations
 
-import http.client
-import json
-
 import pytest
 
 from flintc.sampling import SamplingParams, bad_words_to_token_ids
@@ -16,28 +13,7 @@ from flintc.serve.app import ServeOptions
 from harness import reference_at_cache_length
 
 MODEL = "flint-tiny"
-SERVER_MAX_LEN = 256  # the `server` fixture's max_model_len (its cache rows per slot)
 PROMPT = [5, 77, 300, 12]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_serving, serve_kit):
-    model, tok = tiny_serving
-    run = serve_kit.start_server(model, tok, ServeOptions(MODEL), max_batch=2, max_model_len=SERVER_MAX_LEN)
-    yield run
-    serve_kit.stop_server(run)
-
-
-def post(server, path, body):
-    """-> (status, JSON body) or, for a stream, (status, [parsed data payloads])."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    text = resp.read().decode()
-    conn.close()
-    if body.get("stream") and resp.status == 200:
-        return resp.status, [json.loads(e[6:]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
-    return resp.status, json.loads(text)
 
 
 def completion(**kw):
@@ -50,24 +26,24 @@ def chat(**kw):
             "ignore_eos": True, "return_token_ids": True, **kw}
 
 
-def reference(model, **kw):
-    """The reference model's tokens with the `server` fixture's cache length
-    (`harness.reference_at_cache_length`)."""
+def reference(server, model, **kw):
+    """The reference model's tokens with `server`'s cache length (its max_model_len:
+    `harness.reference_at_cache_length`)."""
     params = SamplingParams(max_tokens=6, ignore_eos=True, **kw)
-    return reference_at_cache_length(model, PROMPT, params, SERVER_MAX_LEN).output_ids[0]
+    return reference_at_cache_length(model, PROMPT, params, server.engine.runner.max_model_len).output_ids[0]
 
 
-def test_allowed_token_ids(server, tiny_serving):
+def test_allowed_token_ids(tiny_server, tiny_serving):
     """Completions and chat draw only allowed tokens (greedy and seeded), the tokens the
     reference generate gives with the same allowed_token_ids."""
     model, _ = tiny_serving
     allowed = [40, 41, 300, 7]
     for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 4}):
-        status, body = post(server, "/v1/completions", completion(allowed_token_ids=allowed, **kw))
+        status, body = tiny_server.post("/v1/completions", completion(allowed_token_ids=allowed, **kw))
         assert status == 200, body
         got = body["choices"][0]["token_ids"]
-        assert got == reference(model, allowed_token_ids=allowed, **kw) and set(got) <= set(allowed), kw
-    status, body = post(server, "/v1/chat/completions", chat(allowed_token_ids=[43, 44]))
+        assert got == reference(tiny_server, model, allowed_token_ids=allowed, **kw) and set(got) <= set(allowed), kw
+    status, body = tiny_server.post("/v1/chat/completions", chat(allowed_token_ids=[43, 44]))
     assert status == 200 and set(body["choices"][0]["token_ids"]) <= {43, 44}, body
 
 
@@ -77,32 +53,32 @@ def test_allowed_token_ids(server, tiny_serving):
     ([3, 512], "'allowed_token_ids' contains out-of-vocab token id 512"),
     ([-1], "'allowed_token_ids' contains out-of-vocab token id -1"),
 ])
-def test_allowed_token_ids_errors(server, path, value, needle):
+def test_allowed_token_ids_errors(tiny_server, path, value, needle):
     body = (completion if path == "/v1/completions" else chat)(allowed_token_ids=value)
-    status, got = post(server, path, body)
+    status, got = tiny_server.post(path, body)
     assert status == 400 and got["error"]["param"] == "allowed_token_ids", got
     assert needle in got["error"]["message"], got
 
 
-def test_bad_words(server, tiny_serving):
+def test_bad_words(tiny_server, tiny_serving):
     """A bad word made of the text of plain greedy's first two tokens: the server's
     tokens are the reference generate's with the word's ids (vLLM's tokenization) and
     never hold them; in chat, a one-token word's both forms are banned beside
     allowed_token_ids."""
     model, tok = tiny_serving
-    status, body = post(server, "/v1/completions", completion())
+    status, body = tiny_server.post("/v1/completions", completion())
     plain = body["choices"][0]["token_ids"]
     word = tok.decode(plain[:2])
     ids = bad_words_to_token_ids([word], tok)
-    status, body = post(server, "/v1/completions", completion(bad_words=[word]))
+    status, body = tiny_server.post("/v1/completions", completion(bad_words=[word]))
     assert status == 200, body
     got = body["choices"][0]["token_ids"]
-    assert got == reference(model, temperature=0, bad_words_token_ids=ids) and got != plain
+    assert got == reference(tiny_server, model, temperature=0, bad_words_token_ids=ids) and got != plain
     for w in ids:
         assert not any(tuple(got[i:i + len(w)]) == w for i in range(len(got))), (w, got)
     # "x" is one token, and another after a space: both banned, so only 50 is left
     assert bad_words_to_token_ids(["x"], tok) == ((87,), (363,))
-    status, body = post(server, "/v1/chat/completions", chat(allowed_token_ids=[87, 363, 50], bad_words=["x"],
+    status, body = tiny_server.post("/v1/chat/completions", chat(allowed_token_ids=[87, 363, 50], bad_words=["x"],
                                                              n=2, temperature=1.0, seed=1))
     assert status == 200 and [c["token_ids"] for c in body["choices"]] == [[50] * 4] * 2, body
 
@@ -112,15 +88,15 @@ def test_bad_words(server, tiny_serving):
     ([""], "makes no tokens"),
     (["   "], "makes no tokens"),
 ])
-def test_bad_words_errors(server, path, value, needle):
+def test_bad_words_errors(tiny_server, path, value, needle):
     body = (completion if path == "/v1/completions" else chat)(bad_words=value)
-    status, got = post(server, path, body)
+    status, got = tiny_server.post(path, body)
     assert status == 400 and got["error"]["param"] == "bad_words" and needle in got["error"]["message"], got
-    status, got = post(server, path, {**body, "bad_words": "word"})  # a string, not a list: pydantic's 400
+    status, got = tiny_server.post(path, {**body, "bad_words": "word"})  # a string, not a list: pydantic's 400
     assert status == 400 and got["error"]["param"] == "bad_words", got
 
 
-def test_huge_lists_are_not_walked_per_choice_on_the_event_loop(server, monkeypatch):
+def test_huge_lists_are_not_walked_per_choice_on_the_event_loop(tiny_server, monkeypatch):
     """A repeated allowed_token_ids list is made unique once (each choice's
     SamplingParams gets at most the vocabulary, not the 20,000 ids sent: 2M ids with
     n 16 held the event loop 24 s), and with bad_words the choices' SamplingParams are
@@ -144,27 +120,27 @@ def test_huge_lists_are_not_walked_per_choice_on_the_event_loop(server, monkeypa
                         or real_allowed(ids))
     monkeypatch.setattr(sampling, "_normalise_bad_ids", lambda ids: seen.append(("bad", ids is not None, on_loop()))
                         or real_bad(ids))
-    status, body = post(server, "/v1/completions", completion(allowed_token_ids=[41, 40] * 10_000, n=3,
+    status, body = tiny_server.post("/v1/completions", completion(allowed_token_ids=[41, 40] * 10_000, n=3,
                                                               temperature=1.0, seed=2))
     assert status == 200 and all(set(c["token_ids"]) <= {40, 41} for c in body["choices"]), body
     assert [s for s in seen if s[:1] == ("allowed",) and s[1]] == [("allowed", 2, True)] * 3, seen
     seen.clear()
-    status, body = post(server, "/v1/chat/completions", chat(bad_words=["x"], n=2))
+    status, body = tiny_server.post("/v1/chat/completions", chat(bad_words=["x"], n=2))
     assert status == 200, body
     assert [s for s in seen if s[:2] == ("bad", True)] == [("bad", True, False)] * 2, seen
-    status, got = post(server, "/v1/completions", completion(allowed_token_ids=[5] * 1000 + [512, -1]))
+    status, got = tiny_server.post("/v1/completions", completion(allowed_token_ids=[5] * 1000 + [512, -1]))
     assert status == 400 and "out-of-vocab token id 512" in got["error"]["message"], got
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_return_tokens_as_token_ids_completions(server, tiny_serving, stream):
+def test_return_tokens_as_token_ids_completions(tiny_server, tiny_serving, stream):
     """Completions logprobs: tokens and top_logprobs keys are "token_id:{id}" (vLLM's
     format), the values as without the flag; text_offset advances by those strings, as
     vLLM's; the text itself is unchanged. Off (false or absent): the token texts."""
     _, tok = tiny_serving
     base = completion(logprobs=2, stream=stream)
-    status, plain = post(server, "/v1/completions", base)
-    status, got = post(server, "/v1/completions", {**base, "return_tokens_as_token_ids": True})
+    status, plain = tiny_server.post("/v1/completions", base)
+    status, got = tiny_server.post("/v1/completions", {**base, "return_tokens_as_token_ids": True})
     assert status == 200, got
     if stream:
         def merge(events):
@@ -188,12 +164,12 @@ def test_return_tokens_as_token_ids_completions(server, tiny_serving, stream):
         assert all(k.startswith("token_id:") and 0 <= int(k[9:]) < tok.vocab_size for k in top)
         # (token texts may collide as keys; ids do not)
         assert set(top0.values()) <= set(top.values())
-    status, off = post(server, "/v1/completions", {**base, "return_tokens_as_token_ids": False})
+    status, off = tiny_server.post("/v1/completions", {**base, "return_tokens_as_token_ids": False})
     assert (merge(off) if stream else off["choices"][0]["logprobs"])["tokens"] == lp0["tokens"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_return_tokens_as_token_ids_chat(server, tiny_serving, stream):
+def test_return_tokens_as_token_ids_chat(tiny_server, tiny_serving, stream):
     """Chat logprobs: content[i].token and every top_logprobs token are "token_id:{id}";
     as in vLLM, the chosen token's bytes stay its text's and a top entry's are the
     string's. prompt_logprobs keep their decoded_token text (as vLLM's)."""
@@ -202,7 +178,7 @@ def test_return_tokens_as_token_ids_chat(server, tiny_serving, stream):
                 skip_special_tokens=False)
     if not stream:
         body["prompt_logprobs"] = 1
-    status, got = post(server, "/v1/chat/completions", body)
+    status, got = tiny_server.post("/v1/chat/completions", body)
     assert status == 200, got
     if stream:
         content = [e for ev in got for c in ev["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
@@ -222,15 +198,15 @@ def test_return_tokens_as_token_ids_chat(server, tiny_serving, stream):
     assert content[0]["top_logprobs"][0]["token"] == content[0]["token"]  # greedy: the top token
 
 
-def test_the_fields_are_no_longer_refused(server):
+def test_the_fields_are_no_longer_refused(tiny_server):
     """All three at once are accepted (they were 400 'unsupported_parameter')."""
-    status, got = post(server, "/v1/completions", completion(
+    status, got = tiny_server.post("/v1/completions", completion(
         allowed_token_ids=[40, 41], bad_words=["zz"], return_tokens_as_token_ids=True, logprobs=0))
     assert status == 200, got
     assert all(t.startswith("token_id:") for t in got["choices"][0]["logprobs"]["tokens"])
 
 
-def test_engine_submit_makes_bad_words_into_ids(server, tiny_serving):
+def test_engine_submit_makes_bad_words_into_ids(tiny_server, tiny_serving):
     """`Engine.submit` (vLLM's input processor) makes a GenRequest's bad words into ids
     with the engine's tokenizer, for callers of the engine other than the server; a word
     of no tokens is an InputError there."""
@@ -243,7 +219,7 @@ def test_engine_submit_makes_bad_words_into_ids(server, tiny_serving):
     got: queue.Queue = queue.Queue()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=["x", "the"])
     req = GenRequest(prompt_ids=PROMPT, params=params, emit=got.put)
-    server.engine.submit(req)
+    tiny_server.engine.submit(req)
     assert req.params.bad_words_token_ids == bad_words_to_token_ids(["x", "the"], tok)
     ids = []
     while True:
@@ -251,10 +227,10 @@ def test_engine_submit_makes_bad_words_into_ids(server, tiny_serving):
         ids += out.token_ids
         if out.finished:
             break
-    want = reference(model, temperature=0, bad_words_token_ids=req.params.bad_words_token_ids)
+    want = reference(tiny_server, model, temperature=0, bad_words_token_ids=req.params.bad_words_token_ids)
     assert out.error is None and ids == want
     with pytest.raises(InputError, match="'bad_words'"):
-        server.engine.submit(GenRequest(prompt_ids=PROMPT, params=SamplingParams(bad_words=[" "]), emit=got.put))
+        tiny_server.engine.submit(GenRequest(prompt_ids=PROMPT, params=SamplingParams(bad_words=[" "]), emit=got.put))
 
 
 def test_server_flag_makes_token_ids_the_default(tiny_serving, serve_kit):
@@ -265,11 +241,11 @@ def test_server_flag_makes_token_ids_the_default(tiny_serving, serve_kit):
     run = serve_kit.start_server(model, tok, ServeOptions(MODEL, return_tokens_as_token_ids=True),
                                  max_batch=1, max_model_len=64)
     try:
-        status, got = post(run, "/v1/completions", completion(logprobs=0))
+        status, got = run.post("/v1/completions", completion(logprobs=0))
         assert status == 200, got
         ids = got["choices"][0]["token_ids"]
         assert got["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
-        status, got = post(run, "/v1/chat/completions", chat(logprobs=True, return_tokens_as_token_ids=False))
+        status, got = run.post("/v1/chat/completions", chat(logprobs=True, return_tokens_as_token_ids=False))
         assert status == 200, got
         content = got["choices"][0]["logprobs"]["content"]
         assert [e["token"] for e in content] == [tok.decode([t]) for t in got["choices"][0]["token_ids"]]
