@@ -50,7 +50,7 @@ class StepSource:
     source: str
     weights: dict[str, str] = field(default_factory=dict)  # attribute -> model buffer name
     kernels: int = 0  # launches per call under the count rule (`flintc.graph.accounting`)
-    launches: list[dict] = field(default_factory=list)  # per kernel line: op, node, layer, pdl
+    launches: list[dict] = field(default_factory=list)  # per launching line: op, node, layer, pdl, kernels (its launches)
     intermediates: list[dict] = field(default_factory=list)  # node, shape, dtype, bytes
 
 
@@ -162,7 +162,8 @@ def generate_step(gm: GraphModule, name: str, buffer_names: list[str], doc: str,
             mark = node.meta.get("pdl") if pdl else None
             extra = "use_pdl=True" if mark else ""
             line = f"{var} = K.{op}({_call_args(node, names, extra)})"
-            out.launches.append({"op": op, "node": node.name, "layer": layer, "pdl": bool(mark)})
+            out.launches.append({"op": op, "node": node.name, "layer": layer, "pdl": bool(mark),
+                                 "kernels": launches})
         else:
             packet = getattr(target, "overloadpacket", None)
             if packet is None or getattr(target, "namespace", None) != "aten":
@@ -170,10 +171,19 @@ def generate_step(gm: GraphModule, name: str, buffer_names: list[str], doc: str,
             line = f"{var} = aten.{packet.__name__}.{target._overloadname}({_call_args(node, names)})"
             if launches:
                 out.launches.append({"op": f"aten.{packet.__name__}", "node": node.name, "layer": layer,
-                                     "pdl": False})
+                                     "pdl": False, "kernels": launches})
+        first = out.kernels + 1
         out.kernels += launches
-        body.append(f"{line}  # {'kernel' if launches else 'view'} {len(out.launches) if launches else ''}"
-                    f"{': ' if launches else ''}{node.name}, {where}".replace("view : ", "view: "))
+        # numbered by kernel, not by line: a call of several kernels (prefill_attention_kv:
+        # the attention, then the KV-cache write) says "kernels 9-10", so the last number
+        # is the function's kernel count (plan.json's "kernels", flintc compile's line)
+        if not launches:
+            tag = "view"
+        elif launches == 1:
+            tag = f"kernel {first}:"
+        else:
+            tag = f"kernels {first}-{out.kernels}:"
+        body.append(f"{line}  # {tag} {node.name}, {where}")
         t = _meta_tensor(node)
         if t is not None and launches:
             out.intermediates.append({"node": node.name, "shape": list(t.shape), "dtype": str(t.dtype),

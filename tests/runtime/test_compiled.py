@@ -332,6 +332,16 @@ def test_generated_runtime_is_readable(builds):
     assert len(launches) == plan["steps"]["decode_b1"]["kernels"] == 28  # 2 dense x 6 + 2 MoE x 7 + 2
     assert all("K." in line or "aten." in line for line in launches)
     assert "layer 3" in launches[-2] and "moe_down_combine_residual" in launches[-2]
+    # prefill: numbered by kernel (prefill_attention_kv launches two), so the last number
+    # is plan.json's count; plan.json's launches say how many each call makes
+    body = src.split("def prefill_t8(")[1].split("\ndef ")[0]
+    numbers = [int(n) for line in body.splitlines()
+               for n in re.findall(r"# kernels? (?:\d+-)?(\d+):", line)]
+    step = plan["steps"]["prefill_t8"]
+    assert numbers == sorted(numbers) and numbers[-1] == step["kernels"] == \
+        sum(entry["kernels"] for entry in step["launches"])
+    assert len(numbers) == len(step["launches"]) < step["kernels"]  # one line per call, not per kernel
+    assert any("# kernels " in line and "K.prefill_attention_kv(" in line for line in body.splitlines())
     assert all(l["pdl"] for l in plan["steps"]["decode_b1"]["launches"])
     report = json.loads((build / "report.json").read_text())
     assert report[0]["passed"] and report[0]["checked"] and "not checked" not in (build / "report.md").read_text()
