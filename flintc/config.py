@@ -3,6 +3,9 @@
 The fields and the two presets (`tiny`, `full`) are those of FLINT_SPEC section 1.
 Validation happens in :meth:`FlintConfig.validate`, which every constructor path
 (`from_dict`, `from_file`, `preset`) calls; errors name the file and the field.
+Values no flintc backend can run are refused there too, so that every command says one
+line rather than failing in an allocation: a max_position_embeddings above
+:data:`MAX_POSITION_EMBEDDINGS`, a sliding_window above max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ from typing import Any
 from flintc.errors import ConfigError, json_type
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+
+# The most positions a config may declare (max_position_embeddings): 2**24 = 16,777,216.
+# FLINT_SPEC 2 computes RoPE angles as `position * inv_freq` in fp32, and fp32 holds every
+# integer only up to 2**24: past it positions round and the angles are wrong. It is also
+# above every released model's context (Llama 4 Scout's 10,485,760 is the longest seen).
+# A bigger value was a traceback deep in the reference model (the RoPE tables: "Storage
+# size calculation overflowed" for 2**62) instead of a line naming the field.
+MAX_POSITION_EMBEDDINGS = 1 << 24
 
 
 def full_layer_types(num_layers: int) -> list[str]:
@@ -184,6 +195,16 @@ class FlintConfig:
                 f"({self.num_attention_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_key_value_heads})",
             )
+        if self.max_position_embeddings > MAX_POSITION_EMBEDDINGS:
+            fail("max_position_embeddings", f"is {self.max_position_embeddings}, more than flintc supports: at most "
+                 f"{MAX_POSITION_EMBEDDINGS} (2**24: fp32 RoPE angles need exact positions, FLINT_SPEC 2)")
+        if self.sliding_window > self.max_position_embeddings:
+            # Hugging Face configs allow it (full attention in effect), but every flintc
+            # backend keeps W rows per sliding layer: 10**9 was a 128 GB allocation's
+            # traceback. A window of max_position_embeddings is the same model.
+            fail("sliding_window", f"is {self.sliding_window}, more than max_position_embeddings "
+                 f"({self.max_position_embeddings}): no sequence is that long, so a window of "
+                 f"{self.max_position_embeddings} is the same model; set it to at most that")
         if self.head_dim % 2:
             fail("head_dim", f"must be even for RoPE, found {self.head_dim}")
         if len(self.layer_types) != self.num_hidden_layers:

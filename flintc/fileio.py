@@ -207,20 +207,21 @@ def temp_dir_beside(out: str | os.PathLike) -> Path:
 
 
 def remove_stale_temp_dirs(out: str | os.PathLike) -> list[Path]:
-    """Remove the temporary folders of `out` (`temp_dir_beside`, `move_into_place`) whose
-    process is gone (POSIX only: `kill(pid, 0)`). Returns the removed paths."""
+    """Remove the temporary folders of `out` (`temp_dir_beside`, `move_into_place`, and
+    `.{name}.tmp-{pid}-{8 hex}`, those of `make_checkpoint` before it used this form)
+    whose process is gone (POSIX only: `kill(pid, 0)`). Returns the removed paths."""
     out = Path(out)
     parent = out.parent  # Path("b").parent is Path(".")
     if os.name != "posix" or not parent.is_dir():
         return []
     name = re.escape(out.name)
-    pattern = re.compile(rf"\.{name}\.(?:(\d+)\.[a-z0-9_]{{8}}|old-(\d+))")
+    pattern = re.compile(rf"\.{name}\.(?:(\d+)\.[a-z0-9_]{{8}}|old-(\d+)|tmp-(\d+)-[0-9a-f]{{8}})")
     removed = []
     for p in parent.iterdir():
         m = pattern.fullmatch(p.name)
         if not m or not p.is_dir() or p.is_symlink():
             continue
-        pid = int(m[1] or m[2])
+        pid = int(m[1] or m[2] or m[3])
         if pid == os.getpid() or _process_alive(pid) or p.stat().st_uid != os.getuid():
             continue
         shutil.rmtree(p, ignore_errors=True)

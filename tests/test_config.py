@@ -21,3 +21,34 @@ def test_a_float_field_given_an_integer_past_the_float_range(tmp_path):
                                           "\\(an integer of 401 digits\\)$"):
         FlintConfig.from_file(path)
     assert FlintConfig.from_dict({**PRESETS["tiny"], "rope_theta": 10**6}).rope_theta == 1e6
+
+
+@pytest.mark.parametrize("value", [2**62, 2**40, 2**24 + 1])
+def test_max_position_embeddings_past_exact_fp32_positions_is_refused(value):
+    """max_position_embeddings 2**62 passed validation and was a traceback in the reference
+    model's RoPE tables ("Storage size calculation overflowed") on `flintc run` and
+    `flintc serve` even with --max-model-len 64. Above 2**24 fp32 positions are not
+    exact (FLINT_SPEC 2's angles), so such a config is refused naming the field."""
+    import flintc.config
+
+    with pytest.raises(ConfigError, match=f"^<x>: field 'max_position_embeddings' is {value}, more than flintc "
+                                          r"supports: at most 16777216 \(2\*\*24"):
+        FlintConfig.from_dict({**PRESETS["tiny"], "max_position_embeddings": value}, source="<x>")
+    cfg = FlintConfig.from_dict({**PRESETS["tiny"], "max_position_embeddings": 2**24})
+    assert cfg.max_position_embeddings == 2**24  # Llama 4 Scout's 10,485,760 fits too
+    assert flintc.config.MAX_POSITION_EMBEDDINGS == 2**24
+
+
+@pytest.mark.parametrize("window", [10**9, 4097])
+def test_sliding_window_longer_than_max_position_embeddings_is_refused(window):
+    """sliding_window 10**9 (tiny: max_position_embeddings 4096) passed validation; every
+    backend keeps W ring rows per sliding layer, so `flintc run`, `compile`, `verify`
+    were a 128 GB allocation's traceback. A window of max_position_embeddings is the
+    same model: the error says to use it."""
+    with pytest.raises(ConfigError, match=f"^<x>: field 'sliding_window' is {window}, more than "
+                                          r"max_position_embeddings \(4096\): .* a window of 4096 is the same "
+                                          "model; set it to at most that$"):
+        FlintConfig.from_dict({**PRESETS["tiny"], "sliding_window": window}, source="<x>")
+    assert FlintConfig.from_dict({**PRESETS["tiny"], "sliding_window": 4096}).sliding_window == 4096
+    with pytest.raises(ConfigError, match="field 'sliding_window'"):
+        FlintConfig.preset("tiny").replace(max_position_embeddings=8)  # below the window of 9

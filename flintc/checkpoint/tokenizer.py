@@ -55,6 +55,15 @@ SPECIAL_TOKENS = (
 EOS_TOKEN = "<|endoftext|>"
 NUM_BYTE_SYMBOLS = 256
 MIN_VOCAB_SIZE = NUM_BYTE_SYMBOLS + len(SPECIAL_TOKENS)
+# The largest vocab_size build_tokenizer makes: 2**20 = 1,048,576, four times the largest
+# released vocabulary (Gemma 3's 262,208). Every id past the corpus's ~2,000 BPE tokens is
+# a reserved special token, about 1.1 KB of memory and 130 bytes of tokenizer.json each:
+# 2**20 takes ~5 s, 1.2 GB and writes 136 MB; 2,000,000 took 23 s and 4 GB, 1e8 > 20 GB.
+MAX_VOCAB_SIZE = 1 << 20
+# The BPE trainer's vocab_size: the built-in corpus yields 1,958 tokens (bytes and merges),
+# so asking for more makes the same tokenizer, but the trainer reserves memory for all it
+# is asked (~66 bytes a token: 2**40 was a 72 TB allocation's abort, exit 134).
+_MAX_TRAINED_TOKENS = 1 << 14
 RESERVED_PREFIX = "<|reserved_"
 DEFAULT_MODEL_MAX_LENGTH = 262144
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' names (tokenization_utils_base)
@@ -152,10 +161,12 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     Ids ``[0, 256)`` are the byte symbols, then BPE merges (as many as the built-in corpus
     yields, at most ``vocab_size - 269``), then :data:`SPECIAL_TOKENS`, then
     ``<|reserved_N|>`` special tokens up to ``vocab_size``. Deterministic: two builds give
-    byte-identical ``to_str()``. On 2 CPU cores: ~1.2 s for 151552 tokens, ~0.15 s for 512.
+    byte-identical ``to_str()``. On 2 CPU cores: ~0.6 s for 151552 tokens, ~0.15 s for 512,
+    ~5 s for :data:`MAX_VOCAB_SIZE`.
 
     Raises:
-        ValueError: ``vocab_size`` is below 269 (256 byte symbols + 13 special tokens).
+        ValueError: ``vocab_size`` is below 269 (256 byte symbols + 13 special tokens) or
+            above :data:`MAX_VOCAB_SIZE`.
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise ValueError(f"vocab_size must be an int, got {vocab_size!r}")
@@ -165,9 +176,12 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
             f"{MIN_VOCAB_SIZE} ({NUM_BYTE_SYMBOLS} byte symbols + {len(SPECIAL_TOKENS)} "
             f"special tokens)"
         )
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size {vocab_size} is too large: the tokenizer is made with at most "
+                         f"{MAX_VOCAB_SIZE} tokens (2**20)")
     tok = _new_byte_level_bpe()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=min(vocab_size - len(SPECIAL_TOKENS), _MAX_TRAINED_TOKENS),
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -223,7 +237,7 @@ def write_tokenizer(out_dir: str | os.PathLike, vocab_size: int, *,
     ``out_dir`` and renamed, so a crash never leaves a half-written file.
 
     Raises:
-        ValueError: ``vocab_size`` is too small (see :func:`build_tokenizer`).
+        ValueError: ``vocab_size`` is too small or too large (see :func:`build_tokenizer`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,19 +9,28 @@ file takes its config from beside it. Weights come from
 :func:`flintc.checkpoint.init.random_weights`, which draws on the CPU: configs
 above :data:`MAX_RANDOM_PARAMS` parameters (the full model's 40B would be 80 GB)
 get config.json and the tokenizer only, to be loaded with `load_format="dummy"`.
+The tokenizer is made for any vocab_size up to
+:data:`~flintc.checkpoint.tokenizer.MAX_VOCAB_SIZE` (2**20); a larger one is refused
+before anything is written.
+
+The temporary folder is `.{name}.{pid}.XXXXXXXX`, as `flintc compile`'s
+(:func:`flintc.fileio.temp_dir_beside`): a run killed there (SIGKILL, out of memory)
+leaves it behind, and the next `make_checkpoint` of the same `out_dir` removes those
+of processes that are gone (:func:`flintc.fileio.remove_stale_temp_dirs`, which also
+knows the `.{name}.tmp-{pid}-{hex}` folders of earlier flintc versions).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import shutil
+import tempfile
 from pathlib import Path
 
 from flintc.config import FlintConfig
 from flintc.errors import CheckpointError, ConfigError
-from flintc.fileio import naming_final_output, set_public_mode
+from flintc.fileio import naming_final_output, remove_stale_temp_dirs, set_public_mode
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +64,21 @@ def make_checkpoint(
         CheckpointError: `out_dir` exists and is a file or a folder that is not empty
             (nothing is written; the message says which), or the final rename fails.
         ConfigError: an unknown preset or a bad config.json, or a vocab_size below the
-            tokenizer's :data:`~flintc.checkpoint.tokenizer.MIN_VOCAB_SIZE` (nothing is written).
+            tokenizer's :data:`~flintc.checkpoint.tokenizer.MIN_VOCAB_SIZE` or above its
+            :data:`~flintc.checkpoint.tokenizer.MAX_VOCAB_SIZE` (nothing is written).
         ValueError: unknown `fmt`.
     """
-    from flintc.checkpoint.tokenizer import MIN_VOCAB_SIZE, NUM_BYTE_SYMBOLS, SPECIAL_TOKENS
+    from flintc.checkpoint.tokenizer import MAX_VOCAB_SIZE, MIN_VOCAB_SIZE, NUM_BYTE_SYMBOLS, SPECIAL_TOKENS
 
     config = _resolve_config(config)
     if config.vocab_size < MIN_VOCAB_SIZE:  # build_tokenizer's ValueError, before any file is written
         raise ConfigError(f"{config.source}: field 'vocab_size' is {config.vocab_size}, too small for the "
                           f"tokenizer a checkpoint gets: expected at least {MIN_VOCAB_SIZE} "
                           f"({NUM_BYTE_SYMBOLS} byte symbols + {len(SPECIAL_TOKENS)} special tokens)")
+    if config.vocab_size > MAX_VOCAB_SIZE:  # build_tokenizer's ValueError; 2**31 aborted the BPE trainer
+        raise ConfigError(f"{config.source}: field 'vocab_size' is {config.vocab_size}, too large for the "
+                          f"tokenizer a checkpoint gets: expected at most {MAX_VOCAB_SIZE} (2**20; every id "
+                          f"past the trained ones is a reserved special token)")
     if fmt not in FORMATS:
         raise ValueError(f"checkpoint format must be one of {FORMATS}, found {fmt!r}")
     if max_shard_bytes is not None and max_shard_bytes < 1:
@@ -75,8 +89,8 @@ def make_checkpoint(
     if out_dir.exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir}: already exists and is not empty; refusing to write")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    remove_stale_temp_dirs(out_dir)  # those of killed runs
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.{os.getpid()}.", dir=out_dir.parent))
     try:
         with naming_final_output(tmp, out_dir):  # a full disk names --out, not the hidden folder
             wrote_weights = _write_contents(config, fmt, tmp, seed, max_shard_bytes, out_dir)

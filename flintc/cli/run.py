@@ -273,7 +273,9 @@ def _runner_and_tokenizer(args, cleanup: contextlib.ExitStack, params, id_prompt
     if backend == "reference":
         from flintc.model.reference import FlintModel
 
-        return FlintModel(ckpt.config, ckpt.weights, mode=args.mode or "bf16"), tokenizer, texts
+        # RoPE tables for the positions the run may use (2**22 positions' tables took 1 GB)
+        return (FlintModel(ckpt.config, ckpt.weights, mode=args.mode or "bf16", max_positions=args.max_model_len),
+                tokenizer, texts)
     from flintc.runtime.build import compile_model
     from flintc.runtime.compiled import load_build
 

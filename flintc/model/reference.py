@@ -10,7 +10,10 @@ never all E). The model knows nothing of passes or kernels.
 KV cache (one pair of tensors per layer, see `new_kv_cache`): full-attention
 layers keep every position, [num_slots, S_max, Hkv, D]; sliding layers keep a
 ring buffer of the last W positions, [num_slots, W, Hkv, D], position p in slot
-p % W. A forward writes k (after norm and RoPE) and v for its new tokens into the
+p % W. The ring is W rows whatever the cache length, as in the compiled runtime, its
+passes and kernels (ring rows == W everywhere); a W longer than the sequences could be
+cut to their length without changing a number, but FlintConfig refuses a W above
+max_position_embeddings instead, which bounds the ring by a full layer's cache. A forward writes k (after norm and RoPE) and v for its new tokens into the
 cache rows named by `slots`.
 """
 
@@ -169,7 +172,11 @@ class FlintModel(nn.Module):
         weights: the canonical weight dict (BF16 or NVFP4 linears), see `weight_specs`.
         mode: "bf16" (reference numerics: bf16 activations, fp32 inside every op) or
             "float64" (no rounding anywhere; the oracle).
-        max_positions: rows of the RoPE tables (default `max_position_embeddings`).
+        max_positions: rows of the RoPE tables (default `max_position_embeddings`):
+            the positions this model will be run at, as vLLM sizes by max_model_len. The
+            runners pass `--max-model-len` when given (a config's 2**22 positions made
+            1 GB of tables for a 64-token run); row p is the same for any count, so this
+            changes no number.
 
     Raises:
         CheckpointError: `weights` does not match `config` (via `check_weights`).

@@ -69,22 +69,28 @@ def make_runner(args: argparse.Namespace, check_vocab=None):
     check_config = None if check_vocab is None else lambda config: check_vocab(config.vocab_size, config.source)
     ckpt = load_checkpoint_or_default(args.model, hf_config_path=args.hf_config_path, device=device,
                                       progress=sys.stderr.isatty(), check_config=check_config)
-    model = FlintModel(ckpt.config, ckpt.weights)
     max_batch = args.max_batch or 8
-    if args.max_model_len is not None and args.max_model_len > model.max_positions:
+    limit = ckpt.config.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > limit:
         # it was cut to max_position_embeddings silently (as a build's compile refuses it)
         raise InputError(f"--max-model-len {args.max_model_len}: more than the model's max_position_embeddings "
-                         f"({model.max_positions}); drop the flag for {model.max_positions}, or give a smaller one")
-    _check_caches_fit(model, max_batch, args.max_model_len or model.max_positions, device)
+                         f"({limit}); drop the flag for {limit}, or give a smaller one")
+    _check_caches_fit(ckpt.config, max_batch, args.max_model_len or limit, device)  # before the RoPE tables
+    # RoPE tables for the positions served (vLLM sizes by max_model_len), not always limit
+    model = FlintModel(ckpt.config, ckpt.weights, max_positions=args.max_model_len)
     return ReferenceRunner(model, max_batch=max_batch, max_model_len=args.max_model_len)
 
 
-def _check_caches_fit(model, max_batch: int, max_model_len: int, device) -> None:
+def _check_caches_fit(config, max_batch: int, max_model_len: int, device, itemsize: int = 2) -> None:
     """Refuse KV caches (`FlintModel.new_kv_cache` of `max_batch` slots, `max_model_len`
-    rows per full-attention layer, W per sliding one) that the CPU has not the memory
-    for, before allocating them: `--max-batch 100000` was a bare "can't allocate
-    memory" RuntimeError. Nothing is checked on another device or when the available
-    memory cannot be read (`flintc.runtime.device.available_memory_bytes`).
+    rows per full-attention layer, W per sliding one, `itemsize` bytes a value: bf16)
+    that the CPU has not the memory for, before allocating them: `--max-batch 100000`
+    was a bare "can't allocate memory" RuntimeError. Nothing is checked on another
+    device or when the available memory cannot be read
+    (`flintc.runtime.device.available_memory_bytes`). When the sliding layers' rings
+    alone take half the memory or more, the advice is a smaller --max-batch only: a
+    ring is sliding_window rows at any --max-model-len (the same 3814.7 GiB were
+    refused at --max-model-len 64 and 4096 with "give a smaller --max-model-len").
 
     Raises:
         InputError: naming --max-batch, --max-model-len, the caches' size and the memory
@@ -96,15 +102,22 @@ def _check_caches_fit(model, max_batch: int, max_model_len: int, device) -> None
 
     if torch.device(device).type != "cpu":
         return
-    c = model.config
-    rows = sum(c.sliding_window if c.is_sliding_layer(i) else max_model_len for i in range(c.num_hidden_layers))
-    itemsize = torch.empty((), dtype=model.act_dtype).element_size()
-    need = 2 * max_batch * rows * c.num_key_value_heads * c.head_dim * itemsize  # K and V
+    c = config
+    num_sliding = sum(map(c.is_sliding_layer, range(c.num_hidden_layers)))
+    ring_rows = num_sliding * c.sliding_window  # whatever --max-model-len
+    rows = ring_rows + (c.num_hidden_layers - num_sliding) * max_model_len
+    per_row = 2 * max_batch * c.num_key_value_heads * c.head_dim * itemsize  # K and V of every slot
+    need = rows * per_row
     avail = available_memory_bytes()
     if avail is not None and need > avail:
+        advice = "give a smaller --max-batch or --max-model-len"
+        if ring_rows * per_row > avail / 2:  # a shorter --max-model-len cannot make enough room
+            advice = (f"the {num_sliding} sliding layers' rings ({c.sliding_window} rows each, sliding_window, "
+                      f"at any --max-model-len) take {ring_rows * per_row / 2**30:.1f} GiB of it: give a smaller "
+                      "--max-batch")
         raise InputError(f"--max-batch {max_batch} x --max-model-len {max_model_len}: the KV caches would take "
-                         f"{need / 2**30:.1f} GiB, but only {avail / 2**30:.1f} GiB of memory is available; give "
-                         "a smaller --max-batch or --max-model-len")
+                         f"{need / 2**30:.1f} GiB, but only {avail / 2**30:.1f} GiB of memory is available; "
+                         f"{advice}")
 
 
 def model_path(args: argparse.Namespace) -> Path:

@@ -85,6 +85,43 @@ def test_too_small_or_non_int_vocab_raises(bad):
         build_tokenizer(bad)
 
 
+def test_too_large_vocab_raises_before_training(monkeypatch):
+    """vocab_size 2**31 aborted the process (exit 134, a Rust "memory allocation of ...
+    bytes failed" in the BPE trainer), 1e8 took > 20 GB: above MAX_VOCAB_SIZE (2**20) a
+    ValueError names the bound before the trainer runs (a trainer made here fails the
+    test instead of allocating)."""
+    import flintc.checkpoint.tokenizer as tokenizer
+
+    def no_trainer(**kwargs):
+        raise AssertionError(f"the BPE trainer was made for {kwargs.get('vocab_size')} tokens")
+
+    monkeypatch.setattr(tokenizer.trainers, "BpeTrainer", no_trainer)
+    for bad in (2**20 + 1, 2**31, 2**40):
+        with pytest.raises(ValueError, match=rf"^vocab_size {bad} is too large: .* at most 1048576 tokens \(2\*\*20\)$"):
+            build_tokenizer(bad)
+    assert getattr(tokenizer, "MAX_VOCAB_SIZE", None) == 2**20
+
+
+def test_the_bpe_trainer_is_asked_for_no_more_than_the_corpus_can_give(monkeypatch):
+    """The trainer reserves memory for every token it is asked for (2**40 was a 72 TB
+    allocation) though the corpus yields 1,958: it is asked for at most 2**14, and the
+    tokenizer is the same (the rest are reserved tokens, as before)."""
+    import flintc.checkpoint.tokenizer as tokenizer
+
+    asked = []
+    real = tokenizer.trainers.BpeTrainer
+
+    def recording(**kwargs):
+        asked.append(kwargs["vocab_size"])
+        return real(**kwargs)
+
+    monkeypatch.setattr(tokenizer.trainers, "BpeTrainer", recording)
+    t = build_tokenizer(2**15)
+    assert asked == [2**14]
+    assert t.get_vocab_size(with_added_tokens=False) == 1958  # the corpus's yield, below the cap
+    assert t.get_vocab_size(with_added_tokens=True) == 2**15
+
+
 def test_build_is_deterministic_in_process_and_across_hash_seeds():
     first = build_tokenizer(TINY_VOCAB).to_str()
     assert build_tokenizer(TINY_VOCAB).to_str() == first

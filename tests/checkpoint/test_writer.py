@@ -119,6 +119,54 @@ def test_a_vocab_too_small_for_the_tokenizer_is_a_config_error(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
+@pytest.mark.parametrize("vocab_size", [2**20 + 1, 2**31, 2**40])
+def test_a_vocab_too_large_for_the_tokenizer_is_a_config_error(tmp_path, monkeypatch, vocab_size):
+    """vocab_size 2**31 / 2**40 aborted `flintc make-checkpoint` (exit 134: the BPE trainer
+    failed to allocate 72 TB) and left its temporary folder; 2,000,000 took 4 GB. Above
+    the tokenizer's MAX_VOCAB_SIZE (2**20) it is a ConfigError naming the file, the field
+    and the bound, before anything is written (building a tokenizer here fails the test
+    instead of allocating)."""
+    import flintc.checkpoint.tokenizer as tokenizer
+
+    def no_build(vocab_size):
+        raise AssertionError(f"a tokenizer of {vocab_size} tokens was built")
+
+    monkeypatch.setattr(tokenizer, "build_tokenizer", no_build)
+    config_file = tmp_path / "config.json"
+    TINY.replace(vocab_size=vocab_size).save(config_file)
+    with pytest.raises(ConfigError, match=rf"^{config_file}: field 'vocab_size' is {vocab_size}, too large for "
+                                          r"the tokenizer a checkpoint gets: expected at most 1048576 \(2\*\*20"):
+        make_checkpoint(str(config_file), "bf16", tmp_path / "ckpt")
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_the_leftovers_of_killed_runs_are_removed(tmp_path):
+    """A make-checkpoint killed mid-write (SIGKILL, the out-of-memory killer, the BPE
+    trainer's abort) left `.ckpt.tmp-PID-XXXXXXXX` beside --out, and later runs never
+    removed it, as `flintc compile` removes its own (`fileio.remove_stale_temp_dirs`).
+    The next make_checkpoint of the same --out removes those of processes that are gone
+    (the old and the current name form); a live process's folder and other names stay."""
+    import os
+
+    dead = _dead_pid()
+    leftovers = [tmp_path / f".ckpt.tmp-{dead}-0123abcd", tmp_path / f".ckpt.{dead}.k3x_9a0b"]
+    kept = [tmp_path / f".ckpt.tmp-{os.getppid()}-0123abcd", tmp_path / f".other.tmp-{dead}-0123abcd"]
+    for folder in leftovers + kept:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    make_checkpoint("tiny", "bf16", tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", *(p.name for p in kept)])
+
+
 def test_a_failure_leaves_nothing_half_written(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")

@@ -471,6 +471,26 @@ def test_reference_generate_refuses_no_prompts_and_too_long_a_model_len():
             generate(model, [[1, 2]], params, max_model_len=bad)
 
 
+def test_reference_run_sizes_rope_by_max_model_len(tiny_bf16_dir, monkeypatch, capsys):
+    """`flintc run --max-model-len 64` on the reference backend made RoPE tables of
+    max_position_embeddings rows (a config's 2**22: 1.0 GB RSS, as without the flag);
+    they have the 64 rows the run can use."""
+    from flintc.model import ops
+
+    rows = []
+    real = ops.rope_tables
+
+    def recording(theta, head_dim, max_positions, cdt):
+        rows.append(max_positions)
+        return real(theta, head_dim, max_positions, cdt)
+
+    monkeypatch.setattr(ops, "rope_tables", recording)
+    assert main(["run", str(tiny_bf16_dir), "--prompt-ids", "1,2,3", "--max-tokens", "2", "--max-model-len", "64"]) == 0
+    assert rows == [64]
+    assert main(["run", str(tiny_bf16_dir), "--prompt-ids", "1,2,3", "--max-tokens", "2"]) == 0
+    assert rows == [64, 4096]  # no flag: max_position_embeddings, as vLLM's default max_model_len
+
+
 def test_a_closed_pipe_stops_quietly(tiny_bf16_dir):
     """`flintc run ... | head -c 5`: the reader leaves early. flintc stops with 141 (128 +
     SIGPIPE, as `yes | head`) and prints nothing on stderr; it printed "flintc: error:

@@ -879,3 +879,56 @@ def test_graph_commands_refuse_hf_config_path_without_a_model(capsys, tmp_path, 
     code, _, err = run_cli(capsys, command, "--hf-config-path", cfg, *extra)
     assert_one_line_error(code, err, f"--hf-config-path {cfg} applies only with a MODEL", "from --config")
     assert not (tmp_path / "dump").exists()
+
+
+# ---- config values no backend can run ---------------------------------------------------
+
+
+def _edited_checkpoint(src: Path, dst: Path, **changes) -> Path:
+    """A copy of the checkpoint folder `src` with config.json's `changes`."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **changes}))
+    return dst
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "{m}", "--prompt-ids", "1,2,3", "--max-tokens", "1", "--max-model-len", "64"],
+    ["serve", "{m}", "--port", "0", "--max-model-len", "64"],
+    ["compile", "{m}", "--out", "{tmp}/b", "--no-check", "--max-model-len", "64"],
+    ["verify", "--config", "{m}/config.json", "--step", "decode"],
+    ["dump", "--config", "{m}/config.json", "--out", "{tmp}/d"],
+    ["bench", "{m}", "--device", "cpu", "--out", "{tmp}/o", "--max-model-len", "64"],
+    ["make-checkpoint", "--config", "{m}/config.json", "--out", "{tmp}/c"],
+])
+@pytest.mark.parametrize("changes, needle", [
+    ({"max_position_embeddings": 2**62}, "field 'max_position_embeddings' is 4611686018427387904, more than "
+                                         "flintc supports: at most 16777216"),
+    ({"sliding_window": 2**62}, "field 'sliding_window' is 4611686018427387904, more than max_position_embeddings "
+                                "(4096)"),
+])
+def test_config_values_no_backend_can_run(capsys, tmp_path, tiny_bf16_dir, command, changes, needle):
+    """max_position_embeddings 2**62 was a traceback in the reference model's RoPE tables
+    ("Storage size calculation overflowed") on `flintc run` and `serve` even with
+    --max-model-len 64; sliding_window 10**9 a 128 GB allocation's traceback on `run`,
+    `compile`, `verify`. Every command refuses such a config.json in one line naming the
+    file and the field, before any work."""
+    model = _edited_checkpoint(tiny_bf16_dir, tmp_path / "m", **changes)
+    code, out, err = run_cli(capsys, *[a.format(m=model, tmp=tmp_path) for a in command])
+    assert_one_line_error(code, err, f"{model / 'config.json'}: {needle}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_make_checkpoint_refuses_a_vocab_the_tokenizer_cannot_have(capsys, tmp_path, monkeypatch):
+    """vocab_size 2**31 in --config's config.json: `flintc make-checkpoint` aborted with
+    exit 134 (a Rust panic allocating 72 TB in the BPE trainer) and left its temporary
+    folder. Now one line naming the field and the bound, and nothing written (a tokenizer
+    built here fails the test instead of allocating)."""
+    import flintc.checkpoint.tokenizer as tokenizer
+    from flintc.config import PRESETS
+
+    monkeypatch.setattr(tokenizer, "build_tokenizer", lambda n: pytest.fail(f"a tokenizer of {n} tokens"))
+    (tmp_path / "v.json").write_text(json.dumps({**PRESETS["tiny"], "vocab_size": 2**31}))
+    code, out, err = run_cli(capsys, "make-checkpoint", "--config", tmp_path / "v.json", "--out", tmp_path / "vout")
+    assert_one_line_error(code, err, "field 'vocab_size' is 2147483648", "at most 1048576 (2**20")
+    assert out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["v.json"]

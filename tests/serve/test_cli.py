@@ -253,8 +253,54 @@ def test_reference_runner_limits_are_checked(tiny_bf16_dir, monkeypatch):
     assert (runner.max_batch, runner.max_model_len) == (4, 64)
     # tiny: 2 full layers x 64 rows + 2 sliding x 9, 2 KV heads x 32 x bf16, K and V: 37,376 bytes a slot
     monkeypatch.setattr(device, "available_memory_bytes", lambda: 4 * 37376)
-    _check_caches_fit(runner.model, 4, 64, "cpu")
-    _check_caches_fit(runner.model, 5, 64, "meta")  # not a CPU: not checked
+    _check_caches_fit(runner.config, 4, 64, "cpu")
+    _check_caches_fit(runner.config, 5, 64, "meta")  # not a CPU: not checked
     with pytest.raises(InputError, match=r"^--max-batch 5 x --max-model-len 64: the KV caches would take 0\.0 GiB, "
                                          r"but only 0\.0 GiB of memory is available; give a smaller --max-batch"):
-        _check_caches_fit(runner.model, 5, 64, "cpu")
+        _check_caches_fit(runner.config, 5, 64, "cpu")
+
+
+def test_reference_runner_sizes_rope_by_max_model_len(tiny_bf16_dir):
+    """The reference backend made RoPE tables of max_position_embeddings rows whatever
+    --max-model-len said (2**22 positions: 1 GB for a 64-token server); they have the
+    rows the server can use, as vLLM sizes by max_model_len, and the same values."""
+    import argparse
+
+    import torch
+
+    from flintc.model import ops
+    from flintc.serve.server import make_runner
+
+    def ns(**kw):
+        return argparse.Namespace(**{"build": None, "model": str(tiny_bf16_dir), "hf_config_path": None,
+                                     "device": None, "max_batch": 2, "max_model_len": None, **kw})
+
+    runner = make_runner(ns(max_model_len=64))
+    assert runner.model.rope_cos.shape[0] == runner.model.max_positions == runner.max_model_len == 64
+    cos, sin = ops.rope_tables(10000.0, 32, 4096, torch.float32)
+    assert torch.equal(runner.model.rope_cos, cos[:64]) and torch.equal(runner.model.rope_sin, sin[:64])
+    assert make_runner(ns()).model.rope_cos.shape[0] == 4096  # no flag: max_position_embeddings
+
+
+def test_kv_cache_refusal_advice_fits_the_sliding_rings(monkeypatch):
+    """`flintc serve` of a config whose rings dominate (sliding_window = max_position_embeddings)
+    said "give a smaller --max-batch or --max-model-len" with the same GiB at --max-model-len
+    64 as at 4096: a ring has sliding_window rows at any length. The advice then names
+    the rings and --max-batch only; the sizes are unchanged."""
+    import flintc.runtime.device as device
+    from flintc.config import FlintConfig
+    from flintc.errors import InputError
+    from flintc.serve.server import _check_caches_fit
+
+    cfg = FlintConfig.preset("tiny").replace(sliding_window=4096)
+    per_row = 2 * 2 * 32 * 2  # K and V, 2 KV heads x 32, bf16: one slot
+    monkeypatch.setattr(device, "available_memory_bytes", lambda: 8 * 4096 * per_row)
+    with pytest.raises(InputError, match=r"^--max-batch 8 x --max-model-len 64: the KV caches would take "
+                                         r"0\.[0-9] GiB, .*; the 2 sliding layers' rings \(4096 rows each, "
+                                         r"sliding_window, at any --max-model-len\) take 0\.[0-9] GiB of it: give "
+                                         r"a smaller --max-batch$"):
+        _check_caches_fit(cfg, 8, 64, "cpu")
+    _check_caches_fit(cfg, 3, 64, "cpu")
+    tiny = FlintConfig.preset("tiny")  # 9-row rings: a shorter --max-model-len helps
+    with pytest.raises(InputError, match=r"give a smaller --max-batch or --max-model-len$"):
+        _check_caches_fit(tiny, 8, 4096, "cpu")
