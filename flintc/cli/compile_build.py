@@ -2,7 +2,11 @@
 prefill pass pipelines with every pass checked, and write BUILD: the generated
 runtime (runtime.py), the schedule and buffer plan (plan.json), the compile report
 (report.md, report.json) and the pass-by-pass graph dumps. Weights are not copied:
-build.json records where they come from, and `flintc run --build` checks them."""
+build.json records where they come from, and `flintc run --build` checks them.
+
+An existing --out is replaced whole, so it is taken only when it is empty or an earlier
+build holding nothing a compile does not write (no notes, no checkpoint copied into it),
+and never when it holds MODEL, --tokenizer or --hf-config-path."""
 
 from __future__ import annotations
 
@@ -217,7 +221,10 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model)")
-    p.add_argument("--out", required=True, help="the BUILD folder to write; an existing build there is replaced")
+    p.add_argument("--out", required=True,
+                   help="the BUILD folder to write: new, empty, or an earlier build, which is replaced whole (refused "
+                   "when it also holds files a compile does not write, or holds MODEL, --tokenizer or "
+                   "--hf-config-path)")
     add_model_source_args(p)
     add_build_args(p)
     p.set_defaults(func=run_compile)
@@ -276,8 +283,11 @@ def run_compile(args: argparse.Namespace) -> int:
     if not 1 <= args.max_batch <= 8:
         raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {args.max_batch}")
     from flintc.fileio import follow_out_link
-    from flintc.runtime.build import check_out_replaceable
+    from flintc.runtime.build import check_inputs_outside, check_out_replaceable
 
+    # the weights the new build.json would point to, deleted with the old build it replaces
+    check_inputs_outside(args.out, (("MODEL", args.model), ("--tokenizer", args.tokenizer),
+                                    ("--hf-config-path", args.hf_config_path)))
     check_out_replaceable(follow_out_link(args.out))
     args.device = args.device or "cpu"
     weights_on = args.device
