@@ -847,12 +847,13 @@ def test_compile_interrupted_during_the_swap_keeps_the_new_build(capsys, tmp_pat
     out = tmp_path / "b"
     code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
     assert code == 0, err
-    (out / "marker").write_text("old build")
+    (out / "report.md").write_text("old build")
     _signal_on_rename_of(monkeypatch, out, signal.SIGINT)
     code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
     assert code == 130, err
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
-    assert (out / "build.json").is_file() and (out / "runtime.py").is_file() and not (out / "marker").exists()
+    assert (out / "build.json").is_file() and (out / "runtime.py").is_file()
+    assert (out / "report.md").read_text() != "old build"
     assert f"wrote {out} (complete) before the interrupt" in err and "flintc: interrupted" in err
 
 
