@@ -297,9 +297,12 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     ("bf16" or "nvfp4") and `config` only with load_format="dummy", as the CLI's
     --format and --config. Raises InputError / CheckpointError / PassCheckError as
     `flintc compile`; InputError also for an empty `out` (`Path("")` is the current
-    folder), an unknown `load_format` (`flintc.checkpoint.loader.check_load_format`; None
-    is "auto"), a `fmt` or `config` that does not apply, a `check`, `dump` or `progress`
-    that is not True or False (a NumPy bool is taken), and a malformed FLINTC_* variable
+    folder), an `out` that holds `model`, `tokenizer` or `hf_config_path`, or is an
+    earlier build that also holds files a compile does not write (a compile replaces
+    `out` whole: `flintc.runtime.build.check_out_replaceable`), an unknown
+    `load_format` (`flintc.checkpoint.loader.check_load_format`; None is "auto"), a
+    `fmt` or `config` that does not apply, a `check`, `dump` or `progress` that is not
+    True or False (a NumPy bool is taken), and a malformed FLINTC_* variable
     (`flintc.runtime.compiled.check_environment`), before compiling; CheckpointError,
     before compiling too, for a tokenizer (`tokenizer`, else the checkpoint's) with ids
     the model has no row for (`FlintTokenizer.check_fits_model`, naming its file and
@@ -348,6 +351,13 @@ def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, ma
                          "a checkpoint has its own format and config.json")
     prepare_device(device)  # a CPU run uses Triton's interpreter: set before triton loads
     check_environment("torch" if backend == "auto" and device == "cpu" else backend)  # before the compile
+    if out is not None:  # before the checkpoint is read (compile_model checks again, the default one too)
+        from flintc.fileio import follow_out_link
+        from flintc.runtime.build import check_inputs_outside, check_out_replaceable
+
+        check_inputs_outside(out, (("model", model), ("--tokenizer", tokenizer),
+                                   ("--hf-config-path", hf_config_path)))
+        check_out_replaceable(follow_out_link(out))
     with _sigterm_after_cleanup() as cleanups:
         ckpt = load_checkpoint_or_default(model, hf_config_path=hf_config_path, device=device,
                                           load_format=load_format, config=config, fmt=fmt, progress=progress)

@@ -556,6 +556,17 @@ def enclosing_build(path: str | os.PathLike, *, itself: bool = True) -> Path | N
     return None
 
 
+def lies_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
+    """Whether `path` is `folder` or lies inside it at any depth, as given (made
+    absolute) or with every symbolic link resolved, on either side: a checkpoint reached
+    through a link into `folder`, or named through a link `folder` points to, is inside
+    it. The check of the inputs of a compile against the BUILD it replaces
+    (`flintc.runtime.build.check_inputs_outside`)."""
+    paths = {Path(os.path.abspath(path)), Path(os.path.realpath(path))}
+    folders = {Path(os.path.abspath(folder)), Path(os.path.realpath(folder))}
+    return any(f == p or f in p.parents for p in paths for f in folders)
+
+
 def dump_dir_from_env() -> str | None:
     """$FLINTC_DUMP_DIR (where `compile_step`, `flintc verify` and the temporary BUILD of
     `flintc run` write their pass-by-pass dumps), or None when it is unset or empty.

@@ -227,10 +227,12 @@ def read_header(path: Path) -> Header:
     """Parse and check a safetensors header: tensor name -> (dtype, shape).
 
     Raises:
-        CheckpointError: not a safetensors file, a malformed header, or a file
+        CheckpointError: not a safetensors file, a malformed header, a file
             shorter than the data its header describes (truncated: the message names
             the first tensor whose data runs past the end, its byte range and the
-            file's size).
+            file's size), tensors whose data_offsets overlap or leave a gap (naming
+            the first such tensor in offset order), or bytes after the last tensor's
+            data (`_check_packed`).
     """
 
     def bad(msg: str) -> CheckpointError:
@@ -257,6 +259,7 @@ def read_header(path: Path) -> Header:
         raise bad("not a safetensors file (its header is not a JSON object)")
     raw.pop("__metadata__", None)
     header: Header = {}
+    spans = []  # (start, stop, name) of every tensor, offsets in the data section
     past_end = []  # (start, stop, name) of each tensor whose data runs past the end
     for name, info in raw.items():
         try:
@@ -270,6 +273,7 @@ def read_header(path: Path) -> Header:
         if dtype in _ITEM_BYTES and stop - start != numel * _ITEM_BYTES[dtype]:
             raise bad(f"{name}: header gives {stop - start} bytes for {dtype} {list(shape)}")
         header[name] = (dtype, shape)
+        spans.append((start, stop, name))
         if 8 + n + stop > size:
             past_end.append((8 + n + start, 8 + n + stop, name))
     if past_end:
@@ -277,7 +281,32 @@ def read_header(path: Path) -> Header:
         more = f" (and {len(past_end) - 1} more tensors after it)" if len(past_end) > 1 else ""
         raise bad(f"truncated: tensor {name} needs bytes [{start}, {stop}), "
                   f"the file has {size}{more}")
+    _check_packed(spans, 8 + n, size, bad)
     return header
+
+
+def _check_packed(spans, data_start: int, size: int, bad) -> None:
+    """The safetensors format packs the tensors' data back to back, in the order of their
+    offsets, and covers the file to its end (safetensors itself refuses anything else,
+    naming the first tensor out of place, but only when a tensor is read: "cannot read
+    (... invalid offset for tensor T)" came under the name of whichever tensor was read
+    first). `spans` are (start, stop, name) in the data section, which starts at byte
+    `data_start` of a file of `size` bytes. Raises `bad(message)` naming the first
+    tensor (in offset order) that overlaps the one before it or leaves a gap after it,
+    or the bytes no tensor covers at the end."""
+    end, before = 0, None
+    for start, stop, name in sorted(spans):
+        if start < end:
+            raise bad(f"tensor {name}: its data_offsets [{start}, {stop}) overlap those of {before} (which end "
+                      f"at {end}); the header is corrupt")
+        if start > end:
+            raise bad(f"tensor {name}: its data_offsets [{start}, {stop}) leave bytes [{end}, {start}) unused "
+                      f"after {before or 'the header'} (safetensors packs tensors back to back); the header is "
+                      "corrupt")
+        end, before = stop, name
+    if data_start + end != size:
+        raise bad(f"{size - data_start - end} bytes after the last tensor's data (the tensors end at byte "
+                  f"{data_start + end} of {size}); not a valid safetensors file")
 
 
 def _validate(

@@ -2,7 +2,11 @@
 prefill pass pipelines with every pass checked, and write BUILD: the generated
 runtime (runtime.py), the schedule and buffer plan (plan.json), the compile report
 (report.md, report.json) and the pass-by-pass graph dumps. Weights are not copied:
-build.json records where they come from, and `flintc run --build` checks them."""
+build.json records where they come from, and `flintc run --build` checks them.
+
+An existing --out is replaced whole, so it is taken only when it is empty or an earlier
+build holding nothing a compile does not write (no notes, no checkpoint copied into it),
+and never when it holds MODEL, --tokenizer or --hf-config-path."""
 
 from __future__ import annotations
 
@@ -74,8 +78,8 @@ def check_config_preset(value: str, flag: str = "--config") -> None:
 def check_not_empty(path, flag: str, expected: str = "a path") -> None:
     """A path the user gave must not be empty: `Path("")` is the current folder, which no
     one means by `--out ""` or `--build ""` (an unset shell variable, most often). Called
-    first by every output check (`check_output_folder`, `check_output_parents`, `flintc
-    run`'s --logits-out) and for every input path (`check_input_paths`), before any work.
+    first by every output check (`check_output_folder`, `check_output_parents`,
+    `check_output_file`) and for every input path (`check_input_paths`), before any work.
     Raises InputError naming the flag."""
     from flintc.errors import InputError
 
@@ -141,24 +145,19 @@ def check_output_folder(path, flag: str = "--out") -> None:
         raise InputError(f"{flag} {path}: {problem}")
 
 
-def check_output_parents(path, flag: str) -> None:
-    """Fail before any work when `path` (a file or folder whose missing parent folders the
-    command creates) cannot be written: it must not be empty, and its nearest existing
-    ancestor must be a folder one can write in; a file (any flag but --out) must not be an
-    existing folder, nor end in a slash (`Path` drops it: --json new/ wrote a file `new`).
-    Raises InputError naming the flag and path."""
-    import os
+def check_output_parents(path, flag: str = "--out") -> None:
+    """Fail before any work when the folder `path`, which the command creates with its
+    missing parent folders (bench's and make-checkpoint's --out), cannot be made: it
+    must not be empty, and its nearest existing ancestor must be a folder one can write
+    in. An output FILE's folder is never created: see `check_output_file`. Raises
+    InputError naming the flag and path."""
     from pathlib import Path
 
     from flintc.errors import InputError
     from flintc.fileio import cannot_write_in
 
-    check_not_empty(path, flag, "a folder path" if flag == "--out" else "a file name")
+    check_not_empty(path, flag, "a folder path")
     target = Path(path)
-    if target.is_dir() and flag != "--out":
-        raise InputError(f"{flag} {path}: is a directory, expected a file name")
-    if flag != "--out" and str(path).endswith(("/", os.sep)):
-        raise InputError(f"{flag} {path}: ends in a slash (a folder), expected a file name")
     anc = target.parent if str(target.parent) else Path(".")
     while not anc.exists() and anc != anc.parent:
         anc = anc.parent
@@ -167,6 +166,34 @@ def check_output_parents(path, flag: str) -> None:
     why = cannot_write_in(anc)
     if why:
         raise InputError(f"{flag} {path}: cannot write in the folder {anc} ({why})")
+
+
+def check_output_file(path, flag: str) -> None:
+    """Fail before any work if the output file `path` (run's --logits-out, verify's
+    --json) cannot be written: it must not be empty, its folder must exist (it is not
+    created: a typo in it would make folders) and be one a file can be created in, and
+    `path` must not be a folder itself, nor end in a slash (`Path` drops it: --json new/
+    wrote a file `new`). Raises InputError naming the flag and path."""
+    import os
+    from pathlib import Path
+
+    from flintc.errors import InputError
+    from flintc.fileio import cannot_write_in
+
+    check_not_empty(path, flag, "a file name")
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise InputError(f"{flag} {path}: is a directory, expected a file name")
+    if str(path).endswith(("/", os.sep)):
+        raise InputError(f"{flag} {path}: ends in a slash (a folder), expected a file name")
+    if parent.exists() and not parent.is_dir():
+        raise InputError(f"{flag} {path}: {parent} is not a folder")
+    if not parent.is_dir():
+        raise InputError(f"{flag} {path}: folder {parent} does not exist")
+    why = cannot_write_in(parent)
+    if why:
+        raise InputError(f"{flag} {path}: cannot write in the folder {parent} ({why})")
 
 
 def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
@@ -217,7 +244,10 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="BF16 checkpoint folder or NVFP4 .gguf file (default: the embedded tiny model)")
-    p.add_argument("--out", required=True, help="the BUILD folder to write; an existing build there is replaced")
+    p.add_argument("--out", required=True,
+                   help="the BUILD folder to write: new, empty, or an earlier build, which is replaced whole (refused "
+                   "when it also holds files a compile does not write, or holds MODEL, --tokenizer or "
+                   "--hf-config-path)")
     add_model_source_args(p)
     add_build_args(p)
     p.set_defaults(func=run_compile)
@@ -276,8 +306,11 @@ def run_compile(args: argparse.Namespace) -> int:
     if not 1 <= args.max_batch <= 8:
         raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {args.max_batch}")
     from flintc.fileio import follow_out_link
-    from flintc.runtime.build import check_out_replaceable
+    from flintc.runtime.build import check_inputs_outside, check_out_replaceable
 
+    # the weights the new build.json would point to, deleted with the old build it replaces
+    check_inputs_outside(args.out, (("MODEL", args.model), ("--tokenizer", args.tokenizer),
+                                    ("--hf-config-path", args.hf_config_path)))
     check_out_replaceable(follow_out_link(args.out))
     args.device = args.device or "cpu"
     weights_on = args.device

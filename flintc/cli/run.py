@@ -415,7 +415,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.logits_out is not None:
         if n_prompts != 1:
             raise InputError("--logits-out takes one prompt")
-        _check_output_path(args.logits_out, "--logits-out")
+        from flintc.cli.compile_build import check_output_file
+
+        check_output_file(args.logits_out, "--logits-out")
     with contextlib.ExitStack() as cleanup:
         return _generate(args, params, id_prompts, cleanup)
 
@@ -511,29 +513,6 @@ class _TextStream:
             sys.stdout.write(self.decoder.flush())
         sys.stdout.write("\n")
         sys.stdout.flush()
-
-
-def _check_output_path(path: str, flag: str) -> None:
-    """Fail before any work if `path` cannot be written: it must not be empty, its
-    folder must exist and it must not be a folder itself, nor end in a slash (`Path`
-    drops it: --logits-out new/ wrote a file `new`). Raises InputError naming the flag."""
-    from flintc.cli.compile_build import check_not_empty
-    from flintc.fileio import cannot_write_in
-
-    check_not_empty(path, flag, "a file name")
-    target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
-    if target.is_dir():
-        raise InputError(f"{flag} {path}: is a directory, expected a file name")
-    if str(path).endswith(("/", os.sep)):
-        raise InputError(f"{flag} {path}: ends in a slash (a folder), expected a file name")
-    if parent.exists() and not parent.is_dir():
-        raise InputError(f"{flag} {path}: {parent} is not a folder")
-    if not parent.is_dir():
-        raise InputError(f"{flag} {path}: folder {parent} does not exist")
-    why = cannot_write_in(parent)
-    if why:
-        raise InputError(f"{flag} {path}: cannot write in the folder {parent} ({why})")
 
 
 def _save_npy_atomic(path: str, array) -> None:

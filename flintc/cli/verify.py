@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--step", choices=("decode", "prefill", "both"), default="both",
                    help="the pipelines to check")
-    p.add_argument("--json", dest="json_out", default=None, help="also write the reports as JSON")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the reports as JSON to this file (its folder must exist)")
     p.set_defaults(func=run_verify)
 
 
@@ -26,9 +26,9 @@ def run_verify(args: argparse.Namespace) -> int:
     from flintc.passes.pipeline import compile_step
 
     if args.json_out is not None:  # refused now, not after every pass has run (an empty one too)
-        from flintc.cli.compile_build import check_output_parents
+        from flintc.cli.compile_build import check_output_file
 
-        check_output_parents(args.json_out, "--json")
+        check_output_file(args.json_out, "--json")
     from flintc.passes.pipeline import env_dump_dir
 
     steps = ("decode", "prefill") if args.step == "both" else (args.step,)

@@ -290,16 +290,19 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     Args:
         ckpt: a LoadedCheckpoint (`flintc.checkpoint.loader.load_checkpoint`), its
             weights on the device the runtime will use.
-        out: the BUILD folder; replaced if it holds an earlier build, refused if it
-            exists and holds anything else.
+        out: the BUILD folder; replaced if it holds an earlier build and nothing else
+            (`check_out_replaceable`), refused if it exists and holds anything else,
+            or if it holds the checkpoint, its tokenizer or its config.json.
         options: BuildOptions (resolved here against the checkpoint's config).
         progress: show a progress bar over the steps.
 
     Returns the manifest (build.json's content).
 
     Raises:
-        InputError: bad options, or `out` exists and is not a flintc build, or its
-            parent is missing, not a folder or one where no file can be created, or a
+        InputError: bad options, or `out` exists and is not a flintc build, or is
+            one that also holds files a compile does not write, or `out` is or holds
+            the checkpoint, its tokenizer folder or its config.json
+            (`check_inputs_outside`), or its parent is missing, not a folder or one where no file can be created, or a
             function's subfolder of `options.dump_dir` holds files that are not an
             earlier dump; before the first compile.
         PassCheckError: a pass missed its numeric expectation (nothing is written, its
@@ -320,6 +323,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     if on_meta and opts.check:
         raise InputError("weights on the meta device (a cross-compile) cannot be checked numerically; "
                          "pass --no-check")
+    check_inputs_outside(out, checkpoint_inputs(ckpt))  # the weights the new build would point to
     out = follow_out_link(out)  # a link to a build: that build is replaced, the link kept
     check_out_replaceable(out)
     _check_parent(out)
@@ -418,15 +422,70 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     return manifest
 
 
+# What a BUILD folder holds (module doc): the files `compile_model` writes, its dumps/,
+# and the __pycache__/ that importing runtime.py (`flintc run --build`) leaves. An
+# earlier build holding anything else is not replaced (`check_out_replaceable`).
+BUILD_ENTRIES = ("build.json", "runtime.py", "plan.json", "report.json", "report.md", "dumps", "__pycache__")
+_LISTED = 3  # foreign entries named in check_out_replaceable's message
+
+
+def foreign_build_entries(folder: Path) -> list[str]:
+    """The names of the entries of the BUILD `folder` that no compile writes (not in
+    `BUILD_ENTRIES`), sorted, a folder's with a trailing slash (a user's notes, a
+    checkpoint copied into it): replacing the build would delete them."""
+    return sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+                  for p in folder.iterdir() if p.name not in BUILD_ENTRIES)
+
+
 def check_out_replaceable(out: Path) -> None:
     """`out` may be written: it does not exist, is an empty folder (taken as a fresh one,
-    as make-checkpoint does), or holds an earlier build (build.json). Raises InputError
-    naming `out` otherwise (a file, or a folder of other files)."""
-    if not out.exists() or (out / "build.json").is_file():
+    as make-checkpoint does), or holds an earlier build (build.json) and nothing but
+    what a compile writes (`BUILD_ENTRIES`): the compile replaces the folder whole.
+    Raises InputError naming `out` otherwise: a file, a folder of other files (no
+    build.json), or a build that also holds other entries (naming the first few:
+    `foreign_build_entries`), before any work."""
+    if not out.exists():
+        return
+    if (out / "build.json").is_file():
+        foreign = foreign_build_entries(out)
+        if foreign:
+            more = f" (and {len(foreign) - _LISTED} more)" if len(foreign) > _LISTED else ""
+            raise InputError(f"{out} is a flintc build but also holds {', '.join(foreign[:_LISTED])}{more}, which "
+                             "a compile does not write and would delete with the old build (it replaces the "
+                             f"folder whole); move {'it' if len(foreign) == 1 else 'them'} out or choose "
+                             "another --out")
         return
     if out.is_dir() and not any(out.iterdir()):
         return
     raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
+
+
+def check_inputs_outside(out: str | os.PathLike, inputs, flag: str = "--out") -> None:
+    """Refuse to compile into `out` (the BUILD folder, which the compile replaces whole)
+    when one of `inputs`, (label, path or None) pairs such as ("MODEL", checkpoint),
+    ("--tokenizer", folder), is `out` itself or lies inside it at any depth, symbolic
+    links resolved or not (`flintc.fileio.lies_inside`): the compile would delete the
+    weights the new build.json points to. Raises InputError naming the input, `out`
+    and `flag`, before any work."""
+    from flintc.fileio import lies_inside
+
+    for label, path in inputs:
+        if path is None or not os.path.lexists(path) or not lies_inside(path, out):
+            continue
+        where = "is" if lies_inside(out, path) else "lies inside"
+        raise InputError(f"{label} {path}: {where} {flag} {out}, which the compile replaces whole, deleting it; "
+                         f"choose an {flag} that does not hold the compile's inputs (or move them out of it)")
+
+
+def checkpoint_inputs(ckpt) -> list[tuple[str, object]]:
+    """The files and folders a compile of `ckpt` reads and the build refers to: its
+    weights (`source`, unless dummy), its tokenizer folder and its config.json, as
+    (label, path) pairs for `check_inputs_outside`."""
+    config_source = getattr(ckpt.config, "source", None)
+    return [("MODEL", None if str(ckpt.source).startswith("dummy:") else str(ckpt.source)),
+            ("the tokenizer folder", ckpt.tokenizer_dir),
+            ("the config", config_source if isinstance(config_source, str) and os.path.exists(config_source)
+             else None)]
 
 
 def _check_parent(out: Path) -> None:

@@ -223,6 +223,52 @@ def test_truncated_file_names_the_tensor(tmp_path, good_sd):
     assert "more tensors" not in msg
 
 
+def _rewrite_header(path, edit, extra=b""):
+    """Rewrite the safetensors file `path` with its header passed through `edit` (the
+    data kept, `extra` bytes appended); returns the new data section's start."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:] + extra)
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("shift, needle", [
+    (-2, "tensor {q}: its data_offsets [{s}, {e}) overlap those of "),
+    (2, "tensor {q}: its data_offsets [{s}, {e}) leave bytes [{s0}, {s}) unused after "),
+])
+def test_offsets_out_of_place_name_the_tensor(tmp_path, good_sd, shift, needle):
+    """A header whose data_offsets overlap (or leave a gap) was refused only when the
+    data was read, as "model.embed_tokens.weight: cannot read (... invalid offset for
+    tensor model.layers.0.self_attn.q_proj.weight)": the first tensor read named first,
+    not the one at fault. The header's offsets are checked up front (safetensors packs
+    tensors back to back): the message names the tensor whose offsets are out of place."""
+    path = write_sd(tmp_path, good_sd)
+    offsets = {}
+
+    def move(header):
+        s0, e0 = header[Q]["data_offsets"]
+        assert s0 > 2  # another tensor before it
+        header[Q]["data_offsets"] = [s0 + shift, e0 + shift]
+        offsets.update(s0=s0, s=s0 + shift, e=e0 + shift)
+
+    _rewrite_header(path, move)
+    msg = load_error(tmp_path, path)
+    assert needle.format(q=Q, **offsets) in msg and "cannot read" not in msg, msg
+
+
+def test_bytes_after_the_data_are_refused_up_front(tmp_path, good_sd):
+    path = write_sd(tmp_path, good_sd)
+    _rewrite_header(path, lambda header: None, extra=b"junk")
+    size = path.stat().st_size
+    msg = load_error(tmp_path, path)
+    assert f"4 bytes after the last tensor's data (the tensors end at byte {size - 4} of {size})" in msg, msg
+
+
 def test_random_bytes_file(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0))

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -454,13 +455,13 @@ def test_compile_into_a_link_replaces_its_target(capsys, tmp_path, tiny_bf16_dir
     real.parent.mkdir()
     code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", real, *_FAST_COMPILE)
     assert code == 0, err
-    (real / "marker").write_text("old build")
+    (real / "report.md").write_text("old build")
     link = tmp_path / "current"
     link.symlink_to(real)
     code, out, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", link, *_FAST_COMPILE)
     assert code == 0, err
     assert link.is_symlink() and link.resolve() == real.resolve()
-    assert (real / "build.json").is_file() and not (real / "marker").exists()
+    assert (real / "build.json").is_file() and (real / "report.md").read_text() != "old build"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["builds", "current"]
     assert sorted(p.name for p in real.parent.iterdir()) == ["v1"]
 
@@ -479,6 +480,95 @@ def test_compile_into_an_empty_folder(capsys, tmp_path, tiny_bf16_dir):
     code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", other, *_FAST_COMPILE)
     assert_one_line_error(code, err, "exists and is not a flintc build")
     assert [p.name for p in other.iterdir()] == ["keep.txt"]
+
+
+def _compile_never_reads(monkeypatch):
+    """Make `flintc compile` fail loudly if it gets as far as reading the checkpoint."""
+    import flintc.cli.compile_build
+
+    def never(*a, **k):
+        raise AssertionError("read the checkpoint before refusing --out")
+
+    monkeypatch.setattr(flintc.cli.compile_build, "load_model_checkpoint", never)
+
+
+def _listing(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def build_with_its_checkpoint(capsys, tmp_path, tiny_bf16_dir):
+    """A build `b` holding a copy of its checkpoint (b/myckpt) and the user's b/NOTES.txt."""
+    out = tmp_path / "b"
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
+    assert code == 0, err
+    shutil.copytree(tiny_bf16_dir, out / "myckpt")
+    (out / "NOTES.txt").write_text("notes")
+    return out
+
+
+@pytest.mark.parametrize("case", ["model", "model via a link", "out via a link", "tokenizer",
+                                  "hf-config-path", "model is out"])
+def test_compile_refuses_an_out_that_holds_its_inputs(capsys, tmp_path, monkeypatch, build_with_its_checkpoint,
+                                                      tiny_bf16_dir, case):
+    """Recompiling into a build that holds the checkpoint being compiled (b/myckpt)
+    replaced the folder whole: the checkpoint and the user's files were deleted, exit 0,
+    and the new build.json pointed at the deleted weights. MODEL, --tokenizer or
+    --hf-config-path at or inside --out (symbolic links resolved, on either side) is
+    refused: one line naming it and --out, exit 2, before the checkpoint is read;
+    nothing is touched."""
+    out = build_with_its_checkpoint
+    before = _listing(out)
+    _compile_never_reads(monkeypatch)
+    ckpt, flag, given_out, extra = out / "myckpt", "MODEL", out, []
+    if case == "model via a link":
+        ckpt = tmp_path / "ckpt-link"
+        ckpt.symlink_to(out / "myckpt")
+    elif case == "out via a link":
+        given_out = tmp_path / "current"
+        given_out.symlink_to(out)
+        ckpt = given_out / "myckpt"
+    elif case in ("tokenizer", "hf-config-path"):
+        flag, extra = f"--{case}", [f"--{case}", out / "myckpt"]
+        ckpt = tiny_bf16_dir
+    elif case == "model is out":
+        ckpt = out
+    args = ["compile", ckpt, "--out", given_out, *extra, *_FAST_COMPILE]
+    code, stdout, err = run_cli(capsys, *args)
+    given = ckpt if flag == "MODEL" else out / "myckpt"
+    where = "is" if case == "model is out" else "lies inside"
+    assert_one_line_error(code, err, f"{flag} {given}: {where} --out {given_out}, which the compile replaces whole")
+    assert stdout == "" and _listing(out) == before
+
+
+def test_compile_refuses_a_build_holding_other_files(capsys, tmp_path, monkeypatch, build_with_its_checkpoint,
+                                                     tiny_bf16_dir):
+    """An earlier build also holding files a compile does not write (notes, a copied
+    checkpoint, a folder of the user's) was replaced whole, deleting them: refused,
+    naming the first few entries (a folder with a slash), before the checkpoint is read.
+    What a build holds (dumps/, __pycache__/ of an imported runtime.py) is replaced."""
+    out = build_with_its_checkpoint
+    _compile_never_reads(monkeypatch)
+    for extra, listed in (((), "NOTES.txt, myckpt/, which"),
+                          (("a.txt", "b.txt"), "NOTES.txt, a.txt, b.txt (and 1 more), which")):
+        for name in extra:
+            (out / name).write_text("x")
+        before = _listing(out)
+        code, stdout, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
+        assert_one_line_error(code, err, f"{out} is a flintc build but also holds {listed} a compile does not write")
+        assert stdout == "" and _listing(out) == before
+    monkeypatch.undo()
+    for name in ("NOTES.txt", "a.txt", "b.txt"):
+        (out / name).unlink()
+    shutil.rmtree(out / "myckpt")
+    (out / "__pycache__").mkdir()
+    (out / "__pycache__" / "runtime.cpython-311.pyc").write_bytes(b"x")
+    (out / "dumps" / "decode_b1").mkdir(parents=True)
+    (out / "dumps" / "decode_b1" / "index.md").write_text("old")
+    code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["build.json", "plan.json", "report.json", "report.md",
+                                                       "runtime.py"]
 
 
 def test_build_options_zero_is_not_unset():
@@ -757,12 +847,13 @@ def test_compile_interrupted_during_the_swap_keeps_the_new_build(capsys, tmp_pat
     out = tmp_path / "b"
     code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
     assert code == 0, err
-    (out / "marker").write_text("old build")
+    (out / "report.md").write_text("old build")
     _signal_on_rename_of(monkeypatch, out, signal.SIGINT)
     code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
     assert code == 130, err
     assert [p.name for p in tmp_path.iterdir()] == ["b"]
-    assert (out / "build.json").is_file() and (out / "runtime.py").is_file() and not (out / "marker").exists()
+    assert (out / "build.json").is_file() and (out / "runtime.py").is_file()
+    assert (out / "report.md").read_text() != "old build"
     assert f"wrote {out} (complete) before the interrupt" in err and "flintc: interrupted" in err
 
 
@@ -848,7 +939,8 @@ def test_compile_help_says_an_existing_build_is_replaced(capsys):
     with pytest.raises(SystemExit):
         main(["compile", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "the BUILD folder to write; an existing build there is replaced" in text
+    assert "the BUILD folder to write: new, empty, or an earlier build, which is replaced whole" in text
+    assert "refused when it also holds files a compile does not write, or holds MODEL, --tokenizer" in text
 
 
 # ---- verify / dump / make-checkpoint / serve ----------------------------------------------

@@ -215,6 +215,22 @@ def test_output_file_ending_in_a_slash_is_refused(capsys, tmp_path, monkeypatch,
     assert out == "" and list(tmp_path.iterdir()) == [] and time.process_time() - t0 < 5
 
 
+@pytest.mark.parametrize("args, flag", [
+    (["verify", "--step", "decode", "--json", "missing/deeper/r.json"], "--json"),
+    (["run", "{ckpt}", "--prompt-ids", "1", "--max-tokens", "1", "--logits-out", "missing/deeper/r.json"],
+     "--logits-out"),
+])
+def test_output_file_in_a_missing_folder_is_refused(capsys, tmp_path, monkeypatch, tiny_bf16_dir, args, flag):
+    """An output file's folder is not created: `verify --json /nonexistent/x.json` made
+    /nonexistent (and ran every pass), whereas `run --logits-out` refused it. Both say
+    the folder does not exist, at once; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    t0 = time.process_time()
+    code, out, err = run_cli(capsys, *[a.format(ckpt=tiny_bf16_dir) for a in args])
+    assert_one_line_error(code, err, f"{flag} missing/deeper/r.json: folder missing/deeper does not exist")
+    assert out == "" and list(tmp_path.iterdir()) == [] and time.process_time() - t0 < 5
+
+
 @pytest.mark.parametrize("args", [
     ["dump", "--step", "decode", "--out", "."],
     ["compile", "--load-format", "dummy", "--config", "tiny", "--out", "."],

@@ -1128,6 +1128,40 @@ def test_python_api_out_error_names_the_keyword(tmp_path, tiny_bf16_dir):
                        max_model_len=16)
 
 
+def test_compile_into_the_build_holding_the_checkpoint_is_refused(tmp_path, tiny_bf16_dir, monkeypatch):
+    """`flintc.compile(b/myckpt, out=b)`, b an earlier build holding a copy of its
+    checkpoint, replaced b whole and deleted the weights the new build pointed to:
+    refused before the checkpoint is read, naming model and out=; so is an earlier
+    build holding other files. `compile_model` itself refuses a checkpoint (its
+    weights, tokenizer or config.json) inside its `out`, as any caller may give one."""
+    import flintc
+    import flintc.checkpoint.default
+    from flintc.runtime.build import BuildOptions, compile_model
+
+    opts = dict(check=False, dump=False, backend="torch", max_batch=1, max_model_len=16)
+    out = tmp_path / "b"
+    flintc.compile(tiny_bf16_dir, out=out, **opts)
+    shutil.copytree(tiny_bf16_dir, out / "myckpt")
+    ckpt = load_checkpoint(out / "myckpt", progress=False)
+    read = flintc.checkpoint.default.load_checkpoint_or_default
+
+    def never(*a, **k):
+        raise AssertionError("read the checkpoint before refusing out")
+
+    monkeypatch.setattr(flintc.checkpoint.default, "load_checkpoint_or_default", never)
+    with pytest.raises(InputError, match=re.escape(f"model {out / 'myckpt'}: lies inside --out (out=) {out}, "
+                                                   "which the compile replaces whole")):
+        flintc.compile(out / "myckpt", out=out, **opts)
+    with pytest.raises(InputError, match=re.escape(f"{out} is a flintc build but also holds myckpt/, which")):
+        flintc.compile(tiny_bf16_dir, out=out, **opts)
+    monkeypatch.setattr(flintc.checkpoint.default, "load_checkpoint_or_default", read)
+    for given_out in (out, out / "myckpt"):
+        with pytest.raises(InputError, match=re.escape(f"MODEL {out / 'myckpt'}: ")):
+            compile_model(ckpt, given_out, BuildOptions(max_batch=1, max_model_len=16, backend="torch", check=False,
+                                                        dump=False), progress=False, log=lambda m: None)
+    assert (out / "myckpt" / "model.safetensors").is_file() and (out / "build.json").is_file()
+
+
 def test_python_api_generate_checks_on_token_first(builds):
     """`generate(..., on_token=5)` failed mid-generation with "'int' object is not
     callable": refused before generating, naming on_token."""
