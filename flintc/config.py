@@ -198,7 +198,7 @@ class FlintConfig:
         if self.max_position_embeddings > MAX_POSITION_EMBEDDINGS:
             fail("max_position_embeddings", f"is {self.max_position_embeddings}, more than flintc supports: at most "
                  f"{MAX_POSITION_EMBEDDINGS} (2**24: fp32 RoPE angles need exact positions, FLINT_SPEC 2)")
-        if self.sliding_window > self.max_position_embeddings:
+        if "sliding_attention" in self.layer_types and self.sliding_window > self.max_position_embeddings:
             # Hugging Face configs allow it (full attention in effect), but every flintc
             # backend keeps W rows per sliding layer: 10**9 was a 128 GB allocation's
             # traceback. A window of max_position_embeddings is the same model.

@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
                         "(docs/serve.md)")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="add usage.prompt_tokens_details.cached_tokens (the prompt tokens prefix caching "
-                        "skipped) to responses (vLLM's flag)")
+                        "skipped, when any) to responses (vLLM's flag)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize")
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="largest request body, in bytes: a larger one is answered 413 before it is parsed (0: no "

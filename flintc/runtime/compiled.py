@@ -775,10 +775,12 @@ class CompiledRunner:
         or another operation CUDA graphs cannot capture)."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # compile the Triton kernels, settle the allocator
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile the Triton kernels, settle the allocator
+                    fn()
+        finally:  # also when a warm-up raised after queueing kernels: what runs next is ordered after them
+            torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fn()

@@ -116,8 +116,8 @@ class ServeOptions:
         leave vLLM's field of that name out (vLLM's `--return-tokens-as-token-ids`).
     enable_prompt_tokens_details: the final usage object gains ``prompt_tokens_details:
         {"cached_tokens": N}``, the prompt tokens whose prefill prefix caching skipped
-        (summed over the prompts; one choice per prompt; vLLM's
-        `--enable-prompt-tokens-details`).
+        (summed over the prompts; one choice per prompt), when N > 0 (vLLM's
+        `--enable-prompt-tokens-details`, which leaves it out at 0 too).
     """
 
     model_name: str
@@ -159,13 +159,13 @@ class _Generation:
 
     def prompt_tokens_details(self, options: ServeOptions, choices: int) -> dict:
         """``{"prompt_tokens_details": {"cached_tokens": N}}`` with
-        ``options.enable_prompt_tokens_details`` (N: the prompt tokens prefix caching
-        skipped, the first of each prompt's ``choices`` requests), else ``{}``. Read
-        once the requests have finished."""
+        ``options.enable_prompt_tokens_details`` and N > 0 (N: the prompt tokens prefix
+        caching skipped, the first of each prompt's ``choices`` requests; vLLM too leaves
+        the field out when N is 0), else ``{}``. Read once the requests have finished."""
         if not options.enable_prompt_tokens_details:
             return {}
         cached = sum(r.timeline.cached_tokens for r in self.reqs[::choices])
-        return {"prompt_tokens_details": {"cached_tokens": cached}}
+        return {"prompt_tokens_details": {"cached_tokens": cached}} if cached else {}
 
     def start(self) -> None:
         for r in self.reqs:

@@ -100,6 +100,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from flintc.sampling import SamplingParams, TokenHistory, sample
@@ -276,7 +277,7 @@ class _SlotCache:
     sliding layers), restored to reuse the prompt's K/V when the later tokens' writes
     wrapped over the rows it needs."""
 
-    tokens: list[int]
+    tokens: np.ndarray  # int64 [M]
     freed: int
     salt: str | None
     prompt_len: int
@@ -325,6 +326,7 @@ class Engine:
         self._ring = (int(cfg.sliding_window)
                       if any(cfg.is_sliding_layer(i) for i in range(cfg.num_hidden_layers)) else None)
         self._cached: dict[int, _SlotCache] = {}  # free slot -> what its cache holds
+        self._ring_buffers: dict[int, list[torch.Tensor]] = {}  # slot -> its ring snapshot's storage
         self._freed = itertools.count()
 
     # ---- called from any thread -------------------------------------------------------
@@ -405,6 +407,9 @@ class Engine:
                 traceback.print_exc()
                 for seq in list(self._running.values()):
                     self._finish(seq, None, error=msg)
+                # a runner that failed may have left any slot's cache half written (a graph
+                # capture's warm-up, say): trust no cached prefix after it
+                self._cached.clear()
 
     def _fail_all(self, msg: str, reason: str | None) -> None:
         for seq in list(self._running.values()):
@@ -423,8 +428,8 @@ class Engine:
         # admit: one prefill per free slot
         free = [s for s in range(self.max_batch) if s not in self._running]
         while free and self._waiting:
+            slot, reuse = self._pick_slot(free, self._waiting[0])
             req = self._waiting.popleft()
-            slot, reuse = self._pick_slot(free, req)
             free.remove(slot)
             seq = _Seq(req, slot, self.tokenizer.detokenizer(req.skip_special_tokens), self.runner.device)
             self._running[slot] = seq
@@ -437,17 +442,17 @@ class Engine:
                 req.forced = self.forced_tokens(list(req.prompt_ids))
             self.stats["prefills"] += 1
             held = self._cached.pop(slot, None)  # overwritten from position `reuse` on
-            if reuse and held.ring is not None and reuse == held.prompt_len \
-                    and not self._direct(held.tokens, reuse):
-                for rows, saved in zip(self._ring_rows(slot), held.ring):
-                    rows.copy_(saved)  # the ring as the earlier prompt's prefill left it
+            if reuse and not self._direct(len(held.tokens), reuse):  # `reusable_prefix`: the saved ring serves it
+                self._restore_ring(slot, held.ring)
             if req.prompt_logprobs is None:
                 logits = self.runner.prefill(slot, req.prompt_ids[reuse:], reuse)  # [V]
             else:
                 logits, seq.prompt_lp = self._prefill_prompt_logprobs(slot, req.prompt_ids, req.prompt_logprobs)
             seq.prefilled = True
-            if self.enable_prefix_caching and self._ring is not None and getattr(self.runner, "kv", None):
-                seq.ring = [rows.clone() for rows in self._ring_rows(slot)]
+            if self.enable_prefix_caching and self._ring is not None and getattr(self.runner, "kv", None) \
+                    and len(req.prompt_ids) + req.params.max_tokens - 1 > self._ring:
+                # (a sequence that never passes W positions needs no copy: the direct rule serves it)
+                seq.ring = self._save_ring(slot)
             req.timeline.prompt_tokens = len(req.prompt_ids)
             req.timeline.cached_tokens = reuse
             self.stats["cached_prompt_tokens"] += reuse
@@ -468,45 +473,67 @@ class Engine:
 
     def _pick_slot(self, free: list[int], req: GenRequest) -> tuple[int, int]:
         """The free slot for ``req`` and how many leading prompt tokens its cache already
-        holds (0..len(prompt) - 1). The slot with the longest usable prefix; without one
-        (or with prefix caching off, or ``prompt_logprobs``), a slot that holds nothing,
-        else the one freed longest ago. Only a cache of the same ``cache_salt`` counts.
-        ``free``: the free slots, in order."""
-        best, reuse = None, 0
+        holds (0..len(prompt) - 1). ``free``: the free slots, in order. Only a cache of the
+        request's ``cache_salt`` counts, none with prefix caching off or for
+        ``prompt_logprobs``. In order: the slot with the longest hit that discards nothing
+        (it reuses all the cache holds but the last token, or more); else, when a hit
+        reuses at least as many tokens as it discards, the longest such; else a slot that
+        holds nothing; else the longest hit; else the slot freed longest ago (LRU). So a
+        short shared header (a chat template's first tokens) does not evict a cached
+        conversation while an empty slot is free."""
+        hits = []  # (reused, discarded, slot)
         if self.enable_prefix_caching and req.prompt_logprobs is None:
+            prompt = np.asarray(req.prompt_ids, dtype=np.int64)
             for slot in free:
                 held = self._cached.get(slot)
                 if held is not None and held.salt == req.cache_salt:
-                    n = self.reusable_prefix(held.tokens, req.prompt_ids,
+                    n = self.reusable_prefix(held.tokens, prompt,
                                              held.prompt_len if held.ring is not None else None)
-                    if n > reuse:
-                        best, reuse = slot, n
-        if best is None:
-            empty = [s for s in free if s not in self._cached]
-            best = empty[0] if empty else min(free, key=lambda s: self._cached[s].freed)
-        return best, reuse
+                    if n:
+                        hits.append((n, max(0, len(held.tokens) - 1 - n), slot))
+        lossless = [h for h in hits if h[1] == 0]
+        worth = [h for h in hits if h[0] >= h[1]]
+        empty = [s for s in free if s not in self._cached]
+        for group in (lossless, worth):
+            if group:
+                n, _, slot = max(group, key=lambda h: h[0])
+                return slot, n
+        if empty:
+            return empty[0], 0
+        if hits:
+            n, _, slot = max(hits, key=lambda h: h[0])
+            return slot, n
+        return min(free, key=lambda s: self._cached[s].freed), 0
 
-    def reusable_prefix(self, cached: list[int], prompt: list[int], ring_saved_at: int | None = None) -> int:
+    def reusable_prefix(self, cached, prompt, ring_saved_at: int | None = None) -> int:
         """How many leading tokens of ``prompt`` a prefill may skip in a slot whose cache
-        holds the K/V of ``cached`` (token ids at positions 0..M-1): their common prefix
-        L, at most len(prompt) - 1, when the sliding layers' ring rows that the prefix's
-        last W - 1 positions need are intact (M <= L + 1 or M <= W, module docstring);
-        else ``ring_saved_at`` (the earlier prompt's length, whose ring rows were saved
-        after its prefill) when the common prefix covers it; else 0."""
+        holds the K/V of ``cached`` (token ids at positions 0..M-1; sequences of ints):
+        their common prefix L, at most len(prompt) - 1, when the sliding layers' ring rows
+        that the prefix's last W - 1 positions need are intact (M <= L + 1 or M <= W,
+        module docstring). Else, with ``ring_saved_at`` = P (the earlier prompt's length,
+        whose ring rows were saved right after its prefill: a cache of P tokens once they
+        are restored), min(L, P) when that cache serves it (P <= min(L, P) + 1 or P <= W).
+        Else 0."""
+        cached = np.asarray(cached, dtype=np.int64)
+        prompt = np.asarray(prompt, dtype=np.int64)
         n = min(len(cached), len(prompt) - 1)
         if n <= 0:
             return 0
-        if cached[:n] == prompt[:n]:
-            common = n
-        else:
-            common = next(i for i, (a, b) in enumerate(zip(cached, prompt)) if a != b)
-        if self._direct(cached, common):
+        differ = np.flatnonzero(cached[:n] != prompt[:n])
+        common = int(differ[0]) if differ.size else n
+        if self._direct(len(cached), common):
             return common
-        return ring_saved_at if ring_saved_at is not None and 0 < ring_saved_at <= common else 0
+        if ring_saved_at is not None:
+            L = min(common, ring_saved_at)
+            if L > 0 and self._direct(ring_saved_at, L):
+                return L
+        return 0
 
-    def _direct(self, cached: list[int], L: int) -> bool:
-        """The cache of ``cached`` serves a prefix of L tokens as it is (no ring restored)."""
-        M, W = len(cached), self._ring
+    def _direct(self, M: int, L: int) -> bool:
+        """A cache holding M tokens serves a prefix of L of them as it is: no position
+        past L overwrote a ring row the prefix needs (no sliding layer, M <= L + 1 or
+        M <= W)."""
+        W = self._ring
         return W is None or M <= L + 1 or M <= W
 
     def _ring_rows(self, slot: int) -> list[torch.Tensor]:
@@ -515,6 +542,24 @@ class Engine:
         cfg, kv = self.runner.config, self.runner.kv
         return [t[slot] for i in range(cfg.num_hidden_layers) if cfg.is_sliding_layer(i)
                 for t in kv[2 * i:2 * i + 2]]
+
+    def _restore_ring(self, slot: int, saved: list[torch.Tensor]) -> None:
+        """Copy ``saved`` (`_save_ring`'s) back into ``slot``'s ring rows: the ring as the
+        earlier prompt's prefill left it."""
+        for rows, s in zip(self._ring_rows(slot), saved):
+            rows.copy_(s)
+
+    def _save_ring(self, slot: int) -> list[torch.Tensor]:
+        """Copy ``slot``'s ring rows into the slot's own snapshot buffers (allocated on
+        its first use, then reused: the snapshot a slot's record holds is restored, or
+        dropped, before the slot's next prefill takes another). -> the buffers."""
+        rows = self._ring_rows(slot)
+        buf = self._ring_buffers.get(slot)
+        if buf is None:
+            buf = self._ring_buffers[slot] = [torch.empty_like(r) for r in rows]
+        for b, r in zip(buf, rows):
+            b.copy_(r)
+        return buf
 
     def _drop_cancelled(self, req: GenRequest) -> bool:
         if req.cancelled:
@@ -629,7 +674,8 @@ class Engine:
         seq.text += seq.detok.flush()  # a dangling partial character becomes U+FFFD
         if self.enable_prefix_caching and seq.prefilled and error is None:
             # positions < pos hold the prompt and every generated token but the last (never fed)
-            self._cached[seq.slot] = _SlotCache((list(seq.req.prompt_ids) + seq.out_ids)[:seq.pos],
+            self._cached[seq.slot] = _SlotCache(np.asarray((list(seq.req.prompt_ids) + seq.out_ids)[:seq.pos],
+                                                           dtype=np.int64),
                                                 next(self._freed), seq.req.cache_salt,
                                                 len(seq.req.prompt_ids), seq.ring)
         self.stats["aborted" if reason == "abort" else "finished"] += 1

@@ -123,6 +123,47 @@ def test_earlier_prompt_reused_through_the_saved_ring(engine_of, tiny_serving):
     assert torch.equal(runner.first_logits[-1], replay.prefill(0, p2[len(p1):], len(p1)))
 
 
+def test_regenerate_and_short_earlier_prompts_use_the_saved_ring(engine_of, tiny_serving):
+    """The saved ring is a cache of the earlier prompt's P tokens, so it serves any shared
+    L <= P with P <= L + 1 or P <= W: the same prompt again after an answer that ran past
+    W (a "regenerate": L = P - 1), and part of a short earlier prompt (P <= W); both give
+    a fresh runner's logits for the same calls, bit for bit."""
+    model, tok = tiny_serving
+    engine, runner = engine_of(True, max_batch=1)
+    V, W = model.config.vocab_size, model.config.sliding_window
+    p = _prompt(30, 31, V)
+    generate(engine, p, W + 5)
+    _, r = generate(engine, p, 2)
+    assert runner.prefills[-1][1:] == (1, len(p) - 1) and r.timeline.cached_tokens == len(p) - 1
+    replay = ReferenceRunner(model, max_batch=1, max_model_len=256)
+    replay.prefill(0, p)
+    assert torch.equal(runner.first_logits[-1], replay.prefill(0, p[-1:], len(p) - 1))
+    short = _prompt(W - 2, 32, V)
+    generate(engine, short, W + 5)
+    q = short[:4] + _prompt(5, 33, V)
+    _, r = generate(engine, q, 1)
+    assert runner.prefills[-1][1:] == (len(q) - 4, 4) and r.timeline.cached_tokens == 4
+    replay = ReferenceRunner(model, max_batch=1, max_model_len=256)
+    replay.prefill(0, short)
+    assert torch.equal(runner.first_logits[-1], replay.prefill(0, q[4:], 4))
+
+
+def test_a_short_shared_header_does_not_evict_a_cached_conversation(engine_of, tiny_serving):
+    """A request sharing only a chat template's first tokens with a cached conversation
+    takes the empty slot, so the conversation's next turn still finds all of it."""
+    model, tok = tiny_serving
+    engine, runner = engine_of(True, max_batch=2)
+    V = model.config.vocab_size
+    header = [1, 2]
+    a = header + _prompt(3, 34, V)
+    out, _ = generate(engine, a, 3)  # a + out[:-1]: 7 tokens cached, <= W
+    slot_a = runner.prefills[-1][0]
+    generate(engine, header + _prompt(3, 35, V), 1)
+    assert runner.prefills[-1][0] != slot_a and runner.prefills[-1][2] == 0
+    _, r = generate(engine, a + out + [5], 1)
+    assert runner.prefills[-1][0] == slot_a and r.timeline.cached_tokens == len(a) + len(out) - 1
+
+
 def test_off_by_default_and_off_prefills_from_zero(engine_of, tiny_serving):
     model, tok = tiny_serving
     assert Engine(ReferenceRunner(model, max_batch=1, max_model_len=64), tok).enable_prefix_caching is False
@@ -204,6 +245,26 @@ def test_a_failed_request_leaves_no_cache_behind(engine_of, tiny_serving):
     assert runner.prefills[-1][2] == 0  # the failed slot's cache is not trusted
 
 
+def test_a_runner_failure_drops_every_cached_prefix(engine_of, tiny_serving):
+    """A runner that raised may have left any slot half written (a CUDA graph capture's
+    warm-up writes slot 0 and restores it afterwards): no cached prefix is used after it,
+    not even a free slot's."""
+    model, tok = tiny_serving
+    engine, runner = engine_of(True, max_batch=2)
+    p = _prompt(11, 36, model.config.vocab_size)
+    generate(engine, p, 1)  # cached in a free slot
+    real = runner.inner.prefill
+    runner.inner.prefill = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("capture failed"))
+    done, errors = threading.Event(), []
+    engine.submit(GenRequest(prompt_ids=_prompt(5, 37, model.config.vocab_size),
+                             params=SamplingParams(temperature=0.0, max_tokens=2),
+                             emit=lambda o: (errors.append(o.error), done.set()) if o.finished else None))
+    assert done.wait(60) and "capture failed" in errors[-1]
+    runner.inner.prefill = real
+    _, r = generate(engine, p + [1], 1)
+    assert r.timeline.cached_tokens == 0 and runner.prefills[-1][2] == 0
+
+
 @pytest.mark.parametrize("M, L, usable", [
     (30, 29, True),    # M = L + 1: the one row past the prefix is the next prompt token's own
     (30, 30, True),
@@ -247,26 +308,12 @@ def test_reusable_prefix_edges(tiny_serving):
 
 
 # ---------------------------------------------------------------- over HTTP
-def _post(base_url: str, path: str, body: dict) -> tuple[int, dict]:
-    import json
-    import urllib.error
-    import urllib.request
-
-    req = urllib.request.Request(base_url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _metric(base_url: str, name: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+def _metric(running, name: str) -> float:
+    """A counter's value in the server's /metrics (fails when the series is missing)."""
+    status, text = running.request("GET", "/metrics")
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    assert status == 200 and len(values) == 1, (name, status)
+    return values[0]
 
 
 @pytest.fixture(scope="module")
@@ -285,36 +332,36 @@ def test_multi_turn_chat_reports_cached_tokens(caching_server):
     """Turn 2 of a chat (turn 1's messages and answer, then a new user message) skips the
     prefill of what turn 1 left in its slot: usage.prompt_tokens_details.cached_tokens and
     vLLM's prefix-cache counters say how many; turn 1 had none."""
-    url = caching_server.base_url
-    q0, h0 = _metric(url, "vllm:prefix_cache_queries_total"), _metric(url, "vllm:prefix_cache_hits_total")
+    srv = caching_server
+    q0, h0 = _metric(srv, "vllm:prefix_cache_queries_total"), _metric(srv, "vllm:prefix_cache_hits_total")
     msgs = [{"role": "user", "content": "Tell me about salt."}]
-    status, r1 = _post(url, "/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 6,
-                                                  "temperature": 0, "ignore_eos": True})
+    status, r1 = srv.post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 6,
+                                                   "temperature": 0, "ignore_eos": True})
     assert status == 200, r1
-    assert r1["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert "prompt_tokens_details" not in r1["usage"], r1  # nothing cached: left out, as vLLM
     msgs += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
              {"role": "user", "content": "And pepper?"}]
-    status, r2 = _post(url, "/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 3,
-                                                  "temperature": 0})
+    status, r2 = srv.post("/v1/chat/completions", {"model": "m", "messages": msgs, "max_tokens": 3,
+                                                   "temperature": 0})
     assert status == 200, r2
     cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
     # at least turn 1's prompt (its answer's text may tokenize differently when rendered)
     assert r1["usage"]["prompt_tokens"] <= cached < r2["usage"]["prompt_tokens"], (r1["usage"], r2["usage"])
-    assert _metric(url, "vllm:prefix_cache_hits_total") - h0 == cached
-    assert _metric(url, "vllm:prefix_cache_queries_total") - q0 == \
+    assert _metric(srv, "vllm:prefix_cache_hits_total") - h0 == cached
+    assert _metric(srv, "vllm:prefix_cache_queries_total") - q0 == \
         r1["usage"]["prompt_tokens"] + r2["usage"]["prompt_tokens"]
 
 
 def test_cache_salt_isolates_and_empty_salt_is_refused(caching_server):
-    url = caching_server.base_url
+    srv = caching_server
     body = {"model": "m", "prompt": list(range(40, 70)), "max_tokens": 2, "ignore_eos": True}
-    status, r = _post(url, "/completions", {**body, "cache_salt": "alice"})
+    status, r = srv.post("/v1/completions", {**body, "cache_salt": "alice"})
     assert status == 200, r
-    status, r = _post(url, "/completions", {**body, "cache_salt": "bob"})
-    assert status == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r
-    status, r = _post(url, "/completions", {**body, "prompt": body["prompt"] + [7], "cache_salt": "alice"})
+    status, r = srv.post("/v1/completions", {**body, "cache_salt": "bob"})
+    assert status == 200 and "prompt_tokens_details" not in r["usage"], r
+    status, r = srv.post("/v1/completions", {**body, "prompt": body["prompt"] + [7], "cache_salt": "alice"})
     assert status == 200 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == 30, r
-    status, r = _post(url, "/completions", {**body, "cache_salt": ""})
+    status, r = srv.post("/v1/completions", {**body, "cache_salt": ""})
     assert status == 400 and r["error"]["param"] == "cache_salt" and "non-empty" in r["error"]["message"], r
 
 
@@ -327,10 +374,9 @@ def test_prompt_tokens_details_only_with_the_flag(tiny_serving, serve_kit):
     running = serve_kit.start_server(model, tok, ServeOptions(model_name="m"), max_batch=1)
     try:
         for _ in range(2):
-            status, r = _post(running.base_url, "/completions", {"model": "m", "prompt": [1, 2, 3, 4],
-                                                                 "max_tokens": 1})
+            status, r = running.post("/v1/completions", {"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 1})
             assert status == 200 and "prompt_tokens_details" not in r["usage"], r
         assert running.engine.stats["cached_prompt_tokens"] == 0
-        assert _metric(running.base_url, "vllm:prefix_cache_queries_total") == 0
+        assert _metric(running, "vllm:prefix_cache_queries_total") == 0
     finally:
         serve_kit.stop_server(running)
