@@ -52,3 +52,6 @@ def test_sliding_window_longer_than_max_position_embeddings_is_refused(window):
     assert FlintConfig.from_dict({**PRESETS["tiny"], "sliding_window": 4096}).sliding_window == 4096
     with pytest.raises(ConfigError, match="field 'sliding_window'"):
         FlintConfig.preset("tiny").replace(max_position_embeddings=8)  # below the window of 9
+    # no sliding layer: the window is never used, any value goes (as before)
+    every_full = {**PRESETS["tiny"], "layer_types": ["full_attention"] * PRESETS["tiny"]["num_hidden_layers"]}
+    assert FlintConfig.from_dict({**every_full, "sliding_window": 10**9}).sliding_window == 10**9
