@@ -90,9 +90,15 @@ def _install_unraisable_hook():
 def main(argv: list[str] | None = None) -> int:
     from flintc.cli.args import join_int_list_values
 
-    parser = build_parser()
-    # `--prompt-ids -1,2` reaches flintc run's check of the ids (argparse would take -1,2 for an option)
-    args = parser.parse_args(join_int_list_values(sys.argv[1:] if argv is None else list(argv)))
+    try:
+        parser = build_parser()
+        # `--prompt-ids -1,2` reaches flintc run's check of the ids (argparse would take -1,2 for an option)
+        args = parser.parse_args(join_int_list_values(sys.argv[1:] if argv is None else list(argv)))
+    except KeyboardInterrupt:  # a Ctrl-C while the sub-commands' modules import (the first ~0.1 s)
+        print("flintc: interrupted", file=sys.stderr)
+        if argv is None:
+            _default_sigint_for_exit()
+        return 130
     for stream in (sys.stdout, sys.stderr):  # text the terminal's encoding lacks: escaped, not a traceback
         try:
             stream.reconfigure(errors="backslashreplace")

@@ -41,11 +41,12 @@ def check_dump_out(out: str | Path) -> None:
     the current folder): one that is, or is inside at any depth, a BUILD, or that is a
     checkpoint folder (`flintc.fileio.checkpoint_or_build_problem`, as `$FLINTC_DUMP_DIR`;
     a new subfolder of a checkpoint is taken), or that holds a checkpoint's or a build's
-    files, or other files and is no earlier dump.
+    files, or other files and is no earlier dump, or is an earlier dump that also holds
+    files no dump writes (`flintc.graph.dump.foreign_dump_files`).
     Raises InputError naming the path."""
     from flintc.cli.compile_build import check_output_folder
     from flintc.fileio import checkpoint_or_build_problem, follow_out_link, foreign_files
-    from flintc.graph.dump import is_dump_output
+    from flintc.graph.dump import foreign_dump_files, is_dump_output
 
     check_output_folder(out, "--out")
     problem = checkpoint_or_build_problem(follow_out_link(out))  # a link: its target is replaced
@@ -64,6 +65,12 @@ def check_dump_out(out: str | Path) -> None:
     if any(out.iterdir()) and not is_dump_output(out):
         raise InputError(f"--out {out}: not empty and not the output of an earlier flintc dump "
                          "(no report.json and index.md); choose another --out")
+    foreign = foreign_dump_files(out)  # a user's file beside an earlier dump: replaced whole, it would go
+    if foreign:
+        more = f" (and {len(foreign) - 3} more)" if len(foreign) > 3 else ""
+        raise InputError(f"--out {out}: an earlier flintc dump that also holds {', '.join(foreign[:3])}{more}, "
+                         "which a dump does not write and would delete with the old dump (it replaces the folder "
+                         f"whole); move {'it' if len(foreign) == 1 else 'them'} out or choose another --out")
 
 
 def run_dump(args: argparse.Namespace) -> int:

@@ -60,6 +60,30 @@ def is_dump_output(folder: Path) -> bool:
     return one(folder) or (one(folder / "counts") and one(folder / "numerics"))
 
 
+DUMP_TARGETS = ("counts", "numerics")  # `flintc dump --config full`'s two subfolders
+
+
+def foreign_dump_files(folder: Path, targets: bool = True) -> list[str]:
+    """The entries of the dump folder `folder` that no dump writes, as paths relative to
+    it (a folder's with a trailing slash), sorted: anything but index.md, report.json,
+    the stage files (`NN-name....py|onnx|dot|svg`) and, with `targets`, the subfolders
+    counts/ and numerics/ (each checked the same way). A dump that replaces `folder`
+    whole would delete them (`flintc dump --out`; a BUILD's dumps/).
+    Links are foreign (a dump writes none)."""
+    out = []
+    for p in sorted(Path(folder).iterdir()):
+        if p.is_symlink():
+            out.append(p.name)
+        elif p.is_dir():
+            if targets and p.name in DUMP_TARGETS:
+                out += [f"{p.name}/{f}" for f in foreign_dump_files(p, targets=False)]
+            else:
+                out.append(p.name + "/")
+        elif p.name not in ("index.md", "report.json") and not _STAGE_FILE_RE.match(p.name):
+            out.append(p.name)
+    return out
+
+
 def check_dump_dir(out: str | Path, what: str, fix: str) -> None:
     """Refuse a dump folder whose stage files would be cleared although flintc did not
     write them: one that exists and is neither empty nor an earlier dump.

@@ -430,11 +430,33 @@ _LISTED = 3  # foreign entries named in check_out_replaceable's message
 
 
 def foreign_build_entries(folder: Path) -> list[str]:
-    """The names of the entries of the BUILD `folder` that no compile writes (not in
-    `BUILD_ENTRIES`), sorted, a folder's with a trailing slash (a user's notes, a
-    checkpoint copied into it): replacing the build would delete them."""
-    return sorted(p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
-                  for p in folder.iterdir() if p.name not in BUILD_ENTRIES)
+    """The entries of the BUILD `folder` that no compile writes, as paths relative to it,
+    sorted, a folder's with a trailing slash (a user's notes, a checkpoint copied into
+    it): replacing the build would delete them. At the top, anything not in
+    `BUILD_ENTRIES`; in dumps/, anything but one dump folder per function holding only
+    what a dump writes (`flintc.graph.dump.foreign_dump_files`); in __pycache__/,
+    anything but compiled Python (`*.pyc`)."""
+    from flintc.graph.dump import foreign_dump_files
+
+    def name(p: Path) -> str:
+        return p.name + ("/" if p.is_dir() and not p.is_symlink() else "")
+
+    out = []
+    for p in folder.iterdir():
+        if p.name not in BUILD_ENTRIES:
+            out.append(name(p))
+        elif p.is_symlink() or not p.is_dir():
+            if p.name in ("dumps", "__pycache__"):
+                out.append(p.name)  # a file or a link where a compile writes a folder
+        elif p.name == "dumps":
+            for d in p.iterdir():
+                if d.is_dir() and not d.is_symlink():
+                    out += [f"dumps/{d.name}/{f}" for f in foreign_dump_files(d, targets=False)]
+                else:
+                    out.append(f"dumps/{d.name}")
+        elif p.name == "__pycache__":
+            out += [f"__pycache__/{name(c)}" for c in p.iterdir() if c.suffix != ".pyc" or not c.is_file()]
+    return sorted(out)
 
 
 def check_out_replaceable(out: Path) -> None:

@@ -431,3 +431,18 @@ def test_compile_interrupted_at_random_times_exits_cleanly(tmp_path, tiny_bf16_d
         assert code in ("0", "130", str(-signal.SIGINT)) and hidden == "[]", report
     assert sum(code != "0" for _, code, _ in rows) >= 8, report  # enough runs were interrupted
     assert "terminate called" not in proc.stderr, report
+
+
+def test_ctrl_c_while_the_parser_is_built_is_one_line(monkeypatch, capsys):
+    """A Ctrl-C in the first ~0.1 s of any command (the sub-commands' modules importing
+    while argparse is built) printed a KeyboardInterrupt traceback (a new-user test:
+    `timeout -s INT 0.05 flintc compile ...`, 4 of 4 tries); now "flintc: interrupted", 130."""
+    import flintc.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["compile", "--out", "x"]) == 130
+    out, err = capsys.readouterr()
+    assert err == "flintc: interrupted\n" and out == ""

@@ -162,3 +162,33 @@ def test_interrupt_or_unexpected_error_still_leaves_nothing(capsys, monkeypatch,
             assert (out / "index.md").read_text() == "earlier\n"
         else:
             assert list(tmp_path.iterdir()) == []
+
+
+def test_dump_refuses_an_earlier_dump_holding_other_files(capsys, tmp_path):
+    """`flintc dump --out` replaces an earlier dump whole: a folder that merely has an
+    index.md and a report.json, or a real dump with a user's file beside the stage files,
+    lost every other file (a new-user test). Refused, naming them; a dump's own files
+    (two targets' subfolders too) are replaced as before."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.md").write_text("# notes")
+    (site / "report.json").write_text("{}")
+    (site / "thesis.tex").write_text("precious")
+    (site / "figs").mkdir()
+    code, out, err = run_cli(capsys, "dump", "--out", site)
+    assert code == 2 and err.count("\n") == 1 and out == "", err
+    assert f"--out {site}: an earlier flintc dump that also holds figs/, thesis.tex, which a dump does not " \
+           "write" in err, err
+    assert (site / "thesis.tex").read_text() == "precious"
+    (site / "thesis.tex").unlink()
+    (site / "figs").rmdir()
+    for name in ("00-captured.py", "01-canonicalize.summary.svg"):
+        (site / name).write_text("old")
+    (site / "numerics").mkdir()
+    (site / "numerics" / "note.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "dump", "--out", site)
+    assert code == 2 and "numerics/note.txt" in err, err
+    (site / "numerics" / "note.txt").unlink()
+    code, _, err = run_cli(capsys, "dump", "--out", site)
+    assert code == 0, err
+    assert (site / "index.md").read_text() != "# notes" and not (site / "numerics").exists()

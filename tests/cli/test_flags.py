@@ -557,14 +557,25 @@ def test_compile_refuses_a_build_holding_other_files(capsys, tmp_path, monkeypat
         code, stdout, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
         assert_one_line_error(code, err, f"{out} is a flintc build but also holds {listed} a compile does not write")
         assert stdout == "" and _listing(out) == before
-    monkeypatch.undo()
     for name in ("NOTES.txt", "a.txt", "b.txt"):
         (out / name).unlink()
     shutil.rmtree(out / "myckpt")
-    (out / "__pycache__").mkdir()
+    # inside dumps/ and __pycache__/ too (a new-user test: replaced without a word)
+    for place, listed in (("dumps/NOTES.md", "dumps/NOTES.md"), ("dumps/decode_b1/mine.txt", "dumps/decode_b1/mine.txt"),
+                          ("__pycache__/mine.txt", "__pycache__/mine.txt")):
+        (out / place).parent.mkdir(parents=True, exist_ok=True)
+        (out / place).write_text("keep")
+        before = _listing(out)
+        code, stdout, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
+        assert_one_line_error(code, err, f"{out} is a flintc build but also holds {listed}, which")
+        assert _listing(out) == before
+        (out / place).unlink()
+    monkeypatch.undo()
+    (out / "__pycache__").mkdir(exist_ok=True)
     (out / "__pycache__" / "runtime.cpython-311.pyc").write_bytes(b"x")
-    (out / "dumps" / "decode_b1").mkdir(parents=True)
+    (out / "dumps" / "decode_b1").mkdir(parents=True, exist_ok=True)
     (out / "dumps" / "decode_b1" / "index.md").write_text("old")
+    (out / "dumps" / "decode_b1" / "03-fuse_moe.layer2-moe.svg").write_text("old")
     code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE)
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["build.json", "plan.json", "report.json", "report.md",
