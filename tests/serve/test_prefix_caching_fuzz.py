@@ -27,6 +27,7 @@ import torch
 
 from flintc.checkpoint.tokenizer import load_tokenizer, write_tokenizer
 from flintc.config import FlintConfig
+from flintc.runtime.compiled import CompiledRunner
 from flintc.sampling import SamplingParams
 from flintc.serve.engine import Engine, GenRequest, wait_idle
 
@@ -41,7 +42,7 @@ class FakeRunner:
     def __init__(self, config, max_batch, max_model_len, sizes=(8, 4), vocab_out=None):
         self.config, self.device = config, torch.device("cpu")
         self.max_batch, self.max_model_len = max_batch, max_model_len
-        self.sizes = sorted(sizes, reverse=True)
+        self.sizes = self.prefill_sizes = sorted(sizes, reverse=True)
         self.prefill_chunk = self.sizes[0]
         self.W = config.sliding_window
         self.V = vocab_out or config.vocab_size
@@ -95,15 +96,7 @@ class FakeRunner:
             out[r, xv % self.V] = 10.0
         return out
 
-    def pieces(self, n):
-        res, s = [], 0
-        while s < n:
-            left = n - s
-            size = next((c for c in self.sizes if c <= left), self.sizes[-1])
-            m = min(size, left)
-            res.append((s, m, size))
-            s += m
-        return res
+    pieces = CompiledRunner.prefill_pieces  # the generated runtime's own cut of a prompt into chunks
 
     def prefill(self, slot, token_ids, start=0, all_logits=False):
         ids = [int(t) for t in token_ids]
