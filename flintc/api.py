@@ -352,12 +352,9 @@ def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, ma
     prepare_device(device)  # a CPU run uses Triton's interpreter: set before triton loads
     check_environment("torch" if backend == "auto" and device == "cpu" else backend)  # before the compile
     if out is not None:  # before the checkpoint is read (compile_model checks again, the default one too)
-        from flintc.fileio import follow_out_link
-        from flintc.runtime.build import check_inputs_outside, check_out_replaceable
+        from flintc.runtime.build import check_build_out
 
-        check_inputs_outside(out, (("model", model), ("--tokenizer", tokenizer),
-                                   ("--hf-config-path", hf_config_path)))
-        check_out_replaceable(follow_out_link(out))
+        check_build_out(out, (("model", model), ("--tokenizer", tokenizer), ("--hf-config-path", hf_config_path)))
     with _sigterm_after_cleanup() as cleanups:
         ckpt = load_checkpoint_or_default(model, hf_config_path=hf_config_path, device=device,
                                           load_format=load_format, config=config, fmt=fmt, progress=progress)

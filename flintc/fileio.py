@@ -556,6 +556,17 @@ def enclosing_build(path: str | os.PathLike, *, itself: bool = True) -> Path | N
     return None
 
 
+def would_delete(foreign: list[str], what: str, listed: int = 3) -> str:
+    """The end of the refusal of an --out that a `what` ("compile", "dump") replaces
+    whole while it holds `foreign` entries it does not write: the first `listed`, how
+    many more, and what to do (`flintc.runtime.build.check_out_replaceable`,
+    `flintc.cli.dump.check_dump_out`)."""
+    more = f" (and {len(foreign) - listed} more)" if len(foreign) > listed else ""
+    return (f"{', '.join(foreign[:listed])}{more}, which a {what} does not write and would delete with the old "
+            f"{'build' if what == 'compile' else what} (it replaces the folder whole); move "
+            f"{'it' if len(foreign) == 1 else 'them'} out or choose another --out")
+
+
 def lies_inside(path: str | os.PathLike, folder: str | os.PathLike) -> bool:
     """Whether `path` is `folder` or lies inside it at any depth, as given (made
     absolute) or with every symbolic link resolved, on either side: a checkpoint reached

@@ -305,13 +305,11 @@ def run_compile(args: argparse.Namespace) -> int:
         raise InputError(f"--prefill-chunk must be at least 1, got {args.prefill_chunk}")
     if not 1 <= args.max_batch <= 8:
         raise InputError(f"--max-batch must be in 1..8 (the decode schedule's GEMVs), got {args.max_batch}")
-    from flintc.fileio import follow_out_link
-    from flintc.runtime.build import check_inputs_outside, check_out_replaceable
+    from flintc.runtime.build import check_build_out
 
     # the weights the new build.json would point to, deleted with the old build it replaces
-    check_inputs_outside(args.out, (("MODEL", args.model), ("--tokenizer", args.tokenizer),
-                                    ("--hf-config-path", args.hf_config_path)))
-    check_out_replaceable(follow_out_link(args.out))
+    check_build_out(args.out, (("MODEL", args.model), ("--tokenizer", args.tokenizer),
+                               ("--hf-config-path", args.hf_config_path)))
     args.device = args.device or "cpu"
     weights_on = args.device
     if args.device.startswith("cuda") and not torch.cuda.is_available() and args.load_format == "dummy" \

@@ -45,7 +45,7 @@ def check_dump_out(out: str | Path) -> None:
     files no dump writes (`flintc.graph.dump.foreign_dump_files`).
     Raises InputError naming the path."""
     from flintc.cli.compile_build import check_output_folder
-    from flintc.fileio import checkpoint_or_build_problem, follow_out_link, foreign_files
+    from flintc.fileio import checkpoint_or_build_problem, follow_out_link, foreign_files, would_delete
     from flintc.graph.dump import foreign_dump_files, is_dump_output
 
     check_output_folder(out, "--out")
@@ -67,10 +67,7 @@ def check_dump_out(out: str | Path) -> None:
                          "(no report.json and index.md); choose another --out")
     foreign = foreign_dump_files(out)  # a user's file beside an earlier dump: replaced whole, it would go
     if foreign:
-        more = f" (and {len(foreign) - 3} more)" if len(foreign) > 3 else ""
-        raise InputError(f"--out {out}: an earlier flintc dump that also holds {', '.join(foreign[:3])}{more}, "
-                         "which a dump does not write and would delete with the old dump (it replaces the folder "
-                         f"whole); move {'it' if len(foreign) == 1 else 'them'} out or choose another --out")
+        raise InputError(f"--out {out}: an earlier flintc dump that also holds {would_delete(foreign, 'dump')}")
 
 
 def run_dump(args: argparse.Namespace) -> int:

@@ -323,9 +323,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
     if on_meta and opts.check:
         raise InputError("weights on the meta device (a cross-compile) cannot be checked numerically; "
                          "pass --no-check")
-    check_inputs_outside(out, checkpoint_inputs(ckpt))  # the weights the new build would point to
-    out = follow_out_link(out)  # a link to a build: that build is replaced, the link kept
-    check_out_replaceable(out)
+    out = check_build_out(out, checkpoint_inputs(ckpt))  # the weights the new build would point to too
     _check_parent(out)
     steps = _steps(opts, config)
     if opts.dump and opts.dump_dir:  # every step's subfolder refused before the first compile
@@ -426,7 +424,6 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
 # and the __pycache__/ that importing runtime.py (`flintc run --build`) leaves. An
 # earlier build holding anything else is not replaced (`check_out_replaceable`).
 BUILD_ENTRIES = ("build.json", "runtime.py", "plan.json", "report.json", "report.md", "dumps", "__pycache__")
-_LISTED = 3  # foreign entries named in check_out_replaceable's message
 
 
 def foreign_build_entries(folder: Path) -> list[str]:
@@ -471,15 +468,26 @@ def check_out_replaceable(out: Path) -> None:
     if (out / "build.json").is_file():
         foreign = foreign_build_entries(out)
         if foreign:
-            more = f" (and {len(foreign) - _LISTED} more)" if len(foreign) > _LISTED else ""
-            raise InputError(f"{out} is a flintc build but also holds {', '.join(foreign[:_LISTED])}{more}, which "
-                             "a compile does not write and would delete with the old build (it replaces the "
-                             f"folder whole); move {'it' if len(foreign) == 1 else 'them'} out or choose "
-                             "another --out")
+            from flintc.fileio import would_delete
+
+            raise InputError(f"{out} is a flintc build but also holds {would_delete(foreign, 'compile')}")
         return
     if out.is_dir() and not any(out.iterdir()):
         return
     raise InputError(f"{out} exists and is not a flintc build (no build.json); choose another --out")
+
+
+def check_build_out(out: str | os.PathLike, inputs) -> Path:
+    """The BUILD folder a compile may replace whole, checked before any work: `out`, or
+    the folder it links to (`flintc.fileio.follow_out_link`: that build is replaced, the
+    link kept), holding none of `inputs` (`check_inputs_outside`) and nothing but an
+    earlier build (`check_out_replaceable`). `flintc compile` and `flintc.compile()` call
+    it before the checkpoint is read, `compile_model` again with the checkpoint's own
+    files. -> the folder to write. Raises InputError as those two."""
+    check_inputs_outside(out, inputs)
+    out = follow_out_link(out)
+    check_out_replaceable(out)
+    return out
 
 
 def check_inputs_outside(out: str | os.PathLike, inputs, flag: str = "--out") -> None:

@@ -327,6 +327,9 @@ class Engine:
                       if any(cfg.is_sliding_layer(i) for i in range(cfg.num_hidden_layers)) else None)
         self._cached: dict[int, _SlotCache] = {}  # free slot -> what its cache holds
         self._ring_buffers: dict[int, list[torch.Tensor]] = {}  # slot -> its ring snapshot's storage
+        # ring rows can be saved after a prompt's prefill (`_save_ring`): sliding layers, and
+        # a runner whose caches are the `kv` list (both runners)
+        self._can_save_ring = self._ring is not None and getattr(runner, "kv", None) is not None
         self._freed = itertools.count()
 
     # ---- called from any thread -------------------------------------------------------
@@ -449,7 +452,7 @@ class Engine:
             else:
                 logits, seq.prompt_lp = self._prefill_prompt_logprobs(slot, req.prompt_ids, req.prompt_logprobs)
             seq.prefilled = True
-            if self.enable_prefix_caching and self._ring is not None and getattr(self.runner, "kv", None) \
+            if self.enable_prefix_caching and self._can_save_ring \
                     and len(req.prompt_ids) + req.params.max_tokens - 1 > self._ring:
                 # (a sequence that never passes W positions needs no copy: the direct rule serves it)
                 seq.ring = self._save_ring(slot)
