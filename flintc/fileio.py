@@ -138,7 +138,8 @@ def write_text_atomic(path, text: str) -> None:
 
 
 def write_texts_atomic(files: dict) -> None:
-    """Write several text files (UTF-8) as one: {path: text}, each to a temporary file
+    """Write several files as one: {path: text (str, written as UTF-8) or bytes (written
+    as they are: a PNG)}, each to a temporary file
     beside it first, then all renamed into place together with SIGINT and SIGTERM
     deferred (`signals_deferred`). A failed write of a temporary file (a full disk), or a
     path that is a folder, leaves every file as it was: never a new file beside an old one
@@ -157,8 +158,12 @@ def write_texts_atomic(files: dict) -> None:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
             temps.append((tmp, target))
-            with naming_write_errors(target), os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
+            if isinstance(text, bytes):
+                with naming_write_errors(target), os.fdopen(fd, "wb") as f:
+                    f.write(text)
+            else:
+                with naming_write_errors(target), os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(text)
             set_public_mode(tmp)
         for _, target in temps:  # os.replace would fail there, after the files before it were renamed
             if target.is_dir():

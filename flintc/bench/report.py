@@ -22,6 +22,7 @@ bench.json (`--from-json`) against `RECORD_FIELDS`, the fields the report reads.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
@@ -606,16 +607,36 @@ def _matplotlib_problem() -> str:
 
 
 def write_plots(results: dict, out: Path) -> list[str]:
-    """The PNG plots (module doc); [] when matplotlib does not import (not installed, or
-    a broken install) or there is nothing to plot."""
+    """Write the PNG plots (module doc) into `out` together (`render_plots`, then
+    `flintc.fileio.write_texts_atomic`: an interrupted or failed write leaves no
+    truncated PNG) and return their paths; [] when matplotlib does not import (not
+    installed, or a broken install) or there is nothing to plot. Raises OSError naming
+    the file whose write failed."""
+    pngs = {Path(out) / name: data for name, data in render_plots(results).items()}
+    write_texts_atomic(pngs)
+    return [str(path) for path in pngs]
+
+
+def _png(fig, plt) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def render_plots(results: dict) -> dict[str, bytes]:
+    """The PNG plots (module doc) in memory, {file name: PNG bytes}, in the order
+    decode_vs_context.png, latency_vs_batch.png, breakdown.png, each when there is
+    something to plot; {} when matplotlib does not import (not installed, or a broken
+    install). Nothing is written."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001 - ImportError, or a broken install's other errors
-        return []
-    written = []
+        return {}
+    written = {}
     dec = [r for r in results.get("decode", []) if r["engine"] == "flintc"]
     base = results.get("baselines", [])
     fmts = sorted({r["fmt"] for r in dec} | {r["fmt"] for r in base})
@@ -644,10 +665,7 @@ def write_plots(results: dict, out: Path) -> list[str]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        path = out / "decode_vs_context.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
+        written["decode_vs_context.png"] = _png(fig, plt)
     if dec:
         fig, axes = plt.subplots(1, max(1, len(fmts)), figsize=(6.5 * max(1, len(fmts)), 4.8), squeeze=False)
         for ax, fmt in zip(axes[0], fmts):
@@ -675,10 +693,7 @@ def write_plots(results: dict, out: Path) -> list[str]:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out / "latency_vs_batch.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
+        written["latency_vs_batch.png"] = _png(fig, plt)
     bds = results.get("breakdown", [])
     if bds:
         fig, axes = plt.subplots(1, len(bds), figsize=(6.5 * len(bds), 4.2), squeeze=False)
@@ -689,34 +704,33 @@ def write_plots(results: dict, out: Path) -> list[str]:
             ax.set_title(f"{bd['fmt']} b{bd['batch']}/{_ctx(bd['context'])}: {bd['step_us']:.0f} us, "
                          f"gaps {bd['gap_us']:.0f} us", fontsize=9)
         fig.tight_layout()
-        path = out / "breakdown.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
+        written["breakdown.png"] = _png(fig, plt)
     return written
 
 
 def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> dict:
-    """Evaluate the targets, write the plots, then bench.json and bench.md into `out`
-    (made if missing), print the Markdown. Returns {"json", "markdown", "plots"} paths.
+    """Evaluate the targets, render the plots, then write bench.json, bench.md and the
+    PNGs into `out` (made if missing), print the Markdown. Returns {"json", "markdown",
+    "plots"} paths.
 
     The report is rendered before any file is written: a results dict it cannot render
     raises (KeyError, TypeError: `check_records` catches such dicts read back from a
-    file) with nothing written. bench.json and bench.md are written as a pair
-    (`flintc.fileio.write_texts_atomic`): a failed write of their contents (OSError
-    naming the file, e.g. a full disk) leaves both files there as they were (a failed
-    rename, rare, can leave a new bench.json beside an old bench.md; so does a live
-    `flintc bench` run until this call, as it saves bench.json alone after each step).
-    A plotting failure is a note, not an error."""
+    file) with nothing written. bench.json, bench.md and the PNGs are written as one
+    group (`flintc.fileio.write_texts_atomic`): a failed write of their contents
+    (OSError naming the file, e.g. a full disk) or a Ctrl-C leaves every file there as
+    it was, never a truncated PNG (a failed rename, rare, can leave a new bench.json
+    beside an old bench.md; so does a live `flintc bench` run until this call, as it
+    saves bench.json alone after each step). A plotting failure is a note, not an
+    error."""
     out = Path(out)
     results["targets"] = evaluate_targets(results)
     render_markdown(results, [])  # raises now, before any file is written
     dumps_results(results)  # likewise: NaN or Infinity (NonFiniteError)
     out.mkdir(parents=True, exist_ok=True)
-    pngs = []
+    pngs: dict[Path, bytes] = {}
     if plots:
         try:
-            pngs = write_plots(results, out)
+            pngs = {out / name: data for name, data in render_plots(results).items()}
         except Exception as e:  # noqa: BLE001 - a plotting failure must not cost the report
             results.setdefault("notes", []).append(
                 f"plots not written: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
@@ -724,11 +738,12 @@ def write_outputs(results: dict, out: Path, plots: bool = True, log=print) -> di
             if not pngs and (results.get("decode") or results.get("baselines")):
                 results.setdefault("notes", []).append(
                     f"plots not written: matplotlib {_matplotlib_problem()} (pip install 'flintc[bench]')")
-    md = render_markdown(results, pngs)
-    write_texts_atomic({out / "bench.json": dumps_results(results), out / "bench.md": md})
+    md = render_markdown(results, [str(p) for p in pngs])
+    write_texts_atomic({out / "bench.json": dumps_results(results), out / "bench.md": md, **pngs})
     print(md, flush=True)
-    return {"json": str(out / "bench.json"), "markdown": str(out / "bench.md"), "plots": pngs}
+    return {"json": str(out / "bench.json"), "markdown": str(out / "bench.md"), "plots": [str(p) for p in pngs]}
 
 
 __all__ = ["RECORD_FIELDS", "TARGETS", "NonFiniteError", "RecordError", "check_records", "dumps_results",
-           "evaluate_targets", "find", "merge_results", "non_finite", "render_markdown", "write_outputs", "write_plots"]
+           "evaluate_targets", "find", "merge_results", "non_finite", "render_markdown", "render_plots", "write_outputs",
+           "write_plots"]

@@ -411,15 +411,57 @@ def test_a_build_with_a_broken_plan_is_skipped_with_a_note(cpu_run, tmp_path, co
 
 
 def test_a_plotting_failure_keeps_the_report(tmp_path, monkeypatch):
-    def broken(results, out):
+    def broken(results):
         raise RuntimeError("no display")
 
-    monkeypatch.setattr(report, "write_plots", broken)
+    monkeypatch.setattr(report, "render_plots", broken)
     res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}, "decode": [], "prefill": [],
            "baselines": [], "breakdown": [], "kernels": [], "notes": []}
     paths = report.write_outputs(res, tmp_path, plots=True, log=lambda *a: None)
     assert paths["plots"] == [] and (tmp_path / "bench.md").is_file()
     assert any("plots not written: RuntimeError: no display" in n for n in res["notes"])
+
+
+def test_plots_are_written_with_the_report(tmp_path, monkeypatch):
+    """The PNGs are written in one group with bench.json and bench.md: a failed write
+    of any of them (here a PNG, as on a full disk) leaves the folder as it was, with no
+    truncated PNG (they were saved straight into --out before); a good write publishes
+    all of them, and bench.md links each."""
+    import errno
+
+    from flintc import fileio
+
+    pngs = {"decode_vs_context.png": b"\x89PNG\r\n\x1a\n one", "breakdown.png": b"\x89PNG\r\n\x1a\n two"}
+    monkeypatch.setattr(report, "render_plots", lambda results: dict(pngs))
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "bench.json").write_text("old json")
+    (out / "bench.md").write_text("old md")
+    real = fileio.set_public_mode
+
+    def full(path):
+        if ".breakdown.png." in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path)
+
+    monkeypatch.setattr(fileio, "set_public_mode", full)
+    res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}}
+    with pytest.raises(OSError):
+        report.write_outputs(res, out, plots=True, log=lambda *a: None)
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md"]
+    assert (out / "bench.json").read_text() == "old json"
+    monkeypatch.setattr(fileio, "set_public_mode", real)
+    paths = report.write_outputs(res, out, plots=True, log=lambda *a: None)
+    assert paths["plots"] == [str(out / name) for name in pngs]
+    assert {name: (out / name).read_bytes() for name in pngs} == pngs
+    md = (out / "bench.md").read_text()
+    assert "(decode_vs_context.png)" in md and "(breakdown.png)" in md
+
+
+def test_write_plots_writes_what_render_plots_gives(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "render_plots", lambda results: {"breakdown.png": b"png bytes"})
+    assert report.write_plots({}, tmp_path / "p") == [str(tmp_path / "p" / "breakdown.png")]
+    assert (tmp_path / "p" / "breakdown.png").read_bytes() == b"png bytes"
 
 
 def test_bad_arguments_are_user_errors(tmp_path, capsys):
