@@ -3,9 +3,10 @@
 `flintc.compile(...)` compiles a checkpoint into a BUILD folder and returns a
 `flintc.api.CompiledModel` with `generate(...)` and `forward(...)`; `flintc.load(BUILD)`
 loads an earlier build. Everything else lives in the subpackages (`flintc.model`,
-`flintc.passes`, `flintc.runtime`, ...). `flintc.__version__` is the installed
-package's version, else (flintc run from a source tree not installed, as the GPU scripts
-do with PYTHONPATH) the version in that tree's pyproject.toml, else "unknown".
+`flintc.passes`, `flintc.runtime`, ...). `flintc.__version__` is the version in the
+pyproject.toml of the source tree this package was imported from (an editable install,
+or a tree on PYTHONPATH as the GPU scripts run it: the code that runs, even where
+another flintc is installed), else the installed package's version, else "unknown".
 """
 
 from __future__ import annotations
@@ -25,10 +26,13 @@ def __getattr__(name: str):
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
 
+        tree = _source_tree_version()
+        if tree != "unknown":
+            return tree
         try:
             return version("flintc")
         except PackageNotFoundError:
-            return _source_tree_version()
+            return tree
     raise AttributeError(f"module 'flintc' has no attribute {name!r}")
 
 

@@ -232,3 +232,16 @@ def test_version_of_a_source_tree_not_installed(monkeypatch):
     with open(Path(flintc.__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
         want = tomllib.load(f)["project"]["version"]
     assert flintc.__version__ == want != "unknown"
+
+
+def test_version_of_the_tree_that_runs_over_an_installed_one(monkeypatch):
+    """A source tree on PYTHONPATH while another flintc is installed (an H100 with a
+    pip-installed flintc running the GPU scripts): the version is the tree's, the code
+    that runs, not the installed package's."""
+    import importlib.metadata as md
+
+    pytest.importorskip("tomllib")
+    import flintc
+
+    monkeypatch.setattr(md, "version", lambda name: "0.0.0-installed-elsewhere")
+    assert flintc.__version__ == flintc._source_tree_version() != "0.0.0-installed-elsewhere"
