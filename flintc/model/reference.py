@@ -30,6 +30,38 @@ from flintc.quant.nvfp4 import NVFP4Tensor
 MODES = {"bf16": (torch.bfloat16, torch.float32), "float64": (torch.float64, torch.float64)}
 
 
+def kv_cache_shapes(config: FlintConfig, num_slots: int, max_len: int) -> list[tuple[int, int, int, int]]:
+    """The shapes of the tensors `FlintModel.new_kv_cache(num_slots, max_len)`
+    allocates, in its order [k_0, v_0, k_1, v_1, ...]: a full-attention layer's K and
+    V are [num_slots, max_len, Hkv, D] each, a sliding layer's [num_slots, W, Hkv, D]
+    (a ring of sliding_window rows at any max_len). The one place that sizes the KV
+    caches: the allocation, the build's plan (`flintc.runtime.build`) and the serve
+    memory check (`kv_cache_bytes`) all read it."""
+    c = config
+    out: list[tuple[int, int, int, int]] = []
+    for i in range(c.num_hidden_layers):
+        rows = c.sliding_window if c.is_sliding_layer(i) else max_len
+        shape = (num_slots, rows, c.num_key_value_heads, c.head_dim)
+        out += [shape, shape]
+    return out
+
+
+def kv_cache_bytes(config: FlintConfig, num_slots: int, max_len: int, itemsize: int = 2,
+                   sliding_only: bool = False) -> int:
+    """Bytes of `FlintModel.new_kv_cache(num_slots, max_len)` (the tensors of
+    `kv_cache_shapes`) at `itemsize` bytes a value (2: bf16, the activation dtype of
+    the default mode; 8 in float64 mode). `sliding_only`: the sliding layers' rings
+    alone (K and V; the same at any max_len). An int, in bytes."""
+    shapes = kv_cache_shapes(config, num_slots, max_len)
+    total = 0
+    for i in range(config.num_hidden_layers):
+        if sliding_only and not config.is_sliding_layer(i):
+            continue
+        for n_slots, rows, heads, dim in shapes[2 * i:2 * i + 2]:
+            total += n_slots * rows * heads * dim
+    return total * itemsize
+
+
 class WeightHolder(nn.Module):
     """One weight as buffers: `weight` (a plain tensor), or `codes`, `scales` and
     `global_scale` (NVFP4). `value` returns it as a tensor or an NVFP4Tensor."""
@@ -202,17 +234,13 @@ class FlintModel(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def new_kv_cache(self, num_slots: int, max_len: int, device=None) -> list[torch.Tensor]:
-        """Zeroed KV cache, [k_0, v_0, k_1, v_1, ...]: full layers [num_slots, max_len,
-        Hkv, D], sliding layers [num_slots, W, Hkv, D]; activation dtype. Bytes:
-        2 * Hkv * D * itemsize per token per layer."""
-        c = self.config
+        """Zeroed KV cache, [k_0, v_0, k_1, v_1, ...] of the shapes `kv_cache_shapes`
+        gives: full layers [num_slots, max_len, Hkv, D], sliding layers [num_slots, W,
+        Hkv, D]; activation dtype, on `device` (default: the model's). Bytes:
+        `kv_cache_bytes` with the activation dtype's itemsize."""
         device = device or self.rope_cos.device
-        cache = []
-        for i in range(c.num_hidden_layers):
-            rows = c.sliding_window if c.is_sliding_layer(i) else max_len
-            shape = (num_slots, rows, c.num_key_value_heads, c.head_dim)
-            cache += [torch.zeros(shape, dtype=self.act_dtype, device=device) for _ in range(2)]
-        return cache
+        return [torch.zeros(shape, dtype=self.act_dtype, device=device)
+                for shape in kv_cache_shapes(self.config, num_slots, max_len)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 kv_cache: list[torch.Tensor], logits_rows: torch.Tensor | None = None):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import numbers
 import os
 import shutil
@@ -541,17 +542,23 @@ def _progress(steps, enabled: bool):
 
 
 def _kv_layout(config: FlintConfig, opts: BuildOptions) -> dict:
+    """The plan's kv_cache entry: the caches `FlintModel.new_kv_cache(max_batch,
+    cache_rows)` allocates for the compiled runner (shapes from `kv_cache_shapes`),
+    bf16, with each layer's K + V bytes and their total."""
+    from flintc.model.reference import kv_cache_shapes
+
     slots = opts.max_batch
+    shapes = kv_cache_shapes(config, slots, opts.cache_rows)
+    itemsize = torch.bfloat16.itemsize
     per_layer = []
     total = 0
     for i in range(config.num_hidden_layers):
         sliding = config.is_sliding_layer(i)
-        rows = config.sliding_window if sliding else opts.cache_rows
-        shape = [slots, rows, config.num_key_value_heads, config.head_dim]
-        nbytes = 2 * slots * rows * config.num_key_value_heads * config.head_dim * 2
+        shape_k, shape_v = shapes[2 * i], shapes[2 * i + 1]
+        nbytes = (math.prod(shape_k) + math.prod(shape_v)) * itemsize
         total += nbytes
-        per_layer.append({"layer": i, "kind": "sliding ring" if sliding else "full", "shape_k": shape,
-                          "shape_v": shape, "dtype": "torch.bfloat16", "bytes": nbytes})
+        per_layer.append({"layer": i, "kind": "sliding ring" if sliding else "full", "shape_k": list(shape_k),
+                          "shape_v": list(shape_v), "dtype": "torch.bfloat16", "bytes": nbytes})
     return {"slots": slots, "layers": per_layer, "bytes": total,
             "note": "one slot per sequence; padding rows of a decode bucket carry a negative slot "
                     "(flintc.ops.attention.pad_slot) and neither read nor write the cache"}

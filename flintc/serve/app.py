@@ -31,8 +31,13 @@ and ``bad_words`` (made into token ids here, once per request, as vLLM's
 with a ``seed`` gives choice i the seed ``seed + i`` (otherwise every choice would
 be the same); a seed may be any 64-bit integer, as in vLLM: -1 means no seed (vLLM's
 reading), another negative one is taken modulo 2**63. ``max_tokens`` (or ``max_completion_tokens``) counts every generated
-token, reasoning included; by default chat may use the rest of the context and
-completions 16 tokens (the OpenAI default). vLLM's ``prompt_logprobs`` (0..20, not with
+token, reasoning included. As in vLLM, chat with both absent or null may use the rest
+of the context (--max-model-len minus the prompt's tokens); completions without the
+field get 16 tokens (the OpenAI default), and with ``"max_tokens": null`` each prompt
+the rest of its own context (its choices' SamplingParams carry that prompt's count).
+A prompt that leaves no room for one token is then a 400 naming the prompt's field
+(``context_length_exceeded``), and so is a prompt + max_tokens over --max-model-len
+(naming the max_tokens field). vLLM's ``prompt_logprobs`` (0..20, not with
 ``stream``) adds each prompt token's log-probability, rank and most likely alternatives
 in vLLM's shape (`_prompt_logprobs_json`): per choice in /v1/completions, once per
 response in /v1/chat/completions. vLLM's ``return_tokens_as_token_ids`` writes the
@@ -50,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import copy
 import email.message
 import hmac
 import json
@@ -92,7 +98,6 @@ MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 5  # completions (OpenAI's limit)
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_STOP = 4
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Chat turns end at any of these (GLM's generation_config lists the same three).
 CHAT_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
@@ -654,27 +659,38 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             return None
         return seed % 2**63
 
-    async def sampling(req, max_tokens: int, n: int) -> list[SamplingParams]:
-        """One SamplingParams per choice. ``bad_words`` become token ids here (vLLM's
-        update_from_tokenizer), once, and with them the choices' SamplingParams (each
-        walks every word's ids), on a worker thread: a request of 200,000 words held
-        the event loop, and every other client, for seconds per choice. Raises
-        APIError(400) naming the field."""
+    async def sampling(req, max_tokens: list[int], n: int) -> list[list[SamplingParams]]:
+        """One SamplingParams per choice of each prompt, ``[k][j]`` for prompt k's choice
+        j, with ``max_tokens[k]`` (each >= 1: `check_length`'s; a completions request's
+        prompts differ with ``"max_tokens": null``, each the rest of its context).
+        ``bad_words`` become token ids here (vLLM's update_from_tokenizer), once, and
+        with them the choices' SamplingParams (each walks every word's ids), on a worker
+        thread: a request of 200,000 words held the event loop, and every other client,
+        for seconds per choice. They are built, and checked, once per choice at the
+        smallest max_tokens (min_tokens over it is the 400); prompts with another
+        max_tokens get copies (`_with_max_tokens`), not a new walk of the lists per
+        prompt. Prompts of one max_tokens share their objects. Raises APIError(400)
+        naming the field."""
         # the fields the request sets; the others keep SamplingParams' defaults (Flint's)
         given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         given.update(logit_bias=logit_bias(req), allowed_token_ids=allowed_token_ids(req))
         base = request_seed(req.seed)
 
-        def make() -> list[SamplingParams]:
+        def make() -> list[list[SamplingParams]]:
             if req.bad_words:
                 given["bad_words"] = req.bad_words
                 given["bad_words_token_ids"] = bad_words_to_token_ids(req.bad_words, tokenizer)
-            out = []
+            least = min(max_tokens)
+            first = []
             for j in range(n):
                 # choice j > 0 gets seed + j (wrapping within [0, 2**63))
                 seed = base if base is None else (base + j) % 2**63
-                out.append(SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=req.ignore_eos, **given))
-            return out
+                first.append(SamplingParams(max_tokens=least, seed=seed, ignore_eos=req.ignore_eos, **given))
+            by_value = {least: first}
+            for m in max_tokens:
+                if m not in by_value:
+                    by_value[m] = [_with_max_tokens(p, m) for p in first]
+            return [by_value[m] for m in max_tokens]
 
         try:
             return await asyncio.to_thread(make) if req.bad_words else make()
@@ -739,8 +755,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         return req.add_generation_prompt, req.continue_final_message
 
     def check_length(n_prompt: int, max_tokens: int | None, param: str, prompt_param: str) -> int:
-        """`param`: the request field that set max_tokens; `prompt_param`: the one holding
-        the prompt ("messages" for chat, "prompt" for completions)."""
+        """The max_tokens of one prompt of `n_prompt` tokens: `max_tokens` as asked, or
+        for None (the field null, or chat's absent) the rest of the context,
+        --max-model-len - n_prompt (vLLM's get_max_tokens). `param`: the request field
+        that set max_tokens; `prompt_param`: the one holding the prompt ("messages" for
+        chat, "prompt" for completions). Raises APIError(400) naming `prompt_param`
+        (code context_length_exceeded) for a prompt over --max-model-len, or one that
+        leaves no room for a token when `max_tokens` is None; naming `param` for a
+        `max_tokens` below 1 or one that, with the prompt, passes --max-model-len."""
         if n_prompt > max_model_len:
             raise APIError(400, f"the prompt has {n_prompt} tokens, more than the maximum context "
                            f"length of {max_model_len} tokens (--max-model-len)",
@@ -985,11 +1007,12 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         if not prompt_ids:  # the runner's prefill refuses it, failing every running request with it
             raise APIError(400, "the chat template rendered the messages to an empty prompt", param="messages")
         # both given: max_completion_tokens (OpenAI's newer name), as vLLM's
-        # `max_completion_tokens or max_tokens`
+        # `max_completion_tokens or max_tokens`; both absent or null: the rest of the
+        # context (vLLM's get_max_tokens)
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(len(prompt_ids), asked, "max_completion_tokens"
                                   if req.max_completion_tokens is not None else "max_tokens", "messages")
-        params = await sampling(req, max_tokens, n)
+        params = (await sampling(req, [max_tokens], n))[0]
         top = None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -1107,10 +1130,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 lambda: [t if t is not None and len(ids) == len(full) else tokenizer.decode(ids)
                          for t, ids, full in zip(sent, truncated, prompts)])
         prompts = truncated
-        asked = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else 1 if echo_only else req.max_tokens
-        for ids in prompts:
-            check_length(len(ids), asked, "max_tokens", "prompt")
-        params = await sampling(req, asked, n)
+        # absent: 16 (CompletionRequest's default, vLLM's); null: each prompt's rest of the
+        # context (vLLM's get_max_tokens), a 400 naming "prompt" for a prompt that fills it
+        asked = 1 if echo_only else req.max_tokens
+        params = await sampling(req, [check_length(len(ids), asked, "max_tokens", "prompt") for ids in prompts], n)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
                            param="logprobs")
@@ -1128,7 +1151,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                       user_stop_token_ids=user_stops, skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output,
                       cache_salt=req.cache_salt)
-                 for ids in prompts for j, p in enumerate(params)]
+                 for ids, prompt_params in zip(prompts, params) for j, p in enumerate(prompt_params)]
         gen = _Generation(engine, specs)
         total = len(specs)
         texts = [[] for _ in range(total)]
@@ -1153,7 +1176,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             p = sum(len(ids) for ids in prompts)
             c = sum(len(x) for x in ids_out)
             return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                    **gen.prompt_tokens_details(options, len(params))}
+                    **gen.prompt_tokens_details(options, n)}
 
         def wrap(choice_list, **extra):
             return {"id": rid, "object": "text_completion", "created": created,
@@ -1236,6 +1259,19 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
 # --------------------------------------------------------------------------------------
 # Request helpers
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    """`params` with ``max_tokens`` instead of its own, which must be at most
+    ``max_tokens`` (then every check `params` passed still holds: min_tokens <=
+    max_tokens is the one that reads it). A copy, not a new SamplingParams:
+    ``__post_init__`` walks allowed_token_ids and the bad words' ids again, once per
+    prompt of a request of many. Raises ValueError for a smaller ``max_tokens``."""
+    if max_tokens < params.max_tokens:
+        raise ValueError(f"max_tokens {max_tokens} is below the checked params' {params.max_tokens}")
+    out = copy.copy(params)
+    object.__setattr__(out, "max_tokens", max_tokens)  # frozen dataclass
+    return out
 
 
 def _check_tools(tools: list[dict] | None) -> list[dict] | None:

@@ -39,6 +39,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
 
 
+# /v1/completions' max_tokens when the field is absent (OpenAI's and vLLM's default); an
+# explicit null is each prompt's rest of the context (`CompletionRequest`)
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 INT_RANGE = "[-2**63, 2**63)"  # an Int's: 64 bits, as vLLM's pydantic parses an integer from a float
 
 
@@ -180,9 +183,13 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    """POST /v1/completions."""
+    """POST /v1/completions. ``max_tokens`` is vLLM's ``Optional[int] = 16``: absent,
+    16 (:data:`COMPLETION_DEFAULT_MAX_TOKENS`); an explicit null, None, which
+    :mod:`flintc.serve.app` reads as the rest of the context of each prompt
+    (--max-model-len minus its tokens, vLLM's get_max_tokens)."""
 
     prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = COMPLETION_DEFAULT_MAX_TOKENS
     logprobs: Int | None = None
     echo: bool | None = None
     best_of: Int | None = None

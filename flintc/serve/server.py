@@ -83,8 +83,9 @@ def make_runner(args: argparse.Namespace, check_vocab=None):
 
 def _check_caches_fit(config, max_batch: int, max_model_len: int, device, itemsize: int = 2) -> None:
     """Refuse KV caches (`FlintModel.new_kv_cache` of `max_batch` slots, `max_model_len`
-    rows per full-attention layer, W per sliding one, `itemsize` bytes a value: bf16)
-    that the CPU has not the memory for, before allocating them: `--max-batch 100000`
+    rows per full-attention layer, W per sliding one, `itemsize` bytes a value: bf16;
+    sized by `flintc.model.reference.kv_cache_bytes`, from the shapes the allocation
+    uses) that the CPU has not the memory for, before allocating them: `--max-batch 100000`
     was a bare "can't allocate memory" RuntimeError. Nothing is checked on another
     device or when the available memory cannot be read
     (`flintc.runtime.device.available_memory_bytes`). When the sliding layers' rings
@@ -98,22 +99,21 @@ def _check_caches_fit(config, max_batch: int, max_model_len: int, device, itemsi
     """
     import torch
 
+    from flintc.model.reference import kv_cache_bytes
     from flintc.runtime.device import available_memory_bytes
 
     if torch.device(device).type != "cpu":
         return
     c = config
-    num_sliding = sum(map(c.is_sliding_layer, range(c.num_hidden_layers)))
-    ring_rows = num_sliding * c.sliding_window  # whatever --max-model-len
-    rows = ring_rows + (c.num_hidden_layers - num_sliding) * max_model_len
-    per_row = 2 * max_batch * c.num_key_value_heads * c.head_dim * itemsize  # K and V of every slot
-    need = rows * per_row
+    need = kv_cache_bytes(c, max_batch, max_model_len, itemsize)
     avail = available_memory_bytes()
     if avail is not None and need > avail:
         advice = "give a smaller --max-batch or --max-model-len"
-        if ring_rows * per_row > avail / 2:  # a shorter --max-model-len cannot make enough room
+        rings = kv_cache_bytes(c, max_batch, max_model_len, itemsize, sliding_only=True)  # at any --max-model-len
+        if rings > avail / 2:  # a shorter --max-model-len cannot make enough room
+            num_sliding = sum(map(c.is_sliding_layer, range(c.num_hidden_layers)))
             advice = (f"the {num_sliding} sliding layers' rings ({c.sliding_window} rows each, sliding_window, "
-                      f"at any --max-model-len) take {ring_rows * per_row / 2**30:.1f} GiB of it: give a smaller "
+                      f"at any --max-model-len) take {rings / 2**30:.1f} GiB of it: give a smaller "
                       "--max-batch")
         raise InputError(f"--max-batch {max_batch} x --max-model-len {max_model_len}: the KV caches would take "
                          f"{need / 2**30:.1f} GiB, but only {avail / 2**30:.1f} GiB of memory is available; "

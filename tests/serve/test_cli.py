@@ -304,3 +304,51 @@ def test_kv_cache_refusal_advice_fits_the_sliding_rings(monkeypatch):
     tiny = FlintConfig.preset("tiny")  # 9-row rings: a shorter --max-model-len helps
     with pytest.raises(InputError, match=r"give a smaller --max-batch or --max-model-len$"):
         _check_caches_fit(tiny, 8, 4096, "cpu")
+
+
+@pytest.mark.parametrize("kinds, window", [
+    (None, None),  # the tiny preset: sliding and full layers, W 9
+    (("full_attention",) * 4, None),  # no ring
+    (("sliding_attention",) * 4, None),  # rings only: the same bytes at any --max-model-len
+    (None, 64),  # a ring longer than some of the lengths below
+])
+def test_kv_cache_check_sizes_what_new_kv_cache_allocates(monkeypatch, kinds, window):
+    """`_check_caches_fit` sized the caches by hand from the config, beside
+    `FlintModel.new_kv_cache`'s own shapes: both read `kv_cache_shapes` now. The bytes
+    it checks are the nbytes of what new_kv_cache allocates (the boundary: that much
+    memory passes, a byte less is refused), and so are `kv_cache_bytes`' and the
+    build plan's (`_kv_layout`, what the compiled runner allocates)."""
+    import flintc.runtime.device as device
+    from flintc.checkpoint.init import random_weights
+    from flintc.config import FlintConfig
+    from flintc.errors import InputError
+    from flintc.model.reference import FlintModel, kv_cache_bytes, kv_cache_shapes
+    from flintc.runtime.build import BuildOptions, _kv_layout
+    from flintc.serve.server import _check_caches_fit
+
+    cfg = FlintConfig.preset("tiny")
+    if kinds is not None:
+        cfg = cfg.replace(layer_types=kinds)
+    if window is not None:
+        cfg = cfg.replace(sliding_window=window)
+    model = FlintModel(cfg, random_weights(cfg))
+    for max_batch, max_len in ((1, 1), (1, 8), (3, 17), (4, 64), (2, 100)):
+        kv = model.new_kv_cache(max_batch, max_len)
+        allocated = sum(t.nbytes for t in kv)
+        assert [tuple(t.shape) for t in kv] == kv_cache_shapes(cfg, max_batch, max_len)
+        assert kv_cache_bytes(cfg, max_batch, max_len) == allocated
+        rings = sum(t.nbytes for i, t in enumerate(kv) if cfg.is_sliding_layer(i // 2))
+        assert kv_cache_bytes(cfg, max_batch, max_len, sliding_only=True) == rings
+        monkeypatch.setattr(device, "available_memory_bytes", lambda: allocated)
+        _check_caches_fit(cfg, max_batch, max_len, "cpu")
+        monkeypatch.setattr(device, "available_memory_bytes", lambda: allocated - 1)
+        with pytest.raises(InputError, match=rf"^--max-batch {max_batch} x --max-model-len {max_len}: "):
+            _check_caches_fit(cfg, max_batch, max_len, "cpu")
+        opts = BuildOptions(max_batch=max_batch, max_model_len=max_len, prefill_chunk=4)
+        plan = _kv_layout(cfg, opts)  # the compiled runner: new_kv_cache(max_batch, cache_rows)
+        kv = model.new_kv_cache(max_batch, opts.cache_rows)
+        assert plan["bytes"] == sum(t.nbytes for t in kv) == kv_cache_bytes(cfg, max_batch, opts.cache_rows)
+        assert [s for layer in plan["layers"] for s in (layer["shape_k"], layer["shape_v"])] == \
+            [list(t.shape) for t in kv]
+        assert [layer["bytes"] for layer in plan["layers"]] == \
+            [kv[2 * i].nbytes + kv[2 * i + 1].nbytes for i in range(cfg.num_hidden_layers)]
