@@ -59,6 +59,7 @@ uses none of them takes exactly the path above, at the same cost):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import numbers
@@ -248,6 +249,23 @@ class SamplingParams:
         if self.bad_words is None or self.bad_words_token_ids is not None:
             return self
         return dataclasses.replace(self, bad_words_token_ids=bad_words_to_token_ids(self.bad_words, tokenizer))
+
+    def with_max_tokens(self, max_tokens: int) -> "SamplingParams":
+        """These params with `max_tokens` instead of their own, which must be at most
+        `max_tokens`: every check these params passed still holds (min_tokens <=
+        max_tokens is the one that reads it). A copy with that field set, not a new
+        SamplingParams: `__post_init__` would walk allowed_token_ids and the bad words'
+        ids again, once per prompt of a /v1/completions request of many prompts whose
+        max_tokens differ ("max_tokens": null gives each the rest of its context).
+
+        Raises:
+            ValueError: `max_tokens` below these params' own.
+        """
+        if max_tokens < self.max_tokens:
+            raise ValueError(f"max_tokens {max_tokens} is below these params' {self.max_tokens}")
+        out = copy.copy(self)
+        object.__setattr__(out, "max_tokens", max_tokens)  # frozen dataclass
+        return out
 
     def make_generator(self, device: torch.device | str) -> torch.Generator:
         g = torch.Generator(device=device)

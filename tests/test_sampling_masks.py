@@ -8,6 +8,7 @@ validation, and generation on the tiny model (the reference runner, and
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -299,3 +300,17 @@ def test_compiled_model_generate_converts_bad_words(tiny):
     r2 = m.generate([[1, 2, 3]], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
                                                  bad_words=[word])])
     assert r2.output_ids == r.output_ids
+
+
+def test_with_max_tokens_copies_one_field():
+    """`with_max_tokens` (a /v1/completions request whose prompts get different
+    max_tokens) changes max_tokens alone, shares the walked lists, and refuses a smaller
+    value (min_tokens was checked against the params' own)."""
+    p = SamplingParams(max_tokens=4, min_tokens=3, allowed_token_ids=[5, 1, 5], seed=7)
+    q = p.with_max_tokens(9)
+    assert q.max_tokens == 9 and p.max_tokens == 4
+    assert q == dataclasses.replace(p, max_tokens=9)
+    assert q.allowed_token_ids is p.allowed_token_ids
+    assert p.with_max_tokens(4) == p
+    with pytest.raises(ValueError, match="below"):
+        p.with_max_tokens(3)

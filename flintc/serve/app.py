@@ -55,7 +55,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import copy
 import email.message
 import hmac
 import json
@@ -668,7 +667,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         thread: a request of 200,000 words held the event loop, and every other client,
         for seconds per choice. They are built, and checked, once per choice at the
         smallest max_tokens (min_tokens over it is the 400); prompts with another
-        max_tokens get copies (`_with_max_tokens`), not a new walk of the lists per
+        max_tokens get copies (`SamplingParams.with_max_tokens`), not a new walk of the lists per
         prompt. Prompts of one max_tokens share their objects. Raises APIError(400)
         naming the field."""
         # the fields the request sets; the others keep SamplingParams' defaults (Flint's)
@@ -689,7 +688,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             by_value = {least: first}
             for m in max_tokens:
                 if m not in by_value:
-                    by_value[m] = [_with_max_tokens(p, m) for p in first]
+                    by_value[m] = [p.with_max_tokens(m) for p in first]
             return [by_value[m] for m in max_tokens]
 
         try:
@@ -1259,19 +1258,6 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
 # --------------------------------------------------------------------------------------
 # Request helpers
-
-
-def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    """`params` with ``max_tokens`` instead of its own, which must be at most
-    ``max_tokens`` (then every check `params` passed still holds: min_tokens <=
-    max_tokens is the one that reads it). A copy, not a new SamplingParams:
-    ``__post_init__`` walks allowed_token_ids and the bad words' ids again, once per
-    prompt of a request of many. Raises ValueError for a smaller ``max_tokens``."""
-    if max_tokens < params.max_tokens:
-        raise ValueError(f"max_tokens {max_tokens} is below the checked params' {params.max_tokens}")
-    out = copy.copy(params)
-    object.__setattr__(out, "max_tokens", max_tokens)  # frozen dataclass
-    return out
 
 
 def _check_tools(tools: list[dict] | None) -> list[dict] | None:
