@@ -26,6 +26,18 @@ def json_type(value) -> str:
     return next((n for t, n in names.items() if isinstance(value, t)), type(value).__name__)
 
 
+def listing(items, limit: int, sep: str = ", ", more: str = " (and {} more)") -> str:
+    """The first `limit` of `items` (each `str()`-ed), joined with `sep`, then `more` with
+    how many were left off in place of its `{}` when any were: the one way a message
+    lists a few of many ("a, b, c (and 2 more)"). Takes any sequence (or iterable) and a
+    `limit` of 0 or more; returns "" for no items. Raises ValueError for a negative `limit`."""
+    if limit < 0:
+        raise ValueError(f"limit must be 0 or more, got {limit}")
+    items = list(items)
+    shown = sep.join(str(i) for i in items[:limit])
+    return shown + (more.format(len(items) - limit) if len(items) > limit else "")
+
+
 class FlintcError(Exception):
     """A user-facing error: one line naming the file, tensor or field at fault."""
 

@@ -566,8 +566,9 @@ def would_delete(foreign: list[str], what: str, listed: int = 3) -> str:
     whole while it holds `foreign` entries it does not write: the first `listed`, how
     many more, and what to do (`flintc.runtime.build.check_out_replaceable`,
     `flintc.cli.dump.check_dump_out`)."""
-    more = f" (and {len(foreign) - listed} more)" if len(foreign) > listed else ""
-    return (f"{', '.join(foreign[:listed])}{more}, which a {what} does not write and would delete with the old "
+    from flintc.errors import listing
+
+    return (f"{listing(foreign, listed)}, which a {what} does not write and would delete with the old "
             f"{'build' if what == 'compile' else what} (it replaces the folder whole); move "
             f"{'it' if len(foreign) == 1 else 'them'} out or choose another --out")
 

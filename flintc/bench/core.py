@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from flintc.errors import InputError
+from flintc.errors import InputError, listing
 from flintc.fileio import write_text_atomic
 
 TARGET_COMPILE_POINTS = ((1, 1024), (1, 100000), (8, 1024))
@@ -421,7 +421,7 @@ def _check_build_globs(o: BenchOptions) -> None:
         found = ", ".join(f"{n} ({f or 'unreadable build.json'})" for n, f in formats.items())
         what = f"matches no {' or '.join(o.formats)} build in {root} (it matches: {found})"
     else:
-        there = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"
+        there = listing(names, 8, more=" and {} more") or "none"
         what = f"matches no build in {root} (builds there: {there})"
     why = ("--no-compile is given" if not o.compile_missing else
            f"a missing build is compiled only under a name a pattern matches ({', '.join(compiled)})")
@@ -573,7 +573,7 @@ def flintc_unmeasured(o: BenchOptions, results: dict) -> str | None:
              for b in results.get("unusable_builds") or []]
     parts = [f"not used: {p}" for p in parts]
     skipped = [n for n in results.get("notes", []) if "not measured" in n or "skipped" in n]
-    parts += skipped[:3] + ([f"{len(skipped) - 3} more points skipped"] if len(skipped) > 3 else [])
+    parts += [listing(skipped, 3, "; ", "; {} more points skipped")] if skipped else []
     return "; ".join(parts) or "see the notes"
 
 

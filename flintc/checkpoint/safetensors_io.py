@@ -36,7 +36,7 @@ from flintc.fileio import naming_write_errors, signals_kept
 from tqdm import tqdm
 
 from flintc.config import FlintConfig
-from flintc.errors import CheckpointError
+from flintc.errors import CheckpointError, listing
 from flintc.model.weights import TensorSpec, WeightDict, check_weights, weight_specs
 from flintc.quant.nvfp4 import NVFP4Tensor
 
@@ -414,8 +414,7 @@ def check_finite(t: torch.Tensor, source: str | os.PathLike, name: str) -> None:
 
 def problems_message(source: str | os.PathLike, problems: list[str]) -> str:
     """One line: `source`, then the first MAX_PROBLEMS problems and how many more."""
-    more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
-    return f"{source}: " + "; ".join(problems[:MAX_PROBLEMS]) + more
+    return f"{source}: " + listing(problems, MAX_PROBLEMS, "; ")
 
 
 def one_line(exc: BaseException) -> str:

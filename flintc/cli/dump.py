@@ -7,9 +7,11 @@ behind, or, when the signal came during that final swap, the complete dumps (sai
 stderr). A pass that fails its checks (a missed numeric expectation, an illegal graph,
 its own verify: `check_failures`) is what the dumps are for: the dumps of the passes
 that ran, the failed pass's output graph last, are moved into --out, their index.md and
-report.json naming the failed pass and why, and the command exits 2 with its error line
-and one more saying where the dumps are. An existing --out is replaced only when it is
-empty or a previous dump output, a partial one included."""
+report.json naming the failed pass and why, and the command prints the per-pass table of
+the passes that ran (the failed one last, FAILED in its `ok` column) as it does on
+success, then exits 2 with its error line and one more saying where the dumps are. An
+existing --out is replaced only when it is empty or a previous dump output, a partial
+one included."""
 
 from __future__ import annotations
 
@@ -92,7 +94,12 @@ def run_dump(args: argparse.Namespace) -> int:
                                          options=pass_options(args))
                 tables.append((target.note, out / sub if sub else out, format_table(report)))
         except check_failures() as exc:
-            _publish_partial(exc, tmp, out, args.step, [t.note for t in targets], failed=len(tables))
+            kept = _publish_partial(exc, tmp, out, args.step, [t.note for t in targets], failed=len(tables))
+            report = getattr(exc, "report", None)  # none when the captured graph failed its legality check
+            if report is not None and report.stages:
+                sub = target_subfolder(len(tables), len(targets))
+                tables.append((targets[len(tables)].note, out / sub if sub else out, format_table(report)))
+            _print_tables(args.step, tables, kept)
             raise
         move_into_place(tmp, out, log=lambda msg: print(msg, file=sys.stderr))  # an interrupt in it: said
     except BaseException as exc:
@@ -101,10 +108,19 @@ def run_dump(args: argparse.Namespace) -> int:
         if renamed is not None:
             raise renamed from exc
         raise
-    for note, where, table in tables:
-        print(f"== {args.step} -- {note} -> {where}")
-        print(table)
+    _print_tables(args.step, tables)
     return 0
+
+
+def _print_tables(step: str, tables: list[tuple[str, Path, str]], kept: bool = True) -> None:
+    """Print on stdout each target's header (`step`, its note and, when its dumps were
+    `kept`, the folder they are in) and per-pass table, `tables` holding (note, folder,
+    table) in order; then flush, so that the table comes before an error line printed on
+    stderr after it."""
+    for note, where, table in tables:
+        print(f"== {step} -- {note}" + (f" -> {where}" if kept else ""))
+        print(table)
+    sys.stdout.flush()
 
 
 def check_failures() -> tuple[type[BaseException], ...]:
@@ -120,7 +136,7 @@ def check_failures() -> tuple[type[BaseException], ...]:
 
 
 def _publish_partial(exc: BaseException, tmp: Path, out: Path, step: str, notes: list[str],
-                     failed: int) -> None:
+                     failed: int) -> bool:
     """Move the dumps written before the check failure `exc` (target `failed` of `notes`)
     from `tmp` into `out` and add a note to `exc` saying so. Every pipeline's own index.md
     and report.json already name its failed pass and why (`flintc.graph.dump`); with two
@@ -129,13 +145,14 @@ def _publish_partial(exc: BaseException, tmp: Path, out: Path, step: str, notes:
     is published when no pipeline got to write its index (a capture that failed its
     legality check), nor when the move fails with an OSError (a full disk): `exc` is what
     to tell, and the note says the dumps were lost. An interrupt goes on up (`out`, when
-    the signal came during the swap, is the partial dumps, said on stderr)."""
+    the signal came during the swap, is the partial dumps, said on stderr). Returns whether
+    the dumps were moved into `out`."""
     from flintc.fileio import move_into_place, write_texts_atomic
     from flintc.graph.dump import is_dump_output
 
     subs = [target_subfolder(i, len(notes)) for i in range(len(notes))]
     if not any(is_dump_output(tmp / sub) for sub in subs):
-        return
+        return False
     where = f"{out}/index.md"
     try:
         if len(notes) > 1:
@@ -148,8 +165,9 @@ def _publish_partial(exc: BaseException, tmp: Path, out: Path, step: str, notes:
 
         os_exc = final_output_error(os_exc, tmp, out) or os_exc  # names --out, not the hidden folder
         exc.add_note(f"the dumps up to the failed check could not be kept ({os_exc}); none written")
-        return
+        return False
     exc.add_note(f"the dumps of the passes that ran, the failed one last, are in {out} (see {where})")
+    return True
 
 
 def _partial_summary(exc, tmp: Path, step: str, subs: list[str], notes: list[str],

@@ -202,7 +202,12 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
 
 
 def format_table(report) -> str:
-    """The per-pass table: one row per stage."""
+    """The per-pass table of a `PipelineReport`: a header, a rule, then one row per stage.
+    A failed stage (the last: the pipeline stops there) says so in its `ok` column, with
+    what failed: "FAILED (numeric check)" (a missed expectation, `max_abs` and the
+    columns after it filled in), "FAILED (legality check)" or "FAILED (verify)" (its
+    `StageReport.error`, the numeric columns "-"). Returns the lines joined, no newline
+    at the end."""
     head = ("#", "pass", "stage", "nodes", "kernels/fwd", "dense", "moe", "expected", "ok",
             "max_abs", "max_rel", "differing", "experts")
     rows = [head]
@@ -211,7 +216,7 @@ def format_table(report) -> str:
         rows.append((
             str(s.index), s.name, s.stage, str(s.nodes), str(s.kernels.per_forward),
             str(s.kernels.per_kind.get("dense", "-")), str(s.kernels.per_kind.get("moe", "-")),
-            c.expected if c else "-", ("yes" if c.passed else "NO") if c else ("NO" if s.error else "-"),
+            c.expected if c else "-", _ok_cell(s),
             f"{c.max_abs:.3g}" if c else "-", f"{c.max_rel:.3g}" if c else "-",
             f"{c.share_differing:.2%}" if c else "-",
             f"{c.experts_agree:.1%}" if c and c.experts_agree is not None else "-",
@@ -220,3 +225,13 @@ def format_table(report) -> str:
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _ok_cell(stage) -> str:
+    """The `ok` column of `format_table`: yes, "-" (not checked), or FAILED and what failed."""
+    if stage.error:
+        what = stage.error.split(":", 1)[0].removesuffix(" failed")  # "legality check failed: ..."
+        return f"FAILED ({what})"
+    if stage.check is None:
+        return "-"
+    return "yes" if stage.check.passed else "FAILED (numeric check)"

@@ -29,7 +29,11 @@ STAGES = ("captured", "fused", "lowered")
 
 
 class GraphLegalityError(FlintcError):
-    """A graph breaks an invariant of its stage; the message names the node."""
+    """A graph breaks an invariant of its stage; the message names the node. `report`:
+    the pipeline's report up to the failed stage, last, when `PassManager.run` raised it
+    after a pass (None otherwise: the captured graph's own check, a direct `check_graph`)."""
+
+    report = None
 
 
 def describe(node: Node) -> str:

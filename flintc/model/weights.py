@@ -100,7 +100,7 @@ def check_weights(config: FlintConfig, weights: WeightDict, source: str = "<weig
         CheckpointError: listing the first few missing, unexpected or mis-shaped
             tensors, naming `source`.
     """
-    from flintc.errors import CheckpointError
+    from flintc.errors import CheckpointError, listing
 
     specs = {s.name: s for s in weight_specs(config)}
     problems: list[str] = []
@@ -126,5 +126,4 @@ def check_weights(config: FlintConfig, weights: WeightDict, source: str = "<weig
             problems.append(f"{name}: expected {spec.kind}, found {found}")
     if problems:
         problems.sort()
-        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
-        raise CheckpointError(f"{source}: " + "; ".join(problems[:4]) + more)
+        raise CheckpointError(f"{source}: " + listing(problems, 4, "; "))

@@ -22,7 +22,11 @@ from flintc.graph.compare import BIT_EXACT, Expectation
 
 
 class PassVerifyError(FlintcError):
-    """A pass's post-condition does not hold on its output graph."""
+    """A pass's post-condition does not hold on its output graph. `report`: the
+    pipeline's report up to the failed stage, last, when `PassManager.run` raised it
+    (None otherwise)."""
+
+    report = None
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,9 @@ class PassManager:
             GraphLegalityError / PassVerifyError: a pass left an illegal graph (the message
                 names the passes disabled, when some were: a later pass or stage needs
                 their output). The pass's stage is in the dumps first, failed, with the
-                error (`StageReport.error`).
+                error (`StageReport.error`), and the report so far is the error's
+                `report` (as PassCheckError's; a captured graph that fails its legality
+                check has none).
             PassCheckError: a pass missed its numerical expectation, or the captured graph
                 fails its check against itself before any pass runs (NaN in its outputs).
         """
@@ -202,6 +204,7 @@ class PassManager:
                 what = "legality check failed" if isinstance(exc, GraphLegalityError) else "verify failed"
                 report.stages.append(StageReport(i, p.name, p.stage, _num_nodes(gm), count_kernels(gm, cfg),
                                                  None, result, time.perf_counter() - t0, error=f"{what}: {error}"))
+                error.report = report  # the table of the passes that ran (`flintc dump`)
                 try:
                     self._dump(gm, report)
                 except Exception as dump_exc:  # the pass's error is the one to tell

@@ -1558,6 +1558,24 @@ def test_from_json_checks_the_unusable_builds(tmp_path, capsys):
         assert err.count("\n") == 1 and not (tmp_path / "o").exists()
 
 
+def test_no_flintc_point_names_the_unusable_builds_and_the_first_skipped_points():
+    """`flintc_unmeasured`: the builds not used, then the first three notes of points
+    skipped or not measured and how many more (`flintc.errors.listing`)."""
+    from types import SimpleNamespace
+
+    from flintc.bench.core import flintc_unmeasured
+
+    o = SimpleNamespace(run_flintc=True, contexts=[64], batches=[1], prefill=[])
+    notes = [f"b{i}: not measured" for i in range(5)] + ["an unrelated note"]
+    assert flintc_unmeasured(o, {"notes": notes[:3]}) == "b0: not measured; b1: not measured; b2: not measured"
+    assert flintc_unmeasured(o, {"notes": notes}) == \
+        "b0: not measured; b1: not measured; b2: not measured; 2 more points skipped"
+    assert flintc_unmeasured(o, {"unusable_builds": [{"path": "p", "why": "bad"}], "notes": notes[:1]}) == \
+        "not used: p: bad; b0: not measured"
+    assert flintc_unmeasured(o, {"notes": notes[5:]}) == "see the notes"
+    assert flintc_unmeasured(o, {"decode": [{"engine": "flintc"}]}) is None
+
+
 def test_exit_status_does_not_resolve_the_options_again_after_the_run(cpu_run, tmp_path, capsys, monkeypatch):
     """The exit status (`flintc_unmeasured`) resolved the options a second time after the
     run: a check of the machine's state then (the free memory, a MODEL or --builds

@@ -5,6 +5,7 @@ nothing is left, as before."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -48,6 +49,21 @@ def assert_error_and_note(code, err, out, *needles):
                         f"(see {out}/index.md)"), err
 
 
+def printed_tables(stdout):
+    """The per-pass tables `flintc dump` printed: [(header line, [row cells, ...]), ...],
+    each row's cells split on the runs of 2+ spaces between the columns (none is empty)."""
+    tables = []
+    for line in stdout.splitlines():
+        if line.startswith("== "):
+            tables.append((line, []))
+        elif line and not line.startswith("#") and set(line) != {"-", " "}:  # not the column names, nor the rule
+            tables[-1][1].append(re.split(r" {2,}", line))
+    return tables
+
+
+OK, MAX_ABS = 8, 9  # the columns of `format_table`: ok, then max_abs
+
+
 def test_failed_numeric_check_keeps_the_dumps_up_to_the_failed_pass(capsys, monkeypatch, tmp_path):
     """Regression: a pass that missed its numeric expectation made `flintc dump` remove its
     temporary folder, the dumps of that pass and of those before it, the ones needed to see
@@ -60,7 +76,7 @@ def test_failed_numeric_check_keeps_the_dumps_up_to_the_failed_pass(capsys, monk
         break_after(m, SiLUMulFusionPass, drop_residual_add)
         code, stdout, err = run_cli(capsys, "dump", "--out", out, *ARGS)
     assert_error_and_note(code, err, out, "pass 'fuse_silu_mul' missed its expectation (bit-exact)")
-    assert stdout == "" and [p.name for p in tmp_path.iterdir()] == ["d"]  # no temporary folder left
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]  # no temporary folder left
     names = {p.name for p in out.iterdir()}
     for prefix in ("00-captured", "01-canonicalize", "02-fuse_rms_norm", "03-fuse_silu_mul"):
         assert {f"{prefix}.py", f"{prefix}.onnx", f"{prefix}.summary.svg"} <= names, names
@@ -75,6 +91,13 @@ def test_failed_numeric_check_keeps_the_dumps_up_to_the_failed_pass(capsys, monk
     index = (out / "index.md").read_text()
     assert f"\nPass 3 'fuse_silu_mul' {failed['reason']}\n" in index
     assert index.rstrip().endswith("Overall: **FAILED**.")
+    # the per-pass table of the passes that ran, as on success (it was not printed), the failed one last
+    [(head, rows)] = printed_tables(stdout)
+    assert head.startswith("== decode -- random weights") and head.endswith(f" -> {out}"), stdout
+    assert [r[:2] for r in rows] == [["0", "captured"], ["1", "canonicalize"], ["2", "fuse_rms_norm"],
+                                     ["3", "fuse_silu_mul"]], stdout
+    assert [r[OK] for r in rows] == ["yes", "yes", "yes", "FAILED (numeric check)"], stdout
+    assert rows[-1][OK - 1] == "bit-exact" and rows[-1][MAX_ABS] == f"{report['stages'][-1]['check']['max_abs']:.3g}"
 
     code, stdout, err = run_cli(capsys, "dump", "--out", out, *ARGS)  # a partial dump is an earlier dump
     assert code == 0 and err == "", err
@@ -110,7 +133,21 @@ def test_two_targets_keep_the_dumps_up_to_the_failed_one(capsys, monkeypatch, tm
             args, pass_name, needle = ARGS, "fuse_silu_mul", "missed its expectation"
         code, stdout, err = run_cli(capsys, "dump", "--out", out, *args)
     assert_error_and_note(code, err, out, needle)
-    assert stdout == "" and [p.name for p in tmp_path.iterdir()] == ["d"]
+    assert [p.name for p in tmp_path.iterdir()] == ["d"]
+    # the tables of the targets that ran: counts/ complete before numerics/ failed; the failed one
+    # up to its failed pass (a legality failure: no numeric columns; counts/ has no check model)
+    tables = printed_tables(stdout)
+    assert [head for head, _ in tables] == [f"== decode -- {t} -> {out / t}" for t in
+                                            ["counts", *(["numerics"] if failing == "numerics" else [])]], stdout
+    *complete, (_, rows) = tables
+    for _, done in complete:
+        assert done[-1][1] == "mark_pdl" and {r[OK] for r in done} == {"-"}, stdout
+    assert rows[-1][1] == pass_name and [r[0] for r in rows] == [str(i) for i in range(len(rows))], stdout
+    if failing == "counts":
+        assert rows[-1][OK:] == ["FAILED (legality check)", "-", "-", "-", "-"], stdout
+        assert {r[OK] for r in rows[:-1]} == {"-"}, stdout
+    else:
+        assert rows[-1][OK] == "FAILED (numeric check)" and {r[OK] for r in rows[:-1]} == {"yes"}, stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["index.md", "report.json", "counts", *(["numerics"] if failing == "numerics" else [])])
     report = json.loads((out / "report.json").read_text())

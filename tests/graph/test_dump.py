@@ -227,11 +227,18 @@ def test_dump_records_a_pass_that_fails_its_legality_check_or_verify(tiny_model,
         def run(self, gm):
             return PassResult()
 
-    with pytest.raises(error):
+    with pytest.raises(error) as info:
         run_pipeline(tiny_model, captures["decode"], tmp_path, [Identity, failing], check=False)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["passed"] is False
     assert [s["name"] for s in data["stages"]] == ["captured", "identity", failing.name]
+    # the error carries the report so far, as PassCheckError does: `flintc dump` prints its table
+    from flintc.cli.graphs import format_table
+
+    assert [s.name for s in info.value.report.stages] == ["captured", "identity", failing.name]
+    *_, before, last = format_table(info.value.report).splitlines()
+    cell = "FAILED (legality check)" if error is GraphLegalityError else "FAILED (verify)"
+    assert "FAILED" not in before and f"  {cell}  " in last, last
     assert [s["error"] is None for s in data["stages"]] == [True, True, False]
     assert data["stages"][2]["error"].startswith(what), data["stages"][2]["error"]
     index = (tmp_path / "index.md").read_text()
