@@ -537,10 +537,12 @@ def checkpoint_or_build_problem(path: str | os.PathLike) -> str | None:
     own dumps ...", "is the checkpoint folder /abs/ckpt (it holds config.json,
     model.safetensors), ...". The one check of `flintc dump --out` and `$FLINTC_DUMP_DIR`
     (`dump_dir_from_env`)."""
+    from flintc.errors import listing
+
     given = Path(path).resolve()
     found = foreign_files(given) if given.is_dir() else []
     if "config.json" in found and "build.json" not in found and len(found) > 1:
-        return (f"is the checkpoint folder {given} (it holds {', '.join(found[:3])}), whose files the "
+        return (f"is the checkpoint folder {given} (it holds {listing(found, 3)}), whose files the "
                 "dumps would mix with")
     folder = enclosing_build(given)
     if folder is not None:

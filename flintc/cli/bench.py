@@ -18,7 +18,7 @@ import sys
 from glob import escape as glob_escape
 from pathlib import Path
 
-from flintc.errors import InputError, json_type
+from flintc.errors import InputError, json_type, listing
 
 
 def _items(text: str, flag: str, expected: str) -> list[str]:
@@ -326,7 +326,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
 
         foreign = foreign_files(Path(args.out))
         if foreign:
-            raise InputError(f"--out {args.out}: holds {', '.join(foreign[:3])} (a checkpoint or a build); "
+            raise InputError(f"--out {args.out}: holds {listing(foreign, 3)} (a checkpoint or a build); "
                              "refusing to write bench.json, bench.md and the plots into it, choose "
                              "another --out")
     if args.builds is not None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from flintc.cli.graphs import (add_model_args, build_targets, check_pass_flags, format_table, pass_options,
                                target_subfolder)
-from flintc.errors import InputError
+from flintc.errors import InputError, listing
 
 
 def add_parser(sub) -> None:
@@ -62,7 +62,7 @@ def check_dump_out(out: str | Path) -> None:
         raise InputError(f"--out {out}: exists and is not a folder")
     foreign = foreign_files(out)  # a lone config.json or .gguf, no checkpoint: still not to be replaced
     if foreign:
-        raise InputError(f"--out {out}: holds {', '.join(foreign[:3])} (a checkpoint or a build); "
+        raise InputError(f"--out {out}: holds {listing(foreign, 3)} (a checkpoint or a build); "
                          "refusing to write dumps into it, choose another --out")
     if any(out.iterdir()) and not is_dump_output(out):
         raise InputError(f"--out {out}: not empty and not the output of an earlier flintc dump "

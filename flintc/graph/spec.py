@@ -21,7 +21,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from flintc.errors import FlintcError
+from flintc.errors import FlintcError, listing
 from flintc.graph.accounting import FREE_OPS
 from flintc.graph.match import namespace, op_name
 
@@ -89,8 +89,9 @@ def check_graph(gm: GraphModule, stage: str, placeholders: list[str] | None = No
     if placeholders is not None and names != list(placeholders):
         missing = sorted(set(placeholders) - set(names))
         extra = sorted(set(names) - set(placeholders))
-        raise GraphLegalityError(
-            f"{ctx}: placeholders changed (missing {missing[:3]}, new {extra[:3]})")
+        what = (f"missing {listing(missing, 3) or 'none'}, new {listing(extra, 3) or 'none'}"
+                if missing or extra else "the same names in another order")
+        raise GraphLegalityError(f"{ctx}: placeholders changed ({what})")
     caches = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith(("k_cache_", "v_cache_"))}
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function", "output", "get_attr"):
