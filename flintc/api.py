@@ -71,6 +71,9 @@ class CompiledModel:
                 bad_words, ...). bad_words become token ids with this model's
                 tokenizer (`SamplingParams.with_tokenizer`, vLLM's
                 update_from_tokenizer); without a tokenizer, give bad_words_token_ids.
+                structured_outputs (a `flintc.sampling.StructuredOutputsParams`, or a
+                dict of its fields: json, regex, choice, grammar, json_object) needs
+                the tokenizer.
             on_token: called as on_token(prompt_index, token_id) (the index into
                 prompts, whatever batch the prompt runs in).
 
@@ -111,7 +114,7 @@ class CompiledModel:
                       params.with_tokenizer(self.tokenizer) if isinstance(params, SamplingParams) else params)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         r = generate_with_runner(self.runner, ids, params, eos_token_id=eos, on_token=on_token,
-                                 return_prompt_logits=return_prompt_logits)
+                                 return_prompt_logits=return_prompt_logits, tokenizer=self.tokenizer)
         out = CompiledGeneration(**r.__dict__)
         if self.tokenizer is not None:
             out.texts = [self.tokenizer.decode(r.text_ids(i)) for i in range(len(r.output_ids))]

@@ -50,6 +50,11 @@ uses none of them takes exactly the path above, at the same cost):
   tokens) and `flintc.serve.engine.Engine.submit`. Without a tokenizer (the reference
   `generate`, `generate_with_runner`), give `bad_words_token_ids` instead; `bad_words`
   left unconverted there is an InputError.
+- Structured outputs (`structured_outputs`, a `StructuredOutputsParams`: vLLM's, on
+  llguidance as vLLM's "guidance" backend; `flintc.structured`): the grammar's mask, the
+  first of the masks (every token the sequence's grammar does not allow next gets -inf),
+  from the row's `TokenHistory.grammar` (a `flintc.structured.GrammarMatcher` the
+  callers make with the tokenizer and feed each token).
 - After temperature, before top-k: `min_p` drops the tokens whose probability is below
   min_p times the top token's (decided on exp(x - max x) >= min_p in fp64, so equal
   logits are kept or dropped together). Rows with min_p > 0 take the torch path (the
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
 import numbers
 import os
@@ -90,6 +96,130 @@ def sampler_backend() -> str:
     from flintc.kernels.tuning import env_choice
 
     return env_choice("FLINTC_SAMPLER", ("torch", "triton"), DEFAULT_SAMPLER)
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrained decoding: the output must match one grammar. vLLM's
+    `vllm.sampling_params.StructuredOutputsParams` (its fields and rules), run on
+    llguidance as vLLM's "guidance" backend (`flintc.structured`).
+
+    Exactly one of:
+    json: a JSON schema (a dict, or its JSON text; kept as JSON text, key order kept):
+        the output is one JSON value the schema accepts (llguidance's JSON schema subset:
+        https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md).
+    regex: a regular expression (Rust regex syntax) the whole output matches.
+    choice: a list of strings (kept as a tuple); the output is one of them.
+    grammar: a context-free grammar in Lark syntax as llguidance reads it (its
+        extensions included: https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md;
+        a GBNF grammar, llama.cpp's, is converted), start rule `start`.
+    json_object: True: the output is any JSON object (the schema {"type": "object"}; the
+        OpenAI response_format {"type": "json_object"}).
+    And, for json / json_object (vLLM's options):
+    disable_any_whitespace: no whitespace between JSON tokens (default: flexible
+        whitespace, as vLLM's guidance backend).
+    disable_additional_properties: object schemas that do not say otherwise get
+        "additionalProperties": false (vLLM's option).
+    whitespace_pattern: the regex of the whitespace allowed between JSON tokens
+        (vLLM's guided_whitespace_pattern), None for the default.
+    disable_fallback: accepted (vLLM's); no effect: there is no other backend to fall to.
+
+    Raises:
+        InputError: none or several kinds given ("You can only use one kind of structured
+            outputs constraint", as vLLM), a value of the wrong type, an empty choice, or
+            a schema / regex / grammar llguidance refuses: "structured_outputs field
+            '<kind>': <llguidance's message>".
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        def fail(field: str, msg: str):
+            raise InputError(f"structured_outputs field '{field}': {msg}")
+
+        if self.json is not None:
+            js = self.json
+            if not isinstance(js, str):
+                if not isinstance(js, dict):
+                    fail("json", f"expected a JSON schema (an object, or its JSON text), got {type(js).__name__}")
+                try:
+                    js = json.dumps(js)
+                except (TypeError, ValueError) as exc:
+                    fail("json", f"the schema is not JSON data: {exc}")
+            else:
+                try:
+                    parsed = json.loads(js)
+                except ValueError as exc:
+                    fail("json", f"not valid JSON: {exc}")
+                if not isinstance(parsed, (dict, bool)):
+                    fail("json", f"a JSON schema must be an object, got {type(parsed).__name__}")
+            object.__setattr__(self, "json", js)
+        if self.choice is not None:
+            ch = self.choice
+            if isinstance(ch, (str, bytes)) or not hasattr(ch, "__iter__"):
+                fail("choice", f"expected a list of strings, got {type(ch).__name__}")
+            ch = tuple(ch)
+            if not ch:
+                fail("choice", "must not be empty")
+            bad = [c for c in ch if not isinstance(c, str)]
+            if bad:
+                fail("choice", f"expected strings, got {bad[0]!r}")
+            object.__setattr__(self, "choice", ch)
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                fail(name, f"expected a string, got {type(v).__name__}")
+        for name in ("json_object", "disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+            v = bool_or_self(getattr(self, name))
+            if v is None and name == "json_object":
+                v = False
+            if not isinstance(v, bool):
+                fail(name, f"expected true or false, got {v!r}")
+            object.__setattr__(self, name, v)
+        given = [k for k in _STRUCTURED_KINDS if (getattr(self, k) if k == "json_object" else
+                                                   getattr(self, k) is not None)]
+        if len(given) > 1:
+            raise InputError(f"You can only use one kind of structured outputs constraint but multiple are "
+                             f"specified: {', '.join(given)}")
+        if not given:
+            raise InputError(f"structured_outputs: give one of {', '.join(_STRUCTURED_KINDS)}")
+        from flintc.structured import check_spec
+
+        check_spec(self)
+
+    @property
+    def kind(self) -> str:
+        """The constraint given: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in _STRUCTURED_KINDS if (getattr(self, k) if k == "json_object"
+                                                      else getattr(self, k) is not None))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StructuredOutputsParams":
+        """From vLLM's `structured_outputs` request object (its field names).
+
+        Raises:
+            InputError: not a dict, or a field this class does not take (structural_tag
+                among them), named; and `__init__`'s.
+        """
+        if not isinstance(data, dict):
+            raise InputError(f"structured_outputs: expected an object, got {type(data).__name__}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        extra = [k for k in data if k not in fields and data[k] is not None]
+        if extra:
+            raise InputError(f"structured_outputs field '{extra[0]}' is not supported (flintc takes "
+                             f"{', '.join(fields)})")
+        return cls(**{k: v for k, v in data.items() if k in fields and v is not None})
 
 
 @dataclass(frozen=True)
@@ -132,6 +262,11 @@ class SamplingParams:
         tuples, None when empty): a sequence's last id gets -inf whenever the generated
         tokens end with its other ids (a one-id sequence always). `with_tokenizer`
         makes them from `bad_words`; give them directly only without a tokenizer.
+    structured_outputs: a `StructuredOutputsParams` (or a dict of its fields), None for
+        none: the output must match its JSON schema, regex, choice or grammar (vLLM's
+        structured outputs; the module docstring). The callers that hold the tokenizer
+        make each sequence's `flintc.structured.GrammarMatcher` (`TokenHistory.grammar`)
+        and end the sequence with "stop" when the grammar is complete.
     A row whose masks leave no token (say allowed_token_ids all bad words) draws an
     unspecified token, as a row of NaN logits does.
     """
@@ -151,6 +286,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # NumPy scalars (np.float32(0.7), np.int64(20)) as the Python numbers they stand for
@@ -168,6 +304,12 @@ class SamplingParams:
         object.__setattr__(self, "allowed_token_ids", _normalise_allowed(self.allowed_token_ids))
         object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
         object.__setattr__(self, "bad_words_token_ids", _normalise_bad_ids(self.bad_words_token_ids))
+        if isinstance(self.structured_outputs, dict):
+            try:
+                spec = StructuredOutputsParams.from_dict(self.structured_outputs)
+            except InputError as exc:
+                raise InputError(f"sampling field 'structured_outputs': {exc}") from None
+            object.__setattr__(self, "structured_outputs", spec)
         self.validate()
 
     def validate(self) -> "SamplingParams":
@@ -217,6 +359,10 @@ class SamplingParams:
             if not ids or not all(_is_token_id(t) for t in ids):
                 raise InputError(f"sampling field 'bad_words_token_ids': each entry must be a non-empty "
                                  f"sequence of token ids (integers >= 0), got {ids!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise InputError(f"sampling field 'structured_outputs' must be a StructuredOutputsParams (or a dict "
+                             f"of its fields), got {type(so).__name__}")
         return self
 
     @property
@@ -230,12 +376,12 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether `adjust_logits` has work for this row (allowed_token_ids, bad words,
-        min_tokens, logit_bias or penalties): the rows whose sequences need a
-        `TokenHistory`."""
+        """Whether `adjust_logits` has work for this row (structured outputs,
+        allowed_token_ids, bad words, min_tokens, logit_bias or penalties): the rows whose
+        sequences need a `TokenHistory`."""
         return (self.has_penalties or self.logit_bias is not None or self.min_tokens > 0
                 or self.allowed_token_ids is not None or self.bad_words is not None
-                or self.bad_words_token_ids is not None)
+                or self.bad_words_token_ids is not None or self.structured_outputs is not None)
 
     def with_tokenizer(self, tokenizer) -> "SamplingParams":
         """These params with `bad_words_token_ids` made from `bad_words` by `tokenizer`
@@ -570,7 +716,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             greedy rows ignore theirs).
         history: None, or B entries: each row's `TokenHistory` (None for a row that
             needs none). Rows with penalties, min_tokens or bad words of several tokens
-            need theirs.
+            need theirs; rows with structured_outputs theirs with its `grammar`.
     Returns: int64 [B] on logits' device.
     Raises:
         ValueError: logits not [B, V] or lists of another length than B; a row with
@@ -714,9 +860,13 @@ class TokenHistory:
         output_ids: the generated ids so far (a list the caller appends to).
         stop_token_ids: ids that end the sequence (end-of-text included): masked while
             fewer than `min_tokens` tokens are generated, as vLLM masks them.
+        grammar: the sequence's `flintc.structured.GrammarMatcher`, for params with
+            structured_outputs (None otherwise); `adjust_logits` feeds it the tokens
+            appended since (`GrammarMatcher.advance`), then masks with it.
     """
 
-    def __init__(self, prompt_ids, output_ids: list[int] | None = None, stop_token_ids=()):
+    def __init__(self, prompt_ids, output_ids: list[int] | None = None, stop_token_ids=(), grammar=None):
+        self.grammar = grammar
         self.prompt_ids = list(prompt_ids)
         self.output_ids = output_ids if output_ids is not None else []
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
@@ -867,17 +1017,21 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
 
 def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
                   history: list[TokenHistory | None] | None) -> torch.Tensor:
-    """The logits `sample` draws from for rows with allowed_token_ids, bad words,
-    min_tokens, logit_bias or penalties, in vLLM v1's order: allowed_token_ids (every
-    other token to -inf), bad words (`bad_word_bans` to -inf), min_tokens (the row's
+    """The logits `sample` draws from for rows with structured outputs,
+    allowed_token_ids, bad words, min_tokens, logit_bias or penalties, in vLLM v1's
+    order: the grammar's mask (every token the row's `TokenHistory.grammar` does not allow
+    next to -inf), allowed_token_ids (every other token to -inf), bad words (`bad_word_bans` to -inf), min_tokens (the row's
     stop ids to -inf while its output is shorter), logit_bias (added), then
     `apply_penalties` (one batched call over the rows with penalties). Rows without any
     are left as they are. -> fp32 [B, V], a new tensor.
 
     Raises:
         ValueError: a row with penalties, min_tokens or bad words of two or more tokens
-            and no history; bad_words without their token ids (`with_tokenizer` not
-            called); an id outside the vocabulary.
+            and no history, or structured outputs and no history grammar; bad_words
+            without their token ids (`with_tokenizer` not called); an id outside the
+            vocabulary.
+        flintc.structured.StructuredOutputError: a grammar refused a token appended
+            since the last call.
     """
     x = logits.float()
     if x is logits:
@@ -893,6 +1047,13 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
 
     ninf = float("-inf")
     for b, p in enumerate(params):
+        if p.structured_outputs is not None:
+            g = history[b].grammar if history is not None and history[b] is not None else None
+            if g is None:
+                raise ValueError(f"sample(): row {b} has structured_outputs, which needs its TokenHistory with "
+                                 f"a grammar (TokenHistory(..., grammar=flintc.structured.GrammarMatcher(...)))")
+            g.advance(history[b].output_ids)
+            x[b].masked_fill_(~g.allowed(V, dev), ninf)
         if p.allowed_token_ids is not None:
             h = history[b] if history is not None else None
             ids = h.allowed(p, V, dev) if h is not None else _allowed_tensor(p.allowed_token_ids, V, dev)

@@ -59,6 +59,10 @@ def add_parser(sub) -> None:
                    help="generate at least this many tokens before <|endoftext|> may come")
     p.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
                    help="add BIAS (in [-100, 100]) to token ID's logit; repeat for more tokens")
+    p.add_argument("--structured-outputs", default=None, metavar="JSON",
+                   help="constrain the output (vLLM's structured outputs, on llguidance): a JSON object with "
+                        "one of json (a JSON schema), regex, choice (a list of strings), grammar (Lark) or "
+                        "json_object (true), e.g. '{\"choice\": [\"yes\", \"no\"]}'; needs the tokenizer")
     add_model_source_args(p)
     p.add_argument("--build", default=None, help="run this BUILD (from flintc compile)")
     p.add_argument("--backend", choices=("reference", "auto", "triton", "torch"), default=None,
@@ -76,6 +80,23 @@ def add_parser(sub) -> None:
                    help="save the fp32 logits of the prompt positions, [T, vocab_size], as .npy "
                         "(one prompt only)")
     p.set_defaults(func=run_generate)
+
+
+def parse_structured_outputs(text: str | None) -> dict | None:
+    """--structured-outputs JSON -> the dict of `StructuredOutputsParams` fields (checked
+    by SamplingParams). Raises InputError naming the flag for text that is not a JSON
+    object."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise InputError(f"--structured-outputs: not valid JSON ({exc}); expected an object such as "
+                         "'{\"regex\": \"[0-9]+\"}'") from None
+    if not isinstance(value, dict):
+        raise InputError(f"--structured-outputs: expected a JSON object (json, regex, choice, grammar or "
+                         f"json_object), got {json.dumps(value)[:80]}")
+    return value
 
 
 def parse_logit_bias(items: list[str] | None) -> dict[int, float] | None:
@@ -402,11 +423,13 @@ def run_generate(args: argparse.Namespace) -> int:
                                 presence_penalty=args.presence_penalty,
                                 frequency_penalty=args.frequency_penalty,
                                 repetition_penalty=args.repetition_penalty, min_p=args.min_p,
-                                min_tokens=args.min_tokens, logit_bias=parse_logit_bias(args.logit_bias))
+                                min_tokens=args.min_tokens, logit_bias=parse_logit_bias(args.logit_bias),
+                                structured_outputs=parse_structured_outputs(args.structured_outputs))
     except InputError as exc:  # name the flag the user typed, not only the field
         field = str(exc).split("'")[1] if str(exc).count("'") >= 2 else None
         if field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias"):
+                     "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
+                     "structured_outputs"):
             raise InputError(f"--{field.replace('_', '-')}: {exc}") from None
         raise
     id_prompts = [parse_prompt_ids(t) for t in args.prompt_ids or []]
@@ -424,13 +447,15 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _generate(args, params, id_prompts, cleanup) -> int:
     engine, tokenizer, texts = _runner_and_tokenizer(args, cleanup, params, id_prompts)
+    if params.structured_outputs is not None and tokenizer is None:
+        raise InputError("--structured-outputs needs the model's tokenizer (tokenizer.json beside the model)")
     given = {"prompt": texts, "prompt_ids": id_prompts}
     order = getattr(args, "prompt_order", None) or [(d, i) for d in given for i in range(len(given[d]))]
     prompts = [given[dest][i] for dest, i in order]  # as on the command line
     single = len(prompts) == 1
     stream = (_TextStream(tokenizer, None if args.ignore_eos or tokenizer is None else tokenizer.eos_token_id)
               if args.output == "text" and single else None)
-    kwargs = dict(eos_token_id=tokenizer.eos_token_id if tokenizer else None,
+    kwargs = dict(eos_token_id=tokenizer.eos_token_id if tokenizer else None, tokenizer=tokenizer,
                   return_prompt_logits=args.logits_out is not None,
                   on_token=(lambda b, t: stream.push(t)) if stream else None)
     from flintc.model.reference import FlintModel

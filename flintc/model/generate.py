@@ -35,15 +35,22 @@ class GenerationResult:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     step_logits: list[torch.Tensor] = field(default_factory=list)
-    # Per prompt: "stop" (end-of-text token) or "length" (max_tokens, or prompt +
-    # generated tokens reached max_model_len: vLLM's convention, as `flintc serve`'s).
+    # Per prompt: "stop" (end-of-text token, or a structured output's grammar complete)
+    # or "length" (max_tokens, or prompt + generated tokens reached max_model_len: vLLM's
+    # convention, as `flintc serve`'s).
     finish_reasons: list[str] = field(default_factory=list)
+    # Per prompt: whether output_ids end with the stop token the sequence stopped at (False
+    # for "length" and for a grammar that completed on its own last token); empty: every
+    # "stop" did
+    stopped_by_token: list[bool] = field(default_factory=list)
 
     def text_ids(self, i: int) -> list[int]:
         """The output ids of prompt `i` that its text is decoded from: without the
         end-of-text token it stopped at (finish reason "stop"), which vLLM and `flintc
         serve` leave out of the text too; output_ids keep it."""
         ids = self.output_ids[i]
+        if i < len(self.stopped_by_token):
+            return ids[:-1] if self.stopped_by_token[i] else ids
         return ids[:-1] if i < len(self.finish_reasons) and self.finish_reasons[i] == "stop" else ids
 
 
@@ -74,6 +81,7 @@ def generate(
     prefill_chunk: int = 512,
     max_model_len: int | None = None,
     max_batch: int | None = None,
+    tokenizer=None,
 ) -> GenerationResult:
     """Generate up to `params.max_tokens` tokens after each prompt.
 
@@ -87,11 +95,13 @@ def generate(
         max_batch: the most sequences decoded together (default: all the prompts);
             more prompts run in consecutive batches of max_batch, as
             `flintc.runtime.generate.generate_with_runner` runs them.
+        tokenizer: the model's FlintTokenizer, which params with structured_outputs need.
 
     Raises:
         InputError: no prompts, a prompt is empty, holds an out-of-range id, or has
             max_model_len tokens or more; max_model_len below 1 or above the model's
-            max_positions; max_batch not an int of at least 1.
+            max_positions; max_batch not an int of at least 1; structured_outputs
+            without a tokenizer.
     """
     from flintc.runtime.generate import generate_with_runner
     from flintc.runtime.runner import ReferenceRunner
@@ -115,4 +125,4 @@ def generate(
                              prefill_chunk=prefill_chunk)
     return generate_with_runner(runner, prompts, plist, eos_token_id=eos_token_id,
                                 return_prompt_logits=return_prompt_logits,
-                                keep_step_logits=keep_step_logits, on_token=on_token)
+                                keep_step_logits=keep_step_logits, on_token=on_token, tokenizer=tokenizer)

@@ -6,14 +6,18 @@ temperature 0, per-request seeds; and vLLM's penalties, min_p, min_tokens,
 logit_bias, allowed_token_ids and bad words, see `flintc.sampling`: a prompt whose
 params adjust the logits keeps a `TokenHistory` of its tokens for `sample`). There is
 no tokenizer here: bad words must come as token ids (`bad_words_token_ids`, or
-`SamplingParams.with_tokenizer` called before, as `flintc.api` does).
+`SamplingParams.with_tokenizer` called before, as `flintc.api` does). Structured outputs
+(`SamplingParams.structured_outputs`) need the tokenizer (`tokenizer=`): each such prompt
+gets a `flintc.structured.GrammarMatcher` in its TokenHistory, fed each token it
+generates, and stops with "stop" once its grammar is complete.
 
 Same result type and stopping rules as the reference loop (`flintc.model.generate`):
 a sequence stops at its end-of-text token (unless ignore_eos; never before min_tokens,
-which masks it until then), at max_tokens, or when
+which masks it until then), when its structured output's grammar is complete, at
+max_tokens, or when
 prompt + generated tokens reach the runner's max_model_len (vLLM's meaning: the last
 token needs no cache position, so a sequence uses max_model_len - 1 positions). The
-finish reason is "stop" for the first, "length" for both others (as vLLM and
+finish reason is "stop" for the first two, "length" for the others (as vLLM and
 `flintc serve` report them).
 """
 
@@ -32,6 +36,15 @@ from flintc.sampling import SamplingParams, TokenHistory, first_outside_vocab, p
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _grammar(q: SamplingParams, tokenizer, stops):
+    """The GrammarMatcher of a prompt whose params have structured_outputs, else None."""
+    if q.structured_outputs is None:
+        return None
+    from flintc.structured import GrammarMatcher
+
+    return GrammarMatcher(q.structured_outputs, tokenizer, stops)
 
 
 def _check_sampling_ids(q: SamplingParams, vocab: int, where: str) -> None:
@@ -59,6 +72,7 @@ def generate_with_runner(
     return_prompt_logits: bool = False,
     keep_step_logits: bool = False,
     on_token: Callable[[int, int], None] | None = None,
+    tokenizer=None,
 ) -> GenerationResult:
     """Generate after each prompt with `runner` (a ModelRunner).
 
@@ -80,12 +94,16 @@ def generate_with_runner(
         params: one SamplingParams for all, or one per prompt.
         on_token: called as on_token(prompt_index, token_id) as tokens appear
             (prompt_index into `prompts`, whatever batch it runs in).
+        tokenizer: the model's FlintTokenizer: needed by params with structured_outputs
+            (their grammars are compiled for it), unused otherwise.
 
     Raises:
         InputError: no prompts, an empty prompt, an id outside the vocabulary (in a
             prompt, a logit_bias, allowed_token_ids or bad_words_token_ids), bad_words
-            without their token ids, or a prompt of max_model_len tokens or more; all
-            checked before any prompt runs.
+            without their token ids, structured_outputs without a tokenizer, or a prompt
+            of max_model_len tokens or more; all checked before any prompt runs.
+        flintc.structured.StructuredOutputError: a grammar refused a generated token
+            (it should not happen: the mask allows only the tokens it takes).
     """
     cfg = runner.config
     B = len(prompts)
@@ -97,18 +115,23 @@ def generate_with_runner(
                      name=f"prompt {i}" if B > 1 else "prompt")
     for i, q in enumerate(plist):
         _check_sampling_ids(q, cfg.vocab_size, f" of prompt {i}" if B > 1 else "")
+        if q.structured_outputs is not None and tokenizer is None:
+            raise InputError(f"sampling field 'structured_outputs'{f' of prompt {i}' if B > 1 else ''}: "
+                             f"structured outputs need the model's tokenizer (tokenizer=...)")
     step = int(runner.max_batch)
     result = None
     for start in range(0, B, step):
         part = _generate_batch(runner, prompts[start:start + step], plist[start:start + step], eos_token_id,
                                return_prompt_logits, keep_step_logits,
-                               None if on_token is None else (lambda b, t, _s=start: on_token(_s + b, t)))
+                               None if on_token is None else (lambda b, t, _s=start: on_token(_s + b, t)),
+                               tokenizer)
         if result is None:
             result = part
             continue
         result.prompt_ids += part.prompt_ids
         result.output_ids += part.output_ids
         result.finish_reasons += part.finish_reasons
+        result.stopped_by_token += part.stopped_by_token
         if return_prompt_logits:
             result.prompt_logits += part.prompt_logits
         result.step_logits += part.step_logits
@@ -120,7 +143,7 @@ def generate_with_runner(
 
 def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams], eos_token_id: int | None,
                     return_prompt_logits: bool, keep_step_logits: bool,
-                    on_token: Callable[[int, int], None] | None) -> GenerationResult:
+                    on_token: Callable[[int, int], None] | None, tokenizer=None) -> GenerationResult:
     """`generate_with_runner` for at most runner.max_batch prompts, checked already: prompt
     b in slot b, one SamplingParams per prompt; on_token(b, token_id) with b into
     `prompts`."""
@@ -129,10 +152,11 @@ def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams
     gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
     result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])
     stops = () if eos_token_id is None else (eos_token_id,)
-    hist = [TokenHistory(prompts[b], result.output_ids[b], stops) if plist[b].adjusts_logits else None
-            for b in range(B)]
+    hist = [TokenHistory(prompts[b], result.output_ids[b], stops, grammar=_grammar(plist[b], tokenizer, stops))
+            if plist[b].adjusts_logits else None for b in range(B)]
     result.prompt_logits = [] if return_prompt_logits else None
     result.finish_reasons = ["length"] * B
+    result.stopped_by_token = [False] * B
 
     _sync(device)
     t0 = time.perf_counter()
@@ -163,9 +187,16 @@ def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams
             result.output_ids[b].append(t)
             if on_token is not None:
                 on_token(b, t)
+            g = hist[b].grammar if hist[b] is not None else None
+            if g is not None:
+                g.advance(result.output_ids[b])
             if t == eos_token_id and not plist[b].ignore_eos \
                     and len(result.output_ids[b]) >= plist[b].min_tokens:
                 result.finish_reasons[b] = "stop"
+                result.stopped_by_token[b] = True
+            elif g is not None and g.finished:  # the grammar is complete: nothing more can follow
+                result.finish_reasons[b] = "stop"
+                result.stopped_by_token[b] = g.ended  # (a stop token drawn with ignore_eos)
             elif len(result.output_ids[b]) >= plist[b].max_tokens \
                     or pos[b] + 1 >= runner.max_model_len:  # pos[b] + 1 tokens: prompt + generated
                 result.finish_reasons[b] = "length"

@@ -27,7 +27,10 @@ Sampling defaults are FLINT_SPEC section 6 (temperature 1.0, top-p 0.95, top-k
 ``min_p``, ``min_tokens``, ``logit_bias`` (ids in the vocabulary, biases clamped
 to [-100, 100] as vLLM does), ``allowed_token_ids`` (not empty, ids in the vocabulary)
 and ``bad_words`` (made into token ids here, once per request, as vLLM's
-``update_from_tokenizer``) are honoured (:mod:`flintc.sampling`). ``n`` > 1
+``update_from_tokenizer``) are honoured (:mod:`flintc.sampling`), and so are structured
+outputs (``response_format``, ``structured_outputs``, ``guided_*``:
+:func:`~flintc.serve.protocol.structured_outputs_spec`; the grammar is compiled for the
+tokenizer here, on a worker thread, once per request: :mod:`flintc.structured`). ``n`` > 1
 with a ``seed`` gives choice i the seed ``seed + i`` (otherwise every choice would
 be the same); a seed may be any 64-bit integer, as in vLLM: -1 means no seed (vLLM's
 reading), another negative one is taken modulo 2**63. ``max_tokens`` (or ``max_completion_tokens``) counts every generated
@@ -84,10 +87,12 @@ from flintc.serve.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     error_body,
+    structured_outputs_spec,
     unsupported,
 )
 from flintc.serve.reasoning import ReasoningParser, initial_state_for_prompt
 from flintc.serve.server import MAX_REQUEST_BYTES
+from flintc.structured import compiled_matcher
 from flintc.serve.tool_calls import ToolCallParser
 
 TOOL_CALL_PARSERS = ("glm47",)
@@ -101,6 +106,9 @@ MAX_STOP = 4
 CHAT_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_p", "min_tokens")
+# the request fields that set (or shape) a structured-outputs constraint (`structured_outputs_spec`)
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
 _TEMPLATE_RESERVED = {"messages", "tools", "documents", "add_generation_prompt", "tokenize"}
 
 
@@ -674,6 +682,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         given.update(logit_bias=logit_bias(req), allowed_token_ids=allowed_token_ids(req))
         base = request_seed(req.seed)
+        spec = await structured(req)
+        if spec is not None:
+            given["structured_outputs"] = spec
 
         def make() -> list[list[SamplingParams]]:
             if req.bad_words:
@@ -696,6 +707,25 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         except InputError as exc:
             param = str(exc).split("'")[1] if "'" in str(exc) else None
             raise APIError(400, str(exc), param=param) from None
+
+    async def structured(req):
+        """The request's structured-outputs constraint (`structured_outputs_spec`), its
+        grammar compiled for the tokenizer (`flintc.structured.compiled_matcher`: cached,
+        so the engine's matchers of each choice are copies), on a worker thread (a large
+        schema takes a while); None without one. Raises APIError(400) naming the field."""
+        if not any(getattr(req, f, None) is not None for f in _STRUCTURED_FIELDS):
+            return None
+
+        def make():
+            spec = structured_outputs_spec(req)
+            if spec is not None:
+                try:
+                    compiled_matcher(spec, tokenizer)
+                except InputError as exc:
+                    raise APIError(400, str(exc), param="structured_outputs") from None
+            return spec
+
+        return await asyncio.to_thread(make)
 
     def common_checks(req) -> tuple[int, tuple[str, ...]]:
         check_model(req.model)

@@ -21,10 +21,21 @@ A request beyond the free slots waits in the queue. Sampling follows
 ``torch.Generator`` so its random draws do not depend on its batch neighbours
 (its logits may differ in the last bits with the batch size: docs/serve.md, `seed`). A request
 whose params adjust the logits (vLLM's penalties, ``logit_bias``, ``min_tokens``,
-``allowed_token_ids``, ``bad_words``)
+``allowed_token_ids``, ``bad_words``, ``structured_outputs``)
 keeps a :class:`~flintc.sampling.TokenHistory` of its prompt, its generated tokens
 (their counts, on the device) and its stop tokens, passed to ``sample(...,
 history=...)``; the others keep none and sample as before.
+
+Structured outputs (vLLM's, on llguidance: :mod:`flintc.structured`): a request whose
+params have ``structured_outputs`` gets a :class:`~flintc.structured.GrammarMatcher`
+(in its TokenHistory) when it is admitted, a copy of the grammar compiled for the
+engine's tokenizer (the server compiles it while checking the request, so this is a
+cache hit). ``sample`` masks the logits with it at every step (the stop tokens only where
+the grammar accepts); each token the sequence generates is fed to it, and once the
+grammar is complete (nothing more can follow) the sequence ends with finish reason
+"stop". A grammar that fails to compile, or refuses a token (it should not: the forced
+tokens of the test hook can), fails that request alone with an error. Logprobs stay the
+model's raw distribution, as with ``allowed_token_ids``.
 
 Text is made here too, so that a stop string can end a sequence at once: each
 sequence has an :class:`~flintc.checkpoint.tokenizer.IncrementalDetokenizer`
@@ -104,6 +115,7 @@ import numpy as np
 import torch
 
 from flintc.sampling import SamplingParams, TokenHistory, sample
+from flintc.structured import GrammarMatcher, StructuredOutputError
 
 _WAKE = object()
 _STOP = object()
@@ -249,14 +261,21 @@ class GenRequest:
 class _Seq:
     """Engine-side state of a running request."""
 
-    def __init__(self, req: GenRequest, slot: int, detok, device):
+    def __init__(self, req: GenRequest, slot: int, detok, device, tokenizer=None):
         self.req = req
         self.slot = slot
         self.detok = detok
         self.generator = None if req.params.is_greedy else req.params.make_generator(device)
         self.out_ids: list[int] = []
+        self.setup_error: str | None = None  # the request fails at admission (its grammar did not compile)
+        grammar = None
+        if req.params.structured_outputs is not None:
+            try:  # the server compiled it already (a cache hit): a copy of the compiled matcher
+                grammar = GrammarMatcher(req.params.structured_outputs, tokenizer, req.stop_token_ids)
+            except Exception as exc:  # an InputError; anything else fails this request alone too
+                self.setup_error = f"{type(exc).__name__}: {exc}"
         # params that adjust the logits: the tokens `sample` reads (out_ids itself)
-        self.history = (TokenHistory(req.prompt_ids, self.out_ids, req.stop_token_ids)
+        self.history = (TokenHistory(req.prompt_ids, self.out_ids, req.stop_token_ids, grammar=grammar)
                         if req.params.adjusts_logits else None)
         self.pos = len(req.prompt_ids)  # position of the next token fed to the model
         self.prefilled = False  # the prompt's K/V are in the slot's cache (positions < pos hold its tokens)
@@ -434,11 +453,13 @@ class Engine:
             slot, reuse = self._pick_slot(free, self._waiting[0])
             req = self._waiting.popleft()
             free.remove(slot)
-            seq = _Seq(req, slot, self.tokenizer.detokenizer(req.skip_special_tokens), self.runner.device)
+            seq = _Seq(req, slot, self.tokenizer.detokenizer(req.skip_special_tokens), self.runner.device,
+                       self.tokenizer)
             self._running[slot] = seq
             req.timeline.scheduled = time.monotonic()
-            if req.params.max_tokens < 1:  # no prefill: the slot's cache (and what it holds) unchanged
-                self._finish(seq, "length")
+            if req.params.max_tokens < 1 or seq.setup_error is not None:
+                # no prefill: the slot's cache (and what it holds) unchanged
+                self._finish(seq, "length" if seq.setup_error is None else None, error=seq.setup_error)
                 free.insert(0, slot)
                 continue
             if req.forced is None and self.forced_tokens is not None:
@@ -619,6 +640,14 @@ class Engine:
     def _push(self, seq: _Seq, tok: int, lp: TokenLogprob | None) -> None:
         req, params = seq.req, seq.req.params
         seq.out_ids.append(tok)
+        grammar = seq.history.grammar if seq.history is not None else None
+        if grammar is not None:
+            try:
+                grammar.advance(seq.out_ids)
+            except StructuredOutputError as exc:  # this request fails, not the others
+                seq.pending_ids.append(tok)
+                self._finish(seq, None, error=str(exc))
+                return
         seq.pending_ids.append(tok)
         tl, now = req.timeline, time.monotonic()
         since_last = None if tl.last_token is None else now - tl.last_token
@@ -640,6 +669,9 @@ class Engine:
         seq.text += seq.detok.push(tok)
         # (vLLM looks for stop strings only past min_tokens)
         if req.stop and n_out > params.min_tokens and self._cut_stop(seq):
+            self._finish(seq, "stop")
+            return
+        if grammar is not None and grammar.finished:  # the structured output is complete
             self._finish(seq, "stop")
             return
         # seq.pos + 1 tokens so far (prompt + generated): vLLM's max_model_len counts both

@@ -27,12 +27,29 @@ in :mod:`flintc.sampling`) and ``return_tokens_as_token_ids`` (logprobs' tokens 
 same salt) are honoured, ``length_penalty`` has no effect here, the rest only at their
 no-op value (`unsupported`).
 
+Structured outputs (constrained decoding, vLLM's, on llguidance: vLLM's "guidance"
+backend; :mod:`flintc.structured`), gathered by :func:`structured_outputs_spec` into one
+`flintc.sampling.StructuredOutputsParams`: OpenAI's ``response_format``
+(``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema",
+"json_schema": {"name", "schema", "strict", "description"}}``), vLLM's
+``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar`` (Lark, as
+llguidance reads it; GBNF is converted), ``json_object``, and its options
+``disable_any_whitespace``, ``disable_additional_properties``, ``whitespace_pattern``,
+``disable_fallback``), and vLLM's older ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar`` and ``guided_whitespace_pattern``. One kind at
+most (else a 400, vLLM's "You can only use one kind of guided decoding");
+``guided_decoding_backend`` may be null, "auto", "guidance" or "llguidance" (llguidance
+runs every one); ``structural_tag`` (the field, the response_format type, the
+structured_outputs key) is refused. A schema, regex or grammar that llguidance refuses
+is a 400 naming the field, with llguidance's message.
+
 vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest` /
 :class:`TokenizeChatRequest` and :class:`DetokenizeRequest`, with vLLM's fields.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -265,15 +282,145 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 # vLLM's fields accepted only as null ({} too for the first)
 _VLLM_NULL_OR_EMPTY = ("logits_processors", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
                        "media_io_kwargs")
-_VLLM_NULL_ONLY = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                   "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern")
+_VLLM_NULL_ONLY = ("structural_tag",)
+# guided_decoding_backend values taken: llguidance serves each (vLLM's "guidance" backend)
+GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance")
+_GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                  ("guided_grammar", "grammar"))
+
+
+def _response_format_kind(rf: dict | None) -> tuple[str, Any] | None:
+    """OpenAI's ``response_format`` as (StructuredOutputsParams field, value), None for
+    absent or ``{"type": "text"}``. Raises APIError(400) naming the field."""
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    allowed = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}
+    if kind not in allowed:
+        what = ("is not supported by flintc serve" if kind == "structural_tag"
+                else "must be \"text\", \"json_object\" or \"json_schema\"")
+        raise APIError(400, f"'response_format.type' {_dumps(kind)} {what}", param="response_format",
+                       code="unsupported_parameter" if kind == "structural_tag" else None)
+    extra = [k for k in rf if k not in allowed[kind]]
+    if extra:
+        raise APIError(400, f"Unrecognized request argument supplied: response_format.{extra[0]}",
+                       param="response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object", True
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise APIError(400, "'response_format.json_schema' must be an object {\"name\", \"schema\", "
+                       "\"strict\", \"description\"} for type \"json_schema\"", param="response_format")
+    extra = [k for k in js if k not in ("name", "schema", "strict", "description")]
+    if extra:
+        raise APIError(400, f"Unrecognized request argument supplied: response_format.json_schema.{extra[0]}",
+                       param="response_format")
+    if not isinstance(js.get("name"), str):
+        raise APIError(400, "'response_format.json_schema.name' must be a string", param="response_format")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise APIError(400, "'response_format.json_schema.strict' must be true, false or null",
+                       param="response_format")
+    schema = js.get("schema")
+    if not isinstance(schema, dict):
+        raise APIError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
+                       param="response_format")
+    return "json", schema
+
+
+def _dumps(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def structured_outputs_spec(req: BaseModel):
+    """The request's structured-outputs constraint (vLLM's): a
+    `flintc.sampling.StructuredOutputsParams` from ``response_format``,
+    ``structured_outputs`` or the ``guided_*`` fields, or None when none is set. The
+    grammar is checked by llguidance (without the tokenizer; the server compiles it for
+    the tokenizer next), which can take a while for a large schema: call it off the event
+    loop.
+
+    Raises:
+        APIError(400): naming the field: more than one kind ("You can only use one kind of
+            guided decoding", as vLLM), a guided_decoding_backend other than null, "auto",
+            "guidance" or "llguidance", a bad response_format or structured_outputs
+            object, or a schema / regex / grammar llguidance refuses (its message).
+    """
+    from flintc.errors import InputError
+    from flintc.sampling import StructuredOutputsParams
+
+    backend = getattr(req, "guided_decoding_backend", None)
+    if backend not in GUIDED_BACKENDS:
+        raise APIError(400, f"'guided_decoding_backend' = {_dumps(backend)} is not supported by flintc serve "
+                       f"(structured outputs run on llguidance, vLLM's \"guidance\" backend): give null, "
+                       f"\"auto\", \"guidance\" or \"llguidance\"", param="guided_decoding_backend",
+                       code="unsupported_parameter")
+    kinds: list[tuple[str, str, Any]] = []  # (request field, spec field, value)
+    options: dict[str, Any] = {}
+    rf = _response_format_kind(getattr(req, "response_format", None))
+    if rf is not None:
+        kinds.append(("response_format", *rf))
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        if not isinstance(so, dict):
+            raise APIError(400, f"'structured_outputs' must be an object, got {_dumps(so)}",
+                           param="structured_outputs")
+        fields = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+                  "disable_additional_properties", "whitespace_pattern", "disable_fallback")
+        for key, value in so.items():
+            if key == "structural_tag" and value is not None:
+                raise APIError(400, "'structured_outputs.structural_tag' is not supported by flintc serve",
+                               param="structured_outputs", code="unsupported_parameter")
+            if key not in fields and key != "structural_tag":
+                raise APIError(400, f"Unrecognized request argument supplied: structured_outputs.{key}",
+                               param="structured_outputs")
+            if value is None:
+                continue
+            if key in ("json", "regex", "choice", "grammar", "json_object"):
+                if key == "json_object" and value is False:
+                    continue
+                kinds.append(("structured_outputs", key, value))
+            else:
+                options[key] = value
+    for name, key in _GUIDED_FIELDS:
+        value = getattr(req, name, None)
+        if value is not None:
+            kinds.append((name, key, value))
+    pattern = getattr(req, "guided_whitespace_pattern", None)
+    if pattern is not None:
+        options["whitespace_pattern"] = pattern
+    if len(kinds) > 1:
+        names = ", ".join(f"'{f}'" if f != "structured_outputs" else f"'structured_outputs.{k}'"
+                          for f, k, _ in kinds)
+        raise APIError(400, f"You can only use one kind of guided decoding, but {len(kinds)} are given: {names}",
+                       param=kinds[1][0])
+    if not kinds:
+        if options or so is not None:
+            where = "structured_outputs" if so is not None else "guided_whitespace_pattern"
+            raise APIError(400, f"'{where}' needs a constraint: one of structured_outputs' json, regex, choice, "
+                           f"grammar or json_object (or response_format, or a guided_* field)", param=where)
+        return None
+    field, key, value = kinds[0]
+    try:
+        return StructuredOutputsParams(**{key: value}, **options)
+    except InputError as exc:
+        where = field if field != "structured_outputs" else f"structured_outputs.{key}"
+        msg = str(exc)
+        prefix = f"structured_outputs field '{key}': "
+        msg = msg[len(prefix):] if msg.startswith(prefix) else msg
+        raise APIError(400, f"'{where}': {msg}", param=field) from None
 
 
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
-    support (functions, audio, non-text modalities or response formats, chat's echo,
-    best_of > 1, suffix), or vLLM field away from its no-op value (use_beam_search,
-    priority, guided decoding, ...), or an empty ``cache_salt`` (as vLLM)."""
+    support (functions, audio, non-text modalities, chat's echo, best_of > 1, suffix),
+    or vLLM field away from its no-op value (use_beam_search, priority, structural_tag,
+    ...), or an empty ``cache_salt`` (as vLLM). ``response_format`` and the structured
+    outputs fields are :func:`structured_outputs_spec`'s."""
     checks = [
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
@@ -281,7 +428,6 @@ def unsupported(req: BaseModel) -> None:
         ("modalities", lambda v: v not in (None, ["text"])),
         ("prediction", lambda v: v is not None),
         ("web_search_options", lambda v: v is not None),
-        ("response_format", lambda v: v is not None and v.get("type") != "text"),
         *((("echo", lambda v: bool(v)),) if isinstance(req, ChatCompletionRequest) else ()),  # completions: honoured
         ("best_of", lambda v: v not in (None, 1)),
         ("suffix", lambda v: v is not None),

@@ -61,6 +61,19 @@ def test_run_sampling_controls_match_python_api(capsys, tiny_bf16_dir):
     assert json.loads(out)["output_ids"] == [77, 77, 77]
 
 
+def test_run_structured_outputs(capsys, tiny_bf16_dir):
+    """--structured-outputs reaches SamplingParams (and the tokenizer the generate path):
+    each prompt's text is one of the choices, finish reason "stop", greedy and seeded."""
+    for extra in (["--temperature", "0"], ["--seed", "3"]):
+        code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt", "Answer:", "--prompt-ids", "1,2,3",
+                                 "--max-tokens", 8, "--output", "json", *extra,
+                                 "--structured-outputs", '{"choice": ["yes", "no", "maybe"]}')
+        assert code == 0, err
+        objs = [json.loads(line) for line in out.splitlines()]
+        assert [o["text"] for o in objs if o["text"] not in ("yes", "no", "maybe")] == [] and len(objs) == 2, out
+        assert all(o["finish_reason"] == "stop" for o in objs), out
+
+
 def test_logits_out(capsys, tmp_path, tiny_bf16_dir):
     target = tmp_path / "logits.npy"
     code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "5,6,7,8", "--max-tokens", 1,
@@ -164,6 +177,11 @@ def test_summary_has_no_decode_rate_without_a_decode_step(capsys, tiny_bf16_dir,
     (["--logit-bias", "5=1", "--logit-bias", "5=2"], "token id 5 given twice"),
     (["--logit-bias", "5=200"], "--logit-bias: sampling field 'logit_bias'"),
     (["--logit-bias", "600=1"], "token id 600 is outside the vocabulary [0, 512)"),
+    (["--structured-outputs", '{"regex": "[a"}'], "--structured-outputs: sampling field 'structured_outputs': "
+                                                  "structured_outputs field 'regex': at 1(8): invalid regex"),
+    (["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "only use one kind"),
+    (["--structured-outputs", "{x"], "--structured-outputs: not valid JSON"),
+    (["--structured-outputs", "[1]"], "--structured-outputs: expected a JSON object"),
 ])
 def test_bad_run_arguments(capsys, tiny_bf16_dir, args, needle):
     base = ["run", tiny_bf16_dir, "--max-tokens", 2]

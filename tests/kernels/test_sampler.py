@@ -394,3 +394,31 @@ def test_masked_rows_take_the_kernel_and_stay_in_the_mask(monkeypatch):
     assert calls == [2] * 24
     assert seen[0] <= {50, 51, 52} and len(seen[0]) >= 2, seen
     assert not seen[1] & (set(range(40)) | {3}), seen
+
+
+def test_structured_output_rows_take_the_kernel_and_stay_in_the_grammar(monkeypatch, tiny_bf16_dir):
+    """With FLINTC_SAMPLER=triton: a row with structured_outputs (a choice) takes the
+    kernel, on the grammar's masked logits, and draws only the tokens the grammar allows,
+    over seeds, beside a plain row."""
+    from flintc import sampling
+    from flintc.checkpoint.tokenizer import load_tokenizer
+    from flintc.structured import GrammarMatcher
+
+    tok = load_tokenizer(tiny_bf16_dir)
+    calls = []
+    real = S.launch_sample
+    monkeypatch.setattr(S, "launch_sample", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setenv("FLINTC_SAMPLER", "triton")
+    spec = sampling.StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3)).to(DEV)
+    allowed = None
+    for seed in range(4):
+        g = GrammarMatcher(spec, tok, {tok.eos_token_id})
+        if allowed is None:
+            allowed = set(torch.nonzero(g.allowed(512, "cpu")).flatten().tolist())
+        ps = [SamplingParams(seed=seed, structured_outputs=spec), SamplingParams(seed=seed)]
+        hist = [sampling.TokenHistory([1], [], {tok.eos_token_id}, grammar=g), None]
+        toks = sampling.sample(x, ps, [p.make_generator(DEV) for p in ps], history=hist)
+        assert int(toks[0]) in allowed
+    assert calls == [2] * 4
+    assert {tok.decode([t]) for t in allowed} <= {"y", "ye", "yes", "n", "no", "m", "ma", "may", "mayb", "maybe"}

@@ -1839,8 +1839,7 @@ def test_vllm_request_fields_at_their_defaults_are_accepted(server, path):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("patch", [
     {"use_beam_search": True}, {"priority": 1}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}},
-    {"kv_transfer_params": {"a": 1}}, {"guided_json": {"type": "object"}}, {"guided_regex": "a+"},
-    {"guided_choice": ["a"]}, {"structured_outputs": {"json": {}}}, {"guided_decoding_backend": "xgrammar"},
+    {"kv_transfer_params": {"a": 1}}, {"structural_tag": "{}"}, {"guided_decoding_backend": "xgrammar"},
 ])
 def test_vllm_request_fields_away_from_their_defaults_are_refused(server, path, patch):
     body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions"
@@ -1860,7 +1859,7 @@ def test_vllm_chat_fields_away_from_their_defaults_are_refused(server, patch):
 
 
 def test_vllm_completion_fields_away_from_their_defaults_are_refused(server):
-    for patch in ({"prompt_embeds": "AAAA"}, {"response_format": {"type": "json_object"}}):
+    for patch in ({"prompt_embeds": "AAAA"}, {"response_format": {"type": "structural_tag"}}):
         status, got = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                               **patch})
         (name,) = patch

@@ -1,0 +1,295 @@
+"""Structured outputs (constrained decoding) on llguidance, vLLM's "guidance" backend.
+
+A request's `flintc.sampling.StructuredOutputsParams` (vLLM's
+`StructuredOutputsParams`: a JSON schema, any JSON object, a regex, a choice of
+strings, or a Lark grammar) becomes an llguidance grammar (`grammar_text`, the
+serialization vLLM's `backend_guidance.serialize_guidance_grammar` makes), compiled
+against the model's tokenizer into an `llguidance.LLMatcher` once per request
+(`compiled_matcher`, a small cache keyed by the tokenizer and the spec: the n choices
+of a request, and later requests of the same spec, share it). Each sequence holds a
+`GrammarMatcher`: a copy of that matcher (`LLMatcher.deep_copy`), which at every
+sampling step gives the tokens the grammar allows next (`GrammarMatcher.allowed`: every
+other logit becomes -inf in `flintc.sampling.adjust_logits`, on every sampling path),
+and consumes each token the sequence generates (`GrammarMatcher.advance`).
+
+End of the output: the grammar's own end-of-text is replaced by the sequence's stop
+tokens (end-of-text included): they are allowed exactly when the grammar accepts what
+is there (`LLMatcher.is_accepting`), and one drawn there ends the grammar. When
+nothing more can follow (`LLMatcher.is_stopped`: "yes" of the choice ["yes", "no"], a
+JSON object's closing brace) the matcher is `finished` and the callers end the sequence
+at once with finish reason "stop" (no stop token is drawn; the output ends with the
+grammar's last token). A sequence cut by max_tokens first ends with "length", its text
+not conforming, as in vLLM.
+
+The LLTokenizer (`ll_tokenizer`) is made from the `tokenizers.Tokenizer` that
+`flintc.checkpoint.tokenizer.FlintTokenizer` wraps (its JSON, `Tokenizer.to_str()`, as
+`llguidance.hf.from_tokenizer` passes it; no `transformers`), once per tokenizer object:
+it walks the vocabulary (~1 s for 150k tokens).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+
+import numpy as np
+import torch
+
+from flintc.errors import InputError
+
+
+class StructuredOutputError(RuntimeError):
+    """A sequence's grammar matcher failed on a generated token (it should not: the mask
+    allows only tokens it takes). The callers fail that sequence (the server answers the
+    request's error), not the others."""
+
+
+def one_line(message: str) -> str:
+    """llguidance's message (lines with a source excerpt and a caret under the place) on
+    one line: each line stripped, the caret lines left out, joined by spaces."""
+    lines = [ln.strip() for ln in str(message).splitlines()]
+    return " ".join(ln for ln in lines if ln and set(ln) != {"^"})
+
+
+def _llg():
+    import llguidance
+
+    return llguidance
+
+
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def ll_tokenizer(tokenizer):
+    """The `llguidance.LLTokenizer` of `tokenizer` (a FlintTokenizer, or a
+    `tokenizers.Tokenizer`), made once per tokenizer object and kept while it lives.
+    Its end-of-text token is the FlintTokenizer's eos_token_id (a bare Tokenizer: none).
+
+    Raises:
+        TypeError: another kind of tokenizer.
+    """
+    with _TOKENIZERS_LOCK:
+        try:
+            got = _TOKENIZERS.get(tokenizer)
+        except TypeError:  # not weakly referenceable
+            got = None
+        if got is not None:
+            return got
+    inner = getattr(tokenizer, "_tok", tokenizer)
+    if not hasattr(inner, "to_str"):
+        raise TypeError(f"structured outputs need a FlintTokenizer or a tokenizers.Tokenizer, got "
+                        f"{type(tokenizer).__name__}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    lt = _llg().LLTokenizer(inner.to_str(), eos_token=eos)
+    with _TOKENIZERS_LOCK:
+        try:
+            _TOKENIZERS[tokenizer] = lt
+        except TypeError:
+            pass
+    return lt
+
+
+def _no_additional_properties(schema):
+    """vLLM's `process_for_additional_properties`: every object schema (type "object" or
+    with "properties") that does not say otherwise gets additionalProperties false."""
+    if isinstance(schema, dict):
+        out = {k: _no_additional_properties(v) for k, v in schema.items()}
+        if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_no_additional_properties(v) for v in schema]
+    return schema
+
+
+def grammar_text(spec) -> str:
+    """The llguidance grammar (its JSON serialization) of a StructuredOutputsParams, as
+    vLLM's guidance backend makes it: JSON schemas (and json_object, the schema
+    {"type": "object"}) with flexible whitespace unless disable_any_whitespace
+    (whitespace_pattern, when given, is the whitespace's regex); regex, choice (each
+    string a literal alternative) and grammar (Lark, or GBNF, which llguidance converts)
+    through `llguidance.grammar_from`. It does not check the grammar.
+
+    Raises:
+        InputError: naming the field, for what llguidance refuses to serialize (a JSON
+            text that is not an object, a GBNF grammar it cannot convert).
+    """
+    import json
+
+    llg = _llg()
+    kind = spec.kind
+    try:
+        if kind in ("json", "json_object"):
+            schema = json.loads(spec.json) if kind == "json" else {"type": "object"}
+            if spec.disable_additional_properties:
+                schema = _no_additional_properties(schema)
+            options = {"whitespace_flexible": not spec.disable_any_whitespace}
+            if spec.whitespace_pattern is not None:
+                options["whitespace_pattern"] = spec.whitespace_pattern
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+        if kind == "choice":
+            return llg.grammar_from("choice", json.dumps(list(spec.choice)))
+        return llg.grammar_from(kind, getattr(spec, kind))  # regex, grammar
+    except ValueError as exc:
+        raise InputError(f"structured_outputs field '{kind}': {one_line(exc)}") from None
+
+
+_CHECKED: "collections.OrderedDict" = collections.OrderedDict()
+_COMPILED: "collections.OrderedDict" = collections.OrderedDict()
+_CACHE_LOCK = threading.Lock()
+CACHE_SIZE = 64  # specs kept checked, and matchers kept compiled (per tokenizer)
+
+
+def _cached(cache, key, make):
+    with _CACHE_LOCK:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+    value = make()
+    with _CACHE_LOCK:
+        cache[key] = value
+        while len(cache) > CACHE_SIZE:
+            cache.popitem(last=False)
+    return value
+
+
+def check_spec(spec) -> None:
+    """Check that llguidance takes the spec's grammar (schema, regex, Lark grammar),
+    without a tokenizer; the result is cached per spec.
+
+    Raises:
+        InputError: "structured_outputs field '<kind>': <llguidance's message>" (on one
+            line: `one_line`).
+    """
+    def check() -> str:
+        try:
+            g = grammar_text(spec)
+        except InputError as exc:
+            return str(exc)
+        err = _llg().LLMatcher.validate_grammar(g)
+        return f"structured_outputs field '{spec.kind}': {one_line(err)}" if err else ""
+
+    msg = _cached(_CHECKED, spec, check)
+    if msg:
+        raise InputError(msg)
+
+
+def compiled_matcher(spec, tokenizer):
+    """An `llguidance.LLMatcher` of the spec's grammar for `tokenizer`, at the start;
+    compiled once and cached (per LLTokenizer and spec): copy it (`deep_copy`), never
+    feed it tokens.
+
+    Raises:
+        InputError: the grammar fails to compile (naming the field, llguidance's message).
+    """
+    lt = ll_tokenizer(tokenizer)
+
+    def make():
+        m = _llg().LLMatcher(lt, grammar_text(spec), log_level=0)
+        if m.is_error():
+            raise InputError(f"structured_outputs field '{spec.kind}': {one_line(m.get_error())}")
+        return m
+
+    return _cached(_COMPILED, (id(lt), spec), make)
+
+
+_SHIFTS: dict = {}
+
+
+def _bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [vocab] from int32 bitmask words [W] (bit j of word i: token 32 i + j; tokens
+    past 32 W: False), on the words' device."""
+    dev = words.device
+    shifts = _SHIFTS.get(dev)
+    if shifts is None:
+        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    bits = ((words[:, None] >> shifts) & 1).reshape(-1).bool()
+    if bits.shape[0] >= vocab:
+        return bits[:vocab]
+    return torch.cat([bits, bits.new_zeros(vocab - bits.shape[0])])
+
+
+class GrammarMatcher:
+    """One sequence's grammar state: the tokens allowed next, and the tokens generated.
+
+    Args:
+        spec: a `flintc.sampling.StructuredOutputsParams`.
+        tokenizer: the model's tokenizer (a FlintTokenizer), whose ids the model samples.
+        stop_token_ids: the sequence's stop tokens (end-of-text included): allowed, and
+            ending the grammar, only where it accepts.
+
+    Raises:
+        InputError: the grammar fails to compile for this tokenizer.
+    """
+
+    def __init__(self, spec, tokenizer, stop_token_ids=()):
+        self.spec = spec
+        self._m = compiled_matcher(spec, tokenizer).deep_copy()
+        lt = ll_tokenizer(tokenizer)
+        self._ll_vocab = int(lt.vocab_size)
+        self._ll_eos = [t for t in lt.eos_tokens if 0 <= t < self._ll_vocab]
+        self.stop_token_ids = sorted({int(t) for t in stop_token_ids})
+        self.consumed = 0  # tokens of the sequence's output fed to the matcher
+        self.ended = False  # a stop token was drawn where the grammar accepts
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more can be generated: the grammar is complete (llguidance's
+        is_stopped), or a stop token ended it."""
+        return self.ended or self._m.is_stopped()
+
+    def is_accepting(self) -> bool:
+        return self.ended or self._m.is_accepting()
+
+    def advance(self, output_ids: list[int]) -> None:
+        """Feed the matcher the tokens of `output_ids` (the sequence's generated ids, of
+        which the first `consumed` were fed) it has not seen. A stop token drawn where the
+        grammar accepts ends it (`finished`); tokens after that are not fed.
+
+        Raises:
+            StructuredOutputError: the matcher refuses a token (llguidance's message).
+        """
+        stops = self.stop_token_ids
+        while self.consumed < len(output_ids):
+            tok = int(output_ids[self.consumed])
+            self.consumed += 1
+            if self.ended:
+                continue
+            if tok in stops and self._m.is_accepting():
+                self.ended = True
+                continue
+            if not self._m.consume_token(tok):
+                err = self._m.get_error().strip().splitlines()
+                raise StructuredOutputError(f"structured outputs: the grammar refused generated token {tok}"
+                                            f"{': ' + err[0] if err else ''}")
+
+    def allowed_words(self) -> np.ndarray:
+        """int32 [ceil(max(V_tok, stop ids + 1) / 32)]: the bitmask of the tokens allowed next
+        (bit j of word i: token 32 i + j), llguidance's, with its end-of-text replaced by the
+        sequence's stop tokens, set when the grammar accepts (nothing when it is finished:
+        callers end the sequence there)."""
+        words = np.frombuffer(self._m.compute_bitmask(), dtype=np.int32).copy()
+        top = max(self.stop_token_ids, default=-1)
+        if top >= 32 * len(words):
+            words = np.concatenate([words, np.zeros(top // 32 + 1 - len(words), dtype=np.int32)])
+        u = words.view(np.uint32)
+        for t in self._ll_eos:
+            u[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        if self.is_accepting():
+            for t in self.stop_token_ids:
+                u[t >> 5] |= np.uint32(1 << (t & 31))
+        else:
+            for t in self.stop_token_ids:
+                u[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        return words
+
+    def allowed(self, vocab: int, device) -> torch.Tensor:
+        """bool [vocab] on `device`: the tokens the grammar allows next (`allowed_words`);
+        ids past the tokenizer's vocabulary are never allowed. One small asynchronous copy
+        (from pinned memory on CUDA) of the int32 words, expanded on the device."""
+        host = torch.from_numpy(self.allowed_words())
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        return _bits(host.to(device, non_blocking=True), vocab)

@@ -1,0 +1,147 @@
+"""Structured outputs over HTTP (a real uvicorn server, the tiny BF16 reference model,
+whose unconstrained text is random): OpenAI's response_format (json_object,
+json_schema), vLLM's structured_outputs object and its older guided_* fields, in chat
+and completions, streamed and not, n > 1, each output matching its constraint with
+finish_reason "stop"; the 400s naming the field (a bad schema / regex / grammar with
+llguidance's message, two kinds, a backend other than llguidance's); a grammar that
+refuses a forced token fails that request alone (the engine keeps serving)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+MODEL = "flint-tiny"
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def completion(**kw):
+    return {"model": MODEL, "prompt": "Answer:", "max_tokens": 24, "seed": 3, **kw}
+
+
+def chat(content="Answer in JSON.", **kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 40, "seed": 3, **kw}
+
+
+def texts(body, key="text"):
+    return [c[key] if key == "text" else c["message"]["content"] for c in body["choices"]]
+
+
+@pytest.mark.parametrize("field", [{"guided_choice": ["yes", "no"]},
+                                   {"structured_outputs": {"choice": ["yes", "no"]}}])
+def test_completion_choice(tiny_server, field):
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "seed": 7}):
+        status, body = tiny_server.post("/v1/completions", completion(**field, **kw))
+        assert status == 200, body
+        assert body["choices"][0]["text"] in ("yes", "no") and body["choices"][0]["finish_reason"] == "stop", body
+
+
+def test_completion_regex_n_and_the_mask_matters(tiny_server):
+    """n = 3 seeded choices of a regex all match; the same request without it does not."""
+    req = completion(n=3, guided_regex="[0-9]{3}-[ab]{2}", return_token_ids=True)
+    status, body = tiny_server.post("/v1/completions", req)
+    assert status == 200, body
+    assert all(re.fullmatch(r"[0-9]{3}-[ab]{2}", t) for t in texts(body)), texts(body)
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop"] * 3
+    del req["guided_regex"]
+    status, free = tiny_server.post("/v1/completions", {**req, "max_tokens": 6})
+    assert status == 200 and not any(re.fullmatch(r"[0-9]{3}-[ab]{2}", t) for t in texts(free)), texts(free)
+
+
+def test_chat_json_schema(tiny_server):
+    """response_format json_schema: the content parses and has the schema's keys and
+    types; whitespace off by the schema's own llguidance options (x-guidance) or by
+    structured_outputs' disable_any_whitespace beside response_format (vLLM merges them)."""
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "strict": True,
+                                                 "schema": {**SCHEMA, "x-guidance": {"whitespace_flexible": False}}}}
+    plain_rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+    for extra in ({"response_format": rf},
+                  {"response_format": plain_rf, "structured_outputs": {"disable_any_whitespace": True}}):
+        status, body = tiny_server.post("/v1/chat/completions", chat(**extra))
+        assert status == 200, body
+        obj = json.loads(texts(body, "content")[0])
+        assert set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and type(obj["n"]) is int, obj
+        assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_json_object_in_chat_and_completions(tiny_server, tiny_serving):
+    """response_format json_object (a logit_bias towards '"' and '}' so the random model
+    closes its strings): a JSON object, in both routes."""
+    _, tok = tiny_serving
+    bias = {str(tok.encode('"')[0]): 8, str(tok.encode("}")[0]): 8}
+    so = {"structured_outputs": {"disable_any_whitespace": True}}
+    for path, body in (("/v1/completions", completion(response_format={"type": "json_object"}, **so)),
+                       ("/v1/chat/completions", chat(response_format={"type": "json_object"}, **so))):
+        status, got = tiny_server.post(path, {**body, "logit_bias": bias, "max_tokens": 32})
+        assert status == 200, got
+        assert isinstance(json.loads(texts(got, "text" if "prompt" in body else "content")[0]), dict), got
+        assert got["choices"][0]["finish_reason"] == "stop"
+    status, got = tiny_server.post("/v1/completions", completion(response_format={"type": "text"}, max_tokens=2))
+    assert status == 200, got
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streaming_with_a_constraint(tiny_server, path):
+    body = (completion if path == "/v1/completions" else chat)(
+        stream=True, n=2, structured_outputs={"grammar": 'start: "id-" NUM\nNUM: /[0-9]{2,4}/'})
+    status, chunks = tiny_server.post(path, body)
+    assert status == 200, chunks
+    got, finish = ["", ""], [None, None]
+    for c in chunks:
+        for ch in c["choices"]:
+            got[ch["index"]] += ch["text"] if path == "/v1/completions" else ch["delta"].get("content") or ""
+            finish[ch["index"]] = ch["finish_reason"] or finish[ch["index"]]
+    assert all(re.fullmatch(r"id-[0-9]{2,4}", t) for t in got) and finish == ["stop", "stop"], (got, finish)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("patch, param, needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format", "type must be a string"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "'response_format.json_schema.schema' must be a JSON schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", "must be \"text\", \"json_object\" or"),
+    ({"guided_regex": "[a"}, "guided_regex", "'guided_regex': at 1(8): invalid regex"),
+    ({"guided_json": {"type": "object", "required": 3}}, "guided_json", "'guided_json':"),
+    ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs",
+     "'structured_outputs.grammar': at 1(8): unknown name"),
+    ({"guided_choice": []}, "guided_choice", "must not be empty"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice", "You can only use one kind of guided decoding"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "You can only use one kind of guided decoding"),
+    ({"guided_regex": "a+", "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend",
+     "is not supported by flintc serve"),
+    ({"structured_outputs": {"regex": "a", "bogus": 1}}, "structured_outputs",
+     "Unrecognized request argument supplied: structured_outputs.bogus"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "needs a constraint"),
+])
+def test_errors_are_400s_naming_the_field(tiny_server, path, patch, param, needle):
+    body = (completion if path == "/v1/completions" else chat)(**patch)
+    status, got = tiny_server.post(path, body)
+    assert status == 400 and got["error"]["param"] == param, got
+    assert needle in got["error"]["message"], got
+
+
+def test_backends_taken_and_whitespace_pattern(tiny_server):
+    for backend in ("auto", "guidance", "llguidance", None):
+        status, body = tiny_server.post("/v1/completions", completion(guided_choice=["yes", "no"],
+                                                                      guided_decoding_backend=backend))
+        assert status == 200 and texts(body)[0] in ("yes", "no"), body
+    status, body = tiny_server.post("/v1/completions", completion(
+        guided_json=SCHEMA, guided_whitespace_pattern="", max_tokens=30))
+    assert status == 200 and body["choices"][0]["finish_reason"] == "stop", body
+    assert set(json.loads(texts(body)[0])) == {"ok", "n"} and " " not in texts(body)[0], body
+
+
+def test_a_refused_token_fails_that_request_alone(tiny_server):
+    """The forced tokens of the engine's test hook ('#script:stop': 'Hello world...')
+    against a choice: the grammar refuses them, the request fails with a 500 naming
+    structured outputs, and the server answers the next request."""
+    status, got = tiny_server.post("/v1/chat/completions", chat("#script:stop", guided_choice=["yes", "no"]))
+    assert status == 500 and "structured outputs: the grammar refused generated token" in got["error"]["message"], got
+    status, body = tiny_server.post("/v1/chat/completions", chat(guided_choice=["yes", "no"]))
+    assert status == 200 and texts(body, "content")[0] in ("yes", "no"), body
