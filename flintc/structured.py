@@ -192,7 +192,7 @@ def compiled_matcher(spec, tokenizer):
             raise InputError(f"structured_outputs field '{spec.kind}': {one_line(m.get_error())}")
         return m
 
-    return _cached(_COMPILED, (id(lt), spec), make)
+    return _cached(_COMPILED, (lt, spec), make)  # (the key keeps lt alive: its id is not reused)
 
 
 _SHIFTS: dict = {}

@@ -410,6 +410,11 @@ def test_python_api_generate_text(builds):
     eos = m.tokenizer.eos_token_id
     r = m.generate([[1, 2, 3]], temperature=0, max_tokens=6, logit_bias={eos: 100}, min_tokens=2)
     assert r.output_ids[0][2] == eos and eos not in r.output_ids[0][:2] and r.finish_reasons == ["stop"]
+    # structured outputs (the build's tokenizer compiles the grammar): greedy and seeded
+    so = {"choice": ["yes", "no"]}
+    r = m.generate(["Answer:"] * 2, [SamplingParams(temperature=0, max_tokens=8, structured_outputs=so),
+                                     SamplingParams(seed=1, max_tokens=8, structured_outputs={"regex": "[0-9]{3}"})])
+    assert r.texts[0] in ("yes", "no") and re.fullmatch("[0-9]{3}", r.texts[1]) and r.finish_reasons == ["stop"] * 2
     plain = m.generate([[1, 2, 3]], temperature=0, max_tokens=12, ignore_eos=True).output_ids[0]
     pen = m.generate([[1, 2, 3]], temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=2.0,
                      repetition_penalty=1.5).output_ids[0]

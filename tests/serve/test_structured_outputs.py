@@ -145,3 +145,37 @@ def test_a_refused_token_fails_that_request_alone(tiny_server):
     assert status == 500 and "structured outputs: the grammar refused generated token" in got["error"]["message"], got
     status, body = tiny_server.post("/v1/chat/completions", chat(guided_choice=["yes", "no"]))
     assert status == 200 and texts(body, "content")[0] in ("yes", "no"), body
+
+
+def test_engine_batch_mixes_constrained_and_plain_requests(tiny_server, tiny_serving):
+    """The engine (`Engine.submit`, one decode batch of two): a constrained request
+    (ignore_eos: its grammar still ends it, with "stop") beside a plain one of the same
+    seed, which stays unconstrained (it runs to max_tokens, its text no digits only);
+    the constrained one's logprobs are the model's raw ones (its top alternatives
+    include tokens the mask left out)."""
+    import threading
+
+    from flintc.sampling import SamplingParams
+    from flintc.serve.engine import GenRequest
+
+    _, tok = tiny_serving
+    engine = tiny_server.engine
+
+    def submit(params, **kw):
+        outs, done = [], threading.Event()
+        req = GenRequest(tok.encode("Answer:"), params, lambda o: (outs.append(o), o.finished and done.set()),
+                         stop_token_ids=frozenset({tok.eos_token_id}), **kw)
+        engine.submit(req)
+        return outs, done
+
+    plain = SamplingParams(seed=9, max_tokens=10, ignore_eos=True)
+    so = SamplingParams(seed=9, max_tokens=10, ignore_eos=True, structured_outputs={"regex": "[0-9]{5}"})
+    (c_outs, c_done), (p_outs, p_done) = submit(so, logprobs=3), submit(plain)
+    assert c_done.wait(60) and p_done.wait(60)
+    assert p_outs[-1].finish_reason == "length" and len([t for o in p_outs for t in o.token_ids]) == 10
+    assert not re.fullmatch(r"[0-9]*", "".join(o.text for o in p_outs))
+    text = "".join(o.text for o in c_outs)
+    assert re.fullmatch(r"[0-9]{5}", text) and c_outs[-1].finish_reason == "stop", (text, c_outs[-1])
+    lps = [lp for o in c_outs for lp in o.logprobs]
+    assert len(lps) == len([t for o in c_outs for t in o.token_ids])
+    assert any(not tok.decode([i]).isdigit() for lp in lps for i, _ in lp.top), "raw distribution's top tokens"
