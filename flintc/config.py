@@ -82,6 +82,7 @@ class FlintConfig:
         """
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a JSON object, found a JSON {json_type(data)}")
+        _check_rope_fields(data, source)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             if f.name == "source":
@@ -287,6 +288,38 @@ class FlintConfig:
             "active_lm_head": lm_head,
             "embedding": embedding,
         }
+
+
+def _check_rope_fields(data: dict[str, Any], source: str) -> None:
+    """Refuse the Hugging Face fields that change RoPE when they ask for anything but
+    Flint's plain RoPE over the whole head (FLINT_SPEC 2): `rope_scaling` /
+    `rope_parameters` with a type other than "default" (yarn, linear, dynamic, llama3,
+    ...), or a `partial_rotary_factor` other than 1. Other unknown fields are ignored, as
+    before; these were too, and the model ran without the scaling the config asks for
+    (vLLM applies it), so its results were silently another model's.
+
+    Raises:
+        ConfigError: naming `source`, the field and its value.
+    """
+    def shown(v) -> str:
+        text = json.dumps(v, default=str)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    for name in ("rope_scaling", "rope_parameters"):
+        value = data.get(name)
+        if value is None or value == {}:
+            continue
+        kind = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else None
+        if kind != "default":
+            raise ConfigError(f"{source}: field '{name}' is {shown(value)}: Flint has no RoPE scaling (FLINT_SPEC "
+                              "2: plain RoPE at rope_theta), so flintc would run another model than this config "
+                              "describes; remove the field or set it to null")
+    factor = data.get("partial_rotary_factor")
+    if factor is not None and not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
+                                   and factor == 1):
+        raise ConfigError(f"{source}: field 'partial_rotary_factor' is {shown(factor)}: Flint rotates the whole "
+                          "head (FLINT_SPEC 2), so flintc would run another model than this config describes; "
+                          "remove the field or set it to 1")
 
 
 def _coerce(source: str, name: str, value: Any, annotation: Any) -> Any:

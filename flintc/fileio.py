@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import tempfile
 from pathlib import Path
 
@@ -129,6 +130,19 @@ def naming_final_output(tmp, out):
         raise renamed from exc
 
 
+def is_special_file(path: str | os.PathLike) -> bool:
+    """`path` exists (links followed) and is neither a regular file nor a folder: a
+    character device (/dev/null, a terminal), a FIFO (a shell's `>(...)`, /dev/stdout on
+    a pipe) or a socket. An output there is written into, never replaced by a rename: as
+    root, `--logits-out /dev/null` replaced the device with a regular file (and /dev
+    takes no new files for other users, so the same flag was refused for them)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def write_text_atomic(path, text: str) -> None:
     """Write `text` (UTF-8) to `path` atomically (module doc), creating its folder; on
     failure the temporary file is removed and `path` is untouched. Raises OSError naming
@@ -150,10 +164,15 @@ def write_texts_atomic(files: dict) -> None:
     bench.json after each step) leaves it newer than the others until the next pair is
     written. Creates the folders. Raises OSError naming the file whose write failed
     (`naming_write_errors`), or IsADirectoryError for a path that is a folder (before any
-    rename); the temporary files are removed."""
+    rename); the temporary files are removed. A path that is a device, a FIFO or a
+    socket (`is_special_file`: /dev/null, /dev/stdout) is written into directly, after
+    the renames."""
     temps: list[tuple[str, Path]] = []
+    special = {path: text for path, text in files.items() if is_special_file(path)}
     try:
         for path, text in files.items():
+            if path in special:
+                continue
             target = Path(path)
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
@@ -176,6 +195,9 @@ def write_texts_atomic(files: dict) -> None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         raise
+    for path, text in special.items():
+        with naming_write_errors(path), open(path, "w", encoding="utf-8") as f:
+            f.write(text)
 
 
 def write_json_atomic(path, obj) -> None:

@@ -55,3 +55,26 @@ def test_sliding_window_longer_than_max_position_embeddings_is_refused(window):
     # no sliding layer: the window is never used, any value goes (as before)
     every_full = {**PRESETS["tiny"], "layer_types": ["full_attention"] * PRESETS["tiny"]["num_hidden_layers"]}
     assert FlintConfig.from_dict({**every_full, "sliding_window": 10**9}).sliding_window == 10**9
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rope_scaling", {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}),
+    ("rope_scaling", {"rope_type": "linear", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}),
+    ("rope_scaling", "yarn"),
+    ("partial_rotary_factor", 0.5),
+    ("partial_rotary_factor", "1"),
+])
+def test_rope_fields_asking_for_another_rope_are_refused(field, value):
+    """A config.json with Hugging Face's `rope_scaling` (yarn, linear, ...), `rope_parameters`
+    of another type, or a `partial_rotary_factor` below 1 loaded without a word and ran
+    Flint's plain RoPE, another model than the config describes (vLLM applies them):
+    refused naming the file and the field. Their default values load as before."""
+    with pytest.raises(ConfigError, match=f"^<x>: field '{field}' is .*flintc would run another model than this "
+                                          "config describes; remove the field"):
+        FlintConfig.from_dict({**PRESETS["tiny"], field: value}, source="<x>")
+    tiny = FlintConfig.preset("tiny")
+    for same in ({"rope_scaling": None}, {"rope_scaling": {}}, {"rope_scaling": {"rope_type": "default"}},
+                 {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                 {"partial_rotary_factor": 1.0}, {"partial_rotary_factor": 1}, {"some_other_field": [1]}):
+        assert FlintConfig.from_dict({**PRESETS["tiny"], **same}) == tiny

@@ -173,15 +173,21 @@ def check_output_file(path, flag: str) -> None:
     --json) cannot be written: it must not be empty, its folder must exist (it is not
     created: a typo in it would make folders) and be one a file can be created in, and
     `path` must not be a folder itself, nor end in a slash (`Path` drops it: --json new/
-    wrote a file `new`). Raises InputError naming the flag and path."""
+    wrote a file `new`). A device, FIFO or socket (/dev/null, /dev/stdout:
+    `flintc.fileio.is_special_file`) is written into, not replaced: it must be writable,
+    its folder need not be. Raises InputError naming the flag and path."""
     import os
     from pathlib import Path
 
     from flintc.errors import InputError
-    from flintc.fileio import cannot_write_in
+    from flintc.fileio import cannot_write_in, is_special_file
 
     check_not_empty(path, flag, "a file name")
     target = Path(path)
+    if is_special_file(target):
+        if not os.access(target, os.W_OK):
+            raise InputError(f"{flag} {path}: not writable")
+        return
     parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
         raise InputError(f"{flag} {path}: is a directory, expected a file name")

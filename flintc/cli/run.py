@@ -543,9 +543,17 @@ class _TextStream:
 def _save_npy_atomic(path: str, array) -> None:
     import numpy as np
 
-    from flintc.fileio import naming_write_errors, set_public_mode
+    from flintc.fileio import is_special_file, naming_write_errors, set_public_mode
 
     target = Path(path)
+    if is_special_file(target):  # /dev/null, a FIFO: written into, never renamed over
+        import io
+
+        buf = io.BytesIO()  # np.save needs a seekable file for its data (a FIFO is not)
+        np.save(buf, array)
+        with naming_write_errors(target), open(target, "wb") as f:
+            f.write(buf.getbuffer())
+        return
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
     try:
         with naming_write_errors(target), os.fdopen(fd, "wb") as f:

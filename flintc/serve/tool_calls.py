@@ -137,16 +137,18 @@ class ToolCallParser:
         self._in_call = False
         self._held = ""  # partial <tool_call> tag, or the open block's text
         self._ws = ""  # whitespace after a call, emitted only if text follows
+        self._after_call = False  # no content since the last call: whitespace is held
         self.calls: list[ToolCall] = []
 
     def _content(self, text: str, out: list[str]) -> None:
         if not text:
             return
-        if self.calls and not (self._ws + text).strip():
+        if self._after_call and not (self._ws + text).strip():
             self._ws += text
             return
         out.append(self._ws + text)
         self._ws = ""
+        self._after_call = False
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Add the next chunk. -> (content delta, calls completed by this chunk)."""
@@ -179,6 +181,7 @@ class ToolCallParser:
                 if self._ws:  # whitespace between two calls is dropped
                     self._ws = ""
                 self.calls.append(call)
+                self._after_call = True
                 new.append(call)
         return "".join(content), new
 

@@ -170,6 +170,33 @@ def test_atomic_pair_write_on_a_full_disk_keeps_both_old_files(tmp_path, monkeyp
     assert _left_in(tmp_path) == ["bench.json", "bench.md", "d"]
 
 
+def test_atomic_write_into_a_fifo_writes_into_it(tmp_path):
+    """Regression: `write_texts_atomic` renamed its temporary file over a FIFO (verify
+    --json /dev/stdout on a pipe; as root, /dev/null became a regular file): a device,
+    FIFO or socket is written into, the other files still renamed into place."""
+    import stat
+    import threading
+
+    from flintc import fileio
+
+    fifo, a = tmp_path / "fifo", tmp_path / "a.json"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    try:
+        fileio.write_texts_atomic({a: "new a", fifo: '{"passed": true}'})
+    finally:
+        if reader.is_alive():
+            with open(fifo, "w"):
+                pass
+        reader.join()
+    assert got == ['{"passed": true}'] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert a.read_text() == "new a" and _left_in(tmp_path) == ["a.json", "fifo"]
+    assert fileio.is_special_file(os.devnull) and not fileio.is_special_file(a)
+    assert not fileio.is_special_file(tmp_path) and not fileio.is_special_file(tmp_path / "missing")
+
+
 def test_final_output_error_names_the_output_not_the_hidden_folder(tmp_path):
     from flintc.fileio import final_output_error, naming_write_errors
 

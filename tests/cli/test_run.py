@@ -89,6 +89,38 @@ def test_logits_out(capsys, tmp_path, tiny_bf16_dir):
     assert [p.name for p in tmp_path.iterdir()] == ["logits.npy"]  # no temp file left
 
 
+def test_logits_out_into_a_fifo_writes_into_it(capsys, tmp_path, tiny_bf16_dir):
+    """Regression: --logits-out wrote a temporary file and renamed it over the path, so a
+    FIFO (or, as root, /dev/null: the device became a regular file) was replaced by a
+    regular file instead of written into."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    try:
+        code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "5,6", "--max-tokens", 1,
+                               "--output", "json", "--logits-out", fifo)
+    finally:
+        if reader.is_alive():  # unblock the reader if nothing opened the FIFO
+            with open(fifo, "wb"):
+                pass
+        reader.join()
+    assert code == 0, err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    import io
+
+    assert np.load(io.BytesIO(got[0])).shape == (2, 512)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]  # no temp file left
+    code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "5", "--max-tokens", 1,
+                           "--logits-out", os.devnull)
+    assert code == 0, err
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+
 def test_seeded_sampling_is_reproducible(capsys, tiny_nvfp4_gguf):
     runs = [run_cli(capsys, "run", tiny_nvfp4_gguf, "--prompt", "hello", "--max-tokens", 6,
                     "--seed", 11, "--output", "json", "--ignore-eos")[1] for _ in range(2)]

@@ -133,6 +133,12 @@ TOOL_CASES = [
     ("<tool_call>get_time</tool_call>", "", [("get_time", {})]),
     # plain text
     ("no calls here < tool_call >", "no calls here < tool_call >", []),
+    # text after a call keeps its trailing whitespace, however it is cut (regression: a
+    # chunk of only whitespace after such text was held as if right after the call, and
+    # dropped at the end); whitespace right after the last call is still dropped
+    ("<tool_call>get_time</tool_call>Done. \n", "Done. \n", [("get_time", {})]),
+    ("<tool_call>get_time</tool_call>\nok \n<tool_call>get_time</tool_call> \n", "\nok \n",
+     [("get_time", {}), ("get_time", {})]),
 ]
 
 MALFORMED = [
