@@ -121,7 +121,7 @@ import torch
 
 from flintc.kernels.tuning import env_entries
 
-__all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_EPILOGUE", "EARLY_EPILOGUE_KERNELS", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
+__all__ = ["DOWN_LAUNCH", "DOWN_PREFETCH", "EARLY_EPILOGUE_KERNELS", "early_epilogue_default", "EARLY_TRIGGER", "GATE_UP_LAUNCH", "GATE_UP_MIN_BLOCKS",
            "GATE_UP_PREFETCH", "GATE_UP_ROUTE", "gate_up_route",
            "GEMV_LAUNCH", "gemv_launch",
            "MAX_SMEM", "MMA_KERNELS", "QKV_LAUNCH_ORDER", "gate_up_launch", "mma_trigger_early",
@@ -2229,7 +2229,8 @@ def mma_gemv(x: torch.Tensor, wq: torch.Tensor, sq: torch.Tensor, gscale: torch.
     kernel = _kernel(row_tiles, K, splits, prefetch, warps, epi, bool(use_pdl), bf16=bf16,
                      trigger_early=mma_trigger_early("gemv"),
                      l2_prefetch=mma_l2_prefetch("gemv"),
-                     early_epilogue=epi == EPI_RESIDUAL and mma_early_epilogue("gemv"),
+                     early_epilogue=epi == EPI_RESIDUAL and mma_early_epilogue(
+                         "gemv", "bf16" if bf16 else "nvfp4", K, N),
                      device=x.device)
     _launch(kernel, (FT // row_tiles, splits), 32 * warps,
             [wq, sq, gscale, x, residual if residual is not None else x, out, N, F],
@@ -2394,24 +2395,46 @@ def mma_l2_prefetch(kernel: str) -> bool:
 # critical path, serialised by the stores), the MoE down kernel's residual and routing
 # weights staged in shared memory before the block's barrier by the warps that finish
 # first (loaded in the combine, after the barrier). The same results, bit for bit.
-# FLINTC_MMA_EARLY_EPILOGUE overrides it (`mma_early_epilogue`). Written on the CPU
-# (NVRTC compile, PTX order checked); not yet timed on a GPU, so off by default:
-# `scripts/gpu_env_ab.sh` with AB_VAR=FLINTC_MMA_EARLY_EPILOGUE, or
-# `scripts/gpu_kernel_ab.sh`, decides.
+# FLINTC_MMA_EARLY_EPILOGUE, when set, lists the kernels that do at every shape
+# (`mma_early_epilogue`); unset, `early_epilogue_default` decides per shape, from the
+# H200 A/B of session 42 (docs/gpu-runs.md; `scripts/gpu_kernel_ab.sh`, 3 rounds, us old
+# -> new): the GEMV + residual bf16 O projection 5.8 -> 5.6 / 6.7 -> 6.2 (N = 1 / 8), bf16
+# dense down 13.1 -> 12.0 / 14.4 -> 12.9, NVFP4 O projection (K 4096) 3.5 -> 3.4 / 3.7 ->
+# 3.5, but NVFP4 dense down (K 10240) 6.6 -> 7.2 / 7.2 -> 7.4; the MoE down kernel bf16
+# 5.3 -> 5.1 / 8.2 -> 8.0 / 23.5 -> 23.3 (N = 1 / 2 / 8), NVFP4 3.2 -> 3.0 / 4.2 -> 4.0,
+# but 9.5 -> 9.9 at N = 8.
 EARLY_EPILOGUE_KERNELS = ("gemv", "down")
-EARLY_EPILOGUE: frozenset = frozenset()
+EARLY_EPILOGUE_MAX_NVFP4_GEMV_K = 4096
+EARLY_EPILOGUE_MAX_NVFP4_DOWN_N = 2
 
 
-def mma_early_epilogue(kernel: str) -> bool:
+def early_epilogue_default(kernel: str, fmt: str, K: int, N: int) -> bool:
+    """Whether the CUDA `kernel` ("gemv": the GEMV with the residual epilogue; "down": the
+    MoE down kernel) loads its epilogue's inputs early when FLINTC_MMA_EARLY_EPILOGUE is
+    unset, for weights in `fmt` ("bf16" or "nvfp4"), K inputs and N tokens: bf16 always;
+    NVFP4 the GEMV at K <= 4096 and the MoE down kernel at N <= 2, the shapes where the
+    H200 measured it faster (comment above)."""
+    if fmt == "bf16":
+        return True
+    if kernel == "gemv":
+        return K <= EARLY_EPILOGUE_MAX_NVFP4_GEMV_K
+    return N <= EARLY_EPILOGUE_MAX_NVFP4_DOWN_N
+
+
+def mma_early_epilogue(kernel: str, fmt: str | None = None, K: int = 0, N: int = 1) -> bool:
     """Whether the CUDA `kernel` (one of `EARLY_EPILOGUE_KERNELS`) loads its epilogue's
     inputs early: FLINTC_MMA_EARLY_EPILOGUE, when set, is a comma-separated list of those
-    that do ("" or "none": none; "all": every one); otherwise `EARLY_EPILOGUE`. Changes
-    only when the loads are issued, never the results.
+    that do at every shape ("" or "none": none; "all": every one); unset,
+    `early_epilogue_default(kernel, fmt, K, N)` (False without a `fmt`). Changes only when
+    the loads are issued, never the results.
 
     Raises:
         TuningEnvError (a ValueError): FLINTC_MMA_EARLY_EPILOGUE names something else.
     """
-    return kernel in _kernel_set("FLINTC_MMA_EARLY_EPILOGUE", EARLY_EPILOGUE, EARLY_EPILOGUE_KERNELS)
+    listed = _kernel_set("FLINTC_MMA_EARLY_EPILOGUE", None, EARLY_EPILOGUE_KERNELS)
+    if listed is not None:
+        return kernel in listed
+    return fmt is not None and early_epilogue_default(kernel, fmt, K, N)
 
 
 # (warps, K slices per item) of the MoE down kernel by weight format, per N (1-8); the
@@ -2533,7 +2556,8 @@ def moe_down(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down: li
     kernel = _kernel(1, I, splits, prefetch, warps, EPI_RESIDUAL, bool(use_pdl), K, bf16=bf16,
                      trigger_early=mma_trigger_early("down"),
                      l2_prefetch=mma_l2_prefetch("down"),
-                     early_epilogue=mma_early_epilogue("down"), device=h.device)
+                     early_epilogue=mma_early_epilogue("down", "bf16" if bf16 else "nvfp4", I, N),
+                     device=h.device)
     _launch(kernel, (H // 16, 1), 32 * warps,
             [wq, sq, gs, 1 if gs.numel() > 1 else 0, swq, ssq, sgs, h, ids, weights,
              residual, out, N, H], bool(use_pdl))

@@ -1131,18 +1131,29 @@ def test_early_epilogue_in_the_ptx(bf16):
 
 
 def test_early_epilogue_env(monkeypatch):
-    """`mma_early_epilogue`: EARLY_EPILOGUE when FLINTC_MMA_EARLY_EPILOGUE is unset, else
-    the kernels it lists ("all", "none" / empty); anything else is a TuningEnvError naming
-    the variable."""
+    """`mma_early_epilogue`: unset FLINTC_MMA_EARLY_EPILOGUE, the measured per-shape
+    default (session 42, H200: bf16 always; NVFP4 the O projection's K 4096 but not the
+    dense down's 10240, the MoE down kernel at N <= 2 but not 8); set, the kernels it lists
+    at every shape ("all", "none" / empty); anything else is a TuningEnvError naming the
+    variable."""
     from flintc.kernels.tuning import TuningEnvError
 
     monkeypatch.delenv("FLINTC_MMA_EARLY_EPILOGUE", raising=False)
-    for k in M.EARLY_EPILOGUE_KERNELS:
-        assert M.mma_early_epilogue(k) == (k in M.EARLY_EPILOGUE)
+    cases = [("gemv", "bf16", 4096, 1, True), ("gemv", "bf16", 10240, 8, True),
+             ("gemv", "nvfp4", 4096, 1, True), ("gemv", "nvfp4", 4096, 8, True),
+             ("gemv", "nvfp4", 10240, 1, False), ("down", "bf16", 768, 8, True),
+             ("down", "nvfp4", 768, 1, True), ("down", "nvfp4", 768, 2, True),
+             ("down", "nvfp4", 768, 8, False)]
+    for kernel, fmt, K, N, want in cases:
+        assert M.mma_early_epilogue(kernel, fmt, K, N) is want, (kernel, fmt, K, N)
+        assert M.early_epilogue_default(kernel, fmt, K, N) is want
+    assert not any(M.mma_early_epilogue(k) for k in M.EARLY_EPILOGUE_KERNELS)  # no format: off
     for text, on in (("all", {"gemv", "down"}), ("none", set()), ("", set()), ("down", {"down"}),
                      (" GEMV , down ", {"gemv", "down"})):
         monkeypatch.setenv("FLINTC_MMA_EARLY_EPILOGUE", text)
         assert {k for k in M.EARLY_EPILOGUE_KERNELS if M.mma_early_epilogue(k)} == on, text
+        for kernel, fmt, K, N, _ in cases:  # the variable wins at every shape
+            assert M.mma_early_epilogue(kernel, fmt, K, N) is (kernel in on)
     for bad in ("qkv", "gemv,none"):
         monkeypatch.setenv("FLINTC_MMA_EARLY_EPILOGUE", bad)
         with pytest.raises(TuningEnvError, match="FLINTC_MMA_EARLY_EPILOGUE must list kernels"):
