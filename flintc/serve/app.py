@@ -99,7 +99,7 @@ TOOL_CALL_PARSERS = ("glm47",)
 REASONING_PARSERS = ("glm47",)
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
-MAX_COMPLETION_LOGPROBS = 5  # completions (OpenAI's limit)
+MAX_COMPLETION_LOGPROBS = 20  # completions: vLLM's default --max-logprobs (OpenAI's API allows 5)
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
 MAX_STOP = 4
 # Chat turns end at any of these (GLM's generation_config lists the same three).

@@ -1271,6 +1271,13 @@ def test_completion_top_logprobs_hold_the_sampled_token(client, tiny_serving):
                                   extra_body={"ignore_eos": True})
     assert all(len(top) == 2 and list(top)[0] == t
                for t, top in zip(r.choices[0].logprobs.tokens, r.choices[0].logprobs.top_logprobs))
+    # up to vLLM's default --max-logprobs, 20 (OpenAI's API stops at 5; this server did too)
+    r = client.completions.create(model=MODEL, prompt="The model", max_tokens=2, temperature=0, logprobs=20,
+                                  extra_body={"ignore_eos": True})
+    tops = r.choices[0].logprobs.top_logprobs
+    assert len(tops) == 2 and all(10 < len(top) <= 20 for top in tops), [len(t) for t in tops]
+    with pytest.raises(openai.BadRequestError, match=r"must be in \[0, 20\]"):
+        client.completions.create(model=MODEL, prompt="The model", max_tokens=2, logprobs=21)
 
 
 @pytest.mark.parametrize("echo", [False, True], ids=["plain", "echo"])
