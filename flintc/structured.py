@@ -134,6 +134,8 @@ def grammar_text(spec) -> str:
         return llg.grammar_from(kind, getattr(spec, kind))  # regex, grammar
     except ValueError as exc:
         raise InputError(f"structured_outputs field '{kind}': {one_line(exc)}") from None
+    except RecursionError:  # (json.dumps of a schema nested thousands deep)
+        raise InputError(f"structured_outputs field '{kind}': the schema is too deeply nested") from None
 
 
 _CHECKED: "collections.OrderedDict" = collections.OrderedDict()
@@ -262,8 +264,12 @@ class GrammarMatcher:
                 continue
             if not self._m.consume_token(tok):
                 err = self._m.get_error().strip().splitlines()
+                # the mask allows only the grammar's tokens, so the sampler drew another
+                # only from a row that no token was left in (or a NaN row)
                 raise StructuredOutputError(f"structured outputs: the grammar refused generated token {tok}"
-                                            f"{': ' + err[0] if err else ''}")
+                                            f"{': ' + err[0] if err else ''} (no token the grammar allows next "
+                                            f"was left to draw: allowed_token_ids, bad_words, min_tokens or the "
+                                            f"stop tokens excluded them all, or the logits were NaN)")
 
     def allowed_words(self) -> np.ndarray:
         """int32 [ceil(max(V_tok, stop ids + 1) / 32)]: the bitmask of the tokens allowed next
