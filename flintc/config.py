@@ -305,15 +305,25 @@ def _check_rope_fields(data: dict[str, Any], source: str) -> None:
         text = json.dumps(v, default=str)
         return text if len(text) <= 60 else text[:57] + "..."
 
+    layer_types = ("full_attention", "sliding_attention")
     for name in ("rope_scaling", "rope_parameters"):
         value = data.get(name)
         if value is None or value == {}:
             continue
-        kind = value.get("rope_type", value.get("type", "default")) if isinstance(value, dict) else None
-        if kind != "default":
-            raise ConfigError(f"{source}: field '{name}' is {shown(value)}: Flint has no RoPE scaling (FLINT_SPEC "
-                              "2: plain RoPE at rope_theta), so flintc would run another model than this config "
-                              "describes; remove the field or set it to null")
+        # transformers' per-layer-type form: {"full_attention": {...}, "sliding_attention": {...}}
+        per_type = isinstance(value, dict) and value and all(k in layer_types for k in value)
+        for part in (value.values() if per_type else (value,)):
+            kind = part.get("rope_type", part.get("type", "default")) if isinstance(part, dict) else None
+            if kind != "default":
+                raise ConfigError(f"{source}: field '{name}' is {shown(value)}: Flint has no RoPE scaling "
+                                  "(FLINT_SPEC 2: plain RoPE at rope_theta), so flintc would run another model "
+                                  "than this config describes; remove the field or set it to null")
+            theta, top = part.get("rope_theta"), data.get("rope_theta")
+            if theta is not None and top is not None and theta != top:
+                raise ConfigError(f"{source}: field '{name}' is {shown(value)}: its rope_theta {shown(theta)} is "
+                                  f"not the config's rope_theta {shown(top)}, which flintc runs (FLINT_SPEC 2: "
+                                  "one rope_theta), so flintc would run another model than this config "
+                                  "describes; remove the field or make them equal")
     factor = data.get("partial_rotary_factor")
     if factor is not None and not (isinstance(factor, (int, float)) and not isinstance(factor, bool)
                                    and factor == 1):

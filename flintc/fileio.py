@@ -196,8 +196,12 @@ def write_texts_atomic(files: dict) -> None:
                 os.unlink(tmp)
         raise
     for path, text in special.items():
-        with naming_write_errors(path), open(path, "w", encoding="utf-8") as f:
-            f.write(text)
+        if isinstance(text, bytes):
+            with naming_write_errors(path), open(path, "wb") as f:
+                f.write(text)
+        else:
+            with naming_write_errors(path), open(path, "w", encoding="utf-8") as f:
+                f.write(text)
 
 
 def write_json_atomic(path, obj) -> None:

@@ -157,11 +157,15 @@ class StructuredOutputsParams:
                     js = json.dumps(js)
                 except (TypeError, ValueError) as exc:
                     fail("json", f"the schema is not JSON data: {exc}")
+                except RecursionError:
+                    fail("json", "the schema is too deeply nested")
             else:
                 try:
                     parsed = json.loads(js)
                 except ValueError as exc:
                     fail("json", f"not valid JSON: {exc}")
+                except RecursionError:
+                    fail("json", "the schema is too deeply nested")
                 if not isinstance(parsed, (dict, bool)):
                     fail("json", f"a JSON schema must be an object, got {type(parsed).__name__}")
             object.__setattr__(self, "json", js)

@@ -134,6 +134,8 @@ def grammar_text(spec) -> str:
         return llg.grammar_from(kind, getattr(spec, kind))  # regex, grammar
     except ValueError as exc:
         raise InputError(f"structured_outputs field '{kind}': {one_line(exc)}") from None
+    except RecursionError:  # (json.dumps of a schema nested thousands deep)
+        raise InputError(f"structured_outputs field '{kind}': the schema is too deeply nested") from None
 
 
 _CHECKED: "collections.OrderedDict" = collections.OrderedDict()
@@ -233,6 +235,10 @@ class GrammarMatcher:
         self.stop_token_ids = sorted({int(t) for t in stop_token_ids})
         self.consumed = 0  # tokens of the sequence's output fed to the matcher
         self.ended = False  # a stop token was drawn where the grammar accepts
+        # the last `allowed` mask and the `consumed` count it was made at (the logprobs of
+        # the token drawn from it are taken over it: `masked_for_logprobs`)
+        self._mask = None
+        self._mask_at = -1
 
     @property
     def finished(self) -> bool:
@@ -262,8 +268,12 @@ class GrammarMatcher:
                 continue
             if not self._m.consume_token(tok):
                 err = self._m.get_error().strip().splitlines()
+                # the mask allows only the grammar's tokens, so the sampler drew another
+                # only from a row that no token was left in (or a NaN row)
                 raise StructuredOutputError(f"structured outputs: the grammar refused generated token {tok}"
-                                            f"{': ' + err[0] if err else ''}")
+                                            f"{': ' + err[0] if err else ''} (no token the grammar allows next "
+                                            f"was left to draw: allowed_token_ids, bad_words, min_tokens or the "
+                                            f"stop tokens excluded them all, or the logits were NaN)")
 
     def allowed_words(self) -> np.ndarray:
         """int32 [ceil(max(V_tok, stop ids + 1) / 32)]: the bitmask of the tokens allowed next
@@ -292,4 +302,17 @@ class GrammarMatcher:
         host = torch.from_numpy(self.allowed_words())
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
-        return _bits(host.to(device, non_blocking=True), vocab)
+        mask = _bits(host.to(device, non_blocking=True), vocab)
+        self._mask, self._mask_at = mask, self.consumed
+        return mask
+
+    def masked_for_logprobs(self, row: torch.Tensor, drawn_at: int) -> torch.Tensor:
+        """`row` (the logits [V] a token was drawn from, at output position `drawn_at`:
+        the number of tokens generated before it) with -inf where the grammar's mask of
+        that step left none, as vLLM computes a constrained request's logprobs (its
+        grammar bitmask is applied to the logits before its sampler, so even its raw
+        logprobs are over the allowed tokens). `row` as it is when no mask of that step
+        is held (the sequence's first token on a path that never masked)."""
+        if self._mask is None or self._mask_at != drawn_at or self._mask.shape[0] != row.shape[-1]:
+            return row
+        return row.masked_fill(~self._mask, float("-inf"))

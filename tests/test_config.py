@@ -78,3 +78,24 @@ def test_rope_fields_asking_for_another_rope_are_refused(field, value):
                  {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
                  {"partial_rotary_factor": 1.0}, {"partial_rotary_factor": 1}, {"some_other_field": [1]}):
         assert FlintConfig.from_dict({**PRESETS["tiny"], **same}) == tiny
+
+
+@pytest.mark.parametrize("value", [
+    {"full_attention": {"rope_type": "yarn", "factor": 4.0}, "sliding_attention": {"rope_type": "default"}},
+    {"sliding_attention": {"rope_type": "linear", "factor": 2.0}},
+    {"rope_type": "default", "rope_theta": 500000.0},
+    {"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+     "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}},
+])
+def test_rope_parameters_per_layer_type_or_with_another_theta_are_refused(value):
+    """Transformers' `rope_parameters` keyed by layer type (full_attention /
+    sliding_attention, Flint's two kinds) with a scaled RoPE in one of them was taken as
+    the default type (the outer dict has no rope_type); a rope_theta in it other than
+    config.json's rope_theta (which flintc runs) loaded without a word. Both refused,
+    naming the field; the same value as rope_theta loads."""
+    with pytest.raises(ConfigError, match="^<x>: field 'rope_parameters'"):
+        FlintConfig.from_dict({**PRESETS["tiny"], "rope_parameters": value}, source="<x>")
+    theta = PRESETS["tiny"]["rope_theta"]
+    same = {"full_attention": {"rope_type": "default", "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": theta}}
+    assert FlintConfig.from_dict({**PRESETS["tiny"], "rope_parameters": same}) == FlintConfig.preset("tiny")

@@ -228,3 +228,40 @@ def test_generate_needs_the_tokenizer_and_compiled_model_passes_it(tiny):
                                                               structured_outputs={"regex": "[0-9]{4}"})])
     assert r.finish_reasons == ["stop", "stop"] and r.texts[0] in ("yes", "no") \
         and re.fullmatch(r"[0-9]{4}", r.texts[1]), r.texts
+
+
+# ---- review fixes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [{"allowed_token_ids": [5, 6]}, {"bad_words_token_ids": None}])
+def test_masks_leaving_no_grammar_token_say_so(tiny, extra):
+    """allowed_token_ids (or bad words) that exclude every token the grammar allows next
+    leave the row all -inf: the sampler draws an unspecified token, which the grammar
+    refuses. The error says why (no token was left to draw, and which masks can do
+    that), not only llguidance's parser message about an arbitrary token."""
+    from flintc.structured import StructuredOutputError
+
+    _, tok = tiny
+    if "bad_words_token_ids" in extra:  # every token 'yes' / 'no' can start with
+        extra = {"bad_words_token_ids": [[t] for t in range(512) if tok.decode([t]) and
+                                          ("yes".startswith(tok.decode([t])) or "no".startswith(tok.decode([t])))]}
+    p = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]}, **extra)
+    with pytest.raises(StructuredOutputError, match="(?s)refused generated token.*no token the grammar allows "
+                                                     "next was left.*allowed_token_ids.*bad_words"):
+        _gen(tiny, ["Answer:"], [p])
+
+
+@pytest.mark.parametrize("kw", [{"json": "deep"}, {"json": "deep-dict"}])
+def test_a_too_deeply_nested_schema_is_an_input_error(kw):
+    """A schema nested deeper than Python's JSON encoder recurses (5000 arrays) was a
+    RecursionError out of StructuredOutputsParams (a 500 in the server), not the
+    InputError naming the field that a schema nested 500 deep gets (llguidance's
+    limit)."""
+    s = {"type": "integer"}
+    for _ in range(5000):
+        s = {"type": "array", "items": s}
+    value = s if kw["json"] == "deep-dict" else None
+    if value is None:  # the JSON text, built without recursion
+        value = '{"type": "array", "items": ' * 5000 + '{"type": "integer"}' + "}" * 5000
+    with pytest.raises(InputError, match="field 'json': .*nested"):
+        StructuredOutputsParams(json=value)

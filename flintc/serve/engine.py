@@ -34,8 +34,11 @@ cache hit). ``sample`` masks the logits with it at every step (the stop tokens o
 the grammar accepts); each token the sequence generates is fed to it, and once the
 grammar is complete (nothing more can follow) the sequence ends with finish reason
 "stop". A grammar that fails to compile, or refuses a token (it should not: the forced
-tokens of the test hook can), fails that request alone with an error. Logprobs stay the
-model's raw distribution, as with ``allowed_token_ids``.
+tokens of the test hook can), fails that request alone with an error. Logprobs are
+those of the logits the grammar's mask leaves (renormalized over the allowed tokens, the
+others -inf), as vLLM's, which applies its grammar bitmask to the logits before its
+sampler computes even the raw logprobs; the other masks (``allowed_token_ids``, ...)
+leave them the model's own, as there.
 
 Text is made here too, so that a stop string can end a sequence at once: each
 sequence has an :class:`~flintc.checkpoint.tokenizer.IncrementalDetokenizer`
@@ -605,7 +608,11 @@ class Engine:
                 tok = forced[n] if n < len(forced) else self._forced_end(seq)
             lp = None
             if seq.req.logprobs is not None:
-                lp = self._logprob(logits[b], tok, seq.req.logprobs)
+                row = logits[b]
+                grammar = seq.history.grammar if seq.history is not None else None
+                if grammar is not None:  # over the tokens its grammar allowed, as vLLM's
+                    row = grammar.masked_for_logprobs(row, len(seq.out_ids))
+                lp = self._logprob(row, tok, seq.req.logprobs)
             self._push(seq, int(tok), lp)
 
     def _prefill_prompt_logprobs(self, slot: int, ids: list[int], k: int

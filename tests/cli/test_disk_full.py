@@ -197,6 +197,31 @@ def test_atomic_write_into_a_fifo_writes_into_it(tmp_path):
     assert not fileio.is_special_file(tmp_path) and not fileio.is_special_file(tmp_path / "missing")
 
 
+def test_atomic_write_of_bytes_into_a_device_or_fifo(tmp_path):
+    """`write_texts_atomic` takes bytes (bench's PNGs) as well as text; a device or FIFO
+    among its paths was opened in text mode, so bytes for it were a TypeError after the
+    other files had been renamed into place. Written as they are."""
+    import threading
+
+    from flintc import fileio
+
+    fileio.write_texts_atomic({os.devnull: b"\x89PNG\r\n", tmp_path / "a.md": "a"})
+    assert (tmp_path / "a.md").read_text() == "a"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    try:
+        fileio.write_texts_atomic({fifo: b"\x89PNG\xff"})
+    finally:
+        if reader.is_alive():
+            with open(fifo, "wb"):
+                pass
+        reader.join()
+    assert got == [b"\x89PNG\xff"]
+
+
 def test_final_output_error_names_the_output_not_the_hidden_folder(tmp_path):
     from flintc.fileio import final_output_error, naming_write_errors
 

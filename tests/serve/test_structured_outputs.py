@@ -9,6 +9,7 @@ refuses a forced token fails that request alone (the engine keeps serving)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -151,8 +152,9 @@ def test_engine_batch_mixes_constrained_and_plain_requests(tiny_server, tiny_ser
     """The engine (`Engine.submit`, one decode batch of two): a constrained request
     (ignore_eos: its grammar still ends it, with "stop") beside a plain one of the same
     seed, which stays unconstrained (it runs to max_tokens, its text no digits only);
-    the constrained one's logprobs are the model's raw ones (its top alternatives
-    include tokens the mask left out)."""
+    the constrained one's logprobs are those of the logits the grammar's mask leaves, as
+    vLLM's (it masks the logits before its sampler computes even the raw logprobs): its
+    top alternatives are digits, and each step's allowed tokens sum to probability 1."""
     import threading
 
     from flintc.sampling import SamplingParams
@@ -178,4 +180,25 @@ def test_engine_batch_mixes_constrained_and_plain_requests(tiny_server, tiny_ser
     assert re.fullmatch(r"[0-9]{5}", text) and c_outs[-1].finish_reason == "stop", (text, c_outs[-1])
     lps = [lp for o in c_outs for lp in o.logprobs]
     assert len(lps) == len([t for o in c_outs for t in o.token_ids])
-    assert any(not tok.decode([i]).isdigit() for lp in lps for i, _ in lp.top), "raw distribution's top tokens"
+    assert all(tok.decode([i]).isdigit() for lp in lps for i, v in lp.top if v > float("-inf")), lps
+    assert all(lp.logprob > float("-inf") for lp in lps)
+
+
+def test_chat_logprobs_of_a_choice_are_the_masked_distribution(tiny_server, tiny_serving):
+    """guided_choice with top_logprobs (the usual way to read a classifier's confidence):
+    as in vLLM, whose grammar bitmask is applied to the logits before its sampler
+    computes logprobs, the alternatives are the tokens the grammar allows (a masked one
+    shows as -9999.0, vLLM's floor) and the logprobs are renormalized over them: the
+    first step's allowed tokens ('y', 'ye', 'yes', 'n', 'no' where the vocabulary has
+    them) hold all the probability. flintc gave the unmasked distribution."""
+    _, tok = tiny_serving
+    status, body = tiny_server.post("/v1/chat/completions", chat(guided_choice=["yes", "no"], logprobs=True,
+                                                                 top_logprobs=20, temperature=0))
+    assert status == 200, body
+    steps = body["choices"][0]["logprobs"]["content"]
+    assert steps and body["choices"][0]["message"]["content"] in ("yes", "no"), body
+    first = steps[0]["top_logprobs"]
+    finite = [a for a in first if a["logprob"] > -9999.0]
+    assert finite and all(any(w.startswith(a["token"]) for w in ("yes", "no")) for a in finite), first
+    assert abs(sum(math.exp(a["logprob"]) for a in finite) - 1.0) < 1e-4, first
+    assert len(first) == 20 and first[-1]["logprob"] == -9999.0  # (the tiny vocabulary has fewer than 20)
