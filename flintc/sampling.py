@@ -1057,7 +1057,9 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
                 raise ValueError(f"sample(): row {b} has structured_outputs, which needs its TokenHistory with "
                                  f"a grammar (TokenHistory(..., grammar=flintc.structured.GrammarMatcher(...)))")
             g.advance(history[b].output_ids)
-            x[b].masked_fill_(~g.allowed(V, dev), ninf)
+            mask = g.allowed(V, dev)  # None inside a thinking block the grammar waits behind
+            if mask is not None:
+                x[b].masked_fill_(~mask, ninf)
         if p.allowed_token_ids is not None:
             h = history[b] if history is not None else None
             ids = h.allowed(p, V, dev) if h is not None else _allowed_tensor(p.allowed_token_ids, V, dev)

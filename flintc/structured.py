@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -213,6 +214,32 @@ def _bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat([bits, bits.new_zeros(vocab - bits.shape[0])])
 
 
+@dataclass(frozen=True)
+class ReasoningGate:
+    """Where a thinking model's reply leaves its thinking block, for a `GrammarMatcher`
+    that constrains only what follows it (vLLM enables a request's grammar once its
+    reasoning parser finds the reasoning's end).
+
+    state: the reply's start (`flintc.serve.reasoning.initial_state_for_prompt`):
+        "content" (the prompt closed the block: thinking disabled), "reasoning" (the
+        prompt opened it: the grammar holds after the generated `end_id`), or "start"
+        (the model decides: its first token may be `start_id`, which opens the block, or
+        a token the grammar allows, after which the grammar holds).
+    start_id, end_id: the token ids of "<think>" and "</think>".
+
+    Raises:
+        ValueError: another state.
+    """
+
+    state: str
+    start_id: int
+    end_id: int
+
+    def __post_init__(self):
+        if self.state not in ("start", "reasoning", "content"):
+            raise ValueError(f"ReasoningGate.state must be start, reasoning or content, got {self.state!r}")
+
+
 class GrammarMatcher:
     """One sequence's grammar state: the tokens allowed next, and the tokens generated.
 
@@ -221,13 +248,21 @@ class GrammarMatcher:
         tokenizer: the model's tokenizer (a FlintTokenizer), whose ids the model samples.
         stop_token_ids: the sequence's stop tokens (end-of-text included): allowed, and
             ending the grammar, only where it accepts.
+        reasoning: None (the grammar holds from the first generated token), or a
+            `ReasoningGate`: a chat reply of a thinking model (`flintc serve
+            --reasoning-parser`) is constrained after its thinking block only, as vLLM
+            enables the grammar once its reasoning parser sees the reasoning end.
 
     Raises:
         InputError: the grammar fails to compile for this tokenizer.
     """
 
-    def __init__(self, spec, tokenizer, stop_token_ids=()):
+    def __init__(self, spec, tokenizer, stop_token_ids=(), reasoning: "ReasoningGate | None" = None):
         self.spec = spec
+        self.gate = reasoning
+        # "content": the grammar holds; "reasoning": inside the thinking block, nothing is
+        # masked or fed; "start": the reply may open the block (its first token)
+        self.phase = "content" if reasoning is None else reasoning.state
         self._m = compiled_matcher(spec, tokenizer).deep_copy()
         lt = ll_tokenizer(tokenizer)
         self._ll_vocab = int(lt.vocab_size)
@@ -244,10 +279,10 @@ class GrammarMatcher:
     def finished(self) -> bool:
         """Nothing more can be generated: the grammar is complete (llguidance's
         is_stopped), or a stop token ended it."""
-        return self.ended or self._m.is_stopped()
+        return self.phase == "content" and (self.ended or self._m.is_stopped())
 
     def is_accepting(self) -> bool:
-        return self.ended or self._m.is_accepting()
+        return self.phase != "reasoning" and (self.ended or self._m.is_accepting())
 
     def advance(self, output_ids: list[int]) -> None:
         """Feed the matcher the tokens of `output_ids` (the sequence's generated ids, of
@@ -261,6 +296,14 @@ class GrammarMatcher:
         while self.consumed < len(output_ids):
             tok = int(output_ids[self.consumed])
             self.consumed += 1
+            if self.phase == "start":  # the reply's first token: the thinking block, or content
+                self.phase = "reasoning" if tok == self.gate.start_id else "content"
+                if self.phase == "reasoning":
+                    continue
+            if self.phase == "reasoning":  # unconstrained until the block's end
+                if tok == self.gate.end_id:
+                    self.phase = "content"
+                continue
             if self.ended:
                 continue
             if tok in stops and self._m.is_accepting():
@@ -279,7 +322,8 @@ class GrammarMatcher:
         """int32 [ceil(max(V_tok, stop ids + 1) / 32)]: the bitmask of the tokens allowed next
         (bit j of word i: token 32 i + j), llguidance's, with its end-of-text replaced by the
         sequence's stop tokens, set when the grammar accepts (nothing when it is finished:
-        callers end the sequence there)."""
+        callers end the sequence there). At the start of a reply that may open a thinking
+        block (`ReasoningGate` "start"), the block's start token too."""
         words = np.frombuffer(self._m.compute_bitmask(), dtype=np.int32).copy()
         top = max(self.stop_token_ids, default=-1)
         if top >= 32 * len(words):
@@ -293,12 +337,22 @@ class GrammarMatcher:
         else:
             for t in self.stop_token_ids:
                 u[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        if self.phase == "start":
+            t = self.gate.start_id
+            if t >= 32 * len(words):
+                words = np.concatenate([words, np.zeros(t // 32 + 1 - len(words), dtype=np.int32)])
+                u = words.view(np.uint32)
+            u[t >> 5] |= np.uint32(1 << (t & 31))
         return words
 
-    def allowed(self, vocab: int, device) -> torch.Tensor:
+    def allowed(self, vocab: int, device) -> torch.Tensor | None:
         """bool [vocab] on `device`: the tokens the grammar allows next (`allowed_words`);
         ids past the tokenizer's vocabulary are never allowed. One small asynchronous copy
-        (from pinned memory on CUDA) of the int32 words, expanded on the device."""
+        (from pinned memory on CUDA) of the int32 words, expanded on the device. None inside
+        a thinking block (`ReasoningGate`): every token may come next."""
+        if self.phase == "reasoning":
+            self._mask, self._mask_at = None, self.consumed
+            return None
         host = torch.from_numpy(self.allowed_words())
         if torch.device(device).type == "cuda":
             host = host.pin_memory()

@@ -265,3 +265,46 @@ def test_a_too_deeply_nested_schema_is_an_input_error(kw):
         value = '{"type": "array", "items": ' * 5000 + '{"type": "integer"}' + "}" * 5000
     with pytest.raises(InputError, match="field 'json': .*nested"):
         StructuredOutputsParams(json=value)
+
+
+def test_reasoning_gate_holds_the_grammar_back_until_the_thinking_ends(tiny):
+    """`ReasoningGate`: "start" allows the grammar's first tokens and '<think>'; after
+    '<think>' nothing is masked (allowed() is None) and no token is fed, until
+    '</think>', after which the grammar holds (its first mask again) and completes;
+    "reasoning" waits for '</think>' from the first token; "content" is no gate. A first
+    token other than '<think>' under "start" is the grammar's."""
+    from flintc.structured import GrammarMatcher, ReasoningGate
+
+    _, tok = tiny
+    start, end = tok.special_token_ids["<think>"], tok.special_token_ids["</think>"]
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    V = tok.vocab_size
+    plain = GrammarMatcher(spec, tok, [tok.eos_token_id])
+    first = plain.allowed(V, "cpu")
+    assert not first[start] and first.any()
+
+    g = GrammarMatcher(spec, tok, [tok.eos_token_id], reasoning=ReasoningGate("start", start, end))
+    mask = g.allowed(V, "cpu")
+    assert mask[start] and torch.equal(mask.clone().index_fill_(0, torch.tensor([start]), False), first)
+    out = [start] + tok.encode("some thoughts, yes or no")
+    g.advance(out)
+    assert g.allowed(V, "cpu") is None and not g.finished
+    out.append(end)
+    g.advance(out)
+    assert torch.equal(g.allowed(V, "cpu"), first) and not g.finished
+    out += tok.encode("yes")
+    g.advance(out)
+    assert g.finished
+
+    g = GrammarMatcher(spec, tok, [tok.eos_token_id], reasoning=ReasoningGate("reasoning", start, end))
+    assert g.allowed(V, "cpu") is None
+    g.advance(tok.encode("no") + [end])
+    assert torch.equal(g.allowed(V, "cpu"), first)
+
+    g = GrammarMatcher(spec, tok, [tok.eos_token_id], reasoning=ReasoningGate("start", start, end))
+    g.advance(tok.encode("no"))  # no thinking block: the grammar from the first token
+    assert g.finished
+    g = GrammarMatcher(spec, tok, [tok.eos_token_id], reasoning=ReasoningGate("content", start, end))
+    assert torch.equal(g.allowed(V, "cpu"), first)
+    with pytest.raises(ValueError, match="ReasoningGate.state"):
+        ReasoningGate("thinking", start, end)

@@ -90,9 +90,9 @@ from flintc.serve.protocol import (
     structured_outputs_spec,
     unsupported,
 )
-from flintc.serve.reasoning import ReasoningParser, initial_state_for_prompt
+from flintc.serve.reasoning import THINK_END, THINK_START, ReasoningParser, initial_state_for_prompt
 from flintc.serve.server import MAX_REQUEST_BYTES
-from flintc.structured import compiled_matcher
+from flintc.structured import ReasoningGate, compiled_matcher
 from flintc.serve.tool_calls import ToolCallParser
 
 TOOL_CALL_PARSERS = ("glm47",)
@@ -1053,6 +1053,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         want_plp = _prompt_logprobs_asked(req)
         as_ids = _tokens_as_ids(req, options)
         reasoning_initial = initial_state_for_prompt(prompt_text) if options.reasoning_parser else None
+        gate = _reasoning_gate(tokenizer, reasoning_initial) if any(p.structured_outputs for p in params) else None
         # the parsers read the text with special tokens; they are stripped after parsing. With
         # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
         strip = specials if req.skip_special_tokens and parse_tools is None else None
@@ -1061,7 +1062,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                         user_stop_token_ids=user_stops, stop=stop, logprobs=top,
                                         prompt_logprobs=want_plp if j == 0 else None,
                                         include_stop_str_in_output=req.include_stop_str_in_output,
-                                        cache_salt=req.cache_salt)
+                                        cache_salt=req.cache_salt, reasoning_gate=gate)
                                    for j, p in enumerate(params)])
         choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip) for _ in range(n)]
         rid, created = response_id(request, req, "chatcmpl-"), int(time.time())
@@ -1288,6 +1289,17 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
 # --------------------------------------------------------------------------------------
 # Request helpers
+
+
+def _reasoning_gate(tokenizer, initial: str | None) -> ReasoningGate | None:
+    """The structured outputs' `ReasoningGate` of a chat reply whose reasoning parser starts
+    in `initial` (`initial_state_for_prompt`; None: no --reasoning-parser, the grammar
+    holds from the first token), when "<think>" and "</think>" are single special tokens
+    of `tokenizer` (else None: nothing tells where the thinking ends in token ids)."""
+    ids = getattr(tokenizer, "special_token_ids", {})
+    if initial is None or THINK_START not in ids or THINK_END not in ids:
+        return None
+    return ReasoningGate(initial, ids[THINK_START], ids[THINK_END])
 
 
 def _check_tools(tools: list[dict] | None) -> list[dict] | None:

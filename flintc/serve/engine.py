@@ -118,7 +118,7 @@ import numpy as np
 import torch
 
 from flintc.sampling import SamplingParams, TokenHistory, sample
-from flintc.structured import GrammarMatcher, StructuredOutputError
+from flintc.structured import GrammarMatcher, ReasoningGate, StructuredOutputError
 
 _WAKE = object()
 _STOP = object()
@@ -239,6 +239,9 @@ class GenRequest:
         forced: tokens that replace sampling (test hook, see module docstring).
         cache_salt: prefix caching reuses only K/V that a request with the same salt
             cached (vLLM's ``cache_salt``: tenants share no cache).
+        reasoning_gate: with ``params.structured_outputs``, a
+            :class:`~flintc.structured.ReasoningGate` when the reply is a thinking model's
+            (``--reasoning-parser``): the grammar holds after the thinking block only.
 
     The engine fills in ``timeline`` (:class:`RequestTimeline`).
     """
@@ -256,6 +259,7 @@ class GenRequest:
     skip_special_tokens: bool = False
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    reasoning_gate: ReasoningGate | None = None
     cancelled: bool = False
     id: int = field(default_factory=itertools.count().__next__)
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
@@ -274,7 +278,8 @@ class _Seq:
         grammar = None
         if req.params.structured_outputs is not None:
             try:  # the server compiled it already (a cache hit): a copy of the compiled matcher
-                grammar = GrammarMatcher(req.params.structured_outputs, tokenizer, req.stop_token_ids)
+                grammar = GrammarMatcher(req.params.structured_outputs, tokenizer, req.stop_token_ids,
+                                         reasoning=req.reasoning_gate)
             except Exception as exc:  # an InputError; anything else fails this request alone too
                 self.setup_error = f"{type(exc).__name__}: {exc}"
         # params that adjust the logits: the tokens `sample` reads (out_ids itself)

@@ -30,6 +30,7 @@ SCRIPTS = {
                    "<arg_value>Oslo</arg_value></tool_call>"),
     "bad_tool": "Trying.<tool_call>get_weather<arg_key>city</arg_key></tool_call>",
     "stop": "Hello world. Goodbye world.",
+    "think_yes": "<think>Pick one of the two.</think>yes",
 }
 
 

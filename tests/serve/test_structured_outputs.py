@@ -202,3 +202,38 @@ def test_chat_logprobs_of_a_choice_are_the_masked_distribution(tiny_server, tiny
     assert finite and all(any(w.startswith(a["token"]) for w in ("yes", "no")) for a in finite), first
     assert abs(sum(math.exp(a["logprob"]) for a in finite) - 1.0) < 1e-4, first
     assert len(first) == 20 and first[-1]["logprob"] == -9999.0  # (the tiny vocabulary has fewer than 20)
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_serving, serve_kit):
+    """The tiny model served with --reasoning-parser glm47 (its own module-scoped server)."""
+    from flintc.serve.app import ServeOptions
+
+    model, tok = tiny_serving
+    run = serve_kit.start_server(model, tok, ServeOptions("flint-tiny", reasoning_parser="glm47"),
+                                 max_batch=2, max_model_len=256)
+    yield run
+    serve_kit.stop_server(run)
+
+
+def test_a_thinking_reply_is_constrained_after_its_thinking_block(reasoning_server, tiny_server):
+    """With --reasoning-parser the grammar holds after the reply's thinking block (vLLM
+    enables a request's grammar once its reasoning parser sees the reasoning end): the
+    scripted reply '<think>Pick one of the two.</think>yes' against the choice
+    ["yes", "no"] is the reasoning and the content "yes", finish "stop"; without the
+    parser the same reply fails (the grammar refuses '<think>'). With thinking disabled
+    in the prompt (enable_thinking false: it ends with '<think></think>') the grammar
+    holds from the first token, and a sampled reply is one of the choices."""
+    body = chat("#script:think_yes", guided_choice=["yes", "no"])
+    status, got = reasoning_server.post("/v1/chat/completions", body)
+    assert status == 200, got
+    msg = got["choices"][0]["message"]
+    assert msg["content"] == "yes" and msg["reasoning_content"] == "Pick one of the two.", msg
+    assert got["choices"][0]["finish_reason"] == "stop"
+    status, got = tiny_server.post("/v1/chat/completions", body)
+    assert status == 500 and "the grammar refused generated token" in got["error"]["message"], got
+    for seed in (1, 2, 3):
+        status, got = reasoning_server.post("/v1/chat/completions", chat(
+            guided_choice=["yes", "no"], seed=seed, chat_template_kwargs={"enable_thinking": False}))
+        assert status == 200 and got["choices"][0]["message"]["content"] in ("yes", "no"), got
+        assert got["choices"][0]["finish_reason"] == "stop"
