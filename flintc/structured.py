@@ -142,7 +142,7 @@ def grammar_text(spec) -> str:
 _CHECKED: "collections.OrderedDict" = collections.OrderedDict()
 _COMPILED: "collections.OrderedDict" = collections.OrderedDict()
 _CACHE_LOCK = threading.Lock()
-CACHE_SIZE = 64  # specs kept checked, and matchers kept compiled (per tokenizer)
+CACHE_SIZE = 64  # specs kept checked, and matchers kept compiled (all tokenizers together)
 
 
 def _cached(cache, key, make):
