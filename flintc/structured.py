@@ -262,8 +262,14 @@ class GrammarMatcher:
                 continue
             if not self._m.consume_token(tok):
                 err = self._m.get_error().strip().splitlines()
+                # the mask never allows a token the grammar refuses: either the request's
+                # other masks left none of the grammar's tokens (the sampler drew among -inf),
+                # or llguidance hit one of its limits while consuming (its message says which)
+                hint = ("; none of the tokens the grammar allows was left by the request's other "
+                        "constraints (allowed_token_ids, bad_words, min_tokens)"
+                        if err and "doesn't satisfy the grammar" in err[0] else "")
                 raise StructuredOutputError(f"structured outputs: the grammar refused generated token {tok}"
-                                            f"{': ' + err[0] if err else ''}")
+                                            f"{': ' + err[0] if err else ''}{hint}")
 
     def allowed_words(self) -> np.ndarray:
         """int32 [ceil(max(V_tok, stop ids + 1) / 32)]: the bitmask of the tokens allowed next

@@ -114,6 +114,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flintc.errors import InputError
 from flintc.sampling import SamplingParams, TokenHistory, sample
 from flintc.structured import GrammarMatcher, StructuredOutputError
 
@@ -165,6 +166,9 @@ class Output:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # the error is the request's own doing (its structured-outputs constraint could not be
+    # followed: the server answers a 400, not a 500)
+    client_error: bool = False
 
     @property
     def finished(self) -> bool:
@@ -268,12 +272,14 @@ class _Seq:
         self.generator = None if req.params.is_greedy else req.params.make_generator(device)
         self.out_ids: list[int] = []
         self.setup_error: str | None = None  # the request fails at admission (its grammar did not compile)
+        self.setup_client_error = False  # ... because of the request (an InputError: a 400)
         grammar = None
         if req.params.structured_outputs is not None:
             try:  # the server compiled it already (a cache hit): a copy of the compiled matcher
                 grammar = GrammarMatcher(req.params.structured_outputs, tokenizer, req.stop_token_ids)
             except Exception as exc:  # an InputError; anything else fails this request alone too
                 self.setup_error = f"{type(exc).__name__}: {exc}"
+                self.setup_client_error = isinstance(exc, InputError)
         # params that adjust the logits: the tokens `sample` reads (out_ids itself)
         self.history = (TokenHistory(req.prompt_ids, self.out_ids, req.stop_token_ids, grammar=grammar)
                         if req.params.adjusts_logits else None)
@@ -459,7 +465,8 @@ class Engine:
             req.timeline.scheduled = time.monotonic()
             if req.params.max_tokens < 1 or seq.setup_error is not None:
                 # no prefill: the slot's cache (and what it holds) unchanged
-                self._finish(seq, "length" if seq.setup_error is None else None, error=seq.setup_error)
+                self._finish(seq, "length" if seq.setup_error is None else None, error=seq.setup_error,
+                             client_error=seq.setup_client_error)
                 free.insert(0, slot)
                 continue
             if req.forced is None and self.forced_tokens is not None:
@@ -645,8 +652,12 @@ class Engine:
             try:
                 grammar.advance(seq.out_ids)
             except StructuredOutputError as exc:  # this request fails, not the others
+                # a sampled token the grammar refuses: the request's other masks
+                # (allowed_token_ids, bad_words, min_tokens) left none of the tokens the grammar
+                # allows, or the grammar outgrew llguidance's limits (a regex a{1000000}, a schema
+                # of thousands of properties): the request's doing (a 400), unlike a forced token
                 seq.pending_ids.append(tok)
-                self._finish(seq, None, error=str(exc))
+                self._finish(seq, None, error=str(exc), client_error=seq.req.forced is None)
                 return
         seq.pending_ids.append(tok)
         tl, now = req.timeline, time.monotonic()
@@ -694,18 +705,21 @@ class Engine:
         seq.detok.flush()
         return True
 
-    def _emit(self, seq: _Seq, upto: int, finish: str | None = None, error: str | None = None) -> None:
+    def _emit(self, seq: _Seq, upto: int, finish: str | None = None, error: str | None = None,
+              client_error: bool = False) -> None:
         text = seq.text[seq.sent:upto]
         if not (text or seq.pending_ids or finish or error):
             return
         seq.sent = max(seq.sent, upto)
         out = Output(seq.req.index, text, seq.pending_ids,
-                     seq.pending_lp if seq.req.logprobs is not None else None, finish, error)
+                     seq.pending_lp if seq.req.logprobs is not None else None, finish, error,
+                     client_error=client_error and error is not None)
         seq.pending_ids, seq.pending_lp = [], []
         out.prompt_logprobs, seq.prompt_lp = seq.prompt_lp, None
         seq.req.emit(out)
 
-    def _finish(self, seq: _Seq, reason: str | None, error: str | None = None) -> None:
+    def _finish(self, seq: _Seq, reason: str | None, error: str | None = None,
+                client_error: bool = False) -> None:
         seq.text += seq.detok.flush()  # a dangling partial character becomes U+FFFD
         if self.enable_prefix_caching and seq.prefilled and error is None:
             # positions < pos hold the prompt and every generated token but the last (never fed)
@@ -721,7 +735,7 @@ class Engine:
             self._notify_finished(seq.req, reason, error)
         finally:
             self._running.pop(seq.slot, None)
-        self._emit(seq, len(seq.text), reason, error)
+        self._emit(seq, len(seq.text), reason, error, client_error)
 
     def _notify_finished(self, req: GenRequest, reason: str | None, error: str | None) -> None:
         for obs in self.observers:

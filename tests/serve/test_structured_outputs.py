@@ -179,3 +179,31 @@ def test_engine_batch_mixes_constrained_and_plain_requests(tiny_server, tiny_ser
     lps = [lp for o in c_outs for lp in o.logprobs]
     assert len(lps) == len([t for o in c_outs for t in o.token_ids])
     assert any(not tok.decode([i]).isdigit() for lp in lps for i, _ in lp.top), "raw distribution's top tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_constraint_that_cannot_be_followed_is_a_400(tiny_server, tiny_serving, path, stream):
+    """allowed_token_ids that leave none of the tokens a choice needs (every logit -inf:
+    the sampler draws a token the grammar refuses), and a regex past llguidance's limits
+    (a{1000000}: its lexer refuses the first 'a' the mask allowed), are the request's
+    doing: a 400 naming the constraint's field (an invalid_request_error event in a
+    stream), not a 500; the server answers the next request."""
+    _, tok = tiny_serving
+    bad = [dict(guided_choice=["yes", "no"], allowed_token_ids=[tok.encode("!")[0]]),
+           dict(structured_outputs={"regex": "a{1000000}"}, max_tokens=4)]
+    for patch in bad:
+        body = (completion if path == "/v1/completions" else chat)(stream=stream, **patch)
+        status, got = tiny_server.post(path, body)
+        if stream:
+            assert status == 200, got
+            err = got[-1]["error"]
+        else:
+            assert status == 400, got
+            err = got["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == next(iter(patch)), got
+        assert "structured outputs: the grammar refused generated token" in err["message"], got
+    assert "allowed_token_ids" in tiny_server.post(path, (completion if path == "/v1/completions" else chat)(
+        **bad[0]))[1]["error"]["message"]
+    status, body = tiny_server.post("/v1/chat/completions", chat(guided_choice=["yes", "no"]))
+    assert status == 200 and texts(body, "content")[0] in ("yes", "no"), body
