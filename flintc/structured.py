@@ -36,13 +36,16 @@ import weakref
 import numpy as np
 import torch
 
-from flintc.errors import InputError
+from flintc.errors import FlintcError, InputError
 
 
-class StructuredOutputError(RuntimeError):
-    """A sequence's grammar matcher failed on a generated token (it should not: the mask
-    allows only tokens it takes). The callers fail that sequence (the server answers the
-    request's error), not the others."""
+class StructuredOutputError(FlintcError, RuntimeError):
+    """A sequence's grammar matcher failed on a generated token: the mask allows only
+    tokens the grammar takes, so the request's other masks (allowed_token_ids, bad_words,
+    min_tokens) left none of them, or the grammar outgrew one of llguidance's limits as it
+    ran (a regex ``a{1000000}``, a schema of thousands of properties). The callers fail
+    that sequence (the server answers the request's 400), not the others; a FlintcError,
+    so `flintc run` prints it as one line and exits 2."""
 
 
 def one_line(message: str) -> str:
