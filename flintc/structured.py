@@ -126,6 +126,10 @@ def grammar_text(spec) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = json.loads(spec.json) if kind == "json" else {"type": "object"}
+            if schema is True:  # JSON Schema's boolean schemas: true accepts any value
+                schema = {}
+            elif schema is False:  # (llguidance refused both: "Expecting object schema to apply options")
+                raise InputError("structured_outputs field 'json': the schema false accepts no value")
             if spec.disable_additional_properties:
                 schema = _no_additional_properties(schema)
             options = {"whitespace_flexible": not spec.disable_any_whitespace}
