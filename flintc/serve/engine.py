@@ -671,8 +671,12 @@ class Engine:
         if lp is not None:
             seq.pending_lp.append(lp)
         n_out = len(seq.out_ids)
-        if tok in req.stop_token_ids and n_out >= params.min_tokens \
-                and (not params.ignore_eos or tok in req.user_stop_token_ids):
+        # a stop token that ended the grammar (drawn where it accepts) is one even with
+        # ignore_eos, as in `flintc.runtime.generate`: it ends the sequence, and its text (a
+        # special token's with skip_special_tokens off: '94<|endoftext|>' for [0-9]+) is
+        # not the output's unless include_stop_str_in_output
+        if tok in req.stop_token_ids and (grammar is not None and grammar.ended or n_out >= params.min_tokens
+                                          and (not params.ignore_eos or tok in req.user_stop_token_ids)):
             if req.include_stop_str_in_output:
                 seq.text += seq.detok.push(tok)
             self._finish(seq, "stop")

@@ -207,3 +207,26 @@ def test_a_constraint_that_cannot_be_followed_is_a_400(tiny_server, tiny_serving
         **bad[0]))[1]["error"]["message"]
     status, body = tiny_server.post("/v1/chat/completions", chat(guided_choice=["yes", "no"]))
     assert status == 200 and texts(body, "content")[0] in ("yes", "no"), body
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_ignore_eos_stop_token_that_ends_the_grammar_is_not_in_the_text(tiny_server, tiny_serving, path):
+    """With ignore_eos the grammar still ends at an end-of-text drawn where it accepts
+    (here forced by a logit_bias after one digit of [0-9]+); that token is a stop token:
+    its text is not the output's with skip_special_tokens off ('7<|endoftext|>' with
+    finish_reason "stop" before), unless include_stop_str_in_output."""
+    _, tok = tiny_serving
+    eos = tok.eos_token_id
+    make = completion if path == "/v1/completions" else chat
+    key = "text" if path == "/v1/completions" else "content"
+    base = dict(guided_regex="[0-9]+", ignore_eos=True, skip_special_tokens=False, logit_bias={str(eos): 100})
+    status, body = tiny_server.post(path, make(**base))
+    assert status == 200, body
+    assert re.fullmatch(r"[0-9]", texts(body, key)[0]) and body["choices"][0]["finish_reason"] == "stop", body
+    assert body["usage"]["completion_tokens"] == 2, body
+    status, body = tiny_server.post(path, make(**base, include_stop_str_in_output=True))
+    assert status == 200 and re.fullmatch(r"[0-9]<\|endoftext\|>", texts(body, key)[0]), body
+    status, chunks = tiny_server.post(path, make(**base, stream=True))
+    got = "".join(ch["text"] if key == "text" else ch["delta"].get("content") or ""
+                  for c in chunks for ch in c["choices"])
+    assert status == 200 and re.fullmatch(r"[0-9]", got), chunks
