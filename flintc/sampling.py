@@ -108,7 +108,8 @@ class StructuredOutputsParams:
     llguidance as vLLM's "guidance" backend (`flintc.structured`).
 
     Exactly one of:
-    json: a JSON schema (a dict, or its JSON text; kept as JSON text, key order kept):
+    json: a JSON schema (a dict, or its JSON text, which may be JSON Schema's boolean
+        schema "true", any value, or "false", none (an error); kept as JSON text, key order kept):
         the output is one JSON value the schema accepts (llguidance's JSON schema subset:
         https://github.com/guidance-ai/llguidance/blob/main/docs/json_schema.md).
     regex: a regular expression (Rust regex syntax) the whole output matches.

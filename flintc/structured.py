@@ -37,13 +37,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flintc.errors import InputError
+from flintc.errors import FlintcError, InputError
 
 
-class StructuredOutputError(RuntimeError):
-    """A sequence's grammar matcher failed on a generated token (it should not: the mask
-    allows only tokens it takes). The callers fail that sequence (the server answers the
-    request's error), not the others."""
+class StructuredOutputError(FlintcError, RuntimeError):
+    """A sequence's grammar matcher failed on a generated token: the mask allows only
+    tokens the grammar takes, so the request's other masks (allowed_token_ids, bad_words,
+    min_tokens) left none of them, or the grammar outgrew one of llguidance's limits as it
+    ran (a regex ``a{1000000}``, a schema of thousands of properties). The callers fail
+    that sequence (the server answers the request's 400), not the others; a FlintcError,
+    so `flintc run` prints it as one line and exits 2."""
 
 
 def one_line(message: str) -> str:
@@ -124,6 +127,10 @@ def grammar_text(spec) -> str:
     try:
         if kind in ("json", "json_object"):
             schema = json.loads(spec.json) if kind == "json" else {"type": "object"}
+            if schema is True:  # JSON Schema's boolean schemas: true accepts any value
+                schema = {}
+            elif schema is False:  # (llguidance refused both: "Expecting object schema to apply options")
+                raise InputError("structured_outputs field 'json': the schema false accepts no value")
             if spec.disable_additional_properties:
                 schema = _no_additional_properties(schema)
             options = {"whitespace_flexible": not spec.disable_any_whitespace}
@@ -311,12 +318,15 @@ class GrammarMatcher:
                 continue
             if not self._m.consume_token(tok):
                 err = self._m.get_error().strip().splitlines()
-                # the mask allows only the grammar's tokens, so the sampler drew another
-                # only from a row that no token was left in (or a NaN row)
+                # the mask never allows a token the grammar refuses: either the request's
+                # other masks left none of the grammar's tokens (the sampler drew among -inf,
+                # or from a NaN row), or llguidance hit one of its limits while consuming (its
+                # message says which)
+                hint = (" (no token the grammar allows next was left to draw: allowed_token_ids, bad_words, "
+                        "min_tokens or the stop tokens excluded them all, or the logits were NaN)"
+                        if err and "doesn't satisfy the grammar" in err[0] else "")
                 raise StructuredOutputError(f"structured outputs: the grammar refused generated token {tok}"
-                                            f"{': ' + err[0] if err else ''} (no token the grammar allows next "
-                                            f"was left to draw: allowed_token_ids, bad_words, min_tokens or the "
-                                            f"stop tokens excluded them all, or the logits were NaN)")
+                                            f"{': ' + err[0] if err else ''}{hint}")
 
     def allowed_words(self) -> np.ndarray:
         """int32 [ceil(max(V_tok, stop ids + 1) / 32)]: the bitmask of the tokens allowed next

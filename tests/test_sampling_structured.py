@@ -65,6 +65,7 @@ def test_spec_kinds_and_normalisation():
     ({"choice": ["a", 1]}, "field 'choice': expected strings, got 1"),
     ({"regex": 3}, "field 'regex': expected a string"),
     ({"regex": "a", "disable_any_whitespace": "yes"}, "field 'disable_any_whitespace': expected true or false"),
+    ({"json": "false"}, "field 'json': the schema false accepts no value"),
 ])
 def test_spec_errors_name_the_field(kw, match):
     with pytest.raises(InputError, match="(?s)" + match):
@@ -308,3 +309,17 @@ def test_reasoning_gate_holds_the_grammar_back_until_the_thinking_ends(tiny):
     assert torch.equal(g.allowed(V, "cpu"), first)
     with pytest.raises(ValueError, match="ReasoningGate.state"):
         ReasoningGate("thinking", start, end)
+
+
+def test_boolean_schema_true_is_any_json_value(tiny):
+    """JSON Schema's boolean schema `true` (as JSON text: vLLM's guided_json "true")
+    accepts any JSON value, as the empty schema {} does (llguidance refused it, with
+    "Expecting object schema to apply options"); `false` is a 400-style InputError."""
+    assert StructuredOutputsParams(json="true").kind == "json"
+    ps = [SamplingParams(seed=s, max_tokens=40, structured_outputs={"json": "true", "disable_any_whitespace": True})
+          for s in range(4)]
+    r, texts = _gen(tiny, ["Reply in JSON:"] * 4, ps)
+    for t, why in zip(texts, r.finish_reasons):
+        if why == "stop":
+            json.loads(t)
+    assert "stop" in r.finish_reasons, (texts, r.finish_reasons)

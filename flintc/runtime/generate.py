@@ -103,7 +103,8 @@ def generate_with_runner(
             without their token ids, structured_outputs without a tokenizer, or a prompt
             of max_model_len tokens or more; all checked before any prompt runs.
         flintc.structured.StructuredOutputError: a grammar refused a generated token
-            (it should not happen: the mask allows only the tokens it takes).
+            (the mask allows only the tokens it takes: the params' other masks left none
+            of them, or the grammar hit one of llguidance's limits as it ran).
     """
     cfg = runner.config
     B = len(prompts)

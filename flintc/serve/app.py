@@ -109,6 +109,16 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "freque
 # the request fields that set (or shape) a structured-outputs constraint (`structured_outputs_spec`)
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                       "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
+
+
+def structured_param(req) -> str | None:
+    """The request field that set its structured-outputs constraint (a 400's ``param``
+    when the constraint could not be followed), None without one."""
+    for f in _STRUCTURED_FIELDS[:6]:
+        v = getattr(req, f, None)
+        if v is not None and not (f == "response_format" and isinstance(v, dict) and v.get("type") == "text"):
+            return f
+    return None
 _TEMPLATE_RESERVED = {"messages", "tools", "documents", "add_generation_prompt", "tokenize"}
 
 
@@ -894,7 +904,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         e = shutting_down()
         return _sse(error_body(e.message, e.type, code=e.code))
 
-    async def run(request: Request, gen: _Generation, on_output, stream_body):
+    async def run(request: Request, gen: _Generation, on_output, stream_body, error_param=None):
         """Start ``gen``; stream (``stream_body`` is an async generator factory) or
         collect all outputs with ``on_output``, aborting if the client goes away."""
         if closing:
@@ -915,6 +925,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         try:
             async for out in gen.outputs():
                 if out.error is not None:
+                    if out.client_error:  # the request's constraint could not be followed
+                        raise APIError(400, f"generation failed: {out.error}", param=error_param)
                     raise APIError(500, f"generation failed: {out.error}", "server_error")
                 if out.finish_reason == "abort":  # its results are partial (prompt_logprobs may be missing)
                     aborted = True
@@ -1092,7 +1104,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                "logprobs": None, "finish_reason": None} for i in range(n)], **first))
             async for out in gen.outputs():
                 if out.error is not None:
-                    yield _sse(error_body(f"generation failed: {out.error}", "server_error"))
+                    yield _sse(error_body(f"generation failed: {out.error}", "invalid_request_error",
+                                          structured_param(req)) if out.client_error
+                               else error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if out.finish_reason == "abort":
                     if closing:  # the server aborted it (a client gone no longer reads)
@@ -1122,7 +1136,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
         if req.stream:
             return await run(request, gen, None, stream_body)
-        await run(request, gen, lambda out: choices[out.index].feed(out), None)
+        await run(request, gen, lambda out: choices[out.index].feed(out), None, structured_param(req))
         body = {"id": rid, "object": "chat.completion", "created": created, "model": options.model_name,
                 "choices": [], "usage": usage()}
         if req.return_token_ids:
@@ -1230,7 +1244,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         async def stream_body():
             async for out in gen.outputs():
                 if out.error is not None:
-                    yield _sse(error_body(f"generation failed: {out.error}", "server_error"))
+                    yield _sse(error_body(f"generation failed: {out.error}", "invalid_request_error",
+                                          structured_param(req)) if out.client_error
+                               else error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if out.finish_reason == "abort":
                     if closing:  # the server aborted it (a client gone no longer reads)
@@ -1265,7 +1281,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
         if req.stream:
             return await run(request, gen, None, stream_body)
-        await run(request, gen, take, None)
+        await run(request, gen, take, None, structured_param(req))
         prompt_lps = None
         if want_plp is not None:  # per prompt, from its first choice
             prompt_lps = await asyncio.to_thread(lambda: [_prompt_logprobs_json(tokenizer, plps[k * n], want_plp)

@@ -117,6 +117,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from flintc.errors import InputError
 from flintc.sampling import SamplingParams, TokenHistory, sample
 from flintc.structured import GrammarMatcher, ReasoningGate, StructuredOutputError
 
@@ -168,6 +169,9 @@ class Output:
     finish_reason: str | None = None
     error: str | None = None
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # the error is the request's own doing (its structured-outputs constraint could not be
+    # followed: the server answers a 400, not a 500)
+    client_error: bool = False
 
     @property
     def finished(self) -> bool:
@@ -275,6 +279,7 @@ class _Seq:
         self.generator = None if req.params.is_greedy else req.params.make_generator(device)
         self.out_ids: list[int] = []
         self.setup_error: str | None = None  # the request fails at admission (its grammar did not compile)
+        self.setup_client_error = False  # ... because of the request (an InputError: a 400)
         grammar = None
         if req.params.structured_outputs is not None:
             try:  # the server compiled it already (a cache hit): a copy of the compiled matcher
@@ -282,6 +287,7 @@ class _Seq:
                                          reasoning=req.reasoning_gate)
             except Exception as exc:  # an InputError; anything else fails this request alone too
                 self.setup_error = f"{type(exc).__name__}: {exc}"
+                self.setup_client_error = isinstance(exc, InputError)
         # params that adjust the logits: the tokens `sample` reads (out_ids itself)
         self.history = (TokenHistory(req.prompt_ids, self.out_ids, req.stop_token_ids, grammar=grammar)
                         if req.params.adjusts_logits else None)
@@ -467,7 +473,8 @@ class Engine:
             req.timeline.scheduled = time.monotonic()
             if req.params.max_tokens < 1 or seq.setup_error is not None:
                 # no prefill: the slot's cache (and what it holds) unchanged
-                self._finish(seq, "length" if seq.setup_error is None else None, error=seq.setup_error)
+                self._finish(seq, "length" if seq.setup_error is None else None, error=seq.setup_error,
+                             client_error=seq.setup_client_error)
                 free.insert(0, slot)
                 continue
             if req.forced is None and self.forced_tokens is not None:
@@ -657,8 +664,12 @@ class Engine:
             try:
                 grammar.advance(seq.out_ids)
             except StructuredOutputError as exc:  # this request fails, not the others
+                # a sampled token the grammar refuses: the request's other masks
+                # (allowed_token_ids, bad_words, min_tokens) left none of the tokens the grammar
+                # allows, or the grammar outgrew llguidance's limits (a regex a{1000000}, a schema
+                # of thousands of properties): the request's doing (a 400), unlike a forced token
                 seq.pending_ids.append(tok)
-                self._finish(seq, None, error=str(exc))
+                self._finish(seq, None, error=str(exc), client_error=seq.req.forced is None)
                 return
         seq.pending_ids.append(tok)
         tl, now = req.timeline, time.monotonic()
@@ -672,8 +683,12 @@ class Engine:
         if lp is not None:
             seq.pending_lp.append(lp)
         n_out = len(seq.out_ids)
-        if tok in req.stop_token_ids and n_out >= params.min_tokens \
-                and (not params.ignore_eos or tok in req.user_stop_token_ids):
+        # a stop token that ended the grammar (drawn where it accepts) is one even with
+        # ignore_eos, as in `flintc.runtime.generate`: it ends the sequence, and its text (a
+        # special token's with skip_special_tokens off: '94<|endoftext|>' for [0-9]+) is
+        # not the output's unless include_stop_str_in_output
+        if tok in req.stop_token_ids and (grammar is not None and grammar.ended or n_out >= params.min_tokens
+                                          and (not params.ignore_eos or tok in req.user_stop_token_ids)):
             if req.include_stop_str_in_output:
                 seq.text += seq.detok.push(tok)
             self._finish(seq, "stop")
@@ -706,18 +721,21 @@ class Engine:
         seq.detok.flush()
         return True
 
-    def _emit(self, seq: _Seq, upto: int, finish: str | None = None, error: str | None = None) -> None:
+    def _emit(self, seq: _Seq, upto: int, finish: str | None = None, error: str | None = None,
+              client_error: bool = False) -> None:
         text = seq.text[seq.sent:upto]
         if not (text or seq.pending_ids or finish or error):
             return
         seq.sent = max(seq.sent, upto)
         out = Output(seq.req.index, text, seq.pending_ids,
-                     seq.pending_lp if seq.req.logprobs is not None else None, finish, error)
+                     seq.pending_lp if seq.req.logprobs is not None else None, finish, error,
+                     client_error=client_error and error is not None)
         seq.pending_ids, seq.pending_lp = [], []
         out.prompt_logprobs, seq.prompt_lp = seq.prompt_lp, None
         seq.req.emit(out)
 
-    def _finish(self, seq: _Seq, reason: str | None, error: str | None = None) -> None:
+    def _finish(self, seq: _Seq, reason: str | None, error: str | None = None,
+                client_error: bool = False) -> None:
         seq.text += seq.detok.flush()  # a dangling partial character becomes U+FFFD
         if self.enable_prefix_caching and seq.prefilled and error is None:
             # positions < pos hold the prompt and every generated token but the last (never fed)
@@ -733,7 +751,7 @@ class Engine:
             self._notify_finished(seq.req, reason, error)
         finally:
             self._running.pop(seq.slot, None)
-        self._emit(seq, len(seq.text), reason, error)
+        self._emit(seq, len(seq.text), reason, error, client_error)
 
     def _notify_finished(self, req: GenRequest, reason: str | None, error: str | None) -> None:
         for obs in self.observers:

@@ -214,6 +214,8 @@ def test_summary_has_no_decode_rate_without_a_decode_step(capsys, tiny_bf16_dir,
     (["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "only use one kind"),
     (["--structured-outputs", "{x"], "--structured-outputs: not valid JSON"),
     (["--structured-outputs", "[1]"], "--structured-outputs: expected a JSON object"),
+    # past llguidance's lexer limits once generation starts: one line too, not a traceback
+    (["--structured-outputs", '{"regex": "a{1000000}"}'], "lexer error: too many expressions constructed"),
 ])
 def test_bad_run_arguments(capsys, tiny_bf16_dir, args, needle):
     base = ["run", tiny_bf16_dir, "--max-tokens", 2]

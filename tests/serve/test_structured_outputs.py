@@ -237,3 +237,54 @@ def test_a_thinking_reply_is_constrained_after_its_thinking_block(reasoning_serv
             guided_choice=["yes", "no"], seed=seed, chat_template_kwargs={"enable_thinking": False}))
         assert status == 200 and got["choices"][0]["message"]["content"] in ("yes", "no"), got
         assert got["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_constraint_that_cannot_be_followed_is_a_400(tiny_server, tiny_serving, path, stream):
+    """allowed_token_ids that leave none of the tokens a choice needs (every logit -inf:
+    the sampler draws a token the grammar refuses), and a regex past llguidance's limits
+    (a{1000000}: its lexer refuses the first 'a' the mask allowed), are the request's
+    doing: a 400 naming the constraint's field (an invalid_request_error event in a
+    stream), not a 500; the server answers the next request."""
+    _, tok = tiny_serving
+    bad = [dict(guided_choice=["yes", "no"], allowed_token_ids=[tok.encode("!")[0]]),
+           dict(structured_outputs={"regex": "a{1000000}"}, max_tokens=4)]
+    for patch in bad:
+        body = (completion if path == "/v1/completions" else chat)(stream=stream, **patch)
+        status, got = tiny_server.post(path, body)
+        if stream:
+            assert status == 200, got
+            err = got[-1]["error"]
+        else:
+            assert status == 400, got
+            err = got["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == next(iter(patch)), got
+        assert "structured outputs: the grammar refused generated token" in err["message"], got
+    assert "allowed_token_ids" in tiny_server.post(path, (completion if path == "/v1/completions" else chat)(
+        **bad[0]))[1]["error"]["message"]
+    status, body = tiny_server.post("/v1/chat/completions", chat(guided_choice=["yes", "no"]))
+    assert status == 200 and texts(body, "content")[0] in ("yes", "no"), body
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_ignore_eos_stop_token_that_ends_the_grammar_is_not_in_the_text(tiny_server, tiny_serving, path):
+    """With ignore_eos the grammar still ends at an end-of-text drawn where it accepts
+    (here forced by a logit_bias after one digit of [0-9]+); that token is a stop token:
+    its text is not the output's with skip_special_tokens off ('7<|endoftext|>' with
+    finish_reason "stop" before), unless include_stop_str_in_output."""
+    _, tok = tiny_serving
+    eos = tok.eos_token_id
+    make = completion if path == "/v1/completions" else chat
+    key = "text" if path == "/v1/completions" else "content"
+    base = dict(guided_regex="[0-9]+", ignore_eos=True, skip_special_tokens=False, logit_bias={str(eos): 100})
+    status, body = tiny_server.post(path, make(**base))
+    assert status == 200, body
+    assert re.fullmatch(r"[0-9]", texts(body, key)[0]) and body["choices"][0]["finish_reason"] == "stop", body
+    assert body["usage"]["completion_tokens"] == 2, body
+    status, body = tiny_server.post(path, make(**base, include_stop_str_in_output=True))
+    assert status == 200 and re.fullmatch(r"[0-9]<\|endoftext\|>", texts(body, key)[0]), body
+    status, chunks = tiny_server.post(path, make(**base, stream=True))
+    got = "".join(ch["text"] if key == "text" else ch["delta"].get("content") or ""
+                  for c in chunks for ch in c["choices"])
+    assert status == 200 and re.fullmatch(r"[0-9]", got), chunks
