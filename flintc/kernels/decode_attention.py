@@ -283,9 +283,9 @@ def decode_attention_kernel(
         else:
             cur = p
         is_cur = ((in0 & (rows0 == cur))[:, None] & mask_d[None, :]) != 0
-        if POISON_CURRENT:
-            k_pre = tl.where(is_cur, float("nan"), k_pre)
-            v_pre = tl.where(is_cur, float("nan"), v_pre)
+        if POISON_CURRENT:  # (through fp32, exact: triton 3.8's interpreter has no bf16 constant)
+            k_pre = tl.where(is_cur, float("nan"), k_pre.to(tl.float32)).to(k_pre.dtype)
+            v_pre = tl.where(is_cur, float("nan"), v_pre.to(tl.float32)).to(v_pre.dtype)
         k_pre = tl.where(is_cur, tl.load(k_cache_ptr + off0, mask=is_cur, other=0.0), k_pre)
         v_pre = tl.where(is_cur, tl.load(v_cache_ptr + off0, mask=is_cur, other=0.0), v_pre)
         pre_lo = tl.where(busy, pre_lo, -1)
