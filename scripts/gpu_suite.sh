@@ -49,10 +49,14 @@ import re, sys
 from collections import Counter
 text = open(sys.argv[1], errors="replace").read()
 started, done = set(), {}
+STATUS = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
 for line in text.splitlines():
-    m = re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+\.py::.*\S)\s*$", line)
+    m = re.search(rf"\b({STATUS}) (\S+\.py::.*\S)\s*$", line)  # xdist's "[gw0] [ 25%] PASSED id", the -rfs lines
+    one = re.fullmatch(rf"(\S+\.py::.*?) ({STATUS})(?: \[ *\d+%\])?\s*", line)  # one process: "id PASSED [ 25%]"
     if m:
         done[m.group(2)] = m.group(1)
+    elif one:
+        done[one.group(1)] = one.group(2)
     elif re.fullmatch(r"\S+\.py::.*\S\s*", line):
         started.add(line.strip())
 counts = Counter(done.values())
