@@ -422,17 +422,14 @@ def test_a_plotting_failure_keeps_the_report(tmp_path, monkeypatch):
     assert any("plots not written: RuntimeError: no display" in n for n in res["notes"])
 
 
-def test_plots_are_written_with_the_report(tmp_path, monkeypatch):
-    """The PNGs are written in one group with bench.json and bench.md: a failed write
-    of any of them (here a PNG, as on a full disk) leaves the folder as it was, with no
-    truncated PNG (they were saved straight into --out before); a good write publishes
-    all of them, and bench.md links each."""
+def _old_pair_on_a_full_disk(tmp_path, monkeypatch, marker: str):
+    """A folder tmp_path/o holding an old bench.json / bench.md, and a disk that fills up
+    when the temporary file whose name holds `marker` is written (`set_public_mode` runs
+    right after each one). Returns (folder, the real set_public_mode to restore)."""
     import errno
 
     from flintc import fileio
 
-    pngs = {"decode_vs_context.png": b"\x89PNG\r\n\x1a\n one", "breakdown.png": b"\x89PNG\r\n\x1a\n two"}
-    monkeypatch.setattr(report, "render_plots", lambda results: dict(pngs))
     out = tmp_path / "o"
     out.mkdir()
     (out / "bench.json").write_text("old json")
@@ -440,11 +437,24 @@ def test_plots_are_written_with_the_report(tmp_path, monkeypatch):
     real = fileio.set_public_mode
 
     def full(path):
-        if ".breakdown.png." in str(path):
+        if marker in str(path):
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path)
 
     monkeypatch.setattr(fileio, "set_public_mode", full)
+    return out, real
+
+
+def test_plots_are_written_with_the_report(tmp_path, monkeypatch):
+    """The PNGs are written in one group with bench.json and bench.md: a failed write
+    of any of them (here a PNG, as on a full disk) leaves the folder as it was, with no
+    truncated PNG (they were saved straight into --out before); a good write publishes
+    all of them, and bench.md links each."""
+    from flintc import fileio
+
+    pngs = {"decode_vs_context.png": b"\x89PNG\r\n\x1a\n one", "breakdown.png": b"\x89PNG\r\n\x1a\n two"}
+    monkeypatch.setattr(report, "render_plots", lambda results: dict(pngs))
+    out, real = _old_pair_on_a_full_disk(tmp_path, monkeypatch, ".breakdown.png.")
     res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}}
     with pytest.raises(OSError):
         report.write_outputs(res, out, plots=True, log=lambda *a: None)
@@ -1094,22 +1104,9 @@ def test_the_report_is_rendered_before_anything_is_written(tmp_path):
 def test_a_failed_write_keeps_the_previous_pair(tmp_path, monkeypatch, capsys):
     """bench.json and bench.md are written as a pair: a full disk while bench.md is written
     leaves both as they were (bench.json used to be replaced already), no temporary file."""
-    import errno
-
     from flintc import fileio
 
-    out = tmp_path / "o"
-    out.mkdir()
-    (out / "bench.json").write_text("old json")
-    (out / "bench.md").write_text("old md")
-    real = fileio.set_public_mode
-
-    def full(path):
-        if ".bench.md." in str(path):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(path)
-
-    monkeypatch.setattr(fileio, "set_public_mode", full)
+    out, real = _old_pair_on_a_full_disk(tmp_path, monkeypatch, ".bench.md.")
     res = {"meta": {"date": "d", "device": "cpu", "command": "c"}, "ceilings": {}}
     with pytest.raises(OSError):
         report.write_outputs(res, out, plots=False)
