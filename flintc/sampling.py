@@ -192,8 +192,7 @@ class StructuredOutputsParams:
             if not isinstance(v, bool):
                 fail(name, f"expected true or false, got {v!r}")
             object.__setattr__(self, name, v)
-        given = [k for k in _STRUCTURED_KINDS if (getattr(self, k) if k == "json_object" else
-                                                   getattr(self, k) is not None)]
+        given = self._given()
         if len(given) > 1:
             raise InputError(f"You can only use one kind of structured outputs constraint but multiple are "
                              f"specified: {', '.join(given)}")
@@ -203,11 +202,15 @@ class StructuredOutputsParams:
 
         check_spec(self)
 
+    def _given(self) -> list[str]:
+        """The kinds of constraint set (json_object when true, the others when not None)."""
+        return [k for k in _STRUCTURED_KINDS if (getattr(self, k) if k == "json_object" else
+                                                  getattr(self, k) is not None)]
+
     @property
     def kind(self) -> str:
         """The constraint given: "json", "regex", "choice", "grammar" or "json_object"."""
-        return next(k for k in _STRUCTURED_KINDS if (getattr(self, k) if k == "json_object"
-                                                      else getattr(self, k) is not None))
+        return self._given()[0]
 
     @classmethod
     def from_dict(cls, data: dict) -> "StructuredOutputsParams":

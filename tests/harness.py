@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import pytest
 import torch
@@ -148,3 +150,21 @@ def reference_at_cache_length(model: FlintModel, prompt_ids: list[int], params, 
 
     runner = ReferenceRunner(model, max_batch=1, max_model_len=max_model_len)
     return generate_with_runner(runner, [prompt_ids], params, keep_step_logits=keep_step_logits)
+
+
+@contextlib.contextmanager
+def fifo_read(path):
+    """Make a FIFO at `path` and read it to its end on a thread while the body runs;
+    yields a list that holds the bytes read once the body is done (empty when nothing
+    opened the FIFO for writing: it is then opened once here so the reader ends)."""
+    os.mkfifo(path)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(open(path, "rb").read()))
+    reader.start()
+    try:
+        yield got
+    finally:
+        if reader.is_alive():  # unblock the reader if nothing opened the FIFO
+            with open(path, "wb"):
+                pass
+        reader.join()

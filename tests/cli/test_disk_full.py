@@ -175,23 +175,15 @@ def test_atomic_write_into_a_fifo_writes_into_it(tmp_path):
     --json /dev/stdout on a pipe; as root, /dev/null became a regular file): a device,
     FIFO or socket is written into, the other files still renamed into place."""
     import stat
-    import threading
+
+    from harness import fifo_read
 
     from flintc import fileio
 
     fifo, a = tmp_path / "fifo", tmp_path / "a.json"
-    os.mkfifo(fifo)
-    got = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
-    reader.start()
-    try:
+    with fifo_read(fifo) as got:
         fileio.write_texts_atomic({a: "new a", fifo: '{"passed": true}'})
-    finally:
-        if reader.is_alive():
-            with open(fifo, "w"):
-                pass
-        reader.join()
-    assert got == ['{"passed": true}'] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert got == [b'{"passed": true}'] and stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert a.read_text() == "new a" and _left_in(tmp_path) == ["a.json", "fifo"]
     assert fileio.is_special_file(os.devnull) and not fileio.is_special_file(a)
     assert not fileio.is_special_file(tmp_path) and not fileio.is_special_file(tmp_path / "missing")
@@ -201,24 +193,14 @@ def test_atomic_write_of_bytes_into_a_device_or_fifo(tmp_path):
     """`write_texts_atomic` takes bytes (bench's PNGs) as well as text; a device or FIFO
     among its paths was opened in text mode, so bytes for it were a TypeError after the
     other files had been renamed into place. Written as they are."""
-    import threading
+    from harness import fifo_read
 
     from flintc import fileio
 
     fileio.write_texts_atomic({os.devnull: b"\x89PNG\r\n", tmp_path / "a.md": "a"})
     assert (tmp_path / "a.md").read_text() == "a"
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    got = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
-    reader.start()
-    try:
-        fileio.write_texts_atomic({fifo: b"\x89PNG\xff"})
-    finally:
-        if reader.is_alive():
-            with open(fifo, "wb"):
-                pass
-        reader.join()
+    with fifo_read(tmp_path / "fifo") as got:
+        fileio.write_texts_atomic({tmp_path / "fifo": b"\x89PNG\xff"})
     assert got == [b"\x89PNG\xff"]
 
 

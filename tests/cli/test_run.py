@@ -94,21 +94,13 @@ def test_logits_out_into_a_fifo_writes_into_it(capsys, tmp_path, tiny_bf16_dir):
     FIFO (or, as root, /dev/null: the device became a regular file) was replaced by a
     regular file instead of written into."""
     import stat
-    import threading
+
+    from harness import fifo_read
 
     fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    got = []
-    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
-    reader.start()
-    try:
+    with fifo_read(fifo) as got:
         code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "5,6", "--max-tokens", 1,
                                "--output", "json", "--logits-out", fifo)
-    finally:
-        if reader.is_alive():  # unblock the reader if nothing opened the FIFO
-            with open(fifo, "wb"):
-                pass
-        reader.join()
     assert code == 0, err
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     import io
