@@ -269,3 +269,42 @@ def test_gpu_suite_runs_pytest_and_summarises(tmp_path):
     assert "test_on_the_gpu" not in (tmp_path / "out" / "suite.log").read_text()
     assert "test_probe.py::test_broken" in md and "a stated reason" in md, md
     assert "## started, never finished (0)" in md, md
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("rerun_passes", [True, False])
+def test_kernels_reruns_out_of_memory_failures_alone(tmp_path, rerun_passes):
+    """`scripts/gpu_kernels.sh` with a stand-in Python whose xdist run fails two tests out
+    of GPU memory (one test id holding spaces): those two run again in one process, each
+    node id one argument, the report shows both runs, and the exit status is the rerun's."""
+    fake = tmp_path / "fakepy"
+    rerun_rc = 0 if rerun_passes else 1
+    fake.write_text(f"""#!/usr/bin/env bash
+case " $* " in
+  *" -c "*) exit 0 ;;
+  *" -n "*)
+    echo "E   torch.OutOfMemoryError: CUDA out of memory."
+    echo "=========================== short test summary info ============================"
+    echo "FAILED tests/kernels/test_a.py::test_big[bf16-m16 f128 k128 w4 st2 even-odd] - torch.OutOfMemoryError"
+    echo "FAILED tests/kernels/test_a.py::test_plain"
+    echo "============= 2 failed, 5 passed in 9.00s ============="
+    exit 1 ;;
+  *" pytest "*)
+    printf "ARG[%s]\\n" "$@" >"$OUT/rerun_args.txt"
+    echo "2 passed in 1.00s"
+    exit {rerun_rc} ;;
+esac
+exit 0
+""")
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake), "OUT": str(tmp_path / "out"),
+           "KERNELS_BENCHES": "bench_pdl.py", "KERNELS_BUDGET_S": "200"}
+    r = run_script("gpu_kernels.sh", tmp_path, env, 120)
+    assert r.returncode == (0 if rerun_passes else 1), r.stdout + r.stderr
+    args = (tmp_path / "out" / "rerun_args.txt").read_text().splitlines()
+    assert "ARG[-n]" not in args, args
+    assert args[-2:] == ["ARG[tests/kernels/test_a.py::test_big[bf16-m16 f128 k128 w4 st2 even-odd]]",
+                         "ARG[tests/kernels/test_a.py::test_plain]"], args
+    report = (tmp_path / "out" / "kernels.md").read_text()
+    assert "FAILED, exit status 1" in report and "The 2 failed tests again, in one process" in report, report
+    assert "2 passed in 1.00s" in report
