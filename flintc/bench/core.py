@@ -6,7 +6,9 @@ run cut short by a time limit still leaves its numbers:
 1. the ceilings: copy bandwidth and bf16 matmul rate (`flintc.bench.timing`);
 2. per weight format: the weights (dummy weights are made on the device, once per
    format, and shared by every build and baseline), the builds that cover the asked
-   points (`--builds`; a missing one is compiled, with a warning about time), then per
+   points (`--builds`; a missing one is compiled, with a warning about time; each point
+   runs on the covering build that needs the least KV-cache memory for it, or, when that
+   build has no room for it in the free device memory, on the next one), then per
    build: its KV caches filled with random bf16 up to the largest context it serves,
    and for each (batch, context) point the decode step timed forward only (CUDA-graph
    replays, device events) and end to end (`runner.decode` + sampling + the token read
@@ -47,6 +49,9 @@ TARGET_COMPILE_POINTS = ((1, 1024), (1, 100000), (8, 1024))
 COMPILED_BASELINES = ("compile", "fast")  # torch.compile of the reference model / of FastFlintModel
 DEFAULT_CONTEXTS = (1024, 8192, 32768, 100000, 262144)
 DEFAULT_PREFILL = (1024, 8192)
+# the kinds of a flintc point (kind, batch, context), in the order a build measures them,
+# and how notes name them
+_KINDS = {"decode": "decode", "prefill": "prefill", "eager": "eager baseline"}
 
 
 @dataclass
@@ -893,52 +898,69 @@ class _Bench:
     def _kv_need(self, build: dict, context: int) -> int:
         return build["kv_for"](context) if self._resize(build) else build["kv_bytes"]
 
-    def _assign(self, builds, points, what: str, config):
-        """{build index: [points]}: each point to the covering build that needs the least
-        KV-cache memory for it (a build with resizable caches: its slots x the point's
-        context; otherwise the build's caches as compiled); points no build covers become
-        notes."""
+    def _next_build(self, builds, point, config, skip=()) -> int | None:
+        """The index of the build to run `point` (kind, batch, context) on, of those not in
+        `skip` that cover it: the one that needs the least KV-cache memory for it (a build
+        with resizable caches: its slots x the point's context; otherwise the build's
+        caches as compiled), then the first; None when none covers it."""
+        _, batch, context = point
+        cover = [i for i, b in enumerate(builds) if i not in skip and self._covers(b, batch, context, config)]
+        return min(cover, key=lambda i: (self._kv_need(builds[i], context), i), default=None)
+
+    def _assign(self, builds, points, fmt: str, config) -> dict[int, list]:
+        """{build index: [points]}: each point (kind, batch, context) to its build
+        (`_next_build`); points no build covers become notes."""
         groups: dict[int, list] = {}
         for p in points:
-            batch, context = p
-            cover = [i for i, b in enumerate(builds) if self._covers(b, batch, context, config)]
-            idx = min(cover, key=lambda i: (self._kv_need(builds[i], context), i)) if cover else None
+            idx = self._next_build(builds, p, config)
             if idx is None:
+                kind, batch, context = p
                 have = ", ".join(f"{b['path'].name} (batch <= {b['manifest']['max_batch']}, context <= "
                                  f"{b['manifest']['max_model_len']})" for b in builds) or "none"
-                self.note(f"{what} batch {batch} context {context}: skipped, no build covers it (builds: {have}); "
-                          f"compile one with --max-batch >= {batch} --max-model-len >= {context}")
+                self.note(f"{fmt} {_KINDS[kind]} batch {batch} context {context}: skipped, no build covers it "
+                          f"(builds: {have}); compile one with --max-batch >= {batch} --max-model-len >= {context}")
                 continue
             groups.setdefault(idx, []).append(p)
         return groups
 
     # -- flintc ---------------------------------------------------------------------------
     def _flintc(self, fmt: str, ckpt) -> None:
+        """flintc's points of `fmt` on the builds of --builds. A point is (kind, batch,
+        context): decode (batch, context), prefill (1, tokens), the eager baseline's
+        (batch, context). Each goes to its build (`_assign`); the builds that have points
+        run one at a time, the lowest index first, each loaded once, with the points `_fit`
+        finds room for. A point a build cannot take moves on to its next build among those
+        not run yet (`_next_build`), or is skipped when none is left, with a note saying
+        which (`_move_on`). A build skipped because the time budget is spent hands nothing
+        on."""
         builds = self._builds_for(fmt, ckpt)
         if not builds:
             return
         o = self.o
-        decode_points = [(b, c) for b in o.batches for c in o.contexts]
-        prefill_points = [(1, t) for t in o.prefill]
         eager_points = self._baseline_points("eager") if "eager" in o.baselines else []
+        points = ([("decode", b, c) for b in o.batches for c in o.contexts] + [("prefill", 1, t) for t in o.prefill]
+                  + [("eager", b, c) for b, c in eager_points])
         breakdown = set(self._breakdown_points())
         cfg = ckpt.config
-        g_dec = self._assign(builds, decode_points, f"{fmt} decode", cfg)
-        g_pre = self._assign(builds, prefill_points, f"{fmt} prefill", cfg)
-        g_eager = self._assign(builds, eager_points, f"{fmt} eager baseline", cfg)
+        pending = self._assign(builds, points, fmt, cfg)
+        done: set[int] = set()
         # a build's first point compiles the Triton kernels and captures the CUDA graphs
         need_s = 30.0 if self.cuda and cfg.num_hidden_layers > 8 else 0.0
-        for idx in sorted(set(g_dec) | set(g_pre) | set(g_eager)):
+        while pending:
+            idx = min(pending)
+            pts = pending.pop(idx)
+            done.add(idx)
             name = builds[idx]["path"].name
             if self.clock.left() <= need_s:
-                self.note(f"{fmt}: build {name} skipped, the time budget is spent")
+                self.note(f"{fmt}: build {name} skipped, the time budget is spent ({_point_words(pts)} not "
+                          "measured)")
                 continue
-            dec, pre, eager = g_dec.get(idx, []), g_pre.get(idx, []), g_eager.get(idx, [])
-            build = self._fit(fmt, builds[idx], ckpt, dec, pre, eager)
+            build, taken, left, why = self._fit(fmt, builds[idx], ckpt, pts)
+            if left:
+                self._move_on(fmt, builds, name, left, why, done, pending, cfg, order=points.index)
             if build is None:
                 continue
-            dec, pre, eager = ([p for p in pts if p[1] <= build["manifest"]["max_model_len"]]
-                               for pts in (dec, pre, eager))
+            dec, pre, eager = ([(b, c) for k, b, c in taken if k == kind] for kind in _KINDS)
             runner = self.guarded(f"{fmt}: load build {name} (KV caches {build['kv_bytes'] / 2**30:.1f} GiB: "
                                   f"{build['manifest']['max_batch']} slots x "
                                   f"{build['manifest']['max_model_len']} positions)",
@@ -953,25 +975,63 @@ class _Bench:
                 if self.cuda:
                     torch.cuda.empty_cache()
 
-    def _fit(self, fmt: str, build: dict, ckpt, dec, pre, eager) -> dict | None:
-        """The build as this run loads it: with resizable caches, sized to the longest
-        context of its points that fits in the free device memory next to the weights
-        (points beyond it become notes); otherwise as compiled, when it fits. None (with a
-        note) when nothing fits."""
+    def _move_on(self, fmt: str, builds, name: str, left, why: str, done, pending, config, order) -> None:
+        """The points `left` that build `name` could not take (`why`, from `_fit`): each to
+        its next build not in `done` (`_next_build`), added to that build's points in
+        `pending` (kept in the run's order: `order`); one note saying where each went, or
+        that it is skipped."""
+        to: dict[int | None, list] = {}
+        for p in left:
+            to.setdefault(self._next_build(builds, p, config, skip=done), []).append(p)
+        tries = sorted(j for j in to if j is not None)
+        for j in tries:
+            pending[j] = sorted(pending.get(j, []) + to[j], key=order)
+        if len(to) == 1 and tries:
+            fate = [f"trying build {builds[tries[0]]['path'].name}"]
+        else:
+            fate = [f"trying build {builds[j]['path'].name} for {_point_words(to[j])}" for j in tries]
+        if None in to:
+            it = "them" if len(to[None]) > 1 else "it"
+            fate.append(f"skipped {_point_words(to[None])}: no build left covers {it}")
+        self.note(f"{fmt}: build {name} could not take {_point_words(left)}: {why}; {'; '.join(fate)}")
+
+    def _free_bytes(self) -> int | None:
+        """The device memory free now, in bytes, the allocator's cached blocks released
+        first (they count as free for the caches); None on a CPU, which has no such
+        figure: `_fit` then gives each build every point."""
+        if not self.cuda:
+            return None
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def _workspace(self, build: dict, config, points) -> int:
+        """The bytes `points` need on `build` next to its KV caches: 1 GiB, the largest
+        intermediates of the functions they run (`plan.json`'s intermediate_bytes of the
+        decode buckets of their batches, of the prefill functions) and, for the eager
+        baseline, the fp32 copy of the largest weight (the LM head) its linears make."""
+        buckets = {next((k for k in build["buckets"] if k >= b), None) for kind, b, _ in points if kind != "prefill"}
+        prefill = any(kind == "prefill" for kind, _, _ in points)
+        used = [s for s in build["plan_steps"].values()
+                if (s["step"] == "decode" and s["batch"] in buckets) or (s["step"] == "prefill" and prefill)]
+        workspace = (1 << 30) + max((int(s.get("intermediate_bytes", 0)) for s in used), default=0)
+        if any(kind == "eager" for kind, _, _ in points):
+            workspace += 2 * 4 * config.vocab_size * config.hidden_size
+        return workspace
+
+    def _fit(self, fmt: str, build: dict, ckpt, points) -> tuple[dict | None, list, list, str]:
+        """`(build, taken, left, why)`: the build as this run loads it, the points it takes,
+        those it cannot take and why (words for a note, "" when none). A set of points
+        needs the build's KV caches (resizable: sized to its longest context; otherwise
+        as compiled) and their workspace (`_workspace`) in the device memory free next to
+        the weights (`_free_bytes`). Taken in order of what each needs alone (ties in the
+        given order), a point joins those taken when they all still fit; on a CPU every
+        point is taken. Resizable caches are sized to the longest context taken. build is
+        None when it takes no point; taken and left keep the given order."""
         from flintc.bench.roofline import weight_bytes
 
         cfg = ckpt.config
         m = build["manifest"]
-        name = build["path"].name
-        contexts = sorted({c for _, c in dec + pre + eager}, reverse=True)
-        # workspace next to the caches: the functions' intermediates, and for the eager
-        # baseline the fp32 copy of the largest weight (the LM head) its linears make
-        buckets = {next((b for b in build["buckets"] if b >= batch), None) for batch, _ in dec + eager}
-        used = [s for s in build["plan_steps"].values()
-                if (s["step"] == "decode" and s["batch"] in buckets) or (s["step"] == "prefill" and pre)]
-        margin = (1 << 30) + max((int(s.get("intermediate_bytes", 0)) for s in used), default=0)
-        if eager:
-            margin += 2 * 4 * cfg.vocab_size * cfg.hidden_size
         if self.cuda and m.get("backend") == "triton" and ckpt.fmt == "nvfp4":
             # the CUDA NVFP4 kernels' weight layout, as the runtime will convert them: now,
             # with the conversion's temporaries freed before the caches are sized
@@ -979,43 +1039,42 @@ class _Bench:
             from flintc.kernels.nvfp4_mma import prepack
 
             prepack(ckpt.weights, ckpt.config)
-        if self.cuda:
-            gc.collect()
-            torch.cuda.empty_cache()  # the allocator's cached blocks count as free here
-        free = torch.cuda.mem_get_info(self.device)[0] if self.cuda else None
-        weights_gib = weight_bytes(cfg, ckpt.fmt, cfg.n_routed_experts, cfg.vocab_size).total / 2**30
-        if not self._resize(build):
-            if free is not None and build["kv_bytes"] + margin > free:
-                self.note(f"{fmt}: build {name} skipped: its KV caches ({m['max_batch'] + 1} slots x "
-                          f"{m['max_model_len']} positions, {build['kv_bytes'] / 2**30:.1f} GiB) and "
-                          f"{margin / 2**30:.1f} GiB of workspace do not fit in the {free / 2**30:.1f} GiB free "
-                          f"next to the weights ({weights_gib:.1f} GiB); compile a build with a smaller "
-                          "--max-batch or --max-model-len")
-                return None
-            return build
-        fits = [c for c in contexts if free is None or build["kv_for"](c) + margin <= free]
-        if not fits:
-            self.note(f"{fmt}: build {name} skipped: no point fits in the {free / 2**30:.1f} GiB free next "
-                      f"to the weights ({weights_gib:.1f} GiB)")
-            return None
-        rows = fits[0]
-        dropped = [c for c in contexts if c > rows]
-        if dropped:
-            pts = ", ".join([f"batch {b} context {c}" for b, c in sorted(set(dec + eager)) if c > rows]
-                            + [f"prefill {t}" for _, t in pre if t > rows])
-            self.note(f"{fmt} on build {name}: skipped {pts}: KV caches of {m['max_batch'] + 1} slots x "
-                      f"{max(dropped)} positions ({build['kv_for'](max(dropped)) / 2**30:.1f} GiB) and "
-                      f"{margin / 2**30:.1f} GiB of workspace do not fit in the {free / 2**30:.1f} GiB free next "
-                      f"to the weights ({weights_gib:.1f} GiB)")
-        if rows == m["max_model_len"]:
-            return build
+        free = self._free_bytes()
+
+        def need(pts) -> int:
+            return self._kv_need(build, max(c for _, _, c in pts)) + self._workspace(build, cfg, pts)
+
+        fitting = []
+        for p in sorted(points, key=lambda p: need([p])):
+            if free is None or need(fitting + [p]) <= free:
+                fitting.append(p)
+        taken = [p for p in points if p in fitting]
+        left = [p for p in points if p not in fitting]
+        why = ""
+        if left:  # then all the points together do not fit either (a point only adds to the need)
+            rows = max(c for _, _, c in points) if self._resize(build) else m["max_model_len"]
+            slots = f"{m['max_batch']} slot{'s' if m['max_batch'] > 1 else ''}"
+            compiled = "" if self._resize(build) else " as compiled"
+            which = "" if len(points) == 1 else f" for all {len(points)} of its points"
+            weights_gib = weight_bytes(cfg, ckpt.fmt, cfg.n_routed_experts, cfg.vocab_size).total / 2**30
+            why = (f"KV caches of {slots} x {rows} positions{compiled} ({self._kv_need(build, rows) / 2**30:.1f} "
+                   f"GiB) and {self._workspace(build, cfg, points) / 2**30:.1f} GiB of workspace{which} do not fit "
+                   f"in the {free / 2**30:.1f} GiB free next to the weights ({weights_gib:.1f} GiB)")
+            if not taken and not self._resize(build):
+                why += "; compile a build with a smaller --max-batch or --max-model-len"
+        if not taken:
+            return None, taken, left, why
+        rows = max(c for _, _, c in taken)
+        if not self._resize(build) or rows == m["max_model_len"]:
+            return build, taken, left, why
         chunk = int(m["prefill_chunk"])
         manifest = dict(m, max_model_len=rows, cache_rows=rows + chunk)
         for rec in self.r["builds"]:
             if rec["fmt"] == fmt and rec["path"] == str(build["path"]):
                 rec.update(loaded_max_model_len=rows, loaded_kv_cache_bytes=build["kv_for"](rows))
-        return dict(build, manifest=manifest, kv_bytes=build["kv_for"](rows),
-                    compiled_max_model_len=m["max_model_len"])
+        resized = dict(build, manifest=manifest, kv_bytes=build["kv_for"](rows),
+                       compiled_max_model_len=m["max_model_len"])
+        return resized, taken, left, why
 
     def _runner(self, build: dict, ckpt):
         from flintc.runtime.compiled import CompiledRunner, load_build
@@ -1387,6 +1446,13 @@ class _Bench:
                 self.r["baselines"].append(rec)
                 if rec.get("compile_s"):
                     self._last_compile_s = rec["compile_s"]
+
+
+def _point_words(points) -> str:
+    """flintc points (kind, batch, context) as notes name them: "batch 1 context 1024,
+    prefill 1024, eager baseline batch 1 context 1024"."""
+    return ", ".join(f"prefill {c}" if kind == "prefill" else f"batch {b} context {c}" if kind == "decode" else
+                     f"{_KINDS[kind]} batch {b} context {c}" for kind, b, c in points)
 
 
 def read_plan(build: Path) -> dict:

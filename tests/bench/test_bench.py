@@ -394,6 +394,74 @@ def test_build_glob_picks_the_builds(cpu_run, tmp_path):
     assert not (tmp_path / "none").exists()
 
 
+def _small_and_large_builds(cpu_run, tmp_path) -> Path:
+    """A --builds folder holding a-tiny-bf16, the fixture's build with max batch 1 (its
+    decode_b1 function is the same; its caches hold 1 slot), and b-tiny-bf16, the
+    fixture's (max batch 2): points of batch 1 go to a-tiny-bf16, which needs less
+    KV-cache memory for them, and it runs first."""
+    builds = _copy_build(cpu_run, tmp_path, "a-tiny-bf16")
+    _copy_build(cpu_run, tmp_path, "b-tiny-bf16")
+    manifest = builds / "a-tiny-bf16" / "build.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), max_batch=1)))
+    return builds
+
+
+def test_points_a_build_has_no_room_for_move_on_to_the_next_build(cpu_run, tmp_path, monkeypatch):
+    """A build without the free device memory for its points hands them on to the next
+    covering build (an H100 run skipped full-bf16-b1, "no point fits in the 4.3 GiB
+    free", and never measured its batch-1 and prefill points, which full-bf16 covers):
+    here a-tiny-bf16 sees no memory free and b-tiny-bf16 plenty (the free memory `_fit`
+    sees, once per build); every point is measured on b-tiny-bf16, which is loaded once."""
+    from flintc.bench import core
+
+    builds = _small_and_large_builds(cpu_run, tmp_path)
+    free = iter([0, 1 << 40])
+    monkeypatch.setattr(core._Bench, "_free_bytes", lambda self: next(free))
+    out = tmp_path / "out"
+    args = ["bench", "--config", "tiny", "--device", "cpu", "--formats", "bf16", "--contexts", "64", "--batches",
+            "1,2", "--prefill", "16", "--baselines", "none", "--no-compile", "--no-plots", "--builds", str(builds)]
+    assert main(args + ["--out", str(out)]) == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert sorted((r["batch"], r["build"]) for r in res["decode"]) == [(1, "b-tiny-bf16"), (2, "b-tiny-bf16")]
+    assert [(r["tokens"], r["build"]) for r in res["prefill"]] == [(16, "b-tiny-bf16")]
+    [note] = [n for n in res["notes"] if "could not take" in n]
+    assert note.startswith("bf16: build a-tiny-bf16 could not take batch 1 context 64, prefill 16: KV caches of "
+                           "1 slot x 64 positions (0.0 GiB) and 1.0 GiB of workspace for all 2 of its points do "
+                           "not fit in the 0.0 GiB free next to the weights ("), note
+    assert note.endswith("; trying build b-tiny-bf16"), note
+    assert not any("skipped" in n for n in res["notes"]), res["notes"]
+    assert next(free, None) is None  # each build's free memory was read once: none loaded twice
+
+
+def test_a_point_no_build_has_room_for_is_skipped_with_a_note(cpu_run, tmp_path, monkeypatch):
+    """Free memory for the decode step (its caches and intermediates take tens of KiB on
+    the tiny config, next to the 1 GiB `_workspace` keeps) but not for the eager
+    baseline's fp32 copy of the LM head (512 KiB): a-tiny-bf16 measures the decode point
+    and hands the eager one on to b-tiny-bf16, which has no room for it either and is
+    not loaded; the eager point is skipped, and the notes say so."""
+    from flintc.bench import core
+
+    builds = _small_and_large_builds(cpu_run, tmp_path)
+    lm_head_fp32 = 2 * 4 * TINY.vocab_size * TINY.hidden_size
+    monkeypatch.setattr(core._Bench, "_free_bytes", lambda self: (1 << 30) + lm_head_fp32 // 2)
+    out = tmp_path / "out"
+    args = _bench_on_builds(builds)
+    args[args.index("--baselines") + 1] = "eager"
+    assert main(args + ["--out", str(out)]) == 0
+    res = json.loads((out / "bench.json").read_text())
+    assert [(r["batch"], r["context"], r["build"]) for r in res["decode"]] == [(1, 64, "a-tiny-bf16")]
+    assert res["baselines"] == [] and res["failures"] == []
+    assert {b["path"] for b in res["builds"]} == {str(builds / n) for n in ("a-tiny-bf16", "b-tiny-bf16")}
+    a, b = [n for n in res["notes"] if "could not take" in n]
+    assert a.startswith("bf16: build a-tiny-bf16 could not take eager baseline batch 1 context 64: KV caches of "
+                        "1 slot x 64 positions (0.0 GiB) and 1.0 GiB of workspace for all 2 of its points do not "
+                        "fit in the 1.0 GiB free next to the weights ("), a
+    assert a.endswith("; trying build b-tiny-bf16"), a
+    assert b.startswith("bf16: build b-tiny-bf16 could not take eager baseline batch 1 context 64: KV caches of "
+                        "2 slots x 64 positions (0.0 GiB) and 1.0 GiB of workspace do not fit in "), b
+    assert b.endswith("; skipped eager baseline batch 1 context 64: no build left covers it"), b
+
+
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", "{}", None])
 def test_a_build_with_a_broken_plan_is_skipped_with_a_note(cpu_run, tmp_path, content):
     """A build in --builds whose plan.json is missing or unreadable is named in a note and
