@@ -16,8 +16,11 @@ prompt does not stall the event loop and every other client, checked against
 :class:`~flintc.serve.engine.GenRequest` per choice (``n``). Engine outputs come back
 through an asyncio queue; for chat they go through the reasoning parser
 (:mod:`flintc.serve.reasoning`) and, when tools are in play, the tool-call parser
-(:mod:`flintc.serve.tool_calls`). A client that disconnects (streaming or not)
-has its requests aborted, which frees their engine slots. When the server shuts down
+(:mod:`flintc.serve.tool_calls`, tool_choice "auto"), or, for tool_choice "required"
+or a named function, the forced calls' reader (:mod:`flintc.serve.tool_choice`: the
+reply is constrained to a JSON schema of the tools, as vLLM's). A client that
+disconnects (streaming or not) has its requests aborted, which frees their engine
+slots. When the server shuts down
 (``app.state.abort_in_flight``, called by :func:`flintc.serve.server.uvicorn_server`),
 the requests in flight are aborted and answered with a 503 (a stream: an error event,
 then ``[DONE]``).
@@ -94,6 +97,7 @@ from flintc.serve.reasoning import THINK_END, THINK_START, ReasoningParser, init
 from flintc.serve.server import MAX_REQUEST_BYTES
 from flintc.structured import ReasoningGate, compiled_matcher
 from flintc.serve.tool_calls import ToolCallParser
+from flintc.serve.tool_choice import NAMED, REQUIRED, ForcedToolCalls, resolve_tool_choice, tool_choice_spec
 
 TOOL_CALL_PARSERS = ("glm47",)
 REASONING_PARSERS = ("glm47",)
@@ -260,11 +264,17 @@ def _special_strings(tokenizer) -> tuple[list[str], set[str], list[int]]:
 
 
 class _ChatChoice:
+    """One choice of a chat reply: the reasoning parser, then the tool-call parser
+    (tool_choice "auto") or the forced calls' reader (`ForcedToolCalls`: tool_choice
+    "required" or a named function, ``forced``), then the special-token stripper."""
+
     def __init__(self, tokenizer, reasoning_initial: str | None, tools: list[dict] | None,
-                 specials: tuple[list[str], set[str], list[int]] | None = None):
+                 specials: tuple[list[str], set[str], list[int]] | None = None,
+                 forced: ForcedToolCalls | None = None):
         self.tokenizer = tokenizer
         self.reasoning = ReasoningParser(reasoning_initial) if reasoning_initial else None
         self.tools = ToolCallParser(tools) if tools is not None else None
+        self.forced = forced
         # skip_special_tokens: strip them from reasoning and content after parsing
         self.strip = (_SpecialStripper(specials), _SpecialStripper(specials)) if specials else None
         self.reasoning_text: list[str] = []
@@ -290,6 +300,10 @@ class _ChatChoice:
             r, c = self.strip[0].feed(r), self.strip[1].feed(c)
             if out.finished:
                 r, c = r + self.strip[0].finish(), c + self.strip[1].finish()
+        forced_calls = []
+        if self.forced is not None:  # the content is the calls' JSON
+            forced_calls = self.forced.feed(c)
+            c = self.forced.finish() if out.finished else ""
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs or []
         if out.prompt_logprobs is not None:
@@ -300,6 +314,10 @@ class _ChatChoice:
             reason = out.finish_reason
             if reason == "stop" and self.tools is not None and self.tools.calls:
                 reason = "tool_calls"
+            # vLLM and OpenAI: "tool_calls" for "required", the generation's reason for a named function
+            if reason == "stop" and self.forced is not None and self.forced.mode == REQUIRED \
+                    and self.forced.complete:
+                reason = "tool_calls"
             self.finish_reason = reason
         delta = {}
         if r:
@@ -309,6 +327,8 @@ class _ChatChoice:
         if calls:
             first = len(self.tools.calls) - len(calls)
             delta["tool_calls"] = [tc.to_openai(first + k) for k, tc in enumerate(calls)]
+        if forced_calls:
+            delta["tool_calls"] = forced_calls
         return delta
 
     def empty_delta(self) -> dict:
@@ -318,11 +338,15 @@ class _ChatChoice:
         ``DeltaMessage(content=delta_text)`` with an empty ``delta_text``)."""
         if self.reasoning is not None and self.reasoning.state == "reasoning":
             return {"reasoning_content": ""}
+        if self.forced is not None:  # (the content is tool calls: an empty delta)
+            return {}
         return {"content": ""}
 
     def message(self) -> dict:
         content = "".join(self.content_text)
         calls = self.tools.calls if self.tools is not None else []
+        if self.forced is not None:
+            calls = self.forced.calls
         saw_reasoning = self.reasoning is not None and self.reasoning.saw_reasoning
         msg = {"role": "assistant",
                "content": content if content or not (calls or saw_reasoning) else None,
@@ -676,7 +700,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             return None
         return seed % 2**63
 
-    async def sampling(req, max_tokens: list[int], n: int) -> list[list[SamplingParams]]:
+    async def sampling(req, max_tokens: list[int], n: int, spec=None) -> list[list[SamplingParams]]:
         """One SamplingParams per choice of each prompt, ``[k][j]`` for prompt k's choice
         j, with ``max_tokens[k]`` (each >= 1: `check_length`'s; a completions request's
         prompts differ with ``"max_tokens": null``, each the rest of its context).
@@ -687,12 +711,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         smallest max_tokens (min_tokens over it is the 400); prompts with another
         max_tokens get copies (`SamplingParams.with_max_tokens`), not a new walk of the lists per
         prompt. Prompts of one max_tokens share their objects. Raises APIError(400)
-        naming the field."""
+        naming the field. ``spec``: the structured-outputs constraint (compiled already:
+        a forced tool choice's, `tool_choice_spec`), instead of the request's own."""
         # the fields the request sets; the others keep SamplingParams' defaults (Flint's)
         given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         given.update(logit_bias=logit_bias(req), allowed_token_ids=allowed_token_ids(req))
         base = request_seed(req.seed)
-        spec = await structured(req)
+        if spec is None:
+            spec = await structured(req)
         if spec is not None:
             given["structured_outputs"] = spec
 
@@ -1029,15 +1055,31 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         n, stop = common_checks(req)
         need_chat_template()
         tools = _check_tools(req.tools)
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-        if isinstance(choice, dict) or choice == "required":
-            raise APIError(400, f"tool_choice {choice!r} is not supported (it needs constrained "
-                           f"decoding); use \"auto\" or \"none\"", param="tool_choice")
-        if choice not in ("auto", "none"):
-            raise APIError(400, f"tool_choice must be \"auto\" or \"none\", got {choice!r}", param="tool_choice")
+        # "none", "auto", or a forced call: "required" or a named function (`flintc.serve.tool_choice`)
+        choice, forced_name, tools = resolve_tool_choice(req.tool_choice, tools)
         if choice == "auto" and tools and not options.enable_auto_tool_choice:
             raise APIError(400, "tool_choice \"auto\" needs the server started with "
                            "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
+        forced = choice in (REQUIRED, NAMED)
+        tool_spec = None
+        if forced:
+            # vLLM: "You can only either use constraints for structured outputs or tools, not both."
+            other = structured_param(req)
+            if other is not None:
+                raise APIError(400, f"You can only either use constraints for structured outputs or tools, not "
+                               f"both: '{other}' with tool_choice {json.dumps(req.tool_choice)}", param=other)
+
+            def make_tool_spec():
+                spec = tool_choice_spec(req, choice, forced_name, tools)
+                try:
+                    compiled_matcher(spec, tokenizer)
+                except InputError as exc:
+                    raise APIError(400, str(exc), param="tool_choice") from None
+                return spec
+
+            tool_spec = await asyncio.to_thread(make_tool_spec)
+        # the error param of a constraint that cannot be followed as it runs
+        constraint_param = "tool_choice" if forced else structured_param(req)
         parse_tools = tools if (tools and choice == "auto") else None
         prompt_tools = None if (choice == "none" and options.exclude_tools_when_tool_choice_none) else tools
         add_gen, cont = generation_prompt_flags(req)
@@ -1053,7 +1095,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(len(prompt_ids), asked, "max_completion_tokens"
                                   if req.max_completion_tokens is not None else "max_tokens", "messages")
-        params = (await sampling(req, [max_tokens], n))[0]
+        params = (await sampling(req, [max_tokens], n, tool_spec))[0]
         top = None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -1076,7 +1118,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                         include_stop_str_in_output=req.include_stop_str_in_output,
                                         cache_salt=req.cache_salt, reasoning_gate=gate)
                                    for j, p in enumerate(params)])
-        choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip) for _ in range(n)]
+        choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip,
+                               ForcedToolCalls(choice, forced_name) if forced else None) for _ in range(n)]
         rid, created = response_id(request, req, "chatcmpl-"), int(time.time())
         include_usage, continuous_usage = _usage_flags(req)
 
@@ -1105,7 +1148,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             async for out in gen.outputs():
                 if out.error is not None:
                     yield _sse(error_body(f"generation failed: {out.error}", "invalid_request_error",
-                                          structured_param(req)) if out.client_error
+                                          constraint_param) if out.client_error
                                else error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if out.finish_reason == "abort":
@@ -1136,7 +1179,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
         if req.stream:
             return await run(request, gen, None, stream_body)
-        await run(request, gen, lambda out: choices[out.index].feed(out), None, structured_param(req))
+        await run(request, gen, lambda out: choices[out.index].feed(out), None, constraint_param)
         body = {"id": rid, "object": "chat.completion", "created": created, "model": options.model_name,
                 "choices": [], "usage": usage()}
         if req.return_token_ids:

@@ -41,7 +41,9 @@ most (else a 400, vLLM's "You can only use one kind of guided decoding");
 ``guided_decoding_backend`` may be null, "auto", "guidance" or "llguidance" (llguidance
 runs every one); ``structural_tag`` (the field, the response_format type, the
 structured_outputs key) is refused. A schema, regex or grammar that llguidance refuses
-is a 400 naming the field, with llguidance's message.
+is a 400 naming the field, with llguidance's message. Chat's ``tool_choice``
+``"required"`` or a named function makes its own constraint from ``tools``
+(:mod:`flintc.serve.tool_choice`), which none of these fields may join.
 
 vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest` /
 :class:`TokenizeChatRequest` and :class:`DetokenizeRequest`, with vLLM's fields.

@@ -532,7 +532,8 @@ def test_disconnect_frees_slot(server, client, monkeypatch):
     ({"logit_bias": {"512": 1}}, "logit_bias"),  # the tiny vocabulary is 512
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"logit_bias": {"5": "x"}}, "logit_bias.5"),
-    ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": TOOLS}, "tool_choice"),
     ({"temperature": "hot"}, "temperature"),
     ({"unknown_field": 1}, "unknown_field"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),

@@ -1,0 +1,302 @@
+"""tool_choice "required" and a named function in /v1/chat/completions (a real uvicorn
+server, the tiny BF16 reference model, whose unconstrained text is random): the reply
+is constrained to the tool's parameters schema (named) or vLLM's array of
+{"name", "parameters"} objects (required) and comes back as OpenAI tool_calls, without
+--enable-auto-tool-choice; streamed deltas reassemble to the unstreamed reply; n > 1;
+the thinking block stays free with --reasoning-parser; a reply cut by max_tokens is
+no 500; the 400s naming tool_choice (or the field combined with it)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+MODEL = "flint-tiny"
+MODE = {"type": "object", "additionalProperties": False, "required": ["mode"],
+        "properties": {"mode": {"enum": ["on", "off"]}}}
+LEVEL = {"type": "object", "additionalProperties": False, "required": ["level"],
+         "properties": {"level": {"type": "integer", "minimum": 1, "maximum": 9}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "set_mode", "description": "Switch", "parameters": MODE}},
+    {"type": "function", "function": {"name": "set_level", "parameters": LEVEL}},
+    {"type": "function", "function": {"name": "ping"}},  # no parameters: {} only
+]
+SCHEMAS = {"set_mode": MODE, "set_level": LEVEL, "ping": {"type": "object", "additionalProperties": False}}
+NAMED = {"type": "function", "function": {"name": "set_mode"}}
+# the random model goes on adding calls to the array: a bias towards '}' and ']' (token
+# ids of the tiny tokenizer; the grammar allows them only where the JSON may close)
+CLOSE = {"logit_bias": {"92": 6, "60": 10}}
+
+
+def chat(content="Call a tool.", **kw):
+    # no whitespace between JSON tokens (vLLM's guided_whitespace_pattern): the random
+    # model would fill max_tokens with it
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 40, "seed": 3,
+            "tools": TOOLS, "guided_whitespace_pattern": "", **kw}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_serving, serve_kit):
+    """The tiny model with default options (no --enable-auto-tool-choice): the template's
+    tool section needs more than 256 tokens of context."""
+    from flintc.serve.app import ServeOptions
+
+    model, tok = tiny_serving
+    run = serve_kit.start_server(model, tok, ServeOptions(MODEL), max_batch=2, max_model_len=1024)
+    yield run
+    serve_kit.stop_server(run)
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_serving, serve_kit):
+    from flintc.serve.app import ServeOptions
+
+    model, tok = tiny_serving
+    run = serve_kit.start_server(model, tok, ServeOptions(MODEL, reasoning_parser="glm47"),
+                                 max_batch=2, max_model_len=1024)
+    yield run
+    serve_kit.stop_server(run)
+
+
+def check_call(call, name=None):
+    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-"), call
+    fn = call["function"]
+    assert fn["name"] in SCHEMAS and (name is None or fn["name"] == name), call
+    jsonschema.validate(json.loads(fn["arguments"]), SCHEMAS[fn["name"]])
+
+
+def streamed(chunks):
+    """Per choice: (content, reasoning, [(id, name, arguments)], finish_reason) from stream chunks."""
+    out = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            content, reasoning, calls, finish = out.setdefault(ch["index"], ["", "", {}, None])
+            d = ch["delta"]
+            out[ch["index"]][0] += d.get("content") or ""
+            out[ch["index"]][1] += d.get("reasoning_content") or ""
+            for tc in d.get("tool_calls") or []:
+                if tc["index"] not in calls:  # the first delta of a call: its id, type and name
+                    assert tc["type"] == "function" and tc["id"] and tc["function"]["name"], tc
+                    calls[tc["index"]] = [tc["id"], tc["function"]["name"], ""]
+                else:
+                    assert "id" not in tc and "name" not in tc["function"], tc
+                calls[tc["index"]][2] += tc["function"]["arguments"]
+            out[ch["index"]][3] = ch["finish_reason"] or finish
+    return {i: (c, r, [tuple(calls[k]) for k in sorted(calls)], f) for i, (c, r, calls, f) in out.items()}
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_named_function(server, seed):
+    """The reply is one call of the named function, its arguments valid for its schema,
+    content null, finish_reason "stop" (not "tool_calls", as vLLM and OpenAI)."""
+    status, body = server.post("/v1/chat/completions", chat(tool_choice=NAMED, seed=seed))
+    assert status == 200, body
+    choice = body["choices"][0]
+    msg = choice["message"]
+    assert msg["content"] is None and len(msg["tool_calls"]) == 1, msg
+    check_call(msg["tool_calls"][0], "set_mode")
+    assert choice["finish_reason"] == "stop", choice
+
+
+def test_named_function_integer_and_no_parameters(server):
+    for name, want in (("set_level", None), ("ping", "{}")):
+        status, body = server.post("/v1/chat/completions", chat(
+            tool_choice={"type": "function", "function": {"name": name}}))
+        assert status == 200, body
+        call = body["choices"][0]["message"]["tool_calls"][0]
+        check_call(call, name)
+        assert want is None or call["function"]["arguments"] == want, call
+        if name == "set_level":
+            assert type(json.loads(call["function"]["arguments"])["level"]) is int
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_required(server, seed):
+    """Each item of the generated array is one call of a tool, valid for its schema;
+    content null; finish_reason "tool_calls"."""
+    status, body = server.post("/v1/chat/completions", chat(tool_choice="required", seed=seed, max_tokens=60, **CLOSE))
+    assert status == 200, body
+    choice = body["choices"][0]
+    msg = choice["message"]
+    assert msg["content"] is None and msg["tool_calls"], choice
+    for call in msg["tool_calls"]:
+        check_call(call)
+    assert len({c["id"] for c in msg["tool_calls"]}) == len(msg["tool_calls"])
+    assert choice["finish_reason"] == "tool_calls", choice
+
+
+@pytest.mark.parametrize("tool_choice", [NAMED, "required"])
+def test_streaming_reassembles_to_the_unstreamed_reply(server, tool_choice):
+    """Greedy, n = 2: each choice's deltas give the same calls (name, arguments) and
+    finish_reason as the unstreamed request; a call's id, type and name come once, in
+    its first delta (index 0 for the named function)."""
+    body = chat(tool_choice=tool_choice, temperature=0, n=2, max_tokens=60, **CLOSE)
+    status, whole = server.post("/v1/chat/completions", body)
+    assert status == 200, whole
+    status, chunks = server.post("/v1/chat/completions", {**body, "stream": True})
+    assert status == 200, chunks
+    got = streamed(chunks)
+    assert sorted(got) == [0, 1]
+    for i, choice in enumerate(whole["choices"]):
+        content, _, calls, finish = got[i]
+        assert content == "" and finish == choice["finish_reason"], (got[i], choice)
+        assert [(n, a) for _, n, a in calls] == [(c["function"]["name"], c["function"]["arguments"])
+                                                  for c in choice["message"]["tool_calls"]], (calls, choice)
+        for _, name, args in calls:
+            check_call({"id": "chatcmpl-tool-x", "type": "function", "function": {"name": name, "arguments": args}})
+
+
+def test_named_streams_the_arguments_as_they_come(server):
+    """The named call's arguments arrive in several deltas (not held to the end)."""
+    status, chunks = server.post("/v1/chat/completions", chat(tool_choice=NAMED, stream=True, temperature=0))
+    assert status == 200, chunks
+    pieces = [tc for c in chunks for ch in c["choices"] for tc in ch["delta"].get("tool_calls") or []]
+    assert len(pieces) > 2 and all(tc["index"] == 0 for tc in pieces), pieces
+    _, _, calls, finish = streamed(chunks)[0]
+    assert len(calls) == 1 and finish == "stop"
+    check_call({"id": calls[0][0], "type": "function", "function": {"name": calls[0][1], "arguments": calls[0][2]}})
+
+
+def test_n_choices_each_get_their_calls(server):
+    status, body = server.post("/v1/chat/completions", chat(tool_choice="required", n=3, max_tokens=60, **CLOSE))
+    assert status == 200, body
+    assert len(body["choices"]) == 3
+    for choice in body["choices"]:
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], choice
+        for call in choice["message"]["tool_calls"]:
+            check_call(call)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cut_by_max_tokens(server, stream):
+    """A reply cut before its JSON ends: named, the partial text as arguments; required,
+    the raw text as content and no call (nothing completed before the cut);
+    finish_reason "length", never a 500."""
+    for tool_choice in (NAMED, "required"):
+        status, body = server.post("/v1/chat/completions", chat(tool_choice=tool_choice, max_tokens=3,
+                                                                temperature=0, stream=stream))
+        assert status == 200, body
+        if stream:
+            content, _, calls, finish = streamed(body)[0]
+        else:
+            choice = body["choices"][0]
+            content, finish = choice["message"]["content"], choice["finish_reason"]
+            calls = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                     for c in choice["message"]["tool_calls"] or []]
+        assert finish == "length", body
+        if tool_choice == NAMED:
+            assert content in (None, "") and len(calls) == 1 and calls[0][1] == "set_mode", body
+            assert calls[0][2].startswith("{") and not calls[0][2].endswith("}"), calls
+        else:
+            assert calls == [] and content.startswith("[") and content, body
+
+
+def test_required_keeps_calls_completed_before_the_cut():
+    """`ForcedToolCalls` on text split anywhere: each call comes whole once its object
+    closes (strings with braces, brackets and escapes do not confuse it); a cut array
+    keeps the completed calls and gives its raw text as content."""
+    from flintc.serve.tool_choice import REQUIRED, ForcedToolCalls
+
+    text = '[ {"name": "a", "parameters": {"s": "}]{\\"", "l": [1, {"x": 2}]}}, {"name": "b", "parameters": {}}]'
+    for size in (1, 2, 5, len(text)):
+        f = ForcedToolCalls(REQUIRED)
+        entries = [e for k in range(0, len(text), size) for e in f.feed(text[k:k + size])]
+        assert f.finish() == "" and f.complete
+        assert [(e["index"], e["function"]["name"], json.loads(e["function"]["arguments"])) for e in entries] == \
+            [(0, "a", {"s": '}]{"', "l": [1, {"x": 2}]}), (1, "b", {})]
+    f = ForcedToolCalls(REQUIRED)
+    cut = text[:text.index('{"name": "b"') + 5]
+    assert len(f.feed(cut)) == 1 and f.finish() == cut and not f.complete and len(f.calls) == 1
+
+
+THINK_SCRIPTS = {
+    "think_named": '<think>Switch it on.</think>{"mode":"on"}',
+    "think_required": ('<think>Two calls.</think>[{"name":"set_mode","parameters":{"mode":"off"}},'
+                       '{"name":"ping","parameters":{}}]'),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_block_stays_free(reasoning_server, serve_kit, stream):
+    """--reasoning-parser: scripted replies (the engine's test hook) open with a thinking
+    block the grammar leaves free; it is reported as reasoning_content, and the JSON after
+    it is the calls (two for "required", finish_reason "tool_calls"). Without the
+    reasoning parser the grammar refuses '<think>' (see test_structured_outputs)."""
+    serve_kit.SCRIPTS.update(THINK_SCRIPTS)
+    want = {"think_named": ("Switch it on.", [("set_mode", {"mode": "on"})], "stop"),
+            "think_required": ("Two calls.", [("set_mode", {"mode": "off"}), ("ping", {})], "tool_calls")}
+    for script, tool_choice in (("think_named", NAMED), ("think_required", "required")):
+        status, body = reasoning_server.post("/v1/chat/completions", chat(
+            f"#script:{script}", tool_choice=tool_choice, max_tokens=120, stream=stream))
+        assert status == 200, body
+        if stream:
+            content, reasoning, calls, finish = streamed(body)[0]
+            calls = [(n, json.loads(a)) for _, n, a in calls]
+        else:
+            choice = body["choices"][0]
+            msg, finish = choice["message"], choice["finish_reason"]
+            content, reasoning = msg["content"], msg["reasoning_content"]
+            calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]]
+        assert content in (None, "") and (reasoning, calls, finish) == want[script], body
+
+
+@pytest.mark.parametrize("patch, param, needle", [
+    ({"tool_choice": "required", "tools": None}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
+    ({"tool_choice": NAMED, "tools": None}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "Tool 'nope' has not been passed in `tools`."),
+    ({"tool_choice": {"type": "custom", "function": {"name": "set_mode"}}}, "tool_choice", "Invalid `type`"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", "Invalid value for `function`"),
+    ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice", "Expected field `name`"),
+    ({"tool_choice": {"type": "function", "function": {"name": ""}}}, "tool_choice", "Invalid `name`"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "Invalid value for `tool_choice`"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "You can only either use constraints for structured outputs or tools, not both"),
+    ({"tool_choice": NAMED, "guided_regex": "a+"}, "guided_regex", "not both"),
+    ({"tool_choice": NAMED, "structured_outputs": {"choice": ["a"]}}, "structured_outputs", "not both"),
+    ({"tool_choice": NAMED, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", "not supported"),
+    ({"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "a", "parameters": {"$defs": {"X": {"type": "integer"}}}}},
+        {"type": "function", "function": {"name": "b", "parameters": {"$defs": {"X": {"type": "string"}}}}}]},
+     "tools", "Tool definition 'X' has multiple schemas"),
+    ({"tool_choice": NAMED, "tools": [{"type": "function", "function": {
+        "name": "set_mode", "parameters": {"type": "object", "required": 3}}}]},
+     "tools[0].function.parameters", "the JSON schema is refused"),
+])
+def test_errors_are_400s_naming_the_field(server, patch, param, needle):
+    status, got = server.post("/v1/chat/completions", chat(**patch))
+    assert status == 400 and got["error"]["param"] == param, got
+    assert needle in got["error"]["message"], got
+
+
+def test_defs_are_gathered_and_references_resolve(server):
+    """vLLM's schema for "required" moves each tool's $defs to the top: a parameter
+    given by "$ref": "#/$defs/Mode" still constrains the call; the request's tools are
+    used as given (the named function keeps its own $defs)."""
+    ref = {"type": "object", "additionalProperties": False, "required": ["mode"],
+           "properties": {"mode": {"$ref": "#/$defs/Mode"}}, "$defs": {"Mode": {"enum": ["up", "down"]}}}
+    tools = [{"type": "function", "function": {"name": "move", "parameters": ref}},
+             {"type": "function", "function": {"name": "stay", "parameters": {
+                 "type": "object", "additionalProperties": False, "required": ["mode"],
+                 "properties": {"mode": {"$ref": "#/$defs/Mode"}}, "$defs": {"Mode": {"enum": ["up", "down"]}}}}}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "move"}}):
+        status, body = server.post("/v1/chat/completions", chat(tools=tools, tool_choice=tool_choice,
+                                                                max_tokens=60, **CLOSE))
+        assert status == 200, body
+        calls = body["choices"][0]["message"]["tool_calls"]
+        assert calls, body
+        for call in calls:
+            assert json.loads(call["function"]["arguments"])["mode"] in ("up", "down"), call
+
+
+def test_required_with_empty_tools_is_none_and_auto_unchanged(server):
+    """tool_choice "required" with "tools": [] reads as "none" (vLLM, OpenAI): a plain
+    reply; "auto" with tools still needs --enable-auto-tool-choice."""
+    body = chat(tool_choice="required", tools=[], max_tokens=4)
+    del body["guided_whitespace_pattern"]  # (a 400 without a constraint)
+    status, body = server.post("/v1/chat/completions", body)
+    assert status == 200 and body["choices"][0]["message"]["tool_calls"] is None, body
+    status, body = server.post("/v1/chat/completions", chat(tool_choice="auto", max_tokens=4))
+    assert status == 400 and "--enable-auto-tool-choice" in body["error"]["message"], body
