@@ -179,7 +179,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from flintc.checkpoint.tokenizer import load_tokenizer
     from flintc.serve.app import ServeOptions, create_app
     from flintc.serve.engine import Engine
-    from flintc.serve.server import bind, make_runner, serve, served_model_name, tokenizer_dir
+    from flintc.serve.server import bind, host_port, make_runner, serve, served_model_name, tokenizer_dir
 
     options = ServeOptions(model_name=served_model_name(args), api_key=args.api_key,
                            enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -200,7 +200,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = Engine(runner, tokenizer, enable_prefix_caching=args.enable_prefix_caching)
     app = create_app(engine, tokenizer, options)
     host, port = sock.getsockname()[:2]
-    print(f"flintc serve: '{options.model_name}' on http://{host}:{port}/v1 "
+    print(f"flintc serve: '{options.model_name}' on http://{host_port(host, port)}/v1 "
           f"(max batch {runner.max_batch}, max model len {runner.max_model_len})", file=sys.stderr, flush=True)
     serve(app, sock, log_level=args.log_level)
     return 0

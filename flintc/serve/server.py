@@ -194,6 +194,11 @@ def served_model_name(args: argparse.Namespace) -> str:
     return str(args.model) if args.model is not None else "flint-tiny-default"
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets (``[::1]:8000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: any free port).
 
@@ -207,7 +212,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        raise OSError(exc.errno, f"cannot listen on {host_port(host, port)}: {exc.strerror}") from None
     sock.listen(128)
     return sock
 

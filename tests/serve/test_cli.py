@@ -136,6 +136,29 @@ def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
             assert needle in err and "Traceback" not in err, err
 
 
+def test_ipv6_host_is_bracketed_in_the_url(tiny_bf16_dir, capsys, monkeypatch):
+    """`--host ::1`: the stderr line gives a URL a client can use, http://[::1]:PORT/v1
+    (it said http://::1:PORT/v1), and a busy port names [::1]:PORT."""
+    import flintc.serve.server
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    monkeypatch.setattr(flintc.serve.server, "serve", lambda app, sock, log_level="info": sock.close())
+    assert main(["serve", str(tiny_bf16_dir), "--host", "::1", "--port", "0", "--max-model-len", "64"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"on http://\[::1\]:\d+/v1 ", err), err
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert main(["serve", str(tiny_bf16_dir), "--host", "::1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on [::1]:{port}" in err, err
+
+
 def test_max_request_bytes_flag(tiny_bf16_dir, capsys, monkeypatch):
     """--max-request-bytes (default 32 MiB, 0: no cap) reaches the app's options; a
     negative value is one line, exit code 2, before anything loads."""
