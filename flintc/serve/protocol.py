@@ -52,6 +52,7 @@ vLLM's ``/tokenize`` and ``/detokenize`` take :class:`TokenizeCompletionRequest`
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
@@ -363,6 +364,7 @@ def structured_outputs_spec(req: BaseModel):
                        code="unsupported_parameter")
     kinds: list[tuple[str, str, Any]] = []  # (request field, spec field, value)
     options: dict[str, Any] = {}
+    option_fields: dict[str, str] = {}  # an option's spec field -> where the request gave it
     rf = _response_format_kind(getattr(req, "response_format", None))
     if rf is not None:
         kinds.append(("response_format", *rf))
@@ -388,6 +390,7 @@ def structured_outputs_spec(req: BaseModel):
                 kinds.append(("structured_outputs", key, value))
             else:
                 options[key] = value
+                option_fields[key] = f"structured_outputs.{key}"
     for name, key in _GUIDED_FIELDS:
         value = getattr(req, name, None)
         if value is not None:
@@ -395,6 +398,7 @@ def structured_outputs_spec(req: BaseModel):
     pattern = getattr(req, "guided_whitespace_pattern", None)
     if pattern is not None:
         options["whitespace_pattern"] = pattern
+        option_fields["whitespace_pattern"] = "guided_whitespace_pattern"
     if len(kinds) > 1:
         names = ", ".join(f"'{f}'" if f != "structured_outputs" else f"'structured_outputs.{k}'"
                           for f, k, _ in kinds)
@@ -412,9 +416,12 @@ def structured_outputs_spec(req: BaseModel):
     except InputError as exc:
         where = field if field != "structured_outputs" else f"structured_outputs.{key}"
         msg = str(exc)
-        prefix = f"structured_outputs field '{key}': "
-        msg = msg[len(prefix):] if msg.startswith(prefix) else msg
-        raise APIError(400, f"'{where}': {msg}", param=field) from None
+        named = re.match(r"structured_outputs field '(\w+)': ", msg)
+        if named and named.group(1) in option_fields:  # a bad option, not the constraint
+            where = option_fields[named.group(1)]
+        if named and named.group(1) in (key, *option_fields):
+            msg = msg[named.end():]
+        raise APIError(400, f"'{where}': {msg}", param=where.split(".")[0]) from None
 
 
 def unsupported(req: BaseModel) -> None:

@@ -119,6 +119,14 @@ def test_streaming_with_a_constraint(tiny_server, path):
      "Unrecognized request argument supplied: structured_outputs.bogus"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported"),
     ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "needs a constraint"),
+    # a bad option is named, not the constraint beside it (it said 'structured_outputs.regex':
+    # structured_outputs field 'disable_any_whitespace': ..., or param "response_format")
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}}, "structured_outputs",
+     "'structured_outputs.disable_any_whitespace': expected true or false, got 'yes'"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"disable_additional_properties": 1}},
+     "structured_outputs", "'structured_outputs.disable_additional_properties': expected true or false, got 1"),
+    ({"guided_json": {"type": "object"}, "guided_whitespace_pattern": 5}, "guided_whitespace_pattern",
+     "'guided_whitespace_pattern': expected a string, got int"),
 ])
 def test_errors_are_400s_naming_the_field(tiny_server, path, patch, param, needle):
     body = (completion if path == "/v1/completions" else chat)(**patch)
