@@ -281,6 +281,11 @@ class GrammarMatcher:
         # the token drawn from it are taken over it: `masked_for_logprobs`)
         self._mask = None
         self._mask_at = -1
+        self._lt = lt
+        # llguidance's own mask held only the end-of-text token where the grammar does not
+        # accept: the grammar spells out its text ('<|endoftext|>'), which llguidance can only
+        # offer as that token (and then refuses); `allowed_words` leaves nothing to draw there
+        self._eos_as_text = False
 
     @property
     def finished(self) -> bool:
@@ -325,8 +330,31 @@ class GrammarMatcher:
                 hint = (" (no token the grammar allows next was left to draw: allowed_token_ids, bad_words, "
                         "min_tokens or the stop tokens excluded them all, or the logits were NaN)"
                         if err and "doesn't satisfy the grammar" in err[0] else "")
+                special = self._special_as_text(tok)
+                if special is not None and special[0] in self._ll_eos:
+                    hint = (f" (the grammar needs the end-of-text token {special[1]!r} (id {special[0]}) in the "
+                            f"output: it ends the output and cannot be part of it; leave it out of the grammar)")
+                elif special is not None:
+                    hint = (f" (the grammar spells out the text of the special token {special[1]!r}, id "
+                            f"{special[0]}, which llguidance offers only as that token and then refuses: a "
+                            f"special token cannot be matched as text; in a Lark grammar write the token "
+                            f"itself, <[{special[0]}]>)")
                 raise StructuredOutputError(f"structured outputs: the grammar refused generated token {tok}"
                                             f"{': ' + err[0] if err else ''}{hint}")
+
+    def _special_as_text(self, tok: int) -> "tuple[int, str] | None":
+        """(id, text) of the special token the grammar wanted as text when `tok` (just
+        refused) was drawn: the end-of-text token when llguidance's mask held only it
+        (`_eos_as_text`), or `tok` itself when it is special and the grammar's own mask of
+        that step allowed it; None otherwise."""
+        if self._eos_as_text and self._ll_eos:
+            special = self._ll_eos[0]
+        elif (0 <= tok < self._ll_vocab and self._lt.is_special_token(tok) and self._mask is not None
+              and self._mask_at == self.consumed - 1 and tok < self._mask.shape[0] and bool(self._mask[tok])):
+            special = tok
+        else:
+            return None
+        return special, self._lt.decode_str([special])
 
     def allowed_words(self) -> np.ndarray:
         """int32 [ceil(max(V_tok, stop ids + 1) / 32)]: the bitmask of the tokens allowed next
@@ -339,8 +367,11 @@ class GrammarMatcher:
         if top >= 32 * len(words):
             words = np.concatenate([words, np.zeros(top // 32 + 1 - len(words), dtype=np.int32)])
         u = words.view(np.uint32)
+        eos_only = bool(self._ll_eos) and not self._m.is_accepting()
         for t in self._ll_eos:
+            eos_only = eos_only and bool(u[t >> 5] >> np.uint32(t & 31) & np.uint32(1))
             u[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        self._eos_as_text = eos_only and not words.any()
         if self.is_accepting():
             for t in self.stop_token_ids:
                 u[t >> 5] |= np.uint32(1 << (t & 31))

@@ -252,6 +252,30 @@ def test_masks_leaving_no_grammar_token_say_so(tiny, extra):
         _gen(tiny, ["Answer:"], [p])
 
 
+@pytest.mark.parametrize("text, needle", [
+    ("<|user|>", r"special token '<\|user\|>', id (\d+), .*write the token itself, <\[\1\]>"),
+    ("<|endoftext|>", r"end-of-text token '<\|endoftext\|>' \(id \d+\) in the output: it ends the output"),
+])
+def test_a_special_tokens_text_in_the_grammar_says_so(tiny, text, needle):
+    """A choice (or regex, ...) that spells out a special token's text: llguidance's mask
+    offers only that token (the end-of-text token: nothing, as it ends the output), then
+    refuses it. The error said no token was left "by allowed_token_ids, bad_words,
+    min_tokens ... or NaN logits", none of which the request had; it names the token."""
+    from flintc.structured import StructuredOutputError
+
+    p = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": [text]})
+    with pytest.raises(StructuredOutputError, match=needle) as info:
+        _gen(tiny, ["Answer:"], [p])
+    assert "allowed_token_ids" not in str(info.value)
+    # a Lark grammar that names the (non end-of-text) token itself is followed
+    if text == "<|user|>":
+        _, tok = tiny
+        tid = tok.encode(text)[0]
+        p = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"grammar": f'start: "a" <[{tid}]>'})
+        r, _ = _gen(tiny, ["Answer:"], [p])
+        assert r.finish_reasons == ["stop"] and r.output_ids[0][-1] == tid, r
+
+
 @pytest.mark.parametrize("kw", [{"json": "deep"}, {"json": "deep-dict"}])
 def test_a_too_deeply_nested_schema_is_an_input_error(kw):
     """A schema nested deeper than Python's JSON encoder recurses (5000 arrays) was a
