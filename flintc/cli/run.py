@@ -460,17 +460,22 @@ def _generate(args, params, id_prompts, cleanup) -> int:
                   on_token=(lambda b, t: stream.push(t)) if stream else None)
     from flintc.model.reference import FlintModel
 
-    if isinstance(engine, FlintModel):
-        from flintc.model.generate import generate
+    try:
+        if isinstance(engine, FlintModel):
+            from flintc.model.generate import generate
 
-        if args.prefill_chunk is not None:
-            kwargs["prefill_chunk"] = args.prefill_chunk
-        result = generate(engine, prompts, params, max_model_len=args.max_model_len, max_batch=args.max_batch,
-                          **kwargs)
-    else:
-        from flintc.runtime.generate import generate_with_runner
+            if args.prefill_chunk is not None:
+                kwargs["prefill_chunk"] = args.prefill_chunk
+            result = generate(engine, prompts, params, max_model_len=args.max_model_len,
+                              max_batch=args.max_batch, **kwargs)
+        else:
+            from flintc.runtime.generate import generate_with_runner
 
-        result = generate_with_runner(engine, prompts, params, **kwargs)
+            result = generate_with_runner(engine, prompts, params, **kwargs)
+    except BaseException:
+        if stream is not None:  # the text streamed so far ends its line: the error's is its own
+            stream.end_line()
+        raise
     if args.logits_out is not None:
         _save_npy_atomic(args.logits_out, result.prompt_logits[0].numpy())
     for i, (ids, out_ids) in enumerate(zip(prompts, result.output_ids)):
@@ -525,6 +530,7 @@ class _TextStream:
         self.tokenizer = tokenizer
         self.decoder = tokenizer.detokenizer() if tokenizer is not None else None
         self.stop_id = stop_id
+        self.wrote = False  # text is on the line (`end_line`)
 
     def push(self, token_id: int) -> None:
         if token_id == self.stop_id:
@@ -532,6 +538,14 @@ class _TextStream:
         text = self.decoder.push(token_id) if self.decoder else f"{token_id} "
         sys.stdout.write(text)
         sys.stdout.flush()
+        self.wrote = self.wrote or bool(text)
+
+    def end_line(self) -> None:
+        """Generation failed: end the line of text streamed so far (if any), so the error
+        on stderr starts a line of its own instead of following the text on a terminal."""
+        if self.wrote:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
 
     def close(self) -> None:
         if self.decoder:

@@ -74,6 +74,16 @@ def test_run_structured_outputs(capsys, tiny_bf16_dir):
         assert all(o["finish_reason"] == "stop" for o in objs), out
 
 
+def test_text_stream_ends_its_line_when_generation_fails(capsys, tiny_bf16_dir):
+    """A text run that fails after streaming some text (a grammar that refuses a token)
+    ends stdout's line before the one-line error: on a terminal the error followed the
+    text on the same line ('naflintc: error: ...')."""
+    code, out, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt", "Answer:", "--max-tokens", 8,
+                             "--temperature", "0", "--structured-outputs", '{"choice": ["<|user|>"]}')
+    assert code == 2 and err.startswith("flintc: error: structured outputs:"), err
+    assert out == "" or out.endswith("\n"), repr(out)
+
+
 def test_logits_out(capsys, tmp_path, tiny_bf16_dir):
     target = tmp_path / "logits.npy"
     code, _, err = run_cli(capsys, "run", tiny_bf16_dir, "--prompt-ids", "5,6,7,8", "--max-tokens", 1,
