@@ -107,12 +107,40 @@ def _parameters(tool: dict) -> dict:
     return params if params else dict(EMPTY_PARAMETERS)
 
 
+# keywords whose values are data, not subschemas: a "$ref" key inside them is no reference
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+
+
+def _rebase_refs(node, base: str):
+    """A copy of schema `node` whose document-relative references (``"#"``, ``"#/..."``)
+    point under ``base`` (the JSON pointer where the schema now sits, ``"#/..."``), but
+    ``#/$defs/...`` ones (the ``$defs`` move to the top, `tool_choice_schema`). Values of
+    `_DATA_KEYWORDS` are kept as given."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")) \
+                and not (value == "#/$defs" or value.startswith("#/$defs/")):
+            out[key] = base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebase_refs(value, base)
+    return out
+
+
 def tool_choice_schema(mode: str, name: str | None, tools: list[dict]) -> dict[str, Any]:
     """The JSON schema a forced reply follows (vLLM's `_get_json_schema_from_tool`):
     the named function's parameters, or for `REQUIRED` an array (at least one item) of
     objects each ``anyOf`` one tool's ``{"name": {"enum": [NAME]}, "parameters": ...}``;
     each tool's ``$defs`` move to the array's top-level ``$defs`` (so ``#/$defs/X``
-    references still resolve). The request's tools are not changed. Unlike vLLM's
+    references still resolve); a tool's other document-relative references (``"#"``,
+    ``"#/properties/a"``, as zod-to-json-schema writes them) are rebased to where its
+    parameters sit in the array's schema (`_rebase_refs`; vLLM leaves them pointing into
+    the array's schema, a 400 or a wrong constraint). The request's tools are not changed. Unlike vLLM's
     schema, these objects (and the empty parameters, `EMPTY_PARAMETERS`) say
     ``"additionalProperties": false``: llguidance follows JSON Schema and would let the
     model write further keys, which vLLM's default backend (xgrammar, strict) refuses.
@@ -128,6 +156,7 @@ def tool_choice_schema(mode: str, name: str | None, tools: list[dict]) -> dict[s
     variants = []
     for i, tool in enumerate(tools):
         params = _parameters(tool)
+        base = f"#/items/anyOf/{i}/properties/parameters"
         if "$defs" in params:
             params = copy.copy(params)
             defs = params.pop("$defs")
@@ -135,11 +164,13 @@ def tool_choice_schema(mode: str, name: str | None, tools: list[dict]) -> dict[s
                 raise APIError(400, f"tools[{i}].function.parameters.$defs must be an object, got "
                                f"{_brief(defs)}", param=f"tools[{i}].function.parameters")
             for def_name, def_schema in defs.items():
+                def_schema = _rebase_refs(def_schema, base)
                 if def_name in all_defs and all_defs[def_name] != def_schema:
                     raise APIError(400, f"Tool definition '{def_name}' has multiple schemas, which is not "
                                    f"supported (tool_choice \"required\" gathers every tool's $defs in one "
                                    f"schema).", param="tools")
                 all_defs[def_name] = def_schema
+        params = _rebase_refs(params, base)
         variants.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                         "parameters": params},
                          "required": ["name", "parameters"], "additionalProperties": False})

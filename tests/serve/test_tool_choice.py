@@ -300,3 +300,38 @@ def test_required_with_empty_tools_is_none_and_auto_unchanged(server):
     assert status == 200 and body["choices"][0]["message"]["tool_calls"] is None, body
     status, body = server.post("/v1/chat/completions", chat(tool_choice="auto", max_tokens=4))
     assert status == 400 and "--enable-auto-tool-choice" in body["error"]["message"], body
+
+
+def test_required_rebases_document_relative_refs(server):
+    """A tool's "$ref": "#/properties/a" (zod-to-json-schema's reuse) or "#" (a recursive
+    root) points into that tool's parameters once they sit inside "required"'s array
+    schema, not into the array's schema (a 400 "Pointer '/properties/a' does not exist",
+    or "#" letting the model write the whole array again); "#/$defs/..." ones still
+    reach the hoisted $defs, and "$ref" inside const/enum data stays as given."""
+    from flintc.serve.tool_choice import REQUIRED, tool_choice_schema
+
+    item = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+            "additionalProperties": False}
+    zod = {"type": "object", "properties": {"a": item, "b": {"$ref": "#/properties/a"},
+                                            "c": {"$ref": "#/$defs/C"}, "d": {"const": {"$ref": "#"}}},
+           "required": ["a", "b"], "additionalProperties": False,
+           "$defs": {"C": {"anyOf": [{"type": "null"}, {"$ref": "#/properties/a"}]}}}
+    rec = {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+           "required": ["next"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "z", "parameters": zod}},
+             {"type": "function", "function": {"name": "r", "parameters": rec}}]
+    schema = tool_choice_schema(REQUIRED, None, tools)
+    good = [{"name": "z", "parameters": {"a": {"x": 1}, "b": {"x": 2}, "c": {"x": 3}, "d": {"$ref": "#"}}},
+            {"name": "r", "parameters": {"next": {"next": None}}}]
+    jsonschema.validate(good, schema)
+    for bad in ([{"name": "z", "parameters": {"a": {"x": 1}, "b": "x"}}],
+                [{"name": "z", "parameters": {"a": {"x": 1}, "b": {"x": 2}, "c": {"y": 1}}}],
+                [{"name": "r", "parameters": {"next": [{"name": "r", "parameters": {"next": None}}]}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    assert tools[0]["function"]["parameters"] == zod and "$defs" in zod  # the request's tools unchanged
+    status, body = server.post("/v1/chat/completions", chat(tools=tools[:1], tool_choice="required",
+                                                            max_tokens=60, **CLOSE))
+    assert status == 200, body
+    for call in body["choices"][0]["message"]["tool_calls"] or []:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), zod)
