@@ -100,6 +100,12 @@ def resolve_tool_choice(tool_choice, tools: list[dict] | None) -> tuple[str, str
     return NAMED, name, tools
 
 
+def _named_index(tools: list[dict], name: str) -> int:
+    """The index of the tool a named tool_choice picks: the last of that name (vLLM's
+    ``{tool.function.name: tool.function for tool in tools}[name]``)."""
+    return max(k for k, t in enumerate(tools) if t["function"]["name"] == name)
+
+
 def _parameters(tool: dict) -> dict:
     """A tool's parameters schema; none or an empty one: an object of no properties (what
     vLLM generates for them)."""
@@ -151,7 +157,7 @@ def tool_choice_schema(mode: str, name: str | None, tools: list[dict]) -> dict[s
             (vLLM's message), or a ``$defs`` that is not an object.
     """
     if mode == NAMED:
-        return _parameters(next(t for t in tools if t["function"]["name"] == name))
+        return _parameters(tools[_named_index(tools, name)])
     all_defs: dict[str, Any] = {}
     variants = []
     for i, tool in enumerate(tools):
@@ -202,7 +208,7 @@ def tool_choice_spec(req, mode: str, name: str | None, tools: list[dict]):
                        code="unsupported_parameter")
     schema = tool_choice_schema(mode, name, tools)
     if mode == NAMED:
-        i = next(k for k, t in enumerate(tools) if t["function"]["name"] == name)
+        i = _named_index(tools, name)
         where, param = f"tools[{i}].function.parameters (the function tool_choice names)", \
             f"tools[{i}].function.parameters"
     else:

@@ -335,3 +335,21 @@ def test_required_rebases_document_relative_refs(server):
     assert status == 200, body
     for call in body["choices"][0]["message"]["tool_calls"] or []:
         jsonschema.validate(json.loads(call["function"]["arguments"]), zod)
+
+
+def test_named_picks_the_last_tool_of_that_name(server):
+    """Two tools of one name: a named tool_choice follows the last one's parameters (vLLM
+    reads the tools into a dict by name), and names it in a refused schema's error."""
+    from flintc.serve.tool_choice import NAMED as NAMED_MODE, tool_choice_schema
+
+    first = {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"], "additionalProperties": False}
+    last = {"type": "object", "properties": {"b": {"const": 2}}, "required": ["b"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "x", "parameters": p}} for p in (first, last)]
+    assert tool_choice_schema(NAMED_MODE, "x", tools) == last
+    named = {"type": "function", "function": {"name": "x"}}
+    status, body = server.post("/v1/chat/completions", chat(tools=tools, tool_choice=named))
+    assert status == 200, body
+    assert json.loads(body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"b": 2}, body
+    tools[1]["function"]["parameters"] = {"type": "object", "required": 3}
+    status, body = server.post("/v1/chat/completions", chat(tools=tools, tool_choice=named))
+    assert status == 400 and body["error"]["param"] == "tools[1].function.parameters", body
