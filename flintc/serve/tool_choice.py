@@ -13,7 +13,8 @@ parser (and no ``--enable-auto-tool-choice``) needed.
   ``{"name": NAME, "parameters": ARGS}`` object (no other keys), each ``anyOf`` one tool's
   (:func:`tool_choice_schema`, vLLM's `_get_json_schema_from_tool`, each tool's
   ``$defs`` gathered at the top); each item becomes one call, ``arguments``
-  ``json.dumps(ARGS, ensure_ascii=False)``; ``finish_reason`` "tool_calls" when
+  ``json.dumps(ARGS, ensure_ascii=False)`` (ARGS's own text where it holds a number
+  beyond a float's range, which json.dumps writes as ``Infinity``); ``finish_reason`` "tool_calls" when
   generation stopped. A reply cut by ``max_tokens`` before the array closes keeps the
   calls completed before the cut, and its raw text is the message's ``content``
   (vLLM fails such a reply: the array does not parse); ``finish_reason`` "length".
@@ -224,6 +225,23 @@ def tool_choice_spec(req, mode: str, name: str | None, tools: list[dict]):
         raise APIError(400, f"{where}: the JSON schema is refused: {msg}", param=param) from None
 
 
+def _raw_value(text: str, key: str) -> str:
+    """The text of the value of `key` (the last one) in `text`, a JSON object (valid)."""
+    decoder, ws = json.JSONDecoder(), json.decoder.WHITESPACE
+    found, k = None, ws.match(text, text.index("{") + 1).end()
+    while text[k] != "}":
+        name, k = decoder.raw_decode(text, k)
+        k = ws.match(text, ws.match(text, k).end() + 1).end()  # past the ':'
+        start = k
+        _, k = decoder.raw_decode(text, k)
+        if name == key:
+            found = text[start:k]
+        k = ws.match(text, k).end()
+        if text[k] == ",":
+            k = ws.match(text, k + 1).end()
+    return found
+
+
 class ForcedToolCalls:
     """One choice's forced reply (its content, after the reasoning parser), read as tool
     calls: `feed` the content's pieces, then `finish`.
@@ -298,7 +316,11 @@ class ForcedToolCalls:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "parameters" not in obj:
             return None
-        return ToolCall(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False), tool_call_id())
+        try:
+            arguments = json.dumps(obj["parameters"], ensure_ascii=False, allow_nan=False)
+        except ValueError:  # a number beyond a float's range (1e999: inf, written "Infinity", not JSON)
+            arguments = _raw_value(item, "parameters")
+        return ToolCall(obj["name"], arguments, tool_call_id())
 
     def finish(self) -> str:
         """The end of the reply. -> content to send: for `REQUIRED`, the raw text when it

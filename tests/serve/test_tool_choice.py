@@ -353,3 +353,28 @@ def test_named_picks_the_last_tool_of_that_name(server):
     tools[1]["function"]["parameters"] = {"type": "object", "required": 3}
     status, body = server.post("/v1/chat/completions", chat(tools=tools, tool_choice=named))
     assert status == 400 and body["error"]["param"] == "tools[1].function.parameters", body
+
+
+def test_required_arguments_stay_json_for_numbers_beyond_a_float(server, serve_kit):
+    """A number the schema allows but a float cannot hold (1e999: inf once parsed) keeps
+    its text in the call's arguments, not json.dumps's "Infinity" (no JSON); other
+    arguments are still re-written (json.dumps, vLLM's)."""
+    serve_kit.SCRIPTS["huge_number"] = ('[{"name":"num","parameters":{"x":1e999,"y":[-1E400,"}"]}},'
+                                        '{"name":"num","parameters":{"x":2.5,"y":[]}}]')
+    params = {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+              "properties": {"x": {"type": "number"}, "y": {"type": "array"}}}
+    tools = [{"type": "function", "function": {"name": "num", "parameters": params}}]
+    for stream in (False, True):
+        status, body = server.post("/v1/chat/completions", chat("#script:huge_number", tools=tools,
+                                                                tool_choice="required", stream=stream,
+                                                                max_tokens=120))
+        assert status == 200, body
+        if stream:
+            _, _, calls, finish = streamed(body)[0]
+            args = [a for _, _, a in calls]
+        else:
+            finish = body["choices"][0]["finish_reason"]
+            args = [c["function"]["arguments"] for c in body["choices"][0]["message"]["tool_calls"] or []]
+        assert finish == "tool_calls" and args == ['{"x":1e999,"y":[-1E400,"}"]}', '{"x": 2.5, "y": []}'], body
+        for a in args:
+            json.loads(a, parse_constant=lambda c: pytest.fail(f"{c} in {a}"))
