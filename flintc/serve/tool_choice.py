@@ -122,10 +122,11 @@ def _rebase_refs(node, base: str):
     """A copy of schema `node` whose document-relative references (``"#"``, ``"#/..."``)
     point under ``base`` (the JSON pointer where the schema now sits, ``"#/..."``), but
     ``#/$defs/...`` ones (the ``$defs`` move to the top, `tool_choice_schema`). Values of
-    `_DATA_KEYWORDS` are kept as given."""
+    `_DATA_KEYWORDS`, and schemas with an ``$id`` (a resource of their own, which their
+    references are relative to), are kept as given."""
     if isinstance(node, list):
         return [_rebase_refs(v, base) for v in node]
-    if not isinstance(node, dict):
+    if not isinstance(node, dict) or "$id" in node:
         return node
     out = {}
     for key, value in node.items():

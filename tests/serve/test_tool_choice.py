@@ -330,6 +330,10 @@ def test_required_rebases_document_relative_refs(server):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert tools[0]["function"]["parameters"] == zod and "$defs" in zod  # the request's tools unchanged
+    # a schema with an $id is a resource of its own: its "#..." references stay relative to it
+    own = {**rec, "$id": "https://example.com/rec.json"}
+    schema = tool_choice_schema(REQUIRED, None, [{"type": "function", "function": {"name": "r", "parameters": own}}])
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == own
     status, body = server.post("/v1/chat/completions", chat(tools=tools[:1], tool_choice="required",
                                                             max_tokens=60, **CLOSE))
     assert status == 200, body
