@@ -165,7 +165,8 @@ def tool_choice_schema(mode: str, name: str | None, tools: list[dict]) -> dict[s
     for i, tool in enumerate(tools):
         params = _parameters(tool)
         base = f"#/items/anyOf/{i}/properties/parameters"
-        if "$defs" in params:
+        # (a schema with an $id is a resource of its own: its "#/$defs/..." stay with it)
+        if "$defs" in params and "$id" not in params:
             params = copy.copy(params)
             defs = params.pop("$defs")
             if not isinstance(defs, dict):

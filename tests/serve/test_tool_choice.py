@@ -334,6 +334,12 @@ def test_required_rebases_document_relative_refs(server):
     own = {**rec, "$id": "https://example.com/rec.json"}
     schema = tool_choice_schema(REQUIRED, None, [{"type": "function", "function": {"name": "r", "parameters": own}}])
     assert schema["items"]["anyOf"][0]["properties"]["parameters"] == own
+    own = {**zod, "$id": "https://example.com/zod.json"}  # its $defs too
+    tools = [{"type": "function", "function": {"name": "z", "parameters": own}}]
+    assert tool_choice_schema(REQUIRED, None, tools)["items"]["anyOf"][0]["properties"]["parameters"] == own
+    status, body = server.post("/v1/chat/completions", chat(tools=tools, tool_choice="required", max_tokens=60,
+                                                            **CLOSE))
+    assert status == 200, body
     status, body = server.post("/v1/chat/completions", chat(tools=tools[:1], tool_choice="required",
                                                             max_tokens=60, **CLOSE))
     assert status == 200, body
