@@ -116,6 +116,8 @@ def _parameters(tool: dict) -> dict:
 
 # keywords whose values are data, not subschemas: a "$ref" key inside them is no reference
 _DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+# keywords whose values map names (any: "default", "$ref", ...) to subschemas
+_SCHEMA_MAPS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
 
 
 def _rebase_refs(node, base: str):
@@ -133,6 +135,8 @@ def _rebase_refs(node, base: str):
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")) \
                 and not (value == "#/$defs" or value.startswith("#/$defs/")):
             out[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebase_refs(sub, base) for name, sub in value.items()}
         elif key in _DATA_KEYWORDS:
             out[key] = value
         else:

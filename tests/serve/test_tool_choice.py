@@ -313,7 +313,8 @@ def test_required_rebases_document_relative_refs(server):
     item = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
             "additionalProperties": False}
     zod = {"type": "object", "properties": {"a": item, "b": {"$ref": "#/properties/a"},
-                                            "c": {"$ref": "#/$defs/C"}, "d": {"const": {"$ref": "#"}}},
+                                            "c": {"$ref": "#/$defs/C"}, "d": {"const": {"$ref": "#"}},
+                                            "default": {"$ref": "#/properties/a"}},
            "required": ["a", "b"], "additionalProperties": False,
            "$defs": {"C": {"anyOf": [{"type": "null"}, {"$ref": "#/properties/a"}]}}}
     rec = {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
@@ -321,11 +322,13 @@ def test_required_rebases_document_relative_refs(server):
     tools = [{"type": "function", "function": {"name": "z", "parameters": zod}},
              {"type": "function", "function": {"name": "r", "parameters": rec}}]
     schema = tool_choice_schema(REQUIRED, None, tools)
-    good = [{"name": "z", "parameters": {"a": {"x": 1}, "b": {"x": 2}, "c": {"x": 3}, "d": {"$ref": "#"}}},
+    good = [{"name": "z", "parameters": {"a": {"x": 1}, "b": {"x": 2}, "c": {"x": 3}, "d": {"$ref": "#"},
+                                         "default": {"x": 4}}},
             {"name": "r", "parameters": {"next": {"next": None}}}]
     jsonschema.validate(good, schema)
     for bad in ([{"name": "z", "parameters": {"a": {"x": 1}, "b": "x"}}],
                 [{"name": "z", "parameters": {"a": {"x": 1}, "b": {"x": 2}, "c": {"y": 1}}}],
+                [{"name": "z", "parameters": {"a": {"x": 1}, "b": {"x": 2}, "default": 5}}],
                 [{"name": "r", "parameters": {"next": [{"name": "r", "parameters": {"next": None}}]}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
