@@ -107,11 +107,22 @@ def _named_index(tools: list[dict], name: str) -> int:
     return max(k for k, t in enumerate(tools) if t["function"]["name"] == name)
 
 
+_OBJECT_KEYWORDS = frozenset(("properties", "required", "additionalProperties", "patternProperties"))
+_NOT_ONLY_OBJECT = frozenset(("type", "$ref", "anyOf", "oneOf", "allOf", "enum", "const"))
+
+
 def _parameters(tool: dict) -> dict:
     """A tool's parameters schema; none or an empty one: an object of no properties (what
-    vLLM generates for them)."""
+    vLLM generates for them). One without ``type`` whose keywords are an object's
+    (``properties``, ``required``, ...; no ``anyOf``, ``$ref``, ``enum`` ...) gets
+    ``"type": "object"``: JSON Schema would let any other JSON value through (the
+    arguments ``true``), where vLLM's default backend, xgrammar, reads it as an object."""
     params = tool["function"].get("parameters")
-    return params if params else dict(EMPTY_PARAMETERS)
+    if not params:
+        return dict(EMPTY_PARAMETERS)
+    if params.keys() & _OBJECT_KEYWORDS and not params.keys() & _NOT_ONLY_OBJECT:
+        return {"type": "object", **params}
+    return params
 
 
 # keywords whose values are data, not subschemas: a "$ref" key inside them is no reference
@@ -156,7 +167,7 @@ def tool_choice_schema(mode: str, name: str | None, tools: list[dict]) -> dict[s
     schema, these objects (and the empty parameters, `EMPTY_PARAMETERS`) say
     ``"additionalProperties": false``: llguidance follows JSON Schema and would let the
     model write further keys, which vLLM's default backend (xgrammar, strict) refuses.
-    A tool's own parameters schema is kept as given.
+    A tool's own parameters schema is kept as given (but `_parameters`'s missing object type).
 
     Raises:
         APIError(400, param "tools"): two tools define one ``$defs`` name differently

@@ -391,3 +391,26 @@ def test_required_arguments_stay_json_for_numbers_beyond_a_float(server, serve_k
         assert finish == "tool_calls" and args == ['{"x":1e999,"y":[-1E400,"}"]}', '{"x": 2.5, "y": []}'], body
         for a in args:
             json.loads(a, parse_constant=lambda c: pytest.fail(f"{c} in {a}"))
+
+
+def test_parameters_without_type_are_an_object(server):
+    """Parameters with properties but no "type" (JSON Schema: any value; the tiny model
+    wrote the arguments `true`) constrain the reply to an object, as xgrammar (vLLM's
+    default backend) reads them; a schema with anyOf and no type stays as given."""
+    from flintc.serve.tool_choice import NAMED as NAMED_MODE, REQUIRED, tool_choice_schema
+
+    params = {"properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "x", "parameters": params}}]
+    assert tool_choice_schema(NAMED_MODE, "x", tools) == {"type": "object", **params}
+    assert tool_choice_schema(REQUIRED, None, tools)["items"]["anyOf"][0]["properties"]["parameters"] == \
+        {"type": "object", **params}
+    assert "type" not in params  # the request's tools unchanged
+    either = {"anyOf": [{"type": "string"}, {"type": "object"}], "properties": {}}
+    assert tool_choice_schema(NAMED_MODE, "y", [{"type": "function", "function": {"name": "y",
+                                                                               "parameters": either}}]) == either
+    for tool_choice in ("required", {"type": "function", "function": {"name": "x"}}):
+        status, body = server.post("/v1/chat/completions", chat(tools=tools, tool_choice=tool_choice, max_tokens=60,
+                                                                **CLOSE))
+        assert status == 200, body
+        for call in body["choices"][0]["message"]["tool_calls"] or []:
+            assert isinstance(json.loads(call["function"]["arguments"]), dict), call
