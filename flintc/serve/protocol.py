@@ -339,6 +339,21 @@ def _dumps(value) -> str:
         return repr(value)
 
 
+def check_guided_backend(req: BaseModel) -> None:
+    """The request's ``guided_decoding_backend``: null, "auto", "guidance" or "llguidance"
+    (llguidance runs every structured output, vLLM's "guidance" backend).
+
+    Raises:
+        APIError(400, param "guided_decoding_backend", code "unsupported_parameter"): another.
+    """
+    backend = getattr(req, "guided_decoding_backend", None)
+    if backend not in GUIDED_BACKENDS:
+        raise APIError(400, f"'guided_decoding_backend' = {_dumps(backend)} is not supported by flintc serve "
+                       f"(structured outputs run on llguidance, vLLM's \"guidance\" backend): give null, "
+                       f"\"auto\", \"guidance\" or \"llguidance\"", param="guided_decoding_backend",
+                       code="unsupported_parameter")
+
+
 def structured_outputs_spec(req: BaseModel):
     """The request's structured-outputs constraint (vLLM's): a
     `flintc.sampling.StructuredOutputsParams` from ``response_format``,
@@ -356,12 +371,7 @@ def structured_outputs_spec(req: BaseModel):
     from flintc.errors import InputError
     from flintc.sampling import StructuredOutputsParams
 
-    backend = getattr(req, "guided_decoding_backend", None)
-    if backend not in GUIDED_BACKENDS:
-        raise APIError(400, f"'guided_decoding_backend' = {_dumps(backend)} is not supported by flintc serve "
-                       f"(structured outputs run on llguidance, vLLM's \"guidance\" backend): give null, "
-                       f"\"auto\", \"guidance\" or \"llguidance\"", param="guided_decoding_backend",
-                       code="unsupported_parameter")
+    check_guided_backend(req)
     kinds: list[tuple[str, str, Any]] = []  # (request field, spec field, value)
     options: dict[str, Any] = {}
     option_fields: dict[str, str] = {}  # an option's spec field -> where the request gave it

@@ -34,7 +34,7 @@ import json
 import uuid
 from typing import Any
 
-from flintc.serve.protocol import GUIDED_BACKENDS, APIError
+from flintc.serve.protocol import APIError, check_guided_backend
 from flintc.serve.tool_calls import ToolCall
 
 NAMED = "named"
@@ -218,12 +218,7 @@ def tool_choice_spec(req, mode: str, name: str | None, tools: list[dict]):
     from flintc.errors import InputError
     from flintc.sampling import StructuredOutputsParams
 
-    backend = getattr(req, "guided_decoding_backend", None)
-    if backend not in GUIDED_BACKENDS:
-        raise APIError(400, f"'guided_decoding_backend' = {_brief(backend)} is not supported by flintc serve "
-                       f"(structured outputs run on llguidance, vLLM's \"guidance\" backend): give null, "
-                       f"\"auto\", \"guidance\" or \"llguidance\"", param="guided_decoding_backend",
-                       code="unsupported_parameter")
+    check_guided_backend(req)
     schema = tool_choice_schema(mode, name, tools)
     if mode == NAMED:
         i = _named_index(tools, name)
