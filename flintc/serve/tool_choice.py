@@ -34,7 +34,7 @@ import json
 import uuid
 from typing import Any
 
-from flintc.serve.protocol import APIError, check_guided_backend
+from flintc.serve.protocol import APIError, _dumps, check_guided_backend
 from flintc.serve.tool_calls import ToolCall
 
 NAMED = "named"
@@ -51,10 +51,8 @@ def tool_call_id() -> str:
 
 
 def _brief(value) -> str:
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
+    """`value` as the 400s quote it: JSON (`protocol._dumps`), cut at 200 characters."""
+    text = _dumps(value)
     return text if len(text) <= 200 else text[:200] + "..."
 
 
