@@ -13,25 +13,29 @@ parser (and no ``--enable-auto-tool-choice``) needed.
   ``{"name": NAME, "parameters": ARGS}`` object (no other keys), each ``anyOf`` one tool's
   (:func:`tool_choice_schema`, vLLM's `_get_json_schema_from_tool`, each tool's
   ``$defs`` gathered at the top); each item becomes one call, ``arguments``
-  ``json.dumps(ARGS, ensure_ascii=False)`` (ARGS's own text where it holds a number
-  beyond a float's range, which json.dumps writes as ``Infinity``); ``finish_reason`` "tool_calls" when
-  generation stopped. A reply cut by ``max_tokens`` before the array closes keeps the
-  calls completed before the cut, and its raw text is the message's ``content``
-  (vLLM fails such a reply: the array does not parse); ``finish_reason`` "length".
+  ``json.dumps(ARGS, ensure_ascii=False)`` as `_CallArray` writes it (a number beyond a
+  float's range keeps its text, which json.dumps writes as ``Infinity``, no JSON);
+  ``finish_reason`` "tool_calls" when generation stopped. A reply cut by ``max_tokens``
+  before the array closes keeps the calls completed before the cut, and its raw text
+  is the message's ``content`` (vLLM fails such a reply: the array does not parse);
+  ``finish_reason`` "length".
 
 :func:`resolve_tool_choice` checks the field (the 400s, vLLM's wording);
 :func:`tool_choice_spec` makes the structured-outputs constraint;
-:class:`ForcedToolCalls` reads one choice's content, streamed or whole: a named
-call's first delta carries index 0, its id, type and name and the arguments so far,
-the next ones the arguments' further text; with ``"required"`` each call is sent
-whole (index, id, type, name, arguments) once its object closes.
+:class:`ForcedToolCalls` reads one choice's content, streamed or whole: a call's first
+delta carries its index, id, type and name and the arguments so far, the next ones the
+arguments' further text; a named call's arguments are the generated text as it comes,
+``"required"``'s are sent as they grow (vLLM's `extract_tool_call_required_streaming`),
+so that each call's deltas add up to the unstreamed call (`_CallArray`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid
+from json.encoder import encode_basestring
 from typing import Any
 
 from flintc.serve.protocol import APIError, _dumps, check_guided_backend
@@ -235,41 +239,226 @@ def tool_choice_spec(req, mode: str, name: str | None, tools: list[dict]):
         raise APIError(400, f"{where}: the JSON schema is refused: {msg}", param=param) from None
 
 
-def _raw_value(text: str, key: str) -> str:
-    """The text of the value of `key` (the last one) in `text`, a JSON object (valid)."""
-    decoder, ws = json.JSONDecoder(), json.decoder.WHITESPACE
-    found, k = None, ws.match(text, text.index("{") + 1).end()
-    while text[k] != "}":
-        name, k = decoder.raw_decode(text, k)
-        k = ws.match(text, ws.match(text, k).end() + 1).end()  # past the ':'
-        start = k
-        _, k = decoder.raw_decode(text, k)
-        if name == key:
-            found = text[start:k]
-        k = ws.match(text, k).end()
-        if text[k] == ",":
-            k = ws.match(text, k + 1).end()
-    return found
+_WS = " \t\n\r"
+_END_OF_BARE = _WS + ",:]}"  # what ends a number or literal
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_ESCAPES = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}  # others: the character itself
+
+
+def _bare_json(token: str) -> str:
+    """A number or literal (``true``, ``false``, ``null``) as ``json.dumps(json.loads(token))``
+    writes it (``1.50`` -> ``1.5``, ``1e5`` -> ``100000.0``); as generated where json.dumps
+    would write no JSON (``1e999``, a float's inf: "Infinity") or Python refuses it (an int
+    of over 4300 digits)."""
+    try:
+        return json.dumps(json.loads(token), allow_nan=False)
+    except ValueError:
+        return token
+
+
+class _CallArray:
+    """`REQUIRED`'s reply, vLLM's array ``[{"name": NAME, "parameters": ARGS}, ...]``, read
+    as its text comes (in pieces split anywhere), as vLLM streams it
+    (`OpenAIServingChat.extract_tool_call_required_streaming`, serving_chat.py): a call
+    is sent once its name is whole and its parameters have begun (index, id, type, name
+    and the arguments so far), then its further arguments as they grow.
+
+    The arguments are ARGS re-written as ``json.dumps(ARGS, ensure_ascii=False)`` writes
+    them (vLLM's unstreamed arguments: separators ``", "`` and ``": "``, strings
+    re-escaped, numbers as Python reads them, `_bare_json`), each part as soon as no
+    later text can change it: a string's characters as they come, a number or literal
+    once it ends; so the pieces add up to the whole call's arguments. (vLLM streams the
+    raw text instead, which its unstreamed arguments need not match.) A key written
+    twice stays twice (json.loads would keep the last value). Text that is no such
+    array (the grammar writes none) gives no error.
+
+    calls: the calls whose object closed (`ToolCall`, ids `tool_call_id`).
+    """
+
+    def __init__(self):
+        self.calls: list[ToolCall] = []
+        # the open arrays and objects: [is an object, a key comes next, the key read last]
+        self._stack: list[list] = []
+        self._token: str | None = None  # a number or literal being read
+        self._chars: list[str] | None = None  # a string being read, decoded
+        self._is_key = False
+        self._shown = 0  # how many of _chars are written
+        self._escape: str | None = None  # a backslash escape being read ("\\", "\\u00")
+        self._high: str | None = None  # a \uD800-\uDBFF escape, waiting for its low surrogate
+        self._deltas: list[dict] = []
+        self._new_item()
+
+    def _new_item(self):
+        # the item being read: its "name" and "parameters" values as written (pieces),
+        # its call once sent, how many pieces of the arguments are sent
+        self._name: list[str] = []
+        self._args: list[str] = []
+        self._has_args = False
+        self._call: ToolCall | None = None
+        self._sent = 0
+        self._sink: list[str] | None = None  # where the text read now is written
+
+    def feed(self, text: str) -> list[dict]:
+        """The next piece of the reply. -> the ``delta.tool_calls`` entries it makes."""
+        self._deltas = []
+        for ch in text:
+            if self._chars is not None:
+                self._string_char(ch)
+                continue
+            if self._token is not None:
+                if ch not in _END_OF_BARE:
+                    self._token += ch
+                    continue
+                self._write(_bare_json(self._token))
+                self._token = None
+                self._value_end()
+            if ch in _WS:
+                continue
+            top = self._stack[-1] if self._stack else None
+            if ch == '"':
+                self._is_key = top is not None and top[0] and top[1]
+                if not self._is_key:
+                    self._value_start()
+                self._chars, self._shown = [], 0
+                self._write('"')
+            elif ch in "{[":
+                self._value_start()
+                self._write(ch)
+                self._stack.append([ch == "{", True, None])
+            elif ch in "}]":
+                if top is None:
+                    continue
+                self._write(ch)
+                self._stack.pop()
+                self._value_end()
+            elif ch == ",":
+                self._write(", ")
+                if top is not None:
+                    top[1] = True
+            elif ch == ":":
+                self._write(": ")
+            else:
+                self._value_start()
+                self._token = ch
+        self._show_chars()
+        self._send()
+        return self._deltas
+
+    def _write(self, text: str):
+        if self._sink is not None:
+            self._sink.append(text)
+
+    def _member(self) -> str | None:
+        """The key of the item's member whose value starts or ends now (None: elsewhere)."""
+        if len(self._stack) == 2 and self._stack[1][0]:
+            return self._stack[1][2]
+        return None
+
+    def _value_start(self):
+        key = self._member()
+        if key is not None:
+            self._sink = self._args if key == "parameters" else self._name if key == "name" else None
+            self._has_args |= key == "parameters"
+
+    def _value_end(self):
+        key = self._member()
+        if key is not None:
+            self._sink = None
+        elif len(self._stack) == 1:  # an item closed
+            self._send()
+            if self._call is not None:
+                self.calls.append(self._call)
+            self._new_item()
+
+    def _string_char(self, ch: str):
+        if self._escape is not None:
+            self._escape += ch
+            if self._escape[1] != "u":
+                self._escape = None
+                self._add_char(_ESCAPES.get(ch, ch))
+            elif len(self._escape) == 6:
+                try:
+                    char = chr(int(self._escape[2:], 16))
+                except ValueError:  # (no JSON)
+                    char = self._escape
+                self._escape = None
+                self._add_char(char)
+            return
+        if ch == "\\":
+            self._escape = ch
+        elif ch != '"':
+            self._add_char(ch)
+        else:  # the string ends
+            if self._high is not None:
+                self._chars.append(self._high)
+                self._high = None
+            self._show_chars()
+            self._write('"')
+            chars, self._chars = "".join(self._chars), None
+            if self._is_key:
+                self._stack[-1][1:] = [False, chars]
+            else:
+                self._value_end()
+
+    def _add_char(self, char: str):
+        """One character of a string, decoded; a surrogate pair written as two \\u escapes
+        is one character, as json.loads reads it (a lone one stays alone)."""
+        if self._high is not None:
+            high, self._high = self._high, None
+            if "\udc00" <= char <= "\udfff":
+                self._chars.append(chr(0x10000 + ((ord(high) - 0xD800) << 10) + ord(char) - 0xDC00))
+                return
+            self._chars.append(high)
+        if "\ud800" <= char <= "\udbff":
+            self._high = char
+        else:
+            self._chars.append(char)
+
+    def _show_chars(self):
+        """Write the string's characters read so far (json.dumps's escapes; a lone
+        surrogate, which json.dumps would write raw and UTF-8 cannot encode, as its \\u
+        escape)."""
+        if self._chars is not None and len(self._chars) > self._shown:
+            text = encode_basestring("".join(self._chars[self._shown:]))[1:-1]
+            self._write(_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text))
+            self._shown = len(self._chars)
+
+    def _send(self):
+        """The item's call, once its name is whole and its parameters have begun; then
+        its arguments written since."""
+        if self._call is None:
+            try:
+                name = json.loads("".join(self._name))
+            except ValueError:  # not yet whole
+                name = None
+            if not (self._has_args and isinstance(name, str)):
+                return
+            self._call = ToolCall(name, "".join(self._args), tool_call_id())
+            self._sent = len(self._args)
+            self._deltas.append(self._call.to_openai(len(self.calls)))
+        elif len(self._args) > self._sent:
+            piece = "".join(self._args[self._sent:])
+            self._sent = len(self._args)
+            self._call.arguments += piece
+            self._deltas.append({"index": len(self.calls), "function": {"arguments": piece}})
 
 
 class ForcedToolCalls:
     """One choice's forced reply (its content, after the reasoning parser), read as tool
     calls: `feed` the content's pieces, then `finish`.
 
-    calls: the calls so far (`ToolCall`, ids `tool_call_id`).
+    calls: the calls so far (`ToolCall`, ids `tool_call_id`); with `REQUIRED`, those whose
+        object closed (`_CallArray`).
     complete: `REQUIRED`: the array closed (set by `finish`); a named call is always
         complete.
     """
 
     def __init__(self, mode: str, name: str | None = None):
         self.mode, self.name = mode, name
-        self.calls: list[ToolCall] = []
         self.complete = mode == NAMED
         self._text: list[str] = []
-        # REQUIRED's scan of the array: nesting depth, inside a string, after a backslash,
-        # the text of the item being read (at depth >= 2)
-        self._depth, self._in_string, self._escape = 0, False, False
-        self._item: list[str] = []
+        self._array = _CallArray() if mode == REQUIRED else None
+        self.calls: list[ToolCall] = self._array.calls if self._array is not None else []
 
     @property
     def text(self) -> str:
@@ -281,56 +470,13 @@ class ForcedToolCalls:
         if not text:
             return []
         self._text.append(text)
-        if self.mode == NAMED:
-            if not self.calls:
-                self.calls.append(ToolCall(self.name, text, tool_call_id()))
-                return [self.calls[0].to_openai(0)]
-            self.calls[0].arguments += text
-            return [{"index": 0, "function": {"arguments": text}}]
-        out = []
-        start = 0  # where this piece's part of the current item starts
-        for k, ch in enumerate(text):
-            if self._in_string:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_string = False
-                continue
-            if ch == '"':
-                self._in_string = True
-            elif ch in "[{":
-                self._depth += 1
-                if self._depth == 2:
-                    start = k
-                    self._item = []
-            elif ch in "]}":
-                self._depth -= 1
-                if self._depth == 1:
-                    self._item.append(text[start:k + 1])
-                    call = self._call("".join(self._item))
-                    self._item = []
-                    if call is not None:
-                        self.calls.append(call)
-                        out.append(call.to_openai(len(self.calls) - 1))
-        if self._depth >= 2:
-            self._item.append(text[start:])
-        return out
-
-    @staticmethod
-    def _call(item: str) -> ToolCall | None:
-        try:
-            obj = json.loads(item)
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "parameters" not in obj:
-            return None
-        try:
-            arguments = json.dumps(obj["parameters"], ensure_ascii=False, allow_nan=False)
-        except ValueError:  # a number beyond a float's range (1e999: inf, written "Infinity", not JSON)
-            arguments = _raw_value(item, "parameters")
-        return ToolCall(obj["name"], arguments, tool_call_id())
+        if self._array is not None:
+            return self._array.feed(text)
+        if not self.calls:
+            self.calls.append(ToolCall(self.name, text, tool_call_id()))
+            return [self.calls[0].to_openai(0)]
+        self.calls[0].arguments += text
+        return [{"index": 0, "function": {"arguments": text}}]
 
     def finish(self) -> str:
         """The end of the reply. -> content to send: for `REQUIRED`, the raw text when it

@@ -12,6 +12,8 @@ import json
 
 import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 MODEL = "flint-tiny"
 MODE = {"type": "object", "additionalProperties": False, "required": ["mode"],
@@ -193,22 +195,97 @@ def test_cut_by_max_tokens(server, stream):
             assert calls == [] and content.startswith("[") and content, body
 
 
-def test_required_keeps_calls_completed_before_the_cut():
-    """`ForcedToolCalls` on text split anywhere: each call comes whole once its object
-    closes (strings with braces, brackets and escapes do not confuse it); a cut array
-    keeps the completed calls and gives its raw text as content."""
+def fed(f, pieces):
+    """Feed `pieces` to a `ForcedToolCalls`. -> per call index, (id, name, arguments) from
+    its deltas, checking that a call's id, type and name come once, in its first delta."""
+    calls = {}
+    for piece in pieces:
+        for tc in f.feed(piece):
+            if tc["index"] not in calls:
+                assert tc["index"] == len(calls) and tc["type"] == "function" and tc["id"], tc
+                calls[tc["index"]] = [tc["id"], tc["function"]["name"], ""]
+            else:
+                assert set(tc) == {"index", "function"} and set(tc["function"]) == {"arguments"}, tc
+            calls[tc["index"]][2] += tc["function"]["arguments"]
+    return [tuple(calls[k]) for k in sorted(calls)]
+
+
+def split_at(text, cuts):
+    cuts = sorted(set(k % (len(text) + 1) for k in cuts))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(calls=st.lists(st.tuples(st.text(min_size=1, max_size=8), JSON_VALUES, st.booleans()), min_size=1,
+                      max_size=3),
+       ensure_ascii=st.booleans(), indent=st.sampled_from([None, 0, 2]),
+       separators=st.sampled_from([(",", ":"), (", ", ": "), (" , ", " : ")]),
+       cuts=st.lists(st.integers(min_value=0, max_value=10**6), max_size=40))
+def test_required_streams_pieces_that_add_up_to_the_unstreamed_calls(calls, ensure_ascii, indent, separators,
+                                                                        cuts):
+    """`ForcedToolCalls` ("required") on any array of calls, however written (whitespace,
+    escapes, "parameters" before "name") and split anywhere: each call's deltas add up
+    to the unstreamed call (id, name, arguments), the same as for the text fed whole, the
+    arguments json.dumps(ARGS, ensure_ascii=False) (vLLM's unstreamed arguments)."""
     from flintc.serve.tool_choice import REQUIRED, ForcedToolCalls
 
-    text = '[ {"name": "a", "parameters": {"s": "}]{\\"", "l": [1, {"x": 2}]}}, {"name": "b", "parameters": {}}]'
-    for size in (1, 2, 5, len(text)):
-        f = ForcedToolCalls(REQUIRED)
-        entries = [e for k in range(0, len(text), size) for e in f.feed(text[k:k + size])]
-        assert f.finish() == "" and f.complete
-        assert [(e["index"], e["function"]["name"], json.loads(e["function"]["arguments"])) for e in entries] == \
-            [(0, "a", {"s": '}]{"', "l": [1, {"x": 2}]}), (1, "b", {})]
+    items = [{"parameters": args, "name": name} if params_first else {"name": name, "parameters": args}
+             for name, args, params_first in calls]
+    text = json.dumps(items, ensure_ascii=ensure_ascii, indent=indent, separators=separators)
     f = ForcedToolCalls(REQUIRED)
-    cut = text[:text.index('{"name": "b"') + 5]
-    assert len(f.feed(cut)) == 1 and f.finish() == cut and not f.complete and len(f.calls) == 1
+    got = fed(f, split_at(text, cuts))
+    assert f.finish() == "" and f.complete
+    assert got == [(c.id, c.name, c.arguments) for c in f.calls]
+    whole = ForcedToolCalls(REQUIRED)
+    fed(whole, [text])
+    want = [(name, json.dumps(args, ensure_ascii=False)) for name, args, _ in calls]
+    assert [(n, a) for _, n, a in got] == [(c.name, c.arguments) for c in whole.calls] == want
+
+
+def test_required_streams_a_call_before_it_closes():
+    """Fed a character at a time, a call is sent once its name is whole and its
+    parameters have begun, then its arguments piece by piece: a string's characters as
+    they come, a number once it ends (1 could become 12); a cut array keeps the calls
+    completed before the cut (a streamed call cut short is in no message) and gives its
+    raw text as content."""
+    from flintc.serve.tool_choice import REQUIRED, ForcedToolCalls
+
+    text = '[ {"name": "a", "parameters": {"s": "}]{\\"\\ud83d\\ude00", "l": [12, {"x": 2.50}]}}, {"name": "b", "parameters": {}}]'
+    f = ForcedToolCalls(REQUIRED)
+    entries = [(k, e) for k, ch in enumerate(text) for e in f.feed(ch)]
+    assert entries[0] == (text.index("{", 3), {"index": 0, "id": f.calls[0].id, "type": "function",
+                                               "function": {"name": "a", "arguments": "{"}})
+    pieces = [e["function"]["arguments"] for _, e in entries if e["index"] == 0]
+    assert pieces[:10] == ["{", '"', "s", '"', ": ", '"', "}", "]", "{", '\\"'] and "😀" in pieces
+    assert "12, " in pieces and "2.5}" in pieces  # (with the character that ends them)
+    assert "".join(pieces) == f.calls[0].arguments == '{"s": "}]{\\"😀", "l": [12, {"x": 2.5}]}'
+    assert f.finish() == "" and [c.name for c in f.calls] == ["a", "b"]
+    f = ForcedToolCalls(REQUIRED)
+    cut = text[:text.index('{"name": "b"') + 29]  # ... "parameters": {
+    got = fed(f, [cut[:40], cut[40:]])
+    assert [(n, a) for _, n, a in got] == [("a", f.calls[0].arguments), ("b", "{")]
+    assert f.finish() == cut and not f.complete and len(f.calls) == 1
+
+
+def test_required_arguments_escape_a_lone_surrogate():
+    """A \\uD83D with no low half: json.dumps would write the lone surrogate raw, which
+    UTF-8 cannot encode (a 500); it stays a \\u escape. Text that is no array of calls
+    makes no call and no error."""
+    from flintc.serve.tool_choice import REQUIRED, ForcedToolCalls
+
+    f = ForcedToolCalls(REQUIRED)
+    fed(f, ['[{"name":"a","parameters":["\\ud83d", "\\ud83dx\\udc00"]}]'])
+    assert f.calls[0].arguments == '["\\ud83d", "\\ud83dx\\udc00"]'
+    f.calls[0].arguments.encode()
+    for junk in ("]]}}", '{"name": "a", "parameters": {}}', '[1, "x", [{"name": 2, "parameters": 1}]]', "[{:,}]"):
+        f = ForcedToolCalls(REQUIRED)
+        assert fed(f, [junk]) == [] and f.finish() == junk
 
 
 THINK_SCRIPTS = {
@@ -370,8 +447,8 @@ def test_named_picks_the_last_tool_of_that_name(server):
 
 def test_required_arguments_stay_json_for_numbers_beyond_a_float(server, serve_kit):
     """A number the schema allows but a float cannot hold (1e999: inf once parsed) keeps
-    its text in the call's arguments, not json.dumps's "Infinity" (no JSON); other
-    arguments are still re-written (json.dumps, vLLM's)."""
+    its text in the call's arguments, not json.dumps's "Infinity" (no JSON); the rest of
+    the arguments is still re-written (json.dumps, vLLM's)."""
     serve_kit.SCRIPTS["huge_number"] = ('[{"name":"num","parameters":{"x":1e999,"y":[-1E400,"}"]}},'
                                         '{"name":"num","parameters":{"x":2.5,"y":[]}}]')
     params = {"type": "object", "additionalProperties": False, "required": ["x", "y"],
@@ -388,7 +465,7 @@ def test_required_arguments_stay_json_for_numbers_beyond_a_float(server, serve_k
         else:
             finish = body["choices"][0]["finish_reason"]
             args = [c["function"]["arguments"] for c in body["choices"][0]["message"]["tool_calls"] or []]
-        assert finish == "tool_calls" and args == ['{"x":1e999,"y":[-1E400,"}"]}', '{"x": 2.5, "y": []}'], body
+        assert finish == "tool_calls" and args == ['{"x": 1e999, "y": [-1E400, "}"]}', '{"x": 2.5, "y": []}'], body
         for a in args:
             json.loads(a, parse_constant=lambda c: pytest.fail(f"{c} in {a}"))
 
