@@ -266,12 +266,16 @@ def _special_strings(tokenizer) -> tuple[list[str], set[str], list[int]]:
 class _ChatChoice:
     """One choice of a chat reply: the reasoning parser, then the tool-call parser
     (tool_choice "auto") or the forced calls' reader (`ForcedToolCalls`: tool_choice
-    "required" or a named function, ``forced``), then the special-token stripper."""
+    "required" or a named function, ``forced``), then the special-token stripper.
+    ``one_call`` (the request's ``parallel_tool_calls`` false): the message keeps its
+    first tool call only, and a stream sends only the deltas of the call of index 0
+    (vLLM's `maybe_filter_parallel_tool_calls`; the generation is not constrained)."""
 
     def __init__(self, tokenizer, reasoning_initial: str | None, tools: list[dict] | None,
                  specials: tuple[list[str], set[str], list[int]] | None = None,
-                 forced: ForcedToolCalls | None = None):
+                 forced: ForcedToolCalls | None = None, one_call: bool = False):
         self.tokenizer = tokenizer
+        self.one_call = one_call
         self.reasoning = ReasoningParser(reasoning_initial) if reasoning_initial else None
         self.tools = ToolCallParser(tools) if tools is not None else None
         self.forced = forced
@@ -329,6 +333,10 @@ class _ChatChoice:
             delta["tool_calls"] = [tc.to_openai(first + k) for k, tc in enumerate(calls)]
         if forced_calls:
             delta["tool_calls"] = forced_calls
+        if self.one_call and "tool_calls" in delta:
+            delta["tool_calls"] = [tc for tc in delta["tool_calls"] if tc["index"] == 0]
+            if not delta["tool_calls"]:
+                del delta["tool_calls"]
         return delta
 
     def empty_delta(self) -> dict:
@@ -351,6 +359,8 @@ class _ChatChoice:
         msg = {"role": "assistant",
                "content": content if content or not (calls or saw_reasoning) else None,
                "reasoning_content": "".join(self.reasoning_text) if saw_reasoning else None}
+        if self.one_call:
+            calls = calls[:1]
         msg["tool_calls"] = [tc.to_openai() for tc in calls] or None
         return msg
 
@@ -1118,8 +1128,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                         include_stop_str_in_output=req.include_stop_str_in_output,
                                         cache_salt=req.cache_salt, reasoning_gate=gate)
                                    for j, p in enumerate(params)])
+        # parallel_tool_calls false: one call per choice (vLLM's filter; null or true: all)
         choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip,
-                               ForcedToolCalls(choice, forced_name) if forced else None) for _ in range(n)]
+                               ForcedToolCalls(choice, forced_name) if forced else None,
+                               one_call=req.parallel_tool_calls is False) for _ in range(n)]
         rid, created = response_id(request, req, "chatcmpl-"), int(time.time())
         include_usage, continuous_usage = _usage_flags(req)
 

@@ -27,6 +27,7 @@ delta carries its index, id, type and name and the arguments so far, the next on
 arguments' further text; a named call's arguments are the generated text as it comes,
 ``"required"``'s are sent as they grow (vLLM's `extract_tool_call_required_streaming`),
 so that each call's deltas add up to the unstreamed call (`_CallArray`).
+``parallel_tool_calls`` false (one call) is the route's (`flintc.serve.app`).
 """
 
 from __future__ import annotations

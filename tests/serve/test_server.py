@@ -217,6 +217,20 @@ def test_tool_calls(client):
     assert r.choices[0].finish_reason == "stop"
 
 
+def test_tool_calls_parallel_false_keeps_the_first(client):
+    """parallel_tool_calls false: of the two parsed calls the message keeps the first, and
+    a stream sends only the deltas of index 0 (vLLM's maybe_filter_parallel_tool_calls);
+    finish_reason stays "tool_calls"."""
+    kw = chat("#script:tool", model=MODEL, max_tokens=80, tools=TOOLS, parallel_tool_calls=False)
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})]
+    _, content, calls, chunks = stream_chat(client, **kw)
+    assert content == "Let me check." and list(calls) == [0] and calls[0]["name"] == "get_weather"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
 def test_tool_history_rendered(client, tiny_serving):
     """An assistant turn with OpenAI tool_calls (arguments as a JSON string) and a tool result."""
     _, tok = tiny_serving

@@ -319,6 +319,46 @@ def test_thinking_block_stays_free(reasoning_server, serve_kit, stream):
         assert content in (None, "") and (reasoning, calls, finish) == want[script], body
 
 
+THREE_CALLS = ('[{"name":"set_mode","parameters":{"mode":"on"}},{"name":"set_level","parameters":{"level":7}},'
+               '{"name":"ping","parameters":{}}]')
+
+
+def reply(body, stream):
+    """(content, [(id, name, arguments)], finish_reason) of choice 0, streamed or not."""
+    if stream:
+        content, _, calls, finish = streamed(body)[0]
+        return content or None, calls, finish
+    choice = body["choices"][0]
+    return (choice["message"]["content"], [(c["id"], c["function"]["name"], c["function"]["arguments"])
+                                           for c in choice["message"]["tool_calls"] or []], choice["finish_reason"])
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_required_streams_calls_by_token_and_parallel_tool_calls(server, serve_kit, parallel):
+    """A scripted reply of three calls, streamed a token at a time: each call's name
+    comes first, its arguments in several deltas, and they add up to the unstreamed
+    calls (json.dumps's arguments). parallel_tool_calls false keeps the first call only,
+    streamed or not (vLLM's maybe_filter_parallel_tool_calls: the grammar still allows
+    more; finish_reason "tool_calls"); null or true, all three."""
+    serve_kit.SCRIPTS["three_calls"] = THREE_CALLS
+    want = [("set_mode", '{"mode": "on"}'), ("set_level", '{"level": 7}'), ("ping", "{}")]
+    want = want[:1] if parallel is False else want
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    for stream in (False, True):
+        status, body = server.post("/v1/chat/completions", chat("#script:three_calls", tool_choice="required",
+                                                                max_tokens=120, stream=stream, **extra))
+        assert status == 200, body
+        content, calls, finish = reply(body, stream)
+        assert content is None and [(n, a) for _, n, a in calls] == want and finish == "tool_calls", body
+        if stream:
+            deltas = [tc for c in body for ch in c["choices"] for tc in ch["delta"].get("tool_calls") or []]
+            assert {tc["index"] for tc in deltas} == set(range(len(want))), deltas
+            assert len([tc for tc in deltas if tc["index"] == 0]) > 2, deltas
+    # a named function: its one call, whatever parallel_tool_calls says
+    status, body = server.post("/v1/chat/completions", chat(tool_choice=NAMED, temperature=0, **extra))
+    assert status == 200 and len(body["choices"][0]["message"]["tool_calls"]) == 1, body
+
+
 @pytest.mark.parametrize("patch, param, needle", [
     ({"tool_choice": "required", "tools": None}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
     ({"tool_choice": NAMED, "tools": None}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
@@ -329,6 +369,7 @@ def test_thinking_block_stays_free(reasoning_server, serve_kit, stream):
     ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice", "Expected field `name`"),
     ({"tool_choice": {"type": "function", "function": {"name": ""}}}, "tool_choice", "Invalid `name`"),
     ({"tool_choice": "sometimes"}, "tool_choice", "Invalid value for `tool_choice`"),
+    ({"tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls", "bool"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "You can only either use constraints for structured outputs or tools, not both"),
     ({"tool_choice": NAMED, "guided_regex": "a+"}, "guided_regex", "not both"),
