@@ -65,6 +65,10 @@ def add_parser(sub) -> None:
                         "automatic prefix caching: multi-turn chat skips the earlier turns' prefill); off by "
                         "default: results then differ from a whole-prompt prefill's in the last bits "
                         "(docs/serve.md)")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="the order waiting requests get a free slot in (vLLM's flag): fcfs, first come first "
+                        "served (a request's priority must be 0); priority, by the requests' priority (lower "
+                        "first), then arrival. Running requests are never preempted")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="add usage.prompt_tokens_details.cached_tokens (the prompt tokens prefix caching "
                         "skipped, when any) to responses (vLLM's flag)")
@@ -197,7 +201,8 @@ def run_serve(args: argparse.Namespace) -> int:
     # by the Engine, against the config the runner loaded: the same vocab_size, a check
     # that no longer walks the vocabulary, `check_fits_model` having found its top id)
     runner = make_runner(args, check_vocab=tokenizer.check_fits_model)
-    engine = Engine(runner, tokenizer, enable_prefix_caching=args.enable_prefix_caching)
+    engine = Engine(runner, tokenizer, enable_prefix_caching=args.enable_prefix_caching,
+                    scheduling_policy=args.scheduling_policy)
     app = create_app(engine, tokenizer, options)
     host, port = sock.getsockname()[:2]
     print(f"flintc serve: '{options.model_name}' on http://{host_port(host, port)}/v1 "

@@ -50,6 +50,10 @@ response in /v1/chat/completions. vLLM's ``return_tokens_as_token_ids`` writes t
 tokens of ``logprobs`` (top ones included) as ``"token_id:{id}"``; ``prompt_logprobs``
 keep their ``decoded_token`` text (they are keyed by id already), as in vLLM.
 
+vLLM's ``priority`` goes to the engine (admission order with ``--scheduling-policy
+priority``); under "fcfs" a non-zero one is a 400 with vLLM's message ("Got priority 1
+but Priority scheduling is not enabled.").
+
 The chat template is compiled when the app is made (`FlintTokenizer.check_chat_template`):
 a malformed one stops the server at startup instead of failing every chat request.
 A tokenizer with no chat template still serves /v1/completions; chat requests then
@@ -80,7 +84,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import flintc
 from flintc.errors import InputError, json_type
 from flintc.sampling import SamplingParams, bad_words_to_token_ids, first_outside_vocab
-from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob
+from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob, priority_not_enabled
 from flintc.serve.metrics import ServeMetrics
 from flintc.serve.protocol import (
     APIError,
@@ -776,6 +780,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
     def common_checks(req) -> tuple[int, tuple[str, ...]]:
         check_model(req.model)
         unsupported(req)
+        if req.priority != 0 and engine.scheduling_policy != "priority":
+            # vLLM's input processor's check and message (its --scheduling-policy fcfs)
+            raise APIError(400, priority_not_enabled(req.priority), param="priority")
         n = 1 if req.n is None else req.n
         if not 1 <= n <= MAX_N:
             raise APIError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n")
@@ -1126,7 +1133,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                                         user_stop_token_ids=user_stops, stop=stop, logprobs=top,
                                         prompt_logprobs=want_plp if j == 0 else None,
                                         include_stop_str_in_output=req.include_stop_str_in_output,
-                                        cache_salt=req.cache_salt, reasoning_gate=gate)
+                                        cache_salt=req.cache_salt, reasoning_gate=gate, priority=req.priority)
                                    for j, p in enumerate(params)])
         # parallel_tool_calls false: one call per choice (vLLM's filter; null or true: all)
         choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip,
@@ -1249,7 +1256,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                       prompt_logprobs=engine_plp if j == 0 or echo_lps else None,
                       user_stop_token_ids=user_stops, skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output,
-                      cache_salt=req.cache_salt)
+                      cache_salt=req.cache_salt, priority=req.priority)
                  for ids, prompt_params in zip(prompts, params) for j, p in enumerate(prompt_params)]
         gen = _Generation(engine, specs)
         total = len(specs)

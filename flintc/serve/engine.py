@@ -10,13 +10,22 @@ thread loops over *steps*:
 2. drop cancelled requests, freeing their slots (the runner keeps a slot's KV cache
    until the slot is reused, so a freed slot's cache is simply overwritten by the
    next prefill into it);
-3. admit waiting requests (FIFO) into free slots: one ``runner.prefill`` each, then
-   sample the first token from its logits (with prefix caching, the prefill starts past
-   the prompt's leading tokens that a free slot's cache still holds, below);
+3. admit waiting requests into free slots, in the order of the scheduling policy
+   (:class:`RequestQueue`: "fcfs", arrival order; "priority", vLLM's ``--scheduling-policy
+   priority``: by ``(priority, arrival)``, lower value first): one ``runner.prefill``
+   each, then sample the first token from its logits (with prefix caching, the prefill
+   starts past the prompt's leading tokens that a free slot's cache still holds, below);
 4. one ``runner.decode`` over every running sequence that still needs a token (up
    to ``runner.max_batch`` of them: the decode batch), sample one token each.
 
-A request beyond the free slots waits in the queue. Sampling follows
+A request beyond the free slots waits in the queue. A running request is never preempted,
+whatever the policy: vLLM V1's scheduler preempts (its lowest-priority running request,
+with the priority policy) only when its paged KV cache has no block left for a running
+request's next tokens, and never to admit a waiting one (it stops admitting at
+``max_num_seqs``, `vllm/v1/core/sched/scheduler.py` ``Scheduler.schedule``); here each
+slot holds KV rows for a whole sequence of ``max_model_len`` tokens, so a running request
+always has room and that case never arises. A higher-priority request that arrives
+while every slot is busy is admitted first when one frees. Sampling follows
 :mod:`flintc.sampling` (FLINT_SPEC section 6); each request has its own
 ``torch.Generator`` so its random draws do not depend on its batch neighbours
 (its logits may differ in the last bits with the batch size: docs/serve.md, `seed`). A request
@@ -106,6 +115,7 @@ token. It exists only as a Python argument, never reachable over HTTP.
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import queue
 import threading
@@ -123,6 +133,9 @@ from flintc.structured import GrammarMatcher, ReasoningGate, StructuredOutputErr
 
 _WAKE = object()
 _STOP = object()
+# vLLM's --scheduling-policy values this engine runs (vllm/v1/core/sched/request_queue.py
+# SchedulingPolicy; its "sjf" is not taken here)
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -246,6 +259,9 @@ class GenRequest:
         reasoning_gate: with ``params.structured_outputs``, a
             :class:`~flintc.structured.ReasoningGate` when the reply is a thinking model's
             (``--reasoning-parser``): the grammar holds after the thinking block only.
+        priority: vLLM's request ``priority``: with the engine's "priority" scheduling
+            policy, waiting requests are admitted by (priority, arrival), lower value
+            first; with "fcfs" it must be 0 (:meth:`Engine.submit`).
 
     The engine fills in ``timeline`` (:class:`RequestTimeline`).
     """
@@ -264,6 +280,7 @@ class GenRequest:
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     reasoning_gate: ReasoningGate | None = None
+    priority: int = 0
     cancelled: bool = False
     id: int = field(default_factory=itertools.count().__next__)
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
@@ -317,6 +334,59 @@ class _SlotCache:
     ring: list[torch.Tensor] | None
 
 
+class RequestQueue:
+    """The engine's waiting requests, in the order they are admitted: vLLM V1's
+    ``FCFSRequestQueue`` and ``PriorityRequestQueue`` (vllm/v1/core/sched/request_queue.py).
+
+    Args:
+        policy: "fcfs": arrival order (:meth:`Engine.submit` order); "priority": the
+            smallest ``GenRequest.priority`` first, ties by arrival (``timeline.queued``,
+            then the request's ``id``: vLLM's ``Request.__lt__`` compares priority,
+            arrival_time, then request_id). A request's choices (``n``) arrive in index
+            order.
+
+    Raises:
+        ValueError: another policy (vLLM's "Unknown scheduling policy: ...").
+    """
+
+    def __init__(self, policy: str = "fcfs"):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"Unknown scheduling policy: {policy!r} (expected one of {', '.join(SCHEDULING_POLICIES)})")
+        self.policy = policy
+        self._fcfs: collections.deque[GenRequest] = collections.deque()
+        self._heap: list[tuple[int, float, int, GenRequest]] = []  # (priority, arrival, id, request)
+
+    def add(self, req: GenRequest) -> None:
+        if self.policy == "fcfs":
+            self._fcfs.append(req)
+        else:
+            queued = req.timeline.queued
+            heapq.heappush(self._heap, (req.priority, float("inf") if queued is None else queued, req.id, req))
+
+    def peek(self) -> GenRequest:
+        """The next request to admit. Raises IndexError when empty."""
+        return self._fcfs[0] if self.policy == "fcfs" else self._heap[0][3]
+
+    def pop(self) -> GenRequest:
+        """Remove and return the next request to admit. Raises IndexError when empty."""
+        return self._fcfs.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
+
+    def drop(self, pred: Callable[[GenRequest], bool]) -> None:
+        """Remove the requests for which ``pred`` is true (it is called once on each, in
+        queue order for fcfs)."""
+        if self.policy == "fcfs":
+            self._fcfs = collections.deque(r for r in self._fcfs if not pred(r))
+        else:
+            self._heap = [e for e in self._heap if not pred(e[3])]
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._fcfs) + len(self._heap)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
 class Engine:
     """Continuous-batching generation over ``runner`` on a dedicated thread.
 
@@ -330,14 +400,20 @@ class Engine:
         enable_prefix_caching: reuse a free slot's cached K/V for a prompt that starts
             with the tokens it holds (module docstring); False (the default): every
             prefill starts at 0.
+        scheduling_policy: the order waiting requests are admitted in (vLLM's
+            ``--scheduling-policy``, :class:`RequestQueue`): "fcfs" (the default; a
+            request's ``priority`` must be 0) or "priority". Running requests are never
+            preempted (module docstring).
 
     Raises:
         CheckpointError: a tokenizer id of the model's vocab_size or more
             (`FlintTokenizer.check_fits_model`, naming the tokenizer file and config).
+        ValueError: an unknown ``scheduling_policy``.
     """
 
     def __init__(self, runner, tokenizer, forced_tokens: Callable[[list[int]], list[int] | None] | None = None,
-                 observers: list[EngineObserver] | None = None, enable_prefix_caching: bool = False):
+                 observers: list[EngineObserver] | None = None, enable_prefix_caching: bool = False,
+                 scheduling_policy: str = "fcfs"):
         tokenizer.check_fits_model(runner.config.vocab_size, runner.config.source)
         self.runner = runner
         self.tokenizer = tokenizer
@@ -345,7 +421,8 @@ class Engine:
         self.max_batch = int(runner.max_batch)
         self.max_model_len = int(runner.max_model_len)
         self._inbox: queue.Queue = queue.Queue()
-        self._waiting: collections.deque[GenRequest] = collections.deque()
+        self._waiting = RequestQueue(scheduling_policy)  # ValueError for an unknown policy
+        self.scheduling_policy = scheduling_policy
         self._lock = threading.Lock()
         self._inbox_requests = 0  # GenRequests in the inbox (it also holds wake-ups)
         self._running: dict[int, _Seq] = {}  # slot -> sequence
@@ -384,8 +461,11 @@ class Engine:
         (`SamplingParams.with_tokenizer`; the server has made them already).
 
         Raises:
-            InputError: a bad word that makes no tokens.
+            InputError: a bad word that makes no tokens; a non-zero ``req.priority`` with
+                the "fcfs" policy (vLLM's input processor's check and message).
         """
+        if req.priority != 0 and self.scheduling_policy != "priority":
+            raise InputError(priority_not_enabled(req.priority))
         req.params = req.params.with_tokenizer(self.tokenizer)
         req.timeline.queued = time.monotonic()
         if self.fatal_error is not None:
@@ -426,7 +506,7 @@ class Engine:
                     stop = True
                 elif isinstance(item, GenRequest):
                     with self._lock:
-                        self._waiting.append(item)
+                        self._waiting.add(item)
                         self._inbox_requests -= 1
                 try:
                     item = self._inbox.get_nowait()
@@ -451,21 +531,21 @@ class Engine:
         for seq in list(self._running.values()):
             self._finish(seq, reason, error=None if reason else msg)
         while self._waiting:
-            req = self._waiting[0]
+            req = self._waiting.peek()
             self._notify_finished(req, reason, None if reason else msg)  # counted, then off the gauge
-            self._waiting.popleft()
+            self._waiting.pop()
             req.emit(Output(req.index, finish_reason=reason, error=None if reason else msg))
 
     def _step(self) -> None:
         self.stats["steps"] += 1
         for seq in [s for s in self._running.values() if s.req.cancelled]:
             self._finish(seq, "abort")
-        self._waiting = collections.deque(r for r in self._waiting if not self._drop_cancelled(r))
-        # admit: one prefill per free slot
+        self._waiting.drop(self._drop_cancelled)  # (observers may read num_waiting: no lock held)
+        # admit, in the policy's order: one prefill per free slot
         free = [s for s in range(self.max_batch) if s not in self._running]
         while free and self._waiting:
-            slot, reuse = self._pick_slot(free, self._waiting[0])
-            req = self._waiting.popleft()
+            slot, reuse = self._pick_slot(free, self._waiting.peek())
+            req = self._waiting.pop()
             free.remove(slot)
             seq = _Seq(req, slot, self.tokenizer.detokenizer(req.skip_special_tokens), self.runner.device,
                        self.tokenizer)
@@ -791,6 +871,12 @@ def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int, rows: int 
         out += [PromptLogprob(t, lp, rank, top) for t, lp, rank, top
                 in zip(targets[r:r + rows], tok_lp[:, 0].tolist(), ranks, tops)]
     return out
+
+
+def priority_not_enabled(priority: int) -> str:
+    """vLLM's message for a non-zero request priority under the "fcfs" policy (its input
+    processor's ``process_inputs``)."""
+    return f"Got priority {priority} but Priority scheduling is not enabled."
 
 
 def _prefix_overlap(text: str, stop: str) -> int:

@@ -23,9 +23,10 @@ answered in vLLM's shape, not with ``stream``; checked in :mod:`flintc.serve.app
 vLLM's other request fields are accepted: ``request_id``, ``truncate_prompt_tokens``,
 ``add_special_tokens``, chat ``documents``, ``bad_words``, ``allowed_token_ids`` (both
 in :mod:`flintc.sampling`) and ``return_tokens_as_token_ids`` (logprobs' tokens as
-``"token_id:{id}"``) and ``cache_salt`` (requests share prefix-cached K/V only with the
-same salt) are honoured, ``length_penalty`` has no effect here, the rest only at their
-no-op value (`unsupported`).
+``"token_id:{id}"``), ``cache_salt`` (requests share prefix-cached K/V only with the
+same salt) and ``priority`` (with ``--scheduling-policy priority``; else only 0:
+:mod:`flintc.serve.app`) are honoured, ``length_penalty`` has no effect here, the rest
+only at their no-op value (`unsupported`).
 
 Structured outputs (constrained decoding, vLLM's, on llguidance: vLLM's "guidance"
 backend; :mod:`flintc.structured`), gathered by :func:`structured_outputs_spec` into one
@@ -136,9 +137,9 @@ class _Common(BaseModel):
     # vLLM's other request fields (its protocol.py), which clients send at their defaults:
     # honoured: request_id (the response id), truncate_prompt_tokens, add_special_tokens
     # (per route, below), bad_words, allowed_token_ids, return_tokens_as_token_ids,
-    # cache_salt (prefix caching); no effect here: length_penalty (beam search only, as in
-    # vLLM without use_beam_search); accepted only at their no-op value (`unsupported`):
-    # the others
+    # cache_salt (prefix caching), priority (--scheduling-policy priority; else 0 only);
+    # no effect here: length_penalty (beam search only, as in vLLM without
+    # use_beam_search); accepted only at their no-op value (`unsupported`): the others
     request_id: str | None = None
     truncate_prompt_tokens: Int | None = None
     length_penalty: float = 1.0
@@ -437,9 +438,11 @@ def structured_outputs_spec(req: BaseModel):
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
     support (functions, audio, non-text modalities, chat's echo, best_of > 1, suffix),
-    or vLLM field away from its no-op value (use_beam_search, priority, structural_tag,
-    ...), or an empty ``cache_salt`` (as vLLM). ``response_format`` and the structured
-    outputs fields are :func:`structured_outputs_spec`'s."""
+    or vLLM field away from its no-op value (use_beam_search, structural_tag, ...), or
+    an empty ``cache_salt`` (as vLLM). ``response_format`` and the structured outputs
+    fields are :func:`structured_outputs_spec`'s; ``priority`` is checked against the
+    server's scheduling policy by :mod:`flintc.serve.app` (vLLM's "Got priority ... but
+    Priority scheduling is not enabled.")."""
     checks = [
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
@@ -452,7 +455,6 @@ def unsupported(req: BaseModel) -> None:
         ("suffix", lambda v: v is not None),
         # vLLM's
         ("use_beam_search", lambda v: v),
-        ("priority", lambda v: v != 0),
         ("include_reasoning", lambda v: not v),
         ("prompt_embeds", lambda v: v is not None),
         ("chat_template", lambda v: v is not None),

@@ -86,9 +86,10 @@ def scripted(tokenizer):
     return hook
 
 
-def start_server(model, tokenizer, options, max_batch=4, max_model_len=256, wrap=None) -> Running:
+def start_server(model, tokenizer, options, max_batch=4, max_model_len=256, wrap=None, **engine_kw) -> Running:
     """A uvicorn server for create_app(...) on 127.0.0.1 (a free port), in a thread.
-    ``wrap``: called with the ReferenceRunner, returns the runner the engine uses."""
+    ``wrap``: called with the ReferenceRunner, returns the runner the engine uses;
+    ``engine_kw``: more arguments of the Engine (``scheduling_policy``, ``observers``)."""
     import uvicorn
 
     from flintc.runtime.runner import ReferenceRunner
@@ -99,7 +100,7 @@ def start_server(model, tokenizer, options, max_batch=4, max_model_len=256, wrap
     runner = ReferenceRunner(model, max_batch=max_batch, max_model_len=max_model_len)
     if wrap is not None:
         runner = wrap(runner)
-    engine = Engine(runner, tokenizer, forced_tokens=scripted(tokenizer))
+    engine = Engine(runner, tokenizer, forced_tokens=scripted(tokenizer), **engine_kw)
     app = create_app(engine, tokenizer, options)
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]

@@ -218,6 +218,31 @@ def test_prefix_caching_flags(tiny_bf16_dir, monkeypatch):
     assert seen == [(False, False), (True, False), (False, False), (False, True)]
 
 
+def test_scheduling_policy_flag(tiny_bf16_dir, capsys, monkeypatch):
+    """--scheduling-policy (vLLM's: fcfs, the default, or priority) reaches the engine; any
+    other value is argparse's one-line error, exit code 2."""
+    import flintc.serve.app
+    from flintc.errors import InputError
+
+    seen = []
+
+    def create_app(engine, tokenizer, options):
+        seen.append(engine.scheduling_policy)
+        raise InputError("stop before serving")
+
+    monkeypatch.setattr(flintc.serve.app, "create_app", create_app)
+    for flags in ([], ["--scheduling-policy", "priority"], ["--scheduling-policy", "fcfs"]):
+        assert main(["serve", str(tiny_bf16_dir), "--port", "0", "--max-model-len", "64", *flags]) == 2
+    assert seen == ["fcfs", "priority", "fcfs"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(tiny_bf16_dir), "--scheduling-policy", "sjf"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--scheduling-policy: invalid choice: 'sjf'" in err and "Traceback" not in err, err
+    assert seen == ["fcfs", "priority", "fcfs"]
+
+
 def test_make_runner_build_limits_use_the_shared_function(monkeypatch):
     """`flintc serve --build`: --max-model-len / --max-batch are checked against build.json
     before the weights load (compiled.check_build_limits) and applied through
