@@ -52,7 +52,12 @@ keep their ``decoded_token`` text (they are keyed by id already), as in vLLM.
 
 vLLM's ``priority`` goes to the engine (admission order with ``--scheduling-policy
 priority``); under "fcfs" a non-zero one is a 400 with vLLM's message ("Got priority 1
-but Priority scheduling is not enabled.").
+but Priority scheduling is not enabled."). Chat's ``echo`` and ``include_reasoning`` are
+vLLM's (`vllm/entrypoints/openai/serving_chat.py`): echo puts the last message's content
+before each choice's reply when its role is the reply's (`_chat_echo`); include_reasoning
+false, with a reasoning parser, leaves the reasoning, the logprobs and the token ids out
+of the reply (no chunk for a step that adds only reasoning) and lets a structured-outputs
+constraint hold from the first token.
 
 The chat template is compiled when the app is made (`FlintTokenizer.check_chat_template`):
 a malformed one stops the server at startup instead of failing every chat request.
@@ -273,13 +278,17 @@ class _ChatChoice:
     "required" or a named function, ``forced``), then the special-token stripper.
     ``one_call`` (the request's ``parallel_tool_calls`` false): the message keeps its
     first tool call only, and a stream sends only the deltas of the call of index 0
-    (vLLM's `maybe_filter_parallel_tool_calls`; the generation is not constrained)."""
+    (vLLM's `maybe_filter_parallel_tool_calls`; the generation is not constrained).
+    ``include_reasoning`` false (vLLM's request field): the reasoning is parsed out of
+    the content as ever, and left out of the deltas and the message."""
 
     def __init__(self, tokenizer, reasoning_initial: str | None, tools: list[dict] | None,
                  specials: tuple[list[str], set[str], list[int]] | None = None,
-                 forced: ForcedToolCalls | None = None, one_call: bool = False):
+                 forced: ForcedToolCalls | None = None, one_call: bool = False,
+                 include_reasoning: bool = True):
         self.tokenizer = tokenizer
         self.one_call = one_call
+        self.include_reasoning = include_reasoning
         self.reasoning = ReasoningParser(reasoning_initial) if reasoning_initial else None
         self.tools = ToolCallParser(tools) if tools is not None else None
         self.forced = forced
@@ -328,7 +337,7 @@ class _ChatChoice:
                 reason = "tool_calls"
             self.finish_reason = reason
         delta = {}
-        if r:
+        if r and self.include_reasoning:
             delta["reasoning_content"] = r
         if c:
             delta["content"] = c
@@ -362,7 +371,8 @@ class _ChatChoice:
         saw_reasoning = self.reasoning is not None and self.reasoning.saw_reasoning
         msg = {"role": "assistant",
                "content": content if content or not (calls or saw_reasoning) else None,
-               "reasoning_content": "".join(self.reasoning_text) if saw_reasoning else None}
+               "reasoning_content": ("".join(self.reasoning_text) if saw_reasoning and self.include_reasoning
+                                     else None)}
         if self.one_call:
             calls = calls[:1]
         msg["tool_calls"] = [tc.to_openai() for tc in calls] or None
@@ -1124,7 +1134,13 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         want_plp = _prompt_logprobs_asked(req)
         as_ids = _tokens_as_ids(req, options)
         reasoning_initial = initial_state_for_prompt(prompt_text) if options.reasoning_parser else None
-        gate = _reasoning_gate(tokenizer, reasoning_initial) if any(p.structured_outputs for p in params) else None
+        # vLLM's include_reasoning false (with a reasoning parser): no reasoning in the reply, and
+        # no logprobs or token_ids, which would spell it out; a structured-outputs constraint
+        # holds from the first token (vLLM passes reasoning_ended=True to its engine then)
+        hide_reasoning = not req.include_reasoning and options.reasoning_parser is not None
+        gate = (_reasoning_gate(tokenizer, reasoning_initial)
+                if any(p.structured_outputs for p in params) and not hide_reasoning else None)
+        echo = _chat_echo(req, add_gen) if req.echo else ""
         # the parsers read the text with special tokens; they are stripped after parsing. With
         # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
         strip = specials if req.skip_special_tokens and parse_tools is None else None
@@ -1138,7 +1154,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         # parallel_tool_calls false: one call per choice (vLLM's filter; null or true: all)
         choices = [_ChatChoice(tokenizer, reasoning_initial, parse_tools, strip,
                                ForcedToolCalls(choice, forced_name) if forced else None,
-                               one_call=req.parallel_tool_calls is False) for _ in range(n)]
+                               one_call=req.parallel_tool_calls is False,
+                               include_reasoning=not hide_reasoning) for _ in range(n)]
         rid, created = response_id(request, req, "chatcmpl-"), int(time.time())
         include_usage, continuous_usage = _usage_flags(req)
 
@@ -1164,6 +1181,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 first["usage"] = usage_so_far(0)
             yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                "logprobs": None, "finish_reason": None} for i in range(n)], **first))
+            if echo:  # vLLM: the echoed content, for each choice, before the generated text
+                extra = {"usage": usage_so_far(0)} if continuous_usage else {}
+                yield _sse(chunk([{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                                  for i in range(n)], **extra))
             async for out in gen.outputs():
                 if out.error is not None:
                     yield _sse(error_body(f"generation failed: {out.error}", "invalid_request_error",
@@ -1179,16 +1200,20 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 delta = c.feed(out)
                 if not (delta or out.token_ids or out.finished or out.logprobs):
                     continue
-                if not delta and out.token_ids:
+                if hide_reasoning and not (delta or out.finished):
+                    # vLLM: a step whose delta holds no content nor tool calls once the reasoning
+                    # is left out sends no chunk (its parser's parse_delta answers None)
+                    continue
+                if not delta and out.token_ids and not hide_reasoning:
                     # one chunk per step that made tokens, as vLLM, even when they add no text
                     # (a special token left out, half a UTF-8 character, text a parser holds)
                     delta = c.empty_delta()
                 entry = {"index": out.index, "delta": delta,
                          "logprobs": (_chat_logprobs(tokenizer, out.logprobs, as_ids)
-                                      if out.logprobs else None),
+                                      if out.logprobs and not hide_reasoning else None),
                          "finish_reason": c.finish_reason}
                 if req.return_token_ids:
-                    entry["token_ids"] = out.token_ids
+                    entry["token_ids"] = None if hide_reasoning else out.token_ids
                 extra = {"usage": usage_so_far(len(c.token_ids))} if continuous_usage else {}
                 yield _sse(chunk([entry], **extra))
             else:
@@ -1207,11 +1232,15 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             body["prompt_logprobs"] = await asyncio.to_thread(_prompt_logprobs_json, tokenizer,
                                                               choices[0].prompt_logprobs)
         for i, c in enumerate(choices):
-            entry = {"index": i, "message": c.message(),
-                     "logprobs": _chat_logprobs(tokenizer, c.logprobs, as_ids) if top is not None else None,
+            message = c.message()
+            if req.echo:  # vLLM: the echoed content + the reply's ("" for none, even with echo "")
+                message["content"] = echo + (message["content"] or "")
+            entry = {"index": i, "message": message,
+                     "logprobs": (_chat_logprobs(tokenizer, c.logprobs, as_ids)
+                                  if top is not None and not hide_reasoning else None),
                      "finish_reason": c.finish_reason}
             if req.return_token_ids:
-                entry["token_ids"] = c.token_ids
+                entry["token_ids"] = None if hide_reasoning else c.token_ids
             body["choices"].append(entry)
         return body
 
@@ -1367,6 +1396,25 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 
 # --------------------------------------------------------------------------------------
 # Request helpers
+
+
+def _chat_echo(req: ChatCompletionRequest, add_generation_prompt: bool) -> str:
+    """vLLM's chat ``echo``: the text put before each choice's reply (vLLM's
+    `vllm/entrypoints/openai/serving_chat.py`, ``chat_completion_full_generator`` and
+    ``chat_completion_stream_generator``): the last message's content when its role is
+    the reply's, vLLM's ``get_chat_request_role``: "assistant" with
+    ``add_generation_prompt``, else the last message's own role (so it always matches);
+    text parts joined with newlines (vLLM's "string" content format); else "".
+    ``req.messages`` were checked by `_template_messages` (at least one; content a
+    string, text parts or null)."""
+    last = req.messages[-1]
+    role = "assistant" if add_generation_prompt else last.get("role")
+    if last.get("role") != role:
+        return ""
+    content = last.get("content")
+    if isinstance(content, list):
+        return "\n".join(part["text"] for part in content)
+    return content or ""
 
 
 def _reasoning_gate(tokenizer, initial: str | None) -> ReasoningGate | None:

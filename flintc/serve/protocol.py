@@ -24,9 +24,11 @@ vLLM's other request fields are accepted: ``request_id``, ``truncate_prompt_toke
 ``add_special_tokens``, chat ``documents``, ``bad_words``, ``allowed_token_ids`` (both
 in :mod:`flintc.sampling`) and ``return_tokens_as_token_ids`` (logprobs' tokens as
 ``"token_id:{id}"``), ``cache_salt`` (requests share prefix-cached K/V only with the
-same salt) and ``priority`` (with ``--scheduling-policy priority``; else only 0:
-:mod:`flintc.serve.app`) are honoured, ``length_penalty`` has no effect here, the rest
-only at their no-op value (`unsupported`).
+same salt), ``priority`` (with ``--scheduling-policy priority``; else only 0), chat
+``echo`` (the last message's content before the reply, vLLM's rule) and chat
+``include_reasoning`` (false: no reasoning in the reply) are honoured
+(:mod:`flintc.serve.app`), ``length_penalty`` has no effect here, the rest only at their
+no-op value (`unsupported`).
 
 Structured outputs (constrained decoding, vLLM's, on llguidance: vLLM's "guidance"
 backend; :mod:`flintc.structured`), gathered by :func:`structured_outputs_spec` into one
@@ -176,8 +178,10 @@ class ChatCompletionRequest(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # vLLM's (chat): add_special_tokens (the tokenizer's own on top of the template's) and
-    # documents (passed to the template) honoured; the others only at their no-op value
+    # vLLM's (chat): add_special_tokens (the tokenizer's own on top of the template's),
+    # documents (passed to the template), echo (the last message's content before the
+    # reply) and include_reasoning (false: the reasoning left out) honoured; the others only
+    # at their no-op value
     add_special_tokens: bool = False
     documents: list[dict[str, Any]] | None = None
     echo: bool | None = None
@@ -437,12 +441,13 @@ def structured_outputs_spec(req: BaseModel):
 
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
-    support (functions, audio, non-text modalities, chat's echo, best_of > 1, suffix),
-    or vLLM field away from its no-op value (use_beam_search, structural_tag, ...), or
-    an empty ``cache_salt`` (as vLLM). ``response_format`` and the structured outputs
-    fields are :func:`structured_outputs_spec`'s; ``priority`` is checked against the
-    server's scheduling policy by :mod:`flintc.serve.app` (vLLM's "Got priority ... but
-    Priority scheduling is not enabled.")."""
+    support (functions, audio, non-text modalities, best_of > 1, suffix), or vLLM field
+    away from its no-op value (use_beam_search, structural_tag, ...), or an empty
+    ``cache_salt`` (as vLLM). ``response_format`` and the structured outputs fields are
+    :func:`structured_outputs_spec`'s; ``priority`` is checked against the server's
+    scheduling policy by :mod:`flintc.serve.app` (vLLM's "Got priority ... but Priority
+    scheduling is not enabled."); chat's ``echo`` and ``include_reasoning`` are honoured
+    there."""
     checks = [
         ("functions", lambda v: v is not None),
         ("function_call", lambda v: v is not None),
@@ -450,12 +455,10 @@ def unsupported(req: BaseModel) -> None:
         ("modalities", lambda v: v not in (None, ["text"])),
         ("prediction", lambda v: v is not None),
         ("web_search_options", lambda v: v is not None),
-        *((("echo", lambda v: bool(v)),) if isinstance(req, ChatCompletionRequest) else ()),  # completions: honoured
         ("best_of", lambda v: v not in (None, 1)),
         ("suffix", lambda v: v is not None),
         # vLLM's
         ("use_beam_search", lambda v: v),
-        ("include_reasoning", lambda v: not v),
         ("prompt_embeds", lambda v: v is not None),
         ("chat_template", lambda v: v is not None),
         *((name, lambda v: bool(v)) for name in _VLLM_NULL_OR_EMPTY),
