@@ -1028,8 +1028,10 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
     """The logits `sample` draws from for rows with structured outputs,
     allowed_token_ids, bad words, min_tokens, logit_bias or penalties, in vLLM v1's
     order: the grammar's mask (every token the row's `TokenHistory.grammar` does not allow
-    next to -inf), allowed_token_ids (every other token to -inf), bad words (`bad_word_bans` to -inf), min_tokens (the row's
-    stop ids to -inf while its output is shorter), logit_bias (added), then
+    next to -inf; two or more such rows have their masks made together,
+    `flintc.structured.allowed_batch`: llguidance fills them in one parallel call),
+    allowed_token_ids (every other token to -inf), bad words (`bad_word_bans` to -inf),
+    min_tokens (the row's stop ids to -inf while its output is shorter), logit_bias (added), then
     `apply_penalties` (one batched call over the rows with penalties). Rows without any
     are left as they are. -> fp32 [B, V], a new tensor.
 
@@ -1054,6 +1056,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
         return h
 
     ninf = float("-inf")
+    grammars: list = [None] * B
     for b, p in enumerate(params):
         if p.structured_outputs is not None:
             g = history[b].grammar if history is not None and history[b] is not None else None
@@ -1061,9 +1064,20 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
                 raise ValueError(f"sample(): row {b} has structured_outputs, which needs its TokenHistory with "
                                  f"a grammar (TokenHistory(..., grammar=flintc.structured.GrammarMatcher(...)))")
             g.advance(history[b].output_ids)
-            mask = g.allowed(V, dev)  # None inside a thinking block the grammar waits behind
-            if mask is not None:
-                x[b].masked_fill_(~mask, ninf)
+            grammars[b] = g
+    constrained = [b for b in range(B) if grammars[b] is not None]
+    if len(constrained) == 1:
+        b = constrained[0]
+        mask = grammars[b].allowed(V, dev)  # None inside a thinking block the grammar waits behind
+        if mask is not None:
+            x[b].masked_fill_(~mask, ninf)
+    elif constrained:  # every row's mask in one llguidance call (parallel), one copy, one fill
+        from flintc.structured import allowed_batch
+
+        masks = allowed_batch(grammars, V, dev)  # every token for the other rows
+        if masks is not None:
+            x.masked_fill_(~masks, ninf)
+    for b, p in enumerate(params):
         if p.allowed_token_ids is not None:
             h = history[b] if history is not None else None
             ids = h.allowed(p, V, dev) if h is not None else _allowed_tensor(p.allowed_token_ids, V, dev)

@@ -10,7 +10,9 @@ of a request, and later requests of the same spec, share it). Each sequence hold
 `GrammarMatcher`: a copy of that matcher (`LLMatcher.deep_copy`), which at every
 sampling step gives the tokens the grammar allows next (`GrammarMatcher.allowed`: every
 other logit becomes -inf in `flintc.sampling.adjust_logits`, on every sampling path),
-and consumes each token the sequence generates (`GrammarMatcher.advance`).
+and consumes each token the sequence generates (`GrammarMatcher.advance`). A batch with
+two or more constrained rows has its masks made together (`allowed_batch`: llguidance
+fills them in one call, on its own threads without the GIL, then one copy to the device).
 
 End of the output: the grammar's own end-of-text is replaced by the sequence's stop
 tokens (end-of-text included): they are allowed exactly when the grammar accepts what
@@ -209,16 +211,38 @@ _SHIFTS: dict = {}
 
 
 def _bits(words: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bool [vocab] from int32 bitmask words [W] (bit j of word i: token 32 i + j; tokens
-    past 32 W: False), on the words' device."""
+    """bool [..., vocab] from int32 bitmask words [..., W] (bit j of word i: token 32 i + j;
+    tokens past 32 W: False), on the words' device."""
     dev = words.device
     shifts = _SHIFTS.get(dev)
     if shifts is None:
         shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
-    bits = ((words[:, None] >> shifts) & 1).reshape(-1).bool()
-    if bits.shape[0] >= vocab:
-        return bits[:vocab]
-    return torch.cat([bits, bits.new_zeros(vocab - bits.shape[0])])
+    bits = ((words[..., None] >> shifts) & 1).reshape(*words.shape[:-1], -1).bool()
+    if bits.shape[-1] >= vocab:
+        return bits[..., :vocab]
+    return torch.cat([bits, bits.new_zeros(*bits.shape[:-1], vocab - bits.shape[-1])], dim=-1)
+
+
+def _to_device_bits(words: np.ndarray, vocab: int, device) -> torch.Tensor:
+    """`_bits` of host int32 words [..., W] on `device`: one small asynchronous copy (from
+    pinned memory on CUDA), expanded there."""
+    host = torch.from_numpy(words)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return _bits(host.to(device, non_blocking=True), vocab)
+
+
+_EXECUTOR = None
+
+
+def _executor():
+    """The process's `llguidance.LLExecutor` (made on first use: its thread pool, 80% of
+    the CPUs up to 32, llguidance's default), which fills several matchers' masks at once."""
+    global _EXECUTOR
+    with _CACHE_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = _llg().LLExecutor()
+        return _EXECUTOR
 
 
 @dataclass(frozen=True)
@@ -361,11 +385,28 @@ class GrammarMatcher:
         (bit j of word i: token 32 i + j), llguidance's, with its end-of-text replaced by the
         sequence's stop tokens, set when the grammar accepts (nothing when it is finished:
         callers end the sequence there). At the start of a reply that may open a thinking
-        block (`ReasoningGate` "start"), the block's start token too."""
+        block (`ReasoningGate` "start"), the block's start token too. `allowed_words_batch`
+        makes the same words for several matchers at once."""
         words = np.frombuffer(self._m.compute_bitmask(), dtype=np.int32).copy()
+        need = self._words_needed()
+        if need > len(words):
+            words = np.concatenate([words, np.zeros(need - len(words), dtype=np.int32)])
+        self._finish_words(words)
+        return words
+
+    def _words_needed(self) -> int:
+        """The number of bitmask words `_finish_words` writes into: past the top stop id,
+        and the thinking block's start id while it may come next."""
         top = max(self.stop_token_ids, default=-1)
-        if top >= 32 * len(words):
-            words = np.concatenate([words, np.zeros(top // 32 + 1 - len(words), dtype=np.int32)])
+        if self.phase == "start":
+            top = max(top, self.gate.start_id)
+        return top // 32 + 1
+
+    def _finish_words(self, words: np.ndarray) -> None:
+        """llguidance's mask `words` (int32, at least `_words_needed` long, the words past
+        llguidance's zero) made this sequence's, in place: its end-of-text bits cleared
+        (noting `_eos_as_text`), the stop tokens set when the grammar accepts and cleared
+        otherwise, and the thinking block's start token set under `ReasoningGate` "start"."""
         u = words.view(np.uint32)
         eos_only = bool(self._ll_eos) and not self._m.is_accepting()
         for t in self._ll_eos:
@@ -380,11 +421,7 @@ class GrammarMatcher:
                 u[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
         if self.phase == "start":
             t = self.gate.start_id
-            if t >= 32 * len(words):
-                words = np.concatenate([words, np.zeros(t // 32 + 1 - len(words), dtype=np.int32)])
-                u = words.view(np.uint32)
             u[t >> 5] |= np.uint32(1 << (t & 31))
-        return words
 
     def allowed(self, vocab: int, device) -> torch.Tensor | None:
         """bool [vocab] on `device`: the tokens the grammar allows next (`allowed_words`);
@@ -394,10 +431,7 @@ class GrammarMatcher:
         if self.phase == "reasoning":
             self._mask, self._mask_at = None, self.consumed
             return None
-        host = torch.from_numpy(self.allowed_words())
-        if torch.device(device).type == "cuda":
-            host = host.pin_memory()
-        mask = _bits(host.to(device, non_blocking=True), vocab)
+        mask = _to_device_bits(self.allowed_words(), vocab, device)
         self._mask, self._mask_at = mask, self.consumed
         return mask
 
@@ -411,3 +445,69 @@ class GrammarMatcher:
         if self._mask is None or self._mask_at != drawn_at or self._mask.shape[0] != row.shape[-1]:
             return row
         return row.masked_fill(~self._mask, float("-inf"))
+
+
+def allowed_words_batch(grammars: "list[GrammarMatcher]") -> np.ndarray:
+    """int32 [n, W]: row i is ``grammars[i].allowed_words()`` (the same words, and the same
+    matcher state it leaves: `_eos_as_text`), zero-padded to the widest row's W. llguidance
+    fills the n masks in one call: `llguidance.numpy.fill_next_token_bitmask_par` on the
+    process's `LLExecutor` threads, without the GIL, for two or more matchers of a
+    tokenizer (vLLM's guidance backend fills its rows one by one, on a thread pool for big
+    batches); one matcher takes `allowed_words` itself. The stop-token, end-of-text and
+    thinking-block edits (`GrammarMatcher._finish_words`) are then made row by row on the
+    host (a few bit operations each).
+
+    Raises:
+        ValueError: llguidance's, for a mask buffer it refuses (a matcher of a tokenizer
+            whose mask is not ceil(vocab_size / 32) words: not expected).
+    """
+    n = len(grammars)
+    if n == 1:
+        w = grammars[0].allowed_words()
+        return w[None, :]
+    llg_words = [(g._ll_vocab + 31) // 32 for g in grammars]  # llguidance's mask, per tokenizer
+    width = max([0] + llg_words + [g._words_needed() for g in grammars])
+    out = np.zeros((n, width), dtype=np.int32)
+    groups: dict[int, list[int]] = {}
+    for i, w in enumerate(llg_words):
+        groups.setdefault(w, []).append(i)
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    for w, rows in groups.items():
+        if w == width and len(groups) == 1:  # straight into the result (its rows are w words)
+            fill_next_token_bitmask_par(_executor(), [(grammars[i]._m, i) for i in rows], out)
+            continue
+        raw = np.zeros((len(rows), w), dtype=np.int32)
+        fill_next_token_bitmask_par(_executor(), [(grammars[i]._m, j) for j, i in enumerate(rows)], raw)
+        out[rows, :w] = raw
+    for i, g in enumerate(grammars):
+        g._finish_words(out[i])
+    return out
+
+
+def allowed_batch(grammars: "list[GrammarMatcher | None]", vocab: int, device) -> torch.Tensor | None:
+    """bool [B, vocab] on `device`: row b the tokens ``grammars[b]`` allows next (as its
+    `GrammarMatcher.allowed`, which it records for `masked_for_logprobs`), every token for
+    a row without a grammar (None) or inside a thinking block; None when no row is
+    masked. The constrained rows' words come from `allowed_words_batch` (one llguidance
+    call, parallel over the matchers), all rows' in one host buffer: one small
+    asynchronous copy (from pinned memory on CUDA) and one expansion on the device."""
+    rows = []
+    for b, g in enumerate(grammars):
+        if g is None:
+            continue
+        if g.phase == "reasoning":
+            g._mask, g._mask_at = None, g.consumed
+        else:
+            rows.append(b)
+    if not rows:
+        return None
+    words = allowed_words_batch([grammars[b] for b in rows])
+    buf = np.full((len(grammars), max(words.shape[1], (vocab + 31) // 32)), -1, dtype=np.int32)
+    buf[rows] = 0
+    buf[rows, :words.shape[1]] = words
+    masks = _to_device_bits(buf, vocab, device)
+    for b in rows:
+        g = grammars[b]
+        g._mask, g._mask_at = masks[b], g.consumed
+    return masks
