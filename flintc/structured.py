@@ -11,8 +11,9 @@ of a request, and later requests of the same spec, share it). Each sequence hold
 sampling step gives the tokens the grammar allows next (`GrammarMatcher.allowed`: every
 other logit becomes -inf in `flintc.sampling.adjust_logits`, on every sampling path),
 and consumes each token the sequence generates (`GrammarMatcher.advance`). A batch with
-two or more constrained rows has its masks made together (`allowed_batch`: llguidance
-fills them in one call, on its own threads without the GIL, then one copy to the device).
+two or more constrained rows has its masks made together (`allowed_batch`: into one host
+buffer, on a CUDA device by one llguidance call on its own threads without the GIL, then
+one copy to the device).
 
 End of the output: the grammar's own end-of-text is replaced by the sequence's stop
 tokens (end-of-text included): they are allowed exactly when the grammar accepts what
@@ -447,13 +448,14 @@ class GrammarMatcher:
         return row.masked_fill(~self._mask, float("-inf"))
 
 
-def allowed_words_batch(grammars: "list[GrammarMatcher]") -> np.ndarray:
+def allowed_words_batch(grammars: "list[GrammarMatcher]", parallel: bool = True) -> np.ndarray:
     """int32 [n, W]: row i is ``grammars[i].allowed_words()`` (the same words, and the same
-    matcher state it leaves: `_eos_as_text`), zero-padded to the widest row's W. llguidance
-    fills the n masks in one call: `llguidance.numpy.fill_next_token_bitmask_par` on the
-    process's `LLExecutor` threads, without the GIL, for two or more matchers of a
-    tokenizer (vLLM's guidance backend fills its rows one by one, on a thread pool for big
-    batches); one matcher takes `allowed_words` itself. The stop-token, end-of-text and
+    matcher state it leaves: `_eos_as_text`), zero-padded to the widest row's W, all in one
+    host buffer. `parallel`: llguidance fills the n masks in one call,
+    `llguidance.numpy.fill_next_token_bitmask_par` on the process's `LLExecutor` threads,
+    without the GIL (vLLM's guidance backend fills its rows one by one, on a thread pool
+    for big batches); else one `llguidance.numpy.fill_next_token_bitmask` per row, in this
+    thread. One matcher takes `allowed_words` itself. The stop-token, end-of-text and
     thinking-block edits (`GrammarMatcher._finish_words`) are then made row by row on the
     host (a few bit operations each).
 
@@ -471,27 +473,40 @@ def allowed_words_batch(grammars: "list[GrammarMatcher]") -> np.ndarray:
     groups: dict[int, list[int]] = {}
     for i, w in enumerate(llg_words):
         groups.setdefault(w, []).append(i)
-    from llguidance.numpy import fill_next_token_bitmask_par
+    from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
     for w, rows in groups.items():
-        if w == width and len(groups) == 1:  # straight into the result (its rows are w words)
-            fill_next_token_bitmask_par(_executor(), [(grammars[i]._m, i) for i in rows], out)
-            continue
-        raw = np.zeros((len(rows), w), dtype=np.int32)
-        fill_next_token_bitmask_par(_executor(), [(grammars[i]._m, j) for j, i in enumerate(rows)], raw)
-        out[rows, :w] = raw
+        # straight into the result when its rows are llguidance's width (rows: 0..n-1)
+        target = out if w == width and len(groups) == 1 else np.zeros((len(rows), w), dtype=np.int32)
+        pairs = [(grammars[i]._m, k) for k, i in enumerate(rows)]
+        if parallel:
+            fill_next_token_bitmask_par(_executor(), pairs, target)
+        else:
+            for m, k in pairs:
+                fill_next_token_bitmask(m, target, k)
+        if target is not out:
+            out[rows, :w] = target
     for i, g in enumerate(grammars):
         g._finish_words(out[i])
     return out
 
 
-def allowed_batch(grammars: "list[GrammarMatcher | None]", vocab: int, device) -> torch.Tensor | None:
+def allowed_batch(grammars: "list[GrammarMatcher | None]", vocab: int, device,
+                  parallel: bool | None = None) -> torch.Tensor | None:
     """bool [B, vocab] on `device`: row b the tokens ``grammars[b]`` allows next (as its
     `GrammarMatcher.allowed`, which it records for `masked_for_logprobs`), every token for
     a row without a grammar (None) or inside a thinking block; None when no row is
-    masked. The constrained rows' words come from `allowed_words_batch` (one llguidance
-    call, parallel over the matchers), all rows' in one host buffer: one small
-    asynchronous copy (from pinned memory on CUDA) and one expansion on the device."""
+    masked. The constrained rows' words come from `allowed_words_batch`, all rows' in one
+    host buffer: one small asynchronous copy (from pinned memory on CUDA) and one
+    expansion on the device.
+
+    parallel: fill the masks on llguidance's threads (`allowed_words_batch`); None: on a
+    CUDA device only. With the model on the CPU, torch's intra-op threads spin after each
+    op and starve llguidance's: on 2 busy cores, 8 rows of the tiny checkpoint's masks
+    took 0.3-2 ms in parallel against 0.08-0.16 ms in one thread.
+    """
+    if parallel is None:
+        parallel = torch.device(device).type == "cuda"
     rows = []
     for b, g in enumerate(grammars):
         if g is None:
@@ -502,7 +517,7 @@ def allowed_batch(grammars: "list[GrammarMatcher | None]", vocab: int, device) -
             rows.append(b)
     if not rows:
         return None
-    words = allowed_words_batch([grammars[b] for b in rows])
+    words = allowed_words_batch([grammars[b] for b in rows], parallel=parallel)
     buf = np.full((len(grammars), max(words.shape[1], (vocab + 31) // 32)), -1, dtype=np.int32)
     buf[rows] = 0
     buf[rows, :words.shape[1]] = words

@@ -66,7 +66,7 @@ def _gated(tok, stops):
     return [a, b, c]
 
 
-def _check_words(tok, gs):
+def _check_words(tok, gs, parallel=True):
     from flintc.structured import allowed_words_batch
 
     single = []
@@ -74,7 +74,7 @@ def _check_words(tok, gs):
         w = g.allowed_words()
         single.append((w, g._eos_as_text))
         g._eos_as_text = None  # the batch must set it again
-    batch = allowed_words_batch(gs)
+    batch = allowed_words_batch(gs, parallel=parallel)
     assert batch.dtype == np.int32 and batch.shape[0] == len(gs)
     for i, (g, (w, eos_as_text)) in enumerate(zip(gs, single)):
         n = min(len(w), batch.shape[1])
@@ -83,14 +83,16 @@ def _check_words(tok, gs):
     return single
 
 
+@pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("extra_stop", [None, 600])
-def test_batched_words_equal_row_by_row(tok, extra_stop):
-    """Every grammar at every state, in one batch: the same words (and the same
-    end-of-text note) as `allowed_words` row by row; a stop id past the tokenizer's
-    vocabulary (600 > 512) widens every row alike."""
+def test_batched_words_equal_row_by_row(tok, extra_stop, parallel):
+    """Every grammar at every state, in one batch (filled by one parallel llguidance call,
+    or row by row into the one buffer): the same words (and the same end-of-text note) as
+    `allowed_words` row by row; a stop id past the tokenizer's vocabulary (600 > 512)
+    widens every row alike."""
     stops = {tok.eos_token_id, tok.special_token_ids["<|user|>"]} | ({extra_stop} if extra_stop else set())
     gs = _matchers(tok, stops) + _gated(tok, stops)
-    single = _check_words(tok, gs)
+    single = _check_words(tok, gs, parallel)
     # the states cover: masks of several tokens, stops allowed (accepting) and not, a
     # finished grammar (only the stops), the gate's start token, the end-of-text-as-text case
     bits = [set(np.nonzero(np.unpackbits(w.view(np.uint8), bitorder="little"))[0].tolist()) for w, _ in single]
@@ -100,11 +102,12 @@ def test_batched_words_equal_row_by_row(tok, extra_stop):
     assert any(e for _, e in single)
     # two or three matchers, and one (the path `allowed` takes), in other orders
     for sub in (gs[:2], gs[3:6][::-1], gs[-1:], gs[::5]):
-        _check_words(tok, sub)
+        _check_words(tok, sub, parallel)
 
 
+@pytest.mark.parametrize("parallel", [True, False, None])
 @pytest.mark.parametrize("vocab", [512, 600, 500])
-def test_batched_masks_equal_row_by_row(tok, vocab):
+def test_batched_masks_equal_row_by_row(tok, vocab, parallel):
     """`allowed_batch` over rows with grammars, without (None) and inside a thinking
     block: each constrained row the bool mask `allowed` makes (and records for
     `masked_for_logprobs`), the others every token; a vocabulary wider than the
@@ -117,7 +120,7 @@ def test_batched_masks_equal_row_by_row(tok, vocab):
     thinking = GrammarMatcher(CASES[0][0], tok, stops, reasoning=ReasoningGate("reasoning", start, end))
     rows = [None] + gs[:4] + [thinking, None] + gs[4:]
     want = [None if g is None else g.allowed(vocab, "cpu") for g in rows]
-    got = allowed_batch(rows, vocab, "cpu")
+    got = allowed_batch(rows, vocab, "cpu", parallel=parallel)
     assert got.dtype == torch.bool and got.shape == (len(rows), vocab)
     for b, (g, w) in enumerate(zip(rows, want)):
         if w is None:
@@ -126,13 +129,27 @@ def test_batched_masks_equal_row_by_row(tok, vocab):
         else:
             assert torch.equal(got[b], w), b
             assert torch.equal(g._mask, w) and g._mask_at == g.consumed
-    assert allowed_batch([None, thinking], vocab, "cpu") is None
+    assert allowed_batch([None, thinking], vocab, "cpu", parallel=parallel) is None
 
 
-def test_adjust_logits_batch_equals_row_by_row(tok):
+@pytest.mark.parametrize("parallel", [False, True])
+def test_adjust_logits_batch_equals_row_by_row(tok, parallel, monkeypatch):
     """`adjust_logits` on a batch with several constrained rows (and other masks on
-    some: allowed_token_ids, logit_bias) gives each row what it gives that row alone."""
+    some: allowed_token_ids, logit_bias) gives each row what it gives that row alone; on
+    the CPU its masks are filled in one thread, and with the parallel fill (a CUDA
+    device's) alike."""
+    from flintc import structured
     from flintc.structured import GrammarMatcher
+
+    calls = []
+    real = structured.allowed_batch
+
+    def spy(grammars, vocab, device, parallel=None):
+        calls.append(parallel)
+        return real(grammars, vocab, device, parallel=True if force_parallel else parallel)
+
+    force_parallel = parallel
+    monkeypatch.setattr(structured, "allowed_batch", spy)
 
     stops = [tok.eos_token_id]
     V = 520
@@ -148,5 +165,7 @@ def test_adjust_logits_batch_equals_row_by_row(tok):
         hist.append(TokenHistory([1], list(out), stops, grammar=mk()))
         alone.append(TokenHistory([1], list(out), stops, grammar=mk()))
     got = adjust_logits(x, params, hist)
+    assert calls == [None]  # one batch call, the device's default (the CPU: one thread)
     for b in range(6):
         assert torch.equal(got[b], adjust_logits(x[b:b + 1], [params[b]], [alone[b]])[0]), b
+    assert calls == [None]  # a row alone takes GrammarMatcher.allowed
