@@ -10,9 +10,10 @@ of a second chat turn, and structured outputs' cost per decode step.
    "chat template" (the conversation rendered again, first turn + reply + a new user
    message of --turn2-len tokens: GLM's template re-renders the reply with
    `<think></think>` before it, so only the first turn's prompt is reused: with the ring
-   rows saved after its prefill where the reply ran past the sliding window) and "continuation" (the first turn's ids + the reply's ids + the new
-   message's: everything but the reply's last token is reused). Off, the whole prompt is
-   prefilled; the "cached" column is the tokens the prefill skipped.
+   rows saved after its prefill where the reply ran past the sliding window) and
+   "continuation" (the first turn's ids + the reply's ids + the new message's: everything
+   but the reply's last token is reused). Off, the whole prompt is prefilled; the
+   "cached" column is the tokens the prefill skipped.
 2. Structured outputs (`flintc.structured`, llguidance): --steps decode steps at each
    batch of --batches, as the engine's decode step runs them (`runner.decode`, then
    `flintc.sampling.sample` with Flint's default sampling, each row's own seed, the
