@@ -31,13 +31,10 @@ The model: a build (--build, with --load-format dummy for a dummy build, as `fli
 serve`), or a checkpoint folder (MODEL, the reference runner; the CPU test uses the tiny
 checkpoint). The tokenizer is found as `flintc serve` finds it (--tokenizer, MODEL, the
 build's records). A dummy build records none: then the project's own tokenizer
-(`flintc.checkpoint.tokenizer.write_tokenizer`) of TOKENIZER_VOCAB tokens is written to a
-temporary folder: all of its ~2,000 BPE tokens (a byte-level BPE on a built-in corpus),
-the special tokens and a few reserved ones; the model's ids past it are never allowed by
-a grammar and decode to nothing. Not the model's vocab_size (151,552): its ~150k
-reserved special tokens took llguidance's `LLTokenizer` 216 s to build on 2 CPU cores
-(it grows with their square: 0.04 s at 4,096, 0.47 s at 16,384). Either way a grammar's
-mask walks ~2,000 tokens, not a real 151k vocabulary's: give a real tokenizer
+(`flintc.checkpoint.tokenizer.write_tokenizer`) of the model's vocab_size is written to a
+temporary folder: its ~2,000 BPE tokens (a byte-level BPE on a built-in corpus), the
+special tokens, and reserved special tokens up to vocab_size (151,552 at full size). A
+grammar's mask then walks ~2,000 tokens, not a real 151k vocabulary's: give a real tokenizer
 (--tokenizer) for masks of that cost. Prints Markdown tables (also to --out).
 
     python3 scripts/gpu_serve_features.py --build gpu_builds/full-nvfp4 --load-format dummy \\
@@ -65,7 +62,6 @@ from common import int_list, markdown_table, write_out  # noqa: E402  (benchmark
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                          "tags": {"type": "array", "items": {"type": "string"}}}}
-TOKENIZER_VOCAB = 4096  # the project's tokenizer written for a build that records none
 WORDS = ("the quick brown fox jumps over the lazy dog while a small model writes long answers about "
          "serving, caching, grammars and the cost of every step ").split()
 
@@ -210,8 +206,8 @@ def structured_rows(runner, tok, args, batches: list[int]) -> list[list[str]]:
 
 # --------------------------------------------------------------------------------- main
 def _tokenizer(args, runner):
-    """The tokenizer as `flintc serve` finds it, else the project's tokenizer of
-    TOKENIZER_VOCAB tokens (at most the model's vocab_size) in a temporary folder.
+    """The tokenizer as `flintc serve` finds it, else the project's tokenizer of the
+    model's vocab_size in a temporary folder.
     -> (FlintTokenizer, where it came from)."""
     from flintc.checkpoint.tokenizer import load_tokenizer
     from flintc.serve.server import tokenizer_dir
@@ -221,11 +217,10 @@ def _tokenizer(args, runner):
         return load_tokenizer(folder), str(folder)
     from flintc.checkpoint.tokenizer import write_tokenizer
 
-    n = min(runner.config.vocab_size, TOKENIZER_VOCAB)
+    n = runner.config.vocab_size
     tmp = tempfile.mkdtemp(prefix="flintc-serve-features-tok-")
     write_tokenizer(tmp, n, model_max_length=runner.max_model_len)
-    return load_tokenizer(tmp), (f"the project's tokenizer of {n} tokens (written to {tmp}; the model's "
-                                 f"vocab_size is {runner.config.vocab_size})")
+    return load_tokenizer(tmp), f"the project's tokenizer of {n} tokens (written to {tmp})"
 
 
 def main(argv=None) -> int:

@@ -169,3 +169,32 @@ def test_adjust_logits_batch_equals_row_by_row(tok, parallel, monkeypatch):
     for b in range(6):
         assert torch.equal(got[b], adjust_logits(x[b:b + 1], [params[b]], [alone[b]])[0]), b
     assert calls == [None]  # a row alone takes GrammarMatcher.allowed
+
+
+def test_token_table_tokenizer_equals_the_json_one(tok):
+    """`ll_tokenizer` hands a FlintTokenizer to llguidance as its token table (the JSON
+    path takes minutes at the full vocabulary): the same bytes, special ids and
+    end-of-text per id as llguidance's own reading of tokenizer.json, and the same masks
+    for every CASE at every state."""
+    import llguidance
+
+    from flintc.structured import grammar_text, ll_tokenizer
+
+    table = ll_tokenizer(tok)
+    from_json = llguidance.LLTokenizer(tok._tok.to_str(), eos_token=tok.eos_token_id)
+    assert table is not from_json and table.vocab_size == from_json.vocab_size == tok.vocab_size
+    assert table.eos_tokens == from_json.eos_tokens == [tok.eos_token_id]
+    ids = list(range(tok.vocab_size))
+    assert [table.decode_bytes([i]) for i in ids] == [from_json.decode_bytes([i]) for i in ids]
+    assert [table.is_special_token(i) for i in ids] == [from_json.is_special_token(i) for i in ids]
+    assert len(tok.all_special_ids) > 10 and all(table.is_special_token(i) for i in tok.all_special_ids)
+    for spec, text in CASES:
+        toks = tok.encode(text)
+        assert table.tokenize_str(text) == from_json.tokenize_str(text) == toks
+        grammar = grammar_text(spec)
+        a, b = llguidance.LLMatcher(table, grammar), llguidance.LLMatcher(from_json, grammar)
+        for k in range(len(toks) + 1):
+            assert bytes(a.compute_bitmask()) == bytes(b.compute_bitmask()), (spec.kind, k)
+            assert a.is_accepting() == b.is_accepting()
+            if k < len(toks):
+                assert a.consume_token(toks[k]) and b.consume_token(toks[k])
