@@ -1138,8 +1138,13 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         # no logprobs or token_ids, which would spell it out; a structured-outputs constraint
         # holds from the first token (vLLM passes reasoning_ended=True to its engine then)
         hide_reasoning = not req.include_reasoning and options.reasoning_parser is not None
-        gate = (_reasoning_gate(tokenizer, reasoning_initial)
-                if any(p.structured_outputs for p in params) and not hide_reasoning else None)
+        constrained = any(p.structured_outputs for p in params)
+        gate = _reasoning_gate(tokenizer, reasoning_initial) if constrained and not hide_reasoning else None
+        if constrained and hide_reasoning:
+            # the grammar holds from the first token: the reply has no thinking block, all of it
+            # is content (a prompt ending inside "<think>" would have the parser read the
+            # constrained answer as reasoning, and leave it out)
+            reasoning_initial = "content"
         echo = _chat_echo(req, add_gen) if req.echo else ""
         # the parsers read the text with special tokens; they are stripped after parsing. With
         # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)

@@ -149,6 +149,28 @@ def test_include_reasoning_false_constrains_from_the_first_token(reasoning_serve
     assert c["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_reasoning_false_keeps_the_constrained_reply_of_a_prompt_ending_in_think(reasoning_server, stream):
+    """A prompt that ends inside "<think>" (here continue_final_message): with
+    include_reasoning false the grammar holds from the first token, so the reply is the
+    constrained content, not reasoning left out (it was: content null, no tool calls)."""
+    messages = [{"role": "user", "content": "Yes or no?"}, {"role": "assistant", "content": "<think>"}]
+    base = {"model": MODEL, "messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+            "seed": 1, "include_reasoning": False, "stream": stream}
+    got = post(reasoning_server, {**base, "max_tokens": 20, "structured_outputs": {"choice": ["yes", "no"]}})
+    content = joined(got, "content") if stream else got["choices"][0]["message"]["content"]
+    assert content in ("yes", "no"), got
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}}}]
+    got = post(reasoning_server, {**base, "max_tokens": 40, "tools": tools,
+                                  "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    if stream:
+        calls = [tc for c in got if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    else:
+        calls = got["choices"][0]["message"]["tool_calls"] or []
+    assert calls and calls[0]["function"]["name"] == "f", got
+
+
 def test_include_reasoning_without_a_reasoning_parser_changes_nothing(plain_server):
     kw = dict(max_tokens=40, logprobs=True, return_token_ids=True)
     full = post(plain_server, chat("#script:think", **kw))
