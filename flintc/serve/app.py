@@ -1501,7 +1501,7 @@ def _template_messages(messages: list[dict]) -> list[dict]:
                 if isinstance(args, str):
                     try:
                         args = json.loads(args) if args.strip() else {}
-                    except ValueError:
+                    except (ValueError, RecursionError):  # (nested past Python's recursion limit: a 500 before)
                         args = None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, dict):
                     raise APIError(400, f"messages[{i}].tool_calls[{j}]: needs function.name and "

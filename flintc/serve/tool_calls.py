@@ -118,7 +118,7 @@ def parse_call_body(body: str, string_args: dict[str, set[str]] | None = None) -
 def _json_or_string(raw: str):
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past Python's recursion limit: a 500 before)
         return raw
 
 

@@ -274,10 +274,13 @@ class _CallArray:
     array (the grammar writes none) gives no error.
 
     calls: the calls whose object closed (`ToolCall`, ids `tool_call_id`).
+    items: how many items of the array closed (calls or not); closed: the array closed.
     """
 
     def __init__(self):
         self.calls: list[ToolCall] = []
+        self.items = 0
+        self.closed = False
         # the open arrays and objects: [is an object, a key comes next, the key read last]
         self._stack: list[list] = []
         self._token: str | None = None  # a number or literal being read
@@ -331,6 +334,7 @@ class _CallArray:
                     continue
                 self._write(ch)
                 self._stack.pop()
+                self.closed |= not self._stack
                 self._value_end()
             elif ch == ",":
                 self._write(", ")
@@ -366,6 +370,7 @@ class _CallArray:
         if key is not None:
             self._sink = None
         elif len(self._stack) == 1:  # an item closed
+            self.items += 1
             self._send()
             if self._call is not None:
                 self.calls.append(self._call)
@@ -486,7 +491,9 @@ class ForcedToolCalls:
             return ""
         try:
             items = json.loads(self.text)
+            self.complete = isinstance(items, list) and len(items) == len(self.calls) > 0
         except ValueError:
-            items = None
-        self.complete = isinstance(items, list) and len(items) == len(self.calls) > 0
+            self.complete = False
+        except RecursionError:  # nested past Python's recursion limit (a 500 before): the reader's count
+            self.complete = self._array.closed and self._array.items == len(self.calls) > 0
         return "" if self.complete else self.text

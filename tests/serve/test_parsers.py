@@ -170,6 +170,14 @@ def test_malformed_tool_call_becomes_content(bad):
             assert stream_tools(chunks) == (content, calls), chunks
 
 
+def test_tool_call_argument_nested_past_the_recursion_limit_is_a_string():
+    """An <arg_value> nested deeper than Python's JSON decoder goes stays its text (a
+    RecursionError, a 500, before), as a value that is no JSON."""
+    deep = "[" * 5000 + "]" * 5000
+    text = f"<tool_call>get_weather<arg_key>days</arg_key><arg_value>{deep}</arg_value></tool_call>"
+    assert whole_tools(text) == ("", [("get_weather", {"days": deep})])  # (an integer parameter)
+
+
 def test_tool_call_ids_and_openai_shape():
     _, calls = parse_tool_calls("<tool_call>get_time</tool_call><tool_call>get_time</tool_call>", TOOLS)
     assert len(calls) == 2 and calls[0].id != calls[1].id and calls[0].id.startswith("call_")

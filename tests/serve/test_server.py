@@ -556,6 +556,10 @@ def test_disconnect_frees_slot(server, client, monkeypatch):
      "messages[0].tool_calls"),
     ({"messages": [{"role": "assistant", "tool_calls": "f()"}, {"role": "user", "content": "x"}]},
      "messages[0].tool_calls"),
+    # arguments nested past Python's recursion limit: a 500 (RecursionError) before
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
+        "name": "f", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}}]}, {"role": "user", "content": "x"}]},
+     "messages[0].tool_calls"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
      "tools[0].function.parameters"),

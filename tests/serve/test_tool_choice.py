@@ -288,6 +288,23 @@ def test_required_arguments_escape_a_lone_surrogate():
         assert fed(f, [junk]) == [] and f.finish() == junk
 
 
+
+def test_required_nested_past_the_recursion_limit():
+    """Arguments nested deeper than Python's JSON decoder goes (a client's logit_bias on
+    "[" with an array parameter made them): the reply is read as any other, no
+    RecursionError (a 500); cut before the array closes, its raw text is the content."""
+    from flintc.serve.tool_choice import REQUIRED, ForcedToolCalls
+
+    deep = "[" * 5000 + "]" * 5000
+    text = '[{"name":"a","parameters":{"x":' + deep + '}},{"name":"b","parameters":{}}]'
+    f = ForcedToolCalls(REQUIRED)
+    got = fed(f, [text[:3000], text[3000:]])
+    assert [(n, a) for _, n, a in got] == [("a", '{"x": ' + deep + "}"), ("b", "{}")]
+    assert f.finish() == "" and f.complete
+    f = ForcedToolCalls(REQUIRED)
+    fed(f, [text[:7000]])
+    assert f.finish() == text[:7000] and not f.complete
+
 THINK_SCRIPTS = {
     "think_named": '<think>Switch it on.</think>{"mode":"on"}',
     "think_required": ('<think>Two calls.</think>[{"name":"set_mode","parameters":{"mode":"off"}},'
