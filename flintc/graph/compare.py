@@ -13,7 +13,7 @@ and names the first node of the new graph that differs from its namesake.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.fx import GraphModule, Interpreter
@@ -228,6 +228,38 @@ def compare_graphs(new: GraphModule, old: GraphModule, weights, inputs, exp: Exp
             why = f"expert selection agrees on only {experts_agree:.1%} of (layer, token) pairs; " + why
         res.message = why
     return res
+
+
+def merge_checks(results: list[CheckResult], labels: list[str]) -> CheckResult:
+    """One row of the per-pass table from checks of one pass on several input sets
+    (`flintc.passes.manager.NumericChecker`: a prefill chunk after earlier ones, then one
+    at position 0): passed and bit-exact when every check is; the worst errors, share
+    and expert agreement of them; every check's outputs, those of a set with a label
+    named "NAME (label)"; the first failed check's message (prefixed with its label)
+    and first differing node.
+
+    Raises:
+        ValueError: no results, or not one label per result.
+    """
+    if not results or len(labels) != len(results):
+        raise ValueError(f"merge_checks: expected one label per result, got {len(results)} result(s) and "
+                         f"{len(labels)} label(s)")
+    if len(results) == 1:
+        return results[0]
+    agree = [r.experts_agree for r in results if r.experts_agree is not None]
+    out = CheckResult(
+        expected=results[0].expected, passed=all(r.passed for r in results),
+        max_abs=max(r.max_abs for r in results), max_rel=max(r.max_rel for r in results),
+        share_differing=max(r.share_differing for r in results),
+        bit_exact=all(r.bit_exact for r in results), experts_agree=min(agree) if agree else None,
+        outputs=[replace(d, name=f"{d.name} ({label})") if label else d
+                 for r, label in zip(results, labels) for d in r.outputs])
+    failed = next(((r, label) for r, label in zip(results, labels) if not r.passed), None)
+    if failed is not None:
+        r, label = failed
+        out.first_differing_node = r.first_differing_node
+        out.message = f"{label}: {r.message}" if label else r.message
+    return out
 
 
 def _selections(gm: GraphModule, values: dict) -> dict:

@@ -28,7 +28,7 @@ import torch
 
 from flintc.errors import FlintcError
 from flintc.graph.accounting import KernelCount, count_kernels
-from flintc.graph.compare import BIT_EXACT, CheckResult, compare_graphs, run_graph
+from flintc.graph.compare import BIT_EXACT, CheckResult, compare_graphs, merge_checks, run_graph
 from flintc.graph.match import clone_graph_module
 from flintc.graph.spec import GraphLegalityError, check_graph
 from flintc.graph.trace import CapturedGraph
@@ -101,12 +101,16 @@ class PipelineReport:
 
 
 class NumericChecker:
-    """Real weights and one set of random inputs for checking a captured graph.
+    """Real weights and random inputs for checking a captured graph.
 
     model: a FlintModel with real weights, the one `graph` was captured from (or one
     of the same config and format). Inputs are drawn once per checker (`seed`); a
     prefill step's `logits_rows` too (a random token of each sequence), so its logits
-    are checked on those rows and its hidden states on every token.
+    are checked on those rows and its hidden states on every token. A prefill step is
+    checked on two input sets, merged into one result (`merge_checks`): chunks after
+    earlier ones (the cached-key path) and, where those do not start at 0, the same
+    inputs with every chunk at position 0 (a prompt's first chunk; outputs named
+    "NAME (chunk at 0)"), `CapturedGraph.example_inputs`.
     The manager checks passes in sequence, so the run of the graph after one pass
     is the run of the graph before the next: it is kept and each graph runs once.
     """
@@ -114,21 +118,30 @@ class NumericChecker:
     def __init__(self, model, graph: CapturedGraph, seed: int = 0):
         self.weights = graph.weight_args(model)
         self.inputs = graph.example_inputs(model, seed=seed)
+        self.input_sets = [(self.inputs, "")]
         if graph.step == "prefill":  # the rows whose logits the graph computes: one per sequence, drawn
             ids = self.inputs[0]
             B, T = ids.shape
             g = torch.Generator().manual_seed(seed + 1)
-            rows = torch.arange(B) * T + torch.randint(0, T, (B,), generator=g)
-            self.inputs = (*self.inputs, rows.to(ids.device))
+            rows = (torch.arange(B) * T + torch.randint(0, T, (B,), generator=g)).to(ids.device)
+            self.inputs = (*self.inputs, rows)
+            self.input_sets = [(self.inputs, "")]
+            if bool((self.inputs[1][:, 0] != 0).any()):
+                at_zero = graph.example_inputs(model, seed=seed, chunk_at_zero=True)
+                self.input_sets.append(((*at_zero, rows), "chunk at 0"))
         self.cache_names = [f"{kv}_cache_{i}" for i in range(graph.config.num_hidden_layers) for kv in "kv"]
-        self._prev_run = None  # run_graph() of the graph as it was before the pass now checked
+        self._prev_runs = None  # run_graph() of the graph as it was before the pass now checked, per input set
 
     def check(self, new, old, expectation) -> CheckResult:
-        old_run = self._prev_run or run_graph(old, self.weights, self.inputs)
-        new_run = run_graph(new, self.weights, self.inputs)
-        self._prev_run = new_run
-        return compare_graphs(new, old, self.weights, self.inputs, expectation, self.cache_names,
-                              old_run, new_run)
+        results, runs = [], []
+        for k, (inputs, _) in enumerate(self.input_sets):
+            old_run = self._prev_runs[k] if self._prev_runs else run_graph(old, self.weights, inputs)
+            new_run = run_graph(new, self.weights, inputs)
+            runs.append(new_run)
+            results.append(compare_graphs(new, old, self.weights, inputs, expectation, self.cache_names,
+                                          old_run, new_run))
+        self._prev_runs = runs
+        return merge_checks(results, [label for _, label in self.input_sets])
 
 
 class PassManager:

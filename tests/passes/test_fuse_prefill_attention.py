@@ -254,3 +254,54 @@ def test_full_width_config_on_meta_weights():
     g = capture(meta, "prefill", batch=2, tokens=16, cache_len=1000)
     PassManager(PASSES, PassContext(cfg, "prefill", 2, 16, 1000, "nvfp4")).run(g)
     assert_fused(g)
+
+
+class PositionZeroAsOnePass(PrefillAttentionFusionPass):
+    """Deliberately wrong only at position 0: the attention's positions clamped to >= 1
+    (a chunk at 0 reads a cached row and writes row 1 for its first token); after
+    position 0 it is the right pass."""
+
+    name = "position_zero_as_one"
+
+    def run(self, gm):
+        result = super().run(gm)
+        for n in find_nodes(gm, fused.prefill_attention_kv):
+            with gm.graph.inserting_before(n):
+                clamped = gm.graph.call_function(aten.clamp_min.default, (n.args[6], 1))
+            clamped.meta["flintc_layer"] = n.meta["flintc_layer"]
+            n.update_arg(6, clamped)
+        refresh_meta(gm)
+        return result
+
+
+def test_checks_cover_a_chunk_at_position_0_too():
+    """NumericChecker checks a prefill pass on two input sets, merged into one result:
+    the chunk after earlier ones (the cached-key path) and the same inputs with the chunk
+    at position 0 (a prompt's first chunk). A pass wrong only at position 0 passed the
+    first set alone (the leftover of sessions 40-43: "prefill checks don't cover a chunk
+    at position 0"); it fails the merged check, the message naming the set."""
+    model = _model("bf16", 2)
+    g = capture(model, "prefill", batch=1, tokens=8, cache_len=CACHE)
+    checker = NumericChecker(model, g)
+    (later, _), (at_zero, label) = checker.input_sets
+    assert label == "chunk at 0" and int(later[1][0, 0]) >= model.config.sliding_window
+    assert torch.equal(at_zero[1], torch.arange(8)[None]) and torch.equal(at_zero[0], later[0])
+    assert all(torch.equal(a, b) for a, b in zip(at_zero[3], later[3])) and torch.equal(at_zero[4], later[4])
+    ctx = PassContext(g.config, "prefill", 1, 8, CACHE, "bf16")
+    for p in (RMSNormFusionPass, QKNormRopeKVWriteFusionPass):
+        p(ctx).run(g.gm)
+    old_run = run_graph(g.gm, checker.weights, later)
+    results = {}
+    for variant in (PrefillAttentionFusionPass, PositionZeroAsOnePass):
+        gm = clone_graph_module(g.gm)
+        variant(ctx).run(gm)
+        alone = compare_graphs(gm, g.gm, checker.weights, later, PrefillAttentionFusionPass.expectation,
+                               checker.cache_names, old_run)
+        checker._prev_runs = None
+        results[variant.name] = alone, checker.check(gm, g.gm, PrefillAttentionFusionPass.expectation)
+    alone, merged = results["fuse_prefill_attention"]
+    assert alone.passed and merged.passed
+    assert {"logits", "logits (chunk at 0)", "k_cache_1 (chunk at 0)"} <= {d.name for d in merged.outputs}
+    alone, merged = results["position_zero_as_one"]
+    assert alone.passed, "the wrong-at-0 pass must pass the later chunk: else this test shows nothing"
+    assert not merged.passed and merged.message.startswith("chunk at 0: ")
