@@ -168,12 +168,15 @@ def check_output_parents(path, flag: str = "--out") -> None:
         raise InputError(f"{flag} {path}: cannot write in the folder {anc} ({why})")
 
 
-def check_output_file(path, flag: str) -> None:
+def check_output_file(path, flag: str, inputs=()) -> None:
     """Fail before any work if the output file `path` (run's --logits-out, verify's
     --json) cannot be written: it must not be empty, its folder must exist (it is not
     created: a typo in it would make folders) and be one a file can be created in, and
     `path` must not be a folder itself, nor end in a slash (`Path` drops it: --json new/
-    wrote a file `new`). A device, FIFO or socket (/dev/null, /dev/stdout:
+    wrote a file `new`), nor an existing file that is or lies inside one of `inputs`,
+    (label, path or None) pairs of what the command reads, such as ("MODEL", checkpoint)
+    (`--logits-out ckpt/model.safetensors` replaced the checkpoint's weights with the
+    logits). A device, FIFO or socket (/dev/null, /dev/stdout:
     `flintc.fileio.is_special_file`) is written into, not replaced: it must be writable,
     its folder need not be. Raises InputError naming the flag and path."""
     import os
@@ -200,6 +203,14 @@ def check_output_file(path, flag: str) -> None:
     why = cannot_write_in(parent)
     if why:
         raise InputError(f"{flag} {path}: cannot write in the folder {parent} ({why})")
+    if target.exists():
+        from flintc.fileio import lies_inside
+
+        for label, source in inputs:
+            if source is not None and os.path.lexists(source) and lies_inside(target, source):
+                where = "is" if lies_inside(source, target) else "is a file inside"
+                raise InputError(f"{flag} {path}: {where} {label} {source}, which this command reads; writing "
+                                 f"{flag} would replace it: choose a file outside the command's inputs")
 
 
 def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:

@@ -440,9 +440,33 @@ def run_generate(args: argparse.Namespace) -> int:
             raise InputError("--logits-out takes one prompt")
         from flintc.cli.compile_build import check_output_file
 
-        check_output_file(args.logits_out, "--logits-out")
+        check_output_file(args.logits_out, "--logits-out", _run_inputs(args))
     with contextlib.ExitStack() as cleanup:
         return _generate(args, params, id_prompts, cleanup)
+
+
+def _run_inputs(args) -> list[tuple[str, object]]:
+    """What `flintc run` reads, as (label, path or None) pairs for `check_output_file`:
+    MODEL (and a .gguf MODEL's folder, where its config and tokenizer are looked for),
+    --hf-config-path, --tokenizer, --build and, without MODEL, the checkpoint and
+    tokenizer folder the build's build.json records (a build.json that cannot be read
+    adds nothing: its error comes when the build loads)."""
+    inputs = [("MODEL", args.model), ("--hf-config-path", args.hf_config_path), ("--tokenizer", args.tokenizer),
+              ("--build", args.build)]
+    if args.model is not None and os.path.isfile(args.model):
+        inputs.append(("the folder of MODEL", os.path.dirname(os.path.abspath(args.model))))
+    if args.build and args.model is None:
+        from flintc.runtime.compiled import read_manifest
+
+        try:
+            manifest = read_manifest(args.build)
+        except InputError:
+            return inputs
+        for label, key in (("the build's checkpoint", "weight_source"), ("the build's tokenizer", "tokenizer_dir")):
+            value = manifest.get(key)
+            if isinstance(value, str) and value and not value.startswith("dummy:"):
+                inputs.append((label, value))
+    return inputs
 
 
 def _generate(args, params, id_prompts, cleanup) -> int:

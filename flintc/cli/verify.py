@@ -27,8 +27,11 @@ def run_verify(args: argparse.Namespace) -> int:
 
     if args.json_out is not None:  # refused now, not after every pass has run (an empty one too)
         from flintc.cli.compile_build import check_output_file
+        from flintc.config import PRESETS
 
-        check_output_file(args.json_out, "--json")
+        config_path = None if args.config in PRESETS else args.config
+        check_output_file(args.json_out, "--json", [("MODEL", args.model), ("--config", config_path),
+                                                    ("--hf-config-path", args.hf_config_path)])
     from flintc.passes.pipeline import env_dump_dir
 
     steps = ("decode", "prefill") if args.step == "both" else (args.step,)

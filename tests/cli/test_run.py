@@ -703,3 +703,29 @@ def test_stale_temporary_build_with_a_fifo_lock_does_not_hang(tmp_path):
             "print(remove_stale_temp_builds(sys.argv[1]))")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=20)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_logits_out_refuses_to_replace_an_input(capsys, tmp_path, tiny_bf16_dir, tiny_nvfp4_gguf):
+    """Regression: `--logits-out CKPT/model.safetensors` (or the .gguf MODEL itself, or a
+    file of the build) wrote the logits over the checkpoint's weights, after generating.
+    It is refused before any work, naming the flag and the input; a new file inside the
+    checkpoint folder is still written."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_bf16_dir, ckpt)
+    gguf = tmp_path / "g" / tiny_nvfp4_gguf.name
+    shutil.copytree(tiny_nvfp4_gguf.parent, gguf.parent)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    for model, target in ((ckpt, ckpt / "model.safetensors"), (ckpt, ckpt / "config.json"),
+                          (gguf, gguf), (gguf, gguf.parent / "tokenizer.json")):
+        code, out, err = run_cli(capsys, "run", model, "--prompt-ids", "1", "--max-tokens", 1,
+                                 "--logits-out", target)
+        assert code == 2 and out == "" and "--logits-out" in err and "which this command reads" in err, err
+        assert "MODEL" in err, err
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    code, _, err = run_cli(capsys, "run", ckpt, "--prompt-ids", "1", "--max-tokens", 1,
+                           "--logits-out", ckpt / "logits.npy")
+    assert code == 0, err
+    assert np.load(ckpt / "logits.npy").shape == (1, 512)
+    code, out, err = run_cli(capsys, "verify", ckpt, "--json", ckpt / "config.json")
+    assert code == 2 and "--json" in err and "MODEL" in err and "which this command reads" in err, err
+    assert (ckpt / "config.json").read_bytes() == before["config.json"]
