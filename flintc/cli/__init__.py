@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:
             _default_sigint_for_exit()
         return 130
+    except BrokenPipeError:  # `flintc --version | grep -q 0.1`: the reader left (a traceback, exit 1)
+        return _broken_pipe()
     for stream in (sys.stdout, sys.stderr):  # text the terminal's encoding lacks: escaped, not a traceback
         try:
             stream.reconfigure(errors="backslashreplace")
@@ -158,6 +160,16 @@ def _install_warning_format():
     return previous
 
 
+def _broken_pipe() -> int:
+    """Stop quietly after the reader of stdout left (BrokenPipeError): 141, 128 + SIGPIPE,
+    as `yes | head`."""
+    try:  # Python flushes stdout again at exit: point it at /dev/null (Python docs, "Note on SIGPIPE")
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
+        pass
+    return 128 + signal.SIGPIPE
+
+
 def _run(args) -> int:
     from flintc.cli.args import check_option_values
     from flintc.cli.compile_build import check_input_paths
@@ -175,11 +187,7 @@ def _run(args) -> int:
             print(f"flintc: {note}", file=sys.stderr)
         return EXIT_USER_ERROR
     except BrokenPipeError:  # `flintc run ... | head`: the reader left; stop quietly, as `yes | head`
-        try:  # Python flushes stdout again at exit: point it at /dev/null (Python docs, "Note on SIGPIPE")
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor
-            pass
-        return 128 + signal.SIGPIPE
+        return _broken_pipe()
     except OSError as exc:  # a path the user named: unwritable, missing folder, disk full
         where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
         print(f"flintc: error: {where}{exc.strerror or exc}", file=sys.stderr)

@@ -558,6 +558,20 @@ def test_a_closed_pipe_stops_quietly(tiny_bf16_dir):
     assert proc.wait(timeout=600) == 141 and err == "", err
 
 
+def test_version_into_a_closed_pipe_stops_quietly():
+    """`flintc --version | grep -q 0.1`: the reader may leave before the version is
+    written. It printed a BrokenPipeError traceback from argparse's action with exit 1;
+    now 141 and nothing on stderr, as `flintc run ... | head`."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has left already
+    try:
+        proc = subprocess.run([sys.executable, "-m", "flintc", "--version"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
 def test_batch_text_output_keeps_one_line_per_prompt():
     """`--output text` with several prompts prints `[i] text` lines: a generated line break
     or control character (raw, it split the line or moved the cursor) is escaped as Python
