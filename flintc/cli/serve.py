@@ -173,6 +173,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         # an empty key would let `Authorization: Bearer ` (no key at all) through
         raise InputError("--api-key must not be empty: leave it out to serve without a key")
+    if args.api_key is not None and not (args.api_key.isascii() and args.api_key.isprintable()
+                                         and args.api_key == args.api_key.strip()):
+        # an HTTP header carries the key: the server reads its bytes as Latin-1 and strips the
+        # spaces around it, so such a key answered every request 401
+        raise InputError("--api-key must be printable ASCII without spaces around it: clients send it in the "
+                         "header 'Authorization: Bearer KEY', which carries no other key")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise InputError("--served-model-name must not be empty: leave it out for MODEL as given")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

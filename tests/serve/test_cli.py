@@ -134,6 +134,13 @@ def test_busy_port_and_bad_flags(tiny_bf16_dir, capsys):
             assert main(["serve", str(tiny_bf16_dir), flag, empty, "--port", "0"]) == 2
             err = capsys.readouterr().err
             assert needle in err and "Traceback" not in err, err
+    # a key no HTTP header can carry as given (non-ASCII: the server read the header's UTF-8
+    # bytes as Latin-1; spaces around it: stripped from the header) was accepted, and then
+    # every request was a 401 telling the client to send what it sent
+    for key in ("sëcret", " k1", "k1 ", "k\x01"):
+        assert main(["serve", str(tiny_bf16_dir), "--api-key", key, "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert "--api-key must be printable ASCII" in err and err.count("\n") == 1, err
 
 
 def test_ipv6_host_is_bracketed_in_the_url(tiny_bf16_dir, capsys, monkeypatch):
