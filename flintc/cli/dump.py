@@ -120,7 +120,7 @@ def _print_tables(step: str, tables: list[tuple[str, Path, str]], kept: bool = T
     for note, where, table in tables:
         print(f"== {step} -- {note}" + (f" -> {where}" if kept else ""))
         print(table)
-    sys.stdout.flush()
+    print(end="", flush=True)  # not sys.stdout.flush(): None with stdout closed (`>&-`), which print skips
 
 
 def check_failures() -> tuple[type[BaseException], ...]:

@@ -560,22 +560,19 @@ class _TextStream:
         if token_id == self.stop_id:
             return
         text = self.decoder.push(token_id) if self.decoder else f"{token_id} "
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        # print, not sys.stdout.write: with stdout closed (`>&-`) sys.stdout is None, which
+        # print skips (as the other outputs) and .write was an AttributeError traceback
+        print(text, end="", flush=True)
         self.wrote = self.wrote or bool(text)
 
     def end_line(self) -> None:
         """Generation failed: end the line of text streamed so far (if any), so the error
         on stderr starts a line of its own instead of following the text on a terminal."""
         if self.wrote:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            print(flush=True)
 
     def close(self) -> None:
-        if self.decoder:
-            sys.stdout.write(self.decoder.flush())
-        sys.stdout.write("\n")
-        sys.stdout.flush()
+        print(self.decoder.flush() if self.decoder else "", flush=True)
 
 
 def _save_npy_atomic(path: str, array) -> None:

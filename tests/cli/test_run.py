@@ -572,6 +572,20 @@ def test_version_into_a_closed_pipe_stops_quietly():
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr
 
 
+def test_closed_stdout_is_no_traceback(tmp_path, tiny_bf16_dir):
+    """`flintc run ... >&-` (stdout closed: sys.stdout is None): the streamed text went
+    through sys.stdout.write, an AttributeError traceback with exit 1, where print (the
+    json and batch outputs, the other commands) writes nothing; `flintc dump`'s flush
+    after its tables did the same after writing the dumps. Both now end as the others:
+    exit 0, nothing on stderr but the summary line."""
+    for args in (["run", str(tiny_bf16_dir), "--prompt", "hi", "--max-tokens", "3"],
+                 ["dump", str(tiny_bf16_dir), "--out", str(tmp_path / "d"), "--step", "decode"]):
+        proc = subprocess.run([sys.executable, "-m", "flintc", *args], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, timeout=600, close_fds=True,
+                              preexec_fn=lambda: os.close(1))
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_batch_text_output_keeps_one_line_per_prompt():
     """`--output text` with several prompts prints `[i] text` lines: a generated line break
     or control character (raw, it split the line or moved the cursor) is escaped as Python
