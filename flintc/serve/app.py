@@ -23,7 +23,9 @@ disconnects (streaming or not) has its requests aborted, which frees their engin
 slots. When the server shuts down
 (``app.state.abort_in_flight``, called by :func:`flintc.serve.server.uvicorn_server`),
 the requests in flight are aborted and answered with a 503 (a stream: an error event,
-then ``[DONE]``).
+then ``[DONE]``). An error in the middle of a stream (the 200 sent: an exception while
+streaming, logged; a request the engine fails, its runner's error say) is one error event
+``data: {"error": {...}}``, then ``data: [DONE]``, as vLLM's; a client that left gets nothing.
 
 Sampling defaults are FLINT_SPEC section 6 (temperature 1.0, top-p 0.95, top-k
 20); vLLM's ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
@@ -73,6 +75,7 @@ import contextlib
 import email.message
 import hmac
 import json
+import logging
 import math
 import time
 import uuid
@@ -107,6 +110,8 @@ from flintc.serve.server import MAX_REQUEST_BYTES
 from flintc.structured import ReasoningGate, compiled_matcher
 from flintc.serve.tool_calls import ToolCallParser
 from flintc.serve.tool_choice import NAMED, REQUIRED, ForcedToolCalls, resolve_tool_choice, tool_choice_spec
+
+_log = logging.getLogger(__name__)
 
 TOOL_CALL_PARSERS = ("glm47",)
 REASONING_PARSERS = ("glm47",)
@@ -528,6 +533,17 @@ def _usage_flags(req) -> tuple[bool, bool]:
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _stream_error_body(exc: Exception) -> dict:
+    """The error event of an exception raised inside a stream: the body the route's
+    exception handlers give it unstreamed (an APIError's own, an InputError a 400's, any
+    other the 500's ``internal error: TYPE: MESSAGE``, ``server_error``)."""
+    if isinstance(exc, APIError):
+        return exc.body()
+    if isinstance(exc, InputError):
+        return error_body(str(exc))
+    return error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
 
 # --------------------------------------------------------------------------------------
@@ -969,6 +985,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 try:
                     async for chunk in stream_body():
                         yield chunk
+                except Exception as exc:
+                    # the 200 and the first chunks are sent: as vLLM's stream generators
+                    # (serving_chat.py, serving_completion.py), log it, answer one error event,
+                    # then [DONE] (the stream was cut before, with neither). A client gone is
+                    # a CancelledError or GeneratorExit here, not caught: it stops quietly
+                    _log.exception("error in a streamed response (%s)", request.url.path)
+                    yield _sse(_stream_error_body(exc))
+                    yield "data: [DONE]\n\n"
                 finally:
                     in_flight.discard(gen)
                     gen.abort()  # no-op for finished choices; frees the slot on disconnect
