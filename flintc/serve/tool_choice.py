@@ -63,19 +63,26 @@ def _brief(value) -> str:
 
 def resolve_tool_choice(tool_choice, tools: list[dict] | None) -> tuple[str, str | None, list[dict] | None]:
     """The request's tool choice: -> (mode, function name, tools), mode one of "none",
-    "auto", `REQUIRED` or `NAMED` (with the name). Absent: "auto" with tools, else
-    "none". ``"required"`` with an empty ``tools`` list is "none" with no tools (vLLM's
-    reading: OpenAI's behaviour). ``tools`` are checked already (`_check_tools`).
+    "auto", `REQUIRED` or `NAMED` (with the name). Absent or null: "auto" with tools,
+    else "none". ``"none"`` is taken with or without ``tools``. ``"required"`` with an
+    empty ``tools`` list is "none" with no tools (vLLM's reading: OpenAI's behaviour).
+    ``tools`` are checked already (`_check_tools`).
 
     Raises:
-        APIError(400, param "tool_choice"): "required" or a named function without
-            ``tools`` ("When using `tool_choice`, `tools` must be set.", vLLM's), a
-            name not among them ("Tool 'x' has not been passed in `tools`."), a dict
-            whose type is not "function" or without ``function.name``, another string.
+        APIError(400, param "tool_choice"): "auto", "required" or a named function
+            without ``tools`` (absent or null: "When using `tool_choice`, `tools` must
+            be set.", vLLM's ``check_tool_usage``, as OpenAI; "auto" was taken as "none"
+            before), a name not among them ("Tool 'x' has not been passed in
+            `tools`."), a dict whose type is not "function" or without
+            ``function.name``, another string.
     """
     if tool_choice is None:
         return ("auto" if tools else "none"), None, tools
-    if tool_choice in ("none", "auto"):
+    if tool_choice == "none":
+        return tool_choice, None, tools
+    if tool_choice == "auto":
+        if tools is None:
+            raise APIError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
         return tool_choice, None, tools
     if not isinstance(tool_choice, dict) and tool_choice != REQUIRED:
         raise APIError(400, f"Invalid value for `tool_choice`: {_brief(tool_choice)}! Only named tools, \"none\", "

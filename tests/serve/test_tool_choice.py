@@ -377,6 +377,7 @@ def test_required_streams_calls_by_token_and_parallel_tool_calls(server, serve_k
 
 
 @pytest.mark.parametrize("patch, param, needle", [
+    ({"tool_choice": "auto", "tools": None}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
     ({"tool_choice": "required", "tools": None}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
     ({"tool_choice": NAMED, "tools": None}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
@@ -404,6 +405,57 @@ def test_errors_are_400s_naming_the_field(server, patch, param, needle):
     status, got = server.post("/v1/chat/completions", chat(**patch))
     assert status == 400 and got["error"]["param"] == param, got
     assert needle in got["error"]["message"], got
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", NAMED])
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_without_tools_is_a_400(server, tool_choice, stream):
+    """vLLM's check_tool_usage (its test_chat_completion_request_with_tool_choice_but_no_tools),
+    as OpenAI: "auto", "required" or a named function with ``tools`` absent or null is a
+    400 naming tool_choice, streamed or not. "auto" was taken before (a plain reply)."""
+    for tools in ("absent", None):
+        body = chat(tool_choice=tool_choice, max_tokens=4, stream=stream)
+        del body["guided_whitespace_pattern"]
+        if tools == "absent":
+            del body["tools"]
+        else:
+            body["tools"] = None
+        status, got = server.post("/v1/chat/completions", body)
+        assert status == 400, got
+        assert got["error"] == {"message": "When using `tool_choice`, `tools` must be set.",
+                                "type": "invalid_request_error", "param": "tool_choice", "code": None}, got
+
+
+@pytest.mark.parametrize("tool_choice", ["none", None])
+def test_tool_choice_none_or_null_without_tools_is_taken(server, tool_choice):
+    """tool_choice "none" (or null) needs no tools, as in vLLM: a plain reply."""
+    for tools in ("absent", None):
+        body = chat(tool_choice=tool_choice, max_tokens=4)
+        del body["guided_whitespace_pattern"]
+        if tools == "absent":
+            del body["tools"]
+        else:
+            body["tools"] = None
+        status, got = server.post("/v1/chat/completions", body)
+        assert status == 200 and got["choices"][0]["message"]["tool_calls"] is None, got
+
+
+def test_resolve_tool_choice_without_tools():
+    """`resolve_tool_choice` alone: "none" and null pass without tools; "auto", "required"
+    and a named function are the 400; "auto" with an empty list stays "auto" (vLLM checks
+    only for absent or null tools)."""
+    from flintc.serve.protocol import APIError
+    from flintc.serve.tool_choice import resolve_tool_choice
+
+    assert resolve_tool_choice("none", None) == ("none", None, None)
+    assert resolve_tool_choice(None, None) == ("none", None, None)
+    assert resolve_tool_choice("auto", []) == ("auto", None, [])
+    assert resolve_tool_choice("auto", TOOLS) == ("auto", None, TOOLS)
+    for choice in ("auto", "required", NAMED):
+        with pytest.raises(APIError) as e:
+            resolve_tool_choice(choice, None)
+        assert (e.value.status, e.value.param, e.value.message) == (
+            400, "tool_choice", "When using `tool_choice`, `tools` must be set.")
 
 
 def test_defs_are_gathered_and_references_resolve(server):
