@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -168,3 +169,14 @@ def fifo_read(path):
             with open(path, "wb"):
                 pass
         reader.join()
+
+
+def wait_until(cond, timeout: float = 20.0, interval: float = 0.02) -> bool:
+    """Poll `cond()` every `interval` seconds until it is true (-> True) or `timeout`
+    seconds have passed (-> False): for tests that watch a server or engine thread."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(interval)
+    return False

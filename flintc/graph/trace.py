@@ -109,7 +109,7 @@ class CapturedGraph:
         buffers = dict(model.named_buffers())
         return [buffers[name] for name in self.buffer_names]
 
-    def example_inputs(self, model: FlintModel, seed: int = 0, device=None, chunk_at_zero: bool = False):
+    def example_inputs(self, model: FlintModel, seed: int = 0, device=None):
         """Random (input_ids, positions, slots, kv_cache) of this graph's shapes.
 
         Decode positions are drawn per sequence so sliding windows have wrapped. A
@@ -117,11 +117,8 @@ class CapturedGraph:
         (from cache_len - T when that is less than W): a chunk after earlier ones
         (chunked prefill), so the checks read cached rows in the full layers and a
         wrapped ring in the sliding layers (`prefill_attention_kv`'s cached-key path,
-        which a chunk at position 0 never reads); with `chunk_at_zero`, every chunk
-        starts at position 0 instead (a prompt's first chunk: the causal mask must hide
-        every cached row), the other inputs as drawn without it. The KV cache is filled
-        with random values (as if earlier steps had written it), in the model's
-        activation dtype.
+        which a chunk at position 0 never reads). The KV cache is filled with random
+        values (as if earlier steps had written it), in the model's activation dtype.
         """
         c, B, T = self.config, self.batch, self.tokens
         device = device or model.rope_cos.device
@@ -135,8 +132,6 @@ class CapturedGraph:
         if start is None:  # drawn last: ids, slots and cache are those a chunk at 0 had
             last = max(0, self.cache_len - T)
             start = torch.randint(min(c.sliding_window, last), last + 1, (B, 1), generator=g)
-            if chunk_at_zero:
-                start = torch.zeros_like(start)
         positions = start + torch.arange(T)[None]  # [B, T]
         move = lambda t: t.to(device)  # noqa: E731
         return move(ids), move(positions), move(slots), [move(t) for t in kv]

@@ -110,7 +110,7 @@ class NumericChecker:
     checked on two input sets, merged into one result (`merge_checks`): chunks after
     earlier ones (the cached-key path) and, where those do not start at 0, the same
     inputs with every chunk at position 0 (a prompt's first chunk; outputs named
-    "NAME (chunk at 0)"), `CapturedGraph.example_inputs`.
+    "NAME (chunk at 0)").
     The manager checks passes in sequence, so the run of the graph after one pass
     is the run of the graph before the next: it is kept and each graph runs once.
     """
@@ -118,17 +118,16 @@ class NumericChecker:
     def __init__(self, model, graph: CapturedGraph, seed: int = 0):
         self.weights = graph.weight_args(model)
         self.inputs = graph.example_inputs(model, seed=seed)
-        self.input_sets = [(self.inputs, "")]
+        at_zero = None
         if graph.step == "prefill":  # the rows whose logits the graph computes: one per sequence, drawn
-            ids = self.inputs[0]
-            B, T = ids.shape
+            B, T = self.inputs[0].shape
             g = torch.Generator().manual_seed(seed + 1)
-            rows = (torch.arange(B) * T + torch.randint(0, T, (B,), generator=g)).to(ids.device)
+            rows = (torch.arange(B) * T + torch.randint(0, T, (B,), generator=g)).to(self.inputs[0].device)
             self.inputs = (*self.inputs, rows)
-            self.input_sets = [(self.inputs, "")]
-            if bool((self.inputs[1][:, 0] != 0).any()):
-                at_zero = graph.example_inputs(model, seed=seed, chunk_at_zero=True)
-                self.input_sets.append(((*at_zero, rows), "chunk at 0"))
+            ids, positions, slots, kv = self.inputs[:4]
+            if bool((positions[:, 0] != 0).any()):  # the same inputs, each chunk at 0 (run_graph copies kv)
+                at_zero = (ids, positions - positions[:, :1], slots, kv, rows)
+        self.input_sets = [(self.inputs, "")] + ([(at_zero, "chunk at 0")] if at_zero is not None else [])
         self.cache_names = [f"{kv}_cache_{i}" for i in range(graph.config.num_hidden_layers) for kv in "kv"]
         self._prev_runs = None  # run_graph() of the graph as it was before the pass now checked, per input set
 

@@ -8,7 +8,6 @@ non-zero priority is refused with vLLM's message."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from flintc.errors import InputError
 from flintc.sampling import SamplingParams
 from flintc.serve.app import ServeOptions
 from flintc.serve.engine import Engine, EngineObserver, GenRequest, RequestQueue, wait_idle
+from harness import wait_until
 
 MODEL = "flint-tiny"
 
@@ -49,12 +49,7 @@ class Gated:
 
 
 def _wait(cond, timeout=30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return False
+    return wait_until(cond, timeout, interval=0.005)
 
 
 def _req(tok, text, priority=0, max_tokens=2, outputs=None):

@@ -26,7 +26,7 @@ from flintc.errors import CheckpointError
 from flintc.sampling import SamplingParams
 from flintc.serve.app import ServeOptions
 from flintc.serve.reasoning import split_reasoning
-from harness import reference_at_cache_length
+from harness import reference_at_cache_length, wait_until
 
 SCRIPTS: dict = {}  # filled from conftest.SCRIPTS by the server fixture
 
@@ -435,7 +435,7 @@ def test_concurrent_requests_batched_and_not_mixed(server, client, tiny_serving,
         # queued): on a loaded machine the client threads could otherwise send them one
         # after another, each done (6 steps, a few ms) before the next came, a batch of 1
         if not arrived:
-            arrived.append(_wait(lambda: engine.num_running + engine.num_waiting == len(jobs), timeout=60))
+            arrived.append(wait_until(lambda: engine.num_running + engine.num_waiting == len(jobs), timeout=60))
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner, "decode", gated_decode)
@@ -461,15 +461,6 @@ def test_concurrent_requests_batched_and_not_mixed(server, client, tiny_serving,
     stats = server.engine.stats
     assert arrived == [True] and 2 <= stats["max_decode_batch"] <= 4, (arrived, dict(stats))
     assert stats["finished"] == 10 and stats["prefills"] == 10, dict(stats)
-
-
-def _wait(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def _hold_decode(monkeypatch, runner, seconds=0.05):
@@ -502,17 +493,17 @@ def test_disconnect_frees_slot(server, client, monkeypatch):
     assert engine.num_running == 1, dict(engine.stats)
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    assert _wait(lambda: engine.num_running == 0), "the slot was not freed"
+    assert wait_until(lambda: engine.num_running == 0), "the slot was not freed"
     assert engine.stats["aborted"] == 1 and engine.stats["decode_tokens"] < 150, dict(engine.stats)
     # not streamed: hang up while it generates
     sock = socket.create_connection(("127.0.0.1", server.port))
     data = body.replace('"stream": true', '"stream": false').encode()
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
-    assert _wait(lambda: engine.num_running == 1), dict(engine.stats)
+    assert wait_until(lambda: engine.num_running == 1), dict(engine.stats)
     sock.shutdown(socket.SHUT_RDWR)
     sock.close()
-    assert _wait(lambda: engine.num_running == 0), "the slot was not freed"
+    assert wait_until(lambda: engine.num_running == 0), "the slot was not freed"
     assert engine.stats["aborted"] == 2, dict(engine.stats)
     monkeypatch.undo()
     # and the server keeps serving
@@ -998,7 +989,7 @@ def test_a_request_is_counted_before_it_leaves_the_gauges(tiny_serving, monkeypa
         submit("short", 2)
         assert last("short") == "length"
         long, queued = submit("long", 200), submit("queued", 2)
-        assert _wait(lambda: (engine.num_running, engine.num_waiting) == (1, 1)), dict(engine.stats)
+        assert wait_until(lambda: (engine.num_running, engine.num_waiting) == (1, 1)), dict(engine.stats)
         engine.abort(queued)
         assert last("queued") == "abort"
         engine.abort(long)
@@ -1019,7 +1010,7 @@ def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
         m = scrape(plain_server)
         return m[("vllm:num_requests_running", None)], m[("vllm:num_requests_waiting", None)]
 
-    assert _wait(lambda: gauges() == (0, 0)), gauges()  # nothing left from an earlier test
+    assert wait_until(lambda: gauges() == (0, 0)), gauges()  # nothing left from an earlier test
     _hold_decode(monkeypatch, plain_server.engine.runner)
     before = scrape(plain_server)
     conns = []
@@ -1030,7 +1021,7 @@ def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
                 {"model": MODEL, "prompt": "Go on.", "max_tokens": 1000, "ignore_eos": True, "stream": True}),
                 headers={"Content-Type": "application/json"})
             conns.append(conn)
-            assert _wait(lambda: gauges() == want, timeout=30), \
+            assert wait_until(lambda: gauges() == want, timeout=30), \
                 (want, gauges(), dict(plain_server.engine.stats), [_peek(c) for c in conns])
         resp = conns[0].getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
@@ -1039,7 +1030,7 @@ def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
             if conn.sock is not None:
                 conn.sock.shutdown(socket.SHUT_RDWR)
             conn.close()
-    assert _wait(lambda: gauges() == (0, 0)), gauges()
+    assert wait_until(lambda: gauges() == (0, 0)), gauges()
     after = scrape(plain_server)
 
     def aborts():
@@ -1048,7 +1039,7 @@ def test_metrics_gauges_follow_the_queue(plain_server, monkeypatch):
 
     # exactly 3: `before` has every request of an earlier test, the engine counting a
     # request before the gauges let it go (test_a_request_is_counted_before_it_leaves_the_gauges)
-    assert _wait(lambda: aborts() == 3), (aborts(), dict(plain_server.engine.stats))
+    assert wait_until(lambda: aborts() == 3), (aborts(), dict(plain_server.engine.stats))
     assert after[("vllm:request_success_total", "length")] == before[("vllm:request_success_total", "length")]
     assert after[("vllm:e2e_request_latency_seconds_count", None)] == \
         before[("vllm:e2e_request_latency_seconds_count", None)]  # latencies: finished requests only
@@ -1765,27 +1756,27 @@ def test_aborted_request_with_prompt_logprobs_is_dropped_quietly(plain_server, p
     try:
         long = chat("Go on.", model=MODEL, max_tokens=900, ignore_eos=True, stream=True)
         busy = [_send_raw(plain_server, "/v1/chat/completions", long) for _ in range(engine.max_batch)]
-        assert _wait(lambda: engine.num_running == engine.max_batch), dict(engine.stats)
+        assert wait_until(lambda: engine.num_running == engine.max_batch), dict(engine.stats)
         others = _handlers(plain_server)  # the busy streams' (and any an earlier test left finishing)
         body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}
                 if path == "/v1/completions" else chat("hi", model=MODEL, max_tokens=2, prompt_logprobs=1))
         sock = _send_raw(plain_server, path, body)
-        assert _wait(lambda: engine.num_waiting == 1), (engine.num_running, dict(engine.stats))
+        assert wait_until(lambda: engine.num_waiting == 1), (engine.num_running, dict(engine.stats))
         handler = _handlers(plain_server) - others
         assert len(handler) == 1, (handler, others)
         aborted = engine.stats["aborted"]
         sock.shutdown(socket.SHUT_RDWR)
         sock.close()
-        assert _wait(lambda: engine.num_waiting == 0 and engine.stats["aborted"] == aborted + 1), \
+        assert wait_until(lambda: engine.num_waiting == 0 and engine.stats["aborted"] == aborted + 1), \
             (engine.num_running, engine.num_waiting, dict(engine.stats))
         # the handler builds its response after the abort: wait for it to return (or fail, logged)
-        assert _wait(lambda: all(t.done() for t in handler)), "the aborted request's handler did not return"
+        assert wait_until(lambda: all(t.done() for t in handler)), "the aborted request's handler did not return"
     finally:
         for s in busy:
             s.shutdown(socket.SHUT_RDWR)
             s.close()
         logging.getLogger("uvicorn.error").removeHandler(errors)
-    assert _wait(lambda: engine.num_running == 0)
+    assert wait_until(lambda: engine.num_running == 0)
     assert not errors.records, [r.getMessage() for r in errors.records]
 
 
@@ -2015,7 +2006,7 @@ def test_shutdown_answers_in_flight_requests(tiny_serving, serve_kit, monkeypatc
 
         t = threading.Thread(target=plain)
         t.start()
-        assert _wait(lambda: run.engine.num_running == 2), (run.engine.num_waiting, dict(run.engine.stats))
+        assert wait_until(lambda: run.engine.num_running == 2), (run.engine.num_waiting, dict(run.engine.stats))
         run.server.should_exit = True
         rest = resp.read().decode()
         t.join(30)

@@ -15,6 +15,7 @@ import time
 import pytest
 
 import flintc.serve.app as app_module
+from harness import wait_until
 
 MODEL = "flint-tiny"
 PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -47,15 +48,6 @@ def _gauges(server) -> tuple[float, float]:
     return got["vllm:num_requests_running"], got["vllm:num_requests_waiting"]
 
 
-def _wait(cond, timeout=20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def _fail_on_call(monkeypatch, owner, name: str, call: int, exc: Exception) -> dict:
     """Replace ``owner.name`` with a wrapper that raises ``exc`` on its ``call``-th call."""
     real = getattr(owner, name)
@@ -78,7 +70,7 @@ def _still_serves(server, path):
     assert not any("error" in json.loads(e) for e in _events(text)[:-1]), text
     status, text = server.request("POST", path, _body(path, stream=False))
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 8, text
-    assert _wait(lambda: _gauges(server) == (0, 0)), _gauges(server)
+    assert wait_until(lambda: _gauges(server) == (0, 0)), _gauges(server)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -169,7 +161,7 @@ def test_a_client_that_hangs_up_mid_stream_gets_no_error(tiny_server, path, monk
         assert resp.read(7) == b"data: {"  # a first chunk, then hang up
         conn.sock.shutdown(2)
         conn.close()
-        assert _wait(lambda: _gauges(tiny_server) == (0, 0)), _gauges(tiny_server)
+        assert wait_until(lambda: _gauges(tiny_server) == (0, 0)), _gauges(tiny_server)
     assert not [r for r in caplog.records if r.name == "flintc.serve.app"], caplog.records
     monkeypatch.undo()
     _still_serves(tiny_server, path)

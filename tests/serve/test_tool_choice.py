@@ -407,6 +407,16 @@ def test_errors_are_400s_naming_the_field(server, patch, param, needle):
     assert needle in got["error"]["message"], got
 
 
+def _drop_tools(body: dict, tools) -> None:
+    """`chat()`'s body without tools: the field "absent", or None; and without its
+    guided_whitespace_pattern."""
+    del body["guided_whitespace_pattern"]
+    if tools == "absent":
+        del body["tools"]
+    else:
+        body["tools"] = None
+
+
 @pytest.mark.parametrize("tool_choice", ["auto", "required", NAMED])
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_without_tools_is_a_400(server, tool_choice, stream):
@@ -415,11 +425,7 @@ def test_tool_choice_without_tools_is_a_400(server, tool_choice, stream):
     400 naming tool_choice, streamed or not. "auto" was taken before (a plain reply)."""
     for tools in ("absent", None):
         body = chat(tool_choice=tool_choice, max_tokens=4, stream=stream)
-        del body["guided_whitespace_pattern"]
-        if tools == "absent":
-            del body["tools"]
-        else:
-            body["tools"] = None
+        _drop_tools(body, tools)
         status, got = server.post("/v1/chat/completions", body)
         assert status == 400, got
         assert got["error"] == {"message": "When using `tool_choice`, `tools` must be set.",
@@ -431,11 +437,7 @@ def test_tool_choice_none_or_null_without_tools_is_taken(server, tool_choice):
     """tool_choice "none" (or null) needs no tools, as in vLLM: a plain reply."""
     for tools in ("absent", None):
         body = chat(tool_choice=tool_choice, max_tokens=4)
-        del body["guided_whitespace_pattern"]
-        if tools == "absent":
-            del body["tools"]
-        else:
-            body["tools"] = None
+        _drop_tools(body, tools)
         status, got = server.post("/v1/chat/completions", body)
         assert status == 200 and got["choices"][0]["message"]["tool_calls"] is None, got
 
