@@ -987,7 +987,9 @@ def test_python_api_compile_cleans_up_on_sigterm(tmp_path, tmp_path_factory, tin
     """Regression: SIGTERM during `flintc.compile(..., out=None)` killed the process
     before its atexit clean-up, leaving TMPDIR/flintc-build-XXXX (and, with an `out`, the
     hidden `.b.<pid>.xxxxxxxx` folder beside it). Now both are removed, and the process
-    still ends as killed by SIGTERM (returncode -15; 143 in a shell), with no traceback."""
+    still ends as killed by SIGTERM (returncode -15; 143 in a shell), with no traceback. A
+    signal that lands while BUILD is renamed into place may leave that BUILD, whole (a flake
+    of sessions 40 and 44 asserted none)."""
     import signal
     import subprocess
     import sys
@@ -1013,7 +1015,18 @@ def test_python_api_compile_cleans_up_on_sigterm(tmp_path, tmp_path_factory, tin
     stdout, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGTERM and "done" not in stdout, (proc.returncode, err)
     assert "Traceback" not in err, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"] and list((tmp_path / "o").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    left = sorted(p.name for p in (tmp_path / "o").iterdir())
+    if out is not None and left == ["b"]:
+        # The signal landed in the rename into place (`move_into_place` defers SIGINT and
+        # SIGTERM until BUILD is whole), so the block stopped after: a complete BUILD stays.
+        from flintc.runtime.build import BUILD_ENTRIES
+
+        built = {p.name for p in (tmp_path / "o" / "b").iterdir()}
+        assert {"build.json", "runtime.py", "plan.json"} <= built <= set(BUILD_ENTRIES), built
+        assert json.loads((tmp_path / "o" / "b" / "build.json").read_text())["max_batch"] == 1
+    else:
+        assert left == [], left
 
 
 def test_help_shows_the_python_api_and_import_stays_light():
