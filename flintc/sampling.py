@@ -1029,8 +1029,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
     allowed_token_ids, bad words, min_tokens, logit_bias or penalties, in vLLM v1's
     order: the grammar's mask (every token the row's `TokenHistory.grammar` does not allow
     next to -inf; two or more such rows have their masks made together,
-    `flintc.structured.allowed_batch`: one host buffer, filled by one parallel llguidance
-    call on a CUDA device),
+    `flintc.structured.allowed_batch`: one host buffer, filled row by row in this thread),
     allowed_token_ids (every other token to -inf), bad words (`bad_word_bans` to -inf),
     min_tokens (the row's stop ids to -inf while its output is shorter), logit_bias (added), then
     `apply_penalties` (one batched call over the rows with penalties). Rows without any
@@ -1072,7 +1071,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
         mask = grammars[b].allowed(V, dev)  # None inside a thinking block the grammar waits behind
         if mask is not None:
             x[b].masked_fill_(~mask, ninf)
-    elif constrained:  # every row's mask in one host buffer (one parallel call on CUDA), one copy, one fill
+    elif constrained:  # every row's mask in one host buffer, one copy, one fill
         from flintc.structured import allowed_batch
 
         masks = allowed_batch(grammars, V, dev)  # every token for the other rows

@@ -477,13 +477,14 @@ class GrammarMatcher:
         return row.masked_fill(~self._mask, float("-inf"))
 
 
-def allowed_words_batch(grammars: "list[GrammarMatcher]", parallel: bool = True) -> np.ndarray:
+def allowed_words_batch(grammars: "list[GrammarMatcher]", parallel: bool = False) -> np.ndarray:
     """int32 [n, W]: row i is ``grammars[i].allowed_words()`` (the same words, and the same
     matcher state it leaves: `_eos_as_text`), zero-padded to the widest row's W, all in one
     host buffer. `parallel`: llguidance fills the n masks in one call,
     `llguidance.numpy.fill_next_token_bitmask_par` on the process's `LLExecutor` threads,
     without the GIL (vLLM's guidance backend fills its rows one by one, on a thread pool
-    for big batches); else one `llguidance.numpy.fill_next_token_bitmask` per row, in this
+    for big batches); else (the default: faster on the CPU and on an H100 machine,
+    `allowed_batch`) one `llguidance.numpy.fill_next_token_bitmask` per row, in this
     thread. One matcher takes `allowed_words` itself. The stop-token, end-of-text and
     thinking-block edits (`GrammarMatcher._finish_words`) are then made row by row on the
     host (a few bit operations each).
@@ -529,13 +530,17 @@ def allowed_batch(grammars: "list[GrammarMatcher | None]", vocab: int, device,
     host buffer: one small asynchronous copy (from pinned memory on CUDA) and one
     expansion on the device.
 
-    parallel: fill the masks on llguidance's threads (`allowed_words_batch`); None: on a
-    CUDA device only. With the model on the CPU, torch's intra-op threads spin after each
-    op and starve llguidance's: on 2 busy cores, 8 rows of the tiny checkpoint's masks
-    took 0.3-2 ms in parallel against 0.08-0.16 ms in one thread.
+    parallel: fill the masks on llguidance's threads (`allowed_words_batch`); None (the
+    default): in this thread, one row after another, on every device. llguidance's
+    threads were slower on both: with the model on the CPU, torch's intra-op threads spin
+    after each op and starve them (on 2 busy cores, 8 rows of the tiny checkpoint's masks
+    took 0.3-2 ms in parallel against 0.08-0.16 ms in one thread); on an H100 machine (16
+    cores, the full NVFP4 model, a JSON schema at 151,552 ids) 8 rows took 1.65 ms in one
+    parallel call against 0.26 ms row by row (`scripts/gpu_serve_features.py`, session
+    45, docs/gpu-runs.md).
     """
     if parallel is None:
-        parallel = torch.device(device).type == "cuda"
+        parallel = False
     rows = []
     for b, g in enumerate(grammars):
         if g is None:

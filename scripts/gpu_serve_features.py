@@ -20,12 +20,13 @@ of a second chat turn, and structured outputs' cost per decode step.
    token read, each row's grammar fed its token), with no constraint and with a JSON
    schema on every row; wall clock per step, median (after --warmup steps). A grammar
    that completes is started again (a new matcher; not counted). Then the host's mask
-   work alone at those states (not inside the step time, each way first every other
-   step): every row's mask in one parallel llguidance call
-   (`flintc.structured.allowed_words_batch(..., parallel=True)`, what `sample` does for
-   two or more constrained rows on a CUDA device; on the CPU it fills the one buffer in
-   one thread) and row by row (`GrammarMatcher.allowed_words`, what it did before, and
-   does for one row).
+   work alone at those states (not inside the step time; the three ways' order reversed
+   every other step): every row's mask in one parallel llguidance call
+   (`flintc.structured.allowed_words_batch(..., parallel=True)`, what `sample` did for
+   two or more constrained rows on a CUDA device until session 45, when an H100 machine
+   found it 6x slower than the others at batch 8), all rows into one buffer in this
+   thread (`parallel=False`, what `sample` does for two or more constrained rows), and
+   row by row (`GrammarMatcher.allowed_words`, what it does for one row).
 
 The model: a build (--build, with --load-format dummy for a dummy build, as `flintc
 serve`), or a checkpoint folder (MODEL, the reference runner; the CPU test uses the tiny
@@ -168,7 +169,7 @@ def structured_rows(runner, tok, args, batches: list[int]) -> list[list[str]]:
                 outs[b].append(tok0)
                 last.append(tok0)
                 pos.append(len(prompt))
-            step_s, batched_s, rowwise_s = [], [], []
+            step_s, batched_s, serial_s, rowwise_s = [], [], [], []
             for i in range(args.warmup + args.steps):
                 for b in range(B):
                     g = hist[b].grammar if constrained else None
@@ -180,8 +181,9 @@ def structured_rows(runner, tok, args, batches: list[int]) -> list[list[str]]:
                 grammars = [h.grammar for h in hist] if constrained else []
                 if constrained and i >= args.warmup:  # the host's mask work alone, outside the step
                     ways = [(batched_s, lambda: allowed_words_batch(grammars, parallel=True)),
+                            (serial_s, lambda: allowed_words_batch(grammars, parallel=False)),
                             (rowwise_s, lambda: [g.allowed_words() for g in grammars])]
-                    for times, fn in ways[::1 if i % 2 else -1]:  # each first every other step
+                    for times, fn in ways[::1 if i % 2 else -1]:  # order reversed every other step
                         t0 = time.perf_counter()
                         fn()
                         times.append(time.perf_counter() - t0)
@@ -200,6 +202,7 @@ def structured_rows(runner, tok, args, batches: list[int]) -> list[list[str]]:
                 pos = [p + 1 for p in pos]
             rows.append([str(B), "JSON schema" if constrained else "none", _ms(statistics.median(step_s)),
                          _ms(statistics.median(batched_s)) if constrained else "-",
+                         _ms(statistics.median(serial_s)) if constrained else "-",
                          _ms(statistics.median(rowwise_s)) if constrained else "-"])
     return rows
 
@@ -279,6 +282,7 @@ def main(argv=None) -> int:
             out += [f"## Structured outputs: decode step (median of {args.steps} after {args.warmup}; "
                     f"prompt {args.prompt_len} tokens; schema {json.dumps(SCHEMA)})", "",
                     markdown_table(["batch", "constraint", "step ms", "host mask ms, one parallel call",
+                                    "host mask ms, one buffer in one thread (default)",
                                     "host mask ms, row by row"], rows), ""]
     text = "\n".join(out)
     print(text)

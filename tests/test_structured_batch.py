@@ -1,6 +1,6 @@
 """Structured outputs' batched masks (`flintc.structured.allowed_words_batch`,
 `allowed_batch`, and `flintc.sampling.adjust_logits` with several constrained rows):
-llguidance fills every row's mask in one parallel call, and each row must be exactly
+llguidance fills every row's mask into one buffer (row by row, or in one parallel call), and each row must be exactly
 what that row's `GrammarMatcher.allowed_words` / `allowed` make one by one, for several
 grammars at several states (the start, part-way, accepting, finished), with the stop
 tokens (one past the tokenizer's vocabulary), a thinking block's gate, a grammar that
@@ -136,8 +136,8 @@ def test_batched_masks_equal_row_by_row(tok, vocab, parallel):
 def test_adjust_logits_batch_equals_row_by_row(tok, parallel, monkeypatch):
     """`adjust_logits` on a batch with several constrained rows (and other masks on
     some: allowed_token_ids, logit_bias) gives each row what it gives that row alone; on
-    the CPU its masks are filled in one thread, and with the parallel fill (a CUDA
-    device's) alike."""
+    its masks filled in one thread (the default) and with llguidance's parallel fill
+    alike."""
     from flintc import structured
     from flintc.structured import GrammarMatcher
 

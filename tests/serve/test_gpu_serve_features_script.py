@@ -44,12 +44,12 @@ def test_tiny_run_on_the_cpu(tiny_bf16_dir, tmp_path):
     assert int(prefix[3][3]) > int(prefix[1][3])
     so = _rows(text, "| batch |")
     assert [row[:2] for row in so] == [["1", "none"], ["1", "JSON schema"], ["8", "none"], ["8", "JSON schema"]]
-    for batch, kind, step, batched, rowwise in so:
+    for batch, kind, step, batched, serial, rowwise in so:
         assert float(step) > 0, so
         if kind == "none":
-            assert batched == rowwise == "-"
+            assert batched == serial == rowwise == "-"
         else:
-            assert float(batched) > 0 and float(rowwise) > 0, so
+            assert float(batched) > 0 and float(serial) > 0 and float(rowwise) > 0, so
     assert re.search(r"tokenizer: .+", text)
 
 
