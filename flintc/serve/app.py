@@ -1498,10 +1498,14 @@ def _template_messages(messages: list[dict]) -> list[dict]:
         m = {k: v for k, v in m.items() if v is not None or k == "content"}
         m["role"] = "system" if role == "developer" else role
         content = m.get("content")
+        # before the content check: a falsy non-list ({}, "", 0) made it name content instead
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise APIError(400, f"messages[{i}].tool_calls must be a list of tool calls, got "
+                           f"{json_type(m['tool_calls'])}", param=f"messages[{i}].tool_calls")
         if content is None and (role != "assistant" or not m.get("tool_calls")):
             # OpenAI and vLLM: required for every role but an assistant turn of tool calls
-            raise APIError(400, f"messages[{i}].content is required for a {role} message"
-                           + (" without tool_calls" if role == "assistant" else ""),
+            raise APIError(400, f"messages[{i}].content is required for {'an' if role == 'assistant' else 'a'} "
+                           f"{role} message" + (" without tool_calls" if role == "assistant" else ""),
                            param=f"messages[{i}].content")
         if isinstance(content, list):
             for j, part in enumerate(content):
@@ -1514,9 +1518,6 @@ def _template_messages(messages: list[dict]) -> list[dict]:
         elif content is not None and not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string, a list of text parts, or null",
                            param=f"messages[{i}].content")
-        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
-            raise APIError(400, f"messages[{i}].tool_calls must be a list of tool calls, got "
-                           f"{type(m['tool_calls']).__name__}", param=f"messages[{i}].tool_calls")
         if m.get("tool_calls"):
             calls = []
             for j, tc in enumerate(m["tool_calls"]):

@@ -547,6 +547,9 @@ def test_disconnect_frees_slot(server, client, monkeypatch):
      "messages[0].tool_calls"),
     ({"messages": [{"role": "assistant", "tool_calls": "f()"}, {"role": "user", "content": "x"}]},
      "messages[0].tool_calls"),
+    # a falsy non-list ({}, "", 0, false) was checked after content, so the 400 named content
+    *(({"messages": [{"role": "assistant", "tool_calls": bad}, {"role": "user", "content": "x"}]},
+       "messages[0].tool_calls") for bad in ({}, "", 0, False)),
     # arguments nested past Python's recursion limit: a 500 (RecursionError) before
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function", "function": {
         "name": "f", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}}]}, {"role": "user", "content": "x"}]},
