@@ -1108,7 +1108,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         tools = _check_tools(req.tools)
         # "none", "auto", or a forced call: "required" or a named function (`flintc.serve.tool_choice`)
         choice, forced_name, tools = resolve_tool_choice(req.tool_choice, tools)
-        if choice == "auto" and tools and not options.enable_auto_tool_choice:
+        # vLLM: an explicit "auto" needs the flags even with an empty tools list
+        if choice == "auto" and (tools or req.tool_choice == "auto") and not options.enable_auto_tool_choice:
             raise APIError(400, "tool_choice \"auto\" needs the server started with "
                            "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
         forced = choice in (REQUIRED, NAMED)
@@ -1170,6 +1171,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             # constrained answer as reasoning, and leave it out)
             reasoning_initial = "content"
         echo = _chat_echo(req, add_gen) if req.echo else ""
+        role = _chat_role(req, add_gen)
         # the parsers read the text with special tokens; they are stripped after parsing. With
         # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
         strip = specials if req.skip_special_tokens and parse_tools is None else None
@@ -1208,12 +1210,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             first = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
             if continuous_usage:
                 first["usage"] = usage_so_far(0)
-            yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None} for i in range(n)], **first))
-            if echo:  # vLLM: the echoed content, for each choice, before the generated text
+            for i in range(n):  # vLLM: a role chunk per choice, each with the prompt's ids and usage
+                yield _sse(chunk([{"index": i, "delta": {"role": role, "content": ""},
+                                   "logprobs": None, "finish_reason": None}], **first))
+            if echo:  # vLLM: the echoed content, a chunk per choice, before the generated text
                 extra = {"usage": usage_so_far(0)} if continuous_usage else {}
-                yield _sse(chunk([{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
-                                  for i in range(n)], **extra))
+                for i in range(n):
+                    yield _sse(chunk([{"index": i, "delta": {"content": echo}, "logprobs": None,
+                                       "finish_reason": None}], **extra))
             async for out in gen.outputs():
                 if out.error is not None:
                     yield _sse(error_body(f"generation failed: {out.error}", "invalid_request_error",
@@ -1261,7 +1265,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             body["prompt_logprobs"] = await asyncio.to_thread(_prompt_logprobs_json, tokenizer,
                                                               choices[0].prompt_logprobs)
         for i, c in enumerate(choices):
-            message = c.message()
+            message = {**c.message(), "role": role}
             if req.echo:  # vLLM: the echoed content + the reply's ("" for none, even with echo "")
                 message["content"] = echo + (message["content"] or "")
             entry = {"index": i, "message": message,
@@ -1427,18 +1431,24 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
 # Request helpers
 
 
+def _chat_role(req: ChatCompletionRequest, add_generation_prompt: bool) -> str:
+    """The reply's role, vLLM's ``get_chat_request_role``
+    (`vllm/entrypoints/openai/serving_chat.py`): "assistant" with
+    ``add_generation_prompt``, else the last message's own role (as given: "developer"
+    too), the message the reply continues or follows."""
+    return "assistant" if add_generation_prompt else req.messages[-1].get("role")
+
+
 def _chat_echo(req: ChatCompletionRequest, add_generation_prompt: bool) -> str:
     """vLLM's chat ``echo``: the text put before each choice's reply (vLLM's
     `vllm/entrypoints/openai/serving_chat.py`, ``chat_completion_full_generator`` and
     ``chat_completion_stream_generator``): the last message's content when its role is
-    the reply's, vLLM's ``get_chat_request_role``: "assistant" with
-    ``add_generation_prompt``, else the last message's own role (so it always matches);
-    text parts joined with newlines (vLLM's "string" content format); else "".
+    the reply's (`_chat_role`: always, without ``add_generation_prompt``); text parts
+    joined with newlines (vLLM's "string" content format); else "".
     ``req.messages`` were checked by `_template_messages` (at least one; content a
     string, text parts or null)."""
     last = req.messages[-1]
-    role = "assistant" if add_generation_prompt else last.get("role")
-    if last.get("role") != role:
+    if last.get("role") != _chat_role(req, add_generation_prompt):
         return ""
     content = last.get("content")
     if isinstance(content, list):

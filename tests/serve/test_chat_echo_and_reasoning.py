@@ -103,8 +103,10 @@ def test_include_reasoning_false_streamed(reasoning_server):
     full = post(reasoning_server, chat("#script:think", **kw))
     assert (joined(full, "reasoning_content"), joined(full, "content")) == (THINK, ANSWER)
     chunks = post(reasoning_server, chat("#script:think", include_reasoning=False, **kw))
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    body = [c for c in chunks[1:] if c["choices"]]
+    # vLLM: a role chunk per choice first
+    assert [c["choices"] for c in chunks[:2]] == [[{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}] for i in range(2)]
+    body = [c for c in chunks[2:] if c["choices"]]
     for i in range(2):
         mine = [c["choices"][0] for c in body if c["choices"][0]["index"] == i]
         assert joined(body, "content", i) == ANSWER
@@ -200,19 +202,29 @@ CONTINUE = [{"role": "user", "content": "#script:stop"}, {"role": "assistant", "
 ])
 def test_echo_as_vllm(plain_server, messages, flags, echoed):
     body = {"model": MODEL, "messages": messages, "max_tokens": 40, "n": 2, **flags}
+    # vLLM's get_chat_request_role: the last message's role without add_generation_prompt
+    role = "assistant" if flags.get("add_generation_prompt", True) else messages[-1]["role"]
     plain = post(plain_server, body)
     got = post(plain_server, {**body, "echo": True})
     for i in range(2):
         assert plain["choices"][i]["message"]["content"] == STOP
         assert got["choices"][i]["message"]["content"] == echoed + STOP
+        assert plain["choices"][i]["message"]["role"] == got["choices"][i]["message"]["role"] == role
     assert got["usage"] == plain["usage"]  # the echoed text is not counted
-    chunks = post(plain_server, {**body, "echo": True, "stream": True,
+    chunks = post(plain_server, {**body, "echo": True, "stream": True, "return_token_ids": True,
                                  "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
-    assert [ch["delta"] for ch in chunks[0]["choices"]] == [{"role": "assistant", "content": ""}] * 2
-    if echoed:  # then one chunk: each choice's echo, before any generated text
-        assert [(ch["index"], ch["delta"]) for ch in chunks[1]["choices"]] == [(0, {"content": echoed}),
-                                                                               (1, {"content": echoed})]
-        assert chunks[1]["usage"]["completion_tokens"] == 0
+    # vLLM: a role chunk per choice, each with the prompt's ids and the usage so far
+    assert [[(ch["index"], ch["delta"]) for ch in c["choices"]] for c in chunks[:2]] == [
+        [(i, {"role": role, "content": ""})] for i in range(2)]
+    assert chunks[0]["prompt_token_ids"] and chunks[1]["prompt_token_ids"] == chunks[0]["prompt_token_ids"]
+    assert chunks[0]["usage"]["completion_tokens"] == chunks[1]["usage"]["completion_tokens"] == 0
+    if echoed:  # then a chunk per choice holding its echo, before any generated text
+        assert [[(ch["index"], ch["delta"]) for ch in c["choices"]] for c in chunks[2:4]] == [
+            [(i, {"content": echoed})] for i in range(2)]
+        assert chunks[2]["usage"]["completion_tokens"] == chunks[3]["usage"]["completion_tokens"] == 0
+    else:
+        # no echo chunk: the generated text follows the role chunks
+        assert chunks[2]["choices"][0]["delta"]["content"] and "role" not in chunks[2]["choices"][0]["delta"]
     for i in range(2):
         text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"] if ch["index"] == i)
         assert text == echoed + STOP

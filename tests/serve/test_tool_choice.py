@@ -482,13 +482,23 @@ def test_defs_are_gathered_and_references_resolve(server):
 
 def test_required_with_empty_tools_is_none_and_auto_unchanged(server):
     """tool_choice "required" with "tools": [] reads as "none" (vLLM, OpenAI): a plain
-    reply; "auto" with tools still needs --enable-auto-tool-choice."""
+    reply; "auto" with tools still needs --enable-auto-tool-choice, and an explicit
+    "auto" with "tools": [] too (vLLM checks the flags whatever the tools; it was taken as
+    no tools); "tools": [] without a tool_choice is a plain reply."""
     body = chat(tool_choice="required", tools=[], max_tokens=4)
     del body["guided_whitespace_pattern"]  # (a 400 without a constraint)
     status, body = server.post("/v1/chat/completions", body)
     assert status == 200 and body["choices"][0]["message"]["tool_calls"] is None, body
     status, body = server.post("/v1/chat/completions", chat(tool_choice="auto", max_tokens=4))
     assert status == 400 and "--enable-auto-tool-choice" in body["error"]["message"], body
+    for extra, want in (({"tool_choice": "auto"}, 400), ({}, 200)):
+        body = chat(tools=[], max_tokens=4, **extra)
+        del body["guided_whitespace_pattern"]
+        status, body = server.post("/v1/chat/completions", body)
+        if want == 400:
+            assert status == 400 and "--enable-auto-tool-choice" in body["error"]["message"], body
+        else:
+            assert status == 200 and body["choices"][0]["message"]["tool_calls"] is None, body
 
 
 def test_required_rebases_document_relative_refs(server):
