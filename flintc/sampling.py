@@ -64,6 +64,7 @@ uses none of them takes exactly the path above, at the same cost):
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import json
@@ -938,6 +939,30 @@ class TokenHistory:
             self._bad = _split_bad_words(params.bad_words_token_ids, vocab, device)
             self._bad_key = params.bad_words_token_ids
         return self._bad
+
+
+def drawn_outside_allowed(params: SamplingParams, tok: int, step: int) -> str | None:
+    """A message when `tok`, the token drawn at output position `step` (0-based), is not
+    one of params.allowed_token_ids, else None. It happens only when the row's other
+    masks left none of the allowed tokens (every logit -inf: bad_words banning them all,
+    or min_tokens holding back the stop tokens they all are) or its logits were NaN:
+    the sampler then draws an unspecified token, which the request did not allow. The
+    server answers it as the request's 400 naming allowed_token_ids, `generate` raises
+    an InputError (an allowed_token_ids of the stop token alone with min_tokens drew
+    token 0 greedily, another out-of-set token sampled, and answered them)."""
+    allowed = params.allowed_token_ids
+    if allowed is None:
+        return None
+    i = bisect.bisect_left(allowed, tok)  # sorted without repeats (`_normalise_allowed`)
+    if i < len(allowed) and allowed[i] == tok:
+        return None
+    why = [w for w, on in (("bad_words", params.bad_words is not None or params.bad_words_token_ids is not None),
+                           ("min_tokens (it holds back the stop tokens until then)",
+                            step < params.min_tokens)) if on]
+    shown = ", ".join(map(str, allowed[:8])) + (", ..." if len(allowed) > 8 else "")
+    return (f"sampling field 'allowed_token_ids': none of the allowed tokens ({shown}) could be drawn at output "
+            f"token {step}: {' and '.join(why) or 'the other masks'} excluded every one of them (or the logits "
+            f"were NaN); drop those tokens from bad_words, lower min_tokens, or allow more tokens")
 
 
 def first_outside_vocab(ids, vocab: int) -> int | None:

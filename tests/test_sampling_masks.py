@@ -276,6 +276,30 @@ def test_generate_with_masks(tiny):
         generate(model, [prompt], SamplingParams(temperature=0, bad_words_token_ids=[[600]]))
 
 
+def test_generate_refuses_allowed_tokens_the_other_masks_exclude(tiny):
+    """allowed_token_ids whose every token min_tokens (the stop token held back) or
+    bad_words exclude leave every logit -inf: the sampler then drew a token outside the
+    set (token 0 greedily, another sampled) and generate returned it. It is an
+    InputError naming allowed_token_ids (and the prompt, of several) and the mask."""
+    from flintc.model.generate import generate
+
+    model, tok = tiny
+    eos = tok.eos_token_id
+    for kw in ({"temperature": 0}, {"seed": 3}):
+        with pytest.raises(InputError, match=rf"^sampling field 'allowed_token_ids': .*\({eos}\).*output token 0: "
+                                             r"min_tokens"):
+            generate(model, [[1, 2, 3]], SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[eos], **kw),
+                     eos_token_id=eos)
+    with pytest.raises(InputError, match=r"'allowed_token_ids' of prompt 1: .*\(5\).*bad_words"):
+        generate(model, [[1, 2, 3], [4]], [SamplingParams(temperature=0, max_tokens=3),
+                                           SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[5],
+                                                          bad_words_token_ids=[[5]])], eos_token_id=eos)
+    # the stop token allowed beside another: min_tokens holds it back, then it may end the output
+    r = generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=6, min_tokens=2,
+                                                    allowed_token_ids=[eos, 40]), eos_token_id=eos)
+    assert set(r.output_ids[0]) <= {eos, 40} and r.output_ids[0][:2] == [40, 40], r.output_ids
+
+
 def test_compiled_model_generate_converts_bad_words(tiny):
     """`CompiledModel.generate` (here over the reference runner) makes bad words into
     ids with its tokenizer: the text of plain greedy's first tokens, as a bad word,

@@ -30,7 +30,8 @@ import torch
 
 from flintc.errors import InputError
 from flintc.model.generate import GenerationResult, check_prompt
-from flintc.sampling import SamplingParams, TokenHistory, first_outside_vocab, params_per_prompt, sample
+from flintc.sampling import (SamplingParams, TokenHistory, drawn_outside_allowed, first_outside_vocab,
+                             params_per_prompt, sample)
 
 
 def _sync(device: torch.device) -> None:
@@ -102,6 +103,8 @@ def generate_with_runner(
             prompt, a logit_bias, allowed_token_ids or bad_words_token_ids), bad_words
             without their token ids, structured_outputs without a tokenizer, or a prompt
             of max_model_len tokens or more; all checked before any prompt runs.
+            While generating: a token drawn outside allowed_token_ids (the params' other
+            masks, bad_words or min_tokens, left none of the allowed tokens to draw).
         flintc.structured.StructuredOutputError: a grammar refused a generated token
             (the mask allows only the tokens it takes: the params' other masks left none
             of them, or the grammar hit one of llguidance's limits as it ran).
@@ -125,7 +128,7 @@ def generate_with_runner(
         part = _generate_batch(runner, prompts[start:start + step], plist[start:start + step], eos_token_id,
                                return_prompt_logits, keep_step_logits,
                                None if on_token is None else (lambda b, t, _s=start: on_token(_s + b, t)),
-                               tokenizer)
+                               tokenizer, first=start, several=B > 1)
         if result is None:
             result = part
             continue
@@ -144,10 +147,11 @@ def generate_with_runner(
 
 def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams], eos_token_id: int | None,
                     return_prompt_logits: bool, keep_step_logits: bool,
-                    on_token: Callable[[int, int], None] | None, tokenizer=None) -> GenerationResult:
+                    on_token: Callable[[int, int], None] | None, tokenizer=None, first: int = 0,
+                    several: bool = False) -> GenerationResult:
     """`generate_with_runner` for at most runner.max_batch prompts, checked already: prompt
     b in slot b, one SamplingParams per prompt; on_token(b, token_id) with b into
-    `prompts`."""
+    `prompts`. An error names prompt `first` + b when `several` (of the caller's)."""
     B = len(prompts)
     device = runner.device
     gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
@@ -191,6 +195,10 @@ def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams
             g = hist[b].grammar if hist[b] is not None else None
             if g is not None:
                 g.advance(result.output_ids[b])
+            bad = drawn_outside_allowed(plist[b], t, len(result.output_ids[b]) - 1)
+            if bad is not None:
+                raise InputError(bad.replace("'allowed_token_ids'", f"'allowed_token_ids' of prompt {first + b}", 1)
+                                 if several else bad)
             if t == eos_token_id and not plist[b].ignore_eos \
                     and len(result.output_ids[b]) >= plist[b].min_tokens:
                 result.finish_reasons[b] = "stop"

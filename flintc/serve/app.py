@@ -1003,7 +1003,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             async for out in gen.outputs():
                 if out.error is not None:
                     if out.client_error:  # the request's constraint could not be followed
-                        raise APIError(400, f"generation failed: {out.error}", param=error_param)
+                        raise APIError(400, f"generation failed: {out.error}", param=out.param or error_param)
                     raise APIError(500, f"generation failed: {out.error}", "server_error")
                 if out.finish_reason == "abort":  # its results are partial (prompt_logprobs may be missing)
                     aborted = True
@@ -1221,7 +1221,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             async for out in gen.outputs():
                 if out.error is not None:
                     yield _sse(error_body(f"generation failed: {out.error}", "invalid_request_error",
-                                          constraint_param) if out.client_error
+                                          out.param or constraint_param) if out.client_error
                                else error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if out.finish_reason == "abort":
@@ -1369,7 +1369,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             async for out in gen.outputs():
                 if out.error is not None:
                     yield _sse(error_body(f"generation failed: {out.error}", "invalid_request_error",
-                                          structured_param(req)) if out.client_error
+                                          out.param or structured_param(req)) if out.client_error
                                else error_body(f"generation failed: {out.error}", "server_error"))
                     break
                 if out.finish_reason == "abort":

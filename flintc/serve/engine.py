@@ -128,7 +128,7 @@ import numpy as np
 import torch
 
 from flintc.errors import InputError
-from flintc.sampling import SamplingParams, TokenHistory, sample
+from flintc.sampling import SamplingParams, TokenHistory, drawn_outside_allowed, sample
 from flintc.structured import GrammarMatcher, ReasoningGate, StructuredOutputError
 
 _WAKE = object()
@@ -185,6 +185,9 @@ class Output:
     # the error is the request's own doing (its structured-outputs constraint could not be
     # followed: the server answers a 400, not a 500)
     client_error: bool = False
+    # the request field a client error names (the 400's ``param``), when the engine knows it
+    # (allowed_token_ids); None: the server names the constraint's field
+    param: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -751,6 +754,11 @@ class Engine:
                 seq.pending_ids.append(tok)
                 self._finish(seq, None, error=str(exc), client_error=seq.req.forced is None)
                 return
+        bad = drawn_outside_allowed(params, tok, len(seq.out_ids) - 1)
+        if bad is not None:  # its masks left none of its allowed tokens: the request's doing (a 400)
+            seq.pending_ids.append(tok)
+            self._finish(seq, None, error=bad, client_error=True, param="allowed_token_ids")
+            return
         seq.pending_ids.append(tok)
         tl, now = req.timeline, time.monotonic()
         since_last = None if tl.last_token is None else now - tl.last_token
@@ -802,20 +810,21 @@ class Engine:
         return True
 
     def _emit(self, seq: _Seq, upto: int, finish: str | None = None, error: str | None = None,
-              client_error: bool = False) -> None:
+              client_error: bool = False, param: str | None = None) -> None:
         text = seq.text[seq.sent:upto]
         if not (text or seq.pending_ids or finish or error):
             return
         seq.sent = max(seq.sent, upto)
         out = Output(seq.req.index, text, seq.pending_ids,
                      seq.pending_lp if seq.req.logprobs is not None else None, finish, error,
-                     client_error=client_error and error is not None)
+                     client_error=client_error and error is not None,
+                     param=param if client_error and error is not None else None)
         seq.pending_ids, seq.pending_lp = [], []
         out.prompt_logprobs, seq.prompt_lp = seq.prompt_lp, None
         seq.req.emit(out)
 
     def _finish(self, seq: _Seq, reason: str | None, error: str | None = None,
-                client_error: bool = False) -> None:
+                client_error: bool = False, param: str | None = None) -> None:
         seq.text += seq.detok.flush()  # a dangling partial character becomes U+FFFD
         if self.enable_prefix_caching and seq.prefilled and error is None:
             # positions < pos hold the prompt and every generated token but the last (never fed)
@@ -831,7 +840,7 @@ class Engine:
             self._notify_finished(seq.req, reason, error)
         finally:
             self._running.pop(seq.slot, None)
-        self._emit(seq, len(seq.text), reason, error, client_error)
+        self._emit(seq, len(seq.text), reason, error, client_error, param)
 
     def _notify_finished(self, req: GenRequest, reason: str | None, error: str | None) -> None:
         for obs in self.observers:

@@ -60,6 +60,34 @@ def test_allowed_token_ids_errors(tiny_server, path, value, needle):
     assert needle in got["error"]["message"], got
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_allowed_token_ids_the_other_masks_exclude_are_a_400(tiny_server, tiny_serving, path, stream):
+    """allowed_token_ids whose every token min_tokens (the end-of-text token held back)
+    or bad_words exclude: every logit is -inf, and the sampler drew a token outside the
+    set (token 0 greedily, another sampled), answered with a 200. It is the request's
+    400 naming allowed_token_ids (an invalid_request_error event in a stream); the
+    server answers the next request."""
+    _, tok = tiny_serving
+    eos = tok.eos_token_id
+    make = completion if path == "/v1/completions" else chat
+    for patch in (dict(allowed_token_ids=[eos], min_tokens=2, ignore_eos=False),
+                  dict(allowed_token_ids=[eos], min_tokens=2, ignore_eos=False, temperature=1.0, seed=1),
+                  dict(allowed_token_ids=[43], bad_words=[tok.decode([43])])):
+        status, got = tiny_server.post(path, make(stream=stream, **patch))
+        if stream:
+            assert status == 200, got
+            err = got[-1]["error"]
+        else:
+            assert status == 400, got
+            err = got["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == "allowed_token_ids", got
+        assert "none of the allowed tokens" in err["message"], got
+        assert ("min_tokens" if "min_tokens" in patch else "bad_words") in err["message"], got
+    status, body = tiny_server.post(path, make(allowed_token_ids=[43, 44]))
+    assert status == 200 and set(body["choices"][0]["token_ids"]) <= {43, 44}, body
+
+
 def test_bad_words(tiny_server, tiny_serving):
     """A bad word made of the text of plain greedy's first two tokens: the server's
     tokens are the reference generate's with the word's ids (vLLM's tokenization) and
