@@ -393,9 +393,11 @@ def main() -> None:
                 gbs = moved / ms / 1e6
                 row = (f"| {case.name} | {case.F}x{case.K} | {fmt} | {N} | {ms * 1e3:.1f} | {gbs:.0f} | "
                        f"{100 * gbs / copy_bw:.0f}% | {cfg0.short() if cfg0 else 'default'} | "
-                       f"{ms_e * 1e3:.1f} | {ms_t * 1e3:.1f} | {ms_c * 1e3:.1f} | "
-                       + (f"{ms_m * 1e3:.1f} | " if not math.isnan(ms_m) else "- | ")
-                       + f"{100 * moved / ms_best / 1e6 / copy_bw:.0f}% | {ms_best / ms:.1f}x |")
+                       f"{ms_e * 1e3:.1f} | {ms_t * 1e3:.1f} | "
+                       # "-": not run (--no-compile, no mul-sum form) or failed (printed above)
+                       + " | ".join("-" if math.isnan(t) else f"{t * 1e3:.1f}" for t in (ms_c, ms_m)) + " | "
+                       + ("- | - |" if math.isnan(ms_best) else
+                          f"{100 * moved / ms_best / 1e6 / copy_bw:.0f}% | {ms_best / ms:.1f}x |"))
                 if args.sweep:
                     # all rows the kernel's programs cover (for QKV: the q, k and v heads, not
                     # the q rows of its TUNED key)
