@@ -662,6 +662,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         except RecursionError:  # arrays / objects nested past Python's recursion limit
             raise APIError(400, "malformed JSON in the request body: nested too deeply",
                            code="invalid_json") from None
+        encoding = json.detect_encoding(body)
+        if encoding != "utf-8":  # a UTF-8 BOM, UTF-16 or UTF-32 (RFC 8259 8.1), which json.loads and
+            # so vLLM's FastAPI take; pydantic reads UTF-8 only
+            body = body.decode(encoding).encode("utf-8")
         if not isinstance(cls, type):
             cls = cls(data)
         try:

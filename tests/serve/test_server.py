@@ -647,6 +647,22 @@ def test_malformed_json_has_code_invalid_json(server, path, body, param):
         assert "hex escape" not in err["message"], err
 
 
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"])
+def test_json_body_with_a_bom_or_in_utf16_utf32_is_read(server, encoding):
+    """A body with a UTF-8 byte-order mark, or in UTF-16 / UTF-32 (RFC 8259 8.1: a reader
+    may take them), was a 400 "malformed JSON ... expected value at line 1 column 1":
+    json.loads takes them (vLLM's FastAPI reads bodies so) and pydantic, reading UTF-8
+    only, did not. Non-ASCII text survives the re-encoding."""
+    body = {"model": MODEL, "prompt": "h\u00e9llo \U0001f600", "max_tokens": 2, "temperature": 0,
+            "return_token_ids": True}
+    status, want = raw(server, "POST", "/v1/completions", json.dumps(body, ensure_ascii=False).encode())
+    assert status == 200, want
+    status, got = raw(server, "POST", "/v1/completions", json.dumps(body, ensure_ascii=False).encode(encoding))
+    assert status == 200, got
+    assert got["choices"][0]["prompt_token_ids"] == want["choices"][0]["prompt_token_ids"]
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+
+
 def test_request_body_over_max_request_bytes_is_a_413(capped_server):
     """Request bodies were read and parsed whatever their size (a 5M-token-id body held the
     event loop for 3-4 s). One over --max-request-bytes is a 413 in the OpenAI error
