@@ -344,6 +344,10 @@ def run_bench_cli(args: argparse.Namespace) -> int:
 
     baselines = _none_or(args.baselines, "--baselines", "comma-separated names out of eager, compile, fast",
                          lambda t: _names(t, "--baselines", ("eager", "compile", "fast")))
+    points = _points(args.baseline_points, "--baseline-points")
+    if not baselines and points:  # they would be ignored without a word
+        raise InputError(f"--baseline-points {args.baseline_points}: sets the baselines' points, and "
+                         "--baselines is none; drop --baseline-points, or name the baselines to measure")
     opts = BenchOptions(
         out=out, model=args.model, load_format=args.load_format,
         config=args.config if args.model is None else None, hf_config_path=args.hf_config_path,
@@ -353,7 +357,7 @@ def run_bench_cli(args: argparse.Namespace) -> int:
         prefill=None if args.prefill is None else _none_or(
             args.prefill, "--prefill", "comma-separated positive integers, e.g. 1024,8192",
             lambda t: _ints(t, "--prefill")),
-        baselines=baselines, baseline_points=_points(args.baseline_points, "--baseline-points"),
+        baselines=baselines, baseline_points=points,
         breakdown=_points(args.breakdown, "--breakdown"),
         builds=Path(args.builds) if args.builds else None,
         build_globs=None if args.build_glob is None else _items(

@@ -654,6 +654,9 @@ def test_none_means_an_empty_list():
     (["--breakdown", "0x64"], "--breakdown: expected BATCHxCONTEXT items of positive integers"),
     (["--load-format", "auto"], "--load-format auto needs a MODEL"),
     (["no-such-checkpoint"], "MODEL no-such-checkpoint: no such checkpoint"),
+    # points for no baseline were taken and ignored without a word
+    (["--baselines", "none", "--baseline-points", "1x64"],
+     "--baseline-points 1x64: sets the baselines' points, and --baselines is none"),
 ])
 def test_bad_options_write_nothing(tmp_path, capsys, args, needle):
     """Options are checked before the first output: `--config bogus` used to write
