@@ -64,6 +64,17 @@ class Running:
             return status, [loads(e[6:]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
         return status, loads(text)
 
+    def client_error(self, path, body) -> dict:
+        """POST `body`, which the server must refuse as the request's own error, once it
+        generates: the 400's ``error``, or, streamed, the error event's (the stream is a
+        200 whose last event holds it)."""
+        status, got = self.post(path, body)
+        if body.get("stream"):
+            assert status == 200, got
+            return got[-1]["error"]
+        assert status == 400, got
+        return got["error"]
+
 
 @pytest.fixture(scope="session")
 def tiny_serving(tiny_bf16_dir):

@@ -74,16 +74,10 @@ def test_allowed_token_ids_the_other_masks_exclude_are_a_400(tiny_server, tiny_s
     for patch in (dict(allowed_token_ids=[eos], min_tokens=2, ignore_eos=False),
                   dict(allowed_token_ids=[eos], min_tokens=2, ignore_eos=False, temperature=1.0, seed=1),
                   dict(allowed_token_ids=[43], bad_words=[tok.decode([43])])):
-        status, got = tiny_server.post(path, make(stream=stream, **patch))
-        if stream:
-            assert status == 200, got
-            err = got[-1]["error"]
-        else:
-            assert status == 400, got
-            err = got["error"]
-        assert err["type"] == "invalid_request_error" and err["param"] == "allowed_token_ids", got
-        assert "none of the allowed tokens" in err["message"], got
-        assert ("min_tokens" if "min_tokens" in patch else "bad_words") in err["message"], got
+        err = tiny_server.client_error(path, make(stream=stream, **patch))
+        assert err["type"] == "invalid_request_error" and err["param"] == "allowed_token_ids", err
+        assert "none of the allowed tokens" in err["message"], err
+        assert ("min_tokens" if "min_tokens" in patch else "bad_words") in err["message"], err
     status, body = tiny_server.post(path, make(allowed_token_ids=[43, 44]))
     assert status == 200 and set(body["choices"][0]["token_ids"]) <= {43, 44}, body
 
