@@ -2,7 +2,9 @@
 
 `flintc.compile(...)` compiles a checkpoint into a BUILD folder and returns a
 `flintc.api.CompiledModel` with `generate(...)` and `forward(...)`; `flintc.load(BUILD)`
-loads an earlier build. Everything else lives in the subpackages (`flintc.model`,
+loads an earlier build. `flintc.SamplingParams` and `flintc.StructuredOutputsParams` are
+`flintc.sampling`'s (what `generate` takes, as `from vllm import SamplingParams`).
+Everything else lives in the subpackages (`flintc.model`,
 `flintc.passes`, `flintc.runtime`, ...). `flintc.__version__` is the version in the
 pyproject.toml of the source tree this package was imported from (an editable install,
 or a tree on PYTHONPATH as the GPU scripts run it: the code that runs, even where
@@ -11,14 +13,20 @@ another flintc is installed), else the installed package's version, else "unknow
 
 from __future__ import annotations
 
-__all__ = ["compile", "load"]
+__all__ = ["compile", "load", "SamplingParams", "StructuredOutputsParams"]
+_FROM_SAMPLING = ("SamplingParams", "StructuredOutputsParams")
 
 
 def __getattr__(name: str):
     """PEP 562: `flintc.compile` and `flintc.load` are `flintc.api`'s own functions, with
-    their signatures and docstrings (`help(flintc)`, `help(flintc.compile)`), imported at
-    first use, so that `import flintc` alone does not import torch; `__version__` is read
-    when asked (importlib.metadata is not free at import)."""
+    their signatures and docstrings (`help(flintc)`, `help(flintc.compile)`), and
+    `flintc.SamplingParams` / `flintc.StructuredOutputsParams` `flintc.sampling`'s own
+    classes, imported at first use, so that `import flintc` alone does not import torch;
+    `__version__` is read when asked (importlib.metadata is not free at import)."""
+    if name in _FROM_SAMPLING:
+        from flintc import sampling
+
+        return getattr(sampling, name)
     if name in __all__:
         from flintc import api
 

@@ -32,12 +32,14 @@ from flintc.sampling import SamplingParams, bool_or_self
 
 @dataclass
 class CompiledGeneration(GenerationResult):
-    """GenerationResult plus the decoded texts (None without a tokenizer). The texts keep
-    the tokenizer's special tokens (`tokenizer.decode`'s default, as `flintc run` prints
-    them: the ids are the output); `flintc serve` leaves them out by default, as vLLM's
-    `skip_special_tokens=True` (docs/serve.md)."""
+    """GenerationResult (output_ids, texts, finish_reasons, stop_reasons, ...: what each
+    holds is told there), texts None without a tokenizer. The texts keep the tokenizer's
+    special tokens (`tokenizer.decode`'s default, as `flintc run` prints them: the ids are
+    the output); `flintc serve` leaves them out by default, as vLLM's
+    `skip_special_tokens=True` (docs/serve.md). A text ends before the stop string
+    (`SamplingParams.stop`) its sequence ended at, as vLLM's `CompletionOutput.text`, while
+    output_ids keep the token that completed it."""
 
-    texts: list[str] | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -68,19 +70,32 @@ class CompiledModel:
                 arguments of SamplingParams (temperature=0, max_tokens=16, seed=1, and
                 vLLM's presence_penalty, frequency_penalty, repetition_penalty, min_p,
                 min_tokens, logit_bias={token_id: bias}, allowed_token_ids,
-                bad_words, ...). bad_words become token ids with this model's
-                tokenizer (`SamplingParams.with_tokenizer`, vLLM's
+                bad_words, stop, stop_token_ids, include_stop_str_in_output, ...;
+                `flintc.SamplingParams` lists them all). bad_words become token ids
+                with this model's tokenizer (`SamplingParams.with_tokenizer`, vLLM's
                 update_from_tokenizer); without a tokenizer, give bad_words_token_ids.
-                structured_outputs (a `flintc.sampling.StructuredOutputsParams`, or a
-                dict of its fields: json, regex, choice, grammar, json_object) needs
-                the tokenizer.
+                structured_outputs (a `flintc.StructuredOutputsParams`, or a dict of
+                its fields: json, regex, choice, grammar, json_object) needs the
+                tokenizer, and so do stop strings (`stop`: a str or a list of str;
+                the sequence ends with finish reason "stop" once its text holds one,
+                the text cut before it, as vLLM's).
+            return_prompt_logits: also return each prompt's fp32 [T, V] logits
+                (`prompt_logits`).
             on_token: called as on_token(prompt_index, token_id) (the index into
                 prompts, whatever batch the prompt runs in).
 
+        Returns:
+            A CompiledGeneration: per prompt output_ids, texts (None without a
+            tokenizer), finish_reasons ("stop" / "length") and stop_reasons (the stop
+            string or stop_token_ids id that ended the sequence, else None), as vLLM's
+            CompletionOutput's token_ids, text, finish_reason and stop_reason.
+
         Raises:
             InputError: text prompts without a tokenizer, a prompt that is neither text
-                nor token ids, no prompts, bad ids, invalid sampling
-                values, or both `params` and sampling keywords.
+                nor token ids, no prompts, bad ids (a stop_token_ids id outside the
+                vocabulary among them), invalid sampling values (the field named), stop
+                strings or structured_outputs without a tokenizer, or both `params` and
+                sampling keywords.
         """
         from flintc.runtime.generate import generate_with_runner
 
@@ -115,10 +130,7 @@ class CompiledModel:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         r = generate_with_runner(self.runner, ids, params, eos_token_id=eos, on_token=on_token,
                                  return_prompt_logits=return_prompt_logits, tokenizer=self.tokenizer)
-        out = CompiledGeneration(**r.__dict__)
-        if self.tokenizer is not None:
-            out.texts = [self.tokenizer.decode(r.text_ids(i)) for i in range(len(r.output_ids))]
-        return out
+        return CompiledGeneration(**r.__dict__)  # texts: made as the tokens came (with a tokenizer)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                 slot: int = 0) -> torch.Tensor:

@@ -60,6 +60,11 @@ uses none of them takes exactly the path above, at the same cost):
   logits are kept or dropped together). Rows with min_p > 0 take the torch path (the
   one-launch kernel has no min_p); rows with only the logit adjustments above still
   take the kernel, on the adjusted logits.
+
+vLLM's stopping fields, `stop` (strings), `stop_token_ids` and `include_stop_str_in_output`,
+are carried here and acted on by the callers that run sequences (`generate_with_runner`,
+the serving engine; the strings matched by `flintc.stop_strings`, in the text the
+tokenizer makes): the sampler sees only `min_tokens` masking the stop tokens.
 """
 
 from __future__ import annotations
@@ -276,6 +281,22 @@ class SamplingParams:
         structured outputs; the module docstring). The callers that hold the tokenizer
         make each sequence's `flintc.structured.GrammarMatcher` (`TokenHistory.grammar`)
         and end the sequence with "stop" when the grammar is complete.
+    stop: stop strings (a str or a list of str; kept as a tuple, None when empty): the
+        sequence ends (finish reason "stop") as soon as its detokenized output holds one
+        of them, looked for once more than `min_tokens` tokens are generated; the text
+        ends before the stop string (`flintc.stop_strings`: the earliest match). Acted on
+        by the callers that hold the tokenizer (`flintc.api.CompiledModel.generate`,
+        `generate_with_runner` with tokenizer=, `flintc run --stop`, the server); the
+        output ids keep the token that completed the match, as vLLM's do.
+    stop_token_ids: more token ids that end the sequence (finish reason "stop"), even
+        with ignore_eos (which ignores end-of-text alone, as vLLM's); kept as a tuple in
+        the order given, None when empty. Like end-of-text, they are masked while fewer
+        than `min_tokens` tokens are generated, the output ids keep the one that ended
+        the sequence and the text leaves it out. Ids are checked against the vocabulary
+        by the callers that know it, as logit_bias's.
+    include_stop_str_in_output: keep the stop string that ended the sequence in the text
+        (the text ends after it), or the text of the stop token (end-of-text or one of
+        stop_token_ids) it ended at.
     A row whose masks leave no token (say allowed_token_ids all bad words) draws an
     unspecified token, as a row of NaN logits does.
     """
@@ -296,6 +317,9 @@ class SamplingParams:
     bad_words: tuple[str, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    stop: tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # NumPy scalars (np.float32(0.7), np.int64(20)) as the Python numbers they stand for
@@ -309,6 +333,9 @@ class SamplingParams:
             if isinstance(v, kind) and not isinstance(v, bool) and type(v) not in (int, float):
                 object.__setattr__(self, name, cast(v))
         object.__setattr__(self, "ignore_eos", bool_or_self(self.ignore_eos))
+        object.__setattr__(self, "include_stop_str_in_output", bool_or_self(self.include_stop_str_in_output))
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_stop_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _normalise_logit_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", _normalise_allowed(self.allowed_token_ids))
         object.__setattr__(self, "bad_words", _normalise_bad_words(self.bad_words))
@@ -368,6 +395,17 @@ class SamplingParams:
             if not ids or not all(_is_token_id(t) for t in ids):
                 raise InputError(f"sampling field 'bad_words_token_ids': each entry must be a non-empty "
                                  f"sequence of token ids (integers >= 0), got {ids!r}")
+        for i, word in enumerate(self.stop or ()):
+            if not isinstance(word, str):
+                raise InputError(f"sampling field 'stop': expected strings, got {word!r} (entry {i})")
+            if not word:  # vLLM's "stop cannot contain an empty string."
+                raise InputError(f"sampling field 'stop' cannot contain an empty string (entry {i})")
+        for tok in self.stop_token_ids or ():
+            if not _is_token_id(tok):
+                raise InputError(f"sampling field 'stop_token_ids': token id {tok!r} is not an integer >= 0")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InputError(f"sampling field 'include_stop_str_in_output' must be True or False, got "
+                             f"{self.include_stop_str_in_output!r}")
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise InputError(f"sampling field 'structured_outputs' must be a StructuredOutputsParams (or a dict "
@@ -499,6 +537,27 @@ def _normalise_bad_words(words):
     if isinstance(words, (str, bytes)) or not hasattr(words, "__iter__"):
         raise InputError(f"sampling field 'bad_words' must be a list of strings, got {type(words).__name__}")
     return tuple(words) or None
+
+
+def _normalise_stop(stop):
+    """stop -> a tuple of strings (a str alone is one stop string, as vLLM takes it), None
+    when empty (vLLM's default, []). Entries that are not strings are left for
+    `validate`."""
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, bytes) or not hasattr(stop, "__iter__"):
+        raise InputError(f"sampling field 'stop' must be a string or a list of strings, got {type(stop).__name__}")
+    return tuple(stop) or None
+
+
+def _normalise_stop_ids(ids):
+    """stop_token_ids -> a tuple of ids in the order given, None when empty (vLLM's
+    default, []). Entries that are not ids are left for `validate`."""
+    if ids is None:
+        return None
+    return tuple(_id_sequence(ids, "stop_token_ids")) or None
 
 
 def _normalise_bad_ids(seqs):

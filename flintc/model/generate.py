@@ -26,7 +26,23 @@ from flintc.sampling import SamplingParams, params_per_prompt
 class GenerationResult:
     """prompt_ids / output_ids: one list per prompt. prompt_logits: fp32 [T_i, V]
     per prompt when asked for (logits at each prompt position), else None.
-    step_logits: per decode step, fp32 [B, V] of the rows that produced a token."""
+    step_logits: per decode step, fp32 [B, V] of the rows that produced a token.
+
+    What a prompt's output holds, as vLLM's `CompletionOutput` (`token_ids`, `text`,
+    `finish_reason`, `stop_reason`):
+    output_ids: every generated token, the stop token a sequence ended at (end-of-text or
+        one of stop_token_ids) included, and for a stop string the token that completed
+        it (its characters past the stop string are in no text).
+    texts: with a tokenizer (`generate(..., tokenizer=)`, `flintc.api`), each prompt's
+        output text (special tokens kept): without the stop token the sequence ended at
+        and cut before the stop string it ended at, unless include_stop_str_in_output
+        (then with the stop token's text, or up to the end of the stop string); None
+        without a tokenizer.
+    finish_reasons: "stop" or "length" (below).
+    stop_reasons: vLLM's stop_reason: the stop string (`SamplingParams.stop`) or the id of
+        `SamplingParams.stop_token_ids` that ended the sequence; None for end-of-text, a
+        complete grammar, and "length".
+    """
 
     prompt_ids: list[list[int]]
     output_ids: list[list[int]]
@@ -35,19 +51,22 @@ class GenerationResult:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     step_logits: list[torch.Tensor] = field(default_factory=list)
-    # Per prompt: "stop" (end-of-text token, or a structured output's grammar complete)
-    # or "length" (max_tokens, or prompt + generated tokens reached max_model_len: vLLM's
-    # convention, as `flintc serve`'s).
+    # Per prompt: "stop" (end-of-text token, one of stop_token_ids, a stop string, or a
+    # structured output's grammar complete) or "length" (max_tokens, or prompt + generated
+    # tokens reached max_model_len: vLLM's convention, as `flintc serve`'s).
     finish_reasons: list[str] = field(default_factory=list)
     # Per prompt: whether output_ids end with the stop token the sequence stopped at (False
-    # for "length" and for a grammar that completed on its own last token); empty: every
-    # "stop" did
+    # for "length", a stop string, and a grammar that completed on its own last token);
+    # empty: every "stop" did
     stopped_by_token: list[bool] = field(default_factory=list)
+    texts: list[str] | None = None
+    stop_reasons: list[str | int | None] = field(default_factory=list)
 
     def text_ids(self, i: int) -> list[int]:
         """The output ids of prompt `i` that its text is decoded from: without the
-        end-of-text token it stopped at (finish reason "stop"), which vLLM and `flintc
-        serve` leave out of the text too; output_ids keep it."""
+        stop token it stopped at (finish reason "stop"), which vLLM and `flintc
+        serve` leave out of the text too; output_ids keep it. A stop string's cut and
+        include_stop_str_in_output are not in them: `texts` has the text as vLLM's."""
         ids = self.output_ids[i]
         if i < len(self.stopped_by_token):
             return ids[:-1] if self.stopped_by_token[i] else ids
@@ -95,13 +114,14 @@ def generate(
         max_batch: the most sequences decoded together (default: all the prompts);
             more prompts run in consecutive batches of max_batch, as
             `flintc.runtime.generate.generate_with_runner` runs them.
-        tokenizer: the model's FlintTokenizer, which params with structured_outputs need.
+        tokenizer: the model's FlintTokenizer, which params with structured_outputs or
+            stop strings need; with one, the result's `texts` hold the output texts.
 
     Raises:
         InputError: no prompts, a prompt is empty, holds an out-of-range id, or has
             max_model_len tokens or more; max_model_len below 1 or above the model's
             max_positions; max_batch not an int of at least 1; structured_outputs
-            without a tokenizer.
+            or stop strings without a tokenizer; and `generate_with_runner`'s.
     """
     from flintc.runtime.generate import generate_with_runner
     from flintc.runtime.runner import ReferenceRunner

@@ -9,16 +9,20 @@ no tokenizer here: bad words must come as token ids (`bad_words_token_ids`, or
 `SamplingParams.with_tokenizer` called before, as `flintc.api` does). Structured outputs
 (`SamplingParams.structured_outputs`) need the tokenizer (`tokenizer=`): each such prompt
 gets a `flintc.structured.GrammarMatcher` in its TokenHistory, fed each token it
-generates, and stops with "stop" once its grammar is complete.
+generates, and stops with "stop" once its grammar is complete. Stop strings
+(`SamplingParams.stop`) need it too: with a tokenizer each prompt's text is made token by
+token (`flintc.stop_strings.StopStringText`, the serving engine's match) and returned in
+`GenerationResult.texts`.
 
-Same result type and stopping rules as the reference loop (`flintc.model.generate`):
-a sequence stops at its end-of-text token (unless ignore_eos; never before min_tokens,
-which masks it until then), when its structured output's grammar is complete, at
-max_tokens, or when
-prompt + generated tokens reach the runner's max_model_len (vLLM's meaning: the last
-token needs no cache position, so a sequence uses max_model_len - 1 positions). The
-finish reason is "stop" for the first two, "length" for the others (as vLLM and
-`flintc serve` report them).
+Same result type and stopping rules as the reference loop (`flintc.model.generate`),
+and as `flintc serve`'s engine: a sequence stops at its end-of-text token (unless
+ignore_eos) or one of its params' stop_token_ids (even with ignore_eos, as vLLM's; never
+before min_tokens, which masks them until then), when its text holds one of its stop
+strings (looked for once more than min_tokens tokens are out), when its structured
+output's grammar is complete, at max_tokens, or when prompt + generated tokens reach the
+runner's max_model_len (vLLM's meaning: the last token needs no cache position, so a
+sequence uses max_model_len - 1 positions). The finish reason is "stop" for the first
+three, "length" for the others (as vLLM and `flintc serve` report them).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from flintc.errors import InputError
 from flintc.model.generate import GenerationResult, check_prompt
 from flintc.sampling import (SamplingParams, TokenHistory, drawn_outside_allowed, first_outside_vocab,
                              params_per_prompt, sample)
+from flintc.stop_strings import StopStringText
 
 
 def _sync(device: torch.device) -> None:
@@ -49,10 +54,12 @@ def _grammar(q: SamplingParams, tokenizer, stops):
 
 
 def _check_sampling_ids(q: SamplingParams, vocab: int, where: str) -> None:
-    """InputError for an id of q's logit_bias, allowed_token_ids or bad_words_token_ids
-    outside [0, vocab), or bad_words not made into ids (no tokenizer here)."""
+    """InputError for an id of q's logit_bias, allowed_token_ids, bad_words_token_ids or
+    stop_token_ids outside [0, vocab), or bad_words not made into ids (no tokenizer
+    here)."""
     fields = (("logit_bias", [t for t, _ in q.logit_bias or ()]), ("allowed_token_ids", q.allowed_token_ids),
-              ("bad_words_token_ids", [t for ids in q.bad_words_token_ids or () for t in ids]))
+              ("bad_words_token_ids", [t for ids in q.bad_words_token_ids or () for t in ids]),
+              ("stop_token_ids", q.stop_token_ids))
     for name, ids in fields:
         bad = first_outside_vocab(ids or (), vocab)
         if bad is not None:
@@ -96,13 +103,24 @@ def generate_with_runner(
         on_token: called as on_token(prompt_index, token_id) as tokens appear
             (prompt_index into `prompts`, whatever batch it runs in).
         tokenizer: the model's FlintTokenizer: needed by params with structured_outputs
-            (their grammars are compiled for it), unused otherwise.
+            (their grammars are compiled for it) or stop strings (`stop`: the text is
+            made as the tokens come). With one, the result's `texts` hold each prompt's
+            output text (module docstring); without, `texts` is None.
+
+    Returns:
+        A GenerationResult: output_ids (a stop token that ended a sequence, or the token
+        that completed its stop string, kept, as vLLM's token_ids), finish_reasons,
+        stop_reasons (vLLM's stop_reason: the stop string or stop_token_ids id that ended
+        the sequence, else None), and with a tokenizer texts (the text ends before the
+        stop string or stop token, or after it with include_stop_str_in_output;
+        special tokens kept).
 
     Raises:
         InputError: no prompts, an empty prompt, an id outside the vocabulary (in a
-            prompt, a logit_bias, allowed_token_ids or bad_words_token_ids), bad_words
-            without their token ids, structured_outputs without a tokenizer, or a prompt
-            of max_model_len tokens or more; all checked before any prompt runs.
+            prompt, a logit_bias, allowed_token_ids, bad_words_token_ids or
+            stop_token_ids), bad_words without their token ids, structured_outputs or
+            stop strings without a tokenizer, or a prompt of max_model_len tokens or
+            more; all checked before any prompt runs.
             While generating: a token drawn outside allowed_token_ids (the params' other
             masks, bad_words or min_tokens, left none of the allowed tokens to draw).
         flintc.structured.StructuredOutputError: a grammar refused a generated token
@@ -122,6 +140,10 @@ def generate_with_runner(
         if q.structured_outputs is not None and tokenizer is None:
             raise InputError(f"sampling field 'structured_outputs'{f' of prompt {i}' if B > 1 else ''}: "
                              f"structured outputs need the model's tokenizer (tokenizer=...)")
+        if q.stop is not None and tokenizer is None:
+            raise InputError(f"sampling field 'stop'{f' of prompt {i}' if B > 1 else ''}: stop strings are "
+                             f"matched in the output text, which needs the model's tokenizer (tokenizer=...); "
+                             f"without one, end on token ids with stop_token_ids")
     step = int(runner.max_batch)
     result = None
     for start in range(0, B, step):
@@ -136,6 +158,9 @@ def generate_with_runner(
         result.output_ids += part.output_ids
         result.finish_reasons += part.finish_reasons
         result.stopped_by_token += part.stopped_by_token
+        result.stop_reasons += part.stop_reasons
+        if result.texts is not None:
+            result.texts += part.texts
         if return_prompt_logits:
             result.prompt_logits += part.prompt_logits
         result.step_logits += part.step_logits
@@ -156,12 +181,18 @@ def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams
     device = runner.device
     gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
     result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])
-    stops = () if eos_token_id is None else (eos_token_id,)
-    hist = [TokenHistory(prompts[b], result.output_ids[b], stops, grammar=_grammar(plist[b], tokenizer, stops))
+    eos = () if eos_token_id is None else (eos_token_id,)
+    user = [frozenset(q.stop_token_ids or ()) for q in plist]  # end the sequence even with ignore_eos
+    stops = [eos + tuple(q.stop_token_ids or ()) for q in plist]  # masked before min_tokens
+    hist = [TokenHistory(prompts[b], result.output_ids[b], stops[b],
+                         grammar=_grammar(plist[b], tokenizer, stops[b]))
             if plist[b].adjusts_logits else None for b in range(B)]
+    texts = ([StopStringText(tokenizer.detokenizer(), q.stop or (), q.include_stop_str_in_output) for q in plist]
+             if tokenizer is not None else None)
     result.prompt_logits = [] if return_prompt_logits else None
     result.finish_reasons = ["length"] * B
     result.stopped_by_token = [False] * B
+    result.stop_reasons = [None] * B
 
     _sync(device)
     t0 = time.perf_counter()
@@ -199,13 +230,22 @@ def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams
             if bad is not None:
                 raise InputError(bad.replace("'allowed_token_ids'", f"'allowed_token_ids' of prompt {first + b}", 1)
                                  if several else bad)
-            if t == eos_token_id and not plist[b].ignore_eos \
-                    and len(result.output_ids[b]) >= plist[b].min_tokens:
+            q, n = plist[b], len(result.output_ids[b])
+            # as the serving engine's `_push`: a stop token (end-of-text unless ignore_eos, one
+            # of stop_token_ids, or one that ended the grammar), then the stop strings
+            if t in stops[b] and (g is not None and g.ended
+                                  or n >= q.min_tokens and (not q.ignore_eos or t in user[b])):
                 result.finish_reasons[b] = "stop"
                 result.stopped_by_token[b] = True
+                # vLLM's stop_reason: None for end-of-text, the id for one of stop_token_ids
+                result.stop_reasons[b] = t if t in user[b] and (t != eos_token_id or q.ignore_eos) else None
+                if texts is not None:
+                    texts[b].push_stop_token(t)
+            elif texts is not None and texts[b].push(t, n, q.min_tokens):  # a stop string
+                result.finish_reasons[b] = "stop"
+                result.stop_reasons[b] = texts[b].matched
             elif g is not None and g.finished:  # the grammar is complete: nothing more can follow
                 result.finish_reasons[b] = "stop"
-                result.stopped_by_token[b] = g.ended  # (a stop token drawn with ignore_eos)
             elif len(result.output_ids[b]) >= plist[b].max_tokens \
                     or pos[b] + 1 >= runner.max_model_len:  # pos[b] + 1 tokens: prompt + generated
                 result.finish_reasons[b] = "length"
@@ -220,4 +260,6 @@ def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams
         result.decode_steps += 1
     _sync(device)
     result.decode_seconds = time.perf_counter() - t1
+    if texts is not None:
+        result.texts = [x.finish() for x in texts]
     return result

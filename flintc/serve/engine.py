@@ -129,6 +129,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams, TokenHistory, drawn_outside_allowed, sample
+from flintc.stop_strings import stop_string_cut, stop_string_hold
 from flintc.structured import GrammarMatcher, ReasoningGate, StructuredOutputError
 
 _WAKE = object()
@@ -461,7 +462,10 @@ class Engine:
     def submit(self, req: GenRequest) -> None:
         """Queue ``req``; its Outputs arrive through ``req.emit``. Its params' bad words
         become token ids here, as vLLM's input processor makes them
-        (`SamplingParams.with_tokenizer`; the server has made them already).
+        (`SamplingParams.with_tokenizer`; the server has made them already). Its params'
+        ``stop``, ``stop_token_ids`` and ``include_stop_str_in_output`` (the server leaves
+        them unset: it gives the request's own in ``req``) join the request's: their stop
+        strings are looked for too, their ids end it (even with ignore_eos).
 
         Raises:
             InputError: a bad word that makes no tokens; a non-zero ``req.priority`` with
@@ -469,7 +473,13 @@ class Engine:
         """
         if req.priority != 0 and self.scheduling_policy != "priority":
             raise InputError(priority_not_enabled(req.priority))
-        req.params = req.params.with_tokenizer(self.tokenizer)
+        req.params = p = req.params.with_tokenizer(self.tokenizer)
+        if p.stop is not None:
+            req.stop = tuple(dict.fromkeys(tuple(req.stop) + p.stop))
+        if p.stop_token_ids is not None:
+            ids = frozenset(p.stop_token_ids)
+            req.stop_token_ids, req.user_stop_token_ids = req.stop_token_ids | ids, req.user_stop_token_ids | ids
+        req.include_stop_str_in_output = req.include_stop_str_in_output or p.include_stop_str_in_output
         req.timeline.queued = time.monotonic()
         if self.fatal_error is not None:
             self._notify_finished(req, None, f"engine stopped: {self.fatal_error}")
@@ -793,19 +803,17 @@ class Engine:
         if len(seq.out_ids) >= params.max_tokens or seq.pos + 1 >= self.max_model_len:
             self._finish(seq, "length")
             return
-        hold = max((_prefix_overlap(seq.text, s) for s in req.stop), default=0)
+        hold = stop_string_hold(seq.text, req.stop)
         self._emit(seq, len(seq.text) - hold)
 
     def _cut_stop(self, seq: _Seq) -> bool:
         """Truncate seq.text at the first stop string found in text not yet emitted (after
-        it with ``include_stop_str_in_output``)."""
-        longest = max(len(s) for s in seq.req.stop)
-        begin = max(0, seq.sent - longest + 1)
-        hits = [(i, len(s)) for i, s in ((seq.text.find(s, begin), s) for s in seq.req.stop) if i >= 0]
-        if not hits:
+        it with ``include_stop_str_in_output``): `flintc.stop_strings.stop_string_cut`,
+        the match `flintc.runtime.generate` makes too."""
+        cut = stop_string_cut(seq.text, seq.req.stop, seq.sent, seq.req.include_stop_str_in_output)
+        if cut is None:
             return False
-        at, size = min(hits, key=lambda h: h[0])
-        seq.text = seq.text[:at + size if seq.req.include_stop_str_in_output else at]
+        seq.text = seq.text[:cut[1]]
         seq.detok.flush()
         return True
 
@@ -886,14 +894,6 @@ def priority_not_enabled(priority: int) -> str:
     """vLLM's message for a non-zero request priority under the "fcfs" policy (its input
     processor's ``process_inputs``)."""
     return f"Got priority {priority} but Priority scheduling is not enabled."
-
-
-def _prefix_overlap(text: str, stop: str) -> int:
-    """Longest suffix of text that is a proper prefix of stop (held back when streaming)."""
-    for k in range(min(len(text), len(stop) - 1), 0, -1):
-        if stop.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def wait_idle(engine: Engine, timeout: float = 10.0) -> bool:

@@ -1,0 +1,90 @@
+"""The Python API's stop strings, stop_token_ids and include_stop_str_in_output
+(`SamplingParams`, `generate_with_runner` with a tokenizer) give what `flintc serve`
+gives for the same prompt, seed and stop: the same text, token ids and finish reason
+(one match, `flintc.stop_strings`, behind both)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flintc.sampling import SamplingParams
+
+MAX_LEN = 256  # the tiny_server fixture's max_model_len
+SAMPLING = dict(temperature=0.9, top_p=0.95, top_k=40)
+
+
+def python_side(model, tok, ids, **kw):
+    """generate_with_runner on a cache of the server's length (harness.reference_at_cache_length's
+    reason), with the tokenizer: the result (texts, output_ids, finish_reasons)."""
+    from flintc.runtime.generate import generate_with_runner
+    from flintc.runtime.runner import ReferenceRunner
+
+    runner = ReferenceRunner(model, max_batch=1, max_model_len=MAX_LEN)
+    return generate_with_runner(runner, [ids], SamplingParams(**SAMPLING, **kw), eos_token_id=tok.eos_token_id,
+                                tokenizer=tok)
+
+
+def server_side(tiny_server, ids, stream=False, **kw):
+    """/v1/completions with the prompt's ids: (text, token ids, finish reason); streamed,
+    the text pieces joined."""
+    body = {"model": "flint-tiny", "prompt": ids, "return_token_ids": True, "skip_special_tokens": False,
+            "stream": stream, **SAMPLING, **kw}
+    status, got = tiny_server.post("/v1/completions", body)
+    assert status == 200, got
+    if not stream:
+        c = got["choices"][0]
+        return c["text"], c["token_ids"], c["finish_reason"]
+    chunks = [c for e in got for c in e.get("choices", ())]
+    return ("".join(c.get("text", "") for c in chunks), [t for c in chunks for t in c.get("token_ids") or ()],
+            next(c["finish_reason"] for c in chunks if c.get("finish_reason")))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_stop_strings_agree_with_the_server(tiny_server, tiny_serving, seed):
+    model, tok = tiny_serving
+    ids = tok.encode(f"Story {seed}: once upon a time")
+    free = python_side(model, tok, ids, seed=seed, max_tokens=30, ignore_eos=True)
+    text, out = free.texts[0], free.output_ids[0]
+    assert server_side(tiny_server, ids, seed=seed, max_tokens=30, ignore_eos=True) == (text, out, "length")
+    pieces = [tok.decode(out[:i]) for i in range(len(out) + 1)]
+    mid = len(pieces[len(out) // 2])  # a stop string that spans the middle token's start
+    cases = [dict(stop=[text[mid - 1:mid + 2]]), dict(stop=[text[5:7], text[mid:mid + 3]]),
+             dict(stop=[text[:2]]), dict(stop=[text[:2], text[mid - 2:mid]], min_tokens=4),
+             dict(stop_token_ids=[out[len(out) // 2]])]
+    stopped = 0
+    for case in cases:
+        for include in (False, True):
+            kw = dict(seed=seed, max_tokens=30, ignore_eos=True, include_stop_str_in_output=include, **case)
+            mine = python_side(model, tok, ids, **kw)
+            want = (mine.texts[0], mine.output_ids[0], mine.finish_reasons[0])
+            stopped += want[2] == "stop"
+            for stream in (False, True):
+                assert server_side(tiny_server, ids, stream=stream, **kw) == want, (case, include, stream)
+    # (min_tokens masks the end-of-text token, which changes a seeded draw: that case's
+    # output may hold neither stop string)
+    assert stopped >= 8
+
+
+def test_engine_takes_the_stop_fields_of_its_params(tiny_server, tiny_serving):
+    """A GenRequest whose SamplingParams carry stop / stop_token_ids /
+    include_stop_str_in_output (a Python user of `Engine`; the server gives its request's
+    own in the GenRequest) ends as `generate_with_runner` ends it."""
+    import queue
+
+    from flintc.serve.engine import GenRequest
+
+    model, tok = tiny_serving
+    ids = tok.encode("Story 9: once upon a time")
+    free = python_side(model, tok, ids, seed=9, max_tokens=30, ignore_eos=True).texts[0]
+    for kw in (dict(stop=[free[8:10]]), dict(stop=free[8:10], include_stop_str_in_output=True),
+               dict(stop_token_ids=[python_side(model, tok, ids, seed=9, max_tokens=30).output_ids[0][6]])):
+        mine = python_side(model, tok, ids, seed=9, max_tokens=30, ignore_eos=True, **kw)
+        got: queue.Queue = queue.Queue()
+        params = SamplingParams(**SAMPLING, seed=9, max_tokens=30, ignore_eos=True, **kw)
+        tiny_server.engine.submit(GenRequest(list(ids), params, got.put,
+                                             stop_token_ids=frozenset({tok.eos_token_id})))
+        outs = [got.get(timeout=60)]
+        while not outs[-1].finished:
+            outs.append(got.get(timeout=60))
+        assert ("".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs[-1].finish_reason) \
+            == (mine.texts[0], mine.output_ids[0], "stop"), kw

@@ -1,0 +1,271 @@
+"""Stop strings, stop_token_ids and include_stop_str_in_output in the Python API
+(`SamplingParams`, `flintc.model.generate.generate`, `generate_with_runner`,
+`flintc.compile(...).generate`), with vLLM's semantics, on the tiny BF16 checkpoint.
+The server's agreement: tests/serve/test_stop_strings_agree.py; `flintc run --stop`:
+tests/cli/test_run.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flintc.errors import InputError
+from flintc.sampling import SamplingParams
+from flintc.stop_strings import StopStringText, stop_string_cut, stop_string_hold
+
+MAX = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_bf16_dir):
+    """(FlintModel, FlintTokenizer, a prompt's ids, the greedy output ids of MAX tokens
+    with ignore_eos, their texts one by one)."""
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.checkpoint.tokenizer import load_tokenizer
+    from flintc.model.generate import generate
+    from flintc.model.reference import FlintModel
+
+    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
+    model, tok = FlintModel(ckpt.config, ckpt.weights), load_tokenizer(ckpt.tokenizer_dir)
+    ids = tok.encode("Hello world")
+    out = generate(model, [ids], SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True),
+                   tokenizer=tok).output_ids[0]
+    return model, tok, ids, out, [tok.decode([t]) for t in out]
+
+
+def gen(tiny, prompts=None, **kw):
+    from flintc.model.generate import generate
+
+    model, tok, ids, _, _ = tiny
+    params = kw.pop("params", None) or SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True, **kw)
+    return generate(model, prompts or [ids], params, eos_token_id=tok.eos_token_id, tokenizer=tok)
+
+
+def _boundary(pieces, lo: int = 1) -> int:
+    """The first token k >= lo whose text and the previous one's are both non-empty
+    printable ASCII: a stop string pieces[k-1][-1] + pieces[k][0] spans the two."""
+    ok = [p != "" and p.isascii() and p.isprintable() for p in pieces]
+    return next(k for k in range(lo, len(pieces)) if ok[k - 1] and ok[k])
+
+
+def test_a_stop_string_that_spans_tokens(tiny):
+    """The text ends before the stop string (whose characters come from two tokens); the
+    output ids end with the token that completed it, as vLLM's token_ids; "stop", and
+    stop_reason the string. With include_stop_str_in_output the text ends after it, and
+    the completing token's characters past the stop string are in neither."""
+    _, tok, _, out, pieces = tiny
+    k = _boundary(pieces, lo=2)
+    stop = pieces[k - 1][-1] + pieces[k][0]
+    before = "".join(pieces[:k - 1]) + pieces[k - 1][:-1]
+    assert stop not in before + pieces[k - 1][-1]  # (the first occurrence is the one at k)
+    r = gen(tiny, stop=stop)
+    assert r.output_ids[0] == out[:k + 1] and r.finish_reasons == ["stop"] and r.stop_reasons == [stop]
+    assert r.texts == [before] and r.stopped_by_token == [False]
+    r = gen(tiny, stop=[stop], include_stop_str_in_output=True)
+    assert r.texts == [before + stop] and r.output_ids[0] == out[:k + 1]
+    # several stop strings: the earliest match wins, whatever the list's order
+    later = "".join(pieces[k + 2:k + 4])
+    r = gen(tiny, stop=[later, stop] if later else [stop])
+    assert r.texts == [before] and r.stop_reasons == [stop]
+
+
+def test_a_stop_string_in_the_first_token_and_min_tokens(tiny):
+    """A stop string in the first token's text: one token out, empty text. With
+    min_tokens, stop strings are looked for only once more than min_tokens tokens are out
+    (vLLM's `len(output_token_ids) > min_tokens`): one that lies wholly in those tokens'
+    text does not stop the sequence, a later one does."""
+    _, tok, _, out, pieces = tiny
+    first = pieces[0]
+    assert first
+    r = gen(tiny, stop=first)
+    assert (r.output_ids[0], r.texts, r.finish_reasons) == (out[:1], [""], ["stop"])
+    r = gen(tiny, stop=first, include_stop_str_in_output=True)
+    assert r.texts == [first] and r.output_ids[0] == out[:1]
+    k = _boundary(pieces, lo=4)
+    later = pieces[k - 1][-1] + pieces[k][0]
+    text = "".join(pieces)
+    assert first not in text[len(first):]  # (it appears in the first token only)
+    r = gen(tiny, stop=[first, later], min_tokens=3)
+    at = text.index(later, len("".join(pieces[:3])) - len(later) + 1)
+    assert r.stop_reasons == [later] and r.texts == [text[:at]] and r.output_ids[0] == out[:k + 1]
+    r = gen(tiny, stop=first, min_tokens=3)
+    assert r.finish_reasons == ["length"] and r.output_ids[0] == out and r.stop_reasons == [None]
+
+
+def test_stop_token_ids_end_the_sequence_and_stay_in_the_ids(tiny):
+    """stop_token_ids end the sequence even with ignore_eos (vLLM's ignore_eos ignores EOS
+    alone); the id stays in output_ids and is the stop_reason; the text leaves its text
+    out unless include_stop_str_in_output. min_tokens masks them (they cannot be drawn
+    before), as it masks end-of-text."""
+    _, tok, _, out, pieces = tiny
+    k = 5
+    r = gen(tiny, stop_token_ids=[out[k]])
+    first = out.index(out[k])
+    assert r.output_ids[0] == out[:first + 1] and r.finish_reasons == ["stop"] and r.stop_reasons == [out[k]]
+    assert r.texts == [tok.decode(out[:first])] and r.stopped_by_token == [True]
+    r = gen(tiny, stop_token_ids=[out[k]], include_stop_str_in_output=True)
+    assert r.texts == [tok.decode(out[:first + 1])]
+    r = gen(tiny, stop_token_ids=[out[0]], min_tokens=2)
+    assert out[0] not in r.output_ids[0][:2]
+    # end-of-text stops with stop_reason None (vLLM's); the text leaves it out
+    eos = tok.eos_token_id
+    r = gen(tiny, params=SamplingParams(temperature=0, max_tokens=6, logit_bias={eos: 100}, min_tokens=2))
+    assert r.output_ids[0][2] == eos and r.stop_reasons == [None] and "<|endoftext|>" not in r.texts[0]
+    r = gen(tiny, params=SamplingParams(temperature=0, max_tokens=6, logit_bias={eos: 100}, min_tokens=2,
+                                        include_stop_str_in_output=True))
+    assert r.texts[0].endswith("<|endoftext|>")
+
+
+def test_each_prompt_has_its_own_stop_strings(tiny):
+    """A batch (one SamplingParams per prompt, and more prompts than max_batch run in
+    batches): each prompt ends at its own stop string, the others run on; the results
+    are the ones each prompt gets alone."""
+    from flintc.model.generate import generate
+
+    model, tok, ids, out, pieces = tiny
+    prompts = [ids, tok.encode("The quick brown fox"), ids]
+    alone = [generate(model, [p], SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True), tokenizer=tok)
+             for p in prompts[:2]]
+    texts = [a.texts[0] for a in alone]
+    stops = [texts[0][5:8], texts[1][3:5], None]
+    params = [SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True, stop=s) for s in stops]
+    for max_batch in (None, 2):
+        r = generate(model, prompts, params, tokenizer=tok, max_batch=max_batch)
+        assert r.texts[0] == texts[0][:texts[0].index(stops[0])] and r.stop_reasons[:2] == stops[:2]
+        assert r.texts[1] == texts[1][:texts[1].index(stops[1])]
+        assert r.texts[2] == texts[0] and r.finish_reasons == ["stop", "stop", "length"]
+        for i in range(2):
+            one = generate(model, [prompts[i]], params[i], tokenizer=tok)
+            assert (one.output_ids[0], one.texts[0]) == (r.output_ids[i], r.texts[i])
+            assert len(r.output_ids[i]) < MAX
+
+
+def test_seeded_sampling_with_stop_strings(tiny):
+    """Sampled (seeded) tokens up to the stop are the same as without stop strings: they
+    only cut the sequence."""
+    from flintc.model.generate import generate
+
+    model, tok, ids, _, _ = tiny
+    free = generate(model, [ids], SamplingParams(seed=3, max_tokens=MAX, ignore_eos=True), tokenizer=tok)
+    text = free.texts[0]
+    stop = text[6:8]
+    r = generate(model, [ids], SamplingParams(seed=3, max_tokens=MAX, ignore_eos=True, stop=stop), tokenizer=tok)
+    assert r.texts[0] == text[:text.index(stop)]
+    assert r.output_ids[0] == free.output_ids[0][:len(r.output_ids[0])]
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(stop=""), "sampling field 'stop' cannot contain an empty string (entry 0)"),
+    (dict(stop=["a", ""]), "sampling field 'stop' cannot contain an empty string (entry 1)"),
+    (dict(stop=["a", 5]), "sampling field 'stop': expected strings, got 5 (entry 1)"),
+    (dict(stop=5), "sampling field 'stop' must be a string or a list of strings, got int"),
+    (dict(stop=b"x"), "sampling field 'stop' must be a string or a list of strings, got bytes"),
+    (dict(stop_token_ids=[1, -2]), "sampling field 'stop_token_ids': token id -2 is not an integer >= 0"),
+    (dict(stop_token_ids=[1, True]), "sampling field 'stop_token_ids': token id True is not an integer >= 0"),
+    (dict(stop_token_ids=[1.5]), "sampling field 'stop_token_ids': token id 1.5 is not an integer >= 0"),
+    (dict(stop_token_ids="12"), "sampling field 'stop_token_ids' must be a list of token ids, got str"),
+    (dict(include_stop_str_in_output="yes"), "sampling field 'include_stop_str_in_output' must be True or False"),
+])
+def test_bad_stop_fields_name_the_field(kw, needle):
+    with pytest.raises(InputError) as e:
+        SamplingParams(**kw)
+    assert needle in str(e.value)
+
+
+def test_stop_fields_are_normalised():
+    import numpy as np
+
+    p = SamplingParams(stop="ab", stop_token_ids=[np.int64(5), 3], include_stop_str_in_output=np.True_)
+    assert p.stop == ("ab",) and p.stop_token_ids == (5, 3) and p.include_stop_str_in_output is True
+    assert SamplingParams(stop=[], stop_token_ids=()).stop is None
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b") and hash(SamplingParams(stop=["a"]))
+    assert not SamplingParams(stop=["a"], stop_token_ids=[1]).adjusts_logits  # nothing for the sampler
+
+
+def test_generate_errors(tiny):
+    """Stop strings without a tokenizer (they are matched in the text), and a stop token
+    id outside the vocabulary, before any prompt runs, naming the field (and prompt)."""
+    from flintc.model.generate import generate
+
+    model, tok, ids, _, _ = tiny
+    with pytest.raises(InputError, match="sampling field 'stop': stop strings are matched in the output text, "
+                                         "which needs the model's tokenizer"):
+        generate(model, [ids], SamplingParams(stop="x"))
+    with pytest.raises(InputError, match="sampling field 'stop' of prompt 1: stop strings"):
+        generate(model, [ids, ids], [SamplingParams(), SamplingParams(stop="x")])
+    with pytest.raises(InputError, match=r"sampling field 'stop_token_ids': token id 512 is outside the "
+                                         r"vocabulary \[0, 512\)"):
+        generate(model, [ids], SamplingParams(stop_token_ids=[3, 512]), tokenizer=tok)
+    # token ids alone: stop_token_ids work without a tokenizer (no texts then)
+    r = generate(model, [ids], SamplingParams(temperature=0, max_tokens=MAX, stop_token_ids=[tiny[3][2]]))
+    assert r.output_ids[0] == tiny[3][:3] and r.texts is None and r.stop_reasons == [tiny[3][2]]
+
+
+def test_the_shared_match():
+    """`stop_string_cut` / `stop_string_hold` (the serving engine's): the earliest match,
+    the first of the list at one position; the search starts the longest stop's length
+    minus one before what was searched; the held-back suffix is the longest proper
+    prefix of a stop."""
+    assert stop_string_cut("abcdef", ("de", "cd"), 0, False) == ("cd", 2)
+    assert stop_string_cut("abcdef", ("cd", "cde"), 0, True) == ("cd", 4)
+    assert stop_string_cut("abcdef", ("ab",), 4, False) is None
+    assert stop_string_cut("abcdef", ("cd",), 3, False) == ("cd", 2)
+    assert stop_string_hold("xxab", ("abc", "b!")) == 2 and stop_string_hold("xxab", ()) == 0
+
+    class Detok:
+        def push(self, t):
+            return t
+
+        def flush(self):
+            return ""
+
+    s = StopStringText(Detok(), ("abc",))
+    assert [s.push(c, n, 0) for n, c in enumerate(["xa", "b", "cd"], 1)] == [False, False, True]
+    assert (s.text, s.matched) == ("x", "abc")
+
+
+def test_python_api_compiled_build(tiny_bf16_dir, tmp_path):
+    """`flintc.compile(...).generate` takes stop, stop_token_ids and
+    include_stop_str_in_output as keywords or in `flintc.SamplingParams`: the output is
+    the one without them, cut as vLLM cuts it; without a tokenizer stop strings are
+    refused."""
+    import flintc
+
+    m = flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, backend="torch",
+                       max_batch=2, max_model_len=64)
+    tok = m.tokenizer
+    ids = tok.encode("Hello world")
+    free = m.generate([ids], temperature=0, max_tokens=MAX, ignore_eos=True)
+    out = free.output_ids[0]
+    pieces = [tok.decode([t]) for t in out]
+    k = _boundary(pieces, lo=2)
+    stop = pieces[k - 1][-1] + pieces[k][0]
+    before = free.texts[0][:free.texts[0].index(stop)]
+    r = m.generate([ids], temperature=0, max_tokens=MAX, ignore_eos=True, stop=stop)
+    assert (r.texts, r.output_ids, r.finish_reasons, r.stop_reasons) == ([before], [out[:k + 1]], ["stop"], [stop])
+    r = m.generate([ids, ids], [flintc.SamplingParams(temperature=0, max_tokens=MAX, ignore_eos=True, stop=[stop],
+                                                      include_stop_str_in_output=True),
+                                flintc.SamplingParams(temperature=0, max_tokens=MAX, stop_token_ids=[out[3]])])
+    assert r.texts[0] == before + stop and r.output_ids[1] == out[:out.index(out[3]) + 1]
+    assert r.stop_reasons == [stop, out[3]] and r.texts[1] == tok.decode(r.output_ids[1][:-1])
+    m.tokenizer = None
+    with pytest.raises(InputError, match="sampling field 'stop': stop strings"):
+        m.generate([ids], stop="x")
+
+
+def test_top_level_exports_stay_lazy():
+    """`from flintc import SamplingParams, StructuredOutputsParams` (as `from vllm import
+    SamplingParams`) are flintc.sampling's classes; `import flintc` alone still does not
+    import torch."""
+    import flintc
+    import flintc.sampling
+
+    assert flintc.SamplingParams is flintc.sampling.SamplingParams
+    assert flintc.StructuredOutputsParams is flintc.sampling.StructuredOutputsParams
+    assert {"SamplingParams", "StructuredOutputsParams"} <= set(dir(flintc))
+    code = ("import sys, flintc; assert 'torch' not in sys.modules; from flintc import SamplingParams; "
+            "assert 'torch' in sys.modules; assert SamplingParams(stop='x').stop == ('x',)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
