@@ -56,13 +56,23 @@ def add_parser(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0,
                    help="in [0, 1]: drop tokens less likely than this times the most likely one (vLLM's)")
     p.add_argument("--min-tokens", type=int, default=0,
-                   help="generate at least this many tokens before <|endoftext|> may come")
+                   help="generate at least this many tokens before <|endoftext|> (or a --stop-token-ids id) "
+                        "may come and --stop strings are looked for")
     p.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
                    help="add BIAS (in [-100, 100]) to token ID's logit; repeat for more tokens")
     p.add_argument("--structured-outputs", default=None, metavar="JSON",
                    help="constrain the output (vLLM's structured outputs, on llguidance): a JSON object with "
                         "one of json (a JSON schema), regex, choice (a list of strings), grammar (Lark) or "
                         "json_object (true), e.g. '{\"choice\": [\"yes\", \"no\"]}'; needs the tokenizer")
+    p.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="stop string: the output ends at the first one it holds (looked for once more than "
+                        "--min-tokens tokens are out), which the text leaves out (vLLM's stop); repeat for "
+                        "more; needs the tokenizer")
+    p.add_argument("--stop-token-ids", action="append", default=None, metavar="IDS",
+                   help="token ids that end the output, comma-separated, e.g. 5,9 (even with --ignore-eos; "
+                        "kept in the output ids, left out of the text; vLLM's stop_token_ids); repeat to add")
+    p.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string, or the stop token's text, that ended the output in the text")
     add_model_source_args(p)
     p.add_argument("--build", default=None, help="run this BUILD (from flintc compile)")
     p.add_argument("--backend", choices=("reference", "auto", "triton", "torch"), default=None,
@@ -121,6 +131,27 @@ def parse_logit_bias(items: list[str] | None) -> dict[int, float] | None:
             raise InputError(f"--logit-bias: token id {tok_id} given twice")
         out[tok_id] = value
     return out
+
+
+def parse_stop_token_ids(items: list[str] | None) -> list[int] | None:
+    """--stop-token-ids values ['5,9', ...] -> [5, 9, ...]. Raises InputError naming the
+    flag: an item that is not an integer, or a negative one (the upper bound is checked
+    once the model's config is read, `_check_ids_in_vocab`)."""
+    if not items:
+        return None
+    ids = []
+    for text in items:
+        for piece in text.split(","):
+            piece = piece.strip()
+            try:
+                ids.append(int(piece))
+            except ValueError:
+                raise InputError(f"--stop-token-ids: {piece!r} is not an integer token id (expected ids "
+                                 "separated by commas, e.g. --stop-token-ids 5,9)") from None
+            if ids[-1] < 0:
+                raise InputError(f"--stop-token-ids {text!r}: token id {ids[-1]} is negative; token ids are in "
+                                 "[0, vocab_size)")
+    return ids
 
 
 class _AppendPrompt(argparse._AppendAction):
@@ -206,7 +237,7 @@ def _temporary_build_dumps(opts, no_dump: bool, config) -> None:
 
 
 def _check_ids_in_vocab(params, id_prompts: list[list[int]], vocab_size, source: str) -> None:
-    """The token ids of --logit-bias and --prompt-ids against the model's vocabulary, as
+    """The token ids of --logit-bias, --stop-token-ids and --prompt-ids against the model's vocabulary, as
     soon as its size is known (config.json, or a --build's build.json): before any weight
     loads and a --backend torch|triton compiles (an id past the end was refused only
     after both, naming no flag). Raises InputError naming the flag, the id, the valid
@@ -217,6 +248,10 @@ def _check_ids_in_vocab(params, id_prompts: list[list[int]], vocab_size, source:
         if tok >= vocab_size:
             raise InputError(f"--logit-bias {tok}={bias:g}: token id {tok} is outside the vocabulary "
                              f"[0, {vocab_size}) of {source}")
+    for tok in params.stop_token_ids or ():
+        if tok >= vocab_size:
+            raise InputError(f"--stop-token-ids: token id {tok} is outside the vocabulary [0, {vocab_size}) "
+                             f"of {source}")
     for ids in id_prompts:
         bad = [t for t in ids if t >= vocab_size]
         if bad:
@@ -325,7 +360,8 @@ def _tokenizer_and_texts(args, found, vocab_size, config_where):
     a temporary one compiles, so that what is wrong with them is the only output.
 
     Raises:
-        InputError: --prompt with no tokenizer (naming where it was looked for); a
+        InputError: --prompt with no tokenizer (naming where it was looked for), --stop
+            with none; a
             --prompt text of --max-model-len tokens or more (as --prompt-ids,
             `_check_prompts_early`).
         CheckpointError: a tokenizer with ids of `vocab_size` or more
@@ -344,6 +380,9 @@ def _tokenizer_and_texts(args, found, vocab_size, config_where):
             where += f" nor in --hf-config-path {args.hf_config_path}"
         raise InputError(f"--prompt needs a tokenizer: {where}; pass --tokenizer DIR (a folder with "
                          "tokenizer.json and tokenizer_config.json), or give token ids with --prompt-ids")
+    if args.stop and tok_dir is None:  # the stop strings are matched in the text
+        raise InputError("--stop needs the model's tokenizer (stop strings are matched in the output text): "
+                         "pass --tokenizer DIR, or end on token ids with --stop-token-ids")
     tokenizer = load_tokenizer(tok_dir) if tok_dir else None
     if tokenizer is not None and isinstance(vocab_size, int):
         tokenizer.check_fits_model(vocab_size, config_where)
@@ -424,12 +463,14 @@ def run_generate(args: argparse.Namespace) -> int:
                                 frequency_penalty=args.frequency_penalty,
                                 repetition_penalty=args.repetition_penalty, min_p=args.min_p,
                                 min_tokens=args.min_tokens, logit_bias=parse_logit_bias(args.logit_bias),
-                                structured_outputs=parse_structured_outputs(args.structured_outputs))
+                                structured_outputs=parse_structured_outputs(args.structured_outputs),
+                                stop=args.stop, stop_token_ids=parse_stop_token_ids(args.stop_token_ids),
+                                include_stop_str_in_output=args.include_stop_str_in_output)
     except InputError as exc:  # name the flag the user typed, not only the field
         field = str(exc).split("'")[1] if str(exc).count("'") >= 2 else None
         if field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "logit_bias",
-                     "structured_outputs"):
+                     "structured_outputs", "stop", "stop_token_ids"):
             raise InputError(f"--{field.replace('_', '-')}: {exc}") from None
         raise
     id_prompts = [parse_prompt_ids(t) for t in args.prompt_ids or []]
@@ -477,7 +518,11 @@ def _generate(args, params, id_prompts, cleanup) -> int:
     order = getattr(args, "prompt_order", None) or [(d, i) for d in given for i in range(len(given[d]))]
     prompts = [given[dest][i] for dest, i in order]  # as on the command line
     single = len(prompts) == 1
-    stream = (_TextStream(tokenizer, None if args.ignore_eos or tokenizer is None else tokenizer.eos_token_id)
+    stop_ids = set(params.stop_token_ids or ())
+    if not args.ignore_eos and tokenizer is not None:
+        stop_ids.add(tokenizer.eos_token_id)
+    stream = (_TextStream(tokenizer, stop_ids, params.stop or (), params.include_stop_str_in_output,
+                          params.min_tokens)
               if args.output == "text" and single else None)
     kwargs = dict(eos_token_id=tokenizer.eos_token_id if tokenizer else None, tokenizer=tokenizer,
                   return_prompt_logits=args.logits_out is not None,
@@ -504,16 +549,17 @@ def _generate(args, params, id_prompts, cleanup) -> int:
         _save_npy_atomic(args.logits_out, result.prompt_logits[0].numpy())
     for i, (ids, out_ids) in enumerate(zip(prompts, result.output_ids)):
         if args.output == "json":
-            obj = {"prompt_ids": ids, "output_ids": out_ids, "finish_reason": result.finish_reasons[i]}
+            obj = {"prompt_ids": ids, "output_ids": out_ids, "finish_reason": result.finish_reasons[i],
+                   "stop_reason": result.stop_reasons[i]}
             if not single:
                 obj = {"index": i, **obj}
             if tokenizer is not None:
-                obj["text"] = tokenizer.decode(result.text_ids(i))
+                obj["text"] = result.texts[i]
             print(json.dumps(obj))
         elif stream is not None:
-            stream.close()
+            stream.close(result.texts[i] if result.texts is not None else None)
         else:
-            text = tokenizer.decode(result.text_ids(i)) if tokenizer else " ".join(map(str, out_ids))
+            text = result.texts[i] if tokenizer else " ".join(map(str, out_ids))
             print(f"[{i}] {one_line(text)}")
     print(f"prompt tokens: {sum(map(len, prompts))}, generated tokens: "
           f"{sum(map(len, result.output_ids))}, prefill: {result.prefill_seconds:.3f} s, "
@@ -546,20 +592,49 @@ def _decode_figure(result) -> str:
 
 
 class _TextStream:
-    """Prints generated text as it appears (token ids when there is no tokenizer); the
-    end-of-text token a sequence stops at (`stop_id`) is not printed, as `--output json`'s
-    text and vLLM's leave it out."""
+    """Prints generated text as it appears (token ids when there is no tokenizer). A stop
+    token the sequence ends at (`stop_ids`: end-of-text unless --ignore-eos, and
+    --stop-token-ids) is not printed, as `--output json`'s text and vLLM's leave it out,
+    unless `include` (--include-stop-str-in-output). With stop strings (`stops`, --stop)
+    the text is cut as generation cuts it (`flintc.stop_strings.StopStringText`, looked
+    for past `min_tokens` tokens), and text that might begin one is held back until it
+    does not (as `flintc serve` streams); `close` prints what the result's text holds
+    beyond what was printed."""
 
-    def __init__(self, tokenizer, stop_id: int | None = None):
+    def __init__(self, tokenizer, stop_ids=frozenset(), stops=(), include: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.decoder = tokenizer.detokenizer() if tokenizer is not None else None
-        self.stop_id = stop_id
+        self.stop_ids = frozenset(stop_ids)
+        self.include = include
+        self.min_tokens = min_tokens
+        self.text = None  # with stop strings: the `StopStringText`
+        if stops and tokenizer is not None:
+            from flintc.stop_strings import StopStringText
+
+            self.text = StopStringText(self.decoder, stops, include)
+        self.n = 0  # tokens pushed
+        self.printed = 0  # with stop strings: the characters of the text printed
+        self.ended = False  # with stop strings: one matched
         self.wrote = False  # text is on the line (`end_line`)
 
     def push(self, token_id: int) -> None:
-        if token_id == self.stop_id:
+        self.n += 1
+        if self.ended or (token_id in self.stop_ids and not self.include):
             return
-        text = self.decoder.push(token_id) if self.decoder else f"{token_id} "
+        if self.text is None:
+            text = self.decoder.push(token_id) if self.decoder else f"{token_id} "
+        else:
+            from flintc.stop_strings import stop_string_hold
+
+            t = self.text
+            if token_id in self.stop_ids:
+                t.push_stop_token(token_id)
+                upto = len(t.text)
+            elif t.push(token_id, self.n, self.min_tokens):
+                self.ended, upto = True, len(t.text)
+            else:
+                upto = len(t.text) - stop_string_hold(t.text, t.stops)
+            text, self.printed = t.text[self.printed:upto], max(self.printed, upto)
         # print, not sys.stdout.write: with stdout closed (`>&-`) sys.stdout is None, which
         # print skips (as the other outputs) and .write was an AttributeError traceback
         print(text, end="", flush=True)
@@ -571,7 +646,13 @@ class _TextStream:
         if self.wrote:
             print(flush=True)
 
-    def close(self) -> None:
+    def close(self, final: str | None = None) -> None:
+        """End the line. `final`: the result's text (with stop strings, the part of it not
+        printed yet is printed: what was held back)."""
+        if self.text is not None and final is not None:
+            done = self.text.text[:self.printed]
+            print(final[len(done):] if final.startswith(done) else "", flush=True)
+            return
         print(self.decoder.flush() if self.decoder else "", flush=True)
 
 

@@ -14,6 +14,7 @@ import torch
 
 from flintc.checkpoint.loader import load_checkpoint
 from flintc.cli import main
+from flintc.cli.run import one_line
 from flintc.model.generate import generate
 from flintc.model.reference import FlintModel
 from flintc.sampling import SamplingParams
@@ -214,6 +215,10 @@ def test_summary_has_no_decode_rate_without_a_decode_step(capsys, tiny_bf16_dir,
     (["--structured-outputs", '{"regex": "[a"}'], "--structured-outputs: sampling field 'structured_outputs': "
                                                   "structured_outputs field 'regex': at 1(8): invalid regex"),
     (["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "only use one kind"),
+    (["--stop", "a", "--stop", ""], "--stop: sampling field 'stop' cannot contain an empty string (entry 1)"),
+    (["--stop-token-ids", "1,x"], "--stop-token-ids: 'x' is not an integer token id"),
+    (["--stop-token-ids", "3", "--stop-token-ids", "-1"], "--stop-token-ids '-1': token id -1 is negative"),
+    (["--stop-token-ids", "1,600"], "--stop-token-ids: token id 600 is outside the vocabulary [0, 512)"),
     (["--structured-outputs", "{x"], "--structured-outputs: not valid JSON"),
     (["--structured-outputs", "[1]"], "--structured-outputs: expected a JSON object"),
     # past llguidance's lexer limits once generation starts: one line too, not a traceback
@@ -757,3 +762,51 @@ def test_logits_out_refuses_to_replace_an_input(capsys, tmp_path, tiny_bf16_dir,
     code, out, err = run_cli(capsys, "verify", ckpt, "--json", ckpt / "config.json")
     assert code == 2 and "--json" in err and "MODEL" in err and "which this command reads" in err, err
     assert (ckpt / "config.json").read_bytes() == before["config.json"]
+
+
+def test_run_stop_strings_text_and_json(capsys, tmp_path, tiny_bf16_dir):
+    """--stop (repeatable), --stop-token-ids and --include-stop-str-in-output reach
+    SamplingParams: --output json's text, output_ids, finish_reason and stop_reason are the
+    Python API's; the streamed text of one prompt and the lines of a batch end before the
+    stop string (the text that might begin one is held back, then printed when it does
+    not); without a tokenizer --stop is refused in one line."""
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
+    model, tok = FlintModel(ckpt.config, ckpt.weights), load_tokenizer(tiny_bf16_dir)
+    base = ["run", tiny_bf16_dir, "--prompt", "Hello world", "--temperature", 0, "--max-tokens", 24, "--ignore-eos"]
+    code, out, err = run_cli(capsys, *base, "--output", "json")
+    free = json.loads(out)
+    text, ids = free["text"], free["output_ids"]
+    assert free["stop_reason"] is None and free["finish_reason"] == "length"
+    pieces = [tok.decode([t]) for t in ids]
+    k = next(k for k in range(2, len(pieces)) if all(p and p.isascii() and p.isprintable()
+                                                     for p in pieces[k - 1:k + 1]))
+    stop = pieces[k - 1][-1] + pieces[k][0]  # spans two tokens
+    for flags, kw in ((["--stop", stop], dict(stop=stop)),
+                      (["--stop", "zzz", "--stop", stop, "--include-stop-str-in-output"],
+                       dict(stop=["zzz", stop], include_stop_str_in_output=True)),
+                      (["--stop-token-ids", str(ids[4]), "--stop-token-ids", str(ids[5])],
+                       dict(stop_token_ids=[ids[4], ids[5]])),
+                      (["--stop", stop + "~"], dict(stop=stop + "~"))):  # held back, then printed
+        ref = generate(model, [tok.encode("Hello world")],
+                       SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **kw), tokenizer=tok,
+                       eos_token_id=tok.eos_token_id)
+        code, out, err = run_cli(capsys, *base, *flags, "--output", "json")
+        assert code == 0, err
+        obj = json.loads(out)
+        assert (obj["text"], obj["output_ids"], obj["finish_reason"], obj["stop_reason"]) == \
+            (ref.texts[0], ref.output_ids[0], ref.finish_reasons[0], ref.stop_reasons[0]), flags
+        assert (ref.finish_reasons[0], len(ref.output_ids[0]) < 24) == (("length", False) if "~" in flags[1]
+                                                                          else ("stop", True))
+        code, out, err = run_cli(capsys, *base, *flags)  # one prompt: streamed
+        assert code == 0 and out == ref.texts[0] + "\n", (flags, out)
+        code, out, err = run_cli(capsys, *base, *flags, "--prompt", "Hello world")  # a batch: one line each
+        assert code == 0 and out == f"[0] {one_line(ref.texts[0])}\n[1] {one_line(ref.texts[0])}\n", flags
+    assert text.startswith(json.loads(run_cli(capsys, *base, "--stop", stop, "--output", "json")[1])["text"])
+    nothing = tmp_path / "model"
+    shutil.copytree(tiny_bf16_dir, nothing, ignore=shutil.ignore_patterns("tokenizer*"))
+    code, out, err = run_cli(capsys, "run", nothing, "--prompt-ids", "1,2", "--stop", "x")
+    assert (code, out) == (2, "") and err == ("flintc: error: --stop needs the model's tokenizer (stop strings are "
+                                              "matched in the output text): pass --tokenizer DIR, or end on token "
+                                              "ids with --stop-token-ids\n")
