@@ -3,17 +3,17 @@
 
 A sequence's text is made token by token (`flintc.checkpoint.tokenizer.
 IncrementalDetokenizer`); after each token, once more than `min_tokens` tokens are out
-(vLLM looks for stop strings only then), the text not searched yet, with the longest stop
-string's length minus one characters before it, is searched for every stop string. The
-earliest match wins (at one position, the first in the list); the text ends before it, or
-after it with `include_stop_str_in_output`, and the sequence ends with finish reason
-"stop". The token ids keep the token that completed the match (vLLM's `token_ids` do),
-whatever characters of it follow the stop string.
+(vLLM looks for stop strings only then), each stop string, in the order given, is looked
+for where it would end in the characters the token added, as vLLM's
+`check_stop_strings` (`vllm/v1/engine/detokenizer.py`) does: the first one found ends the
+sequence with finish reason "stop", its text cut before the stop string, or after it with
+`include_stop_str_in_output`. So a stop string that lay whole in the text of the first
+`min_tokens` tokens is never matched. The token ids keep the token that completed the
+match (vLLM's `token_ids` do), whatever characters of it follow the stop string.
 
-"Searched" is where the server's streamed text had got to: it sends the text up to the
-longest suffix that might begin a stop string (`stop_string_hold`), which it holds back
-until it is not. `StopStringText` keeps that cursor for a caller that streams nothing, so
-that both cut the same text at the same token.
+The server streams the text up to the longest suffix that might begin a stop string
+(`stop_string_hold`), which it holds back until it is not; `StopStringText` is the same
+text for a caller that streams nothing (the Python API, `flintc run`).
 
 No torch here: the functions work on Python strings.
 """
@@ -21,29 +21,30 @@ No torch here: the functions work on Python strings.
 from __future__ import annotations
 
 
-def stop_string_cut(text: str, stops, searched: int, include: bool) -> tuple[str, int] | None:
-    """The first stop string in `text` past what was searched already.
+def stop_string_cut(text: str, stops, new_chars: int, include: bool) -> tuple[str, int] | None:
+    """The first of `stops` that ends in the last `new_chars` characters of `text`, as
+    vLLM's `check_stop_strings`.
 
     Args:
         text: the sequence's text so far.
-        stops: the stop strings (non-empty strings; at least one).
-        searched: characters of `text` searched (and sent) already: the search starts
-            the longest stop string's length minus one before it, so that a match that
-            ends in the new text is found.
+        stops: the stop strings (non-empty strings), in the request's order.
+        new_chars: characters the latest token added at the end of `text` (0: none, no
+            match).
         include: cut after the stop string (vLLM's include_stop_str_in_output), else
             before it.
 
     Returns:
         None for no match; else (the stop string, the length of `text` to keep): the
-        earliest match, the first of `stops` among matches at one position.
+        first of `stops`, in their order, found at or after ``len(text) - new_chars -
+        len(stop) + 1`` (its first match there).
     """
-    longest = max(len(s) for s in stops)
-    begin = max(0, searched - longest + 1)
-    hits = [(i, s) for i, s in ((text.find(s, begin), s) for s in stops) if i >= 0]
-    if not hits:
+    if new_chars <= 0:
         return None
-    at, stop = min(hits, key=lambda h: h[0])
-    return stop, at + len(stop) if include else at
+    for stop in stops:
+        at = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
+        if at >= 0:
+            return stop, at + len(stop) if include else at
+    return None
 
 
 def stop_string_hold(text: str, stops) -> int:
@@ -80,21 +81,20 @@ class StopStringText:
         self.include = include
         self.text = ""
         self.matched: str | None = None
-        self._searched = 0
 
     def push(self, token_id: int, n_out: int, min_tokens: int) -> bool:
         """Add the `n_out`-th generated token (1-based). -> True when its text completed a
         stop string (looked for only when n_out > min_tokens): `text` is cut, `matched`
         set, and the sequence ends."""
-        self.text += self._detok.push(token_id)
+        new = self._detok.push(token_id)
+        self.text += new
         if self.stops and n_out > min_tokens:
-            cut = stop_string_cut(self.text, self.stops, self._searched, self.include)
+            cut = stop_string_cut(self.text, self.stops, len(new), self.include)
             if cut is not None:
                 self.matched, keep = cut
                 self.text = self.text[:keep]
                 self._detok.flush()  # the rest of the token's bytes: not text
                 return True
-        self._searched = max(self._searched, len(self.text) - stop_string_hold(self.text, self.stops))
         return False
 
     def push_stop_token(self, token_id: int) -> None:

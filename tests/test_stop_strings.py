@@ -204,14 +204,17 @@ def test_generate_errors(tiny):
 
 
 def test_the_shared_match():
-    """`stop_string_cut` / `stop_string_hold` (the serving engine's): the earliest match,
-    the first of the list at one position; the search starts the longest stop's length
-    minus one before what was searched; the held-back suffix is the longest proper
-    prefix of a stop."""
-    assert stop_string_cut("abcdef", ("de", "cd"), 0, False) == ("cd", 2)
-    assert stop_string_cut("abcdef", ("cd", "cde"), 0, True) == ("cd", 4)
-    assert stop_string_cut("abcdef", ("ab",), 4, False) is None
-    assert stop_string_cut("abcdef", ("cd",), 3, False) == ("cd", 2)
+    """`stop_string_cut` / `stop_string_hold` (the serving engine's) as vLLM's
+    `check_stop_strings`: the first stop string in the given order that ends in the
+    latest token's characters (not the earliest in the text); one that lies whole in
+    older text is not matched (it was, after min_tokens, where its tail had been held
+    back); the held-back suffix is the longest proper prefix of a stop."""
+    assert stop_string_cut("abcdef", ("de", "cd"), 6, False) == ("de", 3)  # list order
+    assert stop_string_cut("abcdef", ("cd", "cde"), 6, True) == ("cd", 4)
+    assert stop_string_cut("abcdef", ("ab",), 4, False) is None  # ends before the new "cdef"
+    assert stop_string_cut("abcdef", ("cd",), 3, False) == ("cd", 2)  # ends in the new "def"
+    assert stop_string_cut("abcdef", ("cd",), 2, False) is None  # whole in the older "abcd"
+    assert stop_string_cut("abcdef", ("ef",), 0, False) is None  # no new characters
     assert stop_string_hold("xxab", ("abc", "b!")) == 2 and stop_string_hold("xxab", ()) == 0
 
     class Detok:
@@ -224,6 +227,10 @@ def test_the_shared_match():
     s = StopStringText(Detok(), ("abc",))
     assert [s.push(c, n, 0) for n, c in enumerate(["xa", "b", "cd"], 1)] == [False, False, True]
     assert (s.text, s.matched) == ("x", "abc")
+    # a stop string whole in the first min_tokens tokens' text is never matched (vLLM)
+    s = StopStringText(Detok(), ("aa",))
+    assert [s.push(c, n, 2) for n, c in enumerate(["xa", "a", "b", "aa"], 1)] == [False, False, False, True]
+    assert (s.text, s.matched) == ("xaab", "aa")
 
 
 def test_python_api_compiled_build(tiny_bf16_dir, tmp_path):

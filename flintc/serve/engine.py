@@ -791,9 +791,10 @@ class Engine:
                 seq.text += seq.detok.push(tok)
             self._finish(seq, "stop")
             return
-        seq.text += seq.detok.push(tok)
+        new = seq.detok.push(tok)
+        seq.text += new
         # (vLLM looks for stop strings only past min_tokens)
-        if req.stop and n_out > params.min_tokens and self._cut_stop(seq):
+        if req.stop and n_out > params.min_tokens and self._cut_stop(seq, len(new)):
             self._finish(seq, "stop")
             return
         if grammar is not None and grammar.finished:  # the structured output is complete
@@ -806,11 +807,13 @@ class Engine:
         hold = stop_string_hold(seq.text, req.stop)
         self._emit(seq, len(seq.text) - hold)
 
-    def _cut_stop(self, seq: _Seq) -> bool:
-        """Truncate seq.text at the first stop string found in text not yet emitted (after
-        it with ``include_stop_str_in_output``): `flintc.stop_strings.stop_string_cut`,
-        the match `flintc.runtime.generate` makes too."""
-        cut = stop_string_cut(seq.text, seq.req.stop, seq.sent, seq.req.include_stop_str_in_output)
+    def _cut_stop(self, seq: _Seq, new_chars: int) -> bool:
+        """Truncate seq.text at the first stop string (in the request's order) that ends
+        in the `new_chars` characters its latest token added (after it with
+        ``include_stop_str_in_output``): `flintc.stop_strings.stop_string_cut`, vLLM's
+        match, which `flintc.runtime.generate` makes too. The text cut was held back
+        (`stop_string_hold`), never sent."""
+        cut = stop_string_cut(seq.text, seq.req.stop, new_chars, seq.req.include_stop_str_in_output)
         if cut is None:
             return False
         seq.text = seq.text[:cut[1]]
