@@ -40,8 +40,10 @@ class GenerationResult:
         without a tokenizer.
     finish_reasons: "stop" or "length" (below).
     stop_reasons: vLLM's stop_reason: the stop string (`SamplingParams.stop`) or the id of
-        `SamplingParams.stop_token_ids` that ended the sequence; None for end-of-text, a
-        complete grammar, and "length".
+        `SamplingParams.stop_token_ids` that ended the sequence; None for end-of-text
+        (even one stop_token_ids lists, unless ignore_eos: vLLM checks end-of-text
+        first), a complete grammar, and "length". `flintc serve` reports the same as
+        each choice's `stop_reason`.
     """
 
     prompt_ids: list[list[int]]

@@ -305,6 +305,7 @@ class _ChatChoice:
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[PromptLogprob | None] | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
     def feed(self, out: Output) -> dict:
         """Process one Output. -> the OpenAI delta it makes (may be empty)."""
@@ -341,6 +342,7 @@ class _ChatChoice:
                     and self.forced.complete:
                 reason = "tool_calls"
             self.finish_reason = reason
+            self.stop_reason = out.stop_reason
         delta = {}
         if r and self.include_reasoning:
             delta["reasoning_content"] = r
@@ -1249,6 +1251,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                          "logprobs": (_chat_logprobs(tokenizer, out.logprobs, as_ids)
                                       if out.logprobs and not hide_reasoning else None),
                          "finish_reason": c.finish_reason}
+                if c.finish_reason is not None:  # vLLM: on the chunk that finishes the choice alone
+                    entry["stop_reason"] = c.stop_reason
                 if req.return_token_ids:
                     entry["token_ids"] = None if hide_reasoning else out.token_ids
                 extra = {"usage": usage_so_far(len(c.token_ids))} if continuous_usage else {}
@@ -1275,7 +1279,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             entry = {"index": i, "message": message,
                      "logprobs": (_chat_logprobs(tokenizer, c.logprobs, as_ids)
                                   if top is not None and not hide_reasoning else None),
-                     "finish_reason": c.finish_reason}
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 entry["token_ids"] = None if hide_reasoning else c.token_ids
             body["choices"].append(entry)
@@ -1331,6 +1335,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         plps: list[list[PromptLogprob | None] | None] = [None] * total
         ids_out = [[] for _ in range(total)]
         reasons = [None] * total
+        stop_reasons: list[int | str | None] = [None] * total  # vLLM's stop_reason of each choice
         offsets = [0] * total  # streamed: each choice's next text_offset (`_completion_logprobs`)
         rid, created = response_id(request, req, "cmpl-"), int(time.time())
         include_usage, continuous_usage = _usage_flags(req)
@@ -1343,6 +1348,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 plps[out.index] = out.prompt_logprobs
             if out.finished:
                 reasons[out.index] = out.finish_reason
+                stop_reasons[out.index] = out.stop_reason
 
         def usage():
             p = sum(len(ids) for ids in prompts)
@@ -1392,7 +1398,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 echo_sent.add(i)
                 logprobs = (_completion_logprobs(tokenizer, out_lps, offsets[i], as_ids)
                             if req.logprobs is not None else None)
-                entry = {"index": i, "text": text, "finish_reason": out.finish_reason, "logprobs": logprobs}
+                # vLLM: stop_reason on every chunk, null but on the one that finishes the choice
+                entry = {"index": i, "text": text, "finish_reason": out.finish_reason,
+                         "stop_reason": out.stop_reason, "logprobs": logprobs}
                 if req.return_token_ids:
                     entry["token_ids"] = out.token_ids
                 if logprobs is not None:  # the next token's offset: after this chunk's tokens, as unstreamed
@@ -1417,7 +1425,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         choices = []
         for i in range(total):
             text, choice_lps = echoed(i, "".join(texts[i]), lps[i], plps[i], True)
-            entry = {"index": i, "text": text, "finish_reason": reasons[i],
+            entry = {"index": i, "text": text, "finish_reason": reasons[i], "stop_reason": stop_reasons[i],
                      "logprobs": (_completion_logprobs(tokenizer, choice_lps, 0, as_ids)
                                   if req.logprobs is not None else None)}
             if prompt_lps is not None:  # vLLM: on each choice

@@ -174,7 +174,15 @@ class Output:
     and, on the last event, ``finish_reason`` ("stop", "length", "abort") or
     ``error`` (a message; the request failed). ``prompt_logprobs`` (on the first event
     of a request that asked for them, else None): one entry per prompt token, None for
-    the first (nothing precedes it), a :class:`PromptLogprob` for each other."""
+    the first (nothing precedes it), a :class:`PromptLogprob` for each other.
+    ``stop_reason`` (on the last event of a sequence that finished "stop", else None):
+    vLLM's ``CompletionOutput.stop_reason``, what ended it: the stop string that matched
+    (a str), or the id of the stop token it ended at (an int) when that token is not the
+    tokenizer's end-of-text (a request's ``stop_token_ids``; chat's ``<|user|>`` /
+    ``<|observation|>``, which vLLM takes from GLM's generation config into its
+    ``stop_token_ids``); None for end-of-text (unless ``ignore_eos``, where only a
+    request's own ``stop_token_ids`` stop it) and for a structured output whose grammar
+    completed (:meth:`Engine._stop_reason`)."""
 
     index: int
     text: str = ""
@@ -189,6 +197,7 @@ class Output:
     # the request field a client error names (the 400's ``param``), when the engine knows it
     # (allowed_token_ids); None: the server names the constraint's field
     param: str | None = None
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
@@ -315,6 +324,7 @@ class _Seq:
         self.pos = len(req.prompt_ids)  # position of the next token fed to the model
         self.prefilled = False  # the prompt's K/V are in the slot's cache (positions < pos hold its tokens)
         self.text = ""  # text so far (stop strings removed)
+        self.stop_reason: int | str | None = None  # what ended it (`Engine._stop_reason`, a stop string)
         self.sent = 0  # characters of text already emitted
         self.pending_ids: list[int] = []
         self.pending_lp: list[TokenLogprob] = []
@@ -789,6 +799,7 @@ class Engine:
                                           and (not params.ignore_eos or tok in req.user_stop_token_ids)):
             if req.include_stop_str_in_output:
                 seq.text += seq.detok.push(tok)
+            seq.stop_reason = self._stop_reason(req, tok)
             self._finish(seq, "stop")
             return
         new = seq.detok.push(tok)
@@ -807,16 +818,32 @@ class Engine:
         hold = stop_string_hold(seq.text, req.stop)
         self._emit(seq, len(seq.text) - hold)
 
+    def _stop_reason(self, req: GenRequest, tok: int) -> int | None:
+        """vLLM's ``stop_reason`` for a sequence that ended at stop token ``tok`` (its
+        scheduler's ``check_stop``: end-of-text, unless ignore_eos, ends it with None; an
+        id of ``stop_token_ids`` with the id). vLLM's ``stop_token_ids`` are the request's
+        own and, unless ignore_eos, the generation config's end ids other than the
+        tokenizer's end-of-text (chat's ``<|user|>`` / ``<|observation|>`` here, which
+        the server gives in ``req.stop_token_ids``). So: without ignore_eos, None for the
+        tokenizer's end-of-text and the id for any other; with it, the id for one of the
+        request's own (``user_stop_token_ids``), else None (an end-of-text that ended a
+        grammar). `flintc.runtime.generate` gives the same for the Python API."""
+        if not req.params.ignore_eos:
+            return None if tok == self.tokenizer.eos_token_id else tok
+        return tok if tok in req.user_stop_token_ids else None
+
     def _cut_stop(self, seq: _Seq, new_chars: int) -> bool:
         """Truncate seq.text at the first stop string (in the request's order) that ends
         in the `new_chars` characters its latest token added (after it with
         ``include_stop_str_in_output``): `flintc.stop_strings.stop_string_cut`, vLLM's
-        match, which `flintc.runtime.generate` makes too. The text cut was held back
-        (`stop_string_hold`), never sent."""
+        match, which `flintc.runtime.generate` makes too; the stop string becomes the
+        sequence's ``stop_reason``. The text cut was held back (`stop_string_hold`), never
+        sent."""
         cut = stop_string_cut(seq.text, seq.req.stop, new_chars, seq.req.include_stop_str_in_output)
         if cut is None:
             return False
-        seq.text = seq.text[:cut[1]]
+        seq.stop_reason, keep = cut
+        seq.text = seq.text[:keep]
         seq.detok.flush()
         return True
 
@@ -829,7 +856,8 @@ class Engine:
         out = Output(seq.req.index, text, seq.pending_ids,
                      seq.pending_lp if seq.req.logprobs is not None else None, finish, error,
                      client_error=client_error and error is not None,
-                     param=param if client_error and error is not None else None)
+                     param=param if client_error and error is not None else None,
+                     stop_reason=seq.stop_reason if finish == "stop" else None)
         seq.pending_ids, seq.pending_lp = [], []
         out.prompt_logprobs, seq.prompt_lp = seq.prompt_lp, None
         seq.req.emit(out)

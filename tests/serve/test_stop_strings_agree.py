@@ -1,7 +1,9 @@
 """The Python API's stop strings, stop_token_ids and include_stop_str_in_output
 (`SamplingParams`, `generate_with_runner` with a tokenizer) give what `flintc serve`
-gives for the same prompt, seed and stop: the same text, token ids and finish reason
-(one match, `flintc.stop_strings`, behind both)."""
+gives for the same prompt, seed and stop: the same text, token ids, finish reason and
+stop reason (vLLM's stop_reason: the stop string or stop_token_ids id that ended the
+sequence, None for end-of-text and "length"; one match, `flintc.stop_strings`, behind
+both)."""
 
 from __future__ import annotations
 
@@ -25,18 +27,22 @@ def python_side(model, tok, ids, **kw):
 
 
 def server_side(tiny_server, ids, stream=False, **kw):
-    """/v1/completions with the prompt's ids: (text, token ids, finish reason); streamed,
-    the text pieces joined."""
+    """/v1/completions with the prompt's ids: (text, token ids, finish reason, stop
+    reason); streamed, the text pieces joined, the stop reason the finishing chunk's
+    (every other chunk's null)."""
     body = {"model": "flint-tiny", "prompt": ids, "return_token_ids": True, "skip_special_tokens": False,
             "stream": stream, **SAMPLING, **kw}
     status, got = tiny_server.post("/v1/completions", body)
     assert status == 200, got
     if not stream:
         c = got["choices"][0]
-        return c["text"], c["token_ids"], c["finish_reason"]
+        return c["text"], c["token_ids"], c["finish_reason"], c["stop_reason"]
     chunks = [c for e in got for c in e.get("choices", ())]
+    last = [c for c in chunks if c.get("finish_reason")]
+    assert len(last) == 1 and last[0] is chunks[-1], chunks
+    assert all(c["stop_reason"] is None for c in chunks[:-1]), chunks
     return ("".join(c.get("text", "") for c in chunks), [t for c in chunks for t in c.get("token_ids") or ()],
-            next(c["finish_reason"] for c in chunks if c.get("finish_reason")))
+            last[0]["finish_reason"], last[0]["stop_reason"])
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -45,7 +51,7 @@ def test_stop_strings_agree_with_the_server(tiny_server, tiny_serving, seed):
     ids = tok.encode(f"Story {seed}: once upon a time")
     free = python_side(model, tok, ids, seed=seed, max_tokens=30, ignore_eos=True)
     text, out = free.texts[0], free.output_ids[0]
-    assert server_side(tiny_server, ids, seed=seed, max_tokens=30, ignore_eos=True) == (text, out, "length")
+    assert server_side(tiny_server, ids, seed=seed, max_tokens=30, ignore_eos=True) == (text, out, "length", None)
     pieces = [tok.decode(out[:i]) for i in range(len(out) + 1)]
     mid = len(pieces[len(out) // 2])  # a stop string that spans the middle token's start
     cases = [dict(stop=[text[mid - 1:mid + 2]]), dict(stop=[text[5:7], text[mid:mid + 3]]),
@@ -56,8 +62,11 @@ def test_stop_strings_agree_with_the_server(tiny_server, tiny_serving, seed):
         for include in (False, True):
             kw = dict(seed=seed, max_tokens=30, ignore_eos=True, include_stop_str_in_output=include, **case)
             mine = python_side(model, tok, ids, **kw)
-            want = (mine.texts[0], mine.output_ids[0], mine.finish_reasons[0])
+            want = (mine.texts[0], mine.output_ids[0], mine.finish_reasons[0], mine.stop_reasons[0])
             stopped += want[2] == "stop"
+            # what ended it: one of the case's stop strings or its stop token id
+            assert (want[3] is None) == (want[2] == "length")
+            assert want[3] is None or want[3] in case.get("stop", case.get("stop_token_ids")), (case, want)
             for stream in (False, True):
                 assert server_side(tiny_server, ids, stream=stream, **kw) == want, (case, include, stream)
     # (min_tokens masks the end-of-text token, which changes a seeded draw: that case's
@@ -86,5 +95,26 @@ def test_engine_takes_the_stop_fields_of_its_params(tiny_server, tiny_serving):
         outs = [got.get(timeout=60)]
         while not outs[-1].finished:
             outs.append(got.get(timeout=60))
-        assert ("".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs[-1].finish_reason) \
-            == (mine.texts[0], mine.output_ids[0], "stop"), kw
+        assert ("".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs[-1].finish_reason,
+                outs[-1].stop_reason) == (mine.texts[0], mine.output_ids[0], "stop", mine.stop_reasons[0]), kw
+        assert mine.stop_reasons[0] is not None and all(o.stop_reason is None for o in outs[:-1]), kw
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_stop_reasons_of_end_of_text_agree(tiny_server, tiny_serving, ignore_eos):
+    """End-of-text (allowed alone, so drawn at once): None, also when stop_token_ids lists
+    it (vLLM's end-of-text check comes first), unless ignore_eos, where only
+    stop_token_ids stops it, with the id; server and Python API alike."""
+    model, tok = tiny_serving
+    ids = tok.encode("Story 7: once upon a time")
+    eos = tok.eos_token_id
+    for extra in ({}, dict(stop_token_ids=[eos])):
+        if ignore_eos and not extra:
+            continue  # nothing stops it but max_tokens
+        kw = dict(seed=7, max_tokens=5, ignore_eos=ignore_eos, allowed_token_ids=[eos], **extra)
+        mine = python_side(model, tok, ids, **kw)
+        want = (mine.texts[0], mine.output_ids[0], mine.finish_reasons[0], mine.stop_reasons[0])
+        assert want[1:] == ([eos], "stop", eos if ignore_eos else None), (kw, want)
+        for stream in (False, True):
+            assert server_side(tiny_server, ids, stream=stream, **kw) == want, (kw, stream)
+
