@@ -67,7 +67,9 @@ class CompiledModel:
                 in input order (as vLLM's LLM.generate; what a prompt's tokens depend
                 on: `flintc.runtime.generate.generate_with_runner`).
             params: SamplingParams (one or one per prompt); or, instead, keyword
-                arguments of SamplingParams (temperature=0, max_tokens=16, seed=1, and
+                arguments of SamplingParams (temperature=0, max_tokens=16 (None, vLLM's:
+                until the context is full, the build's max_model_len minus the prompt's
+                length), seed=1, and
                 vLLM's presence_penalty, frequency_penalty, repetition_penalty, min_p,
                 min_tokens, logit_bias={token_id: bias}, allowed_token_ids,
                 bad_words, stop, stop_token_ids, include_stop_str_in_output, ...;
@@ -94,7 +96,8 @@ class CompiledModel:
             InputError: text prompts without a tokenizer, a prompt that is neither text
                 nor token ids, no prompts, bad ids (a stop_token_ids id outside the
                 vocabulary among them), invalid sampling values (the field named), stop
-                strings or structured_outputs without a tokenizer, or both `params` and
+                strings or structured_outputs without a tokenizer, min_tokens over what a
+                prompt's context leaves with max_tokens None, or both `params` and
                 sampling keywords.
         """
         from flintc.runtime.generate import generate_with_runner

@@ -246,7 +246,13 @@ class SamplingParams:
     top_k: keep the k most likely tokens; 0 or -1 keeps all.
     top_p: in (0, 1]; keep the smallest set of most likely tokens whose
         probability (after top-k, renormalised) reaches top_p.
-    max_tokens: tokens to generate at most (>= 0); reasoning tokens count.
+    max_tokens: tokens to generate at most (an int >= 0); reasoning tokens count. None:
+        as many as the context holds, vLLM's None: each prompt of n tokens gets
+        max_model_len - n (the rest of its context, prompt and generated tokens counting
+        together; `for_prompt` makes it an int), as `flintc serve` reads a request's
+        `"max_tokens": null`. A caller that runs prompts (`generate_with_runner`,
+        `flintc.model.generate.generate`, `flintc.api.CompiledModel.generate`,
+        `flintc.serve.engine.Engine.submit`) resolves it per prompt.
     seed: seeds this request's generator; None draws from a fresh random seed.
     ignore_eos: keep generating after the end-of-text token.
 
@@ -259,9 +265,10 @@ class SamplingParams:
         logit is divided by it, any other multiplied (1: off).
     min_p: in [0, 1]; drop the tokens whose probability (after temperature) is below
         min_p times the most likely token's (0: off).
-    min_tokens: >= 0, at most max_tokens; the stop tokens (end-of-text included) cannot
-        be drawn, and stop strings are not looked for, until this many tokens are
-        generated.
+    min_tokens: >= 0, at most max_tokens (with max_tokens None: at most what each
+        prompt's context leaves, checked by `for_prompt`); the stop tokens (end-of-text
+        included) cannot be drawn, and stop strings are not looked for, until this many
+        tokens are generated.
     logit_bias: {token_id: bias} with bias in [-100, 100], added to the logits; kept as
         a tuple of (token_id, bias) pairs sorted by id (so that the params stay
         hashable), None when empty. Ids are checked against the vocabulary by the
@@ -304,7 +311,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 0.95
     top_k: int = 20
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     seed: int | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
@@ -359,8 +366,10 @@ class SamplingParams:
             raise InputError(f"sampling field 'ignore_eos' must be True or False, got {self.ignore_eos!r}")
         if isinstance(k, bool) or not isinstance(k, int) or k < -1:
             raise InputError(f"sampling field 'top_k' must be an integer >= 1, or 0 / -1 for all, got {k!r}")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            raise InputError(f"sampling field 'max_tokens' must be an integer >= 0, got {self.max_tokens!r}")
+        mt = self.max_tokens
+        if mt is not None and (isinstance(mt, bool) or not isinstance(mt, int) or mt < 0):
+            raise InputError(f"sampling field 'max_tokens' must be an integer >= 0, or None for the rest of "
+                             f"each prompt's context, got {mt!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise InputError(f"sampling field 'seed' must be an integer in [0, 2**63), got {self.seed!r}")
@@ -444,21 +453,56 @@ class SamplingParams:
         return dataclasses.replace(self, bad_words_token_ids=bad_words_to_token_ids(self.bad_words, tokenizer))
 
     def with_max_tokens(self, max_tokens: int) -> "SamplingParams":
-        """These params with `max_tokens` instead of their own, which must be at most
-        `max_tokens`: every check these params passed still holds (min_tokens <=
-        max_tokens is the one that reads it). A copy with that field set, not a new
-        SamplingParams: `__post_init__` would walk allowed_token_ids and the bad words'
-        ids again, once per prompt of a /v1/completions request of many prompts whose
-        max_tokens differ ("max_tokens": null gives each the rest of its context).
+        """These params with `max_tokens` (an int) instead of their own, which must be at
+        most `max_tokens` (or None, with min_tokens at most `max_tokens`): every check
+        these params passed still holds (min_tokens <= max_tokens is the one that reads
+        it). A copy with that field set, not a new SamplingParams: `__post_init__` would
+        walk allowed_token_ids and the bad words' ids again, once per prompt of a
+        /v1/completions request of many prompts whose max_tokens differ ("max_tokens":
+        null gives each the rest of its context).
 
         Raises:
-            ValueError: `max_tokens` below these params' own.
+            ValueError: `max_tokens` not an int, below these params' own, or (their own
+                None) below their min_tokens.
         """
-        if max_tokens < self.max_tokens:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise ValueError(f"max_tokens must be an int, got {max_tokens!r}")
+        if self.max_tokens is not None and max_tokens < self.max_tokens:
             raise ValueError(f"max_tokens {max_tokens} is below these params' {self.max_tokens}")
+        if max_tokens < self.min_tokens:
+            raise ValueError(f"max_tokens {max_tokens} is below these params' min_tokens {self.min_tokens}")
         out = copy.copy(self)
         object.__setattr__(out, "max_tokens", max_tokens)  # frozen dataclass
         return out
+
+    def for_prompt(self, n_prompt: int, max_model_len: int, where: str = "") -> "SamplingParams":
+        """These params for a prompt of `n_prompt` tokens in a context of `max_model_len`
+        (prompt and generated tokens together, vLLM's max_model_len): self when
+        max_tokens is an int; for max_tokens None, a copy with max_tokens =
+        max_model_len - n_prompt, the rest of the context (vLLM's `get_max_tokens`, and
+        `flintc serve`'s reading of `"max_tokens": null`).
+
+        Args:
+            n_prompt: the prompt's length in tokens (>= 1).
+            max_model_len: the most tokens a sequence holds, prompt included.
+            where: appended to the field name in errors (" of prompt 3").
+
+        Raises:
+            InputError: max_tokens None and the prompt leaves no room to generate
+                (n_prompt >= max_model_len), or leaves fewer tokens than min_tokens.
+        """
+        if self.max_tokens is not None:
+            return self
+        rest = max_model_len - n_prompt
+        if rest < 1:
+            raise InputError(f"sampling field 'max_tokens'{where} is None (the rest of the context), but the "
+                             f"prompt's {n_prompt} tokens leave no room to generate within the maximum model "
+                             f"length of {max_model_len} tokens")
+        if self.min_tokens > rest:
+            raise InputError(f"sampling field 'min_tokens'{where} ({self.min_tokens}) must be at most max_tokens, "
+                             f"which is None: the rest of the context, {rest} tokens after the prompt's "
+                             f"{n_prompt} (maximum model length {max_model_len})")
+        return self.with_max_tokens(rest)
 
     def make_generator(self, device: torch.device | str) -> torch.Generator:
         g = torch.Generator(device=device)

@@ -104,7 +104,8 @@ def generate(
     max_batch: int | None = None,
     tokenizer=None,
 ) -> GenerationResult:
-    """Generate up to `params.max_tokens` tokens after each prompt.
+    """Generate up to `params.max_tokens` tokens after each prompt (max_tokens None: until
+    the prompt and its generated tokens fill max_model_len).
 
     Args:
         prompts: token ids per prompt (each non-empty, ids < vocab_size).
@@ -123,7 +124,8 @@ def generate(
         InputError: no prompts, a prompt is empty, holds an out-of-range id, or has
             max_model_len tokens or more; max_model_len below 1 or above the model's
             max_positions; max_batch not an int of at least 1; structured_outputs
-            or stop strings without a tokenizer; and `generate_with_runner`'s.
+            or stop strings without a tokenizer; min_tokens over the rest of a prompt's
+            context with max_tokens None; and `generate_with_runner`'s.
     """
     from flintc.runtime.generate import generate_with_runner
     from flintc.runtime.runner import ReferenceRunner
@@ -141,8 +143,10 @@ def generate(
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, max_len, name=f"prompt {i}" if len(prompts) > 1 else "prompt")
     # One slot per prompt; caches only as long as this request can grow (max_model_len
-    # counts the prompt and at least one generated token, even at max_tokens 0)
-    cache_len = min(max_len, max(len(p) + max(q.max_tokens, 1) for p, q in zip(prompts, plist)))
+    # counts the prompt and at least one generated token, even at max_tokens 0); max_tokens
+    # None grows to max_len (`generate_with_runner` resolves it against the runner's length)
+    cache_len = min(max_len, max(max_len if q.max_tokens is None else len(p) + max(q.max_tokens, 1)
+                                 for p, q in zip(prompts, plist)))
     runner = ReferenceRunner(model, max_batch=min(len(prompts), max_batch or len(prompts)), max_model_len=cache_len,
                              prefill_chunk=prefill_chunk)
     return generate_with_runner(runner, prompts, plist, eos_token_id=eos_token_id,

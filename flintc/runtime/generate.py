@@ -99,7 +99,9 @@ def generate_with_runner(
 
     Args:
         prompts: token ids per prompt (at least one).
-        params: one SamplingParams for all, or one per prompt.
+        params: one SamplingParams for all, or one per prompt. max_tokens None: each
+            prompt generates until prompt + generated tokens reach runner.max_model_len
+            (`SamplingParams.for_prompt`; finish reason "length" there).
         on_token: called as on_token(prompt_index, token_id) as tokens appear
             (prompt_index into `prompts`, whatever batch it runs in).
         tokenizer: the model's FlintTokenizer: needed by params with structured_outputs
@@ -119,8 +121,9 @@ def generate_with_runner(
         InputError: no prompts, an empty prompt, an id outside the vocabulary (in a
             prompt, a logit_bias, allowed_token_ids, bad_words_token_ids or
             stop_token_ids), bad_words without their token ids, structured_outputs or
-            stop strings without a tokenizer, or a prompt of max_model_len tokens or
-            more; all checked before any prompt runs.
+            stop strings without a tokenizer, a prompt of max_model_len tokens or
+            more, or min_tokens over the rest of a prompt's context with max_tokens None;
+            all checked before any prompt runs.
             While generating: a token drawn outside allowed_token_ids (the params' other
             masks, bad_words or min_tokens, left none of the allowed tokens to draw).
         flintc.structured.StructuredOutputError: a grammar refused a generated token
@@ -135,6 +138,9 @@ def generate_with_runner(
     for i, ids in enumerate(prompts):
         check_prompt(ids, cfg.vocab_size, runner.max_model_len,
                      name=f"prompt {i}" if B > 1 else "prompt")
+    # max_tokens None: each prompt's rest of the context (vLLM's; `flintc serve`'s "max_tokens": null)
+    plist = [q.for_prompt(len(ids), runner.max_model_len, f" of prompt {i}" if B > 1 else "")
+             for i, (q, ids) in enumerate(zip(plist, prompts))]
     for i, q in enumerate(plist):
         _check_sampling_ids(q, cfg.vocab_size, f" of prompt {i}" if B > 1 else "")
         if q.structured_outputs is not None and tokenizer is None:

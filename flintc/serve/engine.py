@@ -252,7 +252,8 @@ class GenRequest:
         prompt_ids: prompt token ids (checked by the caller: non-empty, in
             vocabulary, and len + max_tokens <= runner.max_model_len).
         params: sampling settings (``max_tokens`` counts every generated token,
-            reasoning included).
+            reasoning included; None, the rest of the context, :meth:`Engine.submit`
+            makes an int).
         emit: called from the engine thread with each :class:`Output`.
         index: the choice index reported back in each Output.
         stop_token_ids: ids that end the sequence (unless ``params.ignore_eos``).
@@ -475,15 +476,19 @@ class Engine:
         (`SamplingParams.with_tokenizer`; the server has made them already). Its params'
         ``stop``, ``stop_token_ids`` and ``include_stop_str_in_output`` (the server leaves
         them unset: it gives the request's own in ``req``) join the request's: their stop
-        strings are looked for too, their ids end it (even with ignore_eos).
+        strings are looked for too, their ids end it (even with ignore_eos). Params with
+        ``max_tokens`` None get the rest of the prompt's context, ``max_model_len`` minus
+        its length (`SamplingParams.for_prompt`; the server resolves its requests' own).
 
         Raises:
             InputError: a bad word that makes no tokens; a non-zero ``req.priority`` with
-                the "fcfs" policy (vLLM's input processor's check and message).
+                the "fcfs" policy (vLLM's input processor's check and message); max_tokens
+                None with a prompt that leaves no room, or fewer tokens than min_tokens.
         """
         if req.priority != 0 and self.scheduling_policy != "priority":
             raise InputError(priority_not_enabled(req.priority))
-        req.params = p = req.params.with_tokenizer(self.tokenizer)
+        req.params = p = req.params.with_tokenizer(self.tokenizer).for_prompt(len(req.prompt_ids),
+                                                                              self.max_model_len)
         if p.stop is not None:
             req.stop = tuple(dict.fromkeys(tuple(req.stop) + p.stop))
         if p.stop_token_ids is not None:

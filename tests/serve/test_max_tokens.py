@@ -181,3 +181,23 @@ def test_chat_numbers(small):
                                                        "messages": [{"role": "user", "content": "word " * MAX_LEN}]})
     assert status == 400 and body["error"]["param"] == "messages", body
     assert body["error"]["code"] == "context_length_exceeded", body
+
+
+def test_engine_submit_takes_params_with_max_tokens_none(small):
+    """A Python user of `Engine` may submit SamplingParams(max_tokens=None): the rest of
+    the prompt's context, as the server's null; min_tokens over it is an InputError."""
+    import queue
+
+    from flintc.errors import InputError
+    from flintc.sampling import SamplingParams
+    from flintc.serve.engine import GenRequest
+
+    got: queue.Queue = queue.Queue()
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, allowed_token_ids=PLAIN)
+    small.engine.submit(GenRequest(list(SHORT), params, got.put))
+    outs = [got.get(timeout=60)]
+    while not outs[-1].finished:
+        outs.append(got.get(timeout=60))
+    assert sum(len(o.token_ids) for o in outs) == MAX_LEN - len(SHORT) and outs[-1].finish_reason == "length"
+    with pytest.raises(InputError, match="'min_tokens'"):
+        small.engine.submit(GenRequest(list(LONG), SamplingParams(max_tokens=None, min_tokens=MAX_LEN), got.put))

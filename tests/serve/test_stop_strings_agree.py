@@ -118,3 +118,16 @@ def test_stop_reasons_of_end_of_text_agree(tiny_server, tiny_serving, ignore_eos
         for stream in (False, True):
             assert server_side(tiny_server, ids, stream=stream, **kw) == want, (kw, stream)
 
+
+def test_max_tokens_none_agrees_with_the_server(tiny_server, tiny_serving):
+    """SamplingParams(max_tokens=None) runs to the end of the context, as the server's
+    "max_tokens": null: the same tokens and finish reason "length", max_model_len minus
+    the prompt's length of them."""
+    model, tok = tiny_serving
+    ids = tok.encode("Story 5: once upon a time")
+    kw = dict(seed=5, ignore_eos=True)
+    mine = python_side(model, tok, ids, max_tokens=None, **kw)
+    assert len(mine.output_ids[0]) == MAX_LEN - len(ids) and mine.finish_reasons == ["length"]
+    for stream in (False, True):
+        assert server_side(tiny_server, ids, stream=stream, max_tokens=None, **kw) == \
+            (mine.texts[0], mine.output_ids[0], "length", None), stream
