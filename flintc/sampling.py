@@ -291,7 +291,8 @@ class SamplingParams:
     stop: stop strings (a str or a list of str; kept as a tuple, None when empty): the
         sequence ends (finish reason "stop") as soon as its detokenized output holds one
         of them, looked for once more than `min_tokens` tokens are generated; the text
-        ends before the stop string (`flintc.stop_strings`: the earliest match). Acted on
+        ends before the stop string (`flintc.stop_strings`: after each token, the first of them,
+        in the order given, that ends in the token's characters, as vLLM's). Acted on
         by the callers that hold the tokenizer (`flintc.api.CompiledModel.generate`,
         `generate_with_runner` with tokenizer=, `flintc run --stop`, the server); the
         output ids keep the token that completed the match, as vLLM's do.

@@ -394,7 +394,7 @@ def _tokenizer_and_texts(args, found, vocab_size, config_where):
 def _check_prompts_early(args, id_prompts: list[list[int]]) -> None:
     """What can be told of the prompts before the model loads (and a --backend
     torch|triton compiles): a --prompt text that is empty or not valid Unicode
-    (`check_prompt_text`), and --prompt-ids that do not fit a --max-model-len given (they
+    (`check_prompt_text`; a --stop string not valid Unicode too), and --prompt-ids that do not fit a --max-model-len given (they
     used to fail only after the load and compile, as "prompt is empty" / "prompt has N
     tokens"). Raises InputError naming the flag. Token ids beyond the vocabulary are
     checked once its size is known (`_check_ids_in_vocab`), text prompts that encode too
@@ -406,6 +406,8 @@ def _check_prompts_early(args, id_prompts: list[list[int]]) -> None:
         if text == "":
             raise InputError("--prompt '': the prompt text is empty; a prompt needs at least one token")
         check_prompt_text(text, "--prompt")
+    for text in args.stop or []:  # a lone surrogate is in no decoded text: it never matched
+        check_prompt_text(text, "--stop", "give the stop string in UTF-8")
     _check_prompt_lengths("--prompt-ids", id_prompts, args.max_model_len)
 
 
@@ -425,8 +427,10 @@ def _n_tokens(n: int) -> str:
     return f"{n} token" if n == 1 else f"{n} tokens"
 
 
-def check_prompt_text(text: str, flag: str) -> None:
-    """Refuse a prompt text that is not valid Unicode, naming `flag`. Python decodes the
+def check_prompt_text(text: str, flag: str,
+                      hint: str = "convert the prompt to UTF-8, or give token ids with --prompt-ids") -> None:
+    """Refuse a prompt text (or another text flag's value, `hint` then telling what to do)
+    that is not valid Unicode, naming `flag`. Python decodes the
     command line with surrogateescape: bytes that are not valid in its encoding (Latin-1
     text under a UTF-8 locale, say) arrive as lone surrogates U+DC80..U+DCFF, which no
     tokenizer can encode (the tokenizer's own error named no flag, after the model had
@@ -447,8 +451,7 @@ def check_prompt_text(text: str, flag: str) -> None:
                     f"{sys.getfilesystemencoding()}")
         else:
             what = f"character {e.start} ({text[e.start]!r}) is a lone surrogate"
-        raise InputError(f"{flag}: the text is not valid Unicode: {what}; expected UTF-8 text "
-                         "(convert the prompt to UTF-8, or give token ids with --prompt-ids)") from None
+        raise InputError(f"{flag}: the text is not valid Unicode: {what}; expected UTF-8 text ({hint})") from None
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -519,7 +522,10 @@ def _generate(args, params, id_prompts, cleanup) -> int:
     prompts = [given[dest][i] for dest, i in order]  # as on the command line
     single = len(prompts) == 1
     stop_ids = set(params.stop_token_ids or ())
-    if not args.ignore_eos and tokenizer is not None:
+    # end-of-text ends the output unless --ignore-eos; with --structured-outputs even then,
+    # where the grammar accepts it (the only place its mask lets it be drawn), as
+    # `generate_with_runner` ends it: the streamed text printed its '<|endoftext|>'
+    if (not args.ignore_eos or params.structured_outputs is not None) and tokenizer is not None:
         stop_ids.add(tokenizer.eos_token_id)
     stream = (_TextStream(tokenizer, stop_ids, params.stop or (), params.include_stop_str_in_output,
                           params.min_tokens)

@@ -75,6 +75,26 @@ def test_run_structured_outputs(capsys, tiny_bf16_dir):
         assert all(o["finish_reason"] == "stop" for o in objs), out
 
 
+def test_run_structured_outputs_ignore_eos_streams_no_end_of_text(capsys, tiny_bf16_dir):
+    """With --ignore-eos, end-of-text drawn where the grammar accepts still ends the output
+    (generate ends it: finish reason "stop", the token kept in output_ids, not in the
+    text); the streamed text of one prompt printed it as '<|endoftext|>' all the same,
+    unlike --output json's text."""
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    eos = load_tokenizer(tiny_bf16_dir).eos_token_id
+    base = ["run", tiny_bf16_dir, "--prompt", "Answer:", "--max-tokens", 8, "--temperature", "0", "--ignore-eos",
+            "--structured-outputs", '{"regex": "[0-9]+"}', "--logit-bias", f"{eos}=100"]
+    for extra in ([], ["--include-stop-str-in-output"]):
+        code, out, err = run_cli(capsys, *base, *extra, "--output", "json")
+        assert code == 0, err
+        obj = json.loads(out)
+        assert obj["output_ids"][-1] == eos and len(obj["output_ids"]) == 2 and obj["finish_reason"] == "stop", obj
+        assert obj["text"].isdigit() != bool(extra) and obj["text"].endswith("<|endoftext|>") == bool(extra), obj
+        code, out, err = run_cli(capsys, *base, *extra)
+        assert code == 0 and out == obj["text"] + "\n", (extra, out)
+
+
 def test_text_stream_ends_its_line_when_generation_fails(capsys, tiny_bf16_dir):
     """A text run that fails after streaming some text (a grammar that refuses a token)
     ends stdout's line before the one-line error: on a terminal the error followed the
@@ -216,6 +236,8 @@ def test_summary_has_no_decode_rate_without_a_decode_step(capsys, tiny_bf16_dir,
                                                   "structured_outputs field 'regex': at 1(8): invalid regex"),
     (["--structured-outputs", '{"regex": "a", "choice": ["a"]}'], "only use one kind"),
     (["--stop", "a", "--stop", ""], "--stop: sampling field 'stop' cannot contain an empty string (entry 1)"),
+    # not valid UTF-8 on the command line (surrogateescape): in no text, it never matched
+    (["--stop", "a", "--stop", "x\udcff"], "--stop: the text is not valid Unicode: byte 0xff at character 1"),
     (["--stop-token-ids", "1,x"], "--stop-token-ids: 'x' is not an integer token id"),
     (["--stop-token-ids", "3", "--stop-token-ids", "-1"], "--stop-token-ids '-1': token id -1 is negative"),
     (["--stop-token-ids", "1,600"], "--stop-token-ids: token id 600 is outside the vocabulary [0, 512)"),
