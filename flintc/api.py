@@ -79,8 +79,10 @@ class CompiledModel:
                 structured_outputs (a `flintc.StructuredOutputsParams`, or a dict of
                 its fields: json, regex, choice, grammar, json_object) needs the
                 tokenizer, and so do stop strings (`stop`: a str or a list of str;
-                the sequence ends with finish reason "stop" once its text holds one,
-                the text cut before it, as vLLM's).
+                the sequence ends with finish reason "stop" when one ends in the
+                latest token's text, the first in the order given, looked for past
+                min_tokens tokens; the text cut before it, or after it with
+                include_stop_str_in_output, as vLLM's).
             return_prompt_logits: also return each prompt's fp32 [T, V] logits
                 (`prompt_logits`).
             on_token: called as on_token(prompt_index, token_id) (the index into

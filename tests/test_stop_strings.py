@@ -208,14 +208,17 @@ def test_the_shared_match():
     `check_stop_strings`: the first stop string in the given order that ends in the
     latest token's characters (not the earliest in the text); one that lies whole in
     older text is not matched (it was, after min_tokens, where its tail had been held
-    back); the held-back suffix is the longest proper prefix of a stop."""
+    back); a stream holds back the longest stop's length - 1 characters."""
     assert stop_string_cut("abcdef", ("de", "cd"), 6, False) == ("de", 3)  # list order
     assert stop_string_cut("abcdef", ("cd", "cde"), 6, True) == ("cd", 4)
     assert stop_string_cut("abcdef", ("ab",), 4, False) is None  # ends before the new "cdef"
     assert stop_string_cut("abcdef", ("cd",), 3, False) == ("cd", 2)  # ends in the new "def"
     assert stop_string_cut("abcdef", ("cd",), 2, False) is None  # whole in the older "abcd"
     assert stop_string_cut("abcdef", ("ef",), 0, False) is None  # no new characters
+    # vLLM's stop_buffer_length: the longest stop's length - 1 (none with include)
     assert stop_string_hold("xxab", ("abc", "b!")) == 2 and stop_string_hold("xxab", ()) == 0
+    assert stop_string_hold("x", ("abcd",)) == 1 and stop_string_hold("xxab", ("abc",), include=True) == 0
+    assert stop_string_hold("x" * 4000, ("y" * 20000,)) == 4000
 
     class Detok:
         def push(self, t):

@@ -65,9 +65,9 @@ def add_parser(sub) -> None:
                         "one of json (a JSON schema), regex, choice (a list of strings), grammar (Lark) or "
                         "json_object (true), e.g. '{\"choice\": [\"yes\", \"no\"]}'; needs the tokenizer")
     p.add_argument("--stop", action="append", default=None, metavar="STR",
-                   help="stop string: the output ends at the first one it holds (looked for once more than "
-                        "--min-tokens tokens are out), which the text leaves out (vLLM's stop); repeat for "
-                        "more; needs the tokenizer")
+                   help="stop string: the output ends when one ends in the latest token's text (the first "
+                        "in the order given; looked for once more than --min-tokens tokens are out), which "
+                        "the text leaves out (vLLM's stop); repeat for more; needs the tokenizer")
     p.add_argument("--stop-token-ids", action="append", default=None, metavar="IDS",
                    help="token ids that end the output, comma-separated, e.g. 5,9 (even with --ignore-eos; "
                         "kept in the output ids, left out of the text; vLLM's stop_token_ids); repeat to add")
@@ -603,9 +603,9 @@ class _TextStream:
     --stop-token-ids) is not printed, as `--output json`'s text and vLLM's leave it out,
     unless `include` (--include-stop-str-in-output). With stop strings (`stops`, --stop)
     the text is cut as generation cuts it (`flintc.stop_strings.StopStringText`, looked
-    for past `min_tokens` tokens), and text that might begin one is held back until it
-    does not (as `flintc serve` streams); `close` prints what the result's text holds
-    beyond what was printed."""
+    for past `min_tokens` tokens), and its last (longest stop - 1) characters are held
+    back until the end (`stop_string_hold`, as `flintc serve` streams, as vLLM); `close`
+    prints what the result's text holds beyond what was printed."""
 
     def __init__(self, tokenizer, stop_ids=frozenset(), stops=(), include: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
@@ -639,7 +639,7 @@ class _TextStream:
             elif t.push(token_id, self.n, self.min_tokens):
                 self.ended, upto = True, len(t.text)
             else:
-                upto = len(t.text) - stop_string_hold(t.text, t.stops)
+                upto = len(t.text) - stop_string_hold(t.text, t.stops, t.include)
             text, self.printed = t.text[self.printed:upto], max(self.printed, upto)
         # print, not sys.stdout.write: with stdout closed (`>&-`) sys.stdout is None, which
         # print skips (as the other outputs) and .write was an AttributeError traceback

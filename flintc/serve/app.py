@@ -119,7 +119,6 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 20  # completions: vLLM's default --max-logprobs (OpenAI's API allows 5)
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
-MAX_STOP = 4
 # Chat turns end at any of these (GLM's generation_config lists the same three).
 CHAT_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
@@ -824,8 +823,6 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         stop = [] if req.stop is None else [req.stop] if isinstance(req.stop, str) else req.stop
         if any(not s for s in stop):  # vLLM: "stop cannot contain an empty string"
             raise APIError(400, "'stop' cannot contain an empty string", param="stop")
-        if len(stop) > MAX_STOP:
-            raise APIError(400, f"'stop' takes at most {MAX_STOP} strings, got {len(stop)}", param="stop")
         return n, tuple(stop)
 
     def stop_token_ids(req) -> frozenset[int]:

@@ -820,7 +820,7 @@ class Engine:
         if len(seq.out_ids) >= params.max_tokens or seq.pos + 1 >= self.max_model_len:
             self._finish(seq, "length")
             return
-        hold = stop_string_hold(seq.text, req.stop)
+        hold = stop_string_hold(seq.text, req.stop, req.include_stop_str_in_output)
         self._emit(seq, len(seq.text) - hold)
 
     def _stop_reason(self, req: GenRequest, tok: int) -> int | None:

@@ -275,6 +275,16 @@ def test_stop_strings(client):
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("Hello world. ", "stop")
     _, content, _, _ = stream_chat(client, **chat("#script:stop", model=MODEL, max_tokens=40, stop="d. G"))
     assert content == "Hello worl"
+    # any number of stop strings, as vLLM (a fifth was a 400: OpenAI's limit of 4)
+    many = [f"zz{i}" for i in range(40)] + ["Goodbye"]
+    r = client.chat.completions.create(**chat("#script:stop", model=MODEL, max_tokens=40, stop=many))
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("Hello world. ", "stop")
+    # a long stop string holds back its length - 1 characters while streaming (vLLM's
+    # stop buffer), then sends them when the sequence ends without it
+    long_stop = "x" * 200
+    _, content, _, chunks = stream_chat(client, **chat("#script:stop", model=MODEL, max_tokens=40, stop=long_stop))
+    plain = client.chat.completions.create(**chat("#script:stop", model=MODEL, max_tokens=40))
+    assert content == plain.choices[0].message.content
 
 
 def test_penalties_min_p_and_logit_bias_match_reference(server, client, tiny_serving):
@@ -524,7 +534,7 @@ def test_disconnect_frees_slot(server, client, monkeypatch):
     ({"seed": -2**63 - 1}, "seed"),
     ({"seed": 2**63}, "seed"),
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ["a", ""]}, "stop"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
