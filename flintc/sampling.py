@@ -104,7 +104,7 @@ def sampler_backend() -> str:
     return env_choice("FLINTC_SAMPLER", ("torch", "triton"), DEFAULT_SAMPLER)
 
 
-_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,17 @@ class StructuredOutputsParams:
         a GBNF grammar, llama.cpp's, is converted), start rule `start`.
     json_object: True: the output is any JSON object (the schema {"type": "object"}; the
         OpenAI response_format {"type": "json_object"}).
-    And, for json / json_object (vLLM's options):
+    structural_tag: vLLM's structural tag, JSON text (vLLM's field: a str) or the object
+        itself (kept as its JSON text): ``{"type": "structural_tag", "structures":
+        [{"begin": str, "schema": JSON schema, "end": str}, ...], "triggers": [str, ...]}``
+        (vLLM's `StructuralTagResponseFormat`; "type" may be left out). The output is
+        free text in which each trigger, wherever it appears, must go on as the begin
+        of one of the structures that start with it, then a JSON value its schema
+        accepts, then its end; then free text again (llguidance's `StructTag`, as
+        vLLM's guidance backend builds it: `flintc.structured.parse_structural_tag`).
+        A trigger written ``<...>`` is a special token of the tokenizer (llguidance's
+        assumption).
+    And, for json / json_object / each structural_tag schema (vLLM's options):
     disable_any_whitespace: no whitespace between JSON tokens (default: flexible
         whitespace, as vLLM's guidance backend).
     disable_additional_properties: object schemas that do not say otherwise get
@@ -136,9 +146,12 @@ class StructuredOutputsParams:
 
     Raises:
         InputError: none or several kinds given ("You can only use one kind of structured
-            outputs constraint", as vLLM), a value of the wrong type, an empty choice, or
-            a schema / regex / grammar llguidance refuses: "structured_outputs field
-            '<kind>': <llguidance's message>".
+            outputs constraint", as vLLM), a value of the wrong type, an empty choice, a
+            structural_tag that is not JSON or not of that shape (no structures, a begin
+            that starts with none of the triggers: vLLM's "Trigger ... not found in
+            triggers ..."), or a schema / regex / grammar llguidance refuses:
+            "structured_outputs field '<kind>': <llguidance's message>" (a
+            structural_tag's names the structure: "structures[1].schema: ...").
     """
 
     json: str | None = None
@@ -150,6 +163,7 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     disable_fallback: bool = False
+    structural_tag: str | None = None  # (last: the fields before it keep their places)
 
     def __post_init__(self) -> None:
         def fail(field: str, msg: str):
@@ -187,6 +201,10 @@ class StructuredOutputsParams:
             if bad:
                 fail("choice", f"expected strings, got {bad[0]!r}")
             object.__setattr__(self, "choice", ch)
+        if self.structural_tag is not None:
+            from flintc.structured import structural_tag_json
+
+            object.__setattr__(self, "structural_tag", structural_tag_json(self.structural_tag))
         for name in ("regex", "grammar", "whitespace_pattern"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
@@ -215,7 +233,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The constraint given: "json", "regex", "choice", "grammar" or "json_object"."""
+        """The constraint given: "json", "regex", "choice", "grammar", "json_object" or
+        "structural_tag"."""
         return self._given()[0]
 
     @classmethod
@@ -223,8 +242,8 @@ class StructuredOutputsParams:
         """From vLLM's `structured_outputs` request object (its field names).
 
         Raises:
-            InputError: not a dict, or a field this class does not take (structural_tag
-                among them), named; and `__init__`'s.
+            InputError: not a dict, or a field this class does not take, named; and
+                `__init__`'s.
         """
         if not isinstance(data, dict):
             raise InputError(f"structured_outputs: expected an object, got {type(data).__name__}")
@@ -284,9 +303,9 @@ class SamplingParams:
         tokens end with its other ids (a one-id sequence always). `with_tokenizer`
         makes them from `bad_words`; give them directly only without a tokenizer.
     structured_outputs: a `StructuredOutputsParams` (or a dict of its fields), None for
-        none: the output must match its JSON schema, regex, choice or grammar (vLLM's
-        structured outputs; the module docstring). The callers that hold the tokenizer
-        make each sequence's `flintc.structured.GrammarMatcher` (`TokenHistory.grammar`)
+        none: the output must match its JSON schema, regex, choice, grammar or structural
+        tag (vLLM's structured outputs; the module docstring). The callers that hold the
+        tokenizer make each sequence's `flintc.structured.GrammarMatcher` (`TokenHistory.grammar`)
         and end the sequence with "stop" when the grammar is complete.
     stop: stop strings (a str or a list of str; kept as a tuple, None when empty): the
         sequence ends (finish reason "stop") as soon as its detokenized output holds one

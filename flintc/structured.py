@@ -2,7 +2,8 @@
 
 A request's `flintc.sampling.StructuredOutputsParams` (vLLM's
 `StructuredOutputsParams`: a JSON schema, any JSON object, a regex, a choice of
-strings, or a Lark grammar) becomes an llguidance grammar (`grammar_text`, the
+strings, a Lark grammar, or a structural tag: free text with triggered JSON
+structures, `parse_structural_tag`) becomes an llguidance grammar (`grammar_text`, the
 serialization vLLM's `backend_guidance.serialize_guidance_grammar` makes), compiled
 against the model's tokenizer into an `llguidance.LLMatcher` once per request
 (`compiled_matcher`, a small cache keyed by the tokenizer and the spec: the n choices
@@ -36,6 +37,7 @@ import collections
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -140,13 +142,176 @@ def _no_additional_properties(schema):
     return schema
 
 
+def _tag_error(msg: str) -> NoReturn:
+    """Raise the InputError naming the structural_tag field."""
+    raise InputError(f"structured_outputs field 'structural_tag': {msg}")
+
+
+_TAG_KEYS = ("type", "structures", "triggers")
+_STRUCTURE_KEYS = ("begin", "schema", "end")
+
+
+def parse_structural_tag(value) -> "tuple[list[str], list[tuple[str, str, dict | bool, str]]]":
+    """A structural tag, vLLM's format (its `StructuralTagResponseFormat`, which vLLM's
+    chat and completions turn into ``structured_outputs.structural_tag``, the JSON text
+    of the object; vLLM's guidance backend, `serialize_guidance_grammar`, reads it)::
+
+        {"type": "structural_tag",          # optional here
+         "structures": [{"begin": "<function=f>", "schema": {...}, "end": "</function>"}, ...],
+         "triggers": ["<function="]}
+
+    as (triggers, [(trigger, begin, schema, end), ...]): each structure's trigger is the
+    first of the triggers its begin starts with (vLLM's choice). The output it stands for
+    is free text in which, wherever a trigger appears, the text goes on as the begin of
+    one of its structures, a JSON value the structure's schema accepts (llguidance's JSON
+    schema subset), and the structure's end; then free text again
+    (`llguidance.StructTag`: https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md#tool-calling).
+
+    value: the JSON text, or the object itself.
+
+    Raises:
+        InputError: "structured_outputs field 'structural_tag': ..." for text that is not
+            JSON, not an object, another "type", xgrammar's newer ``{"type":
+            "structural_tag", "format": ...}`` (vLLM's guidance backend reads only the
+            structures and triggers: neither does flintc), a key of neither shape, no
+            structures (vLLM's "No structural tags found"), triggers not a list of
+            non-empty strings, a structure without a string begin / end or a schema (an
+            object, or true), or a begin that starts with none of the triggers (vLLM's
+            "Trigger {begin} not found in triggers {triggers}"), naming the structure
+            ("structures[1].begin"). The schemas themselves are llguidance's to check
+            (`check_spec`).
+    """
+    import json
+
+    tag = value
+    if isinstance(value, str):
+        try:
+            tag = json.loads(value)
+        except ValueError as exc:
+            _tag_error(f"not valid JSON: {exc}")
+        except RecursionError:
+            _tag_error("too deeply nested")
+    if not isinstance(tag, dict):
+        _tag_error(f"expected an object {{\"type\": \"structural_tag\", \"structures\": [...], \"triggers\": "
+                   f"[...]}}, got {type(tag).__name__}")
+    if tag.get("type", "structural_tag") != "structural_tag":
+        _tag_error(f"'type' must be \"structural_tag\", got {json.dumps(tag['type'])[:80]}")
+    if "format" in tag and "structures" not in tag:
+        _tag_error("the form {\"type\": \"structural_tag\", \"format\": ...} (xgrammar's structural tag) is not "
+                   "supported (llguidance, vLLM's guidance backend, takes \"structures\" and \"triggers\")")
+    extra = [k for k in tag if k not in _TAG_KEYS]
+    if extra:
+        _tag_error(f"unknown key {extra[0]!r} (a structural tag has {', '.join(_TAG_KEYS)})")
+    for key in ("structures", "triggers"):
+        if key not in tag:
+            _tag_error(f"missing {key!r}: a structural tag needs \"structures\" [{{\"begin\", \"schema\", "
+                       f"\"end\"}}, ...] and \"triggers\" [str, ...]")
+        if not isinstance(tag[key], list):
+            _tag_error(f"'{key}' must be a list, got {type(tag[key]).__name__}")
+    triggers = tag["triggers"]
+    for i, t in enumerate(triggers):
+        if not isinstance(t, str) or not t:
+            _tag_error(f"triggers[{i}] must be a non-empty string, got {json.dumps(t)[:80]}")
+    if not tag["structures"]:
+        _tag_error("no structures (vLLM: \"No structural tags found in the grammar spec.\")")
+    out = []
+    for i, st in enumerate(tag["structures"]):
+        where = f"structures[{i}]"
+        if not isinstance(st, dict):
+            _tag_error(f"{where} must be an object {{\"begin\", \"schema\", \"end\"}}, got {type(st).__name__}")
+        extra = [k for k in st if k not in _STRUCTURE_KEYS]
+        if extra:
+            _tag_error(f"{where}: unknown key {extra[0]!r} (a structure has begin, schema, end)")
+        for key in ("begin", "end"):
+            if not isinstance(st.get(key), str):
+                _tag_error(f"{where}.{key} must be a string, got "
+                           f"{'nothing' if key not in st else json.dumps(st[key])[:80]}")
+        schema = st.get("schema")
+        if schema is False:
+            _tag_error(f"{where}.schema: the schema false accepts no value")
+        if not isinstance(schema, (dict, bool)):
+            _tag_error(f"{where}.schema must be a JSON schema (an object), got "
+                       f"{'nothing' if schema is None else json.dumps(schema)[:80]}")
+        begin = st["begin"]
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            _tag_error(f"{where}.begin {json.dumps(begin)} starts with none of the triggers {json.dumps(triggers)} "
+                       f"(vLLM: \"Trigger {begin} not found in triggers {triggers}\")")
+        out.append((trigger, begin, schema, st["end"]))
+    return triggers, out
+
+
+def structural_tag_json(value) -> str:
+    """`StructuredOutputsParams.structural_tag` as it is kept: the JSON text given, or
+    the object's (``json.dumps``, key order kept), once `parse_structural_tag` takes it.
+
+    Raises:
+        InputError: naming the field: neither a string nor an object, and
+            `parse_structural_tag`'s.
+    """
+    import json
+
+    if not isinstance(value, (str, dict)):
+        _tag_error(f"expected the structural tag's JSON text (a string) or object, got {type(value).__name__}")
+    parse_structural_tag(value)
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        _tag_error(f"not JSON data: {exc}")
+    except RecursionError:
+        _tag_error("too deeply nested")
+
+
+def _json_options(spec) -> dict:
+    """llguidance's JSON options of a spec (vLLM's): flexible whitespace unless
+    disable_any_whitespace, the whitespace's regex when whitespace_pattern is given."""
+    options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    if spec.whitespace_pattern is not None:
+        options["whitespace_pattern"] = spec.whitespace_pattern
+    return options
+
+
+def _tag_schema(schema, spec) -> dict:
+    """A structural tag structure's schema as llguidance's ``%json`` takes it: true as {}
+    (any value), vLLM's disable_additional_properties applied, and the spec's JSON
+    options (`_json_options`) as its "x-guidance" defaults (the schema's own
+    "x-guidance" keys win, as `grammar_from_json_schema`'s defaults do)."""
+    schema = {} if schema is True else dict(schema)
+    if spec.disable_additional_properties:
+        schema = _no_additional_properties(schema)
+    own = schema.get("x-guidance")
+    schema["x-guidance"] = {**_json_options(spec), **(own if isinstance(own, dict) else {})}
+    return schema
+
+
+def _structural_tag_grammar(spec) -> str:
+    """The llguidance grammar (Lark) of a structural_tag spec: one `llguidance.StructTag`
+    per structure (its trigger, begin, schema (`_tag_schema`) and end), joined by
+    `StructTag.to_grammar` with its defaults (free text, the regex ``(.|\n)*``, around
+    the structures; a trigger written ``<...>`` is a special token), as vLLM's guidance
+    backend does; vLLM passes each schema as the grammar `grammar_from_json_schema`
+    serialized, which StructTag reads as a JSON schema of unknown keys (any JSON value),
+    so the schema went unchecked there: here it holds."""
+    llg = _llg()
+    _, structures = parse_structural_tag(spec.structural_tag)
+    try:
+        tags = [llg.StructTag(trigger=t, begin=b, grammar=_tag_schema(s, spec), end=e) for t, b, s, e in structures]
+        return llg.StructTag.to_grammar(tags)
+    except (AssertionError, ValueError) as exc:  # StructTag's own checks (parse_structural_tag's first)
+        _tag_error(one_line(exc))
+
+
 def grammar_text(spec) -> str:
     """The llguidance grammar (its JSON serialization) of a StructuredOutputsParams, as
     vLLM's guidance backend makes it: JSON schemas (and json_object, the schema
     {"type": "object"}) with flexible whitespace unless disable_any_whitespace
     (whitespace_pattern, when given, is the whitespace's regex); regex, choice (each
     string a literal alternative) and grammar (Lark, or GBNF, which llguidance converts)
-    through `llguidance.grammar_from`. It does not check the grammar.
+    through `llguidance.grammar_from`; structural_tag through `llguidance.StructTag`
+    (`_structural_tag_grammar`), its schemas with the JSON options. It does not check the
+    grammar.
 
     Raises:
         InputError: naming the field, for what llguidance refuses to serialize (a JSON
@@ -156,6 +321,8 @@ def grammar_text(spec) -> str:
 
     llg = _llg()
     kind = spec.kind
+    if kind == "structural_tag":
+        return _structural_tag_grammar(spec)
     try:
         if kind in ("json", "json_object"):
             schema = json.loads(spec.json) if kind == "json" else {"type": "object"}
@@ -165,10 +332,7 @@ def grammar_text(spec) -> str:
                 raise InputError("structured_outputs field 'json': the schema false accepts no value")
             if spec.disable_additional_properties:
                 schema = _no_additional_properties(schema)
-            options = {"whitespace_flexible": not spec.disable_any_whitespace}
-            if spec.whitespace_pattern is not None:
-                options["whitespace_pattern"] = spec.whitespace_pattern
-            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_json_options(spec))
         if kind == "choice":
             return llg.grammar_from("choice", json.dumps(list(spec.choice)))
         return llg.grammar_from(kind, getattr(spec, kind))  # regex, grammar
@@ -197,17 +361,43 @@ def _cached(cache, key, make):
     return value
 
 
+def _check_tag_schemas(spec) -> str:
+    """The first of a structural_tag spec's schemas that llguidance refuses, as
+    "structured_outputs field 'structural_tag': structures[i].schema: <its message>";
+    "" when it takes them all."""
+    import json
+
+    llg = _llg()
+    for i, (_, _, schema, _) in enumerate(parse_structural_tag(spec.structural_tag)[1]):
+        try:
+            err = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(_tag_schema(schema, spec))))
+        except ValueError as exc:
+            err = str(exc)
+        except RecursionError:
+            err = "the schema is too deeply nested"
+        if err:
+            return f"structured_outputs field 'structural_tag': structures[{i}].schema: {one_line(err)}"
+    return ""
+
+
 def check_spec(spec) -> None:
-    """Check that llguidance takes the spec's grammar (schema, regex, Lark grammar),
-    without a tokenizer; the result is cached per spec.
+    """Check that llguidance takes the spec's grammar (schema, regex, Lark grammar, a
+    structural tag's schemas one by one, then its whole grammar), without a tokenizer;
+    the result is cached per spec.
 
     Raises:
         InputError: "structured_outputs field '<kind>': <llguidance's message>" (on one
-            line: `one_line`).
+            line: `one_line`); a structural tag's schema names its structure
+            ("structures[1].schema: ...").
     """
     def check() -> str:
         try:
             g = grammar_text(spec)
+            if spec.kind == "structural_tag":
+                err = _check_tag_schemas(spec)
+                if err:
+                    return err
         except InputError as exc:
             return str(exc)
         err = _llg().LLMatcher.validate_grammar(g)
@@ -224,17 +414,83 @@ def compiled_matcher(spec, tokenizer):
     feed it tokens.
 
     Raises:
-        InputError: the grammar fails to compile (naming the field, llguidance's message).
+        InputError: the grammar fails to compile (naming the field, llguidance's message:
+            for a structural tag, a trigger written ``<...>`` that is no special token of
+            the tokenizer), or a structural tag whose begin (past its trigger) or end
+            holds a special token's text (`_special_text_in_tags`).
     """
     lt = ll_tokenizer(tokenizer)
 
     def make():
+        if spec.kind == "structural_tag":
+            _special_text_in_tags(spec, tokenizer)
         m = _llg().LLMatcher(lt, grammar_text(spec), log_level=0)
         if m.is_error():
-            raise InputError(f"structured_outputs field '{spec.kind}': {one_line(m.get_error())}")
+            err = one_line(m.get_error())
+            if spec.kind == "structural_tag" and "unknown special token" in err:
+                # without the grammar's excerpt and the list of special tokens (~150k in Flint's vocabulary)
+                err = one_line(m.get_error().strip().splitlines()[0]).split("; following special tokens")[0]
+                err += (" (llguidance's StructTag reads a trigger written <...> as a special token of the "
+                        "tokenizer, as vLLM's guidance backend does; to match text, leave out the closing "
+                        "'>', e.g. \"<function=\")")
+            raise InputError(f"structured_outputs field '{spec.kind}': {err}")
         return m
 
     return _cached(_COMPILED, (lt, spec), make)  # (the key keeps lt alive: its id is not reused)
+
+
+_SPECIAL_TEXTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _special_texts(tokenizer) -> dict:
+    """{text: id} of the tokenizer's special tokens (its LLTokenizer's), made once per
+    tokenizer object."""
+    with _TOKENIZERS_LOCK:
+        try:
+            got = _SPECIAL_TEXTS.get(tokenizer)
+        except TypeError:
+            got = None
+    if got is not None:
+        return got
+    lt = ll_tokenizer(tokenizer)
+    got = {}
+    for i in range(int(lt.vocab_size)):
+        if lt.is_special_token(i):
+            got.setdefault(lt.decode_str([i]), i)
+    with _TOKENIZERS_LOCK:
+        try:
+            _SPECIAL_TEXTS[tokenizer] = got
+        except TypeError:
+            pass
+    return got
+
+
+def _special_text_in_tags(spec, tokenizer) -> None:
+    """Refuse a structural tag whose structure spells out a special token's text as text:
+    its begin past the trigger, its end, or a trigger llguidance matches as text (not
+    written ``<...>``): llguidance offers that text only as the special token, then
+    refuses it (`GrammarMatcher.advance`'s error, as the sequence runs); e.g. the end
+    "</tool_call>" of a tokenizer whose </tool_call> is special.
+
+    Raises:
+        InputError: "structured_outputs field 'structural_tag': structures[i].end holds
+            the special token '</tool_call>' (id 507) ...".
+    """
+    specials = _special_texts(tokenizer)
+    if not specials:
+        return
+    longest = max(len(t) for t in specials)
+    for i, (trigger, begin, _, end) in enumerate(parse_structural_tag(spec.structural_tag)[1]):
+        as_special = trigger.startswith("<") and trigger.endswith(">")
+        for part, text in (("begin", begin if not as_special else begin[len(trigger):]), ("end", end)):
+            for a in range(len(text)):
+                for b in range(a + 1, min(len(text), a + longest) + 1):
+                    if text[a:b] in specials:
+                        raise InputError(
+                            f"structured_outputs field 'structural_tag': structures[{i}].{part} {text!r} holds the "
+                            f"special token {text[a:b]!r} (id {specials[text[a:b]]}) as text, which llguidance "
+                            f"offers only as that token and then refuses: a special token cannot be matched as "
+                            f"text (only a trigger written <...>, the whole trigger, is read as a special token)")
 
 
 _SHIFTS: dict = {}

@@ -75,8 +75,8 @@ def test_spec_errors_name_the_field(kw, match):
 def test_sampling_params_errors_name_structured_outputs():
     with pytest.raises(InputError, match="sampling field 'structured_outputs'.*field 'regex'"):
         SamplingParams(structured_outputs={"regex": "[a"})
-    with pytest.raises(InputError, match="sampling field 'structured_outputs'.*'structural_tag' is not supported"):
-        SamplingParams(structured_outputs={"structural_tag": "{}"})
+    with pytest.raises(InputError, match="sampling field 'structured_outputs'.*'bogus' is not supported"):
+        SamplingParams(structured_outputs={"bogus": "{}"})
     with pytest.raises(InputError, match="sampling field 'structured_outputs' must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs="a+")
 

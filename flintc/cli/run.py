@@ -62,8 +62,10 @@ def add_parser(sub) -> None:
                    help="add BIAS (in [-100, 100]) to token ID's logit; repeat for more tokens")
     p.add_argument("--structured-outputs", default=None, metavar="JSON",
                    help="constrain the output (vLLM's structured outputs, on llguidance): a JSON object with "
-                        "one of json (a JSON schema), regex, choice (a list of strings), grammar (Lark) or "
-                        "json_object (true), e.g. '{\"choice\": [\"yes\", \"no\"]}'; needs the tokenizer")
+                        "one of json (a JSON schema), regex, choice (a list of strings), grammar (Lark), "
+                        "json_object (true) or structural_tag ({\"structures\": [{\"begin\", \"schema\", "
+                        "\"end\"}], \"triggers\": [...]}, or its JSON text), e.g. '{\"choice\": [\"yes\", "
+                        "\"no\"]}'; needs the tokenizer")
     p.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="stop string: the output ends when one ends in the latest token's text (the first "
                         "in the order given; looked for once more than --min-tokens tokens are out), which "
@@ -104,8 +106,8 @@ def parse_structured_outputs(text: str | None) -> dict | None:
         raise InputError(f"--structured-outputs: not valid JSON ({exc}); expected an object such as "
                          "'{\"regex\": \"[0-9]+\"}'") from None
     if not isinstance(value, dict):
-        raise InputError(f"--structured-outputs: expected a JSON object (json, regex, choice, grammar or "
-                         f"json_object), got {json.dumps(value)[:80]}")
+        raise InputError(f"--structured-outputs: expected a JSON object (json, regex, choice, grammar, "
+                         f"json_object or structural_tag), got {json.dumps(value)[:80]}")
     return value
 
 
