@@ -125,13 +125,13 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "freque
                    "repetition_penalty", "min_p", "min_tokens")
 # the request fields that set (or shape) a structured-outputs constraint (`structured_outputs_spec`)
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                      "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")
+                      "guided_grammar", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern")
 
 
 def structured_param(req) -> str | None:
     """The request field that set its structured-outputs constraint (a 400's ``param``
     when the constraint could not be followed), None without one."""
-    for f in _STRUCTURED_FIELDS[:6]:
+    for f in _STRUCTURED_FIELDS[:7]:
         v = getattr(req, f, None)
         if v is not None and not (f == "response_format" and isinstance(v, dict) and v.get("type") == "text"):
             return f
@@ -803,7 +803,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
                 try:
                     compiled_matcher(spec, tokenizer)
                 except InputError as exc:
-                    raise APIError(400, str(exc), param="structured_outputs") from None
+                    raise APIError(400, str(exc), param=structured_param(req) or "structured_outputs") from None
             return spec
 
         return await asyncio.to_thread(make)

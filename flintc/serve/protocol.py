@@ -34,17 +34,21 @@ Structured outputs (constrained decoding, vLLM's, on llguidance: vLLM's "guidanc
 backend; :mod:`flintc.structured`), gathered by :func:`structured_outputs_spec` into one
 `flintc.sampling.StructuredOutputsParams`: OpenAI's ``response_format``
 (``{"type": "text"}``, ``{"type": "json_object"}``, ``{"type": "json_schema",
-"json_schema": {"name", "schema", "strict", "description"}}``), vLLM's
+"json_schema": {"name", "schema", "strict", "description"}}``) and vLLM's
+``{"type": "structural_tag", "structures": [{"begin", "schema", "end"}, ...],
+"triggers": [...]}`` (its `StructuralTagResponseFormat`, which vLLM turns into
+``structured_outputs.structural_tag``, the object's JSON text), vLLM's
 ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar`` (Lark, as
-llguidance reads it; GBNF is converted), ``json_object``, and its options
+llguidance reads it; GBNF is converted), ``json_object``, ``structural_tag`` (the JSON
+text of such an object, as vLLM's, or the object), and its options
 ``disable_any_whitespace``, ``disable_additional_properties``, ``whitespace_pattern``,
 ``disable_fallback``), and vLLM's older ``guided_json``, ``guided_regex``,
-``guided_choice``, ``guided_grammar`` and ``guided_whitespace_pattern``. One kind at
-most (else a 400, vLLM's "You can only use one kind of guided decoding");
-``guided_decoding_backend`` may be null, "auto", "guidance" or "llguidance" (llguidance
-runs every one); ``structural_tag`` (the field, the response_format type, the
-structured_outputs key) is refused. A schema, regex or grammar that llguidance refuses
-is a 400 naming the field, with llguidance's message. Chat's ``tool_choice``
+``guided_choice``, ``guided_grammar``, ``structural_tag`` and
+``guided_whitespace_pattern``. One kind at most (else a 400, vLLM's "You can only use
+one kind of guided decoding"); ``guided_decoding_backend`` may be null, "auto",
+"guidance" or "llguidance" (llguidance runs every one). A schema, regex, grammar or
+structural tag that llguidance (or the structural tag's shape) refuses is a 400 naming
+the field, with llguidance's message. Chat's ``tool_choice``
 ``"required"`` or a named function makes its own constraint from ``tools``
 (:mod:`flintc.serve.tool_choice`), which none of these fields may join.
 
@@ -290,25 +294,38 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 # vLLM's fields accepted only as null ({} too for the first)
 _VLLM_NULL_OR_EMPTY = ("logits_processors", "kv_transfer_params", "vllm_xargs", "mm_processor_kwargs",
                        "media_io_kwargs")
-_VLLM_NULL_ONLY = ("structural_tag",)
 # guided_decoding_backend values taken: llguidance serves each (vLLM's "guidance" backend)
 GUIDED_BACKENDS = (None, "auto", "guidance", "llguidance")
 _GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                  ("guided_grammar", "grammar"))
+                  ("guided_grammar", "grammar"), ("structural_tag", "structural_tag"))
 
 
 def _response_format_kind(rf: dict | None) -> tuple[str, Any] | None:
     """OpenAI's ``response_format`` as (StructuredOutputsParams field, value), None for
-    absent or ``{"type": "text"}``. Raises APIError(400) naming the field."""
+    absent or ``{"type": "text"}``. vLLM's ``{"type": "structural_tag", "structures",
+    "triggers"}`` is ("structural_tag", its JSON text), as vLLM's chat and completions
+    make ``structured_outputs.structural_tag`` of it (its shape is
+    `flintc.structured.parse_structural_tag`'s to check).
+
+    Raises:
+        APIError(400, param "response_format"): another type, a key the type does not
+            take, a json_schema not of OpenAI's shape; a structural_tag of vLLM's newer
+            form ``{"type": "structural_tag", "format": ...}`` (xgrammar's structural
+            tag, which vLLM's guidance backend does not read either), code
+            "unsupported_parameter".
+    """
     if rf is None:
         return None
     kind = rf.get("type")
-    allowed = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}
+    allowed = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema"),
+               "structural_tag": ("type", "structures", "triggers")}
     if kind not in allowed:
-        what = ("is not supported by flintc serve" if kind == "structural_tag"
-                else "must be \"text\", \"json_object\" or \"json_schema\"")
-        raise APIError(400, f"'response_format.type' {_dumps(kind)} {what}", param="response_format",
-                       code="unsupported_parameter" if kind == "structural_tag" else None)
+        raise APIError(400, f"'response_format.type' {_dumps(kind)} must be \"text\", \"json_object\", "
+                       f"\"json_schema\" or \"structural_tag\"", param="response_format")
+    if kind == "structural_tag" and "format" in rf and "structures" not in rf:
+        raise APIError(400, "'response_format': the structural tag {\"type\": \"structural_tag\", \"format\": ...} "
+                       "(xgrammar's) is not supported by flintc serve: give \"structures\" and \"triggers\" "
+                       "(llguidance, vLLM's guidance backend)", param="response_format", code="unsupported_parameter")
     extra = [k for k in rf if k not in allowed[kind]]
     if extra:
         raise APIError(400, f"Unrecognized request argument supplied: response_format.{extra[0]}",
@@ -317,6 +334,8 @@ def _response_format_kind(rf: dict | None) -> tuple[str, Any] | None:
         return None
     if kind == "json_object":
         return "json_object", True
+    if kind == "structural_tag":
+        return "structural_tag", _dumps(rf)
     js = rf.get("json_schema")
     if not isinstance(js, dict):
         raise APIError(400, "'response_format.json_schema' must be an object {\"name\", \"schema\", "
@@ -371,7 +390,8 @@ def structured_outputs_spec(req: BaseModel):
         APIError(400): naming the field: more than one kind ("You can only use one kind of
             guided decoding", as vLLM), a guided_decoding_backend other than null, "auto",
             "guidance" or "llguidance", a bad response_format or structured_outputs
-            object, or a schema / regex / grammar llguidance refuses (its message).
+            object, or a schema / regex / grammar / structural tag llguidance refuses (its
+            message; a structural tag's shape: `flintc.structured.parse_structural_tag`).
     """
     from flintc.errors import InputError
     from flintc.sampling import StructuredOutputsParams
@@ -388,18 +408,16 @@ def structured_outputs_spec(req: BaseModel):
         if not isinstance(so, dict):
             raise APIError(400, f"'structured_outputs' must be an object, got {_dumps(so)}",
                            param="structured_outputs")
-        fields = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
-                  "disable_additional_properties", "whitespace_pattern", "disable_fallback")
+        constraints = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+        fields = (*constraints, "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern",
+                  "disable_fallback")
         for key, value in so.items():
-            if key == "structural_tag" and value is not None:
-                raise APIError(400, "'structured_outputs.structural_tag' is not supported by flintc serve",
-                               param="structured_outputs", code="unsupported_parameter")
-            if key not in fields and key != "structural_tag":
+            if key not in fields:
                 raise APIError(400, f"Unrecognized request argument supplied: structured_outputs.{key}",
                                param="structured_outputs")
             if value is None:
                 continue
-            if key in ("json", "regex", "choice", "grammar", "json_object"):
+            if key in constraints:
                 if key == "json_object" and value is False:
                     continue
                 kinds.append(("structured_outputs", key, value))
@@ -423,7 +441,8 @@ def structured_outputs_spec(req: BaseModel):
         if options or so is not None:
             where = "structured_outputs" if so is not None else "guided_whitespace_pattern"
             raise APIError(400, f"'{where}' needs a constraint: one of structured_outputs' json, regex, choice, "
-                           f"grammar or json_object (or response_format, or a guided_* field)", param=where)
+                           f"grammar, json_object or structural_tag (or response_format, or a guided_* field)",
+                           param=where)
         return None
     field, key, value = kinds[0]
     try:
@@ -442,7 +461,7 @@ def structured_outputs_spec(req: BaseModel):
 def unsupported(req: BaseModel) -> None:
     """Raise a 400 APIError for the first OpenAI field set to a value Flint does not
     support (functions, audio, non-text modalities, best_of > 1, suffix), or vLLM field
-    away from its no-op value (use_beam_search, structural_tag, ...), or an empty
+    away from its no-op value (use_beam_search, logits_processors, ...), or an empty
     ``cache_salt`` (as vLLM). ``response_format`` and the structured outputs fields are
     :func:`structured_outputs_spec`'s; ``priority`` is checked against the server's
     scheduling policy by :mod:`flintc.serve.app` (vLLM's "Got priority ... but Priority
@@ -462,7 +481,6 @@ def unsupported(req: BaseModel) -> None:
         ("prompt_embeds", lambda v: v is not None),
         ("chat_template", lambda v: v is not None),
         *((name, lambda v: bool(v)) for name in _VLLM_NULL_OR_EMPTY),
-        *((name, lambda v: v is not None) for name in _VLLM_NULL_ONLY),
     ]
     if getattr(req, "cache_salt", None) == "":  # vLLM's check, message and all
         raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")

@@ -31,6 +31,9 @@ SCRIPTS = {
     "bad_tool": "Trying.<tool_call>get_weather<arg_key>city</arg_key></tool_call>",
     "stop": "Hello world. Goodbye world.",
     "think_yes": "<think>Pick one of the two.</think>yes",
+    # structural tags (tests/serve/test_structural_tag.py: the trigger '@')
+    "stag": 'Let me add. @add({"n": 3}) and @neg({"ok": true}) done.',
+    "stag_bad": 'Let me add. @add({"n": 12}) done.',
 }
 
 

@@ -1885,7 +1885,7 @@ def test_vllm_request_fields_at_their_defaults_are_accepted(server, path):
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("patch", [
     {"use_beam_search": True}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}},
-    {"kv_transfer_params": {"a": 1}}, {"structural_tag": "{}"}, {"guided_decoding_backend": "xgrammar"},
+    {"kv_transfer_params": {"a": 1}}, {"guided_decoding_backend": "xgrammar"},
 ])
 def test_vllm_request_fields_away_from_their_defaults_are_refused(server, path, patch):
     body = ({"model": MODEL, "prompt": "hi", "max_tokens": 2} if path == "/v1/completions"

@@ -104,7 +104,8 @@ def test_streaming_with_a_constraint(tiny_server, path):
      "response_format", "type must be a string"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
      "'response_format.json_schema.schema' must be a JSON schema"),
-    ({"response_format": {"type": "xml"}}, "response_format", "must be \"text\", \"json_object\" or"),
+    ({"response_format": {"type": "xml"}}, "response_format",
+     "must be \"text\", \"json_object\", \"json_schema\" or \"structural_tag\""),
     ({"guided_regex": "[a"}, "guided_regex", "'guided_regex': at 1(8): invalid regex"),
     ({"guided_json": {"type": "object", "required": 3}}, "guided_json", "'guided_json':"),
     ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs",
@@ -117,7 +118,8 @@ def test_streaming_with_a_constraint(tiny_server, path):
      "is not supported by flintc serve"),
     ({"structured_outputs": {"regex": "a", "bogus": 1}}, "structured_outputs",
      "Unrecognized request argument supplied: structured_outputs.bogus"),
-    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs", "not supported"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs",
+     "'structured_outputs.structural_tag': missing 'structures'"),
     ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs", "needs a constraint"),
     # a bad option is named, not the constraint beside it (it said 'structured_outputs.regex':
     # structured_outputs field 'disable_any_whitespace': ..., or param "response_format")
