@@ -308,10 +308,10 @@ class SamplingParams:
         tokenizer make each sequence's `flintc.structured.GrammarMatcher` (`TokenHistory.grammar`)
         and end the sequence with "stop" when the grammar is complete.
     stop: stop strings (a str or a list of str; kept as a tuple, None when empty): the
-        sequence ends (finish reason "stop") as soon as its detokenized output holds one
-        of them, looked for once more than `min_tokens` tokens are generated; the text
-        ends before the stop string (`flintc.stop_strings`: after each token, the first of them,
-        in the order given, that ends in the token's characters, as vLLM's). Acted on
+        sequence ends (finish reason "stop") when one of them ends in the latest token's
+        text (the first in the order given, as vLLM's; `flintc.stop_strings`), looked
+        for once more than `min_tokens` tokens are generated; the text ends before the
+        stop string (after it with include_stop_str_in_output). Acted on
         by the callers that hold the tokenizer (`flintc.api.CompiledModel.generate`,
         `generate_with_runner` with tokenizer=, `flintc run --stop`, the server); the
         output ids keep the token that completed the match, as vLLM's do.

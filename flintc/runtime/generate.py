@@ -17,8 +17,9 @@ token (`flintc.stop_strings.StopStringText`, the serving engine's match) and ret
 Same result type and stopping rules as the reference loop (`flintc.model.generate`),
 and as `flintc serve`'s engine: a sequence stops at its end-of-text token (unless
 ignore_eos) or one of its params' stop_token_ids (even with ignore_eos, as vLLM's; never
-before min_tokens, which masks them until then), when its text holds one of its stop
-strings (looked for once more than min_tokens tokens are out), when its structured
+before min_tokens, which masks them until then), when one of its stop strings ends in
+the latest token's text (the first in the order given, looked for once more than
+min_tokens tokens are out: `flintc.stop_strings`), when its structured
 output's grammar is complete, at max_tokens, or when prompt + generated tokens reach the
 runner's max_model_len (vLLM's meaning: the last token needs no cache position, so a
 sequence uses max_model_len - 1 positions). The finish reason is "stop" for the first
