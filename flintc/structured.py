@@ -564,7 +564,8 @@ class GrammarMatcher:
         spec: a `flintc.sampling.StructuredOutputsParams`.
         tokenizer: the model's tokenizer (a FlintTokenizer), whose ids the model samples.
         stop_token_ids: the sequence's stop tokens (end-of-text included): allowed, and
-            ending the grammar, only where it accepts.
+            ending the grammar, where it accepts; elsewhere only one that is text the
+            grammar allows there (it ends the sequence, as in vLLM).
         reasoning: None (the grammar holds from the first generated token), or a
             `ReasoningGate`: a chat reply of a thinking model (`flintc serve
             --reasoning-parser`) is constrained after its thinking block only, as vLLM
@@ -691,8 +692,9 @@ class GrammarMatcher:
     def _finish_words(self, words: np.ndarray) -> None:
         """llguidance's mask `words` (int32, at least `_words_needed` long, the words past
         llguidance's zero) made this sequence's, in place: its end-of-text bits cleared
-        (noting `_eos_as_text`), the stop tokens set when the grammar accepts and cleared
-        otherwise, and the thinking block's start token set under `ReasoningGate` "start"."""
+        (noting `_eos_as_text`), the stop tokens set when the grammar accepts and otherwise
+        left as llguidance has them (one that is text the grammar allows there may be drawn,
+        as in vLLM), and the thinking block's start token set under `ReasoningGate` "start"."""
         u = words.view(np.uint32)
         eos_only = bool(self._ll_eos) and not self._m.is_accepting()
         for t in self._ll_eos:
@@ -702,9 +704,12 @@ class GrammarMatcher:
         if self.is_accepting():
             for t in self.stop_token_ids:
                 u[t >> 5] |= np.uint32(1 << (t & 31))
-        else:
-            for t in self.stop_token_ids:
-                u[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        # elsewhere a stop token keeps llguidance's bit (its end-of-text ones were cleared):
+        # one of stop_token_ids that is ordinary text the grammar allows there may be drawn,
+        # and ends the sequence (finish "stop", stop_reason its id), as in vLLM, whose
+        # grammar bitmask does not single out stop_token_ids; clearing it left no token to
+        # draw where the grammar forces that text (a structural tag's begin "@add(" with
+        # stop_token_ids ["("'s id])
         if self.phase == "start":
             t = self.gate.start_id
             u[t >> 5] |= np.uint32(1 << (t & 31))

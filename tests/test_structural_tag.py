@@ -264,6 +264,21 @@ def test_generate_ends_in_free_text_at_a_stop_token(tiny):
             assert t[i:].startswith(("<fn=add>", "<fn=neg>")) or len(t) - i < 8, t
 
 
+def test_a_text_stop_token_the_structure_needs_ends_the_sequence(tiny):
+    """stop_token_ids holding '(' (ordinary text) while the structure's begin "@add("
+    forces it: as in vLLM the grammar's mask lets it be drawn and it ends the sequence
+    (finish "stop", stop_reason its id); it was masked as a stop token where the grammar
+    does not accept, which left no token to draw and failed the request."""
+    _, tok = tiny
+    at, paren = tok.encode("@"), tok.encode("(")
+    assert len(at) == 1 and len(paren) == 1
+    ps = [SamplingParams(seed=s, max_tokens=24, logit_bias={at[0]: 100}, stop_token_ids=[paren[0]],
+                         structured_outputs={"structural_tag": AT_TAG}) for s in range(2)]
+    r, texts = _gen(tiny, ["Hello"] * 2, ps)
+    assert r.finish_reasons == ["stop"] * 2 and r.stop_reasons == [paren[0]] * 2, (r.finish_reasons, texts)
+    assert all(t in ("@add", "@neg") for t in texts), texts
+
+
 # ---- flintc run ----------------------------------------------------------------------------------
 
 
