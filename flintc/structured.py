@@ -472,13 +472,22 @@ def _special_text_in_tags(spec, tokenizer) -> None:
     refuses it (`GrammarMatcher.advance`'s error, as the sequence runs); e.g. the end
     "</tool_call>" of a tokenizer whose </tool_call> is special.
 
+    Also refused: a trigger that is the end-of-text token (written ``<|endoftext|>``):
+    drawing it ends the output, so no structure could follow it.
+
     Raises:
         InputError: "structured_outputs field 'structural_tag': structures[i].end holds
-            the special token '</tool_call>' (id 507) ...".
+            the special token '</tool_call>' (id 507) ...", or "... triggers[i] ... is the
+            end-of-text token ...".
     """
     specials = _special_texts(tokenizer)
     if not specials:
         return
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for i, trigger in enumerate(parse_structural_tag(spec.structural_tag)[0]):
+        if eos is not None and specials.get(trigger) == eos:
+            raise InputError(f"structured_outputs field 'structural_tag': triggers[{i}] {trigger!r} is the "
+                             f"end-of-text token (id {eos}), which ends the output: no structure can follow it")
     longest = max(len(t) for t in specials)
     for i, (trigger, begin, _, end) in enumerate(parse_structural_tag(spec.structural_tag)[1]):
         as_special = trigger.startswith("<") and trigger.endswith(">")

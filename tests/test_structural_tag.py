@@ -99,7 +99,8 @@ def test_tokenizer_errors_at_compile(tiny):
     server does so before it answers): a trigger written <...> is a special token
     (llguidance's StructTag, as vLLM's), one the tokenizer lacks is an error with a hint;
     a begin or end that spells out a special token's text is refused (llguidance would
-    offer it only as the token, then refuse it as the sequence runs)."""
+    offer it only as the token, then refuse it as the sequence runs), and so is the
+    end-of-text token as a trigger."""
     from flintc.structured import compiled_matcher
 
     _, tok = tiny
@@ -111,6 +112,13 @@ def test_tokenizer_errors_at_compile(tiny):
         [{"begin": "<tool_call>", "schema": {}, "end": "</tool_call>"}], ["<tool_call>"]))
     with pytest.raises(InputError, match=r"structures\[0\]\.end '</tool_call>' holds the special token "
                                          r"'</tool_call>' \(id 507\) as text"):
+        compiled_matcher(spec, tok)
+    # the end-of-text token as a trigger: drawing it ends the output, no structure follows
+    # (it was taken, and the output ended at once with "stop")
+    spec = StructuredOutputsParams(structural_tag=_tag(
+        [{"begin": "<|endoftext|>f", "schema": {}, "end": ""}], ["<|endoftext|>"]))
+    with pytest.raises(InputError, match=r"triggers\[0\] '<\|endoftext\|>' is the end-of-text token \(id "
+                                         rf"{tok.eos_token_id}\), which ends the output"):
         compiled_matcher(spec, tok)
 
 
