@@ -33,6 +33,16 @@ def cpu_interpreter_only(gpu_check: str):
 
 
 @functools.lru_cache(maxsize=None)
+def checkpoint_model_and_tokenizer(folder):
+    """(FlintModel, FlintTokenizer) of a checkpoint folder: the reference model on its
+    weights and its tokenizer (the tests of sampling and structured outputs)."""
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    ckpt = load_checkpoint(folder, progress=False)
+    return FlintModel(ckpt.config, ckpt.weights), load_tokenizer(ckpt.tokenizer_dir)
+
+
 def tiny_model(seed: int = 0) -> FlintModel:
     return FlintModel(TINY, random_weights(TINY, seed))
 

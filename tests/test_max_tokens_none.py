@@ -9,6 +9,7 @@ import pytest
 
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams
+from harness import checkpoint_model_and_tokenizer
 
 LEN = 40  # max_model_len of the runs below
 
@@ -16,12 +17,7 @@ LEN = 40  # max_model_len of the runs below
 @pytest.fixture(scope="module")
 def tiny(tiny_bf16_dir):
     """(FlintModel, FlintTokenizer)."""
-    from flintc.checkpoint.loader import load_checkpoint
-    from flintc.checkpoint.tokenizer import load_tokenizer
-    from flintc.model.reference import FlintModel
-
-    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
-    return FlintModel(ckpt.config, ckpt.weights), load_tokenizer(ckpt.tokenizer_dir)
+    return checkpoint_model_and_tokenizer(tiny_bf16_dir)
 
 
 def test_none_is_accepted_and_other_values_still_refused():

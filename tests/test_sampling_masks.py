@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from flintc.errors import InputError
 from flintc.sampling import (SamplingParams, TokenHistory, adjust_logits, bad_word_bans,
                              bad_words_to_token_ids, sample)
+from harness import checkpoint_model_and_tokenizer
 
 
 def vllm_masks(logits: np.ndarray, p: SamplingParams, output: list[int]) -> np.ndarray:
@@ -242,12 +243,7 @@ def test_bad_words_to_token_ids_is_vllms():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_bf16_dir):
-    from flintc.checkpoint.loader import load_checkpoint
-    from flintc.checkpoint.tokenizer import load_tokenizer
-    from flintc.model.reference import FlintModel
-
-    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
-    return FlintModel(ckpt.config, ckpt.weights), load_tokenizer(ckpt.tokenizer_dir)
+    return checkpoint_model_and_tokenizer(tiny_bf16_dir)
 
 
 def test_generate_with_masks(tiny):

@@ -17,6 +17,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams, StructuredOutputsParams, TokenHistory, adjust_logits, sample
+from harness import checkpoint_model_and_tokenizer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
           "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
@@ -24,12 +25,7 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n
 
 @pytest.fixture(scope="module")
 def tiny(tiny_bf16_dir):
-    from flintc.checkpoint.loader import load_checkpoint
-    from flintc.checkpoint.tokenizer import load_tokenizer
-    from flintc.model.reference import FlintModel
-
-    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
-    return FlintModel(ckpt.config, ckpt.weights), load_tokenizer(ckpt.tokenizer_dir)
+    return checkpoint_model_and_tokenizer(tiny_bf16_dir)
 
 
 # ---- the spec ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams, StructuredOutputsParams
+from harness import checkpoint_model_and_tokenizer
 
 ADD = {"type": "object", "required": ["n"], "additionalProperties": False,
        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
@@ -30,12 +31,7 @@ TAG = {"type": "structural_tag",
 
 @pytest.fixture(scope="module")
 def tiny(tiny_bf16_dir):
-    from flintc.checkpoint.loader import load_checkpoint
-    from flintc.checkpoint.tokenizer import load_tokenizer
-    from flintc.model.reference import FlintModel
-
-    ckpt = load_checkpoint(tiny_bf16_dir, progress=False)
-    return FlintModel(ckpt.config, ckpt.weights), load_tokenizer(ckpt.tokenizer_dir)
+    return checkpoint_model_and_tokenizer(tiny_bf16_dir)
 
 
 # ---- the spec ---------------------------------------------------------------------------------
