@@ -8,10 +8,8 @@ gives for the same op").
   `e2m1 * E4M3 block scale` is exact in bf16), runs the bf16 GEMM, then multiplies by the
   fp32 global scale. Hopper has no FP4 tensor cores (`torch._scaled_mm`'s FP4 path needs
   sm_100), so this dequantize-then-GEMM is the plain-torch W4A16 path there.
-- MoE: the reference's routing (sigmoid, top-k of scores + bias with ties to the lower
-  index, normalised weights) as `flintc.bench.fast_model.select_topk` computes it (one
-  `torch.topk`, bit for bit `flintc.model.ops.select_topk`'s stable sort; since session
-  45), then the selected experts only: bf16 experts as one
+- MoE: the reference's routing (`flintc.model.ops.select_topk`: sigmoid, stable sort of
+  scores + bias, normalised weights), then the selected experts only: bf16 experts as one
   grouped GEMM per projection over the (token, expert) rows sorted by expert
   (`torch.nn.functional.grouped_mm`, where it runs without a host sync: sm_90 / sm_100,
   and the CPU; each distinct expert read once, in place), NVFP4 experts (and bf16 on
@@ -44,8 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from flintc.bench.fast_model import (experts, linear, linear_mulsum, logits, nvfp4_to_bf16,  # noqa: F401  (this module's API)
-                                     select_topk)
+from flintc.bench.fast_model import experts, linear, linear_mulsum, logits, nvfp4_to_bf16  # noqa: F401  (this module's API)
 from flintc.model import ops
 
 F32 = torch.float32
@@ -66,7 +63,7 @@ def moe_topk_gate_up(x, logits_, bias, gate, up, shared_gate, shared_up, top_k: 
     SiLU-and-mul. x: bf16 [N, H]; logits_: fp32 [N, E]; bias: fp32 [E]; gate, up: stacked
     [E, F, H]; shared_gate / shared_up: [F, H]. -> (h bf16 [N, K + 1, F] (the shared
     expert last), weights fp32 [N, K], ids int64 [N, K]), as `flintc::moe_topk_gate_up`."""
-    weights, ids = select_topk(logits_, bias, top_k, scaling)
+    weights, ids = ops.select_topk(logits_, bias, top_k, scaling)
     g = torch.cat([experts(x, ids, gate), linear(x, shared_gate)[:, None]], dim=1)
     u = torch.cat([experts(x, ids, up), linear(x, shared_up)[:, None]], dim=1)
     return ops.silu_mul(g, u, F32), weights, ids

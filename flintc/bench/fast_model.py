@@ -22,8 +22,7 @@ gpt-oss reference code are, where the reference computes every op in fp32:
   masked and, with the learned sink logit concatenated (gpt-oss), softmaxed in fp32;
   the sink's column dropped, probabilities rounded to bf16, then the bf16 GEMM with V;
 - MoE: router bf16 GEMM -> fp32 logits, the spec's sigmoid + bias top-k
-  (`select_topk`: `flintc.model.ops.select_topk`'s experts and weights, ties to the lower
-  index, by `torch.topk` instead of a sort of all E scores); bf16 experts as one grouped GEMM per projection
+  (`flintc.model.ops.select_topk`); bf16 experts as one grouped GEMM per projection
   (`torch._grouped_mm` over the (token, expert) rows sorted by expert: each distinct
   selected expert read once, in place; sm_90 / sm_100 and CPU) from `GROUPED_MIN_ROWS`
   (token, expert) rows on, NVFP4 experts (and bf16 below that, or where grouped_mm
@@ -202,32 +201,6 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible
     return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
 
 
-def select_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float):
-    """`flintc.model.ops.select_topk` (the MoE router's steps 2-4, FLINT_SPEC: sigmoid
-    scores, top-k of scores + bias with ties to the lower index, weights scores / sum *
-    scaling), bit for bit, by one `torch.topk` over an int64 key instead of a stable
-    sort of all E scores: compiled, the sort took 22.6 us per MoE layer on an H100 at
-    batch 1 (docs/gpu-runs.md, session 45). The key is the fp32 score's bits made
-    order-preserving as an integer (negative floats' low 31 bits flipped; -0.0 is made
-    +0.0 first), shifted up 32 bits, with E - 1 - index below: equal scores go to the
-    lower index, as the stable sort does. NaN scores order by their bits (the reference's
-    sort puts them first).
-
-    logits: fp32 [N, E]; bias: [E] (any float dtype). -> (weights fp32 [N, top_k],
-    experts int64 [N, top_k]), the experts in descending order of score + bias.
-    """
-    scores = torch.sigmoid(logits)  # [N, E]
-    s = (scores + bias.to(logits.dtype)) + 0.0  # (+ 0.0: -0.0 -> +0.0, which compare equal)
-    bits = s.view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # ascending as s
-    E = s.shape[-1]
-    key = ordered * (1 << 32) + (E - 1 - torch.arange(E, device=s.device))
-    selected = torch.topk(key, top_k, dim=-1, sorted=True).indices  # [N, K]
-    w = scores.gather(1, selected)
-    w = w / w.sum(dim=-1, keepdim=True) * scaling
-    return w, selected
-
-
 def _w(h: WeightHolder) -> list[torch.Tensor]:
     """A holder's tensors as the ops above take them (the buffers themselves, no copy)."""
     return [h.codes, h.scales, h.global_scale] if h.is_nvfp4 else [h.weight]
@@ -327,8 +300,8 @@ class FastFlintModel(FlintModel):
 
     def _moe(self, moe, x):  # x: bf16 [N, H] -> [N, H]
         c, w = self.config, moe.w
-        weights, ids = select_topk(logits(x, w["router"].weight), w["bias"].weight,
-                                   c.num_experts_per_tok, c.routed_scaling_factor)  # fp32, int64 [N, K]
+        weights, ids = ops.select_topk(logits(x, w["router"].weight), w["bias"].weight,
+                                       c.num_experts_per_tok, c.routed_scaling_factor)  # fp32, int64 [N, K]
         g = self.grouped_experts
         a = ops.silu_mul(experts(x, ids, _w(w["gate"]), g), experts(x, ids, _w(w["up"]), g), F32)  # [N, K, F]
         y = experts(a, ids, _w(w["down"]), g)  # [N, K, H]
@@ -337,4 +310,4 @@ class FastFlintModel(FlintModel):
 
 
 __all__ = ["GROUPED_MIN_ROWS", "FastFlintModel", "attention", "experts", "grouped_experts_apply", "linear", "linear_mulsum",
-           "logits", "nvfp4_to_bf16", "select_topk"]
+           "logits", "nvfp4_to_bf16"]
