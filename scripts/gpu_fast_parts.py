@@ -17,6 +17,7 @@ fast baseline became slower at b1/1K on an H100 (4.31 -> 7.93 ms forward, no gra
 after the grouped experts and in-place caches came in.
 
     python scripts/gpu_fast_parts.py [--layers 6] [--batches 1,8] [--context 1024] [--profile]
+        [--experts grouped,gather] [--attention inplace,gather] [--grouped-min-rows N]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flintc.bench import fast_model  # noqa: E402
 from flintc.bench.baselines import CompiledStep  # noqa: E402
 from flintc.bench.fast_model import FastFlintModel  # noqa: E402
 from flintc.checkpoint.init import random_weights  # noqa: E402
@@ -46,22 +48,37 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--config", default="full", help="preset or config.json (tiny: a CPU smoke test)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--experts", default="grouped,gather", help="expert variants to run: grouped, gather")
+    ap.add_argument("--attention", default="inplace,gather", help="full-attention cache variants: inplace, gather")
+    ap.add_argument("--grouped-min-rows", type=int, default=None,
+                    help="override fast_model.GROUPED_MIN_ROWS (rows N x K from which the grouped "
+                         "variant runs one grouped GEMM; below it, it gathers w[ids] as the gather variant)")
     a = ap.parse_args()
+    if a.grouped_min_rows is not None:
+        if a.grouped_min_rows < 1:
+            ap.error(f"--grouped-min-rows must be at least 1, got {a.grouped_min_rows}")
+        fast_model.GROUPED_MIN_ROWS = a.grouped_min_rows
+    for opt, val, allowed in (("--experts", a.experts, ("grouped", "gather")),
+                              ("--attention", a.attention, ("inplace", "gather"))):
+        bad = [v for v in val.split(",") if v not in allowed]
+        if bad or not val:
+            ap.error(f"{opt}: expected a comma-separated subset of {', '.join(allowed)}, got {val!r}")
     dev = torch.device(a.device)
     cfg = FlintConfig.from_preset_or_path(a.config).replace(num_hidden_layers=a.layers)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}; {a.layers} layers: "
           f"{', '.join(t.split('_')[0] for t in cfg.layer_types)}")
     model = FastFlintModel(cfg, random_weights(cfg, seed=0, device=dev))
-    print(f"grouped experts available here: {model.grouped_experts}")
+    print(f"grouped experts available here: {model.grouped_experts}; "
+          f"GROUPED_MIN_ROWS {fast_model.GROUPED_MIN_ROWS}")
     rows = []
     for B in [int(b) for b in a.batches.split(",")]:
         g = torch.Generator(device="cpu").manual_seed(B)
         ids = torch.randint(0, cfg.vocab_size, (B, 1), generator=g).to(dev)
         pos = torch.full((B, 1), a.context - 1, dtype=torch.long, device=dev)
         slots = torch.arange(B, device=dev)
-        for experts in ("grouped", "gather"):
-            for attn in ("inplace", "gather"):
+        for experts in a.experts.split(","):
+            for attn in a.attention.split(","):
                 model.grouped_experts = experts == "grouped"
                 kv = model.new_kv_cache(B + (attn == "gather"), a.context, device=dev)
                 for t in kv:

@@ -27,3 +27,21 @@ def test_fast_parts_script_runs_every_variant_on_cpu(tmp_path):
     for row in rows:
         ms, breaks = float(row[3]), int(row[5])
         assert math.isfinite(ms) and ms > 0 and breaks == 0, row
+
+
+def test_fast_parts_script_runs_one_chosen_variant_with_grouped_min_rows(tmp_path):
+    """`--experts / --attention` pick the variants and `--grouped-min-rows 1` puts batch 1's
+    six rows through the grouped GEMM (session 45's next GPU item); bad values exit 2
+    naming the option."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    base = [sys.executable, str(SCRIPT), "--config", "tiny", "--device", "cpu", "--layers", "2",
+            "--batches", "1", "--iters", "1", "--reps", "1"]
+    r = subprocess.run(base + ["--experts", "grouped", "--attention", "inplace", "--grouped-min-rows", "1"],
+                       capture_output=True, text=True, timeout=600, check=False, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "GROUPED_MIN_ROWS 1" in r.stdout, r.stdout
+    rows = [line.split("|")[1:-1] for line in r.stdout.splitlines() if line.startswith("| 1 |")]
+    assert [(e.strip(), at.strip()) for _, e, at, *_ in rows] == [("grouped", "inplace")], r.stdout
+    for args, name in ((["--experts", "grouped,scatter"], "--experts"), (["--grouped-min-rows", "0"], "--grouped-min-rows")):
+        bad = subprocess.run(base + args, capture_output=True, text=True, timeout=120, check=False, env=env)
+        assert bad.returncode == 2 and name in bad.stderr, bad.stderr
