@@ -148,13 +148,13 @@ def _experts_grouped(x: torch.Tensor, ids: torch.Tensor, W: torch.Tensor) -> tor
 
 
 # From how many (token, expert) rows bf16 experts run as one grouped GEMM rather than
-# gathered. Measured (H100, torch 2.11, docs/gpu-runs.md sessions 37-38): at 6 rows
-# (decode b1) the grouped form was slower: the MoE layer alone 96 us against 89 gathered
-# (bench_moe.py, default-mode compile), and the fast model's b1/1K forward went from 4.3
-# to 7.9 ms (max-autotune) when the grouped experts and the in-place cache reads came in
-# together (which of the two costs it is not yet measured: scripts/gpu_fast_parts.py);
-# at 48 rows (b8) the layer alone 184 us against 373. The crossover between is unmeasured.
-GROUPED_MIN_ROWS = 24
+# gathered (`w[ids]`). Measured on the fast model's decode step, 6 full-width layers,
+# CUDA graphs (scripts/gpu_fast_parts.py, docs/benchmarks/fast-parts-2026-12-07-s46-h200.md,
+# H200, torch 2.11): grouped / gathered 1.030 / 0.947 ms at 6 rows (b1), 1.117 / 1.141 at
+# 12 (b2), 1.281 / 1.419 at 24 (b4); at 48 (b8) the MoE layer alone 184 / 373 us (H100,
+# session 37). At b1 the three grouped GEMMs per layer (15 us each) cost more than the
+# gather of six experts' weights (18 us per layer) and its batched GEMMs.
+GROUPED_MIN_ROWS = 12
 
 
 def experts(x: torch.Tensor, ids: torch.Tensor, w: list[torch.Tensor],
