@@ -308,3 +308,56 @@ exit 0
     report = (tmp_path / "out" / "kernels.md").read_text()
     assert "FAILED, exit status 1" in report and "The 2 failed tests again, in one process" in report, report
     assert "2 passed in 1.00s" in report
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_kernels_lists_the_tests_a_cut_run_did_not_reach_and_runs_them_from_a_file(tmp_path):
+    """`scripts/gpu_kernels.sh` whose pytest step is cut by its cap (a stand-in Python that
+    logs two outcomes, xdist's form and the plain one, then hangs): the collected tests
+    with no outcome go to pytest_gpu_unrun.txt (a node id with spaces whole, the started
+    but unfinished one included) and the report says so; given back as KERNELS_TESTS_FILE,
+    each line is one pytest argument (comments and blank lines skipped)."""
+    fake = tmp_path / "fakepy"
+    fake.write_text("""#!/usr/bin/env bash
+case " $* " in
+  *" -c "*) exit 0 ;;
+  *" --collect-only "*)
+    echo "tests/kernels/test_a.py::test_done[x]"
+    echo "tests/kernels/test_a.py::test_plain_done"
+    echo "tests/kernels/test_a.py::test_plain_skipped"
+    echo "tests/kernels/test_a.py::test_big[bf16-m16 f128 k128 w4 st2]"
+    echo "tests/kernels/test_b.py::test_running"
+    echo ""
+    echo "5 tests collected in 0.10s"
+    exit 0 ;;
+  *" pytest "*)
+    printf "ARG[%s]\\n" "$@" >"$OUT/pytest_args.txt"
+    echo "[gw0] [ 25%] PASSED tests/kernels/test_a.py::test_done[x] "
+    echo "tests/kernels/test_a.py::test_plain_done PASSED                 [ 50%]"
+    echo "tests/kernels/test_a.py::test_plain_skipped SKIPPED (no GPU: x) [ 75%]"
+    echo "tests/kernels/test_b.py::test_running "
+    sleep 60 ;;
+esac
+exit 0
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": str(fake), "OUT": str(out),
+           "KERNELS_BENCHES": "bench_pdl.py", "KERNELS_BUDGET_S": "60", "KERNELS_PYTEST_S": "5",
+           "KERNELS_PYTEST_WORKERS": "1"}
+    r = run_script("gpu_kernels.sh", tmp_path, env, 120)
+    assert r.returncode == 1, r.stdout + r.stderr  # the cut counts as a failure
+    unrun = (out / "pytest_gpu_unrun.txt").read_text().splitlines()
+    assert unrun == ["tests/kernels/test_a.py::test_big[bf16-m16 f128 k128 w4 st2]",
+                     "tests/kernels/test_b.py::test_running"], unrun
+    report = (out / "kernels.md").read_text()
+    assert "TIMED OUT" in report and "2 tests not reached" in report, report
+    ids = tmp_path / "ids.txt"
+    ids.write_text("# the rest of session 46\n\n" + "\n".join(unrun) + "\n")
+    env["KERNELS_TESTS_FILE"] = str(ids)
+    run_script("gpu_kernels.sh", tmp_path, env, 120)
+    args = (out / "pytest_args.txt").read_text().splitlines()
+    assert args[-2:] == [f"ARG[{u}]" for u in unrun], args
+    env["KERNELS_TESTS_FILE"] = str(tmp_path / "missing.txt")
+    r = run_script("gpu_kernels.sh", tmp_path, env, 120)
+    assert r.returncode == 2 and "missing.txt: no such readable file" in r.stderr, r.stderr
