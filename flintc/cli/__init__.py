@@ -38,10 +38,23 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, except that an option's whole value may be `--` (`--stop=--`,
+    `--prompt=--`): Python's argparse before 3.12.7 / 3.13.1 removes that `--` as if it
+    ended the options, so the value became an empty list (`--prompt=--` was an
+    AttributeError traceback, `--stop=--` "expected strings, got []"). The sub-commands'
+    parsers are of this class too (add_subparsers makes them of the parent's type)."""
+
+    def _get_values(self, action, arg_strings):
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            return self._get_value(action, "--")  # the option's type still checks it
+        return super()._get_values(action, arg_strings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from flintc.cli import bench, compile_build, dump, make_checkpoint, run, serve, verify
 
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="flintc",
         description="Compiler and runtime for the Flint MoE language model.",
     )

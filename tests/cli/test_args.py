@@ -245,3 +245,19 @@ def test_version_of_the_tree_that_runs_over_an_installed_one(monkeypatch):
 
     monkeypatch.setattr(md, "version", lambda name: "0.0.0-installed-elsewhere")
     assert flintc.__version__ == flintc._source_tree_version() != "0.0.0-installed-elsewhere"
+
+
+def test_an_option_value_of_two_dashes_is_kept(capsys):
+    """`--prompt=--` / `--stop=--`: Python's argparse before 3.12.7 dropped a `--` that is
+    an option's whole value, leaving an empty list (`--prompt=--` was an AttributeError
+    traceback, `--stop=--` "expected strings, got []"). The value is "--", and the
+    option's type still checks it."""
+    from flintc.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--prompt=--", "--stop=--", "--stop=x", "--tokenizer=--"])
+    assert args.prompt == ["--"] and args.stop == ["--", "x"] and args.tokenizer == "--"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--prompt", "a", "--max-tokens=--"])
+    assert "argument --max-tokens: invalid int value: '--'" in capsys.readouterr().err
+    # "--" alone still ends the options
+    assert build_parser().parse_args(["run", "--", "model"]).model == "model"
