@@ -8,11 +8,14 @@
 #   full4d-{fmt}-b1   those 4 layers, bucket 1 (scripts/gpu_runtime.py --build-prefix full4d)
 #   fold-{fmt}, fold-{fmt}-b1, fold4d-{fmt}-b1: the same with --fold-attention-combine
 #                     (scripts/gpu_attn_fold.sh)
+#   split-{fmt}, split-{fmt}-b1, split4d-{fmt}-b1: the same with --split-lm-head-norm
+#                     (not in the default SETS: SETS=split adds them beside the others)
 # Rebuild after any change to the passes or the generated runtime: a build keeps the
 # graph of the code that compiled it (session 23's down-weights prefetch argument, for
 # one, is only in builds compiled since). About 15 min on 2 cores.
 #
 #   [FORMATS="nvfp4 bf16"] [SETS="full fold"] bash scripts/gpu_builds.sh   # repo root
+#   (SETS: any of full, fold, split)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
@@ -33,6 +36,7 @@ compile() {  # compile OUT ARGS...: replace gpu_builds/OUT
 for S in ${SETS:-full fold}; do
   FLAGS=()
   [ "$S" = fold ] && FLAGS=(--fold-attention-combine)
+  [ "$S" = split ] && FLAGS=(--split-lm-head-norm)
   for F in ${FORMATS:-nvfp4 bf16}; do
     compile "$S-$F" --config full --format "$F" --max-batch 8 --max-model-len 131072 "${FLAGS[@]}"
     compile "$S-$F-b1" --config full --format "$F" --max-batch 1 --max-model-len 131072 "${FLAGS[@]}"

@@ -838,7 +838,8 @@ class _Bench:
                                      "buckets": m.get("buckets"), "kv_cache_bytes": b["kv_bytes"],
                                      "caches_resizable": b["resizable"],
                                      "created": m.get("created"), "functions": m.get("functions"),
-                                     "fold_attention_combine": bool(m.get("fold_attention_combine"))})
+                                     "fold_attention_combine": bool(m.get("fold_attention_combine")),
+                                     "split_lm_head_norm": bool(m.get("split_lm_head_norm"))})
         return found
 
     def _compile_missing(self, fmt: str, ckpt, root: Path) -> list[dict]:

@@ -245,6 +245,10 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
     p.add_argument("--fold-attention-combine", action="store_true",
                    help="decode: merge the attention splits with the sinks inside the attention "
                         "kernel (one kernel less per layer; measured slower on the H200, so off by default)")
+    p.add_argument("--split-lm-head-norm", action="store_true",
+                   help="decode: run the final RMSNorm as its own kernel, then the plain LM head, instead of "
+                        "the fused norm_lm_head (one kernel more per forward; faster alone, off by default "
+                        "until timed in the whole model: docs/benchmarks.md, session 46)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the per-pass numeric checks (faster; the report says so)")
     p.add_argument("--no-dump", action="store_true",
@@ -295,7 +299,8 @@ def build_options(args):
                         decode_buckets=buckets if buckets else None,  # its .text: what resolve's errors echo
                         prefill_chunk=args.prefill_chunk, backend=args.backend, device=args.device,
                         check=not args.no_check, dump=not args.no_dump,
-                        fold_attention_combine=bool(getattr(args, "fold_attention_combine", False)))
+                        fold_attention_combine=bool(getattr(args, "fold_attention_combine", False)),
+                        split_lm_head_norm=bool(getattr(args, "split_lm_head_norm", False)))
 
 
 def run_compile(args: argparse.Namespace) -> int:

@@ -40,6 +40,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fold-attention-combine", action="store_true",
                    help="decode: fold the split-KV combine into the attention kernel "
                         "(decode_attention_combine; as flintc compile)")
+    p.add_argument("--split-lm-head-norm", action="store_true",
+                   help="decode: keep the final RMSNorm a kernel of its own before the plain LM head "
+                        "(instead of norm_lm_head; as flintc compile)")
 
 
 def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
@@ -52,8 +55,9 @@ def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[s
     Raises:
         InputError: a --disable name that is a pass of none of the pipelines (the message
             names them and their passes, and the --step whose pipeline has it, if any);
-            --attention-splits, --fold-attention-combine or --batch with the prefill
-            pipeline only (they are options of decode passes; the prefill runs at B=1),
+            --attention-splits, --fold-attention-combine, --split-lm-head-norm or --batch
+            with the prefill pipeline only (they are options of decode passes; the prefill
+            runs at B=1),
             --tokens with the decode pipeline only: each only when given (a default
             is no choice). Their defaults (--batch 2, --tokens 16) are set here.
     """
@@ -74,6 +78,9 @@ def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[s
             if given:
                 raise InputError(f"{flag} applies only to the decode pipeline (its attention); drop it, or pass "
                                  "--step decode")
+        if getattr(args, "split_lm_head_norm", False):
+            raise InputError("--split-lm-head-norm applies only to the decode pipeline (its LM head); drop it, "
+                             "or pass --step decode")
         if args.batch is not None:  # it was ignored: the prefill ran at B=1
             raise InputError(f"--batch {args.batch} applies only to the decode pipeline (the prefill runs at B=1); "
                              "drop it, or pass --step decode")
@@ -88,12 +95,15 @@ def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[s
 
 
 def pass_options(args: argparse.Namespace) -> dict:
-    """compile_step's per-pass options from --attention-splits / --fold-attention-combine."""
+    """compile_step's per-pass options from --attention-splits / --fold-attention-combine /
+    --split-lm-head-norm."""
     options = {}
     if args.attention_splits:
         options["attention_splits"] = args.attention_splits
     if getattr(args, "fold_attention_combine", False):
         options["fold_attention_combine"] = True
+    if getattr(args, "split_lm_head_norm", False):
+        options["split_lm_head_norm"] = True
     return options
 
 

@@ -186,7 +186,8 @@ def parse_prompt_ids(text: str) -> list[int]:
 # Flags that only shape a compile: meaningless on the reference backend, and fixed by
 # `flintc compile` for a --build.
 _COMPILE_ONLY = (("--buckets", "buckets"), ("--no-check", "no_check"), ("--no-dump", "no_dump"),
-                 ("--fold-attention-combine", "fold_attention_combine"))
+                 ("--fold-attention-combine", "fold_attention_combine"),
+                 ("--split-lm-head-norm", "split_lm_head_norm"))
 
 
 def _given(args, dest: str):

@@ -2,9 +2,11 @@
 
 References (the oracles, `torch.ops.flintc.<op>`): `flintc.ops.grouped.norm_qkv_rope_kv`,
 `gemv_residual`, `norm_gate_up_silu`, `norm_lm_head`; `flintc.ops.linear.gemv`,
-`lm_head`, `embedding`. Every launcher takes the op's positional arguments (weights as
-`[w]` bf16 or `[codes, scales, global_scale]` NVFP4, packed layout of
-`flintc.quant.nvfp4`) plus keyword-only `use_pdl`, and returns what the op returns.
+`lm_head`, `embedding`; and `flintc.ops.norm.rms_norm` (the final norm when a build splits
+it from the LM head, `split_lm_head_norm`: the prefill's kernel, with PDL). Every launcher
+takes the op's positional arguments (weights as `[w]` bf16 or `[codes, scales,
+global_scale]` NVFP4, packed layout of `flintc.quant.nvfp4`) plus keyword-only `use_pdl`,
+and returns what the op returns.
 
 Shared machinery is `flintc.kernels.gemv`: the GEMV main loop (bf16 / NVFP4 W4A16,
 tensor-core or FMA reduction), the RMSNorm prologue recomputed per program (x is only
@@ -30,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flintc.kernels import prefill_norm
 from flintc.kernels.gemv import (
     EPI_BF16,
     EPI_FP32,
@@ -730,6 +733,25 @@ def gemv(x, w, *, use_pdl: bool = False, config: GemvConfig | None = None):
     return _gemv(x, w, use_pdl=use_pdl, config=config)
 
 
+def rms_norm(x, weight, eps, *, use_pdl: bool = False):
+    """`flintc::rms_norm` in the decode schedule (reference: `flintc.ops.norm.rms_norm`):
+    the final norm, left standalone before the plain `lm_head` by the build option
+    `split_lm_head_norm` (`flintc compile --split-lm-head-norm`; by default
+    `group_low_latency` folds the two into `norm_lm_head`). The prefill's kernel
+    (`flintc.kernels.prefill_norm.rms_norm`, one program per row, the same rounding
+    points), launched with PDL on CUDA: the weight before `gdc_wait`, x after it.
+
+    Its sum of squares runs in another order than `norm_lm_head`'s prologue (one sum
+    over the row against chunks of the rows), so a normed value next to a bf16 rounding
+    boundary may come out one ulp apart (`prefill_norm`'s bound); session 36 found the
+    logits identical at N = 1 and 8 on an H100 (docs/gpu-runs.md, "The LM head's tiles").
+
+    x: bf16 [..., H]; weight: fp32 / bf16 [H]. -> bf16 [..., H], contiguous. Raises
+    ValueError naming a bad argument.
+    """
+    return prefill_norm.rms_norm(x, weight, eps, use_pdl=use_pdl)
+
+
 KERNELS = {
     "norm_qkv_rope_kv": norm_qkv_rope_kv,
     "gemv_residual": gemv_residual,
@@ -738,6 +760,7 @@ KERNELS = {
     "embedding": embedding,
     "gemv": gemv,
     "lm_head": lm_head,
+    "rms_norm": rms_norm,
 }
 
 __all__ = [
@@ -752,4 +775,5 @@ __all__ = [
     "norm_lm_head",
     "norm_qkv_rope_kv",
     "qkv_config",
+    "rms_norm",
 ]

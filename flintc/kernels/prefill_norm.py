@@ -4,7 +4,9 @@ RoPE, the MoE expert combine with the shared expert, and SiLU-and-mul, each one 
 over a whole chunk. `flintc.kernels.prefill_ops` calls them for CUDA tensors (its torch
 bodies, bit-identical to the reference, stay the CPU path); they also run under Triton's
 interpreter (`TRITON_INTERPRET=1`), where tests check them against the references in
-`flintc.model.ops`.
+`flintc.model.ops`. `rms_norm` also runs the decode schedule's final norm in a build
+compiled with `split_lm_head_norm` (`flintc.kernels.fused_gemv.rms_norm`, with PDL:
+`USE_PDL`, as every decode kernel).
 
 Numerics (FLINT_SPEC 3): bf16 loads upcast to fp32 at once, fp32 math, one rounding to
 bf16 (round to nearest even, `flintc.kernels.gemv._round_to_bf16`) at each of the
@@ -45,6 +47,8 @@ import triton
 import triton.language as tl
 
 from flintc.kernels.gemv import _bf16_grid, _round_to_bf16, fail
+from flintc.kernels.pdl import PDL_OFF, pdl_mode
+from flintc.kernels.platform import interpreting
 
 # Largest tile one program holds: a whole row of H (rms_norm), or BLOCK_HEADS heads of D.
 MAX_ROW = 16384
@@ -74,12 +78,18 @@ def rms_norm_kernel(
     out_ptr,  # out: bf16 [R, H] (row stride H), the RMSNorm
     H, x_stride, y_stride, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr = PDL_OFF,  # flintc.kernels.pdl (the decode schedule's final norm)
 ):
     # Program r: row r, all H columns in one tile (BLOCK_H >= H; the mask drops the padding
     # columns, loaded as 0 so they add nothing to the sum of squares).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before gdc_wait
+    if USE_PDL == 2:  # PDL_EARLY: let the next kernel launch and prefetch now
+        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x (and y) are written by the previous kernel
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # flintc.model.ops.residual_add: fp32 sum of two bf16, rounded once; the norm reads
@@ -89,8 +99,9 @@ def rms_norm_kernel(
         tl.store(h_ptr + row * H + cols, x.to(tl.bfloat16), mask=mask)
     ss = tl.sum(x * x, axis=0)
     r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, H * 1.0) + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * H + cols, _round_to_bf16(x * r * w), mask=mask)
+    if USE_PDL == 1:  # PDL_LATE: trigger after the stores
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -216,7 +227,7 @@ def _rows(op: str, name: str, t: torch.Tensor, width: int) -> tuple[int, int]:
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # each exact in fp32
 
 
-def _launch_rms_norm(op, x, y, weight, eps):
+def _launch_rms_norm(op, x, y, weight, eps, use_pdl: bool = False):
     _check(op, "x", x, torch.bfloat16)
     H = x.shape[-1]
     dev = x.device
@@ -235,13 +246,15 @@ def _launch_rms_norm(op, x, y, weight, eps):
     h = _alloc(*x.shape, dtype=torch.bfloat16, device=dev) if y is not None else out
     if R:
         block = triton.next_power_of_2(H)
+        pdl = bool(use_pdl) and dev.type == "cuda" and not interpreting()
         rms_norm_kernel[(R,)](x, y if y is not None else x, weight, h, out, H, x_stride, y_stride,
                               float(eps), HAS_RESIDUAL=y is not None, BLOCK_H=block,
-                              num_warps=_warps(block))
+                              USE_PDL=pdl_mode(pdl), num_warps=_warps(block),
+                              **({"launch_pdl": True} if pdl else {}))
     return h, out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, use_pdl: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim, `bf16(x * rsqrt(mean(x^2) + eps) * w)` with fp32 math
     (`flintc.model.ops.rms_norm`, FLINT_SPEC 3), one program per row.
 
@@ -249,6 +262,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x: bf16 [..., H], H <= MAX_ROW, last dim contiguous and the leading dims collapsible
             into one row stride. weight: fp32, bf16 or fp16 [H], contiguous, on x's device.
         eps: the epsilon.
+        use_pdl: launch with programmatic dependent launch on CUDA (`flintc.kernels.pdl`:
+            the weight is read before `gdc_wait`, x after it); the decode schedule's final
+            norm (`flintc compile --split-lm-head-norm`, `flintc.kernels.fused_gemv`'s
+            `rms_norm`). Ignored elsewhere (the interpreter, the prefill's calls).
 
     Returns:
         bf16 [..., H], contiguous; within the bound of the module doc (equal, or one bf16
@@ -257,7 +274,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Raises:
         ValueError: a dtype, shape, device or layout does not match (names the tensor).
     """
-    return _launch_rms_norm("rms_norm", x, None, weight, eps)[1]
+    return _launch_rms_norm("rms_norm", x, None, weight, eps, use_pdl)[1]
 
 
 def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -444,9 +461,12 @@ def aot_probe_specs():
     qk = {"HQ": 32, "HKV": 4, "D": 128, "BLOCK_HEADS": 8, "BLOCK_HALF": 64}
     return [
         spec("rms_norm H=2048", rms_norm_kernel, norm_types,
-             {"HAS_RESIDUAL": False, "BLOCK_H": 2048}, 2048),
+             {"HAS_RESIDUAL": False, "BLOCK_H": 2048, "USE_PDL": PDL_OFF}, 2048),
+        # the decode schedule's final norm (--split-lm-head-norm): gdc_wait / launch_dependents
+        spec("rms_norm PDL H=2048", rms_norm_kernel, norm_types,
+             {"HAS_RESIDUAL": False, "BLOCK_H": 2048, "USE_PDL": 1}, 2048),
         spec("add_rms_norm H=2048", rms_norm_kernel, norm_types,
-             {"HAS_RESIDUAL": True, "BLOCK_H": 2048}, 2048),
+             {"HAS_RESIDUAL": True, "BLOCK_H": 2048, "USE_PDL": PDL_OFF}, 2048),
         spec("qk_norm_rope rope", qk_norm_rope_kernel, qk_types, {**qk, "ROPE": True}, 1024),
         spec("qk_norm_rope nope", qk_norm_rope_kernel, qk_types, {**qk, "ROPE": False}, 1024),
         spec("expert_combine K=6 shared", expert_combine_kernel, combine_types,

@@ -17,7 +17,9 @@ residual adds and the RoPE row gathers it folds here):
            K7 moe_down_combine_residual <- moe_down_combine + residual add
     dense: K5 norm_gate_up_silu <- rms_norm, gemv gate/up, silu_mul
            K6 gemv_residual     <- gemv (down) + residual add
-    head:  norm_lm_head   <- rms_norm + lm_head
+    head:  norm_lm_head   <- rms_norm + lm_head (with the option `split_lm_head_norm`:
+                           left alone, the standalone rms_norm kernel then the plain
+                           lm_head, 2 kernels instead of 1)
 
 The matching walks from each anchor flintc op through its (view) inputs and checks
 every producer has no other user; it only ever sees flintc ops, whose signatures
@@ -90,7 +92,8 @@ class LowLatencyGroupingPass(GraphPass):
         n += self._group_qkv(gm, eps)
         n += self._group_moe(gm, eps)
         n += self._group_dense_mlp(gm, eps)
-        n += self._group_head(gm, eps)
+        if not self.ctx.options.get("split_lm_head_norm"):
+            n += self._group_head(gm, eps)
         if self.ctx.options.get("fold_attention_combine"):
             n += self._fold_attention_combine(gm)
         gm.graph.eliminate_dead_code()
@@ -111,6 +114,15 @@ class LowLatencyGroupingPass(GraphPass):
             limit = (7 if cfg.is_moe_layer(i) else 6) - fold
             if counts.get(i, 0) > limit:
                 raise PassVerifyError(f"{self.name}: layer {i} has {counts[i]} kernels, more than {limit}")
+        # the head (tagged layer L): norm_lm_head, or with `split_lm_head_norm` the final
+        # rms_norm and the plain lm_head (one kernel more per forward)
+        L = cfg.num_hidden_layers
+        limit = 2 if self.ctx.options.get("split_lm_head_norm") else 1
+        head = sum(1 for node in gm.graph.nodes
+                   if node.op == "call_function" and node.meta.get("flintc_layer") == L
+                   and node.target is not operator.getitem and getattr(node.target, "namespace", None) == "flintc")
+        if head > limit:
+            raise PassVerifyError(f"{self.name}: the LM head has {head} kernels, more than {limit}")
 
     # ------------------------------------------------------------------ residual adds
     def _fold_residual_adds(self, gm: GraphModule) -> int:

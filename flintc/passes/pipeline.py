@@ -10,7 +10,9 @@ Decode (batch <= 8, one new token per sequence), in order:
  6. fuse_decode_attention  split-KV attention with sinks + combine (tolerance)
  7. lower_gemv             remaining linears -> GEMV over packed weights; LM head; embedding
  8. group_low_latency      fold norms, residual adds and top-k into the GEMVs: 7 / 6 kernels
-                           (option fold_attention_combine: the combine into the attention, 6 / 5)
+                           (option fold_attention_combine: the combine into the attention, 6 / 5;
+                           option split_lm_head_norm: the final norm stays its own kernel before
+                           the plain LM head, one kernel more per forward)
  9. mark_pdl               PDL marks for every kernel, checked
 
 Prefill (T tokens per sequence) shares 1-5, then:
@@ -128,7 +130,9 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
             dumps, whatever the environment says.
         options: per-pass knobs: {"attention_splits": N} (split-KV chunks of decode
             attention), {"fold_attention_combine": True} (group_low_latency folds the
-            combine into the attention kernel), {"full_attention_rows": S}.
+            combine into the attention kernel), {"split_lm_head_norm": True}
+            (group_low_latency leaves the final rms_norm and the lm_head apart),
+            {"full_attention_rows": S}.
 
     Returns (graph, report): `graph.gm` is the final graph.
 

@@ -87,6 +87,13 @@ class BuildOptions:
         in one kernel (`decode_attention_combine`: 6 kernels per MoE layer, 5 per dense
         layer) instead of two; off: slower on the H200 (NVFP4 b1/1K 1.70 -> 1.93 ms,
         docs/gpu-runs.md session 25).
+    split_lm_head_norm: decode runs the final RMSNorm as its own kernel (the prefill's
+        `rms_norm`), then the plain `lm_head`, instead of `norm_lm_head`, whose every
+        program recomputes the norm: one kernel more per forward (344 instead of 343).
+        Alone the two are faster (the plain LM head 140.9-144.5 us against 150.9-175.9
+        at N = 1-8 on an H200, docs/benchmarks/kernels-2026-12-07-s46-h200.md; the split
+        206.4 / 210.5 against 209.2 / 229.0 on an H100, docs/gpu-runs.md session 36);
+        off until timed in the whole model.
     """
 
     max_batch: int = 8
@@ -99,6 +106,7 @@ class BuildOptions:
     dump_dir: str | Path | None = None
     attention_splits: int | None = None
     fold_attention_combine: bool = False
+    split_lm_head_norm: bool = False
     decode_buckets: tuple[int, ...] | None = None
     extra: dict = field(default_factory=dict)
 
@@ -349,6 +357,8 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
                 opts_step["attention_splits"] = opts.attention_splits
             if opts.fold_attention_combine:
                 opts_step["fold_attention_combine"] = True
+            if opts.split_lm_head_norm:
+                opts_step["split_lm_head_norm"] = True
             dump_dir = False  # no dumps, not even into $FLINTC_DUMP_DIR
             if opts.dump:
                 dump_dir = (Path(opts.dump_dir) if opts.dump_dir else tmp / "dumps") / name
@@ -611,6 +621,7 @@ def _manifest(ckpt, opts: BuildOptions, plan_steps: dict, seconds: float) -> dic
         "prefill_sizes": opts.prefill_sizes(ckpt.config), "cache_rows": opts.cache_rows,
         "backend": opts.backend, "device": opts.device, "checked": opts.check,
         "buckets": opts.buckets, "fold_attention_combine": bool(opts.fold_attention_combine),
+        "split_lm_head_norm": bool(opts.split_lm_head_norm),
         "compiler_sha256": compiler_fingerprint(),
         "functions": {name: {"step": s["step"], "batch": s["batch"], "tokens": s["tokens"],
                              "kernels": s["kernels"]} for name, s in plan_steps.items()},

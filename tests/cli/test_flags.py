@@ -103,6 +103,7 @@ def test_run_refuses_max_model_len_beyond_the_model(capsys, monkeypatch, tiny_bf
     (["--no-check"], ["--no-check", "compiled backend"]),
     (["--no-dump"], ["--no-dump", "compiled backend"]),
     (["--buckets", "1"], ["--buckets", "compiled backend"]),
+    (["--split-lm-head-norm"], ["--split-lm-head-norm", "compiled backend"]),
     (["--backend", "torch", "--mode", "float64"], ["--mode float64", "reference backend"]),
     (["--hf-config-path", "/nonexistent/cfg"], ["--hf-config-path /nonexistent/cfg", "no such file"]),
     (["--tokenizer", "/nonexistent/tok"], ["--tokenizer /nonexistent/tok", "no such file"]),
@@ -464,6 +465,25 @@ def test_compile_into_a_link_replaces_its_target(capsys, tmp_path, tiny_bf16_dir
     assert (real / "build.json").is_file() and (real / "report.md").read_text() != "old build"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["builds", "current"]
     assert sorted(p.name for p in real.parent.iterdir()) == ["v1"]
+
+
+def test_compile_split_lm_head_norm_reaches_the_build(capsys, tmp_path, tiny_bf16_dir):
+    """`flintc compile --split-lm-head-norm`: build.json records the option (false without
+    the flag), and the decode function runs the final norm, then the plain LM head: one
+    kernel more than the default build's."""
+    manifests = {}
+    for flags in ([], ["--split-lm-head-norm"]):
+        out = tmp_path / f"b{len(flags)}"
+        code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE, *flags)
+        assert code == 0, err
+        manifests[bool(flags)] = json.loads((out / "build.json").read_text())
+    assert manifests[True]["split_lm_head_norm"] is True and manifests[False]["split_lm_head_norm"] is False
+    kernels = {k: m["functions"]["decode_b1"]["kernels"] for k, m in manifests.items()}
+    assert kernels[True] == kernels[False] + 1
+    src = (tmp_path / "b1" / "runtime.py").read_text()
+    decode = src[src.index("def decode_b1"):]
+    decode = decode[:decode.index("\ndef ", 1)] if "\ndef " in decode[1:] else decode
+    assert "K.norm_lm_head(" not in decode and decode.index("K.rms_norm(") < decode.index("K.lm_head(")
 
 
 def test_compile_into_an_empty_folder(capsys, tmp_path, tiny_bf16_dir):

@@ -42,6 +42,8 @@ _PREFILL = ("canonicalize, fuse_rms_norm, fuse_silu_mul, fuse_qk_norm_rope_kv, f
      "(fuse_decode_attention is a pass of the decode pipeline: --step decode)"),
     (["verify", "--step", "prefill", "--fold-attention-combine"],
      "--fold-attention-combine applies only to the decode pipeline (its attention); drop it, or pass --step decode"),
+    (["dump", "--out", "{tmp}/d", "--step", "prefill", "--split-lm-head-norm"],
+     "--split-lm-head-norm applies only to the decode pipeline (its LM head); drop it, or pass --step decode"),
     (["dump", "--out", "{tmp}/d", "--step", "prefill", "--attention-splits", "2"],
      "--attention-splits applies only to the decode pipeline (its attention); drop it, or pass --step decode"),
     # the prefill ran at B=1 with --batch 4, the decode ignored --tokens: silently
@@ -66,6 +68,21 @@ def test_pass_flags_are_checked_before_any_output(capsys, tmp_path, args, messag
     out, err = capsys.readouterr()
     assert (code, out, err) == (2, "", f"flintc: error: {message}\n")
     assert list(tmp_path.iterdir()) == [] and time.process_time() - t0 < 3
+
+
+def test_verify_split_lm_head_norm(capsys, tmp_path):
+    """`flintc verify --split-lm-head-norm` reaches group_low_latency: the decode pipeline
+    passes with one kernel more per forward than the default schedule (tiny: 2 dense layers
+    of 6 kernels, 2 MoE layers of 7, the embedding and the head, here 2 kernels)."""
+    out = tmp_path / "v.json"
+    code = main(["verify", "--step", "decode", "--batch", "1", "--cache-len", "8", "--split-lm-head-norm",
+                 "--json", str(out)])
+    assert code == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    final = report["reports"][0]["stages"][-1]
+    assert report["passed"] and final["name"] == "mark_pdl"
+    assert final["kernels_per_layer"] == {"dense": 6, "moe": 7}
+    assert final["kernels_per_forward"] == 2 * 6 + 2 * 7 + 1 + 2
 
 
 def test_verify_both_steps_disable_a_pass_of_one_pipeline(capsys):

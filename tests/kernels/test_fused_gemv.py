@@ -328,6 +328,30 @@ def test_norm_lm_head_norm_once(N, use_dot, poison_empty):
             tight=2 * reorder_tol(h, [w]).view(ref.shape))
 
 
+@pytest.mark.parametrize("N", [1, 2, 8])
+def test_split_norm_then_lm_head(N, poison_empty):
+    """The build option split_lm_head_norm's two kernels, the final norm alone
+    (`FG.rms_norm`: the prefill's kernel, with PDL on a GPU) then the plain LM head, against
+    `norm_lm_head`: the normed x within a bf16 ulp of the reference's (the sum of squares in
+    another order) and the logits the fused kernel's; bit-identical in the interpreter."""
+    x = torch.randn(N, 1, 128).to(torch.bfloat16).to(DEV)
+    norm = (torch.rand(128) + 0.5).to(DEV)
+    w = (torch.randn(512, 128) * 0.05).to(torch.bfloat16).to(DEV)
+    fused = FG.norm_lm_head(x, norm, w, EPS, use_pdl=ON_GPU)
+    xn = FG.rms_norm(x, norm, EPS, use_pdl=ON_GPU)
+    assert xn.shape == x.shape and xn.dtype == torch.bfloat16
+    split = FG.lm_head(xn.view(N, 128), w, use_pdl=ON_GPU).view(fused.shape)
+    want = ops.rms_norm(x, norm, EPS, F32)
+    if not ON_GPU:
+        assert torch.equal(xn, want) and torch.equal(split, fused), (split - fused).abs().max()
+        return
+    assert ((xn.double() - want.double()).abs().cpu() <= bf16_ulp(want.cpu())).all()
+    h = want.view(N, -1)
+    # each within gemv_tol of the reference (session 36's H100: identical)
+    compare("rms_norm + lm_head", split, fused, 2 * gemv_tol(h, [w]).view(fused.shape), min_identical=0.0,
+            tight=2 * reorder_tol(h, [w]).view(fused.shape))
+
+
 @pytest.mark.parametrize("N,norm_once", [(1, True), (5, False)])
 def test_norm_lm_head_flat_tiles(N, norm_once, poison_empty):
     """`GemvConfig.flat` (2-D weight and x tiles) computes the same normed x and the same
@@ -426,11 +450,11 @@ def test_embedding_bit_exact(poison_empty):
 def test_kernels_table_matches_the_ops():
     """KERNELS: every op of this file, launchers with the op's positional parameters plus
     keyword-only use_pdl."""
-    from flintc.ops import grouped as og, linear as ol
+    from flintc.ops import grouped as og, linear as ol, norm as on
 
     want = {"norm_qkv_rope_kv": og.norm_qkv_rope_kv, "gemv_residual": og.gemv_residual,
             "norm_gate_up_silu": og.norm_gate_up_silu, "norm_lm_head": og.norm_lm_head,
-            "embedding": ol.embedding, "gemv": ol.gemv, "lm_head": ol.lm_head}
+            "embedding": ol.embedding, "gemv": ol.gemv, "lm_head": ol.lm_head, "rms_norm": on.rms_norm}
     assert set(FG.KERNELS) == set(want)
     for name, launcher in FG.KERNELS.items():
         params = inspect.signature(launcher).parameters

@@ -82,3 +82,37 @@ def test_fold_attention_combine_needs_sole_readers():
                 {"flintc.decode_attention": layers, "flintc.attention_combine": layers,
                  "flintc.decode_attention_combine": 0})
         assert got == want, (fold, got)
+
+
+def test_split_lm_head_norm_leaves_the_head_apart():
+    """With `split_lm_head_norm` the pass folds everything but the head: the final rms_norm
+    and the lm_head stay two kernels (one more per forward) and verify allows them; without
+    the option the head is one norm_lm_head, and verify refuses a head of two kernels."""
+    import copy
+
+    from flintc.graph.accounting import count_kernels
+    from flintc.passes.base import PassVerifyError
+    from flintc.passes.group_low_latency import LowLatencyGroupingPass
+    from flintc.passes.manager import PassManager
+    from flintc.passes.pipeline import pipeline_for
+    from harness import context, fresh_graph
+
+    upto = pipeline_for("decode")[:pipeline_for("decode").index(LowLatencyGroupingPass)]
+    g = fresh_graph()
+    ctx = context(g)
+    PassManager(upto, ctx).run(g)  # no numeric checks: test_pipeline checks the option's
+    got = {}
+    for split in (False, True):
+        gm = copy.deepcopy(g.gm)  # the pass rewrites in place
+        ctx.options["split_lm_head_norm"] = split
+        grouping = LowLatencyGroupingPass(ctx)
+        grouping.run(gm)
+        grouping.verify(gm)
+        got[split] = (count_ops(gm, "flintc.norm_lm_head", "flintc.rms_norm", "flintc.lm_head"),
+                      count_kernels(gm, TINY).per_forward)
+    assert got[False][0] == {"flintc.norm_lm_head": 1, "flintc.rms_norm": 0, "flintc.lm_head": 0}
+    assert got[True][0] == {"flintc.norm_lm_head": 0, "flintc.rms_norm": 1, "flintc.lm_head": 1}
+    assert got[True][1] == got[False][1] + 1
+    ctx.options["split_lm_head_norm"] = False  # the split graph checked as a default one
+    with pytest.raises(PassVerifyError, match="the LM head has 2 kernels, more than 1"):
+        LowLatencyGroupingPass(ctx).verify(gm)

@@ -131,6 +131,30 @@ def test_fold_attention_combine_six_and_five_kernels(fmt):
     assert all(not name.startswith("w_") for name in node.meta["pdl"]["after_wait"])
 
 
+def test_split_lm_head_norm_one_kernel_more():
+    """The option `split_lm_head_norm`: group_low_latency leaves the final rms_norm and the
+    lm_head apart (no norm_lm_head), so the pass stays bit-exact, the layers keep their 7 / 6
+    kernels and the head runs 2: one kernel more per forward; mark_pdl chains the norm like
+    any other kernel (its weight before the wait, the last layer's output after it; the LM
+    head's weight before, the normed rows after)."""
+    model = tiny_model()
+    g, report = compile_step(model, "decode", batch=2, cache_len=32, check_model=model,
+                             options={"split_lm_head_norm": True})
+    assert all(s.check.passed for s in report.stages)
+    assert all(s.check.bit_exact for s in report.stages if s.name != "fuse_decode_attention")
+    layers = kernels_by_layer(g.gm)
+    for i in range(TINY.num_hidden_layers):
+        assert layers[i] == (MOE_SCHEDULE if TINY.is_moe_layer(i) else DENSE_SCHEDULE)
+    assert layers[TINY.num_hidden_layers] == ["flintc.rms_norm", "flintc.lm_head"]
+    final = report.stages[-1].kernels
+    assert final.per_kind == {"dense": 6, "moe": 7}
+    assert final.per_forward == 2 * 6 + 2 * 7 + 2 + 1
+    norm, head = (n for n in g.gm.graph.nodes if n.meta.get("flintc_layer") == TINY.num_hidden_layers
+                  and kernels_of(n))
+    assert norm.meta["pdl"]["before_wait"] == ["w_norm"] and len(norm.meta["pdl"]["after_wait"]) == 1
+    assert head.meta["pdl"]["before_wait"] == ["w_lm_head"] and len(head.meta["pdl"]["after_wait"]) == 1
+
+
 @pytest.mark.parametrize("which", ["model", "check_model"])
 def test_compile_step_refuses_a_float64_model_up_front(which):
     """README's `FlintModel(config, weights, mode="float64")` handed to compile_step (as

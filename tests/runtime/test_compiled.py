@@ -561,6 +561,7 @@ def test_run_build_honours_smaller_limits_and_refuses_larger(builds, capsys):
     (["--buckets", "1"], ["--buckets", "compile time"]),
     (["--no-check"], ["--no-check", "compile time"]),
     (["--fold-attention-combine"], ["--fold-attention-combine", "compile time"]),
+    (["--split-lm-head-norm"], ["--split-lm-head-norm", "compile time"]),
     (["--config", "tiny"], ["--config tiny", "compile time"]),
     (["--format", "nvfp4"], ["--format nvfp4", "compiled for bf16"]),
     (["--backend", "reference"], ["--build", "--backend"]),
