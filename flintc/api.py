@@ -91,7 +91,10 @@ class CompiledModel:
         Returns:
             A CompiledGeneration: per prompt output_ids, texts (None without a
             tokenizer), finish_reasons ("stop" / "length") and stop_reasons (the stop
-            string or stop_token_ids id that ended the sequence, else None), as vLLM's
+            string, or the id of the stop token that ended the sequence: one of
+            stop_token_ids, or with a tokenizer one of the generation config's end ids
+            `<|user|>` / `<|observation|>`, which end it unless ignore_eos, as vLLM's and
+            `flintc serve`'s; else None, end-of-text among them), as vLLM's
             CompletionOutput's token_ids, text, finish_reason and stop_reason.
 
         Raises:

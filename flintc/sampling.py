@@ -64,7 +64,8 @@ uses none of them takes exactly the path above, at the same cost):
 vLLM's stopping fields, `stop` (strings), `stop_token_ids` and `include_stop_str_in_output`,
 are carried here and acted on by the callers that run sequences (`generate_with_runner`,
 the serving engine; the strings matched by `flintc.stop_strings`, in the text the
-tokenizer makes): the sampler sees only `min_tokens` masking the stop tokens.
+tokenizer makes; the stop-token rule in `flintc.stop_strings.stop_token_end`): the sampler
+sees only `min_tokens` masking the stop tokens.
 """
 
 from __future__ import annotations
@@ -273,7 +274,11 @@ class SamplingParams:
         `flintc.model.generate.generate`, `flintc.api.CompiledModel.generate`,
         `flintc.serve.engine.Engine.submit`) resolves it per prompt.
     seed: seeds this request's generator; None draws from a fresh random seed.
-    ignore_eos: keep generating after the end-of-text token.
+    ignore_eos: keep generating after the end-of-text token and the model's other
+        generation-config end ids (`<|user|>` / `<|observation|>` with Flint's tokenizer,
+        `flintc.checkpoint.tokenizer.generation_stop_token_ids`, which otherwise end every
+        sequence with their id as stop_reason, as vLLM's `update_from_generation_config`
+        adds them to stop_token_ids unless ignore_eos); `stop_token_ids` still end it.
 
     vLLM's further controls (the module docstring tells where each applies):
     presence_penalty: in [-2, 2]; subtracted once from the logit of every token the
@@ -316,7 +321,8 @@ class SamplingParams:
         `generate_with_runner` with tokenizer=, `flintc run --stop`, the server); the
         output ids keep the token that completed the match, as vLLM's do.
     stop_token_ids: more token ids that end the sequence (finish reason "stop"), even
-        with ignore_eos (which ignores end-of-text alone, as vLLM's); kept as a tuple in
+        with ignore_eos (which ignores the end-of-text and generation-config end ids alone,
+        as vLLM's: `flintc.stop_strings.stop_token_end`); kept as a tuple in
         the order given, None when empty. Like end-of-text, they are masked while fewer
         than `min_tokens` tokens are generated, the output ids keep the one that ended
         the sequence and the text leaves it out. Ids are checked against the vocabulary

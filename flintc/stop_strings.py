@@ -1,7 +1,15 @@
-"""Stop strings (vLLM's `SamplingParams.stop`): one match for the serving engine
-(`flintc.serve.engine`) and the Python API / `flintc run` (`flintc.runtime.generate`).
+"""Stop tokens and stop strings (vLLM's `SamplingParams.stop_token_ids` and `stop`): one
+rule for the serving engine (`flintc.serve.engine`) and the Python API / `flintc run`
+(`flintc.runtime.generate`).
 
-A sequence's text is made token by token (`flintc.checkpoint.tokenizer.
+Stop tokens (`stop_token_end`): whether the token a sequence just generated ends it, and
+its `stop_reason`, as vLLM's `check_stop` (`vllm/v1/core/sched/utils.py`) decides over the
+stop-token set that `SamplingParams.update_from_generation_config` makes: the
+tokenizer's end-of-text, the model's generation-config end ids (for GLM's tokenizer
+`<|user|>` and `<|observation|>`, `flintc.checkpoint.tokenizer.generation_stop_token_ids`),
+and the request's own `stop_token_ids`.
+
+Stop strings: a sequence's text is made token by token (`flintc.checkpoint.tokenizer.
 IncrementalDetokenizer`); after each token, once more than `min_tokens` tokens are out
 (vLLM looks for stop strings only then), each stop string, in the order given, is looked
 for where it would end in the characters the token added, as vLLM's
@@ -17,10 +25,70 @@ none with `include_stop_str_in_output`), so text a stop string cuts was never se
 `StopStringText` is the same text for a caller that streams nothing (the Python API;
 `flintc run`, which streams as the server does).
 
-No torch here: the functions work on Python strings.
+No torch here: the functions work on Python ints and strings.
 """
 
 from __future__ import annotations
+
+from collections.abc import Container
+
+
+def stop_token_end(tok: int, *, n_out: int, min_tokens: int, ignore_eos: bool, stop_ids: Container[int],
+                   user_stop_ids: Container[int], eos_token_id: int | None,
+                   grammar_ended: bool = False) -> tuple[bool, int | None]:
+    """Does stop token `tok`, a sequence's `n_out`-th generated token, end it, and with
+    which `stop_reason`: vLLM's `check_stop` (`vllm/v1/core/sched/utils.py`) over the
+    stop-token set of `SamplingParams.update_from_generation_config` /
+    `_all_stop_token_ids`, plus flintc's structured-output rule.
+
+    The rule, in vLLM's order:
+      * `tok` is no stop token (in neither `stop_ids` nor `user_stop_ids`): it does not end
+        the sequence.
+      * fewer than `min_tokens` tokens out (``n_out < min_tokens``): no stop token ends it
+        (vLLM's `check_stop` returns before looking; its min-tokens logits processor masks
+        `_all_stop_token_ids` until then, as `flintc.sampling.TokenHistory` does).
+      * without `ignore_eos`: every stop token ends it; `stop_reason` None for the
+        tokenizer's end-of-text (`check_stop` tests ``eos_token_id`` first, even one the
+        request's `stop_token_ids` list), the id for any other (the generation config's
+        end ids join vLLM's `stop_token_ids` then, as the request's own do).
+      * with `ignore_eos`: only the request's own `stop_token_ids` (`user_stop_ids`) end
+        it, stop_reason the id (`update_from_generation_config` adds the generation
+        config's ids to `stop_token_ids` only without ignore_eos; end-of-text is not
+        checked).
+      * flintc's structured-output rule: a stop token drawn where the grammar accepts
+        (`grammar_ended`, `flintc.structured.GrammarMatcher.ended`: the grammar's mask
+        allows the stop tokens only there) ends the sequence even with `ignore_eos` and
+        before `min_tokens`, stop_reason as above (None for one that is not the
+        request's own under ignore_eos): nothing may follow a completed grammar.
+
+    Args:
+        tok: the token id just generated.
+        n_out: the sequence's generated tokens, `tok` included (1-based).
+        min_tokens: `SamplingParams.min_tokens`.
+        ignore_eos: `SamplingParams.ignore_eos`.
+        stop_ids: every stop token of the sequence (vLLM's `_all_stop_token_ids`): the
+            end-of-text token, the generation config's end ids, the request's own ids.
+        user_stop_ids: the request's own `stop_token_ids` (`SamplingParams.stop_token_ids`;
+            a server request's field); counted as stop tokens even where `stop_ids` lacks
+            them.
+        eos_token_id: the tokenizer's end-of-text id (None: none).
+        grammar_ended: the sequence's grammar took `tok` as its end (a stop token where it
+            accepts).
+
+    Returns:
+        (ends, stop_reason): ends True when `tok` ends the sequence (finish reason "stop");
+        stop_reason the id vLLM reports (an int), or None (end-of-text, a grammar's end
+        under ignore_eos, or ends False).
+    """
+    if tok not in stop_ids and tok not in user_stop_ids:
+        return False, None
+    if n_out < min_tokens and not grammar_ended:
+        return False, None
+    if not ignore_eos:
+        return True, None if tok == eos_token_id else tok
+    if tok in user_stop_ids:
+        return True, tok
+    return grammar_ended, None
 
 
 def stop_string_cut(text: str, stops, new_chars: int, include: bool) -> tuple[str, int] | None:

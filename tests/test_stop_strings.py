@@ -13,7 +13,7 @@ import pytest
 
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams
-from flintc.stop_strings import StopStringText, stop_string_cut, stop_string_hold
+from flintc.stop_strings import StopStringText, stop_string_cut, stop_string_hold, stop_token_end
 
 MAX = 24
 
@@ -236,6 +236,94 @@ def test_the_shared_match():
     assert (s.text, s.matched) == ("xaab", "aa")
 
 
+EOS, GEN, USER, OTHER = 0, 5, 7, 9  # end-of-text, a generation-config end id, the request's own, no stop
+STOPS = frozenset({EOS, GEN, USER})
+
+
+@pytest.mark.parametrize("tok, n_out, min_tokens, ignore_eos, user, grammar_ended, want", [
+    # no stop token: never ends
+    (OTHER, 3, 0, False, {USER}, False, (False, None)),
+    (OTHER, 3, 0, True, {USER}, True, (False, None)),
+    # end-of-text: None (check_stop tests eos_token_id first), even when the request lists it
+    (EOS, 1, 0, False, {USER}, False, (True, None)),
+    (EOS, 1, 0, False, {USER, EOS}, False, (True, None)),
+    # ignore_eos: end-of-text goes on, unless the request's own ids list it (then its id)
+    (EOS, 1, 0, True, {USER}, False, (False, None)),
+    (EOS, 1, 0, True, {USER, EOS}, False, (True, EOS)),
+    # a generation-config id: its id; with ignore_eos (update_from_generation_config leaves it out) no stop
+    (GEN, 2, 0, False, {USER}, False, (True, GEN)),
+    (GEN, 2, 0, True, {USER}, False, (False, None)),
+    (GEN, 2, 0, True, {USER, GEN}, False, (True, GEN)),
+    # the request's own id: its id, with or without ignore_eos
+    (USER, 2, 0, False, {USER}, False, (True, USER)),
+    (USER, 2, 0, True, {USER}, False, (True, USER)),
+    # min_tokens: no stop token ends it before n_out reaches it (n_out counts this token)
+    (EOS, 2, 3, False, {USER}, False, (False, None)),
+    (USER, 2, 3, True, {USER}, False, (False, None)),
+    (GEN, 3, 3, False, {USER}, False, (True, GEN)),
+    (USER, 3, 3, True, {USER}, False, (True, USER)),
+    # a stop token that ended the grammar: ends even with ignore_eos and before min_tokens
+    (EOS, 1, 0, True, {USER}, True, (True, None)),
+    (GEN, 1, 0, True, {USER}, True, (True, None)),
+    (GEN, 1, 0, False, {USER}, True, (True, GEN)),
+    (EOS, 1, 4, False, {USER}, True, (True, None)),
+    (USER, 1, 4, True, {USER}, True, (True, USER)),
+])
+def test_stop_token_end(tok, n_out, min_tokens, ignore_eos, user, grammar_ended, want):
+    """The one stop-token rule of the engine and `generate_with_runner`: vLLM's `check_stop`
+    over the stop set `SamplingParams.update_from_generation_config` makes, plus the
+    structured-output rule (a stop token that ended the grammar ends the sequence)."""
+    assert stop_token_end(tok, n_out=n_out, min_tokens=min_tokens, ignore_eos=ignore_eos, stop_ids=STOPS | user,
+                          user_stop_ids=frozenset(user), eos_token_id=EOS, grammar_ended=grammar_ended) == want
+
+
+def test_stop_token_end_edges():
+    """A request's own id missing from stop_ids still stops; no end-of-text id (None): every
+    stop token reports its id."""
+    kw = dict(n_out=1, min_tokens=0, ignore_eos=False, eos_token_id=EOS)
+    assert stop_token_end(USER, stop_ids=frozenset(), user_stop_ids={USER}, **kw) == (True, USER)
+    assert stop_token_end(GEN, stop_ids={GEN}, user_stop_ids=(), **kw) == (True, GEN)
+    kw["eos_token_id"] = None
+    assert stop_token_end(EOS, stop_ids={EOS}, user_stop_ids=(), **kw) == (True, EOS)
+
+
+def test_generation_config_stop_tokens(tiny):
+    """The generation config's <|user|> and <|observation|> (GLM's end ids besides
+    <|endoftext|>, `generation_stop_token_ids`) end a sequence in the Python API with
+    their id as stop_reason, as vLLM's `update_from_generation_config` adds them to every
+    request's stop_token_ids; not with ignore_eos (vLLM leaves them out then) unless
+    stop_token_ids names them; masked before min_tokens either way. Without a tokenizer
+    none stop (token ids alone: `generation_stop_ids` gives them)."""
+    from flintc.checkpoint.tokenizer import generation_stop_token_ids
+    from flintc.model.generate import generate
+
+    model, tok, ids, _, _ = tiny
+    user, obs = tok.special_token_ids["<|user|>"], tok.special_token_ids["<|observation|>"]
+    assert generation_stop_token_ids(tok) == {user, obs}
+    for t in (user, obs):
+        r = gen(tiny, params=SamplingParams(temperature=0, max_tokens=6, logit_bias={t: 100}, min_tokens=2))
+        assert (r.output_ids[0][2:], r.finish_reasons, r.stop_reasons) == ([t], ["stop"], [t]), r
+        assert tok.decode([t]) not in r.texts[0] and r.stopped_by_token == [True]
+        assert t not in r.output_ids[0][:2]  # masked before min_tokens
+        r = gen(tiny, params=SamplingParams(temperature=0, max_tokens=4, logit_bias={t: 100}, min_tokens=2,
+                                            include_stop_str_in_output=True))
+        assert r.texts[0].endswith(tok.decode([t])) and r.stop_reasons == [t]
+        r = gen(tiny, params=SamplingParams(temperature=0, max_tokens=4, logit_bias={t: 100}, ignore_eos=True))
+        assert (r.output_ids[0], r.finish_reasons, r.stop_reasons) == ([t] * 4, ["length"], [None])
+        assert r.texts == [tok.decode([t]) * 4]  # not a stop: the token is text
+        r = gen(tiny, params=SamplingParams(temperature=0, max_tokens=4, logit_bias={t: 100}, ignore_eos=True,
+                                            stop_token_ids=[t]))
+        assert (r.output_ids[0], r.finish_reasons, r.stop_reasons) == ([t], ["stop"], [t])
+    p = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[user])
+    assert generate(model, [ids], p).output_ids == [[user] * 3]  # no tokenizer: no generation config
+    r = generate(model, [ids], p, generation_stop_ids=[user])
+    assert (r.output_ids, r.stop_reasons) == ([[user]], [user])
+    r = generate(model, [ids], p, tokenizer=tok, generation_stop_ids=())
+    assert r.output_ids == [[user] * 3] and r.finish_reasons == ["length"]
+    with pytest.raises(InputError, match=r"generation_stop_ids: token id 512 is outside the vocabulary"):
+        generate(model, [ids], p, generation_stop_ids=[512])
+
+
 def test_python_api_compiled_build(tiny_bf16_dir, tmp_path):
     """`flintc.compile(...).generate` takes stop, stop_token_ids and
     include_stop_str_in_output as keywords or in `flintc.SamplingParams`: the output is
@@ -260,6 +348,12 @@ def test_python_api_compiled_build(tiny_bf16_dir, tmp_path):
                                 flintc.SamplingParams(temperature=0, max_tokens=MAX, stop_token_ids=[out[3]])])
     assert r.texts[0] == before + stop and r.output_ids[1] == out[:out.index(out[3]) + 1]
     assert r.stop_reasons == [stop, out[3]] and r.texts[1] == tok.decode(r.output_ids[1][:-1])
+    # the generation config's <|user|> ends it (its id the stop_reason), unless ignore_eos
+    user = tok.special_token_ids["<|user|>"]
+    r = m.generate([ids], temperature=0, max_tokens=3, logit_bias={user: 100})
+    assert (r.output_ids, r.finish_reasons, r.stop_reasons, r.texts) == ([[user]], ["stop"], [user], [""])
+    r = m.generate([ids], temperature=0, max_tokens=3, logit_bias={user: 100}, ignore_eos=True)
+    assert (r.output_ids, r.finish_reasons, r.stop_reasons) == ([[user] * 3], ["length"], [None])
     m.tokenizer = None
     with pytest.raises(InputError, match="sampling field 'stop': stop strings"):
         m.generate([ids], stop="x")

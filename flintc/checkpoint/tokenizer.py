@@ -53,6 +53,9 @@ SPECIAL_TOKENS = (
     "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
 )
 EOS_TOKEN = "<|endoftext|>"
+# The end ids of GLM's generation_config.json (GLM-4.5 / 4.6 / 4.7: "eos_token_id": [151329,
+# 151336, 151338]), by their tokens: `generation_stop_token_ids`
+GENERATION_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 NUM_BYTE_SYMBOLS = 256
 MIN_VOCAB_SIZE = NUM_BYTE_SYMBOLS + len(SPECIAL_TOKENS)
 # The largest vocab_size build_tokenizer makes: 2**20 = 1,048,576, four times the largest
@@ -725,6 +728,27 @@ class IncrementalDetokenizer:
         tail = self._utf8.decode(b"", final=True)
         self._utf8.reset()
         return tail
+
+
+def generation_stop_token_ids(tokenizer) -> frozenset[int]:
+    """The generation config's end ids that a request stops at besides the tokenizer's own
+    end-of-text: the ids of the :data:`GENERATION_STOP_TOKENS` (``<|endoftext|>``,
+    ``<|user|>``, ``<|observation|>``, the ``eos_token_id`` list of GLM's
+    generation_config.json) that are special tokens of `tokenizer`, less its
+    ``eos_token_id``, as vLLM's `SamplingParams.update_from_generation_config` discards the
+    model's eos id from that list and adds the rest to every request's ``stop_token_ids``
+    (completions, chat and `LLM.generate` alike) unless ``ignore_eos``. One list for every
+    route: `flintc serve`'s chat and completions, `flintc.runtime.generate` (the Python API,
+    `flintc run`). For Flint's tokenizer: ``<|user|>`` and ``<|observation|>``.
+
+    Args:
+        tokenizer: a :class:`FlintTokenizer` (its ``special_token_ids``, ``eos_token_id``).
+
+    Returns:
+        frozenset of token ids (empty for a tokenizer with none of those special tokens).
+    """
+    special = tokenizer.special_token_ids
+    return frozenset(special[t] for t in GENERATION_STOP_TOKENS if t in special) - {tokenizer.eos_token_id}
 
 
 def folder_tokenizer(folder: str | os.PathLike | None) -> FlintTokenizer | None:

@@ -44,7 +44,9 @@ def add_parser(sub) -> None:
                    help="keep the most likely tokens up to this probability mass (after top-k)")
     p.add_argument("--top-k", type=int, default=20, help="0 or -1 keeps every token")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed (default: random)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at <|endoftext|>")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at <|endoftext|> nor at the generation config's other end tokens "
+                        "(<|user|>, <|observation|>), which end the output otherwise (vLLM's)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="in [-2, 2]: subtracted from the logit of each token already generated (vLLM's)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -56,7 +58,8 @@ def add_parser(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.0,
                    help="in [0, 1]: drop tokens less likely than this times the most likely one (vLLM's)")
     p.add_argument("--min-tokens", type=int, default=0,
-                   help="generate at least this many tokens before <|endoftext|> (or a --stop-token-ids id) "
+                   help="generate at least this many tokens before a stop token (<|endoftext|>, <|user|>, "
+                        "<|observation|> or a --stop-token-ids id) "
                         "may come and --stop strings are looked for")
     p.add_argument("--logit-bias", action="append", default=None, metavar="ID=BIAS",
                    help="add BIAS (in [-100, 100]) to token ID's logit; repeat for more tokens")
@@ -525,11 +528,15 @@ def _generate(args, params, id_prompts, cleanup) -> int:
     prompts = [given[dest][i] for dest, i in order]  # as on the command line
     single = len(prompts) == 1
     stop_ids = set(params.stop_token_ids or ())
-    # end-of-text ends the output unless --ignore-eos; with --structured-outputs even then,
-    # where the grammar accepts it (the only place its mask lets it be drawn), as
-    # `generate_with_runner` ends it: the streamed text printed its '<|endoftext|>'
+    # end-of-text and the generation config's end ids (<|user|>, <|observation|>:
+    # `generation_stop_token_ids`, which `generate_with_runner` takes from the tokenizer) end
+    # the output unless --ignore-eos; with --structured-outputs even then, where the grammar
+    # accepts them (the only place its mask lets them be drawn), as `generate_with_runner`
+    # ends it (`stop_token_end`): the streamed text printed its '<|endoftext|>'
     if (not args.ignore_eos or params.structured_outputs is not None) and tokenizer is not None:
-        stop_ids.add(tokenizer.eos_token_id)
+        from flintc.checkpoint.tokenizer import generation_stop_token_ids
+
+        stop_ids |= {tokenizer.eos_token_id} | generation_stop_token_ids(tokenizer)
     stream = (_TextStream(tokenizer, stop_ids, params.stop or (), params.include_stop_str_in_output,
                           params.min_tokens)
               if args.output == "text" and single else None)
@@ -602,9 +609,10 @@ def _decode_figure(result) -> str:
 
 class _TextStream:
     """Prints generated text as it appears (token ids when there is no tokenizer). A stop
-    token the sequence ends at (`stop_ids`: end-of-text unless --ignore-eos, and
-    --stop-token-ids) is not printed, as `--output json`'s text and vLLM's leave it out,
-    unless `include` (--include-stop-str-in-output). With stop strings (`stops`, --stop)
+    token the sequence ends at (`stop_ids`: end-of-text and the generation config's
+    <|user|> / <|observation|> unless --ignore-eos, and --stop-token-ids) is not printed,
+    as `--output json`'s text and vLLM's leave it out, unless `include`
+    (--include-stop-str-in-output). With stop strings (`stops`, --stop)
     the text is cut as generation cuts it (`flintc.stop_strings.StopStringText`, looked
     for past `min_tokens` tokens), and its last (longest stop - 1) characters are held
     back until the end (`stop_string_hold`, as `flintc serve` streams, as vLLM); `close`

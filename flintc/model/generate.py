@@ -30,9 +30,10 @@ class GenerationResult:
 
     What a prompt's output holds, as vLLM's `CompletionOutput` (`token_ids`, `text`,
     `finish_reason`, `stop_reason`):
-    output_ids: every generated token, the stop token a sequence ended at (end-of-text or
-        one of stop_token_ids) included, and for a stop string the token that completed
-        it (its characters past the stop string are in no text).
+    output_ids: every generated token, the stop token a sequence ended at (end-of-text, a
+        generation-config end id or one of stop_token_ids) included, and for a stop
+        string the token that completed it (its characters past the stop string are in
+        no text).
     texts: with a tokenizer (`generate(..., tokenizer=)`, `flintc.api`), each prompt's
         output text (special tokens kept): without the stop token the sequence ended at
         and cut before the stop string it ended at, unless include_stop_str_in_output
@@ -40,10 +41,12 @@ class GenerationResult:
         without a tokenizer.
     finish_reasons: "stop" or "length" (below).
     stop_reasons: vLLM's stop_reason: the stop string (`SamplingParams.stop`) or the id of
-        `SamplingParams.stop_token_ids` that ended the sequence; None for end-of-text
-        (even one stop_token_ids lists, unless ignore_eos: vLLM checks end-of-text
-        first), a complete grammar, and "length". `flintc serve` reports the same as
-        each choice's `stop_reason`.
+        the stop token that ended the sequence (one of `SamplingParams.stop_token_ids`, or
+        of the generation config's end ids, `<|user|>` / `<|observation|>` with Flint's
+        tokenizer: `flintc.stop_strings.stop_token_end`); None for end-of-text (even one
+        stop_token_ids lists, unless ignore_eos: vLLM checks end-of-text first), a
+        complete grammar, and "length". `flintc serve` reports the same as each choice's
+        `stop_reason`.
     """
 
     prompt_ids: list[list[int]]
@@ -53,7 +56,7 @@ class GenerationResult:
     decode_seconds: float = 0.0
     decode_steps: int = 0
     step_logits: list[torch.Tensor] = field(default_factory=list)
-    # Per prompt: "stop" (end-of-text token, one of stop_token_ids, a stop string, or a
+    # Per prompt: "stop" (a stop token: `flintc.stop_strings.stop_token_end`; a stop string; a
     # structured output's grammar complete) or "length" (max_tokens, or prompt + generated
     # tokens reached max_model_len: vLLM's convention, as `flintc serve`'s).
     finish_reasons: list[str] = field(default_factory=list)
@@ -103,6 +106,7 @@ def generate(
     max_model_len: int | None = None,
     max_batch: int | None = None,
     tokenizer=None,
+    generation_stop_ids=None,
 ) -> GenerationResult:
     """Generate up to `params.max_tokens` tokens after each prompt (max_tokens None: until
     the prompt and its generated tokens fill max_model_len).
@@ -119,6 +123,9 @@ def generate(
             `flintc.runtime.generate.generate_with_runner` runs them.
         tokenizer: the model's FlintTokenizer, which params with structured_outputs or
             stop strings need; with one, the result's `texts` hold the output texts.
+        generation_stop_ids: the generation config's end ids besides eos_token_id, which
+            end a sequence unless ignore_eos (None: the tokenizer's, none without one):
+            `generate_with_runner`'s.
 
     Raises:
         InputError: no prompts, a prompt is empty, holds an out-of-range id, or has
@@ -151,4 +158,5 @@ def generate(
                              prefill_chunk=prefill_chunk)
     return generate_with_runner(runner, prompts, plist, eos_token_id=eos_token_id,
                                 return_prompt_logits=return_prompt_logits,
-                                keep_step_logits=keep_step_logits, on_token=on_token, tokenizer=tokenizer)
+                                keep_step_logits=keep_step_logits, on_token=on_token, tokenizer=tokenizer,
+                                generation_stop_ids=generation_stop_ids)

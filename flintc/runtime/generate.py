@@ -15,9 +15,11 @@ token (`flintc.stop_strings.StopStringText`, the serving engine's match) and ret
 `GenerationResult.texts`.
 
 Same result type and stopping rules as the reference loop (`flintc.model.generate`),
-and as `flintc serve`'s engine: a sequence stops at its end-of-text token (unless
-ignore_eos) or one of its params' stop_token_ids (even with ignore_eos, as vLLM's; never
-before min_tokens, which masks them until then), when one of its stop strings ends in
+and as `flintc serve`'s engine: a sequence stops at a stop token (`flintc.stop_strings.
+stop_token_end`, vLLM's `check_stop`: its end-of-text token and the model's generation-config
+end ids, `<|user|>` / `<|observation|>` with Flint's tokenizer, unless ignore_eos; one of its
+params' stop_token_ids even with ignore_eos; never before min_tokens, which masks them all
+until then), when one of its stop strings ends in
 the latest token's text (the first in the order given, looked for once more than
 min_tokens tokens are out: `flintc.stop_strings`), when its structured
 output's grammar is complete, at max_tokens, or when prompt + generated tokens reach the
@@ -37,7 +39,7 @@ from flintc.errors import InputError
 from flintc.model.generate import GenerationResult, check_prompt
 from flintc.sampling import (SamplingParams, TokenHistory, drawn_outside_allowed, first_outside_vocab,
                              params_per_prompt, sample)
-from flintc.stop_strings import StopStringText
+from flintc.stop_strings import StopStringText, stop_token_end
 
 
 def _sync(device: torch.device) -> None:
@@ -82,6 +84,7 @@ def generate_with_runner(
     keep_step_logits: bool = False,
     on_token: Callable[[int, int], None] | None = None,
     tokenizer=None,
+    generation_stop_ids=None,
 ) -> GenerationResult:
     """Generate after each prompt with `runner` (a ModelRunner).
 
@@ -109,22 +112,32 @@ def generate_with_runner(
             (their grammars are compiled for it) or stop strings (`stop`: the text is
             made as the tokens come). With one, the result's `texts` hold each prompt's
             output text (module docstring); without, `texts` is None.
+        eos_token_id: the end-of-text token id (None: none): it ends a sequence unless
+            ignore_eos (stop_reason None).
+        generation_stop_ids: the model's generation-config end ids besides eos_token_id
+            (an iterable of ints): they end a sequence unless ignore_eos, stop_reason the
+            id, and are masked before min_tokens (vLLM's
+            `SamplingParams.update_from_generation_config`, which adds them to every
+            request's stop_token_ids). None: `flintc.checkpoint.tokenizer.
+            generation_stop_token_ids(tokenizer)` with a tokenizer (Flint's: `<|user|>`,
+            `<|observation|>`), none without; () for none.
 
     Returns:
         A GenerationResult: output_ids (a stop token that ended a sequence, or the token
         that completed its stop string, kept, as vLLM's token_ids), finish_reasons,
-        stop_reasons (vLLM's stop_reason: the stop string or stop_token_ids id that ended
-        the sequence, else None), and with a tokenizer texts (the text ends before the
-        stop string or stop token, or after it with include_stop_str_in_output;
-        special tokens kept).
+        stop_reasons (vLLM's stop_reason: the stop string, or the id of the stop token
+        that ended the sequence, a stop_token_ids or generation_stop_ids one; else None:
+        end-of-text, a complete grammar, "length"), and with a tokenizer texts (the text
+        ends before the stop string or stop token, or after it with
+        include_stop_str_in_output; special tokens kept).
 
     Raises:
         InputError: no prompts, an empty prompt, an id outside the vocabulary (in a
             prompt, a logit_bias, allowed_token_ids, bad_words_token_ids or
-            stop_token_ids), bad_words without their token ids, structured_outputs or
-            stop strings without a tokenizer, a prompt of max_model_len tokens or
-            more, or min_tokens over the rest of a prompt's context with max_tokens None;
-            all checked before any prompt runs.
+            stop_token_ids; or in generation_stop_ids), bad_words without their token
+            ids, structured_outputs or stop strings without a tokenizer, a prompt of
+            max_model_len tokens or more, or min_tokens over the rest of a prompt's
+            context with max_tokens None; all checked before any prompt runs.
             While generating: a token drawn outside allowed_token_ids (the params' other
             masks, bad_words or min_tokens, left none of the allowed tokens to draw).
         flintc.structured.StructuredOutputError: a grammar refused a generated token
@@ -151,13 +164,23 @@ def generate_with_runner(
             raise InputError(f"sampling field 'stop'{f' of prompt {i}' if B > 1 else ''}: stop strings are "
                              f"matched in the output text, which needs the model's tokenizer (tokenizer=...); "
                              f"without one, end on token ids with stop_token_ids")
+    if generation_stop_ids is None:
+        from flintc.checkpoint.tokenizer import generation_stop_token_ids
+
+        generation_stop_ids = generation_stop_token_ids(tokenizer) if tokenizer is not None else ()
+    generation_stop_ids = list(generation_stop_ids)
+    bad = first_outside_vocab(generation_stop_ids, cfg.vocab_size)
+    if bad is not None:
+        raise InputError(f"generation_stop_ids: token id {bad!r} is outside the vocabulary [0, {cfg.vocab_size})")
+    model_stops = (() if eos_token_id is None else (eos_token_id,)) + tuple(
+        sorted(set(generation_stop_ids) - {eos_token_id}))
     step = int(runner.max_batch)
     result = None
     for start in range(0, B, step):
         part = _generate_batch(runner, prompts[start:start + step], plist[start:start + step], eos_token_id,
                                return_prompt_logits, keep_step_logits,
                                None if on_token is None else (lambda b, t, _s=start: on_token(_s + b, t)),
-                               tokenizer, first=start, several=B > 1)
+                               tokenizer, first=start, several=B > 1, model_stops=model_stops)
         if result is None:
             result = part
             continue
@@ -180,17 +203,21 @@ def generate_with_runner(
 def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams], eos_token_id: int | None,
                     return_prompt_logits: bool, keep_step_logits: bool,
                     on_token: Callable[[int, int], None] | None, tokenizer=None, first: int = 0,
-                    several: bool = False) -> GenerationResult:
+                    several: bool = False, model_stops: tuple[int, ...] = ()) -> GenerationResult:
     """`generate_with_runner` for at most runner.max_batch prompts, checked already: prompt
     b in slot b, one SamplingParams per prompt; on_token(b, token_id) with b into
-    `prompts`. An error names prompt `first` + b when `several` (of the caller's)."""
+    `prompts`. An error names prompt `first` + b when `several` (of the caller's).
+    `model_stops`: every prompt's stop tokens but its params' own (end-of-text and the
+    generation config's end ids)."""
     B = len(prompts)
     device = runner.device
     gens = [None if q.is_greedy else q.make_generator(device) for q in plist]
     result = GenerationResult([list(p) for p in prompts], [[] for _ in prompts])
-    eos = () if eos_token_id is None else (eos_token_id,)
     user = [frozenset(q.stop_token_ids or ()) for q in plist]  # end the sequence even with ignore_eos
-    stops = [eos + tuple(q.stop_token_ids or ()) for q in plist]  # masked before min_tokens
+    # every stop token (vLLM's _all_stop_token_ids): masked before min_tokens, and allowed by a
+    # grammar where it accepts
+    stops = [tuple(model_stops) + tuple(q.stop_token_ids or ()) for q in plist]
+    stop_sets = [frozenset(x) for x in stops]
     hist = [TokenHistory(prompts[b], result.output_ids[b], stops[b],
                          grammar=_grammar(plist[b], tokenizer, stops[b]))
             if plist[b].adjusts_logits else None for b in range(B)]
@@ -238,14 +265,16 @@ def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams
                 raise InputError(bad.replace("'allowed_token_ids'", f"'allowed_token_ids' of prompt {first + b}", 1)
                                  if several else bad)
             q, n = plist[b], len(result.output_ids[b])
-            # as the serving engine's `_push`: a stop token (end-of-text unless ignore_eos, one
-            # of stop_token_ids, or one that ended the grammar), then the stop strings
-            if t in stops[b] and (g is not None and g.ended
-                                  or n >= q.min_tokens and (not q.ignore_eos or t in user[b])):
+            # as the serving engine's `_push`: a stop token (`stop_token_end`: end-of-text and the
+            # generation config's ids unless ignore_eos, one of stop_token_ids, or one that ended
+            # the grammar), then the stop strings
+            ends, reason = stop_token_end(t, n_out=n, min_tokens=q.min_tokens, ignore_eos=q.ignore_eos,
+                                          stop_ids=stop_sets[b], user_stop_ids=user[b], eos_token_id=eos_token_id,
+                                          grammar_ended=g is not None and g.ended)
+            if ends:
                 result.finish_reasons[b] = "stop"
                 result.stopped_by_token[b] = True
-                # vLLM's stop_reason: None for end-of-text, the id for one of stop_token_ids
-                result.stop_reasons[b] = t if t in user[b] and (t != eos_token_id or q.ignore_eos) else None
+                result.stop_reasons[b] = reason  # vLLM's: None for end-of-text, else the id
                 if texts is not None:
                     texts[b].push_stop_token(t)
             elif texts is not None and texts[b].push(t, n, q.min_tokens):  # a stop string

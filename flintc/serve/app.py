@@ -90,6 +90,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flintc
+from flintc.checkpoint.tokenizer import generation_stop_token_ids
 from flintc.errors import InputError, json_type
 from flintc.sampling import SamplingParams, bad_words_to_token_ids, first_outside_vocab
 from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob, priority_not_enabled
@@ -119,8 +120,6 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20  # chat (OpenAI's limit)
 MAX_COMPLETION_LOGPROBS = 20  # completions: vLLM's default --max-logprobs (OpenAI's API allows 5)
 MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
-# Chat turns end at any of these (GLM's generation_config lists the same three).
-CHAT_STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "min_p", "min_tokens")
 # the request fields that set (or shape) a structured-outputs constraint (`structured_outputs_spec`)
@@ -583,8 +582,11 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
     app.state.options = options
     app.state.metrics = metrics = ServeMetrics(engine, options.model_name)
     max_model_len = engine.max_model_len
-    chat_stops = frozenset(tokenizer.special_token_ids[t] for t in CHAT_STOP_TOKENS
-                           if t in tokenizer.special_token_ids) | {tokenizer.eos_token_id}
+    # every request's stop tokens but its own stop_token_ids (chat and completions alike, as
+    # vLLM's update_from_generation_config): the end-of-text token and the generation config's
+    # other end ids (<|user|>, <|observation|>), which end a sequence unless ignore_eos
+    # (`flintc.stop_strings.stop_token_end`) and are masked before min_tokens either way
+    model_stops = frozenset({tokenizer.eos_token_id}) | generation_stop_token_ids(tokenizer)
     specials = _special_strings(tokenizer)
     if not specials[1]:
         specials = None
@@ -1179,7 +1181,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
         strip = specials if req.skip_special_tokens and parse_tools is None else None
         # the choices share the prompt: the first computes its logprobs
-        gen = _Generation(engine, [dict(prompt_ids=prompt_ids, params=p, stop_token_ids=chat_stops | user_stops,
+        gen = _Generation(engine, [dict(prompt_ids=prompt_ids, params=p, stop_token_ids=model_stops | user_stops,
                                         user_stop_token_ids=user_stops, stop=stop, logprobs=top,
                                         prompt_logprobs=want_plp if j == 0 else None,
                                         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -1317,7 +1319,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         engine_plp = max(want_plp or 0, req.logprobs) if echo_lps else want_plp
         as_ids = _tokens_as_ids(req, options)
         user_stops = stop_token_ids(req)
-        stops = frozenset({tokenizer.eos_token_id}) | user_stops
+        stops = model_stops | user_stops
         # the choices of a prompt share it: the first computes its logprobs
         specs = [dict(prompt_ids=ids, params=p, stop_token_ids=stops, stop=stop, logprobs=req.logprobs,
                       prompt_logprobs=engine_plp if j == 0 or echo_lps else None,

@@ -54,12 +54,13 @@ sequence has an :class:`~flintc.checkpoint.tokenizer.IncrementalDetokenizer`
 (special tokens kept unless the request sets ``skip_special_tokens``: chat keeps
 them, so ``<think>`` and ``<tool_call>`` reach the parsers), and
 text that might be the start of a stop string is held back until it is not.
-Stop tokens (end-of-text, and in chat also ``<|user|>`` / ``<|observation|>``, plus a
-request's ``stop_token_ids``) end a sequence with finish reason ``"stop"`` and add no
-text (unless ``include_stop_str_in_output``); they count as completion
-tokens (as in vLLM). With ``min_tokens`` (as vLLM): the stop tokens cannot be sampled
-before that many tokens are generated (and do not stop the sequence before then), and
-stop strings are looked for only once more than ``min_tokens`` tokens are out.
+Stop tokens (end-of-text and the generation config's ``<|user|>`` / ``<|observation|>``,
+both unless ``ignore_eos``, and a request's ``stop_token_ids``:
+`flintc.stop_strings.stop_token_end`, vLLM's ``check_stop``) end a sequence with finish
+reason ``"stop"`` and add no text (unless ``include_stop_str_in_output``); they count as
+completion tokens (as in vLLM). With ``min_tokens`` (as vLLM): the stop tokens cannot be
+sampled before that many tokens are generated (and do not stop the sequence before then),
+and stop strings are looked for only once more than ``min_tokens`` tokens are out.
 
 Prompt logprobs (vLLM's ``prompt_logprobs``): for a request that asks, the prefill keeps
 the logits of every prompt position (``runner.prefill(..., all_logits=True)``, which both
@@ -129,7 +130,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams, TokenHistory, drawn_outside_allowed, sample
-from flintc.stop_strings import stop_string_cut, stop_string_hold
+from flintc.stop_strings import stop_string_cut, stop_string_hold, stop_token_end
 from flintc.structured import GrammarMatcher, ReasoningGate, StructuredOutputError
 
 _WAKE = object()
@@ -178,11 +179,11 @@ class Output:
     ``stop_reason`` (on the last event of a sequence that finished "stop", else None):
     vLLM's ``CompletionOutput.stop_reason``, what ended it: the stop string that matched
     (a str), or the id of the stop token it ended at (an int) when that token is not the
-    tokenizer's end-of-text (a request's ``stop_token_ids``; chat's ``<|user|>`` /
-    ``<|observation|>``, which vLLM takes from GLM's generation config into its
-    ``stop_token_ids``); None for end-of-text (unless ``ignore_eos``, where only a
-    request's own ``stop_token_ids`` stop it) and for a structured output whose grammar
-    completed (:meth:`Engine._stop_reason`)."""
+    tokenizer's end-of-text (a request's ``stop_token_ids``; the generation config's
+    ``<|user|>`` / ``<|observation|>``, which vLLM adds to every request's
+    ``stop_token_ids`` unless ``ignore_eos``); None for end-of-text (unless ``ignore_eos``,
+    where only a request's own ``stop_token_ids`` stop it) and for a structured output whose
+    grammar completed (`flintc.stop_strings.stop_token_end`)."""
 
     index: int
     text: str = ""
@@ -256,7 +257,10 @@ class GenRequest:
             makes an int).
         emit: called from the engine thread with each :class:`Output`.
         index: the choice index reported back in each Output.
-        stop_token_ids: ids that end the sequence (unless ``params.ignore_eos``).
+        stop_token_ids: every stop token of the sequence (vLLM's ``_all_stop_token_ids``:
+            masked before ``min_tokens``): they end it unless ``params.ignore_eos``. The
+            server gives the end-of-text token, the generation config's end ids
+            (`flintc.checkpoint.tokenizer.generation_stop_token_ids`) and the request's own.
         stop: stop strings; the text ends before the first match (not included).
         logprobs: None for no logprobs, else how many top alternatives (0..20).
         prompt_logprobs: None, or how many top alternatives (0..20) each prompt token's
@@ -325,7 +329,7 @@ class _Seq:
         self.pos = len(req.prompt_ids)  # position of the next token fed to the model
         self.prefilled = False  # the prompt's K/V are in the slot's cache (positions < pos hold its tokens)
         self.text = ""  # text so far (stop strings removed)
-        self.stop_reason: int | str | None = None  # what ended it (`Engine._stop_reason`, a stop string)
+        self.stop_reason: int | str | None = None  # what ended it (`stop_token_end`'s, a stop string)
         self.sent = 0  # characters of text already emitted
         self.pending_ids: list[int] = []
         self.pending_lp: list[TokenLogprob] = []
@@ -796,15 +800,18 @@ class Engine:
         if lp is not None:
             seq.pending_lp.append(lp)
         n_out = len(seq.out_ids)
-        # a stop token that ended the grammar (drawn where it accepts) is one even with
-        # ignore_eos, as in `flintc.runtime.generate`: it ends the sequence, and its text (a
-        # special token's with skip_special_tokens off: '94<|endoftext|>' for [0-9]+) is
-        # not the output's unless include_stop_str_in_output
-        if tok in req.stop_token_ids and (grammar is not None and grammar.ended or n_out >= params.min_tokens
-                                          and (not params.ignore_eos or tok in req.user_stop_token_ids)):
+        # a stop token (vLLM's check_stop, and a stop token that ended the grammar even with
+        # ignore_eos: `stop_token_end`, the rule `flintc.runtime.generate` follows too) ends
+        # the sequence, and its text (a special token's with skip_special_tokens off:
+        # '94<|endoftext|>' for [0-9]+) is not the output's unless include_stop_str_in_output
+        ends, reason = stop_token_end(tok, n_out=n_out, min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,
+                                      stop_ids=req.stop_token_ids, user_stop_ids=req.user_stop_token_ids,
+                                      eos_token_id=self.tokenizer.eos_token_id,
+                                      grammar_ended=grammar is not None and grammar.ended)
+        if ends:
             if req.include_stop_str_in_output:
                 seq.text += seq.detok.push(tok)
-            seq.stop_reason = self._stop_reason(req, tok)
+            seq.stop_reason = reason
             self._finish(seq, "stop")
             return
         new = seq.detok.push(tok)
@@ -822,20 +829,6 @@ class Engine:
             return
         hold = stop_string_hold(seq.text, req.stop, req.include_stop_str_in_output)
         self._emit(seq, len(seq.text) - hold)
-
-    def _stop_reason(self, req: GenRequest, tok: int) -> int | None:
-        """vLLM's ``stop_reason`` for a sequence that ended at stop token ``tok`` (its
-        scheduler's ``check_stop``: end-of-text, unless ignore_eos, ends it with None; an
-        id of ``stop_token_ids`` with the id). vLLM's ``stop_token_ids`` are the request's
-        own and, unless ignore_eos, the generation config's end ids other than the
-        tokenizer's end-of-text (chat's ``<|user|>`` / ``<|observation|>`` here, which
-        the server gives in ``req.stop_token_ids``). So: without ignore_eos, None for the
-        tokenizer's end-of-text and the id for any other; with it, the id for one of the
-        request's own (``user_stop_token_ids``), else None (an end-of-text that ended a
-        grammar). `flintc.runtime.generate` gives the same for the Python API."""
-        if not req.params.ignore_eos:
-            return None if tok == self.tokenizer.eos_token_id else tok
-        return tok if tok in req.user_stop_token_ids else None
 
     def _cut_stop(self, seq: _Seq, new_chars: int) -> bool:
         """Truncate seq.text at the first stop string (in the request's order) that ends

@@ -512,6 +512,36 @@ def test_text_leaves_out_the_end_of_text_token(capsys, monkeypatch, tiny_bf16_di
     assert code == 0 and out.endswith("<|endoftext|>\n"), out  # not a stop: the token is text
 
 
+def test_run_stops_at_the_generation_config_end_tokens(capsys, tiny_bf16_dir):
+    """<|user|> and <|observation|> (GLM's generation config's end ids besides
+    <|endoftext|>) end the output as vLLM ends every request there: finish reason "stop",
+    stop_reason the id, the token kept in output_ids and left out of the text (streamed
+    too); with --ignore-eos they are text and the output runs to --max-tokens, unless
+    --stop-token-ids names them."""
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tiny_bf16_dir)
+    for name in ("<|user|>", "<|observation|>"):
+        t = tok.special_token_ids[name]
+        base = ["run", tiny_bf16_dir, "--prompt", "hi", "--max-tokens", 3, "--temperature", "0",
+                "--logit-bias", f"{t}=100"]
+        code, out, err = run_cli(capsys, *base, "--output", "json")
+        assert code == 0, err
+        obj = json.loads(out)
+        assert (obj["output_ids"], obj["finish_reason"], obj["stop_reason"], obj["text"]) == ([t], "stop", t, "")
+        code, out, err = run_cli(capsys, *base)  # streamed: the stop token is not printed
+        assert code == 0 and out == "\n", out
+        code, out, err = run_cli(capsys, *base, "--ignore-eos", "--output", "json")
+        obj = json.loads(out)
+        assert (obj["output_ids"], obj["finish_reason"], obj["stop_reason"], obj["text"]) == \
+            ([t] * 3, "length", None, name * 3)
+        code, out, err = run_cli(capsys, *base, "--ignore-eos")
+        assert code == 0 and out == name * 3 + "\n", out
+        code, out, err = run_cli(capsys, *base, "--ignore-eos", "--stop-token-ids", str(t), "--output", "json")
+        obj = json.loads(out)
+        assert (obj["output_ids"], obj["finish_reason"], obj["stop_reason"]) == ([t], "stop", t)
+
+
 @pytest.mark.parametrize("var, value, backend", [
     ("FLINTC_PREFILL_GRAPHS", "yes", "torch"), ("FLINTC_GEMV_TUNED", "/no/such/tuned.json", "triton"),
     ("FLINTC_MOE_TUNED", "/no/such/tuned.json", "triton"),

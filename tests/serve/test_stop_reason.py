@@ -3,13 +3,14 @@ real uvicorn server, the tiny BF16 reference model).
 
 vLLM's rules (`vllm/v1/core/sched/utils.py` `check_stop`, its detokenizer's
 `check_stop_strings`, `SamplingParams.update_from_generation_config`): the stop string
-that matched (a str); the id of a `stop_token_ids` token (an int), chat's `<|user|>` /
-`<|observation|>` included (GLM's generation config lists them as end ids, which vLLM
-adds to `stop_token_ids` unless ignore_eos); None for the tokenizer's end-of-text (even
-when `stop_token_ids` lists it, unless ignore_eos), for "length", and for a structured
-output that completed. Unstreamed: on every choice. Streamed: completions put it on every
-chunk's choice, null but on the one that finishes it (vLLM serializes with
-exclude_unset=False); chat only on the chunk that finishes the choice (exclude_unset=True).
+that matched (a str); the id of a `stop_token_ids` token (an int), `<|user|>` /
+`<|observation|>` included in chat and completions alike (GLM's generation config lists
+them as end ids, which vLLM adds to every request's `stop_token_ids` unless ignore_eos);
+None for the tokenizer's end-of-text (even when `stop_token_ids` lists it, unless
+ignore_eos), for "length", and for a structured output that completed. Unstreamed: on
+every choice. Streamed: completions put it on every chunk's choice, null but on the one
+that finishes it (vLLM serializes with exclude_unset=False); chat only on the chunk that
+finishes the choice (exclude_unset=True).
 """
 
 from __future__ import annotations
@@ -119,15 +120,22 @@ def test_chat_tool_calls_keep_the_stop_reason(tool_server, tiny_serving):
 
 def test_completion_stop_reasons(tiny_server, tiny_serving):
     """Completions: end-of-text None, a stop_token_ids id the id, a stop string the string,
-    length None; a completed structured output None."""
+    length None; a completed structured output None. The generation config's <|user|> and
+    <|observation|> end a completion as they end a chat (vLLM's
+    `update_from_generation_config` applies to every request): their ids; with ignore_eos
+    they do not stop unless given in stop_token_ids."""
     _, tok = tiny_serving
     eos = tok.eos_token_id
     assert completion_result(tiny_server, completion(allowed_token_ids=[eos])) == ("stop", None)
     assert completion_result(tiny_server, completion(allowed_token_ids=[40], stop_token_ids=[40])) == ("stop", 40)
     assert completion_result(tiny_server, completion(allowed_token_ids=[40], max_tokens=3)) == ("length", None)
-    # <|user|> is no stop token of a completion (flintc's completions stop at end-of-text alone)
-    user = special(tok, "<|user|>")
-    assert completion_result(tiny_server, completion(allowed_token_ids=[user], max_tokens=2)) == ("length", None)
+    user, obs = special(tok, "<|user|>"), special(tok, "<|observation|>")
+    assert completion_result(tiny_server, completion(allowed_token_ids=[user], max_tokens=2)) == ("stop", user)
+    assert completion_result(tiny_server, completion(allowed_token_ids=[obs], max_tokens=2)) == ("stop", obs)
+    assert completion_result(tiny_server, completion(allowed_token_ids=[user], max_tokens=2, ignore_eos=True)) \
+        == ("length", None)
+    assert completion_result(tiny_server, completion(allowed_token_ids=[user], max_tokens=2, ignore_eos=True,
+                                                     stop_token_ids=[user])) == ("stop", user)
     assert completion_result(tiny_server, completion(structured_outputs={"choice": ["yes", "no"]},
                                                      max_tokens=20)) == ("stop", None)
 

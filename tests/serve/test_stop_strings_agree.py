@@ -1,9 +1,10 @@
 """The Python API's stop strings, stop_token_ids and include_stop_str_in_output
 (`SamplingParams`, `generate_with_runner` with a tokenizer) give what `flintc serve`
 gives for the same prompt, seed and stop: the same text, token ids, finish reason and
-stop reason (vLLM's stop_reason: the stop string or stop_token_ids id that ended the
-sequence, None for end-of-text and "length"; one match, `flintc.stop_strings`, behind
-both)."""
+stop reason (vLLM's stop_reason: the stop string or the stop token id that ended the
+sequence, a stop_token_ids one or the generation config's <|user|> / <|observation|>,
+None for end-of-text and "length"; one match and one stop-token rule,
+`flintc.stop_strings`, behind both)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,27 @@ def test_stop_reasons_of_end_of_text_agree(tiny_server, tiny_serving, ignore_eos
         mine = python_side(model, tok, ids, **kw)
         want = (mine.texts[0], mine.output_ids[0], mine.finish_reasons[0], mine.stop_reasons[0])
         assert want[1:] == ([eos], "stop", eos if ignore_eos else None), (kw, want)
+        for stream in (False, True):
+            assert server_side(tiny_server, ids, stream=stream, **kw) == want, (kw, stream)
+
+
+@pytest.mark.parametrize("name", ["<|user|>", "<|observation|>"])
+def test_generation_config_stop_tokens_agree(tiny_server, tiny_serving, name):
+    """The generation config's end ids other than end-of-text (<|user|>, <|observation|>)
+    end a completion and a Python API sequence alike (vLLM's
+    `update_from_generation_config`, for every request): the id as stop_reason; with
+    ignore_eos no stop ("length"; the tokens are text) unless stop_token_ids names it."""
+    model, tok = tiny_serving
+    ids = tok.encode("Story 8: once upon a time")
+    t = tok.special_token_ids[name]
+    for extra, end in ((dict(), ([t], "stop", t)), (dict(ignore_eos=True), ([t] * 3, "length", None)),
+                       (dict(ignore_eos=True, stop_token_ids=[t]), ([t], "stop", t)),
+                       (dict(include_stop_str_in_output=True), ([t], "stop", t))):
+        kw = dict(seed=8, max_tokens=3, allowed_token_ids=[t], **extra)
+        mine = python_side(model, tok, ids, **kw)
+        want = (mine.texts[0], mine.output_ids[0], mine.finish_reasons[0], mine.stop_reasons[0])
+        assert want[1:] == end and want[0] == ("" if end[1] == "stop" and "include_stop_str_in_output" not in extra
+                                               else name * len(end[0])), (kw, want)
         for stream in (False, True):
             assert server_side(tiny_server, ids, stream=stream, **kw) == want, (kw, stream)
 
