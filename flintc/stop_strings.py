@@ -25,12 +25,19 @@ none with `include_stop_str_in_output`), so text a stop string cuts was never se
 `StopStringText` is the same text for a caller that streams nothing (the Python API;
 `flintc run`, which streams as the server does).
 
+Where a text keeps the special tokens' strings that its output leaves out (the server's
+chat with `skip_special_tokens`: its reasoning and tool-call parsers read them, the
+client gets the text without), stop strings are matched on the text without them
+(`VisibleText`), as vLLM matches them on the text it outputs: no special token's string
+takes part in a match, and the cut and the hold-back map back onto the whole text.
+
 No torch here: the functions work on Python ints and strings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+import bisect
+from collections.abc import Container, Mapping
 
 
 def stop_token_end(tok: int, *, n_out: int, min_tokens: int, ignore_eos: bool, stop_ids: Container[int],
@@ -177,3 +184,70 @@ class StopStringText:
         `FlintTokenizer.decode` makes it). -> `text`."""
         self.text += self._detok.flush()
         return self.text
+
+
+class VisibleText:
+    """A sequence's text less its special tokens' strings, kept beside the whole text
+    (which the caller keeps), so that stop strings are matched on what the output shows:
+    the server's chat with ``skip_special_tokens`` makes its text with the special tokens
+    (its parsers read them) and strips them after, as vLLM's detokenizer, which matches
+    stop strings on its output text, never has them there. A special token is left out
+    by its id, as vLLM's ``skip_special_tokens`` leaves it out, so the visible text is the
+    whole text less the special tokens' strings, each a whole token's: any character of
+    the whole text is either visible or in one special token's string.
+
+    Args:
+        specials: special token id -> its string (the text the detokenizer makes of it).
+
+    Attributes:
+        text: the visible text so far.
+    """
+
+    def __init__(self, specials: Mapping[int, str]):
+        self.specials = specials
+        self.text = ""
+        self._at: list[int] = []  # visible lengths where special strings sit, nondecreasing
+        self._skipped: list[int] = []  # the special characters before each such place, summed
+
+    def push(self, token_id: int, new: str) -> int:
+        """Token `token_id` added `new` to the whole text. -> the visible characters it
+        added (at the end of `text`): all of `new` but a special token's string (what came
+        before it in `new`, a dangling partial character's U+FFFD, is visible)."""
+        special = self.specials.get(token_id)
+        if special and new.endswith(special):
+            new = new[:len(new) - len(special)]
+            self.text += new
+            if self._at and self._at[-1] == len(self.text):
+                self._skipped[-1] += len(special)
+            else:
+                self._at.append(len(self.text))
+                self._skipped.append((self._skipped[-1] if self._skipped else 0) + len(special))
+            return len(new)
+        self.text += new
+        return len(new)
+
+    def whole_at(self, k: int, after_specials: bool = True) -> int:
+        """The offset in the whole text of visible offset `k` (0..len(text)): after the
+        special strings that sit right before visible character k with `after_specials`
+        (a cut before a stop string keeps them: they came before it), else before them (a
+        cut after a stop string ending at k keeps none of what follows it)."""
+        i = (bisect.bisect_right if after_specials else bisect.bisect_left)(self._at, k)
+        return k + (self._skipped[i - 1] if i else 0)
+
+    def cut(self, stops, new_chars: int, include: bool) -> tuple[str, int] | None:
+        """`stop_string_cut` on the visible text, for the latest token's `new_chars`
+        visible characters. -> None, or (the stop string, the length of the whole text to
+        keep): up to the stop string's first character (the special strings before it
+        kept), or with `include` up to its last."""
+        found = stop_string_cut(self.text, stops, new_chars, include)
+        if found is None:
+            return None
+        stop, keep = found
+        self.text = self.text[:keep]
+        return stop, self.whole_at(keep, after_specials=not include)
+
+    def emit_upto(self, stops, include: bool = False) -> int:
+        """How much of the whole text a stream may send: all but what lies from the visible
+        text's `stop_string_hold` held-back characters on (a later match cuts no earlier
+        than their first, keeping the special strings before it)."""
+        return self.whole_at(len(self.text) - stop_string_hold(self.text, stops, include))

@@ -1178,13 +1178,16 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         echo = _chat_echo(req, add_gen) if req.echo else ""
         role = _chat_role(req, add_gen)
         # the parsers read the text with special tokens; they are stripped after parsing. With
-        # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off)
+        # tool parsing they are kept (vLLM's tool parsers turn skip_special_tokens off). Stop
+        # strings are matched on the text the client gets (vLLM's, on its output text): without
+        # the special tokens' strings where they are stripped
         strip = specials if req.skip_special_tokens and parse_tools is None else None
         # the choices share the prompt: the first computes its logprobs
         gen = _Generation(engine, [dict(prompt_ids=prompt_ids, params=p, stop_token_ids=model_stops | user_stops,
                                         user_stop_token_ids=user_stops, stop=stop, logprobs=top,
                                         prompt_logprobs=want_plp if j == 0 else None,
                                         include_stop_str_in_output=req.include_stop_str_in_output,
+                                        stop_without_specials=strip is not None,
                                         cache_salt=req.cache_salt, reasoning_gate=gate, priority=req.priority)
                                    for j, p in enumerate(params)])
         # parallel_tool_calls false: one call per choice (vLLM's filter; null or true: all)

@@ -53,7 +53,11 @@ Text is made here too, so that a stop string can end a sequence at once: each
 sequence has an :class:`~flintc.checkpoint.tokenizer.IncrementalDetokenizer`
 (special tokens kept unless the request sets ``skip_special_tokens``: chat keeps
 them, so ``<think>`` and ``<tool_call>`` reach the parsers), and
-text that might be the start of a stop string is held back until it is not.
+text that might be the start of a stop string is held back until it is not. A request
+whose output leaves the special tokens out though its text keeps them
+(``stop_without_specials``: chat with ``skip_special_tokens``, the server strips them after
+parsing) has its stop strings matched on the text without them
+(`flintc.stop_strings.VisibleText`), as vLLM matches them on the text it outputs.
 Stop tokens (end-of-text and the generation config's ``<|user|>`` / ``<|observation|>``,
 both unless ``ignore_eos``, and a request's ``stop_token_ids``:
 `flintc.stop_strings.stop_token_end`, vLLM's ``check_stop``) end a sequence with finish
@@ -122,7 +126,7 @@ import queue
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,7 +134,7 @@ import torch
 
 from flintc.errors import InputError
 from flintc.sampling import SamplingParams, TokenHistory, drawn_outside_allowed, sample
-from flintc.stop_strings import stop_string_cut, stop_string_hold, stop_token_end
+from flintc.stop_strings import VisibleText, stop_string_cut, stop_string_hold, stop_token_end
 from flintc.structured import GrammarMatcher, ReasoningGate, StructuredOutputError
 
 _WAKE = object()
@@ -269,6 +273,11 @@ class GenRequest:
         user_stop_token_ids: ids (also in ``stop_token_ids``) that end the sequence even
             with ``params.ignore_eos`` (vLLM's ``stop_token_ids``: ignore_eos ignores EOS only).
         skip_special_tokens: leave the tokenizer's special tokens out of the text.
+        stop_without_specials: match ``stop`` on the text less the special tokens' strings
+            (the output's: the server's chat keeps them in the text for its parsers and
+            strips them after, with the request's ``skip_special_tokens``), the cut and the
+            hold-back mapped onto the text; no effect with ``skip_special_tokens`` (the
+            text has none).
         include_stop_str_in_output: keep the stop string that ended the sequence, or the
             text of the stop token, in the text (vLLM's option).
         forced: tokens that replace sampling (test hook, see module docstring).
@@ -295,6 +304,7 @@ class GenRequest:
     forced: list[int] | None = None
     user_stop_token_ids: frozenset[int] = frozenset()
     skip_special_tokens: bool = False
+    stop_without_specials: bool = False
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     reasoning_gate: ReasoningGate | None = None
@@ -307,7 +317,8 @@ class GenRequest:
 class _Seq:
     """Engine-side state of a running request."""
 
-    def __init__(self, req: GenRequest, slot: int, detok, device, tokenizer=None):
+    def __init__(self, req: GenRequest, slot: int, detok, device, tokenizer=None,
+                 specials: Mapping[int, str] | None = None):
         self.req = req
         self.slot = slot
         self.detok = detok
@@ -329,6 +340,8 @@ class _Seq:
         self.pos = len(req.prompt_ids)  # position of the next token fed to the model
         self.prefilled = False  # the prompt's K/V are in the slot's cache (positions < pos hold its tokens)
         self.text = ""  # text so far (stop strings removed)
+        # stop strings matched on the text less the special tokens' strings (the output's)
+        self.visible = VisibleText(specials) if specials is not None else None
         self.stop_reason: int | str | None = None  # what ended it (`stop_token_end`'s, a stop string)
         self.sent = 0  # characters of text already emitted
         self.pending_ids: list[int] = []
@@ -436,6 +449,7 @@ class Engine:
         tokenizer.check_fits_model(runner.config.vocab_size, runner.config.source)
         self.runner = runner
         self.tokenizer = tokenizer
+        self._specials: dict[int, str] | None = None  # `_special_strings`
         self.forced_tokens = forced_tokens
         self.max_batch = int(runner.max_batch)
         self.max_model_len = int(runner.max_model_len)
@@ -580,7 +594,8 @@ class Engine:
             req = self._waiting.pop()
             free.remove(slot)
             seq = _Seq(req, slot, self.tokenizer.detokenizer(req.skip_special_tokens), self.runner.device,
-                       self.tokenizer)
+                       self.tokenizer, self._special_strings() if req.stop and req.stop_without_specials
+                       and not req.skip_special_tokens else None)
             self._running[slot] = seq
             req.timeline.scheduled = time.monotonic()
             if req.params.max_tokens < 1 or seq.setup_error is not None:
@@ -755,6 +770,13 @@ class Engine:
             last = logits[-1].clone()  # not a view: frees the chunk's rows
         return last, out
 
+    def _special_strings(self) -> dict[int, str]:
+        """Special token id -> its string (as the detokenizer makes it; computed once)."""
+        if self._specials is None:
+            tok = self.tokenizer
+            self._specials = {i: tok.token_bytes(i).decode("utf-8", errors="replace") for i in tok.all_special_ids}
+        return self._specials
+
     def _forced_end(self, seq: _Seq) -> int:
         stops = sorted(seq.req.stop_token_ids)
         return stops[0] if stops else self.tokenizer.eos_token_id
@@ -816,8 +838,9 @@ class Engine:
             return
         new = seq.detok.push(tok)
         seq.text += new
+        new_chars = len(new) if seq.visible is None else seq.visible.push(tok, new)
         # (vLLM looks for stop strings only past min_tokens)
-        if req.stop and n_out > params.min_tokens and self._cut_stop(seq, len(new)):
+        if req.stop and n_out > params.min_tokens and self._cut_stop(seq, new_chars):
             self._finish(seq, "stop")
             return
         if grammar is not None and grammar.finished:  # the structured output is complete
@@ -826,6 +849,9 @@ class Engine:
         # seq.pos + 1 tokens so far (prompt + generated): vLLM's max_model_len counts both
         if len(seq.out_ids) >= params.max_tokens or seq.pos + 1 >= self.max_model_len:
             self._finish(seq, "length")
+            return
+        if seq.visible is not None:
+            self._emit(seq, seq.visible.emit_upto(req.stop, req.include_stop_str_in_output))
             return
         hold = stop_string_hold(seq.text, req.stop, req.include_stop_str_in_output)
         self._emit(seq, len(seq.text) - hold)
@@ -836,8 +862,13 @@ class Engine:
         ``include_stop_str_in_output``): `flintc.stop_strings.stop_string_cut`, vLLM's
         match, which `flintc.runtime.generate` makes too; the stop string becomes the
         sequence's ``stop_reason``. The text cut was held back (`stop_string_hold`), never
-        sent."""
-        cut = stop_string_cut(seq.text, seq.req.stop, new_chars, seq.req.include_stop_str_in_output)
+        sent. With ``seq.visible``: matched on the text less the special tokens' strings
+        (`new_chars` its latest characters), the cut mapped onto the text
+        (`VisibleText.cut`)."""
+        if seq.visible is not None:
+            cut = seq.visible.cut(seq.req.stop, new_chars, seq.req.include_stop_str_in_output)
+        else:
+            cut = stop_string_cut(seq.text, seq.req.stop, new_chars, seq.req.include_stop_str_in_output)
         if cut is None:
             return False
         seq.stop_reason, keep = cut
