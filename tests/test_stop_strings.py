@@ -320,6 +320,12 @@ def test_generation_config_stop_tokens(tiny):
     assert (r.output_ids, r.stop_reasons) == ([[user]], [user])
     r = generate(model, [ids], p, tokenizer=tok, generation_stop_ids=())
     assert r.output_ids == [[user] * 3] and r.finish_reasons == ["length"]
+    # a tokenizer but no end-of-text id: none of the generation config's end ids either (as
+    # the end-of-text token, which then ends nothing), not half of vLLM's stop set
+    r = generate(model, [ids], p, tokenizer=tok)
+    assert r.output_ids == [[user] * 3] and r.finish_reasons == ["length"]
+    r = generate(model, [ids], p, tokenizer=tok, eos_token_id=tok.eos_token_id)
+    assert (r.output_ids, r.stop_reasons) == ([[user]], [user])
     with pytest.raises(InputError, match=r"generation_stop_ids: token id 512 is outside the vocabulary"):
         generate(model, [ids], p, generation_stop_ids=[512])
 

@@ -124,8 +124,8 @@ def generate(
         tokenizer: the model's FlintTokenizer, which params with structured_outputs or
             stop strings need; with one, the result's `texts` hold the output texts.
         generation_stop_ids: the generation config's end ids besides eos_token_id, which
-            end a sequence unless ignore_eos (None: the tokenizer's, none without one):
-            `generate_with_runner`'s.
+            end a sequence unless ignore_eos (None: the tokenizer's with an eos_token_id,
+            else none): `generate_with_runner`'s.
 
     Raises:
         InputError: no prompts, a prompt is empty, holds an out-of-range id, or has

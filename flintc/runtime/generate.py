@@ -119,8 +119,10 @@ def generate_with_runner(
             id, and are masked before min_tokens (vLLM's
             `SamplingParams.update_from_generation_config`, which adds them to every
             request's stop_token_ids). None: `flintc.checkpoint.tokenizer.
-            generation_stop_token_ids(tokenizer)` with a tokenizer (Flint's: `<|user|>`,
-            `<|observation|>`), none without; () for none.
+            generation_stop_token_ids(tokenizer)` with a tokenizer and an eos_token_id
+            (Flint's: `<|user|>`, `<|observation|>`), else none (a caller that ends on no
+            end-of-text token gets none of the generation config's other end ids either);
+            () for none.
 
     Returns:
         A GenerationResult: output_ids (a stop token that ended a sequence, or the token
@@ -167,7 +169,8 @@ def generate_with_runner(
     if generation_stop_ids is None:
         from flintc.checkpoint.tokenizer import generation_stop_token_ids
 
-        generation_stop_ids = generation_stop_token_ids(tokenizer) if tokenizer is not None else ()
+        generation_stop_ids = (generation_stop_token_ids(tokenizer)
+                               if tokenizer is not None and eos_token_id is not None else ())
     generation_stop_ids = list(generation_stop_ids)
     bad = first_outside_vocab(generation_stop_ids, cfg.vocab_size)
     if bad is not None:
