@@ -310,13 +310,16 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
             config: str | None = None, fmt: str = "bf16", max_batch: int = 8,
             max_model_len: int | None = None, prefill_chunk: int | None = None,
             backend: str = "auto", device: str = "cpu", check: bool = True, dump: bool = True,
-            progress: bool = False) -> CompiledModel:
+            progress: bool = False, fold_attention_combine: bool = False,
+            split_lm_head_norm: bool = False) -> CompiledModel:
     """Compile `model` (a BF16 folder or NVFP4 .gguf; None: the embedded default tiny
     model) into BUILD `out` (None: a new temporary folder, removed when the interpreter
     exits) and load it.
 
     Other arguments as `flintc compile` (see `flintc.runtime.build.BuildOptions`; None for
-    max_batch, max_model_len or prefill_chunk is the flag's default); `fmt`
+    max_batch, max_model_len or prefill_chunk is the flag's default; fold_attention_combine
+    and split_lm_head_norm are the decode schedule's options `--fold-attention-combine`
+    and `--split-lm-head-norm`, off by default); `fmt`
     ("bf16" or "nvfp4") and `config` only with load_format="dummy", as the CLI's
     --format and --config. Raises InputError / CheckpointError / PassCheckError as
     `flintc compile`; InputError also for an empty `out` (`Path("")` is the current
@@ -324,8 +327,8 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     earlier build that also holds files a compile does not write (a compile replaces
     `out` whole: `flintc.runtime.build.check_out_replaceable`), an unknown
     `load_format` (`flintc.checkpoint.loader.check_load_format`; None is "auto"), a
-    `fmt` or `config` that does not apply, a `check`, `dump` or `progress` that is not
-    True or False (a NumPy bool is taken), and a malformed FLINTC_* variable
+    `fmt` or `config` that does not apply, a `check`, `dump`, `progress`,
+    `fold_attention_combine` or `split_lm_head_norm` that is not True or False (a NumPy bool is taken), and a malformed FLINTC_* variable
     (`flintc.runtime.compiled.check_environment`), before compiling; CheckpointError,
     before compiling too, for a tokenizer (`tokenizer`, else the checkpoint's) with ids
     the model has no row for (`FlintTokenizer.check_fits_model`, naming its file and
@@ -347,13 +350,15 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     _check_str(backend, "--backend (backend=)", "auto, torch or triton")
     check, dump = _check_flag(check, "check"), _check_flag(dump, "dump")
     progress = _check_flag(progress, "progress")
+    schedule = {"fold_attention_combine": _check_flag(fold_attention_combine, "fold_attention_combine"),
+                "split_lm_head_norm": _check_flag(split_lm_head_norm, "split_lm_head_norm")}
     with _keyword_wording():
         return _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, max_batch, max_model_len,
-                        prefill_chunk, backend, device, check, dump, progress)
+                        prefill_chunk, backend, device, check, dump, progress, schedule)
 
 
 def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, max_batch, max_model_len,
-             prefill_chunk, backend, device, check, dump, progress) -> CompiledModel:
+             prefill_chunk, backend, device, check, dump, progress, schedule) -> CompiledModel:
     from flintc.checkpoint.default import load_checkpoint_or_default
     from flintc.checkpoint.loader import check_load_format
     from flintc.runtime.build import BuildOptions, compile_model
@@ -388,7 +393,7 @@ def _compile(model, out, hf_config_path, tokenizer, load_format, config, fmt, ma
             out = tmp / "build"
         out = Path(out)
         opts = BuildOptions(max_batch=max_batch, max_model_len=max_model_len, prefill_chunk=prefill_chunk,
-                            backend=backend, device=device, check=check, dump=dump)
+                            backend=backend, device=device, check=check, dump=dump, **schedule)
         tokenizer = given_tokenizer or _tokenizer(None, ckpt.tokenizer_dir)
         if tokenizer is not None:  # ids the model has no row for: before the compile, as flintc.load
             tokenizer.check_fits_model(ckpt.config.vocab_size, ckpt.config.source)

@@ -931,6 +931,27 @@ def test_python_api_compile_names_an_out_it_cannot_create(tmp_path, monkeypatch,
     assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
+def test_python_api_compile_passes_the_schedule_options_to_the_build(monkeypatch, tmp_path, tiny_bf16_dir):
+    """flintc.compile's fold_attention_combine and split_lm_head_norm reach the build's
+    BuildOptions as `flintc compile --fold-attention-combine / --split-lm-head-norm` set
+    them (off when not given); the compile itself is tests/runtime/test_split_lm_head_norm.py's."""
+    import flintc
+    import flintc.runtime.build as build
+
+    seen = []
+
+    def fake_compile(ckpt, out, opts, **kw):
+        seen.append((opts.fold_attention_combine, opts.split_lm_head_norm))
+        raise InputError("stop here")
+
+    monkeypatch.setattr(build, "compile_model", fake_compile)
+    for kw in ({}, {"split_lm_head_norm": True}, {"fold_attention_combine": True, "split_lm_head_norm": True}):
+        with pytest.raises(InputError, match="stop here"):
+            flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, **kw)
+    assert seen == [(False, False), (False, True), (True, True)]
+    assert not (tmp_path / "b").exists()
+
+
 def test_python_api_flags_take_numpy_bools(monkeypatch, tmp_path):
     """compile's check, dump and progress and load's progress take a NumPy bool, as
     SamplingParams(ignore_eos=) does, passed on as the Python bool (they were refused:
@@ -942,14 +963,15 @@ def test_python_api_flags_take_numpy_bools(monkeypatch, tmp_path):
     import flintc.api as api
 
     seen = []
-    monkeypatch.setattr(api, "_compile", lambda *a: seen.append(a[-3:]))
+    monkeypatch.setattr(api, "_compile", lambda *a: seen.append((*a[-4:-1], *a[-1].values())))
     monkeypatch.setattr(api, "_load", lambda *a: seen.append(a[-1:]))
-    flintc.compile(out=tmp_path / "b", check=np.True_, dump=np.bool_(False), progress=np.False_)
+    flintc.compile(out=tmp_path / "b", check=np.True_, dump=np.bool_(False), progress=np.False_,
+                   fold_attention_combine=np.bool_(True), split_lm_head_norm=np.True_)
     flintc.load(tmp_path / "b", progress=np.bool_(True))
-    assert [[type(v).__name__ for v in got] for got in seen] == [["bool"] * 3, ["bool"]]
-    assert seen == [(True, False, False), (True,)]
+    assert [[type(v).__name__ for v in got] for got in seen] == [["bool"] * 5, ["bool"]]
+    assert seen == [(True, False, False, True, True), (True,)]
     for value, got in (("yes", "str 'yes'"), (1, "int 1"), (np.int64(1), "int64 "), (None, "NoneType None")):
-        for name in ("check", "dump", "progress"):
+        for name in ("check", "dump", "progress", "fold_attention_combine", "split_lm_head_norm"):
             with pytest.raises(InputError, match=f"^{name}: expected True or False, got {got}"):
                 flintc.compile(out=tmp_path / "b", **{name: value})
         with pytest.raises(InputError, match=f"^progress: expected True or False, got {got}"):
