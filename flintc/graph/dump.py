@@ -14,8 +14,8 @@ writes files named `{index:02d}-{name}` so they sort in pipeline order:
   (`flintc.graph.dump_onnx`);
 
 then rewrites `index.md` (a table of all stages so far, linking their files) and
-`report.json` (the config, the step and every stage's `StageReport.as_dict()`
-plus its `files`). A pass whose graph fails its legality check or its own verify is
+`report.json` (the config, the step, the pass options and every stage's
+`StageReport.as_dict()` plus its `files`). A pass whose graph fails its legality check or its own verify is
 dumped too, as a failed stage with its error (`StageReport.error`), as one that missed
 its numeric expectation is: index.md says under the table which pass failed and why
 (`failure_reason`: the error, or the check's message, max errors and first differing
@@ -195,12 +195,15 @@ def stage_files(out: Path, stage) -> list[str]:
 
 
 def report_dict(report, ctx, out: Path) -> dict:
-    """report.json's content: the config, the step, and one dict per stage
+    """report.json's content: the config, the step, the pipeline's pass options
+    (`PassContext.options`: `attention_splits`, `fold_attention_combine`,
+    `split_lm_head_norm`, as the caller set them; {} for none), and one dict per stage
     (`StageReport.as_dict()` plus `files`); infinities and NaNs as strings."""
     stages = [{**s.as_dict(), "files": stage_files(out, s)} for s in report.stages]
     failed = next((s for s in report.stages if not s.passed), None)
     data = {"config": ctx.config.to_dict(), "step": report.step, "batch": report.batch,
             "tokens": report.tokens, "cache_len": ctx.cache_len, "weight_format": ctx.weight_format,
+            "options": dict(ctx.options),
             "passed": report.passed, "skipped": list(report.skipped),
             "failed": None if failed is None else {"index": failed.index, "name": failed.name,
                                                    "reason": failure_reason(failed)},

@@ -93,10 +93,11 @@ def captures(tiny_model):
     return {step: capture(tiny_model, step, batch=2, cache_len=64) for step in steps}
 
 
-def run_pipeline(model, captured, out_dir, passes=(), check=True):
-    """Run `passes` on a copy of `captured`, dumping into `out_dir`; (graph, report)."""
+def run_pipeline(model, captured, out_dir, passes=(), check=True, options=None):
+    """Run `passes` on a copy of `captured` (pass options `options`), dumping into
+    `out_dir`; (graph, report)."""
     g = dataclasses.replace(captured, gm=clone_graph_module(captured.gm))
-    ctx = PassContext(model.config, g.step, g.batch, g.tokens, g.cache_len)
+    ctx = PassContext(model.config, g.step, g.batch, g.tokens, g.cache_len, options=dict(options or {}))
     checker = NumericChecker(model, g) if check else None
     report = PassManager(list(passes), ctx, checker=checker, dump_dir=out_dir).run(g)
     return g, report
@@ -159,8 +160,8 @@ def test_dump_of_capture(tiny_model, captures, tmp_path, step):
     index = (tmp_path / "index.md").read_text()
     assert "| 0 | captured | captured |" in index and "(00-captured.onnx)" in index
     data = json.loads((tmp_path / "report.json").read_text())
-    assert {"config", "step", "batch", "stages"} <= set(data)
-    assert data["step"] == step and data["batch"] == 2
+    assert {"config", "step", "batch", "options", "stages"} <= set(data)
+    assert data["step"] == step and data["batch"] == 2 and data["options"] == {}
     (stage,) = data["stages"]
     assert all(k in stage for k in STAGE_KEYS)
     assert set(stage["kernels_per_layer"]) == {"dense", "moe"}
@@ -288,3 +289,12 @@ def test_a_failed_stage_is_recorded_even_when_one_of_its_views_fails(tiny_model,
     assert "| 2 | swap_test_ops | fused |" in index and "\nPass 2 'swap_test_ops' failed: legality check" in index
     assert index.rstrip().endswith("Overall: **FAILED**.")
     assert (tmp_path / "01-identity.onnx").is_file()  # the stages before: dumped in full
+
+
+def test_report_json_records_the_pass_options(tiny_model, captures, tmp_path):
+    """report.json says which decode-schedule options the dumped pipeline ran with
+    (`flintc dump --split-lm-head-norm / --fold-attention-combine / --attention-splits`):
+    two dumps of one step told apart only by them looked the same."""
+    options = {"split_lm_head_norm": True, "fold_attention_combine": True, "attention_splits": 4}
+    run_pipeline(tiny_model, captures["decode"], tmp_path, check=False, options=options)
+    assert json.loads((tmp_path / "report.json").read_text())["options"] == options
