@@ -10,7 +10,7 @@ serialises kernels anyway).
 Cases (model shapes of FLINT_SPEC, batch 1 unless named): the O projection + residual
 (2048 x 4096) NVFP4 and bf16 with the default configuration, and NVFP4 with a one-step
 configuration; cuBLAS's bf16 GEMV of the same shape (`torch.nn.functional.linear`); the
-fused QKV kernel NVFP4; the MoE gate/up and down kernels NVFP4 (batch 1, 4, 8) and bf16
+fused QKV kernel NVFP4; the MoE gate/up and down kernels NVFP4 (batch 1, 2, 4, 8) and bf16
 (batch 8); the dense gate/up kernel NVFP4 at
 batch 1 and 8 (`dense_gate_up_nvfp4_n1`, `_n8`); decode attention at batch 1 (the
 513-row ring of a sliding layer, a full layer at 1K tokens, the combine); the RMSNorm + LM head (bf16,
@@ -102,7 +102,8 @@ def build_cases(wanted: set[str]):
     # batch 8, each format's TUNED configuration (flat 2-D tiles): why NVFP4 takes longer
     # than bf16 for 3.6x fewer bytes (session 9: 63 against 50 us for gate/up)
     # (and NVFP4 at batch 4, 50% of copy against a read floor of 87%: session 22)
-    for fmt, n in (("nvfp4", 4), ("nvfp4", 8), ("bf16", 8)):
+    # (and NVFP4 at batches 2-4 on the H200, 1.7x its read floor: session 46)
+    for fmt, n in (("nvfp4", 2), ("nvfp4", 4), ("nvfp4", 8), ("bf16", 8)):
         if not wanted or {f"moe_gate_up_{fmt}_n{n}", f"moe_down_{fmt}_n{n}"} & wanted:
             import bench_moe as bm
             from flintc.kernels import moe as K
@@ -114,8 +115,8 @@ def build_cases(wanted: set[str]):
             cases[f"moe_down_{fmt}_n{n}"] = lambda sn=sn: K.moe_down_combine_residual(
                 sn.h[0], sn.ids[0], sn.w[0], sn.down, sn.sd[0], sn.x[0])
     # the read floor of the NVFP4 gate/up (benchmarks/read_floor.py: only the op's weight
-    # loads, 128 threads x 8 loads each) at N = 1 and 8, next to the op's cases above
-    for n in (1, 8):
+    # loads, 128 threads x 8 loads each) at N = 1, 2, 4 and 8, next to the op's cases above
+    for n in (1, 2, 4, 8):
         if wanted and f"read_floor_gate_up_nvfp4_n{n}" not in wanted:
             continue
         import bench_moe as bm
