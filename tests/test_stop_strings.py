@@ -330,6 +330,56 @@ def test_generation_config_stop_tokens(tiny):
         generate(model, [ids], p, generation_stop_ids=[512])
 
 
+def _stub_tokenizer(eos, **special):
+    """A tokenizer as `generation_stop_token_ids` reads one: its special tokens' ids by text
+    and its end-of-text id."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(eos_token_id=eos, special_token_ids=special)
+
+
+def test_model_stop_token_ids():
+    """vLLM's update_from_generation_config stop set, composed once for serve, run and
+    `generate_with_runner`: end-of-text first, then the generation config's end ids less it,
+    deduplicated, in increasing order; the tokenizer's end-of-text id by default; the
+    tokenizer's generation-config ids only with an end-of-text id; never a None."""
+    from flintc.checkpoint.tokenizer import model_stop_token_ids
+
+    glm = {"<|endoftext|>": 5, "<|user|>": 9, "<|observation|>": 7, "<|assistant|>": 8}
+    tok = _stub_tokenizer(5, **glm)
+    assert model_stop_token_ids(tok) == (5, 7, 9)  # <|assistant|> is no end id
+    assert model_stop_token_ids(tok, 5) == model_stop_token_ids(tok, eos_token_id=5) == (5, 7, 9)
+    # another end-of-text id: first, and out of the generation ids (not twice)
+    assert model_stop_token_ids(tok, 9) == (9, 7)
+    # no end-of-text id: none of the tokenizer's generation-config ids either
+    assert model_stop_token_ids(tok, None) == ()
+    assert model_stop_token_ids(_stub_tokenizer(None, **glm)) == ()
+    # no tokenizer: its end-of-text id alone, or nothing
+    assert model_stop_token_ids(None) == () and model_stop_token_ids(None, 3) == (3,)
+    # a tokenizer without the generation config's end tokens: its end-of-text id alone
+    assert model_stop_token_ids(_stub_tokenizer(5, **{"<|endoftext|>": 5})) == (5,)
+    assert model_stop_token_ids(_stub_tokenizer(0)) == (0,)  # id 0 is an id, not "none"
+    # given generation ids: used as given, without the tokenizer's; deduplicated, sorted, less eos
+    assert model_stop_token_ids(tok, 5, [11, 3, 11, 5]) == (5, 3, 11)
+    assert model_stop_token_ids(tok, None, [11, 3, 11]) == (3, 11)  # even without end-of-text
+    assert model_stop_token_ids(None, None, iter([4, 2])) == (2, 4)  # any iterable
+    assert model_stop_token_ids(tok, 5, ()) == (5,)
+    assert all(None not in model_stop_token_ids(t, *a) for t in (tok, None) for a in ((), (None,), (None, [1])))
+
+
+def test_model_stop_token_ids_flint_tokenizer(tiny_bf16_dir):
+    """Flint's tokenizer: <|endoftext|>, then <|user|> and <|observation|>
+    (`generation_stop_token_ids`), the set `flintc serve` and `flintc run` stop at."""
+    from flintc.checkpoint.tokenizer import generation_stop_token_ids, load_tokenizer, model_stop_token_ids
+
+    tok = load_tokenizer(tiny_bf16_dir)
+    user, obs = tok.special_token_ids["<|user|>"], tok.special_token_ids["<|observation|>"]
+    stops = model_stop_token_ids(tok)
+    assert stops == (tok.eos_token_id, *sorted({user, obs}))
+    assert frozenset(stops) == frozenset({tok.eos_token_id}) | generation_stop_token_ids(tok)
+    assert model_stop_token_ids(tok, tok.eos_token_id, generation_stop_token_ids(tok)) == stops
+
+
 def test_python_api_compiled_build(tiny_bf16_dir, tmp_path):
     """`flintc.compile(...).generate` takes stop, stop_token_ids and
     include_stop_str_in_output as keywords or in `flintc.SamplingParams`: the output is

@@ -739,7 +739,8 @@ def generation_stop_token_ids(tokenizer) -> frozenset[int]:
     model's eos id from that list and adds the rest to every request's ``stop_token_ids``
     (completions, chat and `LLM.generate` alike) unless ``ignore_eos``. One list for every
     route: `flintc serve`'s chat and completions, `flintc.runtime.generate` (the Python API,
-    `flintc run`). For Flint's tokenizer: ``<|user|>`` and ``<|observation|>``.
+    `flintc run`), composed with the end-of-text id by `model_stop_token_ids`. For Flint's
+    tokenizer: ``<|user|>`` and ``<|observation|>``.
 
     Args:
         tokenizer: a :class:`FlintTokenizer` (its ``special_token_ids``, ``eos_token_id``).
@@ -749,6 +750,40 @@ def generation_stop_token_ids(tokenizer) -> frozenset[int]:
     """
     special = tokenizer.special_token_ids
     return frozenset(special[t] for t in GENERATION_STOP_TOKENS if t in special) - {tokenizer.eos_token_id}
+
+
+# `model_stop_token_ids`' default eos_token_id: the tokenizer's own (None is "no end-of-text id")
+_TOKENIZER_EOS = object()
+
+
+def model_stop_token_ids(tokenizer, eos_token_id=_TOKENIZER_EOS,
+                         generation_ids: Iterable[int] | None = None) -> tuple[int, ...]:
+    """Every request's stop tokens but its own ``stop_token_ids``: the end-of-text id and the
+    generation config's other end ids, vLLM's `SamplingParams.update_from_generation_config`
+    set (its ``_all_stop_token_ids`` less the request's own): they end a sequence unless
+    ``ignore_eos`` and are masked before ``min_tokens``. The one composition behind
+    `flintc serve` (chat and completions), `generate_with_runner` (the Python API) and
+    `flintc run`.
+
+    Args:
+        tokenizer: a :class:`FlintTokenizer`, or None (token ids alone).
+        eos_token_id: the end-of-text id (an int), or None for none; default: the
+            tokenizer's ``eos_token_id`` (None without a tokenizer).
+        generation_ids: the generation config's end ids (an iterable of ints, checked by
+            the caller); None: `generation_stop_token_ids(tokenizer)` when there is both a
+            tokenizer and an end-of-text id, else none (a caller that ends on no
+            end-of-text token gets none of the generation config's other end ids either).
+
+    Returns:
+        tuple of token ids: ``eos_token_id`` first (left out when None), then the
+        generation ids less it, deduplicated, in increasing order; never a None.
+    """
+    if eos_token_id is _TOKENIZER_EOS:
+        eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+    if generation_ids is None:
+        generation_ids = (generation_stop_token_ids(tokenizer)
+                          if tokenizer is not None and eos_token_id is not None else ())
+    return (() if eos_token_id is None else (eos_token_id,)) + tuple(sorted(set(generation_ids) - {eos_token_id}))
 
 
 def folder_tokenizer(folder: str | os.PathLike | None) -> FlintTokenizer | None:

@@ -529,14 +529,14 @@ def _generate(args, params, id_prompts, cleanup) -> int:
     single = len(prompts) == 1
     stop_ids = set(params.stop_token_ids or ())
     # end-of-text and the generation config's end ids (<|user|>, <|observation|>:
-    # `generation_stop_token_ids`, which `generate_with_runner` takes from the tokenizer) end
+    # `model_stop_token_ids`, the set `generate_with_runner` takes from the tokenizer) end
     # the output unless --ignore-eos; with --structured-outputs even then, where the grammar
     # accepts them (the only place its mask lets them be drawn), as `generate_with_runner`
     # ends it (`stop_token_end`): the streamed text printed its '<|endoftext|>'
     if (not args.ignore_eos or params.structured_outputs is not None) and tokenizer is not None:
-        from flintc.checkpoint.tokenizer import generation_stop_token_ids
+        from flintc.checkpoint.tokenizer import model_stop_token_ids
 
-        stop_ids |= {tokenizer.eos_token_id} | generation_stop_token_ids(tokenizer)
+        stop_ids.update(model_stop_token_ids(tokenizer))
     stream = (_TextStream(tokenizer, stop_ids, params.stop or (), params.include_stop_str_in_output,
                           params.min_tokens)
               if args.output == "text" and single else None)

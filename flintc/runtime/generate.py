@@ -166,17 +166,16 @@ def generate_with_runner(
             raise InputError(f"sampling field 'stop'{f' of prompt {i}' if B > 1 else ''}: stop strings are "
                              f"matched in the output text, which needs the model's tokenizer (tokenizer=...); "
                              f"without one, end on token ids with stop_token_ids")
-    if generation_stop_ids is None:
-        from flintc.checkpoint.tokenizer import generation_stop_token_ids
+    from flintc.checkpoint.tokenizer import generation_stop_token_ids, model_stop_token_ids
 
+    if generation_stop_ids is None:  # `model_stop_token_ids`' default, checked as the caller's are
         generation_stop_ids = (generation_stop_token_ids(tokenizer)
                                if tokenizer is not None and eos_token_id is not None else ())
     generation_stop_ids = list(generation_stop_ids)
     bad = first_outside_vocab(generation_stop_ids, cfg.vocab_size)
     if bad is not None:
         raise InputError(f"generation_stop_ids: token id {bad!r} is outside the vocabulary [0, {cfg.vocab_size})")
-    model_stops = (() if eos_token_id is None else (eos_token_id,)) + tuple(
-        sorted(set(generation_stop_ids) - {eos_token_id}))
+    model_stops = model_stop_token_ids(tokenizer, eos_token_id, generation_stop_ids)
     step = int(runner.max_batch)
     result = None
     for start in range(0, B, step):

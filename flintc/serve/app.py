@@ -90,7 +90,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import flintc
-from flintc.checkpoint.tokenizer import generation_stop_token_ids
+from flintc.checkpoint.tokenizer import model_stop_token_ids
 from flintc.errors import InputError, json_type
 from flintc.sampling import SamplingParams, bad_words_to_token_ids, first_outside_vocab
 from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob, priority_not_enabled
@@ -586,7 +586,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
     # vLLM's update_from_generation_config): the end-of-text token and the generation config's
     # other end ids (<|user|>, <|observation|>), which end a sequence unless ignore_eos
     # (`flintc.stop_strings.stop_token_end`) and are masked before min_tokens either way
-    model_stops = frozenset({tokenizer.eos_token_id}) | generation_stop_token_ids(tokenizer)
+    model_stops = frozenset(model_stop_token_ids(tokenizer))
     specials = _special_strings(tokenizer)
     if not specials[1]:
         specials = None
