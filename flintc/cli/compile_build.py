@@ -247,8 +247,9 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
                         "kernel (one kernel less per layer; measured slower on the H200, so off by default)")
     p.add_argument("--split-lm-head-norm", action="store_true",
                    help="decode: run the final RMSNorm as its own kernel, then the plain LM head, instead of "
-                        "the fused norm_lm_head (one kernel more per forward; faster alone, off by default "
-                        "until timed in the whole model: docs/benchmarks.md, session 46)")
+                        "the fused norm_lm_head (one kernel more per forward; 6-29 us per step faster, level or "
+                        "ahead in the whole model on an H100: docs/gpu-runs.md, session 47; off by default "
+                        "until the default changes with its tests)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the per-pass numeric checks (faster; the report says so)")
     p.add_argument("--no-dump", action="store_true",
