@@ -20,8 +20,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from flintc.cli.graphs import (add_model_args, build_targets, check_pass_flags, format_table, pass_options,
-                               target_subfolder)
+from flintc.cli.graphs import (add_model_args, build_targets, check_failures, check_pass_flags, format_table,
+                               pass_options, target_subfolder)
 from flintc.errors import InputError, listing
 
 
@@ -121,18 +121,6 @@ def _print_tables(step: str, tables: list[tuple[str, Path, str]], kept: bool = T
         print(f"== {step} -- {note}" + (f" -> {where}" if kept else ""))
         print(table)
     print(end="", flush=True)  # not sys.stdout.flush(): None with stdout closed (`>&-`), which print skips
-
-
-def check_failures() -> tuple[type[BaseException], ...]:
-    """The errors of a pass's checks (`PassManager.run`): a missed numeric expectation
-    (PassCheckError, the captured graph's own check included), an illegal graph
-    (GraphLegalityError), a failed `verify` (PassVerifyError). On these `flintc dump`
-    keeps the dumps written so far; on any other error, or a signal, nothing."""
-    from flintc.graph.spec import GraphLegalityError
-    from flintc.passes.base import PassVerifyError
-    from flintc.passes.manager import PassCheckError
-
-    return PassCheckError, GraphLegalityError, PassVerifyError
 
 
 def _publish_partial(exc: BaseException, tmp: Path, out: Path, step: str, notes: list[str],

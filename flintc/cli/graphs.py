@@ -107,6 +107,21 @@ def pass_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def check_failures() -> tuple[type[BaseException], ...]:
+    """The errors of a pass's checks (`PassManager.run`): a missed numeric expectation
+    (PassCheckError, the captured graph's own check included), an illegal graph
+    (GraphLegalityError), a failed `verify` (PassVerifyError), each with the report of the
+    passes that ran as its `report` (None for a captured graph that failed its legality
+    check). On these `flintc dump` keeps the dumps written so far (on any other error, or a
+    signal, nothing) and prints the table; `flintc verify` prints the table, records the
+    report and goes on with the next step, as for a missed numeric expectation."""
+    from flintc.graph.spec import GraphLegalityError
+    from flintc.passes.base import PassVerifyError
+    from flintc.passes.manager import PassCheckError
+
+    return PassCheckError, GraphLegalityError, PassVerifyError
+
+
 @dataclass
 class Target:
     """What to compile: `model` (may hold meta weights), `check_model` (real weights or

@@ -1,12 +1,16 @@
 """`flintc verify`: run the decode and prefill pipelines with every check on and print
-the per-pass table; exit 0 only if every pass met its declared expectation."""
+the per-pass table; exit 0 only if every pass met its declared expectation. A pass that
+fails its checks (a missed numeric expectation, an illegal graph, its own verify) ends
+its pipeline: the table of the passes that ran, the failed one last, FAILED in its `ok`
+column, and the error are printed, --json records the report, the other steps are still
+checked, and the command exits 1."""
 
 from __future__ import annotations
 
 import argparse
 
-from flintc.cli.graphs import (add_model_args, build_targets, check_pass_flags, format_table, target_count,
-                               target_subfolder)
+from flintc.cli.graphs import (add_model_args, build_targets, check_failures, check_pass_flags, format_table,
+                               target_count, target_subfolder)
 
 
 def add_parser(sub) -> None:
@@ -22,7 +26,6 @@ def add_parser(sub) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from flintc.passes.manager import PassCheckError
     from flintc.passes.pipeline import compile_step
 
     if args.json_out is not None:  # refused now, not after every pass has run (an empty one too)
@@ -54,12 +57,17 @@ def run_verify(args: argparse.Namespace) -> int:
                                          check_model=target.check_model, seed=args.seed,
                                          options=_options(args),
                                          dump_dir=dump_dirs[i, step] or False)
-            except PassCheckError as exc:
+            except check_failures() as exc:  # a missed expectation, an illegal graph, a failed verify
+                # as `flintc dump`: the table of the passes that ran, the failed one last,
+                # then the next step (a captured graph that failed its legality check has none)
                 report = exc.report
-                print(format_table(report))
+                if report is not None:
+                    print(format_table(report))
                 print(f"FAILED: {exc}")
                 ok = False
-                reports.append(report.as_dict())
+                reports.append(report.as_dict() if report is not None else
+                               {"step": step, "batch": batch, "tokens": tokens, "checked": False,
+                                "passed": False, "skipped": [], "stages": [], "error": str(exc)})
                 continue
             print(format_table(report))
             reports.append(report.as_dict())

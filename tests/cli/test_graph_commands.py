@@ -99,10 +99,64 @@ def test_verify_both_steps_disable_a_pass_of_one_pipeline(capsys):
 def test_verify_names_the_disabled_pass_a_later_stage_needs(capsys):
     """`--disable fuse_silu_mul` failed a later stage's legality check ("op aten._to_copy
     is not allowed at this stage") without saying that the disabled pass was why."""
-    assert main(["verify", "--disable", "fuse_silu_mul", "--step", "decode", "--batch", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("flintc: error:") and err.count("\n") == 1, err
-    assert "is not allowed at this stage" in err and "(passes disabled: fuse_silu_mul; the later passes" in err, err
+    assert main(["verify", "--disable", "fuse_silu_mul", "--step", "decode", "--batch", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert err == "", err
+    (failed,) = [line for line in out.splitlines() if line.startswith("FAILED: ")]
+    assert "is not allowed at this stage" in failed and "(passes disabled: fuse_silu_mul; the later passes" in failed
+
+
+@pytest.mark.parametrize("args, failed, what", [
+    (["--disable", "fuse_rms_norm"], "fuse_qk_norm_rope_kv", "verify"),
+    (["--step", "decode", "--disable", "group_low_latency", "--split-lm-head-norm"], "mark_pdl", "legality check"),
+])
+def test_verify_failed_legality_or_verify_check_keeps_table_and_json(capsys, tmp_path, args, failed, what):
+    """Regression: a pass that failed its legality check or its own verify made `flintc
+    verify` print only the first header, then the error (exit 2): no per-pass table, no
+    --json, and with --step both the prefill step was never checked. Now it is reported as
+    a missed numeric expectation is (and as `flintc dump` does): the table with the failed
+    pass's row (FAILED and which check), the JSON report with the failure, every step
+    checked, exit 1."""
+    out = tmp_path / "v.json"
+    code = main(["verify", "--batch", "1", "--cache-len", "8", *args, "--json", str(out)]
+                + (["--tokens", "4"] if "--step" not in args else []))
+    stdout, err = capsys.readouterr()
+    assert code == 1 and err == "", err
+    steps = ["decode"] if "--step" in args else ["decode", "prefill"]
+    assert [line.split(" (")[0] for line in stdout.splitlines() if line.startswith("== ")] == \
+        [f"== {s}" for s in steps], stdout
+    rows = [line for line in stdout.splitlines() if f"FAILED ({what})" in line]
+    assert len(rows) == len(steps) and all(f" {failed} " in r for r in rows), stdout
+    assert stdout.count("\nFAILED: ") == len(steps) and stdout.rstrip().endswith("some pass missed its expectation")
+    report = json.loads(out.read_text())
+    assert report["passed"] is False and [r["step"] for r in report["reports"]] == steps
+    for r in report["reports"]:
+        assert r["passed"] is False and r["stages"][-1]["name"] == failed
+        assert r["stages"][-1]["error"].startswith(f"{what} failed: ")
+
+
+def test_verify_failed_capture_legality_check_goes_on(capsys, monkeypatch, tmp_path):
+    """A captured graph that fails its legality check has no report (no pass ran): verify
+    says FAILED with the error, records it in --json and checks the next step."""
+    from flintc.graph.spec import GraphLegalityError
+    from flintc.passes.manager import PassManager
+
+    real = PassManager.run
+
+    def run(self, graph):
+        if graph.step == "decode":
+            raise GraphLegalityError("captured graph after capture: broken")
+        return real(self, graph)
+
+    monkeypatch.setattr(PassManager, "run", run)
+    out = tmp_path / "v.json"
+    code = main(["verify", "--batch", "1", "--tokens", "4", "--cache-len", "8", "--json", str(out)])
+    stdout, err = capsys.readouterr()
+    assert code == 1 and err == "", err
+    assert "FAILED: captured graph after capture: broken" in stdout and "== prefill" in stdout
+    decode, prefill = json.loads(out.read_text())["reports"]
+    assert decode["passed"] is False and decode["error"] == "captured graph after capture: broken"
+    assert prefill["passed"] is True
 
 
 def test_failed_legality_check_is_recorded_in_the_dumps(capsys, monkeypatch, tmp_path):
@@ -118,9 +172,9 @@ def test_failed_legality_check_is_recorded_in_the_dumps(capsys, monkeypatch, tmp
     monkeypatch.setenv("FLINTC_DUMP_DIR", str(tmp_path / "env"))
     args = ["--batch", "1", "--cache-len", "8", "--disable", "lower_gemv"]
     code = main(["verify", "--step", "decode", *args])
-    _, err = capsys.readouterr()
+    stdout, err = capsys.readouterr()
     message = "lowered graph after pass 'group_low_latency': op aten.index is not allowed at this stage"
-    assert_one_line_error(code, err, message)
+    assert code == 1 and err == "" and f"\nFAILED: {message}" in stdout, (err, stdout)
     out = tmp_path / "env" / "decode_b1"
     report = json.loads((out / "report.json").read_text())
     assert report["passed"] is False and report["skipped"] == ["lower_gemv"]
