@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from flintc.cli.graphs import (add_model_args, build_targets, check_failures, check_pass_flags, format_table,
-                               pass_options, target_subfolder)
+                               options_note, pass_options, target_subfolder)
 from flintc.errors import InputError, listing
 
 
@@ -80,6 +80,7 @@ def run_dump(args: argparse.Namespace) -> int:
     check_dump_out(args.out)
     disabled = check_pass_flags(args, (args.step,))[args.step]  # before the model is built
     targets = build_targets(args)
+    options = pass_options(args, args.step)
     tmp = temp_dir_beside(out)
     tables = []
     try:
@@ -91,7 +92,7 @@ def run_dump(args: argparse.Namespace) -> int:
                                          cache_len=args.cache_len, disabled=disabled,
                                          check_model=target.check_model, seed=args.seed,
                                          dump_dir=tmp / sub if sub else tmp,
-                                         options=pass_options(args))
+                                         options=options)
                 tables.append((target.note, out / sub if sub else out, format_table(report)))
         except check_failures() as exc:
             kept = _publish_partial(exc, tmp, out, args.step, [t.note for t in targets], failed=len(tables))
@@ -99,7 +100,7 @@ def run_dump(args: argparse.Namespace) -> int:
             if report is not None and report.stages:
                 sub = target_subfolder(len(tables), len(targets))
                 tables.append((targets[len(tables)].note, out / sub if sub else out, format_table(report)))
-            _print_tables(args.step, tables, kept)
+            _print_tables(args.step, options, tables, kept)
             raise
         move_into_place(tmp, out, log=lambda msg: print(msg, file=sys.stderr))  # an interrupt in it: said
     except BaseException as exc:
@@ -108,17 +109,18 @@ def run_dump(args: argparse.Namespace) -> int:
         if renamed is not None:
             raise renamed from exc
         raise
-    _print_tables(args.step, tables)
+    _print_tables(args.step, options, tables)
     return 0
 
 
-def _print_tables(step: str, tables: list[tuple[str, Path, str]], kept: bool = True) -> None:
-    """Print on stdout each target's header (`step`, its note and, when its dumps were
-    `kept`, the folder they are in) and per-pass table, `tables` holding (note, folder,
+def _print_tables(step: str, options: dict, tables: list[tuple[str, Path, str]], kept: bool = True) -> None:
+    """Print on stdout each target's header (`step`, the pass `options` given, its note
+    and, when its dumps were `kept`, the folder they are in) and per-pass table, `tables` holding (note, folder,
     table) in order; then flush, so that the table comes before an error line printed on
     stderr after it."""
     for note, where, table in tables:
-        print(f"== {step} -- {note}" + (f" -> {where}" if kept else ""))
+        given = options_note(options)
+        print(f"== {step}{f' ({given})' if given else ''} -- {note}" + (f" -> {where}" if kept else ""))
         print(table)
     print(end="", flush=True)  # not sys.stdout.flush(): None with stdout closed (`>&-`), which print skips
 

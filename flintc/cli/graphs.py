@@ -94,9 +94,13 @@ def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[s
     return {step: tuple(n for n in args.disable if n in names[step]) for step in steps}
 
 
-def pass_options(args: argparse.Namespace) -> dict:
-    """compile_step's per-pass options from --attention-splits / --fold-attention-combine /
-    --split-lm-head-norm."""
+def pass_options(args: argparse.Namespace, step: str) -> dict:
+    """compile_step's per-pass options of `step` from --attention-splits /
+    --fold-attention-combine / --split-lm-head-norm: those given, and only those that apply
+    to `step` (`flintc.passes.pipeline.step_options`: all three are decode's, so `flintc
+    verify --step both` gives the prefill none)."""
+    from flintc.passes.pipeline import step_options
+
     options = {}
     if args.attention_splits:
         options["attention_splits"] = args.attention_splits
@@ -104,7 +108,13 @@ def pass_options(args: argparse.Namespace) -> dict:
         options["fold_attention_combine"] = True
     if getattr(args, "split_lm_head_norm", False):
         options["split_lm_head_norm"] = True
-    return options
+    return step_options(step, options)
+
+
+def options_note(options: dict) -> str:
+    """The pass options given (not at their defaults) for a step's header line, as
+    report.json names them: "attention_splits=3, split_lm_head_norm=True"; "" for none."""
+    return ", ".join(f"{k}={v}" for k, v in options.items())
 
 
 def check_failures() -> tuple[type[BaseException], ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from flintc.cli.graphs import (add_model_args, build_targets, check_failures, check_pass_flags, format_table,
-                               target_count, target_subfolder)
+                               options_note, pass_options, target_count, target_subfolder)
 
 
 def add_parser(sub) -> None:
@@ -50,12 +50,14 @@ def run_verify(args: argparse.Namespace) -> int:
     for i, target in enumerate(targets):
         for step in steps:
             batch, tokens = _shape(args, step)
-            print(f"\n== {step} (B={batch}{'' if tokens is None else f', T={tokens}'}) -- {target.note}")
+            options = pass_options(args, step)
+            shape = f"B={batch}" + ("" if tokens is None else f", T={tokens}")
+            print(f"\n== {step} ({', '.join(filter(None, (shape, options_note(options))))}) -- {target.note}")
             try:
                 _, report = compile_step(target.model, step, batch=batch, tokens=tokens,
                                          cache_len=args.cache_len, disabled=disabled[step],
                                          check_model=target.check_model, seed=args.seed,
-                                         options=_options(args),
+                                         options=options,
                                          dump_dir=dump_dirs[i, step] or False)
             except check_failures() as exc:  # a missed expectation, an illegal graph, a failed verify
                 # as `flintc dump`: the table of the passes that ran, the failed one last,
@@ -65,12 +67,13 @@ def run_verify(args: argparse.Namespace) -> int:
                     print(format_table(report))
                 print(f"FAILED: {exc}")
                 ok = False
-                reports.append(report.as_dict() if report is not None else
-                               {"step": step, "batch": batch, "tokens": tokens, "checked": False,
-                                "passed": False, "skipped": [], "stages": [], "error": str(exc)})
+                reports.append(_report_dict(report, options) if report is not None else
+                               {"step": step, "batch": batch, "tokens": tokens, "options": options,
+                                "checked": False, "passed": False, "skipped": [], "stages": [],
+                                "error": str(exc)})
                 continue
             print(format_table(report))
-            reports.append(report.as_dict())
+            reports.append(_report_dict(report, options))
             ok &= report.passed
     if args.json_out is not None:
         from flintc.fileio import write_json_atomic
@@ -85,7 +88,10 @@ def _shape(args, step: str) -> tuple[int, int | None]:
     return (args.batch, None) if step == "decode" else (1, args.tokens)
 
 
-def _options(args) -> dict:
-    from flintc.cli.graphs import pass_options
-
-    return pass_options(args)
+def _report_dict(report, options: dict) -> dict:
+    """--json's entry of one step: `PipelineReport.as_dict()` with the pass options it ran
+    with after `tokens` (`options`, as report.json of `flintc dump` records them)."""
+    data = report.as_dict()
+    keys = list(data)
+    at = keys.index("tokens") + 1
+    return {**{k: data[k] for k in keys[:at]}, "options": dict(options), **{k: data[k] for k in keys[at:]}}

@@ -55,6 +55,24 @@ PREFILL_PIPELINE: list[type[GraphPass]] = COMMON + [PrefillAttentionFusionPass, 
                                                    AddRMSNormFusionPass]
 
 
+# The pass options `compile_step` takes: name -> (the steps whose passes read it, what it is).
+PASS_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "attention_splits": (("decode",), "split-KV chunks of decode attention (fuse_decode_attention)"),
+    "full_attention_rows": (("decode",), "rows of the runtime's full-attention caches (fuse_decode_attention)"),
+    "fold_attention_combine": (("decode",), "fold the split-KV combine into the attention (group_low_latency)"),
+    "split_lm_head_norm": (("decode",), "the final norm its own kernel before the LM head (group_low_latency)"),
+}
+
+
+def step_options(step: str, options: dict) -> dict:
+    """The entries of `options` that apply to `step` ("decode", "prefill"): those of
+    `PASS_OPTIONS` that a pass of its pipeline reads (every one is decode's: a prefill has
+    none), in their order; a name `PASS_OPTIONS` does not know is kept, for `compile_step`
+    to refuse. What a caller that holds one set of options for several steps (`flintc
+    compile`, `flintc verify --step both`) gives each step, and what its dumps record."""
+    return {k: v for k, v in options.items() if k not in PASS_OPTIONS or step in PASS_OPTIONS[k][0]}
+
+
 def pipeline_for(step: str) -> list[type[GraphPass]]:
     """The ordered pass classes of `step` ("decode" or "prefill")."""
     if step == "decode":

@@ -323,7 +323,7 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
             complete new build (logged); never a mix, never none.
     """
     from flintc.model.reference import FlintModel
-    from flintc.passes.pipeline import compile_step, step_name
+    from flintc.passes.pipeline import compile_step, step_name, step_options
     from flintc.runtime.kernels import KernelTable
 
     config = ckpt.config
@@ -359,6 +359,9 @@ def compile_model(ckpt, out: str | os.PathLike, options: BuildOptions, progress:
                 opts_step["fold_attention_combine"] = True
             if opts.split_lm_head_norm:
                 opts_step["split_lm_head_norm"] = True
+            # only the options a pass of this step reads: a prefill's dumps recorded the
+            # decode schedule's (report.json), which its pipeline never used
+            opts_step = step_options(step, opts_step)
             dump_dir = False  # no dumps, not even into $FLINTC_DUMP_DIR
             if opts.dump:
                 dump_dir = (Path(opts.dump_dir) if opts.dump_dir else tmp / "dumps") / name

@@ -366,3 +366,32 @@ def test_interrupted_first_dump_is_replaced_next_time(monkeypatch, tmp_path):
     monkeypatch.setattr(dump, "graph_to_onnx", real)
     compile_step(model, "decode", batch=1, cache_len=16)
     assert "mark_pdl" in (out / "index.md").read_text()
+
+
+def test_verify_and_dump_record_and_show_the_pass_options(capsys, tmp_path):
+    """Regression: `flintc verify --json`'s per-step reports had no pass options (step,
+    batch, tokens, checked, passed, skipped, stages), so runs told apart only by
+    --split-lm-head-norm / --attention-splits looked the same, and neither command's header
+    named them. Now each step's report has `options` (as `flintc dump`'s report.json: those
+    given that apply to the step; the prefill of --step both has none) and the header line
+    shows them."""
+    out = tmp_path / "v.json"
+    code = main(["verify", "--batch", "1", "--tokens", "4", "--cache-len", "8", "--split-lm-head-norm",
+                 "--attention-splits", "3", "--json", str(out)])
+    stdout, err = capsys.readouterr()
+    assert code == 0 and err == "", err
+    heads = [line for line in stdout.splitlines() if line.startswith("== ")]
+    assert heads[0].startswith("== decode (B=1, attention_splits=3, split_lm_head_norm=True) -- "), heads
+    assert heads[1].startswith("== prefill (B=1, T=4) -- "), heads
+    decode, prefill = json.loads(out.read_text())["reports"]
+    assert decode["options"] == {"attention_splits": 3, "split_lm_head_norm": True} and prefill["options"] == {}
+    assert list(decode)[:4] == ["step", "batch", "tokens", "options"]
+
+    code = main(["dump", "--out", str(tmp_path / "d"), "--batch", "1", "--cache-len", "8",
+                 "--fold-attention-combine", "--attention-splits", "2"])
+    stdout, err = capsys.readouterr()
+    assert code == 0 and err == "", err
+    (head,) = [line for line in stdout.splitlines() if line.startswith("== ")]
+    assert head.startswith("== decode (attention_splits=2, fold_attention_combine=True) -- random weights"), head
+    assert json.loads((tmp_path / "d" / "report.json").read_text())["options"] == {
+        "attention_splits": 2, "fold_attention_combine": True}

@@ -298,3 +298,24 @@ def test_report_json_records_the_pass_options(tiny_model, captures, tmp_path):
     options = {"split_lm_head_norm": True, "fold_attention_combine": True, "attention_splits": 4}
     run_pipeline(tiny_model, captures["decode"], tmp_path, check=False, options=options)
     assert json.loads((tmp_path / "report.json").read_text())["options"] == options
+
+
+def test_compiled_build_dumps_record_only_the_options_of_their_step(tmp_path):
+    """Regression: a BUILD compiled with the decode schedule's options recorded them in its
+    prefill dumps too (dumps/prefill_t8/report.json: fold_attention_combine, split_lm_head_norm,
+    attention_splits, full_attention_rows), though no prefill pass reads them and `flintc
+    dump --step prefill` refuses them. Each step's dumps now record only its own."""
+    from flintc.checkpoint.loader import load_checkpoint
+    from flintc.runtime.build import BuildOptions, compile_model
+
+    ckpt = load_checkpoint(None, load_format="dummy", config="tiny", fmt="bf16", progress=False)
+    out = tmp_path / "build"
+    compile_model(ckpt, out, BuildOptions(max_batch=1, max_model_len=16, prefill_chunk=8, backend="torch",
+                                          check=False, attention_splits=2, fold_attention_combine=True,
+                                          split_lm_head_norm=True),
+                  progress=False, log=lambda m: None)
+    reports = {p.parent.name: json.loads(p.read_text()) for p in (out / "dumps").glob("*/report.json")}
+    assert sorted(reports) == ["decode_b1", "prefill_t8"], sorted(reports)
+    assert reports["prefill_t8"]["options"] == {}
+    assert reports["decode_b1"]["options"] == {"full_attention_rows": 24, "attention_splits": 2,
+                                               "fold_attention_combine": True, "split_lm_head_norm": True}
