@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 
 from flintc.errors import InputError, Terminated
+from flintc.errors import check_bool as _check_flag
+from flintc.errors import describe_type as _describe
 from flintc.fileio import new_temp_build_dir, remove_temp_build_dir
 from flintc.model.generate import GenerationResult
-from flintc.sampling import SamplingParams, bool_or_self
+from flintc.sampling import SamplingParams
 
 
 @dataclass
@@ -228,13 +230,6 @@ def _is_id(t) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
-def _describe(x) -> str:
-    if isinstance(x, (list, tuple)):
-        kinds = sorted({type(t).__name__ for t in x})
-        return f"a {type(x).__name__} of {', '.join(kinds) or 'nothing'}"
-    return type(x).__name__
-
-
 def _prompt_list(prompts) -> list:
     """`generate`'s prompts as a list of str / token-id lists: one prompt (str, ids) or a
     list / tuple of them. Raises InputError for anything else."""
@@ -289,16 +284,6 @@ def _check_path(value, name: str, what: str, none_ok: bool = True) -> None:
         return
     raise InputError(f"{name}: expected {what} (a str or os.PathLike{', or None' if none_ok else ''}), "
                      f"got {_describe(value)}")
-
-
-def _check_flag(value, name: str) -> bool:
-    """`value` (argument `name`) as a bool: True or False, or a NumPy bool (as the Python
-    bool it stands for, `flintc.sampling.bool_or_self`). Raises InputError naming the
-    argument for anything else ("no" is truthy: check="no" ran the checks)."""
-    value = bool_or_self(value)
-    if not isinstance(value, bool):
-        raise InputError(f"{name}: expected True or False, got {_describe(value)} {value!r}")
-    return value
 
 
 def _check_str(value, name: str, what: str) -> None:

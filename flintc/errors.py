@@ -38,6 +38,29 @@ def listing(items, limit: int, sep: str = ", ", more: str = " (and {} more)") ->
     return shown + (more.format(len(items) - limit) if len(items) > limit else "")
 
 
+def describe_type(x) -> str:
+    """The type of a wrong argument for a message: its Python type's name, or for a list or
+    tuple, "a list of int, str" (its items' types)."""
+    if isinstance(x, (list, tuple)):
+        kinds = sorted({type(t).__name__ for t in x})
+        return f"a {type(x).__name__} of {', '.join(kinds) or 'nothing'}"
+    return type(x).__name__
+
+
+def check_bool(value, name: str) -> bool:
+    """`value` (argument `name`) as a bool: True or False, or a NumPy bool (as the Python
+    bool it stands for, `flintc.sampling.bool_or_self`). Raises InputError naming the
+    argument for anything else ("no" is truthy: check="no" ran the checks). The one check
+    of a True / False argument: `flintc.compile`'s check, dump, progress and schedule
+    options, `flintc.load`'s progress, `compile_step`'s bool pass options."""
+    from flintc.sampling import bool_or_self  # sampling imports this module
+
+    value = bool_or_self(value)
+    if not isinstance(value, bool):
+        raise InputError(f"{name}: expected True or False, got {describe_type(value)} {value!r}")
+    return value
+
+
 class FlintcError(Exception):
     """A user-facing error: one line naming the file, tensor or field at fault."""
 

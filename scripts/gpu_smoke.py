@@ -48,7 +48,7 @@ def pipeline_checks(fmt: str) -> str:
     from flintc.cli.graphs import format_table
     from flintc.config import FlintConfig
     from flintc.model.reference import FlintModel
-    from flintc.passes.pipeline import compile_step
+    from flintc.passes.pipeline import compile_step, step_options
     from flintc.quant.nvfp4 import quantize
 
     cfg = FlintConfig.preset("full").replace(num_hidden_layers=4)
@@ -61,7 +61,7 @@ def pipeline_checks(fmt: str) -> str:
     for step, batch, tokens in (("decode", 8, None), ("prefill", 1, 64)):
         t0 = time.perf_counter()
         _, report = compile_step(model, step, batch=batch, tokens=tokens, cache_len=4096, check_model=model,
-                                 options={"attention_splits": 16})
+                                 options=step_options(step, {"attention_splits": 16}))
         out.append(f"### {fmt} {step} B={batch}{'' if tokens is None else f' T={tokens}'} "
                    f"({time.perf_counter() - t0:.1f} s, passed={report.passed})\n\n```\n{format_table(report)}\n```\n")
     del model, w

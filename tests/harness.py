@@ -91,11 +91,11 @@ def count_ops(gm, *names: str) -> dict:
 def compiled(step: str, fmt: str = "bf16", batch: int = 2, tokens: int | None = None,
              disabled: tuple = (), splits: int = 3):
     """compile_step on tiny with every check on, cached: (graph, report). Treat as read-only."""
-    from flintc.passes.pipeline import compile_step
+    from flintc.passes.pipeline import compile_step, step_options
 
     model = tiny_model() if fmt == "bf16" else tiny_nvfp4_model()
     return compile_step(model, step, batch=batch, tokens=tokens, cache_len=48, check_model=model,
-                        disabled=disabled, options={"attention_splits": splits})
+                        disabled=disabled, options=step_options(step, {"attention_splits": splits}))
 
 
 def stage(report, name: str):

@@ -20,8 +20,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from flintc.cli.graphs import (add_model_args, build_targets, check_failures, check_pass_flags, format_table,
-                               options_note, pass_options, target_subfolder)
+from flintc.cli.graphs import (add_model_args, build_targets, check_failures, check_pass_flags, check_target_options,
+                               format_table, options_note, pass_options, target_subfolder)
 from flintc.errors import InputError, listing
 
 
@@ -80,6 +80,7 @@ def run_dump(args: argparse.Namespace) -> int:
     check_dump_out(args.out)
     disabled = check_pass_flags(args, (args.step,))[args.step]  # before the model is built
     targets = build_targets(args)
+    check_target_options(args, targets, (args.step,))
     options = pass_options(args, args.step)
     tmp = temp_dir_beside(out)
     tables = []

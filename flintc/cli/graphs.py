@@ -111,6 +111,17 @@ def pass_options(args: argparse.Namespace, step: str) -> dict:
     return step_options(step, options)
 
 
+def check_target_options(args: argparse.Namespace, targets: list, steps: tuple[str, ...]) -> None:
+    """compile_step's check of the pass options (`flintc.passes.pipeline.check_options`: more
+    --attention-splits than --cache-len rows of a full-attention cache) for every target and
+    step, before the first header: raised by compile_step, the error came after it."""
+    from flintc.passes.pipeline import check_options
+
+    for target in targets:
+        for step in steps:
+            check_options(pass_options(args, step), step, args.cache_len, target.model.config)
+
+
 def options_note(options: dict) -> str:
     """The pass options given (not at their defaults) for a step's header line, as
     report.json names them: "attention_splits=3, split_lm_head_norm=True"; "" for none."""

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from flintc.cli.graphs import (add_model_args, build_targets, check_failures, check_pass_flags, format_table,
-                               options_note, pass_options, target_count, target_subfolder)
+from flintc.cli.graphs import (add_model_args, build_targets, check_failures, check_pass_flags, check_target_options,
+                               format_table, options_note, pass_options, target_count, target_subfolder)
 
 
 def add_parser(sub) -> None:
@@ -46,6 +46,7 @@ def run_verify(args: argparse.Namespace) -> int:
     dump_dirs = {(i, step): env_dump_dir(step, *_shape(args, step), target=target_subfolder(i, n))
                  for i in range(n) for step in steps}
     targets = build_targets(args)
+    check_target_options(args, targets, steps)
     ok, reports = True, []
     for i, target in enumerate(targets):
         for step in steps:

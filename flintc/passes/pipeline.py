@@ -55,12 +55,16 @@ PREFILL_PIPELINE: list[type[GraphPass]] = COMMON + [PrefillAttentionFusionPass, 
                                                    AddRMSNormFusionPass]
 
 
-# The pass options `compile_step` takes: name -> (the steps whose passes read it, what it is).
-PASS_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
-    "attention_splits": (("decode",), "split-KV chunks of decode attention (fuse_decode_attention)"),
-    "full_attention_rows": (("decode",), "rows of the runtime's full-attention caches (fuse_decode_attention)"),
-    "fold_attention_combine": (("decode",), "fold the split-KV combine into the attention (group_low_latency)"),
-    "split_lm_head_norm": (("decode",), "the final norm its own kernel before the LM head (group_low_latency)"),
+# The pass options `compile_step` takes: name -> (the steps whose passes read it, its type:
+# "bool" True / False, "int" an integer >= 1, and what it is).
+PASS_OPTIONS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "attention_splits": (("decode",), "int", "split-KV chunks of decode attention (fuse_decode_attention)"),
+    "full_attention_rows": (("decode",), "int",
+                            "rows of the runtime's full-attention caches (fuse_decode_attention)"),
+    "fold_attention_combine": (("decode",), "bool",
+                               "fold the split-KV combine into the attention kernel (group_low_latency)"),
+    "split_lm_head_norm": (("decode",), "bool",
+                           "the final norm a kernel of its own before the LM head (group_low_latency)"),
 }
 
 
@@ -71,6 +75,56 @@ def step_options(step: str, options: dict) -> dict:
     to refuse. What a caller that holds one set of options for several steps (`flintc
     compile`, `flintc verify --step both`) gives each step, and what its dumps record."""
     return {k: v for k, v in options.items() if k not in PASS_OPTIONS or step in PASS_OPTIONS[k][0]}
+
+
+def check_options(options, step: str, cache_len: int, config) -> dict:
+    """`compile_step`'s `options` for `step`, checked (None: {}): a dict of `PASS_OPTIONS`
+    names that apply to `step`, each "bool" one True or False (a NumPy bool is taken, as
+    `flintc.compile` takes its flags: `flintc.errors.check_bool`), each "int" one an integer
+    >= 1 (not a bool: True was 1 split; 2.5 and "2" became 2). `attention_splits` may be at
+    most the rows of a full-attention cache (`full_attention_rows`, else `cache_len`) when
+    `config` has a full-attention layer: more chunks than rows are empty ones, launched and
+    combined for nothing (a sliding layer's ring takes any count, `num_splits_for`).
+    Returns the options as plain bools and ints, in their order.
+
+    Raises:
+        InputError: "compile_step: options ...": not a dict; a name it does not know (listing
+            those it does); a decode option for a prefill step (its pipeline never reads it:
+            `flintc dump --step prefill` refuses the flags); a value of the wrong type or
+            range; more attention_splits than full-attention cache rows (naming both).
+    """
+    import numbers
+
+    from flintc.errors import InputError, check_bool, describe_type
+
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise InputError(f"compile_step: options: expected a dict of pass options, got {describe_type(options)}")
+    checked = {}
+    for name, value in options.items():
+        if name not in PASS_OPTIONS:
+            raise InputError(f"compile_step: options: unknown option {name!r}; the options are "
+                             f"{', '.join(PASS_OPTIONS)}")
+        steps, kind, what = PASS_OPTIONS[name]
+        if step not in steps:
+            raise InputError(f"compile_step: options: {name} applies only to the {' and '.join(steps)} pipeline "
+                             f"({what}), not to the {step} step; drop it")
+        where = f"compile_step: options[{name!r}]"
+        if kind == "bool":
+            checked[name] = check_bool(value, where)
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise InputError(f"{where}: expected an integer >= 1, got {describe_type(value)} {value!r}")
+        checked[name] = int(value)  # NumPy's: a plain int
+    splits = checked.get("attention_splits")
+    if splits is not None and "full_attention" in config.layer_types:
+        rows, source = ((checked["full_attention_rows"], "full_attention_rows") if "full_attention_rows" in checked
+                        else (cache_len, "cache_len"))
+        if splits > rows:
+            raise InputError(f"compile_step: options: attention_splits {splits} is more than the {rows} rows of a "
+                             f"full-attention cache ({source}): a split gets at least one row; use at most {rows}")
+    return checked
 
 
 def pipeline_for(step: str) -> list[type[GraphPass]]:
@@ -150,7 +204,9 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
             attention), {"fold_attention_combine": True} (group_low_latency folds the
             combine into the attention kernel), {"split_lm_head_norm": True}
             (group_low_latency leaves the final rms_norm and the lm_head apart),
-            {"full_attention_rows": S}.
+            {"full_attention_rows": S} (rows of the runtime's full-attention caches, for
+            the split count); all decode's (`PASS_OPTIONS`; `step_options` picks a step's
+            from a set), checked by `check_options`.
 
     Returns (graph, report): `graph.gm` is the final graph.
 
@@ -163,9 +219,12 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
         mode="bf16" FlintModel (the pipelines lower the bf16 numerics; the float64
         oracle has no such graph: it failed inside a pass), or `check_model` has
         another config (`max_position_embeddings` aside) or weight format than
-        `model`; before the capture.
+        `model`; `options` that `check_options` refuses (an unknown name, a decode option
+        for a prefill step, a value of the wrong type, more attention_splits than
+        full-attention cache rows); before the capture.
     """
     _check_step_models(model, check_model)
+    options = check_options(options, step, cache_len, model.config)
     if dump_dir is None:
         dump_dir = env_dump_dir(step, batch, tokens)
     elif not dump_dir:  # False (or ""): no dumps
@@ -178,7 +237,7 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
     graph = capture(model, step, batch=batch, tokens=tokens, cache_len=cache_len,
                     stack_traces=dump_dir is not None)
     fmt = weight_format or _weight_format(model)
-    ctx = PassContext(model.config, step, batch, graph.tokens, cache_len, fmt, dict(options or {}))
+    ctx = PassContext(model.config, step, batch, graph.tokens, cache_len, fmt, options)
     checker = NumericChecker(check_model, graph, seed=seed) if check_model is not None else None
     manager = PassManager(pipeline_for(step), ctx, disabled=disabled, checker=checker, dump_dir=dump_dir)
     report = manager.run(graph)

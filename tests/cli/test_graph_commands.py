@@ -395,3 +395,17 @@ def test_verify_and_dump_record_and_show_the_pass_options(capsys, tmp_path):
     assert head.startswith("== decode (attention_splits=2, fold_attention_combine=True) -- random weights"), head
     assert json.loads((tmp_path / "d" / "report.json").read_text())["options"] == {
         "attention_splits": 2, "fold_attention_combine": True}
+
+
+@pytest.mark.parametrize("command", [["verify"], ["dump", "--out", "{tmp}/d"]])
+def test_more_attention_splits_than_cache_rows_is_refused_before_any_output(capsys, tmp_path, command):
+    """Regression: `--attention-splits 1000` with `--cache-len 64` compiled 1000 splits of
+    a 64-row full-attention cache (936 empty chunks launched and combined). compile_step
+    refuses it, naming both numbers; the commands check it before the first header."""
+    from harness import assert_one_line_error
+
+    code = main([a.format(tmp=tmp_path) for a in command] + ["--attention-splits", "1000", "--step", "decode"])
+    out, err = capsys.readouterr()
+    assert out == "", out
+    assert_one_line_error(code, err, "attention_splits 1000 is more than the 64 rows of a full-attention cache")
+    assert list(tmp_path.iterdir()) == []

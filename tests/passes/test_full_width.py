@@ -7,7 +7,7 @@ import pytest
 from flintc.checkpoint.init import random_weights
 from flintc.config import FlintConfig
 from flintc.model.reference import FlintModel
-from flintc.passes.pipeline import compile_step
+from flintc.passes.pipeline import compile_step, step_options
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def model():
 @pytest.mark.parametrize("step,batch,tokens", [("decode", 2, None), ("prefill", 1, 8)])
 def test_full_widths_every_pass_checked(model, step, batch, tokens):
     _, report = compile_step(model, step, batch=batch, tokens=tokens, cache_len=520, check_model=model,
-                             options={"attention_splits": 4})
+                             options=step_options(step, {"attention_splits": 4}))
     for s in report.stages:
         assert s.check is not None and s.check.passed, (s.name, s.check.message)
     if step == "decode":

@@ -201,3 +201,66 @@ def test_compile_step_checks_against_a_longer_context_config():
     longer = FlintModel(TINY.replace(max_position_embeddings=2 * TINY.max_position_embeddings), w)
     _, report = compile_step(model, "decode", batch=1, cache_len=32, check_model=longer, dump_dir=False)
     assert report.passed and all(s.check is not None and s.check.passed for s in report.stages)
+
+
+@pytest.mark.parametrize("step, options, message", [
+    ("decode", {"fold_attention_combine": "no"},
+     "compile_step: options['fold_attention_combine']: expected True or False, got str 'no'"),
+    ("decode", {"split_lm_head_norm": 1},
+     "compile_step: options['split_lm_head_norm']: expected True or False, got int 1"),
+    ("decode", {"fold_atention_combine": True},
+     "compile_step: options: unknown option 'fold_atention_combine'; the options are attention_splits, "
+     "full_attention_rows, fold_attention_combine, split_lm_head_norm"),
+    ("decode", {"attention_splits": 2.5}, "compile_step: options['attention_splits']: expected an integer >= 1, "
+     "got float 2.5"),
+    ("decode", {"attention_splits": "2"}, "compile_step: options['attention_splits']: expected an integer >= 1, "
+     "got str '2'"),
+    ("decode", {"attention_splits": True}, "compile_step: options['attention_splits']: expected an integer >= 1, "
+     "got bool True"),
+    ("decode", {"attention_splits": 0}, "compile_step: options['attention_splits']: expected an integer >= 1, "
+     "got int 0"),
+    ("decode", {"attention_splits": 1000},
+     "compile_step: options: attention_splits 1000 is more than the 64 rows of a full-attention cache (cache_len): "
+     "a split gets at least one row; use at most 64"),
+    ("decode", {"attention_splits": 100, "full_attention_rows": 80},
+     "compile_step: options: attention_splits 100 is more than the 80 rows of a full-attention cache "
+     "(full_attention_rows)"),
+    ("decode", ["attention_splits"], "compile_step: options: expected a dict of pass options, got a list of str"),
+    ("prefill", {"fold_attention_combine": True},
+     "compile_step: options: fold_attention_combine applies only to the decode pipeline (fold the split-KV combine "
+     "into the attention kernel (group_low_latency)), not to the prefill step; drop it"),
+    ("prefill", {"attention_splits": 2}, "compile_step: options: attention_splits applies only to the decode "
+     "pipeline"),
+    ("prefill", {"split_lm_head_norm": False}, "compile_step: options: split_lm_head_norm applies only to the "
+     "decode pipeline"),
+])
+def test_compile_step_checks_its_options(monkeypatch, step, options, message):
+    """Regression: compile_step took any options: "no" folded the combine (truthy), a
+    misspelt name was ignored, 2.5 / "2" / True splits became 2 / 2 / 1, decode options for
+    a prefill step (which the CLI refuses) were accepted, and 1000 splits of a 64-row cache
+    compiled (960 empty chunks launched and combined). Each is an InputError naming the
+    option, before the capture."""
+    from flintc.errors import InputError
+    import flintc.passes.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "capture", lambda *a, **k: pytest.fail("captured before the options' check"))
+    with pytest.raises(InputError) as exc:
+        compile_step(tiny_model(), step, batch=1, cache_len=64, options=options)
+    assert str(exc.value).startswith(message), str(exc.value)
+
+
+def test_compile_step_takes_numpy_values_and_a_ring_split_count(monkeypatch):
+    """A NumPy bool and integer are taken (as flintc.compile's flags), as plain bool / int;
+    attention_splits up to the full-attention rows is taken though tiny's sliding ring is
+    shorter (W = 9: `num_splits_for` gives a ring the count given)."""
+    import numpy as np
+
+    from flintc.passes.pipeline import check_options
+
+    options = {"fold_attention_combine": np.True_, "split_lm_head_norm": np.bool_(False),
+               "attention_splits": np.int64(40)}
+    checked = check_options(options, "decode", 64, TINY)
+    assert checked == {"fold_attention_combine": True, "split_lm_head_norm": False, "attention_splits": 40}
+    assert [type(v) for v in checked.values()] == [bool, bool, int]
+    assert TINY.sliding_window < 40
+    assert check_options(None, "prefill", 64, TINY) == {}
