@@ -40,7 +40,7 @@ def main() -> None:
 
         ckpt = load_checkpoint(path, progress=False, device=args.device)
         ref = generate(FlintModel(ckpt.config, ckpt.weights), [m.tokenizer.encode(p) for p in prompts],
-                       SamplingParams(temperature=0, max_tokens=12), eos_token_id=m.tokenizer.eos_token_id)
+                       SamplingParams(temperature=0, max_tokens=12), tokenizer=m.tokenizer)
         print("same tokens as the reference model:", ref.output_ids == r.output_ids)
 
 

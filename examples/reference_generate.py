@@ -18,11 +18,12 @@ def main() -> None:
         tokenizer = load_tokenizer(ckpt.tokenizer_dir)
         model = FlintModel(ckpt.config, ckpt.weights, mode="bf16")
         prompt = tokenizer.encode("Flint is a mixture-of-experts model")
-        result = generate(model, [prompt], SamplingParams(temperature=0, max_tokens=12),
-                          eos_token_id=tokenizer.eos_token_id)
+        # tokenizer=: the model's stop tokens (end-of-text, <|user|>, <|observation|>) end
+        # the output, as in flintc serve and vLLM, and result.texts hold the output texts
+        result = generate(model, [prompt], SamplingParams(temperature=0, max_tokens=12), tokenizer=tokenizer)
         print("prompt ids:", prompt)
         print("output ids:", result.output_ids[0])
-        print("text:", repr(tokenizer.decode(result.output_ids[0])))
+        print("text:", repr(result.texts[0]), result.finish_reasons[0], result.stop_reasons[0])
 
 
 if __name__ == "__main__":

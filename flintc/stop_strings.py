@@ -40,6 +40,29 @@ import bisect
 from collections.abc import Container, Mapping
 
 
+class _TokenizerEos:
+    """The type of `TOKENIZER_EOS`."""
+
+    def __repr__(self) -> str:
+        return "TOKENIZER_EOS"
+
+
+# The default eos_token_id of `flintc.checkpoint.tokenizer.model_stop_token_ids`,
+# `flintc.model.generate.generate` and `flintc.runtime.generate.generate_with_runner`: the
+# tokenizer's own end-of-text id (None without a tokenizer), as vLLM always takes it from the
+# tokenizer; None passed there is "no end-of-text id"
+TOKENIZER_EOS = _TokenizerEos()
+
+
+def resolve_eos_token_id(tokenizer, eos_token_id=TOKENIZER_EOS) -> int | None:
+    """The end-of-text id a caller means: `TOKENIZER_EOS` (not passed) is the tokenizer's
+    ``eos_token_id`` (None without a tokenizer); anything else (an int, or None for none)
+    is itself."""
+    if eos_token_id is TOKENIZER_EOS:
+        return None if tokenizer is None else tokenizer.eos_token_id
+    return eos_token_id
+
+
 def stop_token_end(tok: int, *, n_out: int, min_tokens: int, ignore_eos: bool, stop_ids: Container[int],
                    user_stop_ids: Container[int], eos_token_id: int | None,
                    grammar_ended: bool = False) -> tuple[bool, int | None]:

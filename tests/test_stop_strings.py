@@ -320,14 +320,44 @@ def test_generation_config_stop_tokens(tiny):
     assert (r.output_ids, r.stop_reasons) == ([[user]], [user])
     r = generate(model, [ids], p, tokenizer=tok, generation_stop_ids=())
     assert r.output_ids == [[user] * 3] and r.finish_reasons == ["length"]
-    # a tokenizer but no end-of-text id: none of the generation config's end ids either (as
-    # the end-of-text token, which then ends nothing), not half of vLLM's stop set
-    r = generate(model, [ids], p, tokenizer=tok)
+    # a tokenizer and eos_token_id None (no end-of-text id): none of the generation config's
+    # end ids either (as the end-of-text token, which then ends nothing), not half of vLLM's
+    # stop set
+    r = generate(model, [ids], p, tokenizer=tok, eos_token_id=None)
     assert r.output_ids == [[user] * 3] and r.finish_reasons == ["length"]
     r = generate(model, [ids], p, tokenizer=tok, eos_token_id=tok.eos_token_id)
     assert (r.output_ids, r.stop_reasons) == ([[user]], [user])
     with pytest.raises(InputError, match=r"generation_stop_ids: token id 512 is outside the vocabulary"):
         generate(model, [ids], p, generation_stop_ids=[512])
+
+
+def test_tokenizer_alone_gives_every_model_stop_token(tiny):
+    """`generate(..., tokenizer=tok)` without eos_token_id stops at every one of the model's
+    stop tokens (`model_stop_token_ids(tok)`: <|endoftext|>, <|user|>, <|observation|>), as
+    vLLM takes the end-of-text id from the tokenizer and adds the generation config's end
+    ids; the reference `generate` and `generate_with_runner` alike; ignore_eos still runs
+    past them all."""
+    from flintc.checkpoint.tokenizer import model_stop_token_ids
+    from flintc.model.generate import generate
+    from flintc.runtime.generate import generate_with_runner
+    from flintc.runtime.runner import ReferenceRunner
+
+    model, tok, ids, _, _ = tiny
+    stops = model_stop_token_ids(tok)
+    assert stops[0] == tok.eos_token_id and len(stops) == 3
+    runner = ReferenceRunner(model, max_batch=1, max_model_len=len(ids) + 4)
+    for t in stops:
+        p = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[t])
+        for r in (generate(model, [ids], p, tokenizer=tok), generate_with_runner(runner, [ids], p, tokenizer=tok)):
+            assert (r.output_ids, r.finish_reasons, r.texts) == ([[t]], ["stop"], [""]), (t, r)
+            assert r.stop_reasons == [None if t == tok.eos_token_id else t]
+        r = generate(model, [ids], SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[t],
+                                                  ignore_eos=True), tokenizer=tok)
+        assert (r.output_ids, r.finish_reasons) == ([[t] * 3], ["length"])
+    # eos_token_id alone (token ids, no tokenizer) stops at it only: the generation config's
+    # end ids come with the tokenizer or generation_stop_ids
+    p = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[stops[2]])
+    assert generate(model, [ids], p, eos_token_id=tok.eos_token_id).finish_reasons == ["length"]
 
 
 def _stub_tokenizer(eos, **special):

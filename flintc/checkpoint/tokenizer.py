@@ -46,6 +46,7 @@ from tokenizers import (
 
 from flintc.errors import CheckpointError, InputError
 from flintc.fileio import write_text_atomic
+from flintc.stop_strings import TOKENIZER_EOS, resolve_eos_token_id  # noqa: F401 (re-exported)
 
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
@@ -752,11 +753,7 @@ def generation_stop_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(special[t] for t in GENERATION_STOP_TOKENS if t in special) - {tokenizer.eos_token_id}
 
 
-# `model_stop_token_ids`' default eos_token_id: the tokenizer's own (None is "no end-of-text id")
-_TOKENIZER_EOS = object()
-
-
-def model_stop_token_ids(tokenizer, eos_token_id=_TOKENIZER_EOS,
+def model_stop_token_ids(tokenizer, eos_token_id=TOKENIZER_EOS,
                          generation_ids: Iterable[int] | None = None) -> tuple[int, ...]:
     """Every request's stop tokens but its own ``stop_token_ids``: the end-of-text id and the
     generation config's other end ids, vLLM's `SamplingParams.update_from_generation_config`
@@ -778,8 +775,7 @@ def model_stop_token_ids(tokenizer, eos_token_id=_TOKENIZER_EOS,
         tuple of token ids: ``eos_token_id`` first (left out when None), then the
         generation ids less it, deduplicated, in increasing order; never a None.
     """
-    if eos_token_id is _TOKENIZER_EOS:
-        eos_token_id = None if tokenizer is None else tokenizer.eos_token_id
+    eos_token_id = resolve_eos_token_id(tokenizer, eos_token_id)
     if generation_ids is None:
         generation_ids = (generation_stop_token_ids(tokenizer)
                           if tokenizer is not None and eos_token_id is not None else ())

@@ -20,6 +20,7 @@ import torch
 from flintc.errors import InputError
 from flintc.model.reference import FlintModel
 from flintc.sampling import SamplingParams, params_per_prompt
+from flintc.stop_strings import TOKENIZER_EOS
 
 
 @dataclass
@@ -98,7 +99,7 @@ def generate(
     model: FlintModel,
     prompts: list[list[int]],
     params: SamplingParams | list[SamplingParams],
-    eos_token_id: int | None = None,
+    eos_token_id=TOKENIZER_EOS,
     return_prompt_logits: bool = False,
     keep_step_logits: bool = False,
     on_token: Callable[[int, int], None] | None = None,
@@ -114,7 +115,9 @@ def generate(
     Args:
         prompts: token ids per prompt (each non-empty, ids < vocab_size).
         params: one SamplingParams for all prompts, or one per prompt.
-        eos_token_id: a sequence stops after producing it (unless ignore_eos).
+        eos_token_id: the end-of-text id: a sequence stops after producing it (unless
+            ignore_eos). Not passed: the tokenizer's (none without a tokenizer); None:
+            none. `generate_with_runner`'s.
         on_token: called as on_token(prompt_index, token_id) as tokens appear.
         max_model_len: the most tokens a sequence holds, prompt and generated (vLLM's
             meaning; default: the model's max_positions); generation stops there.
@@ -122,10 +125,14 @@ def generate(
             more prompts run in consecutive batches of max_batch, as
             `flintc.runtime.generate.generate_with_runner` runs them.
         tokenizer: the model's FlintTokenizer, which params with structured_outputs or
-            stop strings need; with one, the result's `texts` hold the output texts.
+            stop strings need; with one, the result's `texts` hold the output texts, and
+            a sequence stops at the model's stop tokens as in `flintc serve` and vLLM
+            (end-of-text and the generation config's end ids:
+            `flintc.checkpoint.tokenizer.model_stop_token_ids`) unless ignore_eos.
         generation_stop_ids: the generation config's end ids besides eos_token_id, which
-            end a sequence unless ignore_eos (None: the tokenizer's with an eos_token_id,
-            else none): `generate_with_runner`'s.
+            end a sequence unless ignore_eos (None: the tokenizer's with an end-of-text
+            id, else none; token ids alone, without a tokenizer, pass them here):
+            `generate_with_runner`'s.
 
     Raises:
         InputError: no prompts, a prompt is empty, holds an out-of-range id, or has

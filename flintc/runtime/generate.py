@@ -39,7 +39,7 @@ from flintc.errors import InputError
 from flintc.model.generate import GenerationResult, check_prompt
 from flintc.sampling import (SamplingParams, TokenHistory, drawn_outside_allowed, first_outside_vocab,
                              params_per_prompt, sample)
-from flintc.stop_strings import StopStringText, stop_token_end
+from flintc.stop_strings import TOKENIZER_EOS, StopStringText, resolve_eos_token_id, stop_token_end
 
 
 def _sync(device: torch.device) -> None:
@@ -79,7 +79,7 @@ def generate_with_runner(
     runner,
     prompts: list[list[int]],
     params: SamplingParams | list[SamplingParams],
-    eos_token_id: int | None = None,
+    eos_token_id=TOKENIZER_EOS,
     return_prompt_logits: bool = False,
     keep_step_logits: bool = False,
     on_token: Callable[[int, int], None] | None = None,
@@ -112,17 +112,20 @@ def generate_with_runner(
             (their grammars are compiled for it) or stop strings (`stop`: the text is
             made as the tokens come). With one, the result's `texts` hold each prompt's
             output text (module docstring); without, `texts` is None.
-        eos_token_id: the end-of-text token id (None: none): it ends a sequence unless
-            ignore_eos (stop_reason None).
+        eos_token_id: the end-of-text token id: it ends a sequence unless ignore_eos
+            (stop_reason None). Not passed (`flintc.stop_strings.TOKENIZER_EOS`): the
+            tokenizer's, as vLLM always takes it from the tokenizer (none without a
+            tokenizer); None: none.
         generation_stop_ids: the model's generation-config end ids besides eos_token_id
             (an iterable of ints): they end a sequence unless ignore_eos, stop_reason the
             id, and are masked before min_tokens (vLLM's
             `SamplingParams.update_from_generation_config`, which adds them to every
             request's stop_token_ids). None: `flintc.checkpoint.tokenizer.
-            generation_stop_token_ids(tokenizer)` with a tokenizer and an eos_token_id
+            generation_stop_token_ids(tokenizer)` with a tokenizer and an end-of-text id
             (Flint's: `<|user|>`, `<|observation|>`), else none (a caller that ends on no
             end-of-text token gets none of the generation config's other end ids either);
-            () for none.
+            () for none. So `tokenizer=` alone stops where `flintc serve` and vLLM do
+            (`flintc.checkpoint.tokenizer.model_stop_token_ids(tokenizer)`).
 
     Returns:
         A GenerationResult: output_ids (a stop token that ended a sequence, or the token
@@ -168,6 +171,7 @@ def generate_with_runner(
                              f"without one, end on token ids with stop_token_ids")
     from flintc.checkpoint.tokenizer import generation_stop_token_ids, model_stop_token_ids
 
+    eos_token_id = resolve_eos_token_id(tokenizer, eos_token_id)
     if generation_stop_ids is None:  # `model_stop_token_ids`' default, checked as the caller's are
         generation_stop_ids = (generation_stop_token_ids(tokenizer)
                                if tokenizer is not None and eos_token_id is not None else ())
