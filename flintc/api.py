@@ -40,7 +40,9 @@ class CompiledGeneration(GenerationResult):
     the output); `flintc serve` leaves them out by default, as vLLM's
     `skip_special_tokens=True` (docs/serve.md). A text ends before the stop string
     (`SamplingParams.stop`) its sequence ended at, as vLLM's `CompletionOutput.text`, while
-    output_ids keep the token that completed it."""
+    output_ids keep the token that completed it. Stop strings are matched on the text
+    without the special tokens' strings, as `flintc serve` and vLLM's `LLM.generate` match
+    them by default: "user" never matches in "<|user|>"."""
 
     extra: dict = field(default_factory=dict)
 

@@ -168,18 +168,24 @@ class StopStringText:
         stops: the stop strings (a tuple, possibly empty).
         include: keep the stop string in the text (include_stop_str_in_output); and the
             text of a stop token the sequence ends at (`push_stop_token`).
+        specials: special token id -> its string (`FlintTokenizer.special_strings()`), for a
+            text that keeps the special tokens' strings while its stop strings are matched
+            on the text without them (`VisibleText`, the serving engine's rule for a text
+            whose output leaves them out: vLLM's ``skip_special_tokens``, default true,
+            keeps them out of every stop match); None: matched on the whole text.
 
     Attributes:
         text: the text so far (cut at the stop string once one matched).
         matched: the stop string that ended the sequence, or None.
     """
 
-    def __init__(self, detokenizer, stops=(), include: bool = False):
+    def __init__(self, detokenizer, stops=(), include: bool = False, specials: Mapping[int, str] | None = None):
         self._detok = detokenizer
         self.stops = tuple(stops)
         self.include = include
         self.text = ""
         self.matched: str | None = None
+        self.visible = VisibleText(specials) if specials is not None and self.stops else None
 
     def push(self, token_id: int, n_out: int, min_tokens: int) -> bool:
         """Add the `n_out`-th generated token (1-based). -> True when its text completed a
@@ -187,14 +193,25 @@ class StopStringText:
         set, and the sequence ends."""
         new = self._detok.push(token_id)
         self.text += new
+        new_chars = len(new) if self.visible is None else self.visible.push(token_id, new)
         if self.stops and n_out > min_tokens:
-            cut = stop_string_cut(self.text, self.stops, len(new), self.include)
+            cut = (stop_string_cut(self.text, self.stops, new_chars, self.include) if self.visible is None
+                   else self.visible.cut(self.stops, new_chars, self.include))
             if cut is not None:
                 self.matched, keep = cut
                 self.text = self.text[:keep]
                 self._detok.flush()  # the rest of the token's bytes: not text
                 return True
         return False
+
+    def emit_upto(self) -> int:
+        """How much of `text` a stream may show while the sequence runs: all but the
+        held-back characters a later stop string could still cut (`stop_string_hold`, on
+        the visible text with `specials`: `VisibleText.emit_upto`), as the serving engine
+        streams."""
+        if self.visible is not None:
+            return self.visible.emit_upto(self.stops, self.include)
+        return len(self.text) - stop_string_hold(self.text, self.stops, self.include)
 
     def push_stop_token(self, token_id: int) -> None:
         """The sequence ends at stop token `token_id`: its text joins `text` only with

@@ -459,3 +459,32 @@ def test_top_level_exports_stay_lazy():
             "assert 'torch' in sys.modules; assert SamplingParams(stop='x').stop == ('x',)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
+
+
+def test_stop_strings_never_match_inside_special_tokens(tiny):
+    """Stop strings are matched on the text without the special tokens' strings, as
+    `flintc serve` matches them by default and vLLM's LLM.generate (skip_special_tokens,
+    default true): "user" never matches in "<|user|>" (the output runs to length, stop_reason
+    None, as the server's), while a stop string that spans a special token in the visible
+    text matches, the text (which keeps the special tokens' strings) cut before it."""
+    from flintc.stop_strings import StopStringText
+
+    model, tok, ids, _, _ = tiny
+    user = tok.special_token_ids["<|user|>"]
+    for stop in (["user"], ["<|"], ["<|user|>"], ["|>"]):
+        r = gen(tiny, params=SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[user], ignore_eos=True,
+                                            stop=stop))
+        assert (r.output_ids, r.finish_reasons, r.stop_reasons) == ([[user] * 3], ["length"], [None]), (stop, r)
+        assert r.texts == ["<|user|>" * 3]  # the texts keep them (tokenizer.decode's)
+    a, b = tok.encode("ab"), tok.encode("cd")
+    t = StopStringText(tok.detokenizer(), ["bc"], specials=tok.special_strings())
+    assert not any(t.push(x, n, 0) for n, x in enumerate(a + [user], 1))
+    assert t.push(b[0], len(a) + 2, 0) and (t.matched, t.text) == ("bc", "a")
+    t = StopStringText(tok.detokenizer(), ["bc"], include=True, specials=tok.special_strings())
+    for n, x in enumerate(a + [user] + b, 1):
+        if t.push(x, n, 0):
+            break
+    assert (t.matched, t.text) == ("bc", "ab<|user|>c")
+    # without specials (the whole text): the old match, inside the special token
+    t = StopStringText(tok.detokenizer(), ["user"])
+    assert t.push(user, 1, 0) and t.text == "<|"

@@ -408,6 +408,7 @@ class FlintTokenizer:
         self._template_sources: dict[str, tuple[str, str]] | None = None
         self._templates: dict[str, jinja2.Template] = {}
         self._token_bytes: dict[int, bytes] = {}
+        self._special_strings: dict[int, str] | None = None  # `special_strings`
         self._top_id: int | None = None  # the largest token id, once `check_fits_model` looks
         eos = config.get("eos_token", EOS_TOKEN)
         eos = eos.get("content") if isinstance(eos, dict) else eos  # an AddedToken's fields, as HF writes it
@@ -639,6 +640,15 @@ class FlintTokenizer:
                 cached = text.encode("utf-8")
             self._token_bytes[token_id] = cached
         return cached
+
+    def special_strings(self) -> dict[int, str]:
+        """Special token id -> its string, as the detokenizer makes it (computed once): what
+        `flintc.stop_strings.VisibleText` leaves out of a text to match stop strings on
+        the text without special tokens (vLLM's ``skip_special_tokens``)."""
+        if self._special_strings is None:
+            self._special_strings = {i: self.token_bytes(i).decode("utf-8", errors="replace")
+                                     for i in self.all_special_ids}
+        return self._special_strings
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         """A fresh :class:`IncrementalDetokenizer` over this tokenizer."""

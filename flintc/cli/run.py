@@ -614,8 +614,9 @@ class _TextStream:
     as `--output json`'s text and vLLM's leave it out, unless `include`
     (--include-stop-str-in-output). With stop strings (`stops`, --stop)
     the text is cut as generation cuts it (`flintc.stop_strings.StopStringText`, looked
-    for past `min_tokens` tokens), and its last (longest stop - 1) characters are held
-    back until the end (`stop_string_hold`, as `flintc serve` streams, as vLLM); `close`
+    for past `min_tokens` tokens in the text without special tokens), and its last
+    (longest stop - 1) visible characters are held back until the end
+    (`StopStringText.emit_upto`, as `flintc serve` streams, as vLLM); `close`
     prints what the result's text holds beyond what was printed."""
 
     def __init__(self, tokenizer, stop_ids=frozenset(), stops=(), include: bool = False, min_tokens: int = 0):
@@ -628,7 +629,8 @@ class _TextStream:
         if stops and tokenizer is not None:
             from flintc.stop_strings import StopStringText
 
-            self.text = StopStringText(self.decoder, stops, include)
+            # matched on the text without special tokens, as generation matches them
+            self.text = StopStringText(self.decoder, stops, include, specials=tokenizer.special_strings())
         self.n = 0  # tokens pushed
         self.printed = 0  # with stop strings: the characters of the text printed
         self.ended = False  # with stop strings: one matched
@@ -641,8 +643,6 @@ class _TextStream:
         if self.text is None:
             text = self.decoder.push(token_id) if self.decoder else f"{token_id} "
         else:
-            from flintc.stop_strings import stop_string_hold
-
             t = self.text
             if token_id in self.stop_ids:
                 t.push_stop_token(token_id)
@@ -650,7 +650,7 @@ class _TextStream:
             elif t.push(token_id, self.n, self.min_tokens):
                 self.ended, upto = True, len(t.text)
             else:
-                upto = len(t.text) - stop_string_hold(t.text, t.stops, t.include)
+                upto = t.emit_upto()
             text, self.printed = t.text[self.printed:upto], max(self.printed, upto)
         # print, not sys.stdout.write: with stdout closed (`>&-`) sys.stdout is None, which
         # print skips (as the other outputs) and .write was an AttributeError traceback

@@ -36,8 +36,9 @@ class GenerationResult:
         string the token that completed it (its characters past the stop string are in
         no text).
     texts: with a tokenizer (`generate(..., tokenizer=)`, `flintc.api`), each prompt's
-        output text (special tokens kept): without the stop token the sequence ended at
-        and cut before the stop string it ended at, unless include_stop_str_in_output
+        output text (special tokens kept, though stop strings are matched on the text
+        without them, as `flintc serve`'s default): without the stop token the sequence
+        ended at and cut before the stop string it ended at, unless include_stop_str_in_output
         (then with the stop token's text, or up to the end of the stop string); None
         without a tokenizer.
     finish_reasons: "stop" or "length" (below).

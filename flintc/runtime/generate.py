@@ -12,7 +12,10 @@ gets a `flintc.structured.GrammarMatcher` in its TokenHistory, fed each token it
 generates, and stops with "stop" once its grammar is complete. Stop strings
 (`SamplingParams.stop`) need it too: with a tokenizer each prompt's text is made token by
 token (`flintc.stop_strings.StopStringText`, the serving engine's match) and returned in
-`GenerationResult.texts`.
+`GenerationResult.texts`. The texts keep the special tokens' strings, but stop strings are
+matched on the text without them (`flintc.stop_strings.VisibleText`), as `flintc serve`
+matches them by default and vLLM's `LLM.generate` (skip_special_tokens, default true):
+a stop string never matches inside `<|user|>` or any other special token.
 
 Same result type and stopping rules as the reference loop (`flintc.model.generate`),
 and as `flintc serve`'s engine: a sequence stops at a stop token (`flintc.stop_strings.
@@ -227,7 +230,11 @@ def _generate_batch(runner, prompts: list[list[int]], plist: list[SamplingParams
     hist = [TokenHistory(prompts[b], result.output_ids[b], stops[b],
                          grammar=_grammar(plist[b], tokenizer, stops[b]))
             if plist[b].adjusts_logits else None for b in range(B)]
-    texts = ([StopStringText(tokenizer.detokenizer(), q.stop or (), q.include_stop_str_in_output) for q in plist]
+    # stop strings matched on the text without the special tokens' strings, as `flintc serve`
+    # matches them by default (vLLM's skip_special_tokens, default true, in LLM.generate too);
+    # the texts keep those strings
+    texts = ([StopStringText(tokenizer.detokenizer(), q.stop or (), q.include_stop_str_in_output,
+                             specials=tokenizer.special_strings() if q.stop else None) for q in plist]
              if tokenizer is not None else None)
     result.prompt_logits = [] if return_prompt_logits else None
     result.finish_reasons = ["length"] * B

@@ -449,7 +449,6 @@ class Engine:
         tokenizer.check_fits_model(runner.config.vocab_size, runner.config.source)
         self.runner = runner
         self.tokenizer = tokenizer
-        self._specials: dict[int, str] | None = None  # `_special_strings`
         self.forced_tokens = forced_tokens
         self.max_batch = int(runner.max_batch)
         self.max_model_len = int(runner.max_model_len)
@@ -772,10 +771,7 @@ class Engine:
 
     def _special_strings(self) -> dict[int, str]:
         """Special token id -> its string (as the detokenizer makes it; computed once)."""
-        if self._specials is None:
-            tok = self.tokenizer
-            self._specials = {i: tok.token_bytes(i).decode("utf-8", errors="replace") for i in tok.all_special_ids}
-        return self._specials
+        return self.tokenizer.special_strings()
 
     def _forced_end(self, seq: _Seq) -> int:
         stops = sorted(seq.req.stop_token_ids)

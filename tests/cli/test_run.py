@@ -816,6 +816,24 @@ def test_logits_out_refuses_to_replace_an_input(capsys, tmp_path, tiny_bf16_dir,
     assert (ckpt / "config.json").read_bytes() == before["config.json"]
 
 
+def test_run_stop_strings_do_not_match_inside_special_tokens(capsys, tiny_bf16_dir):
+    """--stop is matched on the text without special tokens, as `flintc serve` (by default)
+    and the Python API match it: "user" never matches in "<|user|>", so the output runs to
+    length with stop_reason None (it printed "<|" and stopped at the first token); the
+    printed text keeps the special tokens, streamed or not."""
+    from flintc.checkpoint.tokenizer import load_tokenizer
+
+    user = load_tokenizer(tiny_bf16_dir).special_token_ids["<|user|>"]
+    base = ["run", tiny_bf16_dir, "--prompt", "Hello world", "--temperature", 0, "--max-tokens", 3, "--ignore-eos",
+            "--logit-bias", f"{user}=100", "--stop", "user"]
+    code, out, err = run_cli(capsys, *base, "--output", "json")
+    obj = json.loads(out)
+    assert code == 0 and (obj["text"], obj["output_ids"], obj["finish_reason"], obj["stop_reason"]) == \
+        ("<|user|>" * 3, [user] * 3, "length", None), obj
+    code, out, err = run_cli(capsys, *base)  # streamed
+    assert (code, out) == (0, "<|user|>" * 3 + "\n"), (out, err)
+
+
 def test_run_stop_strings_text_and_json(capsys, tmp_path, tiny_bf16_dir):
     """--stop (repeatable), --stop-token-ids and --include-stop-str-in-output reach
     SamplingParams: --output json's text, output_ids, finish_reason and stop_reason are the
