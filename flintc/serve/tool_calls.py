@@ -38,14 +38,20 @@ KEY_START, KEY_END = "<arg_key>", "</arg_key>"
 VALUE_START, VALUE_END = "<arg_value>", "</arg_value>"
 
 
+def tool_call_id() -> str:
+    """vLLM's id of a tool call it makes (`make_tool_call_id`, for the calls its tool parsers
+    read and the forced ones alike): "chatcmpl-tool-" + 32 hex digits, fresh per call."""
+    return "chatcmpl-tool-" + uuid.uuid4().hex
+
+
 @dataclass
 class ToolCall:
     """One parsed call: ``arguments`` is a JSON object as a string; ``id`` is
-    ``call_`` + 24 hex digits, fresh per call."""
+    `tool_call_id`'s (every call's, tool_choice "auto", "required" or named)."""
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    id: str = field(default_factory=tool_call_id)
 
     def to_openai(self, index: int | None = None) -> dict:
         """The OpenAI ``tool_calls`` entry (with ``index`` for a streamed delta)."""

@@ -35,12 +35,11 @@ from __future__ import annotations
 import copy
 import json
 import re
-import uuid
 from json.encoder import encode_basestring
 from typing import Any
 
 from flintc.serve.protocol import APIError, _dumps, check_guided_backend
-from flintc.serve.tool_calls import ToolCall
+from flintc.serve.tool_calls import ToolCall, tool_call_id  # noqa: F401 (tool_call_id: re-exported)
 
 NAMED = "named"
 REQUIRED = "required"
@@ -48,11 +47,6 @@ _USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function
 # a tool without parameters (or with empty ones): the empty object (vLLM's {"type": "object",
 # "properties": {}}, whose extra properties its default backend, xgrammar, refuses in its strict mode)
 EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-def tool_call_id() -> str:
-    """vLLM's id of a tool call it makes (`make_tool_call_id`): "chatcmpl-tool-" + 32 hex digits."""
-    return "chatcmpl-tool-" + uuid.uuid4().hex
 
 
 def _brief(value) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -180,7 +181,9 @@ def test_tool_call_argument_nested_past_the_recursion_limit_is_a_string():
 
 def test_tool_call_ids_and_openai_shape():
     _, calls = parse_tool_calls("<tool_call>get_time</tool_call><tool_call>get_time</tool_call>", TOOLS)
-    assert len(calls) == 2 and calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+    # ids as vLLM's make_tool_call_id, one function for parsed and forced calls
+    assert len(calls) == 2 and calls[0].id != calls[1].id
+    assert all(re.fullmatch(r"chatcmpl-tool-[0-9a-f]{32}", c.id) for c in calls), calls
     d = calls[1].to_openai(1)
     assert d == {"index": 1, "id": calls[1].id, "type": "function",
                  "function": {"name": "get_time", "arguments": "{}"}}
