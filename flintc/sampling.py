@@ -256,6 +256,19 @@ class StructuredOutputsParams:
         return cls(**{k: v for k, v in data.items() if k in fields and v is not None})
 
 
+def min_tokens_over_context(min_tokens: int, n_prompt: int, max_model_len: int, where: str = "",
+                            none: str = "None") -> str:
+    """The error for a min_tokens over the room a prompt leaves when max_tokens is unset
+    (`none`: "None" in Python, "null" for `flintc serve`'s JSON), where max_tokens is the
+    rest of the context: what limits min_tokens then is the context, not a max_tokens the
+    caller gave. One wording for `SamplingParams.for_prompt` (the Python API, `flintc run`)
+    and `flintc serve`. `where`: appended to the field name (" of prompt 3")."""
+    rest = max_model_len - n_prompt
+    return (f"sampling field 'min_tokens'{where} ({min_tokens}) must be at most max_tokens, which is {none}: "
+            f"the rest of the context, {rest} token{'' if rest == 1 else 's'} after the prompt's {n_prompt} "
+            f"(maximum model length {max_model_len})")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings.
@@ -525,9 +538,7 @@ class SamplingParams:
                              f"prompt's {n_prompt} tokens leave no room to generate within the maximum model "
                              f"length of {max_model_len} tokens")
         if self.min_tokens > rest:
-            raise InputError(f"sampling field 'min_tokens'{where} ({self.min_tokens}) must be at most max_tokens, "
-                             f"which is None: the rest of the context, {rest} tokens after the prompt's "
-                             f"{n_prompt} (maximum model length {max_model_len})")
+            raise InputError(min_tokens_over_context(self.min_tokens, n_prompt, max_model_len, where))
         return self.with_max_tokens(rest)
 
     def make_generator(self, device: torch.device | str) -> torch.Generator:

@@ -92,7 +92,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import flintc
 from flintc.checkpoint.tokenizer import model_stop_token_ids
 from flintc.errors import InputError, json_type
-from flintc.sampling import SamplingParams, bad_words_to_token_ids, first_outside_vocab
+from flintc.sampling import SamplingParams, bad_words_to_token_ids, first_outside_vocab, min_tokens_over_context
 from flintc.serve.engine import Engine, GenRequest, Output, PromptLogprob, TokenLogprob, priority_not_enabled
 from flintc.serve.metrics import ServeMetrics
 from flintc.serve.protocol import (
@@ -747,7 +747,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             return None
         return seed % 2**63
 
-    async def sampling(req, max_tokens: list[int], n: int, spec=None) -> list[list[SamplingParams]]:
+    async def sampling(req, max_tokens: list[int], n: int, spec=None,
+                       rest_of_context: bool = False) -> list[list[SamplingParams]]:
         """One SamplingParams per choice of each prompt, ``[k][j]`` for prompt k's choice
         j, with ``max_tokens[k]`` (each >= 1: `check_length`'s; a completions request's
         prompts differ with ``"max_tokens": null``, each the rest of its context).
@@ -759,7 +760,15 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         max_tokens get copies (`SamplingParams.with_max_tokens`), not a new walk of the lists per
         prompt. Prompts of one max_tokens share their objects. Raises APIError(400)
         naming the field. ``spec``: the structured-outputs constraint (compiled already:
-        a forced tool choice's, `tool_choice_spec`), instead of the request's own."""
+        a forced tool choice's, `tool_choice_spec`), instead of the request's own.
+        ``rest_of_context``: the request left max_tokens null (`check_length` made each
+        the rest of its prompt's context), so a min_tokens over it is limited by the
+        context, as its 400 says (`min_tokens_over_context`, the Python API's wording)."""
+        least = min(max_tokens)
+        if rest_of_context and isinstance(req.min_tokens, int) and req.min_tokens > least:
+            # (another min_tokens is SamplingParams' 400 below) the longest prompt's room
+            raise APIError(400, min_tokens_over_context(req.min_tokens, max_model_len - least, max_model_len,
+                                                        none="null"), param="min_tokens")
         # the fields the request sets; the others keep SamplingParams' defaults (Flint's)
         given = {name: getattr(req, name) for name in _SAMPLING_FIELDS if getattr(req, name) is not None}
         given.update(logit_bias=logit_bias(req), allowed_token_ids=allowed_token_ids(req))
@@ -773,7 +782,6 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
             if req.bad_words:
                 given["bad_words"] = req.bad_words
                 given["bad_words_token_ids"] = bad_words_to_token_ids(req.bad_words, tokenizer)
-            least = min(max_tokens)
             first = []
             for j in range(n):
                 # choice j > 0 gets seed + j (wrapping within [0, 2**63))
@@ -1152,7 +1160,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = check_length(len(prompt_ids), asked, "max_completion_tokens"
                                   if req.max_completion_tokens is not None else "max_tokens", "messages")
-        params = (await sampling(req, [max_tokens], n, tool_spec))[0]
+        params = (await sampling(req, [max_tokens], n, tool_spec, rest_of_context=asked is None))[0]
         top = None
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -1311,7 +1319,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions) -> FastAPI:
         # absent: 16 (CompletionRequest's default, vLLM's); null: each prompt's rest of the
         # context (vLLM's get_max_tokens), a 400 naming "prompt" for a prompt that fills it
         asked = 1 if echo_only else req.max_tokens
-        params = await sampling(req, [check_length(len(ids), asked, "max_tokens", "prompt") for ids in prompts], n)
+        params = await sampling(req, [check_length(len(ids), asked, "max_tokens", "prompt") for ids in prompts], n,
+                                rest_of_context=asked is None)
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise APIError(400, f"'logprobs' must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}",
                            param="logprobs")

@@ -137,7 +137,25 @@ def test_completions_null_min_tokens_checked_against_each_prompt(small):
     status, body = small.post("/v1/completions", completion([SHORT, LONG], max_tokens=None,
                                                             min_tokens=long_rest + 1))
     assert status == 400 and body["error"]["param"] == "min_tokens", body
-    assert f"must be at most max_tokens ({long_rest})" in body["error"]["message"], body
+    # limited by the context room, not by a max_tokens the client sent (null): the Python
+    # API's wording (`min_tokens_over_context`)
+    assert body["error"]["message"] == (f"sampling field 'min_tokens' ({long_rest + 1}) must be at most max_tokens, "
+                                        f"which is null: the rest of the context, {long_rest} tokens after the "
+                                        f"prompt's {len(LONG)} (maximum model length {MAX_LEN})"), body
+    # a number sent: limited by it, as before
+    status, body = small.post("/v1/completions", completion([SHORT], max_tokens=2, min_tokens=3))
+    assert status == 400 and "'min_tokens' (3) must be at most max_tokens (2)" in body["error"]["message"], body
+
+
+def test_chat_null_min_tokens_over_the_context_room(small):
+    """Chat with max_tokens null (or absent): a min_tokens over the rest of the context is a
+    400 that says the context limits it (the client sent no max_tokens to be over)."""
+    for extra in ({"max_tokens": None}, {}):
+        status, body = small.post("/v1/chat/completions", chat(min_tokens=MAX_LEN, **extra))
+        err = body["error"]
+        assert status == 400 and err["param"] == "min_tokens", body
+        assert "must be at most max_tokens, which is null: the rest of the context" in err["message"], body
+        assert f"(maximum model length {MAX_LEN})" in err["message"], body
 
 
 def test_null_builds_each_choice_once_not_once_per_prompt(small, monkeypatch):
