@@ -477,19 +477,24 @@ def check_build_limits(build: str | Path, manifest: dict, max_model_len: int | N
         if value is not None and value < 1:
             raise InputError(f"{flag} must be at least 1, got {value}")
     if max_model_len is not None and max_model_len > int(manifest["max_model_len"]):
+        have = manifest["max_model_len"]
         cap = (manifest.get("config") or {}).get("max_position_embeddings")
-        hint = (f"recompile with --max-model-len {max_model_len}" if not isinstance(cap, int) or max_model_len <= cap
-                else f"the model serves at most {cap} positions (max_position_embeddings), so no build takes "
-                     f"{max_model_len}")
-        raise InputError(f"--max-model-len {max_model_len}: {build} was compiled for "
-                         f"{manifest['max_model_len']} positions (a build fixes its max model length at "
-                         f"compile time); drop the flag, or {hint}")
+        if not isinstance(cap, int) or max_model_len <= cap:
+            raise InputError(f"--max-model-len {max_model_len}: {build} was compiled for {have} positions (a build "
+                             f"fixes its max model length at compile time); use --max-model-len {have} or less, "
+                             f"drop the flag, or recompile with --max-model-len {max_model_len}")
+        raise InputError(f"--max-model-len {max_model_len}: {build} was compiled for {have} positions, and no build "
+                         f"takes more than {cap}, the positions the model serves (max_position_embeddings); use "
+                         f"--max-model-len {have} or less, or drop the flag")
     if max_batch is not None and max_batch > int(manifest["max_batch"]):
-        hint = (f"recompile with --max-batch {max_batch}" if max_batch <= 8
-                else f"a build takes at most 8 sequences (the decode schedule's GEMVs), so none takes {max_batch}")
-        raise InputError(f"--max-batch {max_batch}: {build} was compiled for at most "
-                         f"{manifest['max_batch']} sequences (a build fixes its decode buckets at compile "
-                         f"time); drop the flag, or {hint}")
+        have = manifest["max_batch"]
+        if max_batch <= 8:
+            raise InputError(f"--max-batch {max_batch}: {build} was compiled for at most {have} sequences (a build "
+                             f"fixes its decode buckets at compile time); use --max-batch {have} or less, drop the "
+                             f"flag, or recompile with --max-batch {max_batch}")
+        raise InputError(f"--max-batch {max_batch}: {build} was compiled for at most {have} sequences, and no build "
+                         f"takes more than 8 (the decode schedule's GEMVs); use --max-batch {have} or less, or "
+                         f"drop the flag")
 
 
 def limit_build(runner: "CompiledRunner", build: str | Path, max_model_len: int | None = None,

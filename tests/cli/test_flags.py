@@ -378,7 +378,9 @@ def test_limit_build_limits_or_refuses():
                         ({"max_batch": 8}, ["--max-batch 8: b was compiled for at most 4 sequences",
                                             "recompile with --max-batch 8"]),
                         # beyond what any build takes: no hint to recompile (compile refuses it)
-                        ({"max_batch": 16}, ["a build takes at most 8 sequences", "so none takes 16"]),
+                        ({"max_batch": 16}, ["--max-batch 16: b was compiled for at most 4 sequences, and no "
+                                             "build takes more than 8 (the decode schedule's GEMVs); use "
+                                             "--max-batch 4 or less, or drop the flag"]),
                         ({"max_batch": 0}, ["--max-batch must be at least 1, got 0"])):
         with pytest.raises(InputError) as exc:
             limit_build(runner, "b", **kw)
@@ -388,8 +390,10 @@ def test_limit_build_limits_or_refuses():
     from flintc.runtime.compiled import check_build_limits
 
     manifest = {"max_model_len": 64, "max_batch": 4, "config": {"max_position_embeddings": 4096}}
-    with pytest.raises(InputError, match=r"the model serves at most 4096 positions \(max_position_embeddings\), "
-                                         r"so no build takes 5000"):
+    with pytest.raises(InputError, match=r"^--max-model-len 5000: b was compiled for 64 positions, and no build "
+                                         r"takes more than 4096, the positions the model serves "
+                                         r"\(max_position_embeddings\); use --max-model-len 64 or less, or drop "
+                                         r"the flag$"):
         check_build_limits("b", manifest, max_model_len=5000)
 
 
