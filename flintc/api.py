@@ -6,6 +6,10 @@
     print(r.texts[0])
 
 `examples/compiled_generate.py` runs this end to end.
+
+Bad input raises `flintc.errors.InputError` (``except InputError`` catches every case);
+arguments of the wrong shape, type or range raise its subclass `ApiInputError`, a
+ValueError too.
 """
 
 from __future__ import annotations
@@ -161,44 +165,47 @@ class CompiledModel:
         ids = _token_ids(input_ids, "forward: input_ids", allow_batch_of_one=True)
         vocab = self.runner.config.vocab_size
         if not ids:
-            raise _ApiInputError("forward needs at least one token id")
+            raise ApiInputError("forward needs at least one token id")
         for t in ids:
             if not 0 <= t < vocab:
-                raise _ApiInputError(f"token id {t} is outside the vocabulary [0, {vocab}) of {self.build}")
+                raise ApiInputError(f"token id {t} is outside the vocabulary [0, {vocab}) of {self.build}")
         start = 0 if positions is None else self._start_position(positions, len(ids))
         slots = self.runner.max_batch
         if not _is_id(slot) or not 0 <= slot < slots:
-            raise _ApiInputError(f"forward: slot: expected an int in [0, {slots}) (the KV-cache slots of "
+            raise ApiInputError(f"forward: slot: expected an int in [0, {slots}) (the KV-cache slots of "
                                  f"{self.build}), got {slot if _is_id(slot) else _describe(slot)}")
         try:
             if len(ids) == 1:
                 return self.runner.decode([int(slot)], ids, [start])
             return self.runner.prefill(int(slot), ids, start, all_logits=True)
-        except _ApiInputError:
+        except ApiInputError:
             raise
         except InputError as exc:  # the runner's (ids past max_model_len): a ValueError too, as documented
-            raise _ApiInputError(str(exc)) from None
+            raise ApiInputError(str(exc)) from None
 
     def _start_position(self, positions, n: int) -> int:
         """The first of `forward`'s `positions` for `n` ids, once they are checked (the
         runner takes a start and counts up from it)."""
         pos = _token_ids(positions, "forward: positions", allow_batch_of_one=True, kind="positions")
         if len(pos) != n:
-            raise _ApiInputError(f"forward: positions: expected one position per input id: {n}, got {len(pos)}")
+            raise ApiInputError(f"forward: positions: expected one position per input id: {n}, got {len(pos)}")
         limit = self.runner.max_model_len
         for p in pos:
             if not 0 <= p < limit:
-                raise _ApiInputError(f"forward: positions: position {p} is outside [0, {limit}) (the max_model_len "
+                raise ApiInputError(f"forward: positions: position {p} is outside [0, {limit}) (the max_model_len "
                                      f"of {self.build})")
         for i in range(1, n):
             if pos[i] != pos[i - 1] + 1:
-                raise _ApiInputError(f"forward: positions: expected consecutive positions (p, p + 1, ...: one "
+                raise ApiInputError(f"forward: positions: expected consecutive positions (p, p + 1, ...: one "
                                      f"sequence's tokens in order), got {pos[i]} after {pos[i - 1]} at index {i}")
         return pos[0]
 
 
-class _ApiInputError(InputError, ValueError):
-    """An InputError that is also a ValueError (what `forward` raised before)."""
+class ApiInputError(InputError, ValueError):
+    """The Python API's error for bad arguments (prompts or token ids of the wrong shape
+    or type, ids outside the vocabulary, `forward`'s positions and slot): a
+    `flintc.errors.InputError`, so ``except InputError`` catches it with the API's other
+    input errors, and a ValueError, as `forward` documents (what it raised before)."""
 
 
 def _token_ids(p, what: str, allow_batch_of_one: bool = False, kind: str = "token ids") -> list[int]:
@@ -209,12 +216,12 @@ def _token_ids(p, what: str, allow_batch_of_one: bool = False, kind: str = "toke
         p = list(p)
     if not isinstance(p, (torch.Tensor, list, tuple, str)) and hasattr(p, "__array__"):
         if getattr(getattr(p, "dtype", None), "kind", "i") not in "iu":  # NumPy: object, float, bool, str
-            raise _ApiInputError(f"{what}: expected an integer array, got a NumPy array of {p.dtype}")
+            raise ApiInputError(f"{what}: expected an integer array, got a NumPy array of {p.dtype}")
         p = torch.as_tensor(p)  # a NumPy array
     if isinstance(p, torch.Tensor):
         if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool \
                 or not (p.dim() == 1 or (allow_batch_of_one and p.dim() == 2 and p.shape[0] == 1)):
-            raise _ApiInputError(f"{what}: expected an integer tensor of shape [T]"
+            raise ApiInputError(f"{what}: expected an integer tensor of shape [T]"
                                  f"{' or [1, T]' if allow_batch_of_one else ''}, got {p.dtype} "
                                  f"{list(p.shape)}")
         return [int(t) for t in p.reshape(-1).tolist()]
@@ -222,7 +229,7 @@ def _token_ids(p, what: str, allow_batch_of_one: bool = False, kind: str = "toke
             and isinstance(p[0], (list, tuple)):
         p = p[0]
     if not isinstance(p, (list, tuple)) or not all(_is_id(t) for t in p):
-        raise _ApiInputError(f"{what}: expected {kind} (a list of ints or an integer tensor), "
+        raise ApiInputError(f"{what}: expected {kind} (a list of ints or an integer tensor), "
                              f"got {_describe(p)}")
     return [int(t) for t in p]
 
@@ -245,7 +252,7 @@ def _prompt_list(prompts) -> list:
             return [[int(t) for t in prompts]]  # one prompt of ids
         return [p if isinstance(p, str) else _token_ids(p, f"generate: prompt {i}")
                 for i, p in enumerate(prompts)]
-    raise _ApiInputError(f"generate: expected a prompt (str or token ids) or a list of prompts, "
+    raise ApiInputError(f"generate: expected a prompt (str or token ids) or a list of prompts, "
                          f"got {_describe(prompts)}")
 
 

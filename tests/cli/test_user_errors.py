@@ -948,3 +948,17 @@ def test_make_checkpoint_refuses_a_vocab_the_tokenizer_cannot_have(capsys, tmp_p
     code, out, err = run_cli(capsys, "make-checkpoint", "--config", tmp_path / "v.json", "--out", tmp_path / "vout")
     assert_one_line_error(code, err, "field 'vocab_size' is 2147483648", "at most 1048576 (2**20")
     assert out == "" and sorted(p.name for p in tmp_path.iterdir()) == ["v.json"]
+
+
+def test_api_argument_errors_have_a_public_name():
+    """The Python API's argument errors are `flintc.api.ApiInputError` (public, documented: an
+    InputError and a ValueError), not a private `_ApiInputError` a traceback showed."""
+    import flintc.api as api
+    from flintc.errors import InputError
+
+    assert issubclass(api.ApiInputError, InputError) and issubclass(api.ApiInputError, ValueError)
+    assert "ApiInputError" in api.__doc__ and api.ApiInputError.__doc__
+    for bad in ([1.5], [[1, 2]], object()):
+        with pytest.raises(InputError) as exc:
+            api._token_ids(bad, "generate: prompt")
+        assert type(exc.value).__name__ == "ApiInputError" and not type(exc.value).__name__.startswith("_")
