@@ -153,3 +153,28 @@ def test_max_tokens_none_agrees_with_the_server(tiny_server, tiny_serving):
     for stream in (False, True):
         assert server_side(tiny_server, ids, stream=stream, max_tokens=None, **kw) == \
             (mine.texts[0], mine.output_ids[0], "length", None), stream
+
+
+def test_stop_strings_inside_special_tokens_agree(tiny_server, tiny_serving):
+    """A stop string inside a special token's string ("user" in <|user|>) matches neither in
+    the server's default (skip_special_tokens: the text matched has no special tokens) nor
+    in the Python API (which matches on the text without them too; its text keeps them):
+    the same token ids, finish reason "length" and stop reason None (the Python API
+    stopped at the first token, text '<|', stop_reason 'user')."""
+    model, tok = tiny_serving
+    ids = tok.encode("The quick brown fox")
+    user = tok.special_token_ids["<|user|>"]
+    for stop in (["user"], ["<|"]):
+        kw = dict(seed=3, max_tokens=3, allowed_token_ids=[user], ignore_eos=True, stop=stop)
+        mine = python_side(model, tok, ids, **kw)
+        assert (mine.texts[0], mine.output_ids[0], mine.finish_reasons[0], mine.stop_reasons[0]) == \
+            ("<|user|>" * 3, [user] * 3, "length", None), (stop, mine)
+        for stream in (False, True):
+            body = {"model": "flint-tiny", "prompt": ids, "return_token_ids": True, "stream": stream,
+                    **SAMPLING, **kw}
+            status, got = tiny_server.post("/v1/completions", body)
+            assert status == 200, got
+            chunks = [got["choices"][0]] if not stream else [c for e in got for c in e.get("choices", ())]
+            assert ("".join(c.get("text", "") for c in chunks), [t for c in chunks for t in c.get("token_ids") or ()],
+                    chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("", [user] * 3, "length", None), \
+                (stop, stream, got)
