@@ -305,7 +305,7 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
             max_model_len: int | None = None, prefill_chunk: int | None = None,
             backend: str = "auto", device: str = "cpu", check: bool = True, dump: bool = True,
             progress: bool = False, fold_attention_combine: bool = False,
-            split_lm_head_norm: bool = False) -> CompiledModel:
+            split_lm_head_norm: bool = True) -> CompiledModel:
     """Compile `model` (a BF16 folder or NVFP4 .gguf; None: the embedded default tiny
     model) into BUILD `out` (None: a new temporary folder, removed when the interpreter
     exits) and load it.
@@ -313,7 +313,7 @@ def compile(model=None, out=None, *, hf_config_path=None, tokenizer=None, load_f
     Other arguments as `flintc compile` (see `flintc.runtime.build.BuildOptions`; None for
     max_batch, max_model_len or prefill_chunk is the flag's default; fold_attention_combine
     and split_lm_head_norm are the decode schedule's options `--fold-attention-combine`
-    and `--split-lm-head-norm`, off by default); `fmt`
+    and `--split-lm-head-norm`: the fold off and the split on by default); `fmt`
     ("bf16" or "nvfp4") and `config` only with load_format="dummy", as the CLI's
     --format and --config. Raises InputError / CheckpointError / PassCheckError as
     `flintc compile`; InputError also for an empty `out` (`Path("")` is the current

@@ -9,13 +9,15 @@
 #   fold-{fmt}, fold-{fmt}-b1, fold4d-{fmt}-b1: the same with --fold-attention-combine
 #                     (scripts/gpu_attn_fold.sh)
 #   split-{fmt}, split-{fmt}-b1, split4d-{fmt}-b1: the same with --split-lm-head-norm
-#                     (not in the default SETS: SETS=split adds them beside the others)
+#                     (the default since session 47, so the same as full-*; SETS=split)
+#   fused-{fmt}, fused-{fmt}-b1, fused4d-{fmt}-b1: with --no-split-lm-head-norm (the
+#                     fused norm_lm_head, the default before session 47; SETS=fused)
 # Rebuild after any change to the passes or the generated runtime: a build keeps the
 # graph of the code that compiled it (session 23's down-weights prefetch argument, for
 # one, is only in builds compiled since). About 15 min on 2 cores.
 #
 #   [FORMATS="nvfp4 bf16"] [SETS="full fold"] bash scripts/gpu_builds.sh   # repo root
-#   (SETS: any of full, fold, split)
+#   (SETS: any of full, fold, split, fused)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
@@ -37,6 +39,7 @@ for S in ${SETS:-full fold}; do
   FLAGS=()
   [ "$S" = fold ] && FLAGS=(--fold-attention-combine)
   [ "$S" = split ] && FLAGS=(--split-lm-head-norm)
+  [ "$S" = fused ] && FLAGS=(--no-split-lm-head-norm)
   for F in ${FORMATS:-nvfp4 bf16}; do
     compile "$S-$F" --config full --format "$F" --max-batch 8 --max-model-len 131072 "${FLAGS[@]}"
     compile "$S-$F-b1" --config full --format "$F" --max-batch 1 --max-model-len 131072 "${FLAGS[@]}"

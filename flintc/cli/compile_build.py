@@ -245,11 +245,11 @@ def add_build_args(p: argparse.ArgumentParser, backend: bool = True) -> None:
     p.add_argument("--fold-attention-combine", action="store_true",
                    help="decode: merge the attention splits with the sinks inside the attention "
                         "kernel (one kernel less per layer; measured slower on the H200, so off by default)")
-    p.add_argument("--split-lm-head-norm", action="store_true",
-                   help="decode: run the final RMSNorm as its own kernel, then the plain LM head, instead of "
-                        "the fused norm_lm_head (one kernel more per forward; 6-29 us per step faster, level or "
-                        "ahead in the whole model on an H100: docs/gpu-runs.md, session 47; off by default "
-                        "until the default changes with its tests)")
+    p.add_argument("--split-lm-head-norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode: run the final RMSNorm as its own kernel, then the plain LM head (the "
+                        "default: 6-29 us per step faster than the fused norm_lm_head, level or ahead in the "
+                        "whole model; docs/gpu-runs.md, sessions 46-47); --no-split-lm-head-norm: the fused "
+                        "norm_lm_head, one kernel less per forward")
     p.add_argument("--no-check", action="store_true",
                    help="skip the per-pass numeric checks (faster; the report says so)")
     p.add_argument("--no-dump", action="store_true",
@@ -301,7 +301,7 @@ def build_options(args):
                         prefill_chunk=args.prefill_chunk, backend=args.backend, device=args.device,
                         check=not args.no_check, dump=not args.no_dump,
                         fold_attention_combine=bool(getattr(args, "fold_attention_combine", False)),
-                        split_lm_head_norm=bool(getattr(args, "split_lm_head_norm", False)))
+                        split_lm_head_norm=getattr(args, "split_lm_head_norm", None) is not False)
 
 
 def run_compile(args: argparse.Namespace) -> int:

@@ -40,9 +40,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fold-attention-combine", action="store_true",
                    help="decode: fold the split-KV combine into the attention kernel "
                         "(decode_attention_combine; as flintc compile)")
-    p.add_argument("--split-lm-head-norm", action="store_true",
-                   help="decode: keep the final RMSNorm a kernel of its own before the plain LM head "
-                        "(instead of norm_lm_head; as flintc compile)")
+    p.add_argument("--split-lm-head-norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode: the final RMSNorm a kernel of its own before the plain LM head (the "
+                        "default, as flintc compile); --no-split-lm-head-norm: the fused norm_lm_head")
 
 
 def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
@@ -78,8 +78,8 @@ def check_pass_flags(args: argparse.Namespace, steps: tuple[str, ...]) -> dict[s
             if given:
                 raise InputError(f"{flag} applies only to the decode pipeline (its attention); drop it, or pass "
                                  "--step decode")
-        if getattr(args, "split_lm_head_norm", False):
-            raise InputError("--split-lm-head-norm applies only to the decode pipeline (its LM head); drop it, "
+        if getattr(args, "split_lm_head_norm", None) is not None:
+            raise InputError("--split-lm-head-norm / --no-split-lm-head-norm applies only to the decode pipeline (its LM head); drop it, "
                              "or pass --step decode")
         if args.batch is not None:  # it was ignored: the prefill ran at B=1
             raise InputError(f"--batch {args.batch} applies only to the decode pipeline (the prefill runs at B=1); "
@@ -106,8 +106,8 @@ def pass_options(args: argparse.Namespace, step: str) -> dict:
         options["attention_splits"] = args.attention_splits
     if getattr(args, "fold_attention_combine", False):
         options["fold_attention_combine"] = True
-    if getattr(args, "split_lm_head_norm", False):
-        options["split_lm_head_norm"] = True
+    if getattr(args, "split_lm_head_norm", None) is not None:  # given: True or False
+        options["split_lm_head_norm"] = args.split_lm_head_norm
     return step_options(step, options)
 
 

@@ -190,11 +190,13 @@ def parse_prompt_ids(text: str) -> list[int]:
 # `flintc compile` for a --build.
 _COMPILE_ONLY = (("--buckets", "buckets"), ("--no-check", "no_check"), ("--no-dump", "no_dump"),
                  ("--fold-attention-combine", "fold_attention_combine"),
-                 ("--split-lm-head-norm", "split_lm_head_norm"))
+                 ("--split-lm-head-norm / --no-split-lm-head-norm", "split_lm_head_norm"))
 
 
 def _given(args, dest: str):
     value = getattr(args, dest, None)
+    if dest == "split_lm_head_norm":  # argparse.BooleanOptionalAction: None when not given
+        return value is not None
     return value not in (None, False)
 
 

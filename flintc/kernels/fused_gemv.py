@@ -736,8 +736,8 @@ def gemv(x, w, *, use_pdl: bool = False, config: GemvConfig | None = None):
 def rms_norm(x, weight, eps, *, use_pdl: bool = False):
     """`flintc::rms_norm` in the decode schedule (reference: `flintc.ops.norm.rms_norm`):
     the final norm, left standalone before the plain `lm_head` by the build option
-    `split_lm_head_norm` (`flintc compile --split-lm-head-norm`; by default
-    `group_low_latency` folds the two into `norm_lm_head`). The prefill's kernel
+    `split_lm_head_norm` (the default; `flintc compile --no-split-lm-head-norm` has
+    `group_low_latency` fold the two into `norm_lm_head`). The prefill's kernel
     (`flintc.kernels.prefill_norm.rms_norm`, one program per row, the same rounding
     points), launched with PDL on CUDA: the weight before `gdc_wait`, x after it.
 

@@ -17,9 +17,9 @@ residual adds and the RoPE row gathers it folds here):
            K7 moe_down_combine_residual <- moe_down_combine + residual add
     dense: K5 norm_gate_up_silu <- rms_norm, gemv gate/up, silu_mul
            K6 gemv_residual     <- gemv (down) + residual add
-    head:  norm_lm_head   <- rms_norm + lm_head (with the option `split_lm_head_norm`:
-                           left alone, the standalone rms_norm kernel then the plain
-                           lm_head, 2 kernels instead of 1)
+    head:  rms_norm, lm_head   (the option `split_lm_head_norm`, default True: the
+                           standalone rms_norm kernel then the plain lm_head; False:
+                           norm_lm_head <- rms_norm + lm_head, 1 kernel instead of 2)
 
 The matching walks from each anchor flintc op through its (view) inputs and checks
 every producer has no other user; it only ever sees flintc ops, whose signatures
@@ -54,6 +54,13 @@ from flintc.graph.match import getitem_users, is_op
 from flintc.graph.rewrite import refresh_meta, trace_pattern
 from flintc.model import ops
 from flintc.passes.base import GraphPass, PassResult, PassVerifyError
+
+# The option `split_lm_head_norm`'s default: the final RMSNorm a kernel of its own (the
+# prefill's `rms_norm`, with PDL) before the plain LM head, not the fused `norm_lm_head`.
+# Measured (docs/gpu-runs.md): on an H200 alone 8-29 us per decode step less (session 46);
+# in the NVFP4 model on an H100 level at b1 (1.69 ms), 3.22 -> 3.20 ms at b8, the head
+# 207 -> 200 us (session 47). {"split_lm_head_norm": False} keeps the fused kernel.
+SPLIT_LM_HEAD_NORM = True
 
 aten = torch.ops.aten
 F = torch.ops.flintc
@@ -92,7 +99,7 @@ class LowLatencyGroupingPass(GraphPass):
         n += self._group_qkv(gm, eps)
         n += self._group_moe(gm, eps)
         n += self._group_dense_mlp(gm, eps)
-        if not self.ctx.options.get("split_lm_head_norm"):
+        if not self.ctx.options.get("split_lm_head_norm", SPLIT_LM_HEAD_NORM):
             n += self._group_head(gm, eps)
         if self.ctx.options.get("fold_attention_combine"):
             n += self._fold_attention_combine(gm)
@@ -117,7 +124,7 @@ class LowLatencyGroupingPass(GraphPass):
         # the head (tagged layer L): norm_lm_head, or with `split_lm_head_norm` the final
         # rms_norm and the plain lm_head (one kernel more per forward)
         L = cfg.num_hidden_layers
-        limit = 2 if self.ctx.options.get("split_lm_head_norm") else 1
+        limit = 2 if self.ctx.options.get("split_lm_head_norm", SPLIT_LM_HEAD_NORM) else 1
         head = sum(1 for node in gm.graph.nodes
                    if node.op == "call_function" and node.meta.get("flintc_layer") == L
                    and node.target is not operator.getitem and getattr(node.target, "namespace", None) == "flintc")

@@ -11,8 +11,8 @@ Decode (batch <= 8, one new token per sequence), in order:
  7. lower_gemv             remaining linears -> GEMV over packed weights; LM head; embedding
  8. group_low_latency      fold norms, residual adds and top-k into the GEMVs: 7 / 6 kernels
                            (option fold_attention_combine: the combine into the attention, 6 / 5;
-                           option split_lm_head_norm: the final norm stays its own kernel before
-                           the plain LM head, one kernel more per forward)
+                           option split_lm_head_norm, default True: the final norm stays its own
+                           kernel before the plain LM head; False: norm_lm_head, one kernel less)
  9. mark_pdl               PDL marks for every kernel, checked
 
 Prefill (T tokens per sequence) shares 1-5, then:
@@ -202,8 +202,9 @@ def compile_step(model, step: str = "decode", batch: int = 1, tokens: int | None
             dumps, whatever the environment says.
         options: per-pass knobs: {"attention_splits": N} (split-KV chunks of decode
             attention), {"fold_attention_combine": True} (group_low_latency folds the
-            combine into the attention kernel), {"split_lm_head_norm": True}
-            (group_low_latency leaves the final rms_norm and the lm_head apart),
+            combine into the attention kernel), {"split_lm_head_norm": False}
+            (group_low_latency fuses the final rms_norm into the LM head, norm_lm_head;
+            True, the default, leaves them apart: `group_low_latency.SPLIT_LM_HEAD_NORM`),
             {"full_attention_rows": S} (rows of the runtime's full-attention caches, for
             the split count); all decode's (`PASS_OPTIONS`; `step_options` picks a step's
             from a set), checked by `check_options`.

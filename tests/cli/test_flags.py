@@ -472,19 +472,23 @@ def test_compile_into_a_link_replaces_its_target(capsys, tmp_path, tiny_bf16_dir
 
 
 def test_compile_split_lm_head_norm_reaches_the_build(capsys, tmp_path, tiny_bf16_dir):
-    """`flintc compile --split-lm-head-norm`: build.json records the option (false without
-    the flag), and the decode function runs the final norm, then the plain LM head: one
-    kernel more than the default build's."""
+    """`flintc compile` splits the LM head's norm by default (`--split-lm-head-norm`, which
+    says so again) and `--no-split-lm-head-norm` fuses it: build.json records the option,
+    and the split decode function runs the final norm, then the plain LM head: one kernel
+    more than the fused build's."""
     manifests = {}
-    for flags in ([], ["--split-lm-head-norm"]):
-        out = tmp_path / f"b{len(flags)}"
+    for name, flags in (("default", []), ("split", ["--split-lm-head-norm"]),
+                        ("fused", ["--no-split-lm-head-norm"])):
+        out = tmp_path / name
         code, _, err = run_cli(capsys, "compile", tiny_bf16_dir, "--out", out, *_FAST_COMPILE, *flags)
         assert code == 0, err
-        manifests[bool(flags)] = json.loads((out / "build.json").read_text())
-    assert manifests[True]["split_lm_head_norm"] is True and manifests[False]["split_lm_head_norm"] is False
+        manifests[name] = json.loads((out / "build.json").read_text())
+    assert [manifests[k]["split_lm_head_norm"] for k in ("default", "split", "fused")] == [True, True, False]
     kernels = {k: m["functions"]["decode_b1"]["kernels"] for k, m in manifests.items()}
-    assert kernels[True] == kernels[False] + 1
-    src = (tmp_path / "b1" / "runtime.py").read_text()
+    assert kernels["default"] == kernels["split"] == kernels["fused"] + 1
+    fused = (tmp_path / "fused" / "runtime.py").read_text()
+    assert "K.norm_lm_head(" in fused[fused.index("def decode_b1"):]
+    src = (tmp_path / "default" / "runtime.py").read_text()
     decode = src[src.index("def decode_b1"):]
     decode = decode[:decode.index("\ndef ", 1)] if "\ndef " in decode[1:] else decode
     assert "K.norm_lm_head(" not in decode and decode.index("K.rms_norm(") < decode.index("K.lm_head(")

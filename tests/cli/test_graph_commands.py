@@ -43,7 +43,11 @@ _PREFILL = ("canonicalize, fuse_rms_norm, fuse_silu_mul, fuse_qk_norm_rope_kv, f
     (["verify", "--step", "prefill", "--fold-attention-combine"],
      "--fold-attention-combine applies only to the decode pipeline (its attention); drop it, or pass --step decode"),
     (["dump", "--out", "{tmp}/d", "--step", "prefill", "--split-lm-head-norm"],
-     "--split-lm-head-norm applies only to the decode pipeline (its LM head); drop it, or pass --step decode"),
+     "--split-lm-head-norm / --no-split-lm-head-norm applies only to the decode pipeline (its LM head); drop it, "
+     "or pass --step decode"),
+    (["verify", "--step", "prefill", "--no-split-lm-head-norm"],
+     "--split-lm-head-norm / --no-split-lm-head-norm applies only to the decode pipeline (its LM head); drop it, "
+     "or pass --step decode"),
     (["dump", "--out", "{tmp}/d", "--step", "prefill", "--attention-splits", "2"],
      "--attention-splits applies only to the decode pipeline (its attention); drop it, or pass --step decode"),
     # the prefill ran at B=1 with --batch 4, the decode ignored --tokens: silently

@@ -16,10 +16,13 @@ def test_group_low_latency(fmt):
     assert s.kernels.per_kind == {"dense": 6, "moe": 7}
     n_moe = TINY.num_hidden_layers - TINY.first_k_dense_replace
     counts = count_ops(g.gm, "flintc.norm_qkv_rope_kv", "flintc.norm_router", "flintc.moe_topk_gate_up",
-                       "flintc.moe_down_combine_residual", "flintc.norm_gate_up_silu", "flintc.norm_lm_head")
+                       "flintc.moe_down_combine_residual", "flintc.norm_gate_up_silu", "flintc.norm_lm_head",
+                       "flintc.rms_norm", "flintc.lm_head")
+    # the head: the final rms_norm and the plain lm_head apart (SPLIT_LM_HEAD_NORM, the default)
     assert counts == {"flintc.norm_qkv_rope_kv": TINY.num_hidden_layers, "flintc.norm_router": n_moe,
                       "flintc.moe_topk_gate_up": n_moe, "flintc.moe_down_combine_residual": n_moe,
-                      "flintc.norm_gate_up_silu": TINY.first_k_dense_replace, "flintc.norm_lm_head": 1}
+                      "flintc.norm_gate_up_silu": TINY.first_k_dense_replace, "flintc.norm_lm_head": 0,
+                      "flintc.rms_norm": 1, "flintc.lm_head": 1}
     for n in g.gm.graph.nodes:
         if kernels_of(n):
             assert op_name(n).startswith("flintc."), n.name

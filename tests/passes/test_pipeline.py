@@ -41,10 +41,12 @@ def test_decode_schedule_is_seven_and_six_kernels(decode):
     layers = kernels_by_layer(g.gm)
     for i in range(TINY.num_hidden_layers):
         assert layers[i] == (MOE_SCHEDULE if TINY.is_moe_layer(i) else DENSE_SCHEDULE)
-    assert layers[-1] == ["flintc.embedding"] and layers[TINY.num_hidden_layers] == ["flintc.norm_lm_head"]
+    # the head: the final norm, then the plain LM head (the default `split_lm_head_norm`)
+    assert layers[-1] == ["flintc.embedding"] and \
+        layers[TINY.num_hidden_layers] == ["flintc.rms_norm", "flintc.lm_head"]
     final = report.stages[-1].kernels
     assert final.per_kind == {"dense": 6, "moe": 7} and final.shared == 0
-    assert final.per_forward == 2 * 6 + 2 * 7 + 2
+    assert final.per_forward == 2 * 6 + 2 * 7 + 3
     assert report.stages[0].kernels.per_forward > 10 * final.per_forward
 
 
@@ -94,16 +96,17 @@ def test_disabling_a_pass_keeps_the_rest_checked():
 
 def test_full_width_kernel_counts_on_meta_weights():
     """Full widths (H 2048, 256 experts, V 151552), the first 7 layers (dense, sliding and
-    full MoE), meta weights: 6 / 7 kernels per layer; 49 layers give 2 + 2*6 + 47*7 = 343."""
+    full MoE), meta weights: 6 / 7 kernels per layer; 49 layers give 3 + 2*6 + 47*7 = 344
+    (embedding, final norm, LM head; 343 with the fused norm_lm_head)."""
     full = FlintConfig.preset("full")
     cfg = full.replace(num_hidden_layers=7)
     model = FlintModel(cfg, dummy_weights(cfg, "nvfp4", "meta"), max_positions=1025)
     _, report = compile_step(model, "decode", batch=8, cache_len=1024)
     final = report.stages[-1].kernels
     assert final.per_kind == {"dense": 6, "moe": 7}
-    assert final.per_forward == 2 + 2 * 6 + 5 * 7
-    per_forward_49 = 2 + 2 * final.per_kind["dense"] + 47 * final.per_kind["moe"]
-    assert per_forward_49 == 343 <= 346
+    assert final.per_forward == 3 + 2 * 6 + 5 * 7
+    per_forward_49 = 3 + 2 * final.per_kind["dense"] + 47 * final.per_kind["moe"]
+    assert per_forward_49 == 344 <= 346
     assert report.stages[0].kernels.per_forward > 1000 * 7 / 49
 
 
@@ -125,7 +128,7 @@ def test_fold_attention_combine_six_and_five_kernels(fmt):
         assert layers[i] == fused + want[3:]
     final = report.stages[-1].kernels
     assert final.per_kind == {"dense": 5, "moe": 6}
-    assert final.per_forward == 2 * 5 + 2 * 6 + 2
+    assert final.per_forward == 2 * 5 + 2 * 6 + 3
     node = next(n for n in g.gm.graph.nodes if op_name(n) == "flintc.decode_attention_combine")
     assert any(name.startswith("w_") and "sinks" in name for name in node.meta["pdl"]["before_wait"])
     assert all(not name.startswith("w_") for name in node.meta["pdl"]["after_wait"])
@@ -153,6 +156,23 @@ def test_split_lm_head_norm_one_kernel_more():
                   and kernels_of(n))
     assert norm.meta["pdl"]["before_wait"] == ["w_norm"] and len(norm.meta["pdl"]["after_wait"]) == 1
     assert head.meta["pdl"]["before_wait"] == ["w_lm_head"] and len(head.meta["pdl"]["after_wait"]) == 1
+    _, default = compile_step(model, "decode", batch=2, cache_len=32)  # the default: the same
+    assert default.stages[-1].kernels.per_forward == final.per_forward
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4"])
+def test_fused_norm_lm_head_one_kernel_less(fmt):
+    """{"split_lm_head_norm": False} (`flintc compile --no-split-lm-head-norm`):
+    group_low_latency fuses the final rms_norm into the LM head (norm_lm_head, the norm
+    recomputed per program), bit-exact, one kernel less per forward than the default."""
+    model = tiny_model() if fmt == "bf16" else tiny_nvfp4_model()
+    g, report = compile_step(model, "decode", batch=2, cache_len=32, check_model=model,
+                             options={"split_lm_head_norm": False})
+    assert all(s.check.passed for s in report.stages)
+    assert all(s.check.bit_exact for s in report.stages if s.name != "fuse_decode_attention")
+    layers = kernels_by_layer(g.gm)
+    assert layers[TINY.num_hidden_layers] == ["flintc.norm_lm_head"]
+    assert report.stages[-1].kernels.per_forward == 2 * 6 + 2 * 7 + 2
 
 
 @pytest.mark.parametrize("which", ["model", "check_model"])

@@ -329,9 +329,10 @@ def test_generated_runtime_is_readable(builds):
     assert set(manifest["functions"]) == {"decode_b1", "decode_b2", "decode_b4", "prefill_t8"}
     body = src.split("def decode_b1(")[1].split("\ndef ")[0]
     launches = [line for line in body.splitlines() if "# kernel " in line]
-    assert len(launches) == plan["steps"]["decode_b1"]["kernels"] == 28  # 2 dense x 6 + 2 MoE x 7 + 2
+    assert len(launches) == plan["steps"]["decode_b1"]["kernels"] == 29  # 2 dense x 6 + 2 MoE x 7 + 3
     assert all("K." in line or "aten." in line for line in launches)
-    assert "layer 3" in launches[-2] and "moe_down_combine_residual" in launches[-2]
+    assert "layer 3" in launches[-3] and "moe_down_combine_residual" in launches[-3]
+    assert "K.rms_norm(" in launches[-2] and "K.lm_head(" in launches[-1]  # the head, split
     # prefill: numbered by kernel (prefill_attention_kv launches two), so the last number
     # is plan.json's count; plan.json's launches say how many each call makes
     body = src.split("def prefill_t8(")[1].split("\ndef ")[0]
@@ -934,7 +935,8 @@ def test_python_api_compile_names_an_out_it_cannot_create(tmp_path, monkeypatch,
 def test_python_api_compile_passes_the_schedule_options_to_the_build(monkeypatch, tmp_path, tiny_bf16_dir):
     """flintc.compile's fold_attention_combine and split_lm_head_norm reach the build's
     BuildOptions as `flintc compile --fold-attention-combine / --split-lm-head-norm` set
-    them (off when not given); the compile itself is tests/runtime/test_split_lm_head_norm.py's."""
+    them (the fold off and the split on when not given); the compile itself is
+    tests/runtime/test_split_lm_head_norm.py's."""
     import flintc
     import flintc.runtime.build as build
 
@@ -945,10 +947,10 @@ def test_python_api_compile_passes_the_schedule_options_to_the_build(monkeypatch
         raise InputError("stop here")
 
     monkeypatch.setattr(build, "compile_model", fake_compile)
-    for kw in ({}, {"split_lm_head_norm": True}, {"fold_attention_combine": True, "split_lm_head_norm": True}):
+    for kw in ({}, {"split_lm_head_norm": False}, {"fold_attention_combine": True, "split_lm_head_norm": True}):
         with pytest.raises(InputError, match="stop here"):
             flintc.compile(tiny_bf16_dir, out=tmp_path / "b", check=False, dump=False, **kw)
-    assert seen == [(False, False), (False, True), (True, True)]
+    assert seen == [(False, True), (False, False), (True, True)]
     assert not (tmp_path / "b").exists()
 
 

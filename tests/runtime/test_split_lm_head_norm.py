@@ -24,7 +24,8 @@ from harness import cpu_interpreter_only
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """The tiny NVFP4 model compiled twice for decode batch 2, with and without the option."""
+    """The tiny NVFP4 model compiled twice for decode batch 2, with the option off (the fused
+    norm_lm_head, "default" before session 47) and on (now the default)."""
     from flintc.runtime.build import BuildOptions, compile_model
 
     root = tmp_path_factory.mktemp("lmsplit")
